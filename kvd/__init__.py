@@ -1,0 +1,13 @@
+"""kvd: a per-node KV-cache transfer daemon for disaggregated prefill/decode.
+
+Layout of the package (one folder per concern):
+
+- ``kvd.v1``      generated gRPC/protobuf code (from ``proto/``)
+- ``kvd.core``    engine registry, regions, leases, transfers; the only NIXL user
+- ``kvd.daemon``  the gRPC server: thin adapters over ``kvd.core``
+- ``kvd.client``  the engine-side gRPC client (no NIXL, no vLLM)
+- ``kvd.shim``    engine connectors (``kvd.shim.vllm``: ``KvdConnector``)
+- ``kvd.demo``    the main job: two daemons, two vLLM-CPU engines, one P/D flow
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,308 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class KvLayout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_LAYOUT_UNSPECIFIED: _ClassVar[KvLayout]
+    KV_LAYOUT_NHD: _ClassVar[KvLayout]
+    KV_LAYOUT_HND: _ClassVar[KvLayout]
+    KV_LAYOUT_MLA: _ClassVar[KvLayout]
+
+class MemoryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MEMORY_KIND_UNSPECIFIED: _ClassVar[MemoryKind]
+    MEMORY_KIND_SHM: _ClassVar[MemoryKind]
+    MEMORY_KIND_CUDA_IPC: _ClassVar[MemoryKind]
+KV_LAYOUT_UNSPECIFIED: KvLayout
+KV_LAYOUT_NHD: KvLayout
+KV_LAYOUT_HND: KvLayout
+KV_LAYOUT_MLA: KvLayout
+MEMORY_KIND_UNSPECIFIED: MemoryKind
+MEMORY_KIND_SHM: MemoryKind
+MEMORY_KIND_CUDA_IPC: MemoryKind
+
+class Segment(_message.Message):
+    __slots__ = ("kind", "name", "size", "handle", "device")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    kind: MemoryKind
+    name: str
+    size: int
+    handle: bytes
+    device: int
+    def __init__(self, kind: _Optional[_Union[MemoryKind, str]] = ..., name: _Optional[str] = ..., size: _Optional[int] = ..., handle: _Optional[bytes] = ..., device: _Optional[int] = ...) -> None: ...
+
+class Region(_message.Message):
+    __slots__ = ("segment_index", "offset", "block_len", "block_stride", "name")
+    SEGMENT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_LEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    segment_index: int
+    offset: int
+    block_len: int
+    block_stride: int
+    name: str
+    def __init__(self, segment_index: _Optional[int] = ..., offset: _Optional[int] = ..., block_len: _Optional[int] = ..., block_stride: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+
+class Layout(_message.Message):
+    __slots__ = ("num_blocks", "block_size", "kv_layout", "dtype", "num_kv_heads", "head_dim", "num_layers", "block_lens")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_LENS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    block_size: int
+    kv_layout: KvLayout
+    dtype: str
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int
+    block_lens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_layout: _Optional[_Union[KvLayout, str]] = ..., dtype: _Optional[str] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_layers: _Optional[int] = ..., block_lens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EngineWorker(_message.Message):
+    __slots__ = ("engine_id", "tp_rank", "tp_size")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
+
+class RegisterEngineRequest(_message.Message):
+    __slots__ = ("worker", "layout", "segments", "regions", "model", "compat_extra")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    COMPAT_EXTRA_FIELD_NUMBER: _ClassVar[int]
+    worker: EngineWorker
+    layout: Layout
+    segments: _containers.RepeatedCompositeFieldContainer[Segment]
+    regions: _containers.RepeatedCompositeFieldContainer[Region]
+    model: str
+    compat_extra: str
+    def __init__(self, worker: _Optional[_Union[EngineWorker, _Mapping]] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., model: _Optional[str] = ..., compat_extra: _Optional[str] = ...) -> None: ...
+
+class RegisterEngineResponse(_message.Message):
+    __slots__ = ("agent_name", "peer_address", "compat_hash", "registered_bytes")
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    agent_name: str
+    peer_address: str
+    compat_hash: str
+    registered_bytes: int
+    def __init__(self, agent_name: _Optional[str] = ..., peer_address: _Optional[str] = ..., compat_hash: _Optional[str] = ..., registered_bytes: _Optional[int] = ...) -> None: ...
+
+class UnregisterEngineRequest(_message.Message):
+    __slots__ = ("worker",)
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    worker: EngineWorker
+    def __init__(self, worker: _Optional[_Union[EngineWorker, _Mapping]] = ...) -> None: ...
+
+class UnregisterEngineResponse(_message.Message):
+    __slots__ = ("released_leases",)
+    RELEASED_LEASES_FIELD_NUMBER: _ClassVar[int]
+    released_leases: int
+    def __init__(self, released_leases: _Optional[int] = ...) -> None: ...
+
+class SessionCommand(_message.Message):
+    __slots__ = ("open", "load", "hold", "release")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    open: OpenSession
+    load: LoadBlocks
+    hold: HoldBlocks
+    release: ReleaseBlocks
+    def __init__(self, open: _Optional[_Union[OpenSession, _Mapping]] = ..., load: _Optional[_Union[LoadBlocks, _Mapping]] = ..., hold: _Optional[_Union[HoldBlocks, _Mapping]] = ..., release: _Optional[_Union[ReleaseBlocks, _Mapping]] = ...) -> None: ...
+
+class OpenSession(_message.Message):
+    __slots__ = ("worker",)
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    worker: EngineWorker
+    def __init__(self, worker: _Optional[_Union[EngineWorker, _Mapping]] = ...) -> None: ...
+
+class LoadBlocks(_message.Message):
+    __slots__ = ("request_id", "local_block_ids", "remote_engine_id", "remote_address", "remote_block_ids", "remote_request_id", "remote_tp_size", "timeout_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    local_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    remote_engine_id: str
+    remote_address: str
+    remote_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    remote_request_id: str
+    remote_tp_size: int
+    timeout_s: float
+    def __init__(self, request_id: _Optional[str] = ..., local_block_ids: _Optional[_Iterable[int]] = ..., remote_engine_id: _Optional[str] = ..., remote_address: _Optional[str] = ..., remote_block_ids: _Optional[_Iterable[int]] = ..., remote_request_id: _Optional[str] = ..., remote_tp_size: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class HoldBlocks(_message.Message):
+    __slots__ = ("request_id", "block_ids", "lease_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    lease_s: float
+    def __init__(self, request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ...) -> None: ...
+
+class ReleaseBlocks(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class SessionEvent(_message.Message):
+    __slots__ = ("opened", "recv_done", "load_failed", "send_done", "rejected")
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    RECV_DONE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FAILED_FIELD_NUMBER: _ClassVar[int]
+    SEND_DONE_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    opened: SessionOpened
+    recv_done: RecvDone
+    load_failed: LoadFailed
+    send_done: SendDone
+    rejected: CommandRejected
+    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., recv_done: _Optional[_Union[RecvDone, _Mapping]] = ..., load_failed: _Optional[_Union[LoadFailed, _Mapping]] = ..., send_done: _Optional[_Union[SendDone, _Mapping]] = ..., rejected: _Optional[_Union[CommandRejected, _Mapping]] = ...) -> None: ...
+
+class SessionOpened(_message.Message):
+    __slots__ = ("agent_name", "daemon_version")
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    agent_name: str
+    daemon_version: str
+    def __init__(self, agent_name: _Optional[str] = ..., daemon_version: _Optional[str] = ...) -> None: ...
+
+class RecvDone(_message.Message):
+    __slots__ = ("request_id", "bytes", "num_blocks", "num_descriptors", "duration_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DESCRIPTORS_FIELD_NUMBER: _ClassVar[int]
+    DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    bytes: int
+    num_blocks: int
+    num_descriptors: int
+    duration_s: float
+    def __init__(self, request_id: _Optional[str] = ..., bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_descriptors: _Optional[int] = ..., duration_s: _Optional[float] = ...) -> None: ...
+
+class LoadFailed(_message.Message):
+    __slots__ = ("request_id", "failed_block_ids", "reason")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FAILED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    failed_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    reason: str
+    def __init__(self, request_id: _Optional[str] = ..., failed_block_ids: _Optional[_Iterable[int]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class SendDone(_message.Message):
+    __slots__ = ("request_id", "expired", "released")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    expired: bool
+    released: bool
+    def __init__(self, request_id: _Optional[str] = ..., expired: _Optional[bool] = ..., released: _Optional[bool] = ...) -> None: ...
+
+class CommandRejected(_message.Message):
+    __slots__ = ("request_id", "reason")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    reason: str
+    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("engines", "regions", "registered_bytes", "peers", "active_leases", "inflight_transfers", "bytes_read", "transfers_done", "transfers_failed", "leases_expired", "sessions", "uptime_s", "daemon_version")
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_DONE_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    LEASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    engines: int
+    regions: int
+    registered_bytes: int
+    peers: int
+    active_leases: int
+    inflight_transfers: int
+    bytes_read: int
+    transfers_done: int
+    transfers_failed: int
+    leases_expired: int
+    sessions: int
+    uptime_s: float
+    daemon_version: str
+    def __init__(self, engines: _Optional[int] = ..., regions: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., peers: _Optional[int] = ..., active_leases: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., bytes_read: _Optional[int] = ..., transfers_done: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., leases_expired: _Optional[int] = ..., sessions: _Optional[int] = ..., uptime_s: _Optional[float] = ..., daemon_version: _Optional[str] = ...) -> None: ...
+
+class HandshakeRequest(_message.Message):
+    __slots__ = ("engine_id", "tp_rank", "daemon_version", "compat_hash")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    tp_rank: int
+    daemon_version: str
+    compat_hash: str
+    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., daemon_version: _Optional[str] = ..., compat_hash: _Optional[str] = ...) -> None: ...
+
+class HandshakeResponse(_message.Message):
+    __slots__ = ("agent_metadata", "agent_name", "layout", "regions", "region_base_addrs", "compat_hash", "daemon_version")
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    REGION_BASE_ADDRS_FIELD_NUMBER: _ClassVar[int]
+    COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    agent_metadata: bytes
+    agent_name: str
+    layout: Layout
+    regions: _containers.RepeatedCompositeFieldContainer[Region]
+    region_base_addrs: _containers.RepeatedScalarFieldContainer[int]
+    compat_hash: str
+    daemon_version: str
+    def __init__(self, agent_metadata: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., region_base_addrs: _Optional[_Iterable[int]] = ..., compat_hash: _Optional[str] = ..., daemon_version: _Optional[str] = ...) -> None: ...
