@@ -248,7 +248,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("engines", "regions", "registered_bytes", "peers", "active_leases", "inflight_transfers", "bytes_read", "transfers_done", "transfers_failed", "leases_expired", "sessions", "uptime_s", "daemon_version")
+    __slots__ = ("engines", "regions", "registered_bytes", "peers", "active_leases", "inflight_transfers", "bytes_read", "transfers_done", "transfers_failed", "leases_expired", "sessions", "uptime_s", "daemon_version", "peer_address", "leaked_handles")
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -262,6 +262,8 @@ class StatsResponse(_message.Message):
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LEAKED_HANDLES_FIELD_NUMBER: _ClassVar[int]
     engines: int
     regions: int
     registered_bytes: int
@@ -275,7 +277,9 @@ class StatsResponse(_message.Message):
     sessions: int
     uptime_s: float
     daemon_version: str
-    def __init__(self, engines: _Optional[int] = ..., regions: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., peers: _Optional[int] = ..., active_leases: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., bytes_read: _Optional[int] = ..., transfers_done: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., leases_expired: _Optional[int] = ..., sessions: _Optional[int] = ..., uptime_s: _Optional[float] = ..., daemon_version: _Optional[str] = ...) -> None: ...
+    peer_address: str
+    leaked_handles: int
+    def __init__(self, engines: _Optional[int] = ..., regions: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., peers: _Optional[int] = ..., active_leases: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., bytes_read: _Optional[int] = ..., transfers_done: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., leases_expired: _Optional[int] = ..., sessions: _Optional[int] = ..., uptime_s: _Optional[float] = ..., daemon_version: _Optional[str] = ..., peer_address: _Optional[str] = ..., leaked_handles: _Optional[int] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("engine_id", "tp_rank", "daemon_version", "compat_hash")
