@@ -1,0 +1,73 @@
+"""Events the core sends to an engine worker's session, and core errors.
+
+The gRPC adapter (``kvd.daemon.engine_service``) turns each into a
+``kvd.v1.SessionEvent``; the core itself knows nothing of gRPC.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class CoreError(Exception):
+    """Base of the typed errors the core raises; the adapter maps each to a status."""
+
+
+class NotFound(CoreError):
+    """An engine worker, region or request the caller named does not exist."""
+
+
+class InvalidArgument(CoreError):
+    """The caller's input is malformed or out of range."""
+
+
+class AlreadyExists(CoreError):
+    """The engine worker is registered already."""
+
+
+class Incompatible(CoreError):
+    """Two workers cannot exchange blocks (hash, version or layout mismatch)."""
+
+
+class PeerUnavailable(CoreError):
+    """A remote daemon could not be reached or answered with an error."""
+
+
+@dataclass
+class RecvDone:
+    """Decode side: every block of ``request_id`` arrived (units: bytes, seconds)."""
+
+    request_id: str
+    bytes: int
+    num_blocks: int
+    num_descriptors: int
+    duration_s: float
+
+
+@dataclass
+class LoadFailed:
+    """Decode side: the load failed; ``failed_block_ids`` are local block ids."""
+
+    request_id: str
+    failed_block_ids: list[int] = field(default_factory=list)
+    reason: str = ""
+
+
+@dataclass
+class SendDone:
+    """Prefill side: the lease of ``request_id`` ended; vLLM may free the blocks."""
+
+    request_id: str
+    expired: bool = False
+    released: bool = False
+
+
+@dataclass
+class CommandRejected:
+    """A session command was refused (bad block id, unknown request...)."""
+
+    request_id: str
+    reason: str
+
+
+Event = RecvDone | LoadFailed | SendDone | CommandRejected

@@ -1,0 +1,151 @@
+"""KV cache layouts: validation, compatibility hash and descriptor maths.
+
+A worker's KV cache is a list of regions; block ``b`` of region ``r`` occupies
+``[base_r + b * stride_r, base_r + b * stride_r + block_len_r)`` in the daemon's
+mapping of the region's segment. The descriptor list the daemon prepares for a
+worker (local, or remote at handshake) holds one row per (region, block):
+row ``r * num_blocks + b``. A transfer of blocks ``B`` then names rows
+``r * num_blocks + B`` for every region ``r``, in the same order on both sides.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+KV_LAYOUTS = ("NHD", "HND", "MLA")
+
+# Bounds on what a worker may register (DESIGN.md: messages are bounded).
+MAX_REGIONS = 4096
+MAX_BLOCKS = 1 << 24
+MAX_DESCRIPTORS = 1 << 26
+
+
+class LayoutError(ValueError):
+    """A layout or region is invalid; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Region:
+    """One run of equal blocks inside one segment (units: bytes).
+
+    Attributes:
+        segment: index of the segment it lies in.
+        offset: from the segment start to block 0.
+        block_len: bytes moved per block.
+        block_stride: from block b to b+1 (>= block_len).
+        name: for logs, e.g. ``"model.layers.0.self_attn.attn/k"``.
+    """
+
+    segment: int
+    offset: int
+    block_len: int
+    block_stride: int
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The shape of one worker's KV cache, as exchanged at handshake.
+
+    ``block_size`` is in tokens, ``block_lens`` in bytes (one per region).
+    """
+
+    num_blocks: int
+    block_size: int
+    kv_layout: str
+    dtype: str
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int
+    block_lens: tuple[int, ...] = field(default_factory=tuple)
+
+
+def validate(layout: Layout, regions: list[Region], segment_sizes: list[int]) -> None:
+    """Checks that every block of every region lies inside its segment.
+
+    Raises:
+        LayoutError: the first violation, naming the region and the numbers.
+    """
+    if not 0 < layout.num_blocks <= MAX_BLOCKS:
+        raise LayoutError(f"num_blocks must be in 1..{MAX_BLOCKS} (got {layout.num_blocks})")
+    if layout.block_size <= 0:
+        raise LayoutError(f"block_size must be > 0 tokens (got {layout.block_size})")
+    if layout.kv_layout not in KV_LAYOUTS:
+        raise LayoutError(f"kv_layout must be one of {KV_LAYOUTS} (got {layout.kv_layout!r})")
+    if not 0 < len(regions) <= MAX_REGIONS:
+        raise LayoutError(f"a worker registers 1..{MAX_REGIONS} regions (got {len(regions)})")
+    if len(regions) * layout.num_blocks > MAX_DESCRIPTORS:
+        raise LayoutError(f"{len(regions)} regions x {layout.num_blocks} blocks exceeds {MAX_DESCRIPTORS} descriptors")
+    if layout.block_lens and tuple(r.block_len for r in regions) != tuple(layout.block_lens):
+        raise LayoutError("layout.block_lens does not match the regions' block_len")
+    for i, r in enumerate(regions):
+        label = f"region {i} ({r.name or 'unnamed'})"
+        if not 0 <= r.segment < len(segment_sizes):
+            raise LayoutError(f"{label}: segment_index {r.segment} out of range (have {len(segment_sizes)})")
+        if r.block_len <= 0:
+            raise LayoutError(f"{label}: block_len must be > 0 bytes")
+        if r.block_stride < r.block_len:
+            raise LayoutError(f"{label}: block_stride {r.block_stride} < block_len {r.block_len}")
+        end = r.offset + (layout.num_blocks - 1) * r.block_stride + r.block_len
+        if end > segment_sizes[r.segment]:
+            raise LayoutError(
+                f"{label}: {layout.num_blocks} blocks end at byte {end}, "
+                f"past its segment of {segment_sizes[r.segment]} bytes"
+            )
+
+
+def compat_hash(model: str, layout: Layout, extra: str = "") -> str:
+    """Hex digest of everything two workers must agree on to exchange blocks.
+
+    Covers the model, dtype, block size (tokens), KV layout, heads, head_dim,
+    layer count and per-region block lengths; not ``num_blocks`` (each engine
+    sizes its own cache). 16 hex digits of SHA-256.
+    """
+    parts = [
+        "kvd.v1",
+        model,
+        layout.dtype,
+        str(layout.block_size),
+        layout.kv_layout,
+        str(layout.num_kv_heads),
+        str(layout.head_dim),
+        str(layout.num_layers),
+        ",".join(map(str, layout.block_lens)),
+        extra,
+    ]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def block_descriptors(bases: list[int], regions: list[Region], num_blocks: int) -> np.ndarray:
+    """All (region, block) descriptors: int64 array ``(len(regions) * num_blocks, 3)``.
+
+    ``bases[i]`` is the virtual address of region i's block 0 in the process
+    that registered it (the daemon that owns the memory).
+    """
+    rows = np.empty((len(regions) * num_blocks, 3), dtype=np.int64)
+    blocks = np.arange(num_blocks, dtype=np.int64)
+    for i, (base, r) in enumerate(zip(bases, regions)):
+        sl = slice(i * num_blocks, (i + 1) * num_blocks)
+        rows[sl, 0] = base + blocks * r.block_stride
+        rows[sl, 1] = r.block_len
+        rows[sl, 2] = 0
+    return rows
+
+
+def descriptor_indices(block_ids: list[int] | np.ndarray, num_regions: int, num_blocks: int) -> np.ndarray:
+    """Rows of :func:`block_descriptors` for ``block_ids`` in every region.
+
+    Returns int32 indices, region-major: all blocks of region 0, then region 1...
+
+    Raises:
+        LayoutError: a block id is negative or >= ``num_blocks``.
+    """
+    ids = np.asarray(block_ids, dtype=np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
+        bad = int(ids[(ids < 0) | (ids >= num_blocks)][0])
+        raise LayoutError(f"block id {bad} out of range 0..{num_blocks - 1}")
+    idx = (np.arange(num_regions, dtype=np.int64)[:, None] * num_blocks + ids[None, :]).reshape(-1)
+    return idx.astype(np.int32)

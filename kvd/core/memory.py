@@ -1,0 +1,99 @@
+"""Mapping engine memory into the daemon: POSIX shared memory segments.
+
+The shim hands the daemon each KV cache segment by name (a torch shared-memory
+storage, ``/torch_<pid>_<n>_<k>``); the daemon maps it with ``mmap(MAP_SHARED)``
+and registers the mapping with NIXL as DRAM. The engine and the daemon then see
+the same physical pages: a NIXL READ into the daemon's mapping lands in the
+engine's KV cache tensor with no copy.
+
+Raises ``MemoryError_`` (a ``ValueError``) with a message for every bad input:
+a name that is not a plain shm name, a missing object, or a size larger than
+the object (the daemon never maps or registers bytes that are not there).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+import re
+
+SHM_DIR = "/dev/shm"
+_NAME_RE = re.compile(r"^/?[A-Za-z0-9_.\-]{1,200}$")
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class SegmentError(ValueError):
+    """A segment cannot be mapped; the message says why."""
+
+
+def shm_path(name: str) -> str:
+    """``/dev/shm`` path of a POSIX shm object name (``/x`` or ``x``).
+
+    Raises:
+        SegmentError: the name has a path separator, ``..`` or odd characters.
+    """
+    if not _NAME_RE.match(name) or ".." in name:
+        raise SegmentError(f"invalid shared-memory name {name!r}")
+    return os.path.join(SHM_DIR, name.lstrip("/"))
+
+
+class ShmMapping:
+    """A read-write ``MAP_SHARED`` mapping of one POSIX shm object.
+
+    Args:
+        name: shm object name as the engine gave it.
+        size: bytes to map, from 1 to the object's size.
+
+    Attributes:
+        addr: virtual address of the first byte in this process.
+        size: mapped length in bytes.
+
+    Raises:
+        SegmentError: bad name, missing object, or ``size`` larger than it.
+
+    Close with :meth:`close` once NIXL has deregistered the memory.
+    """
+
+    def __init__(self, name: str, size: int):
+        path = shm_path(name)
+        if size <= 0:
+            raise SegmentError(f"segment {name!r}: size must be > 0 (got {size})")
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            raise SegmentError(f"segment {name!r} does not exist in {SHM_DIR}") from None
+        except PermissionError:
+            raise SegmentError(f"segment {name!r}: permission denied") from None
+        try:
+            actual = os.fstat(fd).st_size
+            if size > actual:
+                raise SegmentError(f"segment {name!r}: {size} bytes asked, the object has {actual}")
+            addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+            if addr in (None, _MAP_FAILED):
+                err = ctypes.get_errno()
+                raise SegmentError(f"segment {name!r}: mmap failed: {os.strerror(err)}")
+        finally:
+            os.close(fd)
+        self.name = name
+        self.addr = int(addr)
+        self.size = size
+
+    def read(self, offset: int, length: int) -> bytes:
+        """Copies ``length`` bytes at ``offset`` (for checks and tests)."""
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise SegmentError(f"read [{offset}, {offset + length}) outside segment of {self.size} bytes")
+        return ctypes.string_at(self.addr + offset, length)
+
+    def close(self) -> None:
+        """Unmaps; idempotent."""
+        if self.addr:
+            _libc.munmap(self.addr, self.size)
+            self.addr = 0

@@ -1,0 +1,705 @@
+"""The daemon's core: engine workers, their regions, leases and transfers.
+
+``Node`` is what the gRPC services adapt; it knows neither gRPC nor vLLM.
+It owns one NIXL agent per registered engine worker and drives every NIXL
+call from one thread (``kvd-nixl``), so the asyncio event loop never blocks
+on NIXL and no agent is used from two threads.
+
+Pull mode (the seed connector's protocol, DESIGN.md "Transfer protocol"):
+
+1. prefill worker: ``hold(request, blocks)`` -> a lease;
+2. decode worker: ``load(request, local blocks, remote ...)`` -> handshake
+   with the remote daemon once per remote worker, then one NIXL READ whose
+   notification is the remote request id;
+3. prefill daemon sees the notification -> ``SendDone`` (or the lease expires
+   -> ``SendDone(expired=True)``);
+4. decode daemon sees the READ done -> ``RecvDone`` (or ``LoadFailed`` with the
+   local block ids, on error or past the deadline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import numpy as np
+
+from kvd import __version__
+from kvd.core import layout as lay
+from kvd.core.events import (
+    AlreadyExists,
+    CommandRejected,
+    Event,
+    Incompatible,
+    InvalidArgument,
+    LoadFailed,
+    NotFound,
+    PeerUnavailable,
+    RecvDone,
+    SendDone,
+)
+from kvd.core.layout import Layout, LayoutError, Region
+from kvd.core.memory import SegmentError, ShmMapping
+from kvd.core.nixl_agent import NixlAgent, NixlError
+
+log = logging.getLogger("kvd.core")
+
+WorkerKey = tuple[str, int]  # (engine_id, tp_rank)
+
+# Events kept for a worker whose session is not attached (reconnecting shim).
+MAX_PENDING_EVENTS = 100_000
+
+
+@dataclass
+class Limits:
+    """Per-daemon bounds and deadlines (units: seconds, counts)."""
+
+    lease_s: float = 120.0           # default lease of held prefill blocks (vLLM's abort timeout is 480 s)
+    max_lease_s: float = 3600.0
+    transfer_timeout_s: float = 30.0  # a READ not DONE by then fails
+    handshake_timeout_s: float = 10.0
+    early_notif_s: float = 120.0     # a notification that beat its hold is kept this long
+    max_blocks_per_request: int = 1 << 20
+    max_inflight_per_worker: int = 4096
+    poll_busy_s: float = 0.0005      # poll interval while transfers are in flight
+    poll_idle_s: float = 0.005       # otherwise (notifications, leases)
+    detach_grace_s: float = 60.0     # an engine whose session is gone this long is unregistered
+
+
+@dataclass(frozen=True)
+class Segment:
+    """An engine memory segment as the shim describes it (POSIX shm)."""
+
+    name: str
+    size: int
+
+
+@dataclass
+class HandshakeResult:
+    """What a remote daemon says about one of its workers (PeerService.Handshake)."""
+
+    agent_metadata: bytes
+    agent_name: str
+    layout: Layout
+    regions: list[Region]
+    region_bases: list[int]
+    compat_hash: str
+    daemon_version: str
+
+
+# An async callable that performs a handshake with a remote daemon:
+# (address, engine_id, tp_rank, our compat hash, timeout_s) -> HandshakeResult.
+# Raises Incompatible / NotFound / PeerUnavailable.
+HandshakeFn = Callable[[str, str, int, str, float], Awaitable[HandshakeResult]]
+
+
+@dataclass
+class RemoteWorker:
+    """A remote worker as seen by one local worker's agent."""
+
+    address: str
+    engine_id: str
+    tp_rank: int
+    agent_name: str
+    layout: Layout
+    num_regions: int
+    dlist: object  # prepped remote dlist handle; released when the peer is dropped
+    daemon_version: str
+
+
+@dataclass
+class Lease:
+    """Prefill blocks held for a reader, until ``deadline`` (monotonic seconds)."""
+
+    request_id: str
+    block_ids: list[int]
+    deadline: float
+
+
+@dataclass
+class InflightLoad:
+    """A posted READ; ``handle`` is released by the poll that sees DONE/ERR."""
+
+    request_id: str
+    local_block_ids: list[int]
+    handle: object
+    started: float
+    deadline: float
+    nbytes: int
+    ndescs: int
+    peer: str
+
+
+@dataclass
+class Worker:
+    """One registered engine worker (engine id + TP rank) and all it owns."""
+
+    key: WorkerKey
+    tp_size: int
+    model: str
+    layout: Layout
+    regions: list[Region]
+    compat_hash: str
+    agent: NixlAgent
+    mappings: list[ShmMapping]
+    registrations: list
+    bases: list[int]
+    local_dlist: object
+    registered_bytes: int
+    leases: dict[str, Lease] = field(default_factory=dict)
+    early_notifs: dict[str, float] = field(default_factory=dict)
+    remotes: dict[tuple[str, str, int], RemoteWorker] = field(default_factory=dict)
+    inflight: dict[str, InflightLoad] = field(default_factory=dict)
+    pending_loads: set[str] = field(default_factory=set)
+    events: deque = field(default_factory=deque)
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    sessions: int = 0
+    detached_since: float | None = None
+
+    @property
+    def label(self) -> str:
+        return f"engine={self.key[0]} rank={self.key[1]}"
+
+
+@dataclass
+class Counters:
+    """Cumulative counters since start (units: bytes, counts)."""
+
+    bytes_read: int = 0
+    transfers_done: int = 0
+    transfers_failed: int = 0
+    leases_expired: int = 0
+    leases_notified: int = 0
+    leases_released: int = 0
+    handshakes: int = 0
+
+
+class Node:
+    """The core of one kvd daemon.
+
+    Args:
+        limits: deadlines and bounds.
+        handshake: performs a handshake with a remote daemon (injected by the
+            daemon; tests may pass a fake).
+        peer_address: ``host:port`` remote daemons use to reach this one.
+        backends: NIXL backends for every agent (default ``["UCX"]``).
+
+    Call :meth:`start` inside the event loop, :meth:`close` at shutdown.
+    """
+
+    def __init__(
+        self,
+        limits: Limits | None = None,
+        handshake: HandshakeFn | None = None,
+        peer_address: str = "",
+        backends: list[str] | None = None,
+        on_event: Callable[[str, dict], None] | None = None,
+    ):
+        self.limits = limits or Limits()
+        self._handshake = handshake
+        self.peer_address = peer_address
+        self.backends = backends or ["UCX"]
+        self.workers: dict[WorkerKey, Worker] = {}
+        self.counters = Counters()
+        self.started = time.monotonic()
+        self._nixl_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvd-nixl")
+        self._handshakes: dict[tuple, asyncio.Future] = {}
+        self._zombies: list[tuple[NixlAgent, object]] = []
+        self._progress_task: asyncio.Task | None = None
+        self._kick = asyncio.Event()
+        self._closing = False
+        self._on_event = on_event or (lambda name, fields: None)
+
+    # ------------------------------------------------------------------ infra
+    async def _nixl(self, fn, *args):
+        """Runs ``fn(*args)`` on the NIXL thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._nixl_pool, fn, *args)
+
+    def start(self) -> None:
+        """Starts the progress loop (polls transfers, notifications, leases)."""
+        self._progress_task = asyncio.get_running_loop().create_task(self._progress_loop(), name="kvd-progress")
+
+    async def close(self) -> None:
+        """Fails in-flight loads, releases leases, unregisters every worker."""
+        self._closing = True
+        if self._progress_task:
+            self._progress_task.cancel()
+            try:
+                await self._progress_task
+            except (asyncio.CancelledError, Exception):
+                pass
+        for key in list(self.workers):
+            await self.unregister(key, reason="daemon shutting down")
+        self._nixl_pool.shutdown(wait=True)
+
+    def _emit(self, w: Worker, ev: Event) -> None:
+        if len(w.events) >= MAX_PENDING_EVENTS:
+            dropped = w.events.popleft()
+            log.warning("%s: event queue full, dropped %s", w.label, dropped)
+        w.events.append(ev)
+        w.wakeup.set()
+
+    def worker(self, engine_id: str, tp_rank: int) -> Worker:
+        """The registered worker ``(engine_id, tp_rank)``.
+
+        Raises:
+            NotFound: no such worker on this daemon.
+        """
+        w = self.workers.get((engine_id, tp_rank))
+        if w is None:
+            raise NotFound(f"engine {engine_id!r} rank {tp_rank} is not registered with this daemon")
+        return w
+
+    # ---------------------------------------------------------- registration
+    async def register(
+        self,
+        engine_id: str,
+        tp_rank: int,
+        tp_size: int,
+        layout: Layout,
+        segments: list[Segment],
+        regions: list[Region],
+        model: str = "",
+        compat_extra: str = "",
+    ) -> Worker:
+        """Maps the worker's segments, makes its NIXL agent, registers memory.
+
+        Raises:
+            InvalidArgument: bad ids, layout or regions, or a segment that is
+                missing or smaller than asked (nothing stays mapped).
+            AlreadyExists: the worker is registered already.
+        """
+        if not engine_id or len(engine_id) > 256:
+            raise InvalidArgument("engine_id must be 1..256 characters")
+        if tp_size < 1 or not 0 <= tp_rank < tp_size:
+            raise InvalidArgument(f"tp_rank {tp_rank} must be in 0..tp_size-1 (tp_size {tp_size})")
+        if (engine_id, tp_rank) in self.workers:
+            raise AlreadyExists(f"engine {engine_id!r} rank {tp_rank} is already registered")
+        if not segments or len(segments) > lay.MAX_REGIONS:
+            raise InvalidArgument(f"a worker registers 1..{lay.MAX_REGIONS} segments (got {len(segments)})")
+        try:
+            lay.validate(layout, regions, [s.size for s in segments])
+        except LayoutError as e:
+            raise InvalidArgument(str(e)) from None
+        mappings: list[ShmMapping] = []
+        try:
+            for s in segments:
+                mappings.append(ShmMapping(s.name, s.size))
+        except SegmentError as e:
+            for m in mappings:
+                m.close()
+            raise InvalidArgument(str(e)) from None
+        name = f"kvd-{engine_id}-r{tp_rank}-{uuid.uuid4().hex[:8]}"
+        try:
+            agent, regs, dlist = await self._nixl(self._make_agent, name, mappings, layout, regions)
+        except NixlError as e:
+            for m in mappings:
+                m.close()
+            raise InvalidArgument(str(e)) from None
+        bases = [mappings[r.segment].addr + r.offset for r in regions]
+        w = Worker(
+            key=(engine_id, tp_rank),
+            tp_size=tp_size,
+            model=model,
+            layout=layout,
+            regions=regions,
+            compat_hash=lay.compat_hash(model, layout, compat_extra),
+            agent=agent,
+            mappings=mappings,
+            registrations=regs,
+            bases=bases,
+            local_dlist=dlist,
+            registered_bytes=sum(s.size for s in segments),
+        )
+        w.detached_since = time.monotonic()
+        self.workers[w.key] = w
+        log.info(
+            "registered %s: agent %s, %d regions x %d blocks of %d tokens, %d bytes in %d segments, hash %s",
+            w.label, name, len(regions), layout.num_blocks, layout.block_size,
+            w.registered_bytes, len(segments), w.compat_hash,
+        )
+        self._on_event("register", {"engine": engine_id})
+        return w
+
+    def _make_agent(self, name, mappings, layout, regions):
+        agent = NixlAgent(name, self.backends)
+        regs = []
+        try:
+            for m in mappings:
+                regs.append(agent.register_dram(m.addr, m.size))
+            bases = [mappings[r.segment].addr + r.offset for r in regions]
+            dlist = agent.prep_local(lay.block_descriptors(bases, regions, layout.num_blocks))
+        except Exception:
+            for r in regs:
+                agent.deregister(r)
+            raise
+        return agent, regs, dlist
+
+    async def unregister(self, key: WorkerKey, reason: str = "unregistered") -> int:
+        """Drops a worker: fails its loads, ends its leases, frees NIXL state.
+
+        Returns the number of leases released. Raises NotFound.
+        """
+        w = self.workers.pop(key, None)
+        if w is None:
+            raise NotFound(f"engine {key[0]!r} rank {key[1]} is not registered with this daemon")
+        for load in list(w.inflight.values()):
+            self.counters.transfers_failed += 1
+        released = len(w.leases)
+        await self._nixl(self._free_worker, w)
+        for m in w.mappings:
+            m.close()
+        log.info("unregistered %s (%s): %d leases, %d loads dropped", w.label, reason, released, len(w.inflight))
+        w.inflight.clear()
+        w.leases.clear()
+        return released
+
+    def _free_worker(self, w: Worker) -> None:
+        for load in w.inflight.values():
+            if not w.agent.release(load.handle):
+                self._zombies.append((w.agent, load.handle))
+        for r in w.remotes.values():
+            try:
+                w.agent.release_dlist(r.dlist)
+            except Exception:
+                pass
+            w.agent.remove_remote(r.agent_name)
+        w.remotes.clear()
+        try:
+            w.agent.release_dlist(w.local_dlist)
+        except Exception:
+            pass
+        for reg in w.registrations:
+            try:
+                w.agent.deregister(reg)
+            except Exception as e:
+                log.warning("%s: deregister: %s", w.label, e)
+
+    # --------------------------------------------------------------- sessions
+    def attach(self, engine_id: str, tp_rank: int) -> Worker:
+        """A session stream opened for the worker; returns it. Raises NotFound."""
+        w = self.worker(engine_id, tp_rank)
+        w.sessions += 1
+        w.detached_since = None
+        return w
+
+    def detach(self, w: Worker) -> None:
+        """The worker's session stream ended (the engine may reconnect)."""
+        w.sessions = max(0, w.sessions - 1)
+        if w.sessions == 0:
+            w.detached_since = time.monotonic()
+
+    # ------------------------------------------------------------- prefill side
+    def hold(self, w: Worker, request_id: str, block_ids: list[int], lease_s: float = 0.0) -> None:
+        """Holds ``block_ids`` of ``request_id`` for a reader (a lease).
+
+        ``lease_s`` 0 means the daemon default; capped at ``max_lease_s``.
+        Emits ``CommandRejected`` on bad input, ``SendDone`` when the lease
+        ends.
+        """
+        if not request_id:
+            self._emit(w, CommandRejected("", "hold: request_id is empty"))
+            return
+        try:
+            lay.descriptor_indices(block_ids, 1, w.layout.num_blocks)
+        except LayoutError as e:
+            self._emit(w, CommandRejected(request_id, f"hold: {e}"))
+            return
+        if len(block_ids) > self.limits.max_blocks_per_request:
+            self._emit(w, CommandRejected(request_id, "hold: too many blocks"))
+            return
+        lease_s = min(lease_s if lease_s > 0 else self.limits.lease_s, self.limits.max_lease_s)
+        if request_id in w.early_notifs:
+            w.early_notifs.pop(request_id)
+            self.counters.leases_notified += 1
+            self._emit(w, SendDone(request_id))
+            log.info("%s request=%s: reader notified before the hold; blocks freed", w.label, request_id)
+            return
+        w.leases[request_id] = Lease(request_id, list(block_ids), time.monotonic() + lease_s)
+        self._kick.set()
+
+    def release(self, w: Worker, request_id: str) -> None:
+        """Ends a lease now (the request was aborted); emits ``SendDone(released)``."""
+        lease = w.leases.pop(request_id, None)
+        if lease is None:
+            self._emit(w, CommandRejected(request_id, "release: no lease for this request"))
+            return
+        self.counters.leases_released += 1
+        self._emit(w, SendDone(request_id, released=True))
+
+    def _on_notif(self, w: Worker, remote_agent: str, msg: bytes) -> None:
+        try:
+            request_id = msg.decode()
+        except UnicodeDecodeError:
+            log.warning("%s: undecodable notification from %s", w.label, remote_agent)
+            return
+        lease = w.leases.pop(request_id, None)
+        if lease is None:
+            if len(w.early_notifs) < self.limits.max_inflight_per_worker * 4:
+                w.early_notifs[request_id] = time.monotonic() + self.limits.early_notif_s
+            return
+        self.counters.leases_notified += 1
+        log.debug("%s request=%s: read by %s; lease ended", w.label, request_id, remote_agent)
+        self._emit(w, SendDone(request_id))
+
+    # -------------------------------------------------------------- decode side
+    async def load(
+        self,
+        w: Worker,
+        request_id: str,
+        local_block_ids: list[int],
+        remote_engine_id: str,
+        remote_address: str,
+        remote_block_ids: list[int],
+        remote_request_id: str,
+        remote_tp_size: int,
+        timeout_s: float = 0.0,
+    ) -> None:
+        """Pulls remote blocks into local blocks; emits RecvDone or LoadFailed.
+
+        Never raises: every failure becomes ``LoadFailed`` naming the local
+        block ids, so the engine's recompute/fail policy applies.
+        """
+        started = time.monotonic()
+        deadline = started + (timeout_s if timeout_s > 0 else self.limits.transfer_timeout_s)
+
+        def fail(reason: str) -> None:
+            self.counters.transfers_failed += 1
+            log.warning("%s request=%s peer=%s: load failed: %s", w.label, request_id, remote_address, reason)
+            self._on_event("failure", {"reason": reason.split(":")[0]})
+            self._emit(w, LoadFailed(request_id, list(local_block_ids), reason))
+
+        if not request_id or request_id in w.inflight or request_id in w.pending_loads:
+            self._emit(w, CommandRejected(request_id, "load: empty or duplicate request_id"))
+            return
+        if len(local_block_ids) != len(remote_block_ids):
+            return fail(f"invalid: {len(local_block_ids)} local blocks vs {len(remote_block_ids)} remote blocks")
+        if not local_block_ids:
+            # Nothing to move (full local prefix hit): still tell the reader's
+            # peer nothing; the engine sees the request as received.
+            self._emit(w, RecvDone(request_id, 0, 0, 0, 0.0))
+            return
+        if len(local_block_ids) > self.limits.max_blocks_per_request:
+            return fail(f"invalid: {len(local_block_ids)} blocks exceed the limit {self.limits.max_blocks_per_request}")
+        if len(w.inflight) + len(w.pending_loads) >= self.limits.max_inflight_per_worker:
+            return fail("busy: too many loads in flight for this worker")
+        if remote_tp_size and remote_tp_size != w.tp_size:
+            return fail(f"unsupported: remote TP size {remote_tp_size} != local {w.tp_size} (heterogeneous TP, issue 3)")
+        try:
+            local_idx = lay.descriptor_indices(local_block_ids, len(w.regions), w.layout.num_blocks)
+        except LayoutError as e:
+            return fail(f"invalid: local {e}")
+        w.pending_loads.add(request_id)
+        try:
+            try:
+                remote = await self._remote(w, remote_address, remote_engine_id, w.key[1], deadline)
+            except (Incompatible, NotFound, PeerUnavailable, InvalidArgument) as e:
+                return fail(f"handshake: {e}")
+            try:
+                remote_idx = lay.descriptor_indices(remote_block_ids, remote.num_regions, remote.layout.num_blocks)
+            except LayoutError as e:
+                return fail(f"invalid: remote {e}")
+            if w.key not in self.workers:
+                return fail("worker unregistered")
+            try:
+                handle, state = await self._nixl(
+                    w.agent.post, "READ", w.local_dlist, local_idx, remote.dlist, remote_idx,
+                    remote_request_id.encode(),
+                )
+            except NixlError as e:
+                return fail(f"nixl: {e}")
+        finally:
+            w.pending_loads.discard(request_id)
+        nbytes = sum(r.block_len for r in w.regions) * len(local_block_ids)
+        load = InflightLoad(
+            request_id, list(local_block_ids), handle, started, deadline, nbytes, len(local_idx),
+            remote_address,
+        )
+        w.inflight[request_id] = load
+        if state == "ERR":
+            w.inflight.pop(request_id)
+            await self._nixl(self._release_handle, w.agent, handle)
+            return fail("nixl: transfer post returned ERR")
+        self._kick.set()
+
+    def _release_handle(self, agent: NixlAgent, handle) -> None:
+        if not agent.release(handle):
+            self._zombies.append((agent, handle))
+
+    async def _remote(self, w: Worker, address: str, engine_id: str, tp_rank: int, deadline: float) -> RemoteWorker:
+        key = (address, engine_id, tp_rank)
+        r = w.remotes.get(key)
+        if r is not None:
+            return r
+        fkey = (w.key, key)
+        fut = self._handshakes.get(fkey)
+        if fut is None:
+            fut = asyncio.get_running_loop().create_task(self._do_handshake(w, key, deadline))
+            self._handshakes[fkey] = fut
+            fut.add_done_callback(lambda _f: self._handshakes.pop(fkey, None))
+        return await asyncio.shield(fut)
+
+    async def _do_handshake(self, w: Worker, key, deadline: float) -> RemoteWorker:
+        address, engine_id, tp_rank = key
+        if self._handshake is None:
+            raise PeerUnavailable("this daemon has no peer client")
+        if not address or ":" not in address:
+            raise InvalidArgument(f"remote address {address!r} is not host:port")
+        timeout = max(0.1, min(self.limits.handshake_timeout_s, deadline - time.monotonic()))
+        t0 = time.monotonic()
+        hs = await self._handshake(address, engine_id, tp_rank, w.compat_hash, timeout)
+        if hs.compat_hash != w.compat_hash:
+            raise Incompatible(f"compatibility hash mismatch: local {w.compat_hash}, remote {hs.compat_hash}")
+        if len(hs.regions) != len(w.regions) or [r.block_len for r in hs.regions] != [r.block_len for r in w.regions]:
+            raise Incompatible("region layout mismatch (block lengths differ)")
+        if len(hs.region_bases) != len(hs.regions):
+            raise InvalidArgument("handshake: region_base_addrs and regions differ in length")
+        try:
+            lay.validate(hs.layout, hs.regions, [1 << 62] * (1 + max(r.segment for r in hs.regions)))
+        except LayoutError as e:
+            raise InvalidArgument(f"handshake: remote layout invalid: {e}") from None
+        descs = lay.block_descriptors(hs.region_bases, hs.regions, hs.layout.num_blocks)
+
+        def add():
+            name = w.agent.add_remote(hs.agent_metadata)
+            try:
+                return name, w.agent.prep_remote(name, descs)
+            except Exception:
+                w.agent.remove_remote(name)
+                raise
+
+        try:
+            name, dlist = await self._nixl(add)
+        except NixlError as e:
+            raise InvalidArgument(f"handshake: agent metadata rejected: {e}") from None
+        r = RemoteWorker(address, engine_id, tp_rank, name, hs.layout, len(hs.regions), dlist, hs.daemon_version)
+        w.remotes[key] = r
+        self.counters.handshakes += 1
+        self._on_event("handshake", {"seconds": time.monotonic() - t0})
+        log.info("%s: handshake with %s engine=%s rank=%d agent=%s (kvd %s) in %.1f ms",
+                 w.label, address, engine_id, tp_rank, name, hs.daemon_version, 1e3 * (time.monotonic() - t0))
+        return r
+
+    # ------------------------------------------------------------- peer side
+    async def handshake_info(self, engine_id: str, tp_rank: int, caller_hash: str) -> HandshakeResult:
+        """Answers a remote daemon's handshake for our worker.
+
+        Raises:
+            NotFound: no such worker here.
+            Incompatible: ``caller_hash`` differs from the worker's hash.
+        """
+        w = self.worker(engine_id, tp_rank)
+        if caller_hash and caller_hash != w.compat_hash:
+            raise Incompatible(
+                f"compatibility hash mismatch for engine {engine_id!r} rank {tp_rank}: "
+                f"caller {caller_hash}, this worker {w.compat_hash}"
+            )
+        meta = await self._nixl(w.agent.metadata)
+        return HandshakeResult(meta, w.agent.name, w.layout, w.regions, w.bases, w.compat_hash, __version__)
+
+    # --------------------------------------------------------------- progress
+    def _poll(self):
+        """NIXL thread: states of in-flight loads, new notifications."""
+        done = []
+        for w in list(self.workers.values()):
+            for rid, load in list(w.inflight.items()):
+                st = w.agent.state(load.handle)
+                if st != "PROC":
+                    done.append((w, rid, st, w.agent.release(load.handle)))
+            notifs = w.agent.notifs()
+            for agent_name, msgs in notifs.items():
+                for m in msgs:
+                    done.append((w, agent_name, "NOTIF", m))
+        still = []
+        for agent, h in self._zombies:
+            if not agent.release(h):
+                still.append((agent, h))
+        self._zombies = still
+        return done
+
+    async def _progress_loop(self) -> None:
+        while not self._closing:
+            try:
+                results = await self._nixl(self._poll)
+            except Exception:
+                log.exception("progress poll failed")
+                results = []
+            now = time.monotonic()
+            for w, a, st, extra in results:
+                if w.key not in self.workers:
+                    continue
+                if st == "NOTIF":
+                    self._on_notif(w, a, extra)
+                    continue
+                load = w.inflight.pop(a, None)
+                if load is None:
+                    continue
+                if not extra:
+                    self._zombies.append((w.agent, load.handle))
+                if st == "DONE":
+                    dur = now - load.started
+                    self.counters.bytes_read += load.nbytes
+                    self.counters.transfers_done += 1
+                    self._on_event("transfer", {"bytes": load.nbytes, "seconds": dur, "descs": load.ndescs})
+                    log.debug("%s request=%s: %d bytes in %.2f ms", w.label, a, load.nbytes, dur * 1e3)
+                    self._emit(w, RecvDone(a, load.nbytes, len(load.local_block_ids), load.ndescs, dur))
+                else:
+                    self.counters.transfers_failed += 1
+                    self._on_event("failure", {"reason": "transfer"})
+                    log.warning("%s request=%s peer=%s: transfer failed (NIXL %s)", w.label, a, load.peer, st)
+                    self._emit(w, LoadFailed(a, load.local_block_ids, f"transfer: NIXL state {st}"))
+            await self._expire(now)
+            busy = any(w.inflight for w in self.workers.values())
+            self._kick.clear()
+            try:
+                await asyncio.wait_for(self._kick.wait(), self.limits.poll_busy_s if busy else self.limits.poll_idle_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _expire(self, now: float) -> None:
+        for w in list(self.workers.values()):
+            for rid in [r for r, l in w.leases.items() if l.deadline <= now]:
+                w.leases.pop(rid)
+                self.counters.leases_expired += 1
+                log.warning("%s request=%s: lease expired, nobody read the blocks", w.label, rid)
+                self._emit(w, SendDone(rid, expired=True))
+            for rid in [r for r, d in w.early_notifs.items() if d <= now]:
+                w.early_notifs.pop(rid)
+            late = [l for l in w.inflight.values() if l.deadline <= now]
+            for load in late:
+                w.inflight.pop(load.request_id)
+                self.counters.transfers_failed += 1
+                self._on_event("failure", {"reason": "timeout"})
+                log.warning("%s request=%s peer=%s: transfer past its deadline", w.label, load.request_id, load.peer)
+                self._emit(w, LoadFailed(load.request_id, load.local_block_ids, "timeout: transfer past its deadline"))
+                await self._nixl(self._release_handle, w.agent, load.handle)
+            if (w.detached_since is not None and not w.sessions
+                    and now - w.detached_since > self.limits.detach_grace_s):
+                await self.unregister(w.key, reason=f"no session for {self.limits.detach_grace_s:.0f} s")
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict:
+        """Counts for GetStats, ``kvd status`` and metrics."""
+        ws = self.workers.values()
+        return dict(
+            engines=len(self.workers),
+            regions=sum(len(w.regions) for w in ws),
+            registered_bytes=sum(w.registered_bytes for w in ws),
+            peers=len({(k[0], k[1]) for w in ws for k in w.remotes}),
+            active_leases=sum(len(w.leases) for w in ws),
+            inflight_transfers=sum(len(w.inflight) for w in ws),
+            sessions=sum(w.sessions for w in ws),
+            uptime_s=time.monotonic() - self.started,
+            leaked_handles=len(self._zombies),
+            bytes_read=self.counters.bytes_read,
+            transfers_done=self.counters.transfers_done,
+            transfers_failed=self.counters.transfers_failed,
+            leases_expired=self.counters.leases_expired,
+        )

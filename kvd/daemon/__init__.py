@@ -1,0 +1,1 @@
+"""The kvd daemon: grpc.aio services on uvloop, thin adapters over ``kvd.core``."""

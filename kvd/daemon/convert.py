@@ -1,0 +1,82 @@
+"""Conversions between ``kvd.v1`` messages and ``kvd.core`` values."""
+
+from __future__ import annotations
+
+import grpc
+
+from kvd.core import events as ev
+from kvd.core.layout import Layout, Region
+from kvd.v1 import kvd_pb2 as pb
+
+_KV_LAYOUT_NAMES = {pb.KV_LAYOUT_NHD: "NHD", pb.KV_LAYOUT_HND: "HND", pb.KV_LAYOUT_MLA: "MLA"}
+_KV_LAYOUT_ENUMS = {v: k for k, v in _KV_LAYOUT_NAMES.items()}
+
+# Typed core errors -> gRPC status codes.
+STATUS = {
+    ev.NotFound: grpc.StatusCode.NOT_FOUND,
+    ev.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    ev.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    ev.Incompatible: grpc.StatusCode.FAILED_PRECONDITION,
+    ev.PeerUnavailable: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def status_of(err: ev.CoreError) -> grpc.StatusCode:
+    """The gRPC status for a core error."""
+    for cls, code in STATUS.items():
+        if isinstance(err, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def layout_from_pb(m: pb.Layout) -> Layout:
+    """Raises ev.InvalidArgument on an unknown KV layout."""
+    if m.kv_layout not in _KV_LAYOUT_NAMES:
+        raise ev.InvalidArgument(f"layout.kv_layout {m.kv_layout} is not NHD, HND or MLA")
+    return Layout(
+        num_blocks=m.num_blocks,
+        block_size=m.block_size,
+        kv_layout=_KV_LAYOUT_NAMES[m.kv_layout],
+        dtype=m.dtype,
+        num_kv_heads=m.num_kv_heads,
+        head_dim=m.head_dim,
+        num_layers=m.num_layers,
+        block_lens=tuple(m.block_lens),
+    )
+
+
+def layout_to_pb(l: Layout) -> pb.Layout:
+    return pb.Layout(
+        num_blocks=l.num_blocks,
+        block_size=l.block_size,
+        kv_layout=_KV_LAYOUT_ENUMS[l.kv_layout],
+        dtype=l.dtype,
+        num_kv_heads=l.num_kv_heads,
+        head_dim=l.head_dim,
+        num_layers=l.num_layers,
+        block_lens=list(l.block_lens),
+    )
+
+
+def region_from_pb(m: pb.Region) -> Region:
+    return Region(m.segment_index, m.offset, m.block_len, m.block_stride, m.name)
+
+
+def region_to_pb(r: Region) -> pb.Region:
+    return pb.Region(segment_index=r.segment, offset=r.offset, block_len=r.block_len,
+                     block_stride=r.block_stride, name=r.name)
+
+
+def event_to_pb(e: ev.Event) -> pb.SessionEvent:
+    """A core event as a SessionEvent."""
+    if isinstance(e, ev.RecvDone):
+        return pb.SessionEvent(recv_done=pb.RecvDone(
+            request_id=e.request_id, bytes=e.bytes, num_blocks=e.num_blocks,
+            num_descriptors=e.num_descriptors, duration_s=e.duration_s))
+    if isinstance(e, ev.LoadFailed):
+        return pb.SessionEvent(load_failed=pb.LoadFailed(
+            request_id=e.request_id, failed_block_ids=e.failed_block_ids, reason=e.reason))
+    if isinstance(e, ev.SendDone):
+        return pb.SessionEvent(send_done=pb.SendDone(
+            request_id=e.request_id, expired=e.expired, released=e.released))
+    return pb.SessionEvent(rejected=pb.CommandRejected(request_id=e.request_id, reason=e.reason))

@@ -1,0 +1,179 @@
+"""The daemon's life: ``serve()`` = ``startup()`` -> ``main_loop()`` -> ``shutdown()``.
+
+- ``EngineService`` (+ Health, reflection) on a Unix socket, for local engines;
+- ``PeerService`` (+ Health, reflection) on TCP, for remote daemons;
+- both on one ``grpc.aio`` event loop run by uvloop; NIXL calls run on the
+  core's NIXL thread.
+Shutdown (SIGTERM/SIGINT) is ordered: health NOT_SERVING, refuse new loads,
+wait up to ``grace_s`` for in-flight transfers, stop the servers, unregister
+every worker (NIXL deregistration, unmap), remove the socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from kvd import __version__
+from kvd.config import MAX_MESSAGE_BYTES, Config, parse_host_port
+from kvd.core.node import Limits, Node
+from kvd.daemon.engine_service import EngineService
+from kvd.daemon.metrics import Metrics
+from kvd.daemon.peer_client import PeerClient
+from kvd.daemon.peer_service import PeerService
+from kvd.v1 import kvd_pb2, kvd_pb2_grpc
+
+log = logging.getLogger("kvd.server")
+
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+]
+ENGINE_SERVICE = kvd_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
+PEER_SERVICE = kvd_pb2.DESCRIPTOR.services_by_name["PeerService"].full_name
+
+
+class Server:
+    """One kvd daemon process. ``asyncio.run(Server(cfg).serve())``."""
+
+    def __init__(self, config: Config):
+        self.config = config.validate()
+        self.peer_client = PeerClient()
+        self.node: Node | None = None
+        self.metrics: Metrics | None = None
+        self.should_exit = asyncio.Event()
+        self.peer_port = 0
+
+    async def serve(self) -> None:
+        await self.startup()
+        try:
+            await self.main_loop()
+        finally:
+            await self.shutdown()
+
+    async def startup(self) -> None:
+        cfg = self.config
+        host, port = parse_host_port(cfg.peer_listen, "peer_listen")
+        limits = Limits(lease_s=cfg.lease_s, transfer_timeout_s=cfg.transfer_timeout_s,
+                        handshake_timeout_s=cfg.handshake_timeout_s, detach_grace_s=cfg.detach_grace_s)
+        self.node = Node(limits, handshake=self.peer_client, backends=cfg.backends)
+        self._check_backends()
+        self.metrics = Metrics(self.node)
+        self.node._on_event = self.metrics.on_event
+        self.engine_service = EngineService(self.node)
+
+        # Peer side (TCP).
+        self.peer_server = grpc.aio.server(options=SERVER_OPTIONS)
+        kvd_pb2_grpc.add_PeerServiceServicer_to_server(PeerService(self.node), self.peer_server)
+        self.peer_health = self._add_health_and_reflection(self.peer_server, PEER_SERVICE)
+        bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.peer_port = self.peer_server.add_insecure_port(bind)
+        if self.peer_port == 0:
+            raise OSError(f"cannot bind PeerService to {cfg.peer_listen}")
+        adv = cfg.peer_advertise or f"{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{self.peer_port}"
+        self.node.peer_address = adv
+
+        # Engine side (Unix socket).
+        sock = cfg.engine_socket
+        os.makedirs(os.path.dirname(os.path.abspath(sock)), exist_ok=True)
+        if os.path.exists(sock):
+            if self._socket_alive(sock):
+                raise OSError(f"another daemon is serving on {sock}")
+            os.unlink(sock)
+        self.engine_server = grpc.aio.server(options=SERVER_OPTIONS)
+        kvd_pb2_grpc.add_EngineServiceServicer_to_server(self.engine_service, self.engine_server)
+        self.engine_health = self._add_health_and_reflection(self.engine_server, ENGINE_SERVICE)
+        if self.engine_server.add_insecure_port(f"unix:{sock}") == 0:
+            raise OSError(f"cannot bind EngineService to unix:{sock}")
+
+        await self.peer_server.start()
+        await self.engine_server.start()
+        self.node.start()
+        if cfg.metrics_port:
+            self.metrics_http = self.metrics.serve(cfg.metrics_port)
+        for health in (self.peer_health, self.engine_health):
+            for svc in ("", ENGINE_SERVICE, PEER_SERVICE):
+                await health.set(svc, health_pb2.HealthCheckResponse.SERVING)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.handle_exit, sig)
+        log.info("kvd %s serving: engines on unix:%s, peers on %s (advertised %s), NIXL backends %s%s",
+                 __version__, sock, bind.replace(f":{port}", f":{self.peer_port}") if port == 0 else bind,
+                 adv, ",".join(cfg.backends),
+                 f", metrics on :{cfg.metrics_port}" if cfg.metrics_port else "")
+
+    def _check_backends(self) -> None:
+        from kvd.core.nixl_agent import NixlAgent
+
+        # Fail at startup, naming the backend, rather than at first registration.
+        NixlAgent(f"kvd-startup-probe-{os.getpid()}", self.config.backends)
+
+    @staticmethod
+    def _socket_alive(path: str) -> bool:
+        import socket
+
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.settimeout(0.5)
+            s.connect(path)
+            return True
+        except OSError:
+            return False
+        finally:
+            s.close()
+
+    def _add_health_and_reflection(self, server, service: str) -> HealthServicer:
+        health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        reflection.enable_server_reflection(
+            (service, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            server,
+        )
+        return health
+
+    def handle_exit(self, sig) -> None:
+        log.info("received %s, shutting down", signal.Signals(sig).name)
+        self.should_exit.set()
+
+    async def main_loop(self) -> None:
+        await self.should_exit.wait()
+
+    async def shutdown(self) -> None:
+        node = self.node
+        self.engine_service.draining = True
+        for health in (getattr(self, "peer_health", None), getattr(self, "engine_health", None)):
+            if health is not None:
+                await health.enter_graceful_shutdown()
+        deadline = time.monotonic() + self.config.grace_s
+        while node and node.stats()["inflight_transfers"] and time.monotonic() < deadline:
+            log.info("waiting for %d transfers in flight", node.stats()["inflight_transfers"])
+            await asyncio.sleep(0.1)
+        for name in ("engine_server", "peer_server"):
+            srv = getattr(self, name, None)
+            if srv is not None:
+                await srv.stop(grace=1.0)
+        if node:
+            await node.close()
+        await self.peer_client.close()
+        sock = self.config.engine_socket
+        try:
+            os.unlink(sock)
+        except FileNotFoundError:
+            pass
+        log.info("kvd stopped")
+
+
+def run(config: Config) -> None:
+    """Runs the daemon until SIGTERM/SIGINT, on uvloop."""
+    import uvloop
+
+    uvloop.run(Server(config).serve())
