@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10kvd/v1/kvd.proto\x12\x06kvd.v1\"g\n\x07Segment\x12 \n\x04kind\x18\x01 \x01(\x0e\x32\x12.kvd.v1.MemoryKind\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x0e\n\x06handle\x18\x04 \x01(\x0c\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\x05\"f\n\x06Region\x12\x15\n\rsegment_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x11\n\tblock_len\x18\x03 \x01(\x04\x12\x14\n\x0c\x62lock_stride\x18\x04 \x01(\x04\x12\x0c\n\x04name\x18\x05 \x01(\t\"\xb4\x01\n\x06Layout\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12#\n\tkv_layout\x18\x03 \x01(\x0e\x32\x10.kvd.v1.KvLayout\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x12\n\nnum_layers\x18\x07 \x01(\r\x12\x12\n\nblock_lens\x18\x08 \x03(\x04\"C\n\x0c\x45ngineWorker\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07tp_size\x18\x03 \x01(\r\"\xc6\x01\n\x15RegisterEngineRequest\x12$\n\x06worker\x18\x01 \x01(\x0b\x32\x14.kvd.v1.EngineWorker\x12\x1e\n\x06layout\x18\x02 \x01(\x0b\x32\x0e.kvd.v1.Layout\x12!\n\x08segments\x18\x03 \x03(\x0b\x32\x0f.kvd.v1.Segment\x12\x1f\n\x07regions\x18\x04 \x03(\x0b\x32\x0e.kvd.v1.Region\x12\r\n\x05model\x18\x05 \x01(\t\x12\x14\n\x0c\x63ompat_extra\x18\x06 \x01(\t\"q\n\x16RegisterEngineResponse\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x14\n\x0cpeer_address\x18\x02 \x01(\t\x12\x13\n\x0b\x63ompat_hash\x18\x03 \x01(\t\x12\x18\n\x10registered_bytes\x18\x04 \x01(\x04\"?\n\x17UnregisterEngineRequest\x12$\n\x06worker\x18\x01 \x01(\x0b\x32\x14.kvd.v1.EngineWorker\"3\n\x18UnregisterEngineResponse\x12\x17\n\x0freleased_leases\x18\x01 \x01(\r\"\xb2\x01\n\x0eSessionCommand\x12#\n\x04open\x18\x01 \x01(\x0b\x32\x13.kvd.v1.OpenSessionH\x00\x12\"\n\x04load\x18\x02 \x01(\x0b\x32\x12.kvd.v1.LoadBlocksH\x00\x12\"\n\x04hold\x18\x03 \x01(\x0b\x32\x12.kvd.v1.HoldBlocksH\x00\x12(\n\x07release\x18\x04 \x01(\x0b\x32\x15.kvd.v1.ReleaseBlocksH\x00\x42\t\n\x07\x63ommand\"3\n\x0bOpenSession\x12$\n\x06worker\x18\x01 \x01(\x0b\x32\x14.kvd.v1.EngineWorker\"\xcb\x01\n\nLoadBlocks\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0flocal_block_ids\x18\x02 \x03(\r\x12\x18\n\x10remote_engine_id\x18\x03 \x01(\t\x12\x16\n\x0eremote_address\x18\x04 \x01(\t\x12\x18\n\x10remote_block_ids\x18\x05 \x03(\r\x12\x19\n\x11remote_request_id\x18\x06 \x01(\t\x12\x16\n\x0eremote_tp_size\x18\x07 \x01(\r\x12\x11\n\ttimeout_s\x18\x08 \x01(\x01\"D\n\nHoldBlocks\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\"#\n\rReleaseBlocks\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xe6\x01\n\x0cSessionEvent\x12\'\n\x06opened\x18\x01 \x01(\x0b\x32\x15.kvd.v1.SessionOpenedH\x00\x12%\n\trecv_done\x18\x02 \x01(\x0b\x32\x10.kvd.v1.RecvDoneH\x00\x12)\n\x0bload_failed\x18\x03 \x01(\x0b\x32\x12.kvd.v1.LoadFailedH\x00\x12%\n\tsend_done\x18\x04 \x01(\x0b\x32\x10.kvd.v1.SendDoneH\x00\x12+\n\x08rejected\x18\x05 \x01(\x0b\x32\x17.kvd.v1.CommandRejectedH\x00\x42\x07\n\x05\x65vent\";\n\rSessionOpened\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x64\x61\x65mon_version\x18\x02 \x01(\t\"n\n\x08RecvDone\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x17\n\x0fnum_descriptors\x18\x04 \x01(\r\x12\x12\n\nduration_s\x18\x05 \x01(\x01\"J\n\nLoadFailed\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10\x66\x61iled_block_ids\x18\x02 \x03(\r\x12\x0e\n\x06reason\x18\x03 \x01(\t\"A\n\x08SendDone\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x65xpired\x18\x02 \x01(\x08\x12\x10\n\x08released\x18\x03 \x01(\x08\"5\n\x0f\x43ommandRejected\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x0e\n\x0cStatsRequest\"\xd5\x02\n\rStatsResponse\x12\x0f\n\x07\x65ngines\x18\x01 \x01(\r\x12\x0f\n\x07regions\x18\x02 \x01(\r\x12\x18\n\x10registered_bytes\x18\x03 \x01(\x04\x12\r\n\x05peers\x18\x04 \x01(\r\x12\x15\n\ractive_leases\x18\x05 \x01(\r\x12\x1a\n\x12inflight_transfers\x18\x06 \x01(\r\x12\x12\n\nbytes_read\x18\x07 \x01(\x04\x12\x16\n\x0etransfers_done\x18\x08 \x01(\x04\x12\x18\n\x10transfers_failed\x18\t \x01(\x04\x12\x16\n\x0eleases_expired\x18\n \x01(\x04\x12\x10\n\x08sessions\x18\x0b \x01(\r\x12\x10\n\x08uptime_s\x18\x0c \x01(\x01\x12\x16\n\x0e\x64\x61\x65mon_version\x18\r \x01(\t\x12\x14\n\x0cpeer_address\x18\x0e \x01(\t\x12\x16\n\x0eleaked_handles\x18\x0f \x01(\r\"c\n\x10HandshakeRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x16\n\x0e\x64\x61\x65mon_version\x18\x03 \x01(\t\x12\x13\n\x0b\x63ompat_hash\x18\x04 \x01(\t\"\xc8\x01\n\x11HandshakeResponse\x12\x16\n\x0e\x61gent_metadata\x18\x01 \x01(\x0c\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x1e\n\x06layout\x18\x03 \x01(\x0b\x32\x0e.kvd.v1.Layout\x12\x1f\n\x07regions\x18\x04 \x03(\x0b\x32\x0e.kvd.v1.Region\x12\x19\n\x11region_base_addrs\x18\x05 \x03(\x04\x12\x13\n\x0b\x63ompat_hash\x18\x06 \x01(\t\x12\x16\n\x0e\x64\x61\x65mon_version\x18\x07 \x01(\t*^\n\x08KvLayout\x12\x19\n\x15KV_LAYOUT_UNSPECIFIED\x10\x00\x12\x11\n\rKV_LAYOUT_NHD\x10\x01\x12\x11\n\rKV_LAYOUT_HND\x10\x02\x12\x11\n\rKV_LAYOUT_MLA\x10\x03*X\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0fMEMORY_KIND_SHM\x10\x01\x12\x18\n\x14MEMORY_KIND_CUDA_IPC\x10\x02\x32\xad\x02\n\rEngineService\x12O\n\x0eRegisterEngine\x12\x1d.kvd.v1.RegisterEngineRequest\x1a\x1e.kvd.v1.RegisterEngineResponse\x12U\n\x10UnregisterEngine\x12\x1f.kvd.v1.UnregisterEngineRequest\x1a .kvd.v1.UnregisterEngineResponse\x12;\n\x07Session\x12\x16.kvd.v1.SessionCommand\x1a\x14.kvd.v1.SessionEvent(\x01\x30\x01\x12\x37\n\x08GetStats\x12\x14.kvd.v1.StatsRequest\x1a\x15.kvd.v1.StatsResponse2O\n\x0bPeerService\x12@\n\tHandshake\x12\x18.kvd.v1.HandshakeRequest\x1a\x19.kvd.v1.HandshakeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10kvd/v1/kvd.proto\x12\x06kvd.v1\"g\n\x07Segment\x12 \n\x04kind\x18\x01 \x01(\x0e\x32\x12.kvd.v1.MemoryKind\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x0e\n\x06handle\x18\x04 \x01(\x0c\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\x05\"f\n\x06Region\x12\x15\n\rsegment_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x11\n\tblock_len\x18\x03 \x01(\x04\x12\x14\n\x0c\x62lock_stride\x18\x04 \x01(\x04\x12\x0c\n\x04name\x18\x05 \x01(\t\"\xb4\x01\n\x06Layout\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12#\n\tkv_layout\x18\x03 \x01(\x0e\x32\x10.kvd.v1.KvLayout\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x12\n\nnum_layers\x18\x07 \x01(\r\x12\x12\n\nblock_lens\x18\x08 \x03(\x04\"C\n\x0c\x45ngineWorker\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0f\n\x07tp_size\x18\x03 \x01(\r\"\xc6\x01\n\x15RegisterEngineRequest\x12$\n\x06worker\x18\x01 \x01(\x0b\x32\x14.kvd.v1.EngineWorker\x12\x1e\n\x06layout\x18\x02 \x01(\x0b\x32\x0e.kvd.v1.Layout\x12!\n\x08segments\x18\x03 \x03(\x0b\x32\x0f.kvd.v1.Segment\x12\x1f\n\x07regions\x18\x04 \x03(\x0b\x32\x0e.kvd.v1.Region\x12\r\n\x05model\x18\x05 \x01(\t\x12\x14\n\x0c\x63ompat_extra\x18\x06 \x01(\t\"q\n\x16RegisterEngineResponse\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x14\n\x0cpeer_address\x18\x02 \x01(\t\x12\x13\n\x0b\x63ompat_hash\x18\x03 \x01(\t\x12\x18\n\x10registered_bytes\x18\x04 \x01(\x04\"?\n\x17UnregisterEngineRequest\x12$\n\x06worker\x18\x01 \x01(\x0b\x32\x14.kvd.v1.EngineWorker\"3\n\x18UnregisterEngineResponse\x12\x17\n\x0freleased_leases\x18\x01 \x01(\r\"\xdb\x01\n\x0eSessionCommand\x12#\n\x04open\x18\x01 \x01(\x0b\x32\x13.kvd.v1.OpenSessionH\x00\x12\"\n\x04load\x18\x02 \x01(\x0b\x32\x12.kvd.v1.LoadBlocksH\x00\x12\"\n\x04hold\x18\x03 \x01(\x0b\x32\x12.kvd.v1.HoldBlocksH\x00\x12(\n\x07release\x18\x04 \x01(\x0b\x32\x15.kvd.v1.ReleaseBlocksH\x00\x12\'\n\nabort_load\x18\x05 \x01(\x0b\x32\x11.kvd.v1.AbortLoadH\x00\x42\t\n\x07\x63ommand\"3\n\x0bOpenSession\x12$\n\x06worker\x18\x01 \x01(\x0b\x32\x14.kvd.v1.EngineWorker\"\xcb\x01\n\nLoadBlocks\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0flocal_block_ids\x18\x02 \x03(\r\x12\x18\n\x10remote_engine_id\x18\x03 \x01(\t\x12\x16\n\x0eremote_address\x18\x04 \x01(\t\x12\x18\n\x10remote_block_ids\x18\x05 \x03(\r\x12\x19\n\x11remote_request_id\x18\x06 \x01(\t\x12\x16\n\x0eremote_tp_size\x18\x07 \x01(\r\x12\x11\n\ttimeout_s\x18\x08 \x01(\x01\"D\n\nHoldBlocks\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\"#\n\rReleaseBlocks\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x84\x01\n\tAbortLoad\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10remote_engine_id\x18\x02 \x01(\t\x12\x16\n\x0eremote_address\x18\x03 \x01(\t\x12\x19\n\x11remote_request_id\x18\x04 \x01(\t\x12\x16\n\x0eremote_tp_size\x18\x05 \x01(\r\"\xe6\x01\n\x0cSessionEvent\x12\'\n\x06opened\x18\x01 \x01(\x0b\x32\x15.kvd.v1.SessionOpenedH\x00\x12%\n\trecv_done\x18\x02 \x01(\x0b\x32\x10.kvd.v1.RecvDoneH\x00\x12)\n\x0bload_failed\x18\x03 \x01(\x0b\x32\x12.kvd.v1.LoadFailedH\x00\x12%\n\tsend_done\x18\x04 \x01(\x0b\x32\x10.kvd.v1.SendDoneH\x00\x12+\n\x08rejected\x18\x05 \x01(\x0b\x32\x17.kvd.v1.CommandRejectedH\x00\x42\x07\n\x05\x65vent\";\n\rSessionOpened\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x64\x61\x65mon_version\x18\x02 \x01(\t\"n\n\x08RecvDone\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x17\n\x0fnum_descriptors\x18\x04 \x01(\r\x12\x12\n\nduration_s\x18\x05 \x01(\x01\"J\n\nLoadFailed\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10\x66\x61iled_block_ids\x18\x02 \x03(\r\x12\x0e\n\x06reason\x18\x03 \x01(\t\"A\n\x08SendDone\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x65xpired\x18\x02 \x01(\x08\x12\x10\n\x08released\x18\x03 \x01(\x08\"5\n\x0f\x43ommandRejected\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x0e\n\x0cStatsRequest\"\xb9\x03\n\rStatsResponse\x12\x0f\n\x07\x65ngines\x18\x01 \x01(\r\x12\x0f\n\x07regions\x18\x02 \x01(\r\x12\x18\n\x10registered_bytes\x18\x03 \x01(\x04\x12\r\n\x05peers\x18\x04 \x01(\r\x12\x15\n\ractive_leases\x18\x05 \x01(\r\x12\x1a\n\x12inflight_transfers\x18\x06 \x01(\r\x12\x12\n\nbytes_read\x18\x07 \x01(\x04\x12\x16\n\x0etransfers_done\x18\x08 \x01(\x04\x12\x18\n\x10transfers_failed\x18\t \x01(\x04\x12\x16\n\x0eleases_expired\x18\n \x01(\x04\x12\x10\n\x08sessions\x18\x0b \x01(\r\x12\x10\n\x08uptime_s\x18\x0c \x01(\x01\x12\x16\n\x0e\x64\x61\x65mon_version\x18\r \x01(\t\x12\x14\n\x0cpeer_address\x18\x0e \x01(\t\x12\x16\n\x0eleaked_handles\x18\x0f \x01(\r\x12\x15\n\rremote_agents\x18\x10 \x01(\r\x12\x1b\n\x13\x65\x61rly_notifications\x18\x11 \x01(\r\x12\x16\n\x0epending_events\x18\x12 \x01(\r\x12\x16\n\x0eprepped_dlists\x18\x13 \x01(\r\"}\n\x10HandshakeRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x16\n\x0e\x64\x61\x65mon_version\x18\x03 \x01(\t\x12\x13\n\x0b\x63ompat_hash\x18\x04 \x01(\t\x12\x18\n\x10protocol_version\x18\x05 \x01(\r\"\xe2\x01\n\x11HandshakeResponse\x12\x16\n\x0e\x61gent_metadata\x18\x01 \x01(\x0c\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x1e\n\x06layout\x18\x03 \x01(\x0b\x32\x0e.kvd.v1.Layout\x12\x1f\n\x07regions\x18\x04 \x03(\x0b\x32\x0e.kvd.v1.Region\x12\x19\n\x11region_base_addrs\x18\x05 \x03(\x04\x12\x13\n\x0b\x63ompat_hash\x18\x06 \x01(\t\x12\x16\n\x0e\x64\x61\x65mon_version\x18\x07 \x01(\t\x12\x18\n\x10protocol_version\x18\x08 \x01(\r*^\n\x08KvLayout\x12\x19\n\x15KV_LAYOUT_UNSPECIFIED\x10\x00\x12\x11\n\rKV_LAYOUT_NHD\x10\x01\x12\x11\n\rKV_LAYOUT_HND\x10\x02\x12\x11\n\rKV_LAYOUT_MLA\x10\x03*X\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0fMEMORY_KIND_SHM\x10\x01\x12\x18\n\x14MEMORY_KIND_CUDA_IPC\x10\x02\x32\xad\x02\n\rEngineService\x12O\n\x0eRegisterEngine\x12\x1d.kvd.v1.RegisterEngineRequest\x1a\x1e.kvd.v1.RegisterEngineResponse\x12U\n\x10UnregisterEngine\x12\x1f.kvd.v1.UnregisterEngineRequest\x1a .kvd.v1.UnregisterEngineResponse\x12;\n\x07Session\x12\x16.kvd.v1.SessionCommand\x1a\x14.kvd.v1.SessionEvent(\x01\x30\x01\x12\x37\n\x08GetStats\x12\x14.kvd.v1.StatsRequest\x1a\x15.kvd.v1.StatsResponse2O\n\x0bPeerService\x12@\n\tHandshake\x12\x18.kvd.v1.HandshakeRequest\x1a\x19.kvd.v1.HandshakeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvd.v1.kvd_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVLAYOUT']._serialized_start=2738
-  _globals['_KVLAYOUT']._serialized_end=2832
-  _globals['_MEMORYKIND']._serialized_start=2834
-  _globals['_MEMORYKIND']._serialized_end=2922
+  _globals['_KVLAYOUT']._serialized_start=3066
+  _globals['_KVLAYOUT']._serialized_end=3160
+  _globals['_MEMORYKIND']._serialized_start=3162
+  _globals['_MEMORYKIND']._serialized_end=3250
   _globals['_SEGMENT']._serialized_start=28
   _globals['_SEGMENT']._serialized_end=131
   _globals['_REGION']._serialized_start=133
@@ -52,37 +52,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_UNREGISTERENGINERESPONSE']._serialized_start=870
   _globals['_UNREGISTERENGINERESPONSE']._serialized_end=921
   _globals['_SESSIONCOMMAND']._serialized_start=924
-  _globals['_SESSIONCOMMAND']._serialized_end=1102
-  _globals['_OPENSESSION']._serialized_start=1104
-  _globals['_OPENSESSION']._serialized_end=1155
-  _globals['_LOADBLOCKS']._serialized_start=1158
-  _globals['_LOADBLOCKS']._serialized_end=1361
-  _globals['_HOLDBLOCKS']._serialized_start=1363
-  _globals['_HOLDBLOCKS']._serialized_end=1431
-  _globals['_RELEASEBLOCKS']._serialized_start=1433
-  _globals['_RELEASEBLOCKS']._serialized_end=1468
-  _globals['_SESSIONEVENT']._serialized_start=1471
-  _globals['_SESSIONEVENT']._serialized_end=1701
-  _globals['_SESSIONOPENED']._serialized_start=1703
-  _globals['_SESSIONOPENED']._serialized_end=1762
-  _globals['_RECVDONE']._serialized_start=1764
-  _globals['_RECVDONE']._serialized_end=1874
-  _globals['_LOADFAILED']._serialized_start=1876
-  _globals['_LOADFAILED']._serialized_end=1950
-  _globals['_SENDDONE']._serialized_start=1952
-  _globals['_SENDDONE']._serialized_end=2017
-  _globals['_COMMANDREJECTED']._serialized_start=2019
-  _globals['_COMMANDREJECTED']._serialized_end=2072
-  _globals['_STATSREQUEST']._serialized_start=2074
-  _globals['_STATSREQUEST']._serialized_end=2088
-  _globals['_STATSRESPONSE']._serialized_start=2091
-  _globals['_STATSRESPONSE']._serialized_end=2432
-  _globals['_HANDSHAKEREQUEST']._serialized_start=2434
-  _globals['_HANDSHAKEREQUEST']._serialized_end=2533
-  _globals['_HANDSHAKERESPONSE']._serialized_start=2536
-  _globals['_HANDSHAKERESPONSE']._serialized_end=2736
-  _globals['_ENGINESERVICE']._serialized_start=2925
-  _globals['_ENGINESERVICE']._serialized_end=3226
-  _globals['_PEERSERVICE']._serialized_start=3228
-  _globals['_PEERSERVICE']._serialized_end=3307
+  _globals['_SESSIONCOMMAND']._serialized_end=1143
+  _globals['_OPENSESSION']._serialized_start=1145
+  _globals['_OPENSESSION']._serialized_end=1196
+  _globals['_LOADBLOCKS']._serialized_start=1199
+  _globals['_LOADBLOCKS']._serialized_end=1402
+  _globals['_HOLDBLOCKS']._serialized_start=1404
+  _globals['_HOLDBLOCKS']._serialized_end=1472
+  _globals['_RELEASEBLOCKS']._serialized_start=1474
+  _globals['_RELEASEBLOCKS']._serialized_end=1509
+  _globals['_ABORTLOAD']._serialized_start=1512
+  _globals['_ABORTLOAD']._serialized_end=1644
+  _globals['_SESSIONEVENT']._serialized_start=1647
+  _globals['_SESSIONEVENT']._serialized_end=1877
+  _globals['_SESSIONOPENED']._serialized_start=1879
+  _globals['_SESSIONOPENED']._serialized_end=1938
+  _globals['_RECVDONE']._serialized_start=1940
+  _globals['_RECVDONE']._serialized_end=2050
+  _globals['_LOADFAILED']._serialized_start=2052
+  _globals['_LOADFAILED']._serialized_end=2126
+  _globals['_SENDDONE']._serialized_start=2128
+  _globals['_SENDDONE']._serialized_end=2193
+  _globals['_COMMANDREJECTED']._serialized_start=2195
+  _globals['_COMMANDREJECTED']._serialized_end=2248
+  _globals['_STATSREQUEST']._serialized_start=2250
+  _globals['_STATSREQUEST']._serialized_end=2264
+  _globals['_STATSRESPONSE']._serialized_start=2267
+  _globals['_STATSRESPONSE']._serialized_end=2708
+  _globals['_HANDSHAKEREQUEST']._serialized_start=2710
+  _globals['_HANDSHAKEREQUEST']._serialized_end=2835
+  _globals['_HANDSHAKERESPONSE']._serialized_start=2838
+  _globals['_HANDSHAKERESPONSE']._serialized_end=3064
+  _globals['_ENGINESERVICE']._serialized_start=3253
+  _globals['_ENGINESERVICE']._serialized_end=3554
+  _globals['_PEERSERVICE']._serialized_start=3556
+  _globals['_PEERSERVICE']._serialized_end=3635
 # @@protoc_insertion_point(module_scope)

@@ -126,16 +126,18 @@ class UnregisterEngineResponse(_message.Message):
     def __init__(self, released_leases: _Optional[int] = ...) -> None: ...
 
 class SessionCommand(_message.Message):
-    __slots__ = ("open", "load", "hold", "release")
+    __slots__ = ("open", "load", "hold", "release", "abort_load")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     HOLD_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    ABORT_LOAD_FIELD_NUMBER: _ClassVar[int]
     open: OpenSession
     load: LoadBlocks
     hold: HoldBlocks
     release: ReleaseBlocks
-    def __init__(self, open: _Optional[_Union[OpenSession, _Mapping]] = ..., load: _Optional[_Union[LoadBlocks, _Mapping]] = ..., hold: _Optional[_Union[HoldBlocks, _Mapping]] = ..., release: _Optional[_Union[ReleaseBlocks, _Mapping]] = ...) -> None: ...
+    abort_load: AbortLoad
+    def __init__(self, open: _Optional[_Union[OpenSession, _Mapping]] = ..., load: _Optional[_Union[LoadBlocks, _Mapping]] = ..., hold: _Optional[_Union[HoldBlocks, _Mapping]] = ..., release: _Optional[_Union[ReleaseBlocks, _Mapping]] = ..., abort_load: _Optional[_Union[AbortLoad, _Mapping]] = ...) -> None: ...
 
 class OpenSession(_message.Message):
     __slots__ = ("worker",)
@@ -178,6 +180,20 @@ class ReleaseBlocks(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class AbortLoad(_message.Message):
+    __slots__ = ("request_id", "remote_engine_id", "remote_address", "remote_request_id", "remote_tp_size")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    remote_engine_id: str
+    remote_address: str
+    remote_request_id: str
+    remote_tp_size: int
+    def __init__(self, request_id: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., remote_address: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., remote_tp_size: _Optional[int] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
     __slots__ = ("opened", "recv_done", "load_failed", "send_done", "rejected")
@@ -248,7 +264,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("engines", "regions", "registered_bytes", "peers", "active_leases", "inflight_transfers", "bytes_read", "transfers_done", "transfers_failed", "leases_expired", "sessions", "uptime_s", "daemon_version", "peer_address", "leaked_handles")
+    __slots__ = ("engines", "regions", "registered_bytes", "peers", "active_leases", "inflight_transfers", "bytes_read", "transfers_done", "transfers_failed", "leases_expired", "sessions", "uptime_s", "daemon_version", "peer_address", "leaked_handles", "remote_agents", "early_notifications", "pending_events", "prepped_dlists")
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +280,10 @@ class StatsResponse(_message.Message):
     DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LEAKED_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_AGENTS_FIELD_NUMBER: _ClassVar[int]
+    EARLY_NOTIFICATIONS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    PREPPED_DLISTS_FIELD_NUMBER: _ClassVar[int]
     engines: int
     regions: int
     registered_bytes: int
@@ -279,22 +299,28 @@ class StatsResponse(_message.Message):
     daemon_version: str
     peer_address: str
     leaked_handles: int
-    def __init__(self, engines: _Optional[int] = ..., regions: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., peers: _Optional[int] = ..., active_leases: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., bytes_read: _Optional[int] = ..., transfers_done: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., leases_expired: _Optional[int] = ..., sessions: _Optional[int] = ..., uptime_s: _Optional[float] = ..., daemon_version: _Optional[str] = ..., peer_address: _Optional[str] = ..., leaked_handles: _Optional[int] = ...) -> None: ...
+    remote_agents: int
+    early_notifications: int
+    pending_events: int
+    prepped_dlists: int
+    def __init__(self, engines: _Optional[int] = ..., regions: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., peers: _Optional[int] = ..., active_leases: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., bytes_read: _Optional[int] = ..., transfers_done: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., leases_expired: _Optional[int] = ..., sessions: _Optional[int] = ..., uptime_s: _Optional[float] = ..., daemon_version: _Optional[str] = ..., peer_address: _Optional[str] = ..., leaked_handles: _Optional[int] = ..., remote_agents: _Optional[int] = ..., early_notifications: _Optional[int] = ..., pending_events: _Optional[int] = ..., prepped_dlists: _Optional[int] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("engine_id", "tp_rank", "daemon_version", "compat_hash")
+    __slots__ = ("engine_id", "tp_rank", "daemon_version", "compat_hash", "protocol_version")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     tp_rank: int
     daemon_version: str
     compat_hash: str
-    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., daemon_version: _Optional[str] = ..., compat_hash: _Optional[str] = ...) -> None: ...
+    protocol_version: int
+    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., daemon_version: _Optional[str] = ..., compat_hash: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("agent_metadata", "agent_name", "layout", "regions", "region_base_addrs", "compat_hash", "daemon_version")
+    __slots__ = ("agent_metadata", "agent_name", "layout", "regions", "region_base_addrs", "compat_hash", "daemon_version", "protocol_version")
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -302,6 +328,7 @@ class HandshakeResponse(_message.Message):
     REGION_BASE_ADDRS_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     agent_metadata: bytes
     agent_name: str
     layout: Layout
@@ -309,4 +336,5 @@ class HandshakeResponse(_message.Message):
     region_base_addrs: _containers.RepeatedScalarFieldContainer[int]
     compat_hash: str
     daemon_version: str
-    def __init__(self, agent_metadata: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., region_base_addrs: _Optional[_Iterable[int]] = ..., compat_hash: _Optional[str] = ..., daemon_version: _Optional[str] = ...) -> None: ...
+    protocol_version: int
+    def __init__(self, agent_metadata: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., region_base_addrs: _Optional[_Iterable[int]] = ..., compat_hash: _Optional[str] = ..., daemon_version: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
