@@ -53,6 +53,8 @@ class Config:
         lease_s: default lease of held prefill blocks.
         transfer_timeout_s: a READ not done by then fails the request.
         handshake_timeout_s: deadline of one handshake with a peer.
+        detach_grace_s: an engine whose session stream is gone this long
+            (the engine died) is unregistered: leases, NIXL state, mappings.
         log_level: ``debug`` | ``info`` | ``warning`` | ``error``.
     """
 
@@ -64,7 +66,7 @@ class Config:
     lease_s: float = 120.0
     transfer_timeout_s: float = 30.0
     handshake_timeout_s: float = 10.0
-    detach_grace_s: float = 60.0
+    detach_grace_s: float = 10.0
     grace_s: float = 10.0
     log_level: str = "info"
 

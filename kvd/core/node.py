@@ -20,8 +20,8 @@ Pull mode (the seed connector's protocol, DESIGN.md "Transfer protocol"):
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
-import os
 import time
 import uuid
 from collections import deque
@@ -56,6 +56,11 @@ WorkerKey = tuple[str, int]  # (engine_id, tp_rank)
 # Events kept for a worker whose session is not attached (reconnecting shim).
 MAX_PENDING_EVENTS = 100_000
 
+# The daemon-to-daemon protocol; a peer with another number is refused at
+# handshake (issue 4, scenario 7). Bump on any incompatible PeerService or
+# notification change.
+PROTOCOL_VERSION = 1
+
 
 @dataclass
 class Limits:
@@ -70,7 +75,7 @@ class Limits:
     max_inflight_per_worker: int = 4096
     poll_busy_s: float = 0.0005      # poll interval while transfers are in flight
     poll_idle_s: float = 0.005       # otherwise (notifications, leases)
-    detach_grace_s: float = 60.0     # an engine whose session is gone this long is unregistered
+    detach_grace_s: float = 10.0     # an engine whose session is gone this long is unregistered
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,7 @@ class HandshakeResult:
     region_bases: list[int]
     compat_hash: str
     daemon_version: str
+    protocol_version: int = PROTOCOL_VERSION
 
 
 # An async callable that performs a handshake with a remote daemon:
@@ -112,6 +118,10 @@ class RemoteWorker:
     num_regions: int
     dlist: object  # prepped remote dlist handle; released when the peer is dropped
     daemon_version: str
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return (self.address, self.engine_id, self.tp_rank)
 
 
 @dataclass
@@ -135,6 +145,8 @@ class InflightLoad:
     nbytes: int
     ndescs: int
     peer: str
+    remote: "RemoteWorker"
+    retry: tuple | None = None  # load() args, set when a retry after re-handshake is allowed
 
 
 @dataclass
@@ -156,6 +168,8 @@ class Worker:
     leases: dict[str, Lease] = field(default_factory=dict)
     early_notifs: dict[str, float] = field(default_factory=dict)
     remotes: dict[tuple[str, str, int], RemoteWorker] = field(default_factory=dict)
+    retired: list[RemoteWorker] = field(default_factory=list)  # dropped, NIXL state freed once unused
+    lease_heap: list = field(default_factory=list)  # (deadline, request_id), lazily pruned
     inflight: dict[str, InflightLoad] = field(default_factory=dict)
     pending_loads: set[str] = field(default_factory=set)
     events: deque = field(default_factory=deque)
@@ -365,13 +379,10 @@ class Node:
         for load in w.inflight.values():
             if not w.agent.release(load.handle):
                 self._zombies.append((w.agent, load.handle))
-        for r in w.remotes.values():
-            try:
-                w.agent.release_dlist(r.dlist)
-            except Exception:
-                pass
-            w.agent.remove_remote(r.agent_name)
+        for r in [*w.remotes.values(), *w.retired]:
+            self._free_remote(w, r)
         w.remotes.clear()
+        w.retired.clear()
         try:
             w.agent.release_dlist(w.local_dlist)
         except Exception:
@@ -416,14 +427,25 @@ class Node:
             self._emit(w, CommandRejected(request_id, "hold: too many blocks"))
             return
         lease_s = min(lease_s if lease_s > 0 else self.limits.lease_s, self.limits.max_lease_s)
+        deadline = time.monotonic() + lease_s
+        old = w.leases.get(request_id)
+        if old is not None:
+            # A second hold of the same request renews its lease (issue 4,
+            # scenario 4); the blocks must be the same ones.
+            if old.block_ids != list(block_ids):
+                self._emit(w, CommandRejected(request_id, "hold: request already holds other blocks"))
+                return
+            old.deadline = max(old.deadline, deadline)
+            heapq.heappush(w.lease_heap, (old.deadline, request_id))
+            return
         if request_id in w.early_notifs:
             w.early_notifs.pop(request_id)
             self.counters.leases_notified += 1
             self._emit(w, SendDone(request_id))
             log.info("%s request=%s: reader notified before the hold; blocks freed", w.label, request_id)
             return
-        w.leases[request_id] = Lease(request_id, list(block_ids), time.monotonic() + lease_s)
-        self._kick.set()
+        w.leases[request_id] = Lease(request_id, list(block_ids), deadline)
+        heapq.heappush(w.lease_heap, (deadline, request_id))
 
     def release(self, w: Worker, request_id: str) -> None:
         """Ends a lease now (the request was aborted); emits ``SendDone(released)``."""
@@ -461,14 +483,20 @@ class Node:
         remote_request_id: str,
         remote_tp_size: int,
         timeout_s: float = 0.0,
+        _deadline: float | None = None,
     ) -> None:
         """Pulls remote blocks into local blocks; emits RecvDone or LoadFailed.
 
         Never raises: every failure becomes ``LoadFailed`` naming the local
-        block ids, so the engine's recompute/fail policy applies.
+        block ids, so the engine's recompute/fail policy applies. A READ that
+        fails on a cached remote agent (the peer may have restarted with a new
+        agent, issue 4 scenario 2) drops that agent, handshakes again and
+        retries once, within the same deadline.
         """
         started = time.monotonic()
-        deadline = started + (timeout_s if timeout_s > 0 else self.limits.transfer_timeout_s)
+        deadline = _deadline or started + (timeout_s if timeout_s > 0 else self.limits.transfer_timeout_s)
+        args = (w, request_id, local_block_ids, remote_engine_id, remote_address, remote_block_ids,
+                remote_request_id, remote_tp_size, timeout_s)
 
         def fail(reason: str) -> None:
             self.counters.transfers_failed += 1
@@ -499,7 +527,7 @@ class Node:
         w.pending_loads.add(request_id)
         try:
             try:
-                remote = await self._remote(w, remote_address, remote_engine_id, w.key[1], deadline)
+                remote, fresh = await self._remote(w, remote_address, remote_engine_id, w.key[1], deadline)
             except (Incompatible, NotFound, PeerUnavailable, InvalidArgument) as e:
                 return fail(f"handshake: {e}")
             try:
@@ -514,37 +542,79 @@ class Node:
                     remote_request_id.encode(),
                 )
             except NixlError as e:
-                return fail(f"nixl: {e}")
+                state, handle = "ERR", None
+                err = f"nixl: {e}"
+            else:
+                err = "nixl: transfer post returned ERR"
         finally:
             w.pending_loads.discard(request_id)
-        nbytes = sum(r.block_len for r in w.regions) * len(local_block_ids)
-        load = InflightLoad(
-            request_id, list(local_block_ids), handle, started, deadline, nbytes, len(local_idx),
-            remote_address,
-        )
-        w.inflight[request_id] = load
+        retry = args if (not fresh and _deadline is None) else None
         if state == "ERR":
-            w.inflight.pop(request_id)
-            await self._nixl(self._release_handle, w.agent, handle)
-            return fail("nixl: transfer post returned ERR")
+            if handle is not None:
+                await self._nixl(self._release_handle, w.agent, handle)
+            if retry and w.key in self.workers:
+                self._retire(w, remote, err)
+                return await self.load(*retry, _deadline=deadline)
+            return fail(err)
+        nbytes = sum(r.block_len for r in w.regions) * len(local_block_ids)
+        w.inflight[request_id] = InflightLoad(
+            request_id, list(local_block_ids), handle, started, deadline, nbytes, len(local_idx),
+            remote_address, remote, retry,
+        )
         self._kick.set()
+
+    def _retire(self, w: Worker, remote: RemoteWorker, why: str) -> None:
+        """Stops using a remote agent; its NIXL state is freed once no load uses it."""
+        if w.remotes.get(remote.key) is remote:
+            del w.remotes[remote.key]
+            w.retired.append(remote)
+            log.info("%s: dropped remote agent %s at %s (%s); next load handshakes again",
+                     w.label, remote.agent_name, remote.address, why)
+
+    def _free_remote(self, w: Worker, r: RemoteWorker) -> None:
+        """NIXL thread: releases a remote's prepped list and forgets its agent."""
+        try:
+            w.agent.release_dlist(r.dlist)
+        except Exception as e:
+            log.debug("%s: release_dlist(%s): %s", w.label, r.agent_name, e)
+        w.agent.remove_remote(r.agent_name)
+
+    async def abort_load(self, w: Worker, request_id: str, remote_engine_id: str, remote_address: str,
+                         remote_request_id: str, remote_tp_size: int) -> None:
+        """Tells the remote prefill worker to free ``remote_request_id`` now.
+
+        The decode request was aborted before its load (issue 4, scenario 3):
+        a bare NIXL notification ends the remote lease, as a READ's would.
+        Failures are logged, never raised: the remote lease bounds the hold.
+        """
+        deadline = time.monotonic() + self.limits.handshake_timeout_s
+        try:
+            remote, _ = await self._remote(w, remote_address, remote_engine_id, w.key[1], deadline)
+            await self._nixl(w.agent.send_notif, remote.agent_name, remote_request_id.encode())
+            log.info("%s request=%s: aborted; told %s to free %s", w.label, request_id, remote_address,
+                     remote_request_id)
+        except Exception as e:
+            log.warning("%s request=%s peer=%s: abort notification failed: %s", w.label, request_id,
+                        remote_address, e)
 
     def _release_handle(self, agent: NixlAgent, handle) -> None:
         if not agent.release(handle):
             self._zombies.append((agent, handle))
 
-    async def _remote(self, w: Worker, address: str, engine_id: str, tp_rank: int, deadline: float) -> RemoteWorker:
+    async def _remote(self, w: Worker, address: str, engine_id: str, tp_rank: int,
+                      deadline: float) -> tuple[RemoteWorker, bool]:
+        """The remote worker, handshaking if needed; ``(remote, fresh)``."""
         key = (address, engine_id, tp_rank)
         r = w.remotes.get(key)
         if r is not None:
-            return r
+            return r, False
         fkey = (w.key, key)
         fut = self._handshakes.get(fkey)
         if fut is None:
             fut = asyncio.get_running_loop().create_task(self._do_handshake(w, key, deadline))
             self._handshakes[fkey] = fut
             fut.add_done_callback(lambda _f: self._handshakes.pop(fkey, None))
-        return await asyncio.shield(fut)
+        return await asyncio.shield(fut), True
 
     async def _do_handshake(self, w: Worker, key, deadline: float) -> RemoteWorker:
         address, engine_id, tp_rank = key
@@ -555,6 +625,9 @@ class Node:
         timeout = max(0.1, min(self.limits.handshake_timeout_s, deadline - time.monotonic()))
         t0 = time.monotonic()
         hs = await self._handshake(address, engine_id, tp_rank, w.compat_hash, timeout)
+        if hs.protocol_version != PROTOCOL_VERSION:
+            raise Incompatible(f"peer protocol version {hs.protocol_version} (kvd {hs.daemon_version}), "
+                               f"this daemon speaks {PROTOCOL_VERSION} (kvd {__version__})")
         if hs.compat_hash != w.compat_hash:
             raise Incompatible(f"compatibility hash mismatch: local {w.compat_hash}, remote {hs.compat_hash}")
         if len(hs.regions) != len(w.regions) or [r.block_len for r in hs.regions] != [r.block_len for r in w.regions]:
@@ -566,6 +639,12 @@ class Node:
         except LayoutError as e:
             raise InvalidArgument(f"handshake: remote layout invalid: {e}") from None
         descs = lay.block_descriptors(hs.region_bases, hs.regions, hs.layout.num_blocks)
+
+        # An agent of the same name still loaded (a retired one, or the peer's
+        # old identity) is forgotten first: NIXL keeps one entry per name.
+        for old in [o for o in w.retired if o.agent_name == hs.agent_name]:
+            w.retired.remove(old)
+            await self._nixl(self._free_remote, w, old)
 
         def add():
             name = w.agent.add_remote(hs.agent_metadata)
@@ -588,7 +667,8 @@ class Node:
         return r
 
     # ------------------------------------------------------------- peer side
-    async def handshake_info(self, engine_id: str, tp_rank: int, caller_hash: str) -> HandshakeResult:
+    async def handshake_info(self, engine_id: str, tp_rank: int, caller_hash: str,
+                             protocol_version: int = PROTOCOL_VERSION) -> HandshakeResult:
         """Answers a remote daemon's handshake for our worker.
 
         Raises:
@@ -596,6 +676,9 @@ class Node:
             Incompatible: ``caller_hash`` differs from the worker's hash.
         """
         w = self.worker(engine_id, tp_rank)
+        if protocol_version != PROTOCOL_VERSION:
+            raise Incompatible(f"protocol version mismatch: caller speaks {protocol_version}, "
+                               f"this daemon {PROTOCOL_VERSION} (kvd {__version__})")
         if caller_hash and caller_hash != w.compat_hash:
             raise Incompatible(
                 f"compatibility hash mismatch for engine {engine_id!r} rank {tp_rank}: "
@@ -613,6 +696,11 @@ class Node:
                 st = w.agent.state(load.handle)
                 if st != "PROC":
                     done.append((w, rid, st, w.agent.release(load.handle)))
+            if w.retired:
+                used = {l.remote.agent_name for l in list(w.inflight.values())}
+                for r in [r for r in w.retired if r.agent_name not in used]:
+                    w.retired.remove(r)
+                    self._free_remote(w, r)
             notifs = w.agent.notifs()
             for agent_name, msgs in notifs.items():
                 for m in msgs:
@@ -650,7 +738,11 @@ class Node:
                     self._on_event("transfer", {"bytes": load.nbytes, "seconds": dur, "descs": load.ndescs})
                     log.debug("%s request=%s: %d bytes in %.2f ms", w.label, a, load.nbytes, dur * 1e3)
                     self._emit(w, RecvDone(a, load.nbytes, len(load.local_block_ids), load.ndescs, dur))
+                elif load.retry and now < load.deadline:
+                    self._retire(w, load.remote, f"READ failed: NIXL {st}")
+                    asyncio.get_running_loop().create_task(self.load(*load.retry, _deadline=load.deadline))
                 else:
+                    self._retire(w, load.remote, f"READ failed: NIXL {st}")
                     self.counters.transfers_failed += 1
                     self._on_event("failure", {"reason": "transfer"})
                     log.warning("%s request=%s peer=%s: transfer failed (NIXL %s)", w.label, a, load.peer, st)
@@ -665,7 +757,12 @@ class Node:
 
     async def _expire(self, now: float) -> None:
         for w in list(self.workers.values()):
-            for rid in [r for r, l in w.leases.items() if l.deadline <= now]:
+            heap = w.lease_heap
+            while heap and heap[0][0] <= now:
+                deadline, rid = heapq.heappop(heap)
+                lease = w.leases.get(rid)
+                if lease is None or lease.deadline > now:
+                    continue  # ended already, or renewed (a later heap entry stands)
                 w.leases.pop(rid)
                 self.counters.leases_expired += 1
                 log.warning("%s request=%s: lease expired, nobody read the blocks", w.label, rid)
@@ -678,6 +775,7 @@ class Node:
                 self.counters.transfers_failed += 1
                 self._on_event("failure", {"reason": "timeout"})
                 log.warning("%s request=%s peer=%s: transfer past its deadline", w.label, load.request_id, load.peer)
+                self._retire(w, load.remote, "transfer past its deadline")
                 self._emit(w, LoadFailed(load.request_id, load.local_block_ids, "timeout: transfer past its deadline"))
                 await self._nixl(self._release_handle, w.agent, load.handle)
             if (w.detached_since is not None and not w.sessions
@@ -698,6 +796,10 @@ class Node:
             sessions=sum(w.sessions for w in ws),
             uptime_s=time.monotonic() - self.started,
             leaked_handles=len(self._zombies),
+            remote_agents=sum(len(w.remotes) + len(w.retired) for w in ws),
+            early_notifications=sum(len(w.early_notifs) for w in ws),
+            pending_events=sum(len(w.events) for w in ws if not w.sessions),
+            prepped_dlists=sum(1 + len(w.remotes) + len(w.retired) for w in ws),
             bytes_read=self.counters.bytes_read,
             transfers_done=self.counters.transfers_done,
             transfers_failed=self.counters.transfers_failed,

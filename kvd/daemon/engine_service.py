@@ -115,5 +115,9 @@ class EngineService(pb_grpc.EngineServiceServicer):
                 node.hold(w, cmd.hold.request_id, list(cmd.hold.block_ids), cmd.hold.lease_s)
             elif kind == "release":
                 node.release(w, cmd.release.request_id)
+            elif kind == "abort_load":
+                c = cmd.abort_load
+                asyncio.get_running_loop().create_task(node.abort_load(
+                    w, c.request_id, c.remote_engine_id, c.remote_address, c.remote_request_id, c.remote_tp_size))
             else:
                 node._emit(w, ev.CommandRejected("", f"unexpected command {kind!r} on an open session"))

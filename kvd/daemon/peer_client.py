@@ -7,7 +7,7 @@ import grpc
 from kvd import __version__
 from kvd.config import MAX_MESSAGE_BYTES
 from kvd.core import events as ev
-from kvd.core.node import HandshakeResult
+from kvd.core.node import PROTOCOL_VERSION, HandshakeResult
 from kvd.daemon.convert import layout_from_pb, region_from_pb
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
@@ -40,7 +40,7 @@ class PeerClient:
             ev.PeerUnavailable: unreachable or past ``timeout_s`` seconds.
         """
         req = pb.HandshakeRequest(engine_id=engine_id, tp_rank=tp_rank, daemon_version=__version__,
-                                  compat_hash=compat_hash)
+                                  compat_hash=compat_hash, protocol_version=PROTOCOL_VERSION)
         try:
             r = await self._stub(address).Handshake(req, timeout=timeout_s)
         except grpc.aio.AioRpcError as e:
@@ -53,7 +53,7 @@ class PeerClient:
         return HandshakeResult(
             agent_metadata=r.agent_metadata, agent_name=r.agent_name, layout=layout_from_pb(r.layout),
             regions=[region_from_pb(x) for x in r.regions], region_bases=list(r.region_base_addrs),
-            compat_hash=r.compat_hash, daemon_version=r.daemon_version,
+            compat_hash=r.compat_hash, daemon_version=r.daemon_version, protocol_version=r.protocol_version,
         )
 
     async def close(self) -> None:

@@ -22,7 +22,8 @@ class PeerService(pb_grpc.PeerServiceServicer):
 
     async def Handshake(self, request: pb.HandshakeRequest, context) -> pb.HandshakeResponse:
         try:
-            hs = await self.node.handshake_info(request.engine_id, request.tp_rank, request.compat_hash)
+            hs = await self.node.handshake_info(request.engine_id, request.tp_rank, request.compat_hash,
+                                                request.protocol_version)
         except ev.CoreError as e:
             log.warning("handshake from %s for engine=%s rank=%d refused: %s",
                         context.peer(), request.engine_id, request.tp_rank, e)
@@ -34,5 +35,5 @@ def handshake_to_pb(hs: HandshakeResult) -> pb.HandshakeResponse:
     return pb.HandshakeResponse(
         agent_metadata=hs.agent_metadata, agent_name=hs.agent_name, layout=layout_to_pb(hs.layout),
         regions=[region_to_pb(r) for r in hs.regions], region_base_addrs=hs.region_bases,
-        compat_hash=hs.compat_hash, daemon_version=hs.daemon_version,
+        compat_hash=hs.compat_hash, daemon_version=hs.daemon_version, protocol_version=hs.protocol_version,
     )
