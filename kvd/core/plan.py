@@ -1,0 +1,258 @@
+"""Transfer plans: which bytes of which remote block land where locally.
+
+A reader (the decode worker) and a source (a prefill worker) may differ in
+tensor-parallel size, KV layout (HND/NHD) and block size. The plan for one
+(reader, source) pair is a list of *chunks*: byte ranges inside one block of
+one region, ``(slot, local_offset, remote_offset, length)``, where ``slot``
+says which of the ``k = local block_size / remote block_size`` source blocks
+fill one reader block. Every chunk row becomes one NIXL descriptor on each
+side; descriptor lists are prepared once per pair at handshake, and a request
+only computes indices (``chunk_indices``).
+
+Rules, as the seed connector (vLLM NixlConnector) applies them:
+
+- TP rank ``r`` of ``T`` ranks holds KV heads ``[r*H//T, r*H//T + max(1, H//T))``
+  of ``H`` heads (heads are replicated when ``T > H``).
+- A reader reads each of its heads from exactly one source rank holding it
+  (spread over replicas by reader rank), and notifies every source rank whose
+  heads overlap its own: a source frees its blocks only after all of its
+  expected readers notified it (issue 3, capability 1).
+- MLA: one latent per token, replicated on every rank: one head of the whole
+  block; every reader reads one source and notifies all of them.
+- Block size: the reader's must be a multiple of the source's
+  (``k`` source blocks per reader block); the inverse is refused at handshake.
+- Layouts: HND blocks are ``[heads, tokens, head_dim]``, NHD/MLA blocks
+  ``[tokens, heads, head_dim]``; when they differ, chunks are single
+  ``head_dim`` vectors, so the transfer itself performs the permute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvd.core.layout import Layout, LayoutError, Region
+
+DTYPE_BYTES = {
+    "float32": 4, "float": 4, "fp32": 4,
+    "float16": 2, "half": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "uint8": 1, "int8": 1,
+    "float64": 8,
+}
+
+
+class PlanError(LayoutError):
+    """No correct transfer exists between the two layouts; the message says why."""
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What the planner needs of one worker (units: tokens, heads, bytes)."""
+
+    tp_rank: int
+    tp_size: int
+    layout: Layout
+    regions: tuple[Region, ...]
+    total_kv_heads: int
+
+    @property
+    def heads_per_rank(self) -> int:
+        if self.layout.kv_layout == "MLA":
+            return 1
+        return max(1, self.total_kv_heads // self.tp_size)
+
+    @property
+    def head_start(self) -> int:
+        if self.layout.kv_layout == "MLA":
+            return 0
+        return (self.tp_rank * self.total_kv_heads) // self.tp_size
+
+    @property
+    def elem_bytes(self) -> int:
+        try:
+            return DTYPE_BYTES[self.layout.dtype.removeprefix("torch.")]
+        except KeyError:
+            raise PlanError(f"unknown dtype {self.layout.dtype!r}") from None
+
+
+def head_range(rank: int, tp_size: int, total_heads: int, mla: bool = False) -> tuple[int, int]:
+    """KV heads ``[start, end)`` held by ``rank`` of ``tp_size`` ranks."""
+    if mla:
+        return 0, 1
+    start = (rank * total_heads) // tp_size
+    return start, start + max(1, total_heads // tp_size)
+
+
+def source_ranks(reader_rank: int, reader_tp: int, source_tp: int, total_heads: int,
+                 mla: bool = False) -> tuple[list[int], list[int]]:
+    """``(read_from, notify)``: source ranks a reader reads from and must notify.
+
+    ``read_from`` covers the reader's heads once; ``notify`` is every source
+    rank whose heads overlap the reader's (a superset of ``read_from``).
+    """
+    a, b = head_range(reader_rank, reader_tp, total_heads, mla)
+    notify = [p for p in range(source_tp)
+              if max(a, head_range(p, source_tp, total_heads, mla)[0]) < min(b, head_range(p, source_tp, total_heads, mla)[1])]
+    read_from: list[int] = []
+    covered = a
+    while covered < b:
+        holders = [p for p in notify if head_range(p, source_tp, total_heads, mla)[0] <= covered
+                   < head_range(p, source_tp, total_heads, mla)[1]]
+        if not holders:
+            raise PlanError(f"no source rank holds KV head {covered}")
+        p = holders[reader_rank % len(holders)]  # spread readers over replicas
+        read_from.append(p)
+        covered = head_range(p, source_tp, total_heads, mla)[1]
+    return read_from, notify
+
+
+def expected_notifications(source_rank: int, source_tp: int, reader_tp: int, total_heads: int,
+                           mla: bool = False) -> int:
+    """How many reader ranks will notify ``source_rank`` for one request."""
+    return sum(source_rank in source_ranks(r, reader_tp, source_tp, total_heads, mla)[1]
+               for r in range(reader_tp))
+
+
+def compatible(local: Geometry, remote: Geometry) -> None:
+    """Checks that ``local`` (reader) can be filled from ``remote`` ranks.
+
+    Raises:
+        PlanError: naming the first mismatch (issue 3: rejected at handshake,
+            never served with wrong bytes).
+    """
+    l, r = local.layout, remote.layout
+    if (l.kv_layout == "MLA") != (r.kv_layout == "MLA"):
+        raise PlanError(f"KV layout {r.kv_layout} cannot fill {l.kv_layout}")
+    if l.head_dim != r.head_dim or l.dtype != r.dtype:
+        raise PlanError(f"head_dim/dtype differ: {r.head_dim}/{r.dtype} vs {l.head_dim}/{l.dtype}")
+    if local.total_kv_heads != remote.total_kv_heads:
+        raise PlanError(f"total KV heads differ: {remote.total_kv_heads} vs {local.total_kv_heads}")
+    if len(local.regions) != len(remote.regions):
+        raise PlanError(f"region count differs: {len(remote.regions)} vs {len(local.regions)}")
+    if l.block_size < r.block_size or l.block_size % r.block_size:
+        raise PlanError(f"reader block size {l.block_size} is not a multiple of source block size "
+                        f"{r.block_size} (only source blocks smaller than or equal to the reader's are supported)")
+    for i, (lr, rr) in enumerate(zip(local.regions, remote.regions)):
+        lw = l.block_size * local.heads_per_rank * l.head_dim * local.elem_bytes
+        rw = r.block_size * remote.heads_per_rank * r.head_dim * remote.elem_bytes
+        same = (l.block_size == r.block_size and local.heads_per_rank == remote.heads_per_rank
+                and l.kv_layout == r.kv_layout and lr.block_len == rr.block_len)
+        if same:
+            continue
+        if lr.block_len != lw or rr.block_len != rw:
+            raise PlanError(
+                f"region {i}: block_len {rr.block_len}/{lr.block_len} bytes is not tokens x heads x head_dim x "
+                f"dtype ({rw}/{lw}); only per-layer K/V (or MLA) regions can be re-sliced "
+                f"(cross-layer regions need equal TP, block size and layout)")
+
+
+def chunks(local: Geometry, remote: Geometry, region: int) -> np.ndarray:
+    """Chunk rows ``(slot, local_offset, remote_offset, length)`` for one region.
+
+    Offsets are bytes inside one block; ``slot`` in ``0..k-1`` names which of
+    the ``k`` source blocks of one reader block the row belongs to.
+
+    Raises:
+        PlanError: the pair is not :func:`compatible` or shares no heads.
+    """
+    compatible(local, remote)
+    l, r = local.layout, remote.layout
+    lr, rr = local.regions[region], remote.regions[region]
+    k = l.block_size // r.block_size
+    if (k == 1 and local.heads_per_rank == remote.heads_per_rank and l.kv_layout == r.kv_layout
+            and lr.block_len == rr.block_len and local.head_start == remote.head_start):
+        return np.array([[0, 0, 0, lr.block_len]], dtype=np.int64)
+    es, hd, bs_r, bs_l = local.elem_bytes, l.head_dim, r.block_size, l.block_size
+    mla = l.kv_layout == "MLA"
+    la, lb = local.head_start, local.head_start + local.heads_per_rank
+    ra, rb = remote.head_start, remote.head_start + remote.heads_per_rank
+    a, b = max(la, ra), min(lb, rb)
+    if a >= b:
+        raise PlanError(f"source rank {remote.tp_rank} holds none of the reader's heads")
+    nh_l, nh_r = local.heads_per_rank, remote.heads_per_rank
+    rows = []
+    l_hnd, r_hnd = l.kv_layout == "HND", r.kv_layout == "HND"
+    if l_hnd and r_hnd:
+        # [heads, tokens, head_dim]: per head, the source's tokens are one run.
+        for j in range(k):
+            if k == 1:
+                rows.append((0, (a - la) * bs_l * hd * es, (a - ra) * bs_r * hd * es, (b - a) * bs_r * hd * es))
+                continue
+            for h in range(a, b):
+                rows.append((j, ((h - la) * bs_l + j * bs_r) * hd * es, (h - ra) * bs_r * hd * es, bs_r * hd * es))
+    elif not l_hnd and not r_hnd and (a, b) == (la, lb) == (ra, rb):
+        # [tokens, heads, head_dim] with the same heads: source block j is one run.
+        for j in range(k):
+            rows.append((j, j * bs_r * nh_l * hd * es, 0, bs_r * nh_r * hd * es))
+    else:
+        # General case: one head_dim vector per (token, head).
+        for j in range(k):
+            for t in range(bs_r):
+                lt = j * bs_r + t
+                for h in range(a, b):
+                    lo = ((h - la) * bs_l + lt) if l_hnd else (lt * nh_l + (h - la))
+                    ro = ((h - ra) * bs_r + t) if r_hnd else (t * nh_r + (h - ra))
+                    rows.append((j, lo * hd * es, ro * hd * es, hd * es))
+        del mla
+    return np.array(rows, dtype=np.int64)
+
+
+def local_rows(bases: list[int], regions, num_blocks: int, chunk_sets: list[np.ndarray], k: int) -> np.ndarray:
+    """Local descriptor rows ``(addr, len, 0)``: region-major, then block, slot, chunk.
+
+    Row of (region i, block b, slot j, chunk c) is
+    ``((i * num_blocks + b) * k + j) * C + c`` with ``C`` chunks per slot.
+    """
+    out = []
+    blocks = np.arange(num_blocks, dtype=np.int64)
+    for base, reg, ch in zip(bases, regions, chunk_sets):
+        C = len(ch) // k
+        per = ch.reshape(k, C, 4)
+        addr = base + blocks[:, None, None] * reg.block_stride + per[None, :, :, 1]
+        ln = np.broadcast_to(per[None, :, :, 3], addr.shape)
+        out.append(np.stack([addr.reshape(-1), ln.reshape(-1), np.zeros(addr.size, np.int64)], axis=1))
+    return np.concatenate(out)
+
+
+def remote_rows(bases: list[int], regions, num_blocks: int, chunk_sets: list[np.ndarray], k: int) -> np.ndarray:
+    """Remote descriptor rows: region-major, then block, chunk (slot 0's chunks).
+
+    Remote offsets do not depend on the slot, so one set of ``C`` chunks per
+    source block serves every slot.
+    """
+    out = []
+    blocks = np.arange(num_blocks, dtype=np.int64)
+    for base, reg, ch in zip(bases, regions, chunk_sets):
+        C = len(ch) // k
+        first = ch.reshape(k, C, 4)[0]
+        addr = base + blocks[:, None] * reg.block_stride + first[None, :, 2]
+        ln = np.broadcast_to(first[None, :, 3], addr.shape)
+        out.append(np.stack([addr.reshape(-1), ln.reshape(-1), np.zeros(addr.size, np.int64)], axis=1))
+    return np.concatenate(out)
+
+
+def chunk_indices(local_blocks, remote_blocks, num_regions: int, local_num_blocks: int,
+                  remote_num_blocks: int, k: int, C: int) -> tuple[np.ndarray, np.ndarray]:
+    """Indices into :func:`local_rows` / :func:`remote_rows` for one request.
+
+    ``remote_blocks[i]`` fills slot ``i % k`` of ``local_blocks[i // k]``.
+
+    Raises:
+        LayoutError: a block id out of range, or too few local blocks.
+    """
+    lb = np.asarray(local_blocks, dtype=np.int64)
+    rb = np.asarray(remote_blocks, dtype=np.int64)
+    if len(lb) * k < len(rb) or len(lb) < -(-len(rb) // k):
+        raise LayoutError(f"{len(rb)} remote blocks need {-(-len(rb) // k)} local blocks, got {len(lb)}")
+    for ids, n, side in ((lb, local_num_blocks, "local"), (rb, remote_num_blocks, "remote")):
+        if ids.size and (ids.min() < 0 or ids.max() >= n):
+            bad = int(ids[(ids < 0) | (ids >= n)][0])
+            raise LayoutError(f"{side} block id {bad} out of range 0..{n - 1}")
+    i = np.arange(len(rb), dtype=np.int64)
+    lpos = lb[i // k] * k + i % k                       # (block, slot) of each remote block
+    regs = np.arange(num_regions, dtype=np.int64)[:, None, None]
+    c = np.arange(C, dtype=np.int64)[None, None, :]
+    lidx = ((regs * local_num_blocks * k) + lpos[None, :, None]) * C + c
+    ridx = ((regs * remote_num_blocks) + rb[None, :, None]) * C + c
+    return lidx.reshape(-1).astype(np.int32), ridx.reshape(-1).astype(np.int32)

@@ -1,0 +1,133 @@
+"""Transfer plan maths (kvd.core.plan), checked by simulating the descriptor
+copies in numpy on KV caches whose every element names its (head, token, dim).
+
+The real-NIXL versions of these cases are in tests/test_parity.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvd.core.layout import Layout, Region
+from kvd.core.plan import (Geometry, PlanError, chunk_indices, chunks, compatible, expected_notifications,
+                           local_rows, remote_rows, source_ranks)
+
+HEAD_DIM = 4
+
+
+def make_rank(rank, tp, heads, block_size, layout, num_blocks, n_tokens, fill):
+    """A rank's K region (HND/NHD/MLA) as a uint8-view float32 array, and its Geometry."""
+    mla = layout == "MLA"
+    nh = 1 if mla else max(1, heads // tp)
+    h0 = 0 if mla else rank * heads // tp
+    if layout == "HND":
+        arr = np.zeros((num_blocks, nh, block_size, HEAD_DIM), np.float32)
+    else:
+        arr = np.zeros((num_blocks, block_size, nh, HEAD_DIM), np.float32)
+    if fill is not None:
+        for tok in range(n_tokens):
+            blk = fill[tok // block_size]
+            t = tok % block_size
+            for h in range(nh):
+                val = 1000 * (h0 + h) + tok + np.arange(HEAD_DIM) / 10
+                if layout == "HND":
+                    arr[blk, h, t] = val
+                else:
+                    arr[blk, t, h] = val
+    blen = nh * block_size * HEAD_DIM * 4
+    lay = Layout(num_blocks, block_size, layout, "float32", nh, HEAD_DIM, 1, (blen,))
+    geo = Geometry(rank, tp, lay, (Region(0, 0, blen, blen),), heads)
+    return arr, geo
+
+
+def expected_token(arr, layout, blk, t, h_local):
+    return arr[blk, h_local, t] if layout == "HND" else arr[blk, t, h_local]
+
+
+def simulate(local_arr, lgeo, remote_arr, rgeo, local_blocks, remote_blocks):
+    ch = chunks(lgeo, rgeo, 0)
+    k = lgeo.layout.block_size // rgeo.layout.block_size
+    C = len(ch) // k
+    lrows = local_rows([0], lgeo.regions, lgeo.layout.num_blocks, [ch], k)
+    rrows = remote_rows([0], rgeo.regions, rgeo.layout.num_blocks, [ch], k)
+    li, ri = chunk_indices(local_blocks, remote_blocks, 1, lgeo.layout.num_blocks, rgeo.layout.num_blocks, k, C)
+    lbuf = local_arr.reshape(-1).view(np.uint8)
+    rbuf = remote_arr.reshape(-1).view(np.uint8)
+    for a, b in zip(li, ri):
+        (la, ll, _), (ra, rl, _) = lrows[a], rrows[b]
+        assert ll == rl
+        lbuf[la:la + ll] = rbuf[ra:ra + rl]
+
+
+CASES = [
+    # (P tp, D tp, heads, P layout, D layout, P block, D block)
+    (1, 1, 4, "HND", "HND", 16, 16),
+    (1, 2, 4, "HND", "HND", 16, 16),
+    (2, 1, 4, "HND", "HND", 16, 16),
+    (2, 4, 4, "HND", "HND", 16, 16),
+    (4, 2, 4, "HND", "HND", 16, 16),
+    (2, 4, 2, "HND", "HND", 16, 16),   # KV heads < TP: replicated
+    (4, 2, 2, "HND", "HND", 16, 16),
+    (1, 1, 4, "NHD", "HND", 16, 16),   # permute by descriptors
+    (1, 1, 4, "HND", "NHD", 16, 16),
+    (2, 1, 4, "NHD", "NHD", 16, 16),
+    (1, 1, 4, "NHD", "NHD", 16, 32),   # P block 16, D block 32
+    (1, 1, 4, "HND", "HND", 16, 32),
+    (1, 2, 4, "HND", "NHD", 8, 32),
+    (1, 2, 1, "MLA", "MLA", 16, 16),
+    (2, 1, 1, "MLA", "MLA", 16, 16),
+]
+
+
+@pytest.mark.parametrize("p_tp,d_tp,heads,p_lay,d_lay,p_bs,d_bs", CASES)
+def test_every_reader_rank_gets_exactly_its_heads(p_tp, d_tp, heads, p_lay, d_lay, p_bs, d_bs):
+    n_tokens = 3 * d_bs + 1  # the classic n*block+1
+    p_blocks_needed = -(-n_tokens // p_bs)
+    rng = np.random.default_rng(0)
+    p_ids = [int(x) for x in rng.permutation(40)[:p_blocks_needed]]  # neither contiguous nor ordered
+    d_ids = [int(x) for x in rng.permutation(40)[:-(-n_tokens // d_bs)]]
+    mla = p_lay == "MLA"
+    prefill = [make_rank(p, p_tp, heads, p_bs, p_lay, 40, n_tokens, p_ids) for p in range(p_tp)]
+    notified = {p: 0 for p in range(p_tp)}
+    for r in range(d_tp):
+        arr, geo = make_rank(r, d_tp, heads, d_bs, d_lay, 40, n_tokens, None)
+        read_from, notify = source_ranks(r, d_tp, p_tp, heads, mla)
+        assert set(read_from) <= set(notify)
+        for p in notify:
+            notified[p] += 1
+        for p in read_from:
+            parr, pgeo = prefill[p]
+            simulate(arr, geo, parr, pgeo, d_ids, p_ids)
+        want, _ = make_rank(r, d_tp, heads, d_bs, d_lay, 40, n_tokens, d_ids)
+        np.testing.assert_array_equal(arr, want, err_msg=f"reader rank {r}")
+    for p in range(p_tp):
+        assert notified[p] == expected_notifications(p, p_tp, d_tp, heads, mla) >= 1
+
+
+def test_reader_block_smaller_than_source_block_is_refused():
+    _, lgeo = make_rank(0, 1, 4, 16, "HND", 8, 0, None)
+    _, rgeo = make_rank(0, 1, 4, 32, "HND", 8, 0, None)
+    with pytest.raises(PlanError, match="not a multiple"):
+        compatible(lgeo, rgeo)
+
+
+def test_mla_cannot_fill_a_kv_layout():
+    _, lgeo = make_rank(0, 1, 4, 16, "HND", 8, 0, None)
+    _, rgeo = make_rank(0, 1, 1, 16, "MLA", 8, 0, None)
+    with pytest.raises(PlanError, match="MLA"):
+        compatible(lgeo, rgeo)
+
+
+def test_equal_geometry_is_one_chunk_per_block():
+    _, g = make_rank(0, 1, 4, 16, "HND", 8, 0, None)
+    assert chunks(g, g, 0).tolist() == [[0, 0, 0, g.regions[0].block_len]]
+
+
+def test_cross_layer_regions_need_equal_geometry():
+    lay = Layout(8, 16, "HND", "float32", 4, HEAD_DIM, 2, (2 * 2 * 4 * 16 * HEAD_DIM * 4,))
+    big = Geometry(0, 1, lay, (Region(0, 0, lay.block_lens[0], lay.block_lens[0]),), 4)
+    assert len(chunks(big, big, 0)) == 1
+    lay2 = Layout(8, 16, "HND", "float32", 2, HEAD_DIM, 2, (lay.block_lens[0] // 2,))
+    half = Geometry(0, 2, lay2, (Region(0, 0, lay2.block_lens[0], lay2.block_lens[0]),), 4)
+    with pytest.raises(PlanError, match="cross-layer"):
+        compatible(half, big)
