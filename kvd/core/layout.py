@@ -61,6 +61,13 @@ class Layout:
     head_dim: int
     num_layers: int
     block_lens: tuple[int, ...] = field(default_factory=tuple)
+    total_kv_heads: int = 0  # whole model; 0 = num_kv_heads x TP size (1 for MLA)
+
+    def model_kv_heads(self, tp_size: int) -> int:
+        """KV heads of the whole model (all TP ranks)."""
+        if self.kv_layout == "MLA":
+            return 1
+        return self.total_kv_heads or self.num_kv_heads * tp_size
 
 
 def validate(layout: Layout, regions: list[Region], segment_sizes: list[int]) -> None:
@@ -97,23 +104,24 @@ def validate(layout: Layout, regions: list[Region], segment_sizes: list[int]) ->
             )
 
 
-def compat_hash(model: str, layout: Layout, extra: str = "") -> str:
-    """Hex digest of everything two workers must agree on to exchange blocks.
+def compat_hash(model: str, layout: Layout, tp_size: int, num_regions: int, extra: str = "") -> str:
+    """Hex digest of what two workers must share to exchange blocks at all.
 
-    Covers the model, dtype, block size (tokens), KV layout, heads, head_dim,
-    layer count and per-region block lengths; not ``num_blocks`` (each engine
-    sizes its own cache). 16 hex digits of SHA-256.
+    Covers the model, dtype, head_dim, layer count, the model's KV heads, MLA
+    or not, and the region count. Not TP size, block size, HND/NHD or
+    ``num_blocks``: those may differ between prefill and decode, and the
+    handshake checks each pair (``kvd.core.plan.compatible``) with a message
+    naming the mismatch. 16 hex digits of SHA-256.
     """
     parts = [
         "kvd.v1",
         model,
         layout.dtype,
-        str(layout.block_size),
-        layout.kv_layout,
-        str(layout.num_kv_heads),
         str(layout.head_dim),
         str(layout.num_layers),
-        ",".join(map(str, layout.block_lens)),
+        str(layout.model_kv_heads(tp_size)),
+        "mla" if layout.kv_layout == "MLA" else "kv",
+        str(num_regions),
         extra,
     ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]

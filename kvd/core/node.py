@@ -7,20 +7,21 @@ on NIXL and no agent is used from two threads.
 
 Pull mode (the seed connector's protocol, DESIGN.md "Transfer protocol"):
 
-1. prefill worker: ``hold(request, blocks)`` -> a lease;
+1. prefill worker: ``hold(request, blocks)`` -> a lease (``kvd.core.leases``);
 2. decode worker: ``load(request, local blocks, remote ...)`` -> handshake
-   with the remote daemon once per remote worker, then one NIXL READ whose
-   notification is the remote request id;
-3. prefill daemon sees the notification -> ``SendDone`` (or the lease expires
-   -> ``SendDone(expired=True)``);
-4. decode daemon sees the READ done -> ``RecvDone`` (or ``LoadFailed`` with the
-   local block ids, on error or past the deadline).
+   once per (local worker, remote worker) pair, which also prepares both
+   descriptor lists of the pair's transfer plan (``kvd.core.plan``); then one
+   NIXL READ per source rank, each with a notification naming the remote
+   request; source ranks it does not read from get a bare notification;
+3. prefill daemon: once every expected reader notified -> ``SendDone`` (or
+   the lease expires -> ``SendDone(expired=True)``);
+4. decode daemon: every READ done -> ``RecvDone``; any error or the deadline
+   -> ``LoadFailed`` with the local block ids.
 """
 
 from __future__ import annotations
 
 import asyncio
-import heapq
 import logging
 import time
 import uuid
@@ -33,6 +34,7 @@ import numpy as np
 
 from kvd import __version__
 from kvd.core import layout as lay
+from kvd.core import plan
 from kvd.core.events import (
     AlreadyExists,
     CommandRejected,
@@ -46,12 +48,14 @@ from kvd.core.events import (
     SendDone,
 )
 from kvd.core.layout import Layout, LayoutError, Region
+from kvd.core.leases import LeaseTable, notif_message, parse_notif
 from kvd.core.memory import SegmentError, ShmMapping
 from kvd.core.nixl_agent import NixlAgent, NixlError
 
 log = logging.getLogger("kvd.core")
 
 WorkerKey = tuple[str, int]  # (engine_id, tp_rank)
+PeerKey = tuple[str, str, int]  # (address, engine_id, tp_rank)
 
 # Events kept for a worker whose session is not attached (reconnecting shim).
 MAX_PENDING_EVENTS = 100_000
@@ -61,6 +65,9 @@ MAX_PENDING_EVENTS = 100_000
 # notification change.
 PROTOCOL_VERSION = 1
 
+# Agent metadata accepted from a peer (NIXL metadata is a few KiB per backend).
+MAX_AGENT_METADATA = 1 << 20
+
 
 @dataclass
 class Limits:
@@ -68,7 +75,7 @@ class Limits:
 
     lease_s: float = 120.0           # default lease of held prefill blocks (vLLM's abort timeout is 480 s)
     max_lease_s: float = 3600.0
-    transfer_timeout_s: float = 30.0  # a READ not DONE by then fails
+    transfer_timeout_s: float = 30.0  # a load not done by then fails
     handshake_timeout_s: float = 10.0
     early_notif_s: float = 120.0     # a notification that beat its hold is kept this long
     max_blocks_per_request: int = 1 << 20
@@ -98,6 +105,7 @@ class HandshakeResult:
     compat_hash: str
     daemon_version: str
     protocol_version: int = PROTOCOL_VERSION
+    tp_size: int = 1
 
 
 # An async callable that performs a handshake with a remote daemon:
@@ -108,45 +116,47 @@ HandshakeFn = Callable[[str, str, int, str, float], Awaitable[HandshakeResult]]
 
 @dataclass
 class RemoteWorker:
-    """A remote worker as seen by one local worker's agent."""
+    """A remote (source) worker as one local worker's agent sees it.
+
+    Holds the pair's transfer plan: ``k`` source blocks per local block, ``C``
+    chunks per source block and region, and the two prepped descriptor lists
+    (``local_dlist`` is the worker's own list when the plan is the identity).
+    Both are released when the remote is dropped.
+    """
 
     address: str
     engine_id: str
     tp_rank: int
+    tp_size: int
     agent_name: str
     layout: Layout
     num_regions: int
-    dlist: object  # prepped remote dlist handle; released when the peer is dropped
+    k: int
+    C: int
+    local_dlist: object
+    remote_dlist: object
+    owns_local_dlist: bool
     daemon_version: str
 
     @property
-    def key(self) -> tuple[str, str, int]:
+    def key(self) -> PeerKey:
         return (self.address, self.engine_id, self.tp_rank)
 
 
 @dataclass
-class Lease:
-    """Prefill blocks held for a reader, until ``deadline`` (monotonic seconds)."""
-
-    request_id: str
-    block_ids: list[int]
-    deadline: float
-
-
-@dataclass
 class InflightLoad:
-    """A posted READ; ``handle`` is released by the poll that sees DONE/ERR."""
+    """A load's posted READs (one per source rank); released as each ends."""
 
     request_id: str
     local_block_ids: list[int]
-    handle: object
+    parts: list[tuple[object, RemoteWorker]]  # (xfer handle, source) still PROC
     started: float
     deadline: float
     nbytes: int
     ndescs: int
     peer: str
-    remote: "RemoteWorker"
-    retry: tuple | None = None  # load() args, set when a retry after re-handshake is allowed
+    retry: tuple | None = None  # load() args, when a retry after re-handshake is allowed
+    failed: str = ""
 
 
 @dataclass
@@ -165,11 +175,9 @@ class Worker:
     bases: list[int]
     local_dlist: object
     registered_bytes: int
-    leases: dict[str, Lease] = field(default_factory=dict)
-    early_notifs: dict[str, float] = field(default_factory=dict)
-    remotes: dict[tuple[str, str, int], RemoteWorker] = field(default_factory=dict)
-    retired: list[RemoteWorker] = field(default_factory=list)  # dropped, NIXL state freed once unused
-    lease_heap: list = field(default_factory=list)  # (deadline, request_id), lazily pruned
+    leases: LeaseTable = field(default_factory=LeaseTable)
+    remotes: dict[PeerKey, RemoteWorker] = field(default_factory=dict)
+    retired: list[RemoteWorker] = field(default_factory=list)  # dropped; NIXL state freed once unused
     inflight: dict[str, InflightLoad] = field(default_factory=dict)
     pending_loads: set[str] = field(default_factory=set)
     events: deque = field(default_factory=deque)
@@ -180,6 +188,10 @@ class Worker:
     @property
     def label(self) -> str:
         return f"engine={self.key[0]} rank={self.key[1]}"
+
+    def geometry(self) -> plan.Geometry:
+        return plan.Geometry(self.key[1], self.tp_size, self.layout, tuple(self.regions),
+                             self.layout.model_kv_heads(self.tp_size))
 
 
 @dataclass
@@ -204,6 +216,8 @@ class Node:
             daemon; tests may pass a fake).
         peer_address: ``host:port`` remote daemons use to reach this one.
         backends: NIXL backends for every agent (default ``["UCX"]``).
+        on_event: hook ``(name, fields)`` for metrics: ``transfer``,
+            ``failure``, ``handshake``, ``register``.
 
     Call :meth:`start` inside the event loop, :meth:`close` at shutdown.
     """
@@ -317,27 +331,27 @@ class Node:
             for m in mappings:
                 m.close()
             raise InvalidArgument(str(e)) from None
-        bases = [mappings[r.segment].addr + r.offset for r in regions]
         w = Worker(
             key=(engine_id, tp_rank),
             tp_size=tp_size,
             model=model,
             layout=layout,
             regions=regions,
-            compat_hash=lay.compat_hash(model, layout, compat_extra),
+            compat_hash=lay.compat_hash(model, layout, tp_size, len(regions), compat_extra),
             agent=agent,
             mappings=mappings,
             registrations=regs,
-            bases=bases,
+            bases=[mappings[r.segment].addr + r.offset for r in regions],
             local_dlist=dlist,
             registered_bytes=sum(s.size for s in segments),
+            leases=LeaseTable(early_s=self.limits.early_notif_s),
         )
         w.detached_since = time.monotonic()
         self.workers[w.key] = w
         log.info(
-            "registered %s: agent %s, %d regions x %d blocks of %d tokens, %d bytes in %d segments, hash %s",
-            w.label, name, len(regions), layout.num_blocks, layout.block_size,
-            w.registered_bytes, len(segments), w.compat_hash,
+            "registered %s (TP %d): agent %s, %d regions x %d blocks of %d tokens (%s), %d bytes in %d segments, "
+            "hash %s", w.label, tp_size, name, len(regions), layout.num_blocks, layout.block_size,
+            layout.kv_layout, w.registered_bytes, len(segments), w.compat_hash,
         )
         self._on_event("register", {"engine": engine_id})
         return w
@@ -364,21 +378,22 @@ class Node:
         w = self.workers.pop(key, None)
         if w is None:
             raise NotFound(f"engine {key[0]!r} rank {key[1]} is not registered with this daemon")
-        for load in list(w.inflight.values()):
-            self.counters.transfers_failed += 1
+        self.counters.transfers_failed += len(w.inflight)
         released = len(w.leases)
         await self._nixl(self._free_worker, w)
         for m in w.mappings:
             m.close()
         log.info("unregistered %s (%s): %d leases, %d loads dropped", w.label, reason, released, len(w.inflight))
         w.inflight.clear()
-        w.leases.clear()
+        w.leases.leases.clear()
         return released
 
     def _free_worker(self, w: Worker) -> None:
+        """NIXL thread: releases every handle, list, remote and registration of ``w``."""
         for load in w.inflight.values():
-            if not w.agent.release(load.handle):
-                self._zombies.append((w.agent, load.handle))
+            for h, _ in load.parts:
+                if not w.agent.release(h):
+                    self._zombies.append((w.agent, h))
         for r in [*w.remotes.values(), *w.retired]:
             self._free_remote(w, r)
         w.remotes.clear()
@@ -409,67 +424,52 @@ class Node:
 
     # ------------------------------------------------------------- prefill side
     def hold(self, w: Worker, request_id: str, block_ids: list[int], lease_s: float = 0.0) -> None:
-        """Holds ``block_ids`` of ``request_id`` for a reader (a lease).
+        """Holds ``block_ids`` of ``request_id`` for its readers (a lease).
 
-        ``lease_s`` 0 means the daemon default; capped at ``max_lease_s``.
-        Emits ``CommandRejected`` on bad input, ``SendDone`` when the lease
-        ends.
+        ``lease_s`` 0 means the daemon default; capped at ``max_lease_s``. A
+        second hold of the same request and blocks renews the lease (issue 4,
+        scenario 4). Emits ``CommandRejected`` on bad input, ``SendDone`` when
+        the lease ends.
         """
         if not request_id:
             self._emit(w, CommandRejected("", "hold: request_id is empty"))
+            return
+        if len(block_ids) > self.limits.max_blocks_per_request:
+            self._emit(w, CommandRejected(request_id, "hold: too many blocks"))
             return
         try:
             lay.descriptor_indices(block_ids, 1, w.layout.num_blocks)
         except LayoutError as e:
             self._emit(w, CommandRejected(request_id, f"hold: {e}"))
             return
-        if len(block_ids) > self.limits.max_blocks_per_request:
-            self._emit(w, CommandRejected(request_id, "hold: too many blocks"))
-            return
+        now = time.monotonic()
         lease_s = min(lease_s if lease_s > 0 else self.limits.lease_s, self.limits.max_lease_s)
-        deadline = time.monotonic() + lease_s
-        old = w.leases.get(request_id)
-        if old is not None:
-            # A second hold of the same request renews its lease (issue 4,
-            # scenario 4); the blocks must be the same ones.
-            if old.block_ids != list(block_ids):
-                self._emit(w, CommandRejected(request_id, "hold: request already holds other blocks"))
-                return
-            old.deadline = max(old.deadline, deadline)
-            heapq.heappush(w.lease_heap, (old.deadline, request_id))
-            return
-        if request_id in w.early_notifs:
-            w.early_notifs.pop(request_id)
+        result = w.leases.hold(request_id, list(block_ids), now + lease_s, now)
+        if result == "conflict":
+            self._emit(w, CommandRejected(request_id, "hold: request already holds other blocks"))
+        elif result == "done":
             self.counters.leases_notified += 1
             self._emit(w, SendDone(request_id))
-            log.info("%s request=%s: reader notified before the hold; blocks freed", w.label, request_id)
-            return
-        w.leases[request_id] = Lease(request_id, list(block_ids), deadline)
-        heapq.heappush(w.lease_heap, (deadline, request_id))
+            log.info("%s request=%s: readers notified before the hold; blocks freed", w.label, request_id)
 
     def release(self, w: Worker, request_id: str) -> None:
         """Ends a lease now (the request was aborted); emits ``SendDone(released)``."""
-        lease = w.leases.pop(request_id, None)
-        if lease is None:
+        if not w.leases.release(request_id):
             self._emit(w, CommandRejected(request_id, "release: no lease for this request"))
             return
         self.counters.leases_released += 1
         self._emit(w, SendDone(request_id, released=True))
 
     def _on_notif(self, w: Worker, remote_agent: str, msg: bytes) -> None:
-        try:
-            request_id = msg.decode()
-        except UnicodeDecodeError:
-            log.warning("%s: undecodable notification from %s", w.label, remote_agent)
+        parsed = parse_notif(msg)
+        if parsed is None:
+            log.warning("%s: malformed notification from %s ignored (%d bytes)", w.label, remote_agent, len(msg))
             return
-        lease = w.leases.pop(request_id, None)
-        if lease is None:
-            if len(w.early_notifs) < self.limits.max_inflight_per_worker * 4:
-                w.early_notifs[request_id] = time.monotonic() + self.limits.early_notif_s
-            return
-        self.counters.leases_notified += 1
-        log.debug("%s request=%s: read by %s; lease ended", w.label, request_id, remote_agent)
-        self._emit(w, SendDone(request_id))
+        request_id, expected = parsed
+        if w.leases.notify(request_id, expected, time.monotonic()):
+            self.counters.leases_notified += 1
+            log.debug("%s request=%s: every reader notified; lease ended", w.label, request_id)
+            self._emit(w, SendDone(request_id))
 
     # -------------------------------------------------------------- decode side
     async def load(
@@ -486,6 +486,11 @@ class Node:
         _deadline: float | None = None,
     ) -> None:
         """Pulls remote blocks into local blocks; emits RecvDone or LoadFailed.
+
+        ``remote_block_ids[i]`` fills slot ``i % k`` of local block
+        ``local_block_ids[i // k]`` (``k`` = local / remote block size).
+        Reads from every source rank the plan needs (``remote_tp_size`` 0
+        means the local TP size) and notifies all overlapping ones.
 
         Never raises: every failure becomes ``LoadFailed`` naming the local
         block ids, so the engine's recompute/fail policy applies. A READ that
@@ -504,62 +509,85 @@ class Node:
             self._on_event("failure", {"reason": reason.split(":")[0]})
             self._emit(w, LoadFailed(request_id, list(local_block_ids), reason))
 
-        if not request_id or request_id in w.inflight or request_id in w.pending_loads:
+        if not request_id or request_id in w.inflight or (request_id in w.pending_loads and _deadline is None):
             self._emit(w, CommandRejected(request_id, "load: empty or duplicate request_id"))
             return
-        if len(local_block_ids) != len(remote_block_ids):
-            return fail(f"invalid: {len(local_block_ids)} local blocks vs {len(remote_block_ids)} remote blocks")
-        if not local_block_ids:
-            # Nothing to move (full local prefix hit): still tell the reader's
-            # peer nothing; the engine sees the request as received.
+        if not remote_block_ids:
+            # Nothing to move (a full local prefix hit): done at once.
             self._emit(w, RecvDone(request_id, 0, 0, 0, 0.0))
             return
-        if len(local_block_ids) > self.limits.max_blocks_per_request:
-            return fail(f"invalid: {len(local_block_ids)} blocks exceed the limit {self.limits.max_blocks_per_request}")
+        if max(len(local_block_ids), len(remote_block_ids)) > self.limits.max_blocks_per_request:
+            return fail(f"invalid: more than {self.limits.max_blocks_per_request} blocks")
         if len(w.inflight) + len(w.pending_loads) >= self.limits.max_inflight_per_worker:
             return fail("busy: too many loads in flight for this worker")
-        if remote_tp_size and remote_tp_size != w.tp_size:
-            return fail(f"unsupported: remote TP size {remote_tp_size} != local {w.tp_size} (heterogeneous TP, issue 3)")
+        remote_tp = remote_tp_size or w.tp_size
+        geo = w.geometry()
         try:
-            local_idx = lay.descriptor_indices(local_block_ids, len(w.regions), w.layout.num_blocks)
-        except LayoutError as e:
-            return fail(f"invalid: local {e}")
+            read_from, notify = plan.source_ranks(w.key[1], w.tp_size, remote_tp, geo.total_kv_heads,
+                                                  w.layout.kv_layout == "MLA")
+        except plan.PlanError as e:
+            return fail(f"incompatible: {e}")
         w.pending_loads.add(request_id)
+        posted: list[tuple[object, RemoteWorker]] = []
+        nbytes = ndescs = 0
+        fresh_any = False
+        err = ""
         try:
+            remotes: dict[int, RemoteWorker] = {}
             try:
-                remote, fresh = await self._remote(w, remote_address, remote_engine_id, w.key[1], deadline)
+                for p in notify:
+                    remotes[p], fresh = await self._remote(w, remote_address, remote_engine_id, p, remote_tp,
+                                                           deadline)
+                    fresh_any |= fresh
             except (Incompatible, NotFound, PeerUnavailable, InvalidArgument) as e:
                 return fail(f"handshake: {e}")
-            try:
-                remote_idx = lay.descriptor_indices(remote_block_ids, remote.num_regions, remote.layout.num_blocks)
-            except LayoutError as e:
-                return fail(f"invalid: remote {e}")
             if w.key not in self.workers:
                 return fail("worker unregistered")
-            try:
-                handle, state = await self._nixl(
-                    w.agent.post, "READ", w.local_dlist, local_idx, remote.dlist, remote_idx,
-                    remote_request_id.encode(),
-                )
-            except NixlError as e:
-                state, handle = "ERR", None
-                err = f"nixl: {e}"
+            for p in read_from:
+                r = remotes[p]
+                try:
+                    lidx, ridx = plan.chunk_indices(local_block_ids, remote_block_ids, r.num_regions,
+                                                    w.layout.num_blocks, r.layout.num_blocks, r.k, r.C)
+                except LayoutError as e:
+                    err = f"invalid: {e}"
+                    break
+                msg = notif_message(remote_request_id, plan.expected_notifications(
+                    p, remote_tp, w.tp_size, geo.total_kv_heads, w.layout.kv_layout == "MLA"))
+                try:
+                    handle, state = await self._nixl(w.agent.post, "READ", r.local_dlist, lidx, r.remote_dlist,
+                                                     ridx, msg)
+                except NixlError as e:
+                    err = f"nixl: {e}"
+                    break
+                posted.append((handle, r))
+                if state == "ERR":
+                    err = "nixl: transfer post returned ERR"
+                    break
+                ndescs += len(lidx)
             else:
-                err = "nixl: transfer post returned ERR"
+                nbytes = sum(r.block_len for r in w.regions) * len(local_block_ids)
+                for p in notify:
+                    if p not in read_from:
+                        await self._nixl(w.agent.send_notif, remotes[p].agent_name, notif_message(
+                            remote_request_id, plan.expected_notifications(
+                                p, remote_tp, w.tp_size, geo.total_kv_heads, w.layout.kv_layout == "MLA")))
+        except NixlError as e:
+            err = f"nixl: {e}"
         finally:
             w.pending_loads.discard(request_id)
-        retry = args if (not fresh and _deadline is None) else None
-        if state == "ERR":
-            if handle is not None:
-                await self._nixl(self._release_handle, w.agent, handle)
-            if retry and w.key in self.workers:
-                self._retire(w, remote, err)
+        retry = args if (not fresh_any and _deadline is None) else None
+        if err:
+            for h, r in posted:
+                await self._nixl(self._release_handle, w.agent, h)
+            if retry and err.startswith("nixl") and w.key in self.workers:
+                for _, r in posted:
+                    self._retire(w, r, err)
+                for p in read_from:
+                    self._retire(w, remotes[p], err)
                 return await self.load(*retry, _deadline=deadline)
             return fail(err)
-        nbytes = sum(r.block_len for r in w.regions) * len(local_block_ids)
         w.inflight[request_id] = InflightLoad(
-            request_id, list(local_block_ids), handle, started, deadline, nbytes, len(local_idx),
-            remote_address, remote, retry,
+            request_id, list(local_block_ids), posted, started, deadline, nbytes, ndescs, remote_address, retry,
         )
         self._kick.set()
 
@@ -572,25 +600,33 @@ class Node:
                      w.label, remote.agent_name, remote.address, why)
 
     def _free_remote(self, w: Worker, r: RemoteWorker) -> None:
-        """NIXL thread: releases a remote's prepped list and forgets its agent."""
-        try:
-            w.agent.release_dlist(r.dlist)
-        except Exception as e:
-            log.debug("%s: release_dlist(%s): %s", w.label, r.agent_name, e)
+        """NIXL thread: releases a remote's prepped lists and forgets its agent."""
+        lists = [r.remote_dlist] + ([r.local_dlist] if r.owns_local_dlist else [])
+        for d in lists:
+            try:
+                w.agent.release_dlist(d)
+            except Exception as e:
+                log.debug("%s: release_dlist(%s): %s", w.label, r.agent_name, e)
         w.agent.remove_remote(r.agent_name)
 
     async def abort_load(self, w: Worker, request_id: str, remote_engine_id: str, remote_address: str,
                          remote_request_id: str, remote_tp_size: int) -> None:
-        """Tells the remote prefill worker to free ``remote_request_id`` now.
+        """Tells the remote prefill ranks to free ``remote_request_id`` now.
 
         The decode request was aborted before its load (issue 4, scenario 3):
-        a bare NIXL notification ends the remote lease, as a READ's would.
+        bare NIXL notifications end the remote lease, as READs' would.
         Failures are logged, never raised: the remote lease bounds the hold.
         """
         deadline = time.monotonic() + self.limits.handshake_timeout_s
+        remote_tp = remote_tp_size or w.tp_size
+        mla = w.layout.kv_layout == "MLA"
+        heads = w.layout.model_kv_heads(w.tp_size)
         try:
-            remote, _ = await self._remote(w, remote_address, remote_engine_id, w.key[1], deadline)
-            await self._nixl(w.agent.send_notif, remote.agent_name, remote_request_id.encode())
+            _, notify = plan.source_ranks(w.key[1], w.tp_size, remote_tp, heads, mla)
+            for p in notify:
+                remote, _ = await self._remote(w, remote_address, remote_engine_id, p, remote_tp, deadline)
+                msg = notif_message(remote_request_id, plan.expected_notifications(p, remote_tp, w.tp_size, heads, mla))
+                await self._nixl(w.agent.send_notif, remote.agent_name, msg)
             log.info("%s request=%s: aborted; told %s to free %s", w.label, request_id, remote_address,
                      remote_request_id)
         except Exception as e:
@@ -601,7 +637,7 @@ class Node:
         if not agent.release(handle):
             self._zombies.append((agent, handle))
 
-    async def _remote(self, w: Worker, address: str, engine_id: str, tp_rank: int,
+    async def _remote(self, w: Worker, address: str, engine_id: str, tp_rank: int, tp_size: int,
                       deadline: float) -> tuple[RemoteWorker, bool]:
         """The remote worker, handshaking if needed; ``(remote, fresh)``."""
         key = (address, engine_id, tp_rank)
@@ -611,12 +647,12 @@ class Node:
         fkey = (w.key, key)
         fut = self._handshakes.get(fkey)
         if fut is None:
-            fut = asyncio.get_running_loop().create_task(self._do_handshake(w, key, deadline))
+            fut = asyncio.get_running_loop().create_task(self._do_handshake(w, key, tp_size, deadline))
             self._handshakes[fkey] = fut
             fut.add_done_callback(lambda _f: self._handshakes.pop(fkey, None))
         return await asyncio.shield(fut), True
 
-    async def _do_handshake(self, w: Worker, key, deadline: float) -> RemoteWorker:
+    async def _do_handshake(self, w: Worker, key: PeerKey, tp_size: int, deadline: float) -> RemoteWorker:
         address, engine_id, tp_rank = key
         if self._handshake is None:
             raise PeerUnavailable("this daemon has no peer client")
@@ -630,16 +666,32 @@ class Node:
                                f"this daemon speaks {PROTOCOL_VERSION} (kvd {__version__})")
         if hs.compat_hash != w.compat_hash:
             raise Incompatible(f"compatibility hash mismatch: local {w.compat_hash}, remote {hs.compat_hash}")
-        if len(hs.regions) != len(w.regions) or [r.block_len for r in hs.regions] != [r.block_len for r in w.regions]:
-            raise Incompatible("region layout mismatch (block lengths differ)")
-        if len(hs.region_bases) != len(hs.regions):
+        if hs.tp_size != tp_size:
+            raise Incompatible(f"remote engine {engine_id!r} has TP size {hs.tp_size}, the request says {tp_size}")
+        if not 0 < len(hs.agent_metadata) <= MAX_AGENT_METADATA:
+            raise InvalidArgument(f"handshake: agent metadata of {len(hs.agent_metadata)} bytes "
+                                  f"(1..{MAX_AGENT_METADATA} accepted)")
+        if len(hs.region_bases) != len(hs.regions) or not hs.regions:
             raise InvalidArgument("handshake: region_base_addrs and regions differ in length")
         try:
             lay.validate(hs.layout, hs.regions, [1 << 62] * (1 + max(r.segment for r in hs.regions)))
         except LayoutError as e:
             raise InvalidArgument(f"handshake: remote layout invalid: {e}") from None
-        descs = lay.block_descriptors(hs.region_bases, hs.regions, hs.layout.num_blocks)
-
+        local_geo = w.geometry()
+        remote_geo = plan.Geometry(tp_rank, hs.tp_size, hs.layout, tuple(hs.regions),
+                                   hs.layout.model_kv_heads(hs.tp_size))
+        try:
+            chunk_sets = [plan.chunks(local_geo, remote_geo, i) for i in range(len(w.regions))]
+        except plan.PlanError as e:
+            raise Incompatible(f"layouts cannot be combined: {e}") from None
+        k = w.layout.block_size // hs.layout.block_size
+        C = len(chunk_sets[0]) // k
+        if any(len(c) != k * C for c in chunk_sets):
+            raise Incompatible("regions need different chunk counts (mixed region kinds)")
+        identity = k == 1 and C == 1 and all(
+            c[0].tolist() == [0, 0, 0, r.block_len] for c, r in zip(chunk_sets, w.regions))
+        lrows = None if identity else plan.local_rows(w.bases, w.regions, w.layout.num_blocks, chunk_sets, k)
+        rrows = plan.remote_rows(hs.region_bases, hs.regions, hs.layout.num_blocks, chunk_sets, k)
         # An agent of the same name still loaded (a retired one, or the peer's
         # old identity) is forgotten first: NIXL keeps one entry per name.
         for old in [o for o in w.retired if o.agent_name == hs.agent_name]:
@@ -649,21 +701,27 @@ class Node:
         def add():
             name = w.agent.add_remote(hs.agent_metadata)
             try:
-                return name, w.agent.prep_remote(name, descs)
+                rd = w.agent.prep_remote(name, rrows)
+                ld = w.local_dlist if lrows is None else w.agent.prep_local(lrows)
+                return name, rd, ld
             except Exception:
                 w.agent.remove_remote(name)
                 raise
 
         try:
-            name, dlist = await self._nixl(add)
+            name, rd, ld = await self._nixl(add)
         except NixlError as e:
             raise InvalidArgument(f"handshake: agent metadata rejected: {e}") from None
-        r = RemoteWorker(address, engine_id, tp_rank, name, hs.layout, len(hs.regions), dlist, hs.daemon_version)
+        if w.key not in self.workers:
+            raise NotFound("local worker unregistered during the handshake")
+        r = RemoteWorker(address, engine_id, tp_rank, hs.tp_size, name, hs.layout, len(hs.regions), k, C, ld, rd,
+                         lrows is not None, hs.daemon_version)
         w.remotes[key] = r
         self.counters.handshakes += 1
         self._on_event("handshake", {"seconds": time.monotonic() - t0})
-        log.info("%s: handshake with %s engine=%s rank=%d agent=%s (kvd %s) in %.1f ms",
-                 w.label, address, engine_id, tp_rank, name, hs.daemon_version, 1e3 * (time.monotonic() - t0))
+        log.info("%s: handshake with %s engine=%s rank=%d/%d agent=%s (kvd %s) in %.1f ms: %d chunk(s) x %d slot(s)",
+                 w.label, address, engine_id, tp_rank, hs.tp_size, name, hs.daemon_version,
+                 1e3 * (time.monotonic() - t0), C, k)
         return r
 
     # ------------------------------------------------------------- peer side
@@ -673,7 +731,8 @@ class Node:
 
         Raises:
             NotFound: no such worker here.
-            Incompatible: ``caller_hash`` differs from the worker's hash.
+            Incompatible: other protocol version, or ``caller_hash`` differs
+                from the worker's hash (the message names both).
         """
         w = self.worker(engine_id, tp_rank)
         if protocol_version != PROTOCOL_VERSION:
@@ -685,31 +744,41 @@ class Node:
                 f"caller {caller_hash}, this worker {w.compat_hash}"
             )
         meta = await self._nixl(w.agent.metadata)
-        return HandshakeResult(meta, w.agent.name, w.layout, w.regions, w.bases, w.compat_hash, __version__)
+        return HandshakeResult(meta, w.agent.name, w.layout, w.regions, w.bases, w.compat_hash, __version__,
+                               PROTOCOL_VERSION, w.tp_size)
 
     # --------------------------------------------------------------- progress
     def _poll(self):
-        """NIXL thread: states of in-flight loads, new notifications."""
+        """NIXL thread: finished READs, new notifications, unused remotes."""
         done = []
-        for w in list(self.workers.values()):
-            for rid, load in list(w.inflight.items()):
-                st = w.agent.state(load.handle)
-                if st != "PROC":
-                    done.append((w, rid, st, w.agent.release(load.handle)))
-            if w.retired:
-                used = {l.remote.agent_name for l in list(w.inflight.values())}
-                for r in [r for r in w.retired if r.agent_name not in used]:
-                    w.retired.remove(r)
-                    self._free_remote(w, r)
-            notifs = w.agent.notifs()
-            for agent_name, msgs in notifs.items():
-                for m in msgs:
-                    done.append((w, agent_name, "NOTIF", m))
         still = []
         for agent, h in self._zombies:
             if not agent.release(h):
                 still.append((agent, h))
         self._zombies = still
+        for w in list(self.workers.values()):
+            for rid, load in list(w.inflight.items()):
+                still = []
+                for h, r in load.parts:
+                    st = w.agent.state(h)
+                    if st == "PROC":
+                        still.append((h, r))
+                        continue
+                    if not w.agent.release(h):
+                        self._zombies.append((w.agent, h))
+                    if st != "DONE":
+                        done.append((w, rid, "ERR", r))
+                load.parts = still
+                if not still:
+                    done.append((w, rid, "END", None))
+            if w.retired and not any(a is w.agent for a, _ in self._zombies):
+                used = {id(r) for l in list(w.inflight.values()) for _, r in l.parts}
+                for r in [r for r in w.retired if id(r) not in used]:
+                    w.retired.remove(r)
+                    self._free_remote(w, r)
+            for agent_name, msgs in w.agent.notifs().items():
+                for m in msgs:
+                    done.append((w, agent_name, "NOTIF", m))
         return done
 
     async def _progress_loop(self) -> None:
@@ -725,29 +794,14 @@ class Node:
                     continue
                 if st == "NOTIF":
                     self._on_notif(w, a, extra)
-                    continue
-                load = w.inflight.pop(a, None)
-                if load is None:
-                    continue
-                if not extra:
-                    self._zombies.append((w.agent, load.handle))
-                if st == "DONE":
-                    dur = now - load.started
-                    self.counters.bytes_read += load.nbytes
-                    self.counters.transfers_done += 1
-                    self._on_event("transfer", {"bytes": load.nbytes, "seconds": dur, "descs": load.ndescs})
-                    log.debug("%s request=%s: %d bytes in %.2f ms", w.label, a, load.nbytes, dur * 1e3)
-                    self._emit(w, RecvDone(a, load.nbytes, len(load.local_block_ids), load.ndescs, dur))
-                elif load.retry and now < load.deadline:
-                    self._retire(w, load.remote, f"READ failed: NIXL {st}")
-                    asyncio.get_running_loop().create_task(self.load(*load.retry, _deadline=load.deadline))
-                else:
-                    self._retire(w, load.remote, f"READ failed: NIXL {st}")
-                    self.counters.transfers_failed += 1
-                    self._on_event("failure", {"reason": "transfer"})
-                    log.warning("%s request=%s peer=%s: transfer failed (NIXL %s)", w.label, a, load.peer, st)
-                    self._emit(w, LoadFailed(a, load.local_block_ids, f"transfer: NIXL state {st}"))
-            await self._expire(now)
+                elif st == "ERR":
+                    load = w.inflight.get(a)
+                    if load is not None and not load.failed:
+                        load.failed = f"transfer: NIXL error reading from {extra.agent_name}"
+                        self._retire(w, extra, "READ failed")
+                elif st == "END":
+                    self._finish(w, a, now)
+            self._expire(now)
             busy = any(w.inflight for w in self.workers.values())
             self._kick.clear()
             try:
@@ -755,39 +809,53 @@ class Node:
             except asyncio.TimeoutError:
                 pass
 
-    async def _expire(self, now: float) -> None:
+    def _finish(self, w: Worker, request_id: str, now: float) -> None:
+        load = w.inflight.pop(request_id, None)
+        if load is None:
+            return
+        if not load.failed:
+            dur = now - load.started
+            self.counters.bytes_read += load.nbytes
+            self.counters.transfers_done += 1
+            self._on_event("transfer", {"bytes": load.nbytes, "seconds": dur, "descs": load.ndescs})
+            log.debug("%s request=%s: %d bytes in %.2f ms", w.label, request_id, load.nbytes, dur * 1e3)
+            self._emit(w, RecvDone(request_id, load.nbytes, len(load.local_block_ids), load.ndescs, dur))
+        elif load.retry and now < load.deadline:
+            log.info("%s request=%s: %s; retrying after a new handshake", w.label, request_id, load.failed)
+            asyncio.get_running_loop().create_task(self.load(*load.retry, _deadline=load.deadline))
+        else:
+            self.counters.transfers_failed += 1
+            self._on_event("failure", {"reason": "transfer"})
+            log.warning("%s request=%s peer=%s: %s", w.label, request_id, load.peer, load.failed)
+            self._emit(w, LoadFailed(request_id, load.local_block_ids, load.failed))
+
+    def _expire(self, now: float) -> None:
         for w in list(self.workers.values()):
-            heap = w.lease_heap
-            while heap and heap[0][0] <= now:
-                deadline, rid = heapq.heappop(heap)
-                lease = w.leases.get(rid)
-                if lease is None or lease.deadline > now:
-                    continue  # ended already, or renewed (a later heap entry stands)
-                w.leases.pop(rid)
+            for rid in w.leases.expire(now):
                 self.counters.leases_expired += 1
                 log.warning("%s request=%s: lease expired, nobody read the blocks", w.label, rid)
                 self._emit(w, SendDone(rid, expired=True))
-            for rid in [r for r, d in w.early_notifs.items() if d <= now]:
-                w.early_notifs.pop(rid)
-            late = [l for l in w.inflight.values() if l.deadline <= now]
-            for load in late:
+            for load in [l for l in w.inflight.values() if l.deadline <= now]:
                 w.inflight.pop(load.request_id)
                 self.counters.transfers_failed += 1
                 self._on_event("failure", {"reason": "timeout"})
                 log.warning("%s request=%s peer=%s: transfer past its deadline", w.label, load.request_id, load.peer)
-                self._retire(w, load.remote, "transfer past its deadline")
                 self._emit(w, LoadFailed(load.request_id, load.local_block_ids, "timeout: transfer past its deadline"))
-                await self._nixl(self._release_handle, w.agent, load.handle)
+                for h, r in load.parts:
+                    self._retire(w, r, "transfer past its deadline")
+                    self._zombies.append((w.agent, h))  # released (or cancelled) by the next poll
             if (w.detached_since is not None and not w.sessions
                     and now - w.detached_since > self.limits.detach_grace_s):
-                await self.unregister(w.key, reason=f"no session for {self.limits.detach_grace_s:.0f} s")
+                w.detached_since = None
+                asyncio.get_running_loop().create_task(
+                    self.unregister(w.key, reason=f"no session for {self.limits.detach_grace_s:.0f} s"))
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:
         """Counts for GetStats, ``kvd status`` and metrics."""
-        ws = self.workers.values()
+        ws = list(self.workers.values())
         return dict(
-            engines=len(self.workers),
+            engines=len(ws),
             regions=sum(len(w.regions) for w in ws),
             registered_bytes=sum(w.registered_bytes for w in ws),
             peers=len({(k[0], k[1]) for w in ws for k in w.remotes}),
@@ -797,9 +865,10 @@ class Node:
             uptime_s=time.monotonic() - self.started,
             leaked_handles=len(self._zombies),
             remote_agents=sum(len(w.remotes) + len(w.retired) for w in ws),
-            early_notifications=sum(len(w.early_notifs) for w in ws),
+            early_notifications=sum(len(w.leases.early) for w in ws),
             pending_events=sum(len(w.events) for w in ws if not w.sessions),
-            prepped_dlists=sum(1 + len(w.remotes) + len(w.retired) for w in ws),
+            prepped_dlists=sum(1 + sum(1 + r.owns_local_dlist for r in [*w.remotes.values(), *w.retired])
+                               for w in ws),
             bytes_read=self.counters.bytes_read,
             transfers_done=self.counters.transfers_done,
             transfers_failed=self.counters.transfers_failed,

@@ -42,6 +42,7 @@ def layout_from_pb(m: pb.Layout) -> Layout:
         head_dim=m.head_dim,
         num_layers=m.num_layers,
         block_lens=tuple(m.block_lens),
+        total_kv_heads=m.total_kv_heads,
     )
 
 
@@ -55,6 +56,7 @@ def layout_to_pb(l: Layout) -> pb.Layout:
         head_dim=l.head_dim,
         num_layers=l.num_layers,
         block_lens=list(l.block_lens),
+        total_kv_heads=l.total_kv_heads,
     )
 
 

@@ -54,6 +54,7 @@ class PeerClient:
             agent_metadata=r.agent_metadata, agent_name=r.agent_name, layout=layout_from_pb(r.layout),
             regions=[region_from_pb(x) for x in r.regions], region_bases=list(r.region_base_addrs),
             compat_hash=r.compat_hash, daemon_version=r.daemon_version, protocol_version=r.protocol_version,
+            tp_size=r.tp_size or 1,
         )
 
     async def close(self) -> None:

@@ -36,4 +36,5 @@ def handshake_to_pb(hs: HandshakeResult) -> pb.HandshakeResponse:
         agent_metadata=hs.agent_metadata, agent_name=hs.agent_name, layout=layout_to_pb(hs.layout),
         regions=[region_to_pb(r) for r in hs.regions], region_base_addrs=hs.region_bases,
         compat_hash=hs.compat_hash, daemon_version=hs.daemon_version, protocol_version=hs.protocol_version,
+        tp_size=hs.tp_size,
     )

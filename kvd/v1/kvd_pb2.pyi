@@ -56,7 +56,7 @@ class Region(_message.Message):
     def __init__(self, segment_index: _Optional[int] = ..., offset: _Optional[int] = ..., block_len: _Optional[int] = ..., block_stride: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
 
 class Layout(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "kv_layout", "dtype", "num_kv_heads", "head_dim", "num_layers", "block_lens")
+    __slots__ = ("num_blocks", "block_size", "kv_layout", "dtype", "num_kv_heads", "head_dim", "num_layers", "block_lens", "total_kv_heads")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class Layout(_message.Message):
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_LENS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
     kv_layout: KvLayout
@@ -73,7 +74,8 @@ class Layout(_message.Message):
     head_dim: int
     num_layers: int
     block_lens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_layout: _Optional[_Union[KvLayout, str]] = ..., dtype: _Optional[str] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_layers: _Optional[int] = ..., block_lens: _Optional[_Iterable[int]] = ...) -> None: ...
+    total_kv_heads: int
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_layout: _Optional[_Union[KvLayout, str]] = ..., dtype: _Optional[str] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_layers: _Optional[int] = ..., block_lens: _Optional[_Iterable[int]] = ..., total_kv_heads: _Optional[int] = ...) -> None: ...
 
 class EngineWorker(_message.Message):
     __slots__ = ("engine_id", "tp_rank", "tp_size")
@@ -264,7 +266,14 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("engines", "regions", "registered_bytes", "peers", "active_leases", "inflight_transfers", "bytes_read", "transfers_done", "transfers_failed", "leases_expired", "sessions", "uptime_s", "daemon_version", "peer_address", "leaked_handles", "remote_agents", "early_notifications", "pending_events", "prepped_dlists")
+    __slots__ = ("engines", "regions", "registered_bytes", "peers", "active_leases", "inflight_transfers", "bytes_read", "transfers_done", "transfers_failed", "leases_expired", "sessions", "uptime_s", "daemon_version", "peer_address", "leaked_handles", "remote_agents", "early_notifications", "pending_events", "prepped_dlists", "workers", "remote_workers", "data_path", "versions", "backends", "draining", "metrics_address")
+    class VersionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +293,13 @@ class StatsResponse(_message.Message):
     EARLY_NOTIFICATIONS_FIELD_NUMBER: _ClassVar[int]
     PENDING_EVENTS_FIELD_NUMBER: _ClassVar[int]
     PREPPED_DLISTS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PATH_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     engines: int
     regions: int
     registered_bytes: int
@@ -303,7 +319,70 @@ class StatsResponse(_message.Message):
     early_notifications: int
     pending_events: int
     prepped_dlists: int
-    def __init__(self, engines: _Optional[int] = ..., regions: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., peers: _Optional[int] = ..., active_leases: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., bytes_read: _Optional[int] = ..., transfers_done: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., leases_expired: _Optional[int] = ..., sessions: _Optional[int] = ..., uptime_s: _Optional[float] = ..., daemon_version: _Optional[str] = ..., peer_address: _Optional[str] = ..., leaked_handles: _Optional[int] = ..., remote_agents: _Optional[int] = ..., early_notifications: _Optional[int] = ..., pending_events: _Optional[int] = ..., prepped_dlists: _Optional[int] = ...) -> None: ...
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStats]
+    remote_workers: _containers.RepeatedCompositeFieldContainer[PeerStats]
+    data_path: str
+    versions: _containers.ScalarMap[str, str]
+    backends: _containers.RepeatedScalarFieldContainer[str]
+    draining: bool
+    metrics_address: str
+    def __init__(self, engines: _Optional[int] = ..., regions: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., peers: _Optional[int] = ..., active_leases: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., bytes_read: _Optional[int] = ..., transfers_done: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., leases_expired: _Optional[int] = ..., sessions: _Optional[int] = ..., uptime_s: _Optional[float] = ..., daemon_version: _Optional[str] = ..., peer_address: _Optional[str] = ..., leaked_handles: _Optional[int] = ..., remote_agents: _Optional[int] = ..., early_notifications: _Optional[int] = ..., pending_events: _Optional[int] = ..., prepped_dlists: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., remote_workers: _Optional[_Iterable[_Union[PeerStats, _Mapping]]] = ..., data_path: _Optional[str] = ..., versions: _Optional[_Mapping[str, str]] = ..., backends: _Optional[_Iterable[str]] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+
+class WorkerStats(_message.Message):
+    __slots__ = ("engine_id", "tp_rank", "tp_size", "model", "agent_name", "compat_hash", "regions", "num_blocks", "block_size", "registered_bytes", "active_leases", "inflight_transfers", "sessions", "peers", "memory", "data_path")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    DATA_PATH_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    model: str
+    agent_name: str
+    compat_hash: str
+    regions: int
+    num_blocks: int
+    block_size: int
+    registered_bytes: int
+    active_leases: int
+    inflight_transfers: int
+    sessions: int
+    peers: int
+    memory: str
+    data_path: str
+    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., model: _Optional[str] = ..., agent_name: _Optional[str] = ..., compat_hash: _Optional[str] = ..., regions: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., active_leases: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., sessions: _Optional[int] = ..., peers: _Optional[int] = ..., memory: _Optional[str] = ..., data_path: _Optional[str] = ...) -> None: ...
+
+class PeerStats(_message.Message):
+    __slots__ = ("address", "engine_id", "tp_rank", "tp_size", "agent_name", "daemon_version", "local_engine_id", "local_tp_rank")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    agent_name: str
+    daemon_version: str
+    local_engine_id: str
+    local_tp_rank: int
+    def __init__(self, address: _Optional[str] = ..., engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., agent_name: _Optional[str] = ..., daemon_version: _Optional[str] = ..., local_engine_id: _Optional[str] = ..., local_tp_rank: _Optional[int] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("engine_id", "tp_rank", "daemon_version", "compat_hash", "protocol_version")
@@ -320,7 +399,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., daemon_version: _Optional[str] = ..., compat_hash: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("agent_metadata", "agent_name", "layout", "regions", "region_base_addrs", "compat_hash", "daemon_version", "protocol_version")
+    __slots__ = ("agent_metadata", "agent_name", "layout", "regions", "region_base_addrs", "compat_hash", "daemon_version", "protocol_version", "tp_size")
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -329,6 +408,7 @@ class HandshakeResponse(_message.Message):
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     agent_metadata: bytes
     agent_name: str
     layout: Layout
@@ -337,4 +417,5 @@ class HandshakeResponse(_message.Message):
     compat_hash: str
     daemon_version: str
     protocol_version: int
-    def __init__(self, agent_metadata: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., region_base_addrs: _Optional[_Iterable[int]] = ..., compat_hash: _Optional[str] = ..., daemon_version: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+    tp_size: int
+    def __init__(self, agent_metadata: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., region_base_addrs: _Optional[_Iterable[int]] = ..., compat_hash: _Optional[str] = ..., daemon_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...

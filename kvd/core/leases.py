@@ -1,0 +1,117 @@
+"""Leases: prefill blocks held for remote readers (DESIGN.md, protocol step 1/4).
+
+One ``LeaseTable`` per prefill worker. A lease ends when every expected reader
+has notified (a READ's notification, or an abort's bare notification), when
+the engine releases it, or when it expires; each end is reported once.
+
+Notifications name the request and how many reader ranks will notify this
+source rank for it (``"<request id>:<expected>"``, heterogeneous TP, issue 3);
+a notification that arrives before its hold is kept for ``early_s`` seconds.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+
+def notif_message(request_id: str, expected: int) -> bytes:
+    """The notification a reader sends a source rank for ``request_id``."""
+    return f"{request_id}:{expected}".encode()
+
+
+def parse_notif(msg: bytes) -> tuple[str, int] | None:
+    """``(request id, expected notifications)``, or None if malformed."""
+    try:
+        text = msg.decode()
+    except UnicodeDecodeError:
+        return None
+    rid, sep, n = text.rpartition(":")
+    if not sep or not rid or not n.isdigit() or not 0 < int(n) <= 1 << 16:
+        return None
+    return rid, int(n)
+
+
+@dataclass
+class Lease:
+    """Blocks of one request held until ``deadline`` (monotonic seconds)."""
+
+    request_id: str
+    block_ids: list[int]
+    deadline: float
+    notified: int = 0
+
+
+@dataclass
+class LeaseTable:
+    """The leases of one prefill worker.
+
+    Args:
+        early_s: how long a notification that beat its hold is kept.
+        max_early: bound on such notifications (older ones are dropped).
+    """
+
+    early_s: float = 120.0
+    max_early: int = 65536
+    leases: dict[str, Lease] = field(default_factory=dict)
+    early: dict[str, tuple[int, int, float]] = field(default_factory=dict)  # rid -> (count, expected, deadline)
+    _heap: list = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.leases)
+
+    def hold(self, request_id: str, block_ids: list[int], deadline: float, now: float) -> str:
+        """Starts or renews a lease.
+
+        Returns ``"held"``, ``"renewed"``, ``"done"`` (every reader notified
+        already) or ``"conflict"`` (a lease of other blocks exists).
+        """
+        old = self.leases.get(request_id)
+        if old is not None:
+            if old.block_ids != list(block_ids):
+                return "conflict"
+            old.deadline = max(old.deadline, deadline)
+            heapq.heappush(self._heap, (old.deadline, request_id))
+            return "renewed"
+        lease = Lease(request_id, list(block_ids), deadline)
+        early = self.early.pop(request_id, None)
+        if early is not None:
+            lease.notified = early[0]
+            if lease.notified >= early[1]:
+                return "done"
+        self.leases[request_id] = lease
+        heapq.heappush(self._heap, (deadline, request_id))
+        return "held"
+
+    def notify(self, request_id: str, expected: int, now: float) -> bool:
+        """One reader notified; True when that ends the lease."""
+        lease = self.leases.get(request_id)
+        if lease is None:
+            count, _, _ = self.early.get(request_id, (0, expected, 0.0))
+            if request_id not in self.early and len(self.early) >= self.max_early:
+                self.early.pop(next(iter(self.early)))
+            self.early[request_id] = (count + 1, expected, now + self.early_s)
+            return False
+        lease.notified += 1
+        if lease.notified >= expected:
+            del self.leases[request_id]
+            return True
+        return False
+
+    def release(self, request_id: str) -> bool:
+        """Ends a lease now; False when there is none."""
+        return self.leases.pop(request_id, None) is not None
+
+    def expire(self, now: float) -> list[str]:
+        """Ends and returns every lease whose deadline has passed."""
+        out = []
+        while self._heap and self._heap[0][0] <= now:
+            _, rid = heapq.heappop(self._heap)
+            lease = self.leases.get(rid)
+            if lease is None or lease.deadline > now:
+                continue  # ended already, or renewed (a later entry stands)
+            del self.leases[rid]
+            out.append(rid)
+        for rid in [r for r, (_, _, d) in self.early.items() if d <= now]:
+            del self.early[rid]
+        return out

@@ -1,0 +1,165 @@
+"""Parity with the seed connector, through two real daemons (NIXL/UCX, shm):
+heterogeneous TP, KV heads < TP, HND<->NHD, MLA, block size remap, and the
+handshake refusing combinations that cannot work. Every decode rank's KV cache
+is compared element by element with what it must hold."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvd.v1 import kvd_pb2 as pb
+from kvdtest import Session, ShmSegment
+
+HEAD_DIM = 8
+NUM_BLOCKS = 24
+NUM_REGIONS = 4  # 2 layers x (K, V)
+LAYOUTS = {"HND": pb.KV_LAYOUT_HND, "NHD": pb.KV_LAYOUT_NHD, "MLA": pb.KV_LAYOUT_MLA}
+
+
+class Rank:
+    """One TP rank's KV cache in shm: NUM_REGIONS regions of [blocks, ...] float32."""
+
+    def __init__(self, engine, rank, tp, heads, block_size, layout, model="m"):
+        self.engine, self.rank, self.tp, self.heads = engine, rank, tp, heads
+        self.block_size, self.layout, self.model = block_size, layout, model
+        self.nh = 1 if layout == "MLA" else max(1, heads // tp)
+        self.h0 = 0 if layout == "MLA" else rank * heads // tp
+        self.block_len = self.nh * block_size * HEAD_DIM * 4
+        self.seg = ShmSegment(NUM_REGIONS * NUM_BLOCKS * self.block_len)
+
+    def arrays(self):
+        shape = ((NUM_BLOCKS, self.nh, self.block_size, HEAD_DIM) if self.layout == "HND"
+                 else (NUM_BLOCKS, self.block_size, self.nh, HEAD_DIM))
+        f = np.frombuffer(self.seg.mm, dtype=np.float32)
+        n = int(np.prod(shape))
+        return [f[i * n:(i + 1) * n].reshape(shape) for i in range(NUM_REGIONS)]
+
+    def fill(self, block_ids, n_tokens):
+        """Writes value(region, head, token, dim) for the prompt's tokens."""
+        for reg, arr in enumerate(self.arrays()):
+            for tok in range(n_tokens):
+                blk, t = block_ids[tok // self.block_size], tok % self.block_size
+                for h in range(self.nh):
+                    val = 1e5 * reg + 1000 * (self.h0 + h) + tok + np.arange(HEAD_DIM) / 16
+                    if self.layout == "HND":
+                        arr[blk, h, t] = val
+                    else:
+                        arr[blk, t, h] = val
+
+    def expected(self, block_ids, n_tokens):
+        want = Rank.__new__(Rank)
+        want.__dict__.update(self.__dict__)
+        shape = ((NUM_BLOCKS, self.nh, self.block_size, HEAD_DIM) if self.layout == "HND"
+                 else (NUM_BLOCKS, self.block_size, self.nh, HEAD_DIM))
+        bufs = [np.zeros(shape, np.float32) for _ in range(NUM_REGIONS)]
+        want.arrays = lambda: bufs
+        want.fill(block_ids, n_tokens)
+        return bufs
+
+    def register(self, daemon):
+        regions = [pb.Region(segment_index=0, offset=i * NUM_BLOCKS * self.block_len, block_len=self.block_len,
+                             block_stride=self.block_len, name=f"r{i}") for i in range(NUM_REGIONS)]
+        daemon.stub().RegisterEngine(pb.RegisterEngineRequest(
+            worker=pb.EngineWorker(engine_id=self.engine, tp_rank=self.rank, tp_size=self.tp),
+            layout=pb.Layout(num_blocks=NUM_BLOCKS, block_size=self.block_size, kv_layout=LAYOUTS[self.layout],
+                             dtype="float32", num_kv_heads=self.nh, head_dim=HEAD_DIM, num_layers=2,
+                             block_lens=[self.block_len] * NUM_REGIONS,
+                             total_kv_heads=1 if self.layout == "MLA" else self.heads),
+            segments=[pb.Segment(kind=pb.MEMORY_KIND_SHM, name=self.seg.name, size=self.seg.size)],
+            regions=regions, model=self.model), timeout=30)
+        return Session(daemon, self.engine, self.rank)
+
+
+def _unregister(daemon, ranks):
+    for r in ranks:
+        daemon.stub().UnregisterEngine(pb.UnregisterEngineRequest(
+            worker=pb.EngineWorker(engine_id=r.engine, tp_rank=r.rank)), timeout=30)
+        r.seg.close()
+
+
+def run_pd(prefill_daemon, decode_daemon, p_tp, d_tp, heads, p_layout, d_layout, p_bs, d_bs, tag,
+           n_tokens=None):
+    """Prefill ranks hold, decode ranks load; returns (events per decode rank, P events)."""
+    n_tokens = n_tokens or 3 * d_bs + 1  # n*block+1
+    rng = np.random.default_rng(7)
+    p_ids = [int(x) for x in rng.permutation(NUM_BLOCKS)[:-(-n_tokens // p_bs)]]
+    d_ids = [int(x) for x in rng.permutation(NUM_BLOCKS)[:-(-n_tokens // d_bs)]]
+    P = [Rank(f"P{tag}", p, p_tp, heads, p_bs, p_layout) for p in range(p_tp)]
+    D = [Rank(f"D{tag}", r, d_tp, heads, d_bs, d_layout) for r in range(d_tp)]
+    sessions = []
+    try:
+        for r in P:
+            r.fill(p_ids, n_tokens)
+            s = r.register(prefill_daemon)
+            s.send(hold=pb.HoldBlocks(request_id="req", block_ids=p_ids, lease_s=600))
+            sessions.append(s)
+        d_events = []
+        for r in D:
+            s = r.register(decode_daemon)
+            sessions.append(s)
+            s.send(load=pb.LoadBlocks(request_id="dreq", local_block_ids=d_ids, remote_engine_id=f"P{tag}",
+                                      remote_address=prefill_daemon.peer_address, remote_block_ids=p_ids,
+                                      remote_request_id="req", remote_tp_size=p_tp, timeout_s=20))
+        for i, r in enumerate(D):
+            ev = sessions[p_tp + i].next(30)
+            d_events.append(ev)
+            if ev.WhichOneof("event") == "recv_done":
+                want = r.expected(d_ids, n_tokens)
+                for reg, (got, exp) in enumerate(zip(r.arrays(), want)):
+                    np.testing.assert_array_equal(got, exp, err_msg=f"decode rank {r.rank} region {reg}")
+        p_events = []
+        if all(e.WhichOneof("event") == "recv_done" for e in d_events):
+            p_events = [sessions[i].next(10) for i in range(p_tp)]
+        return d_events, p_events
+    finally:
+        for s in sessions:
+            s.close()
+        _unregister(prefill_daemon, P)
+        _unregister(decode_daemon, D)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    from kvdtest import start_daemon
+
+    d = str(tmp_path_factory.mktemp("parity"))
+    a, b = start_daemon(d, "prefill"), start_daemon(d, "decode")
+    yield a, b
+    assert a.stop() == 0 and b.stop() == 0
+
+
+@pytest.mark.parametrize("p_tp,d_tp,heads", [(1, 1, 4), (1, 2, 4), (2, 1, 4), (2, 4, 4), (4, 2, 4),
+                                             (2, 4, 2), (4, 2, 2)])
+def test_tp_pairs_each_decode_rank_gets_its_head_slice(pair, p_tp, d_tp, heads):
+    d_events, p_events = run_pd(*pair, p_tp, d_tp, heads, "HND", "HND", 16, 16, f"tp{p_tp}{d_tp}{heads}")
+    assert [e.WhichOneof("event") for e in d_events] == ["recv_done"] * d_tp, d_events
+    # Every prefill rank frees only after all of its readers notified, well before the 600 s lease.
+    assert [(e.WhichOneof("event"), e.send_done.expired) for e in p_events] == [("send_done", False)] * p_tp
+    assert pair[0].stats().active_leases == 0
+
+
+@pytest.mark.parametrize("p_layout,d_layout", [("NHD", "HND"), ("HND", "NHD"), ("NHD", "NHD")])
+def test_hnd_nhd_permute_by_descriptors(pair, p_layout, d_layout):
+    d_events, _ = run_pd(*pair, 1, 2, 4, p_layout, d_layout, 16, 16, f"lay{p_layout}{d_layout}")
+    assert [e.WhichOneof("event") for e in d_events] == ["recv_done"] * 2, d_events
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(1, 2), (2, 1)])
+def test_mla_one_reader_reads_the_others_notify(pair, p_tp, d_tp):
+    d_events, p_events = run_pd(*pair, p_tp, d_tp, 1, "MLA", "MLA", 16, 16, f"mla{p_tp}{d_tp}")
+    assert [e.WhichOneof("event") for e in d_events] == ["recv_done"] * d_tp
+    assert [e.WhichOneof("event") for e in p_events] == ["send_done"] * p_tp
+
+
+def test_prefill_block_16_into_decode_block_32(pair):
+    d_events, _ = run_pd(*pair, 1, 1, 4, "HND", "HND", 16, 32, "bs1632")
+    assert d_events[0].WhichOneof("event") == "recv_done", d_events
+
+
+def test_decode_block_smaller_than_prefill_block_is_refused_at_handshake(pair):
+    d_events, _ = run_pd(*pair, 1, 1, 4, "HND", "HND", 32, 16, "bs3216")
+    ev = d_events[0]
+    assert ev.WhichOneof("event") == "load_failed"
+    assert "handshake" in ev.load_failed.reason and "not a multiple" in ev.load_failed.reason
+    assert list(ev.load_failed.failed_block_ids)  # the engine learns which blocks to recompute
