@@ -1,5 +1,6 @@
 """The ``kvd`` command line: parses flags into one Config and calls the daemon,
-the client or the demo. No logic of its own.
+the client or the demo. No logic of its own (settings, their sources and
+precedence: kvd/config.py).
 
     kvd serve    run the daemon
     kvd health   exit 0 when a daemon is serving (for probes)
@@ -16,7 +17,7 @@ import logging
 import sys
 
 from kvd import __version__
-from kvd.config import DEFAULT_PEER_LISTEN, DEFAULT_SOCKET, Config, ConfigError
+from kvd.config import ConfigError, client_socket, env_name, flag_name, load_config, setting_names, settings
 
 EXIT_OK, EXIT_NOT_SERVING, EXIT_UNREACHABLE, EXIT_USAGE = 0, 1, 2, 64
 
@@ -28,28 +29,21 @@ def _target(args) -> str:
 
 
 def cmd_serve(args) -> int:
-    cfg = Config(
-        engine_socket=args.engine_socket,
-        peer_listen=args.peer_listen,
-        peer_advertise=args.peer_advertise,
-        metrics_port=args.metrics_port,
-        backends=[b.strip() for b in args.backends.split(",") if b.strip()],
-        lease_s=args.lease_s,
-        transfer_timeout_s=args.transfer_timeout_s,
-        handshake_timeout_s=args.handshake_timeout_s,
-        grace_s=args.grace_s,
-        log_level=args.log_level,
-    )
+    # Only the flags the user gave (the others are argparse.SUPPRESS): they
+    # override env and file; config.py parses and validates them.
+    flags = {k: v for k, v in vars(args).items() if k in setting_names()}
     try:
-        cfg.validate()
+        cfg = load_config(flags, file=args.config)
     except ConfigError as e:
         print(f"kvd serve: invalid setting: {e}", file=sys.stderr)
         return EXIT_USAGE
-    logging.basicConfig(
-        level=getattr(logging, cfg.log_level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    if args.print_config:
+        sys.stdout.write(cfg.to_toml())
+        return EXIT_OK
+    from kvd.daemon.logs import configure
     from kvd.daemon.server import run
+
+    configure(cfg.log_level, cfg.log_format)
 
     try:
         run(cfg)
@@ -74,7 +68,8 @@ def cmd_health(args) -> int:
             )
     except grpc.RpcError as e:
         print(f"kvd health: {target}: {e.code().name}: {e.details()}", file=sys.stderr)
-        return EXIT_UNREACHABLE
+        # NOT_FOUND: the daemon answered, but does not serve that service.
+        return EXIT_NOT_SERVING if e.code() == grpc.StatusCode.NOT_FOUND else EXIT_UNREACHABLE
     name = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
     if r.status == health_pb2.HealthCheckResponse.SERVING:
         if not args.quiet:
@@ -86,7 +81,6 @@ def cmd_health(args) -> int:
 
 def cmd_status(args) -> int:
     import grpc
-    from google.protobuf.json_format import MessageToDict
 
     from kvd.v1 import kvd_pb2, kvd_pb2_grpc
 
@@ -97,13 +91,13 @@ def cmd_status(args) -> int:
     except grpc.RpcError as e:
         print(f"kvd status: {target}: {e.code().name}: {e.details()}", file=sys.stderr)
         return EXIT_UNREACHABLE
-    d = MessageToDict(s, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    from kvd.daemon.status import render, to_dict
+
+    d = to_dict(s)
     if args.json:
         print(json.dumps(d, indent=2, sort_keys=True))
     else:
-        width = max(map(len, d))
-        for k in sorted(d):
-            print(f"{k:<{width}}  {d[k]}")
+        print(render(d, target))
     return EXIT_OK
 
 
@@ -125,6 +119,18 @@ def cmd_demo(args) -> int:
     return demo_main(args.demo_args)
 
 
+def _metavar(key: str, default) -> str:
+    if key.endswith("_s"):
+        return "SECONDS"
+    if key.endswith("_port"):
+        return "PORT"
+    if key.endswith(("_listen", "_advertise")):
+        return "HOST:PORT"
+    if isinstance(default, list):
+        return "LIST"
+    return "PATH" if key.endswith("socket") else key.rsplit("_", 1)[-1].upper()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvd",
@@ -135,33 +141,27 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run the daemon",
                        description="Run the kvd daemon: EngineService on a Unix socket for local engines, "
                                    "PeerService on TCP for remote daemons, gRPC health on both.")
-    s.add_argument("--engine-socket", default=DEFAULT_SOCKET, metavar="PATH",
-                   help=f"Unix socket for local engines (default {DEFAULT_SOCKET})")
-    s.add_argument("--peer-listen", default=DEFAULT_PEER_LISTEN, metavar="HOST:PORT",
-                   help=f"TCP address for remote daemons; port 0 picks one (default {DEFAULT_PEER_LISTEN})")
-    s.add_argument("--peer-advertise", default="", metavar="HOST:PORT",
-                   help="address remote daemons should use, put in kv_transfer_params (default: the listen address)")
-    s.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
-                   help="serve Prometheus metrics over HTTP on this port (default 0: off)")
-    s.add_argument("--backends", default="UCX", metavar="LIST", help="comma-separated NIXL backends (default UCX)")
-    s.add_argument("--lease-s", type=float, default=120.0, metavar="SECONDS",
-                   help="default lease of held prefill blocks (default 120)")
-    s.add_argument("--transfer-timeout-s", type=float, default=30.0, metavar="SECONDS",
-                   help="a transfer not done by then fails its request (default 30)")
-    s.add_argument("--handshake-timeout-s", type=float, default=10.0, metavar="SECONDS",
-                   help="deadline of a handshake with a remote daemon (default 10)")
-    s.add_argument("--grace-s", type=float, default=10.0, metavar="SECONDS",
-                   help="on SIGTERM, wait this long for in-flight transfers (default 10)")
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--config", metavar="FILE", default=None,
+                   help="TOML file of settings (env KVD_CONFIG); flags > KVD_* env > file > defaults")
+    s.add_argument("--print-config", action="store_true",
+                   help="print the effective settings as TOML, each with its source, and exit")
+    # One flag per setting of kvd/config.py, default SUPPRESS: a flag not
+    # given leaves the key to the environment, the file or the default.
+    for f in settings():
+        default = f.default_factory() if callable(f.default_factory) else f.default
+        shown = ",".join(default) if isinstance(default, list) else (default if default != "" else '""')
+        s.add_argument(flag_name(f.name), dest=f.name, default=argparse.SUPPRESS, metavar=_metavar(f.name, default),
+                       help=f"{f.metadata['doc']} (default {shown}; env {env_name(f.name)})")
     s.set_defaults(func=cmd_serve)
 
     for name, func, helptext in (
-        ("health", cmd_health, "exit 0 when the daemon is serving, 1 when not serving, 2 when unreachable"),
+        ("health", cmd_health, "exit 0 when the daemon is serving, 1 when not serving (draining, or an unknown "
+                               "--service), 2 when unreachable within --timeout"),
         ("status", cmd_status, "show what the daemon holds: engines, regions, peers, leases, transfers"),
     ):
         c = sub.add_parser(name, help=helptext, description=helptext)
-        c.add_argument("--socket", default=DEFAULT_SOCKET, metavar="PATH",
-                       help=f"the daemon's engine socket (default {DEFAULT_SOCKET})")
+        c.add_argument("--socket", default=client_socket(), metavar="PATH",
+                       help="the daemon's engine socket (default: $KVD_ENGINE_SOCKET or %(default)s)")
         c.add_argument("--address", default="", metavar="HOST:PORT",
                        help="ask over TCP (the peer port) instead of the Unix socket")
         c.add_argument("--timeout", type=float, default=2.0, metavar="SECONDS", help="deadline (default 2)")

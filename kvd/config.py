@@ -1,24 +1,51 @@
 """Every setting of the daemon, its default and its validation, in one place.
 
-The CLI builds one :class:`Config` from flags and calls the daemon with it;
-nothing else reads the environment for daemon settings.
+A setting is one field of :class:`Config`. Its value comes from the first of
+these sources that sets it (highest first):
+
+1. a flag of ``kvd serve``: ``--lease-s 60`` (the key, ``_`` as ``-``);
+2. an environment variable: ``KVD_LEASE_S=60`` (``KVD_`` + the key in capitals);
+3. the TOML file named by ``kvd serve --config FILE`` (or ``KVD_CONFIG``):
+   ``lease_s = 60``, top-level keys only;
+4. the default below.
+
+Flags and environment values are text and are parsed here (numbers; lists
+are comma-separated); TOML values must already have the right type. An
+unknown key in the file, a value of the wrong type, or a value out of range
+is a :class:`ConfigError` whose message names the key and where the value
+came from; ``kvd serve`` turns it into exit code 64 (``EX_USAGE``,
+sysexits.h). ``kvd serve --print-config`` prints the effective settings as
+TOML, each with its source. docs/OPERATIONS.md has the table of keys.
+
+This module is the only place that reads the environment for settings, and
+it also reads ``NOTIFY_SOCKET``, the datagram socket systemd names for
+``Type=notify`` services (sd_notify(3)).
 """
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass, field
+import tomllib
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Mapping
 
 DEFAULT_SOCKET = "/run/kvd/engine.sock"
 DEFAULT_PEER_LISTEN = "127.0.0.1:7700"
+ENV_PREFIX = "KVD_"
+ENV_CONFIG_FILE = "KVD_CONFIG"      # names the TOML file when --config is not given
+ENV_NOTIFY_SOCKET = "NOTIFY_SOCKET"  # set by systemd for Type=notify units
 
 # gRPC message caps (DESIGN.md: messages are bounded). Registration and
 # handshake carry region lists; 64 MiB covers 4096 regions with room to spare.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("human", "json")
+
 
 class ConfigError(ValueError):
-    """An invalid setting; the message names the key."""
+    """An invalid setting; the message names the key (and its source)."""
 
 
 def parse_host_port(value: str, key: str) -> tuple[str, int]:
@@ -39,53 +66,242 @@ def parse_host_port(value: str, key: str) -> tuple[str, int]:
     return host.strip("[]"), p
 
 
+def _setting(default: Any, doc: str, *, factory=None):
+    """A Config field that is a setting (file key, ``KVD_`` variable, flag)."""
+    meta = {"doc": doc}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
 @dataclass
 class Config:
-    """The daemon's settings (units: seconds, bytes).
+    """The daemon's settings (units: seconds, bytes; ports are TCP ports).
 
-    Attributes:
-        engine_socket: Unix socket path of EngineService (local engines).
-        peer_listen: ``host:port`` PeerService binds (remote daemons).
-        peer_advertise: ``host:port`` put in ``kv_transfer_params`` for
-            remote daemons; default: ``peer_listen`` (with its bound port).
-        metrics_port: Prometheus HTTP port; 0 disables.
-        backends: NIXL backends for every agent (default UCX).
-        lease_s: default lease of held prefill blocks.
-        transfer_timeout_s: a READ not done by then fails the request.
-        handshake_timeout_s: deadline of one handshake with a peer.
-        detach_grace_s: an engine whose session stream is gone this long
-            (the engine died) is unregistered: leases, NIXL state, mappings.
-        log_level: ``debug`` | ``info`` | ``warning`` | ``error``.
+    Each setting's one-line description is in its field metadata (``doc``);
+    ``kvd serve --help`` and docs/OPERATIONS.md repeat them. ``sources`` says
+    where each value came from (``default``, ``file PATH``, ``env KVD_X``,
+    ``flag --x``); ``notify_socket`` is systemd's ``NOTIFY_SOCKET``, not a
+    setting.
     """
 
-    engine_socket: str = DEFAULT_SOCKET
-    peer_listen: str = DEFAULT_PEER_LISTEN
-    peer_advertise: str = ""
-    metrics_port: int = 0
-    backends: list[str] = field(default_factory=lambda: ["UCX"])
-    lease_s: float = 120.0
-    transfer_timeout_s: float = 30.0
-    handshake_timeout_s: float = 10.0
-    detach_grace_s: float = 10.0
-    grace_s: float = 10.0
-    log_level: str = "info"
+    engine_socket: str = _setting(DEFAULT_SOCKET, "Unix socket path of EngineService (local engines)")
+    peer_listen: str = _setting(DEFAULT_PEER_LISTEN, "host:port PeerService binds for remote daemons; port 0 picks one")
+    peer_advertise: str = _setting("", "host:port put in kv_transfer_params for remote daemons "
+                                       "(empty: the listen address with its bound port)")
+    metrics_port: int = _setting(0, "TCP port of the Prometheus HTTP endpoint (/metrics); 0 disables it")
+    metrics_host: str = _setting("0.0.0.0", "address the Prometheus endpoint binds")
+    backends: list[str] = _setting(None, "NIXL backends for every agent (comma-separated in env and flags)",
+                                   factory=lambda: ["UCX"])
+    lease_s: float = _setting(120.0, "default lease of held prefill blocks, seconds")
+    transfer_timeout_s: float = _setting(30.0, "a transfer not done by then fails its request, seconds")
+    handshake_timeout_s: float = _setting(10.0, "deadline of one handshake with a remote daemon, seconds")
+    detach_grace_s: float = _setting(10.0, "an engine whose session stream has been gone this long "
+                                           "is unregistered, seconds")
+    grace_s: float = _setting(10.0, "on SIGTERM, wait this long for transfers in flight, seconds")
+    log_level: str = _setting("info", "debug | info | warning | error")
+    log_format: str = _setting("human", "human (one line of text) | json (one JSON object per line)")
+
+    notify_socket: str = field(default="", repr=False, compare=False)
+    sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     def validate(self) -> "Config":
         """Checks every field; returns self. Raises ConfigError naming the key."""
         if not self.engine_socket:
-            raise ConfigError("engine_socket: must not be empty")
+            raise self._error("engine_socket", "must not be empty")
         if len(os.fsencode(self.engine_socket)) > 107:
-            raise ConfigError(f"engine_socket: path longer than 107 bytes: {self.engine_socket!r}")
-        parse_host_port(self.peer_listen, "peer_listen")
-        if self.peer_advertise:
-            parse_host_port(self.peer_advertise, "peer_advertise")
+            # sun_path is 108 bytes with its NUL (unix(7)).
+            raise self._error("engine_socket", f"path longer than 107 bytes: {self.engine_socket!r}")
+        for key in ("peer_listen", "peer_advertise"):
+            value = getattr(self, key)
+            if value or key == "peer_listen":
+                try:
+                    parse_host_port(value, key)
+                except ConfigError as e:
+                    raise self._error(key, str(e).removeprefix(f"{key}: ")) from None
         if not 0 <= self.metrics_port <= 65535:
-            raise ConfigError(f"metrics_port: {self.metrics_port} out of range 0..65535")
+            raise self._error("metrics_port", f"{self.metrics_port} out of range 0..65535")
+        if not self.metrics_host:
+            raise self._error("metrics_host", "must not be empty")
         for key in ("lease_s", "transfer_timeout_s", "handshake_timeout_s", "grace_s", "detach_grace_s"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"{key}: must be > 0 seconds (got {getattr(self, key)})")
-        if not self.backends:
-            raise ConfigError("backends: at least one NIXL backend is needed")
-        if self.log_level not in ("debug", "info", "warning", "error"):
-            raise ConfigError(f"log_level: {self.log_level!r} is not debug|info|warning|error")
+            v = getattr(self, key)
+            if not math.isfinite(v) or v <= 0:
+                raise self._error(key, f"must be a finite number of seconds > 0 (got {v})")
+        if not self.backends or not all(b and b.strip() == b for b in self.backends):
+            raise self._error("backends", f"need one or more NIXL backend names (got {self.backends!r})")
+        if self.log_level not in LOG_LEVELS:
+            raise self._error("log_level", f"{self.log_level!r} is not {' | '.join(LOG_LEVELS)}")
+        if self.log_format not in LOG_FORMATS:
+            raise self._error("log_format", f"{self.log_format!r} is not {' | '.join(LOG_FORMATS)}")
         return self
+
+    def _error(self, key: str, msg: str) -> ConfigError:
+        src = self.sources.get(key, "")
+        where = f" (from {src})" if src and src != "default" else ""
+        return ConfigError(f"{key}{where}: {msg}")
+
+    def to_toml(self) -> str:
+        """The settings as a TOML document ``tomllib`` reads back, each line
+        commented with its source (for ``kvd serve --print-config``)."""
+        lines = ["# kvd effective configuration (precedence: flag > env KVD_* > file > default)"]
+        for s in settings():
+            value = getattr(self, s.name)
+            lines.append(f"{s.name} = {_toml_value(value)}  # {self.sources.get(s.name, 'default')}")
+        return "\n".join(lines) + "\n"
+
+
+def settings() -> list:
+    """The dataclass fields of :class:`Config` that are settings, in order."""
+    return [f for f in fields(Config) if "doc" in f.metadata]
+
+
+def setting_names() -> list[str]:
+    return [f.name for f in settings()]
+
+
+def env_name(key: str) -> str:
+    """``lease_s`` -> ``KVD_LEASE_S``."""
+    return ENV_PREFIX + key.upper()
+
+
+def flag_name(key: str) -> str:
+    """``lease_s`` -> ``--lease-s``."""
+    return "--" + key.replace("_", "-")
+
+
+def _default(f) -> Any:
+    return f.default_factory() if f.default is MISSING else f.default
+
+
+def _coerce(f, value: Any, source: str, from_text: bool) -> Any:
+    """``value`` as the type of setting ``f``; ConfigError names key and source."""
+    default = _default(f)
+    where = f"{f.name} (from {source})"
+    if from_text and not isinstance(value, str):
+        value = str(value)  # a flag parsed by argparse already
+    if isinstance(default, list):
+        if from_text:
+            return [x.strip() for x in value.split(",") if x.strip()]
+        if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+            raise ConfigError(f"{where}: expected an array of strings, got {value!r}")
+        return list(value)
+    if isinstance(default, bool):  # no boolean settings yet; kept exact if one comes
+        if from_text:
+            low = value.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if isinstance(default, int):
+        if from_text:
+            try:
+                return int(value.strip(), 10)
+            except ValueError:
+                raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if isinstance(default, float):
+        if from_text:
+            try:
+                return float(value.strip())
+            except ValueError:
+                raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    return value
+
+
+def read_file(path: str) -> dict:
+    """The top-level table of TOML file ``path``.
+
+    Raises:
+        ConfigError: unreadable file or invalid TOML (the message has tomllib's
+            line and column).
+    """
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except OSError as e:
+        raise ConfigError(f"config file {path}: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path}: {e}") from None
+
+
+def load_config(
+    flags: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+    file: str | None = None,
+) -> Config:
+    """Builds and validates the effective :class:`Config`.
+
+    Args:
+        flags: settings given on the command line (key -> value; text or
+            already parsed); only keys the user actually gave.
+        environ: the environment (default ``os.environ``); ``KVD_<KEY>``
+            variables set settings, ``KVD_CONFIG`` names the file when
+            ``file`` is not given, ``NOTIFY_SOCKET`` is kept for sd_notify.
+        file: path of a TOML file.
+
+    Raises:
+        ConfigError: naming the key (and source) of the first bad value, an
+            unknown key in the file, or an unreadable file.
+    """
+    environ = os.environ if environ is None else environ
+    flags = dict(flags or {})
+    file = file or environ.get(ENV_CONFIG_FILE) or None
+    by_name = {f.name: f for f in settings()}
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {name: "default" for name in by_name}
+
+    if file:
+        table = read_file(file)
+        for key, value in table.items():
+            f = by_name.get(key)
+            if f is None:
+                hint = " (keys are top-level; no tables)" if isinstance(value, dict) else ""
+                raise ConfigError(f"{key} (from file {file}): unknown setting{hint}; "
+                                  f"known: {', '.join(by_name)}")
+            values[key] = _coerce(f, value, f"file {file}", from_text=False)
+            sources[key] = f"file {file}"
+    for key, f in by_name.items():
+        var = env_name(key)
+        if var in environ:
+            values[key] = _coerce(f, environ[var], f"env {var}", from_text=True)
+            sources[key] = f"env {var}"
+    for key, value in flags.items():
+        f = by_name.get(key)
+        if f is None:
+            raise ConfigError(f"{key}: unknown setting")
+        values[key] = _coerce(f, value, f"flag {flag_name(key)}", from_text=True)
+        sources[key] = f"flag {flag_name(key)}"
+
+    cfg = Config(**values)
+    cfg.sources = sources
+    cfg.notify_socket = environ.get(ENV_NOTIFY_SOCKET, "")
+    return cfg.validate()
+
+
+def client_socket(environ: Mapping[str, str] | None = None) -> str:
+    """Default engine socket for ``kvd health`` / ``kvd status``:
+    ``KVD_ENGINE_SOCKET`` when set (as for the daemon), else the default."""
+    environ = os.environ if environ is None else environ
+    return environ.get(env_name("engine_socket")) or DEFAULT_SOCKET
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    s = str(v)
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'

@@ -23,3 +23,34 @@ def daemon(tmp_path):
     d = start_daemon(str(tmp_path), "kvd")
     yield d
     d.stop()
+
+
+# =====================================================================
+# vLLM end-to-end fixtures (tests marked @pytest.mark.vllm; see
+# tests/test_vllm_e2e.py and kvd/demo/). Nothing above depends on these.
+# =====================================================================
+
+import importlib.util as _importlib_util
+import os as _os
+
+
+def _vllm_missing() -> str | None:
+    """Why the real-engine tests cannot run here (None when they can)."""
+    if _os.environ.get("KVD_SKIP_VLLM") == "1":
+        return "KVD_SKIP_VLLM=1"
+    for mod in ("vllm", "transformers", "tokenizers"):
+        if _importlib_util.find_spec(mod) is None:
+            return f"{mod} is not installed (pip install -e '.[vllm]')"
+    return None
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir():
+    """The demo's tiny random Llama (built once, cached under ~/.cache/kvd or
+    $KVD_TINY_MODEL_DIR; about 8 s the first time)."""
+    why = _vllm_missing()
+    if why:
+        pytest.skip(why)
+    from kvd.demo import tiny_model
+
+    return tiny_model.build(quiet=True)

@@ -50,16 +50,20 @@ class Daemon:
         return self.proc.returncode
 
 
-def start_daemon(tmpdir: str, name: str, *extra: str, env: dict | None = None, timeout: float = 30.0) -> Daemon:
+def start_daemon(tmpdir: str, name: str, *extra: str, env: dict | None = None, timeout: float = 30.0,
+                 wrap: tuple[str, ...] = ()) -> Daemon:
     """Starts ``kvd serve`` on a socket in ``tmpdir`` and a free loopback port.
 
-    Waits (up to ``timeout`` seconds) for gRPC health SERVING.
+    ``extra`` flags come last (``--peer-listen`` given there wins); ``wrap``
+    prefixes the command (e.g. ``("ip", "netns", "exec", ns)``, which execs,
+    so ``proc.pid`` is still the daemon's). Waits (up to ``timeout`` seconds)
+    for the daemon to answer GetStats.
     """
     sock = os.path.join(tmpdir, f"{name}.sock")
     log_path = os.path.join(tmpdir, f"{name}.log")
     logf = open(log_path, "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvd.cli", "serve", "--engine-socket", sock, "--peer-listen", "127.0.0.1:0",
+        [*wrap, sys.executable, "-m", "kvd.cli", "serve", "--engine-socket", sock, "--peer-listen", "127.0.0.1:0",
          "--log-level", "debug", *extra],
         stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True,
     )

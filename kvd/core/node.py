@@ -520,6 +520,12 @@ class Node:
             return fail(f"invalid: more than {self.limits.max_blocks_per_request} blocks")
         if len(w.inflight) + len(w.pending_loads) >= self.limits.max_inflight_per_worker:
             return fail("busy: too many loads in flight for this worker")
+        try:  # local input is checked before any network or NIXL call
+            lay.descriptor_indices(local_block_ids, 1, w.layout.num_blocks)
+        except LayoutError as e:
+            return fail(f"invalid: local {e}")
+        if len(local_block_ids) > len(remote_block_ids):
+            return fail(f"invalid: {len(local_block_ids)} local blocks for {len(remote_block_ids)} remote blocks")
         remote_tp = remote_tp_size or w.tp_size
         geo = w.geometry()
         try:

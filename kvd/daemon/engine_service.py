@@ -11,6 +11,7 @@ from kvd import __version__
 from kvd.core import events as ev
 from kvd.core.node import Node, Segment
 from kvd.daemon.convert import event_to_pb, layout_from_pb, region_from_pb, status_of
+from kvd.daemon.status import build_stats
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
@@ -25,11 +26,19 @@ class EngineService(pb_grpc.EngineServiceServicer):
     stream goes on.
     """
 
-    def __init__(self, node: Node):
+    def __init__(self, node: Node, on_event=None, backends: list[str] | None = None):
         self.node = node
-        self.draining = False
+        self.draining = False          # set by the server at SIGTERM: refuse new work
+        self.on_event = on_event or (lambda name, fields: None)  # metrics hook (Metrics.on_event)
+        self.backends = list(backends or [])
+        self.metrics_address = ""      # host:port of /metrics, for GetStats
+
+    async def _refuse_while_draining(self, context) -> None:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "daemon is draining (shutting down)")
 
     async def RegisterEngine(self, request: pb.RegisterEngineRequest, context) -> pb.RegisterEngineResponse:
+        await self._refuse_while_draining(context)
         w = request.worker
         segments = []
         for i, s in enumerate(request.segments):
@@ -59,8 +68,8 @@ class EngineService(pb_grpc.EngineServiceServicer):
         return pb.UnregisterEngineResponse(released_leases=n)
 
     async def GetStats(self, request, context) -> pb.StatsResponse:
-        s = self.node.stats()
-        return pb.StatsResponse(daemon_version=__version__, peer_address=self.node.peer_address, **s)
+        return build_stats(self.node, draining=self.draining, backends=self.backends,
+                           metrics_address=self.metrics_address)
 
     async def Session(self, request_iterator, context):
         """One worker's command/event stream; the first command must be ``open``."""
@@ -71,8 +80,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session: no OpenSession within 30 s")
         if first.WhichOneof("command") != "open":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session: the first command must be OpenSession")
-        if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "daemon is draining")
+        await self._refuse_while_draining(context)
         try:
             w = self.node.attach(first.open.worker.engine_id, first.open.worker.tp_rank)
         except ev.CoreError as e:
@@ -105,7 +113,11 @@ class EngineService(pb_grpc.EngineServiceServicer):
             if kind == "load":
                 c = cmd.load
                 if self.draining:
-                    node._emit(w, ev.LoadFailed(c.request_id, list(c.local_block_ids), "daemon is draining"))
+                    reason = "draining: daemon is shutting down"
+                    log.warning("%s request=%s peer=%s: load failed: %s", w.label, c.request_id,
+                                c.remote_address, reason)
+                    self.on_event("failure", {"reason": reason})
+                    node._emit(w, ev.LoadFailed(c.request_id, list(c.local_block_ids), reason))
                     continue
                 asyncio.get_running_loop().create_task(node.load(
                     w, c.request_id, list(c.local_block_ids), c.remote_engine_id, c.remote_address,

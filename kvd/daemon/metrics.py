@@ -1,66 +1,160 @@
-"""Prometheus metrics of one daemon (``kvd_`` prefix, seconds and bytes).
+"""Prometheus metrics of one daemon, served over HTTP (``GET /metrics``).
 
-Counters and histograms are fed by the core's event hook; gauges are read
-from ``Node.stats()`` at scrape time, so they can never drift from the core.
+Names follow the Prometheus naming rules (prometheus.io/docs/practices/naming):
+the ``kvd_`` prefix, base units (seconds, bytes), ``_total`` on counters.
+
+Fed by the core's event hook (``Node(on_event=...)``), as things happen:
+
+- ``kvd_transferred_bytes_total``          bytes moved by completed transfers (READs into this node)
+- ``kvd_transfers_total``                  completed transfers
+- ``kvd_transfer_failures_total{reason}``  failed transfers; ``reason`` is the first word of the
+  failure (``handshake``, ``timeout``, ``transfer``, ``nixl``, ``invalid``, ``busy``,
+  ``unsupported``, ``draining``, ``shutdown``, ...): a small, fixed set
+- ``kvd_transfer_duration_seconds``        histogram, load command to NIXL DONE
+- ``kvd_handshake_duration_seconds``       histogram, one handshake with a remote daemon
+- ``kvd_transfer_descriptors``             histogram, NIXL descriptors per transfer
+
+Read from ``Node.stats()`` at scrape time (they cannot drift from the core):
+
+- ``kvd_engines``, ``kvd_regions``, ``kvd_registered_bytes``: registered engine
+  workers, their KV regions and the bytes of their segments
+- ``kvd_peers``: remote workers handshaken with
+- ``kvd_active_leases``, ``kvd_leases_expired_total``: held prefill leases, and
+  leases that ran out unread since start
+- ``kvd_inflight_transfers``: READs posted and not finished
+- ``kvd_session_streams``: open engine session streams
+- ``kvd_leaked_transfer_handles``: NIXL handles that could not be released yet
+- ``kvd_uptime_seconds``
+
+Plus ``kvd_build_info{version,nixl,grpcio}`` (always 1) and the standard
+``process_*`` metrics (CPU, memory, open fds, start time).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+import logging
+import threading
+from typing import Callable
 
-from kvd.core.node import Node
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvd import __version__
+
+log = logging.getLogger("kvd.metrics")
+
+# Seconds: 0.5 ms (a small READ over shared memory) to the 30 s default deadline.
+DURATION_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
+HANDSHAKE_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10)
+DESCRIPTOR_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
+
+# (metric, Node.stats() key, help); gauges unless the name ends in _total.
+STATS_METRICS = (
+    ("kvd_engines", "engines", "Registered engine workers (engine id + TP rank)"),
+    ("kvd_regions", "regions", "Registered KV cache regions"),
+    ("kvd_registered_bytes", "registered_bytes", "Bytes of engine memory registered with NIXL"),
+    ("kvd_peers", "peers", "Remote workers this daemon has handshaken with"),
+    ("kvd_active_leases", "active_leases", "Prefill leases held for a reader"),
+    ("kvd_leases_expired_total", "leases_expired", "Leases that ran out before a reader read the blocks"),
+    ("kvd_inflight_transfers", "inflight_transfers", "Transfers (READs) in flight"),
+    ("kvd_session_streams", "sessions", "Open engine session streams"),
+    ("kvd_leaked_transfer_handles", "leaked_handles", "NIXL transfer handles not yet released"),
+    ("kvd_uptime_seconds", "uptime_s", "Seconds since the daemon started"),
+)
+
+
+def _version(pkg: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(pkg)
+    except Exception:
+        return ""
+
+
+class _StatsCollector:
+    """Gauges and counters read from ``stats()`` at each scrape."""
+
+    def __init__(self, stats: Callable[[], dict]):
+        self._stats = stats
+
+    def collect(self):
+        try:
+            s = self._stats()
+        except Exception as e:  # a scrape must never take the daemon down
+            log.warning("metrics: stats unavailable: %s", e)
+            return
+        for name, key, doc in STATS_METRICS:
+            if key not in s:
+                continue
+            if name.endswith("_total"):
+                yield CounterMetricFamily(name[: -len("_total")], doc, value=s[key])
+            else:
+                yield GaugeMetricFamily(name, doc, value=s[key])
+        info = GaugeMetricFamily("kvd_build_info", "Versions of kvd and its transfer stack (value 1)",
+                                 labels=["version", "nixl", "grpcio"])
+        info.add_metric([__version__, _version("nixl"), _version("grpcio")], 1)
+        yield info
 
 
 class Metrics:
-    """The daemon's metrics on their own registry (tests may make several)."""
+    """The daemon's metrics on their own registry (tests may make several).
 
-    def __init__(self, node: Node):
+    Args:
+        stats: returns ``Node.stats()``; called from the HTTP server's thread
+            at each scrape (the daemon passes one that runs on its event loop).
+    """
+
+    def __init__(self, stats: Callable[[], dict]):
         self.registry = CollectorRegistry()
         r = self.registry
         self.bytes = Counter("kvd_transferred_bytes", "Bytes moved by completed transfers", registry=r)
         self.transfers = Counter("kvd_transfers", "Completed transfers", registry=r)
-        self.failures = Counter("kvd_transfer_failures", "Failed transfers by reason", ["reason"], registry=r)
-        self.duration = Histogram(
-            "kvd_transfer_duration_seconds", "Transfer duration, command to NIXL DONE", registry=r,
-            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30),
-        )
-        self.handshake = Histogram("kvd_handshake_duration_seconds", "Handshake duration", registry=r)
-        self.descs = Histogram("kvd_transfer_descriptors", "Descriptors per transfer", registry=r,
-                               buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384, 65536))
-        node_ref = node
-
-        class _Gauges:
-            def collect(self):
-                s = node_ref.stats()
-                for name, key, doc in (
-                    ("kvd_engines", "engines", "Registered engine workers"),
-                    ("kvd_regions", "regions", "Registered KV regions"),
-                    ("kvd_registered_bytes", "registered_bytes", "Bytes of registered engine memory"),
-                    ("kvd_peers", "peers", "Remote workers handshaken with"),
-                    ("kvd_active_leases", "active_leases", "Held prefill leases"),
-                    ("kvd_inflight_transfers", "inflight_transfers", "Transfers in flight"),
-                    ("kvd_sessions", "sessions", "Open engine session streams"),
-                ):
-                    yield GaugeMetricFamily(name, doc, value=s[key])
-                c = GaugeMetricFamily("kvd_expired_leases", "Leases that expired unread (cumulative)",
-                                      value=s["leases_expired"])
-                yield c
-
-        r.register(_Gauges())
+        self.failures = Counter("kvd_transfer_failures", "Failed transfers, by reason", ["reason"], registry=r)
+        self.duration = Histogram("kvd_transfer_duration_seconds", "Transfer duration, load command to NIXL DONE",
+                                  registry=r, buckets=DURATION_BUCKETS)
+        self.handshake = Histogram("kvd_handshake_duration_seconds", "Handshake duration with a remote daemon",
+                                   registry=r, buckets=HANDSHAKE_BUCKETS)
+        self.descs = Histogram("kvd_transfer_descriptors", "NIXL descriptors per transfer", registry=r,
+                               buckets=DESCRIPTOR_BUCKETS)
+        r.register(_StatsCollector(stats))
+        ProcessCollector(registry=r)
+        self._http = None
+        self._thread: threading.Thread | None = None
+        self.port = 0
 
     def on_event(self, name: str, fields: dict) -> None:
-        """The core's event hook (``Node(on_event=...)``)."""
+        """The core's event hook: ``transfer`` (bytes, seconds, descs),
+        ``failure`` (reason), ``handshake`` (seconds); others are ignored."""
         if name == "transfer":
             self.bytes.inc(fields["bytes"])
             self.transfers.inc()
             self.duration.observe(fields["seconds"])
             self.descs.observe(fields["descs"])
         elif name == "failure":
-            self.failures.labels(reason=fields.get("reason", "unknown")).inc()
+            self.failures.labels(reason=failure_reason(fields.get("reason", ""))).inc()
         elif name == "handshake":
             self.handshake.observe(fields["seconds"])
 
-    def serve(self, port: int, addr: str = "0.0.0.0"):
-        """Starts the HTTP exporter on ``port``; returns (server, thread)."""
-        return start_http_server(port, addr=addr, registry=self.registry)
+    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
+        """Starts the HTTP exporter on ``addr:port`` (a daemon thread); returns the bound port."""
+        self._http, self._thread = start_http_server(port, addr=addr, registry=self.registry)
+        self.port = self._http.server_port
+        return self.port
+
+    def stop(self) -> None:
+        """Stops the HTTP exporter and closes its socket; idempotent."""
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+
+def failure_reason(reason: str) -> str:
+    """A bounded label value from a failure reason: its first word, lower case
+    (``"handshake: peer: UNAVAILABLE ..."`` -> ``handshake``)."""
+    word = reason.split(":", 1)[0].strip().split(" ", 1)[0].lower()
+    return word if word.isidentifier() and len(word) <= 32 else "other"

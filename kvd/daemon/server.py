@@ -4,9 +4,16 @@
 - ``PeerService`` (+ Health, reflection) on TCP, for remote daemons;
 - both on one ``grpc.aio`` event loop run by uvloop; NIXL calls run on the
   core's NIXL thread.
-Shutdown (SIGTERM/SIGINT) is ordered: health NOT_SERVING, refuse new loads,
-wait up to ``grace_s`` for in-flight transfers, stop the servers, unregister
-every worker (NIXL deregistration, unmap), remove the socket.
+Startup ends with sd_notify ``READY=1`` (systemd ``Type=notify``).
+Shutdown (SIGTERM/SIGINT) is ordered: sd_notify ``STOPPING=1``, health
+NOT_SERVING on both ports, refuse new registrations, sessions and loads, wait
+up to ``grace_s`` for loads in flight (handshakes and READs; each one still
+running then is logged and counted as failed, and the engine's session ends,
+which fails it on the engine side), stop the servers, unregister every worker
+(NIXL deregistration, unmap), stop the metrics endpoint, remove the socket.
+A second SIGTERM/SIGINT skips the rest of the grace period. Held prefill
+leases are not waited for: a reader that has not read them by then gets a
+load error and its engine recomputes.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from kvd.config import MAX_MESSAGE_BYTES, Config, parse_host_port
 from kvd.core.node import Limits, Node
 from kvd.daemon.engine_service import EngineService
 from kvd.daemon.metrics import Metrics
+from kvd.daemon.sdnotify import Notifier
 from kvd.daemon.peer_client import PeerClient
 from kvd.daemon.peer_service import PeerService
 from kvd.v1 import kvd_pb2, kvd_pb2_grpc
@@ -51,7 +59,10 @@ class Server:
         self.node: Node | None = None
         self.metrics: Metrics | None = None
         self.should_exit = asyncio.Event()
+        self.force_exit = asyncio.Event()
         self.peer_port = 0
+        self.notifier = Notifier(config.notify_socket)
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def serve(self) -> None:
         await self.startup()
@@ -65,11 +76,11 @@ class Server:
         host, port = parse_host_port(cfg.peer_listen, "peer_listen")
         limits = Limits(lease_s=cfg.lease_s, transfer_timeout_s=cfg.transfer_timeout_s,
                         handshake_timeout_s=cfg.handshake_timeout_s, detach_grace_s=cfg.detach_grace_s)
-        self.node = Node(limits, handshake=self.peer_client, backends=cfg.backends)
+        self._loop = asyncio.get_running_loop()
+        self.metrics = Metrics(self._stats_threadsafe)
+        self.node = Node(limits, handshake=self.peer_client, backends=cfg.backends, on_event=self.metrics.on_event)
         self._check_backends()
-        self.metrics = Metrics(self.node)
-        self.node._on_event = self.metrics.on_event
-        self.engine_service = EngineService(self.node)
+        self.engine_service = EngineService(self.node, on_event=self.metrics.on_event, backends=cfg.backends)
 
         # Peer side (TCP).
         self.peer_server = grpc.aio.server(options=SERVER_OPTIONS)
@@ -98,8 +109,11 @@ class Server:
         await self.peer_server.start()
         await self.engine_server.start()
         self.node.start()
+        metrics_at = ""
         if cfg.metrics_port:
-            self.metrics_http = self.metrics.serve(cfg.metrics_port)
+            mport = self.metrics.serve(cfg.metrics_port, cfg.metrics_host)
+            metrics_at = f"{cfg.metrics_host}:{mport}"
+            self.engine_service.metrics_address = metrics_at
         for health in (self.peer_health, self.engine_health):
             for svc in ("", ENGINE_SERVICE, PEER_SERVICE):
                 await health.set(svc, health_pb2.HealthCheckResponse.SERVING)
@@ -108,8 +122,8 @@ class Server:
             loop.add_signal_handler(sig, self.handle_exit, sig)
         log.info("kvd %s serving: engines on unix:%s, peers on %s (advertised %s), NIXL backends %s%s",
                  __version__, sock, bind.replace(f":{port}", f":{self.peer_port}") if port == 0 else bind,
-                 adv, ",".join(cfg.backends),
-                 f", metrics on :{cfg.metrics_port}" if cfg.metrics_port else "")
+                 adv, ",".join(cfg.backends), f", metrics on http://{metrics_at}/metrics" if metrics_at else "")
+        self.notifier.ready(f"serving: engines on unix:{sock}, peers on {adv}")
 
     def _check_backends(self) -> None:
         from kvd.core.nixl_agent import NixlAgent
@@ -141,22 +155,66 @@ class Server:
         return health
 
     def handle_exit(self, sig) -> None:
-        log.info("received %s, shutting down", signal.Signals(sig).name)
+        if self.should_exit.is_set():
+            log.warning("received %s again: not waiting for transfers in flight", signal.Signals(sig).name)
+            self.force_exit.set()
+            return
+        log.info("received %s, shutting down (grace %.1f s)", signal.Signals(sig).name, self.config.grace_s)
         self.should_exit.set()
+
+    def _stats_threadsafe(self) -> dict:
+        """``Node.stats()`` computed on the event loop, for callers on other
+        threads (the metrics HTTP thread): the core's dicts change only there."""
+        loop, node = self._loop, self.node
+        if node is None or loop is None or loop.is_closed():
+            return {}
+        try:
+            if asyncio.get_running_loop() is loop:
+                return node.stats()
+        except RuntimeError:
+            pass
+
+        async def snap() -> dict:
+            return node.stats()
+
+        return asyncio.run_coroutine_threadsafe(snap(), loop).result(timeout=2.0)
+
+    def _loads_in_flight(self) -> list[tuple[str, str, str]]:
+        """``(worker label, request id, peer)`` of every load not finished:
+        READs posted (``inflight``) and loads still handshaking (``pending_loads``)."""
+        out = []
+        for w in list(self.node.workers.values()) if self.node else []:
+            for rid, load in list(w.inflight.items()):
+                out.append((w.label, rid, getattr(load, "peer", "")))
+            for rid in list(w.pending_loads):
+                out.append((w.label, rid, ""))
+        return out
 
     async def main_loop(self) -> None:
         await self.should_exit.wait()
 
     async def shutdown(self) -> None:
         node = self.node
-        self.engine_service.draining = True
+        self.notifier.stopping(f"draining (grace {self.config.grace_s:g} s)")
+        if getattr(self, "engine_service", None) is not None:
+            self.engine_service.draining = True
         for health in (getattr(self, "peer_health", None), getattr(self, "engine_health", None)):
             if health is not None:
                 await health.enter_graceful_shutdown()
         deadline = time.monotonic() + self.config.grace_s
-        while node and node.stats()["inflight_transfers"] and time.monotonic() < deadline:
-            log.info("waiting for %d transfers in flight", node.stats()["inflight_transfers"])
-            await asyncio.sleep(0.1)
+        next_note = 0.0
+        while (left := self._loads_in_flight()) and time.monotonic() < deadline and not self.force_exit.is_set():
+            if time.monotonic() >= next_note:
+                log.info("draining: waiting up to %.1f s for %d loads in flight",
+                         deadline - time.monotonic(), len(left))
+                next_note = time.monotonic() + 1.0
+            await asyncio.sleep(0.05)
+        for label, rid, peer in self._loads_in_flight():
+            # The engine learns it when its session ends (the shim fails every
+            # load that went out on a lost stream); the core drops the READ.
+            log.warning("%s request=%s peer=%s: load failed: shutdown: daemon stopped before it finished",
+                        label, rid, peer or "?")
+            self.metrics.on_event("failure", {"reason": "shutdown"})
         for name in ("engine_server", "peer_server"):
             srv = getattr(self, name, None)
             if srv is not None:
@@ -164,6 +222,8 @@ class Server:
         if node:
             await node.close()
         await self.peer_client.close()
+        if self.metrics is not None:
+            self.metrics.stop()
         sock = self.config.engine_socket
         try:
             os.unlink(sock)
