@@ -163,3 +163,44 @@ def test_decode_block_smaller_than_prefill_block_is_refused_at_handshake(pair):
     assert ev.WhichOneof("event") == "load_failed"
     assert "handshake" in ev.load_failed.reason and "not a multiple" in ev.load_failed.reason
     assert list(ev.load_failed.failed_block_ids)  # the engine learns which blocks to recompute
+
+
+@pytest.fixture(scope="module")
+def push_pair(tmp_path_factory):
+    """A prefill daemon and a decode daemon in push mode (prefill WRITEs)."""
+    from kvdtest import start_daemon
+
+    d = str(tmp_path_factory.mktemp("push"))
+    a, b = start_daemon(d, "prefill"), start_daemon(d, "decode", "--transfer-mode", "push")
+    yield a, b
+    assert a.stop() == 0 and b.stop() == 0
+
+
+@pytest.mark.parametrize("p_tp,d_tp,heads,p_bs,d_bs", [(1, 1, 4, 16, 16), (1, 2, 4, 16, 16), (2, 1, 4, 16, 16),
+                                                        (1, 1, 4, 16, 32)])
+def test_push_mode_writes_the_same_bytes_as_pull(push_pair, p_tp, d_tp, heads, p_bs, d_bs):
+    # run_pd checks every decode element against the same expected values as
+    # the pull tests above: push bytes == pull bytes.
+    d_events, p_events = run_pd(*push_pair, p_tp, d_tp, heads, "HND", "HND", p_bs, d_bs,
+                                f"push{p_tp}{d_tp}{p_bs}{d_bs}")
+    assert [e.WhichOneof("event") for e in d_events] == ["recv_done"] * d_tp, d_events
+    assert all(e.recv_done.bytes > 0 for e in d_events)
+    assert [(e.WhichOneof("event"), e.send_done.expired) for e in p_events] == [("send_done", False)] * p_tp
+    assert push_pair[0].stats().active_leases == 0
+
+
+def test_push_without_a_lease_fails_the_request(push_pair):
+    prefill, decode = push_pair
+    r = Rank("Pnolease", 0, 1, 4, 16, "HND")
+    d = Rank("Dnolease", 0, 1, 4, 16, "HND")
+    sp, sd = r.register(prefill), d.register(decode)
+    try:
+        sd.send(load=pb.LoadBlocks(request_id="x", local_block_ids=[1], remote_engine_id="Pnolease",
+                                   remote_address=prefill.peer_address, remote_block_ids=[2],
+                                   remote_request_id="never-held", remote_tp_size=1, timeout_s=10))
+        ev = sd.next(20)
+        assert ev.WhichOneof("event") == "load_failed" and "holds no blocks" in ev.load_failed.reason
+    finally:
+        sp.close(), sd.close()
+        _unregister(prefill, [r])
+        _unregister(decode, [d])

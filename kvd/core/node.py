@@ -28,7 +28,7 @@ import uuid
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -82,6 +82,7 @@ class Limits:
     max_inflight_per_worker: int = 4096
     poll_busy_s: float = 0.0005      # poll interval while transfers are in flight
     poll_idle_s: float = 0.005       # otherwise (notifications, leases)
+    transfer_mode: str = "pull"      # "pull": decode READs; "push": prefill WRITEs on request
     detach_grace_s: float = 10.0     # an engine whose session is gone this long is unregistered
 
 
@@ -108,10 +109,44 @@ class HandshakeResult:
     tp_size: int = 1
 
 
-# An async callable that performs a handshake with a remote daemon:
-# (address, engine_id, tp_rank, our compat hash, timeout_s) -> HandshakeResult.
-# Raises Incompatible / NotFound / PeerUnavailable.
-HandshakeFn = Callable[[str, str, int, str, float], Awaitable[HandshakeResult]]
+@dataclass
+class PushOrder:
+    """What a reader asks a source rank to WRITE (push mode, issue 3 capability 7)."""
+
+    engine_id: str               # source (prefill) engine
+    tp_rank: int                 # source rank
+    request_id: str              # source request id (its lease)
+    source_block_ids: list[int]
+    reader: HandshakeResult      # the reader worker, described as at handshake
+    reader_tp_rank: int
+    reader_block_ids: list[int]
+    expected_notifications: int
+    timeout_s: float
+
+
+@dataclass
+class PushResult:
+    """A finished WRITE (units: bytes, seconds)."""
+
+    bytes: int
+    num_descriptors: int
+    duration_s: float
+
+
+class PeerLink(Protocol):
+    """How the core reaches remote daemons (the daemon's gRPC PeerClient).
+
+    Every method raises ``Incompatible``, ``NotFound``, ``InvalidArgument`` or
+    ``PeerUnavailable`` with the peer's message.
+    """
+
+    async def handshake(self, address: str, engine_id: str, tp_rank: int, compat_hash: str,
+                        timeout_s: float) -> HandshakeResult: ...
+
+    async def push(self, address: str, order: PushOrder, timeout_s: float) -> PushResult: ...
+
+    async def notify(self, address: str, engine_id: str, tp_rank: int, request_id: str, expected: int,
+                     timeout_s: float) -> None: ...
 
 
 @dataclass
@@ -137,6 +172,10 @@ class RemoteWorker:
     remote_dlist: object
     owns_local_dlist: bool
     daemon_version: str
+    src_block_bytes: int = 0  # bytes one source block contributes, all regions
+
+    def transfer_bytes(self, num_source_blocks: int) -> int:
+        return self.src_block_bytes * num_source_blocks
 
     @property
     def key(self) -> PeerKey:
@@ -178,6 +217,7 @@ class Worker:
     leases: LeaseTable = field(default_factory=LeaseTable)
     remotes: dict[PeerKey, RemoteWorker] = field(default_factory=dict)
     retired: list[RemoteWorker] = field(default_factory=list)  # dropped; NIXL state freed once unused
+    readers: dict[str, RemoteWorker] = field(default_factory=dict)  # push mode: readers we WRITE to, by agent
     inflight: dict[str, InflightLoad] = field(default_factory=dict)
     pending_loads: set[str] = field(default_factory=set)
     events: deque = field(default_factory=deque)
@@ -207,13 +247,63 @@ class Counters:
     handshakes: int = 0
 
 
+def _check_peer(w: Worker, hs: HandshakeResult, what: str) -> None:
+    """Validates a peer worker's description before any NIXL call uses it.
+
+    Raises:
+        Incompatible: protocol version or compatibility hash differ.
+        InvalidArgument: metadata size, region list or layout is malformed.
+    """
+    if hs.protocol_version != PROTOCOL_VERSION:
+        raise Incompatible(f"peer protocol version {hs.protocol_version} (kvd {hs.daemon_version}), "
+                           f"this daemon speaks {PROTOCOL_VERSION} (kvd {__version__})")
+    if hs.compat_hash != w.compat_hash:
+        raise Incompatible(f"compatibility hash mismatch: local {w.compat_hash}, remote {hs.compat_hash}")
+    if not 0 < len(hs.agent_metadata) <= MAX_AGENT_METADATA:
+        raise InvalidArgument(f"{what}: agent metadata of {len(hs.agent_metadata)} bytes "
+                              f"(1..{MAX_AGENT_METADATA} accepted)")
+    if len(hs.region_bases) != len(hs.regions) or not hs.regions:
+        raise InvalidArgument(f"{what}: region_base_addrs and regions differ in length")
+    if hs.tp_size < 1:
+        raise InvalidArgument(f"{what}: tp_size must be >= 1")
+    try:
+        lay.validate(hs.layout, hs.regions, [1 << 62] * (1 + max(r.segment for r in hs.regions)))
+    except LayoutError as e:
+        raise InvalidArgument(f"{what}: peer layout invalid: {e}") from None
+
+
+def _pair_plan(reader: plan.Geometry, source: plan.Geometry):
+    """``(k, C, chunk_sets, reader_identity, source_identity)`` of a pair.
+
+    ``reader_identity``: every chunk is a whole reader block (the reader's own
+    prepped list serves); ``source_identity`` likewise for the source.
+
+    Raises:
+        Incompatible: the layouts cannot be combined (the message says why).
+    """
+    try:
+        chunk_sets = [plan.chunks(reader, source, i) for i in range(len(reader.regions))]
+    except plan.PlanError as e:
+        raise Incompatible(f"layouts cannot be combined: {e}") from None
+    k = reader.layout.block_size // source.layout.block_size
+    C = len(chunk_sets[0]) // k
+    if any(len(c) != k * C for c in chunk_sets):
+        raise Incompatible("regions need different chunk counts (mixed region kinds)")
+    one = k == 1 and C == 1
+    reader_identity = one and all(c[0].tolist() == [0, 0, 0, r.block_len]
+                                  for c, r in zip(chunk_sets, reader.regions))
+    source_identity = one and all(c[0].tolist() == [0, 0, 0, r.block_len]
+                                  for c, r in zip(chunk_sets, source.regions))
+    return k, C, chunk_sets, reader_identity, source_identity
+
+
 class Node:
     """The core of one kvd daemon.
 
     Args:
         limits: deadlines and bounds.
-        handshake: performs a handshake with a remote daemon (injected by the
-            daemon; tests may pass a fake).
+        peers: reaches remote daemons (the daemon's gRPC ``PeerClient``;
+            tests may pass a fake).
         peer_address: ``host:port`` remote daemons use to reach this one.
         backends: NIXL backends for every agent (default ``["UCX"]``).
         on_event: hook ``(name, fields)`` for metrics: ``transfer``,
@@ -225,13 +315,13 @@ class Node:
     def __init__(
         self,
         limits: Limits | None = None,
-        handshake: HandshakeFn | None = None,
+        peers: PeerLink | None = None,
         peer_address: str = "",
         backends: list[str] | None = None,
         on_event: Callable[[str, dict], None] | None = None,
     ):
         self.limits = limits or Limits()
-        self._handshake = handshake
+        self.peers = peers
         self.peer_address = peer_address
         self.backends = backends or ["UCX"]
         self.workers: dict[WorkerKey, Worker] = {}
@@ -240,6 +330,7 @@ class Node:
         self._nixl_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvd-nixl")
         self._handshakes: dict[tuple, asyncio.Future] = {}
         self._zombies: list[tuple[NixlAgent, object]] = []
+        self._writes: dict[int, tuple[Worker, object, asyncio.Future, float]] = {}  # push WRITEs in flight
         self._progress_task: asyncio.Task | None = None
         self._kick = asyncio.Event()
         self._closing = False
@@ -394,10 +485,11 @@ class Node:
             for h, _ in load.parts:
                 if not w.agent.release(h):
                     self._zombies.append((w.agent, h))
-        for r in [*w.remotes.values(), *w.retired]:
+        for r in [*w.remotes.values(), *w.retired, *w.readers.values()]:
             self._free_remote(w, r)
         w.remotes.clear()
         w.retired.clear()
+        w.readers.clear()
         try:
             w.agent.release_dlist(w.local_dlist)
         except Exception:
@@ -524,8 +616,6 @@ class Node:
             lay.descriptor_indices(local_block_ids, 1, w.layout.num_blocks)
         except LayoutError as e:
             return fail(f"invalid: local {e}")
-        if len(local_block_ids) > len(remote_block_ids):
-            return fail(f"invalid: {len(local_block_ids)} local blocks for {len(remote_block_ids)} remote blocks")
         remote_tp = remote_tp_size or w.tp_size
         geo = w.geometry()
         try:
@@ -533,6 +623,14 @@ class Node:
                                                   w.layout.kv_layout == "MLA")
         except plan.PlanError as e:
             return fail(f"incompatible: {e}")
+        if self.limits.transfer_mode == "push":
+            w.pending_loads.add(request_id)
+            try:
+                return await self._load_push(w, request_id, local_block_ids, remote_engine_id, remote_address,
+                                             remote_block_ids, remote_request_id, remote_tp, read_from, notify,
+                                             started, deadline, fail)
+            finally:
+                w.pending_loads.discard(request_id)
         w.pending_loads.add(request_id)
         posted: list[tuple[object, RemoteWorker]] = []
         nbytes = ndescs = 0
@@ -570,8 +668,8 @@ class Node:
                     err = "nixl: transfer post returned ERR"
                     break
                 ndescs += len(lidx)
+                nbytes += r.transfer_bytes(len(remote_block_ids))
             else:
-                nbytes = sum(r.block_len for r in w.regions) * len(local_block_ids)
                 for p in notify:
                     if p not in read_from:
                         await self._nixl(w.agent.send_notif, remotes[p].agent_name, notif_message(
@@ -596,6 +694,40 @@ class Node:
             request_id, list(local_block_ids), posted, started, deadline, nbytes, ndescs, remote_address, retry,
         )
         self._kick.set()
+
+    async def _load_push(self, w: Worker, request_id, local_block_ids, remote_engine_id, remote_address,
+                         remote_block_ids, remote_request_id, remote_tp, read_from, notify, started, deadline,
+                         fail) -> None:
+        """Push mode: each source rank WRITEs into our blocks (PeerService.Push)."""
+        me = await self.describe(w)
+        heads, mla = w.layout.model_kv_heads(w.tp_size), w.layout.kv_layout == "MLA"
+
+        async def one(p: int):
+            expected = plan.expected_notifications(p, remote_tp, w.tp_size, heads, mla)
+            left = max(0.1, deadline - time.monotonic())
+            if p not in read_from:
+                await self.peers.notify(remote_address, remote_engine_id, p, remote_request_id, expected, left)
+                return None
+            order = PushOrder(remote_engine_id, p, remote_request_id, list(remote_block_ids), me, w.key[1],
+                              list(local_block_ids), expected, left)
+            return await self.peers.push(remote_address, order, left)
+
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*(one(p) for p in notify)),
+                                             max(0.1, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            return fail("timeout: push not done by the deadline")
+        except (Incompatible, NotFound, PeerUnavailable, InvalidArgument) as e:
+            return fail(f"push: {e}")
+        if w.key not in self.workers:
+            return
+        done = [r for r in results if r is not None]
+        nbytes, ndescs, dur = sum(r.bytes for r in done), sum(r.num_descriptors for r in done), \
+            time.monotonic() - started
+        self.counters.bytes_read += nbytes
+        self.counters.transfers_done += 1
+        self._on_event("transfer", {"bytes": nbytes, "seconds": dur, "descs": ndescs})
+        self._emit(w, RecvDone(request_id, nbytes, len(local_block_ids), ndescs, dur))
 
     def _retire(self, w: Worker, remote: RemoteWorker, why: str) -> None:
         """Stops using a remote agent; its NIXL state is freed once no load uses it."""
@@ -660,42 +792,20 @@ class Node:
 
     async def _do_handshake(self, w: Worker, key: PeerKey, tp_size: int, deadline: float) -> RemoteWorker:
         address, engine_id, tp_rank = key
-        if self._handshake is None:
+        if self.peers is None:
             raise PeerUnavailable("this daemon has no peer client")
         if not address or ":" not in address:
             raise InvalidArgument(f"remote address {address!r} is not host:port")
         timeout = max(0.1, min(self.limits.handshake_timeout_s, deadline - time.monotonic()))
         t0 = time.monotonic()
-        hs = await self._handshake(address, engine_id, tp_rank, w.compat_hash, timeout)
-        if hs.protocol_version != PROTOCOL_VERSION:
-            raise Incompatible(f"peer protocol version {hs.protocol_version} (kvd {hs.daemon_version}), "
-                               f"this daemon speaks {PROTOCOL_VERSION} (kvd {__version__})")
-        if hs.compat_hash != w.compat_hash:
-            raise Incompatible(f"compatibility hash mismatch: local {w.compat_hash}, remote {hs.compat_hash}")
+        hs = await self.peers.handshake(address, engine_id, tp_rank, w.compat_hash, timeout)
         if hs.tp_size != tp_size:
             raise Incompatible(f"remote engine {engine_id!r} has TP size {hs.tp_size}, the request says {tp_size}")
-        if not 0 < len(hs.agent_metadata) <= MAX_AGENT_METADATA:
-            raise InvalidArgument(f"handshake: agent metadata of {len(hs.agent_metadata)} bytes "
-                                  f"(1..{MAX_AGENT_METADATA} accepted)")
-        if len(hs.region_bases) != len(hs.regions) or not hs.regions:
-            raise InvalidArgument("handshake: region_base_addrs and regions differ in length")
-        try:
-            lay.validate(hs.layout, hs.regions, [1 << 62] * (1 + max(r.segment for r in hs.regions)))
-        except LayoutError as e:
-            raise InvalidArgument(f"handshake: remote layout invalid: {e}") from None
-        local_geo = w.geometry()
-        remote_geo = plan.Geometry(tp_rank, hs.tp_size, hs.layout, tuple(hs.regions),
-                                   hs.layout.model_kv_heads(hs.tp_size))
-        try:
-            chunk_sets = [plan.chunks(local_geo, remote_geo, i) for i in range(len(w.regions))]
-        except plan.PlanError as e:
-            raise Incompatible(f"layouts cannot be combined: {e}") from None
-        k = w.layout.block_size // hs.layout.block_size
-        C = len(chunk_sets[0]) // k
-        if any(len(c) != k * C for c in chunk_sets):
-            raise Incompatible("regions need different chunk counts (mixed region kinds)")
-        identity = k == 1 and C == 1 and all(
-            c[0].tolist() == [0, 0, 0, r.block_len] for c, r in zip(chunk_sets, w.regions))
+        _check_peer(w, hs, "handshake")
+        reader, source = w.geometry(), plan.Geometry(tp_rank, hs.tp_size, hs.layout, tuple(hs.regions),
+                                                      hs.layout.model_kv_heads(hs.tp_size))
+        k, C, chunk_sets, identity, _ = _pair_plan(reader, source)
+        src_bytes = int(sum(c[:C, 3].sum() for c in chunk_sets))
         lrows = None if identity else plan.local_rows(w.bases, w.regions, w.layout.num_blocks, chunk_sets, k)
         rrows = plan.remote_rows(hs.region_bases, hs.regions, hs.layout.num_blocks, chunk_sets, k)
         # An agent of the same name still loaded (a retired one, or the peer's
@@ -721,7 +831,7 @@ class Node:
         if w.key not in self.workers:
             raise NotFound("local worker unregistered during the handshake")
         r = RemoteWorker(address, engine_id, tp_rank, hs.tp_size, name, hs.layout, len(hs.regions), k, C, ld, rd,
-                         lrows is not None, hs.daemon_version)
+                         lrows is not None, hs.daemon_version, src_bytes)
         w.remotes[key] = r
         self.counters.handshakes += 1
         self._on_event("handshake", {"seconds": time.monotonic() - t0})
@@ -749,6 +859,93 @@ class Node:
                 f"compatibility hash mismatch for engine {engine_id!r} rank {tp_rank}: "
                 f"caller {caller_hash}, this worker {w.compat_hash}"
             )
+        return await self.describe(w)
+
+    async def push(self, order: PushOrder) -> PushResult:
+        """Source side of push mode: WRITE a held request's blocks into a reader.
+
+        Counts as one reader's notification of the lease once the WRITE is
+        done, as a READ's notification would in pull mode.
+
+        Raises:
+            NotFound: no such worker, or no lease for ``order.request_id``.
+            InvalidArgument: block ids out of range, malformed reader.
+            Incompatible: the layouts cannot be combined.
+            PeerUnavailable: the WRITE failed or missed its deadline.
+        """
+        w = self.worker(order.engine_id, order.tp_rank)
+        if order.request_id not in w.leases.leases:
+            raise NotFound(f"engine {order.engine_id!r} rank {order.tp_rank} holds no blocks for request "
+                           f"{order.request_id!r}")
+        if not 0 < order.expected_notifications <= 1 << 16:
+            raise InvalidArgument("push: expected_notifications must be in 1..65536")
+        t0 = time.monotonic()
+        reader = order.reader
+        _check_peer(w, reader, "push")
+        r = w.readers.get(reader.agent_name)
+        if r is None:
+            rgeo = plan.Geometry(order.reader_tp_rank, reader.tp_size, reader.layout, tuple(reader.regions),
+                                 reader.layout.model_kv_heads(reader.tp_size))
+            k, C, chunk_sets, _, identity = _pair_plan(rgeo, w.geometry())
+            src_bytes = int(sum(c[:C, 3].sum() for c in chunk_sets))
+            src_rows = None if identity else plan.remote_rows(w.bases, w.regions, w.layout.num_blocks, chunk_sets, k)
+            dst_rows = plan.local_rows(reader.region_bases, reader.regions, reader.layout.num_blocks, chunk_sets, k)
+
+            def add():
+                name = w.agent.add_remote(reader.agent_metadata)
+                try:
+                    return name, w.agent.prep_remote(name, dst_rows), (
+                        w.local_dlist if src_rows is None else w.agent.prep_local(src_rows))
+                except Exception:
+                    w.agent.remove_remote(name)
+                    raise
+
+            try:
+                name, dst, src = await self._nixl(add)
+            except NixlError as e:
+                raise InvalidArgument(f"push: reader agent metadata rejected: {e}") from None
+            # For a reader, "local" lists are ours (source rows), "remote" the reader's.
+            r = RemoteWorker("", reader.agent_name, order.reader_tp_rank, reader.tp_size, name, reader.layout,
+                             len(reader.regions), k, C, src, dst, src_rows is not None, reader.daemon_version,
+                             src_bytes)
+            w.readers[reader.agent_name] = r
+        try:
+            dst_idx, src_idx = plan.chunk_indices(order.reader_block_ids, order.source_block_ids, r.num_regions,
+                                                  r.layout.num_blocks, w.layout.num_blocks, r.k, r.C)
+        except LayoutError as e:
+            raise InvalidArgument(f"push: {e}") from None
+        try:
+            handle, state = await self._nixl(w.agent.post, "WRITE", r.local_dlist, src_idx, r.remote_dlist,
+                                             dst_idx, b"")
+        except NixlError as e:
+            raise PeerUnavailable(f"push: {e}") from None
+        fut = asyncio.get_running_loop().create_future()
+        timeout = order.timeout_s if order.timeout_s > 0 else self.limits.transfer_timeout_s
+        self._writes[id(handle)] = (w, handle, fut, time.monotonic() + timeout)
+        self._kick.set()
+        if state == "ERR":
+            fut.set_result("ERR")
+        st = await fut
+        if st != "DONE":
+            w.readers.pop(reader.agent_name, None)
+            w.retired.append(r)
+            raise PeerUnavailable(f"push: WRITE to {reader.agent_name} {st}")
+        nbytes = r.transfer_bytes(len(order.source_block_ids))
+        self.notify(order.engine_id, order.tp_rank, order.request_id, order.expected_notifications)
+        return PushResult(nbytes, len(src_idx), time.monotonic() - t0)
+
+    def notify(self, engine_id: str, tp_rank: int, request_id: str, expected: int) -> None:
+        """One reader is done with ``request_id`` on this worker (push mode's
+        bare notification, also used after a push WRITE). Raises NotFound."""
+        w = self.worker(engine_id, tp_rank)
+        if not 0 < expected <= 1 << 16:
+            raise InvalidArgument("notify: expected_notifications must be in 1..65536")
+        if w.leases.notify(request_id, expected, time.monotonic()):
+            self.counters.leases_notified += 1
+            self._emit(w, SendDone(request_id))
+
+    async def describe(self, w: Worker) -> HandshakeResult:
+        """``w`` as a handshake describes it (agent metadata, layout, regions)."""
         meta = await self._nixl(w.agent.metadata)
         return HandshakeResult(meta, w.agent.name, w.layout, w.regions, w.bases, w.compat_hash, __version__,
                                PROTOCOL_VERSION, w.tp_size)
@@ -762,6 +959,15 @@ class Node:
             if not agent.release(h):
                 still.append((agent, h))
         self._zombies = still
+        now = time.monotonic()
+        for key, (w, h, fut, deadline) in list(self._writes.items()):
+            st = w.agent.state(h)
+            if st == "PROC" and now < deadline:
+                continue
+            self._writes.pop(key, None)
+            if not w.agent.release(h):
+                self._zombies.append((w.agent, h))
+            done.append((w, fut, "WRITE", st if st != "PROC" else "past its deadline"))
         for w in list(self.workers.values()):
             for rid, load in list(w.inflight.items()):
                 still = []
@@ -796,7 +1002,7 @@ class Node:
                 results = []
             now = time.monotonic()
             for w, a, st, extra in results:
-                if w.key not in self.workers:
+                if w.key not in self.workers and st != "WRITE":
                     continue
                 if st == "NOTIF":
                     self._on_notif(w, a, extra)
@@ -807,8 +1013,10 @@ class Node:
                         self._retire(w, extra, "READ failed")
                 elif st == "END":
                     self._finish(w, a, now)
+                elif st == "WRITE" and not a.done():
+                    a.set_result(extra)
             self._expire(now)
-            busy = any(w.inflight for w in self.workers.values())
+            busy = bool(self._writes) or any(w.inflight for w in self.workers.values())
             self._kick.clear()
             try:
                 await asyncio.wait_for(self._kick.wait(), self.limits.poll_busy_s if busy else self.limits.poll_idle_s)

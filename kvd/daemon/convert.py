@@ -6,6 +6,7 @@ import grpc
 
 from kvd.core import events as ev
 from kvd.core.layout import Layout, Region
+from kvd.core.node import HandshakeResult
 from kvd.v1 import kvd_pb2 as pb
 
 _KV_LAYOUT_NAMES = {pb.KV_LAYOUT_NHD: "NHD", pb.KV_LAYOUT_HND: "HND", pb.KV_LAYOUT_MLA: "MLA"}
@@ -82,3 +83,23 @@ def event_to_pb(e: ev.Event) -> pb.SessionEvent:
         return pb.SessionEvent(send_done=pb.SendDone(
             request_id=e.request_id, expired=e.expired, released=e.released))
     return pb.SessionEvent(rejected=pb.CommandRejected(request_id=e.request_id, reason=e.reason))
+
+
+def handshake_to_pb(hs: HandshakeResult) -> pb.HandshakeResponse:
+    """A worker's handshake description as a HandshakeResponse."""
+    return pb.HandshakeResponse(
+        agent_metadata=hs.agent_metadata, agent_name=hs.agent_name, layout=layout_to_pb(hs.layout),
+        regions=[region_to_pb(r) for r in hs.regions], region_base_addrs=hs.region_bases,
+        compat_hash=hs.compat_hash, daemon_version=hs.daemon_version, protocol_version=hs.protocol_version,
+        tp_size=hs.tp_size,
+    )
+
+
+def handshake_from_pb(r: pb.HandshakeResponse) -> HandshakeResult:
+    """Raises ev.InvalidArgument on an unknown KV layout."""
+    return HandshakeResult(
+        agent_metadata=r.agent_metadata, agent_name=r.agent_name, layout=layout_from_pb(r.layout),
+        regions=[region_from_pb(x) for x in r.regions], region_bases=list(r.region_base_addrs),
+        compat_hash=r.compat_hash, daemon_version=r.daemon_version, protocol_version=r.protocol_version,
+        tp_size=r.tp_size or 1,
+    )

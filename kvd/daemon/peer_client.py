@@ -1,4 +1,8 @@
-"""The daemon's client of remote daemons' PeerService (one channel per address)."""
+"""The daemon's client of remote daemons' PeerService (one channel per address).
+
+Implements ``kvd.core.node.PeerLink``: every gRPC error becomes the core's
+typed error, with the peer's address and message.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,8 @@ import grpc
 from kvd import __version__
 from kvd.config import MAX_MESSAGE_BYTES
 from kvd.core import events as ev
-from kvd.core.node import PROTOCOL_VERSION, HandshakeResult
-from kvd.daemon.convert import layout_from_pb, region_from_pb
+from kvd.core.node import PROTOCOL_VERSION, HandshakeResult, PushOrder, PushResult
+from kvd.daemon.convert import handshake_from_pb, handshake_to_pb
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
@@ -18,8 +22,17 @@ CHANNEL_OPTIONS = [
 ]
 
 
+def _error(address: str, e: grpc.aio.AioRpcError) -> ev.CoreError:
+    msg = f"{address}: {e.code().name}: {e.details()}"
+    return {
+        grpc.StatusCode.NOT_FOUND: ev.NotFound,
+        grpc.StatusCode.FAILED_PRECONDITION: ev.Incompatible,
+        grpc.StatusCode.INVALID_ARGUMENT: ev.InvalidArgument,
+    }.get(e.code(), ev.PeerUnavailable)(msg)
+
+
 class PeerClient:
-    """Performs handshakes with remote daemons; an async ``HandshakeFn``."""
+    """Handshake, push and notify calls to remote daemons."""
 
     def __init__(self):
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -31,31 +44,40 @@ class PeerClient:
             self._channels[address] = ch
         return pb_grpc.PeerServiceStub(ch)
 
-    async def __call__(self, address: str, engine_id: str, tp_rank: int, compat_hash: str,
-                       timeout_s: float) -> HandshakeResult:
-        """Handshake with ``address`` for its worker ``(engine_id, tp_rank)``.
-
-        Raises:
-            ev.NotFound, ev.Incompatible: the peer refused, with its message.
-            ev.PeerUnavailable: unreachable or past ``timeout_s`` seconds.
-        """
+    async def handshake(self, address: str, engine_id: str, tp_rank: int, compat_hash: str,
+                        timeout_s: float) -> HandshakeResult:
+        """Handshake with ``address`` for its worker ``(engine_id, tp_rank)``."""
         req = pb.HandshakeRequest(engine_id=engine_id, tp_rank=tp_rank, daemon_version=__version__,
                                   compat_hash=compat_hash, protocol_version=PROTOCOL_VERSION)
         try:
             r = await self._stub(address).Handshake(req, timeout=timeout_s)
         except grpc.aio.AioRpcError as e:
-            msg = f"{address}: {e.code().name}: {e.details()}"
-            if e.code() == grpc.StatusCode.NOT_FOUND:
-                raise ev.NotFound(msg) from None
-            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                raise ev.Incompatible(msg) from None
-            raise ev.PeerUnavailable(msg) from None
-        return HandshakeResult(
-            agent_metadata=r.agent_metadata, agent_name=r.agent_name, layout=layout_from_pb(r.layout),
-            regions=[region_from_pb(x) for x in r.regions], region_bases=list(r.region_base_addrs),
-            compat_hash=r.compat_hash, daemon_version=r.daemon_version, protocol_version=r.protocol_version,
-            tp_size=r.tp_size or 1,
+            raise _error(address, e) from None
+        return handshake_from_pb(r)
+
+    async def push(self, address: str, order: PushOrder, timeout_s: float) -> PushResult:
+        """Asks ``address`` to WRITE ``order``'s blocks; returns when done."""
+        req = pb.PushRequest(
+            engine_id=order.engine_id, tp_rank=order.tp_rank, request_id=order.request_id,
+            source_block_ids=order.source_block_ids, reader=handshake_to_pb(order.reader),
+            reader_tp_rank=order.reader_tp_rank, reader_block_ids=order.reader_block_ids,
+            expected_notifications=order.expected_notifications, timeout_s=order.timeout_s,
         )
+        try:
+            r = await self._stub(address).Push(req, timeout=timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise _error(address, e) from None
+        return PushResult(r.bytes, r.num_descriptors, r.duration_s)
+
+    async def notify(self, address: str, engine_id: str, tp_rank: int, request_id: str, expected: int,
+                     timeout_s: float) -> None:
+        """Tells ``address`` that one reader is done with ``request_id`` on that rank."""
+        req = pb.NotifyRequest(engine_id=engine_id, tp_rank=tp_rank, request_id=request_id,
+                               expected_notifications=expected)
+        try:
+            await self._stub(address).Notify(req, timeout=timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise _error(address, e) from None
 
     async def close(self) -> None:
         for ch in self._channels.values():

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import logging
 
-from kvd import __version__
 from kvd.core import events as ev
-from kvd.core.node import HandshakeResult, Node
-from kvd.daemon.convert import layout_to_pb, region_to_pb, status_of
+from kvd.core.node import Node, PushOrder
+from kvd.daemon.convert import handshake_from_pb, handshake_to_pb, status_of
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
@@ -15,26 +14,42 @@ log = logging.getLogger("kvd.peer")
 
 
 class PeerService(pb_grpc.PeerServiceServicer):
-    """Answers handshakes: our worker's NIXL agent metadata and layout."""
+    """Answers handshakes (our worker's NIXL agent metadata and layout), and in
+    push mode writes held blocks into a reader's blocks."""
 
     def __init__(self, node: Node):
         self.node = node
+
+    async def _refuse(self, context, what: str, request, e: ev.CoreError):
+        log.warning("%s from %s for engine=%s rank=%d refused: %s", what, context.peer(), request.engine_id,
+                    request.tp_rank, e)
+        await context.abort(status_of(e), str(e))
 
     async def Handshake(self, request: pb.HandshakeRequest, context) -> pb.HandshakeResponse:
         try:
             hs = await self.node.handshake_info(request.engine_id, request.tp_rank, request.compat_hash,
                                                 request.protocol_version)
         except ev.CoreError as e:
-            log.warning("handshake from %s for engine=%s rank=%d refused: %s",
-                        context.peer(), request.engine_id, request.tp_rank, e)
-            await context.abort(status_of(e), str(e))
+            await self._refuse(context, "handshake", request, e)
         return handshake_to_pb(hs)
 
+    async def Push(self, request: pb.PushRequest, context) -> pb.PushResponse:
+        try:
+            order = PushOrder(
+                engine_id=request.engine_id, tp_rank=request.tp_rank, request_id=request.request_id,
+                source_block_ids=list(request.source_block_ids), reader=handshake_from_pb(request.reader),
+                reader_tp_rank=request.reader_tp_rank, reader_block_ids=list(request.reader_block_ids),
+                expected_notifications=request.expected_notifications, timeout_s=request.timeout_s,
+            )
+            r = await self.node.push(order)
+        except ev.CoreError as e:
+            await self._refuse(context, "push", request, e)
+        return pb.PushResponse(bytes=r.bytes, num_descriptors=r.num_descriptors, duration_s=r.duration_s)
 
-def handshake_to_pb(hs: HandshakeResult) -> pb.HandshakeResponse:
-    return pb.HandshakeResponse(
-        agent_metadata=hs.agent_metadata, agent_name=hs.agent_name, layout=layout_to_pb(hs.layout),
-        regions=[region_to_pb(r) for r in hs.regions], region_base_addrs=hs.region_bases,
-        compat_hash=hs.compat_hash, daemon_version=hs.daemon_version, protocol_version=hs.protocol_version,
-        tp_size=hs.tp_size,
-    )
+    async def Notify(self, request: pb.NotifyRequest, context) -> pb.NotifyResponse:
+        try:
+            self.node.notify(request.engine_id, request.tp_rank, request.request_id,
+                             request.expected_notifications)
+        except ev.CoreError as e:
+            await self._refuse(context, "notify", request, e)
+        return pb.NotifyResponse()

@@ -419,3 +419,51 @@ class HandshakeResponse(_message.Message):
     protocol_version: int
     tp_size: int
     def __init__(self, agent_metadata: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., region_base_addrs: _Optional[_Iterable[int]] = ..., compat_hash: _Optional[str] = ..., daemon_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
+
+class PushRequest(_message.Message):
+    __slots__ = ("engine_id", "tp_rank", "request_id", "source_block_ids", "reader", "reader_tp_rank", "reader_block_ids", "expected_notifications", "timeout_s")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    READER_FIELD_NUMBER: _ClassVar[int]
+    READER_TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    READER_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_NOTIFICATIONS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    tp_rank: int
+    request_id: str
+    source_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    reader: HandshakeResponse
+    reader_tp_rank: int
+    reader_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    expected_notifications: int
+    timeout_s: float
+    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., request_id: _Optional[str] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., reader: _Optional[_Union[HandshakeResponse, _Mapping]] = ..., reader_tp_rank: _Optional[int] = ..., reader_block_ids: _Optional[_Iterable[int]] = ..., expected_notifications: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class PushResponse(_message.Message):
+    __slots__ = ("bytes", "num_descriptors", "duration_s")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_DESCRIPTORS_FIELD_NUMBER: _ClassVar[int]
+    DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    num_descriptors: int
+    duration_s: float
+    def __init__(self, bytes: _Optional[int] = ..., num_descriptors: _Optional[int] = ..., duration_s: _Optional[float] = ...) -> None: ...
+
+class NotifyRequest(_message.Message):
+    __slots__ = ("engine_id", "tp_rank", "request_id", "expected_notifications")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_NOTIFICATIONS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    tp_rank: int
+    request_id: str
+    expected_notifications: int
+    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., request_id: _Optional[str] = ..., expected_notifications: _Optional[int] = ...) -> None: ...
+
+class NotifyResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

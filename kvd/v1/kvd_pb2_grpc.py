@@ -245,6 +245,16 @@ class PeerServiceStub:
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.HandshakeRequest.SerializeToString,
                 response_deserializer=kvd_dot_v1_dot_kvd__pb2.HandshakeResponse.FromString,
                 _registered_method=True)
+        self.Push = channel.unary_unary(
+                '/kvd.v1.PeerService/Push',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.PushRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.PushResponse.FromString,
+                _registered_method=True)
+        self.Notify = channel.unary_unary(
+                '/kvd.v1.PeerService/Notify',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.NotifyRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.NotifyResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -258,6 +268,21 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Push(self, request, context):
+        """NOT_FOUND: no lease for the request; INVALID_ARGUMENT: bad block ids or
+        reader description; FAILED_PRECONDITION: layouts cannot be combined;
+        DEADLINE_EXCEEDED / UNAVAILABLE: the WRITE did not finish.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Notify(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -265,6 +290,16 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.Handshake,
                     request_deserializer=kvd_dot_v1_dot_kvd__pb2.HandshakeRequest.FromString,
                     response_serializer=kvd_dot_v1_dot_kvd__pb2.HandshakeResponse.SerializeToString,
+            ),
+            'Push': grpc.unary_unary_rpc_method_handler(
+                    servicer.Push,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.PushRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.PushResponse.SerializeToString,
+            ),
+            'Notify': grpc.unary_unary_rpc_method_handler(
+                    servicer.Notify,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.NotifyRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.NotifyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -294,6 +329,60 @@ class PeerService:
             '/kvd.v1.PeerService/Handshake',
             kvd_dot_v1_dot_kvd__pb2.HandshakeRequest.SerializeToString,
             kvd_dot_v1_dot_kvd__pb2.HandshakeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Push(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.PeerService/Push',
+            kvd_dot_v1_dot_kvd__pb2.PushRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.PushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Notify(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.PeerService/Notify',
+            kvd_dot_v1_dot_kvd__pb2.NotifyRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.NotifyResponse.FromString,
             options,
             channel_credentials,
             insecure,
