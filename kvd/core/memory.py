@@ -45,6 +45,35 @@ def shm_path(name: str) -> str:
     return os.path.join(SHM_DIR, name.lstrip("/"))
 
 
+def create_shm(size: int, prefix: str = "kvd-stage", mode: int = 0o660) -> str:
+    """Creates a new POSIX shm object of ``size`` bytes; returns its name.
+
+    Used for daemon-owned staging mirrors (``data_path = staged``); the
+    creator unlinks it with :func:`unlink_shm`.
+    """
+    import uuid
+
+    name = f"/{prefix}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    fd = os.open(shm_path(name), os.O_CREAT | os.O_EXCL | os.O_RDWR, mode)
+    try:
+        os.fchmod(fd, mode)  # not narrowed by the umask
+        os.ftruncate(fd, size)
+    except OSError:
+        os.close(fd)
+        unlink_shm(name)
+        raise
+    os.close(fd)
+    return name
+
+
+def unlink_shm(name: str) -> None:
+    """Removes a shm object; idempotent."""
+    try:
+        os.unlink(shm_path(name))
+    except FileNotFoundError:
+        pass
+
+
 class ShmMapping:
     """A read-write ``MAP_SHARED`` mapping of one POSIX shm object.
 

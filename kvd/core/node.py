@@ -49,7 +49,7 @@ from kvd.core.events import (
 )
 from kvd.core.layout import Layout, LayoutError, Region
 from kvd.core.leases import LeaseTable, notif_message, parse_notif
-from kvd.core.memory import SegmentError, ShmMapping
+from kvd.core.memory import SegmentError, ShmMapping, create_shm, unlink_shm
 from kvd.core.nixl_agent import NixlAgent, NixlError
 
 log = logging.getLogger("kvd.core")
@@ -214,6 +214,7 @@ class Worker:
     bases: list[int]
     local_dlist: object
     registered_bytes: int
+    staging: list[str] = field(default_factory=list)  # staged data path: shm names we made (unlinked at the end)
     leases: LeaseTable = field(default_factory=LeaseTable)
     remotes: dict[PeerKey, RemoteWorker] = field(default_factory=dict)
     retired: list[RemoteWorker] = field(default_factory=list)  # dropped; NIXL state freed once unused
@@ -387,8 +388,13 @@ class Node:
         regions: list[Region],
         model: str = "",
         compat_extra: str = "",
+        staged: bool = False,
     ) -> Worker:
         """Maps the worker's segments, makes its NIXL agent, registers memory.
+
+        ``staged``: the daemon makes a mirror segment of each size and
+        registers those instead (``Worker.staging`` names them); the shim
+        copies blocks between its cache and the mirror.
 
         Raises:
             InvalidArgument: bad ids, layout or regions, or a segment that is
@@ -408,12 +414,17 @@ class Node:
         except LayoutError as e:
             raise InvalidArgument(str(e)) from None
         mappings: list[ShmMapping] = []
+        staging: list[str] = []
         try:
             for s in segments:
-                mappings.append(ShmMapping(s.name, s.size))
-        except SegmentError as e:
+                if staged:
+                    staging.append(create_shm(s.size))
+                mappings.append(ShmMapping(staging[-1] if staged else s.name, s.size))
+        except (SegmentError, OSError) as e:
             for m in mappings:
                 m.close()
+            for n in staging:
+                unlink_shm(n)
             raise InvalidArgument(str(e)) from None
         name = f"kvd-{engine_id}-r{tp_rank}-{uuid.uuid4().hex[:8]}"
         try:
@@ -421,6 +432,8 @@ class Node:
         except NixlError as e:
             for m in mappings:
                 m.close()
+            for n in staging:
+                unlink_shm(n)
             raise InvalidArgument(str(e)) from None
         w = Worker(
             key=(engine_id, tp_rank),
@@ -435,6 +448,7 @@ class Node:
             bases=[mappings[r.segment].addr + r.offset for r in regions],
             local_dlist=dlist,
             registered_bytes=sum(s.size for s in segments),
+            staging=staging,
             leases=LeaseTable(early_s=self.limits.early_notif_s),
         )
         w.detached_since = time.monotonic()
@@ -474,6 +488,8 @@ class Node:
         await self._nixl(self._free_worker, w)
         for m in w.mappings:
             m.close()
+        for n in w.staging:
+            unlink_shm(n)
         log.info("unregistered %s (%s): %d leases, %d loads dropped", w.label, reason, released, len(w.inflight))
         w.inflight.clear()
         w.leases.leases.clear()

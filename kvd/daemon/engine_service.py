@@ -40,24 +40,30 @@ class EngineService(pb_grpc.EngineServiceServicer):
     async def RegisterEngine(self, request: pb.RegisterEngineRequest, context) -> pb.RegisterEngineResponse:
         await self._refuse_while_draining(context)
         w = request.worker
+        staged = request.data_path == pb.DATA_PATH_STAGED or (
+            request.data_path == pb.DATA_PATH_AUTO and any(not s.name for s in request.segments))
         segments = []
         for i, s in enumerate(request.segments):
-            if s.kind != pb.MEMORY_KIND_SHM:
+            if not staged and s.kind != pb.MEMORY_KIND_SHM:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"segment {i}: only MEMORY_KIND_SHM is supported by this daemon")
+                                    f"segment {i}: only MEMORY_KIND_SHM is supported by this daemon "
+                                    f"(or data_path STAGED)")
             segments.append(Segment(s.name, s.size))
         try:
             worker = await self.node.register(
                 w.engine_id, w.tp_rank, w.tp_size,
                 layout_from_pb(request.layout), segments,
                 [region_from_pb(r) for r in request.regions],
-                model=request.model, compat_extra=request.compat_extra,
+                model=request.model, compat_extra=request.compat_extra, staged=staged,
             )
         except ev.CoreError as e:
             await context.abort(status_of(e), str(e))
         return pb.RegisterEngineResponse(
             agent_name=worker.agent.name, peer_address=self.node.peer_address,
             compat_hash=worker.compat_hash, registered_bytes=worker.registered_bytes,
+            data_path=pb.DATA_PATH_STAGED if staged else pb.DATA_PATH_DIRECT,
+            staging_segments=[pb.Segment(kind=pb.MEMORY_KIND_SHM, name=n, size=m.size)
+                              for n, m in zip(worker.staging, worker.mappings)],
         )
 
     async def UnregisterEngine(self, request: pb.UnregisterEngineRequest, context) -> pb.UnregisterEngineResponse:

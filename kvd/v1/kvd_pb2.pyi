@@ -19,6 +19,12 @@ class MemoryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MEMORY_KIND_UNSPECIFIED: _ClassVar[MemoryKind]
     MEMORY_KIND_SHM: _ClassVar[MemoryKind]
     MEMORY_KIND_CUDA_IPC: _ClassVar[MemoryKind]
+
+class DataPath(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DATA_PATH_AUTO: _ClassVar[DataPath]
+    DATA_PATH_DIRECT: _ClassVar[DataPath]
+    DATA_PATH_STAGED: _ClassVar[DataPath]
 KV_LAYOUT_UNSPECIFIED: KvLayout
 KV_LAYOUT_NHD: KvLayout
 KV_LAYOUT_HND: KvLayout
@@ -26,6 +32,9 @@ KV_LAYOUT_MLA: KvLayout
 MEMORY_KIND_UNSPECIFIED: MemoryKind
 MEMORY_KIND_SHM: MemoryKind
 MEMORY_KIND_CUDA_IPC: MemoryKind
+DATA_PATH_AUTO: DataPath
+DATA_PATH_DIRECT: DataPath
+DATA_PATH_STAGED: DataPath
 
 class Segment(_message.Message):
     __slots__ = ("kind", "name", "size", "handle", "device")
@@ -88,32 +97,38 @@ class EngineWorker(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
 
 class RegisterEngineRequest(_message.Message):
-    __slots__ = ("worker", "layout", "segments", "regions", "model", "compat_extra")
+    __slots__ = ("worker", "layout", "segments", "regions", "model", "compat_extra", "data_path")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     COMPAT_EXTRA_FIELD_NUMBER: _ClassVar[int]
+    DATA_PATH_FIELD_NUMBER: _ClassVar[int]
     worker: EngineWorker
     layout: Layout
     segments: _containers.RepeatedCompositeFieldContainer[Segment]
     regions: _containers.RepeatedCompositeFieldContainer[Region]
     model: str
     compat_extra: str
-    def __init__(self, worker: _Optional[_Union[EngineWorker, _Mapping]] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., model: _Optional[str] = ..., compat_extra: _Optional[str] = ...) -> None: ...
+    data_path: DataPath
+    def __init__(self, worker: _Optional[_Union[EngineWorker, _Mapping]] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., model: _Optional[str] = ..., compat_extra: _Optional[str] = ..., data_path: _Optional[_Union[DataPath, str]] = ...) -> None: ...
 
 class RegisterEngineResponse(_message.Message):
-    __slots__ = ("agent_name", "peer_address", "compat_hash", "registered_bytes")
+    __slots__ = ("agent_name", "peer_address", "compat_hash", "registered_bytes", "data_path", "staging_segments")
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_PATH_FIELD_NUMBER: _ClassVar[int]
+    STAGING_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     agent_name: str
     peer_address: str
     compat_hash: str
     registered_bytes: int
-    def __init__(self, agent_name: _Optional[str] = ..., peer_address: _Optional[str] = ..., compat_hash: _Optional[str] = ..., registered_bytes: _Optional[int] = ...) -> None: ...
+    data_path: DataPath
+    staging_segments: _containers.RepeatedCompositeFieldContainer[Segment]
+    def __init__(self, agent_name: _Optional[str] = ..., peer_address: _Optional[str] = ..., compat_hash: _Optional[str] = ..., registered_bytes: _Optional[int] = ..., data_path: _Optional[_Union[DataPath, str]] = ..., staging_segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
 
 class UnregisterEngineRequest(_message.Message):
     __slots__ = ("worker",)
