@@ -53,7 +53,8 @@ def test_region_larger_than_segment_is_invalid_argument(daemon):
 def test_bad_segment_name_is_invalid_argument(daemon, name):
     req = pb.RegisterEngineRequest(
         worker=pb.EngineWorker(engine_id="e", tp_rank=0, tp_size=1), layout=SHAPE.layout(),
-        segments=[pb.Segment(kind=pb.MEMORY_KIND_SHM, name=name, size=SHAPE.size)], regions=SHAPE.regions())
+        segments=[pb.Segment(kind=pb.MEMORY_KIND_SHM, name=name, size=SHAPE.size)], regions=SHAPE.regions(),
+        data_path=pb.DATA_PATH_DIRECT)
     code, _ = _code(lambda: daemon.stub().RegisterEngine(req, timeout=10))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     _still_serving(daemon)

@@ -204,3 +204,53 @@ def test_push_without_a_lease_fails_the_request(push_pair):
         sp.close(), sd.close()
         _unregister(prefill, [r])
         _unregister(decode, [d])
+
+
+def test_hma_two_groups_one_sliding_window(pair):
+    """vLLM HMA: layer 0 is full attention (group 0), layer 1 sliding window
+    (group 1, clipped to its last 2 blocks); each region moves its group's blocks."""
+    prefill, decode = pair
+    block_len, nb = 4096, NUM_BLOCKS
+    groups_of_region = [0, 0, 1, 1]
+    p_full, p_win = [5, 9, 2, 17, 11], [17, 11]
+    d_full, d_win = [3, 20, 8, 1, 14], [1, 14]
+
+    def register(daemon, engine, seg):
+        regions = [pb.Region(segment_index=0, offset=i * nb * block_len, block_len=block_len, block_stride=block_len,
+                             name=f"r{i}", group=g) for i, g in enumerate(groups_of_region)]
+        daemon.stub().RegisterEngine(pb.RegisterEngineRequest(
+            worker=pb.EngineWorker(engine_id=engine, tp_rank=0, tp_size=1),
+            layout=pb.Layout(num_blocks=nb, block_size=16, kv_layout=pb.KV_LAYOUT_HND, dtype="float32",
+                             num_kv_heads=4, head_dim=16, num_layers=2, block_lens=[block_len] * 4),
+            segments=[pb.Segment(kind=pb.MEMORY_KIND_SHM, name=seg.name, size=seg.size)], regions=regions,
+            model="hma"), timeout=30)
+        return Session(daemon, engine)
+
+    ps, ds = ShmSegment(4 * nb * block_len), ShmSegment(4 * nb * block_len)
+    try:
+        ps.array[:] = np.random.default_rng(5).integers(1, 256, ps.size, dtype=np.uint8)
+        sp, sd = register(prefill, "Phma", ps), register(decode, "Dhma", ds)
+        sp.send(hold=pb.HoldBlocks(request_id="h", groups=[pb.BlockIds(ids=p_full), pb.BlockIds(ids=p_win)]))
+        sd.send(load=pb.LoadBlocks(request_id="d", remote_engine_id="Phma", remote_address=prefill.peer_address,
+                                   remote_request_id="h", remote_tp_size=1,
+                                   local_groups=[pb.BlockIds(ids=d_full), pb.BlockIds(ids=d_win)],
+                                   remote_groups=[pb.BlockIds(ids=p_full), pb.BlockIds(ids=p_win)]))
+        ev = sd.next(30)
+        assert ev.WhichOneof("event") == "recv_done", ev
+        assert ev.recv_done.bytes == (2 * len(p_full) + 2 * len(p_win)) * block_len
+        assert sp.next(10).WhichOneof("event") == "send_done"
+
+        def blk(seg, region, b):
+            off = (region * nb + b) * block_len
+            return bytes(seg.mm[off:off + block_len])
+
+        for region, g in enumerate(groups_of_region):
+            local, remote = (d_full, p_full) if g == 0 else (d_win, p_win)
+            for lb, rb in zip(local, remote):
+                assert blk(ds, region, lb) == blk(ps, region, rb), (region, lb)
+            for lb in set(range(nb)) - set(local):
+                assert blk(ds, region, lb) == bytes(block_len), (region, lb)  # outside the window: untouched
+        sp.close(), sd.close()
+    finally:
+        _unregister(prefill, [type("R", (), {"engine": "Phma", "rank": 0, "seg": ps})])
+        _unregister(decode, [type("R", (), {"engine": "Dhma", "rank": 0, "seg": ds})])

@@ -44,6 +44,7 @@ class Region:
     block_len: int
     block_stride: int
     name: str = ""
+    group: int = 0  # KV-cache group (vLLM HMA)
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,9 @@ def validate(layout: Layout, regions: list[Region], segment_sizes: list[int]) ->
         raise LayoutError(f"{len(regions)} regions x {layout.num_blocks} blocks exceeds {MAX_DESCRIPTORS} descriptors")
     if layout.block_lens and tuple(r.block_len for r in regions) != tuple(layout.block_lens):
         raise LayoutError("layout.block_lens does not match the regions' block_len")
+    groups = sorted({r.group for r in regions})
+    if groups != list(range(len(groups))):
+        raise LayoutError(f"region groups must be numbered 0..G-1 (got {groups[:8]})")
     for i, r in enumerate(regions):
         label = f"region {i} ({r.name or 'unnamed'})"
         if not 0 <= r.segment < len(segment_sizes):

@@ -55,6 +55,12 @@ from kvd.core.nixl_agent import NixlAgent, NixlError
 log = logging.getLogger("kvd.core")
 
 WorkerKey = tuple[str, int]  # (engine_id, tp_rank)
+BlockGroups = list[list[int]]  # block ids per KV-cache group (one group without HMA)
+
+
+def flat(groups: BlockGroups) -> list[int]:
+    """Every block id of every group, in order (what vLLM's load errors name)."""
+    return [b for g in groups for b in g]
 PeerKey = tuple[str, str, int]  # (address, engine_id, tp_rank)
 
 # Events kept for a worker whose session is not attached (reconnecting shim).
@@ -116,10 +122,10 @@ class PushOrder:
     engine_id: str               # source (prefill) engine
     tp_rank: int                 # source rank
     request_id: str              # source request id (its lease)
-    source_block_ids: list[int]
+    source_block_ids: "BlockGroups"
     reader: HandshakeResult      # the reader worker, described as at handshake
     reader_tp_rank: int
-    reader_block_ids: list[int]
+    reader_block_ids: "BlockGroups"
     expected_notifications: int
     timeout_s: float
 
@@ -172,10 +178,12 @@ class RemoteWorker:
     remote_dlist: object
     owns_local_dlist: bool
     daemon_version: str
-    src_block_bytes: int = 0  # bytes one source block contributes, all regions
+    region_bytes: tuple[int, ...] = ()  # bytes one source block contributes, per region
+    region_groups: tuple[int, ...] = ()  # KV-cache group of each region
 
-    def transfer_bytes(self, num_source_blocks: int) -> int:
-        return self.src_block_bytes * num_source_blocks
+    def transfer_bytes(self, source_groups: "BlockGroups") -> int:
+        """Bytes a transfer of ``source_groups`` moves from this source."""
+        return sum(b * len(source_groups[g]) for b, g in zip(self.region_bytes, self.region_groups))
 
     @property
     def key(self) -> PeerKey:
@@ -531,7 +539,7 @@ class Node:
             w.detached_since = time.monotonic()
 
     # ------------------------------------------------------------- prefill side
-    def hold(self, w: Worker, request_id: str, block_ids: list[int], lease_s: float = 0.0) -> None:
+    def hold(self, w: Worker, request_id: str, block_ids: BlockGroups, lease_s: float = 0.0) -> None:
         """Holds ``block_ids`` of ``request_id`` for its readers (a lease).
 
         ``lease_s`` 0 means the daemon default; capped at ``max_lease_s``. A
@@ -542,17 +550,17 @@ class Node:
         if not request_id:
             self._emit(w, CommandRejected("", "hold: request_id is empty"))
             return
-        if len(block_ids) > self.limits.max_blocks_per_request:
+        if len(flat(block_ids)) > self.limits.max_blocks_per_request:
             self._emit(w, CommandRejected(request_id, "hold: too many blocks"))
             return
         try:
-            lay.descriptor_indices(block_ids, 1, w.layout.num_blocks)
+            lay.descriptor_indices(flat(block_ids), 1, w.layout.num_blocks)
         except LayoutError as e:
             self._emit(w, CommandRejected(request_id, f"hold: {e}"))
             return
         now = time.monotonic()
         lease_s = min(lease_s if lease_s > 0 else self.limits.lease_s, self.limits.max_lease_s)
-        result = w.leases.hold(request_id, list(block_ids), now + lease_s, now)
+        result = w.leases.hold(request_id, [list(g) for g in block_ids], now + lease_s, now)
         if result == "conflict":
             self._emit(w, CommandRejected(request_id, "hold: request already holds other blocks"))
         elif result == "done":
@@ -584,10 +592,10 @@ class Node:
         self,
         w: Worker,
         request_id: str,
-        local_block_ids: list[int],
+        local_block_ids: BlockGroups,
         remote_engine_id: str,
         remote_address: str,
-        remote_block_ids: list[int],
+        remote_block_ids: BlockGroups,
         remote_request_id: str,
         remote_tp_size: int,
         timeout_s: float = 0.0,
@@ -595,8 +603,9 @@ class Node:
     ) -> None:
         """Pulls remote blocks into local blocks; emits RecvDone or LoadFailed.
 
-        ``remote_block_ids[i]`` fills slot ``i % k`` of local block
-        ``local_block_ids[i // k]`` (``k`` = local / remote block size).
+        Block ids come per KV-cache group (one group without HMA):
+        ``remote_block_ids[g][i]`` fills slot ``i % k`` of local block
+        ``local_block_ids[g][i // k]`` (``k`` = local / remote block size).
         Reads from every source rank the plan needs (``remote_tp_size`` 0
         means the local TP size) and notifies all overlapping ones.
 
@@ -615,21 +624,21 @@ class Node:
             self.counters.transfers_failed += 1
             log.warning("%s request=%s peer=%s: load failed: %s", w.label, request_id, remote_address, reason)
             self._on_event("failure", {"reason": reason.split(":")[0]})
-            self._emit(w, LoadFailed(request_id, list(local_block_ids), reason))
+            self._emit(w, LoadFailed(request_id, flat(local_block_ids), reason))
 
         if not request_id or request_id in w.inflight or (request_id in w.pending_loads and _deadline is None):
             self._emit(w, CommandRejected(request_id, "load: empty or duplicate request_id"))
             return
-        if not remote_block_ids:
+        if not flat(remote_block_ids):
             # Nothing to move (a full local prefix hit): done at once.
             self._emit(w, RecvDone(request_id, 0, 0, 0, 0.0))
             return
-        if max(len(local_block_ids), len(remote_block_ids)) > self.limits.max_blocks_per_request:
+        if max(len(flat(local_block_ids)), len(flat(remote_block_ids))) > self.limits.max_blocks_per_request:
             return fail(f"invalid: more than {self.limits.max_blocks_per_request} blocks")
         if len(w.inflight) + len(w.pending_loads) >= self.limits.max_inflight_per_worker:
             return fail("busy: too many loads in flight for this worker")
         try:  # local input is checked before any network or NIXL call
-            lay.descriptor_indices(local_block_ids, 1, w.layout.num_blocks)
+            lay.descriptor_indices(flat(local_block_ids), 1, w.layout.num_blocks)
         except LayoutError as e:
             return fail(f"invalid: local {e}")
         remote_tp = remote_tp_size or w.tp_size
@@ -667,7 +676,8 @@ class Node:
                 r = remotes[p]
                 try:
                     lidx, ridx = plan.chunk_indices(local_block_ids, remote_block_ids, r.num_regions,
-                                                    w.layout.num_blocks, r.layout.num_blocks, r.k, r.C)
+                                                    w.layout.num_blocks, r.layout.num_blocks, r.k, r.C,
+                                                    r.region_groups)
                 except LayoutError as e:
                     err = f"invalid: {e}"
                     break
@@ -684,7 +694,7 @@ class Node:
                     err = "nixl: transfer post returned ERR"
                     break
                 ndescs += len(lidx)
-                nbytes += r.transfer_bytes(len(remote_block_ids))
+                nbytes += r.transfer_bytes(remote_block_ids)
             else:
                 for p in notify:
                     if p not in read_from:
@@ -707,7 +717,7 @@ class Node:
                 return await self.load(*retry, _deadline=deadline)
             return fail(err)
         w.inflight[request_id] = InflightLoad(
-            request_id, list(local_block_ids), posted, started, deadline, nbytes, ndescs, remote_address, retry,
+            request_id, flat(local_block_ids), posted, started, deadline, nbytes, ndescs, remote_address, retry,
         )
         self._kick.set()
 
@@ -724,8 +734,8 @@ class Node:
             if p not in read_from:
                 await self.peers.notify(remote_address, remote_engine_id, p, remote_request_id, expected, left)
                 return None
-            order = PushOrder(remote_engine_id, p, remote_request_id, list(remote_block_ids), me, w.key[1],
-                              list(local_block_ids), expected, left)
+            order = PushOrder(remote_engine_id, p, remote_request_id, remote_block_ids, me, w.key[1],
+                              local_block_ids, expected, left)
             return await self.peers.push(remote_address, order, left)
 
         try:
@@ -743,7 +753,7 @@ class Node:
         self.counters.bytes_read += nbytes
         self.counters.transfers_done += 1
         self._on_event("transfer", {"bytes": nbytes, "seconds": dur, "descs": ndescs})
-        self._emit(w, RecvDone(request_id, nbytes, len(local_block_ids), ndescs, dur))
+        self._emit(w, RecvDone(request_id, nbytes, len(flat(local_block_ids)), ndescs, dur))
 
     def _retire(self, w: Worker, remote: RemoteWorker, why: str) -> None:
         """Stops using a remote agent; its NIXL state is freed once no load uses it."""
@@ -821,7 +831,7 @@ class Node:
         reader, source = w.geometry(), plan.Geometry(tp_rank, hs.tp_size, hs.layout, tuple(hs.regions),
                                                       hs.layout.model_kv_heads(hs.tp_size))
         k, C, chunk_sets, identity, _ = _pair_plan(reader, source)
-        src_bytes = int(sum(c[:C, 3].sum() for c in chunk_sets))
+        src_bytes = tuple(int(c[:C, 3].sum()) for c in chunk_sets)
         lrows = None if identity else plan.local_rows(w.bases, w.regions, w.layout.num_blocks, chunk_sets, k)
         rrows = plan.remote_rows(hs.region_bases, hs.regions, hs.layout.num_blocks, chunk_sets, k)
         # An agent of the same name still loaded (a retired one, or the peer's
@@ -847,7 +857,7 @@ class Node:
         if w.key not in self.workers:
             raise NotFound("local worker unregistered during the handshake")
         r = RemoteWorker(address, engine_id, tp_rank, hs.tp_size, name, hs.layout, len(hs.regions), k, C, ld, rd,
-                         lrows is not None, hs.daemon_version, src_bytes)
+                         lrows is not None, hs.daemon_version, src_bytes, tuple(x.group for x in w.regions))
         w.remotes[key] = r
         self.counters.handshakes += 1
         self._on_event("handshake", {"seconds": time.monotonic() - t0})
@@ -903,7 +913,7 @@ class Node:
             rgeo = plan.Geometry(order.reader_tp_rank, reader.tp_size, reader.layout, tuple(reader.regions),
                                  reader.layout.model_kv_heads(reader.tp_size))
             k, C, chunk_sets, _, identity = _pair_plan(rgeo, w.geometry())
-            src_bytes = int(sum(c[:C, 3].sum() for c in chunk_sets))
+            src_bytes = tuple(int(c[:C, 3].sum()) for c in chunk_sets)
             src_rows = None if identity else plan.remote_rows(w.bases, w.regions, w.layout.num_blocks, chunk_sets, k)
             dst_rows = plan.local_rows(reader.region_bases, reader.regions, reader.layout.num_blocks, chunk_sets, k)
 
@@ -923,11 +933,12 @@ class Node:
             # For a reader, "local" lists are ours (source rows), "remote" the reader's.
             r = RemoteWorker("", reader.agent_name, order.reader_tp_rank, reader.tp_size, name, reader.layout,
                              len(reader.regions), k, C, src, dst, src_rows is not None, reader.daemon_version,
-                             src_bytes)
+                             src_bytes, tuple(x.group for x in w.regions))
             w.readers[reader.agent_name] = r
         try:
             dst_idx, src_idx = plan.chunk_indices(order.reader_block_ids, order.source_block_ids, r.num_regions,
-                                                  r.layout.num_blocks, w.layout.num_blocks, r.k, r.C)
+                                                  r.layout.num_blocks, w.layout.num_blocks, r.k, r.C,
+                                                  r.region_groups)
         except LayoutError as e:
             raise InvalidArgument(f"push: {e}") from None
         try:
@@ -946,7 +957,7 @@ class Node:
             w.readers.pop(reader.agent_name, None)
             w.retired.append(r)
             raise PeerUnavailable(f"push: WRITE to {reader.agent_name} {st}")
-        nbytes = r.transfer_bytes(len(order.source_block_ids))
+        nbytes = r.transfer_bytes(order.source_block_ids)
         self.notify(order.engine_id, order.tp_rank, order.request_id, order.expected_notifications)
         return PushResult(nbytes, len(src_idx), time.monotonic() - t0)
 

@@ -130,6 +130,8 @@ def compatible(local: Geometry, remote: Geometry) -> None:
         raise PlanError(f"total KV heads differ: {remote.total_kv_heads} vs {local.total_kv_heads}")
     if len(local.regions) != len(remote.regions):
         raise PlanError(f"region count differs: {len(remote.regions)} vs {len(local.regions)}")
+    if [x.group for x in local.regions] != [x.group for x in remote.regions]:
+        raise PlanError("regions belong to different KV-cache groups on the two sides")
     if l.block_size < r.block_size or l.block_size % r.block_size:
         raise PlanError(f"reader block size {l.block_size} is not a multiple of source block size "
                         f"{r.block_size} (only source blocks smaller than or equal to the reader's are supported)")
@@ -233,26 +235,47 @@ def remote_rows(bases: list[int], regions, num_blocks: int, chunk_sets: list[np.
 
 
 def chunk_indices(local_blocks, remote_blocks, num_regions: int, local_num_blocks: int,
-                  remote_num_blocks: int, k: int, C: int) -> tuple[np.ndarray, np.ndarray]:
+                  remote_num_blocks: int, k: int, C: int,
+                  region_groups: list[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Indices into :func:`local_rows` / :func:`remote_rows` for one request.
 
-    ``remote_blocks[i]`` fills slot ``i % k`` of ``local_blocks[i // k]``.
+    ``local_blocks``/``remote_blocks`` are block id lists per KV-cache group
+    (``[[...], [...]]``, vLLM HMA) or one flat list (one group); region ``i``
+    takes the lists of group ``region_groups[i]`` (default: all group 0).
+    ``remote[g][i]`` fills slot ``i % k`` of ``local[g][i // k]``.
 
     Raises:
-        LayoutError: a block id out of range, or too few local blocks.
+        LayoutError: a block id out of range, a missing group, or too few
+            local blocks.
     """
-    lb = np.asarray(local_blocks, dtype=np.int64)
-    rb = np.asarray(remote_blocks, dtype=np.int64)
-    if len(lb) * k < len(rb) or len(lb) < -(-len(rb) // k):
-        raise LayoutError(f"{len(rb)} remote blocks need {-(-len(rb) // k)} local blocks, got {len(lb)}")
-    for ids, n, side in ((lb, local_num_blocks, "local"), (rb, remote_num_blocks, "remote")):
-        if ids.size and (ids.min() < 0 or ids.max() >= n):
-            bad = int(ids[(ids < 0) | (ids >= n)][0])
-            raise LayoutError(f"{side} block id {bad} out of range 0..{n - 1}")
-    i = np.arange(len(rb), dtype=np.int64)
-    lpos = lb[i // k] * k + i % k                       # (block, slot) of each remote block
-    regs = np.arange(num_regions, dtype=np.int64)[:, None, None]
+    lgroups = _as_groups(local_blocks)
+    rgroups = _as_groups(remote_blocks)
+    region_groups = list(region_groups) if region_groups is not None else [0] * num_regions
+    ngroups = max(region_groups) + 1
+    if len(lgroups) != len(rgroups) or len(lgroups) < ngroups:
+        raise LayoutError(f"block ids for {len(lgroups)} local / {len(rgroups)} remote groups, "
+                          f"the regions use {ngroups}")
+    lout, rout = [], []
     c = np.arange(C, dtype=np.int64)[None, None, :]
-    lidx = ((regs * local_num_blocks * k) + lpos[None, :, None]) * C + c
-    ridx = ((regs * remote_num_blocks) + rb[None, :, None]) * C + c
-    return lidx.reshape(-1).astype(np.int32), ridx.reshape(-1).astype(np.int32)
+    for g in range(ngroups):
+        lb, rb = lgroups[g], rgroups[g]
+        if len(lb) * k < len(rb) or len(lb) < -(-len(rb) // k):
+            raise LayoutError(f"group {g}: {len(rb)} remote blocks need {-(-len(rb) // k)} local blocks, "
+                              f"got {len(lb)}")
+        for ids, n, side in ((lb, local_num_blocks, "local"), (rb, remote_num_blocks, "remote")):
+            if ids.size and (ids.min() < 0 or ids.max() >= n):
+                bad = int(ids[(ids < 0) | (ids >= n)][0])
+                raise LayoutError(f"{side} block id {bad} out of range 0..{n - 1}")
+        regs = np.array([i for i, rg in enumerate(region_groups) if rg == g], dtype=np.int64)[:, None, None]
+        i = np.arange(len(rb), dtype=np.int64)
+        lpos = lb[i // k] * k + i % k                   # (block, slot) of each remote block
+        lout.append((((regs * local_num_blocks * k) + lpos[None, :, None]) * C + c).reshape(-1))
+        rout.append((((regs * remote_num_blocks) + rb[None, :, None]) * C + c).reshape(-1))
+    return np.concatenate(lout).astype(np.int32), np.concatenate(rout).astype(np.int32)
+
+
+def _as_groups(blocks) -> list[np.ndarray]:
+    """A flat id list or a list of per-group lists -> list of int64 arrays."""
+    if len(blocks) and isinstance(blocks[0], (list, tuple, np.ndarray)):
+        return [np.asarray(g, dtype=np.int64) for g in blocks]
+    return [np.asarray(blocks, dtype=np.int64)]

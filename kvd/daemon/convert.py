@@ -6,7 +6,7 @@ import grpc
 
 from kvd.core import events as ev
 from kvd.core.layout import Layout, Region
-from kvd.core.node import HandshakeResult
+from kvd.core.node import BlockGroups, HandshakeResult
 from kvd.v1 import kvd_pb2 as pb
 
 _KV_LAYOUT_NAMES = {pb.KV_LAYOUT_NHD: "NHD", pb.KV_LAYOUT_HND: "HND", pb.KV_LAYOUT_MLA: "MLA"}
@@ -62,12 +62,12 @@ def layout_to_pb(l: Layout) -> pb.Layout:
 
 
 def region_from_pb(m: pb.Region) -> Region:
-    return Region(m.segment_index, m.offset, m.block_len, m.block_stride, m.name)
+    return Region(m.segment_index, m.offset, m.block_len, m.block_stride, m.name, m.group)
 
 
 def region_to_pb(r: Region) -> pb.Region:
     return pb.Region(segment_index=r.segment, offset=r.offset, block_len=r.block_len,
-                     block_stride=r.block_stride, name=r.name)
+                     block_stride=r.block_stride, name=r.name, group=r.group)
 
 
 def event_to_pb(e: ev.Event) -> pb.SessionEvent:
@@ -103,3 +103,14 @@ def handshake_from_pb(r: pb.HandshakeResponse) -> HandshakeResult:
         compat_hash=r.compat_hash, daemon_version=r.daemon_version, protocol_version=r.protocol_version,
         tp_size=r.tp_size or 1,
     )
+
+
+def groups_from_pb(flat_ids, groups) -> BlockGroups:
+    """Per-group block ids (HMA ``groups`` when set, else the one flat list)."""
+    if len(groups):
+        return [list(g.ids) for g in groups]
+    return [list(flat_ids)]
+
+
+def groups_to_pb(groups: BlockGroups) -> list:
+    return [pb.BlockIds(ids=g) for g in groups]

@@ -9,8 +9,8 @@ import grpc
 
 from kvd import __version__
 from kvd.core import events as ev
-from kvd.core.node import Node, Segment
-from kvd.daemon.convert import event_to_pb, layout_from_pb, region_from_pb, status_of
+from kvd.core.node import Node, Segment, flat
+from kvd.daemon.convert import event_to_pb, groups_from_pb, layout_from_pb, region_from_pb, status_of
 from kvd.daemon.status import build_stats
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
@@ -123,14 +123,16 @@ class EngineService(pb_grpc.EngineServiceServicer):
                     log.warning("%s request=%s peer=%s: load failed: %s", w.label, c.request_id,
                                 c.remote_address, reason)
                     self.on_event("failure", {"reason": reason})
-                    node._emit(w, ev.LoadFailed(c.request_id, list(c.local_block_ids), reason))
+                    node._emit(w, ev.LoadFailed(c.request_id, flat(groups_from_pb(c.local_block_ids, c.local_groups)),
+                                                reason))
                     continue
                 asyncio.get_running_loop().create_task(node.load(
-                    w, c.request_id, list(c.local_block_ids), c.remote_engine_id, c.remote_address,
-                    list(c.remote_block_ids), c.remote_request_id, c.remote_tp_size, c.timeout_s,
+                    w, c.request_id, groups_from_pb(c.local_block_ids, c.local_groups), c.remote_engine_id,
+                    c.remote_address, groups_from_pb(c.remote_block_ids, c.remote_groups), c.remote_request_id,
+                    c.remote_tp_size, c.timeout_s,
                 ))
             elif kind == "hold":
-                node.hold(w, cmd.hold.request_id, list(cmd.hold.block_ids), cmd.hold.lease_s)
+                node.hold(w, cmd.hold.request_id, groups_from_pb(cmd.hold.block_ids, cmd.hold.groups), cmd.hold.lease_s)
             elif kind == "release":
                 node.release(w, cmd.release.request_id)
             elif kind == "abort_load":

@@ -12,7 +12,7 @@ from kvd import __version__
 from kvd.config import MAX_MESSAGE_BYTES
 from kvd.core import events as ev
 from kvd.core.node import PROTOCOL_VERSION, HandshakeResult, PushOrder, PushResult
-from kvd.daemon.convert import handshake_from_pb, handshake_to_pb
+from kvd.daemon.convert import groups_to_pb, handshake_from_pb, handshake_to_pb
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
@@ -59,8 +59,8 @@ class PeerClient:
         """Asks ``address`` to WRITE ``order``'s blocks; returns when done."""
         req = pb.PushRequest(
             engine_id=order.engine_id, tp_rank=order.tp_rank, request_id=order.request_id,
-            source_block_ids=order.source_block_ids, reader=handshake_to_pb(order.reader),
-            reader_tp_rank=order.reader_tp_rank, reader_block_ids=order.reader_block_ids,
+            source_groups=groups_to_pb(order.source_block_ids), reader=handshake_to_pb(order.reader),
+            reader_tp_rank=order.reader_tp_rank, reader_groups=groups_to_pb(order.reader_block_ids),
             expected_notifications=order.expected_notifications, timeout_s=order.timeout_s,
         )
         try:

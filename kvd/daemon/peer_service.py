@@ -6,7 +6,7 @@ import logging
 
 from kvd.core import events as ev
 from kvd.core.node import Node, PushOrder
-from kvd.daemon.convert import handshake_from_pb, handshake_to_pb, status_of
+from kvd.daemon.convert import groups_from_pb, handshake_from_pb, handshake_to_pb, status_of
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
@@ -37,8 +37,9 @@ class PeerService(pb_grpc.PeerServiceServicer):
         try:
             order = PushOrder(
                 engine_id=request.engine_id, tp_rank=request.tp_rank, request_id=request.request_id,
-                source_block_ids=list(request.source_block_ids), reader=handshake_from_pb(request.reader),
-                reader_tp_rank=request.reader_tp_rank, reader_block_ids=list(request.reader_block_ids),
+                source_block_ids=groups_from_pb(request.source_block_ids, request.source_groups),
+                reader=handshake_from_pb(request.reader), reader_tp_rank=request.reader_tp_rank,
+                reader_block_ids=groups_from_pb(request.reader_block_ids, request.reader_groups),
                 expected_notifications=request.expected_notifications, timeout_s=request.timeout_s,
             )
             r = await self.node.push(order)
