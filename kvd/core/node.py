@@ -630,8 +630,13 @@ class Node:
             self._emit(w, CommandRejected(request_id, "load: empty or duplicate request_id"))
             return
         if not flat(remote_block_ids):
-            # Nothing to move (a full local prefix hit): done at once.
+            # Nothing to move (a full local prefix hit, or the request ended
+            # before its load): done at once, and the source is told nobody
+            # will read, so it frees its blocks now rather than at lease end.
             self._emit(w, RecvDone(request_id, 0, 0, 0, 0.0))
+            if remote_request_id and remote_address:
+                asyncio.get_running_loop().create_task(self.abort_load(
+                    w, request_id, remote_engine_id, remote_address, remote_request_id, remote_tp_size))
             return
         if max(len(flat(local_block_ids)), len(flat(remote_block_ids))) > self.limits.max_blocks_per_request:
             return fail(f"invalid: more than {self.limits.max_blocks_per_request} blocks")
