@@ -23,7 +23,9 @@ EXIT_OK, EXIT_NOT_SERVING, EXIT_UNREACHABLE, EXIT_USAGE = 0, 1, 2, 64
 
 
 def _target(args) -> str:
-    if args.address:
+    # Status is served on the engine socket only (EngineService.GetStats);
+    # health on both ports.
+    if getattr(args, "address", ""):
         return args.address
     return f"unix:{args.socket}"
 
@@ -162,8 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=helptext, description=helptext)
         c.add_argument("--socket", default=client_socket(), metavar="PATH",
                        help="the daemon's engine socket (default: $KVD_ENGINE_SOCKET or %(default)s)")
-        c.add_argument("--address", default="", metavar="HOST:PORT",
-                       help="ask over TCP (the peer port) instead of the Unix socket")
+        if name == "health":
+            c.add_argument("--address", default="", metavar="HOST:PORT",
+                           help="ask over TCP (the peer port) instead of the Unix socket")
         c.add_argument("--timeout", type=float, default=2.0, metavar="SECONDS", help="deadline (default 2)")
         if name == "health":
             c.add_argument("--service", default="", help="service name to check (default: the whole server)")
@@ -184,6 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["demo"]:
+        # Everything after "demo" belongs to the demo's own parser (argparse's
+        # REMAINDER would not take leading options such as --help).
+        from kvd.demo.run import main as demo_main
+
+        return demo_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

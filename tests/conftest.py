@@ -7,6 +7,25 @@ import pytest
 from kvdtest import start_daemon
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_leftover_test_segments():
+    """Removes the test's shm segments (``/dev/shm/kvdtest_<pid>_*``) whose
+    creating process is gone: engine processes that a scenario killed on
+    purpose cannot clean up after themselves."""
+    yield
+    import glob
+    import os
+    import re
+
+    for path in glob.glob("/dev/shm/kvdtest_*"):
+        m = re.match(r".*/kvdtest_(\d+)_", path)
+        if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+
 @pytest.fixture
 def daemon_pair(tmp_path):
     """Two running daemons, ``(prefill, decode)``, stopped after the test."""

@@ -82,6 +82,7 @@ class Limits:
     lease_s: float = 120.0           # default lease of held prefill blocks (vLLM's abort timeout is 480 s)
     max_lease_s: float = 3600.0
     transfer_timeout_s: float = 30.0  # a load not done by then fails
+    max_transfer_timeout_s: float = 3600.0  # cap on a request's own timeout_s (inf or 1e300 would never end)
     handshake_timeout_s: float = 10.0
     early_notif_s: float = 120.0     # a notification that beat its hold is kept this long
     max_blocks_per_request: int = 1 << 20
@@ -233,6 +234,7 @@ class Worker:
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     sessions: int = 0
     detached_since: float | None = None
+    epoch: int = 0  # +1 each time the last session ends: loads of an older epoch are dropped
 
     @property
     def label(self) -> str:
@@ -279,6 +281,11 @@ def _check_peer(w: Worker, hs: HandshakeResult, what: str) -> None:
         lay.validate(hs.layout, hs.regions, [1 << 62] * (1 + max(r.segment for r in hs.regions)))
     except LayoutError as e:
         raise InvalidArgument(f"{what}: peer layout invalid: {e}") from None
+    for i, (base, r) in enumerate(zip(hs.region_bases, hs.regions)):
+        # Descriptor rows are int64 (issue 4, scenario 9: a forged base once
+        # raised OverflowError in the descriptor maths and the load never ended).
+        if base + (hs.layout.num_blocks - 1) * r.block_stride + r.block_len >= 1 << 63:
+            raise InvalidArgument(f"{what}: region {i} at base address {base:#x} ends past the 64-bit range")
 
 
 def _pair_plan(reader: plan.Geometry, source: plan.Geometry):
@@ -346,6 +353,12 @@ class Node:
         self._on_event = on_event or (lambda name, fields: None)
 
     # ------------------------------------------------------------------ infra
+    def _timeout(self, timeout_s: float) -> float:
+        """A request's timeout: the daemon default for 0, negative or NaN; capped."""
+        if not timeout_s > 0:
+            return self.limits.transfer_timeout_s
+        return min(timeout_s, self.limits.max_transfer_timeout_s)
+
     async def _nixl(self, fn, *args):
         """Runs ``fn(*args)`` on the NIXL thread."""
         return await asyncio.get_running_loop().run_in_executor(self._nixl_pool, fn, *args)
@@ -537,6 +550,14 @@ class Node:
         w.sessions = max(0, w.sessions - 1)
         if w.sessions == 0:
             w.detached_since = time.monotonic()
+            w.epoch += 1
+            # The shim reports every load sent on the broken stream as failed
+            # and vLLM may reuse those blocks: no READ of them may go on.
+            for load in list(w.inflight.values()):
+                del w.inflight[load.request_id]
+                self.counters.transfers_failed += 1
+                self._zombies.extend((w.agent, h) for h, _ in load.parts)  # the next poll cancels/releases
+                log.warning("%s request=%s: session ended; load cancelled", w.label, load.request_id)
 
     # ------------------------------------------------------------- prefill side
     def hold(self, w: Worker, request_id: str, block_ids: BlockGroups, lease_s: float = 0.0) -> None:
@@ -588,7 +609,22 @@ class Node:
             self._emit(w, SendDone(request_id))
 
     # -------------------------------------------------------------- decode side
-    async def load(
+    async def load(self, w: Worker, request_id: str, local_block_ids: BlockGroups, *args, **kwargs) -> None:
+        """Pulls remote blocks into local blocks; emits RecvDone or LoadFailed
+        (see :meth:`_load`). Never raises: an unexpected error (a bug, or peer
+        input no check foresaw) still ends the request with LoadFailed, so no
+        request is left without an answer (issue 4)."""
+        try:
+            await self._load(w, request_id, local_block_ids, *args, **kwargs)
+        except Exception as e:
+            log.exception("%s request=%s: load failed unexpectedly", w.label, request_id)
+            w.pending_loads.discard(request_id)
+            if request_id not in w.inflight:
+                self.counters.transfers_failed += 1
+                self._on_event("failure", {"reason": "internal"})
+                self._emit(w, LoadFailed(request_id, flat(local_block_ids), f"internal: {type(e).__name__}: {e}"))
+
+    async def _load(
         self,
         w: Worker,
         request_id: str,
@@ -616,7 +652,8 @@ class Node:
         retries once, within the same deadline.
         """
         started = time.monotonic()
-        deadline = _deadline or started + (timeout_s if timeout_s > 0 else self.limits.transfer_timeout_s)
+        epoch = w.epoch
+        deadline = _deadline or started + self._timeout(timeout_s)
         args = (w, request_id, local_block_ids, remote_engine_id, remote_address, remote_block_ids,
                 remote_request_id, remote_tp_size, timeout_s)
 
@@ -677,6 +714,9 @@ class Node:
                 return fail(f"handshake: {e}")
             if w.key not in self.workers:
                 return fail("worker unregistered")
+            if w.epoch != epoch:
+                log.info("%s request=%s: session ended during the handshake; load dropped", w.label, request_id)
+                return
             for p in read_from:
                 r = remotes[p]
                 try:
@@ -816,18 +856,31 @@ class Node:
         fkey = (w.key, key)
         fut = self._handshakes.get(fkey)
         if fut is None:
-            fut = asyncio.get_running_loop().create_task(self._do_handshake(w, key, tp_size, deadline))
+            # One handshake per remote worker, shared by every request that
+            # needs it. It runs to the daemon's handshake timeout; each request
+            # waits for it only until its own deadline (issue 4: a request
+            # that joined another's handshake once ended seconds late).
+            fut = asyncio.get_running_loop().create_task(self._do_handshake(w, key, tp_size))
             self._handshakes[fkey] = fut
-            fut.add_done_callback(lambda _f: self._handshakes.pop(fkey, None))
-        return await asyncio.shield(fut), True
 
-    async def _do_handshake(self, w: Worker, key: PeerKey, tp_size: int, deadline: float) -> RemoteWorker:
+            def done(f: asyncio.Future) -> None:
+                self._handshakes.pop(fkey, None)
+                if not f.cancelled():
+                    f.exception()  # retrieved: its waiters report it, asyncio need not log it
+
+            fut.add_done_callback(done)
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), max(0.0, deadline - time.monotonic())), True
+        except asyncio.TimeoutError:
+            raise PeerUnavailable(f"{address}: no handshake answer by the request's deadline") from None
+
+    async def _do_handshake(self, w: Worker, key: PeerKey, tp_size: int) -> RemoteWorker:
         address, engine_id, tp_rank = key
         if self.peers is None:
             raise PeerUnavailable("this daemon has no peer client")
         if not address or ":" not in address:
             raise InvalidArgument(f"remote address {address!r} is not host:port")
-        timeout = max(0.1, min(self.limits.handshake_timeout_s, deadline - time.monotonic()))
+        timeout = self.limits.handshake_timeout_s
         t0 = time.monotonic()
         hs = await self.peers.handshake(address, engine_id, tp_rank, w.compat_hash, timeout)
         if hs.tp_size != tp_size:
@@ -952,7 +1005,7 @@ class Node:
         except NixlError as e:
             raise PeerUnavailable(f"push: {e}") from None
         fut = asyncio.get_running_loop().create_future()
-        timeout = order.timeout_s if order.timeout_s > 0 else self.limits.transfer_timeout_s
+        timeout = self._timeout(order.timeout_s)
         self._writes[id(handle)] = (w, handle, fut, time.monotonic() + timeout)
         self._kick.set()
         if state == "ERR":
@@ -1110,10 +1163,12 @@ class Node:
             sessions=sum(w.sessions for w in ws),
             uptime_s=time.monotonic() - self.started,
             leaked_handles=len(self._zombies),
-            remote_agents=sum(len(w.remotes) + len(w.retired) for w in ws),
+            # Push-mode readers are remote agents with prepped lists too.
+            remote_agents=sum(len(w.remotes) + len(w.retired) + len(w.readers) for w in ws),
             early_notifications=sum(len(w.leases.early) for w in ws),
             pending_events=sum(len(w.events) for w in ws if not w.sessions),
-            prepped_dlists=sum(1 + sum(1 + r.owns_local_dlist for r in [*w.remotes.values(), *w.retired])
+            prepped_dlists=sum(1 + sum(1 + r.owns_local_dlist
+                                       for r in [*w.remotes.values(), *w.retired, *w.readers.values()])
                                for w in ws),
             bytes_read=self.counters.bytes_read,
             transfers_done=self.counters.transfers_done,
