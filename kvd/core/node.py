@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections import deque
@@ -224,6 +225,8 @@ class Worker:
     local_dlist: object
     registered_bytes: int
     staging: list[str] = field(default_factory=list)  # staged data path: shm names we made (unlinked at the end)
+    owner_pid: int = 0  # the engine process that made segment_names (0: unknown)
+    segment_names: list[str] = field(default_factory=list)  # the engine's own shm names (direct path)
     leases: LeaseTable = field(default_factory=LeaseTable)
     remotes: dict[PeerKey, RemoteWorker] = field(default_factory=dict)
     retired: list[RemoteWorker] = field(default_factory=list)  # dropped; NIXL state freed once unused
@@ -410,6 +413,7 @@ class Node:
         model: str = "",
         compat_extra: str = "",
         staged: bool = False,
+        owner_pid: int = 0,
     ) -> Worker:
         """Maps the worker's segments, makes its NIXL agent, registers memory.
 
@@ -470,6 +474,8 @@ class Node:
             local_dlist=dlist,
             registered_bytes=sum(s.size for s in segments),
             staging=staging,
+            owner_pid=owner_pid,
+            segment_names=[] if staged else [s.name for s in segments],
             leases=LeaseTable(early_s=self.limits.early_notif_s),
         )
         w.detached_since = time.monotonic()
@@ -496,9 +502,12 @@ class Node:
             raise
         return agent, regs, dlist
 
-    async def unregister(self, key: WorkerKey, reason: str = "unregistered") -> int:
+    async def unregister(self, key: WorkerKey, reason: str = "unregistered", engine_gone: bool = False) -> int:
         """Drops a worker: fails its loads, ends its leases, frees NIXL state.
 
+        ``engine_gone``: the worker's session has been gone past the grace
+        period; if its owner process is dead too, its segment names are
+        unlinked (see ``RegisterEngineRequest.owner_pid``).
         Returns the number of leases released. Raises NotFound.
         """
         w = self.workers.pop(key, None)
@@ -511,6 +520,11 @@ class Node:
             m.close()
         for n in w.staging:
             unlink_shm(n)
+        if engine_gone and w.owner_pid > 0 and not os.path.exists(f"/proc/{w.owner_pid}"):
+            for n in w.segment_names:
+                unlink_shm(n)
+            log.info("%s: engine process %d is gone; unlinked its %d segment(s)", w.label, w.owner_pid,
+                     len(w.segment_names))
         log.info("unregistered %s (%s): %d leases, %d loads dropped", w.label, reason, released, len(w.inflight))
         w.inflight.clear()
         w.leases.leases.clear()
@@ -1146,8 +1160,13 @@ class Node:
             if (w.detached_since is not None and not w.sessions
                     and now - w.detached_since > self.limits.detach_grace_s):
                 w.detached_since = None
-                asyncio.get_running_loop().create_task(
-                    self.unregister(w.key, reason=f"no session for {self.limits.detach_grace_s:.0f} s"))
+                asyncio.get_running_loop().create_task(self._drop_detached(w.key))
+
+    async def _drop_detached(self, key: WorkerKey) -> None:
+        try:
+            await self.unregister(key, reason=f"no session for {self.limits.detach_grace_s:.0f} s", engine_gone=True)
+        except NotFound:
+            pass  # unregistered meanwhile
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:

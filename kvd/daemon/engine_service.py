@@ -55,6 +55,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
                 layout_from_pb(request.layout), segments,
                 [region_from_pb(r) for r in request.regions],
                 model=request.model, compat_extra=request.compat_extra, staged=staged,
+                owner_pid=request.owner_pid,
             )
         except ev.CoreError as e:
             await context.abort(status_of(e), str(e))

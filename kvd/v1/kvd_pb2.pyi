@@ -105,7 +105,7 @@ class EngineWorker(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
 
 class RegisterEngineRequest(_message.Message):
-    __slots__ = ("worker", "layout", "segments", "regions", "model", "compat_extra", "data_path")
+    __slots__ = ("worker", "layout", "segments", "regions", "model", "compat_extra", "data_path", "owner_pid")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class RegisterEngineRequest(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     COMPAT_EXTRA_FIELD_NUMBER: _ClassVar[int]
     DATA_PATH_FIELD_NUMBER: _ClassVar[int]
+    OWNER_PID_FIELD_NUMBER: _ClassVar[int]
     worker: EngineWorker
     layout: Layout
     segments: _containers.RepeatedCompositeFieldContainer[Segment]
@@ -120,7 +121,8 @@ class RegisterEngineRequest(_message.Message):
     model: str
     compat_extra: str
     data_path: DataPath
-    def __init__(self, worker: _Optional[_Union[EngineWorker, _Mapping]] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., model: _Optional[str] = ..., compat_extra: _Optional[str] = ..., data_path: _Optional[_Union[DataPath, str]] = ...) -> None: ...
+    owner_pid: int
+    def __init__(self, worker: _Optional[_Union[EngineWorker, _Mapping]] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., model: _Optional[str] = ..., compat_extra: _Optional[str] = ..., data_path: _Optional[_Union[DataPath, str]] = ..., owner_pid: _Optional[int] = ...) -> None: ...
 
 class RegisterEngineResponse(_message.Message):
     __slots__ = ("agent_name", "peer_address", "compat_hash", "registered_bytes", "data_path", "staging_segments")
