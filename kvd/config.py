@@ -99,6 +99,8 @@ class Config:
     detach_grace_s: float = _setting(10.0, "an engine whose session stream has been gone this long "
                                            "is unregistered, seconds")
     grace_s: float = _setting(10.0, "on SIGTERM, wait this long for transfers in flight, seconds")
+    transfer_mode: str = _setting("pull", "pull (decode daemon READs) | push (prefill daemon WRITEs, "
+                                          "asked by the decode daemon); set on the decode side")
     log_level: str = _setting("info", "debug | info | warning | error")
     log_format: str = _setting("human", "human (one line of text) | json (one JSON object per line)")
 
@@ -129,6 +131,8 @@ class Config:
                 raise self._error(key, f"must be a finite number of seconds > 0 (got {v})")
         if not self.backends or not all(b and b.strip() == b for b in self.backends):
             raise self._error("backends", f"need one or more NIXL backend names (got {self.backends!r})")
+        if self.transfer_mode not in ("pull", "push"):
+            raise self._error("transfer_mode", f"{self.transfer_mode!r} is not pull | push")
         if self.log_level not in LOG_LEVELS:
             raise self._error("log_level", f"{self.log_level!r} is not {' | '.join(LOG_LEVELS)}")
         if self.log_format not in LOG_FORMATS:

@@ -75,10 +75,11 @@ class Server:
         cfg = self.config
         host, port = parse_host_port(cfg.peer_listen, "peer_listen")
         limits = Limits(lease_s=cfg.lease_s, transfer_timeout_s=cfg.transfer_timeout_s,
-                        handshake_timeout_s=cfg.handshake_timeout_s, detach_grace_s=cfg.detach_grace_s)
+                        handshake_timeout_s=cfg.handshake_timeout_s, detach_grace_s=cfg.detach_grace_s,
+                        transfer_mode=cfg.transfer_mode)
         self._loop = asyncio.get_running_loop()
         self.metrics = Metrics(self._stats_threadsafe)
-        self.node = Node(limits, handshake=self.peer_client, backends=cfg.backends, on_event=self.metrics.on_event)
+        self.node = Node(limits, peers=self.peer_client, backends=cfg.backends, on_event=self.metrics.on_event)
         self._check_backends()
         self.engine_service = EngineService(self.node, on_event=self.metrics.on_event, backends=cfg.backends)
 
@@ -229,6 +230,13 @@ class Server:
             os.unlink(sock)
         except FileNotFoundError:
             pass
+        # Shutdown is done: a late SIGTERM/SIGINT (a second `systemctl stop`,
+        # a supervisor's retry) must not turn exit 0 into "killed by signal"
+        # while the interpreter tears down.
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, signal.SIG_IGN)
         log.info("kvd stopped")
 
 

@@ -1,0 +1,55 @@
+# syntax=docker/dockerfile:1
+# kvd daemon image: `docker build -t kvd:0.1.0 .`
+#
+# CPU image by default: torch CPU (NIXL's Python package requires torch; the
+# CPU build keeps the image small) + NIXL (its wheels bundle UCX) + kvd.
+# CUDA image (GPU nodes, VRAM registration): pick the matching torch index,
+#   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 -t kvd:0.1.0-cu128 .
+# and run it with the NVIDIA container runtime (--gpus all, or the
+# nvidia.com/gpu resource), which mounts the driver; NIXL picks its CUDA 12
+# or 13 build from the driver at run time. See docs/OPERATIONS.md, "Docker".
+#
+# Runs `kvd serve` as uid 10001 (user kvd). Engines that share their KV
+# cache with it through /dev/shm must run with the same uid.
+
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS build
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG TORCH_VERSION=2.13.0
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/kvd
+ENV PATH=/opt/kvd/bin:$PATH
+RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY kvd ./kvd
+RUN pip install . \
+    && find /opt/kvd -name '__pycache__' -type d -prune -exec rm -rf {} + \
+    && kvd version
+
+FROM ${PYTHON_IMAGE}
+ARG KVD_VERSION=0.1.0
+LABEL org.opencontainers.image.title="kvd" \
+      org.opencontainers.image.description="Per-node KV-cache transfer daemon for disaggregated prefill/decode LLM serving (NIXL over gRPC)" \
+      org.opencontainers.image.version="${KVD_VERSION}" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.documentation="docs/OPERATIONS.md"
+RUN groupadd --system --gid 10001 kvd \
+    && useradd --system --uid 10001 --gid kvd --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin kvd \
+    && install -d -o kvd -g kvd -m 0770 /run/kvd
+COPY --from=build /opt/kvd /opt/kvd
+COPY deploy/kvd.toml /etc/kvd/kvd.toml
+ENV PATH=/opt/kvd/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+USER 10001:10001
+WORKDIR /run/kvd
+# 7700: PeerService + gRPC health (TCP); 9400: Prometheus /metrics.
+EXPOSE 7700 9400
+STOPSIGNAL SIGTERM
+# Exit 0 serving, 1 not serving (draining), 2 unreachable.
+HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
+    CMD ["kvd", "health", "--quiet", "--timeout", "3"]
+ENTRYPOINT ["kvd"]
+CMD ["serve", "--config", "/etc/kvd/kvd.toml"]

@@ -1,0 +1,104 @@
+"""The daemon's log output: one line per record, human text or JSON.
+
+``human`` (default): ``2026-01-02 03:04:05,678 WARNING kvd.core: engine=e rank=0 request=r peer=h:p: ...``.
+
+``json`` (``--log-format json``): one JSON object per line, for log shippers
+(Loki, Elasticsearch, Cloud Logging)::
+
+    {"ts": "2026-01-02T03:04:05.678Z", "level": "warning", "logger": "kvd.core",
+     "msg": "engine=e rank=0 request=r peer=h:p: load failed: ...",
+     "engine": "e", "rank": "0", "request": "r", "peer": "h:p"}
+
+The ``engine``, ``rank``, ``request`` and ``peer`` fields are lifted from the
+``key=value`` words that kvd's transfer log lines carry (STYLE.md: a request
+id and an engine id appear in every log line about a transfer), so a log
+query can filter on them; ``exc`` holds a traceback when there is one.
+Stdlib ``logging`` only: no dependency. Records of NIXL's Python layer go
+through the same handler; native libraries (UCX, gRPC core) may still print
+lines of their own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+import time
+
+HUMAN_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+# key=value words kvd puts in transfer log lines; the value ends at a space,
+# a comma or the ": " that starts the next part of the message.
+_FIELDS = re.compile(r"(?<![\w.-])(engine|rank|request|peer)=(\S+?)(?=:\s|:$|,|\s|$)")
+
+
+class JsonFormatter(logging.Formatter):
+    """Formats a record as one JSON object (UTC timestamp with milliseconds)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        msg = record.getMessage()
+        out = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": msg,
+        }
+        for key, value in _FIELDS.findall(msg):
+            out.setdefault(key, value)
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            out["exc"] = record.exc_text
+        return json.dumps(out, ensure_ascii=False)
+
+
+def configure(level: str = "info", fmt: str = "human", stream=None) -> None:
+    """Sends every log record at ``level`` or above to ``stream`` (stderr).
+
+    Args:
+        level: ``debug`` | ``info`` | ``warning`` | ``error`` (Config.log_level).
+        fmt: ``human`` | ``json`` (Config.log_format).
+    """
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(HUMAN_FORMAT))
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    root.addHandler(handler)
+    root.setLevel(getattr(logging, level.upper()))
+    # NIXL's Python layer gives its "nixl" logger its own stdout handler and
+    # propagate=False (logging.config.dictConfig) when it is first imported,
+    # which is later. Made now as an _Adopted logger, it ignores that and
+    # propagates to our handler: NIXL's records come out once, in our format.
+    _adopt("nixl")
+
+
+class _Adopted(logging.Logger):
+    """A logger that keeps no handler of its own and always propagates."""
+
+    def addHandler(self, hdlr: logging.Handler) -> None:  # noqa: N802 (logging's name)
+        pass
+
+    @property
+    def propagate(self) -> bool:
+        return True
+
+    @propagate.setter
+    def propagate(self, value: bool) -> None:
+        pass
+
+
+def _adopt(name: str) -> None:
+    existing = logging.Logger.manager.loggerDict.get(name)
+    if isinstance(existing, logging.Logger):  # the library is configured already
+        for h in list(existing.handlers):
+            existing.removeHandler(h)
+        existing.propagate = True
+        return
+    previous = logging.getLoggerClass()
+    logging.setLoggerClass(_Adopted)
+    try:
+        logging.getLogger(name)
+    finally:
+        logging.setLoggerClass(previous)

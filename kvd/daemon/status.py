@@ -1,0 +1,165 @@
+"""What ``GetStats`` answers and how ``kvd status`` shows it.
+
+Daemon side: :func:`build_stats` turns ``Node.stats()`` (the source of every
+count) and the registered workers into a ``StatsResponse``, with a row per
+engine worker and per remote worker. It runs on the event loop, where the
+core's state changes, so the rows are one consistent snapshot.
+
+Client side: :func:`to_dict` (``kvd status --json``: every field, integers as
+JSON numbers, field names as in proto/kvd/v1/kvd.proto) and
+:func:`render` (the table for people).
+"""
+
+from __future__ import annotations
+
+import platform
+from importlib.metadata import PackageNotFoundError, version
+
+
+from kvd import __version__
+from kvd.core.node import Node
+from kvd.v1 import kvd_pb2 as pb
+
+
+def versions() -> dict[str, str]:
+    """Versions of kvd and the stack it runs on (package -> version)."""
+    out = {"kvd": __version__, "python": platform.python_version()}
+    for pkg in ("nixl", "grpcio", "protobuf"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = ""
+    return out
+
+
+_VERSIONS: dict[str, str] | None = None
+
+
+def build_stats(node: Node, draining: bool = False, backends: list[str] | None = None,
+                metrics_address: str = "") -> pb.StatsResponse:
+    """A ``StatsResponse`` for ``node`` (call on the daemon's event loop)."""
+    global _VERSIONS
+    if _VERSIONS is None:
+        _VERSIONS = versions()
+    fields = pb.StatsResponse.DESCRIPTOR.fields_by_name
+    # Only the counts the proto knows: a key the core adds first is not an error.
+    counts = {k: v for k, v in node.stats().items() if k in fields}
+    resp = pb.StatsResponse(
+        daemon_version=__version__, peer_address=node.peer_address, draining=draining,
+        backends=backends or list(getattr(node, "backends", [])), metrics_address=metrics_address,
+        versions=_VERSIONS, **counts,
+    )
+    paths = set()
+    for w in list(node.workers.values()):
+        # Regions are POSIX shm registered as DRAM: the engine's own segments
+        # ("direct") or daemon-owned staging mirrors of them ("staged",
+        # Worker.staging). The GPU path (issue 7) may set ``memory`` to VRAM.
+        memory = getattr(w, "memory", "DRAM")
+        path = "staged" if getattr(w, "staging", None) else "direct"
+        paths.add(path)
+        resp.workers.add(
+            engine_id=w.key[0], tp_rank=w.key[1], tp_size=w.tp_size, model=w.model,
+            agent_name=w.agent.name, compat_hash=w.compat_hash, regions=len(w.regions),
+            num_blocks=w.layout.num_blocks, block_size=w.layout.block_size,
+            registered_bytes=w.registered_bytes, active_leases=len(w.leases),
+            inflight_transfers=len(w.inflight), sessions=w.sessions, peers=len(w.remotes),
+            memory=memory, data_path=path,
+        )
+        for r in list(w.remotes.values()):
+            resp.remote_workers.add(
+                address=r.address, engine_id=r.engine_id, tp_rank=r.tp_rank,
+                tp_size=getattr(r, "tp_size", 0), agent_name=r.agent_name,
+                daemon_version=getattr(r, "daemon_version", ""),
+                local_engine_id=w.key[0], local_tp_rank=w.key[1],
+            )
+    resp.data_path = paths.pop() if len(paths) == 1 else ("mixed" if paths else "")
+    return resp
+
+
+# ----------------------------------------------------------------- client side
+def to_dict(msg) -> dict:
+    """Every field of ``msg`` (defaults included), recursively; 64-bit integers
+    stay numbers (``MessageToDict`` would make them strings)."""
+    out = {}
+    for f in msg.DESCRIPTOR.fields:
+        value = getattr(msg, f.name)
+        if f.message_type is not None and f.message_type.GetOptions().map_entry:
+            out[f.name] = dict(sorted(value.items()))
+        elif f.is_repeated:
+            out[f.name] = [to_dict(v) if f.message_type else v for v in value]
+        elif f.message_type is not None:
+            out[f.name] = to_dict(value)
+        elif f.enum_type is not None:
+            out[f.name] = f.enum_type.values_by_number[value].name if value in f.enum_type.values_by_number else value
+        else:
+            out[f.name] = value
+    return out
+
+
+def human_bytes(n: float) -> str:
+    """``2097152`` -> ``2.0 MiB`` (binary units)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def human_duration(s: float) -> str:
+    """``3725.2`` -> ``1h02m05s``."""
+    s = int(s)
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    if d:
+        return f"{d}d{h:02d}h{m:02d}m"
+    if h:
+        return f"{h}h{m:02d}m{s:02d}s"
+    return f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    cells = [header] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+
+
+def render(d: dict, target: str = "") -> str:
+    """The status of one daemon (a :func:`to_dict` of ``StatsResponse``) as text."""
+    state = "DRAINING" if d.get("draining") else "serving"
+    lines = [f"kvd {d['daemon_version']}  {target}  {state}  up {human_duration(d['uptime_s'])}".replace("    ", "  ")]
+    v = d.get("versions") or {}
+    summary = [
+        ("peer address", d["peer_address"]),
+        ("data path", d.get("data_path") or "- (no engines)"),
+        ("NIXL backends", ",".join(d.get("backends") or []) or "-"),
+        ("metrics", f"http://{d['metrics_address']}/metrics" if d.get("metrics_address") else "off"),
+        ("versions", ", ".join(f"{k} {v[k]}" for k in sorted(v)) or "-"),
+        ("engines", f"{d['engines']} ({d['regions']} regions, {human_bytes(d['registered_bytes'])} registered, "
+                    f"{d['sessions']} session streams)"),
+        ("peers", str(d["peers"])),
+        ("transfers", f"{d['transfers_done']} done, {d['transfers_failed']} failed, "
+                      f"{d['inflight_transfers']} in flight, {human_bytes(d['bytes_read'])} read"),
+        ("leases", f"{d['active_leases']} active, {d['leases_expired']} expired"),
+    ]
+    if d.get("leaked_handles"):
+        summary.append(("leaked handles", str(d["leaked_handles"])))
+    width = max(len(k) for k, _ in summary)
+    lines += [f"{k:<{width}}  {val}" for k, val in summary]
+    if d.get("workers"):
+        lines.append("")
+        lines += _table(
+            ["ENGINE", "RANK", "TP", "MODEL", "REGIONS", "BLOCKS", "TOKENS/BLOCK", "REGISTERED", "MEMORY", "PATH",
+             "SESSIONS", "LEASES", "IN FLIGHT", "PEERS"],
+            [[w["engine_id"], w["tp_rank"], w["tp_size"], w["model"] or "-", w["regions"], w["num_blocks"],
+              w["block_size"], human_bytes(w["registered_bytes"]), w["memory"], w["data_path"], w["sessions"],
+              w["active_leases"], w["inflight_transfers"], w["peers"]] for w in d["workers"]],
+        )
+    if d.get("remote_workers"):
+        lines.append("")
+        lines += _table(
+            ["PEER", "ENGINE", "RANK", "TP", "KVD", "READ BY"],
+            [[r["address"], r["engine_id"], r["tp_rank"], r["tp_size"] or "-", r["daemon_version"] or "-",
+              f"{r['local_engine_id']}/{r['local_tp_rank']}"] for r in d["remote_workers"]],
+        )
+    return "\n".join(lines)

@@ -1,0 +1,143 @@
+"""Settings: flags > KVD_* environment > TOML file > defaults; a bad value is
+a startup error naming the key (exit 64); --print-config shows the result."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from kvd.config import Config, ConfigError, load_config, setting_names
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _file(tmp_path, text: str) -> str:
+    p = tmp_path / "kvd.toml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_each_source_overrides_the_ones_below_it(tmp_path):
+    path = _file(tmp_path, 'lease_s = 50\nlog_level = "warning"\nbackends = ["UCX", "POSIX"]\n')
+    env = {"KVD_LEASE_S": "60", "KVD_LOG_LEVEL": "error"}
+
+    assert load_config(environ={}).lease_s == Config().lease_s == 120.0
+    assert load_config(environ={}, file=path).lease_s == 50.0
+    cfg = load_config(environ=env, file=path)
+    assert (cfg.lease_s, cfg.log_level, cfg.backends) == (60.0, "error", ["UCX", "POSIX"])
+    cfg = load_config({"lease_s": "70"}, environ=env, file=path)
+    assert (cfg.lease_s, cfg.log_level) == (70.0, "error")
+    assert cfg.sources["lease_s"] == "flag --lease-s"
+    assert cfg.sources["log_level"] == "env KVD_LOG_LEVEL"
+    assert cfg.sources["backends"] == f"file {path}"
+    assert cfg.sources["grace_s"] == "default"
+
+
+def test_env_names_the_file_and_lists_are_comma_separated(tmp_path):
+    path = _file(tmp_path, "metrics_port = 9400\n")
+    cfg = load_config(environ={"KVD_CONFIG": path, "KVD_BACKENDS": "UCX, GDS"})
+    assert cfg.metrics_port == 9400 and cfg.backends == ["UCX", "GDS"]
+    # --config wins over KVD_CONFIG.
+    other = tmp_path / "other.toml"
+    other.write_text("metrics_port = 9500\n")
+    assert load_config(environ={"KVD_CONFIG": path}, file=str(other)).metrics_port == 9500
+
+
+def test_notify_socket_comes_from_systemd_not_from_settings():
+    cfg = load_config(environ={"NOTIFY_SOCKET": "@sd"})
+    assert cfg.notify_socket == "@sd"
+    assert "notify_socket" not in setting_names()
+
+
+@pytest.mark.parametrize("text, words", [
+    ("lease = 5\n", ["lease (from file", "unknown setting"]),
+    ('[kvd]\nlease_s = 5\n', ["kvd (from file", "no tables"]),
+    ('metrics_port = "9400"\n', ["metrics_port (from file", "expected an integer"]),
+    ("lease_s = true\n", ["lease_s (from file", "expected a number"]),
+    ('backends = "UCX"\n', ["backends (from file", "array of strings"]),
+    ("lease_s = -1\n", ["lease_s (from file", "> 0"]),
+    ("lease_s = inf\n", ["lease_s (from file", "finite"]),
+    ('log_level = "loud"\n', ["log_level (from file", "debug | info"]),
+    ('peer_listen = "nohost"\n', ["peer_listen (from file", "host:port"]),
+    ("metrics_port = 70000\n", ["metrics_port (from file", "out of range"]),
+    ("lease_s = \n", ["config file", "line 1"]),
+])
+def test_bad_file_values_name_the_key(tmp_path, text, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(environ={}, file=_file(tmp_path, text))
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"KVD_GRACE_S": "soon"}, ["grace_s (from env KVD_GRACE_S)", "expected a number", "'soon'"]),
+    ({"KVD_METRICS_PORT": "9.5"}, ["metrics_port (from env KVD_METRICS_PORT)", "integer"]),
+    ({"KVD_LOG_FORMAT": "xml"}, ["log_format (from env KVD_LOG_FORMAT)", "human | json"]),
+    ({"KVD_BACKENDS": " , "}, ["backends (from env KVD_BACKENDS)"]),
+    ({"KVD_TRANSFER_TIMEOUT_S": "nan"}, ["transfer_timeout_s (from env", "finite"]),
+])
+def test_bad_env_values_name_the_variable(env, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(environ=env)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+def test_missing_file_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="config file .*missing.toml"):
+        load_config(environ={}, file=str(tmp_path / "missing.toml"))
+
+
+def _kvd(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "kvd.cli", *args], capture_output=True, text=True, timeout=60,
+                          env={**{k: v for k, v in os.environ.items() if not k.startswith("KVD_")}, **(env or {})})
+
+
+def test_print_config_shows_the_effective_settings_and_their_sources(tmp_path):
+    path = _file(tmp_path, 'lease_s = 50\ngrace_s = 3\npeer_listen = "0.0.0.0:7700"\n')
+    r = _kvd("serve", "--config", path, "--print-config", "--grace-s", "4", env={"KVD_LEASE_S": "60"})
+    assert r.returncode == 0, r.stderr
+    doc = tomllib.loads(r.stdout)
+    assert set(doc) == set(setting_names())
+    assert (doc["lease_s"], doc["grace_s"], doc["peer_listen"]) == (60.0, 4.0, "0.0.0.0:7700")
+    assert doc["engine_socket"] == "/run/kvd/engine.sock"
+    assert "lease_s = 60.0  # env KVD_LEASE_S" in r.stdout
+    assert "grace_s = 4.0  # flag --grace-s" in r.stdout
+    assert f'peer_listen = "0.0.0.0:7700"  # file {path}' in r.stdout
+    # What it prints is a valid config file that gives the same settings.
+    again = _file(tmp_path, r.stdout)
+    assert load_config(environ={}, file=again) == load_config({"grace_s": "4"}, {"KVD_LEASE_S": "60"}, path)
+
+
+@pytest.mark.parametrize("args, env, key", [
+    (["--lease-s", "abc"], {}, "lease_s (from flag --lease-s)"),
+    (["--log-level", "loud"], {}, "log_level (from flag --log-level)"),
+    ([], {"KVD_METRICS_PORT": "x"}, "metrics_port (from env KVD_METRICS_PORT)"),
+    (["--engine-socket", "/tmp/" + "s" * 120], {}, "engine_socket (from flag --engine-socket)"),
+])
+def test_serve_with_a_bad_value_exits_64_naming_the_key(args, env, key):
+    r = _kvd("serve", *args, env=env)
+    assert r.returncode == 64, (r.returncode, r.stderr)
+    assert key in r.stderr and "invalid setting" in r.stderr
+
+
+def test_serve_with_a_bad_file_exits_64(tmp_path):
+    r = _kvd("serve", "--config", _file(tmp_path, "leese_s = 1\n"), "--print-config")
+    assert r.returncode == 64 and "leese_s" in r.stderr
+
+
+def test_the_shipped_example_config_is_valid():
+    cfg = load_config(environ={}, file=str(ROOT / "deploy" / "kvd.toml"))
+    assert cfg.engine_socket == "/run/kvd/engine.sock"
+    assert cfg.metrics_port > 0
+
+
+def test_every_setting_is_documented_with_its_env_variable():
+    doc = (ROOT / "docs" / "OPERATIONS.md").read_text()
+    for name in setting_names():
+        assert f"| `{name}` | `KVD_{name.upper()}` |" in doc, name

@@ -1,0 +1,269 @@
+"""What an operator sees of two real daemons after a real transfer: Prometheus
+metrics, ``kvd status`` (table and JSON), ``kvd health``, gRPC health per
+service and reflection, JSON logs with one line per transfer failure."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from types import SimpleNamespace
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvd.v1 import kvd_pb2 as pb
+from kvdtest import KvShape, Session, ShmSegment, register_request, start_daemon
+
+SHAPE = KvShape(num_layers=4, num_blocks=64, block_len=4096)
+REMOTE_IDS = [60, 3, 11, 7, 0, 41, 42, 19]
+LOCAL_IDS = [5, 2, 40, 17, 33, 63, 1, 20]
+ENGINE, PEER = "kvd.v1.EngineService", "kvd.v1.PeerService"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> dict:
+    """``{(name, frozenset(labels)): value}`` of every sample at /metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    return samples[(name, frozenset(labels.items()))]
+
+
+def kvd_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvd.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _until(pred, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+@pytest.fixture(scope="module")
+def ops(tmp_path_factory):
+    """Two daemons with metrics; one real transfer, one failed load, one
+    expired lease. Both daemons must exit 0 at the end."""
+    tmp = str(tmp_path_factory.mktemp("ops"))
+    pm, dm = free_port(), free_port()
+    prefill = start_daemon(tmp, "prefill", "--metrics-port", str(pm), "--metrics-host", "127.0.0.1")
+    decode = start_daemon(tmp, "decode", "--metrics-port", str(dm), "--metrics-host", "127.0.0.1",
+                          "--log-format", "json")
+    pseg, dseg = ShmSegment(SHAPE.size), ShmSegment(SHAPE.size)
+    sessions = []
+    try:
+        pseg.array[:] = np.random.default_rng(1).integers(0, 256, SHAPE.size, dtype=np.uint8)
+        prefill.stub().RegisterEngine(register_request("prefill-e", SHAPE, pseg), timeout=30)
+        decode.stub().RegisterEngine(register_request("decode-e", SHAPE, dseg), timeout=30)
+        ps, ds = Session(prefill, "prefill-e"), Session(decode, "decode-e")
+        sessions += [ps, ds]
+        ps.send(hold=pb.HoldBlocks(request_id="req-p", block_ids=REMOTE_IDS, lease_s=600))
+        ps.send(hold=pb.HoldBlocks(request_id="req-unread", block_ids=[9], lease_s=0.2))
+        ds.send(load=pb.LoadBlocks(
+            request_id="req-d", local_block_ids=LOCAL_IDS, remote_engine_id="prefill-e",
+            remote_address=prefill.peer_address, remote_block_ids=REMOTE_IDS, remote_request_id="req-p",
+            remote_tp_size=1))
+        recv = ds.next(30)
+        assert recv.WhichOneof("event") == "recv_done", recv
+        ds.send(load=pb.LoadBlocks(
+            request_id="req-bad", local_block_ids=[4], remote_engine_id="no-such-engine",
+            remote_address=prefill.peer_address, remote_block_ids=[4], remote_request_id="req-none",
+            remote_tp_size=1))
+        failed = ds.next(30)
+        assert failed.WhichOneof("event") == "load_failed", failed
+        done = {}
+        for _ in range(2):
+            e = ps.next(30)
+            assert e.WhichOneof("event") == "send_done", e
+            done[e.send_done.request_id] = e.send_done.expired
+        assert done == {"req-p": False, "req-unread": True}
+        yield SimpleNamespace(prefill=prefill, decode=decode, pm=pm, dm=dm, recv=recv.recv_done,
+                              failed=failed.load_failed)
+    finally:
+        for s in sessions:
+            s.close()
+        codes = [d.stop() for d in (prefill, decode)]
+        pseg.close()
+        dseg.close()
+    assert codes == [0, 0], codes
+
+
+def test_metrics_count_a_real_transfer(ops):
+    d = scrape(ops.dm)
+    r = ops.recv
+    assert r.bytes == len(LOCAL_IDS) * SHAPE.num_regions * SHAPE.block_len
+    assert value(d, "kvd_transferred_bytes_total") == r.bytes
+    assert value(d, "kvd_transfers_total") == 1
+    assert value(d, "kvd_transfer_duration_seconds_count") == 1
+    assert value(d, "kvd_transfer_duration_seconds_sum") == pytest.approx(r.duration_s, abs=1e-6)
+    assert value(d, "kvd_transfer_duration_seconds_bucket", le="+Inf") == 1
+    assert value(d, "kvd_transfer_descriptors_count") == 1
+    assert value(d, "kvd_transfer_descriptors_sum") == r.num_descriptors > 0
+    assert value(d, "kvd_handshake_duration_seconds_count") == 1
+    assert 0 < value(d, "kvd_handshake_duration_seconds_sum") < 10
+    assert value(d, "kvd_transfer_failures_total", reason="handshake") == 1
+    assert value(d, "kvd_engines") == 1
+    assert value(d, "kvd_regions") == SHAPE.num_regions
+    assert value(d, "kvd_registered_bytes") == SHAPE.size
+    assert value(d, "kvd_peers") == 1
+    assert value(d, "kvd_session_streams") == 1
+    assert value(d, "kvd_inflight_transfers") == 0
+    assert value(d, "kvd_active_leases") == 0
+    assert value(d, "kvd_uptime_seconds") > 0
+
+    p = scrape(ops.pm)
+    assert value(p, "kvd_leases_expired_total") == 1      # req-unread
+    assert value(p, "kvd_active_leases") == 0             # req-p ended by the reader's notification
+    assert value(p, "kvd_transfers_total") == 0           # pull mode: the decode side reads
+    assert value(p, "kvd_engines") == 1 and value(p, "kvd_peers") == 0
+    info = [k for k in p if k[0] == "kvd_build_info"]
+    assert len(info) == 1 and dict(info[0][1])["version"] and dict(info[0][1])["nixl"]
+
+    doc = (ROOT / "docs" / "OPERATIONS.md").read_text()
+    for name, _ in d:  # Prometheus naming: kvd_ prefix (process_* are the standard ones)
+        assert name.startswith(("kvd_", "process_")), name
+        family = re.sub(r"_(bucket|count|sum|created)$", "", name)
+        if name.startswith("kvd_") and not name.endswith("_created"):
+            assert f"`{family}" in doc, f"{family} is not in docs/OPERATIONS.md"
+
+
+def test_status_json_has_engines_peers_transfers_and_versions(ops):
+    r = kvd_cli("status", "--socket", ops.decode.socket, "--json")
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert s["engines"] == 1 and s["regions"] == SHAPE.num_regions and s["registered_bytes"] == SHAPE.size
+    assert s["transfers_done"] == 1 and s["transfers_failed"] == 1 and s["bytes_read"] == ops.recv.bytes
+    assert s["inflight_transfers"] == 0 and s["active_leases"] == 0 and s["sessions"] == 1 and s["peers"] == 1
+    assert s["uptime_s"] > 0 and s["draining"] is False
+    assert s["data_path"] == "direct" and s["backends"] == ["UCX"]
+    assert s["peer_address"] == ops.decode.peer_address
+    assert s["metrics_address"] == f"127.0.0.1:{ops.dm}"
+    assert s["daemon_version"] == s["versions"]["kvd"]
+    assert {"kvd", "nixl", "grpcio", "protobuf", "python"} <= set(s["versions"])
+    [w] = s["workers"]
+    assert (w["engine_id"], w["tp_rank"], w["tp_size"], w["model"]) == ("decode-e", 0, 1, "test-model")
+    assert (w["regions"], w["num_blocks"], w["block_size"]) == (SHAPE.num_regions, SHAPE.num_blocks, SHAPE.block_size)
+    assert (w["registered_bytes"], w["sessions"], w["peers"]) == (SHAPE.size, 1, 1)
+    assert (w["memory"], w["data_path"]) == ("DRAM", "direct") and w["agent_name"] and w["compat_hash"]
+    [peer] = s["remote_workers"]
+    assert (peer["address"], peer["engine_id"], peer["tp_rank"]) == (ops.prefill.peer_address, "prefill-e", 0)
+    assert (peer["local_engine_id"], peer["daemon_version"]) == ("decode-e", s["daemon_version"])
+
+    # The prefill side: the expired lease is counted, no remote workers.
+    r = kvd_cli("status", "--socket", ops.prefill.socket, "--json")
+    assert r.returncode == 0, r.stderr
+    p = json.loads(r.stdout)
+    assert p["leases_expired"] == 1 and p["workers"][0]["engine_id"] == "prefill-e" and p["remote_workers"] == []
+
+
+def test_status_table_for_people(ops):
+    r = kvd_cli("status", "--socket", ops.decode.socket)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "serving" in out and "data path      direct" in out
+    assert "1 done, 1 failed, 0 in flight, 256.0 KiB read" in out
+    header = next(line for line in out.splitlines() if line.startswith("ENGINE"))
+    row = next(line for line in out.splitlines() if line.startswith("decode-e"))
+    assert "REGISTERED" in header and "2.0 MiB" in row and "direct" in row
+    assert any(line.startswith(ops.prefill.peer_address) and "prefill-e" in line for line in out.splitlines())
+
+
+def test_health_cli_exit_codes(ops, tmp_path):
+    r = kvd_cli("health", "--socket", ops.decode.socket)
+    assert (r.returncode, r.stdout.strip()) == (0, f"unix:{ops.decode.socket}: SERVING")
+    assert kvd_cli("health", "-q", "--address", ops.prefill.peer_address, "--service", PEER).returncode == 0
+    r = kvd_cli("health", "--socket", ops.decode.socket, "--service", "no.such.Service")
+    assert r.returncode == 1 and "NOT_FOUND" in r.stderr
+    r = kvd_cli("health", "--socket", str(tmp_path / "absent.sock"))
+    assert r.returncode == 2 and "UNAVAILABLE" in r.stderr
+    # A port that accepts TCP but never answers: the --timeout bounds the wait.
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(8)
+        t0 = time.monotonic()
+        r = kvd_cli("health", "--address", f"127.0.0.1:{hole.getsockname()[1]}", "--timeout", "0.5")
+        assert r.returncode == 2 and "DEADLINE_EXCEEDED" in r.stderr
+        assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.parametrize("side", ["unix", "tcp"])
+def test_grpc_health_per_service_and_reflection(ops, side):
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    target = f"unix:{ops.decode.socket}" if side == "unix" else ops.decode.peer_address
+    with grpc.insecure_channel(target) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        for service in ("", ENGINE, PEER):
+            st = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+            assert st == health_pb2.HealthCheckResponse.SERVING, service
+        with pytest.raises(grpc.RpcError) as e:
+            health.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=5)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        services = set(ProtoReflectionDescriptorDatabase(ch).get_services())
+    own = ENGINE if side == "unix" else PEER
+    assert {own, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= services
+
+
+def test_each_transfer_failure_is_logged_once_with_request_peer_and_reason(ops):
+    records = []
+    for line in ops.decode.log().splitlines():
+        if line.startswith("{"):
+            records.append(json.loads(line))  # every kvd line is JSON in --log-format json
+    assert any(r["logger"] == "kvd.server" and "serving" in r["msg"] for r in records)
+    mine = [r for r in records if r.get("request") == "req-bad" and r["level"] in ("warning", "error")]
+    assert len(mine) == 1, mine
+    [r] = mine
+    assert r["peer"] == ops.prefill.peer_address and r["engine"] == "decode-e"
+    assert "load failed" in r["msg"] and "handshake" in r["msg"] and "no-such-engine" in r["msg"]
+    assert r["ts"].endswith("Z")
+    # The transfer that succeeded logged no warning.
+    assert not [r for r in records if r.get("request") == "req-d" and r["level"] != "debug"]
+    # NIXL's Python records come through the same formatter.
+    assert any(r["logger"].startswith("nixl") for r in records)
+
+
+def test_status_reports_the_data_path_of_each_worker():
+    from kvd.daemon.status import build_stats, render, to_dict
+
+    def worker(name, staging):
+        return SimpleNamespace(
+            key=(name, 0), tp_size=1, model="m", agent=SimpleNamespace(name=f"kvd-{name}"), compat_hash="h",
+            regions=[1, 2], layout=SimpleNamespace(num_blocks=8, block_size=16), registered_bytes=1 << 20,
+            leases=[], inflight={}, sessions=1, remotes={}, staging=staging)
+
+    def node(*workers):
+        return SimpleNamespace(stats=lambda: {"engines": len(workers), "not_in_the_proto": 7},
+                               peer_address="h:1", backends=["UCX"], workers={w.key: w for w in workers})
+
+    assert build_stats(node()).data_path == ""
+    assert build_stats(node(worker("a", []))).data_path == "direct"
+    s = build_stats(node(worker("a", ["/kvd-stage-1"])))
+    assert s.data_path == "staged" and s.workers[0].data_path == "staged" and s.engines == 1
+    s = build_stats(node(worker("a", []), worker("b", ["/kvd-stage-2"])))
+    assert s.data_path == "mixed" and [w.data_path for w in s.workers] == ["direct", "staged"]
+    text = render(to_dict(s), "unix:/x")
+    assert "data path      mixed" in text and "staged" in text
