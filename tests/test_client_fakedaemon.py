@@ -1,0 +1,130 @@
+"""A fake in-process kvd ``EngineService`` (sync gRPC server on a Unix socket).
+
+Used by ``test_client_engine.py`` and ``test_shim_vllm.py`` to drive the client
+and the shim through scenarios the real daemon does not produce on demand: a
+daemon that takes 1 s per command, one that never answers, one that rejects,
+one that answers twice, one that is stopped and restarted.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from kvd.v1 import kvd_pb2 as pb
+from kvd.v1 import kvd_pb2_grpc as pb_grpc
+
+PEER_ADDRESS = "127.0.0.1:47001"
+
+
+class FakeEngineService(pb_grpc.EngineServiceServicer):
+    """Answers commands after ``delay_s`` each, as ``load_mode``/``hold_mode`` say.
+
+    load_mode: ``answer`` (recv_done), ``fail`` (load_failed), ``reject``
+    (rejected), ``never`` (silence), ``twice`` (recv_done two times).
+    hold_mode: ``never`` (lease kept until release), ``done`` (send_done at once).
+    """
+
+    def __init__(self, delay_s: float = 0.0, load_mode: str = "answer", hold_mode: str = "never"):
+        self.delay_s = delay_s
+        self.load_mode = load_mode
+        self.hold_mode = hold_mode
+        self.lock = threading.Lock()
+        self.registers: list[pb.RegisterEngineRequest] = []
+        self.unregisters: list[pb.UnregisterEngineRequest] = []
+        self.commands: list[pb.SessionCommand] = []
+        self.sessions = 0
+
+    def RegisterEngine(self, request, context):
+        with self.lock:
+            self.registers.append(request)
+        return pb.RegisterEngineResponse(
+            agent_name="fake-agent", peer_address=PEER_ADDRESS, compat_hash="0" * 16,
+            registered_bytes=sum(s.size for s in request.segments),
+        )
+
+    def UnregisterEngine(self, request, context):
+        with self.lock:
+            self.unregisters.append(request)
+        return pb.UnregisterEngineResponse(released_leases=0)
+
+    def GetStats(self, request, context):
+        return pb.StatsResponse(peer_address=PEER_ADDRESS, daemon_version="fake", sessions=self.sessions)
+
+    def Session(self, request_iterator, context):
+        first = next(request_iterator)
+        if first.WhichOneof("command") != "open":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first command must be open")
+        with self.lock:
+            self.sessions += 1
+        yield pb.SessionEvent(opened=pb.SessionOpened(agent_name="fake-agent", daemon_version="fake"))
+        for cmd in request_iterator:
+            with self.lock:
+                self.commands.append(cmd)
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            yield from self._respond(cmd)
+
+    def _respond(self, cmd):
+        kind = cmd.WhichOneof("command")
+        if kind == "load":
+            rid, n = cmd.load.request_id, len(cmd.load.local_block_ids)
+            if self.load_mode in ("answer", "twice"):
+                for _ in range(2 if self.load_mode == "twice" else 1):
+                    yield pb.SessionEvent(recv_done=pb.RecvDone(request_id=rid, num_blocks=n, bytes=n * 1024))
+            elif self.load_mode == "fail":
+                yield pb.SessionEvent(load_failed=pb.LoadFailed(
+                    request_id=rid, failed_block_ids=cmd.load.local_block_ids, reason="fake failure"))
+            elif self.load_mode == "reject":
+                yield pb.SessionEvent(rejected=pb.CommandRejected(request_id=rid, reason="fake rejection"))
+        elif kind == "hold" and self.hold_mode == "done":
+            yield pb.SessionEvent(send_done=pb.SendDone(request_id=cmd.hold.request_id))
+        elif kind == "release":
+            yield pb.SessionEvent(send_done=pb.SendDone(request_id=cmd.release.request_id, released=True))
+
+    def count(self, kind: str) -> int:
+        with self.lock:
+            return sum(1 for c in self.commands if c.WhichOneof("command") == kind)
+
+
+class FakeDaemon:
+    """A :class:`FakeEngineService` served on ``socket``; restartable."""
+
+    def __init__(self, socket: str, **kwargs):
+        self.socket = socket
+        self.service = FakeEngineService(**kwargs)
+        self.server: grpc.Server | None = None
+
+    def start(self) -> FakeDaemon:
+        if os.path.exists(self.socket):
+            os.unlink(self.socket)
+        self.server = grpc.server(ThreadPoolExecutor(max_workers=16))
+        pb_grpc.add_EngineServiceServicer_to_server(self.service, self.server)
+        self.server.add_insecure_port(f"unix://{self.socket}")
+        self.server.start()
+        return self
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop(grace=None).wait(5)
+            self.server = None
+
+
+def wait_events(client, predicate, timeout_s: float = 5.0, poll_s: float = 0.01) -> list:
+    """Drains ``client`` until ``predicate(all events so far)``; returns them."""
+    events: list = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        events.extend(client.drain_events())
+        if predicate(events):
+            return events
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout_s} s; events so far: {events}")
+
+
+def kinds(events) -> list[str]:
+    return [e.WhichOneof("event") for e in events]

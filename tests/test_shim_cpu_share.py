@@ -1,0 +1,157 @@
+"""kvd.shim.cpu_share: region maths on real torch tensors shaped like vLLM's,
+and the private torch sharing path checked end to end through /dev/shm."""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import pytest
+import torch
+
+from kvd.shim import cpu_share
+from kvd.shim.cpu_share import CpuShareError, plan_regions, share_kv_caches, share_storage
+from kvd.v1 import kvd_pb2 as pb
+
+NB, H, N, D = 6, 2, 32, 32  # blocks, KV heads, tokens per block, head_dim
+F32 = 4
+
+
+def vllm032_cpu_caches(num_layers: int = 2, layout: str = "LBHNC") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-layer views the way vLLM 0.32 allocates them on CPU: one int8
+    backing buffer, each layer a [B, H, N, 2*D] float32 view with a layer and a
+    block stride (vllm/v1/kv_cache_interface.py:create_kv_cache_views)."""
+    page = H * N * 2 * D * F32
+    buf = torch.zeros(num_layers * NB * page, dtype=torch.int8)
+    if layout == "LBHNC":       # layer-compact: layer stride = NB pages
+        layer_stride, block_stride = NB * page, page
+    else:                       # BLHNC, block-outermost: block stride = L pages
+        layer_stride, block_stride = page, num_layers * page
+    caches = {}
+    for layer in range(num_layers):
+        v = torch.as_strided(buf, (NB, H, N, 2 * D * F32), (block_stride, N * 2 * D * F32, 2 * D * F32, 1),
+                             storage_offset=layer * layer_stride)
+        caches[f"model.layers.{layer}.self_attn.attn"] = v.view(torch.float32)
+    return buf, caches
+
+
+def test_vllm_032_cpu_layout_is_one_region_per_layer_in_one_segment():
+    _, caches = vllm032_cpu_caches(3)
+    plan = plan_regions(caches, NB)
+    page = H * N * 2 * D * F32
+    assert len(plan.storages) == 1
+    assert [(r.offset, r.block_len, r.block_stride) for r in plan.regions] == [
+        (i * NB * page, page, page) for i in range(3)
+    ]
+    assert [r.name for r in plan.regions] == [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+    assert plan.layers == list(caches) and plan.dtype == torch.float32
+
+
+def test_block_outermost_layout_has_a_stride_of_all_layers():
+    _, caches = vllm032_cpu_caches(2, layout="BLHNC")
+    plan = plan_regions(caches, NB)
+    page = H * N * 2 * D * F32
+    assert [(r.offset, r.block_len, r.block_stride) for r in plan.regions] == [(0, page, 2 * page), (page, page, 2 * page)]
+
+
+def test_legacy_kv_dim_before_the_blocks_gives_k_and_v_regions():
+    t = torch.zeros(2, NB, N, H, D, dtype=torch.bfloat16)  # [2, num_blocks, block_size, heads, head_dim]
+    plan = plan_regions({"l0": t}, NB)
+    blen = N * H * D * 2
+    assert [(r.name, r.offset, r.block_len, r.block_stride) for r in plan.regions] == [
+        ("l0/k", 0, blen, blen), ("l0/v", NB * blen, blen, blen),
+    ]
+
+
+def test_layers_sharing_one_cache_are_registered_once():
+    _, caches = vllm032_cpu_caches(2)
+    first = next(iter(caches.values()))
+    caches["model.layers.2.self_attn.attn"] = first  # cross-layer KV sharing
+    plan = plan_regions(caches, NB)
+    assert len(plan.regions) == 2 and len(plan.layers) == 2
+
+
+def test_separate_tensors_become_separate_segments():
+    a, b = torch.zeros(NB, 4, 8), torch.zeros(NB, 4, 8)
+    plan = plan_regions({"a": a, "b": b}, NB)
+    assert len(plan.storages) == 2 and [r.storage for r in plan.regions] == [0, 1]
+
+
+def test_kernel_blocks_are_merged_back_into_manager_blocks():
+    # vLLM split each 64-token block into two 32-token kernel blocks: dim 0 = 2 * NB.
+    t = torch.zeros(2 * NB, H, N, 2 * D)
+    plan = plan_regions({"l0": t}, NB)
+    kernel = H * N * 2 * D * F32
+    assert (plan.regions[0].block_len, plan.regions[0].block_stride) == (2 * kernel, 2 * kernel)
+
+
+def test_a_block_that_is_not_contiguous_is_refused_with_a_clear_error():
+    t = torch.zeros(NB, N, H, D).transpose(1, 2)  # heads/tokens swapped by a view
+    with pytest.raises(CpuShareError, match="not contiguous"):
+        plan_regions({"l0": t}, NB)
+
+
+def test_missing_block_dim_mixed_dtypes_and_devices_are_refused():
+    with pytest.raises(CpuShareError, match="num_blocks=7"):
+        plan_regions({"l0": torch.zeros(NB, 4)}, 7)
+    with pytest.raises(CpuShareError, match="dtype"):
+        plan_regions({"a": torch.zeros(NB, 4), "b": torch.zeros(NB, 4, dtype=torch.float16)}, NB)
+    with pytest.raises(CpuShareError, match="meta"):
+        plan_regions({"a": torch.zeros(NB, 4, device="meta")}, NB)
+    with pytest.raises(CpuShareError, match="meta"):
+        share_storage(torch.zeros(4, device="meta"))
+
+
+def test_sharing_keeps_existing_views_valid_and_is_idempotent():
+    buf, caches = vllm032_cpu_caches(2)
+    view = next(iter(caches.values()))
+    view.fill_(1.25)
+    before = view.data_ptr()
+    s1 = share_storage(buf)
+    assert view.data_ptr() != before, "storage was expected to move into shm"
+    assert buf.is_shared() and float(view[0, 0, 0, 0]) == 1.25
+    view[1].fill_(2.5)  # writes through the old view land in the shared pages
+    s2 = share_storage(view)
+    assert s2 == s1
+    assert s1.name.startswith("/torch_") and os.path.exists("/dev/shm" + s1.name)
+    assert s1.data_offset >= 0 and s1.size == s1.data_offset + buf.untyped_storage().nbytes()
+
+
+def test_shared_regions_address_the_tensor_bytes_through_dev_shm():
+    """What the daemon will map: segment offset + block * stride is the block."""
+    _, caches = vllm032_cpu_caches(2)
+    shared = share_kv_caches(caches, num_blocks=NB, block_size=N, kv_layout="HND", num_kv_heads=H, head_dim=D)
+    assert [s.kind for s in shared.segments] == [pb.MEMORY_KIND_SHM]
+    seg = shared.segments[0]
+    with open("/dev/shm" + seg.name, "r+b") as f:
+        assert os.fstat(f.fileno()).st_size >= seg.size
+        m = mmap.mmap(f.fileno(), seg.size)
+        try:
+            for r, (layer, t) in zip(shared.regions, caches.items()):
+                for b in range(NB):
+                    t[b].fill_(float(100 * r.block_len % 7 + b))
+                    start = r.offset + b * r.block_stride
+                    assert m[start:start + r.block_len] == t[b].contiguous().numpy().tobytes()
+            # and the other way: a write into the segment (a NIXL READ's effect)
+            r, t = shared.regions[1], caches["model.layers.1.self_attn.attn"]
+            m[r.offset + 3 * r.block_stride:r.offset + 3 * r.block_stride + 4] = torch.tensor([9.0]).numpy().tobytes()
+            assert float(t[3].flatten()[0]) == 9.0
+        finally:
+            m.close()
+    lay = shared.layout
+    assert (lay.num_blocks, lay.block_size, lay.kv_layout, lay.dtype) == (NB, N, pb.KV_LAYOUT_HND, "float32")
+    assert (lay.num_kv_heads, lay.head_dim, lay.num_layers) == (H, D, 2)
+    assert list(lay.block_lens) == [r.block_len for r in shared.regions]
+
+
+def test_share_kv_caches_validates_its_arguments():
+    _, caches = vllm032_cpu_caches(1)
+    with pytest.raises(CpuShareError, match="kv_layout"):
+        share_kv_caches(caches, num_blocks=NB, block_size=N, kv_layout="XYZ", num_kv_heads=H, head_dim=D)
+    with pytest.raises(CpuShareError, match="block_size"):
+        share_kv_caches(caches, num_blocks=NB, block_size=0, kv_layout="HND", num_kv_heads=H, head_dim=D)
+
+
+def test_dtype_names_match_the_proto_convention():
+    assert cpu_share.dtype_name(torch.bfloat16) == "bfloat16"
+    assert cpu_share.dtype_name(torch.float32) == "float32"

