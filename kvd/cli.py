@@ -6,6 +6,7 @@ precedence: kvd/config.py).
     kvd health   exit 0 when a daemon is serving (for probes)
     kvd status   what a daemon holds (engines, leases, transfers)
     kvd demo     the main job: two daemons, two vLLM-CPU engines, P/D requests
+    kvd bench    short benchmarks: kvd vs plain NIXL vs memcpy, the shim's step cost
     kvd version  print versions
 """
 
@@ -49,6 +50,9 @@ def cmd_serve(args) -> int:
 
     try:
         run(cfg)
+    except ConfigError as e:  # a file a setting names (TLS, token) is missing or bad
+        print(f"kvd serve: invalid setting: {e}", file=sys.stderr)
+        return EXIT_USAGE
     except OSError as e:
         logging.getLogger("kvd").error("startup failed: %s", e)
         return 1
@@ -115,6 +119,12 @@ def cmd_version(args) -> int:
     return EXIT_OK
 
 
+def cmd_bench(args) -> int:
+    from kvd.bench.cli import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
 def cmd_demo(args) -> int:
     from kvd.demo.run import main as demo_main
 
@@ -128,6 +138,10 @@ def _metavar(key: str, default) -> str:
         return "PORT"
     if key.endswith(("_listen", "_advertise")):
         return "HOST:PORT"
+    if isinstance(default, bool):
+        return "true|false"
+    if key.startswith("max_") and not key.endswith("_bytes"):
+        return "N"
     if isinstance(default, list):
         return "LIST"
     return "PATH" if key.endswith("socket") else key.rsplit("_", 1)[-1].upper()
@@ -151,7 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     # given leaves the key to the environment, the file or the default.
     for f in settings():
         default = f.default_factory() if callable(f.default_factory) else f.default
-        shown = ",".join(default) if isinstance(default, list) else (default if default != "" else '""')
+        shown = (",".join(default) if isinstance(default, list) else
+                 str(default).lower() if isinstance(default, bool) else default)
+        shown = shown if shown != "" else '""'
         s.add_argument(flag_name(f.name), dest=f.name, default=argparse.SUPPRESS, metavar=_metavar(f.name, default),
                        help=f"{f.metadata['doc']} (default {shown}; env {env_name(f.name)})")
     s.set_defaults(func=cmd_serve)
@@ -181,6 +197,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("demo_args", nargs=argparse.REMAINDER)
     d.set_defaults(func=cmd_demo)
 
+    b = sub.add_parser("bench", help="short benchmarks: data plane (kvd vs plain NIXL vs memcpy) and the shim's "
+                                     "cost per engine step, with the ratios",
+                       description="Run the short benchmarks; arguments after 'bench' go to them (kvd bench --help).",
+                       add_help=False)
+    b.add_argument("bench_args", nargs=argparse.REMAINDER)
+    b.set_defaults(func=cmd_bench)
+
     v = sub.add_parser("version", help="print versions")
     v.set_defaults(func=cmd_version)
     return p
@@ -188,6 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        from kvd.bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
     if argv[:1] == ["demo"]:
         # Everything after "demo" belongs to the demo's own parser (argparse's
         # REMAINDER would not take leading options such as --help).

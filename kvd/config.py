@@ -39,6 +39,10 @@ ENV_NOTIFY_SOCKET = "NOTIFY_SOCKET"  # set by systemd for Type=notify units
 # gRPC message caps (DESIGN.md: messages are bounded). Registration and
 # handshake carry region lists; 64 MiB covers 4096 regions with room to spare.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Longest request id, engine id or address accepted in a command or peer call
+# (leases and early notifications keep them: a cap on their count alone would
+# not bound memory).
+MAX_ID_BYTES = 1024
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("human", "json")
@@ -101,6 +105,38 @@ class Config:
     grace_s: float = _setting(10.0, "on SIGTERM, wait this long for transfers in flight, seconds")
     transfer_mode: str = _setting("pull", "pull (decode daemon READs) | push (prefill daemon WRITEs, "
                                           "asked by the decode daemon); set on the decode side")
+    # Security (docs/SECURITY.md). Local engines: who may use the engine socket.
+    engine_socket_group: str = _setting("", "group (name or gid) of the engine socket, created mode 0660 "
+                                             "(empty: the daemon's group)")
+    allowed_uids: list[str] = _setting(None, "uids (names or numbers) admitted on the engine socket, besides "
+                                             "root and the daemon's own uid (checked with SO_PEERCRED)",
+                                       factory=list)
+    allowed_gids: list[str] = _setting(None, "gids (names or numbers) admitted on the engine socket: a caller "
+                                             "in one of them (primary or supplementary) is admitted",
+                                       factory=list)
+    require_session_token: bool = _setting(False, "OpenSession and UnregisterEngine must carry the "
+                                                  "session_token of the registration (else the same process "
+                                                  "that registered may omit it)")
+    # Remote daemons: who may use PeerService.
+    peer_tls_cert: str = _setting("", "PEM certificate (chain) of this daemon for PeerService TLS, as server "
+                                      "and as client; with peer_tls_key and peer_tls_ca: mutual TLS")
+    peer_tls_key: str = _setting("", "PEM private key of peer_tls_cert")
+    peer_tls_ca: str = _setting("", "PEM CA bundle that signs every daemon's certificate (peers must present one)")
+    peer_tls_server_name: str = _setting("", "name to verify in a remote daemon's certificate instead of "
+                                             "the host of its address (empty: the host)")
+    peer_token_file: str = _setting("", "file holding a shared secret (16+ characters) every daemon of the "
+                                        "cluster knows; peers prove it with an HMAC per call")
+    peer_insecure: bool = _setting(False, "serve PeerService on a non-loopback peer_listen with no TLS and no "
+                                          "token (any host that reaches the port may read and write the KV "
+                                          "caches); without it such a daemon binds loopback only")
+    # Bounds.
+    max_message_bytes: int = _setting(MAX_MESSAGE_BYTES, "largest gRPC message received or sent, bytes "
+                                                         "(both ports)")
+    max_inflight_per_worker: int = _setting(4096, "loads in flight (handshaking or reading) per engine worker; "
+                                                  "more fail at once with reason busy")
+    max_leases_per_worker: int = _setting(65536, "prefill leases held per engine worker; a hold past it is "
+                                                 "rejected")
+    max_blocks_per_request: int = _setting(1 << 20, "block ids in one load or hold (all groups together)")
     log_level: str = _setting("info", "debug | info | warning | error")
     log_format: str = _setting("human", "human (one line of text) | json (one JSON object per line)")
 
@@ -133,11 +169,46 @@ class Config:
             raise self._error("backends", f"need one or more NIXL backend names (got {self.backends!r})")
         if self.transfer_mode not in ("pull", "push"):
             raise self._error("transfer_mode", f"{self.transfer_mode!r} is not pull | push")
+        if self.engine_socket_group:
+            try:
+                resolve_gid(self.engine_socket_group)
+            except ConfigError as e:
+                raise self._error("engine_socket_group", str(e)) from None
+        for key, resolve in (("allowed_uids", resolve_uid), ("allowed_gids", resolve_gid)):
+            try:
+                [resolve(x) for x in getattr(self, key)]
+            except ConfigError as e:
+                raise self._error(key, str(e)) from None
+        tls = {k: getattr(self, k) for k in ("peer_tls_cert", "peer_tls_key", "peer_tls_ca")}
+        if any(tls.values()) and not all(tls.values()):
+            missing = ", ".join(k for k, v in tls.items() if not v)
+            raise self._error(next(k for k, v in tls.items() if not v),
+                              f"mutual TLS needs peer_tls_cert, peer_tls_key and peer_tls_ca (missing: {missing})")
+        for key, low, high in (("max_message_bytes", 1 << 16, (1 << 31) - 1),
+                               ("max_inflight_per_worker", 1, 1 << 20),
+                               ("max_leases_per_worker", 1, 1 << 24),
+                               ("max_blocks_per_request", 1, 1 << 26)):
+            v = getattr(self, key)
+            if not low <= v <= high:
+                raise self._error(key, f"{v} out of range {low}..{high}")
         if self.log_level not in LOG_LEVELS:
             raise self._error("log_level", f"{self.log_level!r} is not {' | '.join(LOG_LEVELS)}")
         if self.log_format not in LOG_FORMATS:
             raise self._error("log_format", f"{self.log_format!r} is not {' | '.join(LOG_FORMATS)}")
         return self
+
+    def read_file_setting(self, key: str) -> bytes | None:
+        """The contents of the file a setting names (None when unset); at
+        startup, not in :meth:`validate` (the file may not exist where the
+        configuration is checked). Raises ConfigError naming the key."""
+        path = getattr(self, key)
+        if not path:
+            return None
+        try:
+            with open(path, "rb") as fh:
+                return fh.read(1 << 20)
+        except OSError as e:
+            raise self._error(key, f"cannot read {path}: {e.strerror or e}") from None
 
     def _error(self, key: str, msg: str) -> ConfigError:
         src = self.sources.get(key, "")
@@ -152,6 +223,32 @@ class Config:
             value = getattr(self, s.name)
             lines.append(f"{s.name} = {_toml_value(value)}  # {self.sources.get(s.name, 'default')}")
         return "\n".join(lines) + "\n"
+
+
+def resolve_uid(value: str) -> int:
+    """A uid from a user name or a number. Raises ConfigError for an unknown name."""
+    import pwd
+
+    value = str(value).strip()
+    if value.isdigit():
+        return int(value)
+    try:
+        return pwd.getpwnam(value).pw_uid
+    except KeyError:
+        raise ConfigError(f"no such user {value!r}") from None
+
+
+def resolve_gid(value: str) -> int:
+    """A gid from a group name or a number. Raises ConfigError for an unknown name."""
+    import grp
+
+    value = str(value).strip()
+    if value.isdigit():
+        return int(value)
+    try:
+        return grp.getgrnam(value).gr_gid
+    except KeyError:
+        raise ConfigError(f"no such group {value!r}") from None
 
 
 def settings() -> list:
@@ -189,7 +286,7 @@ def _coerce(f, value: Any, source: str, from_text: bool) -> Any:
         if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
             raise ConfigError(f"{where}: expected an array of strings, got {value!r}")
         return list(value)
-    if isinstance(default, bool):  # no boolean settings yet; kept exact if one comes
+    if isinstance(default, bool):
         if from_text:
             low = value.strip().lower()
             if low in ("1", "true", "yes", "on"):

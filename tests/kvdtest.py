@@ -21,10 +21,23 @@ from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
 def die_with_parent() -> None:
     """preexec_fn: SIGTERM the child when the test process dies (even killed),
-    so no daemon outlives a test run (Linux PR_SET_PDEATHSIG)."""
+    so no daemon outlives a test run (Linux PR_SET_PDEATHSIG).
+
+    Not for children of a process that uses gRPC: a ``preexec_fn`` makes
+    ``subprocess`` fork() instead of vfork(), and gRPC's fork handlers can then
+    abort the child (seen here: SIGABRT, "epoll_wait error: Bad file
+    descriptor"). ``start_daemon`` uses :data:`DIE_WITH_PARENT` instead.
+    """
     import ctypes
 
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
+
+
+# Command prefix with the effect of die_with_parent and no preexec_fn: sets
+# PR_SET_PDEATHSIG (kept across exec) and execs the rest of the command line.
+DIE_WITH_PARENT = (sys.executable, "-S", "-c",
+                   "import ctypes, os, signal, sys; ctypes.CDLL('libc.so.6').prctl(1, signal.SIGTERM, 0, 0, 0); "
+                   "os.execvp(sys.argv[1], sys.argv[1:])")
 
 
 @dataclass
@@ -71,10 +84,9 @@ def start_daemon(tmpdir: str, name: str, *extra: str, env: dict | None = None, t
     log_path = os.path.join(tmpdir, f"{name}.log")
     logf = open(log_path, "w")
     proc = subprocess.Popen(
-        [*wrap, sys.executable, "-m", "kvd.cli", "serve", "--engine-socket", sock, "--peer-listen", "127.0.0.1:0",
-         "--log-level", "debug", *extra],
+        [*DIE_WITH_PARENT, *wrap, sys.executable, "-m", "kvd.cli", "serve", "--engine-socket", sock,
+         "--peer-listen", "127.0.0.1:0", "--log-level", "debug", *extra],
         stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True,
-        preexec_fn=die_with_parent,
     )
     d = Daemon(proc, sock, log_path)
     deadline = time.monotonic() + timeout
@@ -173,7 +185,10 @@ class Session:
 
         self._out: "queue.Queue" = queue.Queue()
         self.events: "queue.Queue" = queue.Queue()
-        self._channel = grpc.insecure_channel(f"unix:{daemon.socket}")
+        # The daemon's own message bound (64 MiB) both ways: a LoadFailed names
+        # every block of a command, however large the command was.
+        self._channel = grpc.insecure_channel(f"unix:{daemon.socket}", options=[
+            ("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)])
         stub = pb_grpc.EngineServiceStub(self._channel)
         self._out.put(pb.SessionCommand(open=pb.OpenSession(worker=pb.EngineWorker(engine_id=engine_id, tp_rank=rank))))
 
@@ -378,7 +393,10 @@ class Engine:
                 if left <= 0 or self.broken is not None:
                     return None
                 self._cond.wait(left)
-            return self._filed[request_id].popleft()
+            got = self._filed[request_id].popleft()
+            if not self._filed[request_id]:
+                del self._filed[request_id]
+            return got
 
     def wait(self, request_id: str, timeout: float = 30.0) -> pb.SessionEvent:
         """The next event for ``request_id``; ``self.arrived`` is when it arrived.
@@ -393,6 +411,22 @@ class Engine:
             raise AssertionError(f"{self.engine_id}: no event for request {request_id!r} within {timeout} s")
         self.arrived = got[0]
         return got[1]
+
+    def take_any(self, timeout: float = 0.0) -> tuple[str, pb.SessionEvent] | None:
+        """Any one filed event, oldest request first: ``(request id, event)``; None if none came."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not any(self._filed.values()):
+                left = deadline - time.monotonic()
+                if left <= 0 or self.broken is not None:
+                    return None
+                self._cond.wait(left)
+            rid = next(r for r, evs in self._filed.items() if evs)
+            t, ev = self._filed[rid].popleft()
+            if not self._filed[rid]:
+                del self._filed[rid]
+            self.arrived = t
+            return rid, ev
 
     def quiet(self, request_id: str, seconds: float) -> bool:
         """True when no event for ``request_id`` arrives within ``seconds`` (none is consumed)."""

@@ -69,8 +69,8 @@ def test_bad_layouts_are_invalid_argument(daemon):
             (lambda r: setattr(r.worker, "tp_rank", 3), "tp_rank"),
             (lambda r: setattr(r.regions[0], "segment_index", 7), "segment_index"),
             (lambda r: setattr(r.regions[0], "block_stride", 1), "block_stride"),
-            (lambda r: setattr(r.segments[0], "kind", pb.MEMORY_KIND_CUDA_IPC),
-             "MEMORY_KIND_SHM"),
+            (lambda r: setattr(r.segments[0], "kind", pb.MEMORY_KIND_UNSPECIFIED), "MEMORY_KIND_SHM"),
+            (lambda r: setattr(r.segments[0], "kind", pb.MEMORY_KIND_CUDA_IPC), "CUDA IPC"),  # no GPU / no handle
         ]:
             req = register_request("e", SHAPE, seg)
             mutate(req)

@@ -260,3 +260,100 @@ def test_socket_path_is_not_required_at_construction(tmp_path):
     assert not os.path.exists(tmp_path / "missing.sock")
     assert client.drain_events() == []
     client.close()
+
+
+def test_abort_load_goes_out_on_the_stream_and_needs_no_answer(sock):
+    fake = FakeDaemon(sock).start()
+    client = connect(sock)
+    try:
+        t0 = time.perf_counter()
+        client.abort_load("d1", remote_engine_id="engine-p", remote_address=PEER_ADDRESS,
+                          remote_request_id="p-d1", remote_tp_size=2)
+        assert time.perf_counter() - t0 < FAST_S
+        deadline = time.monotonic() + 5
+        while fake.service.count("abort_load") < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        (cmd,) = [c.abort_load for c in fake.service.commands if c.WhichOneof("command") == "abort_load"]
+        assert (cmd.request_id, cmd.remote_engine_id, cmd.remote_address, cmd.remote_request_id,
+                cmd.remote_tp_size) == ("d1", "engine-p", PEER_ADDRESS, "p-d1", 2)
+        assert client.pending() == (0, 0) and client.drain_events() == []
+        client.close()
+        client.abort_load("d2", remote_engine_id="e", remote_address=PEER_ADDRESS, remote_request_id="p")  # no error
+    finally:
+        client.close()
+        fake.stop()
+
+
+def test_block_ids_per_group_go_out_as_groups_and_survive_a_reconnect(sock):
+    """HMA: loads and holds carry block ids per KV-cache group; a hold sent
+    again after a daemon restart keeps its groups; a local failure of a
+    grouped load names every local block."""
+    fake = FakeDaemon(sock, load_mode="never").start()
+    client = connect(sock)
+    try:
+        client.load("d1", [], remote_engine_id="engine-p", remote_address=PEER_ADDRESS, remote_block_ids=[],
+                    remote_request_id="p-d1", local_groups=[[1, 2], [3]], remote_groups=[[5, 6], [7]])
+        client.hold("h1", [], lease_s=60, groups=[[8, 9], [4]])
+        with pytest.raises(ValueError):
+            client.load("bad", [1], remote_engine_id="e", remote_address=PEER_ADDRESS, remote_block_ids=[1],
+                        remote_request_id="p", local_groups=[[1]])
+        deadline = time.monotonic() + 5
+        while fake.service.count("load") < 1 or fake.service.count("hold") < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        (ld,) = [c.load for c in fake.service.commands if c.WhichOneof("command") == "load"]
+        assert [list(g.ids) for g in ld.local_groups] == [[1, 2], [3]]
+        assert [list(g.ids) for g in ld.remote_groups] == [[5, 6], [7]]
+        assert list(ld.local_block_ids) == [] and list(ld.remote_block_ids) == []
+        fake.stop()
+        (ev,) = wait_events(client, lambda ev: len(ev) == 1)
+        assert list(ev.load_failed.failed_block_ids) == [1, 2, 3]
+        fake.start()
+        assert client.wait_opened(10)
+        deadline = time.monotonic() + 5
+        while fake.service.count("hold") < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        holds = [c.hold for c in fake.service.commands if c.WhichOneof("command") == "hold"]
+        assert [[list(g.ids) for g in h.groups] for h in holds] == [[[8, 9], [4]]] * 2
+        assert 0 < holds[1].lease_s <= 60
+    finally:
+        client.close()
+        fake.stop()
+
+
+def test_on_register_sees_every_new_registration_before_holds_are_sent_again(sock):
+    """A staged shim must map the daemon's new mirrors (and copy its held
+    blocks in) before any hold goes out again: on_register runs first; when it
+    fails, the registration is undone and retried."""
+    fake = FakeDaemon(sock).start()
+    client = connect(sock, backoff_initial_s=0.01, backoff_max_s=0.05)
+    seen: list[tuple[int, int]] = []
+    calls = {"n": 0}
+
+    def on_register(resp):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("mirror not ready")
+        seen.append((len(fake.service.registers), fake.service.count("hold")))
+
+    client.on_register = on_register
+    try:
+        client.hold("h1", [3], lease_s=60)
+        deadline = time.monotonic() + 5
+        while fake.service.count("hold") < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        fake.stop()
+        fake.start()
+        assert client.wait_opened(10)
+        deadline = time.monotonic() + 5
+        while fake.service.count("hold") < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert calls["n"] == 2 and len(fake.service.unregisters) == 1, "the failed one was undone"
+        assert seen == [(3, 1)], "on_register ran before the hold went out again"
+    finally:
+        client.close()
+        fake.stop()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -26,7 +27,12 @@ class FakeEngineService(pb_grpc.EngineServiceServicer):
 
     load_mode: ``answer`` (recv_done), ``fail`` (load_failed), ``reject``
     (rejected), ``never`` (silence), ``twice`` (recv_done two times).
-    hold_mode: ``never`` (lease kept until release), ``done`` (send_done at once).
+    hold_mode: ``never`` (lease kept until release), ``done`` (send_done at
+    once), ``expire`` (send_done(expired) at once).
+
+    A registration with ``DATA_PATH_STAGED`` gets real staging mirrors (one
+    new POSIX shm object per segment, ``/kvdtest_<pid>_stage_*``, unlinked by
+    :meth:`unlink_staging`), as the real daemon makes them.
     """
 
     def __init__(self, delay_s: float = 0.0, load_mode: str = "answer", hold_mode: str = "never"):
@@ -38,14 +44,37 @@ class FakeEngineService(pb_grpc.EngineServiceServicer):
         self.unregisters: list[pb.UnregisterEngineRequest] = []
         self.commands: list[pb.SessionCommand] = []
         self.sessions = 0
+        self.staging: list[str] = []  # shm names of every mirror made
 
     def RegisterEngine(self, request, context):
         with self.lock:
             self.registers.append(request)
-        return pb.RegisterEngineResponse(
+        resp = pb.RegisterEngineResponse(
             agent_name="fake-agent", peer_address=PEER_ADDRESS, compat_hash="0" * 16,
-            registered_bytes=sum(s.size for s in request.segments),
+            registered_bytes=sum(s.size for s in request.segments), data_path=pb.DATA_PATH_DIRECT,
         )
+        if request.data_path == pb.DATA_PATH_STAGED:
+            resp.data_path = pb.DATA_PATH_STAGED
+            for seg in request.segments:
+                name = f"/kvdtest_{os.getpid()}_stage_{uuid.uuid4().hex[:8]}"
+                fd = os.open("/dev/shm" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                try:
+                    os.ftruncate(fd, seg.size)
+                finally:
+                    os.close(fd)
+                with self.lock:
+                    self.staging.append(name)
+                resp.staging_segments.append(pb.Segment(kind=pb.MEMORY_KIND_SHM, name=name, size=seg.size))
+        return resp
+
+    def unlink_staging(self) -> None:
+        with self.lock:
+            names, self.staging = self.staging, []
+        for name in names:
+            try:
+                os.unlink("/dev/shm" + name)
+            except FileNotFoundError:
+                pass
 
     def UnregisterEngine(self, request, context):
         with self.lock:
@@ -72,17 +101,21 @@ class FakeEngineService(pb_grpc.EngineServiceServicer):
     def _respond(self, cmd):
         kind = cmd.WhichOneof("command")
         if kind == "load":
-            rid, n = cmd.load.request_id, len(cmd.load.local_block_ids)
+            rid = cmd.load.request_id
+            local = list(cmd.load.local_block_ids) or [b for g in cmd.load.local_groups for b in g.ids]
+            n = len(local)
             if self.load_mode in ("answer", "twice"):
                 for _ in range(2 if self.load_mode == "twice" else 1):
-                    yield pb.SessionEvent(recv_done=pb.RecvDone(request_id=rid, num_blocks=n, bytes=n * 1024))
+                    yield pb.SessionEvent(recv_done=pb.RecvDone(
+                        request_id=rid, num_blocks=n, bytes=n * 1024, num_descriptors=2 * n, duration_s=0.001 * n))
             elif self.load_mode == "fail":
                 yield pb.SessionEvent(load_failed=pb.LoadFailed(
-                    request_id=rid, failed_block_ids=cmd.load.local_block_ids, reason="fake failure"))
+                    request_id=rid, failed_block_ids=local, reason="fake failure"))
             elif self.load_mode == "reject":
                 yield pb.SessionEvent(rejected=pb.CommandRejected(request_id=rid, reason="fake rejection"))
-        elif kind == "hold" and self.hold_mode == "done":
-            yield pb.SessionEvent(send_done=pb.SendDone(request_id=cmd.hold.request_id))
+        elif kind == "hold" and self.hold_mode in ("done", "expire"):
+            yield pb.SessionEvent(send_done=pb.SendDone(request_id=cmd.hold.request_id,
+                                                        expired=self.hold_mode == "expire"))
         elif kind == "release":
             yield pb.SessionEvent(send_done=pb.SendDone(request_id=cmd.release.request_id, released=True))
 
@@ -109,9 +142,15 @@ class FakeDaemon:
         return self
 
     def stop(self) -> None:
+        """Stops serving (restartable); the staging mirrors made so far stay."""
         if self.server is not None:
             self.server.stop(grace=None).wait(5)
             self.server = None
+
+    def close(self) -> None:
+        """Stops and unlinks every staging mirror it made."""
+        self.stop()
+        self.service.unlink_staging()
 
 
 def wait_events(client, predicate, timeout_s: float = 5.0, poll_s: float = 0.01) -> list:

@@ -140,7 +140,7 @@ def test_shared_regions_address_the_tensor_bytes_through_dev_shm():
             m.close()
     lay = shared.layout
     assert (lay.num_blocks, lay.block_size, lay.kv_layout, lay.dtype) == (NB, N, pb.KV_LAYOUT_HND, "float32")
-    assert (lay.num_kv_heads, lay.head_dim, lay.num_layers) == (H, D, 2)
+    assert (lay.num_kv_heads, lay.head_dim, lay.num_layers) == (H, 2 * D, 2)  # K and V per head: 2 x D
     assert list(lay.block_lens) == [r.block_len for r in shared.regions]
 
 
@@ -155,3 +155,132 @@ def test_share_kv_caches_validates_its_arguments():
 def test_dtype_names_match_the_proto_convention():
     assert cpu_share.dtype_name(torch.bfloat16) == "bfloat16"
     assert cpu_share.dtype_name(torch.float32) == "float32"
+
+
+# ------------------------------------------------------------- HMA groups
+def test_groups_overlaid_on_the_same_bytes_are_one_region_per_group():
+    """vLLM's HMA overlays KV-cache groups: layer 0 (group 0) and layer 1
+    (group 1) are views of the same bytes; each group's block ids address
+    them, so the region is kept once per group (still once within a group)."""
+    _, caches = vllm032_cpu_caches(1)
+    (view,) = caches.values()
+    hma = {"full.0": view, "window.0": view, "full.1": view}
+    plan = plan_regions(hma, NB, groups={"full.0": 0, "window.0": 1, "full.1": 0})
+    assert [(r.layer, r.group, r.offset) for r in plan.regions] == [("full.0", 0, 0), ("window.0", 1, 0)]
+    shared = cpu_share.describe_kv_caches(hma, num_blocks=NB, block_size=N, kv_layout="HND", num_kv_heads=H,
+                                          head_dim=D, groups={"full.0": 0, "window.0": 1, "full.1": 0})
+    assert [r.group for r in shared.regions] == [0, 1]
+
+
+# ------------------------------------------------------ layout description
+def test_cpu_blocks_holding_k_and_v_report_the_per_head_vector():
+    """vLLM-CPU: [heads, 2 x tokens, head_dim] per block: slicing by heads is
+    byte-exact with a per-head vector of 2 x head_dim, so that is what the
+    layout says (and kv_in_block warns that tokens cannot be re-sliced)."""
+    _, caches = vllm032_cpu_caches(2)
+    shared = cpu_share.describe_kv_caches(caches, num_blocks=NB, block_size=N, kv_layout="HND", num_kv_heads=H,
+                                          head_dim=D, total_kv_heads=2 * H)
+    assert shared.layout.head_dim == 2 * D and shared.kv_in_block
+    assert shared.layout.total_kv_heads == 2 * H
+    # per-layer K and V regions (a GPU-style layout): the head vector is head_dim
+    t = torch.zeros(2, NB, N, H, D, dtype=torch.bfloat16)
+    kv = cpu_share.describe_kv_caches({"l0": t}, num_blocks=NB, block_size=N, kv_layout="NHD", num_kv_heads=H,
+                                      head_dim=D)
+    assert kv.layout.head_dim == D and not kv.kv_in_block
+    assert cpu_share.head_vector(1000, N, H, D, F32) == D  # not a whole number of heads: unchanged
+
+
+def test_describe_shares_nothing_and_counts_offsets_from_the_storage():
+    buf, caches = vllm032_cpu_caches(2)
+    shared = cpu_share.describe_kv_caches(caches, num_blocks=NB, block_size=N, kv_layout="HND", num_kv_heads=H,
+                                          head_dim=D)
+    page = H * N * 2 * D * F32
+    assert [(s.name, s.size) for s in shared.segments] == [("", buf.numel())]
+    assert [r.offset for r in shared.regions] == [0, NB * page]
+    assert shared.tensors[0].untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    found = cpu_share._mapping_file_offset(buf.untyped_storage().data_ptr())
+    assert found is None or not found[1].startswith("/dev/shm"), "the staged path must not share the cache"
+
+
+# ---------------------------------------------------------------- shutdown
+_RELEASE_SCRIPT = r"""
+import gc, os, sys, torch
+from kvd.shim import cpu_share
+t = torch.zeros(64, 1024)
+view = t[3]
+(st,) = [cpu_share.share_storage(t)]
+path = "/dev/shm" + st.name
+assert os.path.exists(path) and st.header_addr, st
+assert cpu_share.release_names([st], [t]) == [st.name]
+assert cpu_share.release_names([st], [t]) == []       # idempotent
+assert not os.path.exists(path)
+view.fill_(3.0)
+assert float(t.sum()) == 3.0 * 1024                   # still mapped, still the same memory
+del t, view
+gc.collect()                                          # torch's close: must not abort
+keep = torch.ones(8)                                  # a storage alive at interpreter exit
+s2 = cpu_share.share_storage(keep)
+cpu_share.release_names([s2], [keep])
+print("ok", flush=True)
+"""
+
+
+def test_release_names_unlinks_and_torch_frees_the_storage_later_without_aborting(tmp_path):
+    """In a child process, since torch aborts the process (not raises) when
+    its own unlink at free time fails: share, release, write, free, exit."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "release.py"
+    script.write_text(_RELEASE_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------- staging
+def test_staging_mirror_copies_blocks_per_group_both_ways(tmp_path):
+    from kvd.shim.staging import StagingError, StagingMirror
+    from kvdtest import ShmSegment
+
+    buf, caches = vllm032_cpu_caches(2)
+    shared = cpu_share.describe_kv_caches(caches, num_blocks=NB, block_size=N, kv_layout="HND", num_kv_heads=H,
+                                          head_dim=D, groups={n: i for i, n in enumerate(caches)})
+    seg = ShmSegment(buf.numel())
+    seg2 = ShmSegment(buf.numel())
+    try:
+        mirror = StagingMirror(shared.tensors, shared.regions, NB,
+                               [pb.Segment(kind=pb.MEMORY_KIND_SHM, name=seg.name, size=seg.size)])
+        layers = list(caches.values())
+        for i, v in enumerate(layers):
+            for b in range(NB):
+                v[b].fill_(float(10 * i + b))
+        page = H * N * 2 * D * F32
+        assert mirror.copy_in([[1, 4], [2]]) == 3 * page
+        for i, r in enumerate(shared.regions):
+            for b in range(NB):
+                got = bytes(seg.mm[r.offset + b * r.block_stride:][:r.block_len])
+                copied = b in ([1, 4], [2])[i]
+                assert got == (layers[i][b].numpy().tobytes() if copied else bytes(page)), (i, b)
+        buf.zero_()
+        assert mirror.copy_out([[4], []]) == page
+        assert float(layers[0][4].mean()) == 4.0 and float(layers[0][1].abs().sum()) == 0.0
+        assert float(layers[1][2].abs().sum()) == 0.0, "group 1 got no ids: untouched"
+        with pytest.raises(StagingError, match="out of range"):
+            mirror.copy_in([[NB], []])
+        mirror.remap([pb.Segment(kind=pb.MEMORY_KIND_SHM, name=seg2.name, size=seg2.size)])
+        layers[1][3].fill_(7.0)
+        mirror.copy_in([[], [3]])
+        r = shared.regions[1]
+        assert bytes(seg2.mm[r.offset + 3 * r.block_stride:][:r.block_len]) == layers[1][3].numpy().tobytes()
+        layers[0][5].fill_(5.0)
+        assert mirror.copy_all() == 2 * NB * page
+        assert bytes(seg2.mm[:buf.numel()]) == buf.numpy().tobytes(), "after a remap: the whole cache"
+        with pytest.raises(StagingError, match="cannot open"):
+            mirror.remap([pb.Segment(kind=pb.MEMORY_KIND_SHM, name="/kvdtest_missing_x", size=seg.size)])
+        mirror.close()
+        with pytest.raises(StagingError, match="closed"):
+            mirror.copy_in([[1], []])
+    finally:
+        seg.close()
+        seg2.close()

@@ -1,5 +1,8 @@
 """KvdConnector inside vLLM 0.32's real scheduler, against a fake daemon.
 
+(``test_shim_realdaemon.py`` runs the same engine loop against two real
+daemons and checks the bytes.)
+
 Each test runs an in-process "engine loop" with no model: vLLM's own
 ``Scheduler`` (which constructs the scheduler-side ``KvdConnector`` from the
 ``--kv-transfer-config`` it would get on the command line), and a worker-side
@@ -13,6 +16,8 @@ result back to ``Scheduler.update_from_output``.
 
 from __future__ import annotations
 
+import gc
+import logging
 import mmap
 import os
 import time
@@ -44,6 +49,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
+    SlidingWindowSpec,
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
@@ -55,8 +61,11 @@ from kvd.shim.vllm import (  # noqa: E402
     HoldSpec,
     KvdConnector,
     KvdConnectorMetadata,
+    KvdKVConnectorStats,
     KvdShimConfig,
     LoadSpec,
+    TransferGroups,
+    as_groups,
     first_group,
     join_host_port,
     split_host_port,
@@ -79,7 +88,8 @@ def model_dir(tmp_path_factory):
     return str(d)
 
 
-def vllm_config(model_dir: str, sock: str, *, role: str = "kv_both", policy: str = "fail", **extra) -> VllmConfig:
+def vllm_config(model_dir: str, sock: str, *, role: str = "kv_both", policy: str = "fail",
+                max_num_batched_tokens: int = 2048, **extra) -> VllmConfig:
     mc = ModelConfig(model=model_dir, dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=2048)
     cc = CacheConfig(block_size=BS, enable_prefix_caching=True)
     cc.kv_cache_layout = "LBHNC"  # what the engine core resolves for the CPU backend
@@ -88,8 +98,8 @@ def vllm_config(model_dir: str, sock: str, *, role: str = "kv_both", policy: str
         kv_load_failure_policy=policy, kv_connector_extra_config={"kvd_socket": sock, **extra},
     )
     return VllmConfig(
-        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=2048,
-                                         is_encoder_decoder=False),
+        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
+                                         max_model_len=2048, is_encoder_decoder=False),
         model_config=mc, cache_config=cc, kv_transfer_config=kv, device_config=DeviceConfig("cpu"),
     )
 
@@ -103,6 +113,29 @@ def kv_cache_config() -> KVCacheConfig:
                                         layer_stride=NB * page, block_stride=page)],
         kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
     )
+
+
+HMA_LAYERS = tuple(f"model.layers.{i}.self_attn.attn" for i in range(4))
+WINDOW = 64                      # tokens of the sliding-window layers
+WINDOW_BLOCKS = WINDOW // BS + 1  # what NixlConnector keeps of them: cdiv(window, block) + 1
+
+
+def hma_kv_cache_config(config: VllmConfig) -> KVCacheConfig:
+    """A hybrid model as vLLM itself groups it: layers 0 and 2 full attention
+    (group 0), layers 1 and 3 a 64-token sliding window (group 1), the two
+    groups overlaid on the same bytes (vLLM's own get_kv_cache_groups and
+    get_kv_cache_config_from_groups)."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+
+    full = FullAttentionSpec(block_size=BS, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.float32)
+    sw = SlidingWindowSpec(block_size=BS, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.float32,
+                           sliding_window=WINDOW)
+    specs = {name: (full if i % 2 == 0 else sw) for i, name in enumerate(HMA_LAYERS)}
+    groups = get_kv_cache_groups(config, specs)
+    assert [type(g.kv_cache_spec) for g in groups] == [FullAttentionSpec, SlidingWindowSpec]
+    kcc = get_kv_cache_config_from_groups(config, groups, NB * full.page_size_bytes * 2)
+    assert kcc.num_blocks == NB
+    return kcc
 
 
 _ids = iter(range(1, 1 << 30))
@@ -120,30 +153,51 @@ def make_request(prompt: list[int], params: dict | None, max_tokens: int = 4, ri
 class Engine:
     """vLLM's scheduler + a worker-side KvdConnector; one ``step`` = one engine step."""
 
-    def __init__(self, model_dir: str, sock: str, **kw):
+    def __init__(self, model_dir: str, sock: str, hma: bool = False, write_kv: bool = False, **kw):
         self.config = vllm_config(model_dir, sock, **kw)
-        kcc = kv_cache_config()
+        kcc = hma_kv_cache_config(self.config) if hma else kv_cache_config()
+        self.kcc = kcc
         self.config.cache_config.num_gpu_blocks = NB
         self.sched = Scheduler(vllm_config=self.config, kv_cache_config=kcc, log_stats=True,
                                structured_output_manager=StructuredOutputManager(self.config), block_size=BS)
         self.connector = self.sched.connector
         assert isinstance(self.connector, KvdConnector)
         self.worker = KvdConnector(self.config, KVConnectorRole.WORKER, kcc)
-        self.caches = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout.LBHNC, [BS])
+        self.caches = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout.LBHNC,
+                                        [BS] * len(kcc.kv_cache_groups))
         self.worker.register_kv_caches(self.caches)
+        self.stats: list = []
+        self.write_kv = write_kv
         self.outputs: dict[str, list] = {}
         self.step_times: list[float] = []
+
+    def forward(self, out) -> None:
+        """What the forward pass writes: block b of layer i of every scheduled
+        request holds 100 * i + b (only with write_kv)."""
+        for rid in out.num_scheduled_tokens:
+            for group, ids in zip(self.kcc.kv_cache_groups, self.sched.kv_cache_manager.get_block_ids(rid)):
+                for name in group.layer_names:
+                    i = list(self.caches).index(name)
+                    for b in ids:
+                        if b:
+                            self.caches[name][b].fill_(float(100 * i + b))
 
     def step(self) -> None:
         out = self.sched.schedule()
         t0 = time.perf_counter()
         self.worker.bind_connector_metadata(out.kv_connector_metadata)
         self.worker.start_load_kv(None)
+        if self.write_kv:
+            self.forward(out)
+        self.worker.wait_for_save()
         res = self.worker.get_transfer_results(out.finished_req_ids)
         kvo = KVConnectorOutput(
             finished_sending=res.finished_sending, finished_recving=res.finished_recving,
             failed_recving=res.failed_recving, invalid_block_ids=self.worker.get_block_ids_with_load_errors(),
+            kv_connector_stats=self.worker.get_kv_connector_stats(),
         )
+        if kvo.kv_connector_stats is not None:
+            self.stats.append(kvo.kv_connector_stats)
         self.worker.clear_connector_metadata()
         self.step_times.append(time.perf_counter() - t0)
         ids = list(out.num_scheduled_tokens)
@@ -176,7 +230,7 @@ class Engine:
 def fake(tmp_path):
     d = FakeDaemon(str(tmp_path / "engine.sock")).start()
     yield d
-    d.stop()
+    d.close()
 
 
 def hold_cmds(fake) -> list:
@@ -218,6 +272,11 @@ def test_config_keys_and_addresses():
     assert split_host_port("[::1]:5") == ("::1", 5) and join_host_port("::1", 5) == "[::1]:5"
     assert join_host_port("10.0.0.1", "80") == "10.0.0.1:80"
     assert first_group([[1, 2], [3]]) == [1, 2] and first_group([4, 5]) == [4, 5] and first_group([]) == []
+    assert as_groups([[1, 2], [3]]) == [[1, 2], [3]] and as_groups((4, 5)) == [[4, 5]] and as_groups(None) == []
+    assert KvdShimConfig.from_extra({"kvd_socket": "/s"}).data_path == "direct"
+    assert KvdShimConfig.from_extra({"kvd_socket": "/s", "kvd_data_path": "STAGED"}).data_path == "staged"
+    with pytest.raises(ValueError, match="kvd_data_path"):
+        KvdShimConfig.from_extra({"kvd_socket": "/s", "kvd_data_path": "gpu"})
 
 
 # ------------------------------------------------------------- registration
@@ -228,9 +287,14 @@ def test_register_kv_caches_shares_vllm_allocation_and_describes_it(model_dir, f
         spec = kv_cache_config().kv_cache_groups[0].kv_cache_spec
         assert reg.worker == pb.EngineWorker(engine_id=eng.config.kv_transfer_config.engine_id, tp_rank=0, tp_size=1)
         assert (reg.layout.num_blocks, reg.layout.block_size, reg.layout.kv_layout) == (NB, BS, pb.KV_LAYOUT_HND)
+        # vLLM-CPU keeps K and V of a head in one block ([heads, 2 x tokens, head_size]):
+        # the per-head vector is K and V together, and only equal block sizes pair.
         assert (reg.layout.dtype, reg.layout.num_kv_heads, reg.layout.head_dim, reg.layout.num_layers) == (
-            "float32", KV_HEADS, HEAD, 2)
+            "float32", KV_HEADS, 2 * HEAD, 2)
+        assert f"kv_in_block={BS}" in reg.compat_extra
         assert reg.layout.total_kv_heads == KV_HEADS
+        assert reg.owner_pid == os.getpid() and reg.data_path == pb.DATA_PATH_DIRECT
+        assert [r.group for r in reg.regions] == [0, 0]
         assert len(reg.segments) == 1 and len(reg.regions) == 2  # one backing buffer, one region per layer
         assert all(r.block_len == spec.page_size_bytes == r.block_stride for r in reg.regions)
         assert reg.model == model_dir and "vllm=0.32" in reg.compat_extra
@@ -320,11 +384,13 @@ def test_decode_loads_all_prompt_blocks_then_runs(model_dir, fake):
         eng.step()
         assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         (ld,) = eng.last_meta.loads
-        assert ld.awaiting and len(ld.local_block_ids) == 4 and ld.remote_block_ids == [40, 41, 42, 43]
+        (local,) = ld.local_groups
+        assert ld.awaiting and len(local) == 4 and ld.remote_groups == [[40, 41, 42, 43]]
         wait_for(lambda: len(load_cmds(fake)) == 1)
         (cmd,) = load_cmds(fake)
         assert (cmd.remote_address, cmd.remote_engine_id, cmd.remote_request_id) == ("10.9.9.9:7500", "engine-p", "p-req-1")
-        assert list(cmd.local_block_ids) == ld.local_block_ids and cmd.timeout_s == 12
+        assert list(cmd.local_block_ids) == local and cmd.timeout_s == 12 and cmd.remote_tp_size == 1
+        assert list(cmd.remote_block_ids) == [40, 41, 42, 43] and not cmd.local_groups  # one group: flat lists
         eng.run_until(lambda: eng.finished(req.request_id) is not None)
         ps = prefill_stats(eng, req.request_id)
         # vLLM counts all 100 prompt tokens as external KV transfer, none computed
@@ -344,8 +410,8 @@ def test_partial_local_prefix_hit_loads_only_the_missing_tail(model_dir, fake):
         eng.sched.add_request(req)
         eng.step()
         (ld,) = eng.last_meta.loads
-        assert len(ld.local_block_ids) == 2, "only the blocks D does not hold are loaded"
-        assert ld.remote_block_ids == [42, 43], "P's blocks trimmed from the front, aligned by position"
+        assert len(ld.local_groups[0]) == 2, "only the blocks D does not hold are loaded"
+        assert ld.remote_groups == [[42, 43]], "P's blocks trimmed from the front, aligned by position"
         eng.run_until(lambda: eng.finished(req.request_id) is not None)
         ps = prefill_stats(eng, req.request_id)
         assert (ps.num_local_cached_tokens, ps.num_external_cached_tokens, ps.num_computed_tokens) == (64, 36, 0)
@@ -353,26 +419,36 @@ def test_partial_local_prefix_hit_loads_only_the_missing_tail(model_dir, fake):
         eng.close()
 
 
+def abort_cmds(fake) -> list:
+    return [c.abort_load for c in fake.service.commands if c.WhichOneof("command") == "abort_load"]
+
+
 def test_nothing_to_load_only_notifies_and_never_reports_a_receive(model_dir, fake):
     """A request that skips the prefix cache (e.g. prompt logprobs) computes its
-    prompt locally: P is told (empty load), vLLM never sees a receive for it."""
+    prompt locally: P is told to free its blocks (AbortLoad, no answer), no
+    load is sent and vLLM never sees a receive for it."""
     eng = Engine(model_dir, fake.socket, role="kv_consumer")
     try:
         req = make_request(list(range(900, 964)), decode_params(2))
         req.skip_reading_prefix_cache = True
         eng.sched.add_request(req)
         eng.run_until(lambda: eng.finished(req.request_id) is not None)
-        wait_for(lambda: len(load_cmds(fake)) == 1)
-        (ld,) = load_cmds(fake)
-        assert (ld.request_id, list(ld.local_block_ids), list(ld.remote_block_ids)) == (req.request_id, [], [])
-        for _ in range(5):  # the daemon's recv_done for it must not reach vLLM (it would assert)
+        wait_for(lambda: len(abort_cmds(fake)) == 1)
+        (ab,) = abort_cmds(fake)
+        assert (ab.request_id, ab.remote_engine_id, ab.remote_address, ab.remote_request_id, ab.remote_tp_size) == (
+            req.request_id, "engine-p", "10.9.9.9:7500", "p-req-1", 1)
+        for _ in range(5):
             eng.step()
             time.sleep(0.01)
+        assert load_cmds(fake) == []
     finally:
         eng.close()
 
 
 def test_decode_request_aborted_before_scheduling_tells_the_prefill_side(model_dir, fake):
+    """vLLM finishes a decode request before it was scheduled (aborted):
+    request_finished sends AbortLoad, so P frees the blocks at once (as
+    NixlConnector's empty read does, pull_scheduler.py:219-230)."""
     eng = Engine(model_dir, fake.socket, role="kv_consumer")
     try:
         req = make_request(list(range(1000, 1064)), decode_params(2))
@@ -380,11 +456,14 @@ def test_decode_request_aborted_before_scheduling_tells_the_prefill_side(model_d
         eng.sched.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
         eng.step()
         (ld,) = eng.last_meta.loads
-        assert (ld.request_id, ld.local_block_ids, ld.awaiting, ld.remote_request_id) == (
+        assert (ld.request_id, ld.local_groups, ld.awaiting, ld.remote_request_id) == (
             req.request_id, [], False, "p-req-1")
+        wait_for(lambda: len(abort_cmds(fake)) == 1)
+        assert abort_cmds(fake)[0].remote_request_id == "p-req-1"
         for _ in range(5):
             eng.step()
             time.sleep(0.01)
+        assert load_cmds(fake) == []
     finally:
         eng.close()
 
@@ -407,7 +486,7 @@ def test_failed_load_follows_vllm_kv_load_failure_policy(model_dir, tmp_path, po
         assert req.request_id not in eng.sched.requests
     finally:
         eng.close()
-        fake.stop()
+        fake.close()
 
 
 def test_mismatched_remote_blocks_fail_the_load_without_asking_the_daemon(model_dir, fake):
@@ -418,6 +497,7 @@ def test_mismatched_remote_blocks_fail_the_load_without_asking_the_daemon(model_
         eng.run_until(lambda: eng.finished(req.request_id) is not None)
         assert eng.finished(req.request_id).finish_reason == FinishReason.ERROR
         assert load_cmds(fake) == []
+        wait_for(lambda: len(abort_cmds(fake)) == 1)  # P frees its blocks at once
     finally:
         eng.close()
 
@@ -434,13 +514,16 @@ def test_worker_step_calls_stay_fast_while_the_daemon_is_slow(model_dir, tmp_pat
         worst = 0.0
         for step in range(10):
             meta = KvdConnectorMetadata(
-                loads=[LoadSpec(f"d{step}", [step], "engine-p", "127.0.0.1:9", [step + 10], f"p{step}", 1, True)],
+                loads=[LoadSpec(f"d{step}", [step], "engine-p", "127.0.0.1:9", [step + 10], f"p{step}", 1, True),
+                       LoadSpec(f"a{step}", [], "engine-p", "127.0.0.1:9", [], f"pa{step}", 1, False)],
                 holds=[HoldSpec(f"p{step}", [step + 20], 30.0)],
             )
             t0 = time.perf_counter()
             worker.bind_connector_metadata(meta)
             worker.start_load_kv(None)
+            worker.wait_for_save()
             worker.get_finished(set())
+            worker.get_kv_connector_stats()
             worker.get_transfer_results(set())
             worker.get_block_ids_with_load_errors()
             worker.clear_connector_metadata()
@@ -454,4 +537,312 @@ def test_worker_step_calls_stay_fast_while_the_daemon_is_slow(model_dir, tmp_pat
             time.sleep(0.01)
     finally:
         worker.shutdown()
+        fake.close()
+
+
+# ------------------------------------------------------------- HMA (2 groups)
+def prefill_request(prompt: list[int]) -> Request:
+    return make_request(prompt, {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                                 "remote_block_ids": None, "remote_request_id": None, "remote_host": None,
+                                 "remote_port": None}, max_tokens=1)
+
+
+def test_hma_regions_carry_their_group_and_overlaid_bytes_are_one_region_per_group(model_dir, fake):
+    eng = Engine(model_dir, fake.socket, hma=True, kvd_peer_address="127.0.0.1:7000")
+    try:
+        (reg,) = fake.service.registers
+        assert len(reg.segments) == 1 and len(reg.regions) == 4
+        by_layer = {r.name: r for r in reg.regions}
+        assert [by_layer[n].group for n in HMA_LAYERS] == [0, 1, 0, 1]
+        # vLLM overlays the groups: layer 0 (group 0) and layer 1 (group 1) share bytes
+        assert by_layer[HMA_LAYERS[0]].offset == by_layer[HMA_LAYERS[1]].offset
+        assert eng.connector.get_loaded_kv_cache_group_ids(None) == (0, 1)
+    finally:
+        eng.close()
+
+
+def test_hma_prefill_hands_off_block_ids_per_group_with_the_window_clipped(model_dir, fake):
+    """request_finished_all_groups gets every group's blocks; the params and
+    the hold carry them per group, the sliding-window group clipped to the
+    window's blocks as NixlConnector clips it (no null padding blocks)."""
+    eng = Engine(model_dir, fake.socket, hma=True, kvd_peer_address="10.1.2.3:7400", kvd_lease_s=45)
+    try:
+        req = prefill_request(list(range(100, 300)))  # 200 tokens: 7 blocks of 32
+        eng.sched.add_request(req)
+        eng.run_until(lambda: eng.finished(req.request_id) is not None)
+        params = remote_params(eng.finished(req.request_id).kv_transfer_params)
+        full, window = params["remote_block_ids"]
+        assert len(full) == 7 and len(window) == WINDOW_BLOCKS
+        full_now, window_now = eng.sched.kv_cache_manager.get_block_ids(req.request_id)
+        assert full == list(full_now) and window == list(window_now)[-WINDOW_BLOCKS:]
+        assert 0 not in window, "null (padding) blocks are never handed off"
+        eng.step()
+        wait_for(lambda: len(hold_cmds(fake)) == 1)
+        (hold,) = hold_cmds(fake)
+        assert [list(g.ids) for g in hold.groups] == [full, window] and hold.lease_s == 45
+        eng.worker.worker.client.release(req.request_id)
+        eng.run_until(lambda: req.request_id not in eng.sched.requests)
+    finally:
+        eng.close()
+
+
+def test_hma_decode_loads_each_group_into_its_own_blocks(model_dir, fake):
+    eng = Engine(model_dir, fake.socket, hma=True, role="kv_consumer")
+    try:
+        params = remote_params({
+            "do_remote_prefill": True, "do_remote_decode": False,
+            "remote_block_ids": (list(range(40, 47)), [50, 51, 52]), "remote_engine_id": "engine-p",
+            "remote_request_id": "p-req-1", "remote_host": "10.9.9.9", "remote_port": 7500, "tp_size": 1,
+        })
+        req = make_request(list(range(500, 700)), params)
+        eng.sched.add_request(req)
+        eng.step()
+        (ld,) = eng.last_meta.loads
+        full, window = ld.local_groups
+        assert len(full) == 7 and 0 < len(window) <= WINDOW_BLOCKS and 0 not in window
+        assert ld.remote_groups == [list(range(40, 47)), [50, 51, 52][-len(window):]]
+        wait_for(lambda: len(load_cmds(fake)) == 1)
+        (cmd,) = load_cmds(fake)
+        assert [list(g.ids) for g in cmd.local_groups] == [full, window]
+        assert [list(g.ids) for g in cmd.remote_groups] == ld.remote_groups
+        eng.run_until(lambda: eng.finished(req.request_id) is not None)
+        ps = prefill_stats(eng, req.request_id)
+        assert (ps.num_external_cached_tokens, ps.num_computed_tokens) == (200, 0)
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_hma_failed_load_is_reported_per_request_never_as_block_ids(model_dir, tmp_path, policy):
+    """With two groups vLLM's scheduler raises on invalid_block_ids
+    (scheduler.py:3365): the failure goes out as failed_recving only, and the
+    load-failure policy applies to the whole request; the engine goes on."""
+    fake = FakeDaemon(str(tmp_path / "e.sock"), load_mode="fail").start()
+    eng = Engine(model_dir, fake.socket, hma=True, role="kv_consumer", policy=policy)
+    try:
+        params = remote_params({
+            "do_remote_prefill": True, "do_remote_decode": False,
+            "remote_block_ids": (list(range(40, 44)), [42, 43]), "remote_engine_id": "engine-p",
+            "remote_request_id": "p-req-1", "remote_host": "10.9.9.9", "remote_port": 7500, "tp_size": 1,
+        })
+        req = make_request(list(range(1100, 1200)), params)
+        eng.sched.add_request(req)
+        eng.run_until(lambda: eng.finished(req.request_id) is not None)
+        out = eng.finished(req.request_id)
+        if policy == "fail":
+            assert out.finish_reason == FinishReason.ERROR
+        else:
+            assert out.finish_reason == FinishReason.LENGTH
+            assert prefill_stats(eng, req.request_id).num_computed_tokens == 100
+        assert sum(len(s.data["num_failed_transfers"]) for s in eng.stats) == 1
+    finally:
+        eng.close()
+        fake.close()
+
+
+def test_transfer_groups_select_and_clip_like_nixl(model_dir, fake):
+    eng = Engine(model_dir, fake.socket, hma=True, kvd_peer_address="127.0.0.1:7000")
+    try:
+        groups = TransferGroups.from_config(eng.kcc)
+        assert groups.group_ids == (0, 1) and groups.window_blocks == (0, WINDOW_BLOCKS)
+        assert groups.clip([[1, 2, 3, 4, 5], [0, 0, 6, 7, 8, 9]]) == [[1, 2, 3, 4, 5], [7, 8, 9]]
+        assert groups.clip([[1], [2]]) == [[1], [2]]
+        with pytest.raises(ValueError, match="3 KV-cache groups"):
+            groups.select([[1], [2], [3]])
+    finally:
+        eng.close()
+
+
+# ----------------------------------------------------------------------- stats
+def test_stats_reach_vllms_aggregation_logger_and_prometheus(model_dir, tmp_path, caplog):
+    """Two workers' stats (RecvDone: duration, bytes, descriptors; a failed
+    load; an expired lease) go through what vLLM does with them: the
+    executor's KVOutputAggregator, to_dict() to the frontend,
+    build_kv_connector_stats, KVConnectorLogging (reduce, logged) and
+    KVConnectorProm (observe)."""
+    import functools
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging, KVConnectorProm
+
+    fakes, workers = [], []
+    try:
+        for i, (load_mode, hold_mode) in enumerate([("answer", "expire"), ("answer", "never")]):
+            fake = FakeDaemon(str(tmp_path / f"w{i}.sock"), load_mode=load_mode, hold_mode=hold_mode).start()
+            cfg = vllm_config(model_dir, fake.socket, kvd_peer_address="127.0.0.1:1")
+            kcc = kv_cache_config()
+            w = KvdConnector(cfg, KVConnectorRole.WORKER, kcc)
+            w.register_kv_caches(allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout.LBHNC, [BS]))
+            fakes.append(fake)
+            workers.append(w)
+        assert all(w.get_kv_connector_stats() is None for w in workers), "no events: no stats"
+        meta0 = KvdConnectorMetadata(
+            loads=[LoadSpec("d1", [[1, 2, 3]], "e", "127.0.0.1:9", [[4, 5, 6]], "p1", 1, True),
+                   LoadSpec("d2", [[7]], "e", "127.0.0.1:9", [[8]], "p2", 1, True),
+                   LoadSpec("d3", [[9]], "e", "127.0.0.1:9", [[]], "p3", 1, True, error="invalid: test")],
+            holds=[HoldSpec("h1", [[10]], 30.0)])
+        meta1 = KvdConnectorMetadata(loads=[LoadSpec("d1", [[11, 12]], "e", "127.0.0.1:9", [[4, 5]], "p1", 1, True)])
+        outputs = []
+        for w, meta in zip(workers, (meta0, meta1)):
+            w.bind_connector_metadata(meta)
+            w.start_load_kv(None)
+            w.clear_connector_metadata()
+        want_recv = [{"d1", "d2", "d3"}, {"d1"}]
+        got_recv = [set(), set()]
+        stats = [None, None]
+        deadline = time.monotonic() + 5
+        while got_recv != want_recv or stats[0] is None or stats[0].data["num_kv_expired_reqs"] == []:
+            assert time.monotonic() < deadline, (got_recv, stats)
+            for i, w in enumerate(workers):
+                got_recv[i] |= w.get_transfer_results(set()).finished_recving
+                s = w.get_kv_connector_stats()
+                if s is not None:
+                    stats[i] = s if stats[i] is None else stats[i].aggregate(s)
+            time.sleep(0.01)
+        assert isinstance(stats[0], KvdKVConnectorStats)
+        assert stats[0].data["bytes_transferred"] == [3072, 1024] and stats[0].data["num_descriptors"] == [6, 2]
+        assert stats[0].data["num_failed_transfers"] == [1] and stats[0].data["num_kv_expired_reqs"] == [1]
+        for w, s in zip(workers, stats):
+            outputs.append(ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=KVConnectorOutput(
+                finished_recving=set(), kv_connector_stats=s)))
+
+        merged = KVOutputAggregator(expected_finished_count=2).aggregate(outputs).kv_connector_output.kv_connector_stats
+        data = merged.to_dict()
+        assert sorted(data["bytes_transferred"]) == [1024, 2048, 3072]
+
+        logging_ = KVConnectorLogging(vllm_config(model_dir, "/unused").kv_transfer_config)
+        logging_.observe(data)
+        lines: list[str] = []
+        logging_.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
+        (line,) = lines
+        assert "Num successful transfers=3" in line and "Num failed transfers=1" in line
+        assert "Num KV expired reqs=1" in line and "Avg number of descriptors=4.0" in line
+        reduced = KvdConnector.build_kv_connector_stats(data).reduce()
+        assert reduced["Avg MB per transfer"] == round(6144 / 3 / 2**20, 3)
+        assert reduced["Avg xfer time (ms)"] == 2.0 and reduced["Throughput (MB/s)"] > 0
+
+        registry = CollectorRegistry()
+        types = {Gauge: functools.partial(Gauge, registry=registry),
+                 Counter: functools.partial(Counter, registry=registry),
+                 Histogram: functools.partial(Histogram, registry=registry)}
+
+        class Prom(KVConnectorProm):
+            _gauge_cls, _counter_cls, _histogram_cls = types[Gauge], types[Counter], types[Histogram]
+
+        prom = Prom(vllm_config(model_dir, "/unused"), ["engine"], {0: ["0"]})
+        prom.observe(data, 0)
+        assert registry.get_sample_value("vllm:kvd_xfer_time_seconds_count", {"engine": "0"}) == 3
+        assert registry.get_sample_value("vllm:kvd_bytes_transferred_sum", {"engine": "0"}) == 6144
+        assert registry.get_sample_value("vllm:kvd_num_failed_transfers_total", {"engine": "0"}) == 1
+        assert registry.get_sample_value("vllm:kvd_num_kv_expired_reqs_total", {"engine": "0"}) == 1
+    finally:
+        for w in workers:
+            w.shutdown()
+        for f in fakes:
+            f.close()
+
+
+def test_empty_stats_reduce_and_aggregate():
+    empty = KvdConnector.build_kv_connector_stats()
+    assert empty.is_empty() and empty.reduce()["Num successful transfers"] == 0
+    one = KvdKVConnectorStats()
+    one.record_kv_expired_req()
+    assert not one.is_empty() and empty.aggregate(one).reduce()["Num KV expired reqs"] == 1
+    clone = one.clone_and_reset()
+    assert one.is_empty() and clone.data["num_kv_expired_reqs"] == [1]
+
+
+# ----------------------------------------------------------- memory hygiene
+def test_a_stopped_engine_leaves_no_kv_segment_and_its_cache_stays_usable(model_dir, fake):
+    """shutdown() unlinks the KV cache's /dev/shm name (vLLM kills torch's
+    shm manager, which would otherwise leak it); the tensors stay valid, and
+    freeing them later does not trip torch's own unlink."""
+    eng = Engine(model_dir, fake.socket, kvd_peer_address="127.0.0.1:7000")
+    (seg,) = fake.service.registers[0].segments
+    path = "/dev/shm" + seg.name
+    assert seg.name.startswith("/torch_") and os.path.exists(path)
+    eng.close()
+    assert not os.path.exists(path), "the KV cache segment outlived the engine"
+    eng.close()  # idempotent
+    view = eng.caches[LAYERS[0]]
+    view[3].fill_(5.0)
+    assert float(view[3].sum()) == 5.0 * view[3].numel()
+    del eng, view
+    gc.collect()  # torch frees the storage: must not abort ("could not unlink the shared memory file")
+
+
+# ----------------------------------------------------------- staged data path
+def mirror_bytes(name: str, size: int) -> bytes:
+    with open("/dev/shm" + name, "rb") as f:
+        return f.read(size)
+
+
+def test_staged_engine_registers_unnamed_segments_and_copies_computed_blocks_into_the_mirror(model_dir, fake):
+    """Staged prefill: the blocks a step computes for a do_remote_decode
+    request are in the mirror when that step ends, i.e. before its
+    kv_transfer_params leave the engine (a reader may READ at once; the hold
+    only goes out with the next step); other blocks are not copied."""
+    eng = Engine(model_dir, fake.socket, write_kv=True, kvd_peer_address="10.1.2.3:7400",
+                 kvd_data_path="staged", max_num_batched_tokens=64)
+    try:
+        (reg,) = fake.service.registers
+        assert reg.data_path == pb.DATA_PATH_STAGED and reg.owner_pid == os.getpid()
+        assert [s.name for s in reg.segments] == [""], "the staged path shares nothing"
+        (r0, r1) = reg.regions
+        assert r0.offset == 0, "offsets count from the storage's byte 0 (no shm header)"
+        plain = make_request(list(range(2000, 2040)), None, max_tokens=1)  # not handed off: not copied
+        eng.sched.add_request(plain)
+        eng.run_until(lambda: eng.finished(plain.request_id) is not None)
+        req = prefill_request(list(range(100, 200)))  # 100 tokens in 2 chunks of 64 (chunked prefill)
+        eng.sched.add_request(req)
+        eng.run_until(lambda: eng.finished(req.request_id) is not None)
+        (blocks,) = eng.finished(req.request_id).kv_transfer_params["remote_block_ids"]
+        assert hold_cmds(fake) == [], "the hold goes out with the next step"
+        (mirror,) = fake.service.staging
+        data = mirror_bytes(mirror, reg.segments[0].size)
+        for i, (layer, r) in enumerate(zip(LAYERS, reg.regions)):
+            for b in range(NB):
+                got = data[r.offset + b * r.block_stride:][:r.block_len]
+                want = eng.caches[layer][b].numpy().tobytes() if b in blocks else bytes(r.block_len)
+                assert got == want, (layer, b)
+
+        eng.step()
+        wait_for(lambda: len(hold_cmds(fake)) == 1)
+
+        # The daemon restarts: new mirrors; the shim maps them and copies the
+        # KV cache in again before the hold goes out again.
         fake.stop()
+        fake.start()
+        wait_for(lambda: len(hold_cmds(fake)) == 2, timeout_s=10)
+        assert len(fake.service.staging) == 2
+        data = mirror_bytes(fake.service.staging[1], reg.segments[0].size)
+        for layer, r in zip(LAYERS, reg.regions):
+            for b in blocks:
+                assert data[r.offset + b * r.block_stride:][:r.block_len] == eng.caches[layer][b].numpy().tobytes()
+    finally:
+        eng.close()
+
+
+def test_auto_data_path_is_direct_on_cpu_and_staged_when_the_cache_cannot_be_shared(model_dir, fake, monkeypatch):
+    from kvd.shim import cpu_share
+
+    eng = Engine(model_dir, fake.socket, kvd_peer_address="127.0.0.1:7000", kvd_data_path="auto")
+    try:
+        assert fake.service.registers[-1].data_path == pb.DATA_PATH_DIRECT
+    finally:
+        eng.close()
+
+    def cannot(*a, **kw):
+        raise cpu_share.CpuShareError("no /dev/shm here")
+
+    monkeypatch.setattr(cpu_share, "share_kv_caches", cannot)
+    eng = Engine(model_dir, fake.socket, kvd_peer_address="127.0.0.1:7000", kvd_data_path="auto")
+    try:
+        reg = fake.service.registers[-1]
+        assert reg.data_path == pb.DATA_PATH_STAGED and [s.name for s in reg.segments] == [""]
+        assert eng.worker.worker.staging is not None
+    finally:
+        eng.close()
+    with pytest.raises(cpu_share.CpuShareError):  # direct asked for: no silent fallback
+        Engine(model_dir, fake.socket, kvd_peer_address="127.0.0.1:7000")

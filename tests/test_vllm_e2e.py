@@ -278,3 +278,129 @@ def test_wait_ready_reports_exit_and_log_tail(tmp_path):
             ps.wait_ready(slow, lambda: False, 0.5, 0.05)
         assert "not ready after" in str(ei.value)
     assert not slow.alive()
+
+
+# ---------------------------------------------------------------------------
+# Heterogeneous TP with real engines: P TP=1 -> D TP=2 (issue 3). vLLM-CPU
+# runs TP=2 here (gloo/shm between two worker processes). Each D rank
+# registers with D's daemon as its own rank and reads its KV head (the tiny
+# model has 2) from P's single rank. P uses the staged data path (its blocks
+# are copied into the daemon's mirror in the step that computes them), D the
+# direct one: the first stack above covers direct -> direct. Marked ``vllm``.
+# ---------------------------------------------------------------------------
+
+TP_PROMPT_LENGTHS = [20, 100, 333]
+
+
+@pytest.fixture(scope="module")
+def pd_tp(tiny_model_dir, tmp_path_factory):
+    """A P/D stack whose decode engine runs with --tensor-parallel-size 2."""
+    from kvd.demo import engines as eng
+    from kvd.demo import stack
+
+    class TPStack(stack.PDStack):
+        def _start_engines(self) -> None:  # as PDStack's, with D's own TP size
+            t0 = time.monotonic()
+            for name in ("P", "D"):
+                port = eng.free_port()
+                extra = self.p_extra_config if name == "P" else self.d_extra_config
+                cfg = eng.kvd_connector_config(self.daemons[name].socket, extra)
+                args = list(self.engine_args) + (["--tensor-parallel-size", "2"] if name == "D" else [])
+                argv = eng.engine_argv(str(self.model_dir), port, cfg, extra=args)
+                child = self.procs.start(f"engine-{name}", argv, env=eng.engine_env(extra=self.engine_env), wave=1)
+                self.engines[name] = stack.Engine(name, port, child, cfg)
+            for name, e in self.engines.items():
+                self.procs.wait_ready(
+                    e.child, lambda e=e: eng.http_ok(e.url + "/health") and eng.http_ok(e.url + "/v1/models"),
+                    self.engine_ready_s, interval_s=1.0, what="serving")
+            self.timings["engines_ready_s"] = time.monotonic() - t0
+
+    lines: list[str] = []
+    st = TPStack(model_dir=tiny_model_dir, run_dir=tmp_path_factory.mktemp("pd-tp"), connector="kvd",
+                 log=lines.append, p_extra_config={"kvd_lease_s": P_LEASE_S, "kvd_data_path": "staged"},
+                 d_extra_config={"kvd_load_timeout_s": 60})
+    st.start()
+    try:
+        yield st
+    finally:
+        st.close()
+
+
+@pytest.fixture(scope="module")
+def pd_tp_results(pd_tp, tiny_model_dir):
+    """Each prompt through P (TP 1) -> D (TP 2), then the non-disaggregated
+    output of each engine alone (prefix cache bypassed by a cache_salt)."""
+    from kvd.demo import proxy, run, stack
+
+    prompts = run.make_prompts(tiny_model_dir, TP_PROMPT_LENGTHS, seed=303)
+    p_before = pd_tp.p_daemon.stats()
+    rows = []
+    for i, prompt in enumerate(prompts):
+        src0 = stack.prompt_tokens_by_source(pd_tp.d.metrics())
+        rid = f"kvd-e2e-tp-{i}-{time.time_ns()}"
+        res = proxy.pd_complete(pd_tp.p.url, pd_tp.d.url, run.request_body(prompt), request_id=rid)
+        freed = stack.wait_until(lambda: pd_tp.p_daemon.stats()["active_leases"] == 0, FREE_DEADLINE_S)
+        src1 = stack.prompt_tokens_by_source(pd_tp.d.metrics())
+        ref_p = proxy.complete(pd_tp.p.url, dict(run.request_body(prompt), cache_salt=rid + "p"))
+        ref_d = proxy.complete(pd_tp.d.url, dict(run.request_body(prompt), cache_salt=rid + "d"))
+        rows.append({"prompt": prompt, "pd": list(res.decode.token_ids or []),
+                     "ref_p": list(ref_p.token_ids or []), "ref_d": list(ref_d.token_ids or []),
+                     "params": res.kv_transfer_params, "freed": freed,
+                     "external": src1[stack.EXTERNAL] - src0[stack.EXTERNAL]})
+    return {"rows": rows, "p_before": p_before}
+
+
+@vllm
+def test_tp1_to_tp2_decode_output_equals_non_disaggregated(pd_tp_results):
+    for row in pd_tp_results["rows"]:
+        n = len(row["prompt"])
+        assert len(row["pd"]) == 16, row
+        assert row["params"]["tp_size"] == 1, row["params"]
+        assert row["pd"] == row["ref_p"] == row["ref_d"], (n, row["pd"], row["ref_p"], row["ref_d"])
+        assert row["external"] >= n - 1, (n, row["external"])  # loaded, not recomputed
+
+
+@vllm
+def test_tp1_to_tp2_each_decode_rank_registered_and_prefill_freed_on_notification(pd_tp, pd_tp_results):
+    rows = pd_tp_results["rows"]
+    assert all(r["freed"] for r in rows), "P's lease (600 s) must end on D's notifications"
+    p_after = pd_tp.p_daemon.stats()
+    assert p_after["leases_expired"] == pd_tp_results["p_before"]["leases_expired"]
+    assert [w["data_path"] for w in p_after["workers"]] == ["staged"], p_after["workers"]
+    d_after = pd_tp.d_daemon.stats()
+    ranks = sorted((w["tp_rank"], w["tp_size"], w["data_path"]) for w in d_after["workers"])
+    assert ranks == [(0, 2, "direct"), (1, 2, "direct")], d_after["workers"]
+    assert d_after["transfers_failed"] == 0 and d_after["transfers_done"] >= 2 * len(rows)
+
+
+@vllm
+def test_tp_stats_reach_vllms_metrics(pd_tp, pd_tp_results):
+    """KvdConnector's stats (both D ranks' RecvDone) reach D's /metrics."""
+    from kvd.demo import proxy
+
+    m = pd_tp.d.metrics()
+    assert proxy.metric_sum(m, "vllm:kvd_xfer_time_seconds_count") >= 2 * len(pd_tp_results["rows"])
+    assert proxy.metric_sum(m, "vllm:kvd_bytes_transferred_sum") > 0
+    assert proxy.metric_sum(m, "vllm:kvd_num_failed_transfers_total") == 0
+
+
+@vllm
+def test_tp_stopped_engines_leave_no_kv_segments(pd_tp, pd_tp_results):
+    """Stopping the engines leaves none of their /dev/shm/torch_* KV segments:
+    vLLM force-kills its workers (and torch's shm manager) at SIGTERM, so
+    each worker's connector unlinks its names first thing in shutdown(), and
+    the daemon unlinks those of a worker killed before that (owner_pid, once
+    its session has been gone detach_grace_s = 10 s). The daemons keep
+    running meanwhile, as they do in production."""
+    from kvd.demo import engines as eng
+
+    pd_tp.check_alive()
+    pids = eng.pids_in_groups([e.child.pid for e in pd_tp.engines.values()])
+    kv = {n for pid in pids for n in eng.shm_in_use_by(pid) if n.startswith(f"torch_{pid}_")}
+    assert len(kv) >= 2, kv  # one per D rank (P is staged: it shares nothing)
+    for e in pd_tp.engines.values():
+        pd_tp.procs.stop(e.child)
+    deadline = time.monotonic() + 30
+    while {n for n in kv if os.path.exists(f"/dev/shm/{n}")}:
+        assert time.monotonic() < deadline, {n for n in kv if os.path.exists(f"/dev/shm/{n}")}
+        time.sleep(0.5)

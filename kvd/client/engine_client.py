@@ -7,7 +7,7 @@ socket costs about 0.8 ms here, see ``notes/nixl.md``). So:
   timeout, meant for startup and shutdown only.
 - Everything per step goes through ONE long-lived bidirectional ``Session``
   stream, run by a background daemon thread: ``load`` / ``hold`` / ``release``
-  only append a command to a thread-safe outgoing queue (the stream's request
+  / ``abort_load`` only append a command to a thread-safe outgoing queue (the stream's request
   iterator reads it), and the thread that reads the stream's responses pushes
   events into a local queue that ``drain_events`` empties. Neither touches the
   network.
@@ -37,6 +37,14 @@ Guarantees to the caller (what ``kvd.shim.vllm`` relies on):
   reopens the session. Holds sent on the old stream are sent again with their
   remaining lease, so blocks are never freed *earlier* than the lease the
   daemon was promised; commands queued meanwhile go out on the new stream.
+  A re-registration the daemon accepts as new (it had dropped the worker, or
+  restarted) calls ``on_register`` with its response *before* the held
+  blocks are sent again: a staged shim maps the new staging mirrors there and
+  copies the held blocks into them (``kvd.shim.staging``).
+- ``AbortLoad`` has no answer event: it only tells the prefill side to free a
+  request's blocks now (a decode request aborted before its load).
+- Block ids may come per KV-cache group (vLLM's hybrid memory allocator):
+  ``load(..., local_groups=, remote_groups=)`` and ``hold(..., groups=)``.
 
 Addresses: ``unix:///abs/path.sock``, ``unix:relative.sock``, a bare path
 (``/run/kvd/engine.sock``, made ``unix://``), or ``host:port``.
@@ -51,7 +59,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -193,6 +201,11 @@ class EngineClient:
         self.sessions_opened = 0
         #: ``engine=<id> rank=<r>``: starts every log line about this worker.
         self.label = "engine=? rank=?"
+        #: Called (session thread) with the response of every re-registration
+        #: the daemon accepted as new, before the stream reopens and held
+        #: blocks are sent again. When it raises, the registration is undone
+        #: (logged) and the reconnect retried.
+        self.on_register: Callable[[pb.RegisterEngineResponse], None] | None = None
 
     # ------------------------------------------------------------ unary RPCs
     def _unary(self, name: str, method, request, timeout_s: float, wait_for_ready: bool = True):
@@ -299,25 +312,39 @@ class EngineClient:
         remote_request_id: str,
         remote_tp_size: int = 1,
         timeout_s: float = 0.0,
+        local_groups: Sequence[Sequence[int]] | None = None,
+        remote_groups: Sequence[Sequence[int]] | None = None,
     ) -> None:
         """Queues a ``LoadBlocks`` (decode side; non-blocking, no I/O).
 
         Its answer comes out of :meth:`drain_events` as ``recv_done`` or
         ``load_failed``. A second load with the same ``request_id`` while the
         first is pending is ignored (logged).
+
+        ``local_groups`` / ``remote_groups``: block ids per KV-cache group
+        (vLLM HMA); when given they replace the flat lists on the wire, and a
+        local failure names every local block of every group.
         """
         if timeout_s <= 0:
             timeout_s = self.default_load_timeout_s
-        cmd = pb.SessionCommand(load=pb.LoadBlocks(
+        if (local_groups is None) != (remote_groups is None):
+            raise ValueError("local_groups and remote_groups go together")
+        load = pb.LoadBlocks(
             request_id=request_id,
-            local_block_ids=list(local_block_ids),
             remote_engine_id=remote_engine_id,
             remote_address=remote_address,
-            remote_block_ids=list(remote_block_ids),
             remote_request_id=remote_request_id,
             remote_tp_size=remote_tp_size,
             timeout_s=timeout_s,
-        ))
+        )
+        if local_groups is not None:
+            load.local_groups.extend(pb.BlockIds(ids=list(g)) for g in local_groups)
+            load.remote_groups.extend(pb.BlockIds(ids=list(g)) for g in remote_groups or ())
+            local_block_ids = [b for g in local_groups for b in g]
+        else:
+            load.local_block_ids.extend(local_block_ids)
+            load.remote_block_ids.extend(remote_block_ids)
+        cmd = pb.SessionCommand(load=load)
         wait_s = (timeout_s if timeout_s > 0 else self.unknown_timeout_wait_s) + self.load_grace_s
         with self._cond:
             if request_id in self._loads:
@@ -329,16 +356,23 @@ class EngineClient:
             deadline = time.monotonic() + wait_s
             self._loads[request_id] = _Load(cmd, list(local_block_ids), deadline)
             heapq.heappush(self._deadlines, (deadline, "load", request_id))
-            self._outq.append(cmd)
-            self._cond.notify_all()
+            self._enqueue(cmd)
 
-    def hold(self, request_id: str, block_ids: Sequence[int], *, lease_s: float = 0.0) -> None:
+    def hold(self, request_id: str, block_ids: Sequence[int], *, lease_s: float = 0.0,
+             groups: Sequence[Sequence[int]] | None = None) -> None:
         """Queues a ``HoldBlocks`` (prefill side; non-blocking, no I/O).
 
         Its end comes out of :meth:`drain_events` as ``send_done``.
+        ``groups``: block ids per KV-cache group (vLLM HMA); replaces
+        ``block_ids`` on the wire when given.
         """
         lease = lease_s if lease_s > 0 else max(self.default_lease_s, 0.0)
-        cmd = pb.SessionCommand(hold=pb.HoldBlocks(request_id=request_id, block_ids=list(block_ids), lease_s=lease))
+        hold = pb.HoldBlocks(request_id=request_id, lease_s=lease)
+        if groups is not None:
+            hold.groups.extend(pb.BlockIds(ids=list(g)) for g in groups)
+        else:
+            hold.block_ids.extend(block_ids)
+        cmd = pb.SessionCommand(hold=hold)
         wait_s = lease if lease > 0 else self.unknown_lease_wait_s
         with self._cond:
             if request_id in self._holds:
@@ -351,15 +385,54 @@ class EngineClient:
             h = _Hold(cmd, now + wait_s, now + wait_s + self.hold_grace_s)
             self._holds[request_id] = h
             heapq.heappush(self._deadlines, (h.deadline, "hold", request_id))
-            self._outq.append(cmd)
-            self._cond.notify_all()
+            self._enqueue(cmd)
 
     def release(self, request_id: str) -> None:
         """Queues a ``ReleaseBlocks`` (end a lease now; non-blocking, no I/O)."""
         cmd = pb.SessionCommand(release=pb.ReleaseBlocks(request_id=request_id))
         with self._cond:
+            self._enqueue(cmd)
+
+    def abort_load(
+        self,
+        request_id: str,
+        *,
+        remote_engine_id: str,
+        remote_address: str,
+        remote_request_id: str,
+        remote_tp_size: int = 1,
+    ) -> None:
+        """Queues an ``AbortLoad`` (decode side; non-blocking, no I/O).
+
+        For a request that will never load (aborted before its load, or its
+        whole prompt is in the local prefix cache): the daemon tells the
+        prefill workers to free ``remote_request_id``'s blocks now rather than
+        at lease expiry. No event answers it. Dropped (logged) after
+        :meth:`close`; a command queued while the stream is down goes out on
+        the next one.
+        """
+        cmd = pb.SessionCommand(abort_load=pb.AbortLoad(
+            request_id=request_id, remote_engine_id=remote_engine_id, remote_address=remote_address,
+            remote_request_id=remote_request_id, remote_tp_size=remote_tp_size,
+        ))
+        with self._cond:
+            if self._closing.is_set():
+                log.info("kvd %s request=%s: client closed; abort of %s not sent (the remote lease bounds it)",
+                         self.label, request_id, remote_request_id)
+                return
+            self._enqueue(cmd)
+
+    def _enqueue(self, cmd: pb.SessionCommand) -> None:
+        """Under the lock: queues ``cmd`` for the stream. Wakes the stream's
+        sender only when the queue was empty (it waits only then): a step that
+        queues many commands wakes that thread once, not once per command
+        (each wake-up costs the engine's thread a GIL hand-off,
+        docs/PERFORMANCE.md "engine step")."""
+        if not self._outq:
             self._outq.append(cmd)
             self._cond.notify_all()
+        else:
+            self._outq.append(cmd)
 
     def drain_events(self) -> list[pb.SessionEvent]:
         """Every event queued since the last call (non-blocking, no I/O).
@@ -449,9 +522,10 @@ class EngineClient:
                     h.stream = stream.epoch
                     # the remaining lease; a daemon-default lease starts again
                     lease = h.lease_deadline - now if h.cmd.hold.lease_s > 0 else 0.0
-                    again.append(pb.SessionCommand(hold=pb.HoldBlocks(
-                        request_id=rid, block_ids=list(h.cmd.hold.block_ids), lease_s=lease,
-                    )))
+                    hold = pb.HoldBlocks()
+                    hold.CopyFrom(h.cmd.hold)  # the same blocks (flat or per group)
+                    hold.lease_s = lease
+                    again.append(pb.SessionCommand(hold=hold))
         if again:
             log.info("kvd %s: holding %d leases again after reconnecting", self.label, len(again))
         yield from again
@@ -518,11 +592,24 @@ class EngineClient:
         if self._register_request is None:
             return
         try:
-            self._unary("RegisterEngine", self._stub.RegisterEngine, self._register_request,
-                        self.reregister_timeout_s)
+            response = self._unary("RegisterEngine", self._stub.RegisterEngine, self._register_request,
+                                   self.reregister_timeout_s)
         except EngineClientError as e:
             if e.code != grpc.StatusCode.ALREADY_EXISTS:
                 raise
+            return  # the daemon kept the registration (and its staging mirrors)
+        if self.on_register is not None:
+            try:
+                self.on_register(response)
+            except Exception as e:
+                # Undo the registration, so that the next try registers anew and
+                # calls on_register again (an ALREADY_EXISTS would skip it).
+                log.exception("kvd %s: on_register after re-registering failed; unregistering", self.label)
+                try:
+                    self.unregister(timeout_s=self.reregister_timeout_s)
+                except EngineClientError as e2:
+                    log.warning("kvd %s: unregister after a failed on_register: %s", self.label, e2)
+                raise EngineClientError(f"on_register: {type(e).__name__}: {e}") from e
 
     def _run(self) -> None:
         backoff = self.backoff_initial_s

@@ -33,6 +33,10 @@ class PeerUnavailable(CoreError):
     """A remote daemon could not be reached or answered with an error."""
 
 
+class PermissionDenied(CoreError):
+    """The caller may not touch what it named (another process's memory)."""
+
+
 @dataclass
 class RecvDone:
     """Decode side: every block of ``request_id`` arrived (units: bytes, seconds)."""

@@ -21,7 +21,10 @@ def notif_message(request_id: str, expected: int) -> bytes:
 
 
 def parse_notif(msg: bytes) -> tuple[str, int] | None:
-    """``(request id, expected notifications)``, or None if malformed."""
+    """``(request id, expected notifications)``, or None if malformed (or
+    longer than any request id a daemon accepts: 1 KiB and the count)."""
+    if len(msg) > 1024 + 8:
+        return None
     try:
         text = msg.decode()
     except UnicodeDecodeError:

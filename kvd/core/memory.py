@@ -6,18 +6,25 @@ and registers the mapping with NIXL as DRAM. The engine and the daemon then see
 the same physical pages: a NIXL READ into the daemon's mapping lands in the
 engine's KV cache tensor with no copy.
 
-Raises ``MemoryError_`` (a ``ValueError``) with a message for every bad input:
-a name that is not a plain shm name, a missing object, or a size larger than
-the object (the daemon never maps or registers bytes that are not there).
+Raises ``SegmentError`` (a ``ValueError``) with a message for every bad input:
+a name that is not a plain shm name, a missing object, a symbolic link or
+anything but a regular file, or a size larger than the object (the daemon
+never maps or registers bytes that are not there). Mapping on behalf of an
+engine (``access``) also checks that the engine itself could open the object
+read-write (``SegmentAccessError``): the daemon, which may run as another user
+or as root, never lends its own rights to a caller (docs/SECURITY.md).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import mmap
 import os
 import re
+import stat
+from dataclasses import dataclass
 
 SHM_DIR = "/dev/shm"
 _NAME_RE = re.compile(r"^/?[A-Za-z0-9_.\-]{1,200}$")
@@ -32,6 +39,36 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 
 class SegmentError(ValueError):
     """A segment cannot be mapped; the message says why."""
+
+
+class SegmentAccessError(SegmentError):
+    """The engine that names a segment could not open it read-write itself."""
+
+
+@dataclass(frozen=True)
+class Access:
+    """Credentials of the engine process a segment is mapped for (from the
+    kernel, SO_PEERCRED / SO_PEERGROUPS; never from the request)."""
+
+    uid: int
+    gids: frozenset[int]
+
+    def check(self, name: str, st: os.stat_result) -> None:
+        """Raises SegmentAccessError unless these credentials may read and
+        write an object of ``st``'s owner, group and mode (the owner, group,
+        other classes of open(2); root may always)."""
+        if self.uid == 0:
+            return
+        if st.st_uid == self.uid:
+            need, who = stat.S_IRUSR | stat.S_IWUSR, "owner"
+        elif st.st_gid in self.gids:
+            need, who = stat.S_IRGRP | stat.S_IWGRP, "group"
+        else:
+            need, who = stat.S_IROTH | stat.S_IWOTH, "other"
+        if st.st_mode & need != need:
+            raise SegmentAccessError(
+                f"segment {name!r}: permission denied: uid {self.uid} may not read and write it "
+                f"(owner {st.st_uid}, group {st.st_gid}, mode {stat.S_IMODE(st.st_mode):04o}, as {who})")
 
 
 def shm_path(name: str) -> str:
@@ -80,29 +117,41 @@ class ShmMapping:
     Args:
         name: shm object name as the engine gave it.
         size: bytes to map, from 1 to the object's size.
+        access: the engine's credentials; None for the daemon's own objects.
 
     Attributes:
         addr: virtual address of the first byte in this process.
         size: mapped length in bytes.
 
     Raises:
-        SegmentError: bad name, missing object, or ``size`` larger than it.
+        SegmentError: bad name, missing object, not a regular file, or
+            ``size`` larger than it.
+        SegmentAccessError: ``access`` may not read and write the object.
 
     Close with :meth:`close` once NIXL has deregistered the memory.
     """
 
-    def __init__(self, name: str, size: int):
+    def __init__(self, name: str, size: int, access: Access | None = None):
         path = shm_path(name)
         if size <= 0:
             raise SegmentError(f"segment {name!r}: size must be > 0 (got {size})")
         try:
-            fd = os.open(path, os.O_RDWR)
+            # /dev/shm is writable by everyone: never follow a planted link.
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             raise SegmentError(f"segment {name!r} does not exist in {SHM_DIR}") from None
         except PermissionError:
             raise SegmentError(f"segment {name!r}: permission denied") from None
+        except OSError as e:
+            why = "is a symbolic link" if e.errno == errno.ELOOP else f"cannot open: {e.strerror or e}"
+            raise SegmentError(f"segment {name!r} {why}") from None
         try:
-            actual = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise SegmentError(f"segment {name!r} is not a shared memory object")
+            if access is not None:
+                access.check(name, st)  # on the very object mapped below: no race
+            actual = st.st_size
             if size > actual:
                 raise SegmentError(f"segment {name!r}: {size} bytes asked, the object has {actual}")
             addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)

@@ -13,7 +13,9 @@ accepts without a Python loop.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,14 +30,108 @@ class NixlError(RuntimeError):
     """A NIXL call failed; the message names the step and the agent."""
 
 
+_MD_HEAD = b"nixlSerDes|Agent"
+
+
+def metadata_agent_name(metadata: bytes) -> str | None:
+    """The agent name that NIXL (1.5) serializes first in agent metadata:
+    ``nixlSerDes|Agent`` + 8-byte little-endian length + name + ``|``.
+    None when the bytes do not start that way.
+
+    Read before ``add_remote``: loading metadata of an agent that is loaded
+    already merges it into that agent's entry (issue 4: a replayed, mangled
+    description broke the real peer's memory sections).
+    """
+    start = len(_MD_HEAD) + 8
+    if not metadata.startswith(_MD_HEAD) or len(metadata) <= start:
+        return None
+    n = int.from_bytes(metadata[len(_MD_HEAD):start], "little")
+    if not 0 < n <= 4096 or metadata[start + n:start + n + 1] != b"|":
+        return None
+    try:
+        return metadata[start:start + n].decode()
+    except UnicodeDecodeError:
+        return None
+
+
+#: Default timeout (microseconds) of each agent's NIXL progress thread between
+#: rounds when no UCX event arrives; 0 = no progress thread (the daemon's poll
+#: loop alone progresses UCX). See :class:`NixlAgent`.
+PROGRESS_US = 1000
+
+
+def _import_nixl_without_torch() -> None:
+    """Imports the ``nixl`` meta package without importing torch.
+
+    ``nixl`` picks its wheel (``nixl_cu13``/``nixl_cu12``) by CUDA major
+    version: it reads torch's ``version.py`` from disk, and when that says
+    nothing (a CPU build of torch) it imports torch as a last resort (about
+    100 MB of resident memory and a second of startup in every daemon,
+    measured: idle daemon 264 -> 150 MiB RSS), only to fall back to the first
+    wheel installed, as it does with no CUDA anyway. The daemon never uses
+    torch: the last resort is skipped here, the rest of NIXL's choice is kept.
+    """
+    if "nixl" in sys.modules or "torch" in sys.modules:
+        return
+    try:
+        import nixl_meta_utils as meta
+    except ImportError:
+        return
+    real = meta.detect_cuda_major
+    disk = getattr(meta, "_torch_cuda_version_from_disk", None)
+    if disk is None:
+        return
+
+    def without_torch() -> int | None:
+        if any(m in sys.modules for m in ("cuda.bindings", "cupy")):
+            return real()
+        version = disk()
+        return int(version.split(".")[0]) if version else None
+
+    meta.detect_cuda_major = without_torch
+    try:
+        import nixl  # noqa: F401
+    finally:
+        meta.detect_cuda_major = real
+
+
 def _nixl():
     # Imported lazily so that ``import kvd`` (and the engine-side shim) never
     # loads NIXL or its torch dependency.
     try:
+        _import_nixl_without_torch()
         from nixl._api import nixl_agent, nixl_agent_config
     except ImportError as e:  # pragma: no cover - depends on the install
         raise NixlError(f"cannot import nixl: {e}; install nixl==1.5.1") from e
     return nixl_agent, nixl_agent_config
+
+
+@contextlib.contextmanager
+def progress_delay(delay_us: int):
+    """Within the block, NIXL agents get a progress thread that sleeps in
+    ``poll()`` on the UCX workers' event fds for up to ``delay_us`` between
+    rounds, instead of NIXL's Python default ``pthrDelay = 0`` (``poll`` with
+    a zero timeout: a thread that spins a whole core even when idle).
+
+    ``nixl_agent.__init__`` hard-codes ``pthrDelay = 0``; this wraps the native
+    constructor it calls to set the delay first. Not thread-safe: the daemon
+    makes agents on its one NIXL thread only.
+    """
+    _nixl()
+    from nixl import _api
+
+    bind = _api.nixlBind
+    real = bind.nixlAgent
+
+    def make(name, config):
+        config.pthrDelay = int(delay_us)
+        return real(name, config)
+
+    bind.nixlAgent = make
+    try:
+        yield
+    finally:
+        bind.nixlAgent = real
 
 
 def available_plugins() -> list[str]:
@@ -59,21 +155,29 @@ class NixlAgent:
         name: agent name, unique across every peer it will ever talk to
             (the daemon uses ``kvd-<engine_id>-r<rank>-<random>``).
         backends: backend plugin names, e.g. ``["UCX"]`` (the seed's default).
+        progress_us: NIXL progress thread's poll timeout in microseconds
+            (None: :data:`PROGRESS_US`; 0: no progress thread).
 
     Raises:
         NixlError: a backend is missing or fails to initialise; the message
             names it (issue 3, capability 6).
     """
 
-    def __init__(self, name: str, backends: list[str] | None = None):
+    def __init__(self, name: str, backends: list[str] | None = None, progress_us: int | None = None):
         nixl_agent, nixl_agent_config = _nixl()
         backends = list(backends or ["UCX"])
-        # No NIXL progress thread: the daemon's own poll (check_xfer_state,
-        # get_new_notifs on the NIXL thread) progresses UCX. Measured here
-        # (/tmp two-daemon loop, 16 x 64 KiB): same or lower latency, and an
-        # idle daemon at ~3 % of a core instead of ~35 % (the UCX thread
-        # spins in ucp_worker_arm with memory registered).
-        self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+        # NIXL's progress thread, sleeping in poll() on the UCX workers' event
+        # fds (progress_us: its timeout) rather than spinning (NIXL's Python
+        # default, pthrDelay 0: a whole core per agent, even idle). The source
+        # side must progress as soon as a reader's READ arrives; with the
+        # daemon's own 5 ms idle poll doing it, a 16 x 16 KiB load took
+        # ~5.7 ms instead of ~1.9 (docs/PERFORMANCE.md, "progress thread").
+        progress_us = PROGRESS_US if progress_us is None else int(progress_us)
+        if progress_us > 0:
+            with progress_delay(progress_us):
+                self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=True, backends=[]))
+        else:
+            self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
         plugins = self._agent.get_plugin_list()
         for b in backends:
             if b not in plugins:
@@ -86,16 +190,21 @@ class NixlAgent:
         self.backends = backends
 
     # -- memory ----------------------------------------------------------------
-    def register_dram(self, addr: int, length: int):
-        """Registers ``length`` bytes at ``addr`` as DRAM with every backend.
+    def register_memory(self, addr: int, length: int, mem: str = DRAM, dev: int = 0):
+        """Registers ``length`` bytes at ``addr`` as ``mem`` (``DRAM`` or
+        ``VRAM``; ``dev``: the GPU ordinal for VRAM) with every backend.
 
         Returns the registration descriptor list; release with
         :meth:`deregister`.
         """
         try:
-            return self._agent.register_memory([(addr, length, 0, "")], DRAM)
+            return self._agent.register_memory([(addr, length, dev, "")], mem)
         except Exception as e:
-            raise NixlError(f"{self.name}: register_memory({length} bytes) failed: {e}") from e
+            raise NixlError(f"{self.name}: register_memory({length} bytes of {mem}) failed: {e}") from e
+
+    def register_dram(self, addr: int, length: int):
+        """:meth:`register_memory` of DRAM."""
+        return self.register_memory(addr, length, DRAM, 0)
 
     def deregister(self, reg) -> None:
         """Releases a registration from :meth:`register_dram`."""
@@ -126,17 +235,18 @@ class NixlAgent:
             log.debug("%s: remove_remote_agent(%s): %s", self.name, name, e)
 
     # -- descriptor lists ------------------------------------------------------
-    def prep_local(self, descs: np.ndarray):
-        """Prepares the local side: rows of (addr, len, 0) in DRAM.
+    def prep_local(self, descs: np.ndarray, mem: str = DRAM):
+        """Prepares the local side: rows of (addr, len, device id) in ``mem``.
 
         Returns a prepped dlist handle; release with :meth:`release_dlist`.
         """
-        return self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, DRAM)
+        return self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, mem)
 
-    def prep_remote(self, remote_agent: str, descs: np.ndarray):
-        """Prepares the remote side for ``remote_agent`` (from :meth:`add_remote`)."""
+    def prep_remote(self, remote_agent: str, descs: np.ndarray, mem: str = DRAM):
+        """Prepares the remote side for ``remote_agent`` (from :meth:`add_remote`):
+        ``mem`` and the rows' device ids as the remote registered them."""
         try:
-            return self._agent.prep_xfer_dlist(remote_agent, descs, DRAM)
+            return self._agent.prep_xfer_dlist(remote_agent, descs, mem)
         except Exception as e:
             raise NixlError(f"{self.name}: prep_xfer_dlist for {remote_agent} failed: {e}") from e
 

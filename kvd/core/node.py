@@ -35,7 +35,7 @@ import numpy as np
 
 from kvd import __version__
 from kvd.core import layout as lay
-from kvd.core import plan
+from kvd.core import cuda_ipc, plan
 from kvd.core.events import (
     AlreadyExists,
     CommandRejected,
@@ -45,13 +45,14 @@ from kvd.core.events import (
     LoadFailed,
     NotFound,
     PeerUnavailable,
+    PermissionDenied,
     RecvDone,
     SendDone,
 )
 from kvd.core.layout import Layout, LayoutError, Region
 from kvd.core.leases import LeaseTable, notif_message, parse_notif
-from kvd.core.memory import SegmentError, ShmMapping, create_shm, unlink_shm
-from kvd.core.nixl_agent import NixlAgent, NixlError
+from kvd.core.memory import Access, SegmentAccessError, SegmentError, ShmMapping, create_shm, unlink_shm
+from kvd.core.nixl_agent import NixlAgent, NixlError, metadata_agent_name
 
 log = logging.getLogger("kvd.core")
 
@@ -75,6 +76,11 @@ PROTOCOL_VERSION = 1
 # Agent metadata accepted from a peer (NIXL metadata is a few KiB per backend).
 MAX_AGENT_METADATA = 1 << 20
 
+# Largest TP size accepted from an engine or a peer. Transfer plans loop over
+# ranks (issue 4, scenario 9: a LoadBlocks with remote_tp_size 2**32-1 made
+# the daemon build a list of ranks until the OOM killer stopped it).
+MAX_TP_SIZE = 256
+
 
 @dataclass
 class Limits:
@@ -88,6 +94,7 @@ class Limits:
     early_notif_s: float = 120.0     # a notification that beat its hold is kept this long
     max_blocks_per_request: int = 1 << 20
     max_inflight_per_worker: int = 4096
+    max_leases_per_worker: int = 65536  # prefill leases held at once (each keeps its request id and blocks)
     poll_busy_s: float = 0.0005      # poll interval while transfers are in flight
     poll_idle_s: float = 0.005       # otherwise (notifications, leases)
     transfer_mode: str = "pull"      # "pull": decode READs; "push": prefill WRITEs on request
@@ -96,10 +103,15 @@ class Limits:
 
 @dataclass(frozen=True)
 class Segment:
-    """An engine memory segment as the shim describes it (POSIX shm)."""
+    """An engine memory segment as the shim describes it: a POSIX shm object
+    (``kind`` ``"shm"``, by ``name``) or a CUDA allocation (``kind``
+    ``"cuda_ipc"``: its IPC ``handle`` on ``device``; issue 7)."""
 
     name: str
     size: int
+    kind: str = "shm"
+    handle: bytes = b""
+    device: int = 0
 
 
 @dataclass
@@ -115,6 +127,8 @@ class HandshakeResult:
     daemon_version: str
     protocol_version: int = PROTOCOL_VERSION
     tp_size: int = 1
+    memory: str = "DRAM"  # NIXL memory type of its regions in the peer's agent (issue 7)
+    device: int = 0       # VRAM: the device id they are registered with there
 
 
 @dataclass
@@ -227,10 +241,15 @@ class Worker:
     staging: list[str] = field(default_factory=list)  # staged data path: shm names we made (unlinked at the end)
     owner_pid: int = 0  # the engine process that made segment_names (0: unknown)
     segment_names: list[str] = field(default_factory=list)  # the engine's own shm names (direct path)
+    memory: str = "DRAM"  # NIXL memory type of its segments: "DRAM" (POSIX shm) or "VRAM" (CUDA IPC, issue 7)
+    device: int = 0       # VRAM: the GPU its segments are on (the descriptors' device id)
+    staged: bool = False  # staged data path (shm mirrors in ``staging``, or VRAM mirrors in ``mappings``)
+    data_path_reason: str = ""  # why this path (kvd.core.path_select), for logs
     leases: LeaseTable = field(default_factory=LeaseTable)
     remotes: dict[PeerKey, RemoteWorker] = field(default_factory=dict)
     retired: list[RemoteWorker] = field(default_factory=list)  # dropped; NIXL state freed once unused
     readers: dict[str, RemoteWorker] = field(default_factory=dict)  # push mode: readers we WRITE to, by agent
+    agents: dict[str, tuple[bytes, int]] = field(default_factory=dict)  # peer agents loaded: name -> (metadata, users)
     inflight: dict[str, InflightLoad] = field(default_factory=dict)
     pending_loads: set[str] = field(default_factory=set)
     events: deque = field(default_factory=deque)
@@ -278,8 +297,10 @@ def _check_peer(w: Worker, hs: HandshakeResult, what: str) -> None:
                               f"(1..{MAX_AGENT_METADATA} accepted)")
     if len(hs.region_bases) != len(hs.regions) or not hs.regions:
         raise InvalidArgument(f"{what}: region_base_addrs and regions differ in length")
-    if hs.tp_size < 1:
-        raise InvalidArgument(f"{what}: tp_size must be >= 1")
+    if not 1 <= hs.tp_size <= MAX_TP_SIZE:
+        raise InvalidArgument(f"{what}: tp_size must be in 1..{MAX_TP_SIZE} (got {hs.tp_size})")
+    if hs.memory not in ("DRAM", "VRAM") or not 0 <= hs.device < 1 << 16:
+        raise InvalidArgument(f"{what}: memory {hs.memory!r} on device {hs.device}: DRAM or VRAM on a device 0..65535")
     try:
         lay.validate(hs.layout, hs.regions, [1 << 62] * (1 + max(r.segment for r in hs.regions)))
     except LayoutError as e:
@@ -314,6 +335,13 @@ def _pair_plan(reader: plan.Geometry, source: plan.Geometry):
     source_identity = one and all(c[0].tolist() == [0, 0, 0, r.block_len]
                                   for c, r in zip(chunk_sets, source.regions))
     return k, C, chunk_sets, reader_identity, source_identity
+
+
+def _on_device(rows: np.ndarray, device: int) -> np.ndarray:
+    """Descriptor rows with their device-id column set (VRAM: the GPU ordinal; DRAM: 0)."""
+    if device:
+        rows[:, 2] = device
+    return rows
 
 
 class Node:
@@ -412,23 +440,35 @@ class Node:
         regions: list[Region],
         model: str = "",
         compat_extra: str = "",
-        staged: bool = False,
+        staged: bool | None = False,
         owner_pid: int = 0,
+        access: Access | None = None,
     ) -> Worker:
         """Maps the worker's segments, makes its NIXL agent, registers memory.
 
         ``staged``: the daemon makes a mirror segment of each size and
         registers those instead (``Worker.staging`` names them); the shim
-        copies blocks between its cache and the mirror.
+        copies blocks between its cache and the mirror. CUDA IPC segments
+        (issue 7, ``kvd.core.cuda_ipc``) are opened on their GPU and
+        registered as VRAM; their mirrors are daemon-owned VRAM, and
+        ``staged=None`` (``data_path = auto``) lets the daemon choose
+        (``kvd.core.path_select``). Staged CUDA segments on a daemon
+        without a GPU get shm mirrors (the shim copies through host
+        memory). ``access``: the registering engine's credentials; each shm
+        segment must be one it could read and write itself (None: not
+        checked).
 
         Raises:
             InvalidArgument: bad ids, layout or regions, or a segment that is
                 missing or smaller than asked (nothing stays mapped).
+            PermissionDenied: ``access`` may not read and write a segment.
             AlreadyExists: the worker is registered already.
         """
         if not engine_id or len(engine_id) > 256:
             raise InvalidArgument("engine_id must be 1..256 characters")
-        if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        if not 1 <= tp_size <= MAX_TP_SIZE:
+            raise InvalidArgument(f"tp_size must be in 1..{MAX_TP_SIZE} (got {tp_size})")
+        if not 0 <= tp_rank < tp_size:
             raise InvalidArgument(f"tp_rank {tp_rank} must be in 0..tp_size-1 (tp_size {tp_size})")
         if (engine_id, tp_rank) in self.workers:
             raise AlreadyExists(f"engine {engine_id!r} rank {tp_rank} is already registered")
@@ -440,20 +480,31 @@ class Node:
             raise InvalidArgument(str(e)) from None
         mappings: list[ShmMapping] = []
         staging: list[str] = []
+        cuda = None
         try:
-            for s in segments:
-                if staged:
-                    staging.append(create_shm(s.size))
-                mappings.append(ShmMapping(staging[-1] if staged else s.name, s.size))
+            kinds = {s.kind for s in segments}
+            if len(kinds) > 1:
+                raise SegmentError(f"a worker's segments must all be of one kind (got {sorted(kinds)})")
+            if cuda_ipc.KIND in kinds and cuda_ipc.wants_vram(staged):
+                cuda = await self._nixl(cuda_ipc.open_segments, segments,
+                                        "auto" if staged is None else "staged" if staged else "direct")
+                mappings, staged = cuda.mappings, cuda.staged
+            else:
+                staged = bool(staged)
+                for s in segments:
+                    if staged:
+                        staging.append(create_shm(s.size))
+                    mappings.append(ShmMapping(staging[-1] if staged else s.name, s.size, None if staged else access))
         except (SegmentError, OSError) as e:
             for m in mappings:
                 m.close()
             for n in staging:
                 unlink_shm(n)
-            raise InvalidArgument(str(e)) from None
+            raise (PermissionDenied if isinstance(e, SegmentAccessError) else InvalidArgument)(str(e)) from None
         name = f"kvd-{engine_id}-r{tp_rank}-{uuid.uuid4().hex[:8]}"
         try:
-            agent, regs, dlist = await self._nixl(self._make_agent, name, mappings, layout, regions)
+            agent, regs, dlist = await self._nixl(self._make_agent, name, mappings, layout, regions,
+                                                  "VRAM" if cuda else "DRAM", cuda.device if cuda else 0)
         except NixlError as e:
             for m in mappings:
                 m.close()
@@ -475,8 +526,12 @@ class Node:
             registered_bytes=sum(s.size for s in segments),
             staging=staging,
             owner_pid=owner_pid,
-            segment_names=[] if staged else [s.name for s in segments],
+            segment_names=[] if staged or cuda else [s.name for s in segments],
             leases=LeaseTable(early_s=self.limits.early_notif_s),
+            memory="VRAM" if cuda else "DRAM",
+            device=cuda.device if cuda else 0,
+            staged=staged,
+            data_path_reason=cuda.choice.reason if cuda else "",
         )
         w.detached_since = time.monotonic()
         self.workers[w.key] = w
@@ -485,17 +540,23 @@ class Node:
             "hash %s", w.label, tp_size, name, len(regions), layout.num_blocks, layout.block_size,
             layout.kv_layout, w.registered_bytes, len(segments), w.compat_hash,
         )
+        if cuda:
+            log.info("%s: VRAM on device %d, %s data path (%s)", w.label, w.device, "staged" if staged else "direct",
+                     cuda.choice.reason)
+            if cuda.choice.warning:
+                log.warning("%s: %s", w.label, cuda.choice.warning)
         self._on_event("register", {"engine": engine_id})
         return w
 
-    def _make_agent(self, name, mappings, layout, regions):
+    def _make_agent(self, name, mappings, layout, regions, memory="DRAM", device=0):
         agent = NixlAgent(name, self.backends)
         regs = []
         try:
             for m in mappings:
-                regs.append(agent.register_dram(m.addr, m.size))
+                regs.append(agent.register_memory(m.addr, m.size, memory, device))
             bases = [mappings[r.segment].addr + r.offset for r in regions]
-            dlist = agent.prep_local(lay.block_descriptors(bases, regions, layout.num_blocks))
+            dlist = agent.prep_local(_on_device(lay.block_descriptors(bases, regions, layout.num_blocks), device),
+                                     memory)
         except Exception:
             for r in regs:
                 agent.deregister(r)
@@ -592,6 +653,10 @@ class Node:
             lay.descriptor_indices(flat(block_ids), 1, w.layout.num_blocks)
         except LayoutError as e:
             self._emit(w, CommandRejected(request_id, f"hold: {e}"))
+            return
+        if request_id not in w.leases.leases and len(w.leases) >= self.limits.max_leases_per_worker:
+            self._emit(w, CommandRejected(request_id, f"hold: {self.limits.max_leases_per_worker} leases held "
+                                                      f"already (max_leases_per_worker)"))
             return
         now = time.monotonic()
         lease_s = min(lease_s if lease_s > 0 else self.limits.lease_s, self.limits.max_lease_s)
@@ -697,6 +762,8 @@ class Node:
             lay.descriptor_indices(flat(local_block_ids), 1, w.layout.num_blocks)
         except LayoutError as e:
             return fail(f"invalid: local {e}")
+        if remote_tp_size > MAX_TP_SIZE:
+            return fail(f"invalid: remote TP size {remote_tp_size} exceeds {MAX_TP_SIZE}")
         remote_tp = remote_tp_size or w.tp_size
         geo = w.geometry()
         try:
@@ -743,12 +810,13 @@ class Node:
                 msg = notif_message(remote_request_id, plan.expected_notifications(
                     p, remote_tp, w.tp_size, geo.total_kv_heads, w.layout.kv_layout == "MLA"))
                 try:
-                    handle, state = await self._nixl(w.agent.post, "READ", r.local_dlist, lidx, r.remote_dlist,
-                                                     ridx, msg)
+                    handle, state = await self._nixl(self._post, w.agent, "READ", r.local_dlist, lidx,
+                                                     r.remote_dlist, ridx, msg)
                 except NixlError as e:
                     err = f"nixl: {e}"
                     break
-                posted.append((handle, r))
+                if handle is not None:
+                    posted.append((handle, r))
                 if state == "ERR":
                     err = "nixl: transfer post returned ERR"
                     break
@@ -778,6 +846,9 @@ class Node:
         w.inflight[request_id] = InflightLoad(
             request_id, flat(local_block_ids), posted, started, deadline, nbytes, ndescs, remote_address, retry,
         )
+        if not posted:  # every READ was done when posted: no poll round to wait for
+            self._finish(w, request_id, time.monotonic())
+            return
         self._kick.set()
 
     async def _load_push(self, w: Worker, request_id, local_block_ids, remote_engine_id, remote_address,
@@ -822,6 +893,45 @@ class Node:
             log.info("%s: dropped remote agent %s at %s (%s); next load handshakes again",
                      w.label, remote.agent_name, remote.address, why)
 
+    def _load_agent(self, w: Worker, name: str, metadata: bytes) -> str:
+        """NIXL thread: loads a peer's agent into ``w``'s agent once; counts its users.
+
+        Several remotes may be one NIXL agent (the same peer under two
+        addresses, a push reader that is also a source, or a peer description
+        replayed by someone else), and NIXL keeps one entry per name: the
+        entry is shared and removed with its last user. Before, the second
+        load failed and dropping either remote broke the other (issue 4,
+        scenario 9).
+
+        Raises:
+            NixlError: the metadata is rejected, names another agent than
+                ``name``, or differs from what is loaded under ``name``.
+        """
+        embedded = metadata_agent_name(metadata)
+        if embedded != name:
+            raise NixlError(f"agent metadata names {embedded!r}, the peer said {name!r}")
+        known = w.agents.get(name)
+        if known is not None:
+            if known[0] != metadata:
+                raise NixlError(f"agent {name!r} is loaded already, with other metadata")
+            w.agents[name] = (metadata, known[1] + 1)
+            return name
+        loaded = w.agent.add_remote(metadata)
+        if loaded != name:  # not NIXL 1.5's format after all: undo what is ours to undo
+            if loaded not in w.agents:
+                w.agent.remove_remote(loaded)
+            raise NixlError(f"agent metadata loaded as {loaded!r}, the peer said {name!r}")
+        w.agents[name] = (metadata, 1)
+        return name
+
+    def _unload_agent(self, w: Worker, name: str) -> None:
+        """NIXL thread: one user fewer of a peer agent; the last one removes it."""
+        metadata, users = w.agents.pop(name, (b"", 1))
+        if users > 1:
+            w.agents[name] = (metadata, users - 1)
+        else:
+            w.agent.remove_remote(name)
+
     def _free_remote(self, w: Worker, r: RemoteWorker) -> None:
         """NIXL thread: releases a remote's prepped lists and forgets its agent."""
         lists = [r.remote_dlist] + ([r.local_dlist] if r.owns_local_dlist else [])
@@ -830,7 +940,7 @@ class Node:
                 w.agent.release_dlist(d)
             except Exception as e:
                 log.debug("%s: release_dlist(%s): %s", w.label, r.agent_name, e)
-        w.agent.remove_remote(r.agent_name)
+        self._unload_agent(w, r.agent_name)
 
     async def abort_load(self, w: Worker, request_id: str, remote_engine_id: str, remote_address: str,
                          remote_request_id: str, remote_tp_size: int) -> None:
@@ -841,6 +951,10 @@ class Node:
         Failures are logged, never raised: the remote lease bounds the hold.
         """
         deadline = time.monotonic() + self.limits.handshake_timeout_s
+        if remote_tp_size > MAX_TP_SIZE:
+            log.warning("%s request=%s: abort ignored: remote TP size %d exceeds %d", w.label, request_id,
+                        remote_tp_size, MAX_TP_SIZE)
+            return
         remote_tp = remote_tp_size or w.tp_size
         mla = w.layout.kv_layout == "MLA"
         heads = w.layout.model_kv_heads(w.tp_size)
@@ -855,6 +969,16 @@ class Node:
         except Exception as e:
             log.warning("%s request=%s peer=%s: abort notification failed: %s", w.label, request_id,
                         remote_address, e)
+
+    def _post(self, agent: NixlAgent, op: str, local, lidx, remote, ridx, msg: bytes):
+        """NIXL thread: posts a transfer; ``(handle, state)``. One already DONE
+        (UCX moves shared-memory bytes inside the post) is released here and
+        its handle is None: nothing is left to poll."""
+        handle, state = agent.post(op, local, lidx, remote, ridx, msg)
+        if state == "DONE":
+            self._release_handle(agent, handle)
+            return None, state
+        return handle, state
 
     def _release_handle(self, agent: NixlAgent, handle) -> None:
         if not agent.release(handle):
@@ -913,13 +1037,13 @@ class Node:
             await self._nixl(self._free_remote, w, old)
 
         def add():
-            name = w.agent.add_remote(hs.agent_metadata)
+            name = self._load_agent(w, hs.agent_name, hs.agent_metadata)
             try:
-                rd = w.agent.prep_remote(name, rrows)
-                ld = w.local_dlist if lrows is None else w.agent.prep_local(lrows)
+                rd = w.agent.prep_remote(name, _on_device(rrows, hs.device), hs.memory)
+                ld = w.local_dlist if lrows is None else w.agent.prep_local(_on_device(lrows, w.device), w.memory)
                 return name, rd, ld
             except Exception:
-                w.agent.remove_remote(name)
+                self._unload_agent(w, name)
                 raise
 
         try:
@@ -977,6 +1101,12 @@ class Node:
                            f"{order.request_id!r}")
         if not 0 < order.expected_notifications <= 1 << 16:
             raise InvalidArgument("push: expected_notifications must be in 1..65536")
+        held = w.leases.leases[order.request_id].block_ids
+        if len(order.source_block_ids) > len(held) or any(
+                not set(g) <= set(h) for g, h in zip(order.source_block_ids, held)):
+            # Push is the one mode where the source moves the bytes: it writes
+            # only blocks its engine holds for that request (docs/SECURITY.md).
+            raise InvalidArgument(f"push: blocks not held for request {order.request_id!r}")
         t0 = time.monotonic()
         reader = order.reader
         _check_peer(w, reader, "push")
@@ -990,12 +1120,13 @@ class Node:
             dst_rows = plan.local_rows(reader.region_bases, reader.regions, reader.layout.num_blocks, chunk_sets, k)
 
             def add():
-                name = w.agent.add_remote(reader.agent_metadata)
+                name = self._load_agent(w, reader.agent_name, reader.agent_metadata)
                 try:
-                    return name, w.agent.prep_remote(name, dst_rows), (
-                        w.local_dlist if src_rows is None else w.agent.prep_local(src_rows))
+                    return name, w.agent.prep_remote(name, _on_device(dst_rows, reader.device), reader.memory), (
+                        w.local_dlist if src_rows is None else w.agent.prep_local(_on_device(src_rows, w.device),
+                                                                                  w.memory))
                 except Exception:
-                    w.agent.remove_remote(name)
+                    self._unload_agent(w, name)
                     raise
 
             try:
@@ -1047,7 +1178,7 @@ class Node:
         """``w`` as a handshake describes it (agent metadata, layout, regions)."""
         meta = await self._nixl(w.agent.metadata)
         return HandshakeResult(meta, w.agent.name, w.layout, w.regions, w.bases, w.compat_hash, __version__,
-                               PROTOCOL_VERSION, w.tp_size)
+                               PROTOCOL_VERSION, w.tp_size, memory=w.memory, device=w.device)
 
     # --------------------------------------------------------------- progress
     def _poll(self):

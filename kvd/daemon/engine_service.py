@@ -1,15 +1,40 @@
-"""``kvd.v1.EngineService``: the local engines' side of the daemon (Unix socket)."""
+"""``kvd.v1.EngineService``: the local engines' side of the daemon (Unix socket).
+
+Every call arrives through the gate (kvd/daemon/local_gate.py), which knows
+the calling process's kernel credentials and has refused callers that are not
+admitted. Here each registration is bound to its caller (docs/SECURITY.md):
+
+- RegisterEngine maps only segments the caller could read and write itself,
+  and returns a random ``session_token``;
+- OpenSession and UnregisterEngine for that worker are accepted with that
+  token (from a process of the same uid, or root), or without it from the
+  very process that registered (same pid; when the daemon cannot see the
+  caller's pid, another container's, the same uid), unless
+  ``require_session_token``;
+- UnregisterEngine is also accepted from the same uid when the registering
+  process is gone or the worker has no session (an engine restarting and
+  replacing its stale registration);
+- commands on a session act on that session's worker only.
+Anything else is PERMISSION_DENIED with a message naming both parties.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import os
+import secrets
+from dataclasses import dataclass
 
 import grpc
 
 from kvd import __version__
+from kvd.config import MAX_ID_BYTES
+from kvd.core import cuda_ipc
 from kvd.core import events as ev
-from kvd.core.node import Node, Segment, flat
+from kvd.core.memory import Access
+from kvd.core.node import Node, Segment, Worker, WorkerKey, flat
 from kvd.daemon.convert import event_to_pb, groups_from_pb, layout_from_pb, region_from_pb, status_of
 from kvd.daemon.status import build_stats
 from kvd.v1 import kvd_pb2 as pb
@@ -18,36 +43,106 @@ from kvd.v1 import kvd_pb2_grpc as pb_grpc
 log = logging.getLogger("kvd.engine")
 
 
+@dataclass
+class Owner:
+    """Who registered a worker: the caller's credentials and the token it got."""
+
+    worker: Worker
+    caller: object          # kvd.daemon.local_gate.Caller
+    token: str
+
+
+def _staging_segments(worker: Worker) -> list[pb.Segment]:
+    """The mirrors of a staged worker, for the shim: shm names, or (VRAM,
+    issue 7) the CUDA IPC handles of the daemon's own allocations."""
+    if not worker.staged:
+        return []
+    if worker.memory == "VRAM":
+        return [pb.Segment(kind=pb.MEMORY_KIND_CUDA_IPC, handle=m.handle, device=m.device, size=m.size)
+                for m in worker.mappings]
+    return [pb.Segment(kind=pb.MEMORY_KIND_SHM, name=n, size=m.size) for n, m in zip(worker.staging, worker.mappings)]
+
+
 class EngineService(pb_grpc.EngineServiceServicer):
     """Adapts EngineService RPCs onto :class:`kvd.core.node.Node`.
 
     Every core error becomes a gRPC status with the core's message; a bad
     command on the session stream becomes a ``CommandRejected`` event and the
     stream goes on.
+
+    Args:
+        callers: ``context -> Caller | None``, the kernel credentials of an
+            RPC's caller (``Gate.caller``).
+        require_session_token: refuse OpenSession / UnregisterEngine without
+            the registration's token.
     """
 
-    def __init__(self, node: Node, on_event=None, backends: list[str] | None = None):
+    def __init__(self, node: Node, on_event=None, backends: list[str] | None = None, callers=None,
+                 require_session_token: bool = False):
         self.node = node
         self.draining = False          # set by the server at SIGTERM: refuse new work
         self.on_event = on_event or (lambda name, fields: None)  # metrics hook (Metrics.on_event)
         self.backends = list(backends or [])
         self.metrics_address = ""      # host:port of /metrics, for GetStats
+        self.callers = callers or (lambda context: None)
+        self.require_session_token = require_session_token
+        self.owners: dict[WorkerKey, Owner] = {}
 
     async def _refuse_while_draining(self, context) -> None:
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "daemon is draining (shutting down)")
 
+    async def _caller(self, context):
+        c = self.callers(context)
+        if c is None:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "kvd: caller unknown (not through the engine socket)")
+        return c
+
+    def _authorize(self, key: WorkerKey, caller, token: str, what: str, takeover: bool = False) -> None:
+        """Raises ev.PermissionDenied unless ``caller`` may drive or drop worker ``key``
+        (registered: the caller checked ``node.worker`` first)."""
+        w = self.node.workers.get(key)
+        o = self.owners.get(key)
+        label = f"engine {key[0]!r} rank {key[1]}"
+        if o is None or o.worker is not w:
+            raise ev.PermissionDenied(f"{what}: {label} has no known owner")
+        same_user = caller.uid in (o.caller.uid, 0)
+        if token:
+            if same_user and hmac.compare_digest(token.encode("utf-8", "surrogateescape"), o.token.encode()):
+                return
+            raise ev.PermissionDenied(f"{what}: session_token does not match the registration of {label} "
+                                      f"(registered by {o.caller}; caller {caller})")
+        same_process = caller.pid == o.caller.pid  # both 0: the daemon sees neither pid (another container)
+        if same_user and same_process and not self.require_session_token:
+            return
+        if takeover and same_user:
+            gone = o.caller.pid > 0 and not os.path.exists(f"/proc/{o.caller.pid}")
+            if gone or not w.sessions:
+                log.info("%s: %s by %s, replacing the registration of %s (%s)", w.label, what, caller, o.caller,
+                         "process gone" if gone else "no session")
+                return
+        why = ("session_token required (require_session_token)" if self.require_session_token and same_process
+               else "send the session_token its RegisterEngine returned")
+        raise ev.PermissionDenied(f"{what}: {label} was registered by another process ({o.caller}; caller "
+                                  f"{caller}): {why}")
+
     async def RegisterEngine(self, request: pb.RegisterEngineRequest, context) -> pb.RegisterEngineResponse:
         await self._refuse_while_draining(context)
+        caller = await self._caller(context)
         w = request.worker
         staged = request.data_path == pb.DATA_PATH_STAGED or (
             request.data_path == pb.DATA_PATH_AUTO and any(not s.name for s in request.segments))
+        if request.data_path == pb.DATA_PATH_AUTO and any(s.kind == pb.MEMORY_KIND_CUDA_IPC for s in request.segments):
+            staged = None  # GPU memory: the core chooses (kvd.core.path_select, issue 7)
         segments = []
         for i, s in enumerate(request.segments):
+            if s.kind == pb.MEMORY_KIND_CUDA_IPC:
+                segments.append(Segment(s.name, s.size, cuda_ipc.KIND, bytes(s.handle), s.device))
+                continue
             if not staged and s.kind != pb.MEMORY_KIND_SHM:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"segment {i}: only MEMORY_KIND_SHM is supported by this daemon "
-                                    f"(or data_path STAGED)")
+                                    f"segment {i}: only MEMORY_KIND_SHM and MEMORY_KIND_CUDA_IPC are supported by "
+                                    f"this daemon (or data_path STAGED)")
             segments.append(Segment(s.name, s.size))
         try:
             worker = await self.node.register(
@@ -55,23 +150,33 @@ class EngineService(pb_grpc.EngineServiceServicer):
                 layout_from_pb(request.layout), segments,
                 [region_from_pb(r) for r in request.regions],
                 model=request.model, compat_extra=request.compat_extra, staged=staged,
-                owner_pid=request.owner_pid,
+                owner_pid=request.owner_pid, access=Access(caller.uid, caller.gids),
             )
         except ev.CoreError as e:
             await context.abort(status_of(e), str(e))
+        for key in [k for k, o in self.owners.items() if self.node.workers.get(k) is not o.worker]:
+            del self.owners[key]  # dropped meanwhile (unregistered, or its session gone too long)
+        token = secrets.token_hex(16)
+        self.owners[worker.key] = Owner(worker, caller, token)
+        log.info("%s registered by %s", worker.label, caller)
         return pb.RegisterEngineResponse(
+            session_token=token,
             agent_name=worker.agent.name, peer_address=self.node.peer_address,
             compat_hash=worker.compat_hash, registered_bytes=worker.registered_bytes,
-            data_path=pb.DATA_PATH_STAGED if staged else pb.DATA_PATH_DIRECT,
-            staging_segments=[pb.Segment(kind=pb.MEMORY_KIND_SHM, name=n, size=m.size)
-                              for n, m in zip(worker.staging, worker.mappings)],
+            data_path=pb.DATA_PATH_STAGED if worker.staged else pb.DATA_PATH_DIRECT,
+            staging_segments=_staging_segments(worker),
         )
 
     async def UnregisterEngine(self, request: pb.UnregisterEngineRequest, context) -> pb.UnregisterEngineResponse:
+        caller = await self._caller(context)
+        key = (request.worker.engine_id, request.worker.tp_rank)
         try:
-            n = await self.node.unregister((request.worker.engine_id, request.worker.tp_rank))
+            self.node.worker(*key)
+            self._authorize(key, caller, request.session_token, "UnregisterEngine", takeover=True)
+            n = await self.node.unregister(key)
         except ev.CoreError as e:
             await context.abort(status_of(e), str(e))
+        self.owners.pop(key, None)
         return pb.UnregisterEngineResponse(released_leases=n)
 
     async def GetStats(self, request, context) -> pb.StatsResponse:
@@ -88,8 +193,12 @@ class EngineService(pb_grpc.EngineServiceServicer):
         if first.WhichOneof("command") != "open":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session: the first command must be OpenSession")
         await self._refuse_while_draining(context)
+        caller = await self._caller(context)
+        key = (first.open.worker.engine_id, first.open.worker.tp_rank)
         try:
-            w = self.node.attach(first.open.worker.engine_id, first.open.worker.tp_rank)
+            self.node.worker(*key)
+            self._authorize(key, caller, first.open.session_token, "OpenSession")
+            w = self.node.attach(*key)
         except ev.CoreError as e:
             await context.abort(status_of(e), str(e))
         log.info("session opened: %s", w.label)
@@ -117,6 +226,13 @@ class EngineService(pb_grpc.EngineServiceServicer):
             if w.key not in node.workers:
                 node._emit(w, ev.CommandRejected("", "worker unregistered"))
                 return
+            c = getattr(cmd, kind) if kind else None
+            long_id = next((f for f in ("request_id", "remote_request_id", "remote_engine_id", "remote_address")
+                            if len(getattr(c, f, "").encode()) > MAX_ID_BYTES), None)
+            if long_id:
+                node._emit(w, ev.CommandRejected(getattr(c, "request_id", ""),
+                                                 f"{kind}: {long_id} longer than {MAX_ID_BYTES} bytes"))
+                continue
             if kind == "load":
                 c = cmd.load
                 if self.draining:

@@ -1,7 +1,9 @@
 """The daemon's client of remote daemons' PeerService (one channel per address).
 
 Implements ``kvd.core.node.PeerLink``: every gRPC error becomes the core's
-typed error, with the peer's address and message.
+typed error, with the peer's address and message. With ``PeerAuth``
+(kvd/daemon/peer_auth.py) its channels use mutual TLS and/or carry the token
+proof, and an answer whose sender did not prove the token is not used.
 """
 
 from __future__ import annotations
@@ -13,13 +15,21 @@ from kvd.config import MAX_MESSAGE_BYTES
 from kvd.core import events as ev
 from kvd.core.node import PROTOCOL_VERSION, HandshakeResult, PushOrder, PushResult
 from kvd.daemon.convert import groups_to_pb, handshake_from_pb, handshake_to_pb
+from kvd.daemon.peer_auth import PeerAuth, PeerAuthError
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
+SERVICE = "/kvd.v1.PeerService/"
+
+
+def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+CHANNEL_OPTIONS = channel_options()
 
 
 def _error(address: str, e: grpc.aio.AioRpcError) -> ev.CoreError:
@@ -32,28 +42,44 @@ def _error(address: str, e: grpc.aio.AioRpcError) -> ev.CoreError:
 
 
 class PeerClient:
-    """Handshake, push and notify calls to remote daemons."""
+    """Handshake, push and notify calls to remote daemons.
 
-    def __init__(self):
+    Args:
+        auth: TLS material and token (None: plaintext, no token).
+        max_message_bytes: gRPC message cap either way.
+    """
+
+    def __init__(self, auth: PeerAuth | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES):
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self.auth = auth or PeerAuth()
+        self.options = channel_options(max_message_bytes)
 
     def _stub(self, address: str) -> pb_grpc.PeerServiceStub:
         ch = self._channels.get(address)
         if ch is None:
-            ch = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            ch = self.auth.channel(address, self.options)
             self._channels[address] = ch
         return pb_grpc.PeerServiceStub(ch)
+
+    async def _call(self, address: str, name: str, request, timeout_s: float):
+        """One authenticated unary call; gRPC and proof errors become core errors."""
+        md, proof = self.auth.call_metadata(SERVICE + name, address)
+        try:
+            call = getattr(self._stub(address), name)(request, timeout=timeout_s, metadata=md)
+            response = await call
+            self.auth.check_proof(await call.initial_metadata(), proof)
+        except grpc.aio.AioRpcError as e:
+            raise _error(address, e) from None
+        except PeerAuthError as e:
+            raise ev.PeerUnavailable(f"{address}: {e}") from None
+        return response
 
     async def handshake(self, address: str, engine_id: str, tp_rank: int, compat_hash: str,
                         timeout_s: float) -> HandshakeResult:
         """Handshake with ``address`` for its worker ``(engine_id, tp_rank)``."""
         req = pb.HandshakeRequest(engine_id=engine_id, tp_rank=tp_rank, daemon_version=__version__,
                                   compat_hash=compat_hash, protocol_version=PROTOCOL_VERSION)
-        try:
-            r = await self._stub(address).Handshake(req, timeout=timeout_s)
-        except grpc.aio.AioRpcError as e:
-            raise _error(address, e) from None
-        return handshake_from_pb(r)
+        return handshake_from_pb(await self._call(address, "Handshake", req, timeout_s))
 
     async def push(self, address: str, order: PushOrder, timeout_s: float) -> PushResult:
         """Asks ``address`` to WRITE ``order``'s blocks; returns when done."""
@@ -63,10 +89,7 @@ class PeerClient:
             reader_tp_rank=order.reader_tp_rank, reader_groups=groups_to_pb(order.reader_block_ids),
             expected_notifications=order.expected_notifications, timeout_s=order.timeout_s,
         )
-        try:
-            r = await self._stub(address).Push(req, timeout=timeout_s)
-        except grpc.aio.AioRpcError as e:
-            raise _error(address, e) from None
+        r = await self._call(address, "Push", req, timeout_s)
         return PushResult(r.bytes, r.num_descriptors, r.duration_s)
 
     async def notify(self, address: str, engine_id: str, tp_rank: int, request_id: str, expected: int,
@@ -74,10 +97,7 @@ class PeerClient:
         """Tells ``address`` that one reader is done with ``request_id`` on that rank."""
         req = pb.NotifyRequest(engine_id=engine_id, tp_rank=tp_rank, request_id=request_id,
                                expected_notifications=expected)
-        try:
-            await self._stub(address).Notify(req, timeout=timeout_s)
-        except grpc.aio.AioRpcError as e:
-            raise _error(address, e) from None
+        await self._call(address, "Notify", req, timeout_s)
 
     async def close(self) -> None:
         for ch in self._channels.values():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from kvd.config import MAX_ID_BYTES
 from kvd.core import events as ev
 from kvd.core.node import Node, PushOrder
 from kvd.daemon.convert import groups_from_pb, handshake_from_pb, handshake_to_pb, status_of
@@ -15,7 +16,10 @@ log = logging.getLogger("kvd.peer")
 
 class PeerService(pb_grpc.PeerServiceServicer):
     """Answers handshakes (our worker's NIXL agent metadata and layout), and in
-    push mode writes held blocks into a reader's blocks."""
+    push mode writes held blocks into a reader's blocks.
+
+    Callers are authenticated before a method runs (mutual TLS on the port,
+    the token by ``PeerAuthInterceptor``; kvd/daemon/peer_auth.py)."""
 
     def __init__(self, node: Node):
         self.node = node
@@ -49,6 +53,9 @@ class PeerService(pb_grpc.PeerServiceServicer):
 
     async def Notify(self, request: pb.NotifyRequest, context) -> pb.NotifyResponse:
         try:
+            if len(request.request_id.encode()) > MAX_ID_BYTES:
+                # An unknown request's notification is kept (it may beat its hold).
+                raise ev.InvalidArgument(f"notify: request_id longer than {MAX_ID_BYTES} bytes")
             self.node.notify(request.engine_id, request.tp_rank, request.request_id,
                              request.expected_notifications)
         except ev.CoreError as e:

@@ -1,7 +1,11 @@
 """The daemon's life: ``serve()`` = ``startup()`` -> ``main_loop()`` -> ``shutdown()``.
 
-- ``EngineService`` (+ Health, reflection) on a Unix socket, for local engines;
-- ``PeerService`` (+ Health, reflection) on TCP, for remote daemons;
+- ``EngineService`` (+ Health, reflection) on a Unix socket, for local engines,
+  behind the gate that admits callers by their kernel credentials
+  (``kvd/daemon/local_gate.py``);
+- ``PeerService`` (+ Health, reflection) on TCP, for remote daemons, with
+  mutual TLS and/or a token (``kvd/daemon/peer_auth.py``); with neither it
+  binds loopback only unless ``peer_insecure`` (docs/SECURITY.md);
 - both on one ``grpc.aio`` event loop run by uvloop; NIXL calls run on the
   core's NIXL thread.
 Startup ends with sd_notify ``READY=1`` (systemd ``Type=notify``).
@@ -19,6 +23,7 @@ load error and its engine recomputes.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 import signal
@@ -30,10 +35,12 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from kvd import __version__
-from kvd.config import MAX_MESSAGE_BYTES, Config, parse_host_port
+from kvd.config import MAX_MESSAGE_BYTES, Config, parse_host_port, resolve_gid, resolve_uid
 from kvd.core.node import Limits, Node
 from kvd.daemon.engine_service import EngineService
+from kvd.daemon.local_gate import AdmissionInterceptor, Gate, Policy
 from kvd.daemon.metrics import Metrics
+from kvd.daemon.peer_auth import PeerAuth, PeerAuthInterceptor
 from kvd.daemon.sdnotify import Notifier
 from kvd.daemon.peer_client import PeerClient
 from kvd.daemon.peer_service import PeerService
@@ -41,11 +48,28 @@ from kvd.v1 import kvd_pb2, kvd_pb2_grpc
 
 log = logging.getLogger("kvd.server")
 
-SERVER_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.so_reuseport", 0),
-]
+
+def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+SERVER_OPTIONS = server_options()
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 ENGINE_SERVICE = kvd_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 PEER_SERVICE = kvd_pb2.DESCRIPTOR.services_by_name["PeerService"].full_name
 
@@ -55,7 +79,9 @@ class Server:
 
     def __init__(self, config: Config):
         self.config = config.validate()
-        self.peer_client = PeerClient()
+        self.peer_auth = PeerAuth.from_config(config)
+        self.peer_client = PeerClient(self.peer_auth, config.max_message_bytes)
+        self.gate: Gate | None = None
         self.node: Node | None = None
         self.metrics: Metrics | None = None
         self.should_exit = asyncio.Event()
@@ -76,39 +102,55 @@ class Server:
         host, port = parse_host_port(cfg.peer_listen, "peer_listen")
         limits = Limits(lease_s=cfg.lease_s, transfer_timeout_s=cfg.transfer_timeout_s,
                         handshake_timeout_s=cfg.handshake_timeout_s, detach_grace_s=cfg.detach_grace_s,
-                        transfer_mode=cfg.transfer_mode)
+                        transfer_mode=cfg.transfer_mode, max_inflight_per_worker=cfg.max_inflight_per_worker,
+                        max_blocks_per_request=cfg.max_blocks_per_request,
+                        max_leases_per_worker=cfg.max_leases_per_worker)
+        options = server_options(cfg.max_message_bytes)
         self._loop = asyncio.get_running_loop()
         self.metrics = Metrics(self._stats_threadsafe)
         self.node = Node(limits, peers=self.peer_client, backends=cfg.backends, on_event=self.metrics.on_event)
         self._check_backends()
-        self.engine_service = EngineService(self.node, on_event=self.metrics.on_event, backends=cfg.backends)
+        policy = Policy.make([resolve_uid(u) for u in cfg.allowed_uids], [resolve_gid(g) for g in cfg.allowed_gids])
+        self.gate = Gate(cfg.engine_socket, policy,
+                         resolve_gid(cfg.engine_socket_group) if cfg.engine_socket_group else None)
+        self.engine_service = EngineService(self.node, on_event=self.metrics.on_event, backends=cfg.backends,
+                                            callers=self.gate.caller,
+                                            require_session_token=cfg.require_session_token)
 
         # Peer side (TCP).
-        self.peer_server = grpc.aio.server(options=SERVER_OPTIONS)
+        host = self._peer_host(host, port)
+        auth = self.peer_auth
+        interceptors = [PeerAuthInterceptor(auth, self._own_addresses)] if auth.token else []
+        self.peer_server = grpc.aio.server(options=options, interceptors=interceptors)
         kvd_pb2_grpc.add_PeerServiceServicer_to_server(PeerService(self.node), self.peer_server)
         self.peer_health = self._add_health_and_reflection(self.peer_server, PEER_SERVICE)
         bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        self.peer_port = self.peer_server.add_insecure_port(bind)
+        creds = auth.server_credentials()
+        self.peer_port = (self.peer_server.add_secure_port(bind, creds) if creds is not None
+                          else self.peer_server.add_insecure_port(bind))
         if self.peer_port == 0:
-            raise OSError(f"cannot bind PeerService to {cfg.peer_listen}")
+            raise OSError(f"cannot bind PeerService to {bind}")
         adv = cfg.peer_advertise or f"{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{self.peer_port}"
         self.node.peer_address = adv
+        self._bound = bind.replace(f":{port}", f":{self.peer_port}") if port == 0 else bind
 
-        # Engine side (Unix socket).
+        # Engine side (Unix socket, through the gate).
         sock = cfg.engine_socket
         os.makedirs(os.path.dirname(os.path.abspath(sock)), exist_ok=True)
         if os.path.exists(sock):
             if self._socket_alive(sock):
                 raise OSError(f"another daemon is serving on {sock}")
             os.unlink(sock)
-        self.engine_server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.engine_server = grpc.aio.server(options=options, interceptors=[AdmissionInterceptor(self.gate)])
         kvd_pb2_grpc.add_EngineServiceServicer_to_server(self.engine_service, self.engine_server)
         self.engine_health = self._add_health_and_reflection(self.engine_server, ENGINE_SERVICE)
-        if self.engine_server.add_insecure_port(f"unix:{sock}") == 0:
-            raise OSError(f"cannot bind EngineService to unix:{sock}")
+        internal = self.gate.start()
+        if self.engine_server.add_insecure_port(internal) == 0:
+            raise OSError(f"cannot bind EngineService to {internal}")
 
         await self.peer_server.start()
         await self.engine_server.start()
+        await self.gate.open()
         self.node.start()
         metrics_at = ""
         if cfg.metrics_port:
@@ -121,10 +163,33 @@ class Server:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.handle_exit, sig)
-        log.info("kvd %s serving: engines on unix:%s, peers on %s (advertised %s), NIXL backends %s%s",
-                 __version__, sock, bind.replace(f":{port}", f":{self.peer_port}") if port == 0 else bind,
-                 adv, ",".join(cfg.backends), f", metrics on http://{metrics_at}/metrics" if metrics_at else "")
+        log.info("kvd %s serving: engines on unix:%s (admitted: %s), peers on %s (advertised %s, "
+                 "authentication: %s), NIXL backends %s%s",
+                 __version__, sock, policy.describe(), self._bound, adv, auth.describe(), ",".join(cfg.backends),
+                 f", metrics on http://{metrics_at}/metrics" if metrics_at else "")
         self.notifier.ready(f"serving: engines on unix:{sock}, peers on {adv}")
+
+    def _peer_host(self, host: str, port: int) -> str:
+        """The host PeerService binds: loopback when it has no authentication
+        and the operator did not opt out (``peer_insecure``)."""
+        if self.peer_auth.secured or is_loopback(host):
+            return host
+        if self.config.peer_insecure:
+            log.warning("SECURITY: PeerService on %s has NO authentication (peer_insecure = true): any host "
+                        "that reaches this port can read and overwrite every KV cache registered here. "
+                        "Configure mutual TLS (peer_tls_*) or peer_token_file (docs/SECURITY.md).",
+                        self.config.peer_listen)
+            return host
+        loopback = "::1" if ":" in host else "127.0.0.1"
+        log.warning("SECURITY: PeerService has no authentication (no peer_tls_*, no peer_token_file): binding "
+                    "%s instead of %s, so remote daemons cannot reach this one. Configure mutual TLS or a "
+                    "token (docs/SECURITY.md), or set peer_insecure = true to serve unauthenticated peers.",
+                    f"[{loopback}]:{port}" if ":" in loopback else f"{loopback}:{port}", self.config.peer_listen)
+        return loopback
+
+    def _own_addresses(self) -> set[str]:
+        """The ``host:port`` names remote daemons may address this one by (token proofs)."""
+        return {a for a in (self.node.peer_address if self.node else "", getattr(self, "_bound", "")) if a}
 
     def _check_backends(self) -> None:
         from kvd.core.nixl_agent import NixlAgent
@@ -225,11 +290,8 @@ class Server:
         await self.peer_client.close()
         if self.metrics is not None:
             self.metrics.stop()
-        sock = self.config.engine_socket
-        try:
-            os.unlink(sock)
-        except FileNotFoundError:
-            pass
+        if self.gate is not None:
+            await self.gate.close()  # the socket and the private directory
         # Shutdown is done: a late SIGTERM/SIGINT (a second `systemctl stop`,
         # a supervisor's retry) must not turn exit 0 into "killed by signal"
         # while the interpreter tears down.

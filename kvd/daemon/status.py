@@ -55,7 +55,7 @@ def build_stats(node: Node, draining: bool = False, backends: list[str] | None =
         # ("direct") or daemon-owned staging mirrors of them ("staged",
         # Worker.staging). The GPU path (issue 7) may set ``memory`` to VRAM.
         memory = getattr(w, "memory", "DRAM")
-        path = "staged" if getattr(w, "staging", None) else "direct"
+        path = "staged" if getattr(w, "staging", None) or getattr(w, "staged", False) else "direct"
         paths.add(path)
         resp.workers.add(
             engine_id=w.key[0], tp_rank=w.key[1], tp_size=w.tp_size, model=w.model,

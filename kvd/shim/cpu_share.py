@@ -40,9 +40,15 @@ any tensor:
   ``[num_blocks, num_kv_heads, block_size, head_size + head_size_v]``
   (``vllm/v1/kv_cache_interface.py:create_kv_cache_views`` with the
   ``LBHNC`` layout that ``CPUAttentionBackend.supported_kv_cache_layouts``
-  requires), K and V of one head interleaved inside a block
-  (``vllm/v1/attention/backends/cpu_attn.py:411-415``), so one region per
-  layer whose block holds both K and V.
+  requires), K and V of one head side by side inside a block: the kernel
+  views it as ``[num_kv_heads, 2 * block_size, head_size]``, K rows then V
+  rows (``vllm/v1/attention/backends/cpu_attn.py:411-415``), so one region per
+  layer whose block holds both K and V. Such a block is head-major but not
+  token-major inside a head: ``Layout.head_dim`` then says ``2 * head_size``
+  (the bytes of one token of one head, as far as slicing by heads goes), which
+  lets the daemon give each decode rank its heads under heterogeneous TP;
+  re-slicing by tokens (another block size) would be wrong there, so the vLLM
+  shim puts the block size into ``compat_extra`` (``SharedKvCaches.kv_in_block``).
 - ``block_len`` = bytes of everything after the block dim (must be contiguous,
   else :class:`CpuShareError`), ``block_stride`` = stride of the block dim x
   element size, ``offset`` = byte offset of that sub-tensor's block 0 from the
@@ -51,13 +57,23 @@ any tensor:
   (``vllm/v1/worker/utils.py:allocate_kv_cache``), so segments are deduped by
   storage; layers that reuse another layer's cache (cross-layer KV sharing,
   ``gpu_model_runner.py:initialize_kv_cache_tensors``) give byte-identical
-  regions, which are deduped too (the bytes move once).
+  regions, which are deduped too (the bytes move once). Hybrid models (vLLM
+  HMA) overlay their KV-cache groups on the same bytes (``KVCacheTensor``): a
+  region is kept once *per group* (``Region.group``), since each group's block
+  ids address those bytes independently.
+- Shutdown: :func:`release_names` unlinks the segment names (vLLM kills
+  ``torch_shm_manager`` before the storages are freed, so torch would leak
+  them), after raising torch's header refcount so that torch's own unlink at
+  free time does not abort the process.
+- The staged data path shares nothing: :func:`describe_kv_caches` gives the
+  same regions over unnamed segments, and ``kvd.shim.staging`` copies blocks.
 
 Units: bytes for sizes, strides and offsets; tokens for ``block_size``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 from collections.abc import Mapping
@@ -68,6 +84,10 @@ import torch
 from kvd.v1 import kvd_pb2 as pb
 
 SHM_DIR = "/dev/shm"
+
+# torch's MapInfo header (aten/src/ATen/MapAllocator.cpp): a std::atomic<int>
+# reference count at byte 0 of a shared segment, data at byte 64.
+_REFCOUNT = ctypes.c_int
 
 _KV_LAYOUTS = {"NHD": pb.KV_LAYOUT_NHD, "HND": pb.KV_LAYOUT_HND, "MLA": pb.KV_LAYOUT_MLA}
 
@@ -87,11 +107,15 @@ class SharedStorage:
         nbytes: bytes of the storage.
         size: bytes the daemon must map from the object's start
             (``data_offset + nbytes``); never larger than the object.
+        header_addr: address, in this process, of torch's header at the
+            object's byte 0 (its reference count, see :func:`release_names`);
+            0 when unknown (then the name is never unlinked here).
     """
 
     name: str
     data_offset: int
     nbytes: int
+    header_addr: int = 0
 
     @property
     def size(self) -> int:
@@ -159,7 +183,53 @@ def share_storage(tensor: torch.Tensor) -> SharedStorage:
         raise CpuShareError(
             f"shared segment {name}: storage ends at byte {data_offset + nbytes}, the object has {object_size}"
         )
-    return SharedStorage(name=name, data_offset=data_offset, nbytes=nbytes)
+    header_addr = 0
+    if found is not None and found[1] == path and data_offset >= ctypes.sizeof(_REFCOUNT):
+        header_addr = storage.data_ptr() - data_offset
+        if _REFCOUNT.from_address(header_addr).value < 1:  # not torch's MapInfo as we know it
+            header_addr = 0
+    return SharedStorage(name=name, data_offset=data_offset, nbytes=nbytes, header_addr=header_addr)
+
+
+def release_names(storages: list[SharedStorage], tensors: list[torch.Tensor]) -> list[str]:
+    """Unlinks the shm names of shared storages (engine shutdown); returns them.
+
+    ``tensors[i]`` must hold the storage of ``storages[i]`` (the caller keeps
+    them alive until here: the header is written through this process's
+    mapping, which a freed storage no longer has).
+
+    The memory stays mapped and every tensor view stays valid; the kernel
+    frees the pages when the last mapping (this process's, the daemon's) goes.
+    Without this the names leak: torch unlinks a segment when its storage is
+    freed or, for a process that dies, through ``torch_shm_manager``, which
+    vLLM kills at shutdown before the storages are freed.
+
+    torch's own unlink at free time (``RefcountedMapAllocator::close``,
+    ``MapAllocator.cpp``) aborts the process when the name is already gone,
+    so the header's reference count (``MapInfo.refcount``, an int at the
+    object's byte 0: 1 after sharing) is raised by one first: torch's close
+    then only drops its mapping. A storage whose header was not found
+    (``header_addr`` 0) keeps its name. Idempotent per name.
+    """
+    released = []
+    for st, t in zip(storages, tensors):
+        if not st.name or not st.header_addr or st.name in _RELEASED:
+            continue
+        if t.untyped_storage().data_ptr() != st.header_addr + st.data_offset:
+            continue  # not the mapping we described (moved?): leave the name to torch
+        path = os.path.join(SHM_DIR, st.name.lstrip("/"))
+        _RELEASED.add(st.name)
+        _REFCOUNT.from_address(st.header_addr).value += 1
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        released.append(st.name)
+    return released
+
+
+# Names this process has unlinked (their headers were raised once).
+_RELEASED: set[str] = set()
 
 
 # --------------------------------------------------------------------- maths
@@ -176,6 +246,7 @@ class RegionPlan:
     block_stride: int
     name: str
     layer: str
+    group: int = 0      # KV-cache group of the layer (vLLM HMA), numbered 0..G-1
 
 
 @dataclass
@@ -189,12 +260,14 @@ class KvCachePlan:
             then index order of the dims before the block dim.
         layers: layer names that own at least one region, in order.
         dtype: the common element type of all tensors.
+        kernel_blocks: the most kernel blocks merged into one block (1: none).
     """
 
     storages: list[torch.Tensor] = field(default_factory=list)
     regions: list[RegionPlan] = field(default_factory=list)
     layers: list[str] = field(default_factory=list)
     dtype: torch.dtype | None = None
+    kernel_blocks: int = 1
 
 
 def _is_dense(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
@@ -232,6 +305,7 @@ def plan_regions(
     num_blocks: int,
     *,
     block_dim: int | None = None,
+    groups: Mapping[str, int] | None = None,
 ) -> KvCachePlan:
     """Regions of vLLM KV cache tensors (``layer name -> tensor``).
 
@@ -240,6 +314,11 @@ def plan_regions(
         num_blocks: blocks of the KV cache manager (``KVCacheConfig.num_blocks``).
         block_dim: force the block dimension (default: the first dim of size
             ``num_blocks``, else the first multiple of it: kernel blocks).
+        groups: layer name -> KV-cache group (vLLM HMA; default: all group 0).
+            vLLM overlays the groups on the same bytes
+            (``KVCacheTensor``: a block id belongs to one group at a time), so
+            the same bytes may be one region per group: regions are deduped
+            within a group only.
 
     Raises:
         CpuShareError: no block dim, a non-contiguous block, overlapping blocks,
@@ -249,7 +328,7 @@ def plan_regions(
         raise CpuShareError(f"num_blocks must be > 0 (got {num_blocks})")
     plan = KvCachePlan()
     storage_index: dict[int, int] = {}
-    seen: set[tuple[int, int, int, int]] = set()
+    seen: set[tuple[int, int, int, int, int]] = set()
     for layer, t in kv_caches.items():
         if not isinstance(t, torch.Tensor):
             raise CpuShareError(f"layer {layer}: KV cache is a {type(t).__name__}, not a tensor")
@@ -280,6 +359,7 @@ def plan_regions(
             )
         block_len = kernel_len * kernel_per_block
         block_stride = kernel_stride * kernel_per_block
+        plan.kernel_blocks = max(plan.kernel_blocks, kernel_per_block)
         if block_stride < block_len:
             raise CpuShareError(f"layer {layer}: blocks overlap (stride {block_stride} B < length {block_len} B)")
         key = t.untyped_storage().data_ptr()
@@ -287,12 +367,13 @@ def plan_regions(
             storage_index[key] = len(plan.storages)
             plan.storages.append(t)
         s = storage_index[key]
+        group = int(groups[layer]) if groups is not None else 0
         prefix = shape[:d]
         added = False
         for idx in itertools.product(*(range(n) for n in prefix)):
             elem_off = t.storage_offset() + sum(i * st for i, st in zip(idx, strides[:d]))
             offset = elem_off * esize
-            ident = (s, offset, block_len, block_stride)
+            ident = (s, offset, block_len, block_stride, group)
             if ident in seen:
                 continue
             seen.add(ident)
@@ -302,7 +383,7 @@ def plan_regions(
                 suffix = "/" + ",".join(map(str, idx))
             else:
                 suffix = ""
-            plan.regions.append(RegionPlan(s, offset, block_len, block_stride, layer + suffix, layer))
+            plan.regions.append(RegionPlan(s, offset, block_len, block_stride, layer + suffix, layer, group))
             added = True
         if added:
             plan.layers.append(layer)
@@ -314,12 +395,27 @@ def plan_regions(
 # ------------------------------------------------------------------- proto
 @dataclass
 class SharedKvCaches:
-    """What ``RegisterEngineRequest`` needs: segments, regions and layout."""
+    """What ``RegisterEngineRequest`` needs: segments, regions and layout.
+
+    Attributes:
+        segments, regions, layout: for the proto (see :func:`share_kv_caches`).
+        storages: one per segment; named for the direct path, unnamed (``""``,
+            ``data_offset`` 0) for the staged one.
+        tensors: one tensor per segment (its storage is the segment's bytes),
+            for the staged path's copies.
+        kv_in_block: True when one head's bytes in a block hold both its K
+            and its V (vLLM-CPU): ``layout.head_dim`` is then the per-head
+            vector (K and V together) and the block is not token-major inside
+            a head, so blocks can be re-sliced by heads (heterogeneous TP) but
+            not by tokens (another block size) or permuted (HND/NHD).
+    """
 
     segments: list[pb.Segment]
     regions: list[pb.Region]
     layout: pb.Layout
     storages: list[SharedStorage]
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    kv_in_block: bool = False
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -327,7 +423,23 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def share_kv_caches(
+def head_vector(block_len: int, block_size: int, num_kv_heads: int, head_dim: int, elem_bytes: int) -> int:
+    """Elements per (token, head) in one region's block, as ``Layout.head_dim``.
+
+    ``head_dim`` when a block is ``tokens x heads x head_dim`` (per-layer K
+    and V regions, or MLA); ``2 * head_dim`` when K and V of a head share the
+    block (vLLM-CPU's ``[heads, 2 * block_size, head_dim]`` per block,
+    ``cpu_attn.py``); else ``head_dim`` unchanged (the daemon then moves only
+    whole blocks between equal layouts and refuses re-slicing, by message).
+    """
+    per_token_head = block_size * num_kv_heads * elem_bytes
+    if per_token_head <= 0 or block_len % per_token_head:
+        return head_dim
+    vec = block_len // per_token_head
+    return vec if vec in (head_dim, 2 * head_dim) else head_dim
+
+
+def _describe(
     kv_caches: Mapping[str, torch.Tensor],
     *,
     num_blocks: int,
@@ -335,35 +447,22 @@ def share_kv_caches(
     kv_layout: str,
     num_kv_heads: int,
     head_dim: int,
-    total_kv_heads: int = 0,
-    block_dim: int | None = None,
+    total_kv_heads: int,
+    block_dim: int | None,
+    groups: Mapping[str, int] | None,
+    share: bool,
 ) -> SharedKvCaches:
-    """Shares every storage behind ``kv_caches`` and describes it for the daemon.
-
-    Args:
-        kv_caches: ``layer name -> tensor`` as given to ``register_kv_caches``.
-        num_blocks: blocks per region (``KVCacheConfig.num_blocks``).
-        block_size: tokens per block (the KV cache manager's block size).
-        kv_layout: ``"HND"``, ``"NHD"`` or ``"MLA"`` (inside one block).
-        num_kv_heads: KV heads held by this TP rank.
-        head_dim: head size in elements.
-        total_kv_heads: KV heads of the whole model (0: ``num_kv_heads`` x TP size).
-        block_dim: see :func:`plan_regions`.
-
-    Returns:
-        Segments (one per storage, ``MEMORY_KIND_SHM``), regions with offsets
-        from each segment's byte 0 (the shm header included), and the layout.
-
-    Raises:
-        CpuShareError: see :func:`plan_regions` and :func:`share_storage`.
-    """
     if kv_layout not in _KV_LAYOUTS:
         raise CpuShareError(f"kv_layout must be one of {sorted(_KV_LAYOUTS)} (got {kv_layout!r})")
     if block_size <= 0:
         raise CpuShareError(f"block_size must be > 0 tokens (got {block_size})")
-    plan = plan_regions(kv_caches, num_blocks, block_dim=block_dim)
-    shared = [share_storage(t) for t in plan.storages]
-    segments = [pb.Segment(kind=pb.MEMORY_KIND_SHM, name=s.name, size=s.size) for s in shared]
+    plan = plan_regions(kv_caches, num_blocks, block_dim=block_dim, groups=groups)
+    if share:
+        shared = [share_storage(t) for t in plan.storages]
+        segments = [pb.Segment(kind=pb.MEMORY_KIND_SHM, name=s.name, size=s.size) for s in shared]
+    else:
+        shared = [SharedStorage(name="", data_offset=0, nbytes=t.untyped_storage().nbytes()) for t in plan.storages]
+        segments = [pb.Segment(kind=pb.MEMORY_KIND_SHM, name="", size=s.size) for s in shared]
     regions = []
     for r in plan.regions:
         end = r.offset + (num_blocks - 1) * r.block_stride + r.block_len
@@ -378,16 +477,85 @@ def share_kv_caches(
             block_len=r.block_len,
             block_stride=r.block_stride,
             name=r.name,
+            group=r.group,
         ))
+    esize = plan.storages[0].element_size() if plan.storages else 1
+    vecs = {head_vector(r.block_len, block_size, num_kv_heads, head_dim, esize) for r in plan.regions}
+    vec = vecs.pop() if len(vecs) == 1 and plan.kernel_blocks == 1 else head_dim
     layout = pb.Layout(
         num_blocks=num_blocks,
         block_size=block_size,
         kv_layout=_KV_LAYOUTS[kv_layout],
         dtype=dtype_name(plan.dtype) if plan.dtype is not None else "",
         num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
+        head_dim=vec,
         num_layers=len(plan.layers),
         block_lens=[r.block_len for r in plan.regions],
         total_kv_heads=total_kv_heads,
     )
-    return SharedKvCaches(segments=segments, regions=regions, layout=layout, storages=shared)
+    return SharedKvCaches(segments=segments, regions=regions, layout=layout, storages=shared,
+                          tensors=list(plan.storages), kv_in_block=vec != head_dim)
+
+
+def share_kv_caches(
+    kv_caches: Mapping[str, torch.Tensor],
+    *,
+    num_blocks: int,
+    block_size: int,
+    kv_layout: str,
+    num_kv_heads: int,
+    head_dim: int,
+    total_kv_heads: int = 0,
+    block_dim: int | None = None,
+    groups: Mapping[str, int] | None = None,
+) -> SharedKvCaches:
+    """Shares every storage behind ``kv_caches`` and describes it for the daemon
+    (the direct data path: the daemon maps the engine's own pages).
+
+    Args:
+        kv_caches: ``layer name -> tensor`` as given to ``register_kv_caches``.
+        num_blocks: blocks per region (``KVCacheConfig.num_blocks``).
+        block_size: tokens per block (the KV cache manager's block size).
+        kv_layout: ``"HND"``, ``"NHD"`` or ``"MLA"`` (inside one block).
+        num_kv_heads: KV heads held by this TP rank.
+        head_dim: head size in elements (``layout.head_dim`` may be twice it,
+            see :func:`head_vector`).
+        total_kv_heads: KV heads of the whole model (0: ``num_kv_heads`` x TP size).
+        block_dim: see :func:`plan_regions`.
+        groups: layer -> KV-cache group, see :func:`plan_regions`.
+
+    Returns:
+        Segments (one per storage, ``MEMORY_KIND_SHM``), regions with offsets
+        from each segment's byte 0 (the shm header included), and the layout.
+
+    Raises:
+        CpuShareError: see :func:`plan_regions` and :func:`share_storage`.
+    """
+    return _describe(kv_caches, num_blocks=num_blocks, block_size=block_size, kv_layout=kv_layout,
+                     num_kv_heads=num_kv_heads, head_dim=head_dim, total_kv_heads=total_kv_heads,
+                     block_dim=block_dim, groups=groups, share=True)
+
+
+def describe_kv_caches(
+    kv_caches: Mapping[str, torch.Tensor],
+    *,
+    num_blocks: int,
+    block_size: int,
+    kv_layout: str,
+    num_kv_heads: int,
+    head_dim: int,
+    total_kv_heads: int = 0,
+    block_dim: int | None = None,
+    groups: Mapping[str, int] | None = None,
+) -> SharedKvCaches:
+    """Describes ``kv_caches`` without sharing anything (the staged data path).
+
+    Same arguments and maths as :func:`share_kv_caches`, but the segments are
+    unnamed (``RegisterEngineRequest`` with ``DATA_PATH_STAGED``: only their
+    sizes count, the daemon makes a mirror of each) and the region offsets
+    count from each storage's byte 0. ``tensors`` are what the shim copies
+    from and to (``kvd.shim.staging``).
+    """
+    return _describe(kv_caches, num_blocks=num_blocks, block_size=block_size, kv_layout=kv_layout,
+                     num_kv_heads=num_kv_heads, head_dim=head_dim, total_kv_heads=total_kv_heads,
+                     block_dim=block_dim, groups=groups, share=False)

@@ -125,26 +125,30 @@ class RegisterEngineRequest(_message.Message):
     def __init__(self, worker: _Optional[_Union[EngineWorker, _Mapping]] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., model: _Optional[str] = ..., compat_extra: _Optional[str] = ..., data_path: _Optional[_Union[DataPath, str]] = ..., owner_pid: _Optional[int] = ...) -> None: ...
 
 class RegisterEngineResponse(_message.Message):
-    __slots__ = ("agent_name", "peer_address", "compat_hash", "registered_bytes", "data_path", "staging_segments")
+    __slots__ = ("agent_name", "peer_address", "compat_hash", "registered_bytes", "data_path", "staging_segments", "session_token")
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_BYTES_FIELD_NUMBER: _ClassVar[int]
     DATA_PATH_FIELD_NUMBER: _ClassVar[int]
     STAGING_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     agent_name: str
     peer_address: str
     compat_hash: str
     registered_bytes: int
     data_path: DataPath
     staging_segments: _containers.RepeatedCompositeFieldContainer[Segment]
-    def __init__(self, agent_name: _Optional[str] = ..., peer_address: _Optional[str] = ..., compat_hash: _Optional[str] = ..., registered_bytes: _Optional[int] = ..., data_path: _Optional[_Union[DataPath, str]] = ..., staging_segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
+    session_token: str
+    def __init__(self, agent_name: _Optional[str] = ..., peer_address: _Optional[str] = ..., compat_hash: _Optional[str] = ..., registered_bytes: _Optional[int] = ..., data_path: _Optional[_Union[DataPath, str]] = ..., staging_segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., session_token: _Optional[str] = ...) -> None: ...
 
 class UnregisterEngineRequest(_message.Message):
-    __slots__ = ("worker",)
+    __slots__ = ("worker", "session_token")
     WORKER_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     worker: EngineWorker
-    def __init__(self, worker: _Optional[_Union[EngineWorker, _Mapping]] = ...) -> None: ...
+    session_token: str
+    def __init__(self, worker: _Optional[_Union[EngineWorker, _Mapping]] = ..., session_token: _Optional[str] = ...) -> None: ...
 
 class UnregisterEngineResponse(_message.Message):
     __slots__ = ("released_leases",)
@@ -167,10 +171,12 @@ class SessionCommand(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenSession, _Mapping]] = ..., load: _Optional[_Union[LoadBlocks, _Mapping]] = ..., hold: _Optional[_Union[HoldBlocks, _Mapping]] = ..., release: _Optional[_Union[ReleaseBlocks, _Mapping]] = ..., abort_load: _Optional[_Union[AbortLoad, _Mapping]] = ...) -> None: ...
 
 class OpenSession(_message.Message):
-    __slots__ = ("worker",)
+    __slots__ = ("worker", "session_token")
     WORKER_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     worker: EngineWorker
-    def __init__(self, worker: _Optional[_Union[EngineWorker, _Mapping]] = ...) -> None: ...
+    session_token: str
+    def __init__(self, worker: _Optional[_Union[EngineWorker, _Mapping]] = ..., session_token: _Optional[str] = ...) -> None: ...
 
 class LoadBlocks(_message.Message):
     __slots__ = ("request_id", "local_block_ids", "remote_engine_id", "remote_address", "remote_block_ids", "remote_request_id", "remote_tp_size", "timeout_s", "local_groups", "remote_groups")
@@ -430,7 +436,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., daemon_version: _Optional[str] = ..., compat_hash: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("agent_metadata", "agent_name", "layout", "regions", "region_base_addrs", "compat_hash", "daemon_version", "protocol_version", "tp_size")
+    __slots__ = ("agent_metadata", "agent_name", "layout", "regions", "region_base_addrs", "compat_hash", "daemon_version", "protocol_version", "tp_size", "memory", "device")
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -440,6 +446,8 @@ class HandshakeResponse(_message.Message):
     DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     agent_metadata: bytes
     agent_name: str
     layout: Layout
@@ -449,7 +457,9 @@ class HandshakeResponse(_message.Message):
     daemon_version: str
     protocol_version: int
     tp_size: int
-    def __init__(self, agent_metadata: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., region_base_addrs: _Optional[_Iterable[int]] = ..., compat_hash: _Optional[str] = ..., daemon_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
+    memory: str
+    device: int
+    def __init__(self, agent_metadata: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., region_base_addrs: _Optional[_Iterable[int]] = ..., compat_hash: _Optional[str] = ..., daemon_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., tp_size: _Optional[int] = ..., memory: _Optional[str] = ..., device: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("engine_id", "tp_rank", "request_id", "source_block_ids", "reader", "reader_tp_rank", "reader_block_ids", "expected_notifications", "timeout_s", "source_groups", "reader_groups")

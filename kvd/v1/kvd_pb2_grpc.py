@@ -26,7 +26,10 @@ if _version_not_supported:
 
 
 class EngineServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """Every EngineService call comes over the daemon's Unix socket; the daemon
+    admits a caller by its kernel credentials (uid, gids: SO_PEERCRED), and
+    refuses the others with PERMISSION_DENIED (docs/SECURITY.md).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -57,12 +60,16 @@ class EngineServiceStub:
 
 
 class EngineServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Every EngineService call comes over the daemon's Unix socket; the daemon
+    admits a caller by its kernel credentials (uid, gids: SO_PEERCRED), and
+    refuses the others with PERMISSION_DENIED (docs/SECURITY.md).
+    """
 
     def RegisterEngine(self, request, context):
         """Registers one engine worker's KV regions; the daemon maps the segments,
         makes a NIXL agent and registers the memory. INVALID_ARGUMENT on a bad
-        layout, ALREADY_EXISTS when the worker is registered.
+        layout, ALREADY_EXISTS when the worker is registered, PERMISSION_DENIED
+        for a segment the calling process could not read and write itself.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -120,7 +127,10 @@ def add_EngineServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class EngineService:
-    """Missing associated documentation comment in .proto file."""
+    """Every EngineService call comes over the daemon's Unix socket; the daemon
+    admits a caller by its kernel credentials (uid, gids: SO_PEERCRED), and
+    refuses the others with PERMISSION_DENIED (docs/SECURITY.md).
+    """
 
     @staticmethod
     def RegisterEngine(request,
@@ -232,7 +242,11 @@ class EngineService:
 
 
 class PeerServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """Daemon to daemon over TCP, with mutual TLS (peer_tls_*) and/or a shared
+    token (peer_token_file: metadata x-kvd-peer-auth, an HMAC per call, and the
+    callee's x-kvd-peer-proof in its initial metadata); UNAUTHENTICATED without
+    a valid proof. Health and reflection on this port need no token.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -258,7 +272,11 @@ class PeerServiceStub:
 
 
 class PeerServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Daemon to daemon over TCP, with mutual TLS (peer_tls_*) and/or a shared
+    token (peer_token_file: metadata x-kvd-peer-auth, an HMAC per call, and the
+    callee's x-kvd-peer-proof in its initial metadata); UNAUTHENTICATED without
+    a valid proof. Health and reflection on this port need no token.
+    """
 
     def Handshake(self, request, context):
         """NOT_FOUND for an unknown engine/rank; FAILED_PRECONDITION on a
@@ -310,7 +328,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class PeerService:
-    """Missing associated documentation comment in .proto file."""
+    """Daemon to daemon over TCP, with mutual TLS (peer_tls_*) and/or a shared
+    token (peer_token_file: metadata x-kvd-peer-auth, an HMAC per call, and the
+    callee's x-kvd-peer-proof in its initial metadata); UNAUTHENTICATED without
+    a valid proof. Health and reflection on this port need no token.
+    """
 
     @staticmethod
     def Handshake(request,

@@ -1,0 +1,78 @@
+"""``kvd bench``: a short run of benchmark 1 (data plane: kvd vs plain NIXL vs
+memcpy) and benchmark 2 (the shim's cost per engine step), with a progress
+display; prints the ratios against the goals of docs/PERFORMANCE.md.
+
+The full-size benchmarks are ``benchmarks/*.py`` (one command each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvd.bench import common as cm
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="kvd bench",
+        description="Short benchmarks: (1) data plane, kvd vs plain NIXL vs memcpy; (2) the shim's cost per "
+                    "engine step. Starts its own two daemons (and two plain NIXL processes) on this machine.")
+    ap.add_argument("--quick", action="store_true", help="seconds, not minutes (a smoke test)")
+    ap.add_argument("--skip-step", action="store_true", help="data plane only (benchmark 2 needs vLLM)")
+    ap.add_argument("--reps", type=int, default=0, help="rounds of the data-plane cells (default 5, quick 2)")
+    ap.add_argument("--json", default="", metavar="FILE", help="write every figure here")
+    ap.add_argument("--no-progress", action="store_true", help="no progress display")
+    args = ap.parse_args(argv)
+    progress = not args.no_progress
+
+    from kvd.bench import dataplane
+
+    cm.cleanup_segments()
+    info = cm.machine()
+    print(f"kvd bench on {info['cpu']} ({info['cores']} cores), load average "
+          f"{' '.join(f'{x:.2f}' for x in info['loadavg_start'])}", flush=True)
+    if args.quick:
+        cells = dataplane.cells_for([256 * cm.KiB], [16], 4 * cm.MiB)
+    else:
+        cells = dataplane.cells_for([64 * cm.KiB, cm.MiB], [16, 256], 256 * cm.MiB)
+    reps = args.reps or (2 if args.quick else 5)
+    out: dict = {"machine": info}
+    dp = dataplane.run(cells, reps, progress=progress, title="(1) data plane")
+    out["dataplane"] = dp
+    print("\n(1) data plane: (a) kvd daemons, (b) plain NIXL processes, (c) memcpy; medians of "
+          f"{reps} interleaved rounds")
+    print(dataplane.table(dp))
+    g = dataplane.goals(dp)
+    print(f"    goals: (a)/(b) >= 0.97 from 64 KiB blocks up: {g['a_over_b_cells_met']} cells; "
+          f"(a)/(c) >= 0.7: {g['a_over_c_cells_met']} cells")
+    rc = 0
+    if not args.skip_step:
+        from kvd.bench import step
+
+        try:
+            step._vllm()
+        except ImportError as e:
+            print(f"\n(2) engine step: skipped, vLLM is not installed ({e})")
+        else:
+            st = step.run((0, 16) if args.quick else (0, 16, 256), steps=30 if args.quick else 200,
+                          warmup=5 if args.quick else 20, unary_n=20 if args.quick else 100, progress=progress)
+            out["engine_step"] = st
+            print("\n(2) engine step: time in the shim per step (scheduler + worker calls)")
+            print(step.table(st))
+            sg = step.goals(st)
+            u = st["unary_getstats"]
+            print(f"    goal p50 <= 30 us, p99 <= 200 us: {'met' if sg['met'] else 'NOT met'} "
+                  f"(worst p50 {sg['p50_max_us']:.0f} us, worst p99 {sg['p99_max_us']:.0f} us); "
+                  f"a blocking unary RPC costs {u['p50_us'] / max(1.0, sg['p50_max_us']):.0f}x the worst step p50")
+    print(f"\nload average now {' '.join(f'{x:.2f}' for x in cm.loadavg())} (figures on a busy machine are noisy; "
+          "see docs/PERFORMANCE.md for the full runs)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

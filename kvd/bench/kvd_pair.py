@@ -1,0 +1,164 @@
+"""Case (a) of the data-plane benchmark: blocks moved between two kvd daemons.
+
+The benchmark process plays both engines with the real engine-side client
+(:class:`kvd.client.engine_client.EngineClient`, the one the vLLM shim uses):
+a prefill worker registered with daemon P that holds blocks, a decode worker
+registered with daemon D that loads them. Each block length gets its own pair
+of workers (a layout has one block length), all on the same two shm segments.
+
+A transfer is timed as the engine sees it: from ``load()`` (what the shim's
+``start_load_kv`` does) to ``recv_done`` coming out of ``drain_events()`` (what
+``get_finished`` does), polling every ``poll_s``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+from kvd.bench.common import Daemon, start_daemon
+from kvd.client.engine_client import EngineClient
+from kvd.v1 import kvd_pb2 as pb
+
+
+def register_request(engine_id: str, seg_name: str, seg_size: int, block_len: int,
+                     num_blocks: int, offset: int = 0) -> pb.RegisterEngineRequest:
+    """One region of ``num_blocks`` blocks of ``block_len`` bytes at ``offset``."""
+    return pb.RegisterEngineRequest(
+        worker=pb.EngineWorker(engine_id=engine_id, tp_rank=0, tp_size=1),
+        layout=pb.Layout(num_blocks=num_blocks, block_size=16, kv_layout=pb.KV_LAYOUT_NHD, dtype="float16",
+                         num_kv_heads=1, head_dim=64, num_layers=1, block_lens=[block_len]),
+        segments=[pb.Segment(kind=pb.MEMORY_KIND_SHM, name=seg_name, size=seg_size)],
+        regions=[pb.Region(segment_index=0, offset=offset, block_len=block_len, block_stride=block_len,
+                           name="bench")],
+        model="kvd-bench",
+    )
+
+
+@dataclass
+class Worker:
+    engine_id: str
+    client: EngineClient
+    num_blocks: int
+
+
+class KvdPair:
+    """Daemons P and D (started here unless given) and engine workers on them.
+
+    Args:
+        src: (name, size) of the source segment (P's engine memory).
+        dst: (name, size) of the destination segment (D's engine memory).
+        daemon_args: extra ``kvd serve`` flags for both daemons.
+        env: extra environment for both daemons.
+    """
+
+    def __init__(self, workdir: str, src: tuple[str, int], dst: tuple[str, int],
+                 daemon_args: tuple[str, ...] = (), env: dict | None = None,
+                 daemons: tuple[Daemon, Daemon] | None = None, entry: tuple[str, ...] = ("-m", "kvd.cli")):
+        self.src, self.dst = src, dst
+        self._own_daemons = daemons is None
+        if daemons is None:
+            self.p = start_daemon(workdir, "P", *daemon_args, env=env, entry=entry)
+            try:
+                self.d = start_daemon(workdir, "D", *daemon_args, env=env, entry=entry)
+            except BaseException:
+                self.p.stop()
+                raise
+        else:
+            self.p, self.d = daemons
+        self._sources: dict[tuple, Worker] = {}
+        self._readers: dict[int, Worker] = {}
+        self._ids = itertools.count()
+
+    def _client(self, daemon: Daemon, req: pb.RegisterEngineRequest) -> EngineClient:
+        c = EngineClient(daemon.socket, unknown_lease_wait_s=600)
+        c.register(req, timeout_s=60)
+        c.start_session()
+        if not c.wait_opened(30):
+            raise RuntimeError(f"no session with daemon {daemon.name}")
+        return c
+
+    def source(self, block_len: int, tag: str = "") -> Worker:
+        """The prefill worker for ``block_len`` (registered on P on first use);
+        each ``tag`` is another engine worker on P: another remote peer for D."""
+        key = (block_len, tag)
+        if key not in self._sources:
+            ns = self.src[1] // block_len
+            eid = f"src{tag}-{block_len}"
+            self._sources[key] = Worker(eid, self._client(self.p, register_request(
+                eid, self.src[0], self.src[1], block_len, ns)), ns)
+        return self._sources[key]
+
+    def reader(self, block_len: int) -> Worker:
+        """The decode worker for ``block_len`` (registered on D on first use)."""
+        if block_len not in self._readers:
+            nd = self.dst[1] // block_len
+            eid = f"dst-{block_len}"
+            self._readers[block_len] = Worker(eid, self._client(self.d, register_request(
+                eid, self.dst[0], self.dst[1], block_len, nd)), nd)
+        return self._readers[block_len]
+
+    def start(self, block_len: int, local_ids, remote_ids, tag: str = "", hold: bool = True) -> str:
+        """Holds on P (unless ``hold`` is False) and loads on D (non-blocking);
+        returns the decode request id."""
+        pw, dw = self.source(block_len, tag), self.reader(block_len)
+        n = next(self._ids)
+        prid, drid = f"p{n}", f"d{n}"
+        if hold:
+            pw.client.hold(prid, remote_ids, lease_s=300)
+        dw.client.load(drid, local_ids, remote_engine_id=pw.engine_id, remote_address=self.p.peer_address,
+                       remote_block_ids=remote_ids, remote_request_id=prid, remote_tp_size=1, timeout_s=120)
+        return drid
+
+    def wait(self, block_len: int, rids: set[str], poll_s: float, timeout_s: float = 300.0) -> dict[str, float]:
+        """Polls D's client until every request in ``rids`` is done; returns
+        each one's completion time (``time.perf_counter``). Raises on a failed load."""
+        dw = self.reader(block_len)
+        left = set(rids)
+        done: dict[str, float] = {}
+        deadline = time.monotonic() + timeout_s
+        while left:
+            for ev in dw.client.drain_events():
+                kind = ev.WhichOneof("event")
+                if kind == "recv_done" and ev.recv_done.request_id in left:
+                    left.discard(ev.recv_done.request_id)
+                    done[ev.recv_done.request_id] = time.perf_counter()
+                elif kind == "load_failed":
+                    raise RuntimeError(f"load {ev.load_failed.request_id} failed: {ev.load_failed.reason}")
+            if not left:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(left)} loads not done in {timeout_s} s")
+            if poll_s:
+                time.sleep(poll_s)
+        return done
+
+    def transfer(self, block_len: int, local_ids, remote_ids, poll_s: float) -> float:
+        """One load, start to finish, as the engine sees it (seconds)."""
+        t0 = time.perf_counter()
+        rid = self.start(block_len, local_ids, remote_ids)
+        t1 = self.wait(block_len, {rid}, poll_s)[rid]
+        return t1 - t0
+
+    def pause(self, on: bool) -> None:
+        """Pauses (SIGSTOP) or resumes both daemons."""
+        self.p.pause(on)
+        self.d.pause(on)
+
+    def drain_sources(self) -> int:
+        """Drops P-side events (send_done of the holds); returns how many."""
+        return sum(len(pw.client.drain_events()) for pw in self._sources.values())
+
+    def close(self) -> None:
+        for w in [*self._sources.values(), *self._readers.values()]:
+            try:
+                w.client.unregister(timeout_s=10)
+            except Exception:
+                pass
+            w.client.close()
+        self._sources.clear()
+        self._readers.clear()
+        if self._own_daemons:
+            self.d.stop()
+            self.p.stop()

@@ -1,0 +1,350 @@
+"""A small ctypes binding of the CUDA runtime (``libcudart``): no torch, no NIXL.
+
+Both sides of the GPU path use it (issue 7, docs/GPU.md):
+
+- the daemon (``kvd.core.cuda_ipc``) opens the engine's CUDA IPC handles,
+  checks whether the opened memory can be re-exported, and allocates its own
+  VRAM staging mirrors;
+- the engine side (``kvd.shim.cuda_share``) opens a daemon's staging mirror
+  to copy blocks in and out.
+
+Only what those need is bound, each call with explicit ``argtypes`` /
+``restype``. Every failing call raises :class:`CudaError` naming the call,
+the CUDA error name and its text. :func:`load` finds the library once per
+process and raises :class:`CudaUnavailable` (with the reason) when there is
+no libcudart, no driver or no device: the caller decides what that means
+(the daemon turns it into ``INVALID_ARGUMENT`` for a CUDA IPC segment).
+
+Which libcudart: ``$KVD_CUDART`` if set; else one already loaded in this
+process (torch's, so both share one runtime); else one from a pip
+``nvidia-*`` package on ``sys.path``; else the system's (``ldconfig``,
+``/usr/local/cuda*``).
+
+Units: bytes and device pointers as Python ints. Calls are thread-safe as
+the CUDA runtime is; the current device is per thread, so every call that
+needs one takes the device and sets it first.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import os
+import sys
+import threading
+
+IPC_HANDLE_SIZE = 64  # sizeof(cudaIpcMemHandle_t)
+
+# cudaMemcpyKind
+HOST_TO_HOST, HOST_TO_DEVICE, DEVICE_TO_HOST, DEVICE_TO_DEVICE, DEFAULT = 0, 1, 2, 3, 4
+# cudaIpcOpenMemHandle flags
+IPC_LAZY_ENABLE_PEER_ACCESS = 1
+# CUpointer_attribute (driver API, cuda.h)
+_CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = 10
+
+
+class CudaUnavailable(RuntimeError):
+    """No usable CUDA runtime here; the message says why (library, driver, devices)."""
+
+
+class CudaError(RuntimeError):
+    """A CUDA runtime call failed.
+
+    Attributes:
+        call: the function, e.g. ``"cudaIpcOpenMemHandle"``.
+        code: the ``cudaError_t`` value.
+        name: e.g. ``"cudaErrorInvalidValue"``.
+    """
+
+    def __init__(self, call: str, code: int, name: str, text: str):
+        super().__init__(f"{call}: {name} ({code}): {text}")
+        self.call, self.code, self.name = call, code, name
+
+
+class IpcMemHandle(ctypes.Structure):
+    """``cudaIpcMemHandle_t``: 64 opaque bytes, passed by value."""
+
+    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_SIZE)]
+
+
+def _loaded_cudart() -> list[str]:
+    """Paths of a libcudart already mapped into this process (e.g. by torch)."""
+    found = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rsplit(None, 1)[-1] if "/" in line else ""
+                if "libcudart.so" in os.path.basename(path) and path not in found:
+                    found.append(path)
+    except OSError:
+        pass
+    return found
+
+
+def candidates() -> list[str]:
+    """Library names/paths :func:`load` tries, in order."""
+    out: list[str] = []
+    env = os.environ.get("KVD_CUDART", "").strip()
+    if env:
+        out.append(env)
+    out += _loaded_cudart()
+    for base in sys.path:
+        for pattern in ("nvidia/cuda_runtime/lib/libcudart.so*", "nvidia/cu*/lib/libcudart.so*"):
+            out += sorted(glob.glob(os.path.join(base, pattern)), reverse=True)
+    name = ctypes.util.find_library("cudart")
+    if name:
+        out.append(name)
+    out += ["libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0"]
+    out += sorted(glob.glob("/usr/local/cuda*/lib*/libcudart.so*"), reverse=True)
+    seen, unique = set(), []
+    for c in out:
+        if c not in seen:
+            seen.add(c)
+            unique.append(c)
+    return unique
+
+
+class Cudart:
+    """One loaded libcudart. Get it with :func:`load`, not directly.
+
+    Attributes:
+        path: the library that was loaded.
+        devices: CUDA devices this process sees (>= 1).
+    """
+
+    def __init__(self, lib: ctypes.CDLL, path: str):
+        self._lib = lib
+        self.path = path
+        c_int, c_uint, c_size, vp = ctypes.c_int, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p
+        sig = {
+            "cudaGetDeviceCount": [ctypes.POINTER(c_int)],
+            "cudaSetDevice": [c_int],
+            "cudaGetDevice": [ctypes.POINTER(c_int)],
+            "cudaRuntimeGetVersion": [ctypes.POINTER(c_int)],
+            "cudaDriverGetVersion": [ctypes.POINTER(c_int)],
+            "cudaMalloc": [ctypes.POINTER(vp), c_size],
+            "cudaFree": [vp],
+            "cudaMemset": [vp, c_int, c_size],
+            "cudaMemcpy": [vp, vp, c_size, c_int],
+            "cudaDeviceSynchronize": [],
+            "cudaGetLastError": [],
+            "cudaIpcGetMemHandle": [ctypes.POINTER(IpcMemHandle), vp],
+            "cudaIpcOpenMemHandle": [ctypes.POINTER(vp), IpcMemHandle, c_uint],
+            "cudaIpcCloseMemHandle": [vp],
+            "cudaDeviceGetPCIBusId": [ctypes.c_char_p, c_int, c_int],
+        }
+        for fn, args in sig.items():
+            f = getattr(lib, fn)
+            f.argtypes = args
+            f.restype = c_int
+        for fn in ("cudaGetErrorName", "cudaGetErrorString"):
+            f = getattr(lib, fn)
+            f.argtypes = [c_int]
+            f.restype = ctypes.c_char_p
+        self.devices = self._device_count()
+        self._driver = None  # libcuda, loaded on first use (optional)
+
+    # ----------------------------------------------------------------- errors
+    def error_name(self, code: int) -> str:
+        name = self._lib.cudaGetErrorName(code)
+        return name.decode() if name else f"cudaError {code}"
+
+    def _check(self, call: str, code: int) -> None:
+        if code != 0:
+            self._lib.cudaGetLastError()  # clear a non-sticky error so the next call starts clean
+            text = self._lib.cudaGetErrorString(code)
+            raise CudaError(call, code, self.error_name(code), text.decode() if text else "")
+
+    def _device_count(self) -> int:
+        n = ctypes.c_int(0)
+        code = self._lib.cudaGetDeviceCount(ctypes.byref(n))
+        if code != 0:
+            text = self._lib.cudaGetErrorString(code)
+            raise CudaUnavailable(f"{self.path}: cudaGetDeviceCount: {self.error_name(code)}: "
+                                  f"{text.decode() if text else ''}")
+        if n.value < 1:
+            raise CudaUnavailable(f"{self.path}: no CUDA device visible")
+        return n.value
+
+    # ---------------------------------------------------------------- devices
+    def set_device(self, device: int) -> None:
+        """Makes ``device`` current for this thread.
+
+        Raises:
+            CudaError: out of range (the message names the count).
+        """
+        if not 0 <= device < self.devices:
+            raise CudaError("cudaSetDevice", 101, "cudaErrorInvalidDevice",
+                            f"device {device} out of range: this process sees {self.devices}")
+        self._check("cudaSetDevice", self._lib.cudaSetDevice(device))
+
+    def versions(self) -> tuple[int, int]:
+        """``(runtime, driver)`` versions as CUDA encodes them (``12080`` = 12.8)."""
+        rt, drv = ctypes.c_int(0), ctypes.c_int(0)
+        self._check("cudaRuntimeGetVersion", self._lib.cudaRuntimeGetVersion(ctypes.byref(rt)))
+        self._check("cudaDriverGetVersion", self._lib.cudaDriverGetVersion(ctypes.byref(drv)))
+        return rt.value, drv.value
+
+    def pci_bus_id(self, device: int) -> str:
+        """``"0000:19:00.0"``: the same GPU has the same id in every process."""
+        buf = ctypes.create_string_buffer(32)
+        self._check("cudaDeviceGetPCIBusId", self._lib.cudaDeviceGetPCIBusId(buf, 32, device))
+        return buf.value.decode()
+
+    # ----------------------------------------------------------------- memory
+    def malloc(self, device: int, size: int) -> int:
+        """``cudaMalloc`` on ``device``; returns the device pointer."""
+        self.set_device(device)
+        p = ctypes.c_void_p()
+        self._check("cudaMalloc", self._lib.cudaMalloc(ctypes.byref(p), size))
+        return int(p.value or 0)
+
+    def free(self, device: int, ptr: int) -> None:
+        self.set_device(device)
+        self._check("cudaFree", self._lib.cudaFree(ptr))
+
+    def memset(self, device: int, ptr: int, value: int, size: int) -> None:
+        """Synchronous with respect to the host (``cudaMemset`` on the legacy stream, then a sync)."""
+        self.set_device(device)
+        self._check("cudaMemset", self._lib.cudaMemset(ptr, value, size))
+        self.synchronize(device)
+
+    def memcpy(self, device: int, dst: int, src: int, size: int, kind: int = DEFAULT) -> None:
+        """``cudaMemcpy`` (synchronous for device/host copies; ``DEFAULT`` infers the direction)."""
+        self.set_device(device)
+        self._check("cudaMemcpy", self._lib.cudaMemcpy(dst, src, size, kind))
+
+    def synchronize(self, device: int) -> None:
+        self.set_device(device)
+        self._check("cudaDeviceSynchronize", self._lib.cudaDeviceSynchronize())
+
+    def read(self, device: int, ptr: int, size: int) -> bytes:
+        """Copies ``size`` bytes of device memory at ``ptr`` to the host."""
+        buf = ctypes.create_string_buffer(size)
+        self.memcpy(device, ctypes.addressof(buf), ptr, size, DEVICE_TO_HOST)
+        return buf.raw
+
+    def write(self, device: int, ptr: int, data: bytes) -> None:
+        """Copies host ``data`` to device memory at ``ptr``."""
+        buf = ctypes.create_string_buffer(bytes(data), len(data))
+        self.memcpy(device, ptr, ctypes.addressof(buf), len(data), HOST_TO_DEVICE)
+
+    # -------------------------------------------------------------------- IPC
+    def ipc_get_handle(self, device: int, ptr: int) -> bytes:
+        """The 64-byte ``cudaIpcMemHandle_t`` of the allocation holding ``ptr``.
+
+        Raises:
+            CudaError: the memory cannot be exported through legacy CUDA IPC
+                (memory this process itself imported through IPC, VMM/expandable
+                segments, managed memory ...).
+        """
+        self.set_device(device)
+        h = IpcMemHandle()
+        self._check("cudaIpcGetMemHandle", self._lib.cudaIpcGetMemHandle(ctypes.byref(h), ptr))
+        return _raw(h)
+
+    def ipc_open(self, device: int, handle: bytes, flags: int = IPC_LAZY_ENABLE_PEER_ACCESS) -> int:
+        """``cudaIpcOpenMemHandle`` on ``device``: maps another process's allocation.
+
+        Returns the device pointer of the allocation's first byte in this process.
+        Close it with :meth:`ipc_close` (before the exporter frees it).
+        """
+        if len(handle) != IPC_HANDLE_SIZE:
+            raise ValueError(f"a cudaIpcMemHandle_t is {IPC_HANDLE_SIZE} bytes (got {len(handle)})")
+        self.set_device(device)
+        h = IpcMemHandle()
+        ctypes.memmove(ctypes.addressof(h), handle, IPC_HANDLE_SIZE)
+        p = ctypes.c_void_p()
+        self._check("cudaIpcOpenMemHandle", self._lib.cudaIpcOpenMemHandle(ctypes.byref(p), h, flags))
+        return int(p.value or 0)
+
+    def ipc_close(self, device: int, ptr: int) -> None:
+        self.set_device(device)
+        self._check("cudaIpcCloseMemHandle", self._lib.cudaIpcCloseMemHandle(ptr))
+
+    # ------------------------------------------------------- driver (optional)
+    def _libcuda(self):
+        if self._driver is None:
+            try:
+                drv = ctypes.CDLL("libcuda.so.1")
+                drv.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
+                drv.cuPointerGetAttribute.restype = ctypes.c_int
+                self._driver = drv
+            except (OSError, AttributeError):
+                self._driver = False
+        return self._driver or None
+
+    def legacy_ipc_capable(self, device: int, ptr: int) -> bool | None:
+        """The driver's ``CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE`` for ``ptr``.
+
+        What UCX's ``cuda_ipc`` transport needs to export memory to a peer
+        (NIXL issue 1754). ``None`` when libcuda or the attribute is not
+        available (older drivers).
+        """
+        drv = self._libcuda()
+        if drv is None:
+            return None
+        self.set_device(device)  # makes the primary context current for the driver call
+        val = ctypes.c_int(0)  # the driver writes a bool (1 byte) or int; a zeroed int reads both
+        code = drv.cuPointerGetAttribute(ctypes.byref(val), _CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, ptr)
+        if code != 0:
+            return None
+        return bool(val.value)
+
+
+def _raw(handle: IpcMemHandle) -> bytes:
+    """All 64 bytes of a handle (a ``c_char`` array field read as ``.reserved`` stops at a NUL)."""
+    return ctypes.string_at(ctypes.addressof(handle), IPC_HANDLE_SIZE)
+
+
+_lock = threading.Lock()
+_loaded: Cudart | None = None
+_failure: str | None = None
+
+
+def load(refresh: bool = False) -> Cudart:
+    """The process's :class:`Cudart` (found and checked once; ``refresh`` retries).
+
+    Raises:
+        CudaUnavailable: no libcudart loads, or it finds no driver or device;
+            the message lists what was tried.
+    """
+    global _loaded, _failure
+    with _lock:
+        if _loaded is not None and not refresh:
+            return _loaded
+        if _failure is not None and not refresh:
+            raise CudaUnavailable(_failure)
+        tried, unusable, handles = [], [], set()
+        for c in candidates():
+            try:
+                lib = ctypes.CDLL(c)
+            except OSError as e:
+                tried.append(f"{c}: {e}".split("\n")[0])
+                continue
+            if lib._handle in handles:  # the same library under another name
+                continue
+            handles.add(lib._handle)
+            try:
+                _loaded, _failure = Cudart(lib, c), None
+                return _loaded
+            except CudaUnavailable as e:  # no device or driver: another runtime (e.g. torch's) may match the driver
+                unusable.append(str(e))
+            except AttributeError as e:
+                tried.append(f"{c}: not a CUDA runtime ({e})")
+        if unusable:
+            _failure = unusable[0] + (f" (and {len(unusable) - 1} other libcudart alike)" if len(unusable) > 1 else "")
+        else:
+            _failure = "no libcudart found (tried " + "; ".join(tried[:6]) + (" ..." if len(tried) > 6 else "") + \
+                "); set KVD_CUDART to its path"
+        raise CudaUnavailable(_failure)
+
+
+def available() -> tuple[bool, str]:
+    """``(True, "<path>: N device(s)")`` or ``(False, reason)``; never raises."""
+    try:
+        rt = load()
+    except CudaUnavailable as e:
+        return False, str(e)
+    return True, f"{rt.path}: {rt.devices} device(s)"

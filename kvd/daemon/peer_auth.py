@@ -1,0 +1,219 @@
+"""Who may use PeerService, and whom the daemon believes: mutual TLS and a shared token.
+
+Two controls, configured by file paths (kvd/config.py, docs/SECURITY.md):
+
+- **Mutual TLS** (``peer_tls_cert``, ``peer_tls_key``, ``peer_tls_ca``): the
+  peer port serves TLS and requires a client certificate signed by the CA;
+  the daemon's PeerClient presents its own certificate and verifies the
+  remote daemon's against the CA and the host it dialed (or
+  ``peer_tls_server_name``). Encrypts and authenticates both ends.
+- **Shared token** (``peer_token_file``): every PeerService call carries
+  ``x-kvd-peer-auth: v1 <address> <unix time> <nonce> <mac>``, ``mac`` =
+  HMAC-SHA256(token, method, the address the caller dialed, time, nonce).
+  The callee checks the MAC, that the address is its own (``peer_address``,
+  or its listen address), that the time is within ``WINDOW_S`` and that the
+  nonce is new, then answers with ``x-kvd-peer-proof`` (its own MAC over the
+  same fields) in its initial metadata; the caller checks that proof before it
+  uses the answer (agent metadata, layout). The token itself never goes on
+  the wire, so a daemon that dials an address an engine named (from
+  ``kv_transfer_params``) gives nothing away to whoever listens there, a
+  captured header cannot be replayed, and a relay to another daemon is
+  refused. It does not encrypt: on an untrusted network use mutual TLS.
+
+Health and reflection on the peer port need no token (probes), but do need
+TLS when it is on. Anything else is refused with UNAUTHENTICATED.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import hmac
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from kvd.config import Config
+from kvd.daemon.local_gate import wrap_handler
+
+log = logging.getLogger("kvd.peer")
+
+HEADER = "x-kvd-peer-auth"
+PROOF = "x-kvd-peer-proof"
+WINDOW_S = 60.0          # a call's time may differ from ours by this much (NTP-synchronised nodes)
+MAX_NONCES = 1 << 17     # nonces remembered for replay checks (oldest dropped first)
+PEER_SERVICE_PREFIX = "/kvd.v1.PeerService/"
+
+
+class PeerAuthError(Exception):
+    """A peer call or answer failed authentication; the message says why."""
+
+
+def _mac(token: bytes, kind: str, method: str, address: str, ts: str, nonce: str) -> str:
+    msg = "\n".join((kind, method, address, ts, nonce)).encode()
+    return hmac.new(token, msg, hashlib.sha256).hexdigest()
+
+
+def _same(a: str, b: str) -> bool:
+    """Constant-time equality of two header values (any characters)."""
+    return hmac.compare_digest(a.encode("utf-8", "surrogateescape"), b.encode("utf-8", "surrogateescape"))
+
+
+@dataclass
+class ClientProof:
+    """What a caller keeps to check the callee's proof."""
+
+    method: str
+    address: str
+    ts: str
+    nonce: str
+
+
+class PeerAuth:
+    """The peer port's TLS material and token (all optional).
+
+    Args:
+        cert, key, ca: PEM bytes (all three or none).
+        server_name: name to verify in remote certificates ("" = the host dialed).
+        token: the shared secret (None = no token).
+    """
+
+    def __init__(self, cert: bytes | None = None, key: bytes | None = None, ca: bytes | None = None,
+                 server_name: str = "", token: bytes | None = None):
+        self.cert, self.key, self.ca = cert, key, ca
+        self.server_name = server_name
+        self.token = token
+        self._seen: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self._last_warning = 0.0
+        self._suppressed = 0
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "PeerAuth":
+        """Reads the files the settings name. Raises ConfigError naming the key."""
+        token = cfg.read_file_setting("peer_token_file")
+        if token is not None:
+            token = token.strip()
+            if len(token) < 16:
+                raise cfg._error("peer_token_file", f"{cfg.peer_token_file}: the token must have 16 or more "
+                                                    f"characters (e.g. openssl rand -hex 32)")
+        return cls(cfg.read_file_setting("peer_tls_cert"), cfg.read_file_setting("peer_tls_key"),
+                   cfg.read_file_setting("peer_tls_ca"), cfg.peer_tls_server_name, token)
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.cert and self.key and self.ca)
+
+    @property
+    def secured(self) -> bool:
+        """Callers must authenticate (TLS client certificate or token)."""
+        return self.tls or bool(self.token)
+
+    def describe(self) -> str:
+        parts = (["mutual TLS"] if self.tls else []) + (["token"] if self.token else [])
+        return " + ".join(parts) or "none"
+
+    # ------------------------------------------------------------- client side
+    def server_credentials(self) -> grpc.ServerCredentials | None:
+        if not self.tls:
+            return None
+        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
+                                           require_client_auth=True)
+
+    def channel(self, address: str, options: list) -> grpc.aio.Channel:
+        """A channel to a remote daemon's peer port (TLS when configured)."""
+        if not self.tls:
+            return grpc.aio.insecure_channel(address, options=options)
+        creds = grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
+                                             certificate_chain=self.cert)
+        if self.server_name:
+            options = [*options, ("grpc.ssl_target_name_override", self.server_name)]
+        return grpc.aio.secure_channel(address, creds, options=options)
+
+    def call_metadata(self, method: str, address: str) -> tuple[tuple, ClientProof | None]:
+        """Metadata for one call of ``method`` (``/kvd.v1.PeerService/X``) to ``address``."""
+        if not self.token:
+            return (), None
+        p = ClientProof(method, address, str(int(time.time())), secrets.token_hex(16))
+        mac = _mac(self.token, "kvd-peer-call", method, address, p.ts, p.nonce)
+        return ((HEADER, f"v1 {address} {p.ts} {p.nonce} {mac}"),), p
+
+    def check_proof(self, initial_metadata, p: ClientProof | None) -> None:
+        """Raises PeerAuthError unless the callee proved it knows the token."""
+        if p is None:
+            return
+        got = dict(initial_metadata or ()).get(PROOF, "")
+        want = _mac(self.token, "kvd-peer-reply", p.method, p.address, p.ts, p.nonce)
+        if not _same(str(got), want):
+            raise PeerAuthError("the remote daemon did not prove the shared peer token "
+                                "(is its peer_token_file the same as ours?)")
+
+    # ------------------------------------------------------------- server side
+    def check_call(self, method: str, metadata, addresses: set[str]) -> str:
+        """The proof to answer a call with. Raises PeerAuthError."""
+        value = dict(metadata or ()).get(HEADER)
+        if value is None:
+            raise PeerAuthError(f"missing {HEADER}: this daemon requires the shared peer token")
+        parts = str(value).split(" ")
+        if len(parts) != 5 or parts[0] != "v1":
+            raise PeerAuthError(f"malformed {HEADER}")
+        _, address, ts, nonce, mac = parts
+        if not _same(mac, _mac(self.token, "kvd-peer-call", method, address, ts, nonce)):
+            raise PeerAuthError("bad peer token proof (is peer_token_file the same on both daemons?)")
+        now = time.time()
+        if not ts.isdigit() or abs(now - int(ts)) > WINDOW_S:
+            raise PeerAuthError(f"peer token proof too old or from the future (clocks more than "
+                                f"{WINDOW_S:.0f} s apart?)")
+        if address.lower() not in addresses:
+            raise PeerAuthError(f"the call was addressed to {address}, not to this daemon "
+                                f"({', '.join(sorted(addresses))}): relayed?")
+        while self._seen and next(iter(self._seen.values())) < now:
+            self._seen.popitem(last=False)
+        if nonce in self._seen:
+            raise PeerAuthError("replayed peer token proof")
+        self._seen[nonce] = now + 2 * WINDOW_S
+        if len(self._seen) > MAX_NONCES:
+            self._seen.popitem(last=False)
+        return _mac(self.token, "kvd-peer-reply", method, address, ts, nonce)
+
+    def warn(self, msg: str, *args) -> None:
+        """A refused peer call, logged at most once a second (a flood cannot fill the log)."""
+        now = time.monotonic()
+        if now - self._last_warning < 1.0:
+            self._suppressed += 1
+            return
+        more = f" ({self._suppressed} more refused since the last message)" if self._suppressed else ""
+        self._last_warning, self._suppressed = now, 0
+        log.warning(msg + more, *args)
+
+
+class PeerAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Checks the token on every PeerService call; refuses with UNAUTHENTICATED.
+
+    Args:
+        auth: the daemon's PeerAuth (with a token).
+        addresses: returns the ``host:port`` names this daemon answers to.
+    """
+
+    def __init__(self, auth: PeerAuth, addresses):
+        self.auth = auth
+        self.addresses = addresses
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(PEER_SERVICE_PREFIX):
+            return handler  # health, reflection: no token (probes)
+        auth, method = self.auth, details.method
+        metadata = details.invocation_metadata
+
+        async def check(context) -> None:
+            try:
+                proof = auth.check_call(method, metadata, {a.lower() for a in self.addresses()})
+            except PeerAuthError as e:
+                auth.warn("peer call %s from %s refused: %s", method.rsplit("/", 1)[-1], context.peer(), e)
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"kvd: {e}")
+            await context.send_initial_metadata(((PROOF, proof),))
+
+        return wrap_handler(handler, check)

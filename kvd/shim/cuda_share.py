@@ -1,0 +1,541 @@
+"""GPU KV cache tensors -> CUDA IPC handles + ``kvd.v1`` segments and regions (issue 7).
+
+The engine hands the daemon its KV cache by handle, never by copying bytes:
+every CUDA allocation that backs a KV cache tensor is exported as a
+``cudaIpcMemHandle_t``; the daemon opens it (``kvd.core.cuda_ipc``) and
+registers it with NIXL as VRAM. A NIXL READ then lands in the engine's tensor.
+
+Export, and the one place that touches torch's private CUDA sharing API
+(:func:`export_storage`):
+
+- ``UntypedStorage._share_cuda_()`` (what ``torch.multiprocessing`` uses)
+  returns ``(device, handle, storage bytes, storage offset in the allocation,
+  ref-counter handle and offset, event handle, event sync flag)``. The handle
+  names the whole ``cudaMalloc`` *allocation* the caching allocator carved the
+  storage from; the storage starts ``offset`` bytes into it. The daemon maps
+  the allocation, so segments are per allocation and region offsets are
+  relative to the allocation base (``storage offset + offset in the storage``).
+- The handle's bytes: torch < 2.2 sent the bare 64-byte handle; since then a
+  version byte (2; 3 from torch 2.13), a type byte (``'c'``: ``cudaMalloc``
+  block, ``'e'``: expandable segment) and, for ``'c'``, the 64-byte handle.
+  :func:`parse_torch_handle` accepts the bare and the ``'c'`` forms and sends
+  the daemon the bare 64 bytes (the wire contract); ``'e'`` is refused:
+  ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` memory is CUDA VMM
+  memory, which legacy IPC cannot open (and which is NIXL issue 1754's trap
+  for UCX as well).
+- Calling ``_share_cuda_`` also makes torch keep a small shared ref-counter
+  and record an event on the current stream; both are harmless for a KV cache
+  that lives as long as the engine. The daemon reads the memory only after a
+  hold / load command: the shim must have synchronized the stream that wrote
+  the blocks before it sends ``hold`` (as ``wait_for_save`` does).
+
+The alternative when the engine lets the connector choose the allocator
+(vLLM 0.33's ``get_mem_pool_context``): allocate the KV cache from a
+``torch.cuda.MemPool`` whose allocator makes exportable VMM memory
+(``cuMemCreate`` with ``CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR``, or FABRIC
+across nodes), export with ``cuMemExportToShareableHandle``, pass the fd over
+the Unix socket (``SCM_RIGHTS``; a new ``MEMORY_KIND`` and an fd-passing
+side channel, since gRPC carries no fds), import in the daemon with
+``cuMemImportFromShareableHandle`` + ``cuMemMap``. What it buys: the daemon's
+mapping would be exportable again (UCX >= 1.21 exports POSIX-fd VMM memory
+through ``cuda_ipc``: openucx/ucx#11183), so the direct path would be
+zero-copy with no staging; it needs that UCX, pidfd_getfd (Linux 5.6+), and
+the connector to own allocation. Not built here; see docs/GPU.md.
+
+Region maths (:func:`plan_regions`) follow ``kvd.shim.cpu_share.plan_regions``
+(block dim = first dim of size ``num_blocks``, every index of the dims before
+it is a region, dedup by storage), with two differences for GPU caches: any
+device is accepted (tests use CPU and meta tensors shaped like vLLM's GPU
+caches), and a block only needs to be *dense as a set* of bytes, so the
+permuted views vLLM makes for HND (``kv_cache_stride_order``) are accepted:
+the block then holds ``[heads, tokens, head_dim]``, which the caller declares
+as ``kv_layout="HND"`` (checked by :func:`infer_kv_layout` where the shape
+tells).
+
+vLLM GPU caches this covers (per layer):
+
+- FlashAttention ``[2, num_blocks, block_size, heads, head_dim]``, NHD
+  (identity stride order) or HND (stride order ``(0, 1, 3, 2, 4)``): K and V
+  regions per layer;
+- FlashInfer ``[num_blocks, 2, block_size, heads, head_dim]`` (+ HND order):
+  one region per layer, K and V inside the block;
+- MLA ``[num_blocks, block_size, kv_lora_rank + rope_dim]``: one region.
+
+Units: bytes for sizes, strides and offsets; tokens for ``block_size``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from kvd.v1 import kvd_pb2 as pb
+
+IPC_HANDLE_SIZE = 64  # sizeof(cudaIpcMemHandle_t)
+_KV_LAYOUTS = {"NHD": pb.KV_LAYOUT_NHD, "HND": pb.KV_LAYOUT_HND, "MLA": pb.KV_LAYOUT_MLA}
+
+
+class CudaShareError(ValueError):
+    """A GPU KV cache cannot be exported or described; the message says why."""
+
+
+# ------------------------------------------------------------------- export
+def parse_torch_handle(raw: bytes) -> bytes:
+    """The 64-byte ``cudaIpcMemHandle_t`` inside torch's storage handle.
+
+    Raises:
+        CudaShareError: an expandable-segment (VMM) handle, or a format this
+            module does not know (the message shows its length and type byte).
+    """
+    raw = bytes(raw)
+    if len(raw) == IPC_HANDLE_SIZE:
+        return raw  # torch < 2.2: the bare handle
+    if len(raw) >= 2 and raw[1:2] == b"e":
+        raise CudaShareError(
+            "the KV cache was allocated with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (CUDA VMM memory): "
+            "legacy CUDA IPC cannot export it; start the engine with expandable_segments:False")
+    if len(raw) == 2 + IPC_HANDLE_SIZE and raw[1:2] == b"c":
+        return raw[2:]
+    kind = raw[1:2].decode("latin-1") if len(raw) > 1 else ""
+    raise CudaShareError(f"unknown torch CUDA IPC handle format: {len(raw)} bytes, version byte "
+                         f"{raw[0] if raw else None}, type {kind!r}")
+
+
+@dataclass(frozen=True)
+class ExportedStorage:
+    """One CUDA storage, as the daemon must open it.
+
+    Attributes:
+        device: CUDA device ordinal of the storage (the engine's numbering).
+        handle: 64-byte ``cudaIpcMemHandle_t`` of the allocation holding it.
+        offset: bytes from the allocation's first byte to the storage's.
+        nbytes: bytes of the storage.
+    """
+
+    device: int
+    handle: bytes
+    offset: int
+    nbytes: int
+
+    @property
+    def size(self) -> int:
+        """Bytes the daemon may touch from the allocation base."""
+        return self.offset + self.nbytes
+
+
+def export_storage(tensor: torch.Tensor) -> ExportedStorage:
+    """Exports ``tensor``'s storage through CUDA IPC (torch's ``_share_cuda_``).
+
+    Raises:
+        CudaShareError: not a CUDA tensor, an empty storage, or torch's private
+            API answered in a way this module does not know.
+    """
+    if tensor.device.type != "cuda":
+        raise CudaShareError(f"only CUDA tensors can be shared by CUDA IPC (got device {tensor.device})")
+    storage = tensor.untyped_storage()
+    if storage.nbytes() == 0:
+        raise CudaShareError("cannot share an empty storage")
+    try:
+        shared = storage._share_cuda_()
+    except (AttributeError, RuntimeError) as e:
+        raise CudaShareError(f"torch {torch.__version__}: UntypedStorage._share_cuda_() failed: {e}") from e
+    if not isinstance(shared, tuple) or len(shared) < 4:
+        raise CudaShareError(f"torch {torch.__version__}: _share_cuda_() returned {type(shared).__name__} "
+                             f"of {len(shared) if isinstance(shared, tuple) else '?'} items, expected 8")
+    device, raw, size_bytes, offset_bytes = shared[:4]
+    if raw is None:
+        raise CudaShareError("torch returned no CUDA IPC handle (a storage without memory)")
+    if int(size_bytes) != storage.nbytes():
+        raise CudaShareError(f"_share_cuda_() reports {size_bytes} bytes, the storage has {storage.nbytes()}")
+    return ExportedStorage(int(device), parse_torch_handle(raw), int(offset_bytes), int(size_bytes))
+
+
+# --------------------------------------------------------------------- maths
+@dataclass(frozen=True)
+class RegionPlan:
+    """One region relative to its storage's byte 0 (bytes).
+
+    Block ``b`` occupies ``[offset + b * block_stride, ... + block_len)``.
+    """
+
+    storage: int
+    offset: int
+    block_len: int
+    block_stride: int
+    name: str
+    layer: str
+    group: int = 0
+
+
+@dataclass
+class KvCachePlan:
+    """Regions of a set of GPU KV cache tensors, before any export.
+
+    ``storages`` holds one tensor per distinct storage (first seen);
+    ``block_dims`` the block dim of each layer (for :func:`infer_kv_layout`).
+    """
+
+    storages: list[torch.Tensor] = field(default_factory=list)
+    regions: list[RegionPlan] = field(default_factory=list)
+    layers: list[str] = field(default_factory=list)
+    dtype: torch.dtype | None = None
+    block_dims: dict[str, int] = field(default_factory=dict)
+
+
+def dense_as_set(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """True when the elements of a (possibly permuted) view cover one contiguous run."""
+    dims = sorted((st, n) for n, st in zip(shape, strides) if n != 1)
+    expected = 1
+    for st, n in dims:
+        if st != expected:
+            return False
+        expected *= n
+    return True
+
+
+def _find_block_dim(shape: tuple[int, ...], num_blocks: int, block_dim: int | None) -> tuple[int, int]:
+    """(block dim, kernel blocks per block): as ``cpu_share``; see its docs."""
+    if block_dim is not None:
+        if not -len(shape) <= block_dim < len(shape):
+            raise CudaShareError(f"block_dim {block_dim} out of range for shape {tuple(shape)}")
+        d = block_dim % len(shape)
+        if shape[d] % num_blocks:
+            raise CudaShareError(f"dim {d} of shape {tuple(shape)} is not a multiple of num_blocks={num_blocks}")
+        return d, shape[d] // num_blocks
+    for d, n in enumerate(shape):
+        if n == num_blocks:
+            return d, 1
+    for d, n in enumerate(shape):
+        if n > num_blocks and n % num_blocks == 0:
+            return d, n // num_blocks
+    raise CudaShareError(f"no dimension of size num_blocks={num_blocks} in KV cache shape {tuple(shape)}")
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    """Identity of ``t``'s storage: its device and address (meta tensors have
+    none, so their StorageImpl's identity stands in)."""
+    s = t.untyped_storage()
+    ptr = s.data_ptr()
+    return (t.device.type, t.device.index, ptr if ptr else ("impl", s._cdata))
+
+
+def plan_regions(
+    kv_caches: Mapping[str, torch.Tensor],
+    num_blocks: int,
+    *,
+    block_dim: int | None = None,
+    groups: Mapping[str, int] | None = None,
+) -> KvCachePlan:
+    """Regions of vLLM GPU KV cache tensors (``layer name -> tensor``).
+
+    Args: as ``kvd.shim.cpu_share.plan_regions`` (``groups``: layer -> vLLM
+    HMA KV-cache group; regions are deduped within a group).
+
+    Raises:
+        CudaShareError: no block dim, a block that is not one dense run, kernel
+            blocks that are not dense, overlapping blocks or mixed dtypes; the
+            message names the layer.
+    """
+    if num_blocks <= 0:
+        raise CudaShareError(f"num_blocks must be > 0 (got {num_blocks})")
+    plan = KvCachePlan()
+    storage_index: dict[tuple, int] = {}
+    seen: set[tuple[int, int, int, int, int]] = set()
+    for layer, t in kv_caches.items():
+        if not isinstance(t, torch.Tensor):
+            raise CudaShareError(f"layer {layer}: KV cache is a {type(t).__name__}, not a tensor")
+        if plan.dtype is None:
+            plan.dtype = t.dtype
+        elif t.dtype != plan.dtype:
+            raise CudaShareError(f"layer {layer}: dtype {t.dtype} differs from {plan.dtype} of earlier layers")
+        shape, strides = tuple(t.shape), tuple(t.stride())
+        d, kernel_per_block = _find_block_dim(shape, num_blocks, block_dim)
+        plan.block_dims[layer] = d
+        esize = t.element_size()
+        inner_shape, inner_strides = shape[d + 1:], strides[d + 1:]
+        if not dense_as_set(inner_shape, inner_strides):
+            raise CudaShareError(
+                f"layer {layer}: the bytes of one block are not one contiguous run "
+                f"(shape {shape}, strides {strides}, block dim {d}); kvd moves whole blocks")
+        kernel_len = esize
+        for n in inner_shape:
+            kernel_len *= n
+        kernel_stride = strides[d] * esize
+        if kernel_per_block > 1 and kernel_stride != kernel_len:
+            raise CudaShareError(f"layer {layer}: {kernel_per_block} kernel blocks per block are not dense "
+                                 f"(stride {kernel_stride} B, length {kernel_len} B)")
+        block_len = kernel_len * kernel_per_block
+        block_stride = kernel_stride * kernel_per_block
+        if block_stride < block_len:
+            raise CudaShareError(f"layer {layer}: blocks overlap (stride {block_stride} B < length {block_len} B)")
+        # A block must not reach back before the region's start either (a
+        # negative or permuted block dim): the maths assume blocks ascend.
+        if any(st < 0 for st in strides):
+            raise CudaShareError(f"layer {layer}: negative strides {strides} are not supported")
+        key = _storage_key(t)
+        if key not in storage_index:
+            storage_index[key] = len(plan.storages)
+            plan.storages.append(t)
+        s = storage_index[key]
+        group = int(groups[layer]) if groups is not None else 0
+        prefix = shape[:d]
+        added = False
+        for idx in itertools.product(*(range(n) for n in prefix)):
+            offset = (t.storage_offset() + sum(i * st for i, st in zip(idx, strides[:d]))) * esize
+            ident = (s, offset, block_len, block_stride, group)
+            if ident in seen:
+                continue
+            seen.add(ident)
+            suffix = ("/k" if idx[0] == 0 else "/v") if prefix == (2,) else (
+                "/" + ",".join(map(str, idx)) if prefix else "")
+            plan.regions.append(RegionPlan(s, offset, block_len, block_stride, layer + suffix, layer, group))
+            added = True
+        if added:
+            plan.layers.append(layer)
+    if not plan.regions:
+        raise CudaShareError("no KV cache tensors to register")
+    return plan
+
+
+def infer_kv_layout(t: torch.Tensor, block_dim: int, block_size: int, num_kv_heads: int) -> str | None:
+    """``"NHD"`` or ``"HND"``: the physical order of tokens and heads inside a
+    block of ``t`` (tokens outer: NHD), or None when the shape cannot tell
+    (no such dims, or ``block_size == num_kv_heads``)."""
+    if block_size == num_kv_heads:
+        return None
+    shape, strides = tuple(t.shape), tuple(t.stride())
+    inner = list(range(block_dim + 1, len(shape)))
+    tok = [d for d in inner if shape[d] == block_size]
+    head = [d for d in inner if shape[d] == num_kv_heads]
+    if len(tok) != 1 or len(head) != 1 or num_kv_heads == 1:
+        return None
+    return "NHD" if strides[tok[0]] > strides[head[0]] else "HND"
+
+
+# ------------------------------------------------------------------- proto
+@dataclass
+class SharedCudaKvCaches:
+    """What ``RegisterEngineRequest`` needs, and what the staged path's copies need.
+
+    Attributes:
+        segments: one ``MEMORY_KIND_CUDA_IPC`` segment per allocation.
+        regions: offsets from each allocation's base.
+        layout: the layout message.
+        exported: one per storage of :attr:`plan` (same order).
+        plan: the storage-relative regions (for copies in the engine).
+        segment_of_storage: segment index of each storage.
+    """
+
+    segments: list[pb.Segment]
+    regions: list[pb.Region]
+    layout: pb.Layout
+    exported: list[ExportedStorage]
+    plan: KvCachePlan
+    segment_of_storage: list[int]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def share_kv_caches(
+    kv_caches: Mapping[str, torch.Tensor],
+    *,
+    num_blocks: int,
+    block_size: int,
+    kv_layout: str,
+    num_kv_heads: int,
+    head_dim: int,
+    total_kv_heads: int = 0,
+    block_dim: int | None = None,
+    groups: Mapping[str, int] | None = None,
+    exporter: Callable[[torch.Tensor], ExportedStorage] = export_storage,
+) -> SharedCudaKvCaches:
+    """Exports every allocation behind ``kv_caches`` and describes it for the daemon.
+
+    Args: as ``kvd.shim.cpu_share.share_kv_caches``; ``exporter`` turns a
+    storage's tensor into an :class:`ExportedStorage` (tests pass a fake).
+
+    Raises:
+        CudaShareError: see :func:`plan_regions` and :func:`export_storage`; a
+            declared ``kv_layout`` that contradicts the tensors' strides; regions
+            past their storage; tensors on more than one device.
+    """
+    if kv_layout not in _KV_LAYOUTS:
+        raise CudaShareError(f"kv_layout must be one of {sorted(_KV_LAYOUTS)} (got {kv_layout!r})")
+    if block_size <= 0:
+        raise CudaShareError(f"block_size must be > 0 tokens (got {block_size})")
+    plan = plan_regions(kv_caches, num_blocks, block_dim=block_dim, groups=groups)
+    if kv_layout != "MLA":
+        for layer in plan.layers:
+            found = infer_kv_layout(kv_caches[layer], plan.block_dims[layer], block_size, num_kv_heads)
+            if found is not None and found != kv_layout:
+                raise CudaShareError(f"layer {layer}: declared kv_layout {kv_layout}, but its strides put the "
+                                     f"blocks in {found} order (vLLM kv_cache_stride_order)")
+    exported = [exporter(t) for t in plan.storages]
+    devices = sorted({e.device for e in exported})
+    if len(devices) != 1:
+        raise CudaShareError(f"a worker's KV cache must be on one device (got devices {devices})")
+    seg_index: dict[bytes, int] = {}
+    sizes: list[int] = []
+    seg_of: list[int] = []
+    for e in exported:
+        if e.handle not in seg_index:
+            seg_index[e.handle] = len(sizes)
+            sizes.append(0)
+        i = seg_index[e.handle]
+        sizes[i] = max(sizes[i], e.size)
+        seg_of.append(i)
+    handles = sorted(seg_index, key=seg_index.get)
+    segments = [pb.Segment(kind=pb.MEMORY_KIND_CUDA_IPC, handle=h, device=devices[0], size=sz)
+                for h, sz in zip(handles, sizes)]
+    regions = []
+    for r in plan.regions:
+        e = exported[r.storage]
+        end = r.offset + (num_blocks - 1) * r.block_stride + r.block_len
+        if end > e.nbytes:
+            raise CudaShareError(f"region {r.name}: {num_blocks} blocks end at byte {end}, "
+                                 f"past its storage of {e.nbytes} bytes")
+        regions.append(pb.Region(segment_index=seg_of[r.storage], offset=e.offset + r.offset,
+                                 block_len=r.block_len, block_stride=r.block_stride, name=r.name, group=r.group))
+    layout = pb.Layout(
+        num_blocks=num_blocks, block_size=block_size, kv_layout=_KV_LAYOUTS[kv_layout],
+        dtype=dtype_name(plan.dtype) if plan.dtype is not None else "", num_kv_heads=num_kv_heads,
+        head_dim=head_dim, num_layers=len(plan.layers), block_lens=[r.block_len for r in plan.regions],
+        total_kv_heads=total_kv_heads,
+    )
+    return SharedCudaKvCaches(segments, regions, layout, exported, plan, seg_of)
+
+
+# ------------------------------------------------------ staged path (engine)
+def storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D ``uint8`` view of ``t``'s whole storage (byte 0 = the storage's byte 0)."""
+    s = t.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(s, 0, (s.nbytes(),), (1,))
+
+
+def block_view(buf: torch.Tensor, offset: int, block_len: int, block_stride: int, num_blocks: int) -> torch.Tensor:
+    """``[num_blocks, block_len]`` view of a region inside a 1-D ``uint8`` buffer."""
+    if offset < 0 or offset + (num_blocks - 1) * block_stride + block_len > buf.numel():
+        raise CudaShareError(f"region at {offset} ({num_blocks} x {block_stride} B) outside a buffer of "
+                             f"{buf.numel()} bytes")
+    return buf.as_strided((num_blocks, block_len), (block_stride, 1), buf.storage_offset() + offset)
+
+
+class _CudaArray:
+    """``__cuda_array_interface__`` over a raw device pointer (for ``torch.as_tensor``)."""
+
+    def __init__(self, ptr: int, size: int):
+        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (ptr, False), "version": 3,
+                                         "strides": None}
+
+
+class VramStaging:
+    """The engine side of the staged path for a GPU worker: the daemon's VRAM
+    mirror segments, and block copies between the KV cache and them (the
+    same region maths). Any 1-D ``uint8`` mirror tensors work (the device
+    check's CPU dry run passes mapped shm); ``kvd.shim.staging`` is the CPU
+    shim's own, with re-registration support, and the two should merge once
+    the vLLM shim takes CUDA caches.
+
+    Args:
+        plan: the storage-relative regions (:attr:`SharedCudaKvCaches.plan`).
+        storage_offsets: bytes from its segment's base to each storage.
+        segment_of_storage: segment index of each storage.
+        mirrors: one 1-D ``uint8`` tensor per segment: the mirror's bytes.
+        num_blocks: blocks per region.
+        on_close: called once by :meth:`close` (unmaps the mirrors).
+
+    :meth:`copy_in` before a ``hold`` (prefill), :meth:`copy_out` after a
+    ``recv_done`` (decode); both wait for the device before they return.
+    :meth:`close` before unregistering (the daemon frees the mirrors).
+    :meth:`open_cuda` opens a GPU worker's VRAM mirrors.
+    """
+
+    def __init__(self, plan: KvCachePlan, storage_offsets: list[int], segment_of_storage: list[int],
+                 mirrors: list[torch.Tensor], num_blocks: int, on_close: Callable[[], None] | None = None):
+        self.mirrors = list(mirrors)
+        self._on_close = on_close
+        self.device = self.mirrors[0].device
+        self._pairs = []  # (cache view, mirror view, group) per region
+        bufs = [storage_bytes(t) for t in plan.storages]
+        for r in plan.regions:
+            cache = block_view(bufs[r.storage], r.offset, r.block_len, r.block_stride, num_blocks)
+            mirror = block_view(self.mirrors[segment_of_storage[r.storage]], storage_offsets[r.storage] + r.offset,
+                                r.block_len, r.block_stride, num_blocks)
+            self._pairs.append((cache, mirror, r.group))
+
+    @classmethod
+    def open_cuda(cls, shared: SharedCudaKvCaches, staging_segments, num_blocks: int) -> "VramStaging":
+        """Opens ``RegisterEngineResponse.staging_segments`` (CUDA IPC, one per
+        segment of ``shared``, same sizes) through ``kvd.cudart``.
+
+        Raises:
+            CudaShareError: a mirror that is not CUDA IPC or has another size.
+            kvd.cudart.CudaError / CudaUnavailable: the open failed.
+        """
+        from kvd import cudart
+
+        if len(staging_segments) != len(shared.segments):
+            raise CudaShareError(f"{len(staging_segments)} staging segments for {len(shared.segments)} segments")
+        rt = cudart.load()
+        opened: list[tuple[int, int]] = []
+
+        def unmap() -> None:
+            for device, ptr in opened:
+                try:
+                    rt.ipc_close(device, ptr)
+                except Exception:
+                    pass
+            opened.clear()
+
+        try:
+            mirrors = []
+            for mine, m in zip(shared.segments, staging_segments):
+                if m.kind != pb.MEMORY_KIND_CUDA_IPC or m.size != mine.size:
+                    raise CudaShareError(f"staging segment kind {m.kind} size {m.size}: expected CUDA_IPC of "
+                                         f"{mine.size} bytes")
+                ptr = rt.ipc_open(m.device, bytes(m.handle))
+                opened.append((m.device, ptr))
+                mirrors.append(torch.as_tensor(_CudaArray(ptr, m.size), device=f"cuda:{m.device}"))
+            return cls(shared.plan, [e.offset for e in shared.exported], shared.segment_of_storage, mirrors,
+                       num_blocks, on_close=unmap)
+        except BaseException:
+            unmap()
+            raise
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _copy(self, block_ids, into_mirror: bool) -> None:
+        groups = block_ids if len(block_ids) and isinstance(block_ids[0], (list, tuple)) else [block_ids]
+        idx = [torch.as_tensor(list(g), dtype=torch.long, device=self.device) for g in groups]
+        for cache, mirror, group in self._pairs:
+            ids = idx[group] if group < len(idx) else idx[0]
+            if into_mirror:
+                mirror.index_copy_(0, ids, cache.index_select(0, ids))
+            else:
+                cache.index_copy_(0, ids, mirror.index_select(0, ids))
+        self._sync()
+
+    def copy_in(self, block_ids) -> None:
+        """KV cache -> mirror for ``block_ids`` (a list, or one list per HMA group)."""
+        self._copy(block_ids, True)
+
+    def copy_out(self, block_ids) -> None:
+        """Mirror -> KV cache for ``block_ids``."""
+        self._copy(block_ids, False)
+
+    def close(self) -> None:
+        """Drops the views, then unmaps the mirrors; idempotent."""
+        if self._pairs or self.mirrors:
+            self._sync()
+        self._pairs = []
+        self.mirrors = []
+        if self._on_close is not None:
+            on_close, self._on_close = self._on_close, None
+            on_close()

@@ -1,0 +1,232 @@
+"""Helpers of the security tests (issue 8): callers as other users, other
+engine processes, a throwaway certificate authority."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+TESTS = pathlib.Path(__file__).resolve().parent
+ROOT = TESTS.parent
+NOBODY = 65534     # uid and gid of "nobody" / "nogroup" on Debian
+OUTSIDER = 65532   # a uid and gid the daemons in these tests admit nowhere
+
+# Runs as root up to the imports, then becomes ``uid:gid`` (no supplementary
+# groups) and makes one call; prints one JSON line. Everything it needs is
+# imported first: as another user it cannot read /root (this interpreter).
+_AS_USER = r"""
+import json, os, sys, mmap, uuid
+import grpc
+from kvd.v1 import kvd_pb2 as pb, kvd_pb2_grpc as pb_grpc
+from kvdtest import KvShape, register_request
+sock, uid, gid, action, arg = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+os.setgroups([]); os.setgid(gid); os.setuid(uid)
+shape = KvShape(num_layers=1, num_blocks=8, block_len=1024)
+stub = pb_grpc.EngineServiceStub(grpc.insecure_channel(f"unix:{sock}"))
+out = {"ok": False, "code": "", "details": ""}
+made = None
+try:
+    if action == "stats":
+        stub.GetStats(pb.StatsRequest(), timeout=10)
+    else:
+        class Seg: pass
+        seg = Seg()
+        if action == "register-own":
+            seg.name = f"/kvdtest_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+            fd = os.open("/dev/shm" + seg.name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            os.ftruncate(fd, shape.size); os.close(fd)
+            made = seg.name
+        else:
+            seg.name = arg
+        seg.size = shape.size
+        r = stub.RegisterEngine(register_request(f"as-{uid}-{action}", shape, seg), timeout=30)
+        stub.UnregisterEngine(pb.UnregisterEngineRequest(worker=pb.EngineWorker(engine_id=f"as-{uid}-{action}"),
+                                                         session_token=r.session_token), timeout=30)
+    out["ok"] = True
+except grpc.RpcError as e:
+    out["code"], out["details"] = e.code().name, e.details()
+finally:
+    if made:
+        os.unlink("/dev/shm" + made)
+print(json.dumps(out), flush=True)
+"""
+
+
+def call_as(socket_path: str, uid: int, gid: int, action: str = "stats", arg: str = "-") -> dict:
+    """Runs one EngineService call as ``uid:gid`` in a fresh process; returns
+    ``{"ok", "code", "details"}`` (code: the gRPC status name)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
+    r = subprocess.run([sys.executable, "-c", _AS_USER, socket_path, str(uid), str(gid), action, arg],
+                       capture_output=True, text=True, timeout=120, env=env)
+    lines = [l for l in r.stdout.splitlines() if l.startswith("{")]
+    assert lines, f"child as {uid}:{gid} printed nothing (rc {r.returncode}):\n{r.stderr[-3000:]}"
+    return json.loads(lines[-1])
+
+
+def reachable_dir() -> str:
+    """A fresh directory every user can traverse (pytest's tmp_path is 0700)."""
+    d = tempfile.mkdtemp(prefix="kvdsec-")
+    os.chmod(d, 0o755)
+    return d
+
+
+# Another engine process: registers ``engine_id``, opens its session, prints
+# its token, and waits for a line on stdin (or EOF) before it exits, without
+# unregistering (like a killed engine).
+_OTHER_ENGINE = r"""
+import json, sys
+from kvdtest import Daemon, KvShape, Session, ShmSegment, register_request
+sock, engine_id = sys.argv[1], sys.argv[2]
+d = Daemon(proc=None, socket=sock, log_path="")
+shape = KvShape(num_layers=1, num_blocks=8, block_len=1024)
+seg = ShmSegment(shape.size)
+r = d.stub().RegisterEngine(register_request(engine_id, shape, seg), timeout=30)
+s = Session(d, engine_id)
+print(json.dumps({"token": r.session_token, "segment": seg.name}), flush=True)
+sys.stdin.readline()
+"""
+
+
+class OtherEngine:
+    """An engine worker registered by another process (pid) of the same user."""
+
+    def __init__(self, socket_path: str, engine_id: str):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
+        self.proc = subprocess.Popen([sys.executable, "-c", _OTHER_ENGINE, socket_path, engine_id],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        line = self.proc.stdout.readline()
+        assert line, f"engine process {engine_id} exited {self.proc.wait()}"
+        info = json.loads(line)
+        self.token, self.segment = info["token"], info["segment"]
+
+    def exit(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write("\n")
+            self.proc.stdin.flush()
+            self.proc.wait(30)
+
+
+def start_daemons(*specs, timeout: float = 60.0):
+    """Starts several daemons at once (``specs``: ``(tmpdir, name, *flags)``, as
+    ``kvdtest.start_daemon`` takes them) and waits until each one serves.
+
+    Launched from this thread: PR_SET_PDEATHSIG (DIE_WITH_PARENT) fires when
+    the thread that started a child ends, so no worker threads here.
+    """
+    import grpc
+
+    from kvdtest import DIE_WITH_PARENT, Daemon
+
+    daemons = []
+    for tmpdir, name, *extra in specs:
+        sock, log_path = os.path.join(tmpdir, f"{name}.sock"), os.path.join(tmpdir, f"{name}.log")
+        proc = subprocess.Popen(
+            [*DIE_WITH_PARENT, sys.executable, "-m", "kvd.cli", "serve", "--engine-socket", sock,
+             "--peer-listen", "127.0.0.1:0", "--log-level", "debug", *extra],
+            stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        daemons.append(Daemon(proc, sock, log_path))
+    deadline = time.monotonic() + timeout
+    for d in daemons:
+        while not d.peer_address:
+            if d.proc.poll() is not None or time.monotonic() > deadline:
+                for x in daemons:
+                    x.stop()
+                raise RuntimeError(f"daemon {d.socket} did not start:\n{d.log()}")
+            try:
+                d.peer_address = d.stats().peer_address
+            except grpc.RpcError:
+                time.sleep(0.1)
+    return daemons
+
+
+# ---------------------------------------------------------------- certificates
+class Pki:
+    """A throwaway CA and certificates (``cryptography``), as PEM files in ``directory``."""
+
+    def __init__(self, directory: str, name: str = "kvd-test-ca"):
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+
+        self.dir = pathlib.Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.name = name
+        self._key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        now = datetime.datetime.now(datetime.timezone.utc)
+        self._cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
+                      .public_key(self._key.public_key()).serial_number(x509.random_serial_number())
+                      .not_valid_before(now - datetime.timedelta(minutes=5))
+                      .not_valid_after(now + datetime.timedelta(days=1))
+                      .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+                      .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False, False),
+                                     critical=True)
+                      .sign(self._key, hashes.SHA256()))
+        self.ca = self._write(f"{name}.pem", self._pem(self._cert))
+
+    @staticmethod
+    def _pem(obj) -> bytes:
+        from cryptography.hazmat.primitives import serialization
+
+        if hasattr(obj, "private_bytes"):
+            return obj.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                     serialization.NoEncryption())
+        return obj.public_bytes(serialization.Encoding.PEM)
+
+    def _write(self, name: str, data: bytes) -> str:
+        p = self.dir / name
+        p.write_bytes(data)
+        os.chmod(p, 0o600)
+        return str(p)
+
+    def issue(self, cn: str, hosts=("127.0.0.1", "localhost")) -> tuple[str, str]:
+        """A certificate for server and client use with SANs ``hosts``; ``(cert, key)`` paths."""
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+        key = ec.generate_private_key(ec.SECP256R1())
+        sans = []
+        for h in hosts:
+            try:
+                sans.append(x509.IPAddress(ipaddress.ip_address(h)))
+            except ValueError:
+                sans.append(x509.DNSName(h))
+        now = datetime.datetime.now(datetime.timezone.utc)
+        cert = (x509.CertificateBuilder()
+                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)]))
+                .issuer_name(self._cert.subject).public_key(key.public_key())
+                .serial_number(x509.random_serial_number())
+                .not_valid_before(now - datetime.timedelta(minutes=5))
+                .not_valid_after(now + datetime.timedelta(days=1))
+                .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                      ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+                .sign(self._key, hashes.SHA256()))
+        return self._write(f"{cn}.crt", self._pem(cert)), self._write(f"{cn}.key", self._pem(key))
+
+    def flags(self, cn: str) -> tuple[str, ...]:
+        """``kvd serve`` flags for a daemon with a fresh certificate ``cn``."""
+        cert, key = self.issue(cn)
+        return ("--peer-tls-cert", cert, "--peer-tls-key", key, "--peer-tls-ca", self.ca)
+
+
+def stop_daemons(daemons) -> None:
+    """SIGTERMs every daemon at once, then checks each exited 0."""
+    import signal
+
+    for d in daemons:
+        if d.proc.poll() is None:
+            d.proc.send_signal(signal.SIGTERM)
+    for d in daemons:
+        assert d.stop() == 0, d.log()[-2000:]

@@ -1,0 +1,176 @@
+"""kvd.core.cuda_ipc and kvd.cudart on a machine without a GPU (issue 7).
+
+- The real library: no device here, so every entry point raises the clear
+  ``NO_GPU`` error (this machine may even have a libcudart, with no driver).
+- The daemon-side logic (open / re-export check / auto -> staged mirrors /
+  close / shared mappings / cleanup on failure) against a fake CUDA runtime
+  that behaves as CUDA documents: memory a process imported through IPC
+  cannot be exported again (NIXL issue 154).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from kvd import cudart
+from kvd.core import cuda_ipc
+from kvd.core.cuda_ipc import NO_GPU, CudaIpcError, CudaIpcMapping, VramMirror, open_segments
+from kvd.core.node import Segment
+
+H1, H2 = bytes([1]) * 64, bytes([2]) * 64
+
+
+def seg(handle=H1, device=0, size=1 << 20):
+    return Segment(name="", size=size, kind=cuda_ipc.KIND, handle=handle, device=device)
+
+
+# ------------------------------------------------------------- no GPU here
+def test_no_gpu_is_a_clear_error_everywhere():
+    ok, why = cudart.available()
+    if ok:
+        pytest.skip("this machine has a GPU")
+    assert why  # names the library tried, or that none was found
+    for call in (lambda: open_segments([seg()], "auto"), lambda: CudaIpcMapping(H1, 0, 1024),
+                 lambda: VramMirror(1024, 0), cuda_ipc.runtime):
+        with pytest.raises(CudaIpcError) as e:
+            call()
+        assert str(e.value).startswith(NO_GPU)
+    assert isinstance(CudaIpcError("x"), ValueError)  # the core maps SegmentError (a ValueError) to INVALID_ARGUMENT
+
+
+def test_candidates_honour_kvd_cudart(monkeypatch):
+    monkeypatch.setenv("KVD_CUDART", "/opt/x/libcudart.so.99")
+    assert cudart.candidates()[0] == "/opt/x/libcudart.so.99"
+
+
+def test_handle_wire_form_is_64_bytes():
+    assert cuda_ipc.check_handle(H1) == H1
+    with pytest.raises(CudaIpcError, match="segment 3: a CUDA IPC handle is 64 bytes .* got 66"):
+        cuda_ipc.check_handle(b"\x03c" + H1, "segment 3")
+
+
+# ------------------------------------------------------------ fake runtime
+class FakeCudart:
+    """What the daemon needs of libcudart, with CUDA's IPC rules."""
+
+    devices = 2
+
+    def __init__(self, reexport=False, fail_malloc_after=None):
+        self.reexport = reexport
+        self.addrs = itertools.count(0x7F0000000000, 1 << 30)
+        self.opened = {}      # addr -> (device, handle)
+        self.allocated = {}   # addr -> (device, size)
+        self.closed = []
+        self.freed = []
+        self.fail_malloc_after = fail_malloc_after
+
+    def _fail(self, call, code, name):
+        raise cudart.CudaError(call, code, name, "fake")
+
+    def ipc_open(self, device, handle):
+        if any(v == (device, handle) for v in self.opened.values()):
+            self._fail("cudaIpcOpenMemHandle", 208, "cudaErrorAlreadyMapped")
+        a = next(self.addrs)
+        self.opened[a] = (device, handle)
+        return a
+
+    def ipc_close(self, device, ptr):
+        self.closed.append(ptr)
+        del self.opened[ptr]
+
+    def ipc_get_handle(self, device, ptr):
+        if ptr in self.opened and not self.reexport:
+            self._fail("cudaIpcGetMemHandle", 1, "cudaErrorInvalidValue")
+        return bytes([7]) * 64
+
+    def legacy_ipc_capable(self, device, ptr):
+        return None  # no libcuda: the runtime probe decides
+
+    def malloc(self, device, size):
+        if self.fail_malloc_after is not None and len(self.allocated) >= self.fail_malloc_after:
+            self._fail("cudaMalloc", 2, "cudaErrorMemoryAllocation")
+        a = next(self.addrs)
+        self.allocated[a] = (device, size)
+        return a
+
+    def memset(self, device, ptr, value, size):
+        pass
+
+    def free(self, device, ptr):
+        self.freed.append(ptr)
+        del self.allocated[ptr]
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    rt = FakeCudart()
+    monkeypatch.setattr(cudart, "load", lambda refresh=False: rt)
+    cuda_ipc._opened.clear()
+    yield rt
+    cuda_ipc._opened.clear()
+
+
+def test_direct_opens_each_handle_and_close_closes_it(fake):
+    got = open_segments([seg(H1, 1), seg(H2, 1, 2048)], "direct")
+    assert not got.staged and got.device == 1 and got.choice.path == "direct"
+    assert [m.memory for m in got.mappings] == ["VRAM", "VRAM"] and len(fake.opened) == 2
+    assert got.choice.warning.startswith("direct path requested, but cudaIpcGetMemHandle")  # the hazard, flagged
+    for m in got.mappings:
+        m.close()
+        m.close()
+    assert fake.opened == {} and len(fake.closed) == 2
+
+
+def test_auto_switches_to_daemon_owned_mirrors_when_the_mapping_cannot_be_reexported(fake):
+    got = open_segments([seg(H1, 0, 4096), seg(H2, 0, 8192)], "auto")
+    assert got.staged and "zero-copy unavailable" in got.choice.reason
+    assert "cudaErrorInvalidValue" in got.choice.reason
+    assert all(isinstance(m, VramMirror) for m in got.mappings)
+    assert [m.size for m in got.mappings] == [4096, 8192] and [len(m.handle) for m in got.mappings] == [64, 64]
+    assert fake.opened == {}, "the probed handles are closed again"
+    for m in got.mappings:
+        m.close()
+    assert fake.allocated == {}
+
+
+def test_auto_stays_direct_when_the_mapping_can_be_reexported(fake):
+    fake.reexport = True
+    got = open_segments([seg()], "auto")
+    assert not got.staged and got.choice.reason.startswith("auto: zero-copy")
+    got.mappings[0].close()
+
+
+def test_staged_never_opens_the_engine_handle(fake):
+    got = open_segments([seg(b"")], "staged")  # staged needs only sizes (and the device)
+    assert got.staged and fake.opened == {} and len(fake.allocated) == 1
+    got.mappings[0].close()
+
+
+def test_one_allocation_named_twice_is_opened_once_and_closed_by_its_last_user(fake):
+    a, b = CudaIpcMapping(H1, 0, 100), CudaIpcMapping(H1, 0, 200)
+    assert a.addr == b.addr and len(fake.opened) == 1
+    a.close()
+    assert len(fake.opened) == 1
+    b.close()
+    assert fake.opened == {}
+
+
+def test_bad_input_is_refused_and_nothing_stays_open(fake):
+    with pytest.raises(CudaIpcError, match="one device"):
+        open_segments([seg(H1, 0), seg(H2, 1)], "auto")
+    with pytest.raises(CudaIpcError, match="device 5 out of range: this daemon sees 2"):
+        open_segments([seg(H1, 5)], "direct")
+    with pytest.raises(CudaIpcError, match="segment 1: a CUDA IPC handle is 64 bytes"):
+        open_segments([seg(H1), seg(b"short")], "direct")
+    assert fake.opened == {}
+    with pytest.raises(ValueError):
+        open_segments([seg()], "sometimes")
+
+
+def test_a_failed_mirror_frees_the_mirrors_made_before_it(fake):
+    fake.fail_malloc_after = 1
+    with pytest.raises(CudaIpcError, match="cudaErrorMemoryAllocation"):
+        open_segments([seg(H1), seg(H2)], "auto")
+    assert fake.allocated == {} and fake.opened == {}

@@ -1,0 +1,110 @@
+"""Reliability (issue 4, scenario 8): two hosts, and the wire between them is cut.
+
+The test makes two network namespaces joined by a veth pair (two "hosts" on
+one machine; it runs as root here and in CI) and runs one daemon in each.
+UCX's shared-memory transports ignore network namespaces, so UCX is
+restricted to TCP on the veth (``UCX_TLS=tcp``, ``UCX_NET_DEVICES``), as an
+operator would restrict it across real hosts; PeerService also goes over the
+veth, authenticated by a shared token. The engines are the test process itself: the engine socket is a file
+path and /dev/shm is shared, both reachable across network namespaces.
+
+Cutting the link mid-transfer (``ip link set down``) stalls TCP without an
+error: the request fails at its deadline. Restoring the link lets the next
+request succeed (a new handshake: the stalled agent was dropped).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from kvdtest import Engine, KvShape, NetnsPair, event_kind, start_daemon, wait_until
+
+# 128 MiB: about 0.3-1 s over TCP on a veth here.
+SHAPE = KvShape(num_layers=4, num_blocks=128, block_len=128 * 1024)
+DEADLINE_S = 5.0
+PORT = 7700
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("twohosts"))
+    try:
+        net = NetnsPair().__enter__()
+    except OSError as e:
+        pytest.skip(f"cannot make network namespaces here (needs root / CAP_NET_ADMIN and iproute2): {e}")
+    daemons = []
+    # Off loopback, PeerService needs authentication (docs/SECURITY.md): a shared token.
+    token = os.path.join(tmp, "peer.token")
+    with open(token, "w") as f:
+        f.write("two-hosts-test-token-0123456789")
+    os.chmod(token, 0o600)
+    try:
+        for name, ns, ip, dev in (("host-a", net.a, net.ip_a, net.dev_a), ("host-b", net.b, net.ip_b, net.dev_b)):
+            daemons.append(start_daemon(tmp, name, "--peer-listen", f"{ip}:{PORT}", "--peer-token-file", token,
+                                        env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": dev}, wrap=net.wrap(ns)))
+        yield net, daemons[0], daemons[1]
+    finally:
+        for d in daemons:
+            d.stop()
+        net.__exit__(None, None, None)
+
+
+def test_transfers_cross_the_veth_and_a_cut_link_fails_the_request_at_its_deadline(hosts):
+    net, a, b = hosts
+    assert a.peer_address == f"{net.ip_a}:{PORT}" and b.peer_address == f"{net.ip_b}:{PORT}"
+    src = Engine(a, "host-a-p", SHAPE, seed=8)
+    dst = Engine(b, "host-b-d", SHAPE)
+    ids = list(range(SHAPE.num_blocks))
+    try:
+        # Over the wire: the first request handshakes and moves 128 MiB.
+        src.hold("over-tcp", ids)
+        dst.load("over-tcp", ids, src, ids, "over-tcp", timeout_s=60)
+        ev = dst.wait("over-tcp", 65)
+        assert event_kind(ev) == "recv_done", ev
+        assert dst.same_blocks(ids, src, ids)
+        assert event_kind(src.wait("over-tcp")) == "send_done"
+        gbps = ev.recv_done.bytes / ev.recv_done.duration_s / 1e9
+        dst.kv[:] = 0
+
+        # Cut the wire once the READ is under way.
+        src.hold("cut", ids)
+        t0 = time.monotonic()
+        dst.load("cut", ids, src, ids, "cut", timeout_s=DEADLINE_S)
+        probe = src.kv[1, 0, :4096].copy()
+        wait_until(lambda: (dst.kv[1, 0, :4096] == probe).all(), DEADLINE_S, "the READ is under way", 0.001)
+        cut = time.monotonic()
+        net.link(up=False)
+        ev = dst.wait("cut", DEADLINE_S + 5)
+        assert event_kind(ev) == "load_failed", ev
+        assert list(ev.load_failed.failed_block_ids) == ids
+        failed_at = dst.arrived
+        failed_after = failed_at - t0
+        copied = float((dst.kv == src.kv).all(axis=2).mean())
+        assert failed_after <= DEADLINE_S + 1.0, f"LoadFailed {failed_after:.2f} s after the load, past its deadline"
+        assert copied < 1.0
+        assert b.proc.poll() is None and a.proc.poll() is None
+
+        # Restore it: the next request succeeds (after a new handshake).
+        net.link(up=True)
+        src.release("cut")
+        assert src.wait("cut").send_done.released
+        restored = time.monotonic()
+        src.hold("after", [1, 2, 3])
+        dst.load("after", [7, 8, 9], src, [1, 2, 3], "after", timeout_s=30)
+        ev2 = dst.wait("after", 35)
+        assert event_kind(ev2) == "recv_done", ev2
+        assert dst.same_blocks([7, 8, 9], src, [1, 2, 3])
+        assert event_kind(src.wait("after")) == "send_done"
+        print(f"\nveth/TCP: {gbps:.2f} GB/s; link cut {cut - t0:.2f} s into the READ ({copied:.0%} of the blocks "
+              f"had arrived); LoadFailed {failed_at - cut:.2f} s after the cut ({failed_after:.2f} s after the "
+              f"load, deadline {DEADLINE_S} s): {ev.load_failed.reason}; after the restore the next request took "
+              f"{time.monotonic() - restored:.2f} s")
+        # The stalled READ's handle is released once TCP gives up or completes.
+        wait_until(lambda: b.stats().leaked_handles == 0 and b.stats().inflight_transfers == 0, 30,
+                   "no NIXL handle left from the cut")
+    finally:
+        dst.close()
+        src.close()

@@ -1,0 +1,148 @@
+"""Bounds (issue 8): every block id is checked against the registered region
+before any NIXL call, messages and per-worker state are capped, push writes
+only what the source holds, and peer agent metadata is size-capped. Every
+refusal is a status or an event with a message, and the daemons keep serving.
+
+Daemons for the module: P (1 MiB messages, 3 leases per worker), D (defaults),
+E (push mode: asks P to WRITE).
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from kvd.core.node import MAX_AGENT_METADATA
+from kvd.v1 import kvd_pb2 as pb
+from kvd.v1 import kvd_pb2_grpc as pb_grpc
+from kvdtest import Engine, FakePeer, KvShape, ShmSegment, event_kind, register_request
+from sectest import start_daemons, stop_daemons
+
+SHAPE = KvShape(num_layers=2, num_blocks=16, block_len=2048)
+
+
+@pytest.fixture(scope="module")
+def daemons(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("bounds"))
+    ds = start_daemons((tmp, "P", "--max-message-bytes", str(1 << 20), "--max-leases-per-worker", "3"),
+                       (tmp, "D"), (tmp, "E", "--transfer-mode", "push"))
+    yield ds
+    stop_daemons(ds)
+
+
+@pytest.fixture(scope="module")
+def engines(daemons):
+    p, d, e = daemons
+    es = Engine(p, "P", SHAPE, seed=1), Engine(d, "D", SHAPE, seed=2), Engine(e, "E", SHAPE, seed=3)
+    yield es
+    for x in es:
+        x.close()
+
+
+def _still_serving(*daemons) -> None:
+    for d in daemons:
+        assert d.proc.poll() is None and d.stats().daemon_version
+
+
+def test_out_of_range_block_ids_are_refused_before_any_transfer(daemons, engines):
+    src, dst, _ = engines
+    src.hold("oob-hold", [1, SHAPE.num_blocks])
+    ev = src.wait("oob-hold")
+    assert event_kind(ev) == "rejected" and f"block id {SHAPE.num_blocks} out of range" in ev.rejected.reason
+    src.hold("oob", [1, 2])
+    dst.load("oob-local", [3, 99], src, [1, 2], "oob")
+    ev = dst.wait("oob-local")
+    assert event_kind(ev) == "load_failed" and "invalid: local block id 99 out of range" in ev.load_failed.reason
+    dst.load("oob-remote", [3, 4], src, [1, 1 << 20], "oob")
+    ev = dst.wait("oob-remote")
+    assert event_kind(ev) == "load_failed" and f"remote block id {1 << 20} out of range" in ev.load_failed.reason
+    assert list(ev.load_failed.failed_block_ids) == [3, 4]
+    src.release("oob")
+    assert src.wait("oob").send_done.released
+    assert daemons[1].stats().leaked_handles == 0
+    _still_serving(*daemons)
+
+
+def test_an_oversized_message_is_refused_on_both_ports(daemons):
+    p = daemons[0]
+    seg = ShmSegment(SHAPE.size)
+    try:
+        req = register_request("big", SHAPE, seg)
+        req.compat_extra = "x" * (2 << 20)
+        with pytest.raises(grpc.RpcError) as e:
+            p.stub().RegisterEngine(req, timeout=10)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and e.value.details()
+    finally:
+        seg.close()
+    with grpc.insecure_channel(p.peer_address, options=[("grpc.max_send_message_length", 8 << 20)]) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            pb_grpc.PeerServiceStub(ch).Handshake(pb.HandshakeRequest(engine_id="x" * (2 << 20)), timeout=10)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and e.value.details()
+    _still_serving(p)
+
+
+def test_leases_per_worker_are_capped(daemons, engines):
+    src = engines[0]
+    for i in range(3):
+        src.hold(f"cap{i}", [i])
+    src.hold("cap0", [0])  # renewing a lease is not a new one
+    src.hold("cap3", [3])
+    ev = src.wait("cap3")
+    assert event_kind(ev) == "rejected" and "max_leases_per_worker" in ev.rejected.reason
+    assert src.quiet("cap0", 0.2)
+    for i in range(3):
+        src.release(f"cap{i}")
+        assert src.wait(f"cap{i}").send_done.released
+    _still_serving(daemons[0])
+
+
+def test_overlong_ids_are_refused(daemons, engines):
+    src, dst, _ = engines
+    long_id = "r" * 2000
+    src.hold(long_id, [1])
+    ev = src.wait(long_id)
+    assert event_kind(ev) == "rejected" and "longer than 1024 bytes" in ev.rejected.reason
+    dst.load("ok-id", [1], src, [1], long_id)
+    ev = dst.wait("ok-id")
+    assert event_kind(ev) == "rejected" and "remote_request_id longer" in ev.rejected.reason
+    with grpc.insecure_channel(daemons[0].peer_address) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            pb_grpc.PeerServiceStub(ch).Notify(pb.NotifyRequest(engine_id="P", request_id=long_id,
+                                                               expected_notifications=1), timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "longer than" in e.value.details()
+    _still_serving(*daemons)
+
+
+def test_push_writes_only_the_blocks_the_source_holds_for_that_request(daemons, engines):
+    src, _, pusher = engines
+    src.hold("held", [1, 2])
+    pusher.load("steal", [5, 6], src, [1, 9], "held")  # block 9 is not held for "held"
+    ev = pusher.wait("steal")
+    assert event_kind(ev) == "load_failed" and "not held for request" in ev.load_failed.reason, ev
+    assert not pusher.same_blocks([6], src, [9])
+    pusher.load("fair", [5, 6], src, [1, 2], "held")
+    ev = pusher.wait("fair")
+    assert event_kind(ev) == "recv_done" and pusher.same_blocks([5, 6], src, [1, 2]), ev
+    assert src.wait("held").WhichOneof("event") == "send_done"
+    _still_serving(*daemons)
+
+
+def test_agent_metadata_past_the_cap_is_refused(daemons, engines):
+    d, dst = daemons[1], engines[1]
+
+    def respond(request, context):
+        return pb.HandshakeResponse(agent_metadata=b"m" * (MAX_AGENT_METADATA + 1), agent_name="huge",
+                                    layout=SHAPE.layout(), regions=SHAPE.regions(),
+                                    region_base_addrs=[4096] * SHAPE.num_regions, compat_hash=request.compat_hash,
+                                    daemon_version="x", protocol_version=1, tp_size=1)
+
+    fake = FakePeer(respond)
+    agents = d.stats().remote_agents
+    try:
+        dst.load("meta", [1], None, [1], "r", remote_engine_id="P", remote_address=fake.address, timeout_s=10)
+        ev = dst.wait("meta")
+        assert event_kind(ev) == "load_failed" and "agent metadata of" in ev.load_failed.reason, ev
+        assert d.stats().remote_agents == agents  # never handed to NIXL
+    finally:
+        fake.stop()
+    _still_serving(d)

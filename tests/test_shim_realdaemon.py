@@ -1,0 +1,337 @@
+"""KvdConnector through two real kvd daemons: bytes, HMA groups, TP pairs,
+the staged path, aborts and stats.
+
+Each engine here is vLLM 0.32's real ``Scheduler`` (which builds the
+scheduler half of ``KvdConnector``) and one worker-side ``KvdConnector`` per
+TP rank, each with a KV cache from vLLM's own ``allocate_kv_cache``; a step
+does what the model runner and the multiprocess executor do around a forward
+pass (``kv_connector_model_runner_mixin.py`` then
+``KVOutputAggregator.aggregate`` over the ranks). No model runs: the test
+writes what a prefill forward pass would have written into P's blocks, and
+checks, element by element, what lands in D's blocks through NIXL (UCX,
+shared memory) between two ``kvd serve`` processes.
+
+TP ranks: one process holds every rank's worker connector; each registers as
+its own rank (``EngineWorker.tp_rank``) with a cache holding its own KV heads.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+if os.environ.get("KVD_SKIP_VLLM") == "1":
+    pytest.skip("KVD_SKIP_VLLM=1", allow_module_level=True)
+pytest.importorskip("vllm")
+
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
+
+from kvd.shim.vllm import KvdConnector  # noqa: E402
+from kvd.v1 import kvd_pb2 as pb  # noqa: E402
+from kvdtest import start_daemon  # noqa: E402
+from test_shim_vllm import (  # noqa: E402,F401  (model_dir is a fixture)
+    BS,
+    HEAD,
+    KV_HEADS,
+    LAYERS,
+    NB,
+    WINDOW_BLOCKS,
+    hma_kv_cache_config,
+    make_request,
+    model_dir,
+    remote_params,
+    vllm_config,
+)
+
+P_LEASE_S = 600.0  # P must free on D's notification, never by expiry
+
+
+@pytest.fixture(scope="module")
+def daemons(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("shim-real"))
+    p, dd = start_daemon(d, "prefill"), start_daemon(d, "decode")
+    yield p, dd
+    assert p.stop() == 0 and dd.stop() == 0
+
+
+def kv_cache_config(heads: int) -> KVCacheConfig:
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=heads, head_size=HEAD, dtype=torch.float32)
+    page = spec.page_size_bytes
+    return KVCacheConfig(
+        num_blocks=NB,
+        kv_cache_tensors=[KVCacheTensor(size=NB * page * len(LAYERS), layers=list(LAYERS),
+                                        layer_stride=NB * page, block_stride=page)],
+        kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
+    )
+
+
+class Side:
+    """One engine: vLLM's scheduler and ``tp`` worker connectors (its ranks)."""
+
+    def __init__(self, model_dir: str, daemon, *, tp: int = 1, hma: bool = False, kv_seed: int | None = None,
+                 **extra):
+        self.kv_seed = kv_seed  # P: what its "forward pass" writes (None: D, writes nothing)
+        self.config = vllm_config(model_dir, daemon.socket, **extra)
+        self.config.cache_config.num_gpu_blocks = NB
+        self.tp = tp
+        self.heads = max(1, KV_HEADS // tp)
+        self.kcc = hma_kv_cache_config(self.config) if hma else kv_cache_config(self.heads)
+        self.sched = Scheduler(vllm_config=self.config, kv_cache_config=self.kcc, log_stats=True,
+                               structured_output_manager=StructuredOutputManager(self.config), block_size=BS)
+        assert isinstance(self.sched.connector, KvdConnector)
+        self.sched.connector.scheduler.tp_size = tp  # what a TP engine puts in kv_transfer_params
+        self.workers: list[KvdConnector] = []
+        self.caches: list[dict[str, torch.Tensor]] = []
+        for rank in range(tp):
+            w = KvdConnector(self.config, KVConnectorRole.WORKER, self.kcc)
+            w.worker.worker.tp_rank, w.worker.worker.tp_size = rank, tp
+            caches = allocate_kv_cache(self.kcc, torch.device("cpu"), KVCacheLayout.LBHNC,
+                                       [BS] * len(self.kcc.kv_cache_groups))
+            w.register_kv_caches(caches)
+            self.workers.append(w)
+            self.caches.append(caches)
+        self.aggregator = KVOutputAggregator(expected_finished_count=tp)
+        self.outputs: dict[str, list] = {}
+        self.loads: dict[str, object] = {}
+        self.stats: list = []
+        self.finished_sending: set[str] = set()
+
+    @property
+    def engine_id(self) -> str:
+        return self.config.kv_transfer_config.engine_id
+
+    def step(self) -> None:
+        out = self.sched.schedule()
+        for ld in out.kv_connector_metadata.loads:
+            self.loads[ld.request_id] = ld
+        ids = list(out.num_scheduled_tokens)
+        sampled = [[7] if self.sched.requests[r].num_computed_tokens >= self.sched.requests[r].num_tokens else []
+                   for r in ids]
+        outputs = []
+        for rank, w in enumerate(self.workers):
+            w.bind_connector_metadata(out.kv_connector_metadata)
+            w.start_load_kv(None)
+            if self.kv_seed is not None:
+                self.forward(rank, out)
+            w.wait_for_save()
+            res = w.get_transfer_results(out.finished_req_ids)
+            kvo = KVConnectorOutput(
+                finished_sending=res.finished_sending, finished_recving=res.finished_recving,
+                failed_recving=res.failed_recving, invalid_block_ids=w.get_block_ids_with_load_errors(),
+                kv_connector_stats=w.get_kv_connector_stats(),
+            )
+            w.clear_connector_metadata()
+            outputs.append(ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                             sampled_token_ids=sampled, kv_connector_output=kvo))
+        mro = self.aggregator.aggregate(outputs)
+        kvo = mro.kv_connector_output
+        if kvo.kv_connector_stats is not None:
+            self.stats.append(kvo.kv_connector_stats)
+        self.finished_sending |= kvo.finished_sending or set()
+        for outs in self.sched.update_from_output(out, mro).values():
+            for o in outs.outputs:
+                self.outputs.setdefault(o.request_id, []).append(o)
+
+    def kv(self, rank: int, layer: int, block: int, shape) -> torch.Tensor:
+        """The KV a prefill forward pass writes: random, fixed by (seed, rank, layer, block)."""
+        gen = torch.Generator().manual_seed(((self.kv_seed * 8 + rank) * 64 + layer) * 4096 + block)
+        return torch.rand(shape, generator=gen)
+
+    def forward(self, rank: int, out) -> None:
+        """Writes the KV of every scheduled request's blocks in rank ``rank``."""
+        names = list(self.caches[rank])
+        for rid in out.num_scheduled_tokens:
+            table = self.sched.kv_cache_manager.get_block_ids(rid)
+            for name, view in self.caches[rank].items():
+                for b in table[self.kcc.transfer_group_index_by_layer.get(name, 0)]:
+                    if b:  # 0: vLLM's null block
+                        view[b].copy_(self.kv(rank, names.index(name), b, view[b].shape))
+
+    def run_until(self, cond, timeout_s: float = 20.0) -> float:
+        t0 = time.monotonic()
+        while not cond():
+            assert time.monotonic() - t0 < timeout_s, "engine loop timed out"
+            self.step()
+            time.sleep(0.002)
+        return time.monotonic() - t0
+
+    def finished(self, rid: str):
+        return next((o for o in self.outputs.get(rid, []) if o.finish_reason is not None), None)
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.shutdown()
+
+
+def prefill(p: Side, prompt: list[int]) -> tuple[dict, object]:
+    """P computes ``prompt`` (its forward pass writes random KV) and finishes
+    it; returns the params for D and the request. P does not step again
+    here: the hold only goes out with P's next step, and D must find the bytes
+    all the same (staged: in P's mirror since the computing step)."""
+    req = make_request(prompt, {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                                "remote_block_ids": None, "remote_request_id": None, "remote_host": None,
+                                "remote_port": None}, max_tokens=1)
+    p.sched.add_request(req)
+    p.run_until(lambda: p.finished(req.request_id) is not None)
+    return remote_params(p.finished(req.request_id).kv_transfer_params), req
+
+
+def decode(d: Side, prompt: list[int], params: dict):
+    req = make_request(prompt, params, max_tokens=2)
+    d.sched.add_request(req)
+    d.run_until(lambda: d.finished(req.request_id) is not None)
+    return req, d.loads[req.request_id]
+
+
+def check_heads(p: Side, d: Side, load) -> int:
+    """D rank r's blocks hold, head by head, P's blocks of the same global heads.
+    Returns the elements compared."""
+    compared = 0
+    for g, (lg, rg) in enumerate(zip(load.local_groups, load.remote_groups)):
+        assert len(lg) == len(rg) > 0
+        for r, dcaches in enumerate(d.caches):
+            for name, dview in dcaches.items():
+                if d.kcc.transfer_group_index_by_layer.get(name, 0) != g:
+                    continue
+                for j in range(d.heads):
+                    head = (r * KV_HEADS) // d.tp + j
+                    src_rank = head // p.heads if p.tp <= KV_HEADS else head * p.tp // KV_HEADS
+                    pview = p.caches[src_rank][name]
+                    for lb, rb in zip(lg, rg):
+                        got, want = dview[lb, j], pview[rb, head - (src_rank * KV_HEADS) // p.tp]
+                        assert torch.equal(got, want), (name, r, j, lb, rb)
+                        compared += got.numel()
+    return compared
+
+
+def wait_leases_zero(daemon, timeout_s: float = 5.0) -> float:
+    t0 = time.monotonic()
+    while daemon.stats().active_leases:
+        assert time.monotonic() - t0 < timeout_s, daemon.stats()
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+# ------------------------------------------------------------------ scenarios
+@pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (1, 2), (2, 1)])
+def test_tp_pairs_each_decode_rank_gets_its_heads(model_dir, daemons, p_tp, d_tp):
+    """P TP -> D TP through the shim: each D rank registers its rank, the
+    load names P's TP size (kv_transfer_params tp_size) and D rank r's cache
+    holds P's bytes of exactly its KV heads (vLLM-CPU's K-and-V-per-head
+    block, sliced by heads). 3 blocks + 4 tokens: the partial last block too."""
+    pd, dd = daemons
+    p = Side(model_dir, pd, tp=p_tp, kv_seed=p_tp * 10 + d_tp, kvd_lease_s=P_LEASE_S)
+    d = Side(model_dir, dd, tp=d_tp, role="kv_consumer")
+    try:
+        prompt = list(range(3000 + 100 * p_tp + 10 * d_tp, 3000 + 100 * p_tp + 10 * d_tp + 3 * BS + 4))
+        params, preq = prefill(p, prompt)
+        assert params["tp_size"] == p_tp
+        req, load = decode(d, prompt, params)
+        assert d.finished(req.request_id).finish_reason is not None
+        assert load.remote_tp_size == p_tp and len(load.local_groups[0]) == 4
+        assert check_heads(p, d, load) == 4 * len(LAYERS) * KV_HEADS * BS * 2 * HEAD
+        # Every P rank got every expected notification: blocks freed, not expired.
+        p.run_until(lambda: preq.request_id in p.finished_sending, timeout_s=5)
+        assert wait_leases_zero(pd) < 5
+        assert pd.stats().leases_expired == 0
+    finally:
+        p.close()
+        d.close()
+
+
+def test_staged_bytes_equal_direct_bytes(model_dir, daemons):
+    """The same prompt (n x block + 1 tokens) through every pair of data
+    paths: D's blocks hold P's bytes every time, equal to the direct path's
+    (staged: copied into P's mirror in the step that computed them, out of
+    D's mirror before vLLM is told the load finished)."""
+    pd, dd = daemons
+    got = {}
+    for p_path, d_path in (("direct", "direct"), ("staged", "staged"), ("direct", "staged"), ("staged", "direct")):
+        p = Side(model_dir, pd, kv_seed=7, kvd_lease_s=P_LEASE_S, kvd_data_path=p_path)
+        d = Side(model_dir, dd, role="kv_consumer", kvd_data_path=d_path)
+        try:
+            for side, path in ((p, p_path), (d, d_path)):
+                want = pb.DATA_PATH_STAGED if path == "staged" else pb.DATA_PATH_DIRECT
+                assert side.workers[0].worker.registered.data_path == want
+            prompt = list(range(5000, 5000 + 3 * BS + 1))  # n*block + 1: the classic off-by-one
+            params, _ = prefill(p, prompt)
+            _, load = decode(d, prompt, params)
+            check_heads(p, d, load)
+            got[(p_path, d_path)] = torch.stack([d.caches[0][n][torch.tensor(load.local_groups[0])]
+                                                 for n in LAYERS]).clone()
+            (stats,) = [s for s in d.stats if s.num_successful_transfers]
+            block_len = KV_HEADS * BS * 2 * HEAD * 4
+            assert stats.data["bytes_transferred"] == [4 * len(LAYERS) * block_len]
+            assert stats.data["num_descriptors"][0] >= 4 and stats.data["transfer_duration"][0] > 0
+        finally:
+            p.close()
+            d.close()
+    first = got[("direct", "direct")]
+    assert all(torch.equal(first, v) for v in got.values())
+    assert pd.stats().active_leases == 0
+
+
+@pytest.mark.parametrize("data_path", ["direct", "staged"])
+def test_hma_two_groups_one_sliding_window(model_dir, daemons, data_path):
+    """A hybrid model (full attention + a 64-token sliding window, vLLM's
+    own grouping): every full-attention block and the window's blocks move,
+    each group into its own blocks of the overlaid bytes."""
+    pd, dd = daemons
+    p = Side(model_dir, pd, hma=True, kv_seed=11, kvd_lease_s=P_LEASE_S, kvd_data_path=data_path)
+    d = Side(model_dir, dd, hma=True, role="kv_consumer", kvd_data_path=data_path)
+    try:
+        prompt = list(range(7000, 7000 + 6 * BS + 9))  # 7 blocks
+        params, preq = prefill(p, prompt)
+        full, window = params["remote_block_ids"]
+        assert len(full) == 7 and len(window) == WINDOW_BLOCKS
+        _, load = decode(d, prompt, params)
+        assert [len(g) for g in load.local_groups][0] == 7 and 0 < len(load.local_groups[1]) <= WINDOW_BLOCKS
+        check_heads(p, d, load)
+        p.run_until(lambda: preq.request_id in p.finished_sending, timeout_s=5)
+        assert wait_leases_zero(pd) < 5
+    finally:
+        p.close()
+        d.close()
+
+
+def test_decode_aborted_before_its_load_frees_the_prefill_blocks_at_once(model_dir, daemons):
+    """D aborts the request before scheduling it: AbortLoad -> D's daemon
+    notifies P's daemon -> P's lease (600 s) ends now, P's vLLM frees the
+    blocks (finished sending), well before any expiry."""
+    pd, dd = daemons
+    p = Side(model_dir, pd, kv_seed=3, kvd_lease_s=P_LEASE_S)
+    d = Side(model_dir, dd, role="kv_consumer")
+    try:
+        expired = pd.stats().leases_expired
+        prompt = list(range(9000, 9000 + 2 * BS + 3))
+        params, preq = prefill(p, prompt)
+        p.step()  # the hold goes out
+        deadline = time.monotonic() + 5
+        while pd.stats().active_leases != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        req = make_request(prompt, params)
+        d.sched.add_request(req)
+        d.sched.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+        t0 = time.monotonic()
+        d.step()
+        freed_s = p.run_until(lambda: preq.request_id in p.finished_sending, timeout_s=10)
+        assert time.monotonic() - t0 < 5.0, "P's blocks waited for the lease, not the abort"
+        assert preq.request_id not in p.sched.requests, "P's vLLM freed the blocks"
+        assert wait_leases_zero(pd) < 1 and pd.stats().leases_expired == expired
+        assert freed_s < 5.0
+        assert d.loads[req.request_id].awaiting is False
+    finally:
+        p.close()
+        d.close()
