@@ -55,13 +55,14 @@ class KvdPair:
 
     def __init__(self, workdir: str, src: tuple[str, int], dst: tuple[str, int],
                  daemon_args: tuple[str, ...] = (), env: dict | None = None,
-                 daemons: tuple[Daemon, Daemon] | None = None, entry: tuple[str, ...] = ("-m", "kvd.cli")):
+                 daemons: tuple[Daemon, Daemon] | None = None, entry: tuple[str, ...] = ("-m", "kvd.cli"),
+                 prefix: str = ""):
         self.src, self.dst = src, dst
         self._own_daemons = daemons is None
         if daemons is None:
-            self.p = start_daemon(workdir, "P", *daemon_args, env=env, entry=entry)
+            self.p = start_daemon(workdir, f"{prefix}P", *daemon_args, env=env, entry=entry)
             try:
-                self.d = start_daemon(workdir, "D", *daemon_args, env=env, entry=entry)
+                self.d = start_daemon(workdir, f"{prefix}D", *daemon_args, env=env, entry=entry)
             except BaseException:
                 self.p.stop()
                 raise
