@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvd.daemon.peer_auth import HEADER, PROOF, PeerAuth
+from kvd.daemon.peer_auth import HEADER, PeerAuth
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 from kvdtest import Engine, FakePeer, KvShape, event_kind

@@ -95,7 +95,8 @@ class EngineService(pb_grpc.EngineServiceServicer):
     async def _caller(self, context):
         c = self.callers(context)
         if c is None:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "kvd: caller unknown (not through the engine socket)")
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                "kvd: caller unknown (not through the engine socket)")
         return c
 
     def _authorize(self, key: WorkerKey, caller, token: str, what: str, takeover: bool = False) -> None:
