@@ -28,7 +28,6 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import time
 
 import grpc
 import pytest
@@ -38,7 +37,6 @@ from hypothesis import strategies as st
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 from kvdtest import (
-    LEAK_FIELDS,
     Engine,
     FakePeer,
     KvShape,
@@ -123,7 +121,8 @@ def register_requests(draw, real_seg: str):
             segments=draw(st.lists(st.builds(pb.Segment, kind=st.integers(0, 4), name=segment_names(real_seg),
                                              size=any_u64), max_size=3)),
             regions=draw(st.one_of(st.lists(regions, max_size=6),
-                                   st.integers(4090, 4200).map(lambda n: [pb.Region(block_len=1, block_stride=1)] * n))),
+                                   st.integers(4090, 4200).map(
+                                       lambda n: [pb.Region(block_len=1, block_stride=1)] * n))),
             model=draw(text), compat_extra=draw(text), data_path=draw(st.integers(0, 4)))
     req = pb.RegisterEngineRequest(
         worker=pb.EngineWorker(engine_id=f"fz-reg-{draw(st.integers(0, 3))}", tp_rank=0, tp_size=1),

@@ -28,7 +28,7 @@ from kvdtest import (
     event_kind,
     fill,
     free_port,
-    leak_counts,
+    rss_kib,
     start_daemon,
     wait_until,
 )
@@ -144,8 +144,8 @@ def test_prefill_daemon_killed_mid_transfer_fails_the_load_within_its_deadline(t
         assert list(ev.load_failed.failed_block_ids) == ids
         assert failed - t0 <= DEADLINE_S + 1.0, "LoadFailed came after the request's deadline"
         copied = float((dst.kv == src.kv).all(axis=2).mean())  # share of (region, block) that arrived
-        print(f"\n[{transport}] LoadFailed {took * 1e3:.0f} ms after SIGKILL ({copied:.0%} of the 2048 blocks had arrived; "
-              f"{killed - t0:.2f} s after the load was sent); reason: {ev.load_failed.reason}")
+        print(f"\n[{transport}] LoadFailed {took * 1e3:.0f} ms after SIGKILL ({copied:.0%} of the 2048 blocks "
+              f"had arrived, {killed - t0:.2f} s after the load was sent); reason: {ev.load_failed.reason}")
         assert copied < 1.0
 
         # The decode daemon keeps serving: a request to a live peer succeeds...
@@ -352,3 +352,26 @@ def test_a_replayed_peer_description_neither_breaks_nor_replaces_the_real_peer(d
     finally:
         two.close()
         relay.stop()
+
+
+def test_requests_naming_a_thousand_unreachable_peers_leave_nothing_behind(decode, small):
+    """Peer addresses come from requests (kv_transfer_params, which API
+    clients can write): 1,000 loads naming 1,000 different dead addresses
+    each fail at once, and the daemon keeps no channel per address (before:
+    +20 MiB RSS per 1,000 addresses, and a CPU busy reconnecting to them)."""
+    rss0 = rss_kib(decode.proc.pid)
+    t0 = time.monotonic()
+    for batch in range(10):
+        rids = []
+        for i in range(batch * 100, batch * 100 + 100):
+            rid = f"dead-{i}"
+            small.load(rid, [9], None, [9], rid, remote_engine_id="p",
+                       remote_address=f"127.0.0.{2 + i % 200}:{20000 + i}", timeout_s=5)
+            rids.append(rid)
+        for rid in rids:
+            ev = small.wait(rid, 15)
+            assert event_kind(ev) == "load_failed" and "handshake" in ev.load_failed.reason, ev
+    grew = rss_kib(decode.proc.pid) - rss0
+    print(f"\n1,000 dead peers: all failed in {time.monotonic() - t0:.1f} s; decode daemon RSS {grew / 1024:+.1f} MiB")
+    assert grew < 10 * 1024
+    assert decode.stats().inflight_transfers == 0 and decode.proc.poll() is None

@@ -56,6 +56,7 @@ class _Timer:
 
     def __init__(self):
         self.total = 0.0
+        self.cpu = 0.0
         self.by_name: dict[str, float] = {}
 
     def wrap(self, obj, name: str):
@@ -63,19 +64,22 @@ class _Timer:
 
         @functools.wraps(fn)
         def timed(*a, **k):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return fn(*a, **k)
             finally:
                 dt = time.perf_counter() - t0
+                self.cpu += time.thread_time() - c0
                 self.total += dt
                 self.by_name[name] = self.by_name.get(name, 0.0) + dt
 
         setattr(obj, name, timed)
 
-    def take(self) -> float:
-        t, self.total = self.total, 0.0
-        return t
+    def take(self) -> tuple[float, float]:
+        """(wall seconds, this thread's CPU seconds) since the last call."""
+        t, c = self.total, self.cpu
+        self.total = self.cpu = 0.0
+        return t, c
 
 
 SCHED_METHODS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
@@ -164,20 +168,22 @@ class EngineHarness:
         self.sched.add_request(req)
         self.inflight += 1
 
-    def step(self, forward_s: float) -> tuple[float, float]:
-        """One engine step; returns (scheduler-side seconds, worker-side seconds) spent in the connectors."""
+    def step(self, forward_s: float) -> tuple[float, float, float]:
+        """One engine step; returns (scheduler-side seconds, worker-side seconds)
+        spent in the connectors (wall clock), and the CPU seconds of this thread
+        in them (without the time the thread waited for the CPU or the GIL)."""
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         out = self.sched.schedule()
-        sched_s = self.timer.take()
+        sched_s, cpu_s = self.timer.take()
         w = self.worker
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         w.bind_connector_metadata(out.kv_connector_metadata)
         w.start_load_kv(None)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         if forward_s:
             time.sleep(forward_s)  # the forward pass (GIL released, as in torch ops)
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.thread_time()
         w.wait_for_save()
         res = w.get_transfer_results(out.finished_req_ids)
         kvo = KVConnectorOutput(
@@ -189,6 +195,7 @@ class EngineHarness:
         w.build_connector_worker_meta()
         w.clear_connector_metadata()
         worker_s = (t1 - t0) + (time.perf_counter() - t2)
+        cpu_s += (c1 - c0) + (time.thread_time() - c2)
         got = len(res.finished_recving or ())
         self.inflight -= got
         self.done += got
@@ -201,8 +208,8 @@ class EngineHarness:
         mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                 sampled_token_ids=sampled, kv_connector_output=kvo)
         self.sched.update_from_output(out, mro)
-        sched_s += self.timer.take()
-        return sched_s, worker_s
+        s2, c3 = self.timer.take()
+        return sched_s + s2, worker_s, cpu_s + c3
 
     def close(self) -> None:
         for c in (self.worker, self.p_worker):
@@ -267,15 +274,16 @@ def run(inflight=(0, 16, 256), steps: int = 400, warmup: int = 30, forward_s: fl
         for n in inflight:
             eng = EngineHarness(model_dir, d.socket, p.socket, p.peer_address, num_blocks)
             try:
-                costs, sched_c, worker_c, seen = [], [], [], []
+                costs, sched_c, worker_c, cpu_c, seen = [], [], [], [], []
                 for i in range(warmup + steps):
                     while eng.inflight < n:
                         eng.add_request(host, int(port))
-                    s, w = eng.step(forward_s)
+                    s, w, c = eng.step(forward_s)
                     if i >= warmup:
                         costs.append(s + w)
                         sched_c.append(s)
                         worker_c.append(w)
+                        cpu_c.append(c)
                         seen.append(eng.inflight)
                     if i % 20 == 0:
                         prog.step(f"{n} in flight, step {i}", 20 if i + 20 <= warmup + steps else 1)
@@ -288,6 +296,7 @@ def run(inflight=(0, 16, 256), steps: int = 400, warmup: int = 30, forward_s: fl
                     max_us=max(costs) * 1e6,
                     sched_p50_us=cm.pct(sched_c, 50) * 1e6, sched_p99_us=cm.pct(sched_c, 99) * 1e6,
                     worker_p50_us=cm.pct(worker_c, 50) * 1e6, worker_p99_us=cm.pct(worker_c, 99) * 1e6,
+                    cpu_p50_us=cm.pct(cpu_c, 50) * 1e6, cpu_p99_us=cm.pct(cpu_c, 99) * 1e6,
                     by_method_us={k: v / max(1, warmup + steps) * 1e6 for k, v in eng.timer.by_name.items()},
                 ))
             finally:
@@ -308,10 +317,12 @@ def run(inflight=(0, 16, 256), steps: int = 400, warmup: int = 30, forward_s: fl
 
 def table(res: dict, markdown: bool = False) -> str:
     rows = [[c["inflight"], f"{c['inflight_mean']:.0f}", c["loads_done"], f"{c['p50_us']:.0f}", f"{c['p90_us']:.0f}",
-             f"{c['p99_us']:.0f}", f"{c['sched_p50_us']:.0f}", f"{c['worker_p50_us']:.0f}"] for c in res["cases"]]
+             f"{c['p99_us']:.0f}", f"{c['sched_p50_us']:.0f}", f"{c['worker_p50_us']:.0f}",
+             f"{c.get('cpu_p50_us', float('nan')):.0f}", f"{c.get('cpu_p99_us', float('nan')):.0f}"]
+            for c in res["cases"]]
     u = res.get("unary_getstats")
     t = cm.fmt_table(["loads in flight", "mean", "loads done", "p50 us", "p90 us", "p99 us", "sched p50",
-                      "worker p50"], rows, markdown)
+                      "worker p50", "CPU p50", "CPU p99"], rows, markdown)
     if u:
         t += f"\nblocking unary GetStats over the Unix socket: p50 {u['p50_us']:.0f} us, p99 {u['p99_us']:.0f} us"
     return t

@@ -535,10 +535,14 @@ class EngineClient:
                     self._cond.wait(0.5)
                 if stream.done or self._closing.is_set():
                     return
-                cmd = self._outq.popleft()
-                if not self._mark_sent(cmd, stream):
-                    continue
-            yield cmd
+                # Everything queued, in one hold of the lock (fewer lock hand-offs
+                # with the engine thread queuing more).
+                batch = []
+                while self._outq:
+                    cmd = self._outq.popleft()
+                    if self._mark_sent(cmd, stream):
+                        batch.append(cmd)
+            yield from batch
 
     def _on_event(self, event: pb.SessionEvent) -> None:
         kind = event.WhichOneof("event")

@@ -1049,7 +1049,7 @@ class Node:
         try:
             name, rd, ld = await self._nixl(add)
         except NixlError as e:
-            raise InvalidArgument(f"handshake: agent metadata rejected: {e}") from None
+            raise InvalidArgument(f"agent metadata rejected: {e}") from None
         if w.key not in self.workers:
             raise NotFound("local worker unregistered during the handshake")
         r = RemoteWorker(address, engine_id, tp_rank, hs.tp_size, name, hs.layout, len(hs.regions), k, C, ld, rd,
@@ -1101,6 +1101,9 @@ class Node:
                            f"{order.request_id!r}")
         if not 0 < order.expected_notifications <= 1 << 16:
             raise InvalidArgument("push: expected_notifications must be in 1..65536")
+        limit = self.limits.max_blocks_per_request  # as for a load
+        if max(len(flat(order.source_block_ids)), len(flat(order.reader_block_ids))) > limit:
+            raise InvalidArgument(f"push: more than {limit} blocks")
         held = w.leases.leases[order.request_id].block_ids
         if len(order.source_block_ids) > len(held) or any(
                 not set(g) <= set(h) for g, h in zip(order.source_block_ids, held)):

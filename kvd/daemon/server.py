@@ -27,6 +27,7 @@ import ipaddress
 import logging
 import os
 import signal
+import stat
 import time
 
 import grpc
@@ -137,7 +138,10 @@ class Server:
         # Engine side (Unix socket, through the gate).
         sock = cfg.engine_socket
         os.makedirs(os.path.dirname(os.path.abspath(sock)), exist_ok=True)
-        if os.path.exists(sock):
+        if os.path.lexists(sock):
+            if not stat.S_ISSOCK(os.lstat(sock).st_mode):
+                # Never delete what is not a socket (a typo could name a file).
+                raise OSError(f"engine_socket: {sock} exists and is not a socket; refusing to replace it")
             if self._socket_alive(sock):
                 raise OSError(f"another daemon is serving on {sock}")
             os.unlink(sock)
@@ -154,7 +158,11 @@ class Server:
         self.node.start()
         metrics_at = ""
         if cfg.metrics_port:
-            mport = self.metrics.serve(cfg.metrics_port, cfg.metrics_host)
+            try:
+                mport = self.metrics.serve(cfg.metrics_port, cfg.metrics_host)
+            except OSError as e:
+                raise OSError(f"metrics_port: cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: "
+                              f"{e.strerror or e}") from None
             metrics_at = f"{cfg.metrics_host}:{mport}"
             self.engine_service.metrics_address = metrics_at
         for health in (self.peer_health, self.engine_health):
