@@ -577,6 +577,20 @@ class NetnsPair:
         """Command prefix that runs a program inside namespace ``ns``."""
         return ("ip", "netns", "exec", ns)
 
+    def limit_rate(self, mbit: int) -> bool:
+        """Caps each end's sending rate (``tc`` token bucket), so that a
+        transfer lasts long enough to be cut in the middle. False (and no
+        cap) where ``tc``/``sch_tbf`` is not available."""
+        try:
+            for ns, dev in ((self.a, self.dev_a), (self.b, self.dev_b)):
+                r = subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{mbit}mbit",
+                                    "burst", "64kb", "latency", "200ms"], capture_output=True, text=True, timeout=20)
+                if r.returncode:
+                    return False
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        return True
+
     def link(self, up: bool) -> None:
         """Cuts (``up=False``) or restores the wire, on both ends."""
         for ns, dev in ((self.a, self.dev_a), (self.b, self.dev_b)):

@@ -34,7 +34,7 @@ from kvdtest import (
 )
 
 SHAPE = KvShape(num_layers=2, num_blocks=128, block_len=16384)
-SLACK_S = 0.75  # past the deadline: the daemon polls every 0.5-5 ms; the rest is a busy CI machine
+SLACK_S = 1.0  # past the deadline: the daemon polls every 0.5-5 ms; the rest is a busy 2-core machine
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""``python -m kvd.bench.daemon_entry [--set module.ATTR=value ...] serve ...``
+"""``python -m kvd.bench.daemon_entry [--trace] [--set module.ATTR=value ...] serve ...``
 
 Runs ``kvd`` with module-level defaults changed first: how the benchmarks
 compare daemon variants that have no setting of their own (e.g. the NIXL
@@ -38,8 +38,49 @@ def apply(assignment: str) -> None:
     raise ImportError(f"no module in {target!r}")
 
 
+def install_trace() -> None:
+    """Logs, per load, when it reached the core, its post and its event
+    (``TRACE`` lines on stderr, ``time.perf_counter`` = CLOCK_MONOTONIC, so
+    comparable with the engine process's clock): ``kvd.bench.trace``."""
+    import time
+
+    from kvd.core import node as core
+    from kvd.daemon import engine_service as es
+
+    pc = time.perf_counter
+    loads: dict[str, float] = {}
+    posts: list[tuple[float, float, str]] = []
+    orig_load, orig_post, orig_pb = core.Node.load, core.Node._post, es.event_to_pb
+
+    async def load(self, w, request_id, *a, **k):
+        loads[request_id] = pc()
+        return await orig_load(self, w, request_id, *a, **k)
+
+    def post(self, agent, op, *a):
+        t0 = pc()
+        r = orig_post(self, agent, op, *a)
+        posts.append((t0, pc(), r[1]))
+        return r
+
+    def event_to_pb(ev):
+        rid = getattr(ev, "request_id", None)
+        t = loads.pop(rid, None)
+        if t is not None and posts:
+            p0, p1, st = posts[-1]
+            posts.clear()
+            print(f"TRACE {rid} load {t:.6f} post {p0:.6f} posted {p1:.6f} state {st} event {pc():.6f}",
+                  file=sys.stderr, flush=True)
+        return orig_pb(ev)
+
+    core.Node.load, core.Node._post, es.event_to_pb = load, post, event_to_pb
+
+
 def main(argv: list[str]) -> int:
-    while argv[:1] == ["--set"]:
+    while argv[:1] in (["--set"], ["--trace"]):
+        if argv[0] == "--trace":
+            install_trace()
+            argv = argv[1:]
+            continue
         apply(argv[1])
         argv = argv[2:]
     from kvd.cli import main as kvd_main

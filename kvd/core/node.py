@@ -65,6 +65,10 @@ def flat(groups: BlockGroups) -> list[int]:
     return [b for g in groups for b in g]
 PeerKey = tuple[str, str, int]  # (address, engine_id, tp_rank)
 
+# After posting a transfer that is not done at once, the NIXL thread checks it
+# again for this long before leaving it to the progress loop (seconds).
+POST_SPIN_S = 0.0002
+
 # Events kept for a worker whose session is not attached (reconnecting shim).
 MAX_PENDING_EVENTS = 100_000
 
@@ -973,8 +977,15 @@ class Node:
     def _post(self, agent: NixlAgent, op: str, local, lidx, remote, ridx, msg: bytes):
         """NIXL thread: posts a transfer; ``(handle, state)``. One already DONE
         (UCX moves shared-memory bytes inside the post) is released here and
-        its handle is None: nothing is left to poll."""
+        its handle is None: nothing is left to poll. One still in progress is
+        checked again for up to ``POST_SPIN_S`` first (its notification is
+        usually a moment from done): cheaper than a round through the
+        progress loop (docs/PERFORMANCE.md, "fast path")."""
         handle, state = agent.post(op, local, lidx, remote, ridx, msg)
+        if state == "PROC" and POST_SPIN_S > 0:
+            until = time.monotonic() + POST_SPIN_S
+            while state == "PROC" and time.monotonic() < until:
+                state = agent.state(handle)
         if state == "DONE":
             self._release_handle(agent, handle)
             return None, state

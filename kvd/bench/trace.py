@@ -1,0 +1,99 @@
+"""Where the time of one small load goes: engine -> daemon -> NIXL -> engine.
+
+    .venv/bin/python -m kvd.bench.trace [--blocks 16] [--block-len 64K] [--reps 50]
+
+Starts two daemons with a tracing entry (``kvd.bench.daemon_entry --trace``),
+times loads from the engine side (``EngineClient.load`` -> ``recv_done`` in
+``drain_events``) and joins each with the decode daemon's trace: the moment
+the command reached the core (``Node.load``), the post (start, end, state) and
+the moment its event was built. Clocks are CLOCK_MONOTONIC in both processes.
+Prints the median of each leg.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+import time
+
+from kvd.bench import common as cm
+from kvd.bench.dataplane import parse_sizes
+from kvd.bench.kvd_pair import KvdPair
+
+LEGS = (("engine -> daemon core (command: client thread, gRPC, relay, session reader)", "t0", "load"),
+        ("daemon: checks, plan, hand-off to the NIXL thread", "load", "post"),
+        ("NIXL post (UCX moves the bytes: CMA)", "post", "posted"),
+        ("daemon: completion -> event built", "posted", "event"),
+        ("daemon -> engine (event: gRPC, relay, client thread, 50 us poll)", "event", "t1"),
+        ("total, as the engine sees it", "t0", "t1"))
+
+
+def run(block_len: int, blocks: int, reps: int, poll_s: float = 50e-6, daemon_set=()) -> dict:
+    size = max(4 * cm.MiB, 4 * block_len * blocks)
+    src, dst = cm.Segment(size), cm.Segment(size)
+    src.fill(3)
+    wd = cm.workdir()
+    entry = ("-m", "kvd.bench.daemon_entry", "--trace", *[x for a in daemon_set for x in ("--set", a)])
+    pair = KvdPair(wd, (src.name, size), (dst.name, size), entry=entry)
+    engine = {}
+    try:
+        local, remote = list(range(blocks)), list(range(blocks, 2 * blocks))
+        for i in range(reps + 5):
+            t0 = time.perf_counter()
+            rid = pair.start(block_len, local, remote)
+            t1 = pair.wait(block_len, {rid}, poll_s)[rid]
+            pair.drain_sources()
+            if i >= 5:
+                engine[rid] = (t0, t1)
+            time.sleep(0.01)
+    finally:
+        pair.close()
+        src.close()
+        dst.close()
+        with open(f"{wd}/D.log") as f:
+            log = f.read()
+        cm.remove_workdir(wd)
+    rows = []
+    states = []
+    for m in re.finditer(r"TRACE (\S+) load (\S+) post (\S+) posted (\S+) state (\S+) event (\S+)", log):
+        rid = m.group(1)
+        if rid not in engine:
+            continue
+        t = dict(t0=engine[rid][0], t1=engine[rid][1], load=float(m.group(2)), post=float(m.group(3)),
+                 posted=float(m.group(4)), event=float(m.group(6)))
+        states.append(m.group(5))
+        rows.append({name: (t[b] - t[a]) * 1e3 for name, a, b in LEGS})
+    return dict(benchmark="trace", block_len=block_len, blocks=blocks, reps=len(rows),
+                done_at_post=sum(s == "DONE" for s in states),
+                legs_ms={name: statistics.median(r[name] for r in rows) for name, _, _ in LEGS} if rows else {},
+                legs_p90_ms={name: cm.pct([r[name] for r in rows], 90) for name, _, _ in LEGS} if rows else {})
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--block-len", default="64K")
+    ap.add_argument("--blocks", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--daemon-set", action="append", default=[])
+    ap.add_argument("--json", default="")
+    args = ap.parse_args(argv)
+    load0 = cm.loadavg()
+    res = run(parse_sizes(args.block_len)[0], args.blocks, args.reps, daemon_set=args.daemon_set)
+    res.update(loadavg_start=load0, loadavg_end=cm.loadavg(), machine=cm.machine(),
+               command=" ".join(["python -m kvd.bench.trace", *(argv if argv is not None else sys.argv[1:])]))
+    rows = [[name, f"{res['legs_ms'][name]:.3f}", f"{res['legs_p90_ms'][name]:.3f}"] for name, _, _ in LEGS]
+    print(cm.fmt_table(["leg", "p50 ms", "p90 ms"], rows))
+    print(f"{res['done_at_post']}/{res['reps']} READs were done when the post returned; "
+          f"load average {load0} -> {res['loadavg_end']}")
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
