@@ -27,9 +27,13 @@ import grpc
 from kvd.v1 import kvd_pb2 as pb, kvd_pb2_grpc as pb_grpc
 from kvdtest import KvShape, register_request
 sock, uid, gid, action, arg = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-os.setgroups([]); os.setgid(gid); os.setuid(uid)
-shape = KvShape(num_layers=1, num_blocks=8, block_len=1024)
+# The channel is made (and grpc's lazily imported modules loaded) while still
+# root: as another user this process may not read the checkout or the venv
+# (a fresh clone in a 0700 directory). It connects at the first call, after
+# setuid, so the daemon sees the new uid (SO_PEERCRED is taken at connect).
 stub = pb_grpc.EngineServiceStub(grpc.insecure_channel(f"unix:{sock}"))
+shape = KvShape(num_layers=1, num_blocks=8, block_len=1024)
+os.setgroups([]); os.setgid(gid); os.setuid(uid)
 out = {"ok": False, "code": "", "details": ""}
 made = None
 try:
