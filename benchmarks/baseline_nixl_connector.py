@@ -168,21 +168,27 @@ def main(argv: list[str] | None = None) -> int:
 
     info = machine()
     t0 = time.time()
-    rounds = []
+    rounds, failures = [], []
     for r in range(args.rounds):
         order = list(args.connector) if r % 2 == 0 else list(reversed(args.connector))
         res = {}
         for c in order:
             print(f"round {r + 1}/{args.rounds}: {c} (load average {loadavg()})", flush=True)
             # the same prompts for both connectors in a round, new ones each round
-            res[c] = bench_connector(c, model_dir, lengths, args.reps, args.seed + 100_000 * r, args.workdir,
-                                     engine_args=["--max-model-len", str(args.max_model_len)])
-        rounds.append(res)
+            try:
+                res[c] = bench_connector(c, model_dir, lengths, args.reps, args.seed + 100_000 * r, args.workdir,
+                                         engine_args=["--max-model-len", str(args.max_model_len)])
+            except Exception as e:  # a stack that fails is reported, the other rounds still count
+                print(f"round {r + 1}: {c} failed: {type(e).__name__}: {e}", flush=True)
+                failures.append({"round": r + 1, "connector": c, "error": f"{type(e).__name__}: {e}"[:2000]})
+        if all(c in res for c in args.connector):
+            rounds.append(res)
     summary = summarize(rounds, lengths)
-    print(f"\nload average at the end: {loadavg()}, {time.time() - t0:.0f} s")
+    print(f"\nload average at the end: {loadavg()}, {time.time() - t0:.0f} s; {len(rounds)} complete round(s), "
+          f"failures: {failures or 'none'}")
     print(table(summary))
     if args.json:
-        args.json.write_text(json.dumps({"benchmark": "engines", "machine": info, "rounds": rounds,
+        args.json.write_text(json.dumps({"benchmark": "engines", "machine": info, "rounds": rounds, "failures": failures,
                                          "summary": summary, "loadavg_end": loadavg(), "seconds": time.time() - t0,
                                          "command": " ".join(["benchmarks/baseline_nixl_connector.py",
                                                               *(argv if argv is not None else sys.argv[1:])])},

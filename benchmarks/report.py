@@ -31,43 +31,86 @@ def _meta(res: dict) -> str:
     return f"`{cmd}` (load average {fmt(la0)} at the start, {fmt(la1)} at the end)"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--results", type=Path, default=Path("docs/perf-results"))
-    args = ap.parse_args(argv)
-    d = args.results
+def tables(d: Path) -> dict[str, str]:
+    """Markdown of each result file in ``d``, by file name."""
     from kvd.bench import dataplane, scale, step, variants
 
+    out: dict[str, str] = {}
     for name in ("dataplane.json", "dataplane_b_tuned.json"):
         r = _load(d / name)
         if r:
-            print(f"### {name}\n\n{_meta(r)}\n\n{dataplane.table(r, markdown=True)}\n")
-            print(f"goals: {dataplane.goals(r)}\n")
+            g = dataplane.goals(r)
+            out[name] = (f"{_meta(r)}\n\n{dataplane.table(r, markdown=True)}\n\n(a)/(b) >= 0.97 in "
+                         f"{g['a_over_b_cells_met']} cells from 64 KiB blocks up; (a)/(c) >= 0.7 in "
+                         f"{g['a_over_c_cells_met']} cells.")
     r = _load(d / "latency.json")
     if r:
-        print(f"### latency.json\n\n{_meta(r)}\n\n{dataplane.latency_table(r, markdown=True)}\n")
+        idle = ", ".join(f"{k} {v:.1f} %" for k, v in r.get("idle_cpu_pct", {}).items())
+        out["latency.json"] = (f"{_meta(r)}\n\n{_md_lines(dataplane.latency_table(r, markdown=True))}"
+                               f"\n\nIdle CPU (% of a core) during the run: {idle}.")
+    r = _load(d / "trace.json")
+    if r:
+        rows = [[k, f"{v:.3f}", f"{r['legs_p90_ms'][k]:.3f}"] for k, v in r["legs_ms"].items()]
+        out["trace.json"] = (f"{_meta(r)}\n\n{cm.fmt_table(['leg', 'p50 ms', 'p90 ms'], rows, True)}\n\n"
+                             f"{r['done_at_post']}/{r['reps']} READs were done when the post returned.")
     for p in sorted(d.glob("variants_*.json")):
         r = _load(p)
-        print(f"### {p.name}\n\n{_meta(r)}\n\n{variants.table(r, markdown=True)}\n")
+        out[p.name] = f"{_meta(r)}\n\n{_md_lines(variants.table(r, markdown=True))}"
     r = _load(d / "step.json")
     if r:
-        print(f"### step.json\n\n{_meta(r)}\n\n{step.table(r, markdown=True)}\n")
+        out["step.json"] = f"{_meta(r)}\n\n{_md_lines(step.table(r, markdown=True))}"
     r = _load(d / "scale.json")
     if r:
-        print(f"### scale.json\n\n{_meta(r)}\n\n{scale.table(r, markdown=True)}\n")
+        out["scale.json"] = f"{_meta(r)}\n\n{_md_lines(scale.table(r, markdown=True))}"
     r = _load(d / "engines.json")
     if r:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         import baseline_nixl_connector as b
 
         summary = {int(k): v for k, v in r["summary"].items()}
-        print(f"### engines.json\n\n`{r.get('command', '')}` (load average at the end "
-              f"{'/'.join(f'{float(x):.1f}' for x in r.get('loadavg_end', []))})\n\n{b.table(summary, markdown=True)}\n")
+        text = (f"`{r.get('command', '')}` (load average at the end "
+                f"{'/'.join(f'{float(x):.1f}' for x in r.get('loadavg_end', []))}; "
+                f"{len(r.get('rounds', []))} complete round(s))\n\n{b.table(summary, markdown=True)}\n")
         for n, row in summary.items():
             if "ttft_pd_ratio_per_round" in row:
-                print(f"- {n} tokens: TTFT P/D kvd/nixl per round "
-                      f"{[round(x, 2) for x in row['ttft_pd_ratio_per_round']]}, e2e "
-                      f"{[round(x, 2) for x in row['e2e_pd_ratio_per_round']]}")
+                text += (f"\n- {n} tokens: TTFT P/D kvd/NixlConnector per round "
+                         f"{[round(x, 2) for x in row['ttft_pd_ratio_per_round']]}, e2e per round "
+                         f"{[round(x, 2) for x in row['e2e_pd_ratio_per_round']]}")
+        for f in r.get("failures", []):
+            text += f"\n- round {f['round']}: {f['connector']} failed: {f['error'][:300]}"
+        out["engines.json"] = text
+    return out
+
+
+def _md_lines(t: str) -> str:
+    """A table followed by plain lines: the lines become their own paragraph."""
+    lines = t.split("\n")
+    table = [x for x in lines if x.startswith("|")]
+    rest = [x for x in lines if not x.startswith("|")]
+    return "\n".join(table) + ("\n\n" + "\n".join(f"{x}  " for x in rest) if rest else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--results", type=Path, default=Path("docs/perf-results"))
+    ap.add_argument("--fill", type=Path, default=None,
+                    help="a template whose lines 'TABLE:<file>.json' are replaced by that file's table")
+    ap.add_argument("--out", type=Path, default=None, help="with --fill: write here (default: stdout)")
+    args = ap.parse_args(argv)
+    t = tables(args.results)
+    if args.fill:
+        lines = []
+        for line in args.fill.read_text().splitlines():
+            key = line.strip()[6:] if line.strip().startswith("TABLE:") else None
+            lines.append(t.get(key, f"(no {key} in {args.results})") if key else line)
+        text = "\n".join(lines) + "\n"
+        if args.out:
+            args.out.write_text(text)
+        else:
+            sys.stdout.write(text)
+        return 0
+    for name, text in t.items():
+        print(f"### {name}\n\n{text}\n")
     return 0
 
 

@@ -56,9 +56,9 @@ def run(variants: list[str], cells: list[tuple[int, int, int]], reps: int, poll_
     out = {"benchmark": "variants", "variants": variants, "reps": reps, "poll_us": poll_s * 1e6, "cells": []}
     prog = cm.Progress(total=len(cells) * reps, title="variants", enabled=progress)
     try:
-        for name, sets, env in specs:
+        for i, (name, sets, env) in enumerate(specs):
             pairs[name] = KvdPair(f"{wd}", (src.name, seg), (dst.name, seg), env=env or None,
-                                  entry=entry_for(sets), prefix=f"{name}-")
+                                  entry=entry_for(sets), prefix=f"v{i}-")
             pairs[name].pause(True)
         nixl = NixlPair(src.name, seg, dst.name, seg, peer_cfg or PeerConfig(num_threads=0, pthr_delay_us=1000))
         nixl.pause(True)

@@ -57,7 +57,7 @@ def metadata_agent_name(metadata: bytes) -> str | None:
 #: Default timeout (microseconds) of each agent's NIXL progress thread between
 #: rounds when no UCX event arrives; 0 = no progress thread (the daemon's poll
 #: loop alone progresses UCX). See :class:`NixlAgent`.
-PROGRESS_US = 1000
+PROGRESS_US = 3000
 
 
 def _import_nixl_without_torch() -> None:
@@ -169,9 +169,11 @@ class NixlAgent:
         # NIXL's progress thread, sleeping in poll() on the UCX workers' event
         # fds (progress_us: its timeout) rather than spinning (NIXL's Python
         # default, pthrDelay 0: a whole core per agent, even idle). The source
-        # side must progress as soon as a reader's READ arrives; with the
-        # daemon's own 5 ms idle poll doing it, a 16 x 16 KiB load took
-        # ~5.7 ms instead of ~1.9 (docs/PERFORMANCE.md, "progress thread").
+        # side must progress as soon as a reader's READ arrives; with only the
+        # daemon's 5 ms idle poll doing it, a 16 x 64 KiB load took ~6 ms
+        # instead of ~2. Costs: ~0.5 % of a core per idle agent at 3 ms (1.4 %
+        # at 1 ms), and ~10-15 % on 256 MiB reads (docs/PERFORMANCE.md,
+        # "NIXL progress thread").
         progress_us = PROGRESS_US if progress_us is None else int(progress_us)
         if progress_us > 0:
             with progress_delay(progress_us):
