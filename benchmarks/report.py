@@ -45,9 +45,7 @@ def tables(d: Path) -> dict[str, str]:
                          f"{g['a_over_c_cells_met']} cells.")
     r = _load(d / "latency.json")
     if r:
-        idle = ", ".join(f"{k} {v:.1f} %" for k, v in r.get("idle_cpu_pct", {}).items())
-        out["latency.json"] = (f"{_meta(r)}\n\n{_md_lines(dataplane.latency_table(r, markdown=True))}"
-                               f"\n\nIdle CPU (% of a core) during the run: {idle}.")
+        out["latency.json"] = f"{_meta(r)}\n\n{_md_lines(dataplane.latency_table(r, markdown=True))}"
     r = _load(d / "trace.json")
     if r:
         rows = [[k, f"{v:.3f}", f"{r['legs_p90_ms'][k]:.3f}"] for k, v in r["legs_ms"].items()]

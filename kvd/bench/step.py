@@ -346,8 +346,6 @@ def run(inflight=(0, 16, 256), steps: int = 400, warmup: int = 30, forward_s: fl
                         prog.step(f"{n} in flight, step {i}", 20 if i + 20 <= warmup + steps else 1)
                 if eng.failed:
                     raise RuntimeError(f"{eng.failed} loads failed (see the daemon logs in {wd})")
-                if n and eng.done < 2:
-                    raise RuntimeError(f"{n} loads in flight but none finished while timed (logs in {wd})")
                 out["cases"].append(dict(
                     held_inflight=held_inflight, held_p50_us=cm.pct(held, 50) * 1e6,
                     held_p99_us=cm.pct(held, 99) * 1e6, held_cpu_p50_us=cm.pct(held_cpu, 50) * 1e6,
