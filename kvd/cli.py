@@ -41,6 +41,8 @@ def cmd_serve(args) -> int:
         print(f"kvd serve: invalid setting: {e}", file=sys.stderr)
         return EXIT_USAGE
     if args.print_config:
+        for w in cfg.warnings:
+            print(f"kvd serve: warning: {w}", file=sys.stderr)
         sys.stdout.write(cfg.to_toml())
         return EXIT_OK
     from kvd.daemon.logs import configure
@@ -147,12 +149,21 @@ def _metavar(key: str, default) -> str:
     return "PATH" if key.endswith("socket") else key.rsplit("_", 1)[-1].upper()
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with usage errors exiting EXIT_USAGE (64, sysexits' EX_USAGE),
+    not argparse's 2, which ``kvd health`` uses for "unreachable"."""
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="kvd",
         description="kvd: per-node KV-cache transfer daemon for disaggregated prefill/decode serving.",
     )
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     s = sub.add_parser("serve", help="run the daemon",
                        description="Run the kvd daemon: EngineService on a Unix socket for local engines, "
@@ -174,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, func, helptext in (
         ("health", cmd_health, "exit 0 when the daemon is serving, 1 when not serving (draining, or an unknown "
-                               "--service), 2 when unreachable within --timeout"),
+                               "--service), 2 when unreachable within --timeout, 64 on a usage error"),
         ("status", cmd_status, "show what the daemon holds: engines, regions, peers, leases, transfers"),
     ):
         c = sub.add_parser(name, help=helptext, description=helptext)

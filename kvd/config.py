@@ -86,7 +86,8 @@ class Config:
     ``kvd serve --help`` and docs/OPERATIONS.md repeat them. ``sources`` says
     where each value came from (``default``, ``file PATH``, ``env KVD_X``,
     ``flag --x``); ``notify_socket`` is systemd's ``NOTIFY_SOCKET``, not a
-    setting.
+    setting; ``warnings`` are messages for the log (misspelt ``KVD_*``
+    variables).
     """
 
     engine_socket: str = _setting(DEFAULT_SOCKET, "Unix socket path of EngineService (local engines)")
@@ -142,6 +143,7 @@ class Config:
 
     notify_socket: str = field(default="", repr=False, compare=False)
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+    warnings: list[str] = field(default_factory=list, repr=False, compare=False)
 
     def validate(self) -> "Config":
         """Checks every field; returns self. Raises ConfigError naming the key."""
@@ -194,6 +196,8 @@ class Config:
             v = getattr(self, key)
             if not low <= v <= high:
                 raise self._error(key, f"{v} out of range {low}..{high}")
+        self.log_level = self.log_level.lower()
+        self.log_format = self.log_format.lower()
         if self.log_level not in LOG_LEVELS:
             raise self._error("log_level", f"{self.log_level!r} is not {' | '.join(LOG_LEVELS)}")
         if self.log_format not in LOG_FORMATS:
@@ -390,7 +394,35 @@ def load_config(
     cfg = Config(**values)
     cfg.sources = sources
     cfg.notify_socket = environ.get(ENV_NOTIFY_SOCKET, "")
+    cfg.warnings = unknown_env_warnings(environ)
     return cfg.validate()
+
+
+# KVD_* variables that are read elsewhere, not settings (tools, tests, the
+# demo): never reported as misspelt settings.
+OTHER_ENV = frozenset({ENV_CONFIG_FILE, "KVD_CUDART", "KVD_TINY_MODEL_DIR", "KVD_SKIP_VLLM", "KVD_E2E_CONNECTOR",
+                       "KVD_FUZZ_EXAMPLES", "KVD_FUZZ_PROFILE", "KVD_SOAK_REQUESTS", "KVD_SOAK_SEED"})
+
+
+def unknown_env_warnings(environ: Mapping[str, str]) -> list[str]:
+    """One message per ``KVD_*`` variable that is no setting and looks like a
+    misspelt one (``KVD_LEESE_S`` -> did you mean ``KVD_LEASE_S``?).
+
+    A misspelt variable would otherwise be ignored silently and the default
+    used; it is not an error, since other tools may use the ``KVD_`` prefix.
+    The daemon logs these at startup; ``--print-config`` prints them.
+    """
+    import difflib
+
+    known = {env_name(n) for n in setting_names()}
+    out = []
+    for var in sorted(environ):
+        if not var.startswith(ENV_PREFIX) or var in known or var in OTHER_ENV:
+            continue
+        close = difflib.get_close_matches(var, known, n=1, cutoff=0.75)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        out.append(f"environment variable {var} is not a kvd setting and is ignored{hint}")
+    return out
 
 
 def client_socket(environ: Mapping[str, str] | None = None) -> str:

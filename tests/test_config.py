@@ -141,3 +141,25 @@ def test_every_setting_is_documented_with_its_env_variable():
     doc = (ROOT / "docs" / "OPERATIONS.md").read_text()
     for name in setting_names():
         assert f"| `{name}` | `KVD_{name.upper()}` |" in doc, name
+
+
+def test_a_misspelt_environment_variable_is_reported_not_silently_ignored():
+    cfg = load_config(environ={"KVD_LEESE_S": "5", "KVD_TINY_MODEL_DIR": "/x", "KVD_FOO": "1"})
+    assert cfg.lease_s == 120.0  # not applied: it is no setting
+    assert any("KVD_LEESE_S" in w and "did you mean KVD_LEASE_S" in w for w in cfg.warnings), cfg.warnings
+    assert not any("KVD_TINY_MODEL_DIR" in w for w in cfg.warnings)  # a known non-setting variable
+    assert any("KVD_FOO" in w and "did you mean" not in w for w in cfg.warnings)
+    r = _kvd("serve", "--print-config", env={"KVD_LEESE_S": "5"})
+    assert r.returncode == 0 and "did you mean KVD_LEASE_S" in r.stderr
+
+
+def test_log_level_and_format_are_case_insensitive():
+    cfg = load_config(environ={"KVD_LOG_LEVEL": "WARNING", "KVD_LOG_FORMAT": "Json"})
+    assert (cfg.log_level, cfg.log_format) == ("warning", "json")
+
+
+@pytest.mark.parametrize("argv", [["health", "--bogus"], ["nosuch"], ["status", "--timeout", "x"]])
+def test_usage_errors_exit_64_not_2_which_health_uses_for_unreachable(argv):
+    r = _kvd(*argv)
+    assert r.returncode == 64, (r.returncode, r.stderr)
+    assert "usage:" in r.stderr

@@ -174,3 +174,30 @@ def test_loads_still_in_flight_after_the_grace_period_are_failed(tmp_path):
     assert "request=stuck peer=?: load failed: shutdown" in log
     assert log.count("request=stuck") == 1  # logged once
     assert not os.path.exists(d.socket)
+
+
+def test_daemon_shutdown_unlinks_segments_of_dead_engines_only(tmp_path):
+    """An engine that died (its owner_pid is gone) less than detach_grace_s
+    before the daemon stops: the daemon unlinks its segments at shutdown; a
+    live engine's segments are left alone."""
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    d = start_daemon(str(tmp_path), "kvd", "--detach-grace-s", "600")
+    gone, alive = ShmSegment(SHAPE.size), ShmSegment(SHAPE.size)
+    try:
+        for name, seg, pid in (("dead-e", gone, dead.pid), ("live-e", alive, os.getpid())):
+            req = register_request(name, SHAPE, seg)
+            req.owner_pid = pid
+            d.stub().RegisterEngine(req, timeout=10)
+        assert d.stop(signal.SIGTERM) == 0
+        assert not os.path.exists(gone.path), "the dead engine's segment was left in /dev/shm"
+        assert os.path.exists(alive.path), "a live engine's segment was unlinked"
+        assert "engine process %d is gone" % dead.pid in d.log()
+    finally:
+        gone.close()
+        alive.close()
+        if d.proc.poll() is None:
+            d.stop(signal.SIGKILL)

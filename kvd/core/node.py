@@ -403,7 +403,12 @@ class Node:
         self._progress_task = asyncio.get_running_loop().create_task(self._progress_loop(), name="kvd-progress")
 
     async def close(self) -> None:
-        """Fails in-flight loads, releases leases, unregisters every worker."""
+        """Fails in-flight loads, releases leases, unregisters every worker.
+
+        Segments of an engine whose owner process is already dead are
+        unlinked here too (``engine_gone``): otherwise a daemon stopped
+        within ``detach_grace_s`` of an engine crash would leave them in
+        /dev/shm. A live engine's segments are never touched."""
         self._closing = True
         if self._progress_task:
             self._progress_task.cancel()
@@ -412,7 +417,7 @@ class Node:
             except (asyncio.CancelledError, Exception):
                 pass
         for key in list(self.workers):
-            await self.unregister(key, reason="daemon shutting down")
+            await self.unregister(key, reason="daemon shutting down", engine_gone=True)
         self._nixl_pool.shutdown(wait=True)
 
     def _emit(self, w: Worker, ev: Event) -> None:

@@ -175,6 +175,8 @@ class Server:
                  "authentication: %s), NIXL backends %s%s",
                  __version__, sock, policy.describe(), self._bound, adv, auth.describe(), ",".join(cfg.backends),
                  f", metrics on http://{metrics_at}/metrics" if metrics_at else "")
+        for w in cfg.warnings:
+            log.warning("%s", w)
         self.notifier.ready(f"serving: engines on unix:{sock}, peers on {adv}")
 
     def _peer_host(self, host: str, port: int) -> str:
