@@ -149,7 +149,7 @@ def _metavar(key: str, default) -> str:
     return "PATH" if key.endswith("socket") else key.rsplit("_", 1)[-1].upper()
 
 
-class _Parser(argparse.ArgumentParser):
+class UsageParser(argparse.ArgumentParser):
     """argparse with usage errors exiting EXIT_USAGE (64, sysexits' EX_USAGE),
     not argparse's 2, which ``kvd health`` uses for "unreachable"."""
 
@@ -159,11 +159,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = UsageParser(
         prog="kvd",
         description="kvd: per-node KV-cache transfer daemon for disaggregated prefill/decode serving.",
     )
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=UsageParser)
 
     s = sub.add_parser("serve", help="run the daemon",
                        description="Run the kvd daemon: EngineService on a Unix socket for local engines, "

@@ -12,10 +12,11 @@ import json
 import sys
 
 from kvd.bench import common as cm
+from kvd.cli import UsageParser
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
+    ap = UsageParser(  # usage errors exit 64, as every kvd command
         prog="kvd bench",
         description="Short benchmarks: (1) data plane, kvd vs plain NIXL vs memcpy; (2) the shim's cost per "
                     "engine step. Starts its own two daemons (and two plain NIXL processes) on this machine.")

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from kvd.demo import engines as eng
 from kvd.demo import proxy, stack, tiny_model
+from kvd.cli import UsageParser
 
 DEFAULT_LENGTHS = [20, 100, 600, 31, 64, 250, 1000, 33]  # prompt tokens
 BLOCK_SIZE = 32
@@ -274,7 +275,7 @@ def _daemon_supports(flag: str) -> bool:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
+    ap = UsageParser(  # usage errors exit 64, as every kvd command
         prog="kvd demo",
         description="Two kvd daemons, two vLLM-CPU engines (P and D), one P/D flow; "
                     "checks decode output == non-disaggregated output.")
