@@ -168,7 +168,7 @@ class Config:
             if not math.isfinite(v) or v <= 0:
                 raise self._error(key, f"must be a finite number of seconds > 0 (got {v})")
         if self.lease_s > 3600:
-            # kvd.core.node.Limits.max_lease_s caps every lease at one hour.
+            # kvd.core.state.Limits.max_lease_s caps every lease at one hour.
             raise self._error("lease_s", f"at most 3600 seconds (got {self.lease_s})")
         if not self.backends or not all(b and b.strip() == b for b in self.backends):
             raise self._error("backends", f"need one or more NIXL backend names (got {self.backends!r})")

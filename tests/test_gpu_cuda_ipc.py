@@ -17,7 +17,7 @@ import pytest
 from kvd import cudart
 from kvd.core import cuda_ipc
 from kvd.core.cuda_ipc import NO_GPU, CudaIpcError, CudaIpcMapping, VramMirror, open_segments
-from kvd.core.node import Segment
+from kvd.core.state import Segment
 
 H1, H2 = bytes([1]) * 64, bytes([2]) * 64
 

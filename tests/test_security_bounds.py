@@ -12,7 +12,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from kvd.core.node import MAX_AGENT_METADATA
+from kvd.core.state import MAX_AGENT_METADATA
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 from kvdtest import Engine, FakePeer, KvShape, ShmSegment, event_kind, register_request

@@ -39,7 +39,7 @@ from kvd.core.memory import SegmentError
 
 log = logging.getLogger("kvd.core.cuda_ipc")
 
-#: ``kvd.core.node.Segment.kind`` of a CUDA IPC segment.
+#: ``kvd.core.state.Segment.kind`` of a CUDA IPC segment.
 KIND = "cuda_ipc"
 
 #: The message a GPU-less daemon answers a CUDA IPC segment with.
@@ -254,7 +254,7 @@ def open_segments(segments, requested: str) -> OpenedSegments:
     """Opens (or mirrors) a worker's CUDA IPC segments.
 
     Args:
-        segments: ``kvd.core.node.Segment`` values, all of kind :data:`KIND`.
+        segments: ``kvd.core.state.Segment`` values, all of kind :data:`KIND`.
         requested: ``"direct"``, ``"staged"`` or ``"auto"``.
 
     Direct: open each handle. Staged: a :class:`VramMirror` of each size on the

@@ -34,7 +34,8 @@ from kvd.config import MAX_ID_BYTES
 from kvd.core import cuda_ipc
 from kvd.core import events as ev
 from kvd.core.memory import Access
-from kvd.core.node import Node, Segment, Worker, WorkerKey, flat
+from kvd.core.node import Node
+from kvd.core.state import Segment, Worker, WorkerKey, flat
 from kvd.daemon.convert import event_to_pb, groups_from_pb, layout_from_pb, region_from_pb, status_of
 from kvd.daemon.status import build_stats
 from kvd.v1 import kvd_pb2 as pb

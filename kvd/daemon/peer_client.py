@@ -15,7 +15,7 @@ import grpc
 from kvd import __version__
 from kvd.config import MAX_MESSAGE_BYTES
 from kvd.core import events as ev
-from kvd.core.node import PROTOCOL_VERSION, HandshakeResult, PushOrder, PushResult
+from kvd.core.state import PROTOCOL_VERSION, HandshakeResult, PushOrder, PushResult
 from kvd.daemon.convert import groups_to_pb, handshake_from_pb, handshake_to_pb
 from kvd.daemon.peer_auth import PeerAuth, PeerAuthError
 from kvd.v1 import kvd_pb2 as pb

@@ -6,7 +6,8 @@ import logging
 
 from kvd.config import MAX_ID_BYTES
 from kvd.core import events as ev
-from kvd.core.node import Node, PushOrder
+from kvd.core.node import Node
+from kvd.core.state import PushOrder
 from kvd.daemon.convert import groups_from_pb, handshake_from_pb, handshake_to_pb, status_of
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc

@@ -37,7 +37,8 @@ from grpc_reflection.v1alpha import reflection
 
 from kvd import __version__
 from kvd.config import MAX_MESSAGE_BYTES, Config, parse_host_port, resolve_gid, resolve_uid
-from kvd.core.node import Limits, Node
+from kvd.core.node import Node
+from kvd.core.state import Limits
 from kvd.daemon.engine_service import EngineService
 from kvd.daemon.local_gate import AdmissionInterceptor, Gate, Policy
 from kvd.daemon.metrics import Metrics
