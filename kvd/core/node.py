@@ -832,43 +832,68 @@ class Node:
         if hs.tp_size != tp_size:
             raise Incompatible(f"remote engine {engine_id!r} has TP size {hs.tp_size}, the request says {tp_size}")
         _check_peer(w, hs, "handshake")
-        reader, source = w.geometry(), plan.Geometry(tp_rank, hs.tp_size, hs.layout, tuple(hs.regions),
-                                                      hs.layout.model_kv_heads(hs.tp_size))
-        k, C, chunk_sets, identity, _ = _pair_plan(reader, source)
-        src_bytes = tuple(int(c[:C, 3].sum()) for c in chunk_sets)
-        lrows = None if identity else plan.local_rows(w.bases, w.regions, w.layout.num_blocks, chunk_sets, k)
-        rrows = plan.remote_rows(hs.region_bases, hs.regions, hs.layout.num_blocks, chunk_sets, k)
         # An agent of the same name still loaded (a retired one, or the peer's
         # old identity) is forgotten first: NIXL keeps one entry per name.
         for old in [o for o in w.retired if o.agent_name == hs.agent_name]:
             w.retired.remove(old)
             await self._nixl(self._free_remote, w, old)
-
-        def add():
-            name = self._load_agent(w, hs.agent_name, hs.agent_metadata)
-            try:
-                rd = w.agent.prep_remote(name, _on_device(rrows, hs.device), hs.memory)
-                ld = w.local_dlist if lrows is None else w.agent.prep_local(_on_device(lrows, w.device), w.memory)
-                return name, rd, ld
-            except Exception:
-                self._unload_agent(w, name)
-                raise
-
         try:
-            name, rd, ld = await self._nixl(add)
+            r = await self._pair(w, hs, tp_rank, we_read=True, address=address, engine_id=engine_id)
         except NixlError as e:
             raise InvalidArgument(f"agent metadata rejected: {e}") from None
         if w.key not in self.workers:
             raise NotFound("local worker unregistered during the handshake")
-        r = RemoteWorker(address, engine_id, tp_rank, hs.tp_size, name, hs.layout, len(hs.regions), k, C, ld, rd,
-                         lrows is not None, hs.daemon_version, src_bytes, tuple(x.group for x in w.regions))
         w.remotes[key] = r
         self.counters.handshakes += 1
         self._on_event("handshake", {"seconds": time.monotonic() - t0})
         log.info("%s: handshake with %s engine=%s rank=%d/%d agent=%s (kvd %s) in %.1f ms: %d chunk(s) x %d slot(s)",
-                 w.label, address, engine_id, tp_rank, hs.tp_size, name, hs.daemon_version,
-                 1e3 * (time.monotonic() - t0), C, k)
+                 w.label, address, engine_id, tp_rank, hs.tp_size, r.agent_name, hs.daemon_version,
+                 1e3 * (time.monotonic() - t0), r.C, r.k)
         return r
+
+    async def _pair(self, w: Worker, hs: HandshakeResult, peer_rank: int, *, we_read: bool, address: str,
+                    engine_id: str) -> RemoteWorker:
+        """Loads a peer worker's agent into ``w``'s and prepares both
+        descriptor lists of the pair's transfer plan (``kvd.core.plan``).
+
+        ``we_read``: ``w`` is the reader (pull: it READs from the peer);
+        otherwise ``w`` is the source (push: it WRITEs into the peer). The
+        returned RemoteWorker's ``local_dlist`` is always ``w``'s side (its
+        own prepped list when the plan is the identity on its side) and
+        ``remote_dlist`` the peer's. Units: bytes in ``region_bytes``.
+
+        Raises:
+            Incompatible: the layouts cannot be combined.
+            NixlError: NIXL refused the agent metadata or a list (the agent is
+                unloaded again).
+        """
+        ours = w.geometry()
+        theirs = plan.Geometry(peer_rank, hs.tp_size, hs.layout, tuple(hs.regions),
+                               hs.layout.model_kv_heads(hs.tp_size))
+        reader, source = (ours, theirs) if we_read else (theirs, ours)
+        k, C, chunk_sets, reader_identity, source_identity = _pair_plan(reader, source)
+        our_rows_of, their_rows_of = (plan.local_rows, plan.remote_rows) if we_read else (plan.remote_rows,
+                                                                                          plan.local_rows)
+        identity = reader_identity if we_read else source_identity
+        our_rows = None if identity else our_rows_of(w.bases, w.regions, w.layout.num_blocks, chunk_sets, k)
+        their_rows = their_rows_of(hs.region_bases, hs.regions, hs.layout.num_blocks, chunk_sets, k)
+
+        def add():
+            name = self._load_agent(w, hs.agent_name, hs.agent_metadata)
+            try:
+                theirs_dlist = w.agent.prep_remote(name, _on_device(their_rows, hs.device), hs.memory)
+                ours_dlist = (w.local_dlist if our_rows is None
+                              else w.agent.prep_local(_on_device(our_rows, w.device), w.memory))
+                return name, theirs_dlist, ours_dlist
+            except Exception:
+                self._unload_agent(w, name)
+                raise
+
+        name, theirs_dlist, ours_dlist = await self._nixl(add)
+        src_bytes = tuple(int(c[:C, 3].sum()) for c in chunk_sets)
+        return RemoteWorker(address, engine_id, peer_rank, hs.tp_size, name, hs.layout, len(hs.regions), k, C,
+                            ours_dlist, theirs_dlist, our_rows is not None, hs.daemon_version, src_bytes,
+                            tuple(x.group for x in w.regions))
 
     # ------------------------------------------------------------- peer side
     async def handshake_info(self, engine_id: str, tp_rank: int, caller_hash: str,
@@ -923,31 +948,12 @@ class Node:
         _check_peer(w, reader, "push")
         r = w.readers.get(reader.agent_name)
         if r is None:
-            rgeo = plan.Geometry(order.reader_tp_rank, reader.tp_size, reader.layout, tuple(reader.regions),
-                                 reader.layout.model_kv_heads(reader.tp_size))
-            k, C, chunk_sets, _, identity = _pair_plan(rgeo, w.geometry())
-            src_bytes = tuple(int(c[:C, 3].sum()) for c in chunk_sets)
-            src_rows = None if identity else plan.remote_rows(w.bases, w.regions, w.layout.num_blocks, chunk_sets, k)
-            dst_rows = plan.local_rows(reader.region_bases, reader.regions, reader.layout.num_blocks, chunk_sets, k)
-
-            def add():
-                name = self._load_agent(w, reader.agent_name, reader.agent_metadata)
-                try:
-                    return name, w.agent.prep_remote(name, _on_device(dst_rows, reader.device), reader.memory), (
-                        w.local_dlist if src_rows is None else w.agent.prep_local(_on_device(src_rows, w.device),
-                                                                                  w.memory))
-                except Exception:
-                    self._unload_agent(w, name)
-                    raise
-
             try:
-                name, dst, src = await self._nixl(add)
+                # For a reader, "local" lists are ours (source rows), "remote" the reader's.
+                r = await self._pair(w, reader, order.reader_tp_rank, we_read=False, address="",
+                                     engine_id=reader.agent_name)
             except NixlError as e:
                 raise InvalidArgument(f"push: reader agent metadata rejected: {e}") from None
-            # For a reader, "local" lists are ours (source rows), "remote" the reader's.
-            r = RemoteWorker("", reader.agent_name, order.reader_tp_rank, reader.tp_size, name, reader.layout,
-                             len(reader.regions), k, C, src, dst, src_rows is not None, reader.daemon_version,
-                             src_bytes, tuple(x.group for x in w.regions))
             w.readers[reader.agent_name] = r
         try:
             dst_idx, src_idx = plan.chunk_indices(order.reader_block_ids, order.source_block_ids, r.num_regions,
