@@ -18,7 +18,13 @@ LAYOUTS = {"HND": pb.KV_LAYOUT_HND, "NHD": pb.KV_LAYOUT_NHD, "MLA": pb.KV_LAYOUT
 
 
 class Rank:
-    """One TP rank's KV cache in shm: NUM_REGIONS regions of [blocks, ...] float32."""
+    """One TP rank's KV cache in shm: NUM_REGIONS regions of [blocks, ...] float32.
+
+    ``layout="CPU"``: vLLM-CPU's block, K and V of each head in it
+    (``[heads, 2, tokens, HEAD_DIM // 2]``, ``cpu_attn.py:411-415``),
+    registered as HND with ``Layout.kv_in_block``; a token's HEAD_DIM
+    values are its K (first half) and its V (second half).
+    """
 
     def __init__(self, engine, rank, tp, heads, block_size, layout, model="m"):
         self.engine, self.rank, self.tp, self.heads = engine, rank, tp, heads
@@ -28,9 +34,14 @@ class Rank:
         self.block_len = self.nh * block_size * HEAD_DIM * 4
         self.seg = ShmSegment(NUM_REGIONS * NUM_BLOCKS * self.block_len)
 
+    def shape(self):
+        if self.layout == "CPU":
+            return NUM_BLOCKS, self.nh, 2, self.block_size, HEAD_DIM // 2
+        return ((NUM_BLOCKS, self.nh, self.block_size, HEAD_DIM) if self.layout == "HND"
+                else (NUM_BLOCKS, self.block_size, self.nh, HEAD_DIM))
+
     def arrays(self):
-        shape = ((NUM_BLOCKS, self.nh, self.block_size, HEAD_DIM) if self.layout == "HND"
-                 else (NUM_BLOCKS, self.block_size, self.nh, HEAD_DIM))
+        shape = self.shape()
         f = np.frombuffer(self.seg.mm, dtype=np.float32)
         n = int(np.prod(shape))
         return [f[i * n:(i + 1) * n].reshape(shape) for i in range(NUM_REGIONS)]
@@ -42,7 +53,9 @@ class Rank:
                 blk, t = block_ids[tok // self.block_size], tok % self.block_size
                 for h in range(self.nh):
                     val = 1e5 * reg + 1000 * (self.h0 + h) + tok + np.arange(HEAD_DIM) / 16
-                    if self.layout == "HND":
+                    if self.layout == "CPU":
+                        arr[blk, h, :, t] = val.reshape(2, HEAD_DIM // 2)
+                    elif self.layout == "HND":
                         arr[blk, h, t] = val
                     else:
                         arr[blk, t, h] = val
@@ -50,9 +63,7 @@ class Rank:
     def expected(self, block_ids, n_tokens):
         want = Rank.__new__(Rank)
         want.__dict__.update(self.__dict__)
-        shape = ((NUM_BLOCKS, self.nh, self.block_size, HEAD_DIM) if self.layout == "HND"
-                 else (NUM_BLOCKS, self.block_size, self.nh, HEAD_DIM))
-        bufs = [np.zeros(shape, np.float32) for _ in range(NUM_REGIONS)]
+        bufs = [np.zeros(self.shape(), np.float32) for _ in range(NUM_REGIONS)]
         want.arrays = lambda: bufs
         want.fill(block_ids, n_tokens)
         return bufs
@@ -62,7 +73,9 @@ class Rank:
                              block_stride=self.block_len, name=f"r{i}") for i in range(NUM_REGIONS)]
         daemon.stub().RegisterEngine(pb.RegisterEngineRequest(
             worker=pb.EngineWorker(engine_id=self.engine, tp_rank=self.rank, tp_size=self.tp),
-            layout=pb.Layout(num_blocks=NUM_BLOCKS, block_size=self.block_size, kv_layout=LAYOUTS[self.layout],
+            layout=pb.Layout(num_blocks=NUM_BLOCKS, block_size=self.block_size,
+                             kv_layout=LAYOUTS["HND" if self.layout == "CPU" else self.layout],
+                             kv_in_block=self.layout == "CPU",
                              dtype="float32", num_kv_heads=self.nh, head_dim=HEAD_DIM, num_layers=2,
                              block_lens=[self.block_len] * NUM_REGIONS,
                              total_kv_heads=1 if self.layout == "MLA" else self.heads),
@@ -155,6 +168,30 @@ def test_mla_one_reader_reads_the_others_notify(pair, p_tp, d_tp):
 def test_prefill_block_16_into_decode_block_32(pair):
     d_events, _ = run_pd(*pair, 1, 1, 4, "HND", "HND", 16, 32, "bs1632")
     assert d_events[0].WhichOneof("event") == "recv_done", d_events
+
+
+@pytest.mark.parametrize("p_tp,d_tp,heads,p_bs,d_bs", [(1, 1, 4, 16, 32), (2, 1, 4, 16, 32), (1, 2, 4, 16, 32),
+                                                        (4, 2, 2, 16, 64), (2, 1, 4, 16, 16)])
+def test_kv_in_block_prefill_block_16_into_decode_block_32(pair, p_tp, d_tp, heads, p_bs, d_bs):
+    """vLLM-CPU blocks (K and V of a head in one block): each (head, K|V,
+    source block) lands in its rows of the decode block; run_pd compares
+    every element of every block of every decode rank (untouched blocks: 0)."""
+    d_events, p_events = run_pd(*pair, p_tp, d_tp, heads, "CPU", "CPU", p_bs, d_bs,
+                                f"cpu{p_tp}{d_tp}{heads}{p_bs}{d_bs}")
+    assert [e.WhichOneof("event") for e in d_events] == ["recv_done"] * d_tp, d_events
+    n_tokens = 3 * d_bs + 1
+    per_rank = NUM_REGIONS * -(-n_tokens // p_bs) * max(1, heads // d_tp) * p_bs * HEAD_DIM * 4
+    assert [e.recv_done.bytes for e in d_events] == [per_rank] * d_tp
+    assert [(e.WhichOneof("event"), e.send_done.expired) for e in p_events] == [("send_done", False)] * p_tp
+    assert pair[0].stats().active_leases == 0
+
+
+def test_kv_in_block_decode_block_smaller_than_prefill_block_is_refused_at_handshake(pair):
+    d_events, _ = run_pd(*pair, 1, 1, 4, "CPU", "CPU", 32, 16, "cpu3216")
+    ev = d_events[0]
+    assert ev.WhichOneof("event") == "load_failed"
+    assert "handshake" in ev.load_failed.reason and "not a multiple" in ev.load_failed.reason, ev
+    assert list(ev.load_failed.failed_block_ids)
 
 
 def test_decode_block_smaller_than_prefill_block_is_refused_at_handshake(pair):

@@ -16,10 +16,25 @@ HEAD_DIM = 4
 
 
 def make_rank(rank, tp, heads, block_size, layout, num_blocks, n_tokens, fill):
-    """A rank's K region (HND/NHD/MLA) as a uint8-view float32 array, and its Geometry."""
+    """A rank's K region (HND/NHD/MLA) as a uint8-view float32 array, and its Geometry.
+
+    ``"CPU"``: vLLM-CPU's block, K and V of a head in it (``[heads, 2, tokens,
+    head_dim]``, ``Layout.kv_in_block``, head_dim 2 x HEAD_DIM); V = K + 0.05.
+    """
     mla = layout == "MLA"
     nh = 1 if mla else max(1, heads // tp)
     h0 = 0 if mla else rank * heads // tp
+    if layout == "CPU":
+        arr = np.zeros((num_blocks, nh, 2, block_size, HEAD_DIM), np.float32)
+        if fill is not None:
+            for tok in range(n_tokens):
+                blk, t = fill[tok // block_size], tok % block_size
+                for h in range(nh):
+                    val = 1000 * (h0 + h) + tok + np.arange(HEAD_DIM) / 10
+                    arr[blk, h, 0, t], arr[blk, h, 1, t] = val, val + 0.05
+        blen = nh * 2 * block_size * HEAD_DIM * 4
+        lay = Layout(num_blocks, block_size, "HND", "float32", nh, 2 * HEAD_DIM, 1, (blen,), kv_in_block=True)
+        return arr, Geometry(rank, tp, lay, (Region(0, 0, blen, blen),), heads)
     if layout == "HND":
         arr = np.zeros((num_blocks, nh, block_size, HEAD_DIM), np.float32)
     else:
@@ -76,6 +91,12 @@ CASES = [
     (1, 2, 4, "HND", "NHD", 8, 32),
     (1, 2, 1, "MLA", "MLA", 16, 16),
     (2, 1, 1, "MLA", "MLA", 16, 16),
+    (1, 1, 4, "CPU", "CPU", 16, 32),   # vLLM-CPU, K and V in the block: P block 16, D block 32
+    (2, 1, 4, "CPU", "CPU", 16, 32),
+    (1, 2, 4, "CPU", "CPU", 16, 64),
+    (4, 2, 2, "CPU", "CPU", 8, 32),
+    (2, 1, 4, "CPU", "CPU", 16, 16),
+    (1, 2, 4, "CPU", "CPU", 16, 16),
 ]
 
 
@@ -108,6 +129,29 @@ def test_reader_block_smaller_than_source_block_is_refused():
     _, lgeo = make_rank(0, 1, 4, 16, "HND", 8, 0, None)
     _, rgeo = make_rank(0, 1, 4, 32, "HND", 8, 0, None)
     with pytest.raises(PlanError, match="not a multiple"):
+        compatible(lgeo, rgeo)
+
+
+def test_kv_in_block_reader_block_smaller_than_source_block_is_refused():
+    _, lgeo = make_rank(0, 1, 4, 16, "CPU", 8, 0, None)
+    _, rgeo = make_rank(0, 1, 4, 32, "CPU", 8, 0, None)
+    with pytest.raises(PlanError, match="not a multiple"):
+        compatible(lgeo, rgeo)
+
+
+@pytest.mark.parametrize("p_lay,d_lay", [("CPU", "HND"), ("HND", "CPU")])
+def test_kv_in_block_on_one_side_only_is_refused(p_lay, d_lay):
+    """Same block bytes, but only one side says K and V share the block: no
+    plan (a K/V-split HND block of head_dim 2 x HEAD_DIM is another layout)."""
+    _, lgeo = make_rank(0, 1, 4, 16, d_lay, 8, 0, None)
+    _, rgeo = make_rank(0, 1, 4, 16, p_lay, 8, 0, None)
+    if p_lay == "HND":
+        rgeo = Geometry(0, 1, Layout(8, 16, "HND", "float32", 4, 2 * HEAD_DIM, 1, lgeo.layout.block_lens),
+                        lgeo.regions, 4)
+    else:
+        lgeo = Geometry(0, 1, Layout(8, 16, "HND", "float32", 4, 2 * HEAD_DIM, 1, rgeo.layout.block_lens),
+                        rgeo.regions, 4)
+    with pytest.raises(PlanError, match="one side only"):
         compatible(lgeo, rgeo)
 
 

@@ -176,17 +176,22 @@ def test_groups_overlaid_on_the_same_bytes_are_one_region_per_group():
 def test_cpu_blocks_holding_k_and_v_report_the_per_head_vector():
     """vLLM-CPU: [heads, 2 x tokens, head_dim] per block: slicing by heads is
     byte-exact with a per-head vector of 2 x head_dim, so that is what the
-    layout says (and kv_in_block warns that tokens cannot be re-sliced)."""
+    layout says, with Layout.kv_in_block (HND: the daemon moves K and V runs
+    apart). The same bytes described as NHD keep the flag off the layout
+    (only SharedKvCaches.kv_in_block: the shim then pins the block size)."""
     _, caches = vllm032_cpu_caches(2)
     shared = cpu_share.describe_kv_caches(caches, num_blocks=NB, block_size=N, kv_layout="HND", num_kv_heads=H,
                                           head_dim=D, total_kv_heads=2 * H)
-    assert shared.layout.head_dim == 2 * D and shared.kv_in_block
+    assert shared.layout.head_dim == 2 * D and shared.kv_in_block and shared.layout.kv_in_block
+    nhd = cpu_share.describe_kv_caches(caches, num_blocks=NB, block_size=N, kv_layout="NHD", num_kv_heads=H,
+                                       head_dim=D, total_kv_heads=2 * H)
+    assert nhd.kv_in_block and not nhd.layout.kv_in_block
     assert shared.layout.total_kv_heads == 2 * H
     # per-layer K and V regions (a GPU-style layout): the head vector is head_dim
     t = torch.zeros(2, NB, N, H, D, dtype=torch.bfloat16)
     kv = cpu_share.describe_kv_caches({"l0": t}, num_blocks=NB, block_size=N, kv_layout="NHD", num_kv_heads=H,
                                       head_dim=D)
-    assert kv.layout.head_dim == D and not kv.kv_in_block
+    assert kv.layout.head_dim == D and not kv.kv_in_block and not kv.layout.kv_in_block
     assert cpu_share.head_vector(1000, N, H, D, F32) == D  # not a whole number of heads: unchanged
 
 

@@ -65,8 +65,8 @@ def daemons(tmp_path_factory):
     assert p.stop() == 0 and dd.stop() == 0
 
 
-def kv_cache_config(heads: int) -> KVCacheConfig:
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=heads, head_size=HEAD, dtype=torch.float32)
+def kv_cache_config(heads: int, block_size: int = BS) -> KVCacheConfig:
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=HEAD, dtype=torch.float32)
     page = spec.page_size_bytes
     return KVCacheConfig(
         num_blocks=NB,
@@ -80,15 +80,16 @@ class Side:
     """One engine: vLLM's scheduler and ``tp`` worker connectors (its ranks)."""
 
     def __init__(self, model_dir: str, daemon, *, tp: int = 1, hma: bool = False, kv_seed: int | None = None,
-                 **extra):
+                 block_size: int = BS, **extra):
         self.kv_seed = kv_seed  # P: what its "forward pass" writes (None: D, writes nothing)
         self.config = vllm_config(model_dir, daemon.socket, **extra)
         self.config.cache_config.num_gpu_blocks = NB
+        self.config.cache_config.block_size = self.block_size = block_size
         self.tp = tp
         self.heads = max(1, KV_HEADS // tp)
-        self.kcc = hma_kv_cache_config(self.config) if hma else kv_cache_config(self.heads)
+        self.kcc = hma_kv_cache_config(self.config) if hma else kv_cache_config(self.heads, block_size)
         self.sched = Scheduler(vllm_config=self.config, kv_cache_config=self.kcc, log_stats=True,
-                               structured_output_manager=StructuredOutputManager(self.config), block_size=BS)
+                               structured_output_manager=StructuredOutputManager(self.config), block_size=block_size)
         assert isinstance(self.sched.connector, KvdConnector)
         self.sched.connector.scheduler.tp_size = tp  # what a TP engine puts in kv_transfer_params
         self.workers: list[KvdConnector] = []
@@ -97,7 +98,7 @@ class Side:
             w = KvdConnector(self.config, KVConnectorRole.WORKER, self.kcc)
             w.worker.worker.tp_rank, w.worker.worker.tp_size = rank, tp
             caches = allocate_kv_cache(self.kcc, torch.device("cpu"), KVCacheLayout.LBHNC,
-                                       [BS] * len(self.kcc.kv_cache_groups))
+                                       [block_size] * len(self.kcc.kv_cache_groups))
             w.register_kv_caches(caches)
             self.workers.append(w)
             self.caches.append(caches)
@@ -245,6 +246,83 @@ def test_tp_pairs_each_decode_rank_gets_its_heads(model_dir, daemons, p_tp, d_tp
         p.run_until(lambda: preq.request_id in p.finished_sending, timeout_s=5)
         assert wait_leases_zero(pd) < 5
         assert pd.stats().leases_expired == 0
+    finally:
+        p.close()
+        d.close()
+
+
+@pytest.mark.parametrize("p_tp,d_tp,p_path", [(1, 1, "direct"), (2, 1, "staged"), (1, 2, "direct")])
+def test_prefill_block_32_into_decode_block_64_cpu_layout(model_dir, daemons, p_tp, d_tp, p_path):
+    """P block 32 -> D block 64 through the shim on vLLM-CPU caches (K and V
+    of a head in one block, vLLM's own LBHNC allocation): P's params carry
+    its block size, D loads 2 P blocks into each of its blocks, and every
+    row lands where vLLM-CPU's kernel reads it (``cpu_attn.py:411-415``:
+    a block is ``[heads, 2 x block_size, head_size]``, K rows then V rows).
+    Checked head by head, K and V apart: D block ``i``, rows ``[32 j, 32 j
+    + 32)`` of K and of V == P's block ``2 i + j``, for every row of every
+    loaded block. 3 D blocks + 5 tokens: a partial last D block holding a
+    single P block (7 P blocks into 4 D blocks)."""
+    pd, dd = daemons
+    p = Side(model_dir, pd, tp=p_tp, kv_seed=40 + p_tp * 10 + d_tp, kvd_lease_s=P_LEASE_S, kvd_data_path=p_path)
+    d = Side(model_dir, dd, tp=d_tp, role="kv_consumer", block_size=2 * BS)
+    try:
+        prompt = list(range(11000 + 100 * p_tp + 10 * d_tp, 11000 + 100 * p_tp + 10 * d_tp + 6 * BS + 5))
+        params, preq = prefill(p, prompt)
+        assert params["block_size"] == BS and params["tp_size"] == p_tp
+        req, load = decode(d, prompt, params)
+        assert d.finished(req.request_id).finish_reason is not None
+        (lg,), (rg,) = load.local_groups, load.remote_groups
+        assert (len(lg), len(rg)) == (4, 7), (lg, rg)
+        rows = 0
+        for r, dcaches in enumerate(d.caches):
+            for name, dview in dcaches.items():
+                dkv = dview.view(NB, d.heads, 2, 2 * BS, HEAD)        # [blocks, heads, K|V, tokens, head]
+                for j in range(d.heads):
+                    head = (r * KV_HEADS) // d_tp + j
+                    src = head // p.heads
+                    pkv = p.caches[src][name].view(NB, p.heads, 2, BS, HEAD)
+                    for i, rb in enumerate(rg):
+                        got = dkv[lg[i // 2], j, :, (i % 2) * BS:(i % 2 + 1) * BS]
+                        want = pkv[rb, head - src * p.heads]
+                        assert torch.equal(got, want), (name, r, j, i, rb)
+                        rows += got.shape[0] * got.shape[1]
+                    if len(rg) % 2:  # the last D block's second half: nothing was written there
+                        assert not dkv[lg[-1], j, :, BS:].any()
+        assert rows == len(LAYERS) * KV_HEADS * len(rg) * 2 * BS
+        p.run_until(lambda: preq.request_id in p.finished_sending, timeout_s=5)
+        assert wait_leases_zero(pd) < 5
+        assert pd.stats().leases_expired == 0
+    finally:
+        p.close()
+        d.close()
+
+
+def test_prefill_block_larger_than_decode_block_is_refused(model_dir, daemons):
+    """P block 64 -> D block 32: no transfer, the load fails at once with a
+    message naming the block sizes (vLLM's failure policy takes over), and P's
+    blocks are freed. Not by D's notification: D's daemon tells P's only
+    through a handshake, which refuses this pair (the daemon-level test:
+    test_parity.py::test_kv_in_block_decode_block_smaller_than_prefill_block_is_refused_at_handshake),
+    so P's lease (3 s here) frees them."""
+    pd, dd = daemons
+    p = Side(model_dir, pd, kv_seed=77, kvd_lease_s=3.0, block_size=2 * BS)
+    d = Side(model_dir, dd, role="kv_consumer")
+    try:
+        prompt = list(range(13000, 13000 + 3 * BS + 1))
+        params, preq = prefill(p, prompt)
+        assert params["block_size"] == 2 * BS
+        p.step()  # the hold goes out (before D's refusal tells P's daemon to let go)
+        deadline = time.monotonic() + 5
+        while pd.stats().active_leases != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        d.sched.add_request(make_request(prompt, params, max_tokens=2))
+        d.step()
+        (ld,) = d.loads.values()
+        assert ld.error and "block size 64 does not divide this engine's 32" in ld.error, ld.error
+        assert d.stats == [] or not any(s.num_successful_transfers for s in d.stats)
+        p.run_until(lambda: preq.request_id in p.finished_sending, timeout_s=10)
+        assert wait_leases_zero(pd) < 5
     finally:
         p.close()
         d.close()

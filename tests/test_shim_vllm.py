@@ -288,10 +288,11 @@ def test_register_kv_caches_shares_vllm_allocation_and_describes_it(model_dir, f
         assert reg.worker == pb.EngineWorker(engine_id=eng.config.kv_transfer_config.engine_id, tp_rank=0, tp_size=1)
         assert (reg.layout.num_blocks, reg.layout.block_size, reg.layout.kv_layout) == (NB, BS, pb.KV_LAYOUT_HND)
         # vLLM-CPU keeps K and V of a head in one block ([heads, 2 x tokens, head_size]):
-        # the per-head vector is K and V together, and only equal block sizes pair.
+        # the per-head vector is K and V together, and the layout says K and V share
+        # the block, so the daemon can move them apart (block-size remap).
         assert (reg.layout.dtype, reg.layout.num_kv_heads, reg.layout.head_dim, reg.layout.num_layers) == (
             "float32", KV_HEADS, 2 * HEAD, 2)
-        assert f"kv_in_block={BS}" in reg.compat_extra
+        assert reg.layout.kv_in_block and "kv_in_block=1" in reg.compat_extra
         assert reg.layout.total_kv_heads == KV_HEADS
         assert reg.owner_pid == os.getpid() and reg.data_path == pb.DATA_PATH_DIRECT
         assert [r.group for r in reg.regions] == [0, 0]

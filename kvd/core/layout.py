@@ -63,6 +63,9 @@ class Layout:
     num_layers: int
     block_lens: tuple[int, ...] = field(default_factory=tuple)
     total_kv_heads: int = 0  # whole model; 0 = num_kv_heads x TP size (1 for MLA)
+    # K and V of a head share the block (vLLM-CPU): HND only, a block is
+    # [heads, 2, tokens, head_dim // 2] (``head_dim`` = K + V of one token).
+    kv_in_block: bool = False
 
     def model_kv_heads(self, tp_size: int) -> int:
         """KV heads of the whole model (all TP ranks)."""
@@ -83,6 +86,9 @@ def validate(layout: Layout, regions: list[Region], segment_sizes: list[int]) ->
         raise LayoutError(f"block_size must be > 0 tokens (got {layout.block_size})")
     if layout.kv_layout not in KV_LAYOUTS:
         raise LayoutError(f"kv_layout must be one of {KV_LAYOUTS} (got {layout.kv_layout!r})")
+    if layout.kv_in_block and (layout.kv_layout != "HND" or layout.head_dim % 2):
+        raise LayoutError(f"kv_in_block needs kv_layout HND and an even head_dim (K and V of one token), "
+                          f"got {layout.kv_layout} with head_dim {layout.head_dim}")
     if not 0 < len(regions) <= MAX_REGIONS:
         raise LayoutError(f"a worker registers 1..{MAX_REGIONS} regions (got {len(regions)})")
     if len(regions) * layout.num_blocks > MAX_DESCRIPTORS:

@@ -24,6 +24,12 @@ Rules, as the seed connector (vLLM NixlConnector) applies them:
 - Layouts: HND blocks are ``[heads, tokens, head_dim]``, NHD/MLA blocks
   ``[tokens, heads, head_dim]``; when they differ, chunks are single
   ``head_dim`` vectors, so the transfer itself performs the permute.
+- K and V in one block (``Layout.kv_in_block``, vLLM-CPU: a block is
+  ``[heads, 2, tokens, head_dim / 2]``, K rows then V rows of each head,
+  ``vllm/v1/attention/backends/cpu_attn.py:411-415``): both sides must say so
+  and be HND; the K run and the V run of each head are separate chunks, so
+  source block ``j`` of ``k`` fills rows ``[j*bs, (j+1)*bs)`` of the reader's
+  K rows and the same rows of its V rows.
 """
 
 from __future__ import annotations
@@ -124,6 +130,12 @@ def compatible(local: Geometry, remote: Geometry) -> None:
     l, r = local.layout, remote.layout
     if (l.kv_layout == "MLA") != (r.kv_layout == "MLA"):
         raise PlanError(f"KV layout {r.kv_layout} cannot fill {l.kv_layout}")
+    if l.kv_in_block != r.kv_in_block:
+        raise PlanError(f"K and V in one block (vLLM-CPU) on one side only (source {r.kv_in_block}, "
+                        f"reader {l.kv_in_block})")
+    if l.kv_in_block and (l.kv_layout, r.kv_layout) != ("HND", "HND"):
+        raise PlanError(f"K and V in one block needs HND on both sides (source {r.kv_layout}, "
+                        f"reader {l.kv_layout})")
     if l.head_dim != r.head_dim or l.dtype != r.dtype:
         raise PlanError(f"head_dim/dtype differ: {r.head_dim}/{r.dtype} vs {l.head_dim}/{l.dtype}")
     if local.total_kv_heads != remote.total_kv_heads:
@@ -153,7 +165,9 @@ def chunks(local: Geometry, remote: Geometry, region: int) -> np.ndarray:
     """Chunk rows ``(slot, local_offset, remote_offset, length)`` for one region.
 
     Offsets are bytes inside one block; ``slot`` in ``0..k-1`` names which of
-    the ``k`` source blocks of one reader block the row belongs to.
+    the ``k`` source blocks of one reader block the row belongs to. With
+    ``kv_in_block`` (both sides, HND) and ``k > 1``, each head gives two rows
+    per slot: its K run and its V run (``head_dim / 2`` elements per token).
 
     Raises:
         PlanError: the pair is not :func:`compatible` or shares no heads.
@@ -177,12 +191,18 @@ def chunks(local: Geometry, remote: Geometry, region: int) -> np.ndarray:
     l_hnd, r_hnd = l.kv_layout == "HND", r.kv_layout == "HND"
     if l_hnd and r_hnd:
         # [heads, tokens, head_dim]: per head, the source's tokens are one run.
+        # kv_in_block: [heads, 2, tokens, hd / 2]: (head, K|V) is one run of
+        # tokens, as a head of an HND block with twice the heads.
+        parts = 2 if l.kv_in_block else 1
+        hp = hd // parts
         for j in range(k):
             if k == 1:
                 rows.append((0, (a - la) * bs_l * hd * es, (a - ra) * bs_r * hd * es, (b - a) * bs_r * hd * es))
                 continue
             for h in range(a, b):
-                rows.append((j, ((h - la) * bs_l + j * bs_r) * hd * es, (h - ra) * bs_r * hd * es, bs_r * hd * es))
+                for p in range(parts):
+                    rows.append((j, (((h - la) * parts + p) * bs_l + j * bs_r) * hp * es,
+                                 ((h - ra) * parts + p) * bs_r * hp * es, bs_r * hp * es))
     elif not l_hnd and not r_hnd and (a, b) == (la, lb) == (ra, rb):
         # [tokens, heads, head_dim] with the same heads: source block j is one run.
         for j in range(k):

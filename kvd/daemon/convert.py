@@ -45,6 +45,7 @@ def layout_from_pb(m: pb.Layout) -> Layout:
         num_layers=m.num_layers,
         block_lens=tuple(m.block_lens),
         total_kv_heads=m.total_kv_heads,
+        kv_in_block=m.kv_in_block,
     )
 
 
@@ -59,6 +60,7 @@ def layout_to_pb(l: Layout) -> pb.Layout:
         num_layers=l.num_layers,
         block_lens=list(l.block_lens),
         total_kv_heads=l.total_kv_heads,
+        kv_in_block=l.kv_in_block,
     )
 
 

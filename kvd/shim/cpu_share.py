@@ -46,9 +46,13 @@ any tensor:
   layer whose block holds both K and V. Such a block is head-major but not
   token-major inside a head: ``Layout.head_dim`` then says ``2 * head_size``
   (the bytes of one token of one head, as far as slicing by heads goes), which
-  lets the daemon give each decode rank its heads under heterogeneous TP;
-  re-slicing by tokens (another block size) would be wrong there, so the vLLM
-  shim puts the block size into ``compat_extra`` (``SharedKvCaches.kv_in_block``).
+  lets the daemon give each decode rank its heads under heterogeneous TP.
+  With ``kv_layout`` HND, ``Layout.kv_in_block`` then tells the daemon that a
+  block is ``[heads, 2, tokens, head_size]``, so it moves the K run and the V
+  run of each head separately and a prefill block can fill part of a larger
+  decode block (``kvd.core.plan.chunks``). Any other layout with K and V in
+  the block cannot be re-sliced by tokens: the vLLM shim then puts the block
+  size into ``compat_extra`` (``SharedKvCaches.kv_in_block``).
 - ``block_len`` = bytes of everything after the block dim (must be contiguous,
   else :class:`CpuShareError`), ``block_stride`` = stride of the block dim x
   element size, ``offset`` = byte offset of that sub-tensor's block 0 from the
@@ -406,8 +410,11 @@ class SharedKvCaches:
         kv_in_block: True when one head's bytes in a block hold both its K
             and its V (vLLM-CPU): ``layout.head_dim`` is then the per-head
             vector (K and V together) and the block is not token-major inside
-            a head, so blocks can be re-sliced by heads (heterogeneous TP) but
-            not by tokens (another block size) or permuted (HND/NHD).
+            a head. With HND, ``layout.kv_in_block`` is set too: the daemon
+            then re-slices by heads (heterogeneous TP) and by tokens (a
+            smaller prefill block into a larger decode block) moving K and V
+            runs separately; never permuted (HND/NHD). Without HND the layout
+            flag stays unset and only equal block sizes may pair.
     """
 
     segments: list[pb.Segment]
@@ -482,6 +489,7 @@ def _describe(
     esize = plan.storages[0].element_size() if plan.storages else 1
     vecs = {head_vector(r.block_len, block_size, num_kv_heads, head_dim, esize) for r in plan.regions}
     vec = vecs.pop() if len(vecs) == 1 and plan.kernel_blocks == 1 else head_dim
+    kv_in_block = vec != head_dim
     layout = pb.Layout(
         num_blocks=num_blocks,
         block_size=block_size,
@@ -492,9 +500,12 @@ def _describe(
         num_layers=len(plan.layers),
         block_lens=[r.block_len for r in plan.regions],
         total_kv_heads=total_kv_heads,
+        # HND with K and V in the block is vLLM-CPU's [heads, 2, tokens, head_size]:
+        # the daemon moves K and V runs separately (block-size remap works).
+        kv_in_block=kv_in_block and kv_layout == "HND",
     )
     return SharedKvCaches(segments=segments, regions=regions, layout=layout, storages=shared,
-                          tensors=list(plan.storages), kv_in_block=vec != head_dim)
+                          tensors=list(plan.storages), kv_in_block=kv_in_block)
 
 
 def share_kv_caches(

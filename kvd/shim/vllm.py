@@ -59,9 +59,11 @@ What the daemon does for this connector (issue 3, ``docs/PARITY.md``):
   ``total_kv_heads``; D's load names P's TP size (``kv_transfer_params``
   ``tp_size``) and the daemon reads each decode rank's KV heads from the
   prefill ranks that hold them. vLLM-CPU keeps K and V of a head in one block
-  (``cpu_share.head_vector``): slicing by heads works, slicing by tokens does
-  not, so on that layout both sides must use the same block size (it is part
-  of ``compat_extra``; the daemon refuses a mismatch at handshake).
+  (``cpu_share.head_vector``, ``[heads, 2, tokens, head_size]``): the layout
+  says so (``Layout.kv_in_block``) and the daemon moves each head's K run and
+  V run separately, so heads can be re-sliced and a smaller prefill block
+  fills part of a larger decode block (``kvd.core.plan.chunks``); a larger
+  prefill block than decode block is refused at handshake.
 - Aborts: a decode request aborted before its load (or with nothing to load)
   sends ``AbortLoad``: P's daemon is notified and frees the blocks at once,
   not at lease expiry.
@@ -696,16 +698,39 @@ class _KvdScheduler:
             local, error = [], f"invalid: {e}"
         if error is None and len(remote) != len(local):
             error = f"invalid: the prefill engine sent block ids for {len(remote)} KV-cache groups, this engine has {len(local)}"
+        k, error = (1, error) if error else self._blocks_per_local_block(params)
         if error is None:
             for g, (lg, rg) in enumerate(zip(local, remote)):
-                if len(lg) > len(rg):
+                if len(lg) > -(-len(rg) // k):
                     error = f"invalid: group {g}: {len(lg)} local blocks to fill, the prefill engine sent {len(rg)}"
                     break
                 # D's prefix cache already holds the leading blocks: the blocks
                 # to fill are the tail, so take the tail of P's blocks
-                # (nixl/base_worker.py:3446-3455).
-                remote[g] = rg[len(rg) - len(lg):] if lg else []
+                # (nixl/base_worker.py:3446-3455). P block < D block (k P
+                # blocks per D block): D's hit is whole D blocks, k P blocks each.
+                remote[g] = rg[k * (-(-len(rg) // k) - len(lg)):] if lg else []
         self._loads[request.request_id] = self._remote_spec(request.request_id, params, local, remote, True, error)
+
+    def _blocks_per_local_block(self, params: dict[str, Any]) -> tuple[int, str | None]:
+        """``(k, error)``: prefill blocks per local block (``kv_transfer_params``
+        ``block_size``, sent by this shim's prefill side; absent: equal sizes).
+
+        ``k`` > 1 when P's block is a divisor of this engine's (the daemon
+        fills one decode block from ``k`` prefill blocks); a P block that does
+        not divide D's is an error (the daemon refuses it at handshake as
+        well), and so is a remap with sliding-window groups (their windows
+        are clipped in each side's own blocks).
+        """
+        remote_bs = int(params.get("block_size") or self.block_size)
+        if remote_bs <= 0 or self.block_size % remote_bs:
+            return 1, (f"invalid: the prefill engine's block size {remote_bs} does not divide this engine's "
+                       f"{self.block_size} tokens (kvd fills a decode block from whole prefill blocks only: "
+                       f"prefill block <= decode block)")
+        k = self.block_size // remote_bs
+        if k > 1 and any(self.groups.window_blocks):
+            return 1, (f"invalid: prefill block size {remote_bs} != decode block size {self.block_size} "
+                       f"with sliding-window KV-cache groups (not supported)")
+        return k, None
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput | None = None) -> KvdConnectorMetadata:
         meta = KvdConnectorMetadata(loads=list(self._loads.values()), holds=self._holds)
@@ -785,6 +810,7 @@ class _KvdScheduler:
             "remote_host": self.peer_host,
             "remote_port": self.peer_port,
             "tp_size": self.tp_size,
+            "block_size": self.block_size,  # D maps k = D's / P's block size P blocks per D block
             "remote_num_tokens": request.num_computed_tokens,
         }
 
@@ -1170,9 +1196,11 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             f"kv_cache_layout={getattr(kcc, 'kv_cache_layout', None) or kv_layout}"
         )
         if shared.kv_in_block:
-            # K and V of a head share a block: re-slicing by tokens (another
-            # block size) would scramble them, so only equal block sizes pair.
-            compat_extra += f";kv_in_block={spec.block_size}"
+            # K and V of a head share a block. vLLM-CPU (HND): the layout says
+            # so (Layout.kv_in_block) and the daemon moves K and V runs apart,
+            # so P block < D block works; any other such layout cannot be
+            # re-sliced by tokens, so only equal block sizes pair.
+            compat_extra += ";kv_in_block=1" if shared.layout.kv_in_block else f";kv_in_block={spec.block_size}"
         request = pb.RegisterEngineRequest(
             worker=self.worker.worker,
             layout=shared.layout,
