@@ -74,6 +74,28 @@ def install_trace() -> None:
 
     core.Node.load, core.Node._post, es.event_to_pb = load, post, event_to_pb
 
+    # Finer legs (issue 5): when the engine socket's gate got bytes from an
+    # engine (GATEIN) and from gRPC towards an engine (GATEOUT), and when the
+    # session reader had a load command in hand (READ).
+    from kvd.daemon import local_gate as lg
+
+    orig_front, orig_relay, orig_groups = lg._Front.data_received, lg._Relay.data_received, es.groups_from_pb
+
+    def front_received(self, data):
+        print(f"GATEIN {pc():.6f}", file=sys.stderr, flush=True)
+        return orig_front(self, data)
+
+    def relay_received(self, data):
+        if not isinstance(self, lg._Front):
+            print(f"GATEOUT {pc():.6f}", file=sys.stderr, flush=True)
+        return orig_relay(self, data)
+
+    def groups_from_pb(*a):
+        print(f"READ {pc():.6f}", file=sys.stderr, flush=True)
+        return orig_groups(*a)
+
+    lg._Front.data_received, lg._Relay.data_received, es.groups_from_pb = front_received, relay_received, groups_from_pb
+
 
 def main(argv: list[str]) -> int:
     while argv[:1] in (["--set"], ["--trace"]):

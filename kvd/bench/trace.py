@@ -23,11 +23,47 @@ from kvd.bench.dataplane import parse_sizes
 from kvd.bench.kvd_pair import KvdPair
 
 LEGS = (("engine -> daemon core (command: client thread, gRPC, relay, session reader)", "t0", "load"),
+        ("  engine: load() -> command built by the client's sender thread", "t0", "sent"),
+        ("  client gRPC send -> bytes at the daemon's gate", "sent", "gatein"),
+        ("  gate relay + daemon gRPC server -> session reader has the command", "gatein", "read"),
+        ("  session reader -> Node.load runs", "read", "load"),
         ("daemon: checks, plan, hand-off to the NIXL thread", "load", "post"),
         ("NIXL post (UCX moves the bytes: CMA)", "post", "posted"),
         ("daemon: completion -> event built", "posted", "event"),
         ("daemon -> engine (event: gRPC, relay, client thread, 50 us poll)", "event", "t1"),
+        ("  event built -> its bytes at the gate (daemon gRPC server)", "event", "gateout"),
+        ("  gate relay + client gRPC receive -> client's session thread has the event", "gateout", "recv"),
+        ("  session thread -> engine's poll (drain_events, 50 us poll)", "recv", "t1"),
         ("total, as the engine sees it", "t0", "t1"))
+
+
+def _client_stamps() -> tuple[dict, dict]:
+    """Times (perf_counter) at which this process's EngineClient built each
+    load's command (sender thread) and received each event (session thread)."""
+    from kvd.client import engine_client as ec
+
+    sent, recv = {}, {}
+    orig_build, orig_on_event = ec._Load.build, ec.EngineClient._on_event
+
+    def build(self):
+        sent.setdefault(self.request_id, time.perf_counter())
+        return orig_build(self)
+
+    def on_event(self, event):
+        kind = event.WhichOneof("event")
+        if kind == "recv_done":
+            recv.setdefault(event.recv_done.request_id, time.perf_counter())
+        return orig_on_event(self, event)
+
+    ec._Load.build, ec.EngineClient._on_event = build, on_event
+    return sent, recv
+
+
+def _first_after(times: list[float], t: float) -> float | None:
+    import bisect
+
+    i = bisect.bisect_right(times, t)
+    return times[i] if i < len(times) else None
 
 
 def run(block_len: int, blocks: int, reps: int, poll_s: float = 50e-6, daemon_set=()) -> dict:
@@ -38,6 +74,7 @@ def run(block_len: int, blocks: int, reps: int, poll_s: float = 50e-6, daemon_se
     entry = ("-m", "kvd.bench.daemon_entry", "--trace", *[x for a in daemon_set for x in ("--set", a)])
     pair = KvdPair(wd, (src.name, size), (dst.name, size), entry=entry)
     engine = {}
+    sent, recv = _client_stamps()
     try:
         local, remote = list(range(blocks)), list(range(blocks, 2 * blocks))
         for i in range(reps + 5):
@@ -57,12 +94,20 @@ def run(block_len: int, blocks: int, reps: int, poll_s: float = 50e-6, daemon_se
         cm.remove_workdir(wd)
     rows = []
     states = []
+    gate_in = sorted(float(x) for x in re.findall(r"GATEIN (\S+)", log))
+    gate_out = sorted(float(x) for x in re.findall(r"GATEOUT (\S+)", log))
+    reads = sorted(float(x) for x in re.findall(r"READ (\S+)", log))
     for m in re.finditer(r"TRACE (\S+) load (\S+) post (\S+) posted (\S+) state (\S+) event (\S+)", log):
         rid = m.group(1)
-        if rid not in engine:
+        if rid not in engine or rid not in sent or rid not in recv:
             continue
         t = dict(t0=engine[rid][0], t1=engine[rid][1], load=float(m.group(2)), post=float(m.group(3)),
-                 posted=float(m.group(4)), event=float(m.group(6)))
+                 posted=float(m.group(4)), event=float(m.group(6)), sent=sent[rid], recv=recv[rid])
+        t["gatein"] = _first_after(gate_in, t["sent"])
+        t["read"] = _first_after(reads, t["gatein"] or t["sent"])
+        t["gateout"] = _first_after(gate_out, t["event"])
+        if None in t.values():
+            continue
         states.append(m.group(5))
         rows.append({name: (t[b] - t[a]) * 1e3 for name, a, b in LEGS})
     return dict(benchmark="trace", block_len=block_len, blocks=blocks, reps=len(rows),

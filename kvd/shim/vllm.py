@@ -505,8 +505,8 @@ class KvdKVConnectorStats(KVConnectorStats):
         return len(self.data.get("transfer_duration", ()))
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(k) for k in ("transfer_duration", "num_failed_transfers",
-                                                   "num_kv_expired_reqs"))
+        d = self.data  # called after every step: no generator (issue 5, engine-step cost)
+        return not (d.get("transfer_duration") or d.get("num_failed_transfers") or d.get("num_kv_expired_reqs"))
 
     def clone_and_reset(self) -> KvdKVConnectorStats:
         out = KvdKVConnectorStats(data=self.data)
@@ -950,10 +950,13 @@ class _KvdWorker:
 
     def results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last call."""
-        sending: set[str] = set()
+        events = self.client.drain_events()
         recving, failed = self._done_recving, self._failed_recving
+        if not events and not recving:  # most steps: nothing ended (issue 5, engine-step cost)
+            return set(), set(), set()
+        sending: set[str] = set()
         self._done_recving, self._failed_recving = set(), set()
-        for ev in self.client.drain_events():
+        for ev in events:
             kind = ev.WhichOneof("event")
             if kind == "recv_done":
                 rid = ev.recv_done.request_id
@@ -995,8 +998,11 @@ class _KvdWorker:
             self._invalid_blocks.update(failed_ids or _flat(local))
 
     def take_invalid_blocks(self) -> set[int]:
-        out, self._invalid_blocks = self._invalid_blocks, set()
-        return out
+        out = self._invalid_blocks
+        if out:
+            self._invalid_blocks = set()
+            return out
+        return set()
 
     def take_stats(self) -> KvdKVConnectorStats | None:
         return None if self.stats.is_empty() else self.stats.clone_and_reset()
