@@ -15,12 +15,12 @@ from kvd.shim.cuda_share import (
     CudaShareError,
     ExportedStorage,
     VramStaging,
-    dense_as_set,
     infer_kv_layout,
     parse_torch_handle,
     plan_regions,
     share_kv_caches,
 )
+from kvd.shim.regions import dense_as_set
 from kvd.v1 import kvd_pb2 as pb
 
 NB, T, H, D = 6, 16, 4, 32  # blocks, tokens per block, KV heads, head_dim

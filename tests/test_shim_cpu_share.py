@@ -87,7 +87,7 @@ def test_kernel_blocks_are_merged_back_into_manager_blocks():
 
 def test_a_block_that_is_not_contiguous_is_refused_with_a_clear_error():
     t = torch.zeros(NB, N, H, D).transpose(1, 2)  # heads/tokens swapped by a view
-    with pytest.raises(CpuShareError, match="not contiguous"):
+    with pytest.raises(CpuShareError, match="not one contiguous run"):
         plan_regions({"l0": t}, NB)
 
 

@@ -78,13 +78,14 @@ Units: bytes for sizes, strides and offsets; tokens for ``block_size``.
 from __future__ import annotations
 
 import ctypes
-import itertools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
+from kvd.shim import regions
+from kvd.shim.regions import KV_LAYOUTS, KvCachePlan, KvShareError, dtype_name
 from kvd.v1 import kvd_pb2 as pb
 
 SHM_DIR = "/dev/shm"
@@ -93,10 +94,7 @@ SHM_DIR = "/dev/shm"
 # reference count at byte 0 of a shared segment, data at byte 64.
 _REFCOUNT = ctypes.c_int
 
-_KV_LAYOUTS = {"NHD": pb.KV_LAYOUT_NHD, "HND": pb.KV_LAYOUT_HND, "MLA": pb.KV_LAYOUT_MLA}
-
-
-class CpuShareError(ValueError):
+class CpuShareError(KvShareError):
     """A KV cache tensor cannot be shared or described; the message says why."""
 
 
@@ -237,73 +235,6 @@ _RELEASED: set[str] = set()
 
 
 # --------------------------------------------------------------------- maths
-@dataclass(frozen=True)
-class RegionPlan:
-    """One region, relative to its storage's byte 0 (units: bytes).
-
-    Block ``b`` occupies ``[offset + b * block_stride, ... + block_len)``.
-    """
-
-    storage: int        # index into KvCachePlan.storages
-    offset: int
-    block_len: int
-    block_stride: int
-    name: str
-    layer: str
-    group: int = 0      # KV-cache group of the layer (vLLM HMA), numbered 0..G-1
-
-
-@dataclass
-class KvCachePlan:
-    """Regions of a set of KV cache tensors, before any sharing.
-
-    Attributes:
-        storages: one tensor per distinct storage (the first layer seen on it),
-            in order of first appearance; ``RegionPlan.storage`` indexes it.
-        regions: deduped regions in layer order (dict order of the input),
-            then index order of the dims before the block dim.
-        layers: layer names that own at least one region, in order.
-        dtype: the common element type of all tensors.
-        kernel_blocks: the most kernel blocks merged into one block (1: none).
-    """
-
-    storages: list[torch.Tensor] = field(default_factory=list)
-    regions: list[RegionPlan] = field(default_factory=list)
-    layers: list[str] = field(default_factory=list)
-    dtype: torch.dtype | None = None
-    kernel_blocks: int = 1
-
-
-def _is_dense(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
-    """True when a tensor of this shape/strides covers one contiguous run."""
-    expected = 1
-    for size, stride in zip(reversed(shape), reversed(strides)):
-        if size == 1:
-            continue
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _find_block_dim(shape: tuple[int, ...], num_blocks: int, block_dim: int | None) -> tuple[int, int]:
-    """(block dim, kernel blocks per block) of a KV cache tensor shape."""
-    if block_dim is not None:
-        if not -len(shape) <= block_dim < len(shape):
-            raise CpuShareError(f"block_dim {block_dim} out of range for shape {tuple(shape)}")
-        d = block_dim % len(shape)
-        if shape[d] % num_blocks:
-            raise CpuShareError(f"dim {d} of shape {tuple(shape)} is not a multiple of num_blocks={num_blocks}")
-        return d, shape[d] // num_blocks
-    for d, n in enumerate(shape):
-        if n == num_blocks:
-            return d, 1
-    for d, n in enumerate(shape):
-        if n > num_blocks and n % num_blocks == 0:
-            return d, n // num_blocks
-    raise CpuShareError(f"no dimension of size num_blocks={num_blocks} in KV cache shape {tuple(shape)}")
-
-
 def plan_regions(
     kv_caches: Mapping[str, torch.Tensor],
     num_blocks: int,
@@ -311,7 +242,9 @@ def plan_regions(
     block_dim: int | None = None,
     groups: Mapping[str, int] | None = None,
 ) -> KvCachePlan:
-    """Regions of vLLM KV cache tensors (``layer name -> tensor``).
+    """Regions of vLLM CPU KV cache tensors (``layer name -> tensor``):
+    ``kvd.shim.regions.plan_regions`` on CPU tensors, blocks in row-major
+    order (vLLM-CPU's LBHNC/LBNHC).
 
     Args:
         kv_caches: the dict vLLM passes to ``register_kv_caches``.
@@ -328,72 +261,8 @@ def plan_regions(
         CpuShareError: no block dim, a non-contiguous block, overlapping blocks,
             mixed dtypes, or a non-CPU tensor; the message names the layer.
     """
-    if num_blocks <= 0:
-        raise CpuShareError(f"num_blocks must be > 0 (got {num_blocks})")
-    plan = KvCachePlan()
-    storage_index: dict[int, int] = {}
-    seen: set[tuple[int, int, int, int, int]] = set()
-    for layer, t in kv_caches.items():
-        if not isinstance(t, torch.Tensor):
-            raise CpuShareError(f"layer {layer}: KV cache is a {type(t).__name__}, not a tensor")
-        if t.device.type != "cpu":
-            raise CpuShareError(f"layer {layer}: KV cache is on {t.device}; this path shares CPU memory only")
-        if plan.dtype is None:
-            plan.dtype = t.dtype
-        elif t.dtype != plan.dtype:
-            raise CpuShareError(f"layer {layer}: dtype {t.dtype} differs from {plan.dtype} of earlier layers")
-        shape, strides = tuple(t.shape), tuple(t.stride())
-        d, kernel_per_block = _find_block_dim(shape, num_blocks, block_dim)
-        esize = t.element_size()
-        inner_shape, inner_strides = shape[d + 1:], strides[d + 1:]
-        if not _is_dense(inner_shape, inner_strides):
-            raise CpuShareError(
-                f"layer {layer}: the bytes of one block are not contiguous "
-                f"(shape {shape}, strides {strides}, block dim {d}); kvd moves whole blocks, "
-                "so it needs a layout whose dims after the block dim are dense (vLLM LBHNC/LBNHC)"
-            )
-        kernel_len = esize
-        for n in inner_shape:
-            kernel_len *= n
-        kernel_stride = strides[d] * esize
-        if kernel_per_block > 1 and kernel_stride != kernel_len:
-            raise CpuShareError(
-                f"layer {layer}: {kernel_per_block} kernel blocks per block are not dense "
-                f"(stride {kernel_stride} B, length {kernel_len} B)"
-            )
-        block_len = kernel_len * kernel_per_block
-        block_stride = kernel_stride * kernel_per_block
-        plan.kernel_blocks = max(plan.kernel_blocks, kernel_per_block)
-        if block_stride < block_len:
-            raise CpuShareError(f"layer {layer}: blocks overlap (stride {block_stride} B < length {block_len} B)")
-        key = t.untyped_storage().data_ptr()
-        if key not in storage_index:
-            storage_index[key] = len(plan.storages)
-            plan.storages.append(t)
-        s = storage_index[key]
-        group = int(groups[layer]) if groups is not None else 0
-        prefix = shape[:d]
-        added = False
-        for idx in itertools.product(*(range(n) for n in prefix)):
-            elem_off = t.storage_offset() + sum(i * st for i, st in zip(idx, strides[:d]))
-            offset = elem_off * esize
-            ident = (s, offset, block_len, block_stride, group)
-            if ident in seen:
-                continue
-            seen.add(ident)
-            if prefix == (2,):
-                suffix = "/k" if idx[0] == 0 else "/v"
-            elif prefix:
-                suffix = "/" + ",".join(map(str, idx))
-            else:
-                suffix = ""
-            plan.regions.append(RegionPlan(s, offset, block_len, block_stride, layer + suffix, layer, group))
-            added = True
-        if added:
-            plan.layers.append(layer)
-    if not plan.regions:
-        raise CpuShareError("no KV cache tensors to register")
-    return plan
+    return regions.plan_regions(kv_caches, num_blocks, block_dim=block_dim, groups=groups, device_type="cpu",
+                                permuted_blocks=False, error=CpuShareError)
 
 
 # ------------------------------------------------------------------- proto
@@ -425,11 +294,6 @@ class SharedKvCaches:
     kv_in_block: bool = False
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.float32`` -> ``"float32"`` (the proto's ``Layout.dtype``)."""
-    return str(dtype).removeprefix("torch.")
-
-
 def head_vector(block_len: int, block_size: int, num_kv_heads: int, head_dim: int, elem_bytes: int) -> int:
     """Elements per (token, head) in one region's block, as ``Layout.head_dim``.
 
@@ -459,8 +323,8 @@ def _describe(
     groups: Mapping[str, int] | None,
     share: bool,
 ) -> SharedKvCaches:
-    if kv_layout not in _KV_LAYOUTS:
-        raise CpuShareError(f"kv_layout must be one of {sorted(_KV_LAYOUTS)} (got {kv_layout!r})")
+    if kv_layout not in KV_LAYOUTS:
+        raise CpuShareError(f"kv_layout must be one of {sorted(KV_LAYOUTS)} (got {kv_layout!r})")
     if block_size <= 0:
         raise CpuShareError(f"block_size must be > 0 tokens (got {block_size})")
     plan = plan_regions(kv_caches, num_blocks, block_dim=block_dim, groups=groups)
@@ -493,7 +357,7 @@ def _describe(
     layout = pb.Layout(
         num_blocks=num_blocks,
         block_size=block_size,
-        kv_layout=_KV_LAYOUTS[kv_layout],
+        kv_layout=KV_LAYOUTS[kv_layout],
         dtype=dtype_name(plan.dtype) if plan.dtype is not None else "",
         num_kv_heads=num_kv_heads,
         head_dim=vec,

@@ -66,19 +66,19 @@ Units: bytes for sizes, strides and offsets; tokens for ``block_size``.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from kvd.shim import regions
+from kvd.shim.regions import KV_LAYOUTS, KvCachePlan, KvShareError, dtype_name
 from kvd.v1 import kvd_pb2 as pb
 
 IPC_HANDLE_SIZE = 64  # sizeof(cudaIpcMemHandle_t)
-_KV_LAYOUTS = {"NHD": pb.KV_LAYOUT_NHD, "HND": pb.KV_LAYOUT_HND, "MLA": pb.KV_LAYOUT_MLA}
 
 
-class CudaShareError(ValueError):
+class CudaShareError(KvShareError):
     """A GPU KV cache cannot be exported or described; the message says why."""
 
 
@@ -154,74 +154,6 @@ def export_storage(tensor: torch.Tensor) -> ExportedStorage:
 
 
 # --------------------------------------------------------------------- maths
-@dataclass(frozen=True)
-class RegionPlan:
-    """One region relative to its storage's byte 0 (bytes).
-
-    Block ``b`` occupies ``[offset + b * block_stride, ... + block_len)``.
-    """
-
-    storage: int
-    offset: int
-    block_len: int
-    block_stride: int
-    name: str
-    layer: str
-    group: int = 0
-
-
-@dataclass
-class KvCachePlan:
-    """Regions of a set of GPU KV cache tensors, before any export.
-
-    ``storages`` holds one tensor per distinct storage (first seen);
-    ``block_dims`` the block dim of each layer (for :func:`infer_kv_layout`).
-    """
-
-    storages: list[torch.Tensor] = field(default_factory=list)
-    regions: list[RegionPlan] = field(default_factory=list)
-    layers: list[str] = field(default_factory=list)
-    dtype: torch.dtype | None = None
-    block_dims: dict[str, int] = field(default_factory=dict)
-
-
-def dense_as_set(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
-    """True when the elements of a (possibly permuted) view cover one contiguous run."""
-    dims = sorted((st, n) for n, st in zip(shape, strides) if n != 1)
-    expected = 1
-    for st, n in dims:
-        if st != expected:
-            return False
-        expected *= n
-    return True
-
-
-def _find_block_dim(shape: tuple[int, ...], num_blocks: int, block_dim: int | None) -> tuple[int, int]:
-    """(block dim, kernel blocks per block): as ``cpu_share``; see its docs."""
-    if block_dim is not None:
-        if not -len(shape) <= block_dim < len(shape):
-            raise CudaShareError(f"block_dim {block_dim} out of range for shape {tuple(shape)}")
-        d = block_dim % len(shape)
-        if shape[d] % num_blocks:
-            raise CudaShareError(f"dim {d} of shape {tuple(shape)} is not a multiple of num_blocks={num_blocks}")
-        return d, shape[d] // num_blocks
-    for d, n in enumerate(shape):
-        if n == num_blocks:
-            return d, 1
-    for d, n in enumerate(shape):
-        if n > num_blocks and n % num_blocks == 0:
-            return d, n // num_blocks
-    raise CudaShareError(f"no dimension of size num_blocks={num_blocks} in KV cache shape {tuple(shape)}")
-
-
-def _storage_key(t: torch.Tensor) -> tuple:
-    """Identity of ``t``'s storage: its device and address (meta tensors have
-    none, so their StorageImpl's identity stands in)."""
-    s = t.untyped_storage()
-    ptr = s.data_ptr()
-    return (t.device.type, t.device.index, ptr if ptr else ("impl", s._cdata))
-
-
 def plan_regions(
     kv_caches: Mapping[str, torch.Tensor],
     num_blocks: int,
@@ -229,7 +161,9 @@ def plan_regions(
     block_dim: int | None = None,
     groups: Mapping[str, int] | None = None,
 ) -> KvCachePlan:
-    """Regions of vLLM GPU KV cache tensors (``layer name -> tensor``).
+    """Regions of vLLM GPU KV cache tensors (``layer name -> tensor``):
+    ``kvd.shim.regions.plan_regions`` on any device, a block's bytes one
+    dense run in any order (vLLM's HND ``kv_cache_stride_order`` views).
 
     Args: as ``kvd.shim.cpu_share.plan_regions`` (``groups``: layer -> vLLM
     HMA KV-cache group; regions are deduped within a group).
@@ -239,65 +173,8 @@ def plan_regions(
             blocks that are not dense, overlapping blocks or mixed dtypes; the
             message names the layer.
     """
-    if num_blocks <= 0:
-        raise CudaShareError(f"num_blocks must be > 0 (got {num_blocks})")
-    plan = KvCachePlan()
-    storage_index: dict[tuple, int] = {}
-    seen: set[tuple[int, int, int, int, int]] = set()
-    for layer, t in kv_caches.items():
-        if not isinstance(t, torch.Tensor):
-            raise CudaShareError(f"layer {layer}: KV cache is a {type(t).__name__}, not a tensor")
-        if plan.dtype is None:
-            plan.dtype = t.dtype
-        elif t.dtype != plan.dtype:
-            raise CudaShareError(f"layer {layer}: dtype {t.dtype} differs from {plan.dtype} of earlier layers")
-        shape, strides = tuple(t.shape), tuple(t.stride())
-        d, kernel_per_block = _find_block_dim(shape, num_blocks, block_dim)
-        plan.block_dims[layer] = d
-        esize = t.element_size()
-        inner_shape, inner_strides = shape[d + 1:], strides[d + 1:]
-        if not dense_as_set(inner_shape, inner_strides):
-            raise CudaShareError(
-                f"layer {layer}: the bytes of one block are not one contiguous run "
-                f"(shape {shape}, strides {strides}, block dim {d}); kvd moves whole blocks")
-        kernel_len = esize
-        for n in inner_shape:
-            kernel_len *= n
-        kernel_stride = strides[d] * esize
-        if kernel_per_block > 1 and kernel_stride != kernel_len:
-            raise CudaShareError(f"layer {layer}: {kernel_per_block} kernel blocks per block are not dense "
-                                 f"(stride {kernel_stride} B, length {kernel_len} B)")
-        block_len = kernel_len * kernel_per_block
-        block_stride = kernel_stride * kernel_per_block
-        if block_stride < block_len:
-            raise CudaShareError(f"layer {layer}: blocks overlap (stride {block_stride} B < length {block_len} B)")
-        # A block must not reach back before the region's start either (a
-        # negative or permuted block dim): the maths assume blocks ascend.
-        if any(st < 0 for st in strides):
-            raise CudaShareError(f"layer {layer}: negative strides {strides} are not supported")
-        key = _storage_key(t)
-        if key not in storage_index:
-            storage_index[key] = len(plan.storages)
-            plan.storages.append(t)
-        s = storage_index[key]
-        group = int(groups[layer]) if groups is not None else 0
-        prefix = shape[:d]
-        added = False
-        for idx in itertools.product(*(range(n) for n in prefix)):
-            offset = (t.storage_offset() + sum(i * st for i, st in zip(idx, strides[:d]))) * esize
-            ident = (s, offset, block_len, block_stride, group)
-            if ident in seen:
-                continue
-            seen.add(ident)
-            suffix = ("/k" if idx[0] == 0 else "/v") if prefix == (2,) else (
-                "/" + ",".join(map(str, idx)) if prefix else "")
-            plan.regions.append(RegionPlan(s, offset, block_len, block_stride, layer + suffix, layer, group))
-            added = True
-        if added:
-            plan.layers.append(layer)
-    if not plan.regions:
-        raise CudaShareError("no KV cache tensors to register")
-    return plan
+    return regions.plan_regions(kv_caches, num_blocks, block_dim=block_dim, groups=groups, device_type=None,
+                                permuted_blocks=True, error=CudaShareError)
 
 
 def infer_kv_layout(t: torch.Tensor, block_dim: int, block_size: int, num_kv_heads: int) -> str | None:
@@ -337,10 +214,6 @@ class SharedCudaKvCaches:
     segment_of_storage: list[int]
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def share_kv_caches(
     kv_caches: Mapping[str, torch.Tensor],
     *,
@@ -364,8 +237,8 @@ def share_kv_caches(
             declared ``kv_layout`` that contradicts the tensors' strides; regions
             past their storage; tensors on more than one device.
     """
-    if kv_layout not in _KV_LAYOUTS:
-        raise CudaShareError(f"kv_layout must be one of {sorted(_KV_LAYOUTS)} (got {kv_layout!r})")
+    if kv_layout not in KV_LAYOUTS:
+        raise CudaShareError(f"kv_layout must be one of {sorted(KV_LAYOUTS)} (got {kv_layout!r})")
     if block_size <= 0:
         raise CudaShareError(f"block_size must be > 0 tokens (got {block_size})")
     plan = plan_regions(kv_caches, num_blocks, block_dim=block_dim, groups=groups)
@@ -402,7 +275,7 @@ def share_kv_caches(
         regions.append(pb.Region(segment_index=seg_of[r.storage], offset=e.offset + r.offset,
                                  block_len=r.block_len, block_stride=r.block_stride, name=r.name, group=r.group))
     layout = pb.Layout(
-        num_blocks=num_blocks, block_size=block_size, kv_layout=_KV_LAYOUTS[kv_layout],
+        num_blocks=num_blocks, block_size=block_size, kv_layout=KV_LAYOUTS[kv_layout],
         dtype=dtype_name(plan.dtype) if plan.dtype is not None else "", num_kv_heads=num_kv_heads,
         head_dim=head_dim, num_layers=len(plan.layers), block_lens=[r.block_len for r in plan.regions],
         total_kv_heads=total_kv_heads,
