@@ -289,6 +289,16 @@ def _flat(groups: Groups) -> list[int]:
     return [b for g in groups for b in g]
 
 
+def _groups(block_ids: Any) -> Groups:
+    """:func:`as_groups` for block ids this shim's scheduler built (lists of
+    ints per group): copies without an ``int()`` per block (issue 5: the
+    worker's per-load cost on the engine step). Anything else goes through
+    :func:`as_groups`."""
+    if block_ids and type(block_ids[0]) is list:
+        return [g.copy() for g in block_ids]
+    return as_groups(block_ids)
+
+
 def _has_remote(params: dict[str, Any]) -> bool:
     return bool(params.get("remote_block_ids")) and all(params.get(k) is not None for k in _REMOTE_KEYS)
 
@@ -907,7 +917,7 @@ class _KvdWorker:
             if not ld.awaiting:
                 self._abort(ld)
                 continue
-            local, remote = ld.local_groups, ld.remote_groups
+            local, remote = _groups(ld.local_block_ids), _groups(ld.remote_block_ids)
             self._recving[ld.request_id] = local
             if self.num_groups > 1:
                 self.client.load(
