@@ -28,6 +28,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 RECIPE_VERSION = 1
@@ -82,11 +83,12 @@ def default_dir() -> Path:
     return Path.home() / ".cache" / "kvd" / "tiny-llama"
 
 
-def is_built(path: Path) -> bool:
-    """True when ``path`` holds a model built with the current ``RECIPE``."""
+def is_built(path: Path, recipe: dict | None = None) -> bool:
+    """True when ``path`` holds a model built with ``recipe`` (default: this
+    module's ``RECIPE``)."""
     stamp = Path(path) / STAMP
     try:
-        return json.loads(stamp.read_text()) == RECIPE
+        return json.loads(stamp.read_text()) == (RECIPE if recipe is None else recipe)
     except (OSError, ValueError):
         return False
 
@@ -146,6 +148,33 @@ def _train_tokenizer(out_dir: Path):
     return fast
 
 
+def init_weights(model, seed: int, hidden_size: int, gain: float = INIT_GAIN) -> None:
+    """The wide normal init of every tiny model: each 2-d weight drawn from
+    N(0, (gain / sqrt(fan_in))^2), the embedding's fan-in taken as
+    ``hidden_size``, in sorted parameter-name order from a generator seeded
+    with ``seed``; 1-d weights (RMSNorm) keep their init of 1. Wider than a
+    trained model's, so that greedy decoding yields varied tokens."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if param.dim() == 2:
+                fan_in = hidden_size if "embed_tokens" in name else param.shape[1]
+                std = gain / fan_in ** 0.5
+                param.copy_(torch.randn(param.shape, generator=gen) * std)
+
+
+def write_generation_config(out_dir: Path, config: dict) -> None:
+    """A ``generation_config.json`` with only the special token ids, so that
+    vLLM's sampling defaults stay neutral (no hidden repetition penalty)."""
+    (Path(out_dir) / "generation_config.json").write_text(json.dumps({
+        "bos_token_id": config["bos_token_id"],
+        "eos_token_id": config["eos_token_id"],
+        "pad_token_id": config["pad_token_id"],
+    }, indent=2))
+
+
 def _build_model(out_dir: Path) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -153,39 +182,24 @@ def _build_model(out_dir: Path) -> None:
     torch.manual_seed(SEED)
     config = LlamaConfig(**MODEL_CONFIG, torch_dtype="float32")
     model = LlamaForCausalLM(config).to(torch.float32)
-    gen = torch.Generator().manual_seed(SEED)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            if param.dim() == 2:
-                fan_in = param.shape[1]
-                if "embed_tokens" in name:
-                    fan_in = MODEL_CONFIG["hidden_size"]
-                std = INIT_GAIN / fan_in ** 0.5
-                param.copy_(torch.randn(param.shape, generator=gen) * std)
-            # 1-d parameters are RMSNorm weights: keep them at 1.
+    init_weights(model, SEED, MODEL_CONFIG["hidden_size"])
     model.eval()
     model.save_pretrained(str(out_dir), safe_serialization=True)
-    gen_cfg = out_dir / "generation_config.json"
-    # Keep vLLM's sampling defaults neutral (no hidden repetition penalty etc.).
-    gen_cfg.write_text(json.dumps({
-        "bos_token_id": MODEL_CONFIG["bos_token_id"],
-        "eos_token_id": MODEL_CONFIG["eos_token_id"],
-        "pad_token_id": MODEL_CONFIG["pad_token_id"],
-    }, indent=2))
+    write_generation_config(out_dir, MODEL_CONFIG)
 
 
-def build(path: str | os.PathLike | None = None, force: bool = False,
-          quiet: bool = False) -> Path:
-    """Build the tiny model into ``path`` (default ``default_dir()``).
+def build_into(out: Path, recipe: dict, build_model: Callable[[Path], None], what: str, *,
+               force: bool = False, quiet: bool = False) -> Path:
+    """Builds a tiny model (this module's tokenizer + ``build_model(dir)``)
+    into ``out``, stamped with ``recipe``; returns ``out`` resolved.
 
-    Returns the directory. Skips the work when the directory already holds a
-    model of the same ``RECIPE`` (unless ``force``). The build goes to a
-    temporary sibling directory first and is renamed into place, so a crash
-    never leaves a half-built model that looks complete.
+    Skips the work when ``out`` already holds a model of the same ``recipe``
+    (unless ``force``). The build goes to a temporary sibling directory first
+    and is renamed into place, so a crash never leaves a half-built model that
+    looks complete. ``what`` names the model in the message printed.
     """
-    out = Path(path) if path is not None else default_dir()
-    out = out.expanduser().resolve()
-    if not force and is_built(out):
+    out = Path(out).expanduser().resolve()
+    if not force and is_built(out, recipe):
         return out
     t0 = time.monotonic()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -193,8 +207,8 @@ def build(path: str | os.PathLike | None = None, force: bool = False,
     os.chmod(tmp, 0o755)
     try:
         _train_tokenizer(tmp)
-        _build_model(tmp)
-        (tmp / STAMP).write_text(json.dumps(RECIPE, indent=2, sort_keys=True))
+        build_model(tmp)
+        (tmp / STAMP).write_text(json.dumps(recipe, indent=2, sort_keys=True))
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -202,18 +216,30 @@ def build(path: str | os.PathLike | None = None, force: bool = False,
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if not quiet:
-        print(f"built tiny model in {out} ({time.monotonic() - t0:.1f} s)", flush=True)
+        print(f"built {what} in {out} ({time.monotonic() - t0:.1f} s)", flush=True)
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvd-tiny-model", description=__doc__.splitlines()[0])
+def build(path: str | os.PathLike | None = None, force: bool = False,
+          quiet: bool = False) -> Path:
+    """Build the tiny model into ``path`` (default ``default_dir()``); see
+    :func:`build_into`. Returns the directory."""
+    return build_into(Path(path) if path is not None else default_dir(), RECIPE, _build_model, "tiny model",
+                      force=force, quiet=quiet)
+
+
+def cli(argv: list[str] | None, prog: str, description: str, build_fn: Callable[..., Path]) -> int:
+    """The command line of a tiny-model builder: ``[PATH] [--force]``; prints the directory."""
+    ap = argparse.ArgumentParser(prog=prog, description=description)
     ap.add_argument("path", nargs="?", default=None, help="output directory")
     ap.add_argument("--force", action="store_true", help="rebuild even if up to date")
     args = ap.parse_args(argv)
-    out = build(args.path, force=args.force)
-    print(out)
+    print(build_fn(args.path, force=args.force))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli(argv, "kvd-tiny-model", __doc__.splitlines()[0], build)
 
 
 if __name__ == "__main__":
