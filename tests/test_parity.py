@@ -21,9 +21,11 @@ class Rank:
     """One TP rank's KV cache in shm: NUM_REGIONS regions of [blocks, ...] float32.
 
     ``layout="CPU"``: vLLM-CPU's block, K and V of each head in it
-    (``[heads, 2, tokens, HEAD_DIM // 2]``, ``cpu_attn.py:411-415``),
-    registered as HND with ``Layout.kv_in_block``; a token's HEAD_DIM
-    values are its K (first half) and its V (second half).
+    (``cpu_attn.py:411-415``), K as its vec kernels write it, dim-major
+    ``[HEAD_DIM // 2, tokens]``, then V ``[tokens, HEAD_DIM // 2]``
+    (``kvd.shim.cpu_kv_probe``); registered as HND with
+    ``Layout.kv_in_block`` and ``k_dim_major``. A token's HEAD_DIM values
+    are its K (first half) and its V (second half).
     """
 
     def __init__(self, engine, rank, tp, heads, block_size, layout, model="m"):
@@ -36,7 +38,7 @@ class Rank:
 
     def shape(self):
         if self.layout == "CPU":
-            return NUM_BLOCKS, self.nh, 2, self.block_size, HEAD_DIM // 2
+            return NUM_BLOCKS, self.nh, self.block_size * HEAD_DIM
         return ((NUM_BLOCKS, self.nh, self.block_size, HEAD_DIM) if self.layout == "HND"
                 else (NUM_BLOCKS, self.block_size, self.nh, HEAD_DIM))
 
@@ -54,7 +56,9 @@ class Rank:
                 for h in range(self.nh):
                     val = 1e5 * reg + 1000 * (self.h0 + h) + tok + np.arange(HEAD_DIM) / 16
                     if self.layout == "CPU":
-                        arr[blk, h, :, t] = val.reshape(2, HEAD_DIM // 2)
+                        hs, d = HEAD_DIM // 2, np.arange(HEAD_DIM // 2)
+                        arr[blk, h, d * self.block_size + t] = val[:hs]                    # K: [hs, tokens]
+                        arr[blk, h, self.block_size * hs + t * hs + d] = val[hs:]        # V: [tokens, hs]
                     elif self.layout == "HND":
                         arr[blk, h, t] = val
                     else:
@@ -75,7 +79,7 @@ class Rank:
             worker=pb.EngineWorker(engine_id=self.engine, tp_rank=self.rank, tp_size=self.tp),
             layout=pb.Layout(num_blocks=NUM_BLOCKS, block_size=self.block_size,
                              kv_layout=LAYOUTS["HND" if self.layout == "CPU" else self.layout],
-                             kv_in_block=self.layout == "CPU",
+                             kv_in_block=self.layout == "CPU", k_dim_major=self.layout == "CPU",
                              dtype="float32", num_kv_heads=self.nh, head_dim=HEAD_DIM, num_layers=2,
                              block_lens=[self.block_len] * NUM_REGIONS,
                              total_kv_heads=1 if self.layout == "MLA" else self.heads),

@@ -18,22 +18,27 @@ HEAD_DIM = 4
 def make_rank(rank, tp, heads, block_size, layout, num_blocks, n_tokens, fill):
     """A rank's K region (HND/NHD/MLA) as a uint8-view float32 array, and its Geometry.
 
-    ``"CPU"``: vLLM-CPU's block, K and V of a head in it (``[heads, 2, tokens,
-    head_dim]``, ``Layout.kv_in_block``, head_dim 2 x HEAD_DIM); V = K + 0.05.
+    ``"CPU"``: vLLM-CPU's block, K and V of a head in it (``Layout.kv_in_block``,
+    head_dim 2 x HEAD_DIM), K dim-major ``[HEAD_DIM, tokens]`` as its vec
+    kernels write it (``k_dim_major``), then V ``[tokens, HEAD_DIM]``;
+    ``"CPUT"``: the same with K token-major. V = K + 0.05.
     """
     mla = layout == "MLA"
     nh = 1 if mla else max(1, heads // tp)
     h0 = 0 if mla else rank * heads // tp
-    if layout == "CPU":
-        arr = np.zeros((num_blocks, nh, 2, block_size, HEAD_DIM), np.float32)
+    if layout in ("CPU", "CPUT"):
+        arr = np.zeros((num_blocks, nh, 2 * block_size * HEAD_DIM), np.float32)
+        d = np.arange(HEAD_DIM)
         if fill is not None:
             for tok in range(n_tokens):
                 blk, t = fill[tok // block_size], tok % block_size
                 for h in range(nh):
-                    val = 1000 * (h0 + h) + tok + np.arange(HEAD_DIM) / 10
-                    arr[blk, h, 0, t], arr[blk, h, 1, t] = val, val + 0.05
+                    val = 1000 * (h0 + h) + tok + d / 10
+                    arr[blk, h, d * block_size + t if layout == "CPU" else t * HEAD_DIM + d] = val
+                    arr[blk, h, block_size * HEAD_DIM + t * HEAD_DIM + d] = val + 0.05
         blen = nh * 2 * block_size * HEAD_DIM * 4
-        lay = Layout(num_blocks, block_size, "HND", "float32", nh, 2 * HEAD_DIM, 1, (blen,), kv_in_block=True)
+        lay = Layout(num_blocks, block_size, "HND", "float32", nh, 2 * HEAD_DIM, 1, (blen,), kv_in_block=True,
+                     k_dim_major=layout == "CPU")
         return arr, Geometry(rank, tp, lay, (Region(0, 0, blen, blen),), heads)
     if layout == "HND":
         arr = np.zeros((num_blocks, nh, block_size, HEAD_DIM), np.float32)
@@ -97,6 +102,8 @@ CASES = [
     (4, 2, 2, "CPU", "CPU", 8, 32),
     (2, 1, 4, "CPU", "CPU", 16, 16),
     (1, 2, 4, "CPU", "CPU", 16, 16),
+    (1, 1, 4, "CPUT", "CPUT", 16, 32),  # K token-major
+    (2, 1, 4, "CPUT", "CPUT", 16, 32),
 ]
 
 
@@ -152,6 +159,13 @@ def test_kv_in_block_on_one_side_only_is_refused(p_lay, d_lay):
         lgeo = Geometry(0, 1, Layout(8, 16, "HND", "float32", 4, 2 * HEAD_DIM, 1, rgeo.layout.block_lens),
                         rgeo.regions, 4)
     with pytest.raises(PlanError, match="one side only"):
+        compatible(lgeo, rgeo)
+
+
+def test_k_dim_major_on_one_side_only_is_refused():
+    _, lgeo = make_rank(0, 1, 4, 32, "CPU", 8, 0, None)
+    _, rgeo = make_rank(0, 1, 4, 16, "CPUT", 8, 0, None)
+    with pytest.raises(PlanError, match="dim-major"):
         compatible(lgeo, rgeo)
 
 

@@ -292,7 +292,12 @@ def test_register_kv_caches_shares_vllm_allocation_and_describes_it(model_dir, f
         # the block, so the daemon can move them apart (block-size remap).
         assert (reg.layout.dtype, reg.layout.num_kv_heads, reg.layout.head_dim, reg.layout.num_layers) == (
             "float32", KV_HEADS, 2 * HEAD, 2)
-        assert reg.layout.kv_in_block and "kv_in_block=1" in reg.compat_extra
+        # What the kernel keeps inside K decides the remap (x86 vec kernels: K [head_size, tokens]).
+        from kvd.shim.cpu_kv_probe import kv_block_layout
+        k_layout = kv_block_layout(torch.float32, BS, HEAD)
+        assert reg.layout.kv_in_block == (k_layout is not None)
+        assert reg.layout.k_dim_major == (k_layout == "dim_major")
+        assert f"kv_in_block={1 if k_layout else BS}" in reg.compat_extra
         assert reg.layout.total_kv_heads == KV_HEADS
         assert reg.owner_pid == os.getpid() and reg.data_path == pb.DATA_PATH_DIRECT
         assert [r.group for r in reg.regions] == [0, 0]

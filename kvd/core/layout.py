@@ -66,6 +66,9 @@ class Layout:
     # K and V of a head share the block (vLLM-CPU): HND only, a block is
     # [heads, 2, tokens, head_dim // 2] (``head_dim`` = K + V of one token).
     kv_in_block: bool = False
+    # With kv_in_block: K of a head is [head_dim // 2, tokens] (dim-major,
+    # vLLM-CPU's vec kernels); V stays [tokens, head_dim // 2].
+    k_dim_major: bool = False
 
     def model_kv_heads(self, tp_size: int) -> int:
         """KV heads of the whole model (all TP ranks)."""
@@ -89,6 +92,8 @@ def validate(layout: Layout, regions: list[Region], segment_sizes: list[int]) ->
     if layout.kv_in_block and (layout.kv_layout != "HND" or layout.head_dim % 2):
         raise LayoutError(f"kv_in_block needs kv_layout HND and an even head_dim (K and V of one token), "
                           f"got {layout.kv_layout} with head_dim {layout.head_dim}")
+    if layout.k_dim_major and not layout.kv_in_block:
+        raise LayoutError("k_dim_major describes a kv_in_block layout; kv_in_block is not set")
     if not 0 < len(regions) <= MAX_REGIONS:
         raise LayoutError(f"a worker registers 1..{MAX_REGIONS} regions (got {len(regions)})")
     if len(regions) * layout.num_blocks > MAX_DESCRIPTORS:

@@ -29,7 +29,9 @@ Rules, as the seed connector (vLLM NixlConnector) applies them:
   ``vllm/v1/attention/backends/cpu_attn.py:411-415``): both sides must say so
   and be HND; the K run and the V run of each head are separate chunks, so
   source block ``j`` of ``k`` fills rows ``[j*bs, (j+1)*bs)`` of the reader's
-  K rows and the same rows of its V rows.
+  K rows and the same rows of its V rows. ``Layout.k_dim_major`` (vLLM-CPU's
+  vec kernels store K transposed, ``[head_size, tokens]``): K moves as one
+  run of ``bs`` tokens per dim.
 """
 
 from __future__ import annotations
@@ -133,6 +135,9 @@ def compatible(local: Geometry, remote: Geometry) -> None:
     if l.kv_in_block != r.kv_in_block:
         raise PlanError(f"K and V in one block (vLLM-CPU) on one side only (source {r.kv_in_block}, "
                         f"reader {l.kv_in_block})")
+    if l.k_dim_major != r.k_dim_major:
+        raise PlanError(f"K stored dim-major (vLLM-CPU kernel) on one side only (source {r.k_dim_major}, "
+                        f"reader {l.k_dim_major})")
     if l.kv_in_block and (l.kv_layout, r.kv_layout) != ("HND", "HND"):
         raise PlanError(f"K and V in one block needs HND on both sides (source {r.kv_layout}, "
                         f"reader {l.kv_layout})")
@@ -167,7 +172,8 @@ def chunks(local: Geometry, remote: Geometry, region: int) -> np.ndarray:
     Offsets are bytes inside one block; ``slot`` in ``0..k-1`` names which of
     the ``k`` source blocks of one reader block the row belongs to. With
     ``kv_in_block`` (both sides, HND) and ``k > 1``, each head gives two rows
-    per slot: its K run and its V run (``head_dim / 2`` elements per token).
+    per slot: its K run and its V run (``head_dim / 2`` elements per token);
+    with ``k_dim_major`` the K run is ``head_dim / 2`` runs, one per dim.
 
     Raises:
         PlanError: the pair is not :func:`compatible` or shares no heads.
@@ -201,8 +207,13 @@ def chunks(local: Geometry, remote: Geometry, region: int) -> np.ndarray:
                 continue
             for h in range(a, b):
                 for p in range(parts):
-                    rows.append((j, (((h - la) * parts + p) * bs_l + j * bs_r) * hp * es,
-                                 ((h - ra) * parts + p) * bs_r * hp * es, bs_r * hp * es))
+                    lbase, rbase = ((h - la) * parts + p) * bs_l * hp, ((h - ra) * parts + p) * bs_r * hp
+                    if p == 0 and l.k_dim_major:  # K is [hp, tokens]: the slot's tokens, dim by dim
+                        for d in range(hp):
+                            rows.append((j, (lbase + d * bs_l + j * bs_r) * es, (rbase + d * bs_r) * es,
+                                         bs_r * es))
+                        continue
+                    rows.append((j, (lbase + j * bs_r * hp) * es, rbase * es, bs_r * hp * es))
     elif not l_hnd and not r_hnd and (a, b) == (la, lb) == (ra, rb):
         # [tokens, heads, head_dim] with the same heads: source block j is one run.
         for j in range(k):

@@ -46,6 +46,7 @@ def layout_from_pb(m: pb.Layout) -> Layout:
         block_lens=tuple(m.block_lens),
         total_kv_heads=m.total_kv_heads,
         kv_in_block=m.kv_in_block,
+        k_dim_major=m.k_dim_major,
     )
 
 
@@ -61,6 +62,7 @@ def layout_to_pb(l: Layout) -> pb.Layout:
         block_lens=list(l.block_lens),
         total_kv_heads=l.total_kv_heads,
         kv_in_block=l.kv_in_block,
+        k_dim_major=l.k_dim_major,
     )
 
 

@@ -48,8 +48,9 @@ any tensor:
   (the bytes of one token of one head, as far as slicing by heads goes), which
   lets the daemon give each decode rank its heads under heterogeneous TP.
   With ``kv_layout`` HND, ``Layout.kv_in_block`` then tells the daemon that a
-  block is ``[heads, 2, tokens, head_size]``, so it moves the K run and the V
-  run of each head separately and a prefill block can fill part of a larger
+  head's bytes are its K then its V (the vLLM shim adds how the kernel lays
+  out K inside, ``Layout.k_dim_major``, probed by ``kvd.shim.cpu_kv_probe``),
+  so it moves K and V of each head separately and a prefill block can fill part of a larger
   decode block (``kvd.core.plan.chunks``). Any other layout with K and V in
   the block cannot be re-sliced by tokens: the vLLM shim then puts the block
   size into ``compat_extra`` (``SharedKvCaches.kv_in_block``).

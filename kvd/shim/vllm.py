@@ -59,9 +59,11 @@ What the daemon does for this connector (issue 3, ``docs/PARITY.md``):
   ``total_kv_heads``; D's load names P's TP size (``kv_transfer_params``
   ``tp_size``) and the daemon reads each decode rank's KV heads from the
   prefill ranks that hold them. vLLM-CPU keeps K and V of a head in one block
-  (``cpu_share.head_vector``, ``[heads, 2, tokens, head_size]``): the layout
-  says so (``Layout.kv_in_block``) and the daemon moves each head's K run and
-  V run separately, so heads can be re-sliced and a smaller prefill block
+  (``cpu_share.head_vector``, K then V per head): the layout says so
+  (``Layout.kv_in_block``, and ``k_dim_major`` when the kernel stores K
+  transposed, probed at registration by ``kvd.shim.cpu_kv_probe``; an
+  unknown kernel layout keeps blocks whole) and the daemon moves each head's
+  K and V separately, so heads can be re-sliced and a smaller prefill block
   fills part of a larger decode block (``kvd.core.plan.chunks``); a larger
   prefill block than decode block is refused at handshake.
 - Aborts: a decode request aborted before its load (or with nothing to load)
@@ -158,7 +160,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvd.client.engine_client import EngineClient, EngineClientError
-from kvd.shim import cpu_share
+from kvd.shim import cpu_kv_probe, cpu_share
 from kvd.shim.staging import StagingError, StagingMirror
 from kvd.v1 import kvd_pb2 as pb
 
@@ -1205,6 +1207,16 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 log.warning("kvd: the KV cache cannot be shared (%s); using the staged data path", e)
                 data_path = "staged"
                 shared = cpu_share.describe_kv_caches(caches, **describe)
+        if shared.layout.kv_in_block:
+            # A block-size remap needs the exact place of every K and V row
+            # inside the block, which the CPU kernel decides: ask it.
+            k_layout = cpu_kv_probe.kv_block_layout(
+                next(iter(caches.values())).dtype, spec.block_size, spec.head_size,
+                str(self._vllm_config.cache_config.cache_dtype))
+            if k_layout is None:
+                shared.layout.kv_in_block = False  # unknown inside: blocks move whole, equal sizes only
+            else:
+                shared.layout.k_dim_major = k_layout == "dim_major"
         import vllm
 
         compat_extra = (

@@ -73,7 +73,7 @@ class BlockIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Layout(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "kv_layout", "dtype", "num_kv_heads", "head_dim", "num_layers", "block_lens", "total_kv_heads", "kv_in_block")
+    __slots__ = ("num_blocks", "block_size", "kv_layout", "dtype", "num_kv_heads", "head_dim", "num_layers", "block_lens", "total_kv_heads", "kv_in_block", "k_dim_major")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class Layout(_message.Message):
     BLOCK_LENS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     KV_IN_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    K_DIM_MAJOR_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
     kv_layout: KvLayout
@@ -94,7 +95,8 @@ class Layout(_message.Message):
     block_lens: _containers.RepeatedScalarFieldContainer[int]
     total_kv_heads: int
     kv_in_block: bool
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_layout: _Optional[_Union[KvLayout, str]] = ..., dtype: _Optional[str] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_layers: _Optional[int] = ..., block_lens: _Optional[_Iterable[int]] = ..., total_kv_heads: _Optional[int] = ..., kv_in_block: _Optional[bool] = ...) -> None: ...
+    k_dim_major: bool
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., kv_layout: _Optional[_Union[KvLayout, str]] = ..., dtype: _Optional[str] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_layers: _Optional[int] = ..., block_lens: _Optional[_Iterable[int]] = ..., total_kv_heads: _Optional[int] = ..., kv_in_block: _Optional[bool] = ..., k_dim_major: _Optional[bool] = ...) -> None: ...
 
 class EngineWorker(_message.Message):
     __slots__ = ("engine_id", "tp_rank", "tp_size")

