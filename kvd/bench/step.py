@@ -242,6 +242,27 @@ class _silent_port:
         self.sock.close()
 
 
+def idle_penalty(sleep_s: float, n: int = 200) -> dict:
+    """A control with no kvd code: the same small piece of Python (a dict and
+    list workout of a few us) timed right after a ``sleep_s`` sleep and again at
+    once, ``n`` times. The difference is what this machine charges the first
+    code that runs after a thread slept, whatever that code is."""
+    def work() -> float:
+        t0 = time.perf_counter()
+        d = {}
+        for i in range(40):
+            d[i] = [i] * 2
+        sum(len(v) for v in d.values())
+        return time.perf_counter() - t0
+
+    after, again = [], []
+    for _ in range(n):
+        time.sleep(sleep_s)
+        after.append(work())
+        again.append(work())
+    return dict(after_sleep_p50_us=cm.pct(after, 50) * 1e6, hot_p50_us=cm.pct(again, 50) * 1e6)
+
+
 def _fit(cpu_s: list[float], started: list[int], finished: list[int]) -> dict:
     """Least squares: CPU per step = fixed + per_start x loads started + per_finish x loads finished (us)."""
     import numpy as np
@@ -321,6 +342,14 @@ def run(inflight=(0, 16, 256), steps: int = 400, warmup: int = 30, forward_s: fl
                         s_, w_, c_ = eng.step(forward_s)
                         held.append(s_ + w_)
                         held_cpu.append(c_)
+                    # The same steps back to back (no forward pass between them):
+                    # the shim's code alone, without the cost this machine adds
+                    # to the first code that runs after a thread slept
+                    # (cold caches, an idle vCPU woken; docs/PERFORMANCE.md).
+                    held_b2b = []
+                    for i in range(steps // 2):
+                        s_, w_, c_ = eng.step(0.0)
+                        held_b2b.append(s_ + w_)
                     held_inflight = eng.inflight
             finally:
                 eng.close()
@@ -358,6 +387,8 @@ def run(inflight=(0, 16, 256), steps: int = 400, warmup: int = 30, forward_s: fl
                     held_inflight=held_inflight, held_p50_us=cm.pct(held, 50) * 1e6,
                     held_p99_us=cm.pct(held, 99) * 1e6, held_cpu_p50_us=cm.pct(held_cpu, 50) * 1e6,
                     held_cpu_p99_us=cm.pct(held_cpu, 99) * 1e6,
+                    held_b2b_p50_us=cm.pct(held_b2b, 50) * 1e6, held_b2b_p99_us=cm.pct(held_b2b, 99) * 1e6,
+                    idle_penalty=idle_penalty(forward_s) if forward_s else None,
                     inflight=n, steps=len(costs), loads_done=eng.done,
                     inflight_mean=sum(seen) / len(seen) if seen else 0,
                     p50_us=cm.pct(costs, 50) * 1e6, p90_us=cm.pct(costs, 90) * 1e6, p99_us=cm.pct(costs, 99) * 1e6,
@@ -399,6 +430,16 @@ def table(res: dict, markdown: bool = False) -> str:
     t = cm.fmt_table(["in flight", "held p50 us", "held p99 us", "held CPU p50", "churn: mean in flight",
                       "loads/step", "p50 us", "p90 us", "p99 us", "sched p50", "worker p50", "CPU p50", "CPU p99"],
                      rows, markdown)
+    b2b = [c for c in res["cases"] if "held_b2b_p50_us" in c]
+    if b2b:
+        t += ("\nheld, steps back to back (no forward pass between them): p50 / p99 us: "
+              + ", ".join(f"{c['inflight']} in flight {c['held_b2b_p50_us']:.0f} / {c['held_b2b_p99_us']:.0f}"
+                          for c in b2b))
+    pen = [c["idle_penalty"] for c in b2b if c.get("idle_penalty")]
+    if pen:
+        t += ("\ncontrol, no kvd code: a few us of Python (a dict and list workout) takes "
+              + ", ".join(f"{p['after_sleep_p50_us']:.1f}" for p in pen) + " us p50 right after the forward's sleep, "
+              + ", ".join(f"{p['hot_p50_us']:.1f}" for p in pen) + " us when run again at once")
     if u:
         t += f"\nblocking unary GetStats over the Unix socket: p50 {u['p50_us']:.0f} us, p99 {u['p99_us']:.0f} us"
     for c in res["cases"]:
