@@ -302,7 +302,12 @@ def _groups(block_ids: Any) -> Groups:
 
 
 def _has_remote(params: dict[str, Any]) -> bool:
-    return bool(params.get("remote_block_ids")) and all(params.get(k) is not None for k in _REMOTE_KEYS)
+    if not params.get("remote_block_ids"):
+        return False
+    for k in _REMOTE_KEYS:  # a loop, not all(<generator>): twice per request on the scheduler (issue 5)
+        if params.get(k) is None:
+            return False
+    return True
 
 
 def _cdiv(a: int, b: int) -> int:
