@@ -84,7 +84,7 @@ def _vllm_missing() -> str | None:
 @pytest.fixture(scope="module")
 def mla_model_dir():
     """The tiny MLA model (built once, cached under ~/.cache/kvd/tiny-mla or
-    $KVD_TINY_MLA_MODEL_DIR; about 12 s the first time)."""
+    $KVD_TINY_MLA_DIR; about 12 s the first time)."""
     why = _vllm_missing()
     if why:
         pytest.skip(why)

@@ -330,7 +330,6 @@ def main(argv: list[str] | None = None) -> int:
         log(f"tiny model: {model_dir} ({time.monotonic() - t0:.1f} s)")
         prompts = make_prompts(model_dir, lengths, args.seed)
 
-        daemon_args: list[str] = []
         metrics_ports: dict[str, int] = {}
         if args.connector == "kvd" and _daemon_supports("--metrics-port"):
             metrics_ports = {"P": eng.free_port(), "D": eng.free_port()}

@@ -26,13 +26,8 @@ latent vector per layer, no K/V split, no heads), i.e. 36 KiB per layer and
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import shutil
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 from kvd.demo import tiny_model
@@ -87,8 +82,8 @@ KV_BYTES_PER_TOKEN = MODEL_CONFIG["num_hidden_layers"] * LATENT_DIM * 4
 
 
 def default_dir() -> Path:
-    """``$KVD_TINY_MLA_MODEL_DIR`` or ``~/.cache/kvd/tiny-mla``."""
-    env = os.environ.get("KVD_TINY_MLA_MODEL_DIR")
+    """``$KVD_TINY_MLA_DIR`` or ``~/.cache/kvd/tiny-mla``."""
+    env = os.environ.get("KVD_TINY_MLA_DIR")
     if env:
         return Path(env)
     return Path.home() / ".cache" / "kvd" / "tiny-mla"
@@ -96,10 +91,7 @@ def default_dir() -> Path:
 
 def is_built(path: Path) -> bool:
     """True when ``path`` holds a model built with the current ``RECIPE``."""
-    try:
-        return json.loads((Path(path) / STAMP).read_text()) == RECIPE
-    except (OSError, ValueError):
-        return False
+    return tiny_model.is_built(path, RECIPE)
 
 
 def _build_model(out_dir: Path) -> None:
@@ -110,67 +102,31 @@ def _build_model(out_dir: Path) -> None:
     config = DeepseekV2Config(**MODEL_CONFIG)
     config.dtype = "float32"
     model = DeepseekV2ForCausalLM(config).to(torch.float32)
-    gen = torch.Generator().manual_seed(SEED)
+    tiny_model.init_weights(model, SEED, MODEL_CONFIG["hidden_size"], gain=INIT_GAIN)
     with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            if param.dim() == 2:
-                fan_in = param.shape[1]
-                if "embed_tokens" in name:
-                    fan_in = MODEL_CONFIG["hidden_size"]
-                param.copy_(torch.randn(param.shape, generator=gen) * (INIT_GAIN / fan_in ** 0.5))
-            else:  # RMSNorm weights (incl. kv_a_layernorm): 1
+        for param in model.parameters():
+            if param.dim() != 2:  # RMSNorm weights (incl. kv_a_layernorm): 1
                 param.fill_(1.0)
     model.eval()
     model.save_pretrained(str(out_dir), safe_serialization=True)
-    (out_dir / "generation_config.json").write_text(json.dumps({
-        "bos_token_id": MODEL_CONFIG["bos_token_id"],
-        "eos_token_id": MODEL_CONFIG["eos_token_id"],
-        "pad_token_id": MODEL_CONFIG["pad_token_id"],
-    }, indent=2))
+    tiny_model.write_generation_config(out_dir, MODEL_CONFIG)
 
 
 def build(path: str | os.PathLike | None = None, force: bool = False,
           quiet: bool = False) -> Path:
-    """Build the tiny MLA model into ``path`` (default ``default_dir()``).
-
-    Returns the directory. Skips the work when it already holds a model of
-    the same ``RECIPE`` (unless ``force``); builds into a temporary sibling
-    and renames it into place, so a crash never leaves a model that looks
-    complete. About 10 s on two cores (the tokenizer is most of it).
+    """Build the tiny MLA model into ``path`` (default ``default_dir()``);
+    see ``tiny_model.build_into``. Returns the directory. About 10 s on two
+    cores (the tokenizer is most of it).
 
     Raises:
         ImportError: ``transformers``/``tokenizers``/``torch`` missing.
     """
-    out = Path(path) if path is not None else default_dir()
-    out = out.expanduser().resolve()
-    if not force and is_built(out):
-        return out
-    t0 = time.monotonic()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
-    os.chmod(tmp, 0o755)
-    try:
-        tiny_model._train_tokenizer(tmp)
-        _build_model(tmp)
-        (tmp / STAMP).write_text(json.dumps(RECIPE, indent=2, sort_keys=True))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if not quiet:
-        print(f"built tiny MLA model in {out} ({time.monotonic() - t0:.1f} s)", flush=True)
-    return out
+    return tiny_model.build_into(Path(path) if path is not None else default_dir(), RECIPE, _build_model,
+                                 "tiny MLA model", force=force, quiet=quiet)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvd-tiny-mla", description=__doc__.splitlines()[0])
-    ap.add_argument("path", nargs="?", default=None, help="output directory")
-    ap.add_argument("--force", action="store_true", help="rebuild even if up to date")
-    args = ap.parse_args(argv)
-    print(build(args.path, force=args.force))
-    return 0
+    return tiny_model.cli(argv, "kvd-tiny-mla", __doc__.splitlines()[0], build)
 
 
 if __name__ == "__main__":
