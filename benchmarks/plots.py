@@ -92,6 +92,9 @@ def step_cost(res: dict, out: Path) -> None:
         ax.plot(x, [c["held_p50_us"] for c in cases], marker="s", color="tab:green", label="held in flight, p50")
         ax.plot(x, [c["held_p99_us"] for c in cases], marker="s", color="tab:green", linestyle=":",
                 label="held in flight, p99")
+    if all("held_b2b_p50_us" in c for c in cases):
+        ax.plot(x, [c["held_b2b_p50_us"] for c in cases], marker="^", color="tab:olive",
+                label="held, steps back to back (no sleep), p50")
     ax.plot(x, [c["p50_us"] for c in cases], marker="o", color="tab:blue", label="starting+ending every step, p50")
     ax.plot(x, [c["p99_us"] for c in cases], marker="o", color="tab:blue", linestyle=":",
             label="starting+ending every step, p99")

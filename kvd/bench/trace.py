@@ -23,17 +23,17 @@ from kvd.bench.dataplane import parse_sizes
 from kvd.bench.kvd_pair import KvdPair
 
 LEGS = (("engine -> daemon core (command: client thread, gRPC, relay, session reader)", "t0", "load"),
-        ("  engine: load() -> command built by the client's sender thread", "t0", "sent"),
-        ("  client gRPC send -> bytes at the daemon's gate", "sent", "gatein"),
-        ("  gate relay + daemon gRPC server -> session reader has the command", "gatein", "read"),
-        ("  session reader -> Node.load runs", "read", "load"),
+        ("part: engine: load() -> command built by the client's sender thread", "t0", "sent"),
+        ("part: client gRPC send -> bytes at the daemon's gate", "sent", "gatein"),
+        ("part: gate relay + daemon gRPC server -> session reader has the command", "gatein", "read"),
+        ("part: session reader -> Node.load runs", "read", "load"),
         ("daemon: checks, plan, hand-off to the NIXL thread", "load", "post"),
         ("NIXL post (UCX moves the bytes: CMA)", "post", "posted"),
         ("daemon: completion -> event built", "posted", "event"),
         ("daemon -> engine (event: gRPC, relay, client thread, 50 us poll)", "event", "t1"),
-        ("  event built -> its bytes at the gate (daemon gRPC server)", "event", "gateout"),
-        ("  gate relay + client gRPC receive -> client's session thread has the event", "gateout", "recv"),
-        ("  session thread -> engine's poll (drain_events, 50 us poll)", "recv", "t1"),
+        ("part: event built -> its bytes at the gate (daemon gRPC server)", "event", "gateout"),
+        ("part: gate relay + client gRPC receive -> client's session thread has the event", "gateout", "recv"),
+        ("part: session thread -> engine's poll (drain_events, 50 us poll)", "recv", "t1"),
         ("total, as the engine sees it", "t0", "t1"))
 
 
