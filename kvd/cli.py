@@ -75,9 +75,15 @@ def cmd_health(args) -> int:
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
             )
     except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.NOT_FOUND:
+            # The daemon answered, but does not serve that service.
+            print(f"kvd health: {target}: NOT_FOUND: no service {args.service!r} here (known: '' for the whole "
+                  f"server, kvd.v1.EngineService, kvd.v1.PeerService)", file=sys.stderr)
+            return EXIT_NOT_SERVING
+        # Unreachable, past --timeout, or refused (PERMISSION_DENIED: this uid
+        # is not admitted on the engine socket; UNAUTHENTICATED: TLS peer port).
         print(f"kvd health: {target}: {e.code().name}: {e.details()}", file=sys.stderr)
-        # NOT_FOUND: the daemon answered, but does not serve that service.
-        return EXIT_NOT_SERVING if e.code() == grpc.StatusCode.NOT_FOUND else EXIT_UNREACHABLE
+        return EXIT_UNREACHABLE
     name = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
     if r.status == health_pb2.HealthCheckResponse.SERVING:
         if not args.quiet:
@@ -133,6 +139,17 @@ def cmd_demo(args) -> int:
     return demo_main(args.demo_args)
 
 
+def _seconds(text: str) -> float:
+    """argparse type of a deadline: a finite number of seconds > 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds must be > 0 and finite")
+    return v
+
+
 def _metavar(key: str, default) -> str:
     if key.endswith("_s"):
         return "SECONDS"
@@ -163,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvd",
         description="kvd: per-node KV-cache transfer daemon for disaggregated prefill/decode serving.",
     )
+    p.add_argument("--version", action="version", version=f"kvd {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=UsageParser)
 
     s = sub.add_parser("serve", help="run the daemon",
@@ -185,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, func, helptext in (
         ("health", cmd_health, "exit 0 when the daemon is serving, 1 when not serving (draining, or an unknown "
-                               "--service), 2 when unreachable within --timeout, 64 on a usage error"),
+                               "--service), 2 when unreachable within --timeout or refused (this uid not "
+                               "admitted), 64 on a usage error"),
         ("status", cmd_status, "show what the daemon holds: engines, regions, peers, leases, transfers"),
     ):
         c = sub.add_parser(name, help=helptext, description=helptext)
@@ -194,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "health":
             c.add_argument("--address", default="", metavar="HOST:PORT",
                            help="ask over TCP (the peer port) instead of the Unix socket")
-        c.add_argument("--timeout", type=float, default=2.0, metavar="SECONDS", help="deadline (default 2)")
+        c.add_argument("--timeout", type=_seconds, default=2.0, metavar="SECONDS", help="deadline (default 2)")
         if name == "health":
             c.add_argument("--service", default="", help="service name to check (default: the whole server)")
             c.add_argument("-q", "--quiet", action="store_true", help="print nothing when serving")

@@ -33,10 +33,12 @@ from typing import Any, Mapping
 DEFAULT_SOCKET = "/run/kvd/engine.sock"
 DEFAULT_PEER_LISTEN = "127.0.0.1:7700"
 ENV_PREFIX = "KVD_"
+# Characters a Unix socket path may not hold here: gRPC parses targets as URIs.
+SOCKET_PATH_UNSAFE = "?#%"
 ENV_CONFIG_FILE = "KVD_CONFIG"      # names the TOML file when --config is not given
 ENV_NOTIFY_SOCKET = "NOTIFY_SOCKET"  # set by systemd for Type=notify units
 
-# gRPC message caps (DESIGN.md: messages are bounded). Registration and
+# gRPC message caps (docs/DESIGN.md: messages are bounded). Registration and
 # handshake carry region lists; 64 MiB covers 4096 regions with room to spare.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # Longest request id, engine id or address accepted in a command or peer call
@@ -152,6 +154,13 @@ class Config:
         if len(os.fsencode(self.engine_socket)) > 107:
             # sun_path is 108 bytes with its NUL (unix(7)).
             raise self._error("engine_socket", f"path longer than 107 bytes: {self.engine_socket!r}")
+        bad = sorted(set(self.engine_socket) & set(SOCKET_PATH_UNSAFE))
+        if bad or any(ord(c) < 32 for c in self.engine_socket):
+            # gRPC reads "unix:PATH" as a URI: '?' and '#' cut the path, '%'
+            # starts an escape; engines and `kvd health` would dial another path.
+            raise self._error("engine_socket", f"path {self.engine_socket!r} has characters gRPC targets cannot "
+                                               f"carry ({' '.join(bad) or 'control characters'}); "
+                                               f"{SOCKET_PATH_UNSAFE!r} and control characters are refused")
         for key in ("peer_listen", "peer_advertise"):
             value = getattr(self, key)
             if value or key == "peer_listen":
@@ -339,6 +348,9 @@ def read_file(path: str) -> dict:
             return tomllib.load(fh)
     except OSError as e:
         raise ConfigError(f"config file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:  # TOML files are UTF-8 (tomllib decodes before parsing)
+        raise ConfigError(f"config file {path}: not UTF-8 (byte {e.start}: {e.reason}); TOML files are UTF-8") \
+            from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path}: {e}") from None
 
@@ -440,5 +452,14 @@ def _toml_value(v: Any) -> str:
         return repr(v)
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    s = str(v)
-    return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    # A TOML basic string: backslash, quote and control characters escaped
+    # (TOML forbids them raw, U+007F included); everything else as is.
+    out = []
+    for c in str(v):
+        if c in '"\\':
+            out.append("\\" + c)
+        elif ord(c) < 32 or ord(c) == 127:
+            out.append(f"\\u{ord(c):04x}")
+        else:
+            out.append(c)
+    return '"' + "".join(out) + '"'

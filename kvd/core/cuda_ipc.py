@@ -6,7 +6,7 @@ The shim exports each KV cache allocation as a ``cudaIpcMemHandle_t``
 mapping with NIXL as VRAM. It closes the mapping when the worker goes away,
 after NIXL has deregistered it.
 
-The known hazard (DESIGN.md "Memory sharing", NIXL issues 154 and 1754): UCX's
+The known hazard (docs/DESIGN.md "Memory sharing", NIXL issues 154 and 1754): UCX's
 ``cuda_ipc`` transport exports registered memory to a peer with
 ``cuIpcGetMemHandle``. Memory this daemon *imported* through CUDA IPC cannot
 be exported again that way, so the transfer silently takes a slow path

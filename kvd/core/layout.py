@@ -17,7 +17,7 @@ import numpy as np
 
 KV_LAYOUTS = ("NHD", "HND", "MLA")
 
-# Bounds on what a worker may register (DESIGN.md: messages are bounded).
+# Bounds on what a worker may register (docs/DESIGN.md: messages are bounded).
 MAX_REGIONS = 4096
 MAX_BLOCKS = 1 << 24
 MAX_DESCRIPTORS = 1 << 26

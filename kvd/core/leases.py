@@ -1,4 +1,4 @@
-"""Leases: prefill blocks held for remote readers (DESIGN.md, protocol step 1/4).
+"""Leases: prefill blocks held for remote readers (docs/DESIGN.md, protocol step 1/4).
 
 One ``LeaseTable`` per prefill worker. A lease ends when every expected reader
 has notified (a READ's notification, or an abort's bare notification), when

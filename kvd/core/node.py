@@ -5,7 +5,7 @@ It owns one NIXL agent per registered engine worker and drives every NIXL
 call from one thread (``kvd-nixl``), so the asyncio event loop never blocks
 on NIXL and no agent is used from two threads.
 
-Pull mode (the seed connector's protocol, DESIGN.md "Transfer protocol"):
+Pull mode (the seed connector's protocol, docs/DESIGN.md "Transfer protocol"):
 
 1. prefill worker: ``hold(request, blocks)`` -> a lease (``kvd.core.leases``);
 2. decode worker: ``load(request, local blocks, remote ...)`` -> handshake

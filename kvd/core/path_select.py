@@ -3,7 +3,7 @@
 Pure functions over what can be observed; no NIXL, no CUDA, no I/O, so every
 rule is unit-tested on the CPU with recorded strings (tests/test_gpu_path_select.py).
 
-The trap (DESIGN.md, NIXL issues 154 and 1754): NIXL registers GPU memory and
+The trap (docs/DESIGN.md, NIXL issues 154 and 1754): NIXL registers GPU memory and
 the transfer *works*, but UCX picked a slow lane: bytes bounce through host
 memory, or UCX emulates the RMA in software over TCP (about 0.3 GB/s where
 ``cuda_ipc`` does about 200 GB/s), and nothing fails. Evidence that tells the

@@ -1,6 +1,6 @@
 """The engine side of the staged data path: copy blocks to and from the daemon's mirrors.
 
-With ``data_path = staged`` (DESIGN.md "Memory sharing") the daemon does not
+With ``data_path = staged`` (docs/DESIGN.md "Memory sharing") the daemon does not
 map the engine's KV cache: it makes one shared staging *mirror* per engine
 segment (``RegisterEngineResponse.staging_segments``, same order and sizes)
 and NIXL moves bytes between mirrors. The engine copies, with the same

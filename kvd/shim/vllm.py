@@ -21,7 +21,7 @@ kvd_lease_s           daemon  seconds the prefill daemon holds finished blocks
 kvd_load_timeout_s    daemon  seconds a load may take before it fails; default:
                               the daemon's ``--transfer-timeout-s``
 kvd_connect_timeout_s 60      startup wait for the daemon (register, GetStats)
-kvd_data_path         direct  how blocks reach NIXL (DESIGN.md "Memory
+kvd_data_path         direct  how blocks reach NIXL (docs/DESIGN.md "Memory
                               sharing"): ``direct`` (the daemon maps the KV
                               cache itself, shared as POSIX shm), ``staged``
                               (the daemon owns staging mirrors; this worker

@@ -1,0 +1,65 @@
+"""The command line's own checks: usage errors exit 64 before anything
+starts (``kvd demo`` would otherwise start two engines first), ``--version``,
+deadlines, and settings that would make engines dial another socket."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from kvd.config import ConfigError, _toml_value, load_config
+
+
+def _kvd(*args, timeout=60):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
+    return subprocess.run([sys.executable, "-m", "kvd.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompts", "0"], "--prompts: '0' must be > 0"),
+    (["--lengths", "5,-3"], "--lengths: '-3' must be > 0"),
+    (["--lengths", "abc"], "'abc' is not an integer"),
+    (["--max-tokens", "0"], "--max-tokens"),
+    (["--engine-ready-timeout", "-1"], "--engine-ready-timeout"),
+])
+def test_demo_refuses_bad_arguments_before_starting_anything(args, message):
+    r = _kvd("demo", *args, timeout=30)  # would take minutes if it started the stack
+    assert r.returncode == 64, (r.returncode, r.stderr[-2000:])
+    assert message in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "inf", "x"])
+def test_health_timeout_must_be_positive_seconds(value):
+    r = _kvd("health", "--timeout", value)
+    assert r.returncode == 64 and "--timeout" in r.stderr, (r.returncode, r.stderr)
+
+
+def test_version_flag():
+    r = _kvd("--version")
+    assert r.returncode == 0 and r.stdout.startswith("kvd ")
+
+
+@pytest.mark.parametrize("path", ["/tmp/kvd/q?x.sock", "/tmp/kvd/h#x.sock", "/tmp/kvd/p%41.sock",
+                                  "/tmp/kvd/nl\n.sock"])
+def test_socket_paths_grpc_cannot_dial_are_refused(path):
+    with pytest.raises(ConfigError, match="engine_socket"):
+        load_config({"engine_socket": path}, environ={})
+
+
+def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path):
+    f = tmp_path / "kvd.toml"
+    f.write_bytes("# caf\u00e9\nlease_s = 5\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(environ={}, file=str(f))
+    r = _kvd("serve", "--config", str(f), "--print-config")
+    assert r.returncode == 64 and "not UTF-8" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("text", ["a\x01b", 'q"uote\\back', "new\nline\x7f", "caf\u00e9 \U0001f600", ""])
+def test_print_config_strings_read_back(text):
+    assert tomllib.loads("x = " + _toml_value(text))["x"] == text
