@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
+
+import pytest
 
 
 def _serve(*args, timeout=60):
@@ -38,3 +42,168 @@ def test_a_metrics_port_in_use_names_the_setting(tmp_path):
 def test_a_lease_over_an_hour_is_a_config_error(tmp_path):
     r = _serve("--engine-socket", str(tmp_path / "k.sock"), "--lease-s", "7200", "--print-config")
     assert r.returncode == 64 and "lease_s" in r.stderr
+
+
+# ------------------------------------------------- bad TLS files (exit 64)
+def _tls_case(tmp_path, which):
+    from sectest import Pki
+
+    pki = Pki(str(tmp_path / "pki"))
+    cert, key = pki.issue("node-a")
+    _, other_key = pki.issue("node-b")
+    bad = tmp_path / "bad.pem"
+    bad.write_text("not a PEM file\n")
+    files = {"cert": cert, "key": key, "ca": pki.ca}
+    if which == "all-bad":
+        files = {"cert": str(bad), "key": str(bad), "ca": str(bad)}
+    elif which == "other-key":
+        files["key"] = other_key
+    elif which == "key-as-ca":
+        files["ca"] = key
+    elif which == "cert-as-key":
+        files["key"] = cert
+    return ("--peer-tls-cert", files["cert"], "--peer-tls-key", files["key"], "--peer-tls-ca", files["ca"])
+
+
+@pytest.mark.parametrize("which, setting, words", [
+    ("all-bad", "peer_tls_cert", "no PEM certificate"),
+    ("other-key", "peer_tls_key", "not the private key of peer_tls_cert"),
+    ("key-as-ca", "peer_tls_ca", "no PEM CA certificate"),
+    ("cert-as-key", "peer_tls_key", "no usable PEM private key"),
+])
+def test_unusable_tls_files_are_a_config_error_naming_the_setting(tmp_path, which, setting, words):
+    r = _serve("--engine-socket", str(tmp_path / "k.sock"), *_tls_case(tmp_path, which))
+    out = r.stderr + r.stdout
+    assert r.returncode == 64, out
+    assert f"invalid setting: {setting}" in out and words in out, out
+    assert "Failed to bind" not in out and "startup failed" not in out, out
+    assert not (tmp_path / "k.sock").exists()
+
+
+# ------------------------------- a failed startup releases what it made
+def _leftovers(d):
+    return sorted(n for n in os.listdir(d) if n.startswith(".k.sock.") or n == "k.sock")
+
+
+@pytest.mark.parametrize("host_flag", ["127.0.0.1", "198.51.100.254"])
+def test_a_failed_metrics_bind_leaves_nothing_behind_and_no_tracebacks(tmp_path, host_flag):
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    port = s.getsockname()[1]
+    try:
+        r = _serve("--engine-socket", str(tmp_path / "k.sock"), "--metrics-port", str(port),
+                   "--metrics-host", host_flag)
+    finally:
+        s.close()
+    out = r.stderr + r.stdout
+    # Busy port or foreign address: the host's state, not a bad setting (exit 1, systemd retries).
+    assert r.returncode == 1, out
+    key = "metrics_port" if host_flag == "127.0.0.1" else "metrics_host"
+    assert f"startup failed: {key}: cannot serve metrics" in out, out
+    assert "Traceback" not in out and "Exception ignored" not in out, out
+    assert _leftovers(tmp_path) == [], _leftovers(tmp_path)
+
+
+def test_a_live_daemons_socket_survives_a_second_daemons_failed_startup(tmp_path):
+    from kvdtest import start_daemon
+
+    d = start_daemon(str(tmp_path), "k")
+    try:
+        r = _serve("--engine-socket", d.socket)
+        out = r.stderr + r.stdout
+        assert r.returncode == 1 and "another daemon is serving" in out, out
+        assert "Traceback" not in out and "Exception ignored" not in out, out
+        assert os.path.exists(d.socket) and d.stats()
+        assert len([n for n in os.listdir(tmp_path) if n.startswith(".k.sock.")]) == 1  # the live one's
+    finally:
+        assert d.stop() == 0
+
+
+# ------------------------------- wildcard peer_listen: a routable advertisement
+def test_a_wildcard_peer_listen_advertises_a_routable_address_with_a_warning(tmp_path):
+    from kvdtest import start_daemon
+    from kvd.daemon.server import routable_address
+
+    token = tmp_path / "token"
+    token.write_text("0123456789abcdef0123456789abcdef\n")
+    d = start_daemon(str(tmp_path), "k", "--peer-listen", "0.0.0.0:0", "--peer-token-file", str(token))
+    try:
+        adv = d.stats().peer_address
+        host, port = adv.rsplit(":", 1)
+        assert adv == routable_address(int(port))
+        if any(not a.startswith("127.") for a in _host_addresses()):
+            assert not host.startswith("127."), adv
+        log = d.log()
+        assert "WARNING" in log and f"advertising {adv}" in log and "peer_advertise" in log, log[-3000:]
+    finally:
+        assert d.stop() == 0
+
+
+def _host_addresses():
+    try:
+        return [i[4][0] for i in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)]
+    except OSError:
+        return []
+
+
+def test_routable_address_falls_back_to_the_host_name_then_loopback(monkeypatch):
+    from kvd.daemon import server
+
+    class NoRoute:
+        def __init__(self, *a):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+        def connect(self, addr):
+            raise OSError(101, "Network is unreachable")
+
+    monkeypatch.setattr(server.socket, "socket", NoRoute)
+    monkeypatch.setattr(server.socket, "getaddrinfo",
+                        lambda *a, **k: [(socket.AF_INET, 1, 6, "", ("127.0.1.1", 0)),
+                                         (socket.AF_INET, 1, 6, "", ("10.1.2.3", 0))])
+    assert server.routable_address(7700) == "10.1.2.3:7700"
+    monkeypatch.setattr(server.socket, "getaddrinfo", lambda *a, **k: [(socket.AF_INET, 1, 6, "", ("127.0.1.1", 0))])
+    assert server.routable_address(7700) == "127.0.0.1:7700"
+
+
+def test_an_explicit_peer_advertise_is_used_without_a_warning(tmp_path):
+    from kvdtest import start_daemon
+
+    token = tmp_path / "token"
+    token.write_text("0123456789abcdef0123456789abcdef\n")
+    d = start_daemon(str(tmp_path), "k", "--peer-listen", "0.0.0.0:0", "--peer-token-file", str(token),
+                     "--peer-advertise", "node-a.example:7700")
+    try:
+        assert d.stats().peer_address == "node-a.example:7700"
+        assert "advertising" not in d.log()
+    finally:
+        assert d.stop() == 0
+
+
+# ------------------------------------------------------------- SIGHUP
+def test_sighup_is_logged_and_the_daemon_keeps_serving_also_after_a_registration(tmp_path):
+    from kvdtest import KvShape, ShmSegment, register_request, start_daemon, wait_until
+
+    d = start_daemon(str(tmp_path), "k")
+    shape = KvShape(num_layers=1, num_blocks=8, block_len=1024)
+    seg = ShmSegment(shape.size)
+    try:
+        msg = "SIGHUP: kvd has no reload; settings change on restart"
+        d.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: d.log().count(msg) == 1, 10, "the SIGHUP warning")
+        # A registration makes a NIXL agent (UCX may install signal handlers then).
+        d.stub().RegisterEngine(register_request("e", shape, seg), timeout=30)
+        d.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: d.log().count(msg) == 2, 10, "the SIGHUP warning after a registration")
+        assert d.proc.poll() is None and d.stats()
+        assert "WARNING" in [l for l in d.log().splitlines() if msg in l][-1]
+    finally:
+        rc = d.stop()
+        seg.close()
+    assert rc == 0

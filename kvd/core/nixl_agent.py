@@ -30,6 +30,10 @@ class NixlError(RuntimeError):
     """A NIXL call failed; the message names the step and the agent."""
 
 
+class NixlBackendUnavailable(NixlError):
+    """A backend name NIXL has no plugin for (a configuration error, not a failure to initialise)."""
+
+
 _MD_HEAD = b"nixlSerDes|Agent"
 
 
@@ -183,7 +187,7 @@ class NixlAgent:
         plugins = self._agent.get_plugin_list()
         for b in backends:
             if b not in plugins:
-                raise NixlError(f"NIXL backend {b!r} is not available (plugins here: {sorted(plugins)})")
+                raise NixlBackendUnavailable(f"NIXL backend {b!r} is not available (plugins here: {sorted(plugins)})")
             try:
                 self._agent.create_backend(b, {})
             except Exception as e:

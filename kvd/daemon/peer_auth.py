@@ -30,7 +30,9 @@ import collections
 import hashlib
 import hmac
 import logging
+import re
 import secrets
+import ssl
 import time
 from dataclasses import dataclass
 
@@ -60,6 +62,46 @@ def _mac(token: bytes, kind: str, method: str, address: str, ts: str, nonce: str
 def _same(a: str, b: str) -> bool:
     """Constant-time equality of two header values (any characters)."""
     return hmac.compare_digest(a.encode("utf-8", "surrogateescape"), b.encode("utf-8", "surrogateescape"))
+
+
+_PEM_CERT = re.compile(rb"-----BEGIN CERTIFICATE-----.*?-----END CERTIFICATE-----", re.S)
+
+
+def check_tls_files(cfg: Config) -> None:
+    """Checks, with Python's ``ssl`` (OpenSSL, as gRPC), that ``peer_tls_cert``
+    holds a PEM certificate, ``peer_tls_key`` the private key of that
+    certificate and ``peer_tls_ca`` a PEM CA certificate, before anything
+    binds: gRPC would only fail the bind, with no word of which file is wrong.
+
+    Raises:
+        ConfigError: naming the setting, its file and what is wrong.
+    """
+    cert_path, key_path, ca_path = cfg.peer_tls_cert, cfg.peer_tls_key, cfg.peer_tls_ca
+    pems = _PEM_CERT.findall(cfg.read_file_setting("peer_tls_cert") or b"")
+    if not pems:
+        raise cfg._error("peer_tls_cert", f"{cert_path} holds no PEM certificate "
+                                          f"(-----BEGIN CERTIFICATE-----)")
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=b"\n".join(pems).decode("ascii"))
+    except (ssl.SSLError, ValueError, UnicodeDecodeError) as e:
+        raise cfg._error("peer_tls_cert", f"{cert_path}: unreadable PEM certificate: {e}") from None
+    try:
+        # The password callback makes an encrypted key fail instead of prompting on a terminal.
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert_path, key_path, password=lambda: b"")
+    except ssl.SSLError as e:
+        if "KEY_VALUES_MISMATCH" in str(e) or "key values mismatch" in str(e):
+            raise cfg._error("peer_tls_key", f"{key_path} is not the private key of peer_tls_cert {cert_path} "
+                                             f"(another node's key?)") from None
+        raise cfg._error("peer_tls_key", f"{key_path} holds no usable PEM private key (unencrypted) "
+                                         f"for peer_tls_cert: {e}") from None
+    except OSError as e:
+        raise cfg._error("peer_tls_key", f"cannot read {key_path}: {e.strerror or e}") from None
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=ca_path)
+    except ssl.SSLError as e:
+        raise cfg._error("peer_tls_ca", f"{ca_path} holds no PEM CA certificate: {e}") from None
+    except OSError as e:
+        raise cfg._error("peer_tls_ca", f"cannot read {ca_path}: {e.strerror or e}") from None
 
 
 @dataclass
@@ -99,8 +141,11 @@ class PeerAuth:
             if len(token) < 16:
                 raise cfg._error("peer_token_file", f"{cfg.peer_token_file}: the token must have 16 or more "
                                                     f"characters (e.g. openssl rand -hex 32)")
-        return cls(cfg.read_file_setting("peer_tls_cert"), cfg.read_file_setting("peer_tls_key"),
+        auth = cls(cfg.read_file_setting("peer_tls_cert"), cfg.read_file_setting("peer_tls_key"),
                    cfg.read_file_setting("peer_tls_ca"), cfg.peer_tls_server_name, token)
+        if auth.tls:
+            check_tls_files(cfg)
+        return auth
 
     @property
     def tls(self) -> bool:

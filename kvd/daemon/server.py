@@ -17,16 +17,22 @@ which fails it on the engine side), stop the servers, unregister every worker
 (NIXL deregistration, unmap), stop the metrics endpoint, remove the socket.
 A second SIGTERM/SIGINT skips the rest of the grace period. Held prefill
 leases are not waited for: a reader that has not read them by then gets a
-load error and its engine recomputes.
+load error and its engine recomputes. SIGHUP is logged and changes nothing
+(no reload). A failed startup releases what it made (servers, socket, private
+directory, metrics endpoint, NIXL agents) before the error propagates: bad
+TLS files and unknown NIXL backends raise ConfigError (``kvd serve`` exit 64).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import ipaddress
 import logging
 import os
+import shutil
 import signal
+import socket
 import stat
 import time
 
@@ -72,6 +78,32 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def routable_address(port: int) -> str:
+    """``host:port`` with a non-loopback address of this host, for a wildcard
+    ``peer_listen`` with no ``peer_advertise``: the source address the kernel
+    would use for an outbound route (a UDP ``connect()``, which sends
+    nothing), else what the host name resolves to, else ``127.0.0.1``."""
+    for family, probe in ((socket.AF_INET, "192.0.2.1"), (socket.AF_INET, "10.254.254.254"),
+                          (socket.AF_INET6, "2001:db8::1")):
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect((probe, 9))
+                addr = s.getsockname()[0]
+        except OSError:
+            continue
+        if not is_loopback(addr) and not ipaddress.ip_address(addr.split("%")[0]).is_unspecified:
+            return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+    try:
+        infos = socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM)
+    except OSError:
+        infos = []
+    for family, *_, sockaddr in sorted(infos, key=lambda i: i[0] != socket.AF_INET):
+        addr = sockaddr[0]
+        if not is_loopback(addr) and not addr.startswith("fe80:"):
+            return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+    return f"127.0.0.1:{port}"
+
+
 ENGINE_SERVICE = kvd_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 PEER_SERVICE = kvd_pb2.DESCRIPTOR.services_by_name["PeerService"].full_name
 
@@ -93,7 +125,13 @@ class Server:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def serve(self) -> None:
-        await self.startup()
+        """Runs the daemon: startup, serve until SIGTERM/SIGINT, shutdown. A
+        failed startup releases what it made (``_release``) and re-raises."""
+        try:
+            await self.startup()
+        except BaseException:
+            await self._release()
+            raise
         try:
             await self.main_loop()
         finally:
@@ -110,8 +148,8 @@ class Server:
         options = server_options(cfg.max_message_bytes)
         self._loop = asyncio.get_running_loop()
         self.metrics = Metrics(self._stats_threadsafe)
-        self.node = Node(limits, peers=self.peer_client, backends=cfg.backends, on_event=self.metrics.on_event)
         self._check_backends()
+        self.node = Node(limits, peers=self.peer_client, backends=cfg.backends, on_event=self.metrics.on_event)
         policy = Policy.make([resolve_uid(u) for u in cfg.allowed_uids], [resolve_gid(g) for g in cfg.allowed_gids])
         self.gate = Gate(cfg.engine_socket, policy,
                          resolve_gid(cfg.engine_socket_group) if cfg.engine_socket_group else None)
@@ -132,7 +170,14 @@ class Server:
                           else self.peer_server.add_insecure_port(bind))
         if self.peer_port == 0:
             raise OSError(f"cannot bind PeerService to {bind}")
-        adv = cfg.peer_advertise or f"{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{self.peer_port}"
+        adv = cfg.peer_advertise
+        if not adv and host in ("0.0.0.0", "::", ""):
+            adv = routable_address(self.peer_port)
+            log.warning("peer_listen %s is a wildcard and peer_advertise is unset: advertising %s to remote "
+                        "daemons%s; set peer_advertise to the address they should dial", cfg.peer_listen, adv,
+                        " (no other address found: remote daemons cannot reach it)"
+                        if adv.startswith("127.") else "")
+        adv = adv or f"{host}:{self.peer_port}"
         self.node.peer_address = adv
         self._bound = bind.replace(f":{port}", f":{self.peer_port}") if port == 0 else bind
 
@@ -156,13 +201,18 @@ class Server:
         await self.peer_server.start()
         await self.engine_server.start()
         await self.gate.open()
+        self._gate_open = True
         self.node.start()
         metrics_at = ""
         if cfg.metrics_port:
             try:
                 mport = self.metrics.serve(cfg.metrics_port, cfg.metrics_host)
             except OSError as e:
-                raise OSError(f"metrics_port: cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: "
+                # A busy port is the host's state, not a bad setting: exit 1
+                # (systemd retries); an address not on this host names metrics_host.
+                key = ("metrics_host" if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL
+                       else "metrics_port")
+                raise OSError(f"{key}: cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: "
                               f"{e.strerror or e}") from None
             metrics_at = f"{cfg.metrics_host}:{mport}"
             self.engine_service.metrics_address = metrics_at
@@ -172,6 +222,9 @@ class Server:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.handle_exit, sig)
+        # Ours, not UCX's (it may take SIGHUP when an agent is made) nor the
+        # default action (exit): there is nothing to reload.
+        loop.add_signal_handler(signal.SIGHUP, self.handle_hup)
         log.info("kvd %s serving: engines on unix:%s (admitted: %s), peers on %s (advertised %s, "
                  "authentication: %s), NIXL backends %s%s",
                  __version__, sock, policy.describe(), self._bound, adv, auth.describe(), ",".join(cfg.backends),
@@ -203,10 +256,15 @@ class Server:
         return {a for a in (self.node.peer_address if self.node else "", getattr(self, "_bound", "")) if a}
 
     def _check_backends(self) -> None:
-        from kvd.core.nixl_agent import NixlAgent
+        from kvd.core.nixl_agent import NixlAgent, NixlBackendUnavailable
 
         # Fail at startup, naming the backend, rather than at first registration.
-        NixlAgent(f"kvd-startup-probe-{os.getpid()}", self.config.backends)
+        # A name NIXL has no plugin for is a configuration error (exit 64);
+        # one that fails to initialise is not (exit 1: the host may change).
+        try:
+            NixlAgent(f"kvd-startup-probe-{os.getpid()}", self.config.backends)
+        except NixlBackendUnavailable as e:
+            raise self.config._error("backends", str(e)) from None
 
     @staticmethod
     def _socket_alive(path: str) -> bool:
@@ -230,6 +288,10 @@ class Server:
             server,
         )
         return health
+
+    def handle_hup(self) -> None:
+        """SIGHUP: logged, nothing else (the daemon keeps serving)."""
+        log.warning("SIGHUP: kvd has no reload; settings change on restart")
 
     def handle_exit(self, sig) -> None:
         if self.should_exit.is_set():
@@ -271,7 +333,6 @@ class Server:
         await self.should_exit.wait()
 
     async def shutdown(self) -> None:
-        node = self.node
         self.notifier.stopping(f"draining (grace {self.config.grace_s:g} s)")
         if getattr(self, "engine_service", None) is not None:
             self.engine_service.draining = True
@@ -292,25 +353,35 @@ class Server:
             log.warning("%s request=%s peer=%s: load failed: shutdown: daemon stopped before it finished",
                         label, rid, peer or "?")
             self.metrics.on_event("failure", {"reason": "shutdown"})
-        for name in ("engine_server", "peer_server"):
-            srv = getattr(self, name, None)
-            if srv is not None:
-                await srv.stop(grace=1.0)
-        if node:
-            await node.close()
-        await self.peer_client.close()
-        if self.metrics is not None:
-            self.metrics.stop()
-        if self.gate is not None:
-            await self.gate.close()  # the socket and the private directory
+        await self._release(grace=1.0)
         # Shutdown is done: a late SIGTERM/SIGINT (a second `systemctl stop`,
         # a supervisor's retry) must not turn exit 0 into "killed by signal"
         # while the interpreter tears down.
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
             signal.signal(sig, signal.SIG_IGN)
         log.info("kvd stopped")
+
+    async def _release(self, grace: float | None = None) -> None:
+        """Stops the servers, unregisters every worker, stops the metrics
+        endpoint and removes the engine socket and the private directory:
+        whatever startup made so far (also after a failed startup)."""
+        for name in ("engine_server", "peer_server"):
+            srv = getattr(self, name, None)
+            if srv is not None:
+                await srv.stop(grace=grace)
+        if self.node:
+            await self.node.close()
+        await self.peer_client.close()
+        if self.metrics is not None:
+            self.metrics.stop()
+        if self.gate is not None:
+            if getattr(self, "_gate_open", False):
+                await self.gate.close()  # the socket and the private directory
+            elif self.gate.private_dir:
+                # Never the socket path: it may be another daemon's, or no socket.
+                shutil.rmtree(self.gate.private_dir, ignore_errors=True)
 
 
 def run(config: Config) -> None:
