@@ -125,9 +125,9 @@ def run_pd(prefill_daemon, decode_daemon, p_tp, d_tp, heads, p_layout, d_layout,
                 want = r.expected(d_ids, n_tokens)
                 for reg, (got, exp) in enumerate(zip(r.arrays(), want)):
                     np.testing.assert_array_equal(got, exp, err_msg=f"decode rank {r.rank} region {reg}")
-        p_events = []
-        if all(e.WhichOneof("event") == "recv_done" for e in d_events):
-            p_events = [sessions[i].next(10) for i in range(p_tp)]
+        # Every P rank ends its 600 s lease: read and notified, or (a pair
+        # refused at handshake) freed by D's daemon over PeerService.Notify.
+        p_events = [sessions[i].next(10) for i in range(p_tp)]
         return d_events, p_events
     finally:
         for s in sessions:
@@ -191,19 +191,22 @@ def test_kv_in_block_prefill_block_16_into_decode_block_32(pair, p_tp, d_tp, hea
 
 
 def test_kv_in_block_decode_block_smaller_than_prefill_block_is_refused_at_handshake(pair):
-    d_events, _ = run_pd(*pair, 1, 1, 4, "CPU", "CPU", 32, 16, "cpu3216")
+    d_events, p_events = run_pd(*pair, 1, 1, 4, "CPU", "CPU", 32, 16, "cpu3216")
     ev = d_events[0]
     assert ev.WhichOneof("event") == "load_failed"
     assert "handshake" in ev.load_failed.reason and "not a multiple" in ev.load_failed.reason, ev
     assert list(ev.load_failed.failed_block_ids)
+    # Nobody can read P's blocks: D's daemon frees them now, not at lease end.
+    assert [(e.WhichOneof("event"), e.send_done.expired) for e in p_events] == [("send_done", False)]
 
 
 def test_decode_block_smaller_than_prefill_block_is_refused_at_handshake(pair):
-    d_events, _ = run_pd(*pair, 1, 1, 4, "HND", "HND", 32, 16, "bs3216")
+    d_events, p_events = run_pd(*pair, 1, 1, 4, "HND", "HND", 32, 16, "bs3216")
     ev = d_events[0]
     assert ev.WhichOneof("event") == "load_failed"
     assert "handshake" in ev.load_failed.reason and "not a multiple" in ev.load_failed.reason
     assert list(ev.load_failed.failed_block_ids)  # the engine learns which blocks to recompute
+    assert [(e.WhichOneof("event"), e.send_done.expired) for e in p_events] == [("send_done", False)]
 
 
 @pytest.fixture(scope="module")

@@ -313,12 +313,11 @@ def test_prefill_block_32_into_decode_block_64_cpu_layout(model_dir, daemons, p_
 def test_prefill_block_larger_than_decode_block_is_refused(model_dir, daemons):
     """P block 64 -> D block 32: no transfer, the load fails at once with a
     message naming the block sizes (vLLM's failure policy takes over), and P's
-    blocks are freed. Not by D's notification: D's daemon tells P's only
-    through a handshake, which refuses this pair (the daemon-level test:
-    test_parity.py::test_kv_in_block_decode_block_smaller_than_prefill_block_is_refused_at_handshake),
-    so P's lease (3 s here) frees them."""
+    blocks are freed at once, not at the end of their 600 s lease: D's shim
+    aborts the load and D's daemon, which cannot pair with P (the handshake
+    refuses it), tells P's over PeerService.Notify."""
     pd, dd = daemons
-    p = Side(model_dir, pd, kv_seed=77, kvd_lease_s=3.0, block_size=2 * BS)
+    p = Side(model_dir, pd, kv_seed=77, kvd_lease_s=600.0, block_size=2 * BS)
     d = Side(model_dir, dd, role="kv_consumer")
     try:
         prompt = list(range(13000, 13000 + 3 * BS + 1))
@@ -336,6 +335,7 @@ def test_prefill_block_larger_than_decode_block_is_refused(model_dir, daemons):
         assert d.stats == [] or not any(s.num_successful_transfers for s in d.stats)
         p.run_until(lambda: preq.request_id in p.finished_sending, timeout_s=10)
         assert wait_leases_zero(pd) < 5
+        assert pd.stats().leases_expired == 0
     finally:
         p.close()
         d.close()

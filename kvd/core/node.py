@@ -592,7 +592,16 @@ class Node:
                     remotes[p], fresh = await self._remote(w, remote_address, remote_engine_id, p, remote_tp,
                                                            deadline)
                     fresh_any |= fresh
-            except (Incompatible, NotFound, PeerUnavailable, InvalidArgument) as e:
+            except Incompatible as e:
+                # Nobody will ever read these blocks: free them on the source
+                # now (by gRPC: there is no NIXL pair), not at its lease's end.
+                heads, mla = geo.total_kv_heads, w.layout.kv_layout == "MLA"
+                for p in notify:
+                    asyncio.get_running_loop().create_task(self._notify_by_rpc(
+                        remote_address, remote_engine_id, p, remote_request_id,
+                        plan.expected_notifications(p, remote_tp, w.tp_size, heads, mla), deadline, w.label))
+                return fail(f"handshake: {e}")
+            except (NotFound, PeerUnavailable, InvalidArgument) as e:
                 return fail(f"handshake: {e}")
             if w.key not in self.workers:
                 return fail("worker unregistered")
@@ -762,14 +771,38 @@ class Node:
         try:
             _, notify = plan.source_ranks(w.key[1], w.tp_size, remote_tp, heads, mla)
             for p in notify:
-                remote, _ = await self._remote(w, remote_address, remote_engine_id, p, remote_tp, deadline)
-                msg = notif_message(remote_request_id, plan.expected_notifications(p, remote_tp, w.tp_size, heads, mla))
-                await self._nixl(w.agent.send_notif, remote.agent_name, msg)
+                expected = plan.expected_notifications(p, remote_tp, w.tp_size, heads, mla)
+                try:
+                    remote, _ = await self._remote(w, remote_address, remote_engine_id, p, remote_tp, deadline)
+                except Incompatible:
+                    # No NIXL pair with an incompatible peer (a refused layout
+                    # or block size): PeerService.Notify frees it by gRPC.
+                    await self._notify_by_rpc(remote_address, remote_engine_id, p, remote_request_id, expected,
+                                              deadline, w.label)
+                    continue
+                await self._nixl(w.agent.send_notif, remote.agent_name, notif_message(remote_request_id, expected))
             log.info("%s request=%s: aborted; told %s to free %s", w.label, request_id, remote_address,
                      remote_request_id)
         except Exception as e:
             log.warning("%s request=%s peer=%s: abort notification failed: %s", w.label, request_id,
                         remote_address, e)
+
+    async def _notify_by_rpc(self, address: str, engine_id: str, tp_rank: int, request_id: str, expected: int,
+                             deadline: float, label: str) -> None:
+        """One reader's notification of ``request_id`` to a source rank, over
+        PeerService.Notify instead of NIXL (no handshake needed: used when
+        the pair was refused). Failures are logged, never raised: the source's
+        lease bounds the hold."""
+        try:
+            if self.peers is None:
+                raise PeerUnavailable("this daemon has no peer client")
+            await self.peers.notify(address, engine_id, tp_rank, request_id, expected,
+                                    max(0.1, deadline - time.monotonic()))
+            log.info("%s: told %s engine=%s rank=%d to free %s (no transfer possible)", label, address, engine_id,
+                     tp_rank, request_id)
+        except Exception as e:
+            log.warning("%s: could not tell %s engine=%s rank=%d to free %s: %s", label, address, engine_id,
+                        tp_rank, request_id, e)
 
     def _post(self, agent: NixlAgent, op: str, local, lidx, remote, ridx, msg: bytes):
         """NIXL thread: posts a transfer; ``(handle, state)``. One already DONE
