@@ -95,7 +95,8 @@ class Config:
     engine_socket: str = _setting(DEFAULT_SOCKET, "Unix socket path of EngineService (local engines)")
     peer_listen: str = _setting(DEFAULT_PEER_LISTEN, "host:port PeerService binds for remote daemons; port 0 picks one")
     peer_advertise: str = _setting("", "host:port put in kv_transfer_params for remote daemons "
-                                       "(empty: the listen address with its bound port)")
+                                       "(empty: the listen address with its bound port; for a wildcard "
+                                       "peer_listen an address of this host, chosen at startup and logged)")
     metrics_port: int = _setting(0, "TCP port of the Prometheus HTTP endpoint (/metrics); 0 disables it")
     metrics_host: str = _setting("0.0.0.0", "address the Prometheus endpoint binds")
     backends: list[str] = _setting(None, "NIXL backends for every agent (comma-separated in env and flags)",
