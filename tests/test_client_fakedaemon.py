@@ -107,7 +107,8 @@ class FakeEngineService(pb_grpc.EngineServiceServicer):
             if self.load_mode in ("answer", "twice"):
                 for _ in range(2 if self.load_mode == "twice" else 1):
                     yield pb.SessionEvent(recv_done=pb.RecvDone(
-                        request_id=rid, num_blocks=n, bytes=n * 1024, num_descriptors=2 * n, duration_s=0.001 * n))
+                        request_id=rid, num_blocks=n, bytes=n * 1024, num_descriptors=2 * n, duration_s=0.001 * n,
+                        post_duration_s=0.0005 * n))
             elif self.load_mode == "fail":
                 yield pb.SessionEvent(load_failed=pb.LoadFailed(
                     request_id=rid, failed_block_ids=local, reason="fake failure"))

@@ -120,6 +120,7 @@ def test_metrics_count_a_real_transfer(ops):
     assert value(d, "kvd_transfers_total") == 1
     assert value(d, "kvd_transfer_duration_seconds_count") == 1
     assert value(d, "kvd_transfer_duration_seconds_sum") == pytest.approx(r.duration_s, abs=1e-6)
+    assert 0 < r.post_duration_s <= r.duration_s  # time inside NIXL's post call (NixlConnector's post duration)
     assert value(d, "kvd_transfer_duration_seconds_bucket", le="+Inf") == 1
     assert value(d, "kvd_transfer_descriptors_count") == 1
     assert value(d, "kvd_transfer_descriptors_sum") == r.num_descriptors > 0

@@ -727,6 +727,7 @@ def test_stats_reach_vllms_aggregation_logger_and_prometheus(model_dir, tmp_path
         reduced = KvdConnector.build_kv_connector_stats(data).reduce()
         assert reduced["Avg MB per transfer"] == round(6144 / 3 / 2**20, 3)
         assert reduced["Avg xfer time (ms)"] == 2.0 and reduced["Throughput (MB/s)"] > 0
+        assert reduced["Avg post time (ms)"] == 1.0  # NixlConnector's post duration, from RecvDone
 
         registry = CollectorRegistry()
         types = {Gauge: functools.partial(Gauge, registry=registry),
@@ -739,6 +740,7 @@ def test_stats_reach_vllms_aggregation_logger_and_prometheus(model_dir, tmp_path
         prom = Prom(vllm_config(model_dir, "/unused"), ["engine"], {0: ["0"]})
         prom.observe(data, 0)
         assert registry.get_sample_value("vllm:kvd_xfer_time_seconds_count", {"engine": "0"}) == 3
+        assert registry.get_sample_value("vllm:kvd_post_time_seconds_sum", {"engine": "0"}) == pytest.approx(0.003)
         assert registry.get_sample_value("vllm:kvd_bytes_transferred_sum", {"engine": "0"}) == 6144
         assert registry.get_sample_value("vllm:kvd_num_failed_transfers_total", {"engine": "0"}) == 1
         assert registry.get_sample_value("vllm:kvd_num_kv_expired_reqs_total", {"engine": "0"}) == 1

@@ -46,6 +46,7 @@ class RecvDone:
     num_blocks: int
     num_descriptors: int
     duration_s: float
+    post_duration_s: float = 0.0  # inside NIXL's post calls (NIXL telemetry's postDuration); 0 in push mode
 
 
 @dataclass

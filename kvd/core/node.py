@@ -583,6 +583,7 @@ class Node:
         w.pending_loads.add(request_id)
         posted: list[tuple[object, RemoteWorker]] = []
         nbytes = ndescs = 0
+        posts_s = 0.0
         fresh_any = False
         err = ""
         try:
@@ -620,8 +621,9 @@ class Node:
                 msg = notif_message(remote_request_id, plan.expected_notifications(
                     p, remote_tp, w.tp_size, geo.total_kv_heads, w.layout.kv_layout == "MLA"))
                 try:
-                    handle, state = await self._nixl(self._post, w.agent, "READ", r.local_dlist, lidx,
-                                                     r.remote_dlist, ridx, msg)
+                    handle, state, post_s = await self._nixl(self._post, w.agent, "READ", r.local_dlist, lidx,
+                                                             r.remote_dlist, ridx, msg)
+                    posts_s += post_s
                 except NixlError as e:
                     err = f"nixl: {e}"
                     break
@@ -655,6 +657,7 @@ class Node:
             return fail(err)
         w.inflight[request_id] = InflightLoad(
             request_id, flat(local_block_ids), posted, started, deadline, nbytes, ndescs, remote_address, retry,
+            post_s=posts_s,
         )
         if not posted:  # every READ was done when posted: no poll round to wait for
             self._finish(w, request_id, time.monotonic())
@@ -805,21 +808,24 @@ class Node:
                         tp_rank, request_id, e)
 
     def _post(self, agent: NixlAgent, op: str, local, lidx, remote, ridx, msg: bytes):
-        """NIXL thread: posts a transfer; ``(handle, state)``. One already DONE
+        """NIXL thread: posts a transfer; ``(handle, state, seconds inside the
+        post call)``. One already DONE
         (UCX moves shared-memory bytes inside the post) is released here and
         its handle is None: nothing is left to poll. One still in progress is
         checked again for up to ``POST_SPIN_S`` first (its notification is
         usually a moment from done): cheaper than a round through the
         progress loop (docs/PERFORMANCE.md, "fast path")."""
+        t0 = time.monotonic()
         handle, state = agent.post(op, local, lidx, remote, ridx, msg)
+        post_s = time.monotonic() - t0
         if state == "PROC" and POST_SPIN_S > 0:
             until = time.monotonic() + POST_SPIN_S
             while state == "PROC" and time.monotonic() < until:
                 state = agent.state(handle)
         if state == "DONE":
             self._release_handle(agent, handle)
-            return None, state
-        return handle, state
+            return None, state, post_s
+        return handle, state, post_s
 
     def _release_handle(self, agent: NixlAgent, handle) -> None:
         if not agent.release(handle):
@@ -1113,7 +1119,8 @@ class Node:
             self.counters.transfers_done += 1
             self._on_event("transfer", {"bytes": load.nbytes, "seconds": dur, "descs": load.ndescs})
             log.debug("%s request=%s: %d bytes in %.2f ms", w.label, request_id, load.nbytes, dur * 1e3)
-            self._emit(w, RecvDone(request_id, load.nbytes, len(load.local_block_ids), load.ndescs, dur))
+            self._emit(w, RecvDone(request_id, load.nbytes, len(load.local_block_ids), load.ndescs, dur,
+                                   load.post_s))
         elif load.retry and now < load.deadline:
             log.info("%s request=%s: %s; retrying after a new handshake", w.label, request_id, load.failed)
             asyncio.get_running_loop().create_task(self.load(*load.retry, _deadline=load.deadline))

@@ -185,6 +185,7 @@ class InflightLoad:
     ndescs: int
     peer: str
     retry: tuple | None = None  # load() args, when a retry after re-handshake is allowed
+    post_s: float = 0.0  # seconds inside NIXL's post calls, summed over the parts
     failed: str = ""
 
 

@@ -80,7 +80,7 @@ def event_to_pb(e: ev.Event) -> pb.SessionEvent:
     if isinstance(e, ev.RecvDone):
         return pb.SessionEvent(recv_done=pb.RecvDone(
             request_id=e.request_id, bytes=e.bytes, num_blocks=e.num_blocks,
-            num_descriptors=e.num_descriptors, duration_s=e.duration_s))
+            num_descriptors=e.num_descriptors, duration_s=e.duration_s, post_duration_s=e.post_duration_s))
     if isinstance(e, ev.LoadFailed):
         return pb.SessionEvent(load_failed=pb.LoadFailed(
             request_id=e.request_id, failed_block_ids=e.failed_block_ids, reason=e.reason))

@@ -482,9 +482,11 @@ class KvdKVConnectorStats(KVConnectorStats):
     numbers (serializable), one entry per event; the keys follow
     NixlKVConnectorStats where the meaning is the same:
 
-    - ``transfer_duration`` (s), ``bytes_transferred``, ``num_descriptors``,
-      ``num_blocks``: one entry per finished load, from the daemon's
-      ``RecvDone`` (duration = command arrival at the daemon -> NIXL done);
+    - ``transfer_duration`` (s), ``post_duration`` (s), ``bytes_transferred``,
+      ``num_descriptors``, ``num_blocks``: one entry per finished load, from
+      the daemon's ``RecvDone`` (duration = command arrival at the daemon ->
+      NIXL done; post duration = time inside NIXL's post calls, NIXL
+      telemetry's ``postDuration`` as NixlConnector records it);
     - ``num_failed_transfers``: a 1 per failed load (``LoadFailed``, a
       rejected load, a load the scheduler could not even send);
     - ``num_kv_expired_reqs``: a 1 per hold whose lease ran out with no
@@ -498,6 +500,7 @@ class KvdKVConnectorStats(KVConnectorStats):
     def reset(self) -> None:
         self.data: dict[str, list[float | int]] = {
             "transfer_duration": [],
+            "post_duration": [],
             "bytes_transferred": [],
             "num_descriptors": [],
             "num_blocks": [],
@@ -507,6 +510,7 @@ class KvdKVConnectorStats(KVConnectorStats):
 
     def record_transfer(self, done: pb.RecvDone) -> None:
         self.data["transfer_duration"].append(float(done.duration_s))
+        self.data["post_duration"].append(float(done.post_duration_s))
         self.data["bytes_transferred"].append(int(done.bytes))
         self.data["num_descriptors"].append(int(done.num_descriptors))
         self.data["num_blocks"].append(int(done.num_blocks))
@@ -546,9 +550,10 @@ class KvdKVConnectorStats(KVConnectorStats):
         n = self.num_successful_transfers
         if n == 0:
             return {"Num successful transfers": 0, "Avg xfer time (ms)": 0, "P90 xfer time (ms)": 0,
-                    "Avg MB per transfer": 0, "Throughput (MB/s)": 0, "Avg number of descriptors": 0,
+                    "Avg post time (ms)": 0, "P90 post time (ms)": 0, "Avg MB per transfer": 0, "Throughput (MB/s)": 0, "Avg number of descriptors": 0,
                     **failures}
         t = np.asarray(self.data["transfer_duration"], dtype=np.float64)
+        post = np.asarray(self.data.get("post_duration") or [0.0], dtype=np.float64)
         mb = np.asarray(self.data["bytes_transferred"], dtype=np.float64) / 2**20
         descs = np.asarray(self.data["num_descriptors"], dtype=np.float64)
         seconds = float(t.sum())
@@ -556,6 +561,8 @@ class KvdKVConnectorStats(KVConnectorStats):
             "Num successful transfers": n,
             "Avg xfer time (ms)": round(float(t.mean()) * 1e3, 3),
             "P90 xfer time (ms)": round(float(np.percentile(t, 90)) * 1e3, 3),
+            "Avg post time (ms)": round(float(post.mean()) * 1e3, 3),
+            "P90 post time (ms)": round(float(np.percentile(post, 90)) * 1e3, 3),
             "Avg MB per transfer": round(float(mb.sum()) / n, 3),
             "Throughput (MB/s)": round(float(mb.sum()) / seconds, 3) if seconds > 0 else 0,
             "Avg number of descriptors": round(float(descs.mean()), 1),
@@ -581,6 +588,11 @@ class KvdPromMetrics(KVConnectorPromMetrics):
                 name="vllm:kvd_xfer_time_seconds",
                 documentation="KV cache loads through kvd: command arrival at the daemon to NIXL done.",
                 buckets=[0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0],
+                labelnames=labelnames)),
+            "post_duration": per_engine(self._histogram_cls(
+                name="vllm:kvd_post_time_seconds",
+                documentation="KV cache loads through kvd: time inside NIXL's post calls.",
+                buckets=[1e-5, 1e-4, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0],
                 labelnames=labelnames)),
             "bytes_transferred": per_engine(self._histogram_cls(
                 name="vllm:kvd_bytes_transferred", documentation="Bytes per KV cache load through kvd.",

@@ -261,18 +261,20 @@ class SessionOpened(_message.Message):
     def __init__(self, agent_name: _Optional[str] = ..., daemon_version: _Optional[str] = ...) -> None: ...
 
 class RecvDone(_message.Message):
-    __slots__ = ("request_id", "bytes", "num_blocks", "num_descriptors", "duration_s")
+    __slots__ = ("request_id", "bytes", "num_blocks", "num_descriptors", "duration_s", "post_duration_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_DESCRIPTORS_FIELD_NUMBER: _ClassVar[int]
     DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    POST_DURATION_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     bytes: int
     num_blocks: int
     num_descriptors: int
     duration_s: float
-    def __init__(self, request_id: _Optional[str] = ..., bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_descriptors: _Optional[int] = ..., duration_s: _Optional[float] = ...) -> None: ...
+    post_duration_s: float
+    def __init__(self, request_id: _Optional[str] = ..., bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_descriptors: _Optional[int] = ..., duration_s: _Optional[float] = ..., post_duration_s: _Optional[float] = ...) -> None: ...
 
 class LoadFailed(_message.Message):
     __slots__ = ("request_id", "failed_block_ids", "reason")
