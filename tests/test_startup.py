@@ -62,6 +62,9 @@ def _tls_case(tmp_path, which):
         files["ca"] = key
     elif which == "cert-as-key":
         files["key"] = cert
+    elif which == "other-ca":
+        other = Pki(str(tmp_path / "pki-other"))  # a valid CA, but not the one that signed node-a
+        files["ca"] = other.ca
     return ("--peer-tls-cert", files["cert"], "--peer-tls-key", files["key"], "--peer-tls-ca", files["ca"])
 
 
@@ -70,6 +73,7 @@ def _tls_case(tmp_path, which):
     ("other-key", "peer_tls_key", "not the private key of peer_tls_cert"),
     ("key-as-ca", "peer_tls_ca", "no PEM CA certificate"),
     ("cert-as-key", "peer_tls_key", "no usable PEM private key"),
+    ("other-ca", "peer_tls_cert", "does not verify against peer_tls_ca"),
 ])
 def test_unusable_tls_files_are_a_config_error_naming_the_setting(tmp_path, which, setting, words):
     r = _serve("--engine-socket", str(tmp_path / "k.sock"), *_tls_case(tmp_path, which))

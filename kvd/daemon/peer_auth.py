@@ -102,6 +102,48 @@ def check_tls_files(cfg: Config) -> None:
         raise cfg._error("peer_tls_ca", f"{ca_path} holds no PEM CA certificate: {e}") from None
     except OSError as e:
         raise cfg._error("peer_tls_ca", f"cannot read {ca_path}: {e.strerror or e}") from None
+    problem = _verify_against_ca(cert_path, key_path, ca_path)
+    if problem:
+        raise cfg._error("peer_tls_cert", f"{cert_path} does not verify against peer_tls_ca {ca_path} "
+                                          f"({problem}): every peer would refuse it")
+
+
+def _verify_against_ca(cert_path: str, key_path: str, ca_path: str) -> str:
+    """"" when the certificate chain verifies against the CA bundle, else
+    OpenSSL's reason (not signed by that CA, expired, not yet valid...).
+
+    A TLS handshake between two in-memory endpoints (``ssl.MemoryBIO``): the
+    server presents ``cert_path``/``key_path``, the client trusts only
+    ``ca_path``; names are not checked (peers dial by address). No socket.
+    """
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(cert_path, key_path, password=lambda: b"")
+    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    client.check_hostname = False
+    client.verify_mode = ssl.CERT_REQUIRED
+    client.load_verify_locations(cafile=ca_path)
+    c_in, c_out, s_in, s_out = ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO()
+    c = client.wrap_bio(c_in, c_out, server_side=False)
+    srv = server.wrap_bio(s_in, s_out, server_side=True)
+    for _ in range(10):  # a TLS 1.3 handshake is 2-3 flights each way
+        done = True
+        for end, out, peer_in in ((c, c_out, s_in), (srv, s_out, c_in)):
+            try:
+                end.do_handshake()
+            except ssl.SSLWantReadError:
+                done = False
+            except ssl.SSLCertVerificationError as e:
+                return e.verify_message or str(e)
+            except ssl.SSLError as e:
+                if end is c:
+                    return str(e)
+                done = False  # the server learns of the client's alert; the client's error says why
+            data = out.read()
+            if data:
+                peer_in.write(data)
+        if done:
+            return ""
+    return ""
 
 
 @dataclass
