@@ -17,7 +17,6 @@ result back to ``Scheduler.update_from_output``.
 from __future__ import annotations
 
 import gc
-import logging
 import mmap
 import os
 import time

@@ -6,7 +6,6 @@ from __future__ import annotations
 import multiprocessing as mp
 
 import numpy as np
-import pytest
 
 from kvd.v1 import kvd_pb2 as pb
 from kvdtest import KvShape, Session, ShmSegment, register_request

@@ -7,7 +7,6 @@ The full-size benchmarks are ``benchmarks/*.py`` (one command each).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 

@@ -186,7 +186,6 @@ def chunks(local: Geometry, remote: Geometry, region: int) -> np.ndarray:
             and lr.block_len == rr.block_len and local.head_start == remote.head_start):
         return np.array([[0, 0, 0, lr.block_len]], dtype=np.int64)
     es, hd, bs_r, bs_l = local.elem_bytes, l.head_dim, r.block_size, l.block_size
-    mla = l.kv_layout == "MLA"
     la, lb = local.head_start, local.head_start + local.heads_per_rank
     ra, rb = remote.head_start, remote.head_start + remote.heads_per_rank
     a, b = max(la, ra), min(lb, rb)
@@ -227,7 +226,6 @@ def chunks(local: Geometry, remote: Geometry, region: int) -> np.ndarray:
                     lo = ((h - la) * bs_l + lt) if l_hnd else (lt * nh_l + (h - la))
                     ro = ((h - ra) * bs_r + t) if r_hnd else (t * nh_r + (h - ra))
                     rows.append((j, lo * hd * es, ro * hd * es, hd * es))
-        del mla
     return np.array(rows, dtype=np.int64)
 
 
