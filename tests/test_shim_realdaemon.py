@@ -310,6 +310,104 @@ def test_prefill_block_32_into_decode_block_64_cpu_layout(model_dir, daemons, p_
         d.close()
 
 
+def test_prefill_block_32_into_decode_block_64_partial_local_prefix_hit(model_dir, daemons):
+    """Block-size remap and a partial prefix hit on D together: P block 32 ->
+    D block 64 on vLLM-CPU caches, D already holding the prompt's first 2 D
+    blocks in its own prefix cache, prompt 4 x 64 + 1 tokens (the
+    off-by-one: 5 D blocks, 9 P blocks). Only D's 3 missing blocks are filled,
+    from P's last 5 blocks (P's ids trimmed by k = 2 per D block hit, aligned
+    by position: D block 2 + i // 2, half i % 2 == P block 4 + i), element by
+    element, K and V apart; D's own prefix blocks keep their bytes; no other D
+    block is written; the bytes moved are those 5 P blocks; P is freed on
+    D's notification (600 s lease, not expired)."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+    from vllm import SamplingParams
+
+    from kvd.shim.cpu_kv_probe import kv_block_layout
+    from test_shim_vllm import EOS
+
+    k_layout = kv_block_layout(torch.float32, 2 * BS, HEAD)
+    if k_layout is None:
+        pytest.skip("this CPU kernel's block layout is unknown: the shim keeps blocks whole (no remap)")
+    pd, dd = daemons
+    dbs, hit = 2 * BS, 2  # D's block size; D blocks D already holds
+
+    def d_request(prompt, params, max_tokens):  # hashed in D's 64-token blocks
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        sp.update_from_generation_config({}, EOS)
+        req = Request(request_id=f"remap-hit-{time.time_ns()}", prompt_token_ids=list(prompt), sampling_params=sp,
+                      pooling_params=None, block_hasher=get_request_block_hasher(dbs, sha256))
+        req.kv_transfer_params = params
+        return req
+
+    def k_and_v(view, bs):
+        """[blocks, heads, tokens, head] views of K and V (tokens along dim 2)."""
+        flat = view.view(NB, view.shape[1], 2, bs * HEAD)
+        k = (flat[:, :, 0].view(NB, -1, HEAD, bs).transpose(2, 3) if k_layout == "dim_major"
+             else flat[:, :, 0].view(NB, -1, bs, HEAD))
+        return k, flat[:, :, 1].view(NB, -1, bs, HEAD)
+
+    p = Side(model_dir, pd, kv_seed=93, kvd_lease_s=P_LEASE_S)
+    d = Side(model_dir, dd, role="kv_consumer", block_size=dbs)
+    try:
+        expired = pd.stats().leases_expired
+        prompt = list(range(14000, 14000 + 4 * dbs + 1))
+        # D computes the prompt's first 2 D blocks itself (then 3 other tokens):
+        # they stay in its prefix cache. D's "forward" writes nothing, so give
+        # them recognisable bytes.
+        warm = d_request(prompt[:hit * dbs] + [1, 2, 3], None, max_tokens=2)
+        d.sched.add_request(warm)
+        d.step()
+        own = d.sched.kv_cache_manager.get_block_ids(warm.request_id)[0][:hit]
+        d.run_until(lambda: d.finished(warm.request_id) is not None)
+        gen = torch.Generator().manual_seed(1234)
+        for caches in d.caches:
+            for view in caches.values():
+                for b in own:
+                    view[b].copy_(torch.rand(view[b].shape, generator=gen) + 1)
+        before = [{n: v.clone() for n, v in caches.items()} for caches in d.caches]
+
+        params, preq = prefill(p, prompt)
+        (p_ids,) = params["remote_block_ids"]
+        assert params["block_size"] == BS and len(p_ids) == 9, params
+        req = d_request(prompt, params, max_tokens=2)
+        d.sched.add_request(req)
+        d.step()
+        (table,) = d.sched.kv_cache_manager.get_block_ids(req.request_id)
+        assert len(table) == 5 and table[:hit] == own, (table, own)  # D's own prefix blocks hit
+        d.run_until(lambda: d.finished(req.request_id) is not None)
+        load = d.loads[req.request_id]
+        (lg,), (rg,) = load.local_groups, load.remote_groups
+        assert lg == table[hit:], (lg, table)
+        assert rg == p_ids[2 * hit:], (rg, p_ids)  # trimmed by k = 2 P blocks per D block hit
+
+        elems = 0
+        for r, dcaches in enumerate(d.caches):
+            for name, dview in dcaches.items():
+                dk, dv = k_and_v(dview, dbs)
+                pk, pv = k_and_v(p.caches[0][name], BS)
+                for i, rb in enumerate(rg):
+                    for dx, px in ((dk, pk), (dv, pv)):
+                        got = dx[lg[i // 2], :, (i % 2) * BS:(i % 2 + 1) * BS]
+                        assert torch.equal(got, px[rb]), (name, i, rb)
+                        elems += got.numel()
+                assert not dk[lg[-1], :, BS:].any() and not dv[lg[-1], :, BS:].any()  # 1 P block in the last
+                assert torch.equal(dview[own], before[r][name][own]), "D's own prefix blocks were overwritten"
+                others = [b for b in range(NB) if b not in lg and b not in own]
+                assert not dview[others].any(), "a D block outside the load was written"
+        assert elems == len(LAYERS) * KV_HEADS * 5 * 2 * BS * HEAD
+        (stats,) = [s for s in d.stats if s.num_successful_transfers]
+        assert stats.data["bytes_transferred"] == [5 * len(LAYERS) * KV_HEADS * BS * 2 * HEAD * 4]
+        p.run_until(lambda: preq.request_id in p.finished_sending, timeout_s=5)
+        assert wait_leases_zero(pd) < 5
+        assert pd.stats().leases_expired == expired
+    finally:
+        p.close()
+        d.close()
+
+
 def test_prefill_block_larger_than_decode_block_is_refused(model_dir, daemons):
     """P block 64 -> D block 32: no transfer, the load fails at once with a
     message naming the block sizes (vLLM's failure policy takes over), and P's

@@ -39,6 +39,9 @@ prompt; the transferred blocks were byte-equal). The engines here run the PyTorc
 ``RotaryEmbedding.forward_native``); with it vLLM's output equals
 transformers' (``test_mla_reference_equals_transformers``).
 
+A second stack (``pd_mla_tp``, started after the first one's engines are
+stopped) runs D with ``--tensor-parallel-size 2``: MLA across TP sizes.
+
 Slow (the pair starts in about two minutes on two cores); marked ``vllm``:
 ``pytest -m vllm tests/test_vllm_e2e_mla.py``. ``KVD_E2E_MLA_CPU_ROPE=1``
 runs the engines with vLLM-CPU's rope op (the negative control: the output
@@ -243,6 +246,114 @@ def test_mla_stopped_engines_leave_no_kv_segments(pd_mla, mla_results):
     while {n for n in kv if os.path.exists(f"/dev/shm/{n}")}:
         assert time.monotonic() < deadline, {n for n in kv if os.path.exists(f"/dev/shm/{n}")}
         time.sleep(0.5)
+
+
+# ---------------------------------------------------------------------------
+# MLA across TP sizes: P --tensor-parallel-size 1 -> D 2 (real engines).
+# ---------------------------------------------------------------------------
+
+TP_PROMPT_LENGTHS = [20, 100, 333]
+
+
+@pytest.fixture(scope="module")
+def pd_mla_tp(mla_model_dir, tmp_path_factory):
+    """A P/D stack of MLA engines whose decode engine runs with
+    --tensor-parallel-size 2 (as ``test_vllm_e2e.py``'s ``pd_tp``: vLLM-CPU
+    TP over gloo/shm, ``VLLM_CPU_OMP_THREADS_BIND=nobind``,
+    ``VLLM_CPU_KVCACHE_SPACE=1``). Each D rank holds the whole latent cache
+    (``plan.head_range`` with mla=True: one latent "head", on every rank)."""
+    from kvd.demo import engines as eng
+    from kvd.demo import stack
+
+    class TPStack(stack.PDStack):
+        def _start_engines(self) -> None:  # as PDStack's, with D's own TP size
+            t0 = time.monotonic()
+            for name in ("P", "D"):
+                port = eng.free_port()
+                extra = self.p_extra_config if name == "P" else self.d_extra_config
+                cfg = eng.kvd_connector_config(self.daemons[name].socket, extra)
+                args = list(self.engine_args) + (["--tensor-parallel-size", "2"] if name == "D" else [])
+                argv = eng.engine_argv(str(self.model_dir), port, cfg, extra=args)
+                child = self.procs.start(f"engine-{name}", argv, env=eng.engine_env(extra=self.engine_env), wave=1)
+                self.engines[name] = stack.Engine(name, port, child, cfg)
+            for name, e in self.engines.items():
+                self.procs.wait_ready(
+                    e.child, lambda e=e: eng.http_ok(e.url + "/health") and eng.http_ok(e.url + "/v1/models"),
+                    self.engine_ready_s, interval_s=1.0, what="serving")
+            self.timings["engines_ready_s"] = time.monotonic() - t0
+
+    lines: list[str] = []
+    st = TPStack(model_dir=mla_model_dir, run_dir=tmp_path_factory.mktemp("pd-mla-tp"), connector="kvd",
+                 log=lines.append, engine_args=list(ENGINE_ARGS),
+                 p_extra_config={"kvd_lease_s": P_LEASE_S},
+                 d_extra_config={"kvd_load_timeout_s": 60})
+    st.start()
+    try:
+        yield st
+    finally:
+        st.close()
+
+
+@pytest.fixture(scope="module")
+def mla_tp_results(pd_mla_tp, mla_model_dir):
+    """Each prompt through P (TP 1) -> D (TP 2) one at a time, then the
+    non-disaggregated output of each engine alone (prefix cache bypassed by a
+    cache_salt)."""
+    from kvd.demo import proxy, run
+
+    prompts = run.make_prompts(mla_model_dir, TP_PROMPT_LENGTHS, seed=707)
+    meter = run.Meter(pd_mla_tp)
+    p_before, d_before = pd_mla_tp.p_daemon.stats(), pd_mla_tp.d_daemon.stats()
+    reports, ref_d = [], []
+    for i, prompt in enumerate(prompts):
+        pd_mla_tp.check_alive()
+        reports.append(run.run_one(pd_mla_tp, meter, i, prompt))
+    for rep, prompt in zip(reports, prompts):
+        run.reference(pd_mla_tp, rep, prompt)
+        body = dict(run.request_body(prompt), cache_salt=f"{rep.request_id}-d")
+        ref_d.append(list(proxy.complete(pd_mla_tp.d.url, body).token_ids or []))
+    return {"reports": reports, "ref_d": ref_d, "p_before": p_before, "d_before": d_before}
+
+
+@vllm
+def test_mla_tp1_to_tp2_decode_output_equals_non_disaggregated(mla_tp_results):
+    """P TP 1 -> D TP 2 with MLA: greedy output equals P alone and D alone,
+    and D loaded the prompt (computed at most its last token)."""
+    for rep, ref_d in zip(mla_tp_results["reports"], mla_tp_results["ref_d"]):
+        assert rep.kv_transfer_params["tp_size"] == 1, rep.kv_transfer_params
+        assert len(rep.pd_token_ids) == 16, _describe(rep)
+        assert rep.pd_token_ids == rep.ref_token_ids == ref_d, _describe(rep) + f"\nD alone: {ref_d}"
+        assert rep.external_tokens >= rep.prompt_tokens - 1, _describe(rep)
+        assert rep.local_compute_tokens <= 1, _describe(rep)
+
+
+@vllm
+def test_mla_tp1_to_tp2_each_decode_rank_reads_the_latents_and_prefill_freed_on_notification(pd_mla_tp,
+                                                                                              mla_tp_results):
+    """Both D ranks registered the whole latent cache (2 regions, 16-token
+    blocks). One P rank holds the latents, so ``plan.source_ranks(mla=True)``
+    has each D rank read all of them from it (each rank's cache is its own
+    memory: 2 transfers, twice the prompt's latent blocks per request; "one
+    reads, the others only notify" is about source ranks, P TP > 1), and P's
+    600 s lease ended when both D ranks had notified, not on expiry."""
+    for rep in mla_tp_results["reports"]:
+        n = rep.prompt_tokens
+        lo = math.ceil((n - 1) / BLOCK_SIZE) * BLOCK_BYTES
+        hi = math.ceil(n / BLOCK_SIZE) * BLOCK_BYTES
+        assert rep.transfers == 2 and 2 * lo <= rep.bytes <= 2 * hi, _describe(rep)
+        assert rep.p_leases_after == 0, _describe(rep)
+        assert rep.p_leases_zero_after_s is not None and rep.p_leases_zero_after_s < FREE_DEADLINE_S, \
+            _describe(rep)
+    p_after, d_after = pd_mla_tp.p_daemon.stats(), pd_mla_tp.d_daemon.stats()
+    assert p_after["active_leases"] == 0
+    assert p_after["leases_expired"] == mla_tp_results["p_before"]["leases_expired"]
+    ranks = sorted((w["tp_rank"], w["tp_size"], w["regions"], w["block_size"]) for w in d_after["workers"])
+    assert ranks == [(0, 2, NUM_LAYERS, BLOCK_SIZE), (1, 2, NUM_LAYERS, BLOCK_SIZE)], d_after["workers"]
+    assert d_after["transfers_failed"] == mla_tp_results["d_before"]["transfers_failed"]
+    assert d_after["transfers_done"] - mla_tp_results["d_before"]["transfers_done"] == 2 * len(TP_PROMPT_LENGTHS)
+    for s in (p_after, d_after):
+        assert s.get("leaked_handles", 0) == 0, s
+        assert s.get("inflight_transfers", 0) == 0, s
 
 
 # ---------------------------------------------------------------------------
