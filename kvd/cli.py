@@ -32,6 +32,9 @@ def _target(args) -> str:
 
 
 def cmd_serve(args) -> int:
+    """``kvd serve``: loads the settings (flags > env > file > defaults) and runs
+    the daemon until it stops. Returns 0, 64 for an invalid setting, 1 when
+    startup fails (a port in use, a NIXL backend that does not load)."""
     # Only the flags the user gave (the others are argparse.SUPPRESS): they
     # override env and file; config.py parses and validates them.
     flags = {k: v for k, v in vars(args).items() if k in setting_names()}
@@ -65,6 +68,9 @@ def cmd_serve(args) -> int:
 
 
 def cmd_health(args) -> int:
+    """``kvd health``: gRPC health check of the daemon. Returns 0 serving, 1 not
+    serving (draining, or an unknown ``--service``), 2 unreachable within
+    ``--timeout`` seconds or refused."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -94,6 +100,8 @@ def cmd_health(args) -> int:
 
 
 def cmd_status(args) -> int:
+    """``kvd status``: prints the daemon's GetStats (engine socket only) as text
+    or ``--json``. Returns 0, or 2 when unreachable or refused."""
     import grpc
 
     from kvd.v1 import kvd_pb2, kvd_pb2_grpc
@@ -116,6 +124,7 @@ def cmd_status(args) -> int:
 
 
 def cmd_version(args) -> int:
+    """``kvd version``: prints kvd's version and those of nixl, grpcio and protobuf when installed. Returns 0."""
     print(f"kvd {__version__}")
     try:
         from importlib.metadata import version
@@ -128,12 +137,14 @@ def cmd_version(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    """``kvd bench``: runs ``kvd.bench.cli.main`` with the remaining arguments; returns its exit code."""
     from kvd.bench.cli import main as bench_main
 
     return bench_main(args.bench_args)
 
 
 def cmd_demo(args) -> int:
+    """``kvd demo``: runs ``kvd.demo.run.main`` with the remaining arguments; returns its exit code."""
     from kvd.demo.run import main as demo_main
 
     return demo_main(args.demo_args)
@@ -176,6 +187,9 @@ class UsageParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``kvd`` argument parser: one ``serve`` flag per setting of kvd/config.py
+    (default SUPPRESS, so env and file still apply), and the health, status,
+    demo, bench and version subcommands. Usage errors exit 64."""
     p = UsageParser(
         prog="kvd",
         description="kvd: per-node KV-cache transfer daemon for disaggregated prefill/decode serving.",
@@ -240,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``kvd``: ``argv`` without the program name (default
+    ``sys.argv[1:]``); ``bench`` and ``demo`` hand the rest to their own
+    parsers. Returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:
         from kvd.bench.cli import main as bench_main

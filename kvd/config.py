@@ -274,6 +274,7 @@ def settings() -> list:
 
 
 def setting_names() -> list[str]:
+    """Names of every setting (the keys of flags, ``KVD_*`` env and the TOML file)."""
     return [f.name for f in settings()]
 
 

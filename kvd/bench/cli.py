@@ -15,6 +15,10 @@ from kvd.cli import UsageParser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``kvd bench``: the short data-plane benchmark (kvd vs plain NIXL vs memcpy)
+    and, unless ``--skip-step``, the shim's per-step cost, with ratios against
+    docs/PERFORMANCE.md's goals. ``argv``: the arguments after ``bench``.
+    Returns the exit code (64 on a usage error)."""
     ap = UsageParser(  # usage errors exit 64, as every kvd command
         prog="kvd bench",
         description="Short benchmarks: (1) data plane, kvd vs plain NIXL vs memcpy; (2) the shim's cost per "

@@ -63,6 +63,7 @@ class Segment:
         del w
 
     def close(self) -> None:
+        """Drops the array view, unmaps the segment and unlinks its /dev/shm file."""
         self.array = None
         try:
             self.mm.close()
@@ -101,9 +102,12 @@ class Daemon:
 
     @property
     def pid(self) -> int:
+        """The daemon's process id."""
         return self.proc.pid
 
     def stats(self, timeout_s: float = 5.0):
+        """The daemon's ``StatsResponse`` over its engine socket (``timeout_s``
+        seconds). Raises grpc.RpcError."""
         import grpc
 
         from kvd.v1 import kvd_pb2 as pb
@@ -118,6 +122,7 @@ class Daemon:
             os.kill(self.proc.pid, signal.SIGSTOP if on else signal.SIGCONT)
 
     def log_tail(self, n: int = 30) -> str:
+        """The last ``n`` lines of the daemon's log ("" when unreadable)."""
         try:
             with open(self.log_path) as f:
                 return "".join(f.readlines()[-n:])
@@ -125,6 +130,8 @@ class Daemon:
             return ""
 
     def stop(self, timeout_s: float = 20.0) -> int:
+        """SIGTERM (resuming a paused daemon first), then SIGKILL after
+        ``timeout_s`` seconds; returns the exit code."""
         if self.proc.poll() is None:
             self.pause(False)
             self.proc.send_signal(signal.SIGTERM)
@@ -173,6 +180,7 @@ def workdir(prefix: str = "kvd-bench-") -> str:
 
 
 def remove_workdir(path: str) -> None:
+    """Removes a :func:`workdir` and everything in it (errors ignored)."""
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -203,6 +211,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def loadavg() -> tuple[float, float, float]:
+    """The 1, 5 and 15 minute load averages from ``/proc/loadavg``."""
     with open("/proc/loadavg") as f:
         a, b, c = f.read().split()[:3]
     return float(a), float(b), float(c)
@@ -242,6 +251,7 @@ def machine() -> dict:
 
 # ------------------------------------------------------------------ statistics
 def median(xs) -> float:
+    """Median of ``xs`` with NaNs dropped; NaN when none are left."""
     xs = [x for x in xs if x == x]
     return statistics.median(xs) if xs else float("nan")
 
@@ -256,6 +266,8 @@ def pct(xs, q: float) -> float:
 
 
 def fmt_bytes(n: float) -> str:
+    """``n`` bytes as text: whole GiB/MiB/KiB when exact (``"4 MiB"``), else one
+    decimal (``"1.5 MiB"``), else bytes (``"512 B"``)."""
     for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
         if n >= size and n % size == 0:
             return f"{n // size:.0f} {unit}"
@@ -297,10 +309,12 @@ class Progress:
         self.tty = sys.stderr.isatty()
 
     def step(self, label: str = "", n: int = 1) -> None:
+        """Counts ``n`` more units done and redraws with ``label``."""
         self.done += n
         self.show(label)
 
     def show(self, label: str = "") -> None:
+        """Redraws the line: bar, done/total, percent, ``label`` and ETA."""
         if not self.enabled:
             return
         el = time.monotonic() - self.started
@@ -320,6 +334,7 @@ class Progress:
         sys.stderr.flush()
 
     def close(self) -> None:
+        """Ends the in-place line on a terminal."""
         if self.enabled and self.tty:
             sys.stderr.write("\n")
             sys.stderr.flush()

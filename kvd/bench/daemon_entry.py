@@ -16,6 +16,11 @@ import sys
 
 
 def apply(assignment: str) -> None:
+    """Applies one ``module.ATTR=value`` (or ``module.Class.field=value``, a
+    dataclass field default): imports the longest importable module prefix
+    and sets the attribute to ``value`` parsed as a Python literal. Raises
+    ImportError when no prefix imports, ValueError/SyntaxError for a value that
+    is not a literal, AttributeError for an unknown attribute."""
     target, _, value = assignment.partition("=")
     parts = target.split(".")
     val = ast.literal_eval(value)
@@ -98,6 +103,8 @@ def install_trace() -> None:
 
 
 def main(argv: list[str]) -> int:
+    """Applies the leading ``--trace`` / ``--set ASSIGNMENT`` options, then runs
+    ``kvd`` with the rest of ``argv``; returns its exit code."""
     while argv[:1] in (["--set"], ["--trace"]):
         if argv[0] == "--trace":
             install_trace()

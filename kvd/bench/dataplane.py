@@ -42,6 +42,9 @@ QUICK_MAX_BYTES = 16 * cm.MiB
 
 @dataclass
 class Cell:
+    """One benchmark cell: ``blocks`` blocks of ``block_len`` bytes per request,
+    and the seconds per request of each round for (a) kvd, (b) plain NIXL and
+    (c) memcpy."""
     block_len: int
     blocks: int
     a: list[float] = field(default_factory=list)  # seconds per request
@@ -50,9 +53,12 @@ class Cell:
 
     @property
     def nbytes(self) -> int:
+        """Bytes per request: ``block_len * blocks``."""
         return self.block_len * self.blocks
 
     def gbs(self, which: str) -> float:
+        """Throughput of case ``which`` ("a", "b" or "c") in GB/s (1e9 bytes/s),
+        from the median round time; NaN without rounds."""
         t = cm.median(getattr(self, which))
         return self.nbytes / t / 1e9 if t > 0 else float("nan")
 
@@ -62,6 +68,7 @@ class Cell:
         return cm.median([ty / tx for tx, ty in zip(xs, ys) if tx > 0])
 
     def summary(self) -> dict:
+        """The cell's figures as a dict: medians in ms and GB/s, ratios, raw seconds."""
         return dict(block_len=self.block_len, blocks=self.blocks, bytes=self.nbytes,
                     a_gbs=self.gbs("a"), b_gbs=self.gbs("b"), c_gbs=self.gbs("c"),
                     a_ms=cm.median(self.a) * 1e3, b_ms=cm.median(self.b) * 1e3, c_ms=cm.median(self.c) * 1e3,
@@ -77,6 +84,8 @@ def entry_for(daemon_set) -> tuple[str, ...]:
 
 
 def cells_for(block_lens, blocks, max_bytes) -> list[Cell]:
+    """Every cell of ``block_lens`` (bytes) x ``blocks`` with at most
+    ``max_bytes`` bytes per request."""
     return [Cell(bl, n) for bl in block_lens for n in blocks if bl * n <= max_bytes]
 
 
@@ -103,6 +112,8 @@ class Bench:
         self.ids: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
 
     def ids_for(self, cell: Cell) -> tuple[list[int], list[int]]:
+        """``(local, remote)`` block ids of ``cell``: the first ``blocks`` local
+        blocks and a random permutation of source blocks (fixed per cell)."""
         key = (cell.block_len, cell.blocks)
         if key not in self.ids:
             nsrc = self.src.size // cell.block_len
@@ -120,6 +131,7 @@ class Bench:
             self.kvd.pause(which != "a")
 
     def run_a(self, cell: Cell) -> float:
+        """One kvd transfer of ``cell`` through the two daemons; seconds."""
         local, remote = self.ids_for(cell)
         self.isolate("a")
         t = self.kvd.transfer(cell.block_len, local, remote, self.poll_s)
@@ -127,12 +139,14 @@ class Bench:
         return t
 
     def run_b(self, cell: Cell) -> float:
+        """One plain-NIXL READ of ``cell``; seconds."""
         local, remote = self.ids_for(cell)
         self.isolate("b")
         key = self.nixl.prep(cell.block_len, self.src.size // cell.block_len)
         return self.nixl.read(key, local, remote, b"bench", self.poll_s)
 
     def run_c(self, cell: Cell) -> float:
+        """One memcpy of ``cell``'s blocks (``np.take``); seconds."""
         self.isolate("c")
         return self._memcpy(cell)
 
@@ -159,6 +173,8 @@ class Bench:
         return {k: 100 * (cm.cpu_seconds(p) - c0[k]) / seconds for k, p in pids.items()}
 
     def verify(self, cell: Cell, which: str) -> None:
+        """Runs case ``which`` once on a zeroed destination; raises AssertionError
+        when the bytes differ from the source blocks."""
         local, remote = self.ids_for(cell)
         self.dst.array[:cell.nbytes] = 0
         getattr(self, f"run_{which}")(cell)
@@ -168,6 +184,7 @@ class Bench:
             raise AssertionError(f"({which}) {cell.blocks} x {cell.block_len} B: bytes differ")
 
     def close(self) -> None:
+        """Resumes paused processes, stops both pairs, frees the segments and the workdir."""
         try:
             if self.nixl is not None:
                 self.nixl.pause(False)
@@ -259,6 +276,8 @@ def latency(block_len: int = 64 * cm.KiB, blocks: int = 16, reps: int = 200, pol
 
 
 def latency_table(res: dict, markdown: bool = False) -> str:
+    """Benchmark 3's result as a table of p50/p90/p99 ms for (a) kvd and (b)
+    plain NIXL, the kvd / NIXL ratio at p50 and the idle CPU (% of a core)."""
     rows = [["(a) kvd", f"{res['a_p50_ms']:.3f}", f"{res['a_p90_ms']:.3f}", f"{res['a_p99_ms']:.3f}"],
             ["(b) plain NIXL", f"{res['b_p50_ms']:.3f}", f"{res['b_p90_ms']:.3f}", f"{res['b_p99_ms']:.3f}"]]
     return cm.fmt_table(["path", "p50 ms", "p90 ms", "p99 ms"], rows, markdown) + (
@@ -267,6 +286,9 @@ def latency_table(res: dict, markdown: bool = False) -> str:
 
 
 def latency_main(argv: list[str] | None = None) -> int:
+    """Benchmark 3 (``benchmarks/latency.py``): completion latency of a small
+    request, kvd vs plain NIXL; prints the table and the <= 1.5x goal, writes
+    ``--json``. Returns 0."""
     ap = argparse.ArgumentParser(description="kvd benchmark 3: completion latency of a small request, kvd vs plain NIXL")
     ap.add_argument("--block-len", default="64K")
     ap.add_argument("--blocks", type=int, default=16)
@@ -304,6 +326,7 @@ def goals(res: dict) -> dict:
 
 
 def table(res: dict, markdown: bool = False) -> str:
+    """Benchmark 1's cells as a text (or ``markdown``) table: ms, GB/s and ratios."""
     rows = []
     for c in res["cells"]:
         rows.append([cm.fmt_bytes(c["block_len"]), c["blocks"], cm.fmt_bytes(c["bytes"]),
@@ -315,6 +338,8 @@ def table(res: dict, markdown: bool = False) -> str:
 
 
 def parse_sizes(s: str) -> list[int]:
+    """Comma-separated sizes with optional K/KiB/M/MiB suffixes (binary) -> bytes;
+    ``"4K,1M"`` -> ``[4096, 1048576]``. Raises ValueError on a bad number."""
     out = []
     for x in s.split(","):
         x = x.strip().upper()
@@ -328,6 +353,9 @@ def parse_sizes(s: str) -> list[int]:
 
 
 def add_common_args(ap: argparse.ArgumentParser) -> None:
+    """Adds the options benchmarks 1 and 3 share: poll interval (us), the plain
+    NIXL side's progress-thread settings, daemon flags and module defaults,
+    environment, ``--json`` and ``--no-progress``."""
     ap.add_argument("--poll-us", type=float, default=50.0,
                     help="completion poll interval of the engine side in (a) and the reader in (b) (default 50)")
     ap.add_argument("--nixl-prog-thread", choices=("on", "off"), default="on",
@@ -347,12 +375,16 @@ def add_common_args(ap: argparse.ArgumentParser) -> None:
 
 
 def peer_cfg_from(args) -> PeerConfig:
+    """The plain-NIXL processes' ``PeerConfig`` from the parsed common options."""
     env = dict(e.split("=", 1) for e in args.env)
     return PeerConfig(prog_thread=args.nixl_prog_thread == "on", num_threads=args.nixl_num_threads,
                       pthr_delay_us=args.nixl_pthr_delay_us, env=env)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Benchmark 1 (``benchmarks/dataplane.py``): (a) kvd vs (b) plain NIXL vs (c)
+    memcpy over the cells, with the goals (a)/(b) >= 0.97 for blocks >= 64 KiB
+    and (a)/(c) >= 0.7; prints the table, writes ``--json``. Returns 0."""
     ap = argparse.ArgumentParser(description="kvd benchmark 1: data plane, (a) kvd vs (b) plain NIXL vs (c) memcpy")
     ap.add_argument("--quick", action="store_true", help="a short run (seconds)")
     ap.add_argument("--block-lens", default="", help="comma-separated, e.g. 4K,64K,1M (default 4K..4M)")

@@ -38,6 +38,8 @@ def register_request(engine_id: str, seg_name: str, seg_size: int, block_len: in
 
 @dataclass
 class Worker:
+    """One engine worker registered on a daemon of the pair: its engine id, its
+    engine client and the number of blocks its region holds."""
     engine_id: str
     client: EngineClient
     num_blocks: int
@@ -152,6 +154,8 @@ class KvdPair:
         return sum(len(pw.client.drain_events()) for pw in self._sources.values())
 
     def close(self) -> None:
+        """Unregisters every worker (10 s deadline each, errors ignored), closes
+        their clients and stops the daemons started here."""
         for w in [*self._sources.values(), *self._readers.values()]:
             try:
                 w.client.unregister(timeout_s=10)

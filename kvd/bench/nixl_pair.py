@@ -187,6 +187,9 @@ class NixlPeer:
         _, self.pid = self._conn.recv()
 
     def call(self, *cmd, timeout_s: float = 120.0):
+        """Sends command ``cmd`` to the peer process and returns its result. Raises
+        TimeoutError with no answer in ``timeout_s`` seconds, RuntimeError when the
+        peer reports an error."""
         self._conn.send(cmd)
         if not self._conn.poll(timeout_s):
             raise TimeoutError(f"NIXL peer {self.name}: no answer to {cmd[0]} in {timeout_s} s")
@@ -201,6 +204,7 @@ class NixlPeer:
             os.kill(self.pid, signal.SIGSTOP if on else signal.SIGCONT)
 
     def close(self) -> None:
+        """Resumes the peer, asks it to quit (10 s), then kills it if still alive."""
         self.pause(False)
         if self.proc.is_alive():
             try:
@@ -236,6 +240,9 @@ class NixlPair:
         self._prepped: set = set()
 
     def prep(self, block_len: int, num_blocks: int) -> str:
+        """Prepares the reader's descriptor lists for ``num_blocks`` blocks of
+        ``block_len`` bytes at the start of both segments (once per shape);
+        returns the key for :meth:`read`."""
         key = f"{block_len}x{num_blocks}"
         if key not in self._prepped:
             src_base, dst_base = self._bases
@@ -244,6 +251,8 @@ class NixlPair:
         return key
 
     def read(self, key: str, local_ids, remote_ids, notif: bytes, poll_s: float = 0.0) -> float:
+        """READs ``remote_ids`` into ``local_ids`` with notification ``notif``
+        (``poll_s`` seconds between polls); the reader's seconds from post to DONE."""
         return self.reader.call("read", key, list(local_ids), list(remote_ids), notif, poll_s)
 
     def read_many(self, key: str, reqs: list[tuple[list[int], list[int], bytes]], poll_s: float = 0.0) -> list[float]:
@@ -252,9 +261,11 @@ class NixlPair:
         return self.reader.call("read_many", key, [(list(l), list(r), n) for l, r, n in reqs], poll_s)
 
     def pause(self, on: bool) -> None:
+        """Pauses (SIGSTOP) or resumes (SIGCONT) both processes."""
         self.reader.pause(on)
         self.source.pause(on)
 
     def close(self) -> None:
+        """Stops the reader and the source process."""
         self.reader.close()
         self.source.close()

@@ -36,6 +36,11 @@ PEERS = [1, 4, 16]
 def run(block_len: int = BLOCK_LEN, blocks=BLOCKS, concurrency=CONCURRENCY, peers=PEERS, reps: int = 3,
         poll_s: float = 50e-6, peer_cfg: PeerConfig | None = None, daemon_args=(), daemon_env=None,
         progress: bool = True, with_b: bool = True, daemon_set=()) -> dict:
+    """Benchmark 4: for each (peers, concurrency, blocks per request) cell,
+    ``reps`` rounds of ``concurrency`` concurrent kvd loads of ``block_len``-byte
+    blocks (and plain NIXL with one peer unless ``with_b`` is False). Returns
+    a dict: per-case wall time (ms), GB/s, latency p50/p99 (ms), us per block;
+    daemon RSS without shm (MiB) after each case; idle CPU (% of a core)."""
     load0 = cm.loadavg()
     t_start = time.time()
     nblocks = max(blocks)
@@ -128,6 +133,8 @@ def run(block_len: int = BLOCK_LEN, blocks=BLOCKS, concurrency=CONCURRENCY, peer
 
 
 def table(res: dict, markdown: bool = False) -> str:
+    """Benchmark 4's cases as a text (or ``markdown``) table, with the daemons'
+    maximum RSS (MiB) and idle CPU."""
     rows = []
     for c in res["cases"]:
         rows.append([c["peers"], c["concurrency"], c["blocks"], cm.fmt_bytes(c["bytes"]), f"{c['wall_ms']:.1f}",
@@ -146,6 +153,8 @@ def table(res: dict, markdown: bool = False) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Benchmark 4 (``benchmarks/scale.py``): runs :func:`run`, prints the table and
+    the RSS <= 200 MB goal, writes ``--json``. Returns 0."""
     ap = argparse.ArgumentParser(description="kvd benchmark 4: scale (concurrency, blocks per request, peers, RSS)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--blocks", default="", help="blocks per request (default 1,100,1000,10000)")

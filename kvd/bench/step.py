@@ -60,6 +60,8 @@ class _Timer:
         self.by_name: dict[str, float] = {}
 
     def wrap(self, obj, name: str):
+        """Replaces ``obj.name`` with a wrapper that adds its wall and thread-CPU
+        seconds to this timer."""
         fn = getattr(obj, name)
 
         @functools.wraps(fn)
@@ -153,6 +155,8 @@ class EngineHarness:
         self.failed = 0
 
     def add_request(self, p_host: str, p_port: int) -> None:
+        """Adds one decode request (``do_remote_prefill``) whose prefill engine is at
+        ``p_host:p_port``, so a load starts when it is scheduled."""
         from vllm import SamplingParams
         from vllm.v1.request import Request
 
@@ -220,6 +224,7 @@ class EngineHarness:
         return sched_s + s2, worker_s, cpu_s + c3
 
     def close(self) -> None:
+        """Shuts down both workers' connectors (errors ignored)."""
         for c in (self.worker, self.p_worker):
             try:
                 c.shutdown()
@@ -305,6 +310,12 @@ def unary_reference(sock: str, n: int) -> list[float]:
 
 def run(inflight=(0, 16, 256), steps: int = 400, warmup: int = 30, forward_s: float = 0.005,
         unary_n: int = 200, progress: bool = True, daemon_args=(), daemon_env=None, daemon_set=()) -> dict:
+    """Benchmark 2: starts daemons P and D and, for each count in ``inflight``,
+    times ``steps`` engine steps of a vLLM scheduler and worker with KvdConnector
+    (``forward_s`` seconds of simulated forward pass each), with those loads
+    held in flight and with loads starting and ending every step; also
+    ``unary_n`` blocking GetStats calls. Returns a dict of per-case
+    percentiles in us. Raises ImportError without vLLM."""
     from kvd.bench.dataplane import entry_for
 
     import logging
@@ -420,6 +431,8 @@ def run(inflight=(0, 16, 256), steps: int = 400, warmup: int = 30, forward_s: fl
 
 
 def table(res: dict, markdown: bool = False) -> str:
+    """Benchmark 2's cases as a text (or ``markdown``) table (us per step), with
+    the back-to-back, idle-penalty control, GetStats and least-squares notes."""
     rows = [[c["inflight"], f"{c.get('held_p50_us', float('nan')):.0f}", f"{c.get('held_p99_us', float('nan')):.0f}",
              f"{c.get('held_cpu_p50_us', float('nan')):.0f}",
              f"{c['inflight_mean']:.0f}", f"{c.get('loads_started_per_step', 0):.1f}", f"{c['p50_us']:.0f}",
@@ -463,6 +476,9 @@ def goals(res: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Benchmark 2 (``benchmarks/engine_step.py``): runs :func:`run`, prints the
+    table and the p50 <= 30 us / p99 <= 200 us goals, writes ``--json``.
+    Returns 0, or 2 without vLLM."""
     ap = argparse.ArgumentParser(description="kvd benchmark 2: the shim's cost per engine step")
     ap.add_argument("--quick", action="store_true", help="a short run (seconds)")
     ap.add_argument("--inflight", default="0,16,256", help="loads kept in flight (comma-separated)")

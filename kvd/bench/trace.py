@@ -67,6 +67,10 @@ def _first_after(times: list[float], t: float) -> float | None:
 
 
 def run(block_len: int, blocks: int, reps: int, poll_s: float = 50e-6, daemon_set=()) -> dict:
+    """Times ``reps`` loads of ``blocks`` blocks of ``block_len`` bytes (after 5
+    untimed) through two tracing daemons and joins the engine's and the decode
+    daemon's timestamps. Returns a dict: per-leg median and p90 (ms), and how
+    many READs were done when the post returned."""
     size = max(4 * cm.MiB, 4 * block_len * blocks)
     src, dst = cm.Segment(size), cm.Segment(size)
     src.fill(3)
@@ -117,6 +121,7 @@ def run(block_len: int, blocks: int, reps: int, poll_s: float = 50e-6, daemon_se
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m kvd.bench.trace``: runs :func:`run`, prints the legs, writes ``--json``. Returns 0."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--block-len", default="64K")
     ap.add_argument("--blocks", type=int, default=16)

@@ -29,6 +29,8 @@ from kvd.bench.nixl_pair import NixlPair, PeerConfig
 
 
 def parse_variant(spec: str) -> tuple[str, list[str], dict]:
+    """``"NAME=SET;SET;env:K=V"`` -> ``(name, module-default assignments for
+    kvd.bench.daemon_entry, environment)``."""
     name, _, rest = spec.partition("=")
     sets, env = [], {}
     for item in filter(None, rest.split(";")):
@@ -64,6 +66,7 @@ def run(variants: list[str], cells: list[tuple[int, int, int]], reps: int, poll_
         nixl.pause(True)
 
         def only(which: str) -> None:
+            """Pauses (SIGSTOP) every variant and plain NIXL but ``which``."""
             for n, p in pairs.items():
                 p.pause(n != which)
             nixl.pause(which != "(b)")
@@ -134,6 +137,9 @@ def run(variants: list[str], cells: list[tuple[int, int, int]], reps: int, poll_
 
 
 def table(res: dict, markdown: bool = False) -> str:
+    """The variants' results as a text (or ``markdown``) table: latency
+    p50/p90/p99 (ms), GB/s and plain-NIXL time over the variant's, per cell,
+    with idle CPU (% of a core)."""
     rows = []
     for c in res["cells"]:
         for k, v in c["by"].items():
@@ -149,6 +155,9 @@ def table(res: dict, markdown: bool = False) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m kvd.bench.variants``: parses ``--variant`` and ``--cells``
+    (``block_len:blocks:concurrency``), runs :func:`run`, prints the table,
+    writes ``--json``. Returns 0."""
     ap = argparse.ArgumentParser(description="A/B of kvd daemon variants, side by side")
     ap.add_argument("--variant", action="append", required=True, metavar="NAME=SET;SET;env:K=V")
     ap.add_argument("--cells", default="64K:16:1,64K:256:1,64K:4096:1,4K:100:8",

@@ -51,6 +51,7 @@ def layout_from_pb(m: pb.Layout) -> Layout:
 
 
 def layout_to_pb(l: Layout) -> pb.Layout:
+    """A core ``Layout`` as a ``pb.Layout`` (the inverse of ``layout_from_pb``)."""
     return pb.Layout(
         num_blocks=l.num_blocks,
         block_size=l.block_size,
@@ -67,10 +68,12 @@ def layout_to_pb(l: Layout) -> pb.Layout:
 
 
 def region_from_pb(m: pb.Region) -> Region:
+    """A ``pb.Region`` as a core ``Region`` (offsets and lengths in bytes)."""
     return Region(m.segment_index, m.offset, m.block_len, m.block_stride, m.name, m.group)
 
 
 def region_to_pb(r: Region) -> pb.Region:
+    """A core ``Region`` as a ``pb.Region`` (offsets and lengths in bytes)."""
     return pb.Region(segment_index=r.segment, offset=r.offset, block_len=r.block_len,
                      block_stride=r.block_stride, name=r.name, group=r.group)
 
@@ -118,4 +121,5 @@ def groups_from_pb(flat_ids, groups) -> BlockGroups:
 
 
 def groups_to_pb(groups: BlockGroups) -> list:
+    """Per-group block ids as ``pb.BlockIds`` messages, one per group."""
     return [pb.BlockIds(ids=g) for g in groups]

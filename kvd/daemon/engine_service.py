@@ -129,6 +129,17 @@ class EngineService(pb_grpc.EngineServiceServicer):
                                   f"{caller}): {why}")
 
     async def RegisterEngine(self, request: pb.RegisterEngineRequest, context) -> pb.RegisterEngineResponse:
+        """Registers one engine worker (TP rank): maps its segments, makes its NIXL
+        agent and registers its memory; returns a fresh ``session_token`` for its
+        Session/UnregisterEngine, the agent name, this daemon's peer address and
+        the data path chosen (STAGED with its mirror segments, or DIRECT).
+
+        gRPC status: UNAVAILABLE while draining; PERMISSION_DENIED for a caller
+        not come through the engine socket or a segment it cannot read and write;
+        INVALID_ARGUMENT for bad ids, layout, regions, a missing or short segment,
+        or a segment kind other than SHM/CUDA_IPC on the direct path;
+        ALREADY_EXISTS when ``(engine_id, tp_rank)`` is registered (core errors
+        mapped by ``convert.status_of``)."""
         await self._refuse_while_draining(context)
         caller = await self._caller(context)
         w = request.worker
@@ -170,6 +181,15 @@ class EngineService(pb_grpc.EngineServiceServicer):
         )
 
     async def UnregisterEngine(self, request: pb.UnregisterEngineRequest, context) -> pb.UnregisterEngineResponse:
+        """Drops worker ``(engine_id, tp_rank)``: fails its loads, ends its leases,
+        frees its NIXL state; returns the number of leases released.
+
+        gRPC status: NOT_FOUND for a worker not registered; PERMISSION_DENIED for
+        a caller not come through the engine socket, a ``session_token`` that
+        does not match (or another user's), or, without a token, a caller that
+        is not the registering process (or ``require_session_token`` is set),
+        unless a same-user caller takes over an owner that is gone or has no
+        session."""
         caller = await self._caller(context)
         key = (request.worker.engine_id, request.worker.tp_rank)
         try:
@@ -182,6 +202,9 @@ class EngineService(pb_grpc.EngineServiceServicer):
         return pb.UnregisterEngineResponse(released_leases=n)
 
     async def GetStats(self, request, context) -> pb.StatsResponse:
+        """This daemon's ``StatsResponse`` (workers, leases, transfers, peer and
+        metrics addresses, draining flag; ``build_stats``). Never aborts; read by
+        ``kvd status`` and by the shim for the peer address."""
         return build_stats(self.node, draining=self.draining, backends=self.backends,
                            metrics_address=self.metrics_address)
 

@@ -79,12 +79,16 @@ class Policy:
 
     @classmethod
     def make(cls, allowed_uids=(), allowed_gids=()) -> "Policy":
+        """The admission policy: root and the daemon's own uid always, plus
+        ``allowed_uids``; any of ``allowed_gids`` (numeric ids)."""
         return cls(frozenset({0, os.geteuid(), *allowed_uids}), frozenset(allowed_gids))
 
     def admits(self, uid: int, gids: frozenset[int]) -> bool:
+        """True when ``uid`` is admitted or shares a group with ``gids``."""
         return uid in self.uids or bool(gids & self.gids)
 
     def describe(self) -> str:
+        """The admitted uids and gids, for error messages and logs."""
         gids = ", ".join(map(str, sorted(self.gids))) or "none"
         return f"uids {', '.join(map(str, sorted(self.uids)))}; gids {gids}"
 
@@ -350,6 +354,9 @@ class AdmissionInterceptor(grpc.aio.ServerInterceptor):
         self.gate = gate
 
     async def intercept_service(self, continuation, details):
+        """Wraps every engine-server handler so that it first aborts with
+        PERMISSION_DENIED when the caller did not come through the engine socket
+        or is not admitted by the gate's policy."""
         handler = await continuation(details)
         if handler is None:
             return None

@@ -191,6 +191,7 @@ class PeerAuth:
 
     @property
     def tls(self) -> bool:
+        """True when certificate, key and CA are all set (mutual TLS on the peer port)."""
         return bool(self.cert and self.key and self.ca)
 
     @property
@@ -199,11 +200,14 @@ class PeerAuth:
         return self.tls or bool(self.token)
 
     def describe(self) -> str:
+        """``"mutual TLS"``, ``"token"``, both joined by ``+``, or ``"none"``, for logs."""
         parts = (["mutual TLS"] if self.tls else []) + (["token"] if self.token else [])
         return " + ".join(parts) or "none"
 
     # ------------------------------------------------------------- client side
     def server_credentials(self) -> grpc.ServerCredentials | None:
+        """Server credentials for the peer port requiring a client certificate
+        signed by the CA (mutual TLS); None without TLS."""
         if not self.tls:
             return None
         return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
@@ -289,6 +293,9 @@ class PeerAuthInterceptor(grpc.aio.ServerInterceptor):
         self.addresses = addresses
 
     async def intercept_service(self, continuation, details):
+        """Wraps PeerService handlers so that each first checks the call's token
+        (aborting with UNAUTHENTICATED on failure) and sends this daemon's proof
+        in the initial metadata; health and reflection pass without a token."""
         handler = await continuation(details)
         if handler is None or not details.method.startswith(PEER_SERVICE_PREFIX):
             return handler  # health, reflection: no token (probes)

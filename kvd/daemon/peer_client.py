@@ -25,6 +25,8 @@ SERVICE = "/kvd.v1.PeerService/"
 
 
 def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list:
+    """gRPC channel options for peer calls: send and receive limits of
+    ``max_message_bytes`` bytes."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),

@@ -31,6 +31,12 @@ class PeerService(pb_grpc.PeerServiceServicer):
         await context.abort(status_of(e), str(e))
 
     async def Handshake(self, request: pb.HandshakeRequest, context) -> pb.HandshakeResponse:
+        """Describes local worker ``(engine_id, tp_rank)`` to a remote daemon: NIXL
+        agent metadata, layout, regions and their base addresses.
+
+        gRPC status: NOT_FOUND for a worker not registered here;
+        FAILED_PRECONDITION for another ``protocol_version`` or a ``compat_hash``
+        that differs from the worker's."""
         try:
             hs = await self.node.handshake_info(request.engine_id, request.tp_rank, request.compat_hash,
                                                 request.protocol_version)
@@ -39,6 +45,14 @@ class PeerService(pb_grpc.PeerServiceServicer):
         return handshake_to_pb(hs)
 
     async def Push(self, request: pb.PushRequest, context) -> pb.PushResponse:
+        """Push mode, source side: WRITEs the blocks this worker holds for
+        ``request_id`` into the reader's blocks; returns bytes written,
+        descriptors and duration (seconds).
+
+        gRPC status: NOT_FOUND for a worker not registered here or no blocks
+        held for the request; INVALID_ARGUMENT for blocks not held, too many
+        blocks, an ``expected_notifications`` outside 1..65536 or reader agent
+        metadata NIXL rejects; UNAVAILABLE when the WRITE to the reader fails."""
         try:
             order = PushOrder(
                 engine_id=request.engine_id, tp_rank=request.tp_rank, request_id=request.request_id,
@@ -53,6 +67,14 @@ class PeerService(pb_grpc.PeerServiceServicer):
         return pb.PushResponse(bytes=r.bytes, num_descriptors=r.num_descriptors, duration_s=r.duration_s)
 
     async def Notify(self, request: pb.NotifyRequest, context) -> pb.NotifyResponse:
+        """A reader is done with ``request_id`` on worker ``(engine_id, tp_rank)``
+        (push mode's bare notification); the hold is freed once
+        ``expected_notifications`` readers have notified. A notification for an
+        unknown request is kept (it may arrive before its hold).
+
+        gRPC status: INVALID_ARGUMENT for a ``request_id`` over ``MAX_ID_BYTES``
+        bytes or ``expected_notifications`` outside 1..65536; NOT_FOUND for a
+        worker not registered here."""
         try:
             if len(request.request_id.encode()) > MAX_ID_BYTES:
                 # An unknown request's notification is kept (it may beat its hold).

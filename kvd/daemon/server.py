@@ -58,6 +58,8 @@ log = logging.getLogger("kvd.server")
 
 
 def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list:
+    """gRPC server options: message size limit both ways (bytes) and no
+    SO_REUSEPORT, so a second daemon cannot bind the same port."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -138,6 +140,11 @@ class Server:
             await self.shutdown()
 
     async def startup(self) -> None:
+        """Binds the peer port, the engine socket and the metrics endpoint, starts
+        the services, installs signal handlers and tells systemd READY. Raises
+        OSError when a port or socket cannot be bound, the engine socket path is
+        not a socket or another daemon serves on it; ConfigError for a NIXL
+        backend that cannot be used."""
         cfg = self.config
         host, port = parse_host_port(cfg.peer_listen, "peer_listen")
         limits = Limits(lease_s=cfg.lease_s, transfer_timeout_s=cfg.transfer_timeout_s,
@@ -294,6 +301,8 @@ class Server:
         log.warning("SIGHUP: kvd has no reload; settings change on restart")
 
     def handle_exit(self, sig) -> None:
+        """SIGTERM/SIGINT handler: the first asks for a graceful shutdown (drain up
+        to ``grace_s`` seconds), a second stops waiting for transfers in flight."""
         if self.should_exit.is_set():
             log.warning("received %s again: not waiting for transfers in flight", signal.Signals(sig).name)
             self.force_exit.set()
@@ -330,9 +339,14 @@ class Server:
         return out
 
     async def main_loop(self) -> None:
+        """Waits until a signal asks the daemon to stop."""
         await self.should_exit.wait()
 
     async def shutdown(self) -> None:
+        """Drains: refuses new registrations and sessions (UNAVAILABLE), health goes
+        NOT_SERVING, waits up to ``grace_s`` seconds for loads in flight (less
+        after a second signal), logs the rest as failed, then releases everything
+        and ignores further signals."""
         self.notifier.stopping(f"draining (grace {self.config.grace_s:g} s)")
         if getattr(self, "engine_service", None) is not None:
             self.engine_service.draining = True

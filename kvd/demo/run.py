@@ -82,12 +82,15 @@ def make_prompts(model_dir: str | os.PathLike, lengths: list[int], seed: int = 0
 
 
 def decode_text(model_dir: str | os.PathLike, ids: list[int]) -> str:
+    """Token ids -> text with the model directory's ``tokenizer.json``."""
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
     return tok.decode(ids)
 
 
 def request_body(prompt: list[int], max_tokens: int = MAX_TOKENS) -> dict:
+    """An OpenAI completions body for the tiny model: ``prompt`` token ids,
+    greedy, ``max_tokens`` tokens generated (EOS ignored), token ids returned."""
     return {
         "model": "tiny",
         "prompt": prompt,
@@ -124,10 +127,13 @@ class RequestReport:
 
     @property
     def match(self) -> bool:
+        """True when D's output token ids equal the non-disaggregated reference's."""
         return bool(self.pd_token_ids) and self.pd_token_ids == self.ref_token_ids
 
     @property
     def recomputed(self) -> bool:
+        """True when D loaded fewer than ``prompt_tokens - 1`` tokens remotely: it
+        recomputed part of the prompt (vLLM always recomputes the last token)."""
         # vLLM loads the whole prompt and recomputes only the last token (to
         # sample the next one); anything less means D recomputed the prompt.
         return self.external_tokens < self.prompt_tokens - 1
@@ -141,6 +147,9 @@ class Meter:
         self.has_daemon_metrics = False
 
     def snapshot(self) -> dict:
+        """D's prompt-token counters by source and the transfer totals (bytes,
+        count, seconds): from D's vLLM metrics for NixlConnector, from D's daemon
+        for kvd."""
         m = self.st.d.metrics()
         snap = {"src": stack.prompt_tokens_by_source(m)}
         if self.st.connector == "nixl":
@@ -177,6 +186,10 @@ class Meter:
 
 def run_one(st: stack.PDStack, meter: Meter, index: int, prompt: list[int],
             max_tokens: int = MAX_TOKENS) -> RequestReport:
+    """Runs request ``index`` through P then D and measures it from D's counters
+    before and after: tokens loaded remotely, computed and hit locally, bytes,
+    transfer seconds; with kvd, also waits up to 5 s for P's daemon to hold no
+    lease. Raises HttpError when an engine refuses the request."""
     before = meter.snapshot()
     res = proxy.pd_complete(st.p.url, st.d.url, request_body(prompt, max_tokens),
                             request_id=f"kvd-demo-{os.getpid()}-{index}-{time.time_ns()}")
@@ -227,6 +240,8 @@ def _fmt_ms(s: float) -> str:
 
 
 def format_report(rep: RequestReport, total: int) -> str:
+    """One line about ``rep`` (request ``rep.index + 1`` of ``total``): tokens,
+    bytes, times (ms), match or MISMATCH / RECOMPUTED."""
     status = "match" if rep.match else "MISMATCH"
     if rep.recomputed:
         status += ", RECOMPUTED"
@@ -241,6 +256,9 @@ def format_report(rep: RequestReport, total: int) -> str:
 
 
 def summarize(reports: list[RequestReport], connector: str) -> dict:
+    """Totals over the run: requests, matches, recomputed, tokens and bytes
+    loaded, transfer seconds, GB/s; ``ok`` when every output matched and none
+    was recomputed."""
     n = len(reports)
     matches = sum(r.match for r in reports)
     recomputed = sum(r.recomputed for r in reports)
@@ -255,6 +273,7 @@ def summarize(reports: list[RequestReport], connector: str) -> dict:
 
 
 def format_summary(s: dict) -> str:
+    """The one-line verdict of :func:`summarize`'s dict (``OK`` / ``FAIL``)."""
     gb = "n/a" if s["gb_per_s"] != s["gb_per_s"] else f"{s['gb_per_s']:.3f} GB/s"
     return (f"kvd demo ({s['connector']}): {s['requests']} requests, {s['matches']}/"
             f"{s['requests']} outputs match, {s['recomputed']} recomputed, "
@@ -297,6 +316,7 @@ def _lengths(text: str) -> list[int]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """``kvd demo``'s options; usage errors exit 64."""
     ap = UsageParser(  # usage errors exit 64, as every kvd command
         prog="kvd demo",
         description="Two kvd daemons, two vLLM-CPU engines (P and D), one P/D flow; "
@@ -326,6 +346,10 @@ def _sigterm_to_interrupt(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``kvd demo``: builds the tiny model, starts two daemons and two vLLM-CPU
+    engines (P and D), runs the prompts through P/D and checks each output
+    against P alone. Returns 0 when all match with nothing recomputed, 1
+    otherwise, 2 when a child or request fails, 130 on interrupt."""
     args = parse_args(argv)
     if args.lengths:
         lengths = list(args.lengths)

@@ -32,6 +32,8 @@ ENGINE_READY_S = 300.0
 
 @dataclass
 class Daemon:
+    """A demo daemon: its name (P or D), engine socket path, peer port, child
+    process and optional metrics port."""
     name: str
     socket: str
     peer_port: int
@@ -39,11 +41,14 @@ class Daemon:
     metrics_port: int | None = None
 
     def stats(self, timeout_s: float = 5.0) -> dict:
+        """The daemon's GetStats as a dict (:func:`daemon_stats`; ``timeout_s`` seconds)."""
         return daemon_stats(self.socket, timeout_s)
 
 
 @dataclass
 class Engine:
+    """A demo vLLM engine: its name (P or D), HTTP port, child process and the
+    ``--kv-transfer-config`` it was started with (None: none)."""
     name: str
     port: int
     child: eng.Child
@@ -51,9 +56,11 @@ class Engine:
 
     @property
     def url(self) -> str:
+        """The engine's base URL, ``http://127.0.0.1:<port>``."""
         return f"http://127.0.0.1:{self.port}"
 
     def metrics(self) -> dict:
+        """The engine's Prometheus metrics as ``{(name, sorted labels): value}``."""
         return proxy.engine_metrics(self.url)
 
 
@@ -158,22 +165,29 @@ class PDStack:
     # ---- accessors
     @property
     def p(self) -> Engine:
+        """The prefill engine."""
         return self.engines["P"]
 
     @property
     def d(self) -> Engine:
+        """The decode engine."""
         return self.engines["D"]
 
     @property
     def p_daemon(self) -> Daemon | None:
+        """P's daemon (None with the NixlConnector baseline)."""
         return self.daemons.get("P")
 
     @property
     def d_daemon(self) -> Daemon | None:
+        """D's daemon (None with the NixlConnector baseline)."""
         return self.daemons.get("D")
 
     # ---- lifecycle
     def start(self) -> "PDStack":
+        """Starts the two daemons (kvd connector only) and the two engines, and
+        waits until each is healthy or serving; returns self. Raises ChildFailed
+        when a child exits or is not ready in time (everything started is stopped)."""
         t0 = time.monotonic()
         try:
             if self.connector == "kvd":
@@ -231,9 +245,13 @@ class PDStack:
         self.timings["engines_ready_s"] = time.monotonic() - t0
 
     def check_alive(self) -> None:
+        """Raises ChildFailed for the first daemon or engine that has exited."""
         self.procs.check_alive()
 
     def close(self) -> tuple[list[str], list[str]]:
+        """Stops every child, removes the daemons' sockets (and the socket
+        directory when it is not the run directory) and cleans /dev/shm; returns
+        ``(removed, left_alone)`` shm names."""
         removed, left = self.procs.close()
         for d in self.daemons.values():
             try:
@@ -257,6 +275,8 @@ class PDStack:
 
 
 def wait_until(pred: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> bool:
+    """Polls ``pred`` every ``interval_s`` seconds until it returns true (True)
+    or ``timeout_s`` seconds pass (False); exceptions count as false."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:

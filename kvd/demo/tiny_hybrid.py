@@ -106,6 +106,7 @@ def build(path: str | os.PathLike | None = None, force: bool = False,
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``kvd-tiny-hybrid [PATH] [--force]``: builds the tiny hybrid model and prints its directory. Returns 0."""
     return tiny_model.cli(argv, "kvd-tiny-hybrid", __doc__.splitlines()[0], build)
 
 

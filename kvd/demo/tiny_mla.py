@@ -126,6 +126,7 @@ def build(path: str | os.PathLike | None = None, force: bool = False,
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``kvd-tiny-mla [PATH] [--force]``: builds the tiny MLA model and prints its directory. Returns 0."""
     return tiny_model.cli(argv, "kvd-tiny-mla", __doc__.splitlines()[0], build)
 
 

@@ -239,6 +239,7 @@ def cli(argv: list[str] | None, prog: str, description: str, build_fn: Callable[
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``kvd-tiny-model [PATH] [--force]``: builds the tiny Llama model and prints its directory. Returns 0."""
     return cli(argv, "kvd-tiny-model", __doc__.splitlines()[0], build)
 
 

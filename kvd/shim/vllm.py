@@ -223,6 +223,7 @@ class KvdShimConfig:
             )
 
         def seconds(key: str, default: float) -> float:
+            """``extra[key]`` as seconds (> 0), else ``default``; raises ValueError naming the key."""
             value = extra.get(key)
             if value is None:
                 return default
@@ -340,6 +341,10 @@ class TransferGroups:
 
     @classmethod
     def from_config(cls, kv_cache_config: KVCacheConfig | None) -> TransferGroups:
+        """The transfer groups of vLLM's ``KVCacheConfig`` (its ``transfer_group_ids``
+        when set, else every group), with block sizes (tokens), sliding windows
+        in blocks (``cdiv(window, block_size) + 1``) and the layer -> group map.
+        None or no groups: the single-group default."""
         from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
         if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
@@ -361,6 +366,7 @@ class TransferGroups:
 
     @property
     def count(self) -> int:
+        """Number of transfer groups."""
         return len(self.group_ids)
 
     def select(self, block_ids: Any) -> Groups:
@@ -414,10 +420,12 @@ class LoadSpec:
 
     @property
     def local_groups(self) -> Groups:
+        """``local_block_ids`` as a list per transfer group ([] when none)."""
         return as_groups(self.local_block_ids) if self.local_block_ids else []
 
     @property
     def remote_groups(self) -> Groups:
+        """``remote_block_ids`` as a list per transfer group ([] when none)."""
         return as_groups(self.remote_block_ids) if self.remote_block_ids else []
 
 
@@ -434,6 +442,7 @@ class HoldSpec:
 
     @property
     def groups(self) -> Groups:
+        """``block_ids`` as a list per transfer group ([] when none)."""
         return as_groups(self.block_ids) if self.block_ids else []
 
 
@@ -455,6 +464,7 @@ class SaveSpec:
 
     @property
     def groups(self) -> Groups:
+        """``block_ids`` as a list per transfer group ([] when none)."""
         return as_groups(self.block_ids) if self.block_ids else []
 
 
@@ -498,6 +508,7 @@ class KvdKVConnectorStats(KVConnectorStats):
             self.reset()
 
     def reset(self) -> None:
+        """Empties ``data``: one empty list per key."""
         self.data: dict[str, list[float | int]] = {
             "transfer_duration": [],
             "post_duration": [],
@@ -509,6 +520,8 @@ class KvdKVConnectorStats(KVConnectorStats):
         }
 
     def record_transfer(self, done: pb.RecvDone) -> None:
+        """Appends one finished load from the daemon's ``RecvDone`` (durations in
+        seconds, bytes, descriptors, blocks)."""
         self.data["transfer_duration"].append(float(done.duration_s))
         self.data["post_duration"].append(float(done.post_duration_s))
         self.data["bytes_transferred"].append(int(done.bytes))
@@ -516,31 +529,43 @@ class KvdKVConnectorStats(KVConnectorStats):
         self.data["num_blocks"].append(int(done.num_blocks))
 
     def record_failed_transfer(self) -> None:
+        """Counts one failed load (``LoadFailed``, a rejected or unsent load)."""
         self.data["num_failed_transfers"].append(1)
 
     def record_kv_expired_req(self) -> None:
+        """Counts one hold whose lease expired with no reader (``SendDone.expired``)."""
         self.data["num_kv_expired_reqs"].append(1)
 
     @property
     def num_successful_transfers(self) -> int:
+        """Number of finished loads recorded."""
         return len(self.data.get("transfer_duration", ()))
 
     def is_empty(self) -> bool:
+        """True when no load, failure or expiry is recorded (vLLM asks after every step)."""
         d = self.data  # called after every step: no generator (issue 5, engine-step cost)
         return not (d.get("transfer_duration") or d.get("num_failed_transfers") or d.get("num_kv_expired_reqs"))
 
     def clone_and_reset(self) -> KvdKVConnectorStats:
+        """A copy holding the current ``data``; this instance starts empty (what
+        ``get_kv_connector_stats`` hands vLLM)."""
         out = KvdKVConnectorStats(data=self.data)
         self.reset()
         return out
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        """Appends ``other``'s entries to this one's and returns self (vLLM merges
+        the workers' stats with it, ``kv_connector/utils.py:132-142``)."""
         if not other.is_empty():
             for k, v in other.data.items():
                 self.data.setdefault(k, []).extend(v)
         return self
 
     def reduce(self) -> dict[str, int | float]:
+        """The interval's summary vLLM logs as "KV Transfer metrics": counts, mean
+        and P90 transfer and post time (ms), MB per transfer, throughput (MB/s),
+        mean descriptors, failures and expired leases
+        (``kv_connector/v1/metrics.py:65-104``)."""
         import numpy as np
 
         failures = {
@@ -581,6 +606,7 @@ class KvdPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
         def per_engine(metric):
+            """``metric`` labelled per engine (vLLM's ``create_metric_per_engine``)."""
             return create_metric_per_engine(metric, self.per_engine_labelvalues)
 
         self.histograms = {
@@ -613,6 +639,8 @@ class KvdPromMetrics(KVConnectorPromMetrics):
         }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+        """Feeds one stats ``data`` dict (see :class:`KvdKVConnectorStats`) into the
+        ``vllm:kvd_*`` histograms and counters of engine ``engine_idx``."""
         for key, metric in self.histograms.items():
             for value in transfer_stats_data.get(key, ()):
                 metric[engine_idx].observe(value)
@@ -679,6 +707,10 @@ class _KvdScheduler:
         return stats.peer_address
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Decode side (``KvdConnector.get_num_new_matched_tokens``): for a request
+        with ``do_remote_prefill`` and complete remote params, ``(prompt tokens -
+        num_computed_tokens, True)`` (loaded asynchronously); else ``(0, False)``.
+        No side effects."""
         params = request.kv_transfer_params
         if params and params.get("do_remote_prefill") and _has_remote(params):
             count = request.num_prompt_tokens - num_computed_tokens
@@ -701,6 +733,14 @@ class _KvdScheduler:
         )
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """Decode side (``KvdConnector.update_state_after_alloc``): queues the request's
+        load (blocks to fill per transfer group: not from the prefix cache, windows
+        clipped, P's blocks tail-matched, ``k`` P blocks per D block), or a
+        notify-only spec when ``num_external_tokens`` is 0; clears
+        ``do_remote_prefill`` (one transfer per request, as NixlConnector). A
+        mismatch sets ``LoadSpec.error`` (the worker reports the load failed), it
+        does not raise. Prefill side, staged path: starts tracking a
+        ``do_remote_decode`` request's blocks for saving."""
         params = request.kv_transfer_params
         if params and params.get("do_remote_decode") and self._stage and self.peer_host is not None:
             self._saving.setdefault(request.request_id, _SaveState(request))
@@ -762,6 +802,9 @@ class _KvdScheduler:
         return k, None
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput | None = None) -> KvdConnectorMetadata:
+        """The loads, holds (and, staged, saves) queued since the last step, for the
+        workers (``KvdConnector.build_connector_meta``, once per engine step);
+        clears the queues."""
         meta = KvdConnectorMetadata(loads=list(self._loads.values()), holds=self._holds)
         self._loads = {}
         self._holds = []
@@ -801,6 +844,14 @@ class _KvdScheduler:
         return saves
 
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        """Called through ``KvdConnector.request_finished_all_groups`` (and
+        ``request_finished``) with every group's block ids. Prefill side,
+        ``do_remote_decode`` finished normally on a KV producer: returns
+        ``(delay_free, kv_transfer_params for D)`` and, when any blocks remain
+        after clipping, queues a hold (``delay_free`` True: vLLM keeps the
+        blocks until ``finished_sending``). Decode side aborted before
+        scheduling: queues a notify-only load so P frees. Otherwise
+        ``(False, None)``; never raises (bad block ids are logged)."""
         from vllm.v1.request import RequestStatus
 
         self._saving.pop(request.request_id, None)
@@ -875,6 +926,7 @@ class _KvdWorker:
 
     @property
     def label(self) -> str:
+        """``engine=<id> rank=<n>`` (the engine client's label), for logs."""
         return self.client.label
 
     def register(self, request: pb.RegisterEngineRequest, shared: cpu_share.SharedKvCaches) -> pb.RegisterEngineResponse:
@@ -1027,6 +1079,8 @@ class _KvdWorker:
             self._invalid_blocks.update(failed_ids or _flat(local))
 
     def take_invalid_blocks(self) -> set[int]:
+        """Local block ids of failed loads since the last call (then cleared);
+        for ``KvdConnector.get_block_ids_with_load_errors``."""
         out = self._invalid_blocks
         if out:
             self._invalid_blocks = set()
@@ -1034,6 +1088,8 @@ class _KvdWorker:
         return set()
 
     def take_stats(self) -> KvdKVConnectorStats | None:
+        """The stats since the last call, or None when there are none; for
+        ``KvdConnector.get_kv_connector_stats``."""
         return None if self.stats.is_empty() else self.stats.clone_and_reset()
 
     def shutdown(self) -> None:
