@@ -375,3 +375,39 @@ def test_requests_naming_a_thousand_unreachable_peers_leave_nothing_behind(decod
     print(f"\n1,000 dead peers: all failed in {time.monotonic() - t0:.1f} s; decode daemon RSS {grew / 1024:+.1f} MiB")
     assert grew < 10 * 1024
     assert decode.stats().inflight_transfers == 0 and decode.proc.poll() is None
+
+
+def test_a_handshake_slower_than_the_handshake_timeout_is_tried_once_more_within_the_deadline(
+        tmp, prefill, healthy):
+    """A peer that does not answer a first handshake within the daemon's
+    handshake_timeout_s (1 s here; seen for real: a starved daemon on a
+    loaded 2-core machine, > 10 s once, 0.3 s the next time) gets a second
+    try while the request's own deadline allows: the load completes, byte
+    equal, instead of failing. A relay forwards the real worker's answer,
+    late the first time."""
+    d = start_daemon(tmp, "decode-retry", "--handshake-timeout-s", "1")
+    e = Engine(d, "retry-d", SMALL)
+    real = pb_grpc.PeerServiceStub(grpc.insecure_channel(prefill.peer_address)).Handshake(
+        pb.HandshakeRequest(engine_id=healthy.engine_id, tp_rank=0, compat_hash=e.registered.compat_hash,
+                            protocol_version=1), timeout=10)
+
+    def late_once(request, context):
+        if relay.calls == 1:
+            time.sleep(1.5)
+        return real
+
+    relay = FakePeer(late_once)
+    try:
+        healthy.hold("retry", [5, 6])
+        e.load("retry", [1, 2], None, [5, 6], "retry", remote_engine_id=healthy.engine_id,
+               remote_address=relay.address, timeout_s=DEADLINE_S)
+        ev = e.wait("retry", DEADLINE_S + 5)
+        assert event_kind(ev) == "recv_done", ev
+        assert e.same_blocks([1, 2], healthy, [5, 6])
+        assert relay.calls == 2
+        assert event_kind(healthy.wait("retry")) == "send_done"
+        assert "trying once more" in d.log()
+    finally:
+        relay.stop()
+        e.close()
+        assert d.stop() == 0

@@ -57,6 +57,7 @@ from kvd.core.state import (
     MAX_TP_SIZE,
     POST_SPIN_S,
     PROTOCOL_VERSION,
+    RETRY_HANDSHAKE_MIN_S,
     BlockGroups,
     Counters,
     HandshakeResult,
@@ -177,6 +178,7 @@ class Node:
         self._progress_task: asyncio.Task | None = None
         self._kick = asyncio.Event()
         self._closing = False
+        self.draining = False  # set at SIGTERM: no more second tries, loads in flight end by their deadlines
         self._on_event = on_event or (lambda name, fields: None)
 
     # ------------------------------------------------------------------ infra
@@ -833,7 +835,33 @@ class Node:
 
     async def _remote(self, w: Worker, address: str, engine_id: str, tp_rank: int, tp_size: int,
                       deadline: float) -> tuple[RemoteWorker, bool]:
-        """The remote worker, handshaking if needed; ``(remote, fresh)``."""
+        """The remote worker, handshaking if needed; ``(remote, fresh)``.
+
+        A handshake that fails as unreachable or slow (``PeerUnavailable``:
+        the daemon's ``handshake_timeout_s``, a refused connection) is tried
+        once more when the request's own deadline leaves at least
+        ``RETRY_HANDSHAKE_MIN_S`` seconds, unless the daemon is draining: a
+        peer starved for a moment (seen on a loaded 2-core machine, the first
+        handshake of a fresh pair taking > 10 s and the next 0.3 s) must not
+        fail a load that still has most of its deadline. Other errors
+        (incompatible, not found, invalid) are final.
+
+        Raises:
+            PeerUnavailable, Incompatible, NotFound, InvalidArgument.
+        """
+        try:
+            return await self._remote_once(w, address, engine_id, tp_rank, tp_size, deadline)
+        except PeerUnavailable as e:
+            if self.draining or deadline - time.monotonic() < RETRY_HANDSHAKE_MIN_S:
+                raise
+            log.warning("%s: handshake with %s engine=%s rank=%d failed (%s); trying once more within the "
+                        "request's deadline (%.1f s left)", w.label, address, engine_id, tp_rank, e,
+                        deadline - time.monotonic())
+        return await self._remote_once(w, address, engine_id, tp_rank, tp_size, deadline)
+
+    async def _remote_once(self, w: Worker, address: str, engine_id: str, tp_rank: int, tp_size: int,
+                           deadline: float) -> tuple[RemoteWorker, bool]:
+        """The remote worker, handshaking if needed (one try); ``(remote, fresh)``."""
         key = (address, engine_id, tp_rank)
         r = w.remotes.get(key)
         if r is not None:

@@ -47,6 +47,10 @@ MAX_AGENT_METADATA = 1 << 20
 # the daemon build a list of ranks until the OOM killer stopped it).
 MAX_TP_SIZE = 256
 
+# A handshake that failed as unreachable is tried once more only when the
+# request's deadline leaves at least this long (seconds).
+RETRY_HANDSHAKE_MIN_S = 2.0
+
 
 @dataclass
 class Limits:

@@ -350,6 +350,8 @@ class Server:
         self.notifier.stopping(f"draining (grace {self.config.grace_s:g} s)")
         if getattr(self, "engine_service", None) is not None:
             self.engine_service.draining = True
+        if getattr(self, "node", None) is not None:
+            self.node.draining = True
         for health in (getattr(self, "peer_health", None), getattr(self, "engine_health", None)):
             if health is not None:
                 await health.enter_graceful_shutdown()
