@@ -30,7 +30,16 @@ class Incompatible(CoreError):
 
 
 class PeerUnavailable(CoreError):
-    """A remote daemon could not be reached or answered with an error."""
+    """A remote daemon could not be reached or answered with an error.
+
+    ``transient``: the peer was unreachable or slow (gRPC UNAVAILABLE or
+    DEADLINE_EXCEEDED), so a second try may succeed; False for answers that
+    will not change (a peer that cannot prove the shared token, say).
+    """
+
+    def __init__(self, message: str = "", transient: bool = False):
+        super().__init__(message)
+        self.transient = transient
 
 
 class PermissionDenied(CoreError):

@@ -837,8 +837,9 @@ class Node:
                       deadline: float) -> tuple[RemoteWorker, bool]:
         """The remote worker, handshaking if needed; ``(remote, fresh)``.
 
-        A handshake that fails as unreachable or slow (``PeerUnavailable``:
-        the daemon's ``handshake_timeout_s``, a refused connection) is tried
+        A handshake that fails as unreachable or slow (a transient
+        ``PeerUnavailable``: the daemon's ``handshake_timeout_s``, a refused
+        connection; not a peer failing its token proof) is tried
         once more when the request's own deadline leaves at least
         ``RETRY_HANDSHAKE_MIN_S`` seconds, unless the daemon is draining: a
         peer starved for a moment (seen on a loaded 2-core machine, the first
@@ -852,7 +853,7 @@ class Node:
         try:
             return await self._remote_once(w, address, engine_id, tp_rank, tp_size, deadline)
         except PeerUnavailable as e:
-            if self.draining or deadline - time.monotonic() < RETRY_HANDSHAKE_MIN_S:
+            if not e.transient or self.draining or deadline - time.monotonic() < RETRY_HANDSHAKE_MIN_S:
                 raise
             log.warning("%s: handshake with %s engine=%s rank=%d failed (%s); trying once more within the "
                         "request's deadline (%.1f s left)", w.label, address, engine_id, tp_rank, e,

@@ -44,11 +44,15 @@ MAX_CHANNELS = 256
 
 def _error(address: str, e: grpc.aio.AioRpcError) -> ev.CoreError:
     msg = f"{address}: {e.code().name}: {e.details()}"
-    return {
+    kind = {
         grpc.StatusCode.NOT_FOUND: ev.NotFound,
         grpc.StatusCode.FAILED_PRECONDITION: ev.Incompatible,
         grpc.StatusCode.INVALID_ARGUMENT: ev.InvalidArgument,
-    }.get(e.code(), ev.PeerUnavailable)(msg)
+    }.get(e.code())
+    if kind is not None:
+        return kind(msg)
+    return ev.PeerUnavailable(msg, transient=e.code() in (grpc.StatusCode.UNAVAILABLE,
+                                                            grpc.StatusCode.DEADLINE_EXCEEDED))
 
 
 class PeerClient:
