@@ -30,6 +30,7 @@ import os
 import time
 
 import pytest
+from e2etest import swapped_prompt_outputs
 
 vllm = pytest.mark.vllm
 
@@ -179,17 +180,7 @@ def test_prefill_engine_kv_cache_released(pd, results):
 def test_decode_decodes_from_transferred_kv(pd, hybrid_model_dir, results):
     """Prompt B sent to D with prompt A's params (same length, same last token)
     yields greedy(A): D attended to A's transferred KV in both groups."""
-    from kvd.demo import proxy, run
-
-    a, other = run.make_prompts(hybrid_model_dir, [150, 150], seed=505)
-    b = other[:-1] + a[-1:]
-    rid = f"kvd-e2e-hybrid-swap-{time.time_ns()}"
-    pre = proxy.complete(pd.p.url, proxy.prefill_request(run.request_body(a)), rid)
-    assert pre.kv_transfer_params, pre.raw
-    dec = proxy.complete(pd.d.url, dict(run.request_body(b),
-                                        kv_transfer_params=pre.kv_transfer_params), rid)
-    ref_a = proxy.complete(pd.p.url, dict(run.request_body(a), cache_salt=rid + "a"))
-    ref_b = proxy.complete(pd.p.url, dict(run.request_body(b), cache_salt=rid + "b"))
+    dec, ref_a, ref_b = swapped_prompt_outputs(pd, hybrid_model_dir, 150, seed=505, tag="hybrid")
     assert ref_a.token_ids != ref_b.token_ids, "prompts too alike for this check"
     assert dec.token_ids == ref_a.token_ids, (dec.token_ids, ref_a.token_ids, ref_b.token_ids)
 

@@ -57,6 +57,7 @@ import os
 import time
 
 import pytest
+from e2etest import swapped_prompt_outputs
 
 vllm = pytest.mark.vllm
 
@@ -216,16 +217,7 @@ def test_mla_decode_decodes_from_transferred_kv(pd_mla, mla_model_dir):
     elsewhere: D's output is greedy(A), not greedy(B), so D really decoded
     from the transferred latents.
     """
-    from kvd.demo import proxy, run
-
-    a, other = run.make_prompts(mla_model_dir, [100, 100], seed=606)
-    b = other[:-1] + a[-1:]
-    rid = f"kvd-e2e-mla-swap-{time.time_ns()}"
-    pre = proxy.complete(pd_mla.p.url, proxy.prefill_request(run.request_body(a)), rid)
-    assert pre.kv_transfer_params, pre.raw
-    dec = proxy.complete(pd_mla.d.url, dict(run.request_body(b), kv_transfer_params=pre.kv_transfer_params), rid)
-    ref_a = proxy.complete(pd_mla.p.url, dict(run.request_body(a), cache_salt=rid + "a"))
-    ref_b = proxy.complete(pd_mla.p.url, dict(run.request_body(b), cache_salt=rid + "b"))
+    dec, ref_a, ref_b = swapped_prompt_outputs(pd_mla, mla_model_dir, 100, seed=606, tag="mla")
     assert ref_a.token_ids != ref_b.token_ids, "prompts too alike for this check"
     assert dec.token_ids == ref_a.token_ids, (dec.token_ids, ref_a.token_ids, ref_b.token_ids)
 
@@ -262,31 +254,13 @@ def pd_mla_tp(mla_model_dir, tmp_path_factory):
     TP over gloo/shm, ``VLLM_CPU_OMP_THREADS_BIND=nobind``,
     ``VLLM_CPU_KVCACHE_SPACE=1``). Each D rank holds the whole latent cache
     (``plan.head_range`` with mla=True: one latent "head", on every rank)."""
-    from kvd.demo import engines as eng
     from kvd.demo import stack
 
-    class TPStack(stack.PDStack):
-        def _start_engines(self) -> None:  # as PDStack's, with D's own TP size
-            t0 = time.monotonic()
-            for name in ("P", "D"):
-                port = eng.free_port()
-                extra = self.p_extra_config if name == "P" else self.d_extra_config
-                cfg = eng.kvd_connector_config(self.daemons[name].socket, extra)
-                args = list(self.engine_args) + (["--tensor-parallel-size", "2"] if name == "D" else [])
-                argv = eng.engine_argv(str(self.model_dir), port, cfg, extra=args)
-                child = self.procs.start(f"engine-{name}", argv, env=eng.engine_env(extra=self.engine_env), wave=1)
-                self.engines[name] = stack.Engine(name, port, child, cfg)
-            for name, e in self.engines.items():
-                self.procs.wait_ready(
-                    e.child, lambda e=e: eng.http_ok(e.url + "/health") and eng.http_ok(e.url + "/v1/models"),
-                    self.engine_ready_s, interval_s=1.0, what="serving")
-            self.timings["engines_ready_s"] = time.monotonic() - t0
-
     lines: list[str] = []
-    st = TPStack(model_dir=mla_model_dir, run_dir=tmp_path_factory.mktemp("pd-mla-tp"), connector="kvd",
-                 log=lines.append, engine_args=list(ENGINE_ARGS),
-                 p_extra_config={"kvd_lease_s": P_LEASE_S},
-                 d_extra_config={"kvd_load_timeout_s": 60})
+    st = stack.PDStack(model_dir=mla_model_dir, run_dir=tmp_path_factory.mktemp("pd-mla-tp"), connector="kvd",
+                       log=lines.append, engine_args=list(ENGINE_ARGS),
+                       p_extra_config={"kvd_lease_s": P_LEASE_S},
+                       d_extra_config={"kvd_load_timeout_s": 60}, side_args={"D": ["--tensor-parallel-size", "2"]})
     st.start()
     try:
         yield st

@@ -26,44 +26,17 @@ FREE_DEADLINE_S = 5.0    # P's leases (one per rank) must end this soon after D 
 PROMPT_LENGTHS = [20, 100, 333]
 
 
-class SidesStack(_stack.PDStack):
-    """A PDStack whose engines take their own extra arguments
-    (``side_args["P"]``, ``side_args["D"]``: e.g. ``--tensor-parallel-size 2``
-    or ``--block-size 64``), after the common ``engine_args``."""
-
-    side_args: dict = {}
-
-    def _start_engines(self) -> None:  # as PDStack's (kvd connector), with per-side arguments
-        from kvd.demo import engines as eng
-
-        t0 = time.monotonic()
-        for name in ("P", "D"):
-            port = eng.free_port()
-            extra = self.p_extra_config if name == "P" else self.d_extra_config
-            cfg = eng.kvd_connector_config(self.daemons[name].socket, extra)
-            args = list(self.engine_args) + list(self.side_args.get(name, []))
-            argv = eng.engine_argv(str(self.model_dir), port, cfg, extra=args)
-            child = self.procs.start(f"engine-{name}", argv, env=eng.engine_env(extra=self.engine_env), wave=1)
-            self.engines[name] = _stack.Engine(name, port, child, cfg)
-        for e in self.engines.values():
-            self.procs.wait_ready(
-                e.child, lambda e=e: eng.http_ok(e.url + "/health") and eng.http_ok(e.url + "/v1/models"),
-                self.engine_ready_s, interval_s=1.0, what="serving")
-        self.timings["engines_ready_s"] = time.monotonic() - t0
-
-
 def start_sides(model_dir, run_dir, side_args: dict, p_extra: dict | None = None,
-                d_extra: dict | None = None) -> SidesStack:
+                d_extra: dict | None = None) -> _stack.PDStack:
     """Starts two daemons and two kvd-connected engines with per-side arguments."""
-    st = SidesStack(model_dir=model_dir, run_dir=run_dir, connector="kvd", log=lambda _line: None,
-                    p_extra_config={"kvd_lease_s": P_LEASE_S, **(p_extra or {})},
-                    d_extra_config={"kvd_load_timeout_s": 60, **(d_extra or {})})
-    st.side_args = side_args
+    st = _stack.PDStack(model_dir=model_dir, run_dir=run_dir, connector="kvd", log=lambda _line: None,
+                        p_extra_config={"kvd_lease_s": P_LEASE_S, **(p_extra or {})},
+                        d_extra_config={"kvd_load_timeout_s": 60, **(d_extra or {})}, side_args=side_args)
     st.start()
     return st
 
 
-def run_prompts(st: SidesStack, prompts: list[list[int]], tag: str) -> list[dict]:
+def run_prompts(st: _stack.PDStack, prompts: list[list[int]], tag: str) -> list[dict]:
     """Each prompt through P -> D (the toy-proxy flow), then each engine alone
     on it (the non-disaggregated references; prefix cache bypassed by a
     cache_salt). Rows: prompt, P/D and reference token ids, D's params, whether
@@ -86,7 +59,7 @@ def run_prompts(st: SidesStack, prompts: list[list[int]], tag: str) -> list[dict
     return rows
 
 
-def kv_segments(st: SidesStack) -> set[str]:
+def kv_segments(st: _stack.PDStack) -> set[str]:
     """The engines' /dev/shm/torch_<pid>_* KV segments (any process of their groups)."""
     from kvd.demo import engines as eng
 
@@ -94,7 +67,7 @@ def kv_segments(st: SidesStack) -> set[str]:
     return {n for pid in pids for n in eng.shm_in_use_by(pid) if n.startswith(f"torch_{pid}_")}
 
 
-def stop_engines_and_wait_segments_gone(st: SidesStack, kv: set[str], timeout_s: float = 30.0) -> None:
+def stop_engines_and_wait_segments_gone(st: _stack.PDStack, kv: set[str], timeout_s: float = 30.0) -> None:
     """Stops both engines (daemons keep running) and waits until none of ``kv`` exists."""
     for e in st.engines.values():
         st.procs.stop(e.child)

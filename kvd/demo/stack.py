@@ -142,6 +142,9 @@ class PDStack:
     d_extra_config: dict = field(default_factory=dict)
     daemon_args: list[str] = field(default_factory=list)
     engine_args: list[str] = field(default_factory=list)
+    # Per-side engine arguments after engine_args ("P"/"D" -> argv words),
+    # e.g. {"D": ["--tensor-parallel-size", "2"]} or {"P": ["--block-size", "32"]}.
+    side_args: dict = field(default_factory=dict)
     engine_env: dict = field(default_factory=dict)
     metrics_ports: dict = field(default_factory=dict)   # daemon name -> Prometheus port
     daemon_ready_s: float = DAEMON_READY_S
@@ -231,7 +234,8 @@ class PDStack:
                 cfg = eng.nixl_connector_config()
                 env = eng.engine_env(nixl_side_channel_port=eng.free_port(),
                                      extra=self.engine_env)
-            argv = eng.engine_argv(str(self.model_dir), port, cfg, extra=self.engine_args)
+            argv = eng.engine_argv(str(self.model_dir), port, cfg,
+                                   extra=list(self.engine_args) + list(self.side_args.get(name, ())))
             child = self.procs.start(f"engine-{name}", argv, env=env, wave=1)
             self.engines[name] = Engine(name, port, child, cfg)
             self.log(f"started engine {name}: pid {child.pid}, http://127.0.0.1:{port}")
