@@ -1,0 +1,64 @@
+"""Values that cross from the engine client to the daemon core, one type each.
+
+A load is one :class:`LoadRequest` from the shim to the core: the engine
+client builds its ``pb.LoadBlocks`` from it, the daemon's session adapter
+turns that message back into the same value, and the core's pull (or push)
+path takes it whole. Nothing else spells out the fields of a load.
+
+Block ids are always per KV-cache group (:data:`BlockGroups`): vLLM's hybrid
+memory allocator (HMA) gives one list per group
+(``request_finished_all_groups``); a model without HMA has one group, so its
+ids are ``[[...]]``. There is no flat encoding.
+
+This module imports nothing of kvd's and no third-party package: the engine
+side (the shim, the client) and the daemon core both import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BlockGroups = list[list[int]]
+"""Block ids per KV-cache group, each in prompt order (one group without HMA)."""
+
+
+def flat(groups: BlockGroups) -> list[int]:
+    """Every block id of every group, in order: what vLLM's load errors name
+    (``get_block_ids_with_load_errors`` takes local block ids of any group)."""
+    return [b for g in groups for b in g]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadRequest:
+    """One decode-side load: pull the remote engine's blocks into local blocks.
+
+    - ``request_id``: the local (decode) request id; the load's events name it.
+    - ``local_groups`` / ``remote_groups``: block ids per KV-cache group, the
+      same number of groups on both sides. ``remote_groups[g][i]`` fills
+      slot ``i % k`` of local block ``local_groups[g][i // k]`` where ``k`` is
+      local block size / remote block size (tokens); sliding-window groups
+      carry only the blocks inside the window (the shim clips them).
+    - ``remote_engine_id``: the prefill engine's id (its ``kv_transfer_params``).
+    - ``remote_address``: the prefill daemon's PeerService ``host:port``.
+    - ``remote_request_id``: the prefill request id, named in the notification
+      that ends its lease.
+    - ``remote_tp_size``: the prefill engine's TP size (0: the local TP size).
+    - ``timeout_s``: this load's deadline in seconds (0: the daemon default).
+
+    Frozen: the client keeps it for a retry after a reconnect and the core
+    keeps it for a retry after a failed handshake; neither copies it.
+    """
+
+    request_id: str
+    local_groups: BlockGroups
+    remote_engine_id: str
+    remote_address: str
+    remote_groups: BlockGroups
+    remote_request_id: str
+    remote_tp_size: int = 1
+    timeout_s: float = 0.0
+
+    @property
+    def local_block_ids(self) -> list[int]:
+        """Every local block id (what a ``LoadFailed`` names)."""
+        return flat(self.local_groups)

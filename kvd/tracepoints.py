@@ -1,0 +1,50 @@
+"""Named points on a load's path that a benchmark can time, without
+monkeypatching the daemon.
+
+The daemon calls :func:`hit` at each point; by default no sink is installed
+and a hit costs one global lookup and a ``None`` check. A benchmark (the
+per-hop latency trace in ``benchmarks/``) installs a sink before it starts the
+daemon in-process, with :func:`install`. Times are ``time.perf_counter()``
+(CLOCK_MONOTONIC on Linux), so they compare with the engine process's clock.
+
+This module imports nothing of kvd's: every layer may call it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+# The points, in the order a pull load passes them in the daemon.
+GATE_IN = "gate_in"            # engine socket: bytes from an engine reached the gate
+SESSION_READ = "session_read"  # session adapter: a LoadBlocks command is in hand
+LOAD = "load"                  # core: the load reached the pull path
+POST = "post"                  # core: the NIXL post of a transfer starts (detail: "")
+POSTED = "posted"              # core: it returned (detail: the NIXL state, e.g. "DONE", "PROC")
+EVENT = "event"                # session adapter: the load's event is converted for the engine
+GATE_OUT = "gate_out"          # engine socket: bytes from gRPC towards an engine left the gate
+
+Sink = Callable[[str, str, str, float], None]
+"""``sink(point, request_id, detail, perf_counter_s)``; must not raise or block."""
+
+_sink: Sink | None = None
+
+
+def install(sink: Sink | None) -> None:
+    """Sets the process-wide sink (``None`` removes it). Not thread-safe
+    against concurrent hits: install before the daemon starts."""
+    global _sink
+    _sink = sink
+
+
+def enabled() -> bool:
+    """True when a sink is installed (lets a caller skip building details)."""
+    return _sink is not None
+
+
+def hit(point: str, request_id: str = "", detail: str = "") -> None:
+    """Reports ``point`` for ``request_id`` to the sink, if one is installed."""
+    s = _sink
+    if s is not None:
+        from time import perf_counter
+
+        s(point, request_id, detail, perf_counter())
