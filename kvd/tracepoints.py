@@ -13,6 +13,7 @@ This module imports nothing of kvd's: every layer may call it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from time import perf_counter
 
 # The points, in the order a pull load passes them in the daemon.
 GATE_IN = "gate_in"            # engine socket: bytes from an engine reached the gate
@@ -45,6 +46,4 @@ def hit(point: str, request_id: str = "", detail: str = "") -> None:
     """Reports ``point`` for ``request_id`` to the sink, if one is installed."""
     s = _sink
     if s is not None:
-        from time import perf_counter
-
         s(point, request_id, detail, perf_counter())
