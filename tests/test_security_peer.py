@@ -1,4 +1,4 @@
-"""Peer access (issue 8): mutual TLS, the shared token, and loopback-only
+"""Peer access: mutual TLS, the shared token, and loopback-only
 without either. Certificates come from a throwaway CA made here.
 
 Daemons for the module, started together: a mutual-TLS pair, a token pair,
