@@ -347,9 +347,9 @@ class PeerAuthInterceptor(grpc.aio.ServerInterceptor):
         auth, method = self.auth, details.method
         metadata = details.invocation_metadata
         if handler.request_streaming or handler.response_streaming:
-            async def refuse(request, context):
+            async def refuse(context) -> None:  # the MAC covers one request and one answer
                 await context.abort(grpc.StatusCode.UNIMPLEMENTED, "kvd: no token proof for streaming peer calls")
-            return wrap_handler(handler, lambda context: refuse(None, context))
+            return wrap_handler(handler, refuse)
         parse, behavior, serialize = handler.request_deserializer, handler.unary_unary, handler.response_serializer
 
         def keep_bytes(data: bytes):

@@ -20,7 +20,6 @@ from kvd.core.state import PROTOCOL_VERSION, HandshakeResult, PushOrder, PushRes
 from kvd.daemon.convert import groups_to_pb, handshake_from_pb, handshake_to_pb
 from kvd.daemon.peer_auth import PeerAuth, PeerAuthError
 from kvd.v1 import kvd_pb2 as pb
-from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
 SERVICE = "/kvd.v1.PeerService/"
 
