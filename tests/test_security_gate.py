@@ -309,3 +309,44 @@ def test_shutdown_leaves_the_socket_another_daemon_bound_on_the_same_path(tmp_pa
         if b is not None:
             assert b.stop() == 0
     assert not os.path.lexists(a.socket)  # B removed its own
+
+
+class _Transport:
+    """What Refusal writes, and whether it closed (a unit test's stand-in)."""
+
+    def __init__(self):
+        self.out, self.closed = b"", False
+
+    def write(self, data: bytes) -> None:
+        assert not self.closed
+        self.out += data
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _frames(data: bytes) -> list[tuple[int, int, int]]:
+    out = []
+    while data:
+        n = int.from_bytes(data[:3], "big")
+        out.append((data[3], data[4], int.from_bytes(data[5:9], "big")))
+        data = data[9 + n:]
+    return out
+
+
+def test_the_refusal_answers_http2_byte_by_byte_and_closes_anything_else():
+    from kvd.daemon.h2_refusal import _PREFACE, Refusal, _frame
+
+    t = _Transport()
+    r = Refusal(t, grpc.StatusCode.PERMISSION_DENIED, "kvd: pid 1 uid 2 gid 3 is not admitted \u00e9%")
+    client = _PREFACE + _frame(0x4, 0, 0, bytes(6)) + _frame(0x1, 0x4, 3, b"\x82")
+    for i in range(len(client)):  # however the bytes arrive
+        assert not t.closed
+        r.feed(client[i:i + 1])
+    # SETTINGS, SETTINGS ACK, the trailers-only HEADERS on the caller's stream, GOAWAY; then closed.
+    assert _frames(t.out) == [(0x4, 0, 0), (0x4, 1, 0), (0x1, 0x5, 3), (0x7, 0, 0)] and t.closed
+    assert b"grpc-status\x017" in t.out and b"not admitted %C3%A9%25" in t.out
+    for junk in (b"GET / HTTP/1.1\r\n\r\n", _PREFACE + (1 << 20).to_bytes(3, "big") + bytes(6)):
+        t = _Transport()
+        Refusal(t, grpc.StatusCode.PERMISSION_DENIED, "no").feed(junk)
+        assert t.closed and _frames(t.out) == [(0x4, 0, 0)]
