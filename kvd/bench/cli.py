@@ -12,7 +12,7 @@ import sys
 
 from kvd.bench import common as cm
 from kvd.testing.shm import cleanup_segments
-from kvd.cli import UsageParser
+from kvd.usage import UsageParser
 
 
 def main(argv: list[str] | None = None) -> int:
