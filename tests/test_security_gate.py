@@ -21,8 +21,11 @@ import pytest
 from kvd.daemon import local_gate
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
-from kvdtest import Engine, KvShape, free_port, start_daemon
-from sectest import NOBODY, OUTSIDER, ROOT, TESTS, call_as, reachable_dir
+from kvd.testing.daemons import start_daemon
+from kvd.testing.processes import child_env
+from kvd.testing.security import NOBODY, OUTSIDER, call_as, reachable_dir
+from kvd.testing.sessions import Engine, KvShape
+from kvd.testing.util import free_port
 
 ADMITTED = 65533  # admitted by allowed_uids; reaches the socket through group nogroup
 SHAPE = KvShape(num_layers=1, num_blocks=8, block_len=1024)
@@ -99,10 +102,9 @@ class Hostile:
     """A ``_HOSTILE`` child as ``uid:gid``; ``first`` is its first JSON line."""
 
     def __init__(self, socket_path: str, uid: int, gid: int, action: str, n: int = 1, *args: str):
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
         self.proc = subprocess.Popen([sys.executable, "-c", _HOSTILE, socket_path, str(uid), str(gid), action,
                                       str(n), *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env=env)
+                                     env=child_env())
         self.first = self._line()
 
     def _line(self) -> dict:

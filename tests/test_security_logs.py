@@ -14,7 +14,8 @@ import logging
 import re
 
 from kvd.daemon import logs
-from kvdtest import Engine, KvShape, event_kind, start_daemon
+from kvd.testing.daemons import start_daemon
+from kvd.testing.sessions import Engine, KvShape, event_kind
 
 SHAPE = KvShape(num_layers=1, num_blocks=8, block_len=1024)
 FORGED = "2026-01-01 00:00:00,000 WARNING kvd.core: engine=admin request=x: FORGED"

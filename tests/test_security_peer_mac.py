@@ -17,8 +17,9 @@ import pytest
 from kvd.daemon import peer_auth
 from kvd.daemon.peer_auth import HEADER, PeerAuth, PeerAuthError, ReplayWindowFull
 from kvd.v1 import kvd_pb2 as pb
-from kvdtest import Engine, KvShape, event_kind, free_port
-from sectest import start_daemons, stop_daemons
+from kvd.testing.daemons import start_daemons, stop_daemons
+from kvd.testing.sessions import Engine, KvShape, event_kind
+from kvd.testing.util import free_port
 
 SHAPE = KvShape(num_layers=2, num_blocks=16, block_len=2048)
 TOKEN = b"kvd-test-token-" + b"0123456789abcdef" * 2
