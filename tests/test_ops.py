@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvd.v1 import kvd_pb2 as pb
-from kvdtest import KvShape, Session, ShmSegment, register_request, start_daemon
+from kvdtest import KvShape, Session, ShmSegment, one_group, register_request, start_daemon
 
 SHAPE = KvShape(num_layers=4, num_blocks=64, block_len=4096)
 REMOTE_IDS = [60, 3, 11, 7, 0, 41, 42, 19]
@@ -81,17 +81,17 @@ def ops(tmp_path_factory):
         decode.stub().RegisterEngine(register_request("decode-e", SHAPE, dseg), timeout=30)
         ps, ds = Session(prefill, "prefill-e"), Session(decode, "decode-e")
         sessions += [ps, ds]
-        ps.send(hold=pb.HoldBlocks(request_id="req-p", block_ids=REMOTE_IDS, lease_s=600))
-        ps.send(hold=pb.HoldBlocks(request_id="req-unread", block_ids=[9], lease_s=0.2))
+        ps.send(hold=pb.HoldBlocks(request_id="req-p", groups=one_group(REMOTE_IDS), lease_s=600))
+        ps.send(hold=pb.HoldBlocks(request_id="req-unread", groups=one_group([9]), lease_s=0.2))
         ds.send(load=pb.LoadBlocks(
-            request_id="req-d", local_block_ids=LOCAL_IDS, remote_engine_id="prefill-e",
-            remote_address=prefill.peer_address, remote_block_ids=REMOTE_IDS, remote_request_id="req-p",
+            request_id="req-d", local_groups=one_group(LOCAL_IDS), remote_engine_id="prefill-e",
+            remote_address=prefill.peer_address, remote_groups=one_group(REMOTE_IDS), remote_request_id="req-p",
             remote_tp_size=1))
         recv = ds.next(30)
         assert recv.WhichOneof("event") == "recv_done", recv
         ds.send(load=pb.LoadBlocks(
-            request_id="req-bad", local_block_ids=[4], remote_engine_id="no-such-engine",
-            remote_address=prefill.peer_address, remote_block_ids=[4], remote_request_id="req-none",
+            request_id="req-bad", local_groups=one_group([4]), remote_engine_id="no-such-engine",
+            remote_address=prefill.peer_address, remote_groups=one_group([4]), remote_request_id="req-none",
             remote_tp_size=1))
         failed = ds.next(30)
         assert failed.WhichOneof("event") == "load_failed", failed

@@ -8,7 +8,7 @@ import multiprocessing as mp
 import numpy as np
 
 from kvd.v1 import kvd_pb2 as pb
-from kvdtest import KvShape, Session, ShmSegment, register_request
+from kvdtest import KvShape, Session, ShmSegment, one_group, register_request
 
 SHAPE = KvShape(num_layers=4, num_blocks=64, block_len=4096)
 REMOTE_IDS = [60, 3, 11, 7, 0, 41, 42, 19]
@@ -27,7 +27,7 @@ def _prefill_engine(socket_dir_daemon, q_out, q_in):
         seg.array[:] = np.random.default_rng(1).integers(0, 256, SHAPE.size, dtype=np.uint8)
         d.stub().RegisterEngine(register_request("prefill-e", SHAPE, seg), timeout=30)
         s = Session(d, "prefill-e")
-        s.send(hold=pb.HoldBlocks(request_id="req-p", block_ids=REMOTE_IDS, lease_s=600))
+        s.send(hold=pb.HoldBlocks(request_id="req-p", groups=one_group(REMOTE_IDS), lease_s=600))
         q_out.put("ready")
         ev = s.next(60)
         q_out.put((ev.WhichOneof("event"), ev.send_done.request_id, ev.send_done.expired))
@@ -52,8 +52,8 @@ def test_blocks_move_byte_exact_between_two_daemons(daemon_pair):
             decode.stub().RegisterEngine(register_request("decode-e", SHAPE, seg), timeout=30)
             s = Session(decode, "decode-e")
             s.send(load=pb.LoadBlocks(
-                request_id="req-d", local_block_ids=LOCAL_IDS, remote_engine_id="prefill-e",
-                remote_address=prefill.peer_address, remote_block_ids=REMOTE_IDS, remote_request_id="req-p",
+                request_id="req-d", local_groups=one_group(LOCAL_IDS), remote_engine_id="prefill-e",
+                remote_address=prefill.peer_address, remote_groups=one_group(REMOTE_IDS), remote_request_id="req-p",
                 remote_tp_size=1))
             ev = s.next(30)
             assert ev.WhichOneof("event") == "recv_done", ev

@@ -44,6 +44,8 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvd import tracepoints as tp
+
 log = logging.getLogger("kvd.gate")
 
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13+
@@ -133,6 +135,7 @@ class _Relay(asyncio.Protocol):
             a.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
+        tp.hit(tp.GATE_IN if type(self) is _Front else tp.GATE_OUT)  # no request id: bytes of HTTP/2 frames
         if self.other is None:
             self.pending.append(data)
             self.transport.pause_reading()
