@@ -251,14 +251,15 @@ def test_status_reports_the_data_path_of_each_worker():
     from kvd.daemon.status import build_stats, render, to_dict
 
     def worker(name, staging):
+        mem = SimpleNamespace(registered_bytes=1 << 20, staging=staging, staged=bool(staging), memory="DRAM")
         return SimpleNamespace(
             key=(name, 0), tp_size=1, model="m", agent=SimpleNamespace(name=f"kvd-{name}"), compat_hash="h",
-            regions=[1, 2], layout=SimpleNamespace(num_blocks=8, block_size=16), registered_bytes=1 << 20,
-            leases=[], inflight={}, sessions=1, remotes={}, staging=staging)
+            regions=[1, 2], layout=SimpleNamespace(num_blocks=8, block_size=16), mem=mem,
+            leases=[], inflight={}, session=SimpleNamespace(streams=1), pairs=SimpleNamespace(remotes={}))
 
     def node(*workers):
         return SimpleNamespace(stats=lambda: {"engines": len(workers), "not_in_the_proto": 7},
-                               peer_address="h:1", backends=["UCX"], workers={w.key: w for w in workers})
+                               peer_address="h:1", workers={w.key: w for w in workers})
 
     assert build_stats(node()).data_path == ""
     assert build_stats(node(worker("a", []))).data_path == "direct"

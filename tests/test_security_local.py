@@ -169,7 +169,7 @@ ME = Caller(os.getpid(), 1000, 1000, frozenset({1000}))  # a live pid: the owner
 
 def _service(require: bool = False, sessions: int = 1, owner=ME):
     w = types.SimpleNamespace(session=types.SimpleNamespace(streams=sessions), label="engine=e rank=0",
-                              owner=Owner(owner.uid, owner.gid, owner.gids, owner.pid, "t" * 32, str(owner)))
+                              owner=Owner(owner.uid, owner.gid, owner.gids, owner.pid, "t" * 32))
     node = types.SimpleNamespace(workers={("e", 0): w})
     return EngineService(node, require_session_token=require)
 

@@ -47,12 +47,21 @@ class Bounds:
     # over ranks: a LoadBlocks with remote_tp_size 2**32-1 once made the
     # daemon build a list of ranks until the OOM killer stopped it.
     max_tp_size: int = 256
+    # What one worker may register (docs/DESIGN.md: messages are bounded):
+    # regions (and segments), blocks per region, descriptors in all.
+    max_regions: int = 4096
+    max_blocks: int = 1 << 24
+    max_descriptors: int = 1 << 26
+    # GPU ordinals accepted in a peer's description.
+    max_device: int = 1 << 16
     # Readers one source rank may wait for, per request (a notification's count).
     max_notifications: int = 1 << 16
     # Agent metadata accepted from a peer (NIXL metadata is a few KiB per backend).
     max_agent_metadata: int = 1 << 20
     # Events kept for a worker whose session is not attached (reconnecting shim).
     max_pending_events: int = 100_000
+    # A session stream's first command (OpenSession) must come within this (seconds).
+    open_session_timeout_s: float = 30.0
     # gRPC channels to remote daemons kept open (least recently used closed first).
     max_peer_channels: int = 256
     # After posting a transfer that is not done at once, the NIXL thread checks

@@ -51,8 +51,9 @@ def check_peer(w: Worker, hs: HandshakeResult, what: str) -> None:
         raise InvalidArgument(f"{what}: region_base_addrs and regions differ in length")
     if not 1 <= hs.tp_size <= BOUNDS.max_tp_size:
         raise InvalidArgument(f"{what}: tp_size must be in 1..{BOUNDS.max_tp_size} (got {hs.tp_size})")
-    if hs.memory not in ("DRAM", "VRAM") or not 0 <= hs.device < 1 << 16:
-        raise InvalidArgument(f"{what}: memory {hs.memory!r} on device {hs.device}: DRAM or VRAM on a device 0..65535")
+    if hs.memory not in ("DRAM", "VRAM") or not 0 <= hs.device < BOUNDS.max_device:
+        raise InvalidArgument(f"{what}: memory {hs.memory!r} on device {hs.device}: DRAM or VRAM on a device "
+                              f"0..{BOUNDS.max_device - 1}")
     try:
         lay.validate(hs.layout, hs.regions, [1 << 62] * (1 + max(r.segment for r in hs.regions)))
     except LayoutError as e:

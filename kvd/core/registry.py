@@ -86,8 +86,8 @@ class Registry:
             raise InvalidArgument(f"tp_rank {tp_rank} must be in 0..tp_size-1 (tp_size {tp_size})")
         if (engine_id, tp_rank) in self.rt.workers:
             raise AlreadyExists(f"engine {engine_id!r} rank {tp_rank} is already registered")
-        if not segments or len(segments) > lay.MAX_REGIONS:
-            raise InvalidArgument(f"a worker registers 1..{lay.MAX_REGIONS} segments (got {len(segments)})")
+        if not segments or len(segments) > BOUNDS.max_regions:
+            raise InvalidArgument(f"a worker registers 1..{BOUNDS.max_regions} segments (got {len(segments)})")
         try:
             lay.validate(layout, regions, [s.size for s in segments])
         except LayoutError as e:

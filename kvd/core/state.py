@@ -1,7 +1,9 @@
-"""The daemon core's state: engine workers, remote workers, loads in flight,
-and counters (plain data, no behaviour beyond small accessors).
+"""The daemon core's state: engine workers (in named parts), remote workers,
+loads in flight and counters (plain data, no behaviour beyond small
+accessors).
 
-``kvd.core.node.Node`` owns and changes these; the gRPC services read them.
+The core's rooms (``kvd.core.registry``, ``peers``, ``holds``, ``pull``,
+``push``, ``progress``) change these; the gRPC services read them.
 Units: seconds, bytes, counts.
 """
 
@@ -13,11 +15,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvd.core import plan
+from kvd.core.events import FailureKind
 from kvd.core.layout import Layout, Region
 from kvd.core.leases import LeaseTable
 from kvd.core.memory import ShmMapping
 from kvd.core.nixl_agent import NixlAgent
-from kvd.core.events import FailureKind
 from kvd.requests import BlockGroups, LoadRequest
 
 WorkerKey = tuple[str, int]  # (engine_id, tp_rank)
@@ -65,10 +67,10 @@ class PushOrder:
     engine_id: str               # source (prefill) engine
     tp_rank: int                 # source rank
     request_id: str              # source request id (its lease)
-    source_groups: BlockGroups
+    source_groups: BlockGroups   # source block ids per KV-cache group, held for request_id
     reader: HandshakeResult      # the reader worker, described as at handshake
     reader_tp_rank: int
-    reader_groups: BlockGroups
+    reader_groups: BlockGroups   # reader block ids per KV-cache group (as a LoadRequest's local_groups)
     expected_notifications: int
     timeout_s: float
 
@@ -155,18 +157,16 @@ class Owner:
     (kernel credentials: ``SO_PEERCRED``), and the session token it got.
 
     ``pid`` 0: the daemon cannot see the caller's PID namespace (another
-    container). ``caller``: the credentials as the gate prints them, for
-    messages."""
+    container); ``gids``: its primary and supplementary groups."""
 
     uid: int
     gid: int
     gids: frozenset[int]
     pid: int
     token: str
-    caller: str = ""
 
-    def __str__(self) -> str:
-        return self.caller or f"pid {self.pid or '?'} uid {self.uid} gid {self.gid}"
+    def __str__(self) -> str:  # as kvd.daemon.local_gate.Caller prints itself
+        return f"pid {self.pid or '?'} uid {self.uid} gid {self.gid}"
 
 
 @dataclass

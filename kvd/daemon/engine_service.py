@@ -146,7 +146,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
                                     f"this daemon (or data_path STAGED)")
             segments.append(Segment(s.name, s.size))
         token = secrets.token_hex(16)
-        owner = Owner(caller.uid, caller.gid, frozenset(caller.gids), caller.pid, token, str(caller))
+        owner = Owner(caller.uid, caller.gid, frozenset(caller.gids), caller.pid, token)
         try:
             worker = await self.node.register(
                 w.engine_id, w.tp_rank, w.tp_size,
@@ -197,9 +197,10 @@ class EngineService(pb_grpc.EngineServiceServicer):
         """One worker's command/event stream; the first command must be ``open``."""
         it = request_iterator.__aiter__()
         try:
-            first = await asyncio.wait_for(it.__anext__(), timeout=30.0)
+            first = await asyncio.wait_for(it.__anext__(), timeout=BOUNDS.open_session_timeout_s)
         except (StopAsyncIteration, asyncio.TimeoutError):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session: no OpenSession within 30 s")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"session: no OpenSession within {BOUNDS.open_session_timeout_s:g} s")
         if first.WhichOneof("command") != "open":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session: the first command must be OpenSession")
         await self._refuse_while_draining(context)

@@ -46,7 +46,7 @@ def build_stats(node: Node, draining: bool = False, backends: list[str] | None =
     counts = {k: v for k, v in node.stats().items() if k in fields}
     resp = pb.StatsResponse(
         daemon_version=__version__, peer_address=node.peer_address, draining=draining,
-        backends=backends or list(node.registry.backends), metrics_address=metrics_address,
+        backends=backends or [], metrics_address=metrics_address,
         versions=_VERSIONS, **counts,
     )
     paths = set()
