@@ -168,7 +168,7 @@ class Peers:
         self._unload_agent(w, r.agent_name)
 
     async def notify_by_rpc(self, address: str, engine_id: str, tp_rank: int, request_id: str, expected: int,
-                             deadline: float, label: str) -> None:
+                            deadline: float, label: str) -> None:
         """One reader's notification of ``request_id`` to a source rank, over
         PeerService.Notify instead of NIXL (no handshake needed: used when
         the pair was refused). Failures are logged, never raised: the source's
@@ -184,9 +184,8 @@ class Peers:
             log.warning("%s: could not tell %s engine=%s rank=%d to free %s: %s", label, address, engine_id,
                         tp_rank, request_id, e)
 
-
     async def remote(self, w: Worker, address: str, engine_id: str, tp_rank: int, tp_size: int,
-                      deadline: float) -> tuple[RemoteWorker, bool]:
+                     deadline: float) -> tuple[RemoteWorker, bool]:
         """The remote worker, handshaking if needed; ``(remote, fresh)``.
 
         A handshake that fails as unreachable or slow (a transient
@@ -335,7 +334,6 @@ class Peers:
                 f"caller {caller_hash}, this worker {w.compat_hash}"
             )
         return await self.describe(w)
-
 
     async def describe(self, w: Worker) -> HandshakeResult:
         """``w`` as a handshake describes it (agent metadata, layout, regions)."""

@@ -69,7 +69,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
             the registration's token.
     """
 
-    def __init__(self, node: Node, on_event=None, backends: list[str] | None = None, callers=None,
+    def __init__(self, node: Node, backends: list[str] | None = None, callers=None,
                  require_session_token: bool = False):
         self.node = node
         self.backends = list(backends or [])
