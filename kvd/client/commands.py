@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvd import tracepoints as tp
 from kvd.requests import BlockGroups, LoadRequest
 from kvd.v1 import kvd_pb2 as pb
 
@@ -35,6 +36,7 @@ class Load:
         """The ``SessionCommand`` of this load (built once)."""
         if self._cmd is None:
             r = self.req
+            tp.hit(tp.SENT, r.request_id)
             self._cmd = pb.SessionCommand(load=pb.LoadBlocks(
                 request_id=r.request_id, local_groups=_groups_pb(r.local_groups),
                 remote_engine_id=r.remote_engine_id, remote_address=r.remote_address,

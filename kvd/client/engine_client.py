@@ -65,6 +65,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
+from kvd import tracepoints as tp
 from kvd.client.commands import Command, Hold, Lazy, Load, Stream, abort_cmd, hold_ended, load_failed, release_cmd
 from kvd.requests import BlockGroups, LoadRequest
 from kvd.v1 import kvd_pb2 as pb
@@ -511,6 +512,7 @@ class EngineClient:
         with self._lock:
             if kind == "recv_done" or kind == "load_failed":
                 rid = getattr(event, kind).request_id
+                tp.hit(tp.RECEIVED, rid, kind)
                 if self._loads.pop(rid, None) is not None:
                     self._events.append(event)
                 else:
