@@ -352,3 +352,20 @@ def test_on_register_sees_every_new_registration_before_holds_are_sent_again(soc
     finally:
         client.close()
         fake.stop()
+
+
+def test_a_load_request_crosses_the_wire_unchanged():
+    """The one encoding of a load: what the client builds from a LoadRequest
+    (groups only; the flat fields are reserved) is what the daemon's session
+    adapter turns back into the same LoadRequest."""
+    from kvd.client.commands import Load
+    from kvd.daemon.convert import load_from_pb
+
+    req = LoadRequest("d1", [[1, 2], [3]], "engine-p", PEER_ADDRESS, [[5, 6], [7]], "p-d1", remote_tp_size=2,
+                      timeout_s=4.5)
+    msg = Load(req, req.timeout_s, 0.0).build().load
+    assert {f.name for f, _ in msg.ListFields()} == {
+        "request_id", "local_groups", "remote_engine_id", "remote_address", "remote_groups", "remote_request_id",
+        "remote_tp_size", "timeout_s"}
+    assert "local_block_ids" not in pb.LoadBlocks.DESCRIPTOR.fields_by_name
+    assert load_from_pb(pb.LoadBlocks.FromString(msg.SerializeToString())) == req

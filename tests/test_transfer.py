@@ -82,3 +82,47 @@ def test_blocks_move_byte_exact_between_two_daemons(daemon_pair):
         if child.is_alive():
             child.kill()
     assert child.exitcode == 0
+
+
+SINK = """\
+import sys
+from kvd import tracepoints
+tracepoints.install(lambda point, rid, detail, t: print(f"TP {point} {rid} {detail} {t:.6f}", file=sys.stderr,
+                                                        flush=True))
+"""
+
+
+def test_trace_points_mark_each_hop_of_a_load(tmp_path):
+    """A sink installed in the decode daemon's process (sitecustomize) sees a
+    load at every named point, in path order, with no monkeypatching: the
+    gate, the session adapter, the core's pull path and its NIXL post."""
+    import os
+
+    from kvd import tracepoints as tp
+    from kvdtest import Engine, event_kind, start_daemon
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SINK)
+    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    prefill = start_daemon(str(tmp_path), "prefill")
+    decode = start_daemon(str(tmp_path), "decode", env={"PYTHONPATH": path})
+    src = dst = None
+    try:
+        src, dst = Engine(prefill, "tp-prefill", SHAPE), Engine(decode, "tp-decode", SHAPE)
+        src.hold("tp-req", REMOTE_IDS)
+        dst.load("tp-req", LOCAL_IDS, src, REMOTE_IDS, "tp-req", timeout_s=20)
+        assert event_kind(dst.wait("tp-req", 30)) == "recv_done"
+    finally:
+        for e in (src, dst):
+            if e is not None:
+                e.close()
+        prefill.stop()
+        decode.stop()
+    hits = [line.split()[1:] for line in decode.log().splitlines() if line.startswith("TP ")]
+    mine = [h[0] for h in hits if len(h) > 2 and h[1] == "tp-req"]
+    path_order = [tp.SESSION_READ, tp.LOAD, tp.POST, tp.POSTED, tp.EVENT]
+    assert [p for p in mine if p in path_order][:len(path_order)] == path_order, mine
+    points = {h[0] for h in hits}
+    assert {tp.GATE_IN, tp.GATE_OUT} <= points, points
+    assert not any(line.startswith("TP ") for line in prefill.log().splitlines())  # no sink there: no hits
