@@ -8,7 +8,8 @@ import multiprocessing as mp
 import numpy as np
 
 from kvd.v1 import kvd_pb2 as pb
-from kvdtest import KvShape, Session, ShmSegment, one_group, register_request
+from kvd.testing.sessions import KvShape, Session, one_group, register_request
+from kvd.testing.shm import ShmSegment
 
 SHAPE = KvShape(num_layers=4, num_blocks=64, block_len=4096)
 REMOTE_IDS = [60, 3, 11, 7, 0, 41, 42, 19]
@@ -19,7 +20,7 @@ def _prefill_engine(socket_dir_daemon, q_out, q_in):
     """A prefill engine process: fills its KV cache, registers, holds blocks."""
     import grpc  # noqa: F401
 
-    from kvdtest import Daemon
+    from kvd.testing.daemons import Daemon
 
     d = Daemon(proc=None, socket=socket_dir_daemon, log_path="")
     seg = ShmSegment(SHAPE.size)
@@ -99,7 +100,8 @@ def test_trace_points_mark_each_hop_of_a_load(tmp_path):
     import os
 
     from kvd import tracepoints as tp
-    from kvdtest import Engine, event_kind, start_daemon
+    from kvd.testing.daemons import start_daemon
+    from kvd.testing.sessions import Engine, event_kind
 
     site = tmp_path / "site"
     site.mkdir()
