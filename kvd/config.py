@@ -109,6 +109,8 @@ class Config:
     grace_s: float = _setting(10.0, "on SIGTERM, wait this long for transfers in flight, seconds")
     transfer_mode: str = _setting("pull", "pull (decode daemon READs) | push (prefill daemon WRITEs, "
                                           "asked by the decode daemon); set on the decode side")
+    same_node_copy: bool = _setting(True, "a load whose prefill engine is registered with this daemon too is a "
+                                          "copy by the daemon (no NIXL); false: every load goes through NIXL")
     # Security (docs/SECURITY.md). Local engines: who may use the engine socket.
     engine_socket_group: str = _setting("", "group (name or gid) of the engine socket, created mode 0660 "
                                              "(empty: the daemon's group)")

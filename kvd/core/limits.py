@@ -30,6 +30,7 @@ class Limits:
     poll_busy_s: float = 0.0005      # poll interval while transfers are in flight
     poll_idle_s: float = 0.005       # otherwise (notifications, leases)
     transfer_mode: str = "pull"      # "pull": decode READs; "push": prefill WRITEs on request
+    same_node_copy: bool = True      # a load from an engine of this daemon is a memmove (kvd.core.local_copy)
     detach_grace_s: float = 10.0     # an engine whose session is gone this long is unregistered
 
 

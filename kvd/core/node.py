@@ -9,6 +9,7 @@ wires the core's rooms and delegates to them; each room is one module:
   descriptor lists, the answer to a remote handshake;
 - ``holds``: the prefill side's leases (``kvd.core.leases``);
 - ``pull``: the decode side's load path (NIXL READs);
+- ``local_copy``: a load whose source is registered here too (a memmove);
 - ``push``: push mode, both sides (NIXL WRITEs);
 - ``progress``: the loop that polls NIXL and ends transfers and leases;
 - ``runtime``: what they share (workers, counters, the NIXL thread, events).
@@ -34,6 +35,7 @@ from kvd.core.events import CommandRejected
 from kvd.core.holds import Holds
 from kvd.core.layout import Layout, Region
 from kvd.core.limits import Limits
+from kvd.core.local_copy import LocalCopy
 from kvd.core.peers import Peers
 from kvd.core.progress import Progress
 from kvd.core.pull import Pull
@@ -79,16 +81,29 @@ class Node:
         backends: list[str] | None = None,
         on_event: Callable[[str, dict], None] | None = None,
     ):
-        self.peer_address = peer_address
         self.rt = Runtime(limits or Limits(), on_event)
         self.peers = Peers(self.rt, peers)
         self.registry = Registry(self.rt, self.peers, backends or ["UCX"])
         self.holds = Holds(self.rt)
         self.push_mode = Push(self.rt, self.peers, self.holds)
-        self.pull = Pull(self.rt, self.peers, self.push_mode)
+        self.local_copy = LocalCopy(self.rt, self.holds)
+        self.pull = Pull(self.rt, self.peers, self.push_mode, self.local_copy)
+        self.peer_address = peer_address
         self.progress = Progress(self.rt, self.registry, self.peers, self.holds, self.pull, self.push_mode)
 
     # ------------------------------------------------------------ lifecycle
+    @property
+    def peer_address(self) -> str:
+        """``host:port`` remote daemons reach this one at (what
+        ``kv_transfer_params`` carry); a load naming it is a same-node load
+        (``kvd.core.local_copy``)."""
+        return self._peer_address
+
+    @peer_address.setter
+    def peer_address(self, value: str) -> None:
+        self._peer_address = value
+        self.local_copy.addresses = {value} if value else set()
+
     @property
     def limits(self) -> Limits:
         return self.rt.limits

@@ -31,6 +31,7 @@ from kvd.core.events import (
 from kvd.core.layout import LayoutError
 from kvd.core.leases import notif_message
 from kvd.core.limits import BOUNDS
+from kvd.core.local_copy import LocalCopy
 from kvd.core.nixl_agent import NixlAgent, NixlError
 from kvd.core.peers import Peers
 from kvd.core.push import Push
@@ -50,12 +51,15 @@ class Pull:
         rt: the core's shared state.
         peers: handshakes and remote workers.
         push: the push-mode reader side (``Limits.transfer_mode == "push"``).
+        local: same-node loads (the source registered with this daemon),
+            which it copies itself (``kvd.core.local_copy``) in either mode.
     """
 
-    def __init__(self, rt: Runtime, peers: Peers, push: Push):
+    def __init__(self, rt: Runtime, peers: Peers, push: Push, local: LocalCopy):
         self.rt = rt
         self.peers = peers
         self.push = push
+        self.local = local
 
     async def load(self, w: Worker, req: LoadRequest, *, retry_deadline: float | None = None) -> None:
         """Pulls ``req.remote_groups`` into ``req.local_groups``; emits
@@ -127,6 +131,17 @@ class Pull:
         except plan.PlanError as e:
             return self._fail(w, req, K.INCOMPATIBLE, f"incompatible: {e}")
         w.pending_loads.add(rid)
+        sources = self.local.sources(w, req, notify)
+        if sources is not None:
+            try:
+                result = await self.local.load(w, req, sources, remote_tp, read_from, notify, deadline)
+            finally:
+                w.pending_loads.discard(rid)
+            if result is not None and isinstance(result[0], FailureKind):
+                self._fail(w, req, *result)
+            elif result is not None:
+                self._recv_done(w, req, *result, time.monotonic() - started)
+            return
         if self.rt.limits.transfer_mode == "push":
             try:
                 failure = await self.push.load(w, req, remote_tp, read_from, notify, started, deadline)
@@ -257,18 +272,22 @@ class Pull:
             return
         req = load.req
         if not load.failed:
-            dur = now - load.started
-            self.rt.counters.bytes_read += load.nbytes
-            self.rt.counters.transfers_done += 1
-            self.rt.on_event("transfer", {"bytes": load.nbytes, "seconds": dur, "descs": load.ndescs})
-            log.debug("%s request=%s: %d bytes in %.2f ms", w.label, request_id, load.nbytes, dur * 1e3)
-            self.rt.emit(w, RecvDone(request_id, load.nbytes, len(req.local_block_ids), load.ndescs, dur,
-                                     load.post_s))
+            self._recv_done(w, req, load.nbytes, load.ndescs, now - load.started, load.post_s)
         elif load.retry and now < load.deadline:
             log.info("%s request=%s: %s; retrying after a new handshake", w.label, request_id, load.failed)
             asyncio.get_running_loop().create_task(self.load(w, req, retry_deadline=load.deadline))
         else:
             self._fail(w, req, load.kind or K.TRANSFER, load.failed)
+
+    def _recv_done(self, w: Worker, req: LoadRequest, nbytes: int, ndescs: int, dur: float,
+                   post_s: float = 0.0) -> None:
+        """A load is done: counted, reported to metrics, ``RecvDone`` queued
+        (units: bytes, descriptor rows, seconds)."""
+        self.rt.counters.bytes_read += nbytes
+        self.rt.counters.transfers_done += 1
+        self.rt.on_event("transfer", {"bytes": nbytes, "seconds": dur, "descs": ndescs})
+        log.debug("%s request=%s: %d bytes in %.2f ms", w.label, req.request_id, nbytes, dur * 1e3)
+        self.rt.emit(w, RecvDone(req.request_id, nbytes, len(req.local_block_ids), ndescs, dur, post_s))
 
     def expire(self, now: float) -> None:
         """Fails every load past its deadline; its READs are cancelled by the next poll."""

@@ -150,7 +150,8 @@ class Server:
         host, port = parse_host_port(cfg.peer_listen, "peer_listen")
         limits = Limits(lease_s=cfg.lease_s, transfer_timeout_s=cfg.transfer_timeout_s,
                         handshake_timeout_s=cfg.handshake_timeout_s, detach_grace_s=cfg.detach_grace_s,
-                        transfer_mode=cfg.transfer_mode, max_inflight_per_worker=cfg.max_inflight_per_worker,
+                        transfer_mode=cfg.transfer_mode, same_node_copy=cfg.same_node_copy,
+                        max_inflight_per_worker=cfg.max_inflight_per_worker,
                         max_blocks_per_request=cfg.max_blocks_per_request,
                         max_leases_per_worker=cfg.max_leases_per_worker)
         options = server_options(cfg.max_message_bytes)

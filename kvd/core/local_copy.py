@@ -1,0 +1,321 @@
+"""Same-node copy: a load whose source workers are registered with this daemon.
+
+When the prefill and the decode engines of a load share one daemon (both on
+one node), the daemon moves the bytes itself: ``memmove`` between its own
+mappings of the two workers' segments, with no NIXL agent pair, handshake or
+notification. Everything else is the load of ``kvd.core.pull``:
+
+- the same transfer plan (``kvd.core.plan`` through ``kvd.core.peers.pair_plan``:
+  block remapping, block-size ratio ``k``, chunks, TP ratios, KV-cache groups),
+  and the checks a handshake makes (compatibility hash, TP size, layouts);
+- authority: a READ of another engine's blocks needs that engine's hold on
+  those blocks for that request: every source block read must be held by the
+  source worker's lease of ``remote_request_id`` (as a push WRITE requires,
+  ``kvd.core.push``). A load that comes before its hold waits for it (vLLM
+  sends the hold with the prefill worker's next step, which may reach the
+  daemon after the decode engine's load), up to the load's deadline;
+- completion: each source rank the reader must notify is notified as a NIXL
+  notification would (``Holds.notify``: the lease ends with ``SendDone`` once
+  every expected reader did), then the reader gets ``RecvDone`` (the caller,
+  ``Pull``, emits it) or ``LoadFailed``;
+- bounds: every descriptor row of the pair is checked once, when the pair's
+  plan is made, to lie inside the mapping of its region's segment; block ids
+  are checked per request by ``plan.chunk_indices``.
+
+Copies run on the NIXL thread (``Runtime.nixl``), in pieces of at most
+:data:`COPY_PIECE_BYTES`: unregistering a worker frees its NIXL state on that
+thread before it unmaps the segments, so a piece queued while both workers
+are registered has finished before either mapping goes away; and a piece
+holds the thread for about a millisecond, so polls and posts of other loads
+go on between pieces. Between pieces the load checks that both sides are
+still registered, the reader's session is the same, and the deadline has not
+passed.
+
+Not covered (the load takes the NIXL path, ``kvd.core.pull``):
+VRAM regions on either side. A GPU daemon would make the same place a device
+copy (``cudaMemcpyAsync`` between the IPC handles it opened, on a stream of
+its own); none is done here: CUDA memory is never touched by the CPU.
+``Limits.same_node_copy = False`` (config key ``same_node_copy``) sends every
+load through NIXL, which the tests proving the NIXL path between engines of
+one daemon use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvd.core import plan
+from kvd.core.events import CoreError, FailureKind, Incompatible
+from kvd.core.holds import Holds
+from kvd.core.layout import LayoutError
+from kvd.core.peers import pair_plan
+from kvd.core.runtime import Runtime
+from kvd.core.state import Worker, WorkerKey
+from kvd.requests import LoadRequest
+
+log = logging.getLogger("kvd.core")
+
+K = FailureKind
+
+# Bytes copied by one call on the NIXL thread: about 1-2 ms at this machine's
+# single-thread memcpy (5.6 GB/s, docs/DESIGN.md), so other loads' polls wait
+# that long at most, while the round trip per piece (~50 us) stays a few % of it.
+COPY_PIECE_BYTES = 8 << 20
+
+# How often a load whose hold has not come yet looks again (seconds, doubling).
+_HOLD_POLL_FIRST_S = 0.0005
+_HOLD_POLL_MAX_S = 0.02
+
+
+@dataclass
+class CopyPlan:
+    """The plan of one (reader, source) pair: descriptor rows on both sides.
+
+    ``reader_rows``/``source_rows``: ``(address, length)`` int64 rows as
+    ``plan.local_rows``/``plan.remote_rows`` order them, addresses in this
+    daemon's mappings, checked to lie inside them. ``k``, ``C``: source
+    blocks per reader block, chunks per source block. ``region_bytes``: bytes
+    one source block gives per region.
+    """
+
+    reader: Worker
+    source: Worker
+    k: int
+    C: int
+    reader_rows: np.ndarray
+    source_rows: np.ndarray
+    region_bytes: tuple[int, ...]
+    region_groups: tuple[int, ...]
+
+    def transfer_bytes(self, source_groups) -> int:
+        """Bytes a copy of ``source_groups`` (block ids per group) moves."""
+        return sum(b * len(source_groups[g]) for b, g in zip(self.region_bytes, self.region_groups))
+
+
+class LocalCopy:
+    """Same-node loads of one daemon.
+
+    Args:
+        rt: the core's shared state.
+        holds: the sources' leases (checked before, notified after a copy).
+
+    ``addresses``: the ``host:port`` names of this daemon's PeerService that
+    ``kv_transfer_params`` carry (``Node.peer_address``); a load naming one of
+    them, for an engine registered here, is a same-node load.
+    """
+
+    def __init__(self, rt: Runtime, holds: Holds):
+        self.rt = rt
+        self.holds = holds
+        self.addresses: set[str] = set()
+        self._plans: dict[tuple[WorkerKey, WorkerKey], CopyPlan] = {}
+
+    def sources(self, w: Worker, req: LoadRequest, notify: list[int]) -> dict[int, Worker] | None:
+        """The source workers by rank when ``req`` is a same-node load, else None.
+
+        None as well (the NIXL path serves it) when ``same_node_copy`` is off,
+        when a source rank is not registered here, or when either side's
+        memory is not DRAM (VRAM: see the module docstring).
+        """
+        if not self.rt.limits.same_node_copy or req.remote_address not in self.addresses:
+            return None
+        found = {p: self.rt.workers.get((req.remote_engine_id, p)) for p in notify}
+        if any(s is None for s in found.values()):
+            return None
+        if w.mem.memory != "DRAM" or any(s.mem.memory != "DRAM" for s in found.values()):
+            return None
+        return found
+
+    async def load(self, w: Worker, req: LoadRequest, sources: dict[int, Worker], remote_tp: int,
+                   read_from: list[int], notify: list[int], deadline: float
+                   ) -> tuple[int, int] | tuple[FailureKind, str] | None:
+        """Copies ``req.remote_groups`` of ``sources`` into ``req.local_groups`` of ``w``.
+
+        Returns ``(bytes, descriptor rows)`` when done (every source rank in
+        ``notify`` notified), ``(kind, reason)`` of a failure, or None when
+        the reader's session ended or it was unregistered meanwhile (no
+        event: as a NIXL load cancelled by ``Pull.cancel``).
+        """
+        epoch = w.session.epoch
+        try:
+            plans = {p: self._plan(w, sources[p], remote_tp) for p in read_from}
+        except Incompatible as e:
+            self._notify(w, req, sources, notify, remote_tp)  # nobody will read them: free them now
+            return K.HANDSHAKE, f"handshake: {e}"
+        pieces = []
+        nbytes = 0
+        for p in read_from:
+            cp = plans[p]
+            try:
+                lidx, ridx = plan.chunk_indices(req.local_groups, req.remote_groups, len(w.regions),
+                                                w.layout.num_blocks, cp.source.layout.num_blocks, cp.k, cp.C,
+                                                cp.region_groups)
+            except LayoutError as e:
+                return K.INVALID, f"invalid: {e}"
+            pieces += split_pieces(cp.reader_rows[lidx, 0], cp.source_rows[ridx, 0], cp.reader_rows[lidx, 1])
+            nbytes += cp.transfer_bytes(req.remote_groups)
+        for p in read_from:
+            why = await self._wait_held(w, epoch, sources[p], req, deadline)
+            if why:
+                return why if isinstance(why, tuple) else None
+        ndescs = sum(len(x[0]) for x in pieces)
+        for dst, src, ln in pieces:
+            why = self._still(w, epoch, sources, deadline)
+            if why:
+                return why if isinstance(why, tuple) else None
+            await self.rt.nixl(copy_rows, dst, src, ln)
+        if self._still(w, epoch, sources, float("inf")):
+            return None
+        self._notify(w, req, sources, notify, remote_tp)
+        return nbytes, ndescs
+
+    # ---------------------------------------------------------------- parts
+    def _plan(self, w: Worker, s: Worker, remote_tp: int) -> CopyPlan:
+        """The pair's plan, made once per (reader, source) registration.
+
+        Raises:
+            Incompatible: TP size, compatibility hash or layouts differ (the
+                checks of a handshake, ``kvd.core.peers``).
+        """
+        key = (w.key, s.key)
+        cp = self._plans.get(key)
+        if cp is not None and cp.reader is w and cp.source is s:
+            return cp
+        if s.tp_size != remote_tp:
+            raise Incompatible(f"remote engine {s.key[0]!r} has TP size {s.tp_size}, the request says {remote_tp}")
+        if s.compat_hash != w.compat_hash:
+            raise Incompatible(f"compatibility hash mismatch: local {w.compat_hash}, remote {s.compat_hash}")
+        k, C, chunk_sets, _, _ = pair_plan(w.geometry(), s.geometry())
+        reader_rows = plan.local_rows(w.mem.bases, w.regions, w.layout.num_blocks, chunk_sets, k)[:, :2]
+        source_rows = plan.remote_rows(s.mem.bases, s.regions, s.layout.num_blocks, chunk_sets, k)[:, :2]
+        check_inside(w, reader_rows, w.layout.num_blocks * k * C)
+        check_inside(s, source_rows, s.layout.num_blocks * C)
+        cp = CopyPlan(w, s, k, C, np.ascontiguousarray(reader_rows), np.ascontiguousarray(source_rows),
+                      tuple(int(c[:C, 3].sum()) for c in chunk_sets), tuple(x.group for x in w.regions))
+        for old in [k2 for k2, v in self._plans.items()
+                    if self.rt.workers.get(k2[0]) is not v.reader or self.rt.workers.get(k2[1]) is not v.source]:
+            del self._plans[old]  # a side re-registered or left: its rows name unmapped memory
+        self._plans[key] = cp
+        log.info("%s: same-node copy plan with engine=%s rank=%d: %d chunk(s) x %d slot(s)", w.label, s.key[0],
+                 s.key[1], C, k)
+        return cp
+
+    def _still(self, w: Worker, epoch: int, sources: dict[int, Worker], deadline: float):
+        """Why the copy must stop now: ``(kind, reason)``, True (the reader
+        left: no event), or None (go on)."""
+        if self.rt.workers.get(w.key) is not w:
+            return K.UNREGISTERED, "worker unregistered"
+        if w.session.epoch != epoch:
+            log.info("%s: session ended during a same-node copy; load dropped", w.label)
+            return True
+        for s in sources.values():
+            if self.rt.workers.get(s.key) is not s:
+                return K.TRANSFER, f"transfer: source engine {s.key[0]!r} rank {s.key[1]} unregistered"
+        if time.monotonic() >= deadline:
+            return K.TIMEOUT, "timeout: transfer past its deadline"
+        return None
+
+    async def _wait_held(self, w: Worker, epoch: int, s: Worker, req: LoadRequest, deadline: float):
+        """Waits until ``s`` holds every block ``req`` reads from it; ``None``
+        then, else what :meth:`_still` returns, or ``(INVALID, reason)`` when
+        the lease holds other blocks."""
+        wait = _HOLD_POLL_FIRST_S
+        while True:
+            why = held_error(s, req.remote_request_id, req.remote_groups)
+            if why is None:
+                return None
+            if why != "no lease":
+                return K.INVALID, f"invalid: {why}"
+            stop = self._still(w, epoch, {0: s}, deadline)
+            if stop is not None and stop is not True and stop[0] is K.TIMEOUT:
+                return K.TIMEOUT, (f"timeout: engine {s.key[0]!r} rank {s.key[1]} held no blocks for request "
+                                   f"{req.remote_request_id!r} by the load's deadline")
+            if stop is not None:
+                return stop
+            await asyncio.sleep(min(wait, max(0.0, deadline - time.monotonic())))
+            wait = min(wait * 2, _HOLD_POLL_MAX_S)
+
+    def _notify(self, w: Worker, req: LoadRequest, sources: dict[int, Worker], notify: list[int],
+                remote_tp: int) -> None:
+        """Reader ``w``'s notification of ``req.remote_request_id`` to each
+        source rank in ``notify`` (the count a NIXL notification carries)."""
+        heads, mla = w.layout.model_kv_heads(w.tp_size), w.layout.kv_layout == "MLA"
+        for p in notify:
+            s = sources[p]
+            expected = plan.expected_notifications(p, remote_tp, w.tp_size, heads, mla)
+            try:
+                self.holds.notify(s.key[0], s.key[1], req.remote_request_id, expected)
+            except CoreError as e:
+                log.info("engine=%s rank=%d request=%s: not notified: %s", s.key[0], s.key[1],
+                         req.remote_request_id, e)
+
+
+def held_error(s: Worker, request_id: str, groups) -> str | None:
+    """Why ``s`` does not hold ``groups`` (source block ids per KV-cache
+    group) for ``request_id``: ``"no lease"``, a sentence naming the blocks,
+    or None when every block is held by that request's lease (the rule of
+    docs/SECURITY.md: a reader reads only blocks their engine holds for it)."""
+    lease = s.leases.leases.get(request_id)
+    if lease is None:
+        return "no lease"
+    held = lease.groups
+    if len(groups) > len(held):
+        return f"request {request_id!r} holds {len(held)} KV-cache group(s), the load reads {len(groups)}"
+    for g, (ids, have) in enumerate(zip(groups, held)):
+        missing = set(ids) - set(have)
+        if missing:
+            return (f"engine {s.key[0]!r} rank {s.key[1]} does not hold block {min(missing)} (group {g}) "
+                    f"for request {request_id!r}")
+    return None
+
+
+def check_inside(w: Worker, rows: np.ndarray, per_region: int) -> None:
+    """Raises Incompatible unless every ``(address, length)`` row lies inside
+    the mapping of its region's segment (``per_region`` rows per region, in
+    region order). Never true of a plan made from validated regions; checked
+    because a wrong row would read or write another process's memory."""
+    starts = np.array([w.mem.mappings[r.segment].addr for r in w.regions], dtype=np.int64)
+    ends = starts + np.array([w.mem.mappings[r.segment].size for r in w.regions], dtype=np.int64)
+    lo, hi = np.repeat(starts, per_region), np.repeat(ends, per_region)
+    bad = (rows[:, 0] < lo) | (rows[:, 0] + rows[:, 1] > hi) | (rows[:, 1] < 0)
+    if len(rows) != len(lo) or bad.any():
+        raise Incompatible(f"{w.label}: transfer plan row outside the registered regions")
+
+
+def split_pieces(dst: np.ndarray, src: np.ndarray, ln: np.ndarray, piece: int = COPY_PIECE_BYTES):
+    """``[(dst, src, len), ...]``: int64 arrays of about ``piece`` bytes each
+    (at most ``2 * piece``).
+
+    Rows contiguous on both sides are merged first (consecutive block ids of a
+    cross-layer or per-layer region are one run), rows longer than ``piece``
+    are cut."""
+    if not len(ln):
+        return []
+    dst, src, ln = (np.asarray(a, dtype=np.int64) for a in (dst, src, ln))
+    starts = np.flatnonzero(np.r_[True, (dst[1:] != dst[:-1] + ln[:-1]) | (src[1:] != src[:-1] + ln[:-1])])
+    dst, src, ln = dst[starts], src[starts], np.add.reduceat(ln, starts)
+    if (ln > piece).any():
+        cuts = -(-ln // piece)
+        row = np.repeat(np.arange(len(ln)), cuts)
+        off = (np.arange(len(row)) - np.repeat(np.cumsum(cuts) - cuts, cuts)) * piece
+        dst, src, ln = dst[row] + off, src[row] + off, np.minimum(ln[row] - off, piece)
+    ends = np.cumsum(ln)
+    bounds = np.searchsorted(ends, np.arange(piece, int(ends[-1]), piece), side="left") + 1
+    return [(d, s, n) for d, s, n in zip(np.split(dst, bounds), np.split(src, bounds), np.split(ln, bounds))
+            if len(n)]
+
+
+_memmove = ctypes.memmove  # a ctypes foreign function: releases the GIL while it copies
+
+
+def copy_rows(dst: np.ndarray, src: np.ndarray, ln: np.ndarray) -> None:
+    """NIXL thread: ``memmove(dst[i], src[i], ln[i])`` for each row (addresses
+    in this process, checked by the caller's plan)."""
+    for d, s, n in zip(dst.tolist(), src.tolist(), ln.tolist()):
+        _memmove(d, s, n)

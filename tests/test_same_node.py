@@ -1,0 +1,170 @@
+"""Prefill and decode engines on one daemon: the daemon copies the blocks
+itself (kvd.core.local_copy), with the same plan, lease and event semantics
+as a NIXL READ, and never reads blocks their engine does not hold."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvd.core.local_copy import COPY_PIECE_BYTES, split_pieces
+from kvd.testing.daemons import start_daemon
+from kvd.testing.sessions import Engine, KvShape, event_kind
+
+from test_parity import run_pd  # noqa: E402  (the parity scenarios, one daemon for both sides)
+
+SHAPE = KvShape(num_layers=4, num_blocks=64, block_len=4096)
+REMOTE_IDS = [60, 3, 11, 7, 0, 41, 42, 19]
+LOCAL_IDS = [5, 2, 40, 17, 33, 63, 1, 20]
+
+
+@pytest.fixture(scope="module")
+def one(tmp_path_factory):
+    """One daemon, same-node copy on (the default)."""
+    d = start_daemon(str(tmp_path_factory.mktemp("samenode")), "kvd")
+    yield d
+    assert d.stop() == 0
+
+
+@pytest.fixture
+def engines(one, request):
+    tag = request.node.name[-40:].replace("[", "-").replace("]", "")
+    p = Engine(one, f"p-{tag}", SHAPE, seed=11)
+    d = Engine(one, f"d-{tag}", SHAPE)
+    yield p, d
+    p.close()
+    d.close()
+
+
+def test_a_load_from_an_engine_of_the_same_daemon_is_copied_byte_exact_without_nixl(one, engines):
+    p, d = engines
+    before = one.stats()
+    p.hold("req-p", REMOTE_IDS)
+    d.load("req-d", LOCAL_IDS, p, REMOTE_IDS, "req-p")
+    ev = d.wait("req-d")
+    assert event_kind(ev) == "recv_done", ev
+    assert ev.recv_done.bytes == len(LOCAL_IDS) * SHAPE.num_regions * SHAPE.block_len
+    assert d.same_blocks(LOCAL_IDS, p, REMOTE_IDS)
+    untouched = sorted(set(range(SHAPE.num_blocks)) - set(LOCAL_IDS))
+    assert not d.kv[:, untouched].any()
+    # The copy ends the prefill lease as a READ's notification would.
+    sd = p.wait("req-p", 10)
+    assert (event_kind(sd), sd.send_done.expired, sd.send_done.released) == ("send_done", False, False)
+    st = one.stats()
+    assert st.active_leases == 0 and st.transfers_done == before.transfers_done + 1
+    # No NIXL pair: no handshake, no remote agent, no prepped list beyond each worker's own.
+    assert st.peers == 0 and st.remote_agents == 0 and st.prepped_dlists == before.prepped_dlists
+    assert "same-node copy plan" in one.log()
+
+
+def test_a_load_that_comes_before_its_hold_waits_for_it(engines):
+    p, d = engines
+    d.load("early-d", LOCAL_IDS[:2], p, REMOTE_IDS[:2], "early-p", timeout_s=20)
+    assert d.quiet("early-d", 0.3)  # no hold yet: nothing read, nothing failed
+    p.hold("early-p", REMOTE_IDS)
+    assert event_kind(d.wait("early-d")) == "recv_done"
+    assert d.same_blocks(LOCAL_IDS[:2], p, REMOTE_IDS[:2])
+    assert event_kind(p.wait("early-p", 10)) == "send_done"
+
+
+def test_blocks_the_source_does_not_hold_for_that_request_are_not_read(one, engines):
+    p, d = engines
+    p.hold("mine", REMOTE_IDS[:4])
+    d.load("thief", LOCAL_IDS[:2], p, [REMOTE_IDS[0], REMOTE_IDS[5]], "mine")  # block 41 is not held
+    ev = d.wait("thief")
+    assert event_kind(ev) == "load_failed" and "does not hold block 41" in ev.load_failed.reason, ev
+    assert sorted(ev.load_failed.failed_block_ids) == sorted(LOCAL_IDS[:2])
+    assert not d.kv[:, LOCAL_IDS[:2]].any()
+    # A request id with no lease at all: failed at the load's deadline, nothing read.
+    d.load("nolease", LOCAL_IDS[2:4], p, REMOTE_IDS[:2], "never-held", timeout_s=0.5)
+    ev = d.wait("nolease", 10)
+    assert event_kind(ev) == "load_failed" and "held no blocks" in ev.load_failed.reason, ev
+    assert not d.kv[:, LOCAL_IDS[2:4]].any()
+    assert p.quiet("mine", 0.1)  # the real lease is untouched
+    p.release("mine")
+    assert p.wait("mine").send_done.released
+    assert one.stats().active_leases == 0
+
+
+def test_block_ids_out_of_the_source_range_fail_the_load_not_the_daemon(one, engines):
+    p, d = engines
+    p.hold("r", [1, 2])
+    d.load("bad", [1, 2], p, [1, SHAPE.num_blocks], "r")
+    ev = d.wait("bad")
+    assert event_kind(ev) == "load_failed" and "out of range" in ev.load_failed.reason, ev
+    p.release("r")
+    assert one.stats().engines >= 2  # still serving
+
+
+def test_incompatible_engines_of_one_daemon_are_refused_and_the_source_freed(one):
+    p = Engine(one, "p-other-model", SHAPE, seed=3, model="another-model")
+    d = Engine(one, "d-other-model", SHAPE)
+    try:
+        p.hold("x", [1])
+        d.load("xd", [1], p, [1], "x")
+        ev = d.wait("xd")
+        assert event_kind(ev) == "load_failed" and "compatibility hash" in ev.load_failed.reason, ev
+        assert event_kind(p.wait("x", 10)) == "send_done"  # nobody will read them: freed now
+    finally:
+        p.close()
+        d.close()
+
+
+def test_same_node_copy_off_sends_the_load_through_nixl(tmp_path):
+    nixl_only = start_daemon(str(tmp_path), "nixl-only", "--same-node-copy", "false")
+    p = Engine(nixl_only, "p-nixl", SHAPE, seed=5)
+    d = Engine(nixl_only, "d-nixl", SHAPE)
+    try:
+        p.hold("n", REMOTE_IDS)
+        d.load("nd", LOCAL_IDS, p, REMOTE_IDS, "n")
+        assert event_kind(d.wait("nd")) == "recv_done"
+        assert d.same_blocks(LOCAL_IDS, p, REMOTE_IDS)
+        assert event_kind(p.wait("n", 10)) == "send_done"
+        assert nixl_only.stats().peers == 1  # a handshake with itself: the NIXL path
+        assert "same-node copy" not in nixl_only.log()
+    finally:
+        p.close()
+        d.close()
+        nixl_only.stop()
+
+
+# The parity scenarios (heterogeneous TP, HND<->NHD, MLA, block size remap,
+# vLLM-CPU blocks), prefill and decode on one daemon: every decode element is
+# compared with what it must hold, every prefill lease ends by notification.
+@pytest.mark.parametrize("p_tp,d_tp,heads,p_layout,d_layout,p_bs,d_bs", [
+    (1, 1, 4, "HND", "HND", 16, 16), (2, 1, 4, "HND", "HND", 16, 16), (1, 2, 4, "HND", "HND", 16, 16),
+    (4, 2, 2, "HND", "HND", 16, 16), (1, 2, 4, "NHD", "HND", 16, 16), (2, 1, 1, "MLA", "MLA", 16, 16),
+    (1, 1, 4, "HND", "HND", 16, 32), (2, 1, 4, "CPU", "CPU", 16, 32),
+])
+def test_parity_scenarios_on_one_daemon(one, p_tp, d_tp, heads, p_layout, d_layout, p_bs, d_bs):
+    tag = f"one{p_tp}{d_tp}{heads}{p_layout}{d_layout}{p_bs}{d_bs}"
+    d_events, p_events = run_pd(one, one, p_tp, d_tp, heads, p_layout, d_layout, p_bs, d_bs, tag)
+    assert [e.WhichOneof("event") for e in d_events] == ["recv_done"] * d_tp, d_events
+    assert [(e.WhichOneof("event"), e.send_done.expired) for e in p_events] == [("send_done", False)] * p_tp
+    assert one.stats().peers == 0
+
+
+def test_a_refused_block_size_on_one_daemon_fails_at_once_and_frees_the_source(one):
+    d_events, p_events = run_pd(one, one, 1, 1, 4, "CPU", "CPU", 32, 16, "one3216")
+    ev = d_events[0]
+    assert ev.WhichOneof("event") == "load_failed" and "not a multiple" in ev.load_failed.reason, ev
+    assert p_events[0].WhichOneof("event") == "send_done"
+
+
+# -- the copy list, alone ---------------------------------------------------------------
+def test_contiguous_rows_merge_and_long_rows_are_cut_into_pieces():
+    n = 1 << 20
+    dst = np.array([0, n, 2 * n, 10 * n], dtype=np.int64)
+    src = np.array([100 * n, 101 * n, 50 * n, 60 * n], dtype=np.int64)
+    ln = np.array([n, n, n, 3 * n], dtype=np.int64)
+    pieces = split_pieces(dst, src, ln, piece=2 * n)
+    rows = [(int(d), int(s), int(x)) for p in pieces for d, s, x in zip(*p)]
+    # rows 0 and 1 are contiguous on both sides; row 2 is not (its source jumps).
+    assert rows[0] == (0, 100 * n, 2 * n)
+    assert (2 * n, 50 * n, n) in rows
+    cut = [r for r in rows if r[0] >= 10 * n]
+    assert cut == [(10 * n, 60 * n, 2 * n), (12 * n, 62 * n, n)]
+    assert sum(r[2] for r in rows) == int(ln.sum())
+    assert all(int(p[2].sum()) <= 2 * (2 * n) for p in pieces)
+    assert split_pieces(np.array([], np.int64), np.array([], np.int64), np.array([], np.int64)) == []
+    assert COPY_PIECE_BYTES >= 1 << 20
