@@ -1,4 +1,4 @@
-"""Reliability (issue 4): engines die, the local daemon restarts under them.
+"""Reliability: engines die, the local daemon restarts under them.
 
 Scenario 5: the engine-side client (``kvd.client.EngineClient``, what the
 vLLM shim uses) survives a restart of its daemon: in-flight loads fail at
@@ -57,7 +57,10 @@ time.sleep(600)
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    d = start_daemon(str(tmp_path_factory.mktemp("engines")), "kvd", "--detach-grace-s", str(DETACH_GRACE_S))
+    # NIXL between the engines of this one daemon (--same-node-copy false):
+    # the doomed engine's read must leave a remote agent and a prepped list.
+    d = start_daemon(str(tmp_path_factory.mktemp("engines")), "kvd", "--detach-grace-s", str(DETACH_GRACE_S),
+                     "--same-node-copy", "false")
     yield d
     assert d.stop() == 0
 

@@ -1,4 +1,4 @@
-"""Reliability (issue 4, scenario 9): hostile input, property-based.
+"""Reliability (scenario 9): hostile input, property-based.
 
 Hypothesis generates every message of EngineService and PeerService (and raw,
 malformed bytes for each method) against ONE running daemon, and forged
@@ -177,8 +177,13 @@ ADDRESSES = ["", "nocolon", "127.0.0.1:0", "127.0.0.1:1", "[::1]:1", "256.256.25
 # -------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    """The daemon under fuzz, with a real prefill and a real decode worker."""
-    d = start_daemon(str(tmp_path_factory.mktemp("fuzz")), "kvd", "--handshake-timeout-s", "5")
+    """The daemon under fuzz, with a real prefill and a real decode worker.
+    Loads between them go through NIXL (``--same-node-copy false``): the
+    fuzz drives handshakes, READs and notifications, and its loads name
+    request ids no lease holds (a same-node copy waits for the hold until
+    the load's deadline; tests/test_same_node.py covers that path)."""
+    d = start_daemon(str(tmp_path_factory.mktemp("fuzz")), "kvd", "--handshake-timeout-s", "5",
+                     "--same-node-copy", "false")
     prefill = Engine(d, "fz-prefill", SHAPE, seed=2)
     decode = Engine(d, "fz-decode", SHAPE)
     spare = ShmSegment(SHAPE.size)
