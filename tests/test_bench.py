@@ -23,7 +23,8 @@ def test_kvd_bench_quick_reports_ratios(tmp_path):
     assert "(1) data plane" in r.stdout and "a/b" in r.stdout
     res = json.loads(out.read_text())
     (cell,) = res["dataplane"]["cells"]
-    for k in ("a_gbs", "b_gbs", "c_gbs", "a_over_b", "a_over_c"):
+    assert "(1s) same node" in r.stdout and "s/m" in r.stdout
+    for k in ("a_gbs", "b_gbs", "c_gbs", "a_over_b", "a_over_c", "s_gbs", "s_over_c", "m_gbs", "s_over_m"):
         assert cell[k] > 0, (k, cell)
     if "--skip-step" not in args:
         assert "(2) engine step" in r.stdout

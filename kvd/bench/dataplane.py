@@ -6,7 +6,12 @@
     (:mod:`kvd.bench.nixl_pair`): the in-process connector's path;
 (c) a single-thread memcpy of the same blocks in one process (``numpy.take``
     gathering the source blocks into the destination: one ``memcpy`` per
-    block), the limit here.
+    block), the limit here;
+(s) optionally (method ``s``), both engines on one kvd daemon: the daemon
+    copies the blocks itself (``kvd.core.local_copy``), timed as (a);
+(m) optionally, one ``ctypes.memmove`` per block in this process: the
+    single-thread memcpy the same-node copy is held to (here often faster
+    than ``numpy.take``).
 
 Every case moves ``blocks`` blocks of ``block_len`` bytes, from scattered
 source block ids (random, unordered) into destination blocks ``0..n-1``, of
@@ -20,6 +25,7 @@ of the per-round ratios (a and b measured back to back). Byte-exactness of
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import sys
@@ -51,6 +57,8 @@ class Cell:
     a: list[float] = field(default_factory=list)  # seconds per request
     b: list[float] = field(default_factory=list)
     c: list[float] = field(default_factory=list)
+    s: list[float] = field(default_factory=list)  # same-node: one daemon
+    m: list[float] = field(default_factory=list)  # memmove per block
 
     @property
     def nbytes(self) -> int:
@@ -74,7 +82,11 @@ class Cell:
                     a_gbs=self.gbs("a"), b_gbs=self.gbs("b"), c_gbs=self.gbs("c"),
                     a_ms=cm.median(self.a) * 1e3, b_ms=cm.median(self.b) * 1e3, c_ms=cm.median(self.c) * 1e3,
                     a_over_b=self.ratio("a", "b"), a_over_c=self.ratio("a", "c"), b_over_c=self.ratio("b", "c"),
-                    a_s=self.a, b_s=self.b, c_s=self.c)
+                    a_s=self.a, b_s=self.b, c_s=self.c,
+                    **(dict(s_gbs=self.gbs("s"), s_ms=cm.median(self.s) * 1e3, s_over_c=self.ratio("s", "c"),
+                            s_over_a=self.ratio("s", "a"), s_s=self.s) if self.s else {}),
+                    **(dict(m_gbs=self.gbs("m"), m_ms=cm.median(self.m) * 1e3, s_over_m=self.ratio("s", "m"),
+                            m_s=self.m) if self.m else {}))
 
 
 def entry_for(daemon_set) -> tuple[str, ...]:
@@ -91,22 +103,26 @@ def cells_for(block_lens, blocks, max_bytes) -> list[Cell]:
 
 
 class Bench:
-    """The three movers over one source and one destination segment."""
+    """The movers over one source and one destination segment (``same_node``:
+    also case (s), a third daemon for both engines)."""
 
     def __init__(self, seg_bytes: int, poll_s: float, peer_cfg: PeerConfig, daemon_args=(), daemon_env=None,
-                 seed: int = 1, daemon_set=()):
+                 seed: int = 1, daemon_set=(), same_node: bool = False):
         self.poll_s = poll_s
         self.rng = np.random.default_rng(seed)
         self.workdir = cm.workdir()
         self.src = ShmSegment(seg_bytes, cm.SHM_PREFIX)
         self.dst = ShmSegment(seg_bytes, cm.SHM_PREFIX)
-        self.kvd = self.nixl = None
+        self.kvd = self.nixl = self.same = None
         try:
             self.src.fill(seed)
             self.dst.fill(seed + 1)
             self.kvd = KvdPair(self.workdir, (self.src.name, seg_bytes), (self.dst.name, seg_bytes),
                                tuple(daemon_args), env=daemon_env, entry=entry_for(daemon_set))
             self.nixl = NixlPair(self.src.name, seg_bytes, self.dst.name, seg_bytes, peer_cfg)
+            if same_node:
+                self.same = KvdPair(self.workdir, (self.src.name, seg_bytes), (self.dst.name, seg_bytes),
+                                    tuple(daemon_args), env=daemon_env, entry=entry_for(daemon_set), same_node=True)
         except BaseException:
             self.close()
             raise
@@ -130,6 +146,8 @@ class Bench:
             self.nixl.pause(which != "b")
         if self.kvd is not None:
             self.kvd.pause(which != "a")
+        if self.same is not None:
+            self.same.pause(which != "s")
 
     def run_a(self, cell: Cell) -> float:
         """One kvd transfer of ``cell`` through the two daemons; seconds."""
@@ -137,6 +155,14 @@ class Bench:
         self.isolate("a")
         t = self.kvd.transfer(cell.block_len, local, remote, self.poll_s)
         self.kvd.drain_sources()
+        return t
+
+    def run_s(self, cell: Cell) -> float:
+        """One same-node kvd load of ``cell`` (both engines on one daemon); seconds."""
+        local, remote = self.ids_for(cell)
+        self.isolate("s")
+        t = self.same.transfer(cell.block_len, local, remote, self.poll_s)
+        self.same.drain_sources()
         return t
 
     def run_b(self, cell: Cell) -> float:
@@ -150,6 +176,17 @@ class Bench:
         """One memcpy of ``cell``'s blocks (``np.take``); seconds."""
         self.isolate("c")
         return self._memcpy(cell)
+
+    def run_m(self, cell: Cell) -> float:
+        """One ``memmove`` per block of ``cell`` in this process; seconds."""
+        self.isolate("m")
+        local, remote = self.ids_for(cell)
+        bl, sa, da = cell.block_len, self.src.array.ctypes.data, self.dst.array.ctypes.data
+        pairs = [(da + i * bl, sa + r * bl) for i, r in enumerate(remote)]
+        t0 = time.perf_counter()
+        for d, s in pairs:
+            ctypes.memmove(d, s, bl)
+        return time.perf_counter() - t0
 
     def _memcpy(self, cell: Cell) -> float:
         local, remote = self.ids_for(cell)
@@ -187,13 +224,12 @@ class Bench:
     def close(self) -> None:
         """Resumes paused processes, stops both pairs, frees the segments and the workdir."""
         try:
-            if self.nixl is not None:
-                self.nixl.pause(False)
-            if self.kvd is not None:
-                self.kvd.pause(False)
+            for x in (self.nixl, self.kvd, self.same):
+                if x is not None:
+                    x.pause(False)
         except Exception:
             pass
-        for x in (self.nixl, self.kvd):
+        for x in (self.nixl, self.kvd, self.same):
             if x is not None:
                 try:
                     x.close()
@@ -207,27 +243,31 @@ class Bench:
 def run(cells: list[Cell], reps: int, poll_s: float = 50e-6, peer_cfg: PeerConfig | None = None,
         daemon_args=(), daemon_env=None, progress: bool = True, title: str = "data plane",
         methods: str = "abc", daemon_set=()) -> dict:
-    """Runs every cell ``reps`` rounds; returns the results (see :func:`summarize`)."""
+    """Runs every cell ``reps`` rounds, the cases of ``methods`` (``a``, ``b``,
+    ``c``, ``s``) in a rotating order; returns the results (a dict: its
+    ``cells`` are :meth:`Cell.summary` dicts)."""
     seg = max(c.nbytes for c in cells)
     seg = max(seg, max(c.block_len for c in cells) * 2)
     load0 = cm.loadavg()
     t_start = time.time()
-    bench = Bench(seg, poll_s, peer_cfg or PeerConfig(), daemon_args, daemon_env, daemon_set=daemon_set)
+    bench = Bench(seg, poll_s, peer_cfg or PeerConfig(), daemon_args, daemon_env, daemon_set=daemon_set,
+                  same_node="s" in methods)
     prog = cm.Progress(total=len(cells) * (reps + 1), title=title, enabled=progress)
     try:
         for cell in cells:  # warm-up round: first use (handshake, page faults), byte checks
             for m in methods:
-                if m != "c":
+                if m not in "cm":
                     bench.verify(cell, m)
                 else:
-                    bench.run_c(cell)
+                    getattr(bench, f"run_{m}")(cell)
             prog.step(f"warm-up {cm.fmt_bytes(cell.block_len)} x {cell.blocks}")
         for r in range(reps):
             for i, cell in enumerate(cells):
                 order = methods[(r + i) % len(methods):] + methods[:(r + i) % len(methods)]
                 for m in order:
                     getattr(cell, m).append(getattr(bench, f"run_{m}")(cell))
-                prog.step(f"round {r + 1}/{reps}: {cm.fmt_bytes(cell.block_len)} x {cell.blocks}")
+                same = f", same-node/memcpy {cell.ratio('s', 'c'):.2f}" if cell.s else ""
+                prog.step(f"round {r + 1}/{reps}: {cm.fmt_bytes(cell.block_len)} x {cell.blocks}{same}")
     finally:
         prog.close()
         bench.close()
@@ -336,6 +376,21 @@ def table(res: dict, markdown: bool = False) -> str:
                      f"{c['a_over_b']:.2f}", f"{c['a_over_c']:.2f}", f"{c['b_over_c']:.2f}"])
     return cm.fmt_table(["block", "blocks", "bytes", "a ms", "b ms", "c ms", "a GB/s", "b GB/s", "c GB/s",
                          "a/b", "a/c", "b/c"], rows, markdown)
+
+
+def same_node_table(res: dict, markdown: bool = False) -> str:
+    """Case (s) against (m) memmove per block (the same-node goal: s/m >=
+    0.8), (c) ``numpy.take`` and (a) two daemons, per cell: ms, GB/s, ratios
+    ("-" for a case not run)."""
+    def val(c: dict, key: str, case: str, fmt: str) -> str:
+        return fmt.format(c[key]) if c.get(f"{case}_s") else "-"
+
+    rows = [[cm.fmt_bytes(c["block_len"]), c["blocks"], cm.fmt_bytes(c["bytes"]),
+             *(val(c, f"{x}_ms", x, "{:.3f}") for x in "smca"), val(c, "s_gbs", "s", "{:.2f}"),
+             val(c, "m_gbs", "m", "{:.2f}"), *(val(c, f"s_over_{x}", x, "{:.2f}") for x in "mca")]
+            for c in res["cells"] if "s_ms" in c]
+    return cm.fmt_table(["block", "blocks", "bytes", "s ms", "m ms", "c ms", "a ms", "s GB/s", "m GB/s", "s/m",
+                         "s/c", "s/a"], rows, markdown)
 
 
 def parse_sizes(s: str) -> list[int]:

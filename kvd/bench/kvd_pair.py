@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from kvd.testing.daemons import Daemon, start_daemon
 from kvd.client.engine_client import EngineClient
+from kvd.requests import LoadRequest
 from kvd.v1 import kvd_pb2 as pb
 
 
@@ -53,15 +54,25 @@ class KvdPair:
         dst: (name, size) of the destination segment (D's engine memory).
         daemon_args: extra ``kvd serve`` flags for both daemons.
         env: extra environment for both daemons.
+        daemons: ``(P, D)`` already running (not stopped by :meth:`close`);
+            ``(S, S)``, one daemon for both workers, makes every load a
+            same-node one (``kvd.core.local_copy``).
+        prefix: of the daemons' names and of the workers' engine ids.
+        same_node: start one daemon ``S`` for both workers (when ``daemons``
+            is None).
     """
 
     def __init__(self, workdir: str, src: tuple[str, int], dst: tuple[str, int],
                  daemon_args: tuple[str, ...] = (), env: dict | None = None,
                  daemons: tuple[Daemon, Daemon] | None = None, entry: tuple[str, ...] = ("-m", "kvd.cli"),
-                 prefix: str = ""):
+                 prefix: str = "", same_node: bool = False):
         self.src, self.dst = src, dst
+        self.prefix = prefix
         self._own_daemons = daemons is None
-        if daemons is None:
+        if daemons is None and same_node:
+            self.p = self.d = start_daemon(workdir, f"{prefix}S", *daemon_args, env=env, entry=entry,
+                                           timeout=60.0, log_level="warning")
+        elif daemons is None:
             self.p = start_daemon(workdir, f"{prefix}P", *daemon_args, env=env, entry=entry, timeout=60.0,
                                 log_level="warning")
             try:
@@ -90,7 +101,7 @@ class KvdPair:
         key = (block_len, tag)
         if key not in self._sources:
             ns = self.src[1] // block_len
-            eid = f"src{tag}-{block_len}"
+            eid = f"{self.prefix}src{tag}-{block_len}"
             self._sources[key] = Worker(eid, self._client(self.p, register_request(
                 eid, self.src[0], self.src[1], block_len, ns)), ns)
         return self._sources[key]
@@ -99,7 +110,7 @@ class KvdPair:
         """The decode worker for ``block_len`` (registered on D on first use)."""
         if block_len not in self._readers:
             nd = self.dst[1] // block_len
-            eid = f"dst-{block_len}"
+            eid = f"{self.prefix}dst-{block_len}"
             self._readers[block_len] = Worker(eid, self._client(self.d, register_request(
                 eid, self.dst[0], self.dst[1], block_len, nd)), nd)
         return self._readers[block_len]
@@ -111,9 +122,9 @@ class KvdPair:
         n = next(self._ids)
         prid, drid = f"p{n}", f"d{n}"
         if hold:
-            pw.client.hold(prid, remote_ids, lease_s=300)
-        dw.client.load(drid, local_ids, remote_engine_id=pw.engine_id, remote_address=self.p.peer_address,
-                       remote_block_ids=remote_ids, remote_request_id=prid, remote_tp_size=1, timeout_s=120)
+            pw.client.hold(prid, [list(remote_ids)], lease_s=300)
+        dw.client.load(LoadRequest(drid, [list(local_ids)], pw.engine_id, self.p.peer_address, [list(remote_ids)],
+                                   prid, remote_tp_size=1, timeout_s=120))
         return drid
 
     def wait(self, block_len: int, rids: set[str], poll_s: float, timeout_s: float = 300.0) -> dict[str, float]:
@@ -147,9 +158,9 @@ class KvdPair:
         return t1 - t0
 
     def pause(self, on: bool) -> None:
-        """Pauses (SIGSTOP) or resumes both daemons."""
-        self.p.pause(on)
-        self.d.pause(on)
+        """Pauses (SIGSTOP) or resumes both daemons (or the one)."""
+        for d in {id(self.p): self.p, id(self.d): self.d}.values():
+            d.pause(on)
 
     def drain_sources(self) -> int:
         """Drops P-side events (send_done of the holds); returns how many."""
@@ -168,4 +179,5 @@ class KvdPair:
         self._readers.clear()
         if self._own_daemons:
             self.d.stop()
-            self.p.stop()
+            if self.p is not self.d:
+                self.p.stop()

@@ -68,9 +68,9 @@ K = FailureKind
 # that long at most, while the round trip per piece (~50 us) stays a few % of it.
 COPY_PIECE_BYTES = 8 << 20
 
-# How often a load whose hold has not come yet looks again (seconds, doubling).
-_HOLD_POLL_FIRST_S = 0.0005
-_HOLD_POLL_MAX_S = 0.02
+# A load waiting for its hold is woken by the hold (LocalCopy.held); it also
+# looks this often whether its reader or source left meanwhile (seconds).
+_RECHECK_S = 0.05
 
 
 @dataclass
@@ -114,6 +114,7 @@ class LocalCopy:
         self.rt = rt
         self.holds = holds
         self.addresses: set[str] = set()
+        self._waiting: dict[tuple[WorkerKey, str], list[asyncio.Event]] = {}  # (source, request) -> loads
         self._plans: dict[tuple[WorkerKey, WorkerKey], CopyPlan] = {}
 
     def sources(self, w: Worker, req: LoadRequest, notify: list[int]) -> dict[int, Worker] | None:
@@ -224,8 +225,9 @@ class LocalCopy:
     async def _wait_held(self, w: Worker, epoch: int, s: Worker, req: LoadRequest, deadline: float):
         """Waits until ``s`` holds every block ``req`` reads from it; ``None``
         then, else what :meth:`_still` returns, or ``(INVALID, reason)`` when
-        the lease holds other blocks."""
-        wait = _HOLD_POLL_FIRST_S
+        the lease holds other blocks. Woken by :meth:`held`; looks again
+        every ``_RECHECK_S`` for the reader or the source leaving."""
+        key = (s.key, req.remote_request_id)
         while True:
             why = held_error(s, req.remote_request_id, req.remote_groups)
             if why is None:
@@ -238,8 +240,24 @@ class LocalCopy:
                                    f"{req.remote_request_id!r} by the load's deadline")
             if stop is not None:
                 return stop
-            await asyncio.sleep(min(wait, max(0.0, deadline - time.monotonic())))
-            wait = min(wait * 2, _HOLD_POLL_MAX_S)
+            ev = asyncio.Event()
+            self._waiting.setdefault(key, []).append(ev)
+            try:
+                await asyncio.wait_for(ev.wait(), max(0.0, min(_RECHECK_S, deadline - time.monotonic())))
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                waiters = self._waiting.get(key, [])
+                if ev in waiters:
+                    waiters.remove(ev)
+                if not waiters:
+                    self._waiting.pop(key, None)
+
+    def held(self, w: Worker, request_id: str) -> None:
+        """``w``'s engine sent a hold of ``request_id``: wakes the loads
+        waiting for it (``Node.hold`` calls this after ``Holds.hold``)."""
+        for ev in self._waiting.pop((w.key, request_id), []):
+            ev.set()
 
     def _notify(self, w: Worker, req: LoadRequest, sources: dict[int, Worker], notify: list[int],
                 remote_tp: int) -> None:
