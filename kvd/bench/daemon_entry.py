@@ -44,62 +44,28 @@ def apply(assignment: str) -> None:
 
 
 def install_trace() -> None:
-    """Logs, per load, when it reached the core, its post and its event
-    (``TRACE`` lines on stderr, ``time.perf_counter`` = CLOCK_MONOTONIC, so
-    comparable with the engine process's clock): ``kvd.bench.trace``."""
-    import time
+    """Records every trace point the daemon passes (``kvd.tracepoints``:
+    the gate's bytes in and out, the session reader, the core's load, post
+    and posted, the event) in memory, and writes them at exit as ``TP
+    <point> <time> <request id> <detail>`` lines on stderr (``time.perf_counter``
+    = CLOCK_MONOTONIC, comparable with the engine process's clock):
+    ``kvd.bench.trace``. Nothing is printed on the hot path."""
+    import atexit
 
-    from kvd.core import node as core
-    from kvd.daemon import engine_service as es
+    from kvd import tracepoints as tp
 
-    pc = time.perf_counter
-    loads: dict[str, float] = {}
-    posts: list[tuple[float, float, str]] = []
-    orig_load, orig_post, orig_pb = core.Node.load, core.Node._post, es.event_to_pb
+    hits: list[tuple[str, str, str, float]] = []
 
-    async def load(self, w, request_id, *a, **k):
-        loads[request_id] = pc()
-        return await orig_load(self, w, request_id, *a, **k)
+    def sink(point: str, request_id: str, detail: str, t: float) -> None:
+        hits.append((point, request_id, detail, t))
 
-    def post(self, agent, op, *a):
-        t0 = pc()
-        r = orig_post(self, agent, op, *a)
-        posts.append((t0, pc(), r[1]))
-        return r
+    def dump() -> None:
+        for point, rid, detail, t in hits:
+            print(f"TP {point} {t:.6f} {rid or '-'} {detail or '-'}", file=sys.stderr)
+        sys.stderr.flush()
 
-    def event_to_pb(ev):
-        rid = getattr(ev, "request_id", None)
-        t = loads.pop(rid, None)
-        if t is not None and posts:
-            p0, p1, st = posts[-1]
-            posts.clear()
-            print(f"TRACE {rid} load {t:.6f} post {p0:.6f} posted {p1:.6f} state {st} event {pc():.6f}",
-                  file=sys.stderr, flush=True)
-        return orig_pb(ev)
-
-    core.Node.load, core.Node._post, es.event_to_pb = load, post, event_to_pb
-
-    # Finer legs (issue 5): when the engine socket's gate got bytes from an
-    # engine (GATEIN) and from gRPC towards an engine (GATEOUT), and when the
-    # session reader had a load command in hand (READ).
-    from kvd.daemon import local_gate as lg
-
-    orig_front, orig_relay, orig_groups = lg._Front.data_received, lg._Relay.data_received, es.groups_from_pb
-
-    def front_received(self, data):
-        print(f"GATEIN {pc():.6f}", file=sys.stderr, flush=True)
-        return orig_front(self, data)
-
-    def relay_received(self, data):
-        if not isinstance(self, lg._Front):
-            print(f"GATEOUT {pc():.6f}", file=sys.stderr, flush=True)
-        return orig_relay(self, data)
-
-    def groups_from_pb(*a):
-        print(f"READ {pc():.6f}", file=sys.stderr, flush=True)
-        return orig_groups(*a)
-
-    lg._Front.data_received, lg._Relay.data_received, es.groups_from_pb = front_received, relay_received, groups_from_pb
+    tp.install(sink)
+    atexit.register(dump)
 
 
 def main(argv: list[str]) -> int:

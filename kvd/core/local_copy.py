@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvd import tracepoints as tp
 from kvd.core import plan
 from kvd.core.events import CoreError, FailureKind, Incompatible
 from kvd.core.holds import Holds
@@ -166,6 +167,7 @@ class LocalCopy:
             if why:
                 return why if isinstance(why, tuple) else None
         ndescs = sum(len(x[0]) for x in pieces)
+        tp.hit(tp.POST, req.request_id, "copy")
         for dst, src, ln in pieces:
             why = self._still(w, epoch, sources, deadline)
             if why:
@@ -173,6 +175,7 @@ class LocalCopy:
             await self.rt.nixl(copy_rows, dst, src, ln)
         if self._still(w, epoch, sources, float("inf")):
             return None
+        tp.hit(tp.POSTED, req.request_id, "COPIED")
         self._notify(w, req, sources, notify, remote_tp)
         return nbytes, ndescs
 
