@@ -6,7 +6,7 @@ telemetry (``nixl_agent_config(capture_telemetry=True)``) and logs, for every
 transfer handle the daemon releases, NIXL's own breakdown
 (``get_xfer_telemetry``: postDuration, xferDuration, descCount, totalBytes)
 plus the Python-side time of ``make_prepped_xfer`` and ``transfer`` as
-``TELEM`` lines on stderr. Benchmarks only (issue 5 profiles); no kvd code is
+``TELEM`` lines on stderr. Benchmarks only (the profiles of docs/PERFORMANCE.md); no kvd code is
 changed, the wrappers are installed at start-up.
 """
 

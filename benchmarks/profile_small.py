@@ -1,4 +1,4 @@
-"""Small loads through two kvd daemons, for a profiler to attach to (issue 5).
+"""Small loads through two kvd daemons (or one: ``--same-node``), for a profiler to attach to.
 
     .venv/bin/python benchmarks/profile_small.py --mode latency --seconds 40 --pidfile /tmp/pids.json
 
@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvd.bench import common as cm  # noqa: E402
 from kvd.bench.kvd_pair import KvdPair  # noqa: E402
+from kvd.testing.shm import ShmSegment, cleanup_segments  # noqa: E402
 
 BLOCK = 64 * cm.KiB
 
@@ -45,15 +46,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--telemetry", action="store_true")
     ap.add_argument("--random-ids", action="store_true",
                     help="random, unordered source block ids (as benchmarks 1 and 3) instead of 16..16+n")
+    ap.add_argument("--same-node", action="store_true",
+                    help="one daemon, both engine workers on it (a same-node copy; its pid is written as P and D)")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
-    cm.cleanup_segments()
+    cleanup_segments(cm.SHM_PREFIX)
     size = 4 * cm.MiB
-    src, dst = cm.Segment(size), cm.Segment(size)
+    src, dst = ShmSegment(size, cm.SHM_PREFIX), ShmSegment(size, cm.SHM_PREFIX)
     src.fill(3)
     wd = cm.workdir()
     entry = (str(Path(__file__).resolve().parent / "profile_entry.py"), *(["--telemetry"] if args.telemetry else []))
-    pair = KvdPair(wd, (src.name, size), (dst.name, size), entry=entry)
+    pair = KvdPair(wd, (src.name, size), (dst.name, size), entry=entry, same_node=args.same_node)
     sizes = (16,) if args.mode == "latency" else (1, 16)
     times: dict[int, list[float]] = {n: [] for n in sizes}
     load0 = cm.loadavg()
@@ -87,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         pair.close()
         src.close()
         dst.close()
-        with open(f"{wd}/D.log") as f:
+        with open(f"{wd}/{'S' if args.same_node else 'D'}.log") as f:
             dlog = f.read()
         cm.remove_workdir(wd)
     res = dict(mode=args.mode, seconds=args.seconds, random_ids=args.random_ids, loadavg_start=load0, loadavg_end=cm.loadavg(),

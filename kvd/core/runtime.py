@@ -48,10 +48,15 @@ class Runtime:
         self.draining = False  # set at SIGTERM: no new loads or sessions, no second tries
         self.closing = False
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvd-nixl")
+        self.nixl_jobs = 0  # calls queued or running on the NIXL thread (a waiting poll yields to others)
 
     async def nixl(self, fn, *args):
         """Runs ``fn(*args)`` on the NIXL thread; returns its result, raises its error."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        self.nixl_jobs += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        finally:
+            self.nixl_jobs -= 1
 
     def shutdown(self) -> None:
         """Stops the NIXL thread (after its last call)."""
