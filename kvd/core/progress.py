@@ -5,15 +5,8 @@ WRITEs that ended, notifications received, handles left to release, retired
 remotes no load uses any more), then, on the event loop, hands each result
 to its room (``pull``, ``push``, ``holds``), expires leases and loads past
 their deadlines, and drops workers detached past ``Limits.detach_grace_s``.
-While transfers are in flight, a round's poll waits on the NIXL thread for
-the first of them to end (checking their states every ``_CHECK_S``, at most
-``BUSY_WAIT_S``, and giving the thread up as soon as another call is made
-for it, a post say: ``Runtime.nixl_called``) and the next round follows at once: the loop wakes when
-a transfer ends, not on a timer (NIXL 1.5 gives no completion callback or
-file descriptor for a transfer, only its state). ``BUSY_WAIT_S = 0``: the
-loop polls every ``Limits.poll_busy_s`` instead (the former behaviour).
-Otherwise it polls every ``Limits.poll_idle_s`` (notifications, leases), or
-at once when a post kicks it.
+It polls every ``Limits.poll_busy_s`` while transfers are in flight,
+``Limits.poll_idle_s`` otherwise, or at once when a post kicks it.
 """
 
 from __future__ import annotations
@@ -32,13 +25,6 @@ from kvd.core.runtime import Runtime
 from kvd.core.state import WorkerKey
 
 log = logging.getLogger("kvd.core")
-
-# Longest wait of one poll for a transfer in flight to end (seconds), and how
-# often it checks their states meanwhile: every 200 us did better than every
-# 20 us (checking UCX that often slowed the transfers) and than the former
-# 0.5 ms loop timer, docs/PERFORMANCE.md ("Per-load cost, second round").
-BUSY_WAIT_S = 0.002
-_CHECK_S = 0.0002
 
 
 class Progress:
@@ -100,31 +86,11 @@ class Progress:
                     done.append((w, agent_name, "NOTIF", m))
         return writes, done
 
-    def poll_until_done(self):
-        """NIXL thread: :meth:`poll`; when nothing ended and transfers are in
-        flight, waits first for one of them to end (``BUSY_WAIT_S``, yielding
-        to any other NIXL call), then polls again."""
-        writes, done = self.poll()
-        if writes or done or BUSY_WAIT_S <= 0:
-            return writes, done
-        handles = [(w.agent, h) for w in list(self.rt.workers.values()) for load in list(w.inflight.values())
-                   for h, _ in load.parts]
-        handles += [(w.agent, h) for w, h, _, _ in list(self.push.writes.values())]
-        if not handles:
-            return writes, done
-        until = time.monotonic() + BUSY_WAIT_S
-        called = self.rt.nixl_called
-        called.clear()
-        while self.rt.nixl_jobs <= 1 and time.monotonic() < until:
-            if any(agent.state(h) != "PROC" for agent, h in handles) or called.wait(_CHECK_S):
-                break
-        return self.poll()
-
     async def _loop(self) -> None:
         rt = self.rt
         while not rt.closing:
             try:
-                writes, results = await rt.nixl(self.poll_until_done)
+                writes, results = await rt.nixl(self.poll)
             except Exception:
                 log.exception("progress poll failed")
                 writes, results = [], []
@@ -142,9 +108,6 @@ class Progress:
             self.expire(now)
             busy = bool(self.push.writes) or any(w.inflight for w in rt.workers.values())
             rt.kick.clear()
-            if busy and BUSY_WAIT_S > 0:
-                await asyncio.sleep(0)  # the next poll waits on the NIXL thread
-                continue
             try:
                 await asyncio.wait_for(rt.kick.wait(), rt.limits.poll_busy_s if busy else rt.limits.poll_idle_s)
             except asyncio.TimeoutError:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
@@ -49,19 +48,10 @@ class Runtime:
         self.draining = False  # set at SIGTERM: no new loads or sessions, no second tries
         self.closing = False
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvd-nixl")
-        # Calls queued or running on the NIXL thread, and an event set by each
-        # new one: a poll waiting there for a transfer gives the thread up.
-        self.nixl_jobs = 0
-        self.nixl_called = threading.Event()
 
     async def nixl(self, fn, *args):
         """Runs ``fn(*args)`` on the NIXL thread; returns its result, raises its error."""
-        self.nixl_jobs += 1
-        self.nixl_called.set()
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-        finally:
-            self.nixl_jobs -= 1
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def shutdown(self) -> None:
         """Stops the NIXL thread (after its last call)."""
