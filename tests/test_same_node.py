@@ -168,3 +168,40 @@ def test_contiguous_rows_merge_and_long_rows_are_cut_into_pieces():
     assert all(int(p[2].sum()) <= 2 * (2 * n) for p in pieces)
     assert split_pieces(np.array([], np.int64), np.array([], np.int64), np.array([], np.int64)) == []
     assert COPY_PIECE_BYTES >= 1 << 20
+
+
+def test_a_plan_side_gives_the_addresses_of_the_full_descriptor_lists():
+    """Side.rows (chunk offsets per region) equals plan.local_rows /
+    plan.remote_rows (the lists a NIXL pair prepares) row for row: HND
+    reader of block size 32, NHD source of block size 16 (per-vector chunks,
+    k = 2), two regions in two segments."""
+    from types import SimpleNamespace
+
+    from kvd.core import plan
+    from kvd.core.layout import Layout, Region
+    from kvd.core.local_copy import Side
+
+    def worker(kv, bs, nb, base):
+        bl = bs * 2 * 8 * 2  # tokens x heads x head_dim x fp16
+        regions = [Region(0, 0, bl, bl), Region(1, 64, bl, bl + 64)]
+        maps = [SimpleNamespace(addr=base, size=nb * (bl + 64) + 64),
+                SimpleNamespace(addr=base + (1 << 30), size=nb * (bl + 64) + 64)]
+        w = SimpleNamespace(label="w", regions=regions, layout=Layout(nb, bs, kv, "float16", 2, 8, 1, (bl, bl)),
+                            mem=SimpleNamespace(bases=[m.addr + r.offset for m, r in zip(maps, regions)],
+                                                mappings=maps))
+        return w, plan.Geometry(0, 1, w.layout, tuple(regions), 2)
+
+    rw, rg = worker("HND", 32, 10, 1 << 40)
+    sw, sg = worker("NHD", 16, 12, 1 << 41)
+    sets = [plan.chunks(rg, sg, i) for i in range(2)]
+    k, C = 2, len(sets[0]) // 2
+    full_r = plan.local_rows(rw.mem.bases, rw.regions, 10, sets, k)
+    full_s = plan.remote_rows(sw.mem.bases, sw.regions, 12, sets, k)
+    addr, ln = Side.of(rw, sets, 1, k * C).rows(np.arange(len(full_r)))
+    assert np.array_equal(addr, full_r[:, 0]) and np.array_equal(ln, full_r[:, 1])
+    addr, ln = Side.of(sw, sets, 2, C).rows(np.arange(len(full_s)))
+    assert np.array_equal(addr, full_s[:, 0]) and np.array_equal(ln, full_s[:, 1])
+    # A region that would reach past its segment's mapping is refused.
+    sw.mem.mappings[1].size -= 65
+    with pytest.raises(Exception, match="outside the registered regions"):
+        Side.of(sw, sets, 2, C)

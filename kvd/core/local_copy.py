@@ -18,9 +18,11 @@ notification. Everything else is the load of ``kvd.core.pull``:
   notification would (``Holds.notify``: the lease ends with ``SendDone`` once
   every expected reader did), then the reader gets ``RecvDone`` (the caller,
   ``Pull``, emits it) or ``LoadFailed``;
-- bounds: every descriptor row of the pair is checked once, when the pair's
-  plan is made, to lie inside the mapping of its region's segment; block ids
-  are checked per request by ``plan.chunk_indices``.
+- bounds: every block of every region of the pair's plan is checked once,
+  when the plan is made, to lie inside the mapping of its region's segment;
+  block ids are checked per request by ``plan.chunk_indices``. The plan
+  keeps chunk offsets per region, not descriptor lists: a request's
+  addresses are computed from its rows' indices.
 
 Copies run on the NIXL thread (``Runtime.nixl``), in pieces of at most
 :data:`COPY_PIECE_BYTES`: unregistering a worker frees its NIXL state on that
@@ -75,22 +77,63 @@ _RECHECK_S = 0.05
 
 
 @dataclass
-class CopyPlan:
-    """The plan of one (reader, source) pair: descriptor rows on both sides.
+class Side:
+    """One side of a pair's plan, as addresses in this daemon's mappings.
 
-    ``reader_rows``/``source_rows``: ``(address, length)`` int64 rows as
-    ``plan.local_rows``/``plan.remote_rows`` order them, addresses in this
-    daemon's mappings, checked to lie inside them. ``k``, ``C``: source
-    blocks per reader block, chunks per source block. ``region_bytes``: bytes
-    one source block gives per region.
+    Row ``r`` of the side's descriptor list (``plan.local_rows`` /
+    ``plan.remote_rows`` order: region-major, then block, then ``per_block``
+    chunk rows) is ``base[i] + b * stride[i] + offset[i, c]``, ``length[i, c]``
+    bytes, with ``i, rest = divmod(r, num_blocks * per_block)`` and
+    ``b, c = divmod(rest, per_block)``. Only the chunk table is kept (regions
+    x chunks), never the full list (regions x blocks x chunks: millions of
+    rows for a large cache).
     """
+
+    base: np.ndarray     # int64 [regions]
+    stride: np.ndarray   # int64 [regions]
+    offset: np.ndarray   # int64 [regions, per_block]
+    length: np.ndarray   # int64 [regions, per_block]
+    num_blocks: int
+
+    @classmethod
+    def of(cls, w: Worker, chunk_sets: list[np.ndarray], col: int, per_block: int) -> "Side":
+        """``w``'s side: chunk column ``col`` (1: reader offsets, every slot;
+        2: source offsets, slot 0's rows). Raises Incompatible when a block of
+        a region would reach outside the mapping of its segment."""
+        offset = np.stack([c[:per_block, col] for c in chunk_sets]).astype(np.int64)
+        length = np.stack([c[:per_block, 3] for c in chunk_sets]).astype(np.int64)
+        side = cls(np.array(w.mem.bases, dtype=np.int64), np.array([r.block_stride for r in w.regions], np.int64),
+                   offset, length, w.layout.num_blocks)
+        start = np.array([w.mem.mappings[r.segment].addr for r in w.regions], dtype=np.int64)
+        end = start + np.array([w.mem.mappings[r.segment].size for r in w.regions], dtype=np.int64)
+        lo = side.base + side.offset.min(axis=1)
+        hi = side.base + (side.num_blocks - 1) * side.stride + (side.offset + side.length).max(axis=1)
+        if (lo < start).any() or (hi > end).any() or (side.length < 0).any():
+            # Never true of regions the registry validated; checked because a
+            # wrong row would read or write another process's memory.
+            raise Incompatible(f"{w.label}: transfer plan row outside the registered regions")
+        return side
+
+    def rows(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(addresses, lengths)`` of descriptor rows ``idx`` (from ``plan.chunk_indices``)."""
+        per = self.offset.shape[1]
+        i, rest = np.divmod(idx.astype(np.int64), self.num_blocks * per)
+        b, c = np.divmod(rest, per)
+        return self.base[i] + b * self.stride[i] + self.offset[i, c], self.length[i, c]
+
+
+@dataclass
+class CopyPlan:
+    """The plan of one (reader, source) pair: ``k`` source blocks per reader
+    block, ``C`` chunks per source block and region; each side's addresses;
+    ``region_bytes``: bytes one source block gives per region."""
 
     reader: Worker
     source: Worker
     k: int
     C: int
-    reader_rows: np.ndarray
-    source_rows: np.ndarray
+    reader_side: Side
+    source_side: Side
     region_bytes: tuple[int, ...]
     region_groups: tuple[int, ...]
 
@@ -160,7 +203,9 @@ class LocalCopy:
                                                 cp.region_groups)
             except LayoutError as e:
                 return K.INVALID, f"invalid: {e}"
-            pieces += split_pieces(cp.reader_rows[lidx, 0], cp.source_rows[ridx, 0], cp.reader_rows[lidx, 1])
+            dst, ln = cp.reader_side.rows(lidx)
+            src, _ = cp.source_side.rows(ridx)
+            pieces += split_pieces(dst, src, ln)
             nbytes += cp.transfer_bytes(req.remote_groups)
         for p in read_from:
             why = await self._wait_held(w, epoch, sources[p], req, deadline)
@@ -187,24 +232,20 @@ class LocalCopy:
             Incompatible: TP size, compatibility hash or layouts differ (the
                 checks of a handshake, ``kvd.core.peers``).
         """
+        if s.tp_size != remote_tp:
+            raise Incompatible(f"remote engine {s.key[0]!r} has TP size {s.tp_size}, the request says {remote_tp}")
         key = (w.key, s.key)
         cp = self._plans.get(key)
         if cp is not None and cp.reader is w and cp.source is s:
             return cp
-        if s.tp_size != remote_tp:
-            raise Incompatible(f"remote engine {s.key[0]!r} has TP size {s.tp_size}, the request says {remote_tp}")
         if s.compat_hash != w.compat_hash:
             raise Incompatible(f"compatibility hash mismatch: local {w.compat_hash}, remote {s.compat_hash}")
         k, C, chunk_sets, _, _ = pair_plan(w.geometry(), s.geometry())
-        reader_rows = plan.local_rows(w.mem.bases, w.regions, w.layout.num_blocks, chunk_sets, k)[:, :2]
-        source_rows = plan.remote_rows(s.mem.bases, s.regions, s.layout.num_blocks, chunk_sets, k)[:, :2]
-        check_inside(w, reader_rows, w.layout.num_blocks * k * C)
-        check_inside(s, source_rows, s.layout.num_blocks * C)
-        cp = CopyPlan(w, s, k, C, np.ascontiguousarray(reader_rows), np.ascontiguousarray(source_rows),
+        cp = CopyPlan(w, s, k, C, Side.of(w, chunk_sets, 1, k * C), Side.of(s, chunk_sets, 2, C),
                       tuple(int(c[:C, 3].sum()) for c in chunk_sets), tuple(x.group for x in w.regions))
         for old in [k2 for k2, v in self._plans.items()
                     if self.rt.workers.get(k2[0]) is not v.reader or self.rt.workers.get(k2[1]) is not v.source]:
-            del self._plans[old]  # a side re-registered or left: its rows name unmapped memory
+            del self._plans[old]  # a side re-registered or left: its addresses name unmapped memory
         self._plans[key] = cp
         log.info("%s: same-node copy plan with engine=%s rank=%d: %d chunk(s) x %d slot(s)", w.label, s.key[0],
                  s.key[1], C, k)
@@ -294,19 +335,6 @@ def held_error(s: Worker, request_id: str, groups) -> str | None:
             return (f"engine {s.key[0]!r} rank {s.key[1]} does not hold block {min(missing)} (group {g}) "
                     f"for request {request_id!r}")
     return None
-
-
-def check_inside(w: Worker, rows: np.ndarray, per_region: int) -> None:
-    """Raises Incompatible unless every ``(address, length)`` row lies inside
-    the mapping of its region's segment (``per_region`` rows per region, in
-    region order). Never true of a plan made from validated regions; checked
-    because a wrong row would read or write another process's memory."""
-    starts = np.array([w.mem.mappings[r.segment].addr for r in w.regions], dtype=np.int64)
-    ends = starts + np.array([w.mem.mappings[r.segment].size for r in w.regions], dtype=np.int64)
-    lo, hi = np.repeat(starts, per_region), np.repeat(ends, per_region)
-    bad = (rows[:, 0] < lo) | (rows[:, 0] + rows[:, 1] > hi) | (rows[:, 1] < 0)
-    if len(rows) != len(lo) or bad.any():
-        raise Incompatible(f"{w.label}: transfer plan row outside the registered regions")
 
 
 def split_pieces(dst: np.ndarray, src: np.ndarray, ln: np.ndarray, piece: int = COPY_PIECE_BYTES):
