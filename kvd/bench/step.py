@@ -25,15 +25,13 @@ Unix socket: what a design that asked the daemon once per step would pay.
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import os
-import sys
 import tempfile
 import time
 
 from kvd.bench import common as cm
+from kvd.bench.dataplane import KVD_ENTRY
 from kvd.testing.daemons import start_daemon
 
 BS = 32                 # tokens per block
@@ -310,15 +308,14 @@ def unary_reference(sock: str, n: int) -> list[float]:
 
 
 def run(inflight=(0, 16, 256), steps: int = 400, warmup: int = 30, forward_s: float = 0.005,
-        unary_n: int = 200, progress: bool = True, daemon_args=(), daemon_env=None, daemon_set=()) -> dict:
+        unary_n: int = 200, progress: bool = True, daemon_args=(), daemon_env=None,
+        entry: tuple[str, ...] = KVD_ENTRY) -> dict:
     """Benchmark 2: starts daemons P and D and, for each count in ``inflight``,
     times ``steps`` engine steps of a vLLM scheduler and worker with KvdConnector
     (``forward_s`` seconds of simulated forward pass each), with those loads
     held in flight and with loads starting and ending every step; also
     ``unary_n`` blocking GetStats calls. Returns a dict of per-case
     percentiles in us. Raises ImportError without vLLM."""
-    from kvd.bench.dataplane import entry_for
-
     import logging
     import shutil
 
@@ -330,12 +327,12 @@ def run(inflight=(0, 16, 256), steps: int = 400, warmup: int = 30, forward_s: fl
     t_start = time.time()
     wd = cm.workdir()
     model_dir = tiny_model_dir()
-    p = start_daemon(wd, "P", *daemon_args, env=daemon_env, entry=entry_for(daemon_set), timeout=60.0,
+    p = start_daemon(wd, "P", *daemon_args, env=daemon_env, entry=entry, timeout=60.0,
                      log_level="warning")
-    d = start_daemon(wd, "D", *daemon_args, env=daemon_env, entry=entry_for(daemon_set), timeout=60.0,
+    d = start_daemon(wd, "D", *daemon_args, env=daemon_env, entry=entry, timeout=60.0,
                      log_level="warning")
     out = dict(benchmark="engine_step", forward_ms=forward_s * 1e3, steps=steps, warmup=warmup,
-               daemon_set=list(daemon_set),
+               daemon_entry=list(entry),
                prompt_tokens=PROMPT, block_size=BS, cases=[])
     prog = cm.Progress(total=len(inflight) * (steps + warmup) + unary_n, title="engine step", enabled=progress)
     try:
@@ -476,46 +473,3 @@ def goals(res: dict) -> dict:
                 held_p50_max_us=max((c["held_p50_us"] for c in h), default=float("nan")),
                 held_p99_max_us=max((c["held_p99_us"] for c in h), default=float("nan")),
                 held_met=bool(h) and all(c["held_p50_us"] <= 30 and c["held_p99_us"] <= 200 for c in h))
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Benchmark 2 (``benchmarks/engine_step.py``): runs :func:`run`, prints the
-    table and the p50 <= 30 us / p99 <= 200 us goals, writes ``--json``.
-    Returns 0, or 2 without vLLM."""
-    ap = argparse.ArgumentParser(description="kvd benchmark 2: the shim's cost per engine step")
-    ap.add_argument("--quick", action="store_true", help="a short run (seconds)")
-    ap.add_argument("--inflight", default="0,16,256", help="loads kept in flight (comma-separated)")
-    ap.add_argument("--steps", type=int, default=0, help="timed steps per case (default 400, quick 60)")
-    ap.add_argument("--forward-ms", type=float, default=5.0, help="the simulated forward pass (default 5 ms)")
-    ap.add_argument("--daemon-arg", action="append", default=[], metavar="FLAG")
-    ap.add_argument("--daemon-set", action="append", default=[], metavar="MODULE.ATTR=VALUE",
-                    help="change a daemon module default first (kvd.bench.daemon_entry)")
-    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="environment for the daemons")
-    ap.add_argument("--json", default="")
-    ap.add_argument("--no-progress", action="store_true")
-    args = ap.parse_args(argv)
-    try:
-        _vllm()
-    except ImportError as e:
-        print(f"benchmark 2 needs vLLM (pip install -e '.[vllm]'): {e}", file=sys.stderr)
-        return 2
-    steps = args.steps or (60 if args.quick else 400)
-    res = run([int(x) for x in args.inflight.split(",")], steps=steps, warmup=10 if args.quick else 30,
-              forward_s=args.forward_ms / 1e3, unary_n=50 if args.quick else 300, progress=not args.no_progress,
-              daemon_args=args.daemon_arg, daemon_env=dict(e.split("=", 1) for e in args.env) or None,
-              daemon_set=args.daemon_set)
-    res["machine"] = cm.machine()
-    res["command"] = " ".join(["benchmarks/engine_step.py", *(argv if argv is not None else sys.argv[1:])])
-    print(table(res))
-    g = goals(res)
-    res["goals"] = g
-    print(f"goal p50 <= 30 us and p99 <= 200 us: loads held in flight: {'met' if g['held_met'] else 'NOT met'}; "
-          f"with loads starting and ending every step: {'met' if g['met'] else 'NOT met'}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
