@@ -43,6 +43,7 @@ from benchmarks.daemon_entry import entry
 from kvd.bench import common as cm
 from kvd.bench.step import goals, table
 from kvd.testing.daemons import start_daemon
+from kvd.testing.fakes import blackhole
 
 BS = 32                 # tokens per block
 KV_HEADS, HEAD = 2, 32  # the demo's tiny model
@@ -241,21 +242,6 @@ class EngineHarness:
                 pass
 
 
-class _silent_port:
-    """A loopback TCP port that accepts connections and never answers."""
-
-    def __enter__(self):
-        import socket
-
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(1024)
-        return "127.0.0.1", self.sock.getsockname()[1]
-
-    def __exit__(self, *exc):
-        self.sock.close()
-
-
 def idle_penalty(sleep_s: float, n: int = 200) -> dict:
     """A control with no kvd code: the same small piece of Python (a dict and
     list workout of a few us) timed right after a ``sleep_s`` sleep and again at
@@ -353,9 +339,10 @@ def run(inflight=(0, 16, 256), steps: int = 400, warmup: int = 30, forward_s: fl
             # a TCP port that accepts and stays silent), nothing starts or ends.
             eng = EngineHarness(model_dir, d.socket, p.socket, p.peer_address, num_blocks)
             try:
-                with _silent_port() as (bh_host, bh_port):
+                with blackhole() as silent:
+                    bh_host, bh_port = silent.rsplit(":", 1)
                     for _ in range(n):
-                        eng.add_request(bh_host, bh_port)
+                        eng.add_request(bh_host, int(bh_port))
                     for _ in range(5):
                         eng.step(forward_s)
                     held, held_cpu = [], []
