@@ -66,3 +66,18 @@ def test_trace_joins_the_daemon_hit_lines():
         print_hit("gate_in", "", "", 1.25)
     hits = _hits(buf.getvalue())
     assert hits == {"load": [("r1", "", 1.5)], "posted": [("r1", "DONE", 1.75)], "gate_in": [("", "", 1.25)]}
+
+
+def test_the_harness_package_imports_neither_nixl_nor_vllm():
+    """kvd.testing (and kvd bench's modules) load in a process that has no
+    business with NIXL or vLLM: an engine, the CLI; NIXL runs inside the
+    daemons, vLLM inside the engines (docs/DESIGN.md, dependency rules)."""
+    code = ("import pkgutil, importlib, sys, kvd.testing, kvd.bench\n"
+            "for pkg in (kvd.testing, kvd.bench):\n"
+            "    for m in pkgutil.iter_modules(pkg.__path__):\n"
+            "        if m.name != 'cpu_caches':  # torch, by design (not nixl, not vllm)\n"
+            "            importlib.import_module(f'{pkg.__name__}.{m.name}')\n"
+            "print(sorted({n.split('.')[0] for n in sys.modules} & {'nixl', 'vllm', 'torch'}))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip() == "[]", r.stdout
