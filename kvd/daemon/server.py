@@ -160,7 +160,10 @@ class Server:
         self.node = Node(limits, peers=self.peer_client, backends=cfg.backends, on_event=self.metrics.on_event)
         policy = Policy.make([resolve_uid(u) for u in cfg.allowed_uids], [resolve_gid(g) for g in cfg.allowed_gids])
         self.gate = Gate(cfg.engine_socket, policy,
-                         resolve_gid(cfg.engine_socket_group) if cfg.engine_socket_group else None)
+                         resolve_gid(cfg.engine_socket_group) if cfg.engine_socket_group else None,
+                         max_connections=cfg.max_engine_connections,
+                         max_per_uid=cfg.max_engine_connections_per_uid, idle_timeout_s=cfg.engine_idle_timeout_s)
+        self.metrics.registry.register(self.gate)
         self.engine_service = EngineService(self.node, on_event=self.metrics.on_event, backends=cfg.backends,
                                             callers=self.gate.caller,
                                             require_session_token=cfg.require_session_token)
