@@ -37,6 +37,9 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
+from kvd.client.engine_client import EngineClientError  # noqa: E402
+from kvd.shim.memory import auto, cuda_ipc  # noqa: E402
+from kvd.shim.memory.cuda_ipc import ExportedStorage  # noqa: E402
 from kvd.shim.vllm import KvdConnector  # noqa: E402
 from kvd.v1 import kvd_pb2 as pb  # noqa: E402
 from kvdtest import start_daemon  # noqa: E402
@@ -469,6 +472,55 @@ def test_staged_bytes_equal_direct_bytes(model_dir, daemons):
     first = got[("direct", "direct")]
     assert all(torch.equal(first, v) for v in got.values())
     assert pd.stats().active_leases == 0
+
+
+@pytest.fixture
+def cuda_kv_cache(monkeypatch):
+    """The connector's CUDA branch on this GPU-less machine: the chooser sees
+    the (CPU) KV cache on cuda:0, torch's ``_share_cuda_`` hands out one
+    64-byte handle per storage, and the device syncs are recorded."""
+    syncs: list[torch.device] = []
+    monkeypatch.setattr(auto, "kv_device", lambda caches: torch.device("cuda", 0))
+    monkeypatch.setattr(cuda_ipc, "export_storage", lambda t: ExportedStorage(
+        0, t.untyped_storage().data_ptr().to_bytes(8, "little") * 8, 0, t.untyped_storage().nbytes()))
+    monkeypatch.setattr(cuda_ipc, "synchronize", syncs.append)
+    return syncs
+
+
+def test_cuda_kv_cache_staged_through_a_daemon_without_gpu_moves_the_prefill_bytes(model_dir, daemons,
+                                                                                    cuda_kv_cache):
+    """A CUDA engine asking for the staged path registers CUDA IPC segments;
+    a daemon without a GPU gives it shm mirrors (``kvd.core.cuda_ipc.wants_vram``),
+    the worker copies through them, and D's blocks hold P's bytes. P waited
+    for the device before its hold went out."""
+    pd, dd = daemons
+    p = Side(model_dir, pd, kv_seed=7, kvd_lease_s=P_LEASE_S, kvd_data_path="staged")
+    d = Side(model_dir, dd, role="kv_consumer", kvd_data_path="staged")
+    try:
+        for side in (p, d):
+            w = side.workers[0].worker
+            assert w.sharing.kind == "cuda_ipc" and w.registered.data_path == pb.DATA_PATH_STAGED
+            assert [s.kind for s in w.registered.staging_segments] == [pb.MEMORY_KIND_SHM]
+        prompt = list(range(7000, 7000 + 3 * BS + 1))
+        params, req = prefill(p, prompt)
+        assert cuda_kv_cache == [], "no hold yet"
+        _, load = decode(d, prompt, params)
+        p.run_until(lambda: req.request_id in p.finished_sending)
+        assert cuda_kv_cache == [torch.device("cuda", 0)], "the hold's step waited for the device once"
+        assert check_heads(p, d, load) > 0
+    finally:
+        p.close()
+        d.close()
+    assert pd.stats().active_leases == 0
+
+
+def test_cuda_kv_cache_direct_on_a_daemon_without_gpu_is_refused_with_a_message(model_dir, daemons, cuda_kv_cache):
+    """Direct CUDA IPC needs the daemon to open the handles: a daemon without
+    a GPU says so at registration; the engine fails to start with that message."""
+    pd, _ = daemons
+    with pytest.raises(EngineClientError) as e:
+        Side(model_dir, pd, kvd_lease_s=P_LEASE_S, kvd_data_path="direct")
+    assert "CUDA IPC segments need a GPU" in str(e.value), str(e.value)  # kvd.core.cuda_ipc.NO_GPU
 
 
 @pytest.mark.parametrize("data_path", ["direct", "staged"])

@@ -130,6 +130,15 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         return tuple(self.groups.group_ids)
 
     @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
+        """False: vLLM 0.33 asks before ``--enable-sleep-mode`` (its default
+        is True, ``base.py:209``); sleeping remaps the KV cache
+        (``gpu_worker.py:319-371``) while the daemon keeps the registration
+        of the old memory, so a transfer after wake-up would move stale
+        bytes. 0.32 never calls it."""
+        return False
+
+    @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         """None: blocks move as opaque bytes, any layout works as long as P and D
         agree (the layout is part of the daemon's compatibility hash)."""

@@ -17,6 +17,7 @@ No method does I/O but the constructor (the daemon's peer address, once).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvd.shim.vllm")
 
 REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+
+#: ``kv_transfer_params.transfer_mode``: the decode side's daemon reads
+#: (NixlConnector's ``_TRANSFER_MODE`` of its pull scheduler).
+TRANSFER_MODE = "pull"
 
 
 def has_remote(params: dict[str, Any]) -> bool:
@@ -65,7 +70,10 @@ class KvdScheduler:
                  groups: TransferGroups | None = None):
         self.cfg = cfg
         self.engine_id = engine_id
-        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        pc = vllm_config.parallel_config
+        self.tp_size = pc.tensor_parallel_size
+        self.pp_size = int(getattr(pc, "pipeline_parallel_size", 1))
+        self.dcp_size = int(getattr(pc, "decode_context_parallel_size", 1))
         self.groups = groups or TransferGroups()
         self.block_size = int(vllm_config.cache_config.block_size)
         self._loads: dict[str, LoadSpec] = {}
@@ -260,7 +268,27 @@ class KvdScheduler:
         delay_free = any(groups)
         if delay_free:
             self._holds.append(HoldSpec(request.request_id, groups, self.cfg.lease_s))
-        return delay_free, {
+        return delay_free, self._prefill_params(request, groups)
+
+    def _prefill_params(self, request: Request, groups: BlockGroups) -> dict[str, Any]:
+        """P's ``kv_transfer_params`` for D: NixlConnector's keys
+        (``nixl/pull_scheduler.py:278-292``, 0.32 and 0.33), which routers key
+        on, plus kvd's ``block_size``.
+
+        - ``remote_host``/``remote_port``: P's *daemon* peer address;
+        - ``transfer_mode``: ``"pull"`` (D's daemon reads; routers dispatch
+          both legs at once only for ``"push"``);
+        - ``remote_blocks_expiry_time``: when the lease ends, wall clock
+          seconds (``time.time()``), taken now, a step before the hold reaches
+          the daemon and its lease starts: never later than the real end.
+          None when the lease is the daemon's default (``kvd_lease_s``
+          unset), whose length the engine does not know;
+        - ``tp_size``, ``pp_size``, ``dcp_size``: P's parallel sizes (PP and
+          DCP are 1: :func:`~kvd.shim.vllm.config.check_supported`);
+        - ``remote_num_tokens``: the tokens P computed.
+        """
+        lease_s = self.cfg.lease_s
+        return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_block_ids": groups,
@@ -269,6 +297,10 @@ class KvdScheduler:
             "remote_host": self.peer_host,
             "remote_port": self.peer_port,
             "tp_size": self.tp_size,
+            "pp_size": self.pp_size,
+            "dcp_size": self.dcp_size,
             "block_size": self.block_size,  # D maps k = D's / P's block size P blocks per D block
             "remote_num_tokens": request.num_computed_tokens,
+            "remote_blocks_expiry_time": time.time() + lease_s if lease_s > 0 else None,
+            "transfer_mode": TRANSFER_MODE,
         }
