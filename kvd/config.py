@@ -288,6 +288,37 @@ def flag_name(key: str) -> str:
     return "--" + key.replace("_", "-")
 
 
+def metavar(key: str) -> str:
+    """The placeholder ``kvd serve --help`` shows for setting ``key``'s value,
+    from its unit suffix (``_s`` seconds, ``_port``, ``_listen``/``_advertise``
+    host:port) or its default's type."""
+    default = _default(next(f for f in settings() if f.name == key))
+    if key.endswith("_s"):
+        return "SECONDS"
+    if key.endswith("_port"):
+        return "PORT"
+    if key.endswith(("_listen", "_advertise")):
+        return "HOST:PORT"
+    if isinstance(default, bool):
+        return "true|false"
+    if key.startswith("max_") and not key.endswith("_bytes"):
+        return "N"
+    if isinstance(default, list):
+        return "LIST"
+    return "PATH" if key.endswith("socket") else key.rsplit("_", 1)[-1].upper()
+
+
+def help_text(key: str) -> str:
+    """``kvd serve --help``'s line for setting ``key``: its description, its
+    default as a flag or the environment would spell it, and its variable."""
+    f = next(f for f in settings() if f.name == key)
+    default = _default(f)
+    shown = (",".join(default) if isinstance(default, list) else
+             str(default).lower() if isinstance(default, bool) else default)
+    shown = shown if shown != "" else '""'
+    return f"{f.metadata['doc']} (default {shown}; env {env_name(key)})"
+
+
 def _default(f) -> Any:
     return f.default_factory() if f.default is MISSING else f.default
 

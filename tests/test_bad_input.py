@@ -6,7 +6,8 @@ import grpc
 import pytest
 
 from kvd.v1 import kvd_pb2 as pb
-from kvdtest import KvShape, Session, ShmSegment, register_request
+from kvd.testing.sessions import KvShape, Session, register_request
+from kvd.testing.shm import ShmSegment
 
 SHAPE = KvShape(num_layers=1, num_blocks=8, block_len=1024)
 
@@ -14,7 +15,7 @@ SHAPE = KvShape(num_layers=1, num_blocks=8, block_len=1024)
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     """One daemon for the whole module: every test also proves it still serves."""
-    from kvdtest import start_daemon
+    from kvd.testing.daemons import start_daemon
 
     d = start_daemon(str(tmp_path_factory.mktemp("bad")), "kvd")
     yield d

@@ -15,7 +15,7 @@ import pytest
 
 from kvd.client.engine_client import EngineClient, EngineClientError, normalize_address
 from kvd.v1 import kvd_pb2 as pb
-from test_client_fakedaemon import PEER_ADDRESS, FakeDaemon, kinds, wait_events
+from kvd.testing.fakes import PEER_ADDRESS, FakeDaemon, kinds, wait_events
 
 WORKER = pb.EngineWorker(engine_id="engine-a", tp_rank=0, tp_size=1)
 FAST_S = 0.010  # "never blocks": every engine-facing call returns faster than this

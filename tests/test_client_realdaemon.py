@@ -19,9 +19,9 @@ import torch
 from kvd.client.engine_client import EngineClient
 from kvd.shim.memory.shm import share_kv_caches
 from kvd.v1 import kvd_pb2 as pb
-from kvdtest import start_daemon
-from test_client_fakedaemon import kinds, wait_events
-from test_shim_cpu_share import NB, H, N, D, vllm032_cpu_caches
+from kvd.testing.cpu_caches import NB, D, H, N, vllm032_cpu_caches
+from kvd.testing.daemons import start_daemon
+from kvd.testing.fakes import kinds, wait_events
 
 
 def connect(daemon, engine_id: str, caches: dict[str, torch.Tensor]) -> EngineClient:

@@ -22,7 +22,7 @@ from kvd.shim.memory.cuda_ipc import (
 from kvd.shim.memory.regions import dense_as_set
 from kvd.shim.memory.staged import StagingMirror
 from kvd.v1 import kvd_pb2 as pb
-from kvdtest import ShmSegment
+from kvd.testing.shm import ShmSegment
 
 NB, T, H, D = 6, 16, 4, 32  # blocks, tokens per block, KV heads, head_dim
 BF16 = 2

@@ -21,19 +21,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvd.v1 import kvd_pb2 as pb
-from kvdtest import KvShape, Session, ShmSegment, register_request, start_daemon
+from kvd.testing.daemons import start_daemon
+from kvd.testing.sessions import KvShape, Session, register_request
+from kvd.testing.shm import ShmSegment
+from kvd.testing.util import free_port
 
 SHAPE = KvShape(num_layers=4, num_blocks=64, block_len=4096)
 REMOTE_IDS = [60, 3, 11, 7, 0, 41, 42, 19]
 LOCAL_IDS = [5, 2, 40, 17, 33, 63, 1, 20]
 ENGINE, PEER = "kvd.v1.EngineService", "kvd.v1.PeerService"
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> dict:

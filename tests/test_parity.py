@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from kvd.v1 import kvd_pb2 as pb
-from kvdtest import Session, ShmSegment
+from kvd.testing.sessions import Session
+from kvd.testing.shm import ShmSegment
 
 HEAD_DIM = 8
 NUM_BLOCKS = 24
@@ -138,7 +139,7 @@ def run_pd(prefill_daemon, decode_daemon, p_tp, d_tp, heads, p_layout, d_layout,
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    from kvdtest import start_daemon
+    from kvd.testing.daemons import start_daemon
 
     d = str(tmp_path_factory.mktemp("parity"))
     a, b = start_daemon(d, "prefill"), start_daemon(d, "decode")
@@ -212,7 +213,7 @@ def test_decode_block_smaller_than_prefill_block_is_refused_at_handshake(pair):
 @pytest.fixture(scope="module")
 def push_pair(tmp_path_factory):
     """A prefill daemon and a decode daemon in push mode (prefill WRITEs)."""
-    from kvdtest import start_daemon
+    from kvd.testing.daemons import start_daemon
 
     d = str(tmp_path_factory.mktemp("push"))
     a, b = start_daemon(d, "prefill"), start_daemon(d, "decode", "--transfer-mode", "push")

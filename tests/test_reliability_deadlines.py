@@ -21,17 +21,11 @@ import pytest
 
 from kvd.client.engine_client import EngineClient
 from kvd.v1 import kvd_pb2 as pb
-from kvdtest import (
-    Engine,
-    KvShape,
-    ShmSegment,
-    blackhole,
-    closed_address,
-    event_kind,
-    register_request,
-    start_daemon,
-    wait_until,
-)
+from kvd.testing.daemons import start_daemon
+from kvd.testing.fakes import blackhole, closed_address
+from kvd.testing.sessions import Engine, KvShape, event_kind, register_request
+from kvd.testing.shm import ShmSegment
+from kvd.testing.util import wait_until
 
 SHAPE = KvShape(num_layers=2, num_blocks=128, block_len=16384)
 SLACK_S = 1.0  # past the deadline: the daemon polls every 0.5-5 ms; the rest is a busy 2-core machine

@@ -36,18 +36,11 @@ from hypothesis import strategies as st
 
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
-from kvdtest import (
-    Engine,
-    FakePeer,
-    KvShape,
-    ShmSegment,
-    closed_address,
-    event_kind,
-    register_request,
-    rss_kib,
-    start_daemon,
-    wait_until,
-)
+from kvd.testing.daemons import start_daemon
+from kvd.testing.fakes import FakePeer, closed_address
+from kvd.testing.sessions import Engine, KvShape, event_kind, register_request
+from kvd.testing.shm import ShmSegment
+from kvd.testing.util import rss_kib, wait_until
 
 TOTAL = int(os.environ.get("KVD_FUZZ_EXAMPLES", "2000"))
 SHARE = {  # fraction of TOTAL each test sends

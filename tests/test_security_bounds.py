@@ -15,8 +15,10 @@ import pytest
 from kvd.core.state import MAX_AGENT_METADATA
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
-from kvdtest import Engine, FakePeer, KvShape, ShmSegment, event_kind, register_request
-from sectest import start_daemons, stop_daemons
+from kvd.testing.fakes import FakePeer
+from kvd.testing.sessions import Engine, KvShape, event_kind, register_request
+from kvd.testing.shm import ShmSegment
+from kvd.testing.daemons import start_daemons, stop_daemons
 
 SHAPE = KvShape(num_layers=2, num_blocks=16, block_len=2048)
 

@@ -19,8 +19,10 @@ from kvd.daemon.engine_service import EngineService, Owner
 from kvd.daemon.local_gate import Caller
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
-from kvdtest import Engine, KvShape, ShmSegment, start_daemon
-from sectest import NOBODY, OUTSIDER, OtherEngine, call_as, reachable_dir
+from kvd.testing.daemons import start_daemon
+from kvd.testing.sessions import Engine, KvShape
+from kvd.testing.shm import ShmSegment
+from kvd.testing.security import NOBODY, OUTSIDER, OtherEngine, call_as, reachable_dir
 
 ADMITTED = 65533  # admitted by allowed_uids; reaches the socket through group nogroup
 SHAPE = KvShape(num_layers=1, num_blocks=8, block_len=1024)
@@ -108,7 +110,7 @@ def test_a_symbolic_link_in_dev_shm_is_never_followed(daemon):
     link = f"/dev/shm/kvdtest_{os.getpid()}_link"
     os.symlink(seg.path, link)
     try:
-        from kvdtest import register_request
+        from kvd.testing.sessions import register_request
 
         req = register_request("linked", SHAPE, seg)
         req.segments[0].name = "/" + os.path.basename(link)

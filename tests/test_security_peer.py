@@ -16,8 +16,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvd.daemon.peer_auth import HEADER, PeerAuth
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
-from kvdtest import Engine, FakePeer, KvShape, event_kind
-from sectest import Pki, start_daemons, stop_daemons
+from kvd.testing.fakes import FakePeer
+from kvd.testing.sessions import Engine, KvShape, event_kind
+from kvd.testing.daemons import start_daemons, stop_daemons
+from kvd.testing.security import Pki
 
 SHAPE = KvShape(num_layers=2, num_blocks=16, block_len=2048)
 TOKEN = b"kvd-test-token-" + b"0123456789abcdef" * 2

@@ -56,6 +56,7 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
+from kvd.requests import LoadRequest  # noqa: E402
 from kvd.shim.vllm import (  # noqa: E402
     HoldSpec,
     KvdConnector,
@@ -69,9 +70,8 @@ from kvd.shim.vllm import (  # noqa: E402
     join_host_port,
     split_host_port,
 )
-from kvd.requests import LoadRequest  # noqa: E402
 from kvd.v1 import kvd_pb2 as pb  # noqa: E402
-from test_client_fakedaemon import PEER_ADDRESS, FakeDaemon  # noqa: E402
+from kvd.testing.fakes import PEER_ADDRESS, FakeDaemon
 
 BS, NB, LAYERS, KV_HEADS, HEAD = 32, 64, ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"), 2, 32
 EOS = 2047

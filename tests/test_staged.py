@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from kvd.v1 import kvd_pb2 as pb
-from kvdtest import KvShape, Session, ShmSegment
+from kvd.testing.sessions import KvShape, Session
+from kvd.testing.shm import ShmSegment
 
 SHAPE = KvShape(num_layers=2, num_blocks=32, block_len=2048)
 REMOTE_IDS = [30, 4, 17, 9, 0]
@@ -93,7 +94,7 @@ def transfer(pair, p_path, d_path, tag):
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    from kvdtest import start_daemon
+    from kvd.testing.daemons import start_daemon
 
     d = str(tmp_path_factory.mktemp("staged"))
     a, b = start_daemon(d, "prefill"), start_daemon(d, "decode")

@@ -8,7 +8,8 @@ import multiprocessing as mp
 import numpy as np
 
 from kvd.v1 import kvd_pb2 as pb
-from kvdtest import KvShape, Session, ShmSegment, register_request
+from kvd.testing.sessions import KvShape, Session, register_request
+from kvd.testing.shm import ShmSegment
 
 SHAPE = KvShape(num_layers=4, num_blocks=64, block_len=4096)
 REMOTE_IDS = [60, 3, 11, 7, 0, 41, 42, 19]
@@ -19,7 +20,7 @@ def _prefill_engine(socket_dir_daemon, q_out, q_in):
     """A prefill engine process: fills its KV cache, registers, holds blocks."""
     import grpc  # noqa: F401
 
-    from kvdtest import Daemon
+    from kvd.testing.daemons import Daemon
 
     d = Daemon(proc=None, socket=socket_dir_daemon, log_path="")
     seg = ShmSegment(SHAPE.size)
