@@ -860,3 +860,17 @@ def test_auto_data_path_is_direct_on_cpu_and_staged_when_the_cache_cannot_be_sha
         eng.close()
     with pytest.raises(cpu_share.CpuShareError):  # direct asked for: no silent fallback
         Engine(model_dir, fake.socket, kvd_peer_address="127.0.0.1:7000")
+
+
+def test_staged_worker_closes_its_mirrors_before_unregistering(model_dir, fake, monkeypatch):
+    """Shutdown closes the worker's mirror mappings before UnregisterEngine:
+    the daemon frees the mirrors then, and a VRAM mirror must not be freed
+    while another process still maps it (kvd.core.cuda_ipc.VramMirror.close)."""
+    eng = Engine(model_dir, fake.socket, kvd_peer_address="127.0.0.1:7000", kvd_data_path="staged")
+    staging = eng.worker.worker.staging
+    unregisters_at_close = []
+    close = staging.close
+    monkeypatch.setattr(staging, "close", lambda: (unregisters_at_close.append(len(fake.service.unregisters)),
+                                                   close()))
+    eng.close()
+    assert unregisters_at_close == [0] and len(fake.service.unregisters) == 1

@@ -329,6 +329,8 @@ class CudaIpcSharing(KvSharing):
         """Exports each allocation (:func:`export_storage`). Raises
         :class:`CudaShareError` (expandable segments, more than one device,
         a layout the strides contradict)."""
+        # export_storage looked up per call: the module's one export function
+        # (tests stand in for torch's _share_cuda_ by replacing it).
         self.shared = share_kv_caches(kv_caches, exporter=lambda t: export_storage(t), **describe)
         return self.shared
 
