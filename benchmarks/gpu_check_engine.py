@@ -213,7 +213,8 @@ class Engine:
             copy_s = time.perf_counter() - t0
         self.sharing.sync()  # the blocks are written before the daemon may read them (the worker's rule)
         for h in holds:
-            self.session.send(hold=pb.HoldBlocks(request_id=h["req"], block_ids=h["ids"], lease_s=lease_s))
+            self.session.send(hold=pb.HoldBlocks(request_id=h["req"], groups=[pb.BlockIds(ids=h["ids"])],
+                                                 lease_s=lease_s))
         return {"copy_in_s": copy_s}
 
     def wait_sent(self, reqs: list[str], timeout_s: float) -> dict:
@@ -244,8 +245,9 @@ class Engine:
         t0 = time.perf_counter()
         for ld in loads:
             self.session.send(load=pb.LoadBlocks(
-                request_id=ld["req"], local_block_ids=ld["local"], remote_engine_id=remote_engine,
-                remote_address=remote_address, remote_block_ids=ld["remote"], remote_request_id=ld["remote_req"],
+                request_id=ld["req"], local_groups=[pb.BlockIds(ids=ld["local"])], remote_engine_id=remote_engine,
+                remote_address=remote_address, remote_groups=[pb.BlockIds(ids=ld["remote"])],
+                remote_request_id=ld["remote_req"],
                 remote_tp_size=1, timeout_s=timeout_s))
         pending = {ld["req"] for ld in loads}
         daemon_s, nbytes, failed = [], 0, []

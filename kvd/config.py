@@ -118,6 +118,13 @@ class Config:
     allowed_gids: list[str] = _setting(None, "gids (names or numbers) admitted on the engine socket: a caller "
                                              "in one of them (primary or supplementary) is admitted",
                                        factory=list)
+    max_engine_connections: int = _setting(1024, "connections open on the engine socket at once, all callers "
+                                                 "together; one past it is closed at once")
+    max_engine_connections_per_uid: int = _setting(128, "connections open on the engine socket at once per caller "
+                                                        "uid (admitted or not); one past it is closed at once")
+    engine_idle_timeout_s: float = _setting(10.0, "a connection to the engine socket that sends no byte this "
+                                                  "long is closed, seconds (a gRPC client sends its preface "
+                                                  "at once)")
     require_session_token: bool = _setting(False, "OpenSession and UnregisterEngine must carry the "
                                                   "session_token of the registration (else the same process "
                                                   "that registered may omit it)")
@@ -173,7 +180,8 @@ class Config:
             raise self._error("metrics_port", f"{self.metrics_port} out of range 0..65535")
         if not self.metrics_host:
             raise self._error("metrics_host", "must not be empty")
-        for key in ("lease_s", "transfer_timeout_s", "handshake_timeout_s", "grace_s", "detach_grace_s"):
+        for key in ("lease_s", "transfer_timeout_s", "handshake_timeout_s", "grace_s", "detach_grace_s",
+                    "engine_idle_timeout_s"):
             v = getattr(self, key)
             if not math.isfinite(v) or v <= 0:
                 raise self._error(key, f"must be a finite number of seconds > 0 (got {v})")
@@ -202,6 +210,8 @@ class Config:
         for key, low, high in (("max_message_bytes", 1 << 16, (1 << 31) - 1),
                                ("max_inflight_per_worker", 1, 1 << 20),
                                ("max_leases_per_worker", 1, 1 << 24),
+                               ("max_engine_connections", 1, 1 << 20),
+                               ("max_engine_connections_per_uid", 1, 1 << 20),
                                ("max_blocks_per_request", 1, 1 << 26)):
             v = getattr(self, key)
             if not low <= v <= high:

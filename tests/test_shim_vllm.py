@@ -349,7 +349,7 @@ def test_prefill_finish_returns_nixl_shaped_params_and_holds_until_send_done(mod
         eng.step()  # the next step carries the hold to the worker
         wait_for(lambda: len(hold_cmds(fake)) == 1)
         (hold,) = hold_cmds(fake)
-        assert (hold.request_id, list(hold.block_ids), hold.lease_s) == (req.request_id, blocks, 45)
+        assert (hold.request_id, [list(g.ids) for g in hold.groups], hold.lease_s) == (req.request_id, [blocks], 45)
         assert req.request_id in eng.sched.requests
 
         eng.worker.worker.client.release(req.request_id)  # the fake ends leases on release
@@ -401,8 +401,8 @@ def test_decode_loads_all_prompt_blocks_then_runs(model_dir, fake):
         wait_for(lambda: len(load_cmds(fake)) == 1)
         (cmd,) = load_cmds(fake)
         assert (cmd.remote_address, cmd.remote_engine_id, cmd.remote_request_id) == ("10.9.9.9:7500", "engine-p", "p-req-1")
-        assert list(cmd.local_block_ids) == local and cmd.timeout_s == 12 and cmd.remote_tp_size == 1
-        assert list(cmd.remote_block_ids) == [40, 41, 42, 43] and not cmd.local_groups  # one group: flat lists
+        assert [list(g.ids) for g in cmd.local_groups] == [local] and cmd.timeout_s == 12 and cmd.remote_tp_size == 1
+        assert [list(g.ids) for g in cmd.remote_groups] == [[40, 41, 42, 43]]  # one group: [[...]], groups only
         eng.run_until(lambda: eng.finished(req.request_id) is not None)
         ps = prefill_stats(eng, req.request_id)
         # vLLM counts all 100 prompt tokens as external KV transfer, none computed

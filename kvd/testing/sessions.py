@@ -23,6 +23,11 @@ from kvd.v1 import kvd_pb2_grpc as pb_grpc
 MESSAGE_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
 
+def one_group(block_ids) -> list[pb.BlockIds]:
+    """Block ids as the wire carries them for a model without HMA: one group."""
+    return [pb.BlockIds(ids=list(block_ids))]
+
+
 @dataclass
 class KvShape:
     """A per-layer K/V layout: ``layers x 2 regions x num_blocks x block_len``
@@ -170,7 +175,7 @@ class Engine:
 
     # -- commands (all non-blocking) -------------------------------------------------
     def hold(self, request_id: str, block_ids, lease_s: float = 600.0) -> None:
-        self.session.send(hold=pb.HoldBlocks(request_id=request_id, block_ids=list(block_ids), lease_s=lease_s))
+        self.session.send(hold=pb.HoldBlocks(request_id=request_id, groups=one_group(block_ids), lease_s=lease_s))
 
     def release(self, request_id: str) -> None:
         self.session.send(release=pb.ReleaseBlocks(request_id=request_id))
@@ -179,10 +184,10 @@ class Engine:
              timeout_s: float = 0.0, remote_engine_id: str | None = None, remote_address: str | None = None,
              remote_tp_size: int = 1) -> None:
         self.session.send(load=pb.LoadBlocks(
-            request_id=request_id, local_block_ids=list(local_ids),
+            request_id=request_id, local_groups=one_group(local_ids),
             remote_engine_id=remote_engine_id if remote_engine_id is not None else src.engine_id,
             remote_address=remote_address if remote_address is not None else src.peer_address,
-            remote_block_ids=list(remote_ids), remote_request_id=remote_request_id,
+            remote_groups=one_group(remote_ids), remote_request_id=remote_request_id,
             remote_tp_size=remote_tp_size, timeout_s=timeout_s))
 
     def abort_load(self, request_id: str, src: "Engine", remote_request_id: str) -> None:

@@ -220,7 +220,7 @@ class KvdWorker:
         for h in meta.holds:
             groups = h.groups  # staged: in the mirror since the steps that computed them (save)
             self._holding[h.request_id] = groups
-            self._send_hold(h.request_id, groups, h.lease_s)
+            self.client.hold(h.request_id, groups, lease_s=h.lease_s)
         for ld in meta.loads:
             if ld.error is not None:
                 log.warning("kvd %s request=%s: load not sent: %s", self.label, ld.request_id, ld.error)
@@ -232,31 +232,7 @@ class KvdWorker:
                 self._abort(ld.request)
                 continue
             self._recving[ld.request_id] = copy_groups(ld.request.local_groups)
-            self._send_load(ld.request)
-
-    def _send_hold(self, request_id: str, groups: BlockGroups, lease_s: float) -> None:
-        """``HoldBlocks`` on the session (no I/O)."""
-        if self.num_groups > 1:
-            self.client.hold(request_id, flat(groups), lease_s=lease_s, groups=groups)
-        else:
-            self.client.hold(request_id, flat(groups), lease_s=lease_s)
-
-    def _send_load(self, req: LoadRequest) -> None:
-        """``LoadBlocks`` on the session (no I/O; the client copies the lists)."""
-        if self.num_groups > 1:
-            self.client.load(
-                req.request_id, req.local_block_ids, remote_engine_id=req.remote_engine_id,
-                remote_address=req.remote_address, remote_block_ids=(), remote_request_id=req.remote_request_id,
-                remote_tp_size=req.remote_tp_size, timeout_s=req.timeout_s,
-                local_groups=req.local_groups, remote_groups=req.remote_groups,
-            )
-        else:
-            self.client.load(
-                req.request_id, req.local_block_ids, remote_engine_id=req.remote_engine_id,
-                remote_address=req.remote_address, remote_block_ids=flat(req.remote_groups),
-                remote_request_id=req.remote_request_id, remote_tp_size=req.remote_tp_size,
-                timeout_s=req.timeout_s,
-            )
+            self.client.load(ld.request)
 
     def save(self, meta: KvdConnectorMetadata) -> None:
         """Staged path: copies the blocks this step's forward pass wrote, for
