@@ -82,3 +82,14 @@ def model_dir(tmp_path_factory):
                 max_position_embeddings=2048, torch_dtype="float32").save_pretrained(d)
     init_none_hash(sha256)
     return str(d)
+
+
+@pytest.fixture
+def fake(tmp_path):
+    """A :class:`kvd.testing.fakes.FakeDaemon` on ``<tmp>/engine.sock``
+    (answers every command at once), closed after the test."""
+    from kvd.testing.fakes import FakeDaemon
+
+    d = FakeDaemon(str(tmp_path / "engine.sock")).start()
+    yield d
+    d.close()

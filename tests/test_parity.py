@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvd.v1 import kvd_pb2 as pb
-from kvd.testing.sessions import Session
+from kvd.testing.sessions import Session, one_group
 from kvd.testing.shm import ShmSegment
 
 HEAD_DIM = 8
@@ -24,7 +24,7 @@ class Rank:
     ``layout="CPU"``: vLLM-CPU's block, K and V of each head in it
     (``cpu_attn.py:411-415``), K as its vec kernels write it, dim-major
     ``[HEAD_DIM // 2, tokens]``, then V ``[tokens, HEAD_DIM // 2]``
-    (``kvd.shim.cpu_kv_probe``); registered as HND with
+    (``kvd.shim.vllm.cpu_kv_probe``); registered as HND with
     ``Layout.kv_in_block`` and ``k_dim_major``. A token's HEAD_DIM values
     are its K (first half) and its V (second half).
     """
@@ -110,14 +110,14 @@ def run_pd(prefill_daemon, decode_daemon, p_tp, d_tp, heads, p_layout, d_layout,
         for r in P:
             r.fill(p_ids, n_tokens)
             s = r.register(prefill_daemon)
-            s.send(hold=pb.HoldBlocks(request_id="req", block_ids=p_ids, lease_s=600))
+            s.send(hold=pb.HoldBlocks(request_id="req", groups=one_group(p_ids), lease_s=600))
             sessions.append(s)
         d_events = []
         for r in D:
             s = r.register(decode_daemon)
             sessions.append(s)
-            s.send(load=pb.LoadBlocks(request_id="dreq", local_block_ids=d_ids, remote_engine_id=f"P{tag}",
-                                      remote_address=prefill_daemon.peer_address, remote_block_ids=p_ids,
+            s.send(load=pb.LoadBlocks(request_id="dreq", local_groups=one_group(d_ids), remote_engine_id=f"P{tag}",
+                                      remote_address=prefill_daemon.peer_address, remote_groups=one_group(p_ids),
                                       remote_request_id="req", remote_tp_size=p_tp, timeout_s=20))
         for i, r in enumerate(D):
             ev = sessions[p_tp + i].next(30)
@@ -240,8 +240,8 @@ def test_push_without_a_lease_fails_the_request(push_pair):
     d = Rank("Dnolease", 0, 1, 4, 16, "HND")
     sp, sd = r.register(prefill), d.register(decode)
     try:
-        sd.send(load=pb.LoadBlocks(request_id="x", local_block_ids=[1], remote_engine_id="Pnolease",
-                                   remote_address=prefill.peer_address, remote_block_ids=[2],
+        sd.send(load=pb.LoadBlocks(request_id="x", local_groups=one_group([1]), remote_engine_id="Pnolease",
+                                   remote_address=prefill.peer_address, remote_groups=one_group([2]),
                                    remote_request_id="never-held", remote_tp_size=1, timeout_s=10))
         ev = sd.next(20)
         assert ev.WhichOneof("event") == "load_failed" and "holds no blocks" in ev.load_failed.reason

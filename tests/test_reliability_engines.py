@@ -21,6 +21,7 @@ import time
 import pytest
 
 from kvd.client.engine_client import EngineClient
+from kvd.requests import LoadRequest
 from kvd.v1 import kvd_pb2 as pb
 from kvd.testing.processes import KVD_ROOT
 from kvd.testing.daemons import start_daemon
@@ -161,9 +162,8 @@ def test_engine_client_survives_a_restart_of_its_daemon(tmp_path, survivor):
         return events.pop(rid)
 
     def load(rid, local, remote, **kw):
-        kw.setdefault("remote_engine_id", src.engine_id)
-        kw.setdefault("remote_address", src.peer_address)
-        call(client.load, rid, local, remote_block_ids=remote, remote_request_id=rid, **kw)
+        call(client.load, LoadRequest(rid, [list(local)], kw.pop("remote_engine_id", src.engine_id),
+                                      kw.pop("remote_address", src.peer_address), [list(remote)], rid, **kw))
 
     try:
         client.register(register_request("client-d", SHAPE, seg), timeout_s=30)

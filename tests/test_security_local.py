@@ -15,7 +15,8 @@ import grpc
 import pytest
 
 from kvd.core import events as ev
-from kvd.daemon.engine_service import EngineService, Owner
+from kvd.core.state import Owner
+from kvd.daemon.engine_service import EngineService
 from kvd.daemon.local_gate import Caller
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
@@ -169,11 +170,10 @@ ME = Caller(os.getpid(), 1000, 1000, frozenset({1000}))  # a live pid: the owner
 
 
 def _service(require: bool = False, sessions: int = 1, owner=ME):
-    w = types.SimpleNamespace(sessions=sessions, label="engine=e rank=0")
+    w = types.SimpleNamespace(session=types.SimpleNamespace(streams=sessions), label="engine=e rank=0",
+                              owner=Owner(owner.uid, owner.gid, owner.gids, owner.pid, "t" * 32))
     node = types.SimpleNamespace(workers={("e", 0): w})
-    s = EngineService(node, require_session_token=require)
-    s.owners[("e", 0)] = Owner(w, owner, "t" * 32)
-    return s
+    return EngineService(node, require_session_token=require)
 
 
 def _allowed(s: EngineService, caller: Caller, token: str = "", takeover: bool = False) -> bool:

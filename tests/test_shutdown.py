@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvd.daemon.sdnotify import Notifier
 from kvd.v1 import kvd_pb2 as pb
 from kvd.testing.daemons import start_daemon
-from kvd.testing.sessions import KvShape, Session, register_request
+from kvd.testing.sessions import KvShape, Session, one_group, register_request
 from kvd.testing.shm import ShmSegment
 from kvd.testing.util import free_port
 
@@ -44,8 +44,8 @@ def _shm_names() -> set[str]:
 
 def _load(request_id: str, hole: socket.socket) -> dict:
     return dict(load=pb.LoadBlocks(
-        request_id=request_id, local_block_ids=[1, 2], remote_engine_id="prefill-e",
-        remote_address=f"127.0.0.1:{hole.getsockname()[1]}", remote_block_ids=[1, 2],
+        request_id=request_id, local_groups=one_group([1, 2]), remote_engine_id="prefill-e",
+        remote_address=f"127.0.0.1:{hole.getsockname()[1]}", remote_groups=one_group([1, 2]),
         remote_request_id="remote-" + request_id, remote_tp_size=1))
 
 

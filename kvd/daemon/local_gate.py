@@ -58,6 +58,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvd import tracepoints as tp
 from kvd.daemon.h2_refusal import Refusal
 from kvd.daemon.logs import Throttled
 
@@ -174,6 +175,7 @@ class _Relay(asyncio.Protocol):
             a.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
+        tp.hit(tp.GATE_IN if type(self) is _Front else tp.GATE_OUT)  # no request id: bytes of HTTP/2 frames
         if self.other is None:
             self.pending.append(data)
             self.transport.pause_reading()

@@ -1,6 +1,6 @@
 """The daemon's client of remote daemons' PeerService (one channel per address).
 
-Implements ``kvd.core.node.PeerLink``: every gRPC error becomes the core's
+Implements ``kvd.core.state.PeerLink``: every gRPC error becomes the core's
 typed error, with the peer's address and message. With ``PeerAuth``
 (kvd/daemon/peer_auth.py) its channels use mutual TLS and/or carry the token
 proof, and an answer whose sender did not prove the token is not used.
@@ -16,6 +16,7 @@ from google.protobuf.message import DecodeError
 from kvd import __version__
 from kvd.config import MAX_MESSAGE_BYTES
 from kvd.core import events as ev
+from kvd.core.limits import BOUNDS
 from kvd.core.state import PROTOCOL_VERSION, HandshakeResult, PushOrder, PushResult
 from kvd.daemon.convert import groups_to_pb, handshake_from_pb, handshake_to_pb
 from kvd.daemon.peer_auth import PeerAuth, PeerAuthError
@@ -36,10 +37,10 @@ def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list:
 CHANNEL_OPTIONS = channel_options()
 
 # Peer addresses come from requests (kv_transfer_params): channels are kept
-# for the most recently used ones only, and a channel whose peer could not be
-# reached is closed (measured before: 3,000 distinct dead addresses kept 3,000
-# channels reconnecting forever, +20 MiB RSS per 1,000 and a busy CPU).
-MAX_CHANNELS = 256
+# for the BOUNDS.max_peer_channels most recently used ones only, and a
+# channel whose peer could not be reached is closed (measured: 3,000 distinct
+# dead addresses kept 3,000 channels reconnecting forever, +20 MiB RSS per
+# 1,000 and a busy CPU).
 
 
 def _error(address: str, e: grpc.aio.AioRpcError) -> ev.CoreError:
@@ -74,7 +75,7 @@ class PeerClient:
         if ch is None:
             ch = self.auth.channel(address, self.options)
         self._channels[address] = ch
-        while len(self._channels) > MAX_CHANNELS:
+        while len(self._channels) > BOUNDS.max_peer_channels:
             self._forget(next(iter(self._channels)))
         return ch
 
@@ -118,8 +119,8 @@ class PeerClient:
         """Asks ``address`` to WRITE ``order``'s blocks; returns when done."""
         req = pb.PushRequest(
             engine_id=order.engine_id, tp_rank=order.tp_rank, request_id=order.request_id,
-            source_groups=groups_to_pb(order.source_block_ids), reader=handshake_to_pb(order.reader),
-            reader_tp_rank=order.reader_tp_rank, reader_groups=groups_to_pb(order.reader_block_ids),
+            source_groups=groups_to_pb(order.source_groups), reader=handshake_to_pb(order.reader),
+            reader_tp_rank=order.reader_tp_rank, reader_groups=groups_to_pb(order.reader_groups),
             expected_notifications=order.expected_notifications, timeout_s=order.timeout_s,
         )
         r = await self._call(address, "Push", req, timeout_s)

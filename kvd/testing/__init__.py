@@ -14,7 +14,8 @@ the package does: NIXL runs inside the daemons, vLLM inside the engines):
 - :mod:`~kvd.testing.daemons`: ``Daemon``, ``start_daemon``/``start_daemons``,
   ``stats_of`` (the GetStats caller), ``leak_counts``, ``kvd_health``.
 - :mod:`~kvd.testing.sessions`: ``KvShape``, ``register_request``, ``Session``,
-  ``Engine`` (an engine worker played over a raw session), ``event_kind``.
+  ``Engine`` (an engine worker played over a raw session), ``event_kind``,
+  ``one_group`` (block ids as the wire carries them without HMA).
 - :mod:`~kvd.testing.fakes`: ``FakeDaemon``, ``FakePeer``, ``blackhole``,
   ``closed_address``, ``wait_events``.
 - :mod:`~kvd.testing.netns`: ``NetnsPair`` (two hosts on one machine).

@@ -111,7 +111,7 @@ class FakeEngineService(pb_grpc.EngineServiceServicer):
         kind = cmd.WhichOneof("command")
         if kind == "load":
             rid = cmd.load.request_id
-            local = list(cmd.load.local_block_ids) or [b for g in cmd.load.local_groups for b in g.ids]
+            local = [b for g in cmd.load.local_groups for b in g.ids]
             n = len(local)
             if self.load_mode in ("answer", "twice"):
                 for _ in range(2 if self.load_mode == "twice" else 1):

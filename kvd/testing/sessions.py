@@ -23,6 +23,11 @@ from kvd.v1 import kvd_pb2_grpc as pb_grpc
 MESSAGE_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
 
+def one_group(block_ids) -> list[pb.BlockIds]:
+    """Block ids as the wire carries them for a model without HMA: one group."""
+    return [pb.BlockIds(ids=list(block_ids))]
+
+
 @dataclass
 class KvShape:
     """A per-layer K/V layout: ``layers x 2 regions x num_blocks x block_len``
@@ -173,8 +178,7 @@ class Engine:
     def hold(self, request_id: str, block_ids, lease_s: float = 600.0) -> None:
         """Holds ``block_ids`` (one group) for ``request_id`` under a ``lease_s``
         second lease, as a prefill worker does."""
-        self.session.send(hold=pb.HoldBlocks(request_id=request_id, groups=[pb.BlockIds(ids=list(block_ids))],
-                                             lease_s=lease_s))
+        self.session.send(hold=pb.HoldBlocks(request_id=request_id, groups=one_group(block_ids), lease_s=lease_s))
 
     def release(self, request_id: str) -> None:
         """Ends the lease of ``request_id`` (the daemon answers send_done(released))."""
@@ -187,10 +191,10 @@ class Engine:
         into ``local_ids`` (one group each side, as the wire carries block ids:
         groups only); ``timeout_s`` 0: the daemon's default."""
         self.session.send(load=pb.LoadBlocks(
-            request_id=request_id, local_groups=[pb.BlockIds(ids=list(local_ids))],
+            request_id=request_id, local_groups=one_group(local_ids),
             remote_engine_id=remote_engine_id if remote_engine_id is not None else src.engine_id,
             remote_address=remote_address if remote_address is not None else src.peer_address,
-            remote_groups=[pb.BlockIds(ids=list(remote_ids))], remote_request_id=remote_request_id,
+            remote_groups=one_group(remote_ids), remote_request_id=remote_request_id,
             remote_tp_size=remote_tp_size, timeout_s=timeout_s))
 
     def abort_load(self, request_id: str, src: "Engine", remote_request_id: str) -> None:
