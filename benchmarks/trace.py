@@ -44,23 +44,18 @@ LEGS = (("engine -> daemon core (command: client thread, gRPC, relay, session re
 
 def _client_stamps() -> tuple[dict, dict]:
     """Times (perf_counter) at which this process's EngineClient built each
-    load's command (sender thread) and received each event (session thread)."""
-    from kvd.client import engine_client as ec
-
+    load's command (sender thread, ``SENT``) and received its recv_done
+    (session thread, ``RECEIVED``): a :mod:`kvd.tracepoints` sink in this
+    process."""
     sent, recv = {}, {}
-    orig_build, orig_on_event = ec._Load.build, ec.EngineClient._on_event
 
-    def build(self):
-        sent.setdefault(self.request_id, time.perf_counter())
-        return orig_build(self)
+    def sink(point: str, request_id: str, detail: str, t: float) -> None:
+        if point == tp.SENT:
+            sent.setdefault(request_id, t)
+        elif point == tp.RECEIVED and detail == "recv_done":
+            recv.setdefault(request_id, t)
 
-    def on_event(self, event):
-        kind = event.WhichOneof("event")
-        if kind == "recv_done":
-            recv.setdefault(event.recv_done.request_id, time.perf_counter())
-        return orig_on_event(self, event)
-
-    ec._Load.build, ec.EngineClient._on_event = build, on_event
+    tp.install(sink)
     return sent, recv
 
 
@@ -104,6 +99,7 @@ def run(block_len: int, blocks: int, reps: int, poll_s: float = 50e-6, daemon_se
                 engine[rid] = (t0, t1)
             time.sleep(0.01)
     finally:
+        tp.install(None)
         pair.close()
         src.close()
         dst.close()
