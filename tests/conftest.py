@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvdtest import start_daemon
+from kvd.testing.daemons import start_daemon
+from kvd.testing.shm import cleanup_segments
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -13,17 +14,7 @@ def no_leftover_test_segments():
     creating process is gone: engine processes that a scenario killed on
     purpose cannot clean up after themselves."""
     yield
-    import glob
-    import os
-    import re
-
-    for path in glob.glob("/dev/shm/kvdtest_*"):
-        m = re.match(r".*/kvdtest_(\d+)_", path)
-        if m and not os.path.exists(f"/proc/{m.group(1)}"):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+    cleanup_segments("kvdtest")
 
 
 @pytest.fixture
@@ -44,10 +35,8 @@ def daemon(tmp_path):
     d.stop()
 
 
-# =====================================================================
 # vLLM end-to-end fixtures (tests marked @pytest.mark.vllm; see
 # tests/test_vllm_e2e.py and kvd/demo/). Nothing above depends on these.
-# =====================================================================
 
 import importlib.util as _importlib_util
 import os as _os

@@ -22,7 +22,7 @@ def test_unknown_backend_is_a_startup_error_naming_it(tmp_path):
 
 
 def test_backend_list_from_config_is_used(tmp_path):
-    from kvdtest import start_daemon
+    from kvd.testing.daemons import start_daemon
 
     d = start_daemon(str(tmp_path), "posix", "--backends", "UCX,POSIX")
     try:

@@ -6,7 +6,8 @@ import grpc
 import pytest
 
 from kvd.v1 import kvd_pb2 as pb
-from kvdtest import KvShape, Session, ShmSegment, register_request
+from kvd.testing.sessions import KvShape, Session, one_group, register_request
+from kvd.testing.shm import ShmSegment
 
 SHAPE = KvShape(num_layers=1, num_blocks=8, block_len=1024)
 
@@ -14,7 +15,7 @@ SHAPE = KvShape(num_layers=1, num_blocks=8, block_len=1024)
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     """One daemon for the whole module: every test also proves it still serves."""
-    from kvdtest import start_daemon
+    from kvd.testing.daemons import start_daemon
 
     d = start_daemon(str(tmp_path_factory.mktemp("bad")), "kvd")
     yield d
@@ -109,20 +110,20 @@ def test_out_of_range_block_ids_fail_the_request_not_the_daemon(daemon):
     try:
         daemon.stub().RegisterEngine(register_request("e2", SHAPE, seg), timeout=10)
         s = Session(daemon, "e2")
-        s.send(hold=pb.HoldBlocks(request_id="h1", block_ids=[1, 8]))
+        s.send(hold=pb.HoldBlocks(request_id="h1", groups=one_group([1, 8])))
         ev = s.next()
         assert ev.WhichOneof("event") == "rejected" and "block id 8 out of range" in ev.rejected.reason
-        s.send(load=pb.LoadBlocks(request_id="l1", local_block_ids=[-1 & 0xFFFFFFFF], remote_engine_id="x",
-                                  remote_address="127.0.0.1:1", remote_block_ids=[0], remote_tp_size=1))
+        s.send(load=pb.LoadBlocks(request_id="l1", local_groups=one_group([-1 & 0xFFFFFFFF]), remote_engine_id="x",
+                                  remote_address="127.0.0.1:1", remote_groups=one_group([0]), remote_tp_size=1))
         ev = s.next()
         assert ev.WhichOneof("event") == "load_failed" and "out of range" in ev.load_failed.reason
-        s.send(load=pb.LoadBlocks(request_id="l2", local_block_ids=[1, 2], remote_engine_id="x",
-                                  remote_address="127.0.0.1:1", remote_block_ids=[0], remote_tp_size=1))
+        s.send(load=pb.LoadBlocks(request_id="l2", local_groups=one_group([1, 2]), remote_engine_id="x",
+                                  remote_address="127.0.0.1:1", remote_groups=one_group([0]), remote_tp_size=1))
         ev = s.next()
         assert ev.WhichOneof("event") == "load_failed" and list(ev.load_failed.failed_block_ids) == [1, 2]
         # An unreachable peer fails only that request, within the handshake deadline.
-        s.send(load=pb.LoadBlocks(request_id="l3", local_block_ids=[3], remote_engine_id="x",
-                                  remote_address="127.0.0.1:1", remote_block_ids=[0], remote_tp_size=1,
+        s.send(load=pb.LoadBlocks(request_id="l3", local_groups=one_group([3]), remote_engine_id="x",
+                                  remote_address="127.0.0.1:1", remote_groups=one_group([0]), remote_tp_size=1,
                                   timeout_s=2))
         ev = s.next(15)
         assert ev.WhichOneof("event") == "load_failed" and "handshake" in ev.load_failed.reason

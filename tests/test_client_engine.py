@@ -14,8 +14,9 @@ import grpc
 import pytest
 
 from kvd.client.engine_client import EngineClient, EngineClientError, normalize_address
+from kvd.requests import LoadRequest
 from kvd.v1 import kvd_pb2 as pb
-from test_client_fakedaemon import PEER_ADDRESS, FakeDaemon, kinds, wait_events
+from kvd.testing.fakes import PEER_ADDRESS, FakeDaemon, kinds, wait_events
 
 WORKER = pb.EngineWorker(engine_id="engine-a", tp_rank=0, tp_size=1)
 FAST_S = 0.010  # "never blocks": every engine-facing call returns faster than this
@@ -46,8 +47,7 @@ def connect(sock: str, **kwargs) -> EngineClient:
 
 
 def load(client: EngineClient, rid: str, local=(1, 2), remote=(5, 6), **kw) -> None:
-    client.load(rid, list(local), remote_engine_id="engine-p", remote_address=PEER_ADDRESS,
-                remote_block_ids=list(remote), remote_request_id=f"p-{rid}", **kw)
+    client.load(LoadRequest(rid, [list(local)], "engine-p", PEER_ADDRESS, [list(remote)], f"p-{rid}", **kw))
 
 
 def test_addresses_accept_bare_paths_and_grpc_targets(tmp_path):
@@ -109,7 +109,7 @@ def test_slow_daemon_never_blocks_the_engine(sock):
         for i in range(20):
             t0 = time.perf_counter()
             load(client, f"r{i}")
-            client.hold(f"h{i}", [i], lease_s=60)
+            client.hold(f"h{i}", [[i]], lease_s=60)
             worst = max(worst, time.perf_counter() - t0)
             t0 = time.perf_counter()
             assert client.drain_events() == []
@@ -170,15 +170,15 @@ def test_a_hold_ends_with_send_done_on_release_or_at_its_lease(sock):
     fake = FakeDaemon(sock).start()
     client = connect(sock, hold_grace_s=0.1)
     try:
-        client.hold("h1", [1, 2], lease_s=60)
+        client.hold("h1", [[1, 2]], lease_s=60)
         client.release("h1")
         (ev,) = wait_events(client, lambda ev: len(ev) == 1)
         assert ev.send_done.request_id == "h1" and ev.send_done.released
-        client.hold("h2", [3], lease_s=0.2)  # the fake never ends it: the client does
+        client.hold("h2", [[3]], lease_s=0.2)  # the fake never ends it: the client does
         (ev,) = wait_events(client, lambda ev: len(ev) == 1, timeout_s=3)
         assert ev.send_done.request_id == "h2" and ev.send_done.expired
         sent = [c.hold for c in fake.service.commands if c.WhichOneof("command") == "hold"]
-        assert sent[0].lease_s == 60 and list(sent[0].block_ids) == [1, 2]
+        assert sent[0].lease_s == 60 and [list(g.ids) for g in sent[0].groups] == [[1, 2]]
     finally:
         client.close()
         fake.stop()
@@ -191,7 +191,7 @@ def test_daemon_restart_fails_inflight_loads_then_later_commands_work(sock):
     client = connect(sock)
     try:
         load(client, "inflight", local=(7, 8))
-        client.hold("held", [9], lease_s=60)
+        client.hold("held", [[9]], lease_s=60)
         deadline = time.monotonic() + 5
         while fake.service.count("load") < 1 or fake.service.count("hold") < 1:
             assert time.monotonic() < deadline
@@ -292,12 +292,8 @@ def test_block_ids_per_group_go_out_as_groups_and_survive_a_reconnect(sock):
     fake = FakeDaemon(sock, load_mode="never").start()
     client = connect(sock)
     try:
-        client.load("d1", [], remote_engine_id="engine-p", remote_address=PEER_ADDRESS, remote_block_ids=[],
-                    remote_request_id="p-d1", local_groups=[[1, 2], [3]], remote_groups=[[5, 6], [7]])
-        client.hold("h1", [], lease_s=60, groups=[[8, 9], [4]])
-        with pytest.raises(ValueError):
-            client.load("bad", [1], remote_engine_id="e", remote_address=PEER_ADDRESS, remote_block_ids=[1],
-                        remote_request_id="p", local_groups=[[1]])
+        client.load(LoadRequest("d1", [[1, 2], [3]], "engine-p", PEER_ADDRESS, [[5, 6], [7]], "p-d1"))
+        client.hold("h1", [[8, 9], [4]], lease_s=60)
         deadline = time.monotonic() + 5
         while fake.service.count("load") < 1 or fake.service.count("hold") < 1:
             assert time.monotonic() < deadline
@@ -305,7 +301,6 @@ def test_block_ids_per_group_go_out_as_groups_and_survive_a_reconnect(sock):
         (ld,) = [c.load for c in fake.service.commands if c.WhichOneof("command") == "load"]
         assert [list(g.ids) for g in ld.local_groups] == [[1, 2], [3]]
         assert [list(g.ids) for g in ld.remote_groups] == [[5, 6], [7]]
-        assert list(ld.local_block_ids) == [] and list(ld.remote_block_ids) == []
         fake.stop()
         (ev,) = wait_events(client, lambda ev: len(ev) == 1)
         assert list(ev.load_failed.failed_block_ids) == [1, 2, 3]
@@ -340,7 +335,7 @@ def test_on_register_sees_every_new_registration_before_holds_are_sent_again(soc
 
     client.on_register = on_register
     try:
-        client.hold("h1", [3], lease_s=60)
+        client.hold("h1", [[3]], lease_s=60)
         deadline = time.monotonic() + 5
         while fake.service.count("hold") < 1:
             assert time.monotonic() < deadline
@@ -357,3 +352,20 @@ def test_on_register_sees_every_new_registration_before_holds_are_sent_again(soc
     finally:
         client.close()
         fake.stop()
+
+
+def test_a_load_request_crosses_the_wire_unchanged():
+    """The one encoding of a load: what the client builds from a LoadRequest
+    (groups only; the flat fields are reserved) is what the daemon's session
+    adapter turns back into the same LoadRequest."""
+    from kvd.client.commands import Load
+    from kvd.daemon.convert import load_from_pb
+
+    req = LoadRequest("d1", [[1, 2], [3]], "engine-p", PEER_ADDRESS, [[5, 6], [7]], "p-d1", remote_tp_size=2,
+                      timeout_s=4.5)
+    msg = Load(req, req.timeout_s, 0.0).build().load
+    assert {f.name for f, _ in msg.ListFields()} == {
+        "request_id", "local_groups", "remote_engine_id", "remote_address", "remote_groups", "remote_request_id",
+        "remote_tp_size", "timeout_s"}
+    assert "local_block_ids" not in pb.LoadBlocks.DESCRIPTOR.fields_by_name
+    assert load_from_pb(pb.LoadBlocks.FromString(msg.SerializeToString())) == req

@@ -17,11 +17,12 @@ import pytest
 import torch
 
 from kvd.client.engine_client import EngineClient
+from kvd.requests import LoadRequest
 from kvd.shim.cpu_share import share_kv_caches
 from kvd.v1 import kvd_pb2 as pb
-from kvdtest import start_daemon
-from test_client_fakedaemon import kinds, wait_events
-from test_shim_cpu_share import NB, H, N, D, vllm032_cpu_caches
+from kvd.testing.cpu_caches import NB, D, H, N, vllm032_cpu_caches
+from kvd.testing.daemons import start_daemon
+from kvd.testing.fakes import kinds, wait_events
 
 
 def connect(daemon, engine_id: str, caches: dict[str, torch.Tensor]) -> EngineClient:
@@ -46,10 +47,9 @@ def test_a_load_moves_engine_bytes_from_the_prefill_to_the_decode_daemon(daemon_
     pc = connect(prefill, "engine-p", p_caches)
     dc = connect(decode, "engine-d", d_caches)
     try:
-        pc.hold("p-req", [3, 4], lease_s=30)
+        pc.hold("p-req", [[3, 4]], lease_s=30)
         t0 = time.perf_counter()
-        dc.load("d-req", [1, 5], remote_engine_id="engine-p", remote_address=prefill.peer_address,
-                remote_block_ids=[3, 4], remote_request_id="p-req", remote_tp_size=1, timeout_s=20)
+        dc.load(LoadRequest("d-req", [[1, 5]], "engine-p", prefill.peer_address, [[3, 4]], "p-req", timeout_s=20))
         (ev,) = wait_events(dc, lambda ev: len(ev) == 1, timeout_s=30)
         assert kinds([ev]) == ["recv_done"], ev
         elapsed = time.perf_counter() - t0
@@ -72,8 +72,7 @@ def test_a_load_of_blocks_outside_the_remote_cache_fails_not_hangs(daemon_pair):
     pc = connect(prefill, "engine-p", p_caches)
     dc = connect(decode, "engine-d", d_caches)
     try:
-        dc.load("d-bad", [1], remote_engine_id="engine-p", remote_address=prefill.peer_address,
-                remote_block_ids=[NB + 5], remote_request_id="p-none", remote_tp_size=1, timeout_s=10)
+        dc.load(LoadRequest("d-bad", [[1]], "engine-p", prefill.peer_address, [[NB + 5]], "p-none", timeout_s=10))
         (ev,) = wait_events(dc, lambda ev: len(ev) == 1, timeout_s=20)
         assert ev.load_failed.request_id == "d-bad" and list(ev.load_failed.failed_block_ids) == [1]
     finally:
@@ -114,9 +113,8 @@ def test_daemon_killed_and_restarted_under_a_connected_client(tmp_path, silent_p
     client = connect(daemon, "engine-x", caches)
     try:
         # A load stuck in its handshake with a peer that never answers: in flight.
-        client.load("stuck", [2, 3], remote_engine_id="engine-y", remote_address=silent_peer,
-                    remote_block_ids=[0, 1], remote_request_id="y-req", remote_tp_size=1, timeout_s=60)
-        client.hold("held", [4], lease_s=120)
+        client.load(LoadRequest("stuck", [[2, 3]], "engine-y", silent_peer, [[0, 1]], "y-req", timeout_s=60))
+        client.hold("held", [[4]], lease_s=120)
         time.sleep(0.5)
         assert client.drain_events() == []
 

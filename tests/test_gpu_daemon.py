@@ -18,7 +18,9 @@ from kvd import cudart
 from kvd.core.cuda_ipc import NO_GPU
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
-from kvdtest import KvShape, ShmSegment, fill, register_request, start_daemon
+from kvd.testing.daemons import start_daemon
+from kvd.testing.sessions import KvShape, register_request
+from kvd.testing.shm import ShmSegment
 
 SHAPE = KvShape(num_layers=1, num_blocks=8, block_len=4096)
 
@@ -57,7 +59,7 @@ def test_an_shm_engine_registers_and_handshakes_as_dram_after_a_refused_gpu_one(
         daemon.stub().RegisterEngine(cuda_request("gpu-engine", pb.DATA_PATH_AUTO), timeout=30)
     seg = ShmSegment(SHAPE.size)
     try:
-        fill(seg, 5)
+        seg.fill(5)
         resp = daemon.stub().RegisterEngine(register_request("cpu-engine", SHAPE, seg), timeout=30)
         assert resp.data_path == pb.DATA_PATH_DIRECT
         st = daemon.stats()

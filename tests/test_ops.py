@@ -21,19 +21,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvd.v1 import kvd_pb2 as pb
-from kvdtest import KvShape, Session, ShmSegment, register_request, start_daemon
+from kvd.testing.daemons import start_daemon
+from kvd.testing.sessions import KvShape, Session, one_group, register_request
+from kvd.testing.shm import ShmSegment
+from kvd.testing.util import free_port
 
 SHAPE = KvShape(num_layers=4, num_blocks=64, block_len=4096)
 REMOTE_IDS = [60, 3, 11, 7, 0, 41, 42, 19]
 LOCAL_IDS = [5, 2, 40, 17, 33, 63, 1, 20]
 ENGINE, PEER = "kvd.v1.EngineService", "kvd.v1.PeerService"
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> dict:
@@ -81,17 +78,17 @@ def ops(tmp_path_factory):
         decode.stub().RegisterEngine(register_request("decode-e", SHAPE, dseg), timeout=30)
         ps, ds = Session(prefill, "prefill-e"), Session(decode, "decode-e")
         sessions += [ps, ds]
-        ps.send(hold=pb.HoldBlocks(request_id="req-p", block_ids=REMOTE_IDS, lease_s=600))
-        ps.send(hold=pb.HoldBlocks(request_id="req-unread", block_ids=[9], lease_s=0.2))
+        ps.send(hold=pb.HoldBlocks(request_id="req-p", groups=one_group(REMOTE_IDS), lease_s=600))
+        ps.send(hold=pb.HoldBlocks(request_id="req-unread", groups=one_group([9]), lease_s=0.2))
         ds.send(load=pb.LoadBlocks(
-            request_id="req-d", local_block_ids=LOCAL_IDS, remote_engine_id="prefill-e",
-            remote_address=prefill.peer_address, remote_block_ids=REMOTE_IDS, remote_request_id="req-p",
+            request_id="req-d", local_groups=one_group(LOCAL_IDS), remote_engine_id="prefill-e",
+            remote_address=prefill.peer_address, remote_groups=one_group(REMOTE_IDS), remote_request_id="req-p",
             remote_tp_size=1))
         recv = ds.next(30)
         assert recv.WhichOneof("event") == "recv_done", recv
         ds.send(load=pb.LoadBlocks(
-            request_id="req-bad", local_block_ids=[4], remote_engine_id="no-such-engine",
-            remote_address=prefill.peer_address, remote_block_ids=[4], remote_request_id="req-none",
+            request_id="req-bad", local_groups=one_group([4]), remote_engine_id="no-such-engine",
+            remote_address=prefill.peer_address, remote_groups=one_group([4]), remote_request_id="req-none",
             remote_tp_size=1))
         failed = ds.next(30)
         assert failed.WhichOneof("event") == "load_failed", failed
@@ -251,14 +248,15 @@ def test_status_reports_the_data_path_of_each_worker():
     from kvd.daemon.status import build_stats, render, to_dict
 
     def worker(name, staging):
+        mem = SimpleNamespace(registered_bytes=1 << 20, staging=staging, staged=bool(staging), memory="DRAM")
         return SimpleNamespace(
             key=(name, 0), tp_size=1, model="m", agent=SimpleNamespace(name=f"kvd-{name}"), compat_hash="h",
-            regions=[1, 2], layout=SimpleNamespace(num_blocks=8, block_size=16), registered_bytes=1 << 20,
-            leases=[], inflight={}, sessions=1, remotes={}, staging=staging)
+            regions=[1, 2], layout=SimpleNamespace(num_blocks=8, block_size=16), mem=mem,
+            leases=[], inflight={}, session=SimpleNamespace(streams=1), pairs=SimpleNamespace(remotes={}))
 
     def node(*workers):
         return SimpleNamespace(stats=lambda: {"engines": len(workers), "not_in_the_proto": 7},
-                               peer_address="h:1", backends=["UCX"], workers={w.key: w for w in workers})
+                               peer_address="h:1", workers={w.key: w for w in workers})
 
     assert build_stats(node()).data_path == ""
     assert build_stats(node(worker("a", []))).data_path == "direct"

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from kvd.v1 import kvd_pb2 as pb
-from kvdtest import Session, ShmSegment
+from kvd.testing.sessions import Session, one_group
+from kvd.testing.shm import ShmSegment
 
 HEAD_DIM = 8
 NUM_BLOCKS = 24
@@ -109,14 +110,14 @@ def run_pd(prefill_daemon, decode_daemon, p_tp, d_tp, heads, p_layout, d_layout,
         for r in P:
             r.fill(p_ids, n_tokens)
             s = r.register(prefill_daemon)
-            s.send(hold=pb.HoldBlocks(request_id="req", block_ids=p_ids, lease_s=600))
+            s.send(hold=pb.HoldBlocks(request_id="req", groups=one_group(p_ids), lease_s=600))
             sessions.append(s)
         d_events = []
         for r in D:
             s = r.register(decode_daemon)
             sessions.append(s)
-            s.send(load=pb.LoadBlocks(request_id="dreq", local_block_ids=d_ids, remote_engine_id=f"P{tag}",
-                                      remote_address=prefill_daemon.peer_address, remote_block_ids=p_ids,
+            s.send(load=pb.LoadBlocks(request_id="dreq", local_groups=one_group(d_ids), remote_engine_id=f"P{tag}",
+                                      remote_address=prefill_daemon.peer_address, remote_groups=one_group(p_ids),
                                       remote_request_id="req", remote_tp_size=p_tp, timeout_s=20))
         for i, r in enumerate(D):
             ev = sessions[p_tp + i].next(30)
@@ -138,7 +139,7 @@ def run_pd(prefill_daemon, decode_daemon, p_tp, d_tp, heads, p_layout, d_layout,
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    from kvdtest import start_daemon
+    from kvd.testing.daemons import start_daemon
 
     d = str(tmp_path_factory.mktemp("parity"))
     a, b = start_daemon(d, "prefill"), start_daemon(d, "decode")
@@ -212,7 +213,7 @@ def test_decode_block_smaller_than_prefill_block_is_refused_at_handshake(pair):
 @pytest.fixture(scope="module")
 def push_pair(tmp_path_factory):
     """A prefill daemon and a decode daemon in push mode (prefill WRITEs)."""
-    from kvdtest import start_daemon
+    from kvd.testing.daemons import start_daemon
 
     d = str(tmp_path_factory.mktemp("push"))
     a, b = start_daemon(d, "prefill"), start_daemon(d, "decode", "--transfer-mode", "push")
@@ -239,8 +240,8 @@ def test_push_without_a_lease_fails_the_request(push_pair):
     d = Rank("Dnolease", 0, 1, 4, 16, "HND")
     sp, sd = r.register(prefill), d.register(decode)
     try:
-        sd.send(load=pb.LoadBlocks(request_id="x", local_block_ids=[1], remote_engine_id="Pnolease",
-                                   remote_address=prefill.peer_address, remote_block_ids=[2],
+        sd.send(load=pb.LoadBlocks(request_id="x", local_groups=one_group([1]), remote_engine_id="Pnolease",
+                                   remote_address=prefill.peer_address, remote_groups=one_group([2]),
                                    remote_request_id="never-held", remote_tp_size=1, timeout_s=10))
         ev = sd.next(20)
         assert ev.WhichOneof("event") == "load_failed" and "holds no blocks" in ev.load_failed.reason

@@ -20,18 +20,13 @@ import time
 import pytest
 
 from kvd.client.engine_client import EngineClient
+from kvd.requests import LoadRequest
 from kvd.v1 import kvd_pb2 as pb
-from kvdtest import (
-    Engine,
-    KvShape,
-    ShmSegment,
-    blackhole,
-    closed_address,
-    event_kind,
-    register_request,
-    start_daemon,
-    wait_until,
-)
+from kvd.testing.daemons import start_daemon
+from kvd.testing.fakes import blackhole, closed_address
+from kvd.testing.sessions import Engine, KvShape, event_kind, register_request
+from kvd.testing.shm import ShmSegment
+from kvd.testing.util import wait_until
 
 SHAPE = KvShape(num_layers=2, num_blocks=128, block_len=16384)
 SLACK_S = 1.0  # past the deadline: the daemon polls every 0.5-5 ms; the rest is a busy 2-core machine
@@ -129,9 +124,8 @@ def test_engine_client_fails_loads_and_ends_holds_locally_when_its_daemon_is_fro
         daemon.proc.send_signal(signal.SIGSTOP)
         try:
             t0 = time.monotonic()
-            client.load("frozen-load", [1, 2], remote_engine_id="x", remote_address="127.0.0.1:1",
-                        remote_block_ids=[3, 4], remote_request_id="x", timeout_s=1.0)
-            client.hold("frozen-hold", [5], lease_s=1.0)
+            client.load(LoadRequest("frozen-load", [[1, 2]], "x", "127.0.0.1:1", [[3, 4]], "x", timeout_s=1.0))
+            client.hold("frozen-hold", [[5]], lease_s=1.0)
             got: dict[str, tuple[pb.SessionEvent, float]] = {}
             worst = 0.0
 

@@ -21,18 +21,14 @@ import time
 import pytest
 
 from kvd.client.engine_client import EngineClient
+from kvd.requests import LoadRequest
 from kvd.v1 import kvd_pb2 as pb
-from kvdtest import (
-    Engine,
-    KvShape,
-    ShmSegment,
-    blackhole,
-    event_kind,
-    maps_of,
-    register_request,
-    start_daemon,
-    wait_until,
-)
+from kvd.testing.processes import KVD_ROOT
+from kvd.testing.daemons import start_daemon
+from kvd.testing.fakes import blackhole
+from kvd.testing.sessions import Engine, KvShape, event_kind, register_request
+from kvd.testing.shm import ShmSegment, maps_of
+from kvd.testing.util import wait_until
 
 SHAPE = KvShape(num_layers=2, num_blocks=32, block_len=4096)
 DETACH_GRACE_S = 1.0
@@ -42,8 +38,9 @@ FAST_S = 0.010  # an engine-facing client call must return faster than this
 # engine (so it owns a remote agent and a prepped list), then waits to be killed.
 CHILD = r"""
 import sys, time
-sys.path.insert(0, sys.argv[1])
-from kvdtest import Daemon, Engine, KvShape, event_kind
+sys.path.insert(0, sys.argv[1])  # this tree's kvd, not an installed one
+from kvd.testing.daemons import Daemon
+from kvd.testing.sessions import Engine, KvShape, event_kind
 shape = KvShape(num_layers=2, num_blocks=32, block_len=4096)
 d = Daemon(proc=None, socket=sys.argv[2], log_path="", peer_address=sys.argv[3])
 e = Engine(d, "doomed", shape, open_session=sys.argv[4] == "session")
@@ -85,7 +82,7 @@ def test_dead_engine_is_unregistered_after_the_grace_and_its_memory_unmapped(dae
     if session:
         survivor.hold("read-by-doomed", [5, 6], lease_s=600)
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, os.path.dirname(__file__), daemon.socket, daemon.peer_address,
+        [sys.executable, "-c", CHILD, str(KVD_ROOT), daemon.socket, daemon.peer_address,
          "session" if session else "none"],
         stdout=subprocess.PIPE, text=True)
     seg_name = child.stdout.readline().strip()
@@ -165,9 +162,8 @@ def test_engine_client_survives_a_restart_of_its_daemon(tmp_path, survivor):
         return events.pop(rid)
 
     def load(rid, local, remote, **kw):
-        kw.setdefault("remote_engine_id", src.engine_id)
-        kw.setdefault("remote_address", src.peer_address)
-        call(client.load, rid, local, remote_block_ids=remote, remote_request_id=rid, **kw)
+        call(client.load, LoadRequest(rid, [list(local)], kw.pop("remote_engine_id", src.engine_id),
+                                      kw.pop("remote_address", src.peer_address), [list(remote)], rid, **kw))
 
     try:
         client.register(register_request("client-d", SHAPE, seg), timeout_s=30)

@@ -3,7 +3,7 @@
 A lease holds a prefill request's blocks for the decode side's READ. It ends
 when the reader's notification arrives, when the decode side aborts (a bare
 notification), when the prefill engine releases it, or when it expires. These
-tests drive two real daemons from the test process (``kvdtest.Engine``); both
+tests drive two real daemons from the test process (``kvd.testing.sessions.Engine``); both
 daemons serve the whole module.
 
 Scenarios 3 and 4 of issue 4; deadlines are in docs/RELIABILITY.md.
@@ -16,7 +16,9 @@ import time
 
 import pytest
 
-from kvdtest import Engine, KvShape, event_kind, start_daemon, wait_until
+from kvd.testing.daemons import start_daemon
+from kvd.testing.sessions import Engine, KvShape, event_kind
+from kvd.testing.util import wait_until
 
 SHAPE = KvShape(num_layers=2, num_blocks=256, block_len=1024)
 SLACK_S = 3.0  # scheduling slack on a busy 2-core machine (leases are polled every 5 ms; typically 10-50 ms late)

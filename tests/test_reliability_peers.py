@@ -1,7 +1,7 @@
 """Reliability (issue 4): the prefill side dies or restarts, handshakes fail.
 
 Real daemons (subprocesses), real NIXL/UCX, real shared memory; the test
-process plays the engines over raw session streams (``kvdtest.Engine``).
+process plays the engines over raw session streams (``kvd.testing.sessions.Engine``).
 One decode daemon and one healthy prefill daemon serve the whole module; the
 prefill daemons that are killed or restarted are started by their test.
 
@@ -18,20 +18,11 @@ import pytest
 
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
-from kvdtest import (
-    Engine,
-    FakePeer,
-    KvShape,
-    ShmSegment,
-    blackhole,
-    closed_address,
-    event_kind,
-    fill,
-    free_port,
-    rss_kib,
-    start_daemon,
-    wait_until,
-)
+from kvd.testing.daemons import start_daemon
+from kvd.testing.fakes import FakePeer, blackhole, closed_address
+from kvd.testing.sessions import Engine, KvShape, event_kind
+from kvd.testing.shm import ShmSegment
+from kvd.testing.util import free_port, rss_kib, wait_until
 
 SMALL = KvShape(num_layers=2, num_blocks=32, block_len=4096)
 # 512 MiB: 8 regions x 256 blocks x 256 KiB. About 0.4-0.8 s over UCX's
@@ -85,7 +76,7 @@ def big_segments():
     """Two 512 MiB segments (prefill, decode) shared by the kill tests: first
     touching 512 MiB of shm costs seconds on a busy 2-core VM, so only once."""
     src, dst = ShmSegment(BIG.size), ShmSegment(BIG.size)
-    fill(src, 1)
+    src.fill(1)
     dst.array[:] = 0
     yield src, dst
     src.close()

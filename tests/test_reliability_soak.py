@@ -21,7 +21,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvdtest import Engine, KvShape, closed_address, event_kind, leak_counts, rss_kib, start_daemon, wait_until
+from kvd.testing.daemons import leak_counts, start_daemon
+from kvd.testing.fakes import closed_address
+from kvd.testing.sessions import Engine, KvShape, event_kind
+from kvd.testing.util import rss_kib, wait_until
 
 N = int(os.environ.get("KVD_SOAK_REQUESTS", "500"))
 SEED = int(os.environ.get("KVD_SOAK_SEED", "10"))

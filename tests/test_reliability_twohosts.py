@@ -20,7 +20,10 @@ import time
 
 import pytest
 
-from kvdtest import Engine, KvShape, NetnsPair, event_kind, start_daemon, wait_until
+from kvd.testing.daemons import start_daemon
+from kvd.testing.netns import NetnsPair
+from kvd.testing.sessions import Engine, KvShape, event_kind
+from kvd.testing.util import wait_until
 
 # 128 MiB. Over TCP on a veth here about 0.5 s; the test caps the veth at
 # 1 Gbit/s where tc can (1-2 s) so that the cut lands mid-transfer.

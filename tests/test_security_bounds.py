@@ -12,11 +12,13 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from kvd.core.state import MAX_AGENT_METADATA
+from kvd.core.limits import BOUNDS
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
-from kvdtest import Engine, FakePeer, KvShape, ShmSegment, event_kind, register_request
-from sectest import start_daemons, stop_daemons
+from kvd.testing.fakes import FakePeer
+from kvd.testing.sessions import Engine, KvShape, event_kind, register_request
+from kvd.testing.shm import ShmSegment
+from kvd.testing.daemons import start_daemons, stop_daemons
 
 SHAPE = KvShape(num_layers=2, num_blocks=16, block_len=2048)
 
@@ -131,7 +133,7 @@ def test_agent_metadata_past_the_cap_is_refused(daemons, engines):
     d, dst = daemons[1], engines[1]
 
     def respond(request, context):
-        return pb.HandshakeResponse(agent_metadata=b"m" * (MAX_AGENT_METADATA + 1), agent_name="huge",
+        return pb.HandshakeResponse(agent_metadata=b"m" * (BOUNDS.max_agent_metadata + 1), agent_name="huge",
                                     layout=SHAPE.layout(), regions=SHAPE.regions(),
                                     region_base_addrs=[4096] * SHAPE.num_regions, compat_hash=request.compat_hash,
                                     daemon_version="x", protocol_version=1, tp_size=1)

@@ -15,12 +15,15 @@ import grpc
 import pytest
 
 from kvd.core import events as ev
-from kvd.daemon.engine_service import EngineService, Owner
+from kvd.core.state import Owner
+from kvd.daemon.engine_service import EngineService
 from kvd.daemon.local_gate import Caller
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
-from kvdtest import Engine, KvShape, ShmSegment, start_daemon
-from sectest import NOBODY, OUTSIDER, OtherEngine, call_as, reachable_dir
+from kvd.testing.daemons import start_daemon
+from kvd.testing.sessions import Engine, KvShape
+from kvd.testing.shm import ShmSegment
+from kvd.testing.security import NOBODY, OUTSIDER, OtherEngine, call_as, reachable_dir
 
 ADMITTED = 65533  # admitted by allowed_uids; reaches the socket through group nogroup
 SHAPE = KvShape(num_layers=1, num_blocks=8, block_len=1024)
@@ -108,7 +111,7 @@ def test_a_symbolic_link_in_dev_shm_is_never_followed(daemon):
     link = f"/dev/shm/kvdtest_{os.getpid()}_link"
     os.symlink(seg.path, link)
     try:
-        from kvdtest import register_request
+        from kvd.testing.sessions import register_request
 
         req = register_request("linked", SHAPE, seg)
         req.segments[0].name = "/" + os.path.basename(link)
@@ -167,11 +170,10 @@ ME = Caller(os.getpid(), 1000, 1000, frozenset({1000}))  # a live pid: the owner
 
 
 def _service(require: bool = False, sessions: int = 1, owner=ME):
-    w = types.SimpleNamespace(sessions=sessions, label="engine=e rank=0")
+    w = types.SimpleNamespace(session=types.SimpleNamespace(streams=sessions), label="engine=e rank=0",
+                              owner=Owner(owner.uid, owner.gid, owner.gids, owner.pid, "t" * 32))
     node = types.SimpleNamespace(workers={("e", 0): w})
-    s = EngineService(node, require_session_token=require)
-    s.owners[("e", 0)] = Owner(w, owner, "t" * 32)
-    return s
+    return EngineService(node, require_session_token=require)
 
 
 def _allowed(s: EngineService, caller: Caller, token: str = "", takeover: bool = False) -> bool:

@@ -11,29 +11,8 @@ import torch
 
 from kvd.shim import cpu_share
 from kvd.shim.cpu_share import CpuShareError, plan_regions, share_kv_caches, share_storage
+from kvd.testing.cpu_caches import F32, NB, D, H, N, vllm032_cpu_caches
 from kvd.v1 import kvd_pb2 as pb
-
-NB, H, N, D = 6, 2, 32, 32  # blocks, KV heads, tokens per block, head_dim
-F32 = 4
-
-
-def vllm032_cpu_caches(num_layers: int = 2, layout: str = "LBHNC") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-layer views the way vLLM 0.32 allocates them on CPU: one int8
-    backing buffer, each layer a [B, H, N, 2*D] float32 view with a layer and a
-    block stride (vllm/v1/kv_cache_interface.py:create_kv_cache_views)."""
-    page = H * N * 2 * D * F32
-    buf = torch.zeros(num_layers * NB * page, dtype=torch.int8)
-    if layout == "LBHNC":       # layer-compact: layer stride = NB pages
-        layer_stride, block_stride = NB * page, page
-    else:                       # BLHNC, block-outermost: block stride = L pages
-        layer_stride, block_stride = page, num_layers * page
-    caches = {}
-    for layer in range(num_layers):
-        v = torch.as_strided(buf, (NB, H, N, 2 * D * F32), (block_stride, N * 2 * D * F32, 2 * D * F32, 1),
-                             storage_offset=layer * layer_stride)
-        caches[f"model.layers.{layer}.self_attn.attn"] = v.view(torch.float32)
-    return buf, caches
-
 
 def test_vllm_032_cpu_layout_is_one_region_per_layer_in_one_segment():
     _, caches = vllm032_cpu_caches(3)
@@ -246,7 +225,7 @@ def test_release_names_unlinks_and_torch_frees_the_storage_later_without_abortin
 # ---------------------------------------------------------------- staging
 def test_staging_mirror_copies_blocks_per_group_both_ways(tmp_path):
     from kvd.shim.staging import StagingError, StagingMirror
-    from kvdtest import ShmSegment
+    from kvd.testing.shm import ShmSegment
 
     buf, caches = vllm032_cpu_caches(2)
     shared = cpu_share.describe_kv_caches(caches, num_blocks=NB, block_size=N, kv_layout="HND", num_kv_heads=H,

@@ -39,7 +39,7 @@ from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 from kvd.shim.vllm import KvdConnector  # noqa: E402
 from kvd.v1 import kvd_pb2 as pb  # noqa: E402
-from kvdtest import start_daemon  # noqa: E402
+from kvd.testing.daemons import start_daemon  # noqa: E402
 from test_shim_vllm import (  # noqa: E402,F401  (model_dir is a fixture)
     BS,
     HEAD,

@@ -70,7 +70,7 @@ from kvd.shim.vllm import (  # noqa: E402
     split_host_port,
 )
 from kvd.v1 import kvd_pb2 as pb  # noqa: E402
-from test_client_fakedaemon import PEER_ADDRESS, FakeDaemon  # noqa: E402
+from kvd.testing.fakes import PEER_ADDRESS, FakeDaemon
 
 BS, NB, LAYERS, KV_HEADS, HEAD = 32, 64, ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"), 2, 32
 EOS = 2047

@@ -15,8 +15,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvd.daemon.sdnotify import Notifier
 from kvd.v1 import kvd_pb2 as pb
-from kvdtest import KvShape, Session, ShmSegment, register_request, start_daemon
-from test_ops import free_port
+from kvd.testing.daemons import start_daemon
+from kvd.testing.sessions import KvShape, Session, one_group, register_request
+from kvd.testing.shm import ShmSegment
+from kvd.testing.util import free_port
 
 SHAPE = KvShape(num_layers=1, num_blocks=8, block_len=1024)
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
@@ -42,8 +44,8 @@ def _shm_names() -> set[str]:
 
 def _load(request_id: str, hole: socket.socket) -> dict:
     return dict(load=pb.LoadBlocks(
-        request_id=request_id, local_block_ids=[1, 2], remote_engine_id="prefill-e",
-        remote_address=f"127.0.0.1:{hole.getsockname()[1]}", remote_block_ids=[1, 2],
+        request_id=request_id, local_groups=one_group([1, 2]), remote_engine_id="prefill-e",
+        remote_address=f"127.0.0.1:{hole.getsockname()[1]}", remote_groups=one_group([1, 2]),
         remote_request_id="remote-" + request_id, remote_tp_size=1))
 
 

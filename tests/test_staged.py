@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from kvd.v1 import kvd_pb2 as pb
-from kvdtest import KvShape, Session, ShmSegment
+from kvd.testing.sessions import KvShape, Session, one_group
+from kvd.testing.shm import ShmSegment
 
 SHAPE = KvShape(num_layers=2, num_blocks=32, block_len=2048)
 REMOTE_IDS = [30, 4, 17, 9, 0]
@@ -63,9 +64,9 @@ def transfer(pair, p_path, d_path, tag):
             maps.append(pm)
             copy_blocks(memoryview(p_cache), memoryview(pm), REMOTE_IDS)  # before the hold
         sp, sd = Session(prefill, f"P{tag}"), Session(decode, f"D{tag}")
-        sp.send(hold=pb.HoldBlocks(request_id="r", block_ids=REMOTE_IDS, lease_s=60))
-        sd.send(load=pb.LoadBlocks(request_id="d", local_block_ids=LOCAL_IDS, remote_engine_id=f"P{tag}",
-                                   remote_address=prefill.peer_address, remote_block_ids=REMOTE_IDS,
+        sp.send(hold=pb.HoldBlocks(request_id="r", groups=one_group(REMOTE_IDS), lease_s=60))
+        sd.send(load=pb.LoadBlocks(request_id="d", local_groups=one_group(LOCAL_IDS), remote_engine_id=f"P{tag}",
+                                   remote_address=prefill.peer_address, remote_groups=one_group(REMOTE_IDS),
                                    remote_request_id="r", remote_tp_size=1, timeout_s=20))
         ev = sd.next(30)
         assert ev.WhichOneof("event") == "recv_done", ev
@@ -93,7 +94,7 @@ def transfer(pair, p_path, d_path, tag):
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    from kvdtest import start_daemon
+    from kvd.testing.daemons import start_daemon
 
     d = str(tmp_path_factory.mktemp("staged"))
     a, b = start_daemon(d, "prefill"), start_daemon(d, "decode")

@@ -46,7 +46,7 @@ def test_a_lease_over_an_hour_is_a_config_error(tmp_path):
 
 # ------------------------------------------------- bad TLS files (exit 64)
 def _tls_case(tmp_path, which):
-    from sectest import Pki
+    from kvd.testing.security import Pki
 
     pki = Pki(str(tmp_path / "pki"))
     cert, key = pki.issue("node-a")
@@ -110,7 +110,7 @@ def test_a_failed_metrics_bind_leaves_nothing_behind_and_no_tracebacks(tmp_path,
 
 
 def test_a_live_daemons_socket_survives_a_second_daemons_failed_startup(tmp_path):
-    from kvdtest import start_daemon
+    from kvd.testing.daemons import start_daemon
 
     d = start_daemon(str(tmp_path), "k")
     try:
@@ -126,7 +126,7 @@ def test_a_live_daemons_socket_survives_a_second_daemons_failed_startup(tmp_path
 
 # ------------------------------- wildcard peer_listen: a routable advertisement
 def test_a_wildcard_peer_listen_advertises_a_routable_address_with_a_warning(tmp_path):
-    from kvdtest import start_daemon
+    from kvd.testing.daemons import start_daemon
     from kvd.daemon.server import routable_address
 
     token = tmp_path / "token"
@@ -177,7 +177,7 @@ def test_routable_address_falls_back_to_the_host_name_then_loopback(monkeypatch)
 
 
 def test_an_explicit_peer_advertise_is_used_without_a_warning(tmp_path):
-    from kvdtest import start_daemon
+    from kvd.testing.daemons import start_daemon
 
     token = tmp_path / "token"
     token.write_text("0123456789abcdef0123456789abcdef\n")
@@ -192,7 +192,10 @@ def test_an_explicit_peer_advertise_is_used_without_a_warning(tmp_path):
 
 # ------------------------------------------------------------- SIGHUP
 def test_sighup_is_logged_and_the_daemon_keeps_serving_also_after_a_registration(tmp_path):
-    from kvdtest import KvShape, ShmSegment, register_request, start_daemon, wait_until
+    from kvd.testing.daemons import start_daemon
+    from kvd.testing.sessions import KvShape, register_request
+    from kvd.testing.shm import ShmSegment
+    from kvd.testing.util import wait_until
 
     d = start_daemon(str(tmp_path), "k")
     shape = KvShape(num_layers=1, num_blocks=8, block_len=1024)

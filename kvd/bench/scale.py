@@ -24,6 +24,7 @@ import time
 import numpy as np
 
 from kvd.bench import common as cm
+from kvd.testing.shm import ShmSegment, cleanup_segments
 from kvd.bench.kvd_pair import KvdPair
 from kvd.bench.nixl_pair import NixlPair, PeerConfig
 
@@ -45,7 +46,7 @@ def run(block_len: int = BLOCK_LEN, blocks=BLOCKS, concurrency=CONCURRENCY, peer
     t_start = time.time()
     nblocks = max(blocks)
     seg = nblocks * block_len * 2
-    src, dst = cm.Segment(seg), cm.Segment(seg)
+    src, dst = ShmSegment(seg, cm.SHM_PREFIX), ShmSegment(seg, cm.SHM_PREFIX)
     src.fill(7)
     wd = cm.workdir()
     kvd = nixl = None
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     ints = lambda s, d: [int(x) for x in s.split(",")] if s else d  # noqa: E731
     q = args.quick
-    cm.cleanup_segments()
+    cleanup_segments(cm.SHM_PREFIX)
     info = cm.machine()
     print(f"machine: {info['cpu']}, {info['cores']} cores, load average {info['loadavg_start']}", flush=True)
     res = run(BLOCK_LEN, ints(args.blocks, [1, 100] if q else BLOCKS), ints(args.concurrency, [1, 8] if q else CONCURRENCY),

@@ -34,6 +34,7 @@ import tempfile
 import time
 
 from kvd.bench import common as cm
+from kvd.testing.daemons import start_daemon
 
 BS = 32                 # tokens per block
 KV_HEADS, HEAD = 2, 32  # the demo's tiny model
@@ -329,8 +330,10 @@ def run(inflight=(0, 16, 256), steps: int = 400, warmup: int = 30, forward_s: fl
     t_start = time.time()
     wd = cm.workdir()
     model_dir = tiny_model_dir()
-    p = cm.start_daemon(wd, "P", *daemon_args, env=daemon_env, entry=entry_for(daemon_set))
-    d = cm.start_daemon(wd, "D", *daemon_args, env=daemon_env, entry=entry_for(daemon_set))
+    p = start_daemon(wd, "P", *daemon_args, env=daemon_env, entry=entry_for(daemon_set), timeout=60.0,
+                     log_level="warning")
+    d = start_daemon(wd, "D", *daemon_args, env=daemon_env, entry=entry_for(daemon_set), timeout=60.0,
+                     log_level="warning")
     out = dict(benchmark="engine_step", forward_ms=forward_s * 1e3, steps=steps, warmup=warmup,
                daemon_set=list(daemon_set),
                prompt_tokens=PROMPT, block_size=BS, cases=[])

@@ -19,6 +19,7 @@ import sys
 import time
 
 from kvd.bench import common as cm
+from kvd.testing.shm import ShmSegment
 from kvd.bench.dataplane import parse_sizes
 from kvd.bench.kvd_pair import KvdPair
 
@@ -72,7 +73,7 @@ def run(block_len: int, blocks: int, reps: int, poll_s: float = 50e-6, daemon_se
     daemon's timestamps. Returns a dict: per-leg median and p90 (ms), and how
     many READs were done when the post returned."""
     size = max(4 * cm.MiB, 4 * block_len * blocks)
-    src, dst = cm.Segment(size), cm.Segment(size)
+    src, dst = ShmSegment(size, cm.SHM_PREFIX), ShmSegment(size, cm.SHM_PREFIX)
     src.fill(3)
     wd = cm.workdir()
     entry = ("-m", "kvd.bench.daemon_entry", "--trace", *[x for a in daemon_set for x in ("--set", a)])

@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from kvd.bench import common as cm
+from kvd.testing.shm import ShmSegment, cleanup_segments
 from kvd.bench.dataplane import entry_for, parse_sizes
 from kvd.bench.kvd_pair import KvdPair
 from kvd.bench.nixl_pair import NixlPair, PeerConfig
@@ -48,7 +49,7 @@ def run(variants: list[str], cells: list[tuple[int, int, int]], reps: int, poll_
     per-request latencies (engine view) and batch walls."""
     specs = [parse_variant(v) for v in variants]
     seg = max(bl * n * 2 for bl, n, _ in cells)
-    src, dst = cm.Segment(seg), cm.Segment(seg)
+    src, dst = ShmSegment(seg, cm.SHM_PREFIX), ShmSegment(seg, cm.SHM_PREFIX)
     src.fill(11)
     wd = cm.workdir()
     pairs: dict[str, KvdPair] = {}
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     for c in args.cells.split(","):
         bl, n, conc = c.split(":")
         cells.append((parse_sizes(bl)[0], int(n), int(conc)))
-    cm.cleanup_segments()
+    cleanup_segments(cm.SHM_PREFIX)
     res = run(args.variant, cells, args.reps, args.poll_us * 1e-6, progress=not args.no_progress)
     res["machine"] = cm.machine()
     res["command"] = " ".join(["python -m kvd.bench.variants", *(argv if argv is not None else sys.argv[1:])])

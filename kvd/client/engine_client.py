@@ -43,8 +43,10 @@ Guarantees to the caller (what ``kvd.shim.vllm`` relies on):
   copies the held blocks into them (``kvd.shim.staging``).
 - ``AbortLoad`` has no answer event: it only tells the prefill side to free a
   request's blocks now (a decode request aborted before its load).
-- Block ids may come per KV-cache group (vLLM's hybrid memory allocator):
-  ``load(..., local_groups=, remote_groups=)`` and ``hold(..., groups=)``.
+- Block ids are always per KV-cache group (``kvd.requests.BlockGroups``;
+  one group without vLLM's hybrid memory allocator): ``load(LoadRequest)``,
+  ``hold(request_id, groups)``. A ``load_failed`` names them flat, as vLLM's
+  load errors do.
 
 Addresses: ``unix:///abs/path.sock``, ``unix:relative.sock``, a bare path
 (``/run/kvd/engine.sock``, made ``unix://``), or ``host:port``.
@@ -59,11 +61,13 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 
 import grpc
 
+from kvd import tracepoints as tp
+from kvd.client.commands import Command, Hold, Lazy, Load, Stream, abort_cmd, hold_ended, load_failed, release_cmd
+from kvd.requests import BlockGroups, LoadRequest
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
@@ -96,102 +100,6 @@ def normalize_address(address: str) -> str:
     if address.startswith(("/", ".")) or address.endswith(".sock"):
         return "unix://" + os.path.abspath(address)
     return address
-
-
-class _Load:
-    """A load accepted by ``EngineClient.load``: its arguments, as given, and
-    its state here. The ``SessionCommand`` is built by the stream's sender
-    thread (:meth:`build`), off the engine's step (issue 5: building the
-    protobuf cost the engine ~15 us per load)."""
-
-    __slots__ = ("request_id", "local_block_ids", "deadline", "stream", "args", "_cmd")
-
-    def __init__(self, request_id: str, local_block_ids: list[int], deadline: float, args: tuple):
-        self.request_id = request_id
-        self.local_block_ids = local_block_ids
-        self.deadline = deadline        # time.monotonic(); fail locally after it
-        self.stream: int | None = None  # epoch of the stream it was sent on
-        self.args = args                # (remote_engine_id, remote_address, remote_block_ids,
-        #                                  remote_request_id, remote_tp_size, timeout_s, local_groups, remote_groups)
-        self._cmd: pb.SessionCommand | None = None
-
-    def build(self) -> pb.SessionCommand:
-        """The ``SessionCommand`` of this load (built once)."""
-        if self._cmd is None:
-            (engine, address, remote_ids, remote_rid, tp_size, timeout_s, local_groups,
-             remote_groups) = self.args
-            load = pb.LoadBlocks(request_id=self.request_id, remote_engine_id=engine, remote_address=address,
-                                 remote_request_id=remote_rid, remote_tp_size=tp_size, timeout_s=timeout_s)
-            if local_groups is not None:
-                load.local_groups.extend(pb.BlockIds(ids=g) for g in local_groups)
-                load.remote_groups.extend(pb.BlockIds(ids=g) for g in remote_groups)
-            else:
-                load.local_block_ids.extend(self.local_block_ids)
-                load.remote_block_ids.extend(remote_ids)
-            self._cmd = pb.SessionCommand(load=load)
-        return self._cmd
-
-
-class _Hold:
-    """A hold accepted by ``EngineClient.hold`` (its command built by the sender thread, as a load's)."""
-
-    __slots__ = ("request_id", "lease_deadline", "deadline", "stream", "lease_s", "block_ids", "groups", "_cmd")
-
-    def __init__(self, request_id: str, lease_s: float, block_ids: list[int], groups: list[list[int]] | None,
-                 lease_deadline: float, deadline: float):
-        self.request_id = request_id
-        self.lease_s = lease_s
-        self.block_ids = block_ids
-        self.groups = groups
-        self.lease_deadline = lease_deadline  # monotonic end of the lease (or of the local wait for a default one)
-        self.deadline = deadline              # lease_deadline + grace: end it locally
-        self.stream: int | None = None
-        self._cmd: pb.SessionCommand | None = None
-
-    def hold_message(self, lease_s: float) -> pb.HoldBlocks:
-        """A ``HoldBlocks`` of these blocks (flat or per group) with ``lease_s``."""
-        hold = pb.HoldBlocks(request_id=self.request_id, lease_s=lease_s)
-        if self.groups is not None:
-            hold.groups.extend(pb.BlockIds(ids=g) for g in self.groups)
-        else:
-            hold.block_ids.extend(self.block_ids)
-        return hold
-
-    def build(self) -> pb.SessionCommand:
-        """The ``SessionCommand`` of this hold (built once)."""
-        if self._cmd is None:
-            self._cmd = pb.SessionCommand(hold=self.hold_message(self.lease_s))
-        return self._cmd
-
-
-class _Lazy:
-    """A command without local state (release, abort): built by the sender thread."""
-
-    __slots__ = ("make", "args")
-
-    def __init__(self, make, *args):
-        self.make = make
-        self.args = args
-
-    def build(self) -> pb.SessionCommand:
-        """The ``SessionCommand``."""
-        return self.make(*self.args)
-
-
-def _release_cmd(request_id: str) -> pb.SessionCommand:
-    return pb.SessionCommand(release=pb.ReleaseBlocks(request_id=request_id))
-
-
-def _abort_cmd(request_id: str, engine: str, address: str, remote_rid: str, tp_size: int) -> pb.SessionCommand:
-    return pb.SessionCommand(abort_load=pb.AbortLoad(
-        request_id=request_id, remote_engine_id=engine, remote_address=address,
-        remote_request_id=remote_rid, remote_tp_size=tp_size))
-
-
-@dataclass
-class _Stream:
-    epoch: int
-    done: bool = False
 
 
 class EngineClient:
@@ -257,10 +165,10 @@ class EngineClient:
 
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._outq: deque[_Load | _Hold | _Lazy] = deque()  # built into commands by the sender thread
+        self._outq: deque[Command] = deque()  # built into commands by the sender thread
         self._events: deque[pb.SessionEvent] = deque()
-        self._loads: dict[str, _Load] = {}
-        self._holds: dict[str, _Hold] = {}
+        self._loads: dict[str, Load] = {}
+        self._holds: dict[str, Hold] = {}
         self._deadlines: list[tuple[float, str, str]] = []  # (deadline, "load"|"hold", request id)
 
         self._register_request: pb.RegisterEngineRequest | None = None
@@ -375,89 +283,59 @@ class EngineClient:
         """True while a session stream is open."""
         return self._opened.is_set()
 
-    def load(
-        self,
-        request_id: str,
-        local_block_ids: Sequence[int],
-        *,
-        remote_engine_id: str,
-        remote_address: str,
-        remote_block_ids: Sequence[int],
-        remote_request_id: str,
-        remote_tp_size: int = 1,
-        timeout_s: float = 0.0,
-        local_groups: Sequence[Sequence[int]] | None = None,
-        remote_groups: Sequence[Sequence[int]] | None = None,
-    ) -> None:
-        """Queues a ``LoadBlocks`` (decode side; non-blocking, no I/O).
+    def load(self, req: LoadRequest) -> None:
+        """Queues a ``LoadBlocks`` of ``req`` (decode side; non-blocking, no I/O).
 
         Its answer comes out of :meth:`drain_events` as ``recv_done`` or
-        ``load_failed``. A second load with the same ``request_id`` while the
-        first is pending is ignored (logged).
-
-        ``local_groups`` / ``remote_groups``: block ids per KV-cache group
-        (vLLM HMA); when given they replace the flat lists on the wire, and a
-        local failure names every local block of every group.
+        ``load_failed`` (naming every local block of every group). A second
+        load with the same ``request_id`` while the first is pending is
+        ignored (logged). ``req`` is kept as given (frozen; its lists must not
+        change after the call) and sent again on no other stream: a load lost
+        with its stream fails. ``req.timeout_s`` 0: ``default_load_timeout_s``.
         """
-        if timeout_s <= 0:
-            timeout_s = self.default_load_timeout_s
-        if (local_groups is None) != (remote_groups is None):
-            raise ValueError("local_groups and remote_groups go together")
-        # Only copies here (the caller may reuse its lists); the protobuf is
-        # built by the sender thread (_Load.build), off the engine's step.
-        if local_groups is not None:
-            local_groups = [list(g) for g in local_groups]
-            remote_groups = [list(g) for g in remote_groups]
-            local_block_ids = [b for g in local_groups for b in g]
-            remote_block_ids = ()
-        else:
-            local_block_ids = list(local_block_ids)
-            remote_block_ids = list(remote_block_ids)
+        timeout_s = req.timeout_s if req.timeout_s > 0 else self.default_load_timeout_s
         wait_s = (timeout_s if timeout_s > 0 else self.unknown_timeout_wait_s) + self.load_grace_s
+        rid = req.request_id
         with self._cond:
-            if request_id in self._loads:
-                log.warning("kvd %s request=%s: load already pending; duplicate ignored", self.label, request_id)
+            if rid in self._loads:
+                log.warning("kvd %s request=%s: load already pending; duplicate ignored", self.label, rid)
                 return
             if self._closing.is_set():
-                self._events.append(_load_failed(request_id, local_block_ids, "kvd client closed"))
+                self._events.append(load_failed(rid, req.local_block_ids, "kvd client closed"))
                 return
             deadline = time.monotonic() + wait_s
-            ld = _Load(request_id, local_block_ids, deadline,
-                       (remote_engine_id, remote_address, remote_block_ids, remote_request_id, remote_tp_size,
-                        timeout_s, local_groups, remote_groups))
-            self._loads[request_id] = ld
-            heapq.heappush(self._deadlines, (deadline, "load", request_id))
+            ld = Load(req, timeout_s, deadline)
+            self._loads[rid] = ld
+            heapq.heappush(self._deadlines, (deadline, "load", rid))
             self._enqueue(ld)
 
-    def hold(self, request_id: str, block_ids: Sequence[int], *, lease_s: float = 0.0,
-             groups: Sequence[Sequence[int]] | None = None) -> None:
-        """Queues a ``HoldBlocks`` (prefill side; non-blocking, no I/O).
+    def hold(self, request_id: str, groups: BlockGroups, *, lease_s: float = 0.0) -> None:
+        """Queues a ``HoldBlocks`` of ``groups`` (block ids per KV-cache group;
+        prefill side; non-blocking, no I/O).
 
-        Its end comes out of :meth:`drain_events` as ``send_done``.
-        ``groups``: block ids per KV-cache group (vLLM HMA); replaces
-        ``block_ids`` on the wire when given.
+        Its end comes out of :meth:`drain_events` as ``send_done``. The
+        groups are copied once (they are sent again after a reconnect).
+        ``lease_s`` 0: ``default_lease_s``, else the daemon's default.
         """
         lease = lease_s if lease_s > 0 else max(self.default_lease_s, 0.0)
-        # Copies only; the protobuf is built by the sender thread (_Hold.build).
-        flat = [] if groups is not None else list(block_ids)
-        groups = [list(g) for g in groups] if groups is not None else None
+        groups = [list(g) for g in groups]  # the protobuf is built by the sender thread (Hold.build)
         wait_s = lease if lease > 0 else self.unknown_lease_wait_s
         with self._cond:
             if request_id in self._holds:
                 log.warning("kvd %s request=%s: already held; duplicate ignored", self.label, request_id)
                 return
             if self._closing.is_set():
-                self._events.append(pb.SessionEvent(send_done=pb.SendDone(request_id=request_id, expired=True)))
+                self._events.append(hold_ended(request_id, expired=True))
                 return
             now = time.monotonic()
-            h = _Hold(request_id, lease, flat, groups, now + wait_s, now + wait_s + self.hold_grace_s)
+            h = Hold(request_id, lease, groups, now + wait_s, now + wait_s + self.hold_grace_s)
             self._holds[request_id] = h
             heapq.heappush(self._deadlines, (h.deadline, "hold", request_id))
             self._enqueue(h)
 
     def release(self, request_id: str) -> None:
         """Queues a ``ReleaseBlocks`` (end a lease now; non-blocking, no I/O)."""
-        cmd = _Lazy(_release_cmd, request_id)
+        cmd = Lazy(release_cmd, request_id)
         with self._cond:
             self._enqueue(cmd)
 
@@ -479,7 +357,7 @@ class EngineClient:
         :meth:`close`; a command queued while the stream is down goes out on
         the next one.
         """
-        cmd = _Lazy(_abort_cmd, request_id, remote_engine_id, remote_address, remote_request_id, remote_tp_size)
+        cmd = Lazy(abort_cmd, request_id, remote_engine_id, remote_address, remote_request_id, remote_tp_size)
         with self._cond:
             if self._closing.is_set():
                 log.info("kvd %s request=%s: client closed; abort of %s not sent (the remote lease bounds it)",
@@ -487,7 +365,7 @@ class EngineClient:
                 return
             self._enqueue(cmd)
 
-    def _enqueue(self, cmd: _Load | _Hold | _Lazy) -> None:
+    def _enqueue(self, cmd: Command) -> None:
         """Under the lock: queues ``cmd`` for the stream. Wakes the stream's
         sender only when the queue was empty (it waits only then): a step that
         queues many commands wakes that thread once, not once per command
@@ -538,7 +416,7 @@ class EngineClient:
             self._thread.join(timeout_s)
         with self._lock:
             for rid, ld in list(self._loads.items()):
-                self._events.append(_load_failed(rid, ld.local_block_ids, "kvd client closed"))
+                self._events.append(load_failed(rid, ld.req.local_block_ids, "kvd client closed"))
             self._loads.clear()
         self._channel.close()
 
@@ -552,27 +430,27 @@ class EngineClient:
                     if ld is not None and ld.deadline == deadline:
                         del self._loads[rid]
                         log.warning("kvd %s request=%s: load had no answer from the daemon in time; failed locally", self.label, rid)
-                        self._events.append(_load_failed(rid, ld.local_block_ids, "timeout: no answer from kvd"))
+                        self._events.append(load_failed(rid, ld.req.local_block_ids, "timeout: no answer from kvd"))
                 else:
                     h = self._holds.get(rid)
                     if h is not None and h.deadline == deadline:
                         del self._holds[rid]
                         log.warning("kvd %s request=%s: lease over with no answer from the daemon; ended locally", self.label, rid)
-                        self._events.append(pb.SessionEvent(send_done=pb.SendDone(request_id=rid, expired=True)))
+                        self._events.append(hold_ended(rid, expired=True))
 
-    def _mark_sent(self, cmd: _Load | _Hold | _Lazy, stream: _Stream) -> bool:
+    def _mark_sent(self, cmd: Command, stream: Stream) -> bool:
         """Under the lock: records ``cmd`` as sent on ``stream``; False = drop it."""
-        if type(cmd) is _Load:
-            if self._loads.get(cmd.request_id) is not cmd:
+        if type(cmd) is Load:
+            if self._loads.get(cmd.req.request_id) is not cmd:
                 return False  # ended locally (deadline) before it went out
             cmd.stream = stream.epoch
-        elif type(cmd) is _Hold:
+        elif type(cmd) is Hold:
             if self._holds.get(cmd.request_id) is not cmd:
                 return False
             cmd.stream = stream.epoch
         return True
 
-    def _commands(self, stream: _Stream) -> Iterator[pb.SessionCommand]:
+    def _commands(self, stream: Stream) -> Iterator[pb.SessionCommand]:
         """The request iterator of one stream (consumed by a gRPC thread)."""
         yield pb.SessionCommand(open=pb.OpenSession(worker=self._worker))
         with self._lock:
@@ -583,7 +461,6 @@ class EngineClient:
                     h.stream = stream.epoch
                     # the remaining lease; a daemon-default lease starts again
                     lease = h.lease_deadline - now if h.lease_s > 0 else 0.0
-                    # the same blocks (flat or per group)
                     again.append(pb.SessionCommand(hold=h.hold_message(lease)))
         if again:
             log.info("kvd %s: holding %d leases again after reconnecting", self.label, len(again))
@@ -610,17 +487,18 @@ class EngineClient:
                     continue
                 yield built
 
-    def _refuse(self, cmd: _Load | _Hold | _Lazy, error: Exception) -> None:
+    def _refuse(self, cmd: Command, error: Exception) -> None:
         """A command whose arguments cannot be put on the wire: its load fails
         (its hold ends) locally, as a daemon rejection would end it."""
         log.error("kvd %s: command not sent: %s: %s", self.label, type(error).__name__, error)
         with self._lock:
-            if type(cmd) is _Load and self._loads.get(cmd.request_id) is cmd:
-                del self._loads[cmd.request_id]
-                self._events.append(_load_failed(cmd.request_id, cmd.local_block_ids, f"invalid command: {error}"))
-            elif type(cmd) is _Hold and self._holds.get(cmd.request_id) is cmd:
+            if type(cmd) is Load and self._loads.get(cmd.req.request_id) is cmd:
+                del self._loads[cmd.req.request_id]
+                self._events.append(load_failed(cmd.req.request_id, cmd.req.local_block_ids,
+                                                f"invalid command: {error}"))
+            elif type(cmd) is Hold and self._holds.get(cmd.request_id) is cmd:
                 del self._holds[cmd.request_id]
-                self._events.append(pb.SessionEvent(send_done=pb.SendDone(request_id=cmd.request_id, released=True)))
+                self._events.append(hold_ended(cmd.request_id, released=True))
 
     def _on_event(self, event: pb.SessionEvent) -> None:
         kind = event.WhichOneof("event")
@@ -634,6 +512,7 @@ class EngineClient:
         with self._lock:
             if kind == "recv_done" or kind == "load_failed":
                 rid = getattr(event, kind).request_id
+                tp.hit(tp.RECEIVED, rid, kind)
                 if self._loads.pop(rid, None) is not None:
                     self._events.append(event)
                 else:
@@ -648,16 +527,16 @@ class EngineClient:
                 rid, reason = event.rejected.request_id, event.rejected.reason
                 ld = self._loads.pop(rid, None)
                 if ld is not None:
-                    self._events.append(_load_failed(rid, ld.local_block_ids, f"rejected: {reason}"))
+                    self._events.append(load_failed(rid, ld.req.local_block_ids, f"rejected: {reason}"))
                 elif self._holds.pop(rid, None) is not None:
                     log.warning("kvd %s request=%s: hold rejected: %s; blocks released", self.label, rid, reason)
-                    self._events.append(pb.SessionEvent(send_done=pb.SendDone(request_id=rid, released=True)))
+                    self._events.append(hold_ended(rid, released=True))
                 else:
                     log.warning("kvd %s request=%s: command rejected: %s", self.label, rid or "-", reason)
             else:
                 log.warning("kvd %s: unknown session event %r ignored", self.label, kind)
 
-    def _fail_stream(self, stream: _Stream, reason: str) -> None:
+    def _fail_stream(self, stream: Stream, reason: str) -> None:
         """The stream ended: fail every load that went out on it."""
         with self._cond:
             stream.done = True
@@ -665,7 +544,7 @@ class EngineClient:
             lost = [rid for rid, ld in self._loads.items() if ld.stream == stream.epoch]
             for rid in lost:
                 ld = self._loads.pop(rid)
-                self._events.append(_load_failed(rid, ld.local_block_ids, f"kvd session lost: {reason}"))
+                self._events.append(load_failed(rid, ld.req.local_block_ids, f"kvd session lost: {reason}"))
         if lost:
             log.warning("kvd %s: session lost (%s): loads in flight reported failed: %s", self.label, reason,
                         ", ".join(lost))
@@ -708,7 +587,7 @@ class EngineClient:
                     continue
             first = False
             epoch += 1
-            stream = _Stream(epoch)
+            stream = Stream(epoch)
             reason = "the daemon ended the session"
             try:
                 call = self._stub.Session(self._commands(stream), wait_for_ready=False)
@@ -732,9 +611,3 @@ class EngineClient:
             log.warning("kvd %s: session lost (%s); reconnecting in about %.2f s", self.label, reason, backoff)
             self._closing.wait(backoff * (0.5 + random.random() / 2))
             backoff = min(backoff * 2, self.backoff_max_s)
-
-
-def _load_failed(request_id: str, local_block_ids: Sequence[int], reason: str) -> pb.SessionEvent:
-    return pb.SessionEvent(load_failed=pb.LoadFailed(
-        request_id=request_id, failed_block_ids=list(local_block_ids), reason=reason,
-    ))

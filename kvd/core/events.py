@@ -7,6 +7,7 @@ The gRPC adapter (``kvd.daemon.engine_service``) turns each into a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 
 class CoreError(Exception):
@@ -58,13 +59,34 @@ class RecvDone:
     post_duration_s: float = 0.0  # inside NIXL's post calls (NIXL telemetry's postDuration); 0 in push mode
 
 
+class FailureKind(str, Enum):
+    """Why a load failed, in a small fixed set: the ``reason`` label of
+    ``kvd_transfer_failures_total`` and the first word of a ``LoadFailed``'s
+    message."""
+
+    INVALID = "invalid"            # the load's own input (block ids, TP size, too many blocks)
+    BUSY = "busy"                  # too many loads in flight for the worker
+    INCOMPATIBLE = "incompatible"  # no transfer plan joins the two layouts / TP sizes
+    HANDSHAKE = "handshake"        # the peer could not be reached, refused, or is incompatible
+    NIXL = "nixl"                  # NIXL refused to post a transfer
+    TRANSFER = "transfer"          # a posted READ ended in error
+    TIMEOUT = "timeout"            # the load's deadline passed
+    PUSH = "push"                  # push mode: the source's WRITE failed
+    DRAINING = "draining"          # the daemon is shutting down (a load that came in meanwhile)
+    SHUTDOWN = "shutdown"          # the daemon stopped before the load finished
+    UNREGISTERED = "unregistered"  # the local worker was unregistered meanwhile
+    INTERNAL = "internal"          # a bug, or peer input no check foresaw
+
+
 @dataclass
 class LoadFailed:
-    """Decode side: the load failed; ``failed_block_ids`` are local block ids."""
+    """Decode side: the load failed; ``failed_block_ids`` are local block ids
+    (flat, as vLLM's ``get_block_ids_with_load_errors`` takes them)."""
 
     request_id: str
     failed_block_ids: list[int] = field(default_factory=list)
     reason: str = ""
+    kind: FailureKind = FailureKind.INTERNAL
 
 
 @dataclass

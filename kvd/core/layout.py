@@ -15,12 +15,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-KV_LAYOUTS = ("NHD", "HND", "MLA")
+from kvd.core.limits import BOUNDS
 
-# Bounds on what a worker may register (docs/DESIGN.md: messages are bounded).
-MAX_REGIONS = 4096
-MAX_BLOCKS = 1 << 24
-MAX_DESCRIPTORS = 1 << 26
+KV_LAYOUTS = ("NHD", "HND", "MLA")
 
 
 class LayoutError(ValueError):
@@ -83,8 +80,8 @@ def validate(layout: Layout, regions: list[Region], segment_sizes: list[int]) ->
     Raises:
         LayoutError: the first violation, naming the region and the numbers.
     """
-    if not 0 < layout.num_blocks <= MAX_BLOCKS:
-        raise LayoutError(f"num_blocks must be in 1..{MAX_BLOCKS} (got {layout.num_blocks})")
+    if not 0 < layout.num_blocks <= BOUNDS.max_blocks:
+        raise LayoutError(f"num_blocks must be in 1..{BOUNDS.max_blocks} (got {layout.num_blocks})")
     if layout.block_size <= 0:
         raise LayoutError(f"block_size must be > 0 tokens (got {layout.block_size})")
     if layout.kv_layout not in KV_LAYOUTS:
@@ -94,10 +91,11 @@ def validate(layout: Layout, regions: list[Region], segment_sizes: list[int]) ->
                           f"got {layout.kv_layout} with head_dim {layout.head_dim}")
     if layout.k_dim_major and not layout.kv_in_block:
         raise LayoutError("k_dim_major describes a kv_in_block layout; kv_in_block is not set")
-    if not 0 < len(regions) <= MAX_REGIONS:
-        raise LayoutError(f"a worker registers 1..{MAX_REGIONS} regions (got {len(regions)})")
-    if len(regions) * layout.num_blocks > MAX_DESCRIPTORS:
-        raise LayoutError(f"{len(regions)} regions x {layout.num_blocks} blocks exceeds {MAX_DESCRIPTORS} descriptors")
+    if not 0 < len(regions) <= BOUNDS.max_regions:
+        raise LayoutError(f"a worker registers 1..{BOUNDS.max_regions} regions (got {len(regions)})")
+    if len(regions) * layout.num_blocks > BOUNDS.max_descriptors:
+        raise LayoutError(f"{len(regions)} regions x {layout.num_blocks} blocks exceeds {BOUNDS.max_descriptors} "
+                          f"descriptors")
     if layout.block_lens and tuple(r.block_len for r in regions) != tuple(layout.block_lens):
         raise LayoutError("layout.block_lens does not match the regions' block_len")
     groups = sorted({r.group for r in regions})

@@ -5,7 +5,7 @@ has notified (a READ's notification, or an abort's bare notification), when
 the engine releases it, or when it expires; each end is reported once.
 
 Notifications name the request and how many reader ranks will notify this
-source rank for it (``"<request id>:<expected>"``, heterogeneous TP, issue 3);
+source rank for it (``"<request id>:<expected>"``, heterogeneous TP);
 a notification that arrives before its hold is kept for ``early_s`` seconds.
 """
 
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+
+from kvd.core.limits import BOUNDS
 
 
 def notif_message(request_id: str, expected: int) -> bytes:
@@ -22,15 +24,15 @@ def notif_message(request_id: str, expected: int) -> bytes:
 
 def parse_notif(msg: bytes) -> tuple[str, int] | None:
     """``(request id, expected notifications)``, or None if malformed (or
-    longer than any request id a daemon accepts: 1 KiB and the count)."""
-    if len(msg) > 1024 + 8:
+    longer than any request id a daemon accepts and its count)."""
+    if len(msg) > BOUNDS.max_notif_bytes:
         return None
     try:
         text = msg.decode()
     except UnicodeDecodeError:
         return None
     rid, sep, n = text.rpartition(":")
-    if not sep or not rid or not n.isdigit() or not 0 < int(n) <= 1 << 16:
+    if not sep or not rid or not n.isdigit() or not 0 < int(n) <= BOUNDS.max_notifications:
         return None
     return rid, int(n)
 
@@ -40,7 +42,7 @@ class Lease:
     """Blocks of one request held until ``deadline`` (monotonic seconds)."""
 
     request_id: str
-    block_ids: list[int]
+    groups: list[list[int]]  # block ids per KV-cache group
     deadline: float
     notified: int = 0
 
@@ -63,7 +65,7 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self.leases)
 
-    def hold(self, request_id: str, block_ids: list[int], deadline: float, now: float) -> str:
+    def hold(self, request_id: str, groups: list[list[int]], deadline: float, now: float) -> str:
         """Starts or renews a lease.
 
         Returns ``"held"``, ``"renewed"``, ``"done"`` (every reader notified
@@ -71,12 +73,12 @@ class LeaseTable:
         """
         old = self.leases.get(request_id)
         if old is not None:
-            if old.block_ids != list(block_ids):
+            if old.groups != list(groups):
                 return "conflict"
             old.deadline = max(old.deadline, deadline)
             heapq.heappush(self._heap, (old.deadline, request_id))
             return "renewed"
-        lease = Lease(request_id, list(block_ids), deadline)
+        lease = Lease(request_id, list(groups), deadline)
         early = self.early.pop(request_id, None)
         if early is not None:
             lease.notified = early[0]

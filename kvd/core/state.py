@@ -1,7 +1,9 @@
-"""The daemon core's state: engine workers, remote workers, loads in flight,
-limits and counters (plain data, no behaviour beyond small accessors).
+"""The daemon core's state: engine workers (in named parts), remote workers,
+loads in flight and counters (plain data, no behaviour beyond small
+accessors).
 
-``kvd.core.node.Node`` owns and changes these; the gRPC services read them.
+The core's rooms (``kvd.core.registry``, ``peers``, ``holds``, ``pull``,
+``push``, ``progress``) change these; the gRPC services read them.
 Units: seconds, bytes, counts.
 """
 
@@ -13,69 +15,26 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvd.core import plan
+from kvd.core.events import FailureKind
 from kvd.core.layout import Layout, Region
 from kvd.core.leases import LeaseTable
 from kvd.core.memory import ShmMapping
 from kvd.core.nixl_agent import NixlAgent
+from kvd.requests import BlockGroups, LoadRequest
 
 WorkerKey = tuple[str, int]  # (engine_id, tp_rank)
-BlockGroups = list[list[int]]  # block ids per KV-cache group (one group without HMA)
-
-
-def flat(groups: BlockGroups) -> list[int]:
-    """Every block id of every group, in order (what vLLM's load errors name)."""
-    return [b for g in groups for b in g]
 PeerKey = tuple[str, str, int]  # (address, engine_id, tp_rank)
 
-# After posting a transfer that is not done at once, the NIXL thread checks it
-# again for this long before leaving it to the progress loop (seconds).
-POST_SPIN_S = 0.0002
-
-# Events kept for a worker whose session is not attached (reconnecting shim).
-MAX_PENDING_EVENTS = 100_000
-
 # The daemon-to-daemon protocol; a peer with another number is refused at
-# handshake (issue 4, scenario 7). Bump on any incompatible PeerService or
-# notification change.
+# handshake. Bump on any incompatible PeerService or notification change.
 PROTOCOL_VERSION = 1
-
-# Agent metadata accepted from a peer (NIXL metadata is a few KiB per backend).
-MAX_AGENT_METADATA = 1 << 20
-
-# Largest TP size accepted from an engine or a peer. Transfer plans loop over
-# ranks (issue 4, scenario 9: a LoadBlocks with remote_tp_size 2**32-1 made
-# the daemon build a list of ranks until the OOM killer stopped it).
-MAX_TP_SIZE = 256
-
-# A handshake that failed as unreachable is tried once more only when the
-# request's deadline leaves at least this long (seconds).
-RETRY_HANDSHAKE_MIN_S = 2.0
-
-
-@dataclass
-class Limits:
-    """Per-daemon bounds and deadlines (units: seconds, counts)."""
-
-    lease_s: float = 120.0           # default lease of held prefill blocks (vLLM's abort timeout is 480 s)
-    max_lease_s: float = 3600.0
-    transfer_timeout_s: float = 30.0  # a load not done by then fails
-    max_transfer_timeout_s: float = 3600.0  # cap on a request's own timeout_s (inf or 1e300 would never end)
-    handshake_timeout_s: float = 10.0
-    early_notif_s: float = 120.0     # a notification that beat its hold is kept this long
-    max_blocks_per_request: int = 1 << 20
-    max_inflight_per_worker: int = 4096
-    max_leases_per_worker: int = 65536  # prefill leases held at once (each keeps its request id and blocks)
-    poll_busy_s: float = 0.0005      # poll interval while transfers are in flight
-    poll_idle_s: float = 0.005       # otherwise (notifications, leases)
-    transfer_mode: str = "pull"      # "pull": decode READs; "push": prefill WRITEs on request
-    detach_grace_s: float = 10.0     # an engine whose session is gone this long is unregistered
 
 
 @dataclass(frozen=True)
 class Segment:
     """An engine memory segment as the shim describes it: a POSIX shm object
     (``kind`` ``"shm"``, by ``name``) or a CUDA allocation (``kind``
-    ``"cuda_ipc"``: its IPC ``handle`` on ``device``; issue 7)."""
+    ``"cuda_ipc"``: its IPC ``handle`` on ``device``)."""
 
     name: str
     size: int
@@ -97,21 +56,21 @@ class HandshakeResult:
     daemon_version: str
     protocol_version: int = PROTOCOL_VERSION
     tp_size: int = 1
-    memory: str = "DRAM"  # NIXL memory type of its regions in the peer's agent (issue 7)
+    memory: str = "DRAM"  # NIXL memory type of its regions in the peer's agent
     device: int = 0       # VRAM: the device id they are registered with there
 
 
 @dataclass
 class PushOrder:
-    """What a reader asks a source rank to WRITE (push mode, issue 3 capability 7)."""
+    """What a reader asks a source rank to WRITE (push mode)."""
 
     engine_id: str               # source (prefill) engine
     tp_rank: int                 # source rank
     request_id: str              # source request id (its lease)
-    source_block_ids: "BlockGroups"
+    source_groups: BlockGroups   # source block ids per KV-cache group, held for request_id
     reader: HandshakeResult      # the reader worker, described as at handshake
     reader_tp_rank: int
-    reader_block_ids: "BlockGroups"
+    reader_groups: BlockGroups   # reader block ids per KV-cache group (as a LoadRequest's local_groups)
     expected_notifications: int
     timeout_s: float
 
@@ -167,7 +126,7 @@ class RemoteWorker:
     region_bytes: tuple[int, ...] = ()  # bytes one source block contributes, per region
     region_groups: tuple[int, ...] = ()  # KV-cache group of each region
 
-    def transfer_bytes(self, source_groups: "BlockGroups") -> int:
+    def transfer_bytes(self, source_groups: BlockGroups) -> int:
         """Bytes a transfer of ``source_groups`` moves from this source."""
         return sum(b * len(source_groups[g]) for b, g in zip(self.region_bytes, self.region_groups))
 
@@ -180,22 +139,103 @@ class RemoteWorker:
 class InflightLoad:
     """A load's posted READs (one per source rank); released as each ends."""
 
-    request_id: str
-    local_block_ids: list[int]
+    req: LoadRequest
     parts: list[tuple[object, RemoteWorker]]  # (xfer handle, source) still PROC
     started: float
     deadline: float
     nbytes: int
     ndescs: int
-    peer: str
-    retry: tuple | None = None  # load() args, when a retry after re-handshake is allowed
+    retry: bool = False  # a failed READ may be tried again after a new handshake
     post_s: float = 0.0  # seconds inside NIXL's post calls, summed over the parts
     failed: str = ""
+    kind: FailureKind | None = None  # set with ``failed``
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Who registered a worker, as the engine socket's gate saw the caller
+    (kernel credentials: ``SO_PEERCRED``), and the session token it got.
+
+    ``pid`` 0: the daemon cannot see the caller's PID namespace (another
+    container); ``gids``: its primary and supplementary groups."""
+
+    uid: int
+    gid: int
+    gids: frozenset[int]
+    pid: int
+    token: str
+
+    def __str__(self) -> str:  # as kvd.daemon.local_gate.Caller prints itself
+        return f"pid {self.pid or '?'} uid {self.uid} gid {self.gid}"
+
+
+@dataclass
+class WorkerMemory:
+    """A worker's memory as its NIXL agent has it registered.
+
+    ``local_dlist``: the prepped list of every block of every region (the
+    identity plan's side); ``bases``: each region's first byte (address).
+    ``memory``: ``"DRAM"`` (POSIX shm) or ``"VRAM"`` (CUDA IPC) on ``device``.
+    ``staged``: the staged data path (shm mirrors in ``staging``, or VRAM
+    mirrors in ``mappings``); ``segment_names``: the engine's own shm names
+    (direct path), made by process ``owner_pid`` (0: unknown).
+    """
+
+    agent: NixlAgent
+    mappings: list[ShmMapping]
+    registrations: list
+    bases: list[int]
+    local_dlist: object
+    registered_bytes: int
+    memory: str = "DRAM"
+    device: int = 0
+    staged: bool = False
+    staging: list[str] = field(default_factory=list)  # shm names we made (unlinked at the end)
+    segment_names: list[str] = field(default_factory=list)
+    owner_pid: int = 0
+    data_path_reason: str = ""  # why this path (kvd.core.path_select), for logs
+
+
+@dataclass
+class WorkerPairs:
+    """The remote agents one worker's agent knows (``kvd.core.peers``).
+
+    ``remotes``: sources it READs from, by peer key; ``readers``: push-mode
+    readers it WRITEs to, by agent name; ``retired``: dropped ones whose NIXL
+    state is freed once no load uses them; ``agents``: peer agents loaded
+    into its agent, name -> (metadata, users).
+    """
+
+    remotes: dict[PeerKey, RemoteWorker] = field(default_factory=dict)
+    readers: dict[str, RemoteWorker] = field(default_factory=dict)
+    retired: list[RemoteWorker] = field(default_factory=list)
+    agents: dict[str, tuple[bytes, int]] = field(default_factory=dict)
+
+    def all(self) -> list[RemoteWorker]:
+        """Every remote with prepped lists (sources, retired, readers)."""
+        return [*self.remotes.values(), *self.retired, *self.readers.values()]
+
+
+@dataclass
+class WorkerSession:
+    """A worker's session streams and the events queued for them.
+
+    ``epoch``: +1 each time the last stream ends; loads of an older epoch are
+    dropped. ``detached_since``: monotonic time the last stream ended (None
+    while one is open)."""
+
+    events: deque = field(default_factory=deque)
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    streams: int = 0
+    detached_since: float | None = None
+    epoch: int = 0
 
 
 @dataclass
 class Worker:
-    """One registered engine worker (engine id + TP rank) and all it owns."""
+    """One registered engine worker (engine id + TP rank) and all it owns,
+    in named parts: its memory, its owner, its pairs with remote agents, its
+    leases (prefill side), its loads (decode side) and its session."""
 
     key: WorkerKey
     tp_size: int
@@ -203,35 +243,22 @@ class Worker:
     layout: Layout
     regions: list[Region]
     compat_hash: str
-    agent: NixlAgent
-    mappings: list[ShmMapping]
-    registrations: list
-    bases: list[int]
-    local_dlist: object
-    registered_bytes: int
-    staging: list[str] = field(default_factory=list)  # staged data path: shm names we made (unlinked at the end)
-    owner_pid: int = 0  # the engine process that made segment_names (0: unknown)
-    segment_names: list[str] = field(default_factory=list)  # the engine's own shm names (direct path)
-    memory: str = "DRAM"  # NIXL memory type of its segments: "DRAM" (POSIX shm) or "VRAM" (CUDA IPC, issue 7)
-    device: int = 0       # VRAM: the GPU its segments are on (the descriptors' device id)
-    staged: bool = False  # staged data path (shm mirrors in ``staging``, or VRAM mirrors in ``mappings``)
-    data_path_reason: str = ""  # why this path (kvd.core.path_select), for logs
+    mem: WorkerMemory
+    owner: Owner | None = None  # None: registered without the gate (tests)
     leases: LeaseTable = field(default_factory=LeaseTable)
-    remotes: dict[PeerKey, RemoteWorker] = field(default_factory=dict)
-    retired: list[RemoteWorker] = field(default_factory=list)  # dropped; NIXL state freed once unused
-    readers: dict[str, RemoteWorker] = field(default_factory=dict)  # push mode: readers we WRITE to, by agent
-    agents: dict[str, tuple[bytes, int]] = field(default_factory=dict)  # peer agents loaded: name -> (metadata, users)
-    inflight: dict[str, InflightLoad] = field(default_factory=dict)
-    pending_loads: set[str] = field(default_factory=set)
-    events: deque = field(default_factory=deque)
-    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
-    sessions: int = 0
-    detached_since: float | None = None
-    epoch: int = 0  # +1 each time the last session ends: loads of an older epoch are dropped
+    pairs: WorkerPairs = field(default_factory=WorkerPairs)
+    inflight: dict[str, InflightLoad] = field(default_factory=dict)  # READs posted
+    pending_loads: set[str] = field(default_factory=set)  # loads before their posts (handshaking)
+    session: WorkerSession = field(default_factory=WorkerSession)
 
     @property
     def label(self) -> str:
         return f"engine={self.key[0]} rank={self.key[1]}"
+
+    @property
+    def agent(self) -> NixlAgent:
+        """The worker's own NIXL agent."""
+        return self.mem.agent
 
     def geometry(self) -> plan.Geometry:
         return plan.Geometry(self.key[1], self.tp_size, self.layout, tuple(self.regions),

@@ -6,7 +6,8 @@ import grpc
 
 from kvd.core import events as ev
 from kvd.core.layout import Layout, Region
-from kvd.core.node import BlockGroups, HandshakeResult
+from kvd.core.state import HandshakeResult
+from kvd.requests import BlockGroups, LoadRequest
 from kvd.v1 import kvd_pb2 as pb
 
 _KV_LAYOUT_NAMES = {pb.KV_LAYOUT_NHD: "NHD", pb.KV_LAYOUT_HND: "HND", pb.KV_LAYOUT_MLA: "MLA"}
@@ -113,13 +114,23 @@ def handshake_from_pb(r: pb.HandshakeResponse) -> HandshakeResult:
     )
 
 
-def groups_from_pb(flat_ids, groups) -> BlockGroups:
-    """Per-group block ids (HMA ``groups`` when set, else the one flat list)."""
-    if len(groups):
-        return [list(g.ids) for g in groups]
-    return [list(flat_ids)]
+def groups_from_pb(groups) -> BlockGroups:
+    """Block ids per KV-cache group from repeated ``pb.BlockIds`` (one group
+    without HMA)."""
+    return [list(g.ids) for g in groups]
 
 
 def groups_to_pb(groups: BlockGroups) -> list:
     """Per-group block ids as ``pb.BlockIds`` messages, one per group."""
     return [pb.BlockIds(ids=g) for g in groups]
+
+
+def load_from_pb(m: pb.LoadBlocks) -> LoadRequest:
+    """A session's ``LoadBlocks`` as the core's :class:`~kvd.requests.LoadRequest`
+    (the inverse of what ``kvd.client`` builds from one)."""
+    return LoadRequest(
+        request_id=m.request_id, local_groups=groups_from_pb(m.local_groups),
+        remote_engine_id=m.remote_engine_id, remote_address=m.remote_address,
+        remote_groups=groups_from_pb(m.remote_groups), remote_request_id=m.remote_request_id,
+        remote_tp_size=m.remote_tp_size, timeout_s=m.timeout_s,
+    )

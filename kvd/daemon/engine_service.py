@@ -25,18 +25,17 @@ import hmac
 import logging
 import os
 import secrets
-from dataclasses import dataclass
 
 import grpc
 
 from kvd import __version__
-from kvd.config import MAX_ID_BYTES
+from kvd import tracepoints as tp
 from kvd.core import cuda_ipc
 from kvd.core import events as ev
-from kvd.core.memory import Access
+from kvd.core.limits import BOUNDS
 from kvd.core.node import Node
-from kvd.core.state import Segment, Worker, WorkerKey, flat
-from kvd.daemon.convert import event_to_pb, groups_from_pb, layout_from_pb, region_from_pb, status_of
+from kvd.core.state import Owner, Segment, Worker, WorkerKey
+from kvd.daemon.convert import event_to_pb, groups_from_pb, layout_from_pb, load_from_pb, region_from_pb, status_of
 from kvd.daemon.status import build_stats
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
@@ -44,24 +43,16 @@ from kvd.v1 import kvd_pb2_grpc as pb_grpc
 log = logging.getLogger("kvd.engine")
 
 
-@dataclass
-class Owner:
-    """Who registered a worker: the caller's credentials and the token it got."""
-
-    worker: Worker
-    caller: object          # kvd.daemon.local_gate.Caller
-    token: str
-
-
 def _staging_segments(worker: Worker) -> list[pb.Segment]:
-    """The mirrors of a staged worker, for the shim: shm names, or (VRAM,
-    issue 7) the CUDA IPC handles of the daemon's own allocations."""
-    if not worker.staged:
+    """The mirrors of a staged worker, for the shim: shm names, or (VRAM)
+    the CUDA IPC handles of the daemon's own allocations."""
+    mem = worker.mem
+    if not mem.staged:
         return []
-    if worker.memory == "VRAM":
+    if mem.memory == "VRAM":
         return [pb.Segment(kind=pb.MEMORY_KIND_CUDA_IPC, handle=m.handle, device=m.device, size=m.size)
-                for m in worker.mappings]
-    return [pb.Segment(kind=pb.MEMORY_KIND_SHM, name=n, size=m.size) for n, m in zip(worker.staging, worker.mappings)]
+                for m in mem.mappings]
+    return [pb.Segment(kind=pb.MEMORY_KIND_SHM, name=n, size=m.size) for n, m in zip(mem.staging, mem.mappings)]
 
 
 class EngineService(pb_grpc.EngineServiceServicer):
@@ -78,19 +69,16 @@ class EngineService(pb_grpc.EngineServiceServicer):
             the registration's token.
     """
 
-    def __init__(self, node: Node, on_event=None, backends: list[str] | None = None, callers=None,
+    def __init__(self, node: Node, backends: list[str] | None = None, callers=None,
                  require_session_token: bool = False):
         self.node = node
-        self.draining = False          # set by the server at SIGTERM: refuse new work
-        self.on_event = on_event or (lambda name, fields: None)  # metrics hook (Metrics.on_event)
         self.backends = list(backends or [])
         self.metrics_address = ""      # host:port of /metrics, for GetStats
         self.callers = callers or (lambda context: None)
         self.require_session_token = require_session_token
-        self.owners: dict[WorkerKey, Owner] = {}
 
     async def _refuse_while_draining(self, context) -> None:
-        if self.draining:
+        if self.node.draining:  # set by the server at SIGTERM
             await context.abort(grpc.StatusCode.UNAVAILABLE, "daemon is draining (shutting down)")
 
     async def _caller(self, context):
@@ -104,28 +92,28 @@ class EngineService(pb_grpc.EngineServiceServicer):
         """Raises ev.PermissionDenied unless ``caller`` may drive or drop worker ``key``
         (registered: the caller checked ``node.worker`` first)."""
         w = self.node.workers.get(key)
-        o = self.owners.get(key)
+        o = w.owner if w is not None else None
         label = f"engine {key[0]!r} rank {key[1]}"
-        if o is None or o.worker is not w:
+        if o is None:
             raise ev.PermissionDenied(f"{what}: {label} has no known owner")
-        same_user = caller.uid in (o.caller.uid, 0)
+        same_user = caller.uid in (o.uid, 0)
         if token:
             if same_user and hmac.compare_digest(token.encode("utf-8", "surrogateescape"), o.token.encode()):
                 return
             raise ev.PermissionDenied(f"{what}: session_token does not match the registration of {label} "
-                                      f"(registered by {o.caller}; caller {caller})")
-        same_process = caller.pid == o.caller.pid  # both 0: the daemon sees neither pid (another container)
+                                      f"(registered by {o}; caller {caller})")
+        same_process = caller.pid == o.pid  # both 0: the daemon sees neither pid (another container)
         if same_user and same_process and not self.require_session_token:
             return
         if takeover and same_user:
-            gone = o.caller.pid > 0 and not os.path.exists(f"/proc/{o.caller.pid}")
-            if gone or not w.sessions:
-                log.info("%s: %s by %s, replacing the registration of %s (%s)", w.label, what, caller, o.caller,
+            gone = o.pid > 0 and not os.path.exists(f"/proc/{o.pid}")
+            if gone or not w.session.streams:
+                log.info("%s: %s by %s, replacing the registration of %s (%s)", w.label, what, caller, o,
                          "process gone" if gone else "no session")
                 return
         why = ("session_token required (require_session_token)" if self.require_session_token and same_process
                else "send the session_token its RegisterEngine returned")
-        raise ev.PermissionDenied(f"{what}: {label} was registered by another process ({o.caller}; caller "
+        raise ev.PermissionDenied(f"{what}: {label} was registered by another process ({o}; caller "
                                   f"{caller}): {why}")
 
     async def RegisterEngine(self, request: pb.RegisterEngineRequest, context) -> pb.RegisterEngineResponse:
@@ -146,7 +134,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
         staged = request.data_path == pb.DATA_PATH_STAGED or (
             request.data_path == pb.DATA_PATH_AUTO and any(not s.name for s in request.segments))
         if request.data_path == pb.DATA_PATH_AUTO and any(s.kind == pb.MEMORY_KIND_CUDA_IPC for s in request.segments):
-            staged = None  # GPU memory: the core chooses (kvd.core.path_select, issue 7)
+            staged = None  # GPU memory: the core chooses (kvd.core.path_select)
         segments = []
         for i, s in enumerate(request.segments):
             if s.kind == pb.MEMORY_KIND_CUDA_IPC:
@@ -157,26 +145,24 @@ class EngineService(pb_grpc.EngineServiceServicer):
                                     f"segment {i}: only MEMORY_KIND_SHM and MEMORY_KIND_CUDA_IPC are supported by "
                                     f"this daemon (or data_path STAGED)")
             segments.append(Segment(s.name, s.size))
+        token = secrets.token_hex(16)
+        owner = Owner(caller.uid, caller.gid, frozenset(caller.gids), caller.pid, token)
         try:
             worker = await self.node.register(
                 w.engine_id, w.tp_rank, w.tp_size,
                 layout_from_pb(request.layout), segments,
                 [region_from_pb(r) for r in request.regions],
                 model=request.model, compat_extra=request.compat_extra, staged=staged,
-                owner_pid=request.owner_pid, access=Access(caller.uid, caller.gids),
+                owner_pid=request.owner_pid, owner=owner,
             )
         except ev.CoreError as e:
             await context.abort(status_of(e), str(e))
-        for key in [k for k, o in self.owners.items() if self.node.workers.get(k) is not o.worker]:
-            del self.owners[key]  # dropped meanwhile (unregistered, or its session gone too long)
-        token = secrets.token_hex(16)
-        self.owners[worker.key] = Owner(worker, caller, token)
         log.info("%s registered by %s", worker.label, caller)
         return pb.RegisterEngineResponse(
             session_token=token,
             agent_name=worker.agent.name, peer_address=self.node.peer_address,
-            compat_hash=worker.compat_hash, registered_bytes=worker.registered_bytes,
-            data_path=pb.DATA_PATH_STAGED if worker.staged else pb.DATA_PATH_DIRECT,
+            compat_hash=worker.compat_hash, registered_bytes=worker.mem.registered_bytes,
+            data_path=pb.DATA_PATH_STAGED if worker.mem.staged else pb.DATA_PATH_DIRECT,
             staging_segments=_staging_segments(worker),
         )
 
@@ -198,23 +184,23 @@ class EngineService(pb_grpc.EngineServiceServicer):
             n = await self.node.unregister(key)
         except ev.CoreError as e:
             await context.abort(status_of(e), str(e))
-        self.owners.pop(key, None)
         return pb.UnregisterEngineResponse(released_leases=n)
 
     async def GetStats(self, request, context) -> pb.StatsResponse:
         """This daemon's ``StatsResponse`` (workers, leases, transfers, peer and
         metrics addresses, draining flag; ``build_stats``). Never aborts; read by
         ``kvd status`` and by the shim for the peer address."""
-        return build_stats(self.node, draining=self.draining, backends=self.backends,
+        return build_stats(self.node, draining=self.node.draining, backends=self.backends,
                            metrics_address=self.metrics_address)
 
     async def Session(self, request_iterator, context):
         """One worker's command/event stream; the first command must be ``open``."""
         it = request_iterator.__aiter__()
         try:
-            first = await asyncio.wait_for(it.__anext__(), timeout=30.0)
+            first = await asyncio.wait_for(it.__anext__(), timeout=BOUNDS.open_session_timeout_s)
         except (StopAsyncIteration, asyncio.TimeoutError):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session: no OpenSession within 30 s")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"session: no OpenSession within {BOUNDS.open_session_timeout_s:g} s")
         if first.WhichOneof("command") != "open":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session: the first command must be OpenSession")
         await self._refuse_while_draining(context)
@@ -230,13 +216,16 @@ class EngineService(pb_grpc.EngineServiceServicer):
         yield pb.SessionEvent(opened=pb.SessionOpened(agent_name=w.agent.name, daemon_version=__version__))
         reader = asyncio.get_running_loop().create_task(self._read_commands(w, it))
         try:
+            events, wakeup = w.session.events, w.session.wakeup
             while True:
-                while w.events:
-                    yield event_to_pb(w.events.popleft())
+                while events:
+                    e = events.popleft()
+                    tp.hit(tp.EVENT, e.request_id)
+                    yield event_to_pb(e)
                 if reader.done():
                     break
-                w.wakeup.clear()
-                waiter = asyncio.ensure_future(w.wakeup.wait())
+                wakeup.clear()
+                waiter = asyncio.ensure_future(wakeup.wait())
                 await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
                 waiter.cancel()
         finally:
@@ -244,42 +233,31 @@ class EngineService(pb_grpc.EngineServiceServicer):
             self.node.detach(w)
             log.info("session closed: %s", w.label)
 
-    async def _read_commands(self, w, it) -> None:
+    async def _read_commands(self, w: Worker, it) -> None:
+        """Runs the session's commands on ``w``; a bad one is rejected (an
+        event), never a broken stream."""
         node = self.node
+        limit = BOUNDS.max_id_bytes
         async for cmd in it:
             kind = cmd.WhichOneof("command")
             if w.key not in node.workers:
-                node._emit(w, ev.CommandRejected("", "worker unregistered"))
+                node.reject(w, "", "worker unregistered")
                 return
             c = getattr(cmd, kind) if kind else None
             long_id = next((f for f in ("request_id", "remote_request_id", "remote_engine_id", "remote_address")
-                            if len(getattr(c, f, "").encode()) > MAX_ID_BYTES), None)
+                            if len(getattr(c, f, "").encode()) > limit), None)
             if long_id:
-                node._emit(w, ev.CommandRejected(getattr(c, "request_id", ""),
-                                                 f"{kind}: {long_id} longer than {MAX_ID_BYTES} bytes"))
+                node.reject(w, getattr(c, "request_id", ""), f"{kind}: {long_id} longer than {limit} bytes")
                 continue
             if kind == "load":
-                c = cmd.load
-                if self.draining:
-                    reason = "draining: daemon is shutting down"
-                    log.warning("%s request=%s peer=%s: load failed: %s", w.label, c.request_id,
-                                c.remote_address, reason)
-                    self.on_event("failure", {"reason": reason})
-                    node._emit(w, ev.LoadFailed(c.request_id, flat(groups_from_pb(c.local_block_ids, c.local_groups)),
-                                                reason))
-                    continue
-                asyncio.get_running_loop().create_task(node.load(
-                    w, c.request_id, groups_from_pb(c.local_block_ids, c.local_groups), c.remote_engine_id,
-                    c.remote_address, groups_from_pb(c.remote_block_ids, c.remote_groups), c.remote_request_id,
-                    c.remote_tp_size, c.timeout_s,
-                ))
+                tp.hit(tp.SESSION_READ, c.request_id)
+                asyncio.get_running_loop().create_task(node.load(w, load_from_pb(c)))
             elif kind == "hold":
-                node.hold(w, cmd.hold.request_id, groups_from_pb(cmd.hold.block_ids, cmd.hold.groups), cmd.hold.lease_s)
+                node.hold(w, c.request_id, groups_from_pb(c.groups), c.lease_s)
             elif kind == "release":
-                node.release(w, cmd.release.request_id)
+                node.release(w, c.request_id)
             elif kind == "abort_load":
-                c = cmd.abort_load
                 asyncio.get_running_loop().create_task(node.abort_load(
                     w, c.request_id, c.remote_engine_id, c.remote_address, c.remote_request_id, c.remote_tp_size))
             else:
-                node._emit(w, ev.CommandRejected("", f"unexpected command {kind!r} on an open session"))
+                node.reject(w, "", f"unexpected command {kind!r} on an open session")

@@ -14,13 +14,26 @@ itself:
   directory (mode 0700) no other user can reach.
 - The relay connection to gRPC is bound to a fresh abstract socket name,
   which gRPC reports as the call's peer (``unix-abstract:kvd-...``): that name
-  maps each call back to its caller's credentials (``Gate.caller``). Names are
-  never reused; a call from a peer the gate does not know is refused. Only
-  the daemon's uid (and root) can reach the private socket at all.
-- ``AdmissionInterceptor`` refuses every RPC of a caller not admitted (or of
-  a connection the gate did not make) with PERMISSION_DENIED and a message,
-  before any handler runs. EngineService binds registrations and sessions to
-  the caller (``kvd/daemon/engine_service.py``).
+  maps each call back to its caller's credentials (``Gate.caller``). Names
+  are 128 random bits: every local user can read bound abstract names in
+  ``/proc/net/unix``, and a predictable next name could be bound first
+  (``EADDRINUSE``) to refuse every engine. A name that is taken anyway is
+  replaced by another (``RELAY_BIND_TRIES``). A call from a peer the gate does
+  not know is refused. Only the daemon's uid (and root) can reach the private
+  socket at all.
+- A caller that is not admitted never reaches gRPC: the gate answers its
+  first call itself with PERMISSION_DENIED and a message (``Refusal``: a
+  minimal HTTP/2 exchange, RFC 9113, in gRPC's trailers-only form), closes
+  the connection, logs it (throttled) and counts it
+  (``kvd_engine_connections_refused_total{reason}``).
+- Connections are capped overall (``max_engine_connections``) and per caller
+  uid (``max_engine_connections_per_uid``), admitted or not: one past a cap is
+  closed at once. A connection that sends no byte within
+  ``engine_idle_timeout_s`` is closed (a gRPC client sends its preface at once).
+- ``AdmissionInterceptor`` refuses every RPC of a connection the gate did not
+  make (or of a caller not admitted, should one get there) with
+  PERMISSION_DENIED, before any handler runs. EngineService binds
+  registrations and sessions to the caller (``kvd/daemon/engine_service.py``).
 
 The relay costs one extra copy of each message through the event loop (a few
 tens of microseconds on the session stream; bulk KV data never goes through
@@ -30,8 +43,9 @@ gRPC).
 from __future__ import annotations
 
 import asyncio
+import collections
+import errno
 import inspect
-import itertools
 import logging
 import os
 import secrets
@@ -44,11 +58,39 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvd import tracepoints as tp
+from kvd.daemon.h2_refusal import Refusal
+from kvd.daemon.logs import Throttled
+
 log = logging.getLogger("kvd.gate")
 
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13+
 SOCKET_MODE = 0o660
 _RELAY_BUFFER = 1 << 20  # bytes queued towards one side before reading from the other pauses
+RELAY_BIND_TRIES = 8     # relay names tried before one connection is given up (a taken name is replaced)
+REFUSED_REASONS = ("not_admitted", "max_engine_connections", "max_engine_connections_per_uid", "idle",
+                   "credentials", "relay")
+
+
+def relay_name() -> str:
+    """A fresh abstract socket name for one relay connection: 128 random bits,
+    which no other user can guess from the names it sees in /proc/net/unix."""
+    return f"kvd-{secrets.token_hex(16)}"
+
+
+def bind_relay(sock: socket.socket) -> str:
+    """Binds ``sock`` to a fresh abstract name (``relay_name``) and returns it;
+    a name someone else holds (``EADDRINUSE``) is replaced by another, up to
+    ``RELAY_BIND_TRIES`` times. Raises OSError when none could be bound."""
+    for _ in range(RELAY_BIND_TRIES):
+        name = relay_name()
+        try:
+            sock.bind("\0" + name)
+            return name
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise
+    raise OSError(errno.EADDRINUSE, f"no free relay name after {RELAY_BIND_TRIES} tries")
 
 
 @dataclass(frozen=True)
@@ -133,6 +175,7 @@ class _Relay(asyncio.Protocol):
             a.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
+        tp.hit(tp.GATE_IN if type(self) is _Front else tp.GATE_OUT)  # no request id: bytes of HTTP/2 frames
         if self.other is None:
             self.pending.append(data)
             self.transport.pause_reading()
@@ -162,45 +205,80 @@ class _Relay(asyncio.Protocol):
             self.other.transport.close()
 
 
+# ------------------------------------------------------------------ the gate
 class _Front(_Relay):
-    """The engine's side: identified, then paired with a connection to gRPC."""
+    """The engine's side: identified and counted, then paired with a
+    connection to gRPC (admitted) or answered by the gate itself (refused)."""
 
     def __init__(self, gate: "Gate"):
         super().__init__()
         self.gate = gate
+        self.uid: int | None = None   # set while counted among the gate's open connections
+        self.idle: asyncio.TimerHandle | None = None
+        self.refusal: Refusal | None = None
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         transport.pause_reading()
-        task = asyncio.get_running_loop().create_task(self.gate._connect(self, transport))
-        self.gate._tasks.add(task)
-        task.add_done_callback(self.gate._tasks.discard)
+        self.gate._accept(self, transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self.refusal is not None:
+            self.refusal.feed(data)
+            return
+        if self.idle is not None:  # the caller spoke
+            self.idle.cancel()
+            self.idle = None
+        super().data_received(data)
+
+    def connection_lost(self, exc) -> None:
+        if self.idle is not None:
+            self.idle.cancel()
+            self.idle = None
+        self.gate._closed(self)
+        super().connection_lost(exc)
 
 
 class Gate:
-    """The engine socket: accepts, identifies and relays local callers.
+    """The engine socket: accepts, identifies, bounds and relays local callers.
 
     Args:
         path: the engine socket (``engine_socket``).
         policy: who is admitted.
         group: gid of the socket file (None: the daemon's group).
+        max_connections: connections open at once, all callers
+            (``max_engine_connections``).
+        max_per_uid: connections open at once per caller uid
+            (``max_engine_connections_per_uid``).
+        idle_timeout_s: a connection that sends nothing this long (seconds)
+            is closed; so is a refused one not answered by then
+            (``engine_idle_timeout_s``).
 
     ``start()`` makes the private gRPC socket and returns its target
     (``unix:/.../grpc.sock``) for the server to bind; ``open()`` then binds the
-    public socket; ``close()`` removes both.
+    public socket; ``close()`` removes both (the socket only while it is the
+    one this gate bound). ``refused`` counts closed connections by reason
+    (``REFUSED_REASONS``); ``collect()`` gives them to Prometheus.
     """
 
-    def __init__(self, path: str, policy: Policy, group: int | None = None):
+    def __init__(self, path: str, policy: Policy, group: int | None = None, *, max_connections: int = 1024,
+                 max_per_uid: int = 128, idle_timeout_s: float = 10.0):
         self.path = path
         self.policy = policy
         self.group = group
+        self.max_connections = max_connections
+        self.max_per_uid = max_per_uid
+        self.idle_timeout_s = idle_timeout_s
         self.private_dir = ""
         self.internal = ""
         self._server: asyncio.AbstractServer | None = None
+        self._bound: tuple[int, int] | None = None   # (st_dev, st_ino) of the socket file we bound
         self._callers: dict[str, Caller] = {}
-        self._ids = itertools.count(1)
         self._tasks: set[asyncio.Task] = set()
-        self._tag = f"kvd-{os.getpid()}-{secrets.token_hex(6)}"
+        self.open_by_uid: collections.Counter[int] = collections.Counter()
+        self.open_connections = 0
+        self.refused = dict.fromkeys(REFUSED_REASONS, 0)
+        self._warn = {r: Throttled(log) for r in REFUSED_REASONS}
 
     def start(self) -> str:
         """Makes the private directory and returns the gRPC server's target."""
@@ -240,6 +318,8 @@ class Gate:
         try:
             s.bind(self.path)
             bound = True
+            st = os.lstat(self.path)
+            self._bound = (st.st_dev, st.st_ino)
             # Not connectable before listen(): set who may connect first.
             os.chmod(self.path, SOCKET_MODE)
             if self.group is not None:
@@ -254,7 +334,7 @@ class Gate:
         except BaseException:
             s.close()
             if bound:
-                os.unlink(self.path)
+                self._unlink_own()
             raise
         loop = asyncio.get_running_loop()
         self._server = await loop.create_unix_server(self._accepted, sock=s)
@@ -262,22 +342,68 @@ class Gate:
     def _accepted(self) -> _Relay:
         return _Front(self)
 
-    async def _connect(self, front: _Relay, transport) -> None:
+    def _refuse(self, reason: str, msg: str, *args) -> None:
+        self.refused[reason] += 1
+        self._warn[reason].warning(msg, *args)
+
+    def _accept(self, front: _Front, transport) -> None:
+        """Identifies and counts a new connection; refuses it, or starts its relay."""
         try:
-            sock = transport.get_extra_info("socket")
-            pid, uid, gid, gids = peer_credentials(sock)
+            pid, uid, gid, gids = peer_credentials(transport.get_extra_info("socket"))
         except OSError as e:
-            log.warning("engine socket: cannot read the caller's credentials (%s); connection closed", e)
+            self._refuse("credentials", "engine socket: cannot read the caller's credentials (%s); "
+                                        "connection closed", e)
             transport.close()
             return
         caller = Caller(pid, uid, gid, gids, self.policy.admits(uid, gids))
+        if self.open_connections >= self.max_connections:
+            self._refuse("max_engine_connections", "engine socket: %s refused: %d connections open "
+                         "(max_engine_connections); connection closed", caller, self.open_connections)
+            transport.close()
+            return
+        if self.open_by_uid[uid] >= self.max_per_uid:
+            self._refuse("max_engine_connections_per_uid", "engine socket: %s refused: uid %d has %d "
+                         "connections open (max_engine_connections_per_uid); connection closed",
+                         caller, uid, self.open_by_uid[uid])
+            transport.close()
+            return
+        front.uid = uid
+        self.open_by_uid[uid] += 1
+        self.open_connections += 1
+        loop = asyncio.get_running_loop()
+        front.idle = loop.call_later(self.idle_timeout_s, self._idle, front, transport, caller)
         if not caller.admitted:
-            log.warning("engine socket: %s is not admitted (admitted: %s; settings allowed_uids, allowed_gids); "
-                        "its calls are refused", caller, self.policy.describe())
-        name = f"{self._tag}-{next(self._ids)}"
+            self._refuse("not_admitted", "engine socket: %s is not admitted (admitted: %s; settings "
+                         "allowed_uids, allowed_gids); its connection is refused and closed",
+                         caller, self.policy.describe())
+            front.refusal = Refusal(transport, grpc.StatusCode.PERMISSION_DENIED,
+                                     f"kvd: {caller} is not admitted on the engine socket (admitted: "
+                                     f"{self.policy.describe()}; daemon settings allowed_uids, allowed_gids)")
+            transport.resume_reading()
+            return
+        task = loop.create_task(self._connect(front, transport, caller))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _idle(self, front: _Front, transport, caller: Caller) -> None:
+        front.idle = None
+        if not transport.is_closing():
+            self._refuse("idle", "engine socket: %s sent nothing (or was not answered) in %g s "
+                         "(engine_idle_timeout_s); connection closed", caller, self.idle_timeout_s)
+            transport.close()
+
+    def _closed(self, front: _Front) -> None:
+        if front.uid is not None:
+            self.open_by_uid[front.uid] -= 1
+            if self.open_by_uid[front.uid] <= 0:
+                del self.open_by_uid[front.uid]
+            self.open_connections -= 1
+            front.uid = None
+
+    async def _connect(self, front: _Relay, transport, caller: Caller) -> None:
         back_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            back_sock.bind("\0" + name)
+            name = bind_relay(back_sock)
             back_sock.setblocking(False)
             await asyncio.get_running_loop().sock_connect(back_sock, self.internal)
             # The private directory sits next to the engine socket, where the
@@ -286,7 +412,7 @@ class Gate:
                 raise OSError(f"{self.internal} is not this daemon's socket any more")
         except OSError as e:
             back_sock.close()
-            log.warning("engine socket: relay to gRPC failed: %s", e)
+            self._refuse("relay", "engine socket: relay to gRPC failed: %s", e)
             transport.close()
             return
         if transport.is_closing():
@@ -306,7 +432,7 @@ class Gate:
         except OSError as e:
             forget()
             back_sock.close()
-            log.warning("engine socket: relay to gRPC failed: %s", e)
+            self._refuse("relay", "engine socket: relay to gRPC failed: %s", e)
             transport.close()
             return
         if transport.is_closing():  # the engine hung up meanwhile
@@ -322,17 +448,43 @@ class Gate:
         return self._callers.get(peer.removeprefix("unix-abstract:"))
 
     async def close(self) -> None:
-        """Stops accepting; removes the engine socket and the private directory."""
+        """Stops accepting; removes the engine socket (while it is still the
+        one this gate bound) and the private directory."""
         if self._server is not None:
             self._server.close()
             self._server = None
-        for p in (self.path,):
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                pass
+        self._unlink_own()
         if self.private_dir:
             shutil.rmtree(self.private_dir, ignore_errors=True)
+
+    def _unlink_own(self) -> None:
+        """Unlinks ``path`` only if it is the socket file this gate bound (same
+        device and inode): once removed, another daemon may have bound the path
+        (a clean-up of /run, an operator), and its socket is not ours to remove."""
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        if self._bound != (st.st_dev, st.st_ino):
+            log.info("engine socket %s is not the one this daemon bound (another daemon's?): left in place",
+                     self.path)
+            return
+        os.unlink(self.path)
+        self._bound = None
+
+    def collect(self):
+        """Prometheus collector (``registry.register(gate)``):
+        ``kvd_engine_connections`` (open now) and
+        ``kvd_engine_connections_refused_total{reason}`` (closed by the gate)."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        yield GaugeMetricFamily("kvd_engine_connections", "Connections open on the engine socket",
+                                value=self.open_connections)
+        refused = CounterMetricFamily("kvd_engine_connections_refused", "Engine socket connections the gate "
+                                      "closed, by reason", labels=["reason"])
+        for reason, n in dict(self.refused).items():
+            refused.add_metric([reason], n)
+        yield refused
 
 
 def _alive(path: str) -> bool:

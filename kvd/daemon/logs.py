@@ -13,6 +13,12 @@ The ``engine``, ``rank``, ``request`` and ``peer`` fields are lifted from the
 ``key=value`` words that kvd's transfer log lines carry (STYLE.md: a request
 id and an engine id appear in every log line about a transfer), so a log
 query can filter on them; ``exc`` holds a traceback when there is one.
+Every record's message is formatted with its control characters escaped
+(``\\n``, ``\\x1b``, ``\\u2028``): request ids, engine ids and addresses come
+from other processes, and a newline in one would otherwise forge a log line
+(CWE-117). In the human format a traceback's lines are indented, so every line
+that starts at column 0 starts a record.
+
 Stdlib ``logging`` only: no dependency. Records of NIXL's Python layer go
 through the same handler; native libraries (UCX, gRPC core) may still print
 lines of their own.
@@ -28,6 +34,67 @@ import time
 
 HUMAN_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
+# C0 and C1 controls, DEL, and the Unicode line and paragraph separators
+# (some log viewers break lines there).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with every control character written as a Python escape
+    (``"a\\nb"`` for ``"a\nb"``); other characters unchanged."""
+    return _CONTROL.sub(lambda m: _NAMED.get(m[0]) or (f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100
+                                                      else f"\\u{ord(m[0]):04x}"), text)
+
+
+def _escaped(record: logging.LogRecord) -> logging.LogRecord:
+    """A copy of ``record`` whose message is formatted and escaped (no args left)."""
+    out = logging.makeLogRecord(record.__dict__)
+    out.msg, out.args = escape_controls(record.getMessage()), None
+    return out
+
+
+class HumanFormatter(logging.Formatter):
+    """``HUMAN_FORMAT`` with the message escaped and traceback lines indented."""
+
+    def __init__(self):
+        super().__init__(HUMAN_FORMAT)
+
+    def format(self, record: logging.LogRecord) -> str:
+        return super().format(_escaped(record))
+
+    def formatException(self, ei) -> str:  # noqa: N802 (logging's name)
+        return _indent(super().formatException(ei))
+
+    def formatStack(self, stack_info: str) -> str:  # noqa: N802 (logging's name)
+        return _indent(super().formatStack(stack_info))
+
+
+def _indent(text: str) -> str:
+    return "\n".join("  " + line for line in text.splitlines())
+
+
+class Throttled:
+    """A warning that may come once per connection or call from whoever asks:
+    logged at most once per ``interval_s`` seconds, with the count of the
+    ones left out since, so a flood cannot fill the log."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 1.0):
+        self.log = logger
+        self.interval_s = interval_s
+        self._last = -interval_s
+        self._suppressed = 0
+
+    def warning(self, msg: str, *args) -> None:
+        """Logs ``msg % args`` at WARNING unless one was logged less than ``interval_s`` ago."""
+        now = time.monotonic()
+        if now - self._last < self.interval_s:
+            self._suppressed += 1
+            return
+        more = f" ({self._suppressed} more like it since the last message)" if self._suppressed else ""
+        self._last, self._suppressed = now, 0
+        self.log.warning(msg + more, *args)
+
 # key=value words kvd puts in transfer log lines; the value ends at a space,
 # a comma or the ": " that starts the next part of the message.
 _FIELDS = re.compile(r"(?<![\w.-])(engine|rank|request|peer)=(\S+?)(?=:\s|:$|,|\s|$)")
@@ -37,7 +104,7 @@ class JsonFormatter(logging.Formatter):
     """Formats a record as one JSON object (UTC timestamp with milliseconds)."""
 
     def format(self, record: logging.LogRecord) -> str:
-        msg = record.getMessage()
+        msg = escape_controls(record.getMessage())
         out = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
@@ -61,7 +128,7 @@ def configure(level: str = "info", fmt: str = "human", stream=None) -> None:
         fmt: ``human`` | ``json`` (Config.log_format).
     """
     handler = logging.StreamHandler(stream or sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(HUMAN_FORMAT))
+    handler.setFormatter(JsonFormatter() if fmt == "json" else HumanFormatter())
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)

@@ -7,9 +7,9 @@ Fed by the core's event hook (``Node(on_event=...)``), as things happen:
 
 - ``kvd_transferred_bytes_total``          bytes moved by completed transfers (READs into this node)
 - ``kvd_transfers_total``                  completed transfers
-- ``kvd_transfer_failures_total{reason}``  failed transfers; ``reason`` is the first word of the
-  failure (``handshake``, ``timeout``, ``transfer``, ``nixl``, ``invalid``, ``busy``,
-  ``unsupported``, ``draining``, ``shutdown``, ...): a small, fixed set
+- ``kvd_transfer_failures_total{reason}``  failed transfers; ``reason`` is the failure's kind
+  (``kvd.core.events.FailureKind``: ``handshake``, ``timeout``, ``transfer``, ``nixl``,
+  ``invalid``, ``busy``, ``draining``, ``shutdown``, ...): a small, fixed set
 - ``kvd_transfer_duration_seconds``        histogram, load command to NIXL DONE
 - ``kvd_handshake_duration_seconds``       histogram, one handshake with a remote daemon
 - ``kvd_transfer_descriptors``             histogram, NIXL descriptors per transfer
@@ -40,6 +40,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvd import __version__
+from kvd.core.events import FailureKind
 
 log = logging.getLogger("kvd.metrics")
 
@@ -125,14 +126,15 @@ class Metrics:
 
     def on_event(self, name: str, fields: dict) -> None:
         """The core's event hook: ``transfer`` (bytes, seconds, descs),
-        ``failure`` (reason), ``handshake`` (seconds); others are ignored."""
+        ``failure`` (kind: a ``FailureKind``), ``handshake`` (seconds); others
+        are ignored."""
         if name == "transfer":
             self.bytes.inc(fields["bytes"])
             self.transfers.inc()
             self.duration.observe(fields["seconds"])
             self.descs.observe(fields["descs"])
         elif name == "failure":
-            self.failures.labels(reason=failure_reason(fields.get("reason", ""))).inc()
+            self.failures.labels(reason=FailureKind(fields["kind"]).value).inc()
         elif name == "handshake":
             self.handshake.observe(fields["seconds"])
 
@@ -151,10 +153,3 @@ class Metrics:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
-
-
-def failure_reason(reason: str) -> str:
-    """A bounded label value from a failure reason: its first word, lower case
-    (``"handshake: peer: UNAVAILABLE ..."`` -> ``handshake``)."""
-    word = reason.split(":", 1)[0].strip().split(" ", 1)[0].lower()
-    return word if word.isidentifier() and len(word) <= 32 else "other"

@@ -8,17 +8,25 @@ Two controls, configured by file paths (kvd/config.py, docs/SECURITY.md):
   remote daemon's against the CA and the host it dialed (or
   ``peer_tls_server_name``). Encrypts and authenticates both ends.
 - **Shared token** (``peer_token_file``): every PeerService call carries
-  ``x-kvd-peer-auth: v1 <address> <unix time> <nonce> <mac>``, ``mac`` =
-  HMAC-SHA256(token, method, the address the caller dialed, time, nonce).
-  The callee checks the MAC, that the address is its own (``peer_address``,
-  or its listen address), that the time is within ``WINDOW_S`` and that the
-  nonce is new, then answers with ``x-kvd-peer-proof`` (its own MAC over the
-  same fields) in its initial metadata; the caller checks that proof before it
-  uses the answer (agent metadata, layout). The token itself never goes on
-  the wire, so a daemon that dials an address an engine named (from
-  ``kv_transfer_params``) gives nothing away to whoever listens there, a
-  captured header cannot be replayed, and a relay to another daemon is
-  refused. It does not encrypt: on an untrusted network use mutual TLS.
+  ``x-kvd-peer-auth: v2 <address> <unix time> <nonce> <mac>``, ``mac`` =
+  HMAC-SHA256(token, method, the address the caller dialed, time, nonce,
+  SHA-256 of the request's bytes). The callee checks the MAC, that the
+  address is its own (``peer_address``, or its listen address), that the
+  time is within ``WINDOW_S`` and that the nonce is new, then answers with
+  ``x-kvd-peer-proof`` in its trailing metadata: its own MAC over the same
+  fields and the SHA-256 of the response's bytes. The caller checks that proof
+  before it parses the answer (agent metadata, layout). The token itself
+  never goes on the wire, so a daemon that dials an address an engine named
+  (from ``kv_transfer_params``) gives nothing away to whoever listens there;
+  a captured header cannot be replayed; a relay to another daemon is refused;
+  and a relay on the path cannot swap a request's body (a Notify, a Push)
+  or an answer (a handshake's agent metadata) for another. Error statuses
+  carry no proof: a relay can fail a call, which it could by dropping it.
+  It does not encrypt: on an untrusted network use mutual TLS.
+
+  Version ``v1`` (kvd 0.x before the body was covered) is refused with a
+  message saying so; a ``v1`` daemon refuses ``v2`` as a malformed header.
+  Daemons of a cluster that uses the token are upgraded together.
 
 Health and reflection on the peer port need no token (probes), but do need
 TLS when it is on. Anything else is refused with UNAUTHENTICATED.
@@ -29,6 +37,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import hmac
+import inspect
 import logging
 import re
 import secrets
@@ -40,13 +49,21 @@ import grpc
 
 from kvd.config import Config
 from kvd.daemon.local_gate import wrap_handler
+from kvd.daemon.logs import Throttled
 
 log = logging.getLogger("kvd.peer")
 
 HEADER = "x-kvd-peer-auth"
 PROOF = "x-kvd-peer-proof"
+VERSION = "v2"           # of the header: v1 had no hash of the message in its MAC
 WINDOW_S = 60.0          # a call's time may differ from ours by this much (NTP-synchronised nodes)
-MAX_NONCES = 1 << 17     # nonces remembered for replay checks (oldest dropped first)
+# Nonces of the last 2 * WINDOW_S seconds, remembered for replay checks. A
+# nonce is kept until its header could no longer pass the time check; when
+# this many are live, new calls are refused (never a live nonce forgotten).
+# Only calls with a valid MAC add one: 131,072 per 120 s is ~1,000 peer calls
+# a second (one handshake per remote worker; Push and Notify per request in
+# push mode).
+MAX_NONCES = 1 << 17
 PEER_SERVICE_PREFIX = "/kvd.v1.PeerService/"
 
 
@@ -54,9 +71,17 @@ class PeerAuthError(Exception):
     """A peer call or answer failed authentication; the message says why."""
 
 
-def _mac(token: bytes, kind: str, method: str, address: str, ts: str, nonce: str) -> str:
-    msg = "\n".join((kind, method, address, ts, nonce)).encode()
+class ReplayWindowFull(PeerAuthError):
+    """``MAX_NONCES`` live nonces: the call is refused until some expire."""
+
+
+def _mac(token: bytes, kind: str, *fields: str) -> str:
+    msg = "\n".join((kind, *fields)).encode()
     return hmac.new(token, msg, hashlib.sha256).hexdigest()
+
+
+def _digest(body: bytes) -> str:
+    return hashlib.sha256(body).hexdigest()
 
 
 def _same(a: str, b: str) -> bool:
@@ -148,12 +173,20 @@ def _verify_against_ca(cert_path: str, key_path: str, ca_path: str) -> str:
 
 @dataclass
 class ClientProof:
-    """What a caller keeps to check the callee's proof."""
+    """One call's authenticated fields: what a caller keeps to check the
+    callee's proof, and what a callee signs its answer with. ``body`` is the
+    SHA-256 (hex) of the request's bytes."""
 
     method: str
     address: str
     ts: str
     nonce: str
+    body: str
+
+    def reply_mac(self, token: bytes, response: bytes) -> str:
+        """The callee's proof for ``response`` (the answer's bytes)."""
+        return _mac(token, "kvd-peer-reply", self.method, self.address, self.ts, self.nonce, self.body,
+                    _digest(response))
 
 
 class PeerAuth:
@@ -166,13 +199,13 @@ class PeerAuth:
     """
 
     def __init__(self, cert: bytes | None = None, key: bytes | None = None, ca: bytes | None = None,
-                 server_name: str = "", token: bytes | None = None):
+                 server_name: str = "", token: bytes | None = None, max_nonces: int = MAX_NONCES):
         self.cert, self.key, self.ca = cert, key, ca
         self.server_name = server_name
         self.token = token
-        self._seen: collections.OrderedDict[str, float] = collections.OrderedDict()
-        self._last_warning = 0.0
-        self._suppressed = 0
+        self.max_nonces = max_nonces
+        self._seen: collections.OrderedDict[str, float] = collections.OrderedDict()  # nonce -> forget after
+        self._refused = Throttled(log)
 
     @classmethod
     def from_config(cls, cfg: Config) -> "PeerAuth":
@@ -223,36 +256,44 @@ class PeerAuth:
             options = [*options, ("grpc.ssl_target_name_override", self.server_name)]
         return grpc.aio.secure_channel(address, creds, options=options)
 
-    def call_metadata(self, method: str, address: str) -> tuple[tuple, ClientProof | None]:
-        """Metadata for one call of ``method`` (``/kvd.v1.PeerService/X``) to ``address``."""
+    def call_metadata(self, method: str, address: str, body: bytes) -> tuple[tuple, ClientProof | None]:
+        """Metadata for one call of ``method`` (``/kvd.v1.PeerService/X``) to
+        ``address`` whose request serializes to ``body`` (the bytes sent)."""
         if not self.token:
             return (), None
-        p = ClientProof(method, address, str(int(time.time())), secrets.token_hex(16))
-        mac = _mac(self.token, "kvd-peer-call", method, address, p.ts, p.nonce)
-        return ((HEADER, f"v1 {address} {p.ts} {p.nonce} {mac}"),), p
+        p = ClientProof(method, address, str(int(time.time())), secrets.token_hex(16), _digest(body))
+        mac = _mac(self.token, "kvd-peer-call", method, address, p.ts, p.nonce, p.body)
+        return ((HEADER, f"{VERSION} {address} {p.ts} {p.nonce} {mac}"),), p
 
-    def check_proof(self, initial_metadata, p: ClientProof | None) -> None:
-        """Raises PeerAuthError unless the callee proved it knows the token."""
+    def check_proof(self, trailing_metadata, p: ClientProof | None, response: bytes) -> None:
+        """Raises PeerAuthError unless the callee proved it knows the token and
+        sent ``response`` (the answer's bytes) for this very call."""
         if p is None:
             return
-        got = dict(initial_metadata or ()).get(PROOF, "")
-        want = _mac(self.token, "kvd-peer-reply", p.method, p.address, p.ts, p.nonce)
-        if not _same(str(got), want):
-            raise PeerAuthError("the remote daemon did not prove the shared peer token "
-                                "(is its peer_token_file the same as ours?)")
+        got = dict(trailing_metadata or ()).get(PROOF, "")
+        if not _same(str(got), p.reply_mac(self.token, response)):
+            raise PeerAuthError("the remote daemon did not prove the shared peer token for this answer "
+                                "(is its peer_token_file the same as ours? a relay that changed the answer?)")
 
     # ------------------------------------------------------------- server side
-    def check_call(self, method: str, metadata, addresses: set[str]) -> str:
-        """The proof to answer a call with. Raises PeerAuthError."""
+    def check_call(self, method: str, metadata, addresses: set[str], body: bytes) -> ClientProof:
+        """The call's authenticated fields (to sign the answer with), for a
+        call of ``method`` whose request arrived as ``body``. Raises
+        PeerAuthError (ReplayWindowFull when too many nonces are live)."""
         value = dict(metadata or ()).get(HEADER)
         if value is None:
             raise PeerAuthError(f"missing {HEADER}: this daemon requires the shared peer token")
         parts = str(value).split(" ")
-        if len(parts) != 5 or parts[0] != "v1":
+        if parts[0] == "v1":
+            raise PeerAuthError(f"{HEADER} v1 (a kvd older than this daemon, whose MAC does not cover the "
+                                f"message) is refused: this daemon requires {VERSION}; upgrade every daemon")
+        if len(parts) != 5 or parts[0] != VERSION:
             raise PeerAuthError(f"malformed {HEADER}")
         _, address, ts, nonce, mac = parts
-        if not _same(mac, _mac(self.token, "kvd-peer-call", method, address, ts, nonce)):
-            raise PeerAuthError("bad peer token proof (is peer_token_file the same on both daemons?)")
+        p = ClientProof(method, address, ts, nonce, _digest(body))
+        if not _same(mac, _mac(self.token, "kvd-peer-call", method, address, ts, nonce, p.body)):
+            raise PeerAuthError("bad peer token proof (is peer_token_file the same on both daemons? "
+                                "or the message was changed on the way)")
         now = time.time()
         if not ts.isdigit() or abs(now - int(ts)) > WINDOW_S:
             raise PeerAuthError(f"peer token proof too old or from the future (clocks more than "
@@ -260,24 +301,26 @@ class PeerAuth:
         if address.lower() not in addresses:
             raise PeerAuthError(f"the call was addressed to {address}, not to this daemon "
                                 f"({', '.join(sorted(addresses))}): relayed?")
+        self._remember(nonce, now)
+        return p
+
+    def _remember(self, nonce: str, now: float) -> None:
+        """Records a nonce until its header can no longer pass the time check
+        (``ts`` within WINDOW_S of ``now``: 2 * WINDOW_S from now). Raises
+        PeerAuthError for a nonce seen before, ReplayWindowFull when
+        ``max_nonces`` are live (forgetting one would let its header be replayed)."""
         while self._seen and next(iter(self._seen.values())) < now:
-            self._seen.popitem(last=False)
+            self._seen.popitem(last=False)  # kept in arrival order: forget-after times only grow
         if nonce in self._seen:
             raise PeerAuthError("replayed peer token proof")
-        self._seen[nonce] = now + 2 * WINDOW_S
-        if len(self._seen) > MAX_NONCES:
-            self._seen.popitem(last=False)
-        return _mac(self.token, "kvd-peer-reply", method, address, ts, nonce)
+        if len(self._seen) >= self.max_nonces:
+            raise ReplayWindowFull(f"{len(self._seen)} peer calls in the last {2 * WINDOW_S:.0f} s, the most "
+                                   f"this daemon remembers for replay checks: refused until some expire")
+        self._seen[nonce] = max(now + 2 * WINDOW_S, next(reversed(self._seen.values()), 0.0))
 
     def warn(self, msg: str, *args) -> None:
         """A refused peer call, logged at most once a second (a flood cannot fill the log)."""
-        now = time.monotonic()
-        if now - self._last_warning < 1.0:
-            self._suppressed += 1
-            return
-        more = f" ({self._suppressed} more refused since the last message)" if self._suppressed else ""
-        self._last_warning, self._suppressed = now, 0
-        log.warning(msg + more, *args)
+        self._refused.warning(msg, *args)
 
 
 class PeerAuthInterceptor(grpc.aio.ServerInterceptor):
@@ -293,21 +336,40 @@ class PeerAuthInterceptor(grpc.aio.ServerInterceptor):
         self.addresses = addresses
 
     async def intercept_service(self, continuation, details):
-        """Wraps PeerService handlers so that each first checks the call's token
-        (aborting with UNAUTHENTICATED on failure) and sends this daemon's proof
-        in the initial metadata; health and reflection pass without a token."""
+        """Wraps PeerService handlers so that each first checks the call's
+        token and MAC over the request's bytes (aborting with UNAUTHENTICATED,
+        or RESOURCE_EXHAUSTED when the replay window is full), then sends the
+        answer with this daemon's proof over it in the trailing metadata;
+        health and reflection pass without a token."""
         handler = await continuation(details)
         if handler is None or not details.method.startswith(PEER_SERVICE_PREFIX):
             return handler  # health, reflection: no token (probes)
         auth, method = self.auth, details.method
         metadata = details.invocation_metadata
+        if handler.request_streaming or handler.response_streaming:
+            async def refuse(context) -> None:  # the MAC covers one request and one answer
+                await context.abort(grpc.StatusCode.UNIMPLEMENTED, "kvd: no token proof for streaming peer calls")
+            return wrap_handler(handler, refuse)
+        parse, behavior, serialize = handler.request_deserializer, handler.unary_unary, handler.response_serializer
 
-        async def check(context) -> None:
+        def keep_bytes(data: bytes):
+            return data, parse(data) if parse else data
+
+        async def answer(raw, context):
+            data, request = raw
             try:
-                proof = auth.check_call(method, metadata, {a.lower() for a in self.addresses()})
+                call = auth.check_call(method, metadata, {a.lower() for a in self.addresses()}, data)
             except PeerAuthError as e:
                 auth.warn("peer call %s from %s refused: %s", method.rsplit("/", 1)[-1], context.peer(), e)
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"kvd: {e}")
-            await context.send_initial_metadata(((PROOF, proof),))
+                code = (grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, ReplayWindowFull)
+                        else grpc.StatusCode.UNAUTHENTICATED)
+                await context.abort(code, f"kvd: {e}")
+            result = behavior(request, context)
+            response = await result if inspect.isawaitable(result) else result
+            body = serialize(response) if serialize else response
+            context.set_trailing_metadata(((PROOF, call.reply_mac(auth.token, body)),))
+            return body
 
-        return wrap_handler(handler, check)
+        # The MAC covers the bytes as they came and as they go: the request is
+        # parsed here after its bytes are kept, the answer serialized here.
+        return handler._replace(request_deserializer=keep_bytes, unary_unary=answer, response_serializer=None)

@@ -1,6 +1,6 @@
 """The daemon's client of remote daemons' PeerService (one channel per address).
 
-Implements ``kvd.core.node.PeerLink``: every gRPC error becomes the core's
+Implements ``kvd.core.state.PeerLink``: every gRPC error becomes the core's
 typed error, with the peer's address and message. With ``PeerAuth``
 (kvd/daemon/peer_auth.py) its channels use mutual TLS and/or carry the token
 proof, and an answer whose sender did not prove the token is not used.
@@ -11,15 +11,16 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from kvd import __version__
 from kvd.config import MAX_MESSAGE_BYTES
 from kvd.core import events as ev
+from kvd.core.limits import BOUNDS
 from kvd.core.state import PROTOCOL_VERSION, HandshakeResult, PushOrder, PushResult
 from kvd.daemon.convert import groups_to_pb, handshake_from_pb, handshake_to_pb
 from kvd.daemon.peer_auth import PeerAuth, PeerAuthError
 from kvd.v1 import kvd_pb2 as pb
-from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
 SERVICE = "/kvd.v1.PeerService/"
 
@@ -36,10 +37,10 @@ def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list:
 CHANNEL_OPTIONS = channel_options()
 
 # Peer addresses come from requests (kv_transfer_params): channels are kept
-# for the most recently used ones only, and a channel whose peer could not be
-# reached is closed (issue 4: 3,000 distinct dead addresses kept 3,000
-# channels reconnecting forever, +20 MiB RSS per 1,000 and a busy CPU).
-MAX_CHANNELS = 256
+# for the BOUNDS.max_peer_channels most recently used ones only, and a
+# channel whose peer could not be reached is closed (measured: 3,000 distinct
+# dead addresses kept 3,000 channels reconnecting forever, +20 MiB RSS per
+# 1,000 and a busy CPU).
 
 
 def _error(address: str, e: grpc.aio.AioRpcError) -> ev.CoreError:
@@ -69,14 +70,14 @@ class PeerClient:
         self.auth = auth or PeerAuth()
         self.options = channel_options(max_message_bytes)
 
-    def _stub(self, address: str) -> pb_grpc.PeerServiceStub:
+    def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.pop(address, None)
         if ch is None:
             ch = self.auth.channel(address, self.options)
         self._channels[address] = ch
-        while len(self._channels) > MAX_CHANNELS:
+        while len(self._channels) > BOUNDS.max_peer_channels:
             self._forget(next(iter(self._channels)))
-        return pb_grpc.PeerServiceStub(ch)
+        return ch
 
     def _forget(self, address: str) -> None:
         """Closes ``address``'s channel; calls still on it get a few seconds to end."""
@@ -87,19 +88,25 @@ class PeerClient:
             task.add_done_callback(self._closing.discard)
 
     async def _call(self, address: str, name: str, request, timeout_s: float):
-        """One authenticated unary call; gRPC and proof errors become core errors."""
-        md, proof = self.auth.call_metadata(SERVICE + name, address)
+        """One authenticated unary call; gRPC and proof errors become core errors.
+
+        Sent and received as bytes: the token's MAC covers the request's bytes
+        and the callee's proof the answer's, checked before it is parsed."""
+        body = request.SerializeToString()
+        md, proof = self.auth.call_metadata(SERVICE + name, address, body)
         try:
-            call = getattr(self._stub(address), name)(request, timeout=timeout_s, metadata=md)
-            response = await call
-            self.auth.check_proof(await call.initial_metadata(), proof)
+            call = self._channel(address).unary_unary(SERVICE + name)(body, timeout=timeout_s, metadata=md)
+            raw = await call
+            self.auth.check_proof(await call.trailing_metadata(), proof, raw)
+            return getattr(pb, f"{name}Response").FromString(raw)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 self._forget(address)
             raise _error(address, e) from None
         except PeerAuthError as e:
             raise ev.PeerUnavailable(f"{address}: {e}") from None
-        return response
+        except DecodeError as e:
+            raise ev.PeerUnavailable(f"{address}: unreadable {name} answer: {e}") from None
 
     async def handshake(self, address: str, engine_id: str, tp_rank: int, compat_hash: str,
                         timeout_s: float) -> HandshakeResult:
@@ -112,8 +119,8 @@ class PeerClient:
         """Asks ``address`` to WRITE ``order``'s blocks; returns when done."""
         req = pb.PushRequest(
             engine_id=order.engine_id, tp_rank=order.tp_rank, request_id=order.request_id,
-            source_groups=groups_to_pb(order.source_block_ids), reader=handshake_to_pb(order.reader),
-            reader_tp_rank=order.reader_tp_rank, reader_groups=groups_to_pb(order.reader_block_ids),
+            source_groups=groups_to_pb(order.source_groups), reader=handshake_to_pb(order.reader),
+            reader_tp_rank=order.reader_tp_rank, reader_groups=groups_to_pb(order.reader_groups),
             expected_notifications=order.expected_notifications, timeout_s=order.timeout_s,
         )
         r = await self._call(address, "Push", req, timeout_s)

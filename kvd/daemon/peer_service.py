@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from kvd.config import MAX_ID_BYTES
 from kvd.core import events as ev
+from kvd.core.limits import BOUNDS
 from kvd.core.node import Node
 from kvd.core.state import PushOrder
 from kvd.daemon.convert import groups_from_pb, handshake_from_pb, handshake_to_pb, status_of
@@ -56,9 +56,9 @@ class PeerService(pb_grpc.PeerServiceServicer):
         try:
             order = PushOrder(
                 engine_id=request.engine_id, tp_rank=request.tp_rank, request_id=request.request_id,
-                source_block_ids=groups_from_pb(request.source_block_ids, request.source_groups),
+                source_groups=groups_from_pb(request.source_groups),
                 reader=handshake_from_pb(request.reader), reader_tp_rank=request.reader_tp_rank,
-                reader_block_ids=groups_from_pb(request.reader_block_ids, request.reader_groups),
+                reader_groups=groups_from_pb(request.reader_groups),
                 expected_notifications=request.expected_notifications, timeout_s=request.timeout_s,
             )
             r = await self.node.push(order)
@@ -72,13 +72,13 @@ class PeerService(pb_grpc.PeerServiceServicer):
         ``expected_notifications`` readers have notified. A notification for an
         unknown request is kept (it may arrive before its hold).
 
-        gRPC status: INVALID_ARGUMENT for a ``request_id`` over ``MAX_ID_BYTES``
+        gRPC status: INVALID_ARGUMENT for a ``request_id`` over ``BOUNDS.max_id_bytes``
         bytes or ``expected_notifications`` outside 1..65536; NOT_FOUND for a
         worker not registered here."""
         try:
-            if len(request.request_id.encode()) > MAX_ID_BYTES:
+            if len(request.request_id.encode()) > BOUNDS.max_id_bytes:
                 # An unknown request's notification is kept (it may beat its hold).
-                raise ev.InvalidArgument(f"notify: request_id longer than {MAX_ID_BYTES} bytes")
+                raise ev.InvalidArgument(f"notify: request_id longer than {BOUNDS.max_id_bytes} bytes")
             self.node.notify(request.engine_id, request.tp_rank, request.request_id,
                              request.expected_notifications)
         except ev.CoreError as e:

@@ -43,8 +43,9 @@ from grpc_reflection.v1alpha import reflection
 
 from kvd import __version__
 from kvd.config import MAX_MESSAGE_BYTES, Config, parse_host_port, resolve_gid, resolve_uid
+from kvd.core.events import FailureKind
+from kvd.core.limits import Limits
 from kvd.core.node import Node
-from kvd.core.state import Limits
 from kvd.daemon.engine_service import EngineService
 from kvd.daemon.local_gate import AdmissionInterceptor, Gate, Policy
 from kvd.daemon.metrics import Metrics
@@ -159,8 +160,11 @@ class Server:
         self.node = Node(limits, peers=self.peer_client, backends=cfg.backends, on_event=self.metrics.on_event)
         policy = Policy.make([resolve_uid(u) for u in cfg.allowed_uids], [resolve_gid(g) for g in cfg.allowed_gids])
         self.gate = Gate(cfg.engine_socket, policy,
-                         resolve_gid(cfg.engine_socket_group) if cfg.engine_socket_group else None)
-        self.engine_service = EngineService(self.node, on_event=self.metrics.on_event, backends=cfg.backends,
+                         resolve_gid(cfg.engine_socket_group) if cfg.engine_socket_group else None,
+                         max_connections=cfg.max_engine_connections,
+                         max_per_uid=cfg.max_engine_connections_per_uid, idle_timeout_s=cfg.engine_idle_timeout_s)
+        self.metrics.registry.register(self.gate)
+        self.engine_service = EngineService(self.node, backends=cfg.backends,
                                             callers=self.gate.caller,
                                             require_session_token=cfg.require_session_token)
 
@@ -327,17 +331,6 @@ class Server:
 
         return asyncio.run_coroutine_threadsafe(snap(), loop).result(timeout=2.0)
 
-    def _loads_in_flight(self) -> list[tuple[str, str, str]]:
-        """``(worker label, request id, peer)`` of every load not finished:
-        READs posted (``inflight``) and loads still handshaking (``pending_loads``)."""
-        out = []
-        for w in list(self.node.workers.values()) if self.node else []:
-            for rid, load in list(w.inflight.items()):
-                out.append((w.label, rid, getattr(load, "peer", "")))
-            for rid in list(w.pending_loads):
-                out.append((w.label, rid, ""))
-        return out
-
     async def main_loop(self) -> None:
         """Waits until a signal asks the daemon to stop."""
         await self.should_exit.wait()
@@ -348,27 +341,30 @@ class Server:
         after a second signal), logs the rest as failed, then releases everything
         and ignores further signals."""
         self.notifier.stopping(f"draining (grace {self.config.grace_s:g} s)")
-        if getattr(self, "engine_service", None) is not None:
-            self.engine_service.draining = True
-        if getattr(self, "node", None) is not None:
-            self.node.draining = True
+        node = getattr(self, "node", None)
+        if node is not None:
+            node.draining = True  # one flag: the engine service reads it too
+
+        def in_flight() -> list[tuple[str, str, str]]:
+            return node.loads_in_flight() if node is not None else []
+
         for health in (getattr(self, "peer_health", None), getattr(self, "engine_health", None)):
             if health is not None:
                 await health.enter_graceful_shutdown()
         deadline = time.monotonic() + self.config.grace_s
         next_note = 0.0
-        while (left := self._loads_in_flight()) and time.monotonic() < deadline and not self.force_exit.is_set():
+        while (left := in_flight()) and time.monotonic() < deadline and not self.force_exit.is_set():
             if time.monotonic() >= next_note:
                 log.info("draining: waiting up to %.1f s for %d loads in flight",
                          deadline - time.monotonic(), len(left))
                 next_note = time.monotonic() + 1.0
             await asyncio.sleep(0.05)
-        for label, rid, peer in self._loads_in_flight():
+        for label, rid, peer in in_flight():
             # The engine learns it when its session ends (the shim fails every
             # load that went out on a lost stream); the core drops the READ.
             log.warning("%s request=%s peer=%s: load failed: shutdown: daemon stopped before it finished",
                         label, rid, peer or "?")
-            self.metrics.on_event("failure", {"reason": "shutdown"})
+            self.metrics.on_event("failure", {"kind": FailureKind.SHUTDOWN})
         await self._release(grace=1.0)
         # Shutdown is done: a late SIGTERM/SIGINT (a second `systemctl stop`,
         # a supervisor's retry) must not turn exit 0 into "killed by signal"

@@ -46,30 +46,29 @@ def build_stats(node: Node, draining: bool = False, backends: list[str] | None =
     counts = {k: v for k, v in node.stats().items() if k in fields}
     resp = pb.StatsResponse(
         daemon_version=__version__, peer_address=node.peer_address, draining=draining,
-        backends=backends or list(getattr(node, "backends", [])), metrics_address=metrics_address,
+        backends=backends or [], metrics_address=metrics_address,
         versions=_VERSIONS, **counts,
     )
     paths = set()
     for w in list(node.workers.values()):
-        # Regions are POSIX shm registered as DRAM: the engine's own segments
-        # ("direct") or daemon-owned staging mirrors of them ("staged",
-        # Worker.staging). The GPU path (issue 7) may set ``memory`` to VRAM.
-        memory = getattr(w, "memory", "DRAM")
-        path = "staged" if getattr(w, "staging", None) or getattr(w, "staged", False) else "direct"
+        # Regions are POSIX shm registered as DRAM, or CUDA IPC memory as
+        # VRAM: the engine's own segments ("direct") or daemon-owned staging
+        # mirrors of them ("staged", WorkerMemory.staging).
+        mem = w.mem
+        path = "staged" if mem.staging or mem.staged else "direct"
         paths.add(path)
         resp.workers.add(
             engine_id=w.key[0], tp_rank=w.key[1], tp_size=w.tp_size, model=w.model,
             agent_name=w.agent.name, compat_hash=w.compat_hash, regions=len(w.regions),
             num_blocks=w.layout.num_blocks, block_size=w.layout.block_size,
-            registered_bytes=w.registered_bytes, active_leases=len(w.leases),
-            inflight_transfers=len(w.inflight), sessions=w.sessions, peers=len(w.remotes),
-            memory=memory, data_path=path,
+            registered_bytes=mem.registered_bytes, active_leases=len(w.leases),
+            inflight_transfers=len(w.inflight), sessions=w.session.streams, peers=len(w.pairs.remotes),
+            memory=mem.memory, data_path=path,
         )
-        for r in list(w.remotes.values()):
+        for r in list(w.pairs.remotes.values()):
             resp.remote_workers.add(
                 address=r.address, engine_id=r.engine_id, tp_rank=r.tp_rank,
-                tp_size=getattr(r, "tp_size", 0), agent_name=r.agent_name,
-                daemon_version=getattr(r, "daemon_version", ""),
+                tp_size=r.tp_size, agent_name=r.agent_name, daemon_version=r.daemon_version,
                 local_engine_id=w.key[0], local_tp_rank=w.key[1],
             )
     resp.data_path = paths.pop() if len(paths) == 1 else ("mixed" if paths else "")

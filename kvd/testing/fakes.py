@@ -1,14 +1,19 @@
-"""A fake in-process kvd ``EngineService`` (sync gRPC server on a Unix socket).
+"""In-process fakes of kvd's gRPC services, for scenarios the real daemon
+does not produce on demand: a daemon that takes 1 s per command, one that
+never answers, one that rejects, one that answers twice, one that is stopped
+and restarted (:class:`FakeDaemon`); a peer daemon that forges its
+handshake (:class:`FakePeer`), one that hangs (:func:`blackhole`) or is not
+there (:func:`closed_address`).
 
-Used by ``test_client_engine.py`` and ``test_shim_vllm.py`` to drive the client
-and the shim through scenarios the real daemon does not produce on demand: a
-daemon that takes 1 s per command, one that never answers, one that rejects,
-one that answers twice, one that is stopped and restarted.
+A fake is never the only test of a path that can run for real: the real
+daemon's tests use :mod:`kvd.testing.daemons`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import threading
 import time
 import uuid
@@ -16,9 +21,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from kvd.testing.sessions import MESSAGE_OPTIONS
+from kvd.testing.util import free_port
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
+# The peer address every fake registration answers (nothing listens there).
 PEER_ADDRESS = "127.0.0.1:47001"
 
 
@@ -68,6 +76,7 @@ class FakeEngineService(pb_grpc.EngineServiceServicer):
         return resp
 
     def unlink_staging(self) -> None:
+        """Unlinks every staging mirror made so far."""
         with self.lock:
             names, self.staging = self.staging, []
         for name in names:
@@ -102,7 +111,7 @@ class FakeEngineService(pb_grpc.EngineServiceServicer):
         kind = cmd.WhichOneof("command")
         if kind == "load":
             rid = cmd.load.request_id
-            local = list(cmd.load.local_block_ids) or [b for g in cmd.load.local_groups for b in g.ids]
+            local = [b for g in cmd.load.local_groups for b in g.ids]
             n = len(local)
             if self.load_mode in ("answer", "twice"):
                 for _ in range(2 if self.load_mode == "twice" else 1):
@@ -121,6 +130,7 @@ class FakeEngineService(pb_grpc.EngineServiceServicer):
             yield pb.SessionEvent(send_done=pb.SendDone(request_id=cmd.release.request_id, released=True))
 
     def count(self, kind: str) -> int:
+        """How many commands of ``kind`` (``load``, ``hold``, ...) arrived."""
         with self.lock:
             return sum(1 for c in self.commands if c.WhichOneof("command") == kind)
 
@@ -134,6 +144,7 @@ class FakeDaemon:
         self.server: grpc.Server | None = None
 
     def start(self) -> FakeDaemon:
+        """Serves on ``socket`` (a stale socket file is removed first); returns self."""
         if os.path.exists(self.socket):
             os.unlink(self.socket)
         self.server = grpc.server(ThreadPoolExecutor(max_workers=16))
@@ -167,4 +178,65 @@ def wait_events(client, predicate, timeout_s: float = 5.0, poll_s: float = 0.01)
 
 
 def kinds(events) -> list[str]:
+    """The event kind (``recv_done``, ``send_done``, ...) of each SessionEvent."""
     return [e.WhichOneof("event") for e in events]
+
+
+class FakePeer:
+    """An in-process ``PeerService`` on ``127.0.0.1:<free port>`` that answers
+    every handshake with ``respond(request, context)`` (a forged
+    ``HandshakeResponse``, or ``context.abort(...)``). Counts the calls."""
+
+    def __init__(self, respond):
+        self.respond = respond
+        self.calls = 0
+        peer = self
+
+        class _Servicer(pb_grpc.PeerServiceServicer):
+            def Handshake(self, request, context):
+                peer.calls += 1
+                return peer.respond(request, context)
+
+        self.server = grpc.server(ThreadPoolExecutor(max_workers=4), options=MESSAGE_OPTIONS)
+        pb_grpc.add_PeerServiceServicer_to_server(_Servicer(), self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.address = f"127.0.0.1:{self.port}"
+        self.server.start()
+
+    def stop(self) -> None:
+        """Stops serving (0.5 s grace)."""
+        self.server.stop(grace=0.5).wait()
+
+
+@contextlib.contextmanager
+def blackhole():
+    """``host:port`` of a TCP listener that accepts connections and never answers
+    (a peer daemon that hangs: every handshake with it can only time out)."""
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
+    conns, stop = [], threading.Event()
+
+    def accept():
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conns.append(srv.accept()[0])
+            except OSError:
+                pass
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    try:
+        yield f"127.0.0.1:{srv.getsockname()[1]}"
+    finally:
+        stop.set()
+        t.join(2)
+        for c in conns:
+            c.close()
+        srv.close()
+
+
+def closed_address() -> str:
+    """``127.0.0.1:<port>`` where nothing listens (connection refused)."""
+    return f"127.0.0.1:{free_port()}"

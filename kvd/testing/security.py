@@ -1,5 +1,6 @@
-"""Helpers of the security tests (issue 8): callers as other users, other
-engine processes, a throwaway certificate authority."""
+"""Helpers of the security scenarios: callers as other users, other engine
+processes, a throwaway certificate authority (``cryptography``, imported
+when a :class:`Pki` is made)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,9 @@ import pathlib
 import subprocess
 import sys
 import tempfile
-import time
 
-TESTS = pathlib.Path(__file__).resolve().parent
-ROOT = TESTS.parent
+from kvd.testing.processes import child_env
+
 NOBODY = 65534     # uid and gid of "nobody" / "nogroup" on Debian
 OUTSIDER = 65532   # a uid and gid the daemons in these tests admit nowhere
 
@@ -25,7 +25,7 @@ _AS_USER = r"""
 import json, os, sys, mmap, uuid
 import grpc
 from kvd.v1 import kvd_pb2 as pb, kvd_pb2_grpc as pb_grpc
-from kvdtest import KvShape, register_request
+from kvd.testing.sessions import KvShape, register_request
 sock, uid, gid, action, arg = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 # The channel is made (and grpc's lazily imported modules loaded) while still
 # root: as another user this process may not read the checkout or the venv
@@ -66,9 +66,8 @@ print(json.dumps(out), flush=True)
 def call_as(socket_path: str, uid: int, gid: int, action: str = "stats", arg: str = "-") -> dict:
     """Runs one EngineService call as ``uid:gid`` in a fresh process; returns
     ``{"ok", "code", "details"}`` (code: the gRPC status name)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
     r = subprocess.run([sys.executable, "-c", _AS_USER, socket_path, str(uid), str(gid), action, arg],
-                       capture_output=True, text=True, timeout=120, env=env)
+                       capture_output=True, text=True, timeout=120, env=child_env())
     lines = [l for l in r.stdout.splitlines() if l.startswith("{")]
     assert lines, f"child as {uid}:{gid} printed nothing (rc {r.returncode}):\n{r.stderr[-3000:]}"
     return json.loads(lines[-1])
@@ -86,7 +85,9 @@ def reachable_dir() -> str:
 # unregistering (like a killed engine).
 _OTHER_ENGINE = r"""
 import json, sys
-from kvdtest import Daemon, KvShape, Session, ShmSegment, register_request
+from kvd.testing.daemons import Daemon
+from kvd.testing.sessions import KvShape, Session, register_request
+from kvd.testing.shm import ShmSegment
 sock, engine_id = sys.argv[1], sys.argv[2]
 d = Daemon(proc=None, socket=sock, log_path="")
 shape = KvShape(num_layers=1, num_blocks=8, block_len=1024)
@@ -102,9 +103,8 @@ class OtherEngine:
     """An engine worker registered by another process (pid) of the same user."""
 
     def __init__(self, socket_path: str, engine_id: str):
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])}
         self.proc = subprocess.Popen([sys.executable, "-c", _OTHER_ENGINE, socket_path, engine_id],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env())
         line = self.proc.stdout.readline()
         assert line, f"engine process {engine_id} exited {self.proc.wait()}"
         info = json.loads(line)
@@ -115,39 +115,6 @@ class OtherEngine:
             self.proc.stdin.write("\n")
             self.proc.stdin.flush()
             self.proc.wait(30)
-
-
-def start_daemons(*specs, timeout: float = 60.0):
-    """Starts several daemons at once (``specs``: ``(tmpdir, name, *flags)``, as
-    ``kvdtest.start_daemon`` takes them) and waits until each one serves.
-
-    Launched from this thread: PR_SET_PDEATHSIG (DIE_WITH_PARENT) fires when
-    the thread that started a child ends, so no worker threads here.
-    """
-    import grpc
-
-    from kvdtest import DIE_WITH_PARENT, Daemon
-
-    daemons = []
-    for tmpdir, name, *extra in specs:
-        sock, log_path = os.path.join(tmpdir, f"{name}.sock"), os.path.join(tmpdir, f"{name}.log")
-        proc = subprocess.Popen(
-            [*DIE_WITH_PARENT, sys.executable, "-m", "kvd.cli", "serve", "--engine-socket", sock,
-             "--peer-listen", "127.0.0.1:0", "--log-level", "debug", *extra],
-            stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-        daemons.append(Daemon(proc, sock, log_path))
-    deadline = time.monotonic() + timeout
-    for d in daemons:
-        while not d.peer_address:
-            if d.proc.poll() is not None or time.monotonic() > deadline:
-                for x in daemons:
-                    x.stop()
-                raise RuntimeError(f"daemon {d.socket} did not start:\n{d.log()}")
-            try:
-                d.peer_address = d.stats().peer_address
-            except grpc.RpcError:
-                time.sleep(0.1)
-    return daemons
 
 
 # ---------------------------------------------------------------- certificates
@@ -223,14 +190,3 @@ class Pki:
         """``kvd serve`` flags for a daemon with a fresh certificate ``cn``."""
         cert, key = self.issue(cn)
         return ("--peer-tls-cert", cert, "--peer-tls-key", key, "--peer-tls-ca", self.ca)
-
-
-def stop_daemons(daemons) -> None:
-    """SIGTERMs every daemon at once, then checks each exited 0."""
-    import signal
-
-    for d in daemons:
-        if d.proc.poll() is None:
-            d.proc.send_signal(signal.SIGTERM)
-    for d in daemons:
-        assert d.stop() == 0, d.log()[-2000:]

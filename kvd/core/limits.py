@@ -1,0 +1,81 @@
+"""Every bound and deadline of the daemon, in one place.
+
+- :class:`Limits`: what an operator may set (``kvd serve`` flags, the TOML
+  config); one instance per daemon, handed to ``Node``.
+- :data:`BOUNDS` (a frozen :class:`Bounds`): what the protocol fixes; the
+  core, the gRPC adapters and the lease table import it, nothing redefines
+  a number of it.
+
+Units: seconds, bytes, counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Limits:
+    """Per-daemon bounds and deadlines (units: seconds, counts)."""
+
+    lease_s: float = 120.0           # default lease of held prefill blocks (vLLM's abort timeout is 480 s)
+    max_lease_s: float = 3600.0
+    transfer_timeout_s: float = 30.0  # a load not done by then fails
+    max_transfer_timeout_s: float = 3600.0  # cap on a request's own timeout_s (inf or 1e300 would never end)
+    handshake_timeout_s: float = 10.0
+    early_notif_s: float = 120.0     # a notification that beat its hold is kept this long
+    max_blocks_per_request: int = 1 << 20
+    max_inflight_per_worker: int = 4096
+    max_leases_per_worker: int = 65536  # prefill leases held at once (each keeps its request id and blocks)
+    poll_busy_s: float = 0.0005      # poll interval while transfers are in flight
+    poll_idle_s: float = 0.005       # otherwise (notifications, leases)
+    transfer_mode: str = "pull"      # "pull": decode READs; "push": prefill WRITEs on request
+    detach_grace_s: float = 10.0     # an engine whose session is gone this long is unregistered
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Bounds the protocol fixes (not settable; units: bytes, counts, seconds)."""
+
+    # Longest request id, engine id or address accepted in a command or peer
+    # call (leases and early notifications keep them: a cap on their count
+    # alone would not bound memory).
+    max_id_bytes: int = 1024
+    # Longest engine id a worker registers with (characters).
+    max_engine_id_chars: int = 256
+    # Largest TP size accepted from an engine or a peer. Transfer plans loop
+    # over ranks: a LoadBlocks with remote_tp_size 2**32-1 once made the
+    # daemon build a list of ranks until the OOM killer stopped it.
+    max_tp_size: int = 256
+    # What one worker may register (docs/DESIGN.md: messages are bounded):
+    # regions (and segments), blocks per region, descriptors in all.
+    max_regions: int = 4096
+    max_blocks: int = 1 << 24
+    max_descriptors: int = 1 << 26
+    # GPU ordinals accepted in a peer's description.
+    max_device: int = 1 << 16
+    # Readers one source rank may wait for, per request (a notification's count).
+    max_notifications: int = 1 << 16
+    # Agent metadata accepted from a peer (NIXL metadata is a few KiB per backend).
+    max_agent_metadata: int = 1 << 20
+    # Events kept for a worker whose session is not attached (reconnecting shim).
+    max_pending_events: int = 100_000
+    # A session stream's first command (OpenSession) must come within this (seconds).
+    open_session_timeout_s: float = 30.0
+    # gRPC channels to remote daemons kept open (least recently used closed first).
+    max_peer_channels: int = 256
+    # After posting a transfer that is not done at once, the NIXL thread checks
+    # it again for this long before leaving it to the progress loop (seconds;
+    # docs/PERFORMANCE.md, "fast path").
+    post_spin_s: float = 0.0002
+    # A handshake that failed as unreachable is tried once more only when the
+    # request's deadline leaves at least this long (seconds).
+    retry_handshake_min_s: float = 2.0
+
+    @property
+    def max_notif_bytes(self) -> int:
+        """Longest notification accepted: a request id, ``:`` and the count."""
+        return self.max_id_bytes + 1 + len(str(self.max_notifications))
+
+
+BOUNDS = Bounds()

@@ -1,0 +1,344 @@
+"""Peers: the remote workers one local worker transfers with.
+
+The handshake cache (one handshake per (local worker, remote worker), shared
+by every request that needs it), the pairing of two agents (peer agent
+loaded, both descriptor lists of the pair's transfer plan prepared,
+``kvd.core.plan``), the users of each loaded peer agent, retiring a remote
+whose transfer failed, and the answer to a remote daemon's handshake.
+
+A remote is *fresh* when this request's own handshake made it; a READ that
+fails on a cached remote is retried once after a new handshake
+(``kvd.core.pull``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import numpy as np
+
+from kvd import __version__
+from kvd.core import layout as lay
+from kvd.core import plan
+from kvd.core.events import Incompatible, InvalidArgument, NotFound, PeerUnavailable
+from kvd.core.layout import LayoutError
+from kvd.core.limits import BOUNDS
+from kvd.core.nixl_agent import NixlError, metadata_agent_name
+from kvd.core.runtime import Runtime
+from kvd.core.state import PROTOCOL_VERSION, HandshakeResult, PeerKey, PeerLink, RemoteWorker, Worker
+
+log = logging.getLogger("kvd.core")
+
+
+def check_peer(w: Worker, hs: HandshakeResult, what: str) -> None:
+    """Validates a peer worker's description before any NIXL call uses it.
+
+    Raises:
+        Incompatible: protocol version or compatibility hash differ.
+        InvalidArgument: metadata size, region list or layout is malformed.
+    """
+    if hs.protocol_version != PROTOCOL_VERSION:
+        raise Incompatible(f"peer protocol version {hs.protocol_version} (kvd {hs.daemon_version}), "
+                           f"this daemon speaks {PROTOCOL_VERSION} (kvd {__version__})")
+    if hs.compat_hash != w.compat_hash:
+        raise Incompatible(f"compatibility hash mismatch: local {w.compat_hash}, remote {hs.compat_hash}")
+    if not 0 < len(hs.agent_metadata) <= BOUNDS.max_agent_metadata:
+        raise InvalidArgument(f"{what}: agent metadata of {len(hs.agent_metadata)} bytes "
+                              f"(1..{BOUNDS.max_agent_metadata} accepted)")
+    if len(hs.region_bases) != len(hs.regions) or not hs.regions:
+        raise InvalidArgument(f"{what}: region_base_addrs and regions differ in length")
+    if not 1 <= hs.tp_size <= BOUNDS.max_tp_size:
+        raise InvalidArgument(f"{what}: tp_size must be in 1..{BOUNDS.max_tp_size} (got {hs.tp_size})")
+    if hs.memory not in ("DRAM", "VRAM") or not 0 <= hs.device < BOUNDS.max_device:
+        raise InvalidArgument(f"{what}: memory {hs.memory!r} on device {hs.device}: DRAM or VRAM on a device "
+                              f"0..{BOUNDS.max_device - 1}")
+    try:
+        lay.validate(hs.layout, hs.regions, [1 << 62] * (1 + max(r.segment for r in hs.regions)))
+    except LayoutError as e:
+        raise InvalidArgument(f"{what}: peer layout invalid: {e}") from None
+    for i, (base, r) in enumerate(zip(hs.region_bases, hs.regions)):
+        # Descriptor rows are int64 (a forged base once raised OverflowError
+        # in the descriptor maths and the load never ended).
+        if base + (hs.layout.num_blocks - 1) * r.block_stride + r.block_len >= 1 << 63:
+            raise InvalidArgument(f"{what}: region {i} at base address {base:#x} ends past the 64-bit range")
+
+
+def pair_plan(reader: plan.Geometry, source: plan.Geometry):
+    """``(k, C, chunk_sets, reader_identity, source_identity)`` of a pair.
+
+    ``reader_identity``: every chunk is a whole reader block (the reader's own
+    prepped list serves); ``source_identity`` likewise for the source.
+
+    Raises:
+        Incompatible: the layouts cannot be combined (the message says why).
+    """
+    try:
+        chunk_sets = [plan.chunks(reader, source, i) for i in range(len(reader.regions))]
+    except plan.PlanError as e:
+        raise Incompatible(f"layouts cannot be combined: {e}") from None
+    k = reader.layout.block_size // source.layout.block_size
+    C = len(chunk_sets[0]) // k
+    if any(len(c) != k * C for c in chunk_sets):
+        raise Incompatible("regions need different chunk counts (mixed region kinds)")
+    one = k == 1 and C == 1
+    reader_identity = one and all(c[0].tolist() == [0, 0, 0, r.block_len]
+                                  for c, r in zip(chunk_sets, reader.regions))
+    source_identity = one and all(c[0].tolist() == [0, 0, 0, r.block_len]
+                                  for c, r in zip(chunk_sets, source.regions))
+    return k, C, chunk_sets, reader_identity, source_identity
+
+
+def on_device(rows: np.ndarray, device: int) -> np.ndarray:
+    """Descriptor rows with their device-id column set (VRAM: the GPU ordinal; DRAM: 0)."""
+    if device:
+        rows[:, 2] = device
+    return rows
+
+
+class Peers:
+    """Remote workers of every local worker, and handshakes with their daemons.
+
+    Args:
+        rt: the core's shared state.
+        link: reaches remote daemons (the daemon's gRPC ``PeerClient``; tests
+            may pass a fake; None: no peer can be reached).
+    """
+
+    def __init__(self, rt: Runtime, link: PeerLink | None):
+        self.rt = rt
+        self.link = link
+        self._handshakes: dict[tuple, asyncio.Future] = {}  # (local key, peer key) -> handshake task
+
+    def retire(self, w: Worker, remote: RemoteWorker, why: str) -> None:
+        """Stops using a remote agent; its NIXL state is freed once no load uses it."""
+        if w.pairs.remotes.get(remote.key) is remote:
+            del w.pairs.remotes[remote.key]
+            w.pairs.retired.append(remote)
+            log.info("%s: dropped remote agent %s at %s (%s); next load handshakes again",
+                     w.label, remote.agent_name, remote.address, why)
+
+    def _load_agent(self, w: Worker, name: str, metadata: bytes) -> str:
+        """NIXL thread: loads a peer's agent into ``w``'s agent once; counts its users.
+
+        Several remotes may be one NIXL agent (the same peer under two
+        addresses, a push reader that is also a source, or a peer description
+        replayed by someone else), and NIXL keeps one entry per name: the
+        entry is shared and removed with its last user. Before, the second
+        load failed and dropping either remote broke the other.
+
+        Raises:
+            NixlError: the metadata is rejected, names another agent than
+                ``name``, or differs from what is loaded under ``name``.
+        """
+        embedded = metadata_agent_name(metadata)
+        if embedded != name:
+            raise NixlError(f"agent metadata names {embedded!r}, the peer said {name!r}")
+        known = w.pairs.agents.get(name)
+        if known is not None:
+            if known[0] != metadata:
+                raise NixlError(f"agent {name!r} is loaded already, with other metadata")
+            w.pairs.agents[name] = (metadata, known[1] + 1)
+            return name
+        loaded = w.agent.add_remote(metadata)
+        if loaded != name:  # not NIXL 1.5's format after all: undo what is ours to undo
+            if loaded not in w.pairs.agents:
+                w.agent.remove_remote(loaded)
+            raise NixlError(f"agent metadata loaded as {loaded!r}, the peer said {name!r}")
+        w.pairs.agents[name] = (metadata, 1)
+        return name
+
+    def _unload_agent(self, w: Worker, name: str) -> None:
+        """NIXL thread: one user fewer of a peer agent; the last one removes it."""
+        metadata, users = w.pairs.agents.pop(name, (b"", 1))
+        if users > 1:
+            w.pairs.agents[name] = (metadata, users - 1)
+        else:
+            w.agent.remove_remote(name)
+
+    def free_remote(self, w: Worker, r: RemoteWorker) -> None:
+        """NIXL thread: releases a remote's prepped lists and forgets its agent."""
+        lists = [r.remote_dlist] + ([r.local_dlist] if r.owns_local_dlist else [])
+        for d in lists:
+            try:
+                w.agent.release_dlist(d)
+            except Exception as e:
+                log.debug("%s: release_dlist(%s): %s", w.label, r.agent_name, e)
+        self._unload_agent(w, r.agent_name)
+
+    async def notify_by_rpc(self, address: str, engine_id: str, tp_rank: int, request_id: str, expected: int,
+                            deadline: float, label: str) -> None:
+        """One reader's notification of ``request_id`` to a source rank, over
+        PeerService.Notify instead of NIXL (no handshake needed: used when
+        the pair was refused). Failures are logged, never raised: the source's
+        lease bounds the hold."""
+        try:
+            if self.link is None:
+                raise PeerUnavailable("this daemon has no peer client")
+            await self.link.notify(address, engine_id, tp_rank, request_id, expected,
+                                    max(0.1, deadline - time.monotonic()))
+            log.info("%s: told %s engine=%s rank=%d to free %s (no transfer possible)", label, address, engine_id,
+                     tp_rank, request_id)
+        except Exception as e:
+            log.warning("%s: could not tell %s engine=%s rank=%d to free %s: %s", label, address, engine_id,
+                        tp_rank, request_id, e)
+
+    async def remote(self, w: Worker, address: str, engine_id: str, tp_rank: int, tp_size: int,
+                     deadline: float) -> tuple[RemoteWorker, bool]:
+        """The remote worker, handshaking if needed; ``(remote, fresh)``.
+
+        A handshake that fails as unreachable or slow (a transient
+        ``PeerUnavailable``: the daemon's ``handshake_timeout_s``, a refused
+        connection; not a peer failing its token proof) is tried
+        once more when the request's own deadline leaves at least
+        ``BOUNDS.retry_handshake_min_s`` seconds, unless the daemon is draining: a
+        peer starved for a moment (seen on a loaded 2-core machine, the first
+        handshake of a fresh pair taking > 10 s and the next 0.3 s) must not
+        fail a load that still has most of its deadline. Other errors
+        (incompatible, not found, invalid) are final.
+
+        Raises:
+            PeerUnavailable, Incompatible, NotFound, InvalidArgument.
+        """
+        try:
+            return await self._remote_once(w, address, engine_id, tp_rank, tp_size, deadline)
+        except PeerUnavailable as e:
+            if not e.transient or self.rt.draining or deadline - time.monotonic() < BOUNDS.retry_handshake_min_s:
+                raise
+            log.warning("%s: handshake with %s engine=%s rank=%d failed (%s); trying once more within the "
+                        "request's deadline (%.1f s left)", w.label, address, engine_id, tp_rank, e,
+                        deadline - time.monotonic())
+        return await self._remote_once(w, address, engine_id, tp_rank, tp_size, deadline)
+
+    async def _remote_once(self, w: Worker, address: str, engine_id: str, tp_rank: int, tp_size: int,
+                           deadline: float) -> tuple[RemoteWorker, bool]:
+        """The remote worker, handshaking if needed (one try); ``(remote, fresh)``."""
+        key = (address, engine_id, tp_rank)
+        r = w.pairs.remotes.get(key)
+        if r is not None:
+            return r, False
+        fkey = (w.key, key)
+        fut = self._handshakes.get(fkey)
+        if fut is None:
+            # One handshake per remote worker, shared by every request that
+            # needs it. It runs to the daemon's handshake timeout; each request
+            # waits for it only until its own deadline (a request
+            # that joined another's handshake once ended seconds late).
+            fut = asyncio.get_running_loop().create_task(self._do_handshake(w, key, tp_size))
+            self._handshakes[fkey] = fut
+
+            def done(f: asyncio.Future) -> None:
+                self._handshakes.pop(fkey, None)
+                if not f.cancelled():
+                    f.exception()  # retrieved: its waiters report it, asyncio need not log it
+
+            fut.add_done_callback(done)
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), max(0.0, deadline - time.monotonic())), True
+        except asyncio.TimeoutError:
+            raise PeerUnavailable(f"{address}: no handshake answer by the request's deadline") from None
+
+    async def _do_handshake(self, w: Worker, key: PeerKey, tp_size: int) -> RemoteWorker:
+        address, engine_id, tp_rank = key
+        if self.link is None:
+            raise PeerUnavailable("this daemon has no peer client")
+        if not address or ":" not in address:
+            raise InvalidArgument(f"remote address {address!r} is not host:port")
+        timeout = self.rt.limits.handshake_timeout_s
+        t0 = time.monotonic()
+        hs = await self.link.handshake(address, engine_id, tp_rank, w.compat_hash, timeout)
+        if hs.tp_size != tp_size:
+            raise Incompatible(f"remote engine {engine_id!r} has TP size {hs.tp_size}, the request says {tp_size}")
+        check_peer(w, hs, "handshake")
+        # An agent of the same name still loaded (a retired one, or the peer's
+        # old identity) is forgotten first: NIXL keeps one entry per name.
+        for old in [o for o in w.pairs.retired if o.agent_name == hs.agent_name]:
+            w.pairs.retired.remove(old)
+            await self.rt.nixl(self.free_remote, w, old)
+        try:
+            r = await self.pair(w, hs, tp_rank, we_read=True, address=address, engine_id=engine_id)
+        except NixlError as e:
+            raise InvalidArgument(f"agent metadata rejected: {e}") from None
+        if w.key not in self.rt.workers:
+            raise NotFound("local worker unregistered during the handshake")
+        w.pairs.remotes[key] = r
+        self.rt.counters.handshakes += 1
+        self.rt.on_event("handshake", {"seconds": time.monotonic() - t0})
+        log.info("%s: handshake with %s engine=%s rank=%d/%d agent=%s (kvd %s) in %.1f ms: %d chunk(s) x %d slot(s)",
+                 w.label, address, engine_id, tp_rank, hs.tp_size, r.agent_name, hs.daemon_version,
+                 1e3 * (time.monotonic() - t0), r.C, r.k)
+        return r
+
+    async def pair(self, w: Worker, hs: HandshakeResult, peer_rank: int, *, we_read: bool, address: str,
+                    engine_id: str) -> RemoteWorker:
+        """Loads a peer worker's agent into ``w``'s and prepares both
+        descriptor lists of the pair's transfer plan (``kvd.core.plan``).
+
+        ``we_read``: ``w`` is the reader (pull: it READs from the peer);
+        otherwise ``w`` is the source (push: it WRITEs into the peer). The
+        returned RemoteWorker's ``local_dlist`` is always ``w``'s side (its
+        own prepped list when the plan is the identity on its side) and
+        ``remote_dlist`` the peer's. Units: bytes in ``region_bytes``.
+
+        Raises:
+            Incompatible: the layouts cannot be combined.
+            NixlError: NIXL refused the agent metadata or a list (the agent is
+                unloaded again).
+        """
+        ours = w.geometry()
+        theirs = plan.Geometry(peer_rank, hs.tp_size, hs.layout, tuple(hs.regions),
+                               hs.layout.model_kv_heads(hs.tp_size))
+        reader, source = (ours, theirs) if we_read else (theirs, ours)
+        k, C, chunk_sets, reader_identity, source_identity = pair_plan(reader, source)
+        our_rows_of, their_rows_of = (plan.local_rows, plan.remote_rows) if we_read else (plan.remote_rows,
+                                                                                          plan.local_rows)
+        identity = reader_identity if we_read else source_identity
+        our_rows = None if identity else our_rows_of(w.mem.bases, w.regions, w.layout.num_blocks, chunk_sets, k)
+        their_rows = their_rows_of(hs.region_bases, hs.regions, hs.layout.num_blocks, chunk_sets, k)
+
+        def add():
+            name = self._load_agent(w, hs.agent_name, hs.agent_metadata)
+            try:
+                theirs_dlist = w.agent.prep_remote(name, on_device(their_rows, hs.device), hs.memory)
+                ours_dlist = (w.mem.local_dlist if our_rows is None
+                              else w.agent.prep_local(on_device(our_rows, w.mem.device), w.mem.memory))
+                return name, theirs_dlist, ours_dlist
+            except Exception:
+                self._unload_agent(w, name)
+                raise
+
+        name, theirs_dlist, ours_dlist = await self.rt.nixl(add)
+        src_bytes = tuple(int(c[:C, 3].sum()) for c in chunk_sets)
+        return RemoteWorker(address, engine_id, peer_rank, hs.tp_size, name, hs.layout, len(hs.regions), k, C,
+                            ours_dlist, theirs_dlist, our_rows is not None, hs.daemon_version, src_bytes,
+                            tuple(x.group for x in w.regions))
+
+    # ------------------------------------------------------------- peer side
+    async def handshake_info(self, engine_id: str, tp_rank: int, caller_hash: str,
+                             protocol_version: int = PROTOCOL_VERSION) -> HandshakeResult:
+        """Answers a remote daemon's handshake for our worker.
+
+        Raises:
+            NotFound: no such worker here.
+            Incompatible: other protocol version, or ``caller_hash`` differs
+                from the worker's hash (the message names both).
+        """
+        w = self.rt.worker(engine_id, tp_rank)
+        if protocol_version != PROTOCOL_VERSION:
+            raise Incompatible(f"protocol version mismatch: caller speaks {protocol_version}, "
+                               f"this daemon {PROTOCOL_VERSION} (kvd {__version__})")
+        if caller_hash and caller_hash != w.compat_hash:
+            raise Incompatible(
+                f"compatibility hash mismatch for engine {engine_id!r} rank {tp_rank}: "
+                f"caller {caller_hash}, this worker {w.compat_hash}"
+            )
+        return await self.describe(w)
+
+    async def describe(self, w: Worker) -> HandshakeResult:
+        """``w`` as a handshake describes it (agent metadata, layout, regions)."""
+        meta = await self.rt.nixl(w.agent.metadata)
+        return HandshakeResult(meta, w.agent.name, w.layout, w.regions, w.mem.bases, w.compat_hash, __version__,
+                               PROTOCOL_VERSION, w.tp_size, memory=w.mem.memory, device=w.mem.device)
+
+    # --------------------------------------------------------------- progress

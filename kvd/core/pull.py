@@ -1,0 +1,326 @@
+"""Pull: the decode side's load path (docs/DESIGN.md "Transfer protocol").
+
+A :class:`~kvd.requests.LoadRequest` arrives from the engine's session; the
+load handshakes once per (local worker, source rank) pair (``kvd.core.peers``),
+then posts one NIXL READ per source rank the plan reads from, each with a
+notification naming the remote request; source ranks it does not read from
+get a bare notification. The progress loop (``kvd.core.progress``) polls the
+READs and calls :meth:`Pull.finish`: ``RecvDone``, or ``LoadFailed`` naming
+the local block ids. In push mode the same checks run, then
+``kvd.core.push`` asks the source ranks to WRITE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from kvd import tracepoints as tp
+from kvd.core import layout as lay
+from kvd.core import plan
+from kvd.core.events import (
+    CommandRejected,
+    FailureKind,
+    Incompatible,
+    InvalidArgument,
+    NotFound,
+    PeerUnavailable,
+    RecvDone,
+)
+from kvd.core.layout import LayoutError
+from kvd.core.leases import notif_message
+from kvd.core.limits import BOUNDS
+from kvd.core.nixl_agent import NixlAgent, NixlError
+from kvd.core.peers import Peers
+from kvd.core.push import Push
+from kvd.core.runtime import Runtime
+from kvd.core.state import InflightLoad, RemoteWorker, Worker
+from kvd.requests import LoadRequest, flat
+
+log = logging.getLogger("kvd.core")
+
+K = FailureKind
+
+
+class Pull:
+    """Loads of every decode worker (``Worker.inflight``, ``Worker.pending_loads``).
+
+    Args:
+        rt: the core's shared state.
+        peers: handshakes and remote workers.
+        push: the push-mode reader side (``Limits.transfer_mode == "push"``).
+    """
+
+    def __init__(self, rt: Runtime, peers: Peers, push: Push):
+        self.rt = rt
+        self.peers = peers
+        self.push = push
+
+    async def load(self, w: Worker, req: LoadRequest, *, retry_deadline: float | None = None) -> None:
+        """Pulls ``req.remote_groups`` into ``req.local_groups``; emits
+        ``RecvDone`` or ``LoadFailed`` (naming every local block id).
+
+        ``retry_deadline``: this is the one second try of a load whose READ
+        failed on a cached remote agent (the peer may have restarted with a
+        new agent); it keeps the first try's deadline and is not tried again.
+
+        Never raises: an unexpected error (a bug, or peer input no check
+        foresaw) still ends the request with ``LoadFailed``, so no request
+        is left without an answer.
+        """
+        tp.hit(tp.LOAD, req.request_id)
+        try:
+            await self._load(w, req, retry_deadline)
+        except Exception as e:
+            log.exception("%s request=%s: load failed unexpectedly", w.label, req.request_id)
+            w.pending_loads.discard(req.request_id)
+            if req.request_id not in w.inflight:
+                self.rt.fail_load(w, req.request_id, req.local_block_ids, K.INTERNAL,
+                                  f"internal: {type(e).__name__}: {e}", req.remote_address)
+
+    def _fail(self, w: Worker, req: LoadRequest, kind: FailureKind, reason: str) -> None:
+        self.rt.fail_load(w, req.request_id, req.local_block_ids, kind, reason, req.remote_address)
+
+    async def _load(self, w: Worker, req: LoadRequest, retry_deadline: float | None) -> None:
+        """See :meth:`load`. Block ids come per KV-cache group:
+        ``remote_groups[g][i]`` fills slot ``i % k`` of local block
+        ``local_groups[g][i // k]`` (``k`` = local / remote block size).
+        Reads from every source rank the plan needs (``remote_tp_size`` 0
+        means the local TP size) and notifies all overlapping ones."""
+        rid = req.request_id
+        started = time.monotonic()
+        epoch = w.session.epoch
+        deadline = retry_deadline or started + self.rt.timeout(req.timeout_s)
+        if not rid or rid in w.inflight or (rid in w.pending_loads and retry_deadline is None):
+            self.rt.emit(w, CommandRejected(rid, "load: empty or duplicate request_id"))
+            return
+        if self.rt.draining and retry_deadline is None:
+            return self._fail(w, req, K.DRAINING, "draining: daemon is shutting down")
+        if not any(req.remote_groups):
+            # Nothing to move (a full local prefix hit, or the request ended
+            # before its load): done at once, and the source is told nobody
+            # will read, so it frees its blocks now rather than at lease end.
+            self.rt.emit(w, RecvDone(rid, 0, 0, 0, 0.0))
+            if req.remote_request_id and req.remote_address:
+                asyncio.get_running_loop().create_task(self.abort_load(
+                    w, rid, req.remote_engine_id, req.remote_address, req.remote_request_id, req.remote_tp_size))
+            return
+        limit = self.rt.limits.max_blocks_per_request
+        local_ids = req.local_block_ids
+        if max(len(local_ids), len(flat(req.remote_groups))) > limit:
+            return self._fail(w, req, K.INVALID, f"invalid: more than {limit} blocks")
+        if len(w.inflight) + len(w.pending_loads) >= self.rt.limits.max_inflight_per_worker:
+            return self._fail(w, req, K.BUSY, "busy: too many loads in flight for this worker")
+        try:  # local input is checked before any network or NIXL call
+            lay.descriptor_indices(local_ids, 1, w.layout.num_blocks)
+        except LayoutError as e:
+            return self._fail(w, req, K.INVALID, f"invalid: local {e}")
+        if req.remote_tp_size > BOUNDS.max_tp_size:
+            return self._fail(w, req, K.INVALID,
+                              f"invalid: remote TP size {req.remote_tp_size} exceeds {BOUNDS.max_tp_size}")
+        remote_tp = req.remote_tp_size or w.tp_size
+        geo = w.geometry()
+        mla = w.layout.kv_layout == "MLA"
+        try:
+            read_from, notify = plan.source_ranks(w.key[1], w.tp_size, remote_tp, geo.total_kv_heads, mla)
+        except plan.PlanError as e:
+            return self._fail(w, req, K.INCOMPATIBLE, f"incompatible: {e}")
+        w.pending_loads.add(rid)
+        if self.rt.limits.transfer_mode == "push":
+            try:
+                failure = await self.push.load(w, req, remote_tp, read_from, notify, started, deadline)
+            finally:
+                w.pending_loads.discard(rid)
+            if failure is not None:
+                self._fail(w, req, *failure)
+            return
+
+        def expected(p: int) -> int:
+            return plan.expected_notifications(p, remote_tp, w.tp_size, geo.total_kv_heads, mla)
+
+        posted: list[tuple[object, RemoteWorker]] = []
+        nbytes = ndescs = 0
+        posts_s = 0.0
+        fresh_any = False
+        err: tuple[FailureKind, str] | None = None
+        remotes: dict[int, RemoteWorker] = {}
+        try:
+            try:
+                for p in notify:
+                    remotes[p], fresh = await self.peers.remote(w, req.remote_address, req.remote_engine_id, p,
+                                                                remote_tp, deadline)
+                    fresh_any |= fresh
+            except Incompatible as e:
+                # Nobody will ever read these blocks: free them on the source
+                # now (by gRPC: there is no NIXL pair), not at its lease's end.
+                for p in notify:
+                    asyncio.get_running_loop().create_task(self.peers.notify_by_rpc(
+                        req.remote_address, req.remote_engine_id, p, req.remote_request_id, expected(p),
+                        deadline, w.label))
+                return self._fail(w, req, K.HANDSHAKE, f"handshake: {e}")
+            except (NotFound, PeerUnavailable, InvalidArgument) as e:
+                return self._fail(w, req, K.HANDSHAKE, f"handshake: {e}")
+            if w.key not in self.rt.workers:
+                return self._fail(w, req, K.UNREGISTERED, "worker unregistered")
+            if w.session.epoch != epoch:
+                log.info("%s request=%s: session ended during the handshake; load dropped", w.label, rid)
+                return
+            for p in read_from:
+                r = remotes[p]
+                try:
+                    lidx, ridx = plan.chunk_indices(req.local_groups, req.remote_groups, r.num_regions,
+                                                    w.layout.num_blocks, r.layout.num_blocks, r.k, r.C,
+                                                    r.region_groups)
+                except LayoutError as e:
+                    err = (K.INVALID, f"invalid: {e}")
+                    break
+                msg = notif_message(req.remote_request_id, expected(p))
+                try:
+                    handle, state, post_s = await self.rt.nixl(self._post, rid, w.agent, "READ", r.local_dlist,
+                                                                lidx, r.remote_dlist, ridx, msg)
+                    posts_s += post_s
+                except NixlError as e:
+                    err = (K.NIXL, f"nixl: {e}")
+                    break
+                if handle is not None:
+                    posted.append((handle, r))
+                if state == "ERR":
+                    err = (K.NIXL, "nixl: transfer post returned ERR")
+                    break
+                ndescs += len(lidx)
+                nbytes += r.transfer_bytes(req.remote_groups)
+            else:
+                for p in notify:
+                    if p not in read_from:
+                        await self.rt.nixl(w.agent.send_notif, remotes[p].agent_name,
+                                           notif_message(req.remote_request_id, expected(p)))
+        except NixlError as e:
+            err = (K.NIXL, f"nixl: {e}")
+        finally:
+            w.pending_loads.discard(rid)
+        retry = not fresh_any and retry_deadline is None
+        if err:
+            for h, r in posted:
+                await self.rt.nixl(self.rt.release_handle, w.agent, h)
+            if retry and err[0] is K.NIXL and w.key in self.rt.workers:
+                for _, r in posted:
+                    self.peers.retire(w, r, err[1])
+                for p in read_from:
+                    self.peers.retire(w, remotes[p], err[1])
+                return await self.load(w, req, retry_deadline=deadline)
+            return self._fail(w, req, *err)
+        w.inflight[rid] = InflightLoad(req, posted, started, deadline, nbytes, ndescs, retry, post_s=posts_s)
+        if not posted:  # every READ was done when posted: no poll round to wait for
+            self.finish(w, rid, time.monotonic())
+            return
+        self.rt.kick.set()
+
+    def _post(self, request_id: str, agent: NixlAgent, op: str, local, lidx, remote, ridx, msg: bytes):
+        """NIXL thread: posts a transfer; ``(handle, state, seconds inside the
+        post call)``. One already DONE (UCX moves shared-memory bytes inside
+        the post) is released here and its handle is None: nothing is left
+        to poll. One still in progress is checked again for up to
+        ``BOUNDS.post_spin_s`` first (its notification is usually a moment
+        from done): cheaper than a round through the progress loop
+        (docs/PERFORMANCE.md, "fast path")."""
+        tp.hit(tp.POST, request_id)
+        t0 = time.monotonic()
+        handle, state = agent.post(op, local, lidx, remote, ridx, msg)
+        post_s = time.monotonic() - t0
+        spin = BOUNDS.post_spin_s
+        if state == "PROC" and spin > 0:
+            until = time.monotonic() + spin
+            while state == "PROC" and time.monotonic() < until:
+                state = agent.state(handle)
+        tp.hit(tp.POSTED, request_id, state)
+        if state == "DONE":
+            self.rt.release_handle(agent, handle)
+            return None, state, post_s
+        return handle, state, post_s
+
+    def read_failed(self, w: Worker, request_id: str, source: RemoteWorker) -> None:
+        """A posted READ of ``request_id`` ended in error; the load ends (or
+        is tried again) when its other READs are done."""
+        load = w.inflight.get(request_id)
+        if load is not None and not load.failed:
+            load.failed = f"transfer: NIXL error reading from {source.agent_name}"
+            load.kind = K.TRANSFER
+            self.peers.retire(w, source, "READ failed")
+
+    def finish(self, w: Worker, request_id: str, now: float) -> None:
+        """Every READ of ``request_id`` is done: ``RecvDone``, a second try
+        (after a failed READ on a cached remote, within the deadline), or
+        ``LoadFailed``."""
+        load = w.inflight.pop(request_id, None)
+        if load is None:
+            return
+        req = load.req
+        if not load.failed:
+            dur = now - load.started
+            self.rt.counters.bytes_read += load.nbytes
+            self.rt.counters.transfers_done += 1
+            self.rt.on_event("transfer", {"bytes": load.nbytes, "seconds": dur, "descs": load.ndescs})
+            log.debug("%s request=%s: %d bytes in %.2f ms", w.label, request_id, load.nbytes, dur * 1e3)
+            self.rt.emit(w, RecvDone(request_id, load.nbytes, len(req.local_block_ids), load.ndescs, dur,
+                                     load.post_s))
+        elif load.retry and now < load.deadline:
+            log.info("%s request=%s: %s; retrying after a new handshake", w.label, request_id, load.failed)
+            asyncio.get_running_loop().create_task(self.load(w, req, retry_deadline=load.deadline))
+        else:
+            self._fail(w, req, load.kind or K.TRANSFER, load.failed)
+
+    def expire(self, now: float) -> None:
+        """Fails every load past its deadline; its READs are cancelled by the next poll."""
+        for w in list(self.rt.workers.values()):
+            for load in [l for l in w.inflight.values() if l.deadline <= now]:
+                w.inflight.pop(load.req.request_id)
+                self._fail(w, load.req, K.TIMEOUT, "timeout: transfer past its deadline")
+                for h, r in load.parts:
+                    self.peers.retire(w, r, "transfer past its deadline")
+                    self.rt.zombies.append((w.agent, h))  # released (or cancelled) by the next poll
+
+    def cancel(self, w: Worker) -> None:
+        """The worker's last session ended: the shim reports every load sent
+        on the broken stream as failed and vLLM may reuse those blocks, so no
+        READ of them may go on."""
+        for load in list(w.inflight.values()):
+            del w.inflight[load.req.request_id]
+            self.rt.counters.transfers_failed += 1
+            self.rt.zombies.extend((w.agent, h) for h, _ in load.parts)  # the next poll cancels/releases
+            log.warning("%s request=%s: session ended; load cancelled", w.label, load.req.request_id)
+
+    async def abort_load(self, w: Worker, request_id: str, remote_engine_id: str, remote_address: str,
+                         remote_request_id: str, remote_tp_size: int) -> None:
+        """Tells the remote prefill ranks to free ``remote_request_id`` now.
+
+        The decode request was aborted before its load: bare NIXL
+        notifications end the remote lease, as READs' would. Failures are
+        logged, never raised: the remote lease bounds the hold.
+        """
+        deadline = time.monotonic() + self.rt.limits.handshake_timeout_s
+        if remote_tp_size > BOUNDS.max_tp_size:
+            log.warning("%s request=%s: abort ignored: remote TP size %d exceeds %d", w.label, request_id,
+                        remote_tp_size, BOUNDS.max_tp_size)
+            return
+        remote_tp = remote_tp_size or w.tp_size
+        mla = w.layout.kv_layout == "MLA"
+        heads = w.layout.model_kv_heads(w.tp_size)
+        try:
+            _, notify = plan.source_ranks(w.key[1], w.tp_size, remote_tp, heads, mla)
+            for p in notify:
+                expected = plan.expected_notifications(p, remote_tp, w.tp_size, heads, mla)
+                try:
+                    remote, _ = await self.peers.remote(w, remote_address, remote_engine_id, p, remote_tp, deadline)
+                except Incompatible:
+                    # No NIXL pair with an incompatible peer (a refused layout
+                    # or block size): PeerService.Notify frees it by gRPC.
+                    await self.peers.notify_by_rpc(remote_address, remote_engine_id, p, remote_request_id,
+                                                   expected, deadline, w.label)
+                    continue
+                await self.rt.nixl(w.agent.send_notif, remote.agent_name, notif_message(remote_request_id, expected))
+            log.info("%s request=%s: aborted; told %s to free %s", w.label, request_id, remote_address,
+                     remote_request_id)
+        except Exception as e:
+            log.warning("%s request=%s peer=%s: abort notification failed: %s", w.label, request_id,
+                        remote_address, e)

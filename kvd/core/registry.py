@@ -1,0 +1,248 @@
+"""Registry: the engine workers registered with this daemon.
+
+Registration maps a worker's segments (POSIX shm, or CUDA IPC opened on its
+GPU, ``kvd.core.cuda_ipc``; mirrors for the staged data path), makes its NIXL
+agent and registers its memory; unregistration frees all of it. Sessions
+attach to and detach from a worker; a worker detached past
+``Limits.detach_grace_s`` is dropped by the progress loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+
+from kvd.core import cuda_ipc
+from kvd.core import layout as lay
+from kvd.core.events import AlreadyExists, InvalidArgument, NotFound, PermissionDenied
+from kvd.core.layout import Layout, LayoutError, Region
+from kvd.core.leases import LeaseTable
+from kvd.core.limits import BOUNDS
+from kvd.core.memory import Access, SegmentAccessError, SegmentError, ShmMapping, create_shm, unlink_shm
+from kvd.core.nixl_agent import NixlAgent, NixlError
+from kvd.core.peers import Peers, on_device
+from kvd.core.runtime import Runtime
+from kvd.core.state import Owner, Segment, Worker, WorkerKey, WorkerMemory
+
+log = logging.getLogger("kvd.core")
+
+
+class Registry:
+    """Registers and drops engine workers (``Runtime.workers``).
+
+    Args:
+        rt: the core's shared state.
+        peers: frees a dropped worker's remote agents.
+        backends: NIXL backends of every agent (``["UCX"]`` by default).
+    """
+
+    def __init__(self, rt: Runtime, peers: Peers, backends: list[str]):
+        self.rt = rt
+        self.peers = peers
+        self.backends = backends
+
+    async def register(
+        self,
+        engine_id: str,
+        tp_rank: int,
+        tp_size: int,
+        layout: Layout,
+        segments: list[Segment],
+        regions: list[Region],
+        model: str = "",
+        compat_extra: str = "",
+        staged: bool | None = False,
+        owner_pid: int = 0,
+        owner: Owner | None = None,
+    ) -> Worker:
+        """Maps the worker's segments, makes its NIXL agent, registers memory.
+
+        ``staged``: the daemon makes a mirror segment of each size and
+        registers those instead (``WorkerMemory.staging`` names them); the shim
+        copies blocks between its cache and the mirror. CUDA IPC segments
+        (``kvd.core.cuda_ipc``) are opened on their GPU and
+        registered as VRAM; their mirrors are daemon-owned VRAM, and
+        ``staged=None`` (``data_path = auto``) lets the daemon choose
+        (``kvd.core.path_select``). Staged CUDA segments on a daemon
+        without a GPU get shm mirrors (the shim copies through host
+        memory). ``owner``: who registered (the gate's view of the caller);
+        each shm segment must be one it could read and write itself (None:
+        not checked). ``owner_pid``: the process that made the segments
+        (``RegisterEngineRequest.owner_pid``; 0: unknown).
+
+        Raises:
+            InvalidArgument: bad ids, layout or regions, or a segment that is
+                missing or smaller than asked (nothing stays mapped).
+            PermissionDenied: ``owner`` may not read and write a segment.
+            AlreadyExists: the worker is registered already.
+        """
+        if not engine_id or len(engine_id) > BOUNDS.max_engine_id_chars:
+            raise InvalidArgument(f"engine_id must be 1..{BOUNDS.max_engine_id_chars} characters")
+        if not 1 <= tp_size <= BOUNDS.max_tp_size:
+            raise InvalidArgument(f"tp_size must be in 1..{BOUNDS.max_tp_size} (got {tp_size})")
+        if not 0 <= tp_rank < tp_size:
+            raise InvalidArgument(f"tp_rank {tp_rank} must be in 0..tp_size-1 (tp_size {tp_size})")
+        if (engine_id, tp_rank) in self.rt.workers:
+            raise AlreadyExists(f"engine {engine_id!r} rank {tp_rank} is already registered")
+        if not segments or len(segments) > BOUNDS.max_regions:
+            raise InvalidArgument(f"a worker registers 1..{BOUNDS.max_regions} segments (got {len(segments)})")
+        try:
+            lay.validate(layout, regions, [s.size for s in segments])
+        except LayoutError as e:
+            raise InvalidArgument(str(e)) from None
+        access = Access(owner.uid, owner.gids) if owner is not None else None
+        mappings: list[ShmMapping] = []
+        staging: list[str] = []
+        cuda = None
+        try:
+            kinds = {s.kind for s in segments}
+            if len(kinds) > 1:
+                raise SegmentError(f"a worker's segments must all be of one kind (got {sorted(kinds)})")
+            if cuda_ipc.KIND in kinds and cuda_ipc.wants_vram(staged):
+                cuda = await self.rt.nixl(cuda_ipc.open_segments, segments,
+                                        "auto" if staged is None else "staged" if staged else "direct")
+                mappings, staged = cuda.mappings, cuda.staged
+            else:
+                staged = bool(staged)
+                for s in segments:
+                    if staged:
+                        staging.append(create_shm(s.size))
+                    mappings.append(ShmMapping(staging[-1] if staged else s.name, s.size, None if staged else access))
+        except (SegmentError, OSError) as e:
+            for m in mappings:
+                m.close()
+            for n in staging:
+                unlink_shm(n)
+            raise (PermissionDenied if isinstance(e, SegmentAccessError) else InvalidArgument)(str(e)) from None
+        name = f"kvd-{engine_id}-r{tp_rank}-{uuid.uuid4().hex[:8]}"
+        try:
+            agent, regs, dlist = await self.rt.nixl(self._make_agent, name, mappings, layout, regions,
+                                                  "VRAM" if cuda else "DRAM", cuda.device if cuda else 0)
+        except NixlError as e:
+            for m in mappings:
+                m.close()
+            for n in staging:
+                unlink_shm(n)
+            raise InvalidArgument(str(e)) from None
+        w = Worker(
+            key=(engine_id, tp_rank),
+            tp_size=tp_size,
+            model=model,
+            layout=layout,
+            regions=regions,
+            compat_hash=lay.compat_hash(model, layout, tp_size, len(regions), compat_extra),
+            mem=WorkerMemory(
+                agent=agent,
+                mappings=mappings,
+                registrations=regs,
+                bases=[mappings[r.segment].addr + r.offset for r in regions],
+                local_dlist=dlist,
+                registered_bytes=sum(s.size for s in segments),
+                memory="VRAM" if cuda else "DRAM",
+                device=cuda.device if cuda else 0,
+                staged=staged,
+                staging=staging,
+                segment_names=[] if staged or cuda else [s.name for s in segments],
+                owner_pid=owner_pid,
+                data_path_reason=cuda.choice.reason if cuda else "",
+            ),
+            owner=owner,
+            leases=LeaseTable(early_s=self.rt.limits.early_notif_s),
+        )
+        w.session.detached_since = time.monotonic()
+        self.rt.workers[w.key] = w
+        log.info(
+            "registered %s (TP %d): agent %s, %d regions x %d blocks of %d tokens (%s), %d bytes in %d segments, "
+            "hash %s", w.label, tp_size, name, len(regions), layout.num_blocks, layout.block_size,
+            layout.kv_layout, w.mem.registered_bytes, len(segments), w.compat_hash,
+        )
+        if cuda:
+            log.info("%s: VRAM on device %d, %s data path (%s)", w.label, w.mem.device,
+                     "staged" if staged else "direct", cuda.choice.reason)
+            if cuda.choice.warning:
+                log.warning("%s: %s", w.label, cuda.choice.warning)
+        self.rt.on_event("register", {"engine": engine_id})
+        return w
+
+    def _make_agent(self, name, mappings, layout, regions, memory="DRAM", device=0):
+        agent = NixlAgent(name, self.backends)
+        regs = []
+        try:
+            for m in mappings:
+                regs.append(agent.register_memory(m.addr, m.size, memory, device))
+            bases = [mappings[r.segment].addr + r.offset for r in regions]
+            dlist = agent.prep_local(on_device(lay.block_descriptors(bases, regions, layout.num_blocks), device),
+                                     memory)
+        except Exception:
+            for r in regs:
+                agent.deregister(r)
+            raise
+        return agent, regs, dlist
+
+    async def unregister(self, key: WorkerKey, reason: str = "unregistered", engine_gone: bool = False) -> int:
+        """Drops a worker: fails its loads, ends its leases, frees NIXL state.
+
+        ``engine_gone``: the worker's session has been gone past the grace
+        period; if its owner process is dead too, its segment names are
+        unlinked (see ``RegisterEngineRequest.owner_pid``).
+        Returns the number of leases released. Raises NotFound.
+        """
+        w = self.rt.workers.pop(key, None)
+        if w is None:
+            raise NotFound(f"engine {key[0]!r} rank {key[1]} is not registered with this daemon")
+        self.rt.counters.transfers_failed += len(w.inflight)
+        released = len(w.leases)
+        await self.rt.nixl(self._free_worker, w)
+        for m in w.mem.mappings:
+            m.close()
+        for n in w.mem.staging:
+            unlink_shm(n)
+        if engine_gone and w.mem.owner_pid > 0 and not os.path.exists(f"/proc/{w.mem.owner_pid}"):
+            for n in w.mem.segment_names:
+                unlink_shm(n)
+            log.info("%s: engine process %d is gone; unlinked its %d segment(s)", w.label, w.mem.owner_pid,
+                     len(w.mem.segment_names))
+        log.info("unregistered %s (%s): %d leases, %d loads dropped", w.label, reason, released, len(w.inflight))
+        w.inflight.clear()
+        w.leases.leases.clear()
+        return released
+
+    def _free_worker(self, w: Worker) -> None:
+        """NIXL thread: releases every handle, list, remote and registration of ``w``."""
+        for load in w.inflight.values():
+            for h, _ in load.parts:
+                self.rt.release_handle(w.agent, h)
+        for r in w.pairs.all():
+            self.peers.free_remote(w, r)
+        w.pairs.remotes.clear()
+        w.pairs.retired.clear()
+        w.pairs.readers.clear()
+        try:
+            w.agent.release_dlist(w.mem.local_dlist)
+        except Exception:
+            pass
+        for reg in w.mem.registrations:
+            try:
+                w.agent.deregister(reg)
+            except Exception as e:
+                log.warning("%s: deregister: %s", w.label, e)
+
+    def attach(self, engine_id: str, tp_rank: int) -> Worker:
+        """A session stream opened for the worker; returns it. Raises NotFound."""
+        w = self.rt.worker(engine_id, tp_rank)
+        w.session.streams += 1
+        w.session.detached_since = None
+        return w
+
+    def detach(self, w: Worker) -> bool:
+        """The worker's session stream ended (the engine may reconnect).
+        True when it was the last one: its loads must end (``Pull.cancel``)."""
+        s = w.session
+        s.streams = max(0, s.streams - 1)
+        if s.streams:
+            return False
+        s.detached_since = time.monotonic()
+        s.epoch += 1
+        return True

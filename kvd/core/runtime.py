@@ -1,0 +1,100 @@
+"""What every room of the core shares: bounds, counters, the registered
+workers, the NIXL thread, event delivery and the metrics hook.
+
+One ``Runtime`` per daemon, made by ``kvd.core.node.Node`` and handed to each
+room (``registry``, ``peers``, ``holds``, ``pull``, ``push``, ``progress``);
+the rooms keep no state of their own beyond what they name.
+
+Every NIXL call runs on one thread (``kvd-nixl``): the asyncio event loop
+never blocks on NIXL, and no agent is used from two threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from kvd.core.events import Event, FailureKind, LoadFailed, NotFound
+from kvd.core.limits import BOUNDS, Limits
+from kvd.core.nixl_agent import NixlAgent
+from kvd.core.state import Counters, Worker, WorkerKey
+
+log = logging.getLogger("kvd.core")
+
+
+class Runtime:
+    """Shared state of one daemon's core.
+
+    Args:
+        limits: deadlines and bounds.
+        on_event: hook ``(name, fields)`` for metrics: ``transfer`` (bytes,
+            seconds, descs), ``failure`` (kind: a ``FailureKind``),
+            ``handshake`` (seconds), ``register`` (engine).
+    """
+
+    def __init__(self, limits: Limits, on_event: Callable[[str, dict], None] | None = None):
+        self.limits = limits
+        self.on_event = on_event or (lambda name, fields: None)
+        self.workers: dict[WorkerKey, Worker] = {}
+        self.counters = Counters()
+        self.started = time.monotonic()
+        # NIXL transfer handles not released yet (NIXL refused while still
+        # in progress): the next poll tries again; ``leaked_handles`` in stats.
+        self.zombies: list[tuple[NixlAgent, object]] = []
+        self.kick = asyncio.Event()  # wakes the progress loop (a transfer was posted)
+        self.draining = False  # set at SIGTERM: no new loads or sessions, no second tries
+        self.closing = False
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvd-nixl")
+
+    async def nixl(self, fn, *args):
+        """Runs ``fn(*args)`` on the NIXL thread; returns its result, raises its error."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def shutdown(self) -> None:
+        """Stops the NIXL thread (after its last call)."""
+        self._pool.shutdown(wait=True)
+
+    def timeout(self, timeout_s: float) -> float:
+        """A request's timeout (seconds): the daemon default for 0, negative or NaN; capped."""
+        if not timeout_s > 0:
+            return self.limits.transfer_timeout_s
+        return min(timeout_s, self.limits.max_transfer_timeout_s)
+
+    def worker(self, engine_id: str, tp_rank: int) -> Worker:
+        """The registered worker ``(engine_id, tp_rank)``.
+
+        Raises:
+            NotFound: no such worker on this daemon.
+        """
+        w = self.workers.get((engine_id, tp_rank))
+        if w is None:
+            raise NotFound(f"engine {engine_id!r} rank {tp_rank} is not registered with this daemon")
+        return w
+
+    def emit(self, w: Worker, ev: Event) -> None:
+        """Queues ``ev`` for ``w``'s session (the oldest event is dropped past
+        ``BOUNDS.max_pending_events``, for a session gone for long)."""
+        events = w.session.events
+        if len(events) >= BOUNDS.max_pending_events:
+            dropped = events.popleft()
+            log.warning("%s: event queue full, dropped %s", w.label, dropped)
+        events.append(ev)
+        w.session.wakeup.set()
+
+    def fail_load(self, w: Worker, request_id: str, block_ids: list[int], kind: FailureKind, reason: str,
+                  peer: str = "") -> None:
+        """Ends a load as failed: counted, logged, reported to metrics, and
+        ``LoadFailed`` naming ``block_ids`` (local, flat) queued for the engine.
+        ``reason`` starts with ``kind``'s word (``"timeout: ..."``)."""
+        self.counters.transfers_failed += 1
+        log.warning("%s request=%s peer=%s: load failed: %s", w.label, request_id, peer or "?", reason)
+        self.on_event("failure", {"kind": kind})
+        self.emit(w, LoadFailed(request_id, block_ids, reason, kind))
+
+    def release_handle(self, agent: NixlAgent, handle) -> None:
+        """NIXL thread: releases a transfer handle, or keeps it for the next poll."""
+        if not agent.release(handle):
+            self.zombies.append((agent, handle))

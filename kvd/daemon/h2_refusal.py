@@ -1,0 +1,98 @@
+"""A gRPC refusal without gRPC: the gate's answer to a caller it does not admit.
+
+The engine socket's gate (kvd/daemon/local_gate.py) must not hand a refused
+caller's connection to the gRPC server (three daemon fds per connection,
+held as long as the caller likes), yet the caller should learn why, as a
+gRPC status with a message rather than a bare hang-up. ``Refusal`` speaks
+just enough HTTP/2 (RFC 9113) and HPACK (RFC 7541) for that, in gRPC's
+trailers-only response form (grpc/grpc doc/PROTOCOL-HTTP2.md).
+"""
+
+from __future__ import annotations
+
+import grpc
+
+_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"  # RFC 9113 3.4: every client connection starts with it
+_MAX_FRAME = 16384       # SETTINGS_MAX_FRAME_SIZE's initial value (RFC 9113 6.5.2): a peer sends no larger
+_SETTINGS, _HEADERS, _GOAWAY = 0x4, 0x1, 0x7
+_ACK, _END_STREAM_HEADERS = 0x1, 0x1 | 0x4
+
+
+def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream.to_bytes(4, "big") + payload
+
+
+def _hpack_string(b: bytes) -> bytes:
+    """An HPACK string literal, not Huffman-coded (RFC 7541 5.1, 5.2)."""
+    n, out = len(b), bytearray()
+    if n < 127:
+        out.append(n)
+    else:
+        out.append(127)
+        n -= 127
+        while n >= 128:
+            out.append(n & 127 | 128)
+            n >>= 7
+        out.append(n)
+    return bytes(out) + b
+
+
+def refusal_headers(code: grpc.StatusCode, message: str) -> bytes:
+    """The HPACK block of a gRPC trailers-only response (``:status 200``,
+    ``content-type``, ``grpc-status``, ``grpc-message`` percent-encoded as
+    gRPC's PROTOCOL-HTTP2.md says), with no dynamic table entries."""
+    pct = "".join(chr(b) if 0x20 <= b <= 0x7E and b != 0x25 else f"%{b:02X}" for b in message.encode())
+    block = b"\x88"  # :status 200, static table entry 8 (RFC 7541 appendix A)
+    for name, value in ((b"content-type", b"application/grpc"), (b"grpc-status", str(code.value[0]).encode()),
+                        (b"grpc-message", pct.encode())):
+        block += b"\x00" + _hpack_string(name) + _hpack_string(value)  # literal, never indexed
+    return block
+
+
+class Refusal:
+    """Answers the first call on a refused caller's connection, then closes it.
+
+    The gate speaks just enough HTTP/2 for that: its SETTINGS (the server's
+    preface) at once, an ACK of the client's SETTINGS, then on the first
+    HEADERS frame a trailers-only response with ``code`` and ``message``,
+    GOAWAY and close. Anything else (not HTTP/2, a frame over 16 KiB) closes
+    the connection. The client's header block is never decoded.
+    """
+
+    def __init__(self, transport, code: grpc.StatusCode, message: str):
+        self.transport = transport
+        self.code, self.message = code, message
+        self.buf = b""
+        self.started = False
+        self.done = False
+        transport.write(_frame(_SETTINGS, 0, 0))
+
+    def feed(self, data: bytes) -> None:
+        if self.done:
+            return
+        self.buf += data
+        if not self.started:
+            if not _PREFACE.startswith(self.buf[:len(_PREFACE)]):
+                return self.close()
+            if len(self.buf) < len(_PREFACE):
+                return
+            self.buf, self.started = self.buf[len(_PREFACE):], True
+        while len(self.buf) >= 9:
+            length, kind, flags = int.from_bytes(self.buf[:3], "big"), self.buf[3], self.buf[4]
+            stream = int.from_bytes(self.buf[5:9], "big") & 0x7FFFFFFF
+            if length > _MAX_FRAME:
+                return self.close()
+            if len(self.buf) < 9 + length:
+                return
+            self.buf = self.buf[9 + length:]
+            if kind == _SETTINGS and not flags & _ACK:
+                self.transport.write(_frame(_SETTINGS, _ACK, 0))
+            elif kind == _HEADERS and stream:
+                self.transport.write(_frame(_HEADERS, _END_STREAM_HEADERS, stream,
+                                            refusal_headers(self.code, self.message)))
+                self.transport.write(_frame(_GOAWAY, 0, 0, stream.to_bytes(4, "big") + bytes(4)))
+                return self.close()
+
+    def close(self) -> None:
+        self.done = True
+        self.transport.close()  # what was written still goes out first

@@ -1,0 +1,76 @@
+"""What ``kvd health`` and ``kvd status`` ask a running daemon, and the exit
+code each answer means (codes: :mod:`kvd.usage`). The CLI only parses flags
+and prints what these return.
+
+Status is served on the engine socket only (``EngineService.GetStats``);
+health (``grpc.health.v1.Health``) on both the engine socket and the peer
+port.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from kvd.usage import EXIT_NOT_SERVING, EXIT_OK, EXIT_UNREACHABLE
+
+# The services a daemon reports health for ('' is the whole server).
+HEALTH_SERVICES = ("", "kvd.v1.EngineService", "kvd.v1.PeerService")
+
+
+@dataclass(frozen=True)
+class Answer:
+    """An exit code and the line(s) to print: ``text`` to stdout when
+    ``code`` is 0, to stderr otherwise."""
+
+    code: int
+    text: str
+
+
+def target(socket_path: str, address: str = "") -> str:
+    """The gRPC target: ``address`` (host:port, the peer port) when given,
+    else ``unix:<socket_path>`` (the engine socket)."""
+    return address or f"unix:{socket_path}"
+
+
+def health(target: str, service: str = "", timeout_s: float = 2.0) -> Answer:
+    """gRPC health check of ``service`` at ``target`` within ``timeout_s`` seconds.
+
+    Returns code 0 (SERVING), 1 (NOT_SERVING: draining; or NOT_FOUND: the
+    daemon answered but has no such service), or 2 (unreachable, past the
+    deadline, or refused: PERMISSION_DENIED when this uid is not admitted on
+    the engine socket, UNAUTHENTICATED on a TLS peer port)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(target) as ch:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
+                                                     timeout=timeout_s)
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.NOT_FOUND:  # the daemon answered, but does not serve that service
+            return Answer(EXIT_NOT_SERVING, f"kvd health: {target}: NOT_FOUND: no service {service!r} here "
+                                            f"(known: '' for the whole server, {', '.join(HEALTH_SERVICES[1:])})")
+        return Answer(EXIT_UNREACHABLE, f"kvd health: {target}: {e.code().name}: {e.details()}")
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+    if r.status == health_pb2.HealthCheckResponse.SERVING:
+        return Answer(EXIT_OK, f"{target}: {name}")
+    return Answer(EXIT_NOT_SERVING, f"kvd health: {target}: {name}")
+
+
+def status(target: str, timeout_s: float = 2.0, as_json: bool = False) -> Answer:
+    """The daemon's GetStats at ``target`` (engine socket only) within
+    ``timeout_s`` seconds, as the table for people or as JSON
+    (:mod:`kvd.daemon.status`). Returns code 0, or 2 when unreachable or refused."""
+    import grpc
+
+    from kvd.daemon.status import render, to_dict
+    from kvd.v1 import kvd_pb2, kvd_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(target) as ch:
+            s = kvd_pb2_grpc.EngineServiceStub(ch).GetStats(kvd_pb2.StatsRequest(), timeout=timeout_s)
+    except grpc.RpcError as e:
+        return Answer(EXIT_UNREACHABLE, f"kvd status: {target}: {e.code().name}: {e.details()}")
+    d = to_dict(s)
+    return Answer(EXIT_OK, json.dumps(d, indent=2, sort_keys=True) if as_json else render(d, target))

@@ -1,0 +1,81 @@
+"""Log injection (CWE-117): ids from other processes never forge a log line.
+
+A request id or engine id is chosen by an engine (and, through
+``kv_transfer_params``, by API clients); the daemon logs them. The log
+formatters escape control characters in every record (kvd/daemon/logs.py),
+so every call site is covered.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+
+from kvd.daemon import logs
+from kvd.testing.daemons import start_daemon
+from kvd.testing.sessions import Engine, KvShape, event_kind
+
+SHAPE = KvShape(num_layers=1, num_blocks=8, block_len=1024)
+FORGED = "2026-01-01 00:00:00,000 WARNING kvd.core: engine=admin request=x: FORGED"
+START = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ \S+: ")
+
+
+def test_a_newline_in_a_request_or_engine_id_never_forges_a_log_line(tmp_path):
+    d = start_daemon(str(tmp_path), "kvd")
+    try:
+        e = Engine(d, f"inj\n{FORGED}", SHAPE)
+        try:
+            rid = f"r1\r\n{FORGED}\x1b[2K\u2028{FORGED}"
+            e.load(rid, [1], None, [1], "x", remote_engine_id=f"P\n{FORGED}", remote_address="127.0.0.1:1",
+                   timeout_s=3)
+            assert event_kind(e.wait(rid, 30)) == "load_failed"
+        finally:
+            e.close()
+        log = d.log()
+        assert "\\n" + FORGED in log and "\\r\\n" + FORGED in log and "\\x1b[2K\\u2028" in log
+        for line in log.splitlines():
+            assert "FORGED" not in line or not line.startswith("2026-01-01"), line
+            # Every line of the daemon's own is a whole record (or a native library's line).
+            assert not line.startswith(FORGED)
+        assert d.stats().daemon_version  # and it keeps serving
+    finally:
+        assert d.stop() == 0
+
+
+def _record(msg: str, *args, exc=None) -> logging.LogRecord:
+    return logging.LogRecord("kvd.core", logging.WARNING, __file__, 1, msg, args, exc)
+
+
+def test_both_formats_escape_every_control_character_and_keep_tracebacks_inside_the_record():
+    rec = _record("engine=%s request=%s: load failed", "e\x00\x7f", "r\n\x85\u2029")
+    human = logs.HumanFormatter().format(rec)
+    assert human.endswith("engine=e\\x00\\x7f request=r\\n\\x85\\u2029: load failed") and "\n" not in human
+    out = json.loads(logs.JsonFormatter().format(rec))
+    assert out["msg"] == "engine=e\\x00\\x7f request=r\\n\\x85\\u2029: load failed"
+    assert out["request"] == "r\\n\\x85\\u2029"
+    try:
+        raise ValueError(f"bad id\n{FORGED}")
+    except ValueError:
+        import sys
+
+        rec = _record("handshake failed", exc=sys.exc_info())
+    lines = logs.HumanFormatter().format(rec).splitlines()
+    assert START.match(lines[0]) and all(line.startswith("  ") for line in lines[1:]), lines
+    assert any(FORGED in line for line in lines[1:])
+    # The record given to the handler is left as it was (other handlers see it unchanged).
+    assert rec.getMessage() == "handshake failed"
+
+
+def test_throttled_warnings_say_how_many_were_left_out():
+    stream = io.StringIO()
+    logger = logging.getLogger("kvd.test-throttled")
+    logger.addHandler(logging.StreamHandler(stream))
+    logger.propagate = False
+    t = logs.Throttled(logger, interval_s=3600)
+    for i in range(5):
+        t.warning("refused %d", i)
+    t._last -= 3600
+    t.warning("refused %d", 5)
+    assert stream.getvalue().splitlines() == ["refused 0", "refused 5 (4 more like it since the last message)"]
