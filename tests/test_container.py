@@ -30,11 +30,13 @@ import subprocess
 import time
 import uuid
 
-import grpc
 import pytest
 
 from deploytest import ROOT, need_root, need_tool, rootfs, wheelhouse
-from kvdtest import Daemon, Engine, KvShape, ShmSegment, event_kind, free_port
+from kvd.testing.daemons import Daemon, wait_serving
+from kvd.testing.sessions import Engine, KvShape, event_kind
+from kvd.testing.shm import ShmSegment
+from kvd.testing.util import free_port
 
 BASE_IMAGE = "localhost/debian-python:bookworm"
 IMAGE = "localhost/kvd:test"
@@ -173,20 +175,11 @@ class Containers:
                "-e", "KVD_METRICS_PORT=0", "-e", "KVD_LOG_LEVEL=debug", self.image]
         with open(log_path, "w") as logf:
             proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        d = Daemon(proc, str(self.run_dir / f"{name}.sock"), str(log_path))
-        d.container = cname
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise AssertionError(f"container {cname} exited {proc.returncode}:\n{d.log()}")
-            if os.path.exists(d.socket):
-                try:
-                    d.peer_address = d.stats().peer_address
-                    return d
-                except grpc.RpcError:
-                    pass
-            time.sleep(0.2)
-        raise AssertionError(f"container {cname} not serving after {timeout} s:\n{d.log()}")
+        d = Daemon(proc, str(self.run_dir / f"{name}.sock"), str(log_path), name=cname)
+        if not wait_serving(d, time.monotonic() + timeout):
+            raise AssertionError(f"container {cname} not serving within {timeout} s (podman run: "
+                                 f"{proc.poll()}):\n{d.log()}")
+        return d
 
     def segment(self, shape: KvShape) -> ShmSegment:
         """An engine's KV cache segment, owned by the image's user (torch makes
@@ -210,7 +203,7 @@ def containers(image, tmp_path):
 def test_the_image_serves_as_its_own_user_and_its_healthcheck_goes_healthy(containers):
     d = containers.start("kvd")
     assert containers.uid != 0
-    pid = podman("inspect", "--format", "{{.State.Pid}}", d.container).stdout.strip()
+    pid = podman("inspect", "--format", "{{.State.Pid}}", d.name).stdout.strip()
     with open(f"/proc/{pid}/status") as f:
         uids = next(line for line in f if line.startswith("Uid:")).split()[1:]
     assert uids == [str(containers.uid)] * 4, uids  # real, effective, saved, filesystem
@@ -219,17 +212,17 @@ def test_the_image_serves_as_its_own_user_and_its_healthcheck_goes_healthy(conta
     # its 3 retries (one check, a Python start on a loaded machine, can pass
     # its 5 s timeout).
     for _ in range(3):
-        r = podman("healthcheck", "run", d.container, check=False)
+        r = podman("healthcheck", "run", d.name, check=False)
         if r.returncode == 0:
             break
     assert r.returncode == 0, r.stdout + r.stderr
-    health = podman("inspect", "--format", "{{.State.Health.Status}}", d.container).stdout.strip()
+    health = podman("inspect", "--format", "{{.State.Health.Status}}", d.name).stdout.strip()
     assert health == "healthy"
 
 
 def test_podman_stop_drains_the_daemon_and_it_exits_0(containers):
     d = containers.start("kvd")
-    podman("stop", "-t", "30", d.container)  # the image's STOPSIGNAL, SIGTERM; SIGKILL after 30 s
+    podman("stop", "-t", "30", d.name)  # the image's STOPSIGNAL, SIGTERM; SIGKILL after 30 s
     assert d.proc.wait(30) == 0, d.log()
     log = d.log()
     assert "received SIGTERM, shutting down" in log and "kvd stopped" in log, log

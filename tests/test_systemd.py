@@ -29,7 +29,7 @@ import uuid
 import pytest
 
 from deploytest import ROOT, cache_lock, need_root, need_tool, requirements, rootfs, wheelhouse
-from kvdtest import wait_until
+from kvd.testing.util import wait_until
 
 UNIT = ROOT / "deploy" / "systemd" / "kvd.service"
 CONFIG = ROOT / "deploy" / "kvd.toml"
