@@ -32,9 +32,13 @@ ENV PATH=/opt/kvd/bin:$PATH
 COPY deploy/wheels/ /wheels/
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 WORKDIR /src
+# The dependencies in a layer of their own (pyproject.toml without kvd/
+# builds an empty kvd, uninstalled at once), so that a change to kvd/
+# rebuilds only the small layer below.
 COPY pyproject.toml README.md ./
+RUN pip install . && pip uninstall --yes kvd
 COPY kvd ./kvd
-RUN pip install . \
+RUN pip install --no-deps . \
     && find /opt/kvd -name '__pycache__' -type d -prune -exec rm -rf {} + \
     && kvd version
 
