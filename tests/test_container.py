@@ -5,8 +5,8 @@ offline: the base image is a Debian bookworm tree made here
 (scripts/make_rootfs.sh, imported as ``localhost/debian-python:bookworm``,
 both kept between runs) and every wheel comes from a local folder
 (deploy/wheels/README.md; tests/deploytest.py keeps it under
-``~/.cache/kvd-test/wheels``). podman's layer cache keeps a rebuild with an
-unchanged context to seconds.
+``~/.cache/kvd-test/wheels``). An image built from the same context is
+used as it is (see :func:`image`).
 
 Containers run as the docs say (docs/OPERATIONS.md, "Docker"): host network
 and IPC, the engine socket directory and ``/dev/shm`` shared with the host.
