@@ -17,9 +17,9 @@ import itertools
 import time
 from dataclasses import dataclass
 
-from kvd.testing.daemons import Daemon, start_daemon
 from kvd.client.engine_client import EngineClient
 from kvd.requests import LoadRequest
+from kvd.testing.daemons import Daemon, start_daemon
 from kvd.v1 import kvd_pb2 as pb
 
 

@@ -1,14 +1,16 @@
 """Where the time of one small load goes: engine -> daemon -> NIXL -> engine.
 
-    .venv/bin/python -m kvd.bench.trace [--blocks 16] [--block-len 64K] [--reps 50]
+    .venv/bin/python -m benchmarks.trace [--blocks 16] [--block-len 64K] [--reps 50]
 
-Starts two daemons (``--same-node``: one) with a tracing entry
-(``kvd.bench.daemon_entry --trace``), times loads from the engine side
+Starts two daemons (``--same-node``: one, both engines on it: a same-node
+copy, whose ``POST``/``POSTED`` mark the copy) with a tracing entry (``benchmarks.daemon_entry --trace``:
+a :mod:`kvd.tracepoints` sink), times loads from the engine side
 (``EngineClient.load`` -> ``recv_done`` in ``drain_events``) and joins each
-with the trace points (``kvd.tracepoints``) of the engine client and of the
-decode daemon: bytes at the gate, the session reader, the core's load, the
-post (or the same-node copy: start, end, state), the event and its bytes
-out. Clocks are CLOCK_MONOTONIC in both processes. Prints the median of each leg.
+with the decode daemon's trace points: bytes at the engine socket's gate
+(``GATE_IN``), the session reader's command (``SESSION_READ``), the core's
+load (``LOAD``), the NIXL post (``POST``, ``POSTED`` with its state), the
+event (``EVENT``) and its bytes leaving the gate (``GATE_OUT``). Clocks are
+CLOCK_MONOTONIC in both processes. Prints the median of each leg.
 """
 
 from __future__ import annotations
@@ -19,16 +21,18 @@ import statistics
 import sys
 import time
 
+from benchmarks.daemon_entry import entry as daemon_entry
+from benchmarks.dataplane import parse_sizes
+from kvd import tracepoints as tp
 from kvd.bench import common as cm
-from kvd.testing.shm import ShmSegment
-from kvd.bench.dataplane import parse_sizes
 from kvd.bench.kvd_pair import KvdPair
+from kvd.testing.shm import ShmSegment
 
 LEGS = (("engine -> daemon core (command: client thread, gRPC, relay, session reader)", "t0", "load"),
         ("part: engine: load() -> command built by the client's sender thread", "t0", "sent"),
         ("part: client gRPC send -> bytes at the daemon's gate", "sent", "gatein"),
         ("part: gate relay + daemon gRPC server -> session reader has the command", "gatein", "read"),
-        ("part: session reader -> the core's load runs", "read", "load"),
+        ("part: session reader -> Node.load runs", "read", "load"),
         ("daemon: checks, plan, hand-off to the NIXL thread", "load", "post"),
         ("move: NIXL post (UCX: CMA), or the same-node copy", "post", "posted"),
         ("daemon: completion -> event built", "posted", "event"),
@@ -41,10 +45,9 @@ LEGS = (("engine -> daemon core (command: client thread, gRPC, relay, session re
 
 def _client_stamps() -> tuple[dict, dict]:
     """Times (perf_counter) at which this process's EngineClient built each
-    load's command (sender thread, ``tracepoints.SENT``) and received each
-    event (session thread, ``tracepoints.RECEIVED``)."""
-    from kvd import tracepoints as tp
-
+    load's command (sender thread, ``SENT``) and received its recv_done
+    (session thread, ``RECEIVED``): a :mod:`kvd.tracepoints` sink in this
+    process."""
     sent, recv = {}, {}
 
     def sink(point: str, request_id: str, detail: str, t: float) -> None:
@@ -57,6 +60,16 @@ def _client_stamps() -> tuple[dict, dict]:
     return sent, recv
 
 
+def _hits(log: str) -> dict[str, list[tuple[str, str, float]]]:
+    """The daemon log's ``HIT`` lines (:func:`benchmarks.daemon_entry.print_hit`)
+    by point: ``[(request id, detail, perf_counter seconds)]``."""
+    out: dict[str, list] = {}
+    for m in re.finditer(r"^HIT (\S+) (\S+) (\S+) (\S+)$", log, re.M):
+        rid, detail = (None if x == "-" else x for x in m.group(2, 3))
+        out.setdefault(m.group(1), []).append((rid or "", detail or "", float(m.group(4))))
+    return out
+
+
 def _first_after(times: list[float], t: float) -> float | None:
     import bisect
 
@@ -64,35 +77,19 @@ def _first_after(times: list[float], t: float) -> float | None:
     return times[i] if i < len(times) else None
 
 
-def daemon_points(log: str) -> tuple[dict, dict]:
-    """The ``TP`` lines of a tracing daemon's log (``kvd.bench.daemon_entry``):
-    ``(by point: sorted times of hits without a request id, by (point,
-    request id): [(time, detail), ...])``."""
-    bare: dict[str, list[float]] = {}
-    named: dict[tuple[str, str], list[tuple[float, str]]] = {}
-    for m in re.finditer(r"^TP (\S+) (\S+) (\S+) (\S+)$", log, re.M):
-        point, t, rid, detail = m.group(1), float(m.group(2)), m.group(3), m.group(4)
-        if rid == "-":
-            bare.setdefault(point, []).append(t)
-        else:
-            named.setdefault((point, rid), []).append((t, detail))
-    for v in bare.values():
-        v.sort()
-    return bare, named
-
-
-def run(block_len: int, blocks: int, reps: int, poll_s: float = 50e-6, daemon_set=(), same_node: bool = False) -> dict:
+def run(block_len: int, blocks: int, reps: int, poll_s: float = 50e-6, daemon_set=(),
+        same_node: bool = False) -> dict:
     """Times ``reps`` loads of ``blocks`` blocks of ``block_len`` bytes (after 5
-    untimed) through two tracing daemons (``same_node``: one, both engines on
-    it) and joins the engine's and the decode daemon's trace points. Returns a
-    dict: per-leg median and p90 (ms), and how many moves were done when
+    untimed) through two tracing daemons (``same_node``: one) and joins the
+    engine's and the decode daemon's timestamps. Returns a dict: per-leg
+    median and p90 (ms), and how many moves (READs, copies) were done when
     their post returned."""
     size = max(4 * cm.MiB, 4 * block_len * blocks)
     src, dst = ShmSegment(size, cm.SHM_PREFIX), ShmSegment(size, cm.SHM_PREFIX)
     src.fill(3)
     wd = cm.workdir()
-    entry = ("-m", "kvd.bench.daemon_entry", "--trace", *[x for a in daemon_set for x in ("--set", a)])
-    pair = KvdPair(wd, (src.name, size), (dst.name, size), entry=entry, same_node=same_node)
+    pair = KvdPair(wd, (src.name, size), (dst.name, size), entry=daemon_entry(daemon_set, trace=True),
+                   same_node=same_node)
     engine = {}
     sent, recv = _client_stamps()
     try:
@@ -106,29 +103,33 @@ def run(block_len: int, blocks: int, reps: int, poll_s: float = 50e-6, daemon_se
                 engine[rid] = (t0, t1)
             time.sleep(0.01)
     finally:
-        pair.close()  # the daemons write their trace points as they exit
+        tp.install(None)
+        pair.close()
         src.close()
         dst.close()
         with open(f"{wd}/{'S' if same_node else 'D'}.log") as f:
             log = f.read()
         cm.remove_workdir(wd)
-    from kvd import tracepoints as tp
-
-    tp.install(None)
-    bare, named = daemon_points(log)
-    rows, states = [], []
+    hits = _hits(log)
+    unnamed = {p: sorted(t for _, _, t in hits.get(p, [])) for p in (tp.GATE_IN, tp.GATE_OUT)}
+    by_rid = {p: {} for p in (tp.SESSION_READ, tp.LOAD, tp.POST, tp.POSTED, tp.EVENT)}
+    for p, named in by_rid.items():
+        for rid, detail, t in hits.get(p, []):
+            named.setdefault(rid, []).append((t, detail))
+    rows = []
+    states = []
     for rid, (t0, t1) in engine.items():
-        pts = {p: named.get((p, rid)) for p in (tp.SESSION_READ, tp.LOAD, tp.POST, tp.POSTED, tp.EVENT)}
-        if None in pts.values() or rid not in sent or rid not in recv:
+        if rid not in sent or rid not in recv or not all(rid in by_rid[p] for p in by_rid):
             continue
-        t = dict(t0=t0, t1=t1, sent=sent[rid], recv=recv[rid], read=pts[tp.SESSION_READ][0][0],
-                 load=pts[tp.LOAD][0][0], post=pts[tp.POST][0][0], posted=pts[tp.POSTED][-1][0],
-                 event=pts[tp.EVENT][0][0])
-        t["gatein"] = _first_after(bare.get(tp.GATE_IN, []), t["sent"])
-        t["gateout"] = _first_after(bare.get(tp.GATE_OUT, []), t["event"])
+        posted_t, state = by_rid[tp.POSTED][rid][-1]  # the last post's return (the transfer that completed)
+        t = dict(t0=t0, t1=t1, sent=sent[rid], recv=recv[rid], read=by_rid[tp.SESSION_READ][rid][0][0],
+                 load=by_rid[tp.LOAD][rid][0][0], post=by_rid[tp.POST][rid][-1][0], posted=posted_t,
+                 event=by_rid[tp.EVENT][rid][-1][0])
+        t["gatein"] = _first_after(unnamed[tp.GATE_IN], t["sent"])
+        t["gateout"] = _first_after(unnamed[tp.GATE_OUT], t["event"])
         if None in t.values():
             continue
-        states.append(pts[tp.POSTED][-1][1])
+        states.append(state)
         rows.append({name: (t[b] - t[a]) * 1e3 for name, a, b in LEGS})
     return dict(benchmark="trace", block_len=block_len, blocks=blocks, reps=len(rows), same_node=same_node,
                 done_at_post=sum(s in ("DONE", "COPIED") for s in states),
@@ -137,7 +138,7 @@ def run(block_len: int, blocks: int, reps: int, poll_s: float = 50e-6, daemon_se
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvd.bench.trace``: runs :func:`run`, prints the legs, writes ``--json``. Returns 0."""
+    """``python -m benchmarks.trace``: runs :func:`run`, prints the legs, writes ``--json``. Returns 0."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--block-len", default="64K")
     ap.add_argument("--blocks", type=int, default=16)
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     res = run(parse_sizes(args.block_len)[0], args.blocks, args.reps, daemon_set=args.daemon_set,
               same_node=args.same_node)
     res.update(loadavg_start=load0, loadavg_end=cm.loadavg(), machine=cm.machine(),
-               command=" ".join(["python -m kvd.bench.trace", *(argv if argv is not None else sys.argv[1:])]))
+               command=" ".join(["python -m benchmarks.trace", *(argv if argv is not None else sys.argv[1:])]))
     rows = [[name, f"{res['legs_ms'][name]:.3f}", f"{res['legs_p90_ms'][name]:.3f}"] for name, _, _ in LEGS]
     print(cm.fmt_table(["leg", "p50 ms", "p90 ms"], rows))
     print(f"{res['done_at_post']}/{res['reps']} moves were done when their post returned; "
