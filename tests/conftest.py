@@ -64,6 +64,17 @@ def tiny_model_dir():
     return tiny_model.build(quiet=True)
 
 
+@pytest.fixture(scope="session")
+def hybrid_model_dir():
+    """``kvd.demo.tiny_hybrid`` (built once, cached under ~/.cache/kvd)."""
+    why = _vllm_missing()
+    if why:
+        pytest.skip(why)
+    from kvd.demo import tiny_hybrid
+
+    return tiny_hybrid.build(quiet=True)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A config-only tiny Llama (no weights: the in-process engine loops of
