@@ -12,7 +12,7 @@ from kvd.v1 import kvd_pb2 as pb
 from kvd.testing.sessions import Session, one_group
 from kvd.testing.shm import ShmSegment
 
-from parity_cases import HEAD_DIM, NUM_BLOCKS, NUM_REGIONS, Rank, unregister_ranks, run_pd  # noqa: E402,F401
+from kvd.testing.parity import HEAD_DIM, NUM_BLOCKS, NUM_REGIONS, Rank, unregister_ranks, run_pd  # noqa: F401
 
 
 @pytest.fixture(scope="module")

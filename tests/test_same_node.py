@@ -11,7 +11,7 @@ from kvd.core.local_copy import COPY_PIECE_BYTES, split_pieces
 from kvd.testing.daemons import start_daemon
 from kvd.testing.sessions import Engine, KvShape, event_kind
 
-from parity_cases import run_pd  # noqa: E402  (the parity scenarios; here one daemon for both sides)
+from kvd.testing.parity import run_pd  # one daemon for both sides
 
 SHAPE = KvShape(num_layers=4, num_blocks=64, block_len=4096)
 REMOTE_IDS = [60, 3, 11, 7, 0, 41, 42, 19]

@@ -1,7 +1,9 @@
-"""The parity scenarios (one prefill engine's TP ranks hold, one decode
-engine's ranks load, every decode element compared with what it must hold),
-shared by tests/test_parity.py (two daemons, NIXL) and
-tests/test_same_node.py (one daemon, the same-node copy). Not a test module."""
+"""The parity scenarios with the seed connector: one prefill engine's TP
+ranks hold, one decode engine's ranks load (heterogeneous TP, HND<->NHD,
+MLA, block size remap, vLLM-CPU blocks), every decode element compared with
+what it must hold. Played over raw sessions (:mod:`kvd.testing.sessions`);
+used by tests/test_parity.py (two daemons, NIXL) and tests/test_same_node.py
+(one daemon for both engines: the same-node copy)."""
 
 from __future__ import annotations
 
