@@ -7,7 +7,10 @@ notification naming the remote request; source ranks it does not read from
 get a bare notification. The progress loop (``kvd.core.progress``) polls the
 READs and calls :meth:`Pull.finish`: ``RecvDone``, or ``LoadFailed`` naming
 the local block ids. In push mode the same checks run, then
-``kvd.core.push`` asks the source ranks to WRITE.
+``kvd.core.push`` asks the source ranks to WRITE. A same-node load (the
+request names this daemon's own peer address and its source ranks are
+registered here) is copied by ``kvd.core.local_copy`` instead, in either
+mode, after the same checks (``Limits.same_node_copy``).
 """
 
 from __future__ import annotations
