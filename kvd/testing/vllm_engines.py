@@ -166,7 +166,9 @@ def nixl_transfer_totals(metrics: dict) -> dict[str, float]:
 
 @dataclass
 class PDStack:
-    """Two daemons (kvd only) and two engines. Use as a context manager."""
+    """Two daemons (kvd only) and two engines. Use as a context manager.
+    ``shared_daemon``: one daemon for both engines (``daemons["P"]`` is
+    ``daemons["D"]``), so every load is a same-node copy (``kvd.core.local_copy``)."""
 
     model_dir: Path
     run_dir: Path
@@ -183,6 +185,7 @@ class PDStack:
     metrics_ports: dict = field(default_factory=dict)   # daemon name -> Prometheus port
     daemon_ready_s: float = DAEMON_READY_S
     engine_ready_s: float = ENGINE_READY_S
+    shared_daemon: bool = False
 
     def __post_init__(self):
         if self.connector not in ("kvd", "nixl"):
@@ -238,7 +241,7 @@ class PDStack:
 
     def _start_daemons(self) -> None:
         t0 = time.monotonic()
-        for name in ("P", "D"):
+        for name in ("P",) if self.shared_daemon else ("P", "D"):
             sock = str(self.sock_dir / f"kvd-{name.lower()}.sock")
             if os.path.exists(sock):
                 os.unlink(sock)
@@ -250,6 +253,8 @@ class PDStack:
             self.daemons[name] = StackDaemon(name, sock, port, child, mport)
             self.log(f"started daemon {name}: pid {child.pid}, socket {sock}, "
                      f"peer 127.0.0.1:{port}")
+        if self.shared_daemon:
+            self.daemons["D"] = self.daemons["P"]
         for name, d in self.daemons.items():
             waited = self.procs.wait_ready(
                 d.child, lambda d=d: kvd_health(d.socket), self.daemon_ready_s,
