@@ -24,12 +24,12 @@ notification. Everything else is the load of ``kvd.core.pull``:
   keeps chunk offsets per region, not descriptor lists: a request's
   addresses are computed from its rows' indices.
 
-Copies run on the NIXL thread (``Runtime.nixl``), in pieces of at most
-:data:`COPY_PIECE_BYTES`: unregistering a worker frees its NIXL state on that
-thread before it unmaps the segments, so a piece queued while both workers
-are registered has finished before either mapping goes away; and a piece
-holds the thread for about a millisecond, so polls and posts of other loads
-go on between pieces. Between pieces the load checks that both sides are
+Copies run on the NIXL thread (``Runtime.nixl``, one thread), in pieces of
+about :data:`COPY_PIECE_BYTES`: unregistering a worker frees its NIXL state
+on that thread before it unmaps the segments, so a piece queued while both
+workers are registered (checked just before it is queued) has finished
+before either mapping goes away; and a piece holds the thread for a
+millisecond or two, so polls and posts of other loads go on between pieces. Between pieces the load checks that both sides are
 still registered, the reader's session is the same, and the deadline has not
 passed.
 
