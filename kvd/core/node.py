@@ -222,7 +222,7 @@ class Node:
             remote_agents=sum(len(w.pairs.all()) for w in ws),
             early_notifications=sum(len(w.leases.early) for w in ws),
             pending_events=sum(len(w.session.events) for w in ws if not w.session.streams),
-            prepped_dlists=sum(1 + sum(1 + r.owns_local_dlist for r in w.pairs.all()) for w in ws),
+            prepped_dlists=sum(1 + sum(r.prepped_lists for r in w.pairs.all()) for w in ws),
             bytes_read=c.bytes_read,
             transfers_done=c.transfers_done,
             transfers_failed=c.transfers_failed,

@@ -25,7 +25,7 @@ from kvd.core import plan
 from kvd.core.events import Incompatible, InvalidArgument, NotFound, PeerUnavailable
 from kvd.core.layout import LayoutError
 from kvd.core.limits import BOUNDS
-from kvd.core.nixl_agent import NixlError, metadata_agent_name
+from kvd.core.nixl_agent import NixlError, Unprepped, metadata_agent_name
 from kvd.core.runtime import Runtime
 from kvd.core.state import PROTOCOL_VERSION, HandshakeResult, PeerKey, PeerLink, RemoteWorker, Worker
 
@@ -75,7 +75,7 @@ def pair_plan(reader: plan.Geometry, source: plan.Geometry):
         Incompatible: the layouts cannot be combined (the message says why).
     """
     try:
-        chunk_sets = [plan.chunks(reader, source, i) for i in range(len(reader.regions))]
+        chunk_sets = plan.pair_chunks(reader, source)
     except plan.PlanError as e:
         raise Incompatible(f"layouts cannot be combined: {e}") from None
     k = reader.layout.block_size // source.layout.block_size
@@ -116,8 +116,11 @@ class Peers:
         if w.pairs.remotes.get(remote.key) is remote:
             del w.pairs.remotes[remote.key]
             w.pairs.retired.append(remote)
-            log.info("%s: dropped remote agent %s at %s (%s); next load handshakes again",
+            log.info("%s: dropped remote agent %s at %s (%s); handshaking again in the background",
                      w.label, remote.agent_name, remote.address, why)
+            # The peer may have restarted with new agents: the new handshake
+            # is under way before the next load needs it.
+            self.warm(w, remote.address, remote.engine_id, remote.tp_size)
 
     def _load_agent(self, w: Worker, name: str, metadata: bytes) -> str:
         """NIXL thread: loads a peer's agent into ``w``'s agent once; counts its users.
@@ -211,13 +214,43 @@ class Peers:
                         deadline - time.monotonic())
         return await self._remote_once(w, address, engine_id, tp_rank, tp_size, deadline)
 
-    async def _remote_once(self, w: Worker, address: str, engine_id: str, tp_rank: int, tp_size: int,
-                           deadline: float) -> tuple[RemoteWorker, bool]:
-        """The remote worker, handshaking if needed (one try); ``(remote, fresh)``."""
-        key = (address, engine_id, tp_rank)
-        r = w.pairs.remotes.get(key)
-        if r is not None:
-            return r, False
+    async def remotes(self, w: Worker, address: str, engine_id: str, ranks: list[int], tp_size: int,
+                      deadline: float) -> tuple[dict[int, RemoteWorker], bool]:
+        """The remote workers of ``ranks`` (``{rank: remote}``) and whether
+        any is fresh, handshaking with them in parallel; every other rank of
+        the remote engine is handshaken in the background too (:meth:`warm`),
+        so that the next load needing it finds it ready. Before, ranks were
+        handshaken one after the other on the first load's path (a TP 2
+        prefill engine on a busy 2-core machine: 52 s, then 8 s).
+
+        Raises:
+            as :meth:`remote`: the first rank's error, in ``ranks`` order.
+        """
+        self.warm(w, address, engine_id, tp_size)
+        got = await asyncio.gather(*(self.remote(w, address, engine_id, p, tp_size, deadline) for p in ranks),
+                                   return_exceptions=True)
+        for g in got:
+            if isinstance(g, BaseException):
+                raise g
+        return {p: r for p, (r, _) in zip(ranks, got)}, any(fresh for _, fresh in got)
+
+    def warm(self, w: Worker, address: str, engine_id: str, tp_size: int) -> None:
+        """Starts a background handshake with every rank of remote engine
+        ``engine_id`` at ``address`` that ``w`` has none with (``tp_size`` 0:
+        rank 0 first; its answer names the TP size, then the others). A
+        failure is logged; the next load that needs the rank tries again."""
+        if self.link is None or self.rt.closing:
+            return
+        for rank in range(tp_size or 1):
+            key = (address, engine_id, rank)
+            if key not in w.pairs.remotes and (w.key, key) not in self._handshakes:
+                self._handshake_task(w, key, tp_size).add_done_callback(
+                    lambda f, key=key: f.cancelled() or f.exception() is None or log.info(
+                        "%s: handshake ahead of need with %s engine=%s rank=%d failed: %s", w.label, *key,
+                        f.exception()))
+
+    def _handshake_task(self, w: Worker, key: PeerKey, tp_size: int) -> asyncio.Future:
+        """The handshake of ``w`` with remote worker ``key``: the one running, or a new one."""
         fkey = (w.key, key)
         fut = self._handshakes.get(fkey)
         if fut is None:
@@ -234,10 +267,23 @@ class Peers:
                     f.exception()  # retrieved: its waiters report it, asyncio need not log it
 
             fut.add_done_callback(done)
-        try:
-            return await asyncio.wait_for(asyncio.shield(fut), max(0.0, deadline - time.monotonic())), True
-        except asyncio.TimeoutError:
-            raise PeerUnavailable(f"{address}: no handshake answer by the request's deadline") from None
+        return fut
+
+    async def _remote_once(self, w: Worker, address: str, engine_id: str, tp_rank: int, tp_size: int,
+                           deadline: float) -> tuple[RemoteWorker, bool]:
+        """The remote worker, handshaking if needed (one try); ``(remote, fresh)``."""
+        key = (address, engine_id, tp_rank)
+        r, fresh = w.pairs.remotes.get(key), False
+        if r is None:
+            fut = self._handshake_task(w, key, tp_size)
+            try:
+                r = await asyncio.wait_for(asyncio.shield(fut), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise PeerUnavailable(f"{address}: no handshake answer by the request's deadline") from None
+            fresh = True
+        if tp_size and r.tp_size != tp_size:  # a handshake ahead of need did not know the TP size
+            raise Incompatible(f"remote engine {engine_id!r} has TP size {r.tp_size}, the request says {tp_size}")
+        return r, fresh
 
     async def _do_handshake(self, w: Worker, key: PeerKey, tp_size: int) -> RemoteWorker:
         address, engine_id, tp_rank = key
@@ -248,7 +294,7 @@ class Peers:
         timeout = self.rt.limits.handshake_timeout_s
         t0 = time.monotonic()
         hs = await self.link.handshake(address, engine_id, tp_rank, w.compat_hash, timeout)
-        if hs.tp_size != tp_size:
+        if tp_size and hs.tp_size != tp_size:
             raise Incompatible(f"remote engine {engine_id!r} has TP size {hs.tp_size}, the request says {tp_size}")
         check_peer(w, hs, "handshake")
         # An agent of the same name still loaded (a retired one, or the peer's
@@ -265,9 +311,12 @@ class Peers:
         w.pairs.remotes[key] = r
         self.rt.counters.handshakes += 1
         self.rt.on_event("handshake", {"seconds": time.monotonic() - t0})
-        log.info("%s: handshake with %s engine=%s rank=%d/%d agent=%s (kvd %s) in %.1f ms: %d chunk(s) x %d slot(s)",
+        log.info("%s: handshake with %s engine=%s rank=%d/%d agent=%s (kvd %s) in %.1f ms: %d chunk(s) x %d slot(s)%s",
                  w.label, address, engine_id, tp_rank, hs.tp_size, r.agent_name, hs.daemon_version,
-                 1e3 * (time.monotonic() - t0), r.C, r.k)
+                 1e3 * (time.monotonic() - t0), r.C, r.k,
+                 "" if r.prepped_lists or not isinstance(r.remote_dlist, Unprepped) else ", rows per transfer")
+        if not tp_size:
+            self.warm(w, address, engine_id, hs.tp_size)
         return r
 
     async def pair(self, w: Worker, hs: HandshakeResult, peer_rank: int, *, we_read: bool, address: str,
@@ -291,18 +340,25 @@ class Peers:
                                hs.layout.model_kv_heads(hs.tp_size))
         reader, source = (ours, theirs) if we_read else (theirs, ours)
         k, C, chunk_sets, reader_identity, source_identity = pair_plan(reader, source)
-        our_rows_of, their_rows_of = (plan.local_rows, plan.remote_rows) if we_read else (plan.remote_rows,
-                                                                                          plan.local_rows)
+        our_map_of, their_map_of = (plan.local_map, plan.remote_map) if we_read else (plan.remote_map,
+                                                                                       plan.local_map)
         identity = reader_identity if we_read else source_identity
-        our_rows = None if identity else our_rows_of(w.mem.bases, w.regions, w.layout.num_blocks, chunk_sets, k)
-        their_rows = their_rows_of(hs.region_bases, hs.regions, hs.layout.num_blocks, chunk_sets, k)
+        our_map = our_map_of(w.mem.bases, w.regions, w.layout.num_blocks, chunk_sets, k, w.mem.device)
+        their_map = their_map_of(hs.region_bases, hs.regions, hs.layout.num_blocks, chunk_sets, k, hs.device)
+        # Prepared lists cost time per row of both caches, on the request's
+        # path; past BOUNDS.max_prepped_rows each transfer makes its own rows
+        # instead (docs/PERFORMANCE.md, "First contact").
+        prep = len(their_map) + (0 if identity else len(our_map)) <= BOUNDS.max_prepped_rows
 
         def add():
             name = self._load_agent(w, hs.agent_name, hs.agent_metadata)
+            if not prep:
+                return (name, Unprepped(their_map.rows, hs.memory, name),
+                        Unprepped(our_map.rows, w.mem.memory))
             try:
-                theirs_dlist = w.agent.prep_remote(name, on_device(their_rows, hs.device), hs.memory)
-                ours_dlist = (w.mem.local_dlist if our_rows is None
-                              else w.agent.prep_local(on_device(our_rows, w.mem.device), w.mem.memory))
+                theirs_dlist = w.agent.prep_remote(name, their_map.all(), hs.memory)
+                ours_dlist = (w.mem.local_dlist if identity
+                              else w.agent.prep_local(our_map.all(), w.mem.memory))
                 return name, theirs_dlist, ours_dlist
             except Exception:
                 self._unload_agent(w, name)
@@ -311,7 +367,7 @@ class Peers:
         name, theirs_dlist, ours_dlist = await self.rt.nixl(add)
         src_bytes = tuple(int(c[:C, 3].sum()) for c in chunk_sets)
         return RemoteWorker(address, engine_id, peer_rank, hs.tp_size, name, hs.layout, len(hs.regions), k, C,
-                            ours_dlist, theirs_dlist, our_rows is not None, hs.daemon_version, src_bytes,
+                            ours_dlist, theirs_dlist, prep and not identity, hs.daemon_version, src_bytes,
                             tuple(x.group for x in w.regions))
 
     # ------------------------------------------------------------- peer side
@@ -336,9 +392,9 @@ class Peers:
         return await self.describe(w)
 
     async def describe(self, w: Worker) -> HandshakeResult:
-        """``w`` as a handshake describes it (agent metadata, layout, regions)."""
-        meta = await self.rt.nixl(w.agent.metadata)
-        return HandshakeResult(meta, w.agent.name, w.layout, w.regions, w.mem.bases, w.compat_hash, __version__,
+        """``w`` as a handshake describes it (agent metadata, layout, regions).
+        Needs no NIXL call (the metadata is the agent's cached bytes)."""
+        return HandshakeResult(w.agent.metadata(), w.agent.name, w.layout, w.regions, w.mem.bases, w.compat_hash, __version__,
                                PROTOCOL_VERSION, w.tp_size, memory=w.mem.memory, device=w.mem.device)
 
     # --------------------------------------------------------------- progress
