@@ -31,6 +31,9 @@ class Limits:
     poll_idle_s: float = 0.005       # otherwise (notifications, leases)
     transfer_mode: str = "pull"      # "pull": decode READs; "push": prefill WRITEs on request
     detach_grace_s: float = 10.0     # an engine whose session is gone this long is unregistered
+    # Remote engines handshaken ahead of need: (peer address, engine id)
+    # pairs (the ``warm_peers`` setting, kvd/config.py).
+    warm_peers: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -257,6 +257,17 @@ class NixlAgent:
             raise NixlError(f"{self.name}: add_remote_agent failed: {e}") from e
         return name.decode() if isinstance(name, bytes) else str(name)
 
+    def connect(self, name: str) -> None:
+        """Starts UCX wire-up with a loaded peer now (NIXL ``make_connection``;
+        it returns before the connection is up): the first transfer then
+        finds it done or under way. Measured here on a busy machine: first
+        READ 100-300 ms without, about 10 ms once the wire-up had 0.5 s.
+        A failure is logged: the first transfer connects anyway."""
+        try:
+            self._agent.make_connection(name)
+        except Exception as e:
+            log.info("%s: make_connection(%s): %s", self.name, name, e)
+
     def remove_remote(self, name: str) -> None:
         """Forgets a peer (and disconnects from it)."""
         try:

@@ -110,6 +110,46 @@ class Peers:
         self.rt = rt
         self.link = link
         self._handshakes: dict[tuple, asyncio.Future] = {}  # (local key, peer key) -> handshake task
+        self._warming: set[asyncio.Task] = set()  # Limits.warm_peers handshakes, retried until one answers
+
+    def warm_configured(self, w: Worker) -> None:
+        """Starts handshakes of ``w`` with every ``Limits.warm_peers`` engine
+        (all its ranks), in the background (:meth:`_keep_warm`)."""
+        for address, engine_id in self.rt.limits.warm_peers:
+            task = asyncio.get_running_loop().create_task(self._keep_warm(w, address, engine_id))
+            self._warming.add(task)
+            task.add_done_callback(self._warming.discard)
+
+    async def _keep_warm(self, w: Worker, address: str, engine_id: str) -> None:
+        """Asks rank 0 of ``engine_id`` at ``address`` for its TP size, then
+        handshakes with the ranks ``w`` pairs with (:meth:`warm`); asked
+        again after 1, 2, 4 .. 30 s while the peer does not answer (it may
+        start after this daemon), until ``w`` is unregistered. An
+        incompatible or invalid peer is logged once and not tried again."""
+        delay = 1.0
+        while self.rt.workers.get(w.key) is w and not (self.rt.closing or self.rt.draining):
+            try:
+                if self.link is None:
+                    return
+                hs = await self.link.handshake(address, engine_id, 0, w.compat_hash,
+                                               self.rt.limits.handshake_timeout_s)
+                self.warm(w, address, engine_id, hs.tp_size)
+                return
+            except (Incompatible, InvalidArgument) as e:
+                log.warning("%s: warm_peers %s/%s: %s; not tried again", w.label, address, engine_id, e)
+                return
+            except Exception as e:
+                log.info("%s: warm_peers %s/%s not reached (%s); next try in %.0f s", w.label, address, engine_id,
+                         e, delay)
+            await asyncio.sleep(delay)
+            delay = min(30.0, 2 * delay)
+
+    async def close(self) -> None:
+        """Stops handshakes under way (at shutdown)."""
+        tasks = [*self._warming, *self._handshakes.values()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def retire(self, w: Worker, remote: RemoteWorker, why: str) -> None:
         """Stops using a remote agent; its NIXL state is freed once no load uses it."""
@@ -150,6 +190,7 @@ class Peers:
                 w.agent.remove_remote(loaded)
             raise NixlError(f"agent metadata loaded as {loaded!r}, the peer said {name!r}")
         w.pairs.agents[name] = (metadata, 1)
+        w.agent.connect(name)
         return name
 
     def _unload_agent(self, w: Worker, name: str) -> None:
@@ -235,19 +276,28 @@ class Peers:
         return {p: r for p, (r, _) in zip(ranks, got)}, any(fresh for _, fresh in got)
 
     def warm(self, w: Worker, address: str, engine_id: str, tp_size: int) -> None:
-        """Starts a background handshake with every rank of remote engine
-        ``engine_id`` at ``address`` that ``w`` has none with (``tp_size`` 0:
-        rank 0 first; its answer names the TP size, then the others). A
-        failure is logged; the next load that needs the rank tries again."""
-        if self.link is None or self.rt.closing:
+        """Starts a background handshake of every local worker of ``w``'s
+        engine with each rank of remote engine ``engine_id`` (TP size
+        ``tp_size``) at ``address`` that it will read from or notify
+        (``plan.source_ranks``) and has none with yet: each TP rank of a
+        vLLM engine loads the same request on its own, a moment apart. A
+        failure is logged; the next load that needs the pair tries again."""
+        if self.link is None or self.rt.closing or not 1 <= tp_size <= BOUNDS.max_tp_size:
             return
-        for rank in range(tp_size or 1):
-            key = (address, engine_id, rank)
-            if key not in w.pairs.remotes and (w.key, key) not in self._handshakes:
-                self._handshake_task(w, key, tp_size).add_done_callback(
-                    lambda f, key=key: f.cancelled() or f.exception() is None or log.info(
-                        "%s: handshake ahead of need with %s engine=%s rank=%d failed: %s", w.label, *key,
-                        f.exception()))
+        for lw in [x for x in self.rt.workers.values() if x.key[0] == w.key[0]]:
+            mla = lw.layout.kv_layout == "MLA"
+            try:
+                _, ranks = plan.source_ranks(lw.key[1], lw.tp_size, tp_size, lw.layout.model_kv_heads(lw.tp_size),
+                                             mla)
+            except plan.PlanError:
+                continue  # the load that names this pair reports it
+            for rank in ranks:
+                key = (address, engine_id, rank)
+                if key not in lw.pairs.remotes and (lw.key, key) not in self._handshakes:
+                    self._handshake_task(lw, key, tp_size).add_done_callback(
+                        lambda f, lw=lw, key=key: f.cancelled() or f.exception() is None or log.info(
+                            "%s: handshake ahead of need with %s engine=%s rank=%d failed: %s", lw.label, *key,
+                            f.exception()))
 
     def _handshake_task(self, w: Worker, key: PeerKey, tp_size: int) -> asyncio.Future:
         """The handshake of ``w`` with remote worker ``key``: the one running, or a new one."""
@@ -281,7 +331,7 @@ class Peers:
             except asyncio.TimeoutError:
                 raise PeerUnavailable(f"{address}: no handshake answer by the request's deadline") from None
             fresh = True
-        if tp_size and r.tp_size != tp_size:  # a handshake ahead of need did not know the TP size
+        if r.tp_size != tp_size:  # a cached remote, or a handshake another request started
             raise Incompatible(f"remote engine {engine_id!r} has TP size {r.tp_size}, the request says {tp_size}")
         return r, fresh
 
@@ -294,7 +344,7 @@ class Peers:
         timeout = self.rt.limits.handshake_timeout_s
         t0 = time.monotonic()
         hs = await self.link.handshake(address, engine_id, tp_rank, w.compat_hash, timeout)
-        if tp_size and hs.tp_size != tp_size:
+        if hs.tp_size != tp_size:
             raise Incompatible(f"remote engine {engine_id!r} has TP size {hs.tp_size}, the request says {tp_size}")
         check_peer(w, hs, "handshake")
         # An agent of the same name still loaded (a retired one, or the peer's
@@ -315,8 +365,6 @@ class Peers:
                  w.label, address, engine_id, tp_rank, hs.tp_size, r.agent_name, hs.daemon_version,
                  1e3 * (time.monotonic() - t0), r.C, r.k,
                  "" if r.prepped_lists or not isinstance(r.remote_dlist, Unprepped) else ", rows per transfer")
-        if not tp_size:
-            self.warm(w, address, engine_id, hs.tp_size)
         return r
 
     async def pair(self, w: Worker, hs: HandshakeResult, peer_rank: int, *, we_read: bool, address: str,
