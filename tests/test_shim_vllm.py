@@ -56,6 +56,7 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
+from kvd.requests import LoadRequest  # noqa: E402
 from kvd.shim.vllm import (  # noqa: E402
     HoldSpec,
     KvdConnector,
@@ -251,6 +252,12 @@ def wait_for(cond, timeout_s: float = 5.0) -> None:
         time.sleep(0.01)
 
 
+def load_spec(rid: str, local: list, remote: list, remote_rid: str, *, engine: str = "engine-p",
+              awaiting: bool = True, error: str | None = None) -> LoadSpec:
+    """A scheduler -> worker load (block ids per group) from a prefill engine at 127.0.0.1:9."""
+    return LoadSpec(LoadRequest(rid, local, engine, "127.0.0.1:9", remote, remote_rid), awaiting, error)
+
+
 def remote_params(prefill_output_params: dict) -> dict:
     """What vLLM's toy proxy forwards to the decode engine: the params as JSON."""
     import json
@@ -292,7 +299,7 @@ def test_register_kv_caches_shares_vllm_allocation_and_describes_it(model_dir, f
         assert (reg.layout.dtype, reg.layout.num_kv_heads, reg.layout.head_dim, reg.layout.num_layers) == (
             "float32", KV_HEADS, 2 * HEAD, 2)
         # What the kernel keeps inside K decides the remap (x86 vec kernels: K [head_size, tokens]).
-        from kvd.shim.cpu_kv_probe import kv_block_layout
+        from kvd.shim.vllm.cpu_kv_probe import kv_block_layout
         k_layout = kv_block_layout(torch.float32, BS, HEAD)
         assert reg.layout.kv_in_block == (k_layout is not None)
         assert reg.layout.k_dim_major == (k_layout == "dim_major")
@@ -342,7 +349,7 @@ def test_prefill_finish_returns_nixl_shaped_params_and_holds_until_send_done(mod
         eng.step()  # the next step carries the hold to the worker
         wait_for(lambda: len(hold_cmds(fake)) == 1)
         (hold,) = hold_cmds(fake)
-        assert (hold.request_id, list(hold.block_ids), hold.lease_s) == (req.request_id, blocks, 45)
+        assert (hold.request_id, [list(g.ids) for g in hold.groups], hold.lease_s) == (req.request_id, [blocks], 45)
         assert req.request_id in eng.sched.requests
 
         eng.worker.worker.client.release(req.request_id)  # the fake ends leases on release
@@ -389,13 +396,13 @@ def test_decode_loads_all_prompt_blocks_then_runs(model_dir, fake):
         eng.step()
         assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         (ld,) = eng.last_meta.loads
-        (local,) = ld.local_groups
-        assert ld.awaiting and len(local) == 4 and ld.remote_groups == [[40, 41, 42, 43]]
+        (local,) = ld.request.local_groups
+        assert ld.awaiting and len(local) == 4 and ld.request.remote_groups == [[40, 41, 42, 43]]
         wait_for(lambda: len(load_cmds(fake)) == 1)
         (cmd,) = load_cmds(fake)
         assert (cmd.remote_address, cmd.remote_engine_id, cmd.remote_request_id) == ("10.9.9.9:7500", "engine-p", "p-req-1")
-        assert list(cmd.local_block_ids) == local and cmd.timeout_s == 12 and cmd.remote_tp_size == 1
-        assert list(cmd.remote_block_ids) == [40, 41, 42, 43] and not cmd.local_groups  # one group: flat lists
+        assert [list(g.ids) for g in cmd.local_groups] == [local] and cmd.timeout_s == 12 and cmd.remote_tp_size == 1
+        assert [list(g.ids) for g in cmd.remote_groups] == [[40, 41, 42, 43]]  # one group: [[...]], groups only
         eng.run_until(lambda: eng.finished(req.request_id) is not None)
         ps = prefill_stats(eng, req.request_id)
         # vLLM counts all 100 prompt tokens as external KV transfer, none computed
@@ -415,8 +422,8 @@ def test_partial_local_prefix_hit_loads_only_the_missing_tail(model_dir, fake):
         eng.sched.add_request(req)
         eng.step()
         (ld,) = eng.last_meta.loads
-        assert len(ld.local_groups[0]) == 2, "only the blocks D does not hold are loaded"
-        assert ld.remote_groups == [[42, 43]], "P's blocks trimmed from the front, aligned by position"
+        assert len(ld.request.local_groups[0]) == 2, "only the blocks D does not hold are loaded"
+        assert ld.request.remote_groups == [[42, 43]], "P's blocks trimmed from the front, aligned by position"
         eng.run_until(lambda: eng.finished(req.request_id) is not None)
         ps = prefill_stats(eng, req.request_id)
         assert (ps.num_local_cached_tokens, ps.num_external_cached_tokens, ps.num_computed_tokens) == (64, 36, 0)
@@ -461,7 +468,7 @@ def test_decode_request_aborted_before_scheduling_tells_the_prefill_side(model_d
         eng.sched.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
         eng.step()
         (ld,) = eng.last_meta.loads
-        assert (ld.request_id, ld.local_groups, ld.awaiting, ld.remote_request_id) == (
+        assert (ld.request_id, ld.request.local_groups, ld.awaiting, ld.request.remote_request_id) == (
             req.request_id, [], False, "p-req-1")
         wait_for(lambda: len(abort_cmds(fake)) == 1)
         assert abort_cmds(fake)[0].remote_request_id == "p-req-1"
@@ -519,9 +526,9 @@ def test_worker_step_calls_stay_fast_while_the_daemon_is_slow(model_dir, tmp_pat
         worst = 0.0
         for step in range(10):
             meta = KvdConnectorMetadata(
-                loads=[LoadSpec(f"d{step}", [step], "engine-p", "127.0.0.1:9", [step + 10], f"p{step}", 1, True),
-                       LoadSpec(f"a{step}", [], "engine-p", "127.0.0.1:9", [], f"pa{step}", 1, False)],
-                holds=[HoldSpec(f"p{step}", [step + 20], 30.0)],
+                loads=[load_spec(f"d{step}", [[step]], [[step + 10]], f"p{step}"),
+                       load_spec(f"a{step}", [], [], f"pa{step}", awaiting=False)],
+                holds=[HoldSpec(f"p{step}", [[step + 20]], 30.0)],
             )
             t0 = time.perf_counter()
             worker.bind_connector_metadata(meta)
@@ -603,13 +610,13 @@ def test_hma_decode_loads_each_group_into_its_own_blocks(model_dir, fake):
         eng.sched.add_request(req)
         eng.step()
         (ld,) = eng.last_meta.loads
-        full, window = ld.local_groups
+        full, window = ld.request.local_groups
         assert len(full) == 7 and 0 < len(window) <= WINDOW_BLOCKS and 0 not in window
-        assert ld.remote_groups == [list(range(40, 47)), [50, 51, 52][-len(window):]]
+        assert ld.request.remote_groups == [list(range(40, 47)), [50, 51, 52][-len(window):]]
         wait_for(lambda: len(load_cmds(fake)) == 1)
         (cmd,) = load_cmds(fake)
         assert [list(g.ids) for g in cmd.local_groups] == [full, window]
-        assert [list(g.ids) for g in cmd.remote_groups] == ld.remote_groups
+        assert [list(g.ids) for g in cmd.remote_groups] == ld.request.remote_groups
         eng.run_until(lambda: eng.finished(req.request_id) is not None)
         ps = prefill_stats(eng, req.request_id)
         assert (ps.num_external_cached_tokens, ps.num_computed_tokens) == (200, 0)
@@ -683,11 +690,11 @@ def test_stats_reach_vllms_aggregation_logger_and_prometheus(model_dir, tmp_path
             workers.append(w)
         assert all(w.get_kv_connector_stats() is None for w in workers), "no events: no stats"
         meta0 = KvdConnectorMetadata(
-            loads=[LoadSpec("d1", [[1, 2, 3]], "e", "127.0.0.1:9", [[4, 5, 6]], "p1", 1, True),
-                   LoadSpec("d2", [[7]], "e", "127.0.0.1:9", [[8]], "p2", 1, True),
-                   LoadSpec("d3", [[9]], "e", "127.0.0.1:9", [[]], "p3", 1, True, error="invalid: test")],
+            loads=[load_spec("d1", [[1, 2, 3]], [[4, 5, 6]], "p1", engine="e"),
+                   load_spec("d2", [[7]], [[8]], "p2", engine="e"),
+                   load_spec("d3", [[9]], [[]], "p3", engine="e", error="invalid: test")],
             holds=[HoldSpec("h1", [[10]], 30.0)])
-        meta1 = KvdConnectorMetadata(loads=[LoadSpec("d1", [[11, 12]], "e", "127.0.0.1:9", [[4, 5]], "p1", 1, True)])
+        meta1 = KvdConnectorMetadata(loads=[load_spec("d1", [[11, 12]], [[4, 5]], "p1", engine="e")])
         outputs = []
         for w, meta in zip(workers, (meta0, meta1)):
             w.bind_connector_metadata(meta)
@@ -832,7 +839,7 @@ def test_staged_engine_registers_unnamed_segments_and_copies_computed_blocks_int
 
 
 def test_auto_data_path_is_direct_on_cpu_and_staged_when_the_cache_cannot_be_shared(model_dir, fake, monkeypatch):
-    from kvd.shim import cpu_share
+    from kvd.shim.memory import shm as cpu_share
 
     eng = Engine(model_dir, fake.socket, kvd_peer_address="127.0.0.1:7000", kvd_data_path="auto")
     try:
@@ -853,3 +860,17 @@ def test_auto_data_path_is_direct_on_cpu_and_staged_when_the_cache_cannot_be_sha
         eng.close()
     with pytest.raises(cpu_share.CpuShareError):  # direct asked for: no silent fallback
         Engine(model_dir, fake.socket, kvd_peer_address="127.0.0.1:7000")
+
+
+def test_staged_worker_closes_its_mirrors_before_unregistering(model_dir, fake, monkeypatch):
+    """Shutdown closes the worker's mirror mappings before UnregisterEngine:
+    the daemon frees the mirrors then, and a VRAM mirror must not be freed
+    while another process still maps it (kvd.core.cuda_ipc.VramMirror.close)."""
+    eng = Engine(model_dir, fake.socket, kvd_peer_address="127.0.0.1:7000", kvd_data_path="staged")
+    staging = eng.worker.worker.staging
+    unregisters_at_close = []
+    close = staging.close
+    monkeypatch.setattr(staging, "close", lambda: (unregisters_at_close.append(len(fake.service.unregisters)),
+                                                   close()))
+    eng.close()
+    assert unregisters_at_close == [0] and len(fake.service.unregisters) == 1
