@@ -185,3 +185,38 @@ def test_warm_peers_handshakes_before_any_load(tmp_path, prefill_tp2):
         s.close()
         seg.close()
         d.stop()
+
+
+def test_a_handshake_is_answered_while_the_nixl_thread_is_busy():
+    """The answer is the agent's kept metadata: it does not wait for the
+    NIXL thread (here held by a 3 s job, as a long post or an agent being
+    made would hold it), and it is what NIXL itself makes for the agent."""
+    import asyncio
+
+    from kvd.core.node import Node
+    from kvd.core.state import Segment
+
+    seg = ShmSegment(2 * 16 * 1024)
+    layout = Layout(16, BLOCK_SIZE, "NHD", "float16", 2, HEAD_DIM, 1, (1024, 1024))
+    regions = [Region(0, 0, 1024, 1024), Region(0, 16 * 1024, 1024, 1024)]
+
+    async def main():
+        node = Node()
+        node.start()
+        try:
+            w = await node.register("P", 0, 1, layout, [Segment(seg.name, seg.size)], regions, model="m")
+            blocker = asyncio.ensure_future(node.rt.nixl(time.sleep, 3.0))
+            await asyncio.sleep(0.1)  # the blocker holds the NIXL thread
+            hs = await asyncio.wait_for(node.handshake_info("P", 0, w.compat_hash), 60)
+            answered_first = not blocker.done()
+            await blocker
+            return hs, answered_first, await node.rt.nixl(w.agent._agent.get_agent_metadata)
+        finally:
+            await node.close()
+
+    try:
+        hs, answered_first, fresh = asyncio.run(main())
+    finally:
+        seg.close()
+    assert answered_first
+    assert hs.agent_metadata == fresh and hs.agent_name.startswith("kvd-P-r0-")
