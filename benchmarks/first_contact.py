@@ -13,7 +13,7 @@ wire-up), the next ones are steady state. Caches:
 engine's TP workers loading both cores would. Prints a markdown table
 (docs/PERFORMANCE.md, "First contact"); ``--json`` writes the rows.
 
-Usage: ``python benchmarks/first_contact.py [--busy 2] [--repeat 3] [--json out.json]``
+    .venv/bin/python -m benchmarks.first_contact [--busy 0 2] [--repeat 2] [--json FILE]
 """
 
 from __future__ import annotations
@@ -28,12 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kvd.testing.daemons import start_daemons, stop_daemons  # noqa: E402
-from kvd.testing.sessions import Session, one_group  # noqa: E402
-from kvd.testing.shm import ShmSegment  # noqa: E402
-from kvd.v1 import kvd_pb2 as pb  # noqa: E402
+from kvd.testing.daemons import start_daemons, stop_daemons
+from kvd.testing.sessions import Session, one_group
+from kvd.testing.shm import ShmSegment
+from kvd.v1 import kvd_pb2 as pb
 
 LOAD_BLOCKS = 4
 STEADY = 20
