@@ -2,7 +2,8 @@
 
 Each method is one NIXL step; the handle each returns and who releases it is
 stated. All methods are blocking native calls: the daemon calls them from its
-single NIXL thread (``kvd.core.node.Node``), never from the event loop, and
+single NIXL thread (``kvd.core.runtime``; the binding holds the GIL while
+native code runs, so keep each call short), never from the event loop, and
 never from two threads at once (agents are made with NIXL's default
 ``NIXL_THREAD_SYNC_NONE``).
 

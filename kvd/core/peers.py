@@ -2,9 +2,15 @@
 
 The handshake cache (one handshake per (local worker, remote worker), shared
 by every request that needs it), the pairing of two agents (peer agent
-loaded, both descriptor lists of the pair's transfer plan prepared,
-``kvd.core.plan``), the users of each loaded peer agent, retiring a remote
-whose transfer failed, and the answer to a remote daemon's handshake.
+loaded, UCX wire-up started, both descriptor lists of the pair's transfer
+plan prepared, ``kvd.core.plan``, or left to each transfer when they are
+too large), the users of each loaded peer agent, retiring a remote whose
+transfer failed, and the answer to a remote daemon's handshake.
+
+First contact with a remote engine starts the handshakes of every (local
+rank, remote rank) pair of the two engines at once (:meth:`Peers.warm`);
+``Limits.warm_peers`` starts them at registration, and a retired remote is
+handshaken again in the background.
 
 A remote is *fresh* when this request's own handshake made it; a READ that
 fails on a cached remote is retried once after a new handshake
