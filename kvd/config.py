@@ -148,6 +148,10 @@ class Config:
     peer_insecure: bool = _setting(False, "serve PeerService on a non-loopback peer_listen with no TLS and no "
                                           "token (any host that reaches the port may read and write the KV "
                                           "caches); without it such a daemon binds loopback only")
+    warm_peers: list[str] = _setting(None, "remote engines to handshake with ahead of the first load, each "
+                                           "host:port/engine_id (a remote daemon's peer address and an engine "
+                                           "registered there): every TP rank of it, for each local worker at "
+                                           "its registration, retried until it answers", factory=list)
     # Bounds.
     max_message_bytes: int = _setting(MAX_MESSAGE_BYTES, "largest gRPC message received or sent, bytes "
                                                          "(both ports)")
@@ -184,6 +188,14 @@ class Config:
                     parse_host_port(value, key)
                 except ConfigError as e:
                     raise self._error(key, str(e).removeprefix(f"{key}: ")) from None
+        for entry in self.warm_peers:
+            address, sep, engine_id = entry.partition("/")
+            try:
+                parse_host_port(address, "warm_peers")
+            except ConfigError as e:
+                raise self._error("warm_peers", f"{entry!r}: {str(e).removeprefix('warm_peers: ')}") from None
+            if not sep or not engine_id:
+                raise self._error("warm_peers", f"{entry!r} is not host:port/engine_id")
         if not 0 <= self.metrics_port <= 65535:
             raise self._error("metrics_port", f"{self.metrics_port} out of range 0..65535")
         if not self.metrics_host:

@@ -32,6 +32,9 @@ class Limits:
     transfer_mode: str = "pull"      # "pull": decode READs; "push": prefill WRITEs on request
     same_node_copy: bool = True      # a load from an engine of this daemon is a memmove (kvd.core.local_copy)
     detach_grace_s: float = 10.0     # an engine whose session is gone this long is unregistered
+    # Remote engines handshaken ahead of need: (peer address, engine id)
+    # pairs (the ``warm_peers`` setting, kvd/config.py).
+    warm_peers: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,14 @@ class Bounds:
     # it again for this long before leaving it to the progress loop (seconds;
     # docs/PERFORMANCE.md, "fast path").
     post_spin_s: float = 0.0002
+    # A pair whose two descriptor lists have more rows than this in all has
+    # none prepared: each transfer makes the rows of its own blocks
+    # (NIXL initialize_xfer). Preparing costs time per row of the whole cache
+    # on the first load's path (measured: 262,144 rows about 10 ms idle, the
+    # 2M rows of a 65,536-block cache re-sliced per token 0.9 s); a transfer
+    # of n descriptors costs about the same either way (docs/PERFORMANCE.md,
+    # "First contact").
+    max_prepped_rows: int = 1 << 18
     # A handshake that failed as unreachable is tried once more only when the
     # request's deadline leaves at least this long (seconds).
     retry_handshake_min_s: float = 2.0

@@ -2,7 +2,8 @@
 
 Each method is one NIXL step; the handle each returns and who releases it is
 stated. All methods are blocking native calls: the daemon calls them from its
-single NIXL thread (``kvd.core.node.Node``), never from the event loop, and
+single NIXL thread (``kvd.core.runtime``; the binding holds the GIL while
+native code runs, so keep each call short), never from the event loop, and
 never from two threads at once (agents are made with NIXL's default
 ``NIXL_THREAD_SYNC_NONE``).
 
@@ -17,6 +18,7 @@ import contextlib
 import logging
 import sys
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -43,8 +45,8 @@ def metadata_agent_name(metadata: bytes) -> str | None:
     None when the bytes do not start that way.
 
     Read before ``add_remote``: loading metadata of an agent that is loaded
-    already merges it into that agent's entry (issue 4: a replayed, mangled
-    description broke the real peer's memory sections).
+    already merges it into that agent's entry (a replayed, mangled
+    description once broke the real peer's memory sections).
     """
     start = len(_MD_HEAD) + 8
     if not metadata.startswith(_MD_HEAD) or len(metadata) <= start:
@@ -145,6 +147,23 @@ def available_plugins() -> list[str]:
     return list(probe.get_plugin_list())
 
 
+@dataclass(frozen=True)
+class Unprepped:
+    """A descriptor list NIXL has not prepared: each transfer makes the rows
+    of just its own indices (``rows(idx)``: ``(n, 3)`` int64 rows) and hands
+    them to NIXL's ``initialize_xfer``. Nothing to release.
+
+    For lists too large to prepare on a request's path: preparing costs time
+    per row of the whole cache (measured here: 131,072 rows in 4-110 ms,
+    2M rows about 0.9 s), a transfer of ``n`` descriptors costs about the
+    same either way (docs/PERFORMANCE.md, "First contact").
+    """
+
+    rows: Callable[[np.ndarray], np.ndarray]
+    mem: str = DRAM
+    agent: str = "NIXL_INIT_AGENT"  # the remote agent's name on the remote side
+
+
 @dataclass
 class XferState:
     """State of one posted transfer: ``"PROC"``, ``"DONE"`` or ``"ERR"``."""
@@ -164,7 +183,7 @@ class NixlAgent:
 
     Raises:
         NixlError: a backend is missing or fails to initialise; the message
-            names it (issue 3, capability 6).
+            names it.
     """
 
     def __init__(self, name: str, backends: list[str] | None = None, progress_us: int | None = None):
@@ -194,6 +213,7 @@ class NixlAgent:
                 raise NixlError(f"NIXL backend {b!r} failed to initialise: {e}") from e
         self.name = name
         self.backends = backends
+        self._metadata: bytes = self._agent.get_agent_metadata()
 
     # -- memory ----------------------------------------------------------------
     def register_memory(self, addr: int, length: int, mem: str = DRAM, dev: int = 0):
@@ -204,9 +224,11 @@ class NixlAgent:
         :meth:`deregister`.
         """
         try:
-            return self._agent.register_memory([(addr, length, dev, "")], mem)
+            reg = self._agent.register_memory([(addr, length, dev, "")], mem)
         except Exception as e:
             raise NixlError(f"{self.name}: register_memory({length} bytes of {mem}) failed: {e}") from e
+        self._metadata = self._agent.get_agent_metadata()
+        return reg
 
     def register_dram(self, addr: int, length: int):
         """:meth:`register_memory` of DRAM."""
@@ -215,11 +237,14 @@ class NixlAgent:
     def deregister(self, reg) -> None:
         """Releases a registration from :meth:`register_dram`."""
         self._agent.deregister_memory(reg)
+        self._metadata = self._agent.get_agent_metadata()
 
     # -- metadata --------------------------------------------------------------
     def metadata(self) -> bytes:
-        """This agent's metadata, to send to peers at handshake."""
-        return self._agent.get_agent_metadata()
+        """This agent's metadata, to send to peers at handshake: the bytes
+        made at its last (de)registration, so any thread may read them and
+        a handshake answer never queues behind the NIXL thread's work."""
+        return self._metadata
 
     def add_remote(self, metadata: bytes) -> str:
         """Loads a peer's metadata; returns its agent name.
@@ -232,6 +257,17 @@ class NixlAgent:
         except Exception as e:
             raise NixlError(f"{self.name}: add_remote_agent failed: {e}") from e
         return name.decode() if isinstance(name, bytes) else str(name)
+
+    def connect(self, name: str) -> None:
+        """Starts UCX wire-up with a loaded peer now (NIXL ``make_connection``;
+        it returns before the connection is up): the first transfer then
+        finds it done or under way. Measured here on a busy machine: first
+        READ 100-300 ms without, about 10 ms once the wire-up had 0.5 s.
+        A failure is logged: the first transfer connects anyway."""
+        try:
+            self._agent.make_connection(name)
+        except Exception as e:
+            log.info("%s: make_connection(%s): %s", self.name, name, e)
 
     def remove_remote(self, name: str) -> None:
         """Forgets a peer (and disconnects from it)."""
@@ -257,24 +293,33 @@ class NixlAgent:
             raise NixlError(f"{self.name}: prep_xfer_dlist for {remote_agent} failed: {e}") from e
 
     def release_dlist(self, handle) -> None:
-        """Releases a handle from :meth:`prep_local` / :meth:`prep_remote`."""
-        self._agent.release_dlist_handle(handle)
+        """Releases a handle from :meth:`prep_local` / :meth:`prep_remote`
+        (an :class:`Unprepped` list holds nothing)."""
+        if not isinstance(handle, Unprepped):
+            self._agent.release_dlist_handle(handle)
 
     # -- transfers -------------------------------------------------------------
     def post(self, op: str, local, local_idx: np.ndarray, remote, remote_idx: np.ndarray, notif: bytes):
         """Makes and posts one transfer (``op`` is ``"READ"`` or ``"WRITE"``).
 
-        ``local_idx[i]`` (into the local prepped list) and ``remote_idx[i]``
-        (into the remote one) name the i-th pair of blocks. The peer receives
-        ``notif`` once every byte has moved.
+        ``local_idx[i]`` (into the local list) and ``remote_idx[i]`` (into
+        the remote one) name the i-th pair of descriptors. Both lists are
+        prepped handles, or both :class:`Unprepped` (the rows of just these
+        indices go to ``initialize_xfer``). The peer receives ``notif`` once
+        every byte has moved.
 
         Returns ``(handle, state)``; release the handle with :meth:`release`
         once the state is DONE or ERR.
         """
         try:
-            h = self._agent.make_prepped_xfer(op, local, local_idx, remote, remote_idx, notif)
+            if isinstance(remote, Unprepped):
+                h = self._agent.initialize_xfer(
+                    op, self._agent.get_xfer_descs(local.rows(local_idx), local.mem),
+                    self._agent.get_xfer_descs(remote.rows(remote_idx), remote.mem), remote.agent, notif)
+            else:
+                h = self._agent.make_prepped_xfer(op, local, local_idx, remote, remote_idx, notif)
         except Exception as e:
-            raise NixlError(f"{self.name}: make_prepped_xfer failed: {e}") from e
+            raise NixlError(f"{self.name}: making the transfer failed: {e}") from e
         try:
             state = self._agent.transfer(h)
         except Exception as e:

@@ -139,6 +139,7 @@ class Node:
         within ``detach_grace_s`` of an engine crash would leave them in
         /dev/shm. A live engine's segments are never touched."""
         self.rt.closing = True
+        await self.peers.close()
         await self.progress.stop()
         for key in list(self.rt.workers):
             await self.registry.unregister(key, reason="daemon shutting down", engine_gone=True)
@@ -152,10 +153,13 @@ class Node:
     async def register(self, engine_id: str, tp_rank: int, tp_size: int, layout: Layout, segments: list[Segment],
                        regions: list[Region], *, model: str = "", compat_extra: str = "",
                        staged: bool | None = False, owner_pid: int = 0, owner: Owner | None = None) -> Worker:
-        """See :meth:`kvd.core.registry.Registry.register`."""
-        return await self.registry.register(engine_id, tp_rank, tp_size, layout, segments, regions, model=model,
-                                            compat_extra=compat_extra, staged=staged, owner_pid=owner_pid,
-                                            owner=owner)
+        """See :meth:`kvd.core.registry.Registry.register`; then handshakes
+        with the configured ``Limits.warm_peers`` start in the background."""
+        w = await self.registry.register(engine_id, tp_rank, tp_size, layout, segments, regions, model=model,
+                                         compat_extra=compat_extra, staged=staged, owner_pid=owner_pid,
+                                         owner=owner)
+        self.peers.warm_configured(w)
+        return w
 
     async def unregister(self, key: WorkerKey, reason: str = "unregistered", engine_gone: bool = False) -> int:
         """See :meth:`kvd.core.registry.Registry.unregister`."""
@@ -239,7 +243,7 @@ class Node:
             remote_agents=sum(len(w.pairs.all()) for w in ws),
             early_notifications=sum(len(w.leases.early) for w in ws),
             pending_events=sum(len(w.session.events) for w in ws if not w.session.streams),
-            prepped_dlists=sum(1 + sum(1 + r.owns_local_dlist for r in w.pairs.all()) for w in ws),
+            prepped_dlists=sum(1 + sum(r.prepped_lists for r in w.pairs.all()) for w in ws),
             bytes_read=c.bytes_read,
             transfers_done=c.transfers_done,
             transfers_failed=c.transfers_failed,

@@ -2,9 +2,15 @@
 
 The handshake cache (one handshake per (local worker, remote worker), shared
 by every request that needs it), the pairing of two agents (peer agent
-loaded, both descriptor lists of the pair's transfer plan prepared,
-``kvd.core.plan``), the users of each loaded peer agent, retiring a remote
-whose transfer failed, and the answer to a remote daemon's handshake.
+loaded, UCX wire-up started, both descriptor lists of the pair's transfer
+plan prepared, ``kvd.core.plan``, or left to each transfer when they are
+too large), the users of each loaded peer agent, retiring a remote whose
+transfer failed, and the answer to a remote daemon's handshake.
+
+First contact with a remote engine starts the handshakes of every (local
+rank, remote rank) pair of the two engines at once (:meth:`Peers.warm`);
+``Limits.warm_peers`` starts them at registration, and a retired remote is
+handshaken again in the background.
 
 A remote is *fresh* when this request's own handshake made it; a READ that
 fails on a cached remote is retried once after a new handshake
@@ -25,7 +31,7 @@ from kvd.core import plan
 from kvd.core.events import Incompatible, InvalidArgument, NotFound, PeerUnavailable
 from kvd.core.layout import LayoutError
 from kvd.core.limits import BOUNDS
-from kvd.core.nixl_agent import NixlError, metadata_agent_name
+from kvd.core.nixl_agent import NixlError, Unprepped, metadata_agent_name
 from kvd.core.runtime import Runtime
 from kvd.core.state import PROTOCOL_VERSION, HandshakeResult, PeerKey, PeerLink, RemoteWorker, Worker
 
@@ -75,7 +81,7 @@ def pair_plan(reader: plan.Geometry, source: plan.Geometry):
         Incompatible: the layouts cannot be combined (the message says why).
     """
     try:
-        chunk_sets = [plan.chunks(reader, source, i) for i in range(len(reader.regions))]
+        chunk_sets = plan.pair_chunks(reader, source)
     except plan.PlanError as e:
         raise Incompatible(f"layouts cannot be combined: {e}") from None
     k = reader.layout.block_size // source.layout.block_size
@@ -110,14 +116,57 @@ class Peers:
         self.rt = rt
         self.link = link
         self._handshakes: dict[tuple, asyncio.Future] = {}  # (local key, peer key) -> handshake task
+        self._warming: set[asyncio.Task] = set()  # Limits.warm_peers handshakes, retried until one answers
+
+    def warm_configured(self, w: Worker) -> None:
+        """Starts handshakes of ``w`` with every ``Limits.warm_peers`` engine
+        (all its ranks), in the background (:meth:`_keep_warm`)."""
+        for address, engine_id in self.rt.limits.warm_peers:
+            task = asyncio.get_running_loop().create_task(self._keep_warm(w, address, engine_id))
+            self._warming.add(task)
+            task.add_done_callback(self._warming.discard)
+
+    async def _keep_warm(self, w: Worker, address: str, engine_id: str) -> None:
+        """Asks rank 0 of ``engine_id`` at ``address`` for its TP size, then
+        handshakes with the ranks ``w`` pairs with (:meth:`warm`); asked
+        again after 1, 2, 4 .. 30 s while the peer does not answer (it may
+        start after this daemon), until ``w`` is unregistered. An
+        incompatible or invalid peer is logged once and not tried again."""
+        delay = 1.0
+        while self.rt.workers.get(w.key) is w and not (self.rt.closing or self.rt.draining):
+            try:
+                if self.link is None:
+                    return
+                hs = await self.link.handshake(address, engine_id, 0, w.compat_hash,
+                                               self.rt.limits.handshake_timeout_s)
+                self.warm(w, address, engine_id, hs.tp_size)
+                return
+            except (Incompatible, InvalidArgument) as e:
+                log.warning("%s: warm_peers %s/%s: %s; not tried again", w.label, address, engine_id, e)
+                return
+            except Exception as e:
+                log.info("%s: warm_peers %s/%s not reached (%s); next try in %.0f s", w.label, address, engine_id,
+                         e, delay)
+            await asyncio.sleep(delay)
+            delay = min(30.0, 2 * delay)
+
+    async def close(self) -> None:
+        """Stops handshakes under way (at shutdown)."""
+        tasks = [*self._warming, *self._handshakes.values()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def retire(self, w: Worker, remote: RemoteWorker, why: str) -> None:
         """Stops using a remote agent; its NIXL state is freed once no load uses it."""
         if w.pairs.remotes.get(remote.key) is remote:
             del w.pairs.remotes[remote.key]
             w.pairs.retired.append(remote)
-            log.info("%s: dropped remote agent %s at %s (%s); next load handshakes again",
+            log.info("%s: dropped remote agent %s at %s (%s); handshaking again in the background",
                      w.label, remote.agent_name, remote.address, why)
+            # The peer may have restarted with new agents: the new handshake
+            # is under way before the next load needs it.
+            self.warm(w, remote.address, remote.engine_id, remote.tp_size)
 
     def _load_agent(self, w: Worker, name: str, metadata: bytes) -> str:
         """NIXL thread: loads a peer's agent into ``w``'s agent once; counts its users.
@@ -147,6 +196,7 @@ class Peers:
                 w.agent.remove_remote(loaded)
             raise NixlError(f"agent metadata loaded as {loaded!r}, the peer said {name!r}")
         w.pairs.agents[name] = (metadata, 1)
+        w.agent.connect(name)
         return name
 
     def _unload_agent(self, w: Worker, name: str) -> None:
@@ -211,13 +261,52 @@ class Peers:
                         deadline - time.monotonic())
         return await self._remote_once(w, address, engine_id, tp_rank, tp_size, deadline)
 
-    async def _remote_once(self, w: Worker, address: str, engine_id: str, tp_rank: int, tp_size: int,
-                           deadline: float) -> tuple[RemoteWorker, bool]:
-        """The remote worker, handshaking if needed (one try); ``(remote, fresh)``."""
-        key = (address, engine_id, tp_rank)
-        r = w.pairs.remotes.get(key)
-        if r is not None:
-            return r, False
+    async def remotes(self, w: Worker, address: str, engine_id: str, ranks: list[int], tp_size: int,
+                      deadline: float) -> tuple[dict[int, RemoteWorker], bool]:
+        """The remote workers of ``ranks`` (``{rank: remote}``) and whether
+        any is fresh, handshaking with them in parallel; every other rank of
+        the remote engine is handshaken in the background too (:meth:`warm`),
+        so that the next load needing it finds it ready. Before, ranks were
+        handshaken one after the other on the first load's path (a TP 2
+        prefill engine on a busy 2-core machine: 52 s, then 8 s).
+
+        Raises:
+            as :meth:`remote`: the first rank's error, in ``ranks`` order.
+        """
+        self.warm(w, address, engine_id, tp_size)
+        got = await asyncio.gather(*(self.remote(w, address, engine_id, p, tp_size, deadline) for p in ranks),
+                                   return_exceptions=True)
+        for g in got:
+            if isinstance(g, BaseException):
+                raise g
+        return {p: r for p, (r, _) in zip(ranks, got)}, any(fresh for _, fresh in got)
+
+    def warm(self, w: Worker, address: str, engine_id: str, tp_size: int) -> None:
+        """Starts a background handshake of every local worker of ``w``'s
+        engine with each rank of remote engine ``engine_id`` (TP size
+        ``tp_size``) at ``address`` that it will read from or notify
+        (``plan.source_ranks``) and has none with yet: each TP rank of a
+        vLLM engine loads the same request on its own, a moment apart. A
+        failure is logged; the next load that needs the pair tries again."""
+        if self.link is None or self.rt.closing or not 1 <= tp_size <= BOUNDS.max_tp_size:
+            return
+        for lw in [x for x in self.rt.workers.values() if x.key[0] == w.key[0]]:
+            mla = lw.layout.kv_layout == "MLA"
+            try:
+                _, ranks = plan.source_ranks(lw.key[1], lw.tp_size, tp_size, lw.layout.model_kv_heads(lw.tp_size),
+                                             mla)
+            except plan.PlanError:
+                continue  # the load that names this pair reports it
+            for rank in ranks:
+                key = (address, engine_id, rank)
+                if key not in lw.pairs.remotes and (lw.key, key) not in self._handshakes:
+                    self._handshake_task(lw, key, tp_size).add_done_callback(
+                        lambda f, lw=lw, key=key: f.cancelled() or f.exception() is None or log.info(
+                            "%s: handshake ahead of need with %s engine=%s rank=%d failed: %s", lw.label, *key,
+                            f.exception()))
+
+    def _handshake_task(self, w: Worker, key: PeerKey, tp_size: int) -> asyncio.Future:
+        """The handshake of ``w`` with remote worker ``key``: the one running, or a new one."""
         fkey = (w.key, key)
         fut = self._handshakes.get(fkey)
         if fut is None:
@@ -234,10 +323,23 @@ class Peers:
                     f.exception()  # retrieved: its waiters report it, asyncio need not log it
 
             fut.add_done_callback(done)
-        try:
-            return await asyncio.wait_for(asyncio.shield(fut), max(0.0, deadline - time.monotonic())), True
-        except asyncio.TimeoutError:
-            raise PeerUnavailable(f"{address}: no handshake answer by the request's deadline") from None
+        return fut
+
+    async def _remote_once(self, w: Worker, address: str, engine_id: str, tp_rank: int, tp_size: int,
+                           deadline: float) -> tuple[RemoteWorker, bool]:
+        """The remote worker, handshaking if needed (one try); ``(remote, fresh)``."""
+        key = (address, engine_id, tp_rank)
+        r, fresh = w.pairs.remotes.get(key), False
+        if r is None:
+            fut = self._handshake_task(w, key, tp_size)
+            try:
+                r = await asyncio.wait_for(asyncio.shield(fut), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise PeerUnavailable(f"{address}: no handshake answer by the request's deadline") from None
+            fresh = True
+        if r.tp_size != tp_size:  # a cached remote, or a handshake another request started
+            raise Incompatible(f"remote engine {engine_id!r} has TP size {r.tp_size}, the request says {tp_size}")
+        return r, fresh
 
     async def _do_handshake(self, w: Worker, key: PeerKey, tp_size: int) -> RemoteWorker:
         address, engine_id, tp_rank = key
@@ -265,9 +367,10 @@ class Peers:
         w.pairs.remotes[key] = r
         self.rt.counters.handshakes += 1
         self.rt.on_event("handshake", {"seconds": time.monotonic() - t0})
-        log.info("%s: handshake with %s engine=%s rank=%d/%d agent=%s (kvd %s) in %.1f ms: %d chunk(s) x %d slot(s)",
+        log.info("%s: handshake with %s engine=%s rank=%d/%d agent=%s (kvd %s) in %.1f ms: %d chunk(s) x %d slot(s)%s",
                  w.label, address, engine_id, tp_rank, hs.tp_size, r.agent_name, hs.daemon_version,
-                 1e3 * (time.monotonic() - t0), r.C, r.k)
+                 1e3 * (time.monotonic() - t0), r.C, r.k,
+                 "" if r.prepped_lists or not isinstance(r.remote_dlist, Unprepped) else ", rows per transfer")
         return r
 
     async def pair(self, w: Worker, hs: HandshakeResult, peer_rank: int, *, we_read: bool, address: str,
@@ -291,18 +394,25 @@ class Peers:
                                hs.layout.model_kv_heads(hs.tp_size))
         reader, source = (ours, theirs) if we_read else (theirs, ours)
         k, C, chunk_sets, reader_identity, source_identity = pair_plan(reader, source)
-        our_rows_of, their_rows_of = (plan.local_rows, plan.remote_rows) if we_read else (plan.remote_rows,
-                                                                                          plan.local_rows)
+        our_map_of, their_map_of = (plan.local_map, plan.remote_map) if we_read else (plan.remote_map,
+                                                                                       plan.local_map)
         identity = reader_identity if we_read else source_identity
-        our_rows = None if identity else our_rows_of(w.mem.bases, w.regions, w.layout.num_blocks, chunk_sets, k)
-        their_rows = their_rows_of(hs.region_bases, hs.regions, hs.layout.num_blocks, chunk_sets, k)
+        our_map = our_map_of(w.mem.bases, w.regions, w.layout.num_blocks, chunk_sets, k, w.mem.device)
+        their_map = their_map_of(hs.region_bases, hs.regions, hs.layout.num_blocks, chunk_sets, k, hs.device)
+        # Prepared lists cost time per row of both caches, on the request's
+        # path; past BOUNDS.max_prepped_rows each transfer makes its own rows
+        # instead (docs/PERFORMANCE.md, "First contact").
+        prep = len(their_map) + (0 if identity else len(our_map)) <= BOUNDS.max_prepped_rows
 
         def add():
             name = self._load_agent(w, hs.agent_name, hs.agent_metadata)
+            if not prep:
+                return (name, Unprepped(their_map.rows, hs.memory, name),
+                        Unprepped(our_map.rows, w.mem.memory))
             try:
-                theirs_dlist = w.agent.prep_remote(name, on_device(their_rows, hs.device), hs.memory)
-                ours_dlist = (w.mem.local_dlist if our_rows is None
-                              else w.agent.prep_local(on_device(our_rows, w.mem.device), w.mem.memory))
+                theirs_dlist = w.agent.prep_remote(name, their_map.all(), hs.memory)
+                ours_dlist = (w.mem.local_dlist if identity
+                              else w.agent.prep_local(our_map.all(), w.mem.memory))
                 return name, theirs_dlist, ours_dlist
             except Exception:
                 self._unload_agent(w, name)
@@ -311,7 +421,7 @@ class Peers:
         name, theirs_dlist, ours_dlist = await self.rt.nixl(add)
         src_bytes = tuple(int(c[:C, 3].sum()) for c in chunk_sets)
         return RemoteWorker(address, engine_id, peer_rank, hs.tp_size, name, hs.layout, len(hs.regions), k, C,
-                            ours_dlist, theirs_dlist, our_rows is not None, hs.daemon_version, src_bytes,
+                            ours_dlist, theirs_dlist, prep and not identity, hs.daemon_version, src_bytes,
                             tuple(x.group for x in w.regions))
 
     # ------------------------------------------------------------- peer side
@@ -336,9 +446,9 @@ class Peers:
         return await self.describe(w)
 
     async def describe(self, w: Worker) -> HandshakeResult:
-        """``w`` as a handshake describes it (agent metadata, layout, regions)."""
-        meta = await self.rt.nixl(w.agent.metadata)
-        return HandshakeResult(meta, w.agent.name, w.layout, w.regions, w.mem.bases, w.compat_hash, __version__,
+        """``w`` as a handshake describes it (agent metadata, layout, regions).
+        Needs no NIXL call (the metadata is the agent's cached bytes)."""
+        return HandshakeResult(w.agent.metadata(), w.agent.name, w.layout, w.regions, w.mem.bases, w.compat_hash, __version__,
                                PROTOCOL_VERSION, w.tp_size, memory=w.mem.memory, device=w.mem.device)
 
     # --------------------------------------------------------------- progress

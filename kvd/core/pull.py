@@ -165,10 +165,8 @@ class Pull:
         remotes: dict[int, RemoteWorker] = {}
         try:
             try:
-                for p in notify:
-                    remotes[p], fresh = await self.peers.remote(w, req.remote_address, req.remote_engine_id, p,
-                                                                remote_tp, deadline)
-                    fresh_any |= fresh
+                remotes, fresh_any = await self.peers.remotes(w, req.remote_address, req.remote_engine_id, notify,
+                                                              remote_tp, deadline)
             except Incompatible as e:
                 # Nobody will ever read these blocks: free them on the source
                 # now (by gRPC: there is no NIXL pair), not at its lease's end.

@@ -19,7 +19,7 @@ from kvd.core.events import FailureKind
 from kvd.core.layout import Layout, Region
 from kvd.core.leases import LeaseTable
 from kvd.core.memory import ShmMapping
-from kvd.core.nixl_agent import NixlAgent
+from kvd.core.nixl_agent import NixlAgent, Unprepped
 from kvd.requests import BlockGroups, LoadRequest
 
 WorkerKey = tuple[str, int]  # (engine_id, tp_rank)
@@ -105,9 +105,11 @@ class RemoteWorker:
     """A remote (source) worker as one local worker's agent sees it.
 
     Holds the pair's transfer plan: ``k`` source blocks per local block, ``C``
-    chunks per source block and region, and the two prepped descriptor lists
-    (``local_dlist`` is the worker's own list when the plan is the identity).
-    Both are released when the remote is dropped.
+    chunks per source block and region, and the two descriptor lists
+    (``local_dlist`` is the worker's own list when the plan is the identity):
+    prepped handles, released when the remote is dropped, or
+    ``nixl_agent.Unprepped`` for a pair too large to prepare
+    (``Bounds.max_prepped_rows``).
     """
 
     address: str
@@ -133,6 +135,11 @@ class RemoteWorker:
     @property
     def key(self) -> PeerKey:
         return (self.address, self.engine_id, self.tp_rank)
+
+    @property
+    def prepped_lists(self) -> int:
+        """NIXL prepped lists this remote owns (0, 1 or 2)."""
+        return (not isinstance(self.remote_dlist, Unprepped)) + self.owns_local_dlist
 
 
 @dataclass

@@ -154,7 +154,8 @@ class Server:
                         max_inflight_per_worker=cfg.max_inflight_per_worker,
                         max_blocks_per_request=cfg.max_blocks_per_request,
                         max_leases_per_worker=cfg.max_leases_per_worker, poll_busy_s=cfg.poll_busy_s,
-                        poll_idle_s=cfg.poll_idle_s)
+                        poll_idle_s=cfg.poll_idle_s,
+                        warm_peers=tuple(tuple(e.split("/", 1)) for e in cfg.warm_peers))
         options = server_options(cfg.max_message_bytes)
         self._loop = asyncio.get_running_loop()
         self.metrics = Metrics(self._stats_threadsafe)

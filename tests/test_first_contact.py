@@ -1,0 +1,222 @@
+"""First contact with a peer: what a handshake costs does not grow with the
+cache, every rank of a remote engine is handshaken at once (and ahead of
+need), and a pair too large to prepare moves the right bytes with each
+transfer's own descriptor rows. Real daemons, NIXL/UCX and shared memory."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from kvd.core import plan
+from kvd.core.layout import Layout, Region
+from kvd.core.limits import BOUNDS
+from kvd.testing.daemons import start_daemon
+from kvd.testing.sessions import Session, one_group
+from kvd.testing.shm import ShmSegment
+from kvd.testing.util import wait_until
+from kvd.v1 import kvd_pb2 as pb
+
+HEAD_DIM = 16
+BLOCK_SIZE = 16
+NUM_BLOCKS = 8192  # x 16 per-token chunks x 2 regions: past BOUNDS.max_prepped_rows on each side
+
+
+def _geometry(rank: int, tp: int, num_regions: int, kv_layout: str = "NHD", num_blocks: int = 16) -> plan.Geometry:
+    heads = 2 // tp
+    blen = BLOCK_SIZE * heads * HEAD_DIM * 2
+    layout = Layout(num_blocks, BLOCK_SIZE, kv_layout, "float16", heads, HEAD_DIM, num_regions // 2,
+                    (blen,) * num_regions, total_kv_heads=2)
+    return plan.Geometry(rank, tp, layout, tuple(Region(i, 0, blen, blen) for i in range(num_regions)), 2)
+
+
+def test_a_pair_of_many_regions_is_checked_once_not_once_per_region(monkeypatch):
+    """1,000 regions: one compatibility check for the pair (it was one per
+    region, each over every region: 1.4 s of the event loop at handshake),
+    and the same chunks as region by region."""
+    reader, source = _geometry(0, 1, 1000), _geometry(1, 2, 1000)
+    calls = []
+    real = plan.compatible
+    monkeypatch.setattr(plan, "compatible", lambda a, b: calls.append(1) or real(a, b))
+    sets = plan.pair_chunks(reader, source)
+    assert len(calls) == 1
+    monkeypatch.setattr(plan, "compatible", real)
+    assert all(np.array_equal(s, plan.chunks(reader, source, i)) for i, s in enumerate(sets[:3]))
+    assert len(sets) == 1000 and len(sets[0]) == BLOCK_SIZE  # one head of 2, token by token: 16 chunks
+
+
+@pytest.mark.parametrize("reader_layout", ["NHD", "HND"])
+def test_rows_made_per_transfer_are_the_rows_a_prepared_list_has(reader_layout):
+    reader, source = _geometry(0, 1, 4, reader_layout), _geometry(1, 2, 4)
+    sets = plan.pair_chunks(reader, source)
+    k = 1
+    rng = np.random.default_rng(5)
+    for m in (plan.local_map([(1 << 20) * i for i in range(1, 5)], reader.regions, 16, sets, k),
+              plan.remote_map([(1 << 30) * i for i in range(1, 5)], source.regions, 16, sets, k, device=3)):
+        every = m.all()
+        assert len(every) == 4 * 16 * len(sets[0])
+        idx = rng.choice(len(every), 50, replace=False)
+        assert np.array_equal(m.rows(idx), every[idx])
+        assert (every[:, 2] == m.device).all()
+
+
+def _register(daemon, engine_id: str, rank: int, tp: int, seed: int | None):
+    """One worker of ``engine_id``: NHD float16, 2 KV heads in the model, 2 regions of NUM_BLOCKS blocks."""
+    heads = 2 // tp
+    blen = BLOCK_SIZE * heads * HEAD_DIM * 2
+    seg = ShmSegment(2 * NUM_BLOCKS * blen)
+    if seed is not None:
+        seg.array[:] = np.random.default_rng(seed).integers(0, 256, seg.size, dtype=np.uint8)
+    layout = pb.Layout(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, kv_layout=pb.KV_LAYOUT_NHD, dtype="float16",
+                       num_kv_heads=heads, head_dim=HEAD_DIM, num_layers=1, block_lens=[blen, blen],
+                       total_kv_heads=2)
+    daemon.stub().RegisterEngine(pb.RegisterEngineRequest(
+        worker=pb.EngineWorker(engine_id=engine_id, tp_rank=rank, tp_size=tp), layout=layout,
+        segments=[pb.Segment(kind=pb.MEMORY_KIND_SHM, name=seg.name, size=seg.size)],
+        regions=[pb.Region(segment_index=0, offset=i * NUM_BLOCKS * blen, block_len=blen, block_stride=blen)
+                 for i in range(2)], model="m"), timeout=60)
+    return seg, Session(daemon, engine_id, rank)
+
+
+def _next(session: Session, timeout: float = 30.0):
+    ev = session.next(timeout)
+    assert not isinstance(ev, Exception), ev
+    return ev
+
+
+@pytest.fixture
+def prefill_tp2(tmp_path):
+    """A daemon with both ranks of a TP 2 prefill engine "P", filled with seeds 10 and 11."""
+    p = start_daemon(str(tmp_path), "P")
+    workers = []
+    try:
+        for rank in range(2):
+            workers.append(_register(p, "P", rank, 2, seed=10 + rank))
+        yield p, workers
+    finally:
+        for seg, s in workers:
+            s.close()
+            seg.close()
+        p.stop()
+
+
+def test_tp2_to_tp1_load_too_large_to_prepare_moves_every_byte(tmp_path, prefill_tp2):
+    """D (TP 1, both heads) reads head h of each token from P rank h: per
+    token chunks, 2 x 8,192 x 16 rows per side, more than a pair prepares in all
+    (BOUNDS.max_prepped_rows): each READ makes its own rows. The bytes land
+    where they belong, both P ranks free their blocks on D's notification,
+    and D prepared no list for the pairs."""
+    assert 2 * (2 * NUM_BLOCKS * BLOCK_SIZE) > BOUNDS.max_prepped_rows  # both sides, 2 regions each
+    p, sources = prefill_tp2
+    d = start_daemon(str(tmp_path), "D")
+    seg, s = _register(d, "D", 0, 1, seed=None)
+    try:
+        remote, local = [8000, 3, 4097, 9], [1, 8191, 40, 2]
+        for _, src in sources:
+            src.send(hold=pb.HoldBlocks(request_id="r1", groups=one_group(remote), lease_s=600))
+        time.sleep(0.2)
+        s.send(load=pb.LoadBlocks(request_id="r1", local_groups=one_group(local), remote_engine_id="P",
+                                  remote_address=p.peer_address, remote_groups=one_group(remote),
+                                  remote_request_id="r1", remote_tp_size=2, timeout_s=60))
+        ev = _next(s, 60)
+        assert ev.WhichOneof("event") == "recv_done", ev
+        for _, src in sources:
+            done = _next(src)
+            assert done.WhichOneof("event") == "send_done" and not done.send_done.expired, done
+        dblk = BLOCK_SIZE * 2 * HEAD_DIM * 2
+        pblk = BLOCK_SIZE * HEAD_DIM * 2
+        dkv = seg.array.reshape(2, NUM_BLOCKS, BLOCK_SIZE, 2, HEAD_DIM * 2)
+        for rank, (pseg, _) in enumerate(sources):
+            pkv = pseg.array.reshape(2, NUM_BLOCKS, BLOCK_SIZE, HEAD_DIM * 2)
+            for lb, rb in zip(local, remote):
+                assert np.array_equal(dkv[:, lb, :, rank], pkv[:, rb]), (rank, lb, rb)
+        assert not dkv[:, 0].any() and ev.recv_done.bytes == 2 * len(local) * dblk == 2 * 2 * len(remote) * pblk
+        st = d.stats()
+        assert st.remote_agents == 2 and st.prepped_dlists == 1, st  # D's own block list only
+        assert "rows per transfer" in d.log()
+    finally:
+        s.close()
+        seg.close()
+        d.stop()
+
+
+def test_every_rank_pair_of_two_engines_is_handshaken_when_one_is_needed(tmp_path, prefill_tp2):
+    """D (TP 2, both ranks on this daemon) loads on rank 0 only, which reads
+    from P rank 0; that first contact also starts the handshake of D rank 1
+    with P rank 1 (vLLM's rank 1 loads the same request a moment later), so
+    both pairs are ready after one load."""
+    p, sources = prefill_tp2
+    d = start_daemon(str(tmp_path), "D")
+    workers = [_register(d, "D", rank, 2, seed=None) for rank in range(2)]
+    try:
+        sources[0][1].send(hold=pb.HoldBlocks(request_id="r1", groups=one_group([5]), lease_s=600))
+        time.sleep(0.2)
+        workers[0][1].send(load=pb.LoadBlocks(
+            request_id="r1", local_groups=one_group([6]), remote_engine_id="P", remote_address=p.peer_address,
+            remote_groups=one_group([5]), remote_request_id="r1", remote_tp_size=2, timeout_s=60))
+        assert _next(workers[0][1], 60).WhichOneof("event") == "recv_done"
+        assert wait_until(lambda: d.stats().remote_agents == 2, 30, interval=0.1) is not None, d.log_tail()
+        pairs = sorted((r.local_tp_rank, r.tp_rank) for r in d.stats().remote_workers)
+        assert pairs == [(0, 0), (1, 1)], pairs
+        assert d.stats().transfers_done == 1
+    finally:
+        for seg, s in workers:
+            s.close()
+            seg.close()
+        d.stop()
+
+
+def test_warm_peers_handshakes_before_any_load(tmp_path, prefill_tp2):
+    """``--warm-peers host:port/P``: D's worker handshakes with both P ranks
+    right after it registers, before any load names P; a peer that is not
+    there (a closed port) is only retried, never an error."""
+    p, _ = prefill_tp2
+    d = start_daemon(str(tmp_path), "D", "--warm-peers", f"{p.peer_address}/P,127.0.0.1:1/nobody")
+    seg, s = _register(d, "D", 0, 1, seed=None)
+    try:
+        assert wait_until(lambda: d.stats().remote_agents == 2, 30, interval=0.1) is not None, d.log_tail()
+        st = d.stats()
+        assert st.transfers_done == 0 and st.peers == 1
+        assert sorted(r.tp_rank for r in st.remote_workers) == [0, 1], st.remote_workers
+        assert "warm_peers 127.0.0.1:1/nobody not reached" in d.log()
+    finally:
+        s.close()
+        seg.close()
+        d.stop()
+
+
+def test_a_handshake_is_answered_while_the_nixl_thread_is_busy():
+    """The answer is the agent's kept metadata: it does not wait for the
+    NIXL thread (here held by a 3 s job, as a long post or an agent being
+    made would hold it), and it is what NIXL itself makes for the agent."""
+    import asyncio
+
+    from kvd.core.node import Node
+    from kvd.core.state import Segment
+
+    seg = ShmSegment(2 * 16 * 1024)
+    layout = Layout(16, BLOCK_SIZE, "NHD", "float16", 2, HEAD_DIM, 1, (1024, 1024))
+    regions = [Region(0, 0, 1024, 1024), Region(0, 16 * 1024, 1024, 1024)]
+
+    async def main():
+        node = Node()
+        node.start()
+        try:
+            w = await node.register("P", 0, 1, layout, [Segment(seg.name, seg.size)], regions, model="m")
+            blocker = asyncio.ensure_future(node.rt.nixl(time.sleep, 3.0))
+            await asyncio.sleep(0.1)  # the blocker holds the NIXL thread
+            hs = await asyncio.wait_for(node.handshake_info("P", 0, w.compat_hash), 60)
+            answered_first = not blocker.done()
+            await blocker
+            return hs, answered_first, await node.rt.nixl(w.agent._agent.get_agent_metadata)
+        finally:
+            await node.close()
+
+    try:
+        hs, answered_first, fresh = asyncio.run(main())
+    finally:
+        seg.close()
+    assert answered_first
+    assert hs.agent_metadata == fresh and hs.agent_name.startswith("kvd-P-r0-")
