@@ -68,6 +68,7 @@ class FailureKind(str, Enum):
     BUSY = "busy"                  # too many loads in flight for the worker
     INCOMPATIBLE = "incompatible"  # no transfer plan joins the two layouts / TP sizes
     HANDSHAKE = "handshake"        # the peer could not be reached, refused, or is incompatible
+    NOT_HELD = "not_held"          # the source holds no lease on those blocks for the request
     NIXL = "nixl"                  # NIXL refused to post a transfer
     TRANSFER = "transfer"          # a posted READ ended in error
     TIMEOUT = "timeout"            # the load's deadline passed

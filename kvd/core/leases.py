@@ -103,6 +103,15 @@ class LeaseTable:
             return True
         return False
 
+    def covers(self, request_id: str, groups: list[list[int]]) -> bool:
+        """True when a live lease of ``request_id`` holds every block of
+        ``groups`` (per KV-cache group; a reader may take a subset: vLLM's
+        decode side drops the blocks its local prefix cache already has)."""
+        lease = self.leases.get(request_id)
+        if lease is None or len(groups) > len(lease.groups):
+            return False
+        return all(set(g) <= set(h) for g, h in zip(groups, lease.groups))
+
     def release(self, request_id: str) -> bool:
         """Ends a lease now; False when there is none."""
         return self.leases.pop(request_id, None) is not None

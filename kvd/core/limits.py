@@ -72,6 +72,12 @@ class Bounds:
     # request's deadline leaves at least this long (seconds).
     retry_handshake_min_s: float = 2.0
 
+    # A claim (PeerService.Claim) waits this long at most for a hold still on
+    # its way from the prefill engine (seconds): the shim sends the hold on
+    # its session while the proxy already forwards kv_transfer_params, so a
+    # decode daemon's claim can arrive first.
+    max_claim_wait_s: float = 5.0
+
     @property
     def max_notif_bytes(self) -> int:
         """Longest notification accepted: a request id, ``:`` and the count."""

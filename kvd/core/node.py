@@ -79,16 +79,24 @@ class Node:
         backends: list[str] | None = None,
         on_event: Callable[[str, dict], None] | None = None,
     ):
-        self.peer_address = peer_address
         self.rt = Runtime(limits or Limits(), on_event)
         self.peers = Peers(self.rt, peers)
         self.registry = Registry(self.rt, self.peers, backends or ["UCX"])
-        self.holds = Holds(self.rt)
+        self.holds = Holds(self.rt, peers, peer_address)
         self.push_mode = Push(self.rt, self.peers, self.holds)
-        self.pull = Pull(self.rt, self.peers, self.push_mode)
+        self.pull = Pull(self.rt, self.peers, self.push_mode, self.holds)
         self.progress = Progress(self.rt, self.registry, self.peers, self.holds, self.pull, self.push_mode)
 
     # ------------------------------------------------------------ lifecycle
+    @property
+    def peer_address(self) -> str:
+        """``host:port`` remote daemons use to reach this one (set by the server once bound)."""
+        return self.holds.own_address
+
+    @peer_address.setter
+    def peer_address(self, value: str) -> None:
+        self.holds.own_address = value
+
     @property
     def limits(self) -> Limits:
         return self.rt.limits
@@ -201,6 +209,11 @@ class Node:
     def notify(self, engine_id: str, tp_rank: int, request_id: str, expected: int) -> None:
         """See :meth:`kvd.core.holds.Holds.notify`."""
         self.holds.notify(engine_id, tp_rank, request_id, expected)
+
+    async def claim(self, engine_id: str, tp_rank: int, request_id: str, groups: BlockGroups,
+                    wait_s: float = 0.0) -> None:
+        """See :meth:`kvd.core.holds.Holds.claim`."""
+        await self.holds.claim(engine_id, tp_rank, request_id, groups, wait_s)
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict:

@@ -28,6 +28,7 @@ from kvd.core.events import (
     PeerUnavailable,
     RecvDone,
 )
+from kvd.core.holds import Holds
 from kvd.core.layout import LayoutError
 from kvd.core.leases import notif_message
 from kvd.core.limits import BOUNDS
@@ -50,12 +51,14 @@ class Pull:
         rt: the core's shared state.
         peers: handshakes and remote workers.
         push: the push-mode reader side (``Limits.transfer_mode == "push"``).
+        holds: claims on the sources' holds before any READ.
     """
 
-    def __init__(self, rt: Runtime, peers: Peers, push: Push):
+    def __init__(self, rt: Runtime, peers: Peers, push: Push, holds: Holds):
         self.rt = rt
         self.peers = peers
         self.push = push
+        self.holds = holds
 
     async def load(self, w: Worker, req: LoadRequest, *, retry_deadline: float | None = None) -> None:
         """Pulls ``req.remote_groups`` into ``req.local_groups``; emits
@@ -166,6 +169,10 @@ class Pull:
             if w.session.epoch != epoch:
                 log.info("%s request=%s: session ended during the handshake; load dropped", w.label, rid)
                 return
+            # No READ of another engine's blocks without its hold on them (docs/SECURITY.md).
+            denied = await self.holds.claim_sources(w, req, read_from, deadline)
+            if denied or w.session.epoch != epoch:
+                return self._fail(w, req, *denied) if denied else None
             for p in read_from:
                 r = remotes[p]
                 try:

@@ -27,7 +27,8 @@ PeerKey = tuple[str, str, int]  # (address, engine_id, tp_rank)
 
 # The daemon-to-daemon protocol; a peer with another number is refused at
 # handshake. Bump on any incompatible PeerService or notification change.
-PROTOCOL_VERSION = 1
+# 2: a reader claims the source's hold (PeerService.Claim) before it READs.
+PROTOCOL_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,8 @@ class PeerLink(Protocol):
     """How the core reaches remote daemons (the daemon's gRPC PeerClient).
 
     Every method raises ``Incompatible``, ``NotFound``, ``InvalidArgument`` or
-    ``PeerUnavailable`` with the peer's message.
+    ``PeerUnavailable`` with the peer's message; ``claim`` also
+    ``PermissionDenied`` (the source holds no lease on those blocks).
     """
 
     async def handshake(self, address: str, engine_id: str, tp_rank: int, compat_hash: str,
@@ -98,6 +100,9 @@ class PeerLink(Protocol):
 
     async def notify(self, address: str, engine_id: str, tp_rank: int, request_id: str, expected: int,
                      timeout_s: float) -> None: ...
+
+    async def claim(self, address: str, engine_id: str, tp_rank: int, request_id: str, groups: BlockGroups,
+                    wait_s: float, timeout_s: float) -> None: ...
 
 
 @dataclass
@@ -250,6 +255,8 @@ class Worker:
     inflight: dict[str, InflightLoad] = field(default_factory=dict)  # READs posted
     pending_loads: set[str] = field(default_factory=set)  # loads before their posts (handshaking)
     session: WorkerSession = field(default_factory=WorkerSession)
+    # Set (and replaced) at each hold: wakes claims waiting for one (kvd.core.holds).
+    hold_added: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def label(self) -> str:

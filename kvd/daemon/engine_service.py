@@ -189,9 +189,22 @@ class EngineService(pb_grpc.EngineServiceServicer):
     async def GetStats(self, request, context) -> pb.StatsResponse:
         """This daemon's ``StatsResponse`` (workers, leases, transfers, peer and
         metrics addresses, draining flag; ``build_stats``). Never aborts; read by
-        ``kvd status`` and by the shim for the peer address."""
+        ``kvd status`` and by the shim for the peer address.
+
+        Worker rows (engine ids, compatibility hashes, agent names) only for
+        the caller's own workers (same uid); root and the daemon's own uid see
+        every one. Another user's engine id and hash are what a cross-user
+        READ would need (docs/SECURITY.md)."""
         return build_stats(self.node, draining=self.node.draining, backends=self.backends,
-                           metrics_address=self.metrics_address)
+                           metrics_address=self.metrics_address, visible=self._visible(self.callers(context)))
+
+    @staticmethod
+    def _visible(caller):
+        """Which workers' rows ``caller`` sees (None: all of them)."""
+        if caller is not None and caller.uid in (0, os.getuid()):
+            return None
+        uid = caller.uid if caller is not None else None
+        return lambda w: uid is not None and w.owner is not None and w.owner.uid == uid
 
     async def Session(self, request_iterator, context):
         """One worker's command/event stream; the first command must be ``open``."""

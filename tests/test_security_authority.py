@@ -1,0 +1,202 @@
+"""Authority: no engine reads another's KV cache, and engine ids belong to
+the user that registered them (docs/SECURITY.md, "Who may read what").
+
+Each scenario runs a real daemon as root that admits two unprivileged uids
+through ``allowed_uids``; the hostile user's calls run in a child process
+that has become that user. Every scenario ends with the daemon still serving.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from kvd.testing.daemons import start_daemon
+from kvd.testing.processes import child_env
+from kvd.testing.security import NOBODY, reachable_dir
+from kvd.testing.sessions import Engine, KvShape, event_kind
+from kvd.v1 import kvd_pb2 as pb
+
+MALLORY = 65533   # admitted by allowed_uids; reaches the socket through group nogroup
+ALICE = 65531     # admitted too: another user's engines
+SHAPE = KvShape(num_layers=1, num_blocks=8, block_len=1024)
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run callers as other users")
+
+# Runs as root up to the imports and the channel, then becomes ``uid`` (gid
+# nogroup) and plays one engine: makes its own 0600 segment, registers
+# ``engine_id`` with the test's shape and model, opens its session with its
+# token, then runs ``steps`` (a JSON list). Prints one JSON line.
+_AS_ENGINE = r"""
+import json, os, sys, time, uuid
+import grpc
+import numpy as np
+from kvd.v1 import kvd_pb2 as pb, kvd_pb2_grpc as pb_grpc
+from kvd.testing.sessions import KvShape, one_group, register_request, MESSAGE_OPTIONS
+sock, uid, engine_id, steps = sys.argv[1], int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
+ch = grpc.insecure_channel(f"unix:{sock}", options=MESSAGE_OPTIONS)
+stub = pb_grpc.EngineServiceStub(ch)
+shape = KvShape(num_layers=1, num_blocks=8, block_len=1024)
+os.setgroups([]); os.setgid(65534); os.setuid(uid)
+out = {"steps": []}
+name = f"/kvdtest_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+fd = os.open("/dev/shm" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+os.ftruncate(fd, shape.size)
+import mmap
+mm = mmap.mmap(fd, shape.size)
+os.close(fd)
+class Seg: pass
+seg = Seg(); seg.name = name; seg.size = shape.size
+token = ""
+try:
+    try:
+        r = stub.RegisterEngine(register_request(engine_id, shape, seg), timeout=30)
+        token = r.session_token
+        out["register"] = "OK"
+    except grpc.RpcError as e:
+        out["register"] = e.code().name; out["register_details"] = e.details()
+    for step in steps:
+        kind = step["do"]
+        if kind == "stats":
+            s = stub.GetStats(pb.StatsRequest(), timeout=10)
+            out["steps"].append({"engines": sorted(w.engine_id for w in s.workers),
+                                 "hashes": sorted(w.compat_hash for w in s.workers)})
+        elif kind == "load":
+            cmds = [pb.SessionCommand(open=pb.OpenSession(worker=pb.EngineWorker(engine_id=engine_id),
+                                                          session_token=token)),
+                    pb.SessionCommand(load=pb.LoadBlocks(
+                        request_id="steal", local_groups=one_group(step["local"]),
+                        remote_engine_id=step["engine"], remote_address=step["address"],
+                        remote_groups=one_group(step["remote"]), remote_request_id=step["rid"],
+                        remote_tp_size=1, timeout_s=10))]
+            import queue, threading
+            q = queue.Queue()
+            gen_done = threading.Event()
+            def gen():
+                yield from cmds
+                gen_done.wait(60)
+            call = stub.Session(gen(), timeout=60)
+            res = {}
+            for ev in call:
+                k = ev.WhichOneof("event")
+                if k == "opened":
+                    continue
+                res = {"event": k, "reason": getattr(ev, k).reason if k in ("load_failed", "rejected") else ""}
+                break
+            gen_done.set(); call.cancel()
+            res["nonzero"] = int(np.count_nonzero(np.frombuffer(mm, dtype=np.uint8)))
+            out["steps"].append(res)
+        elif kind == "unregister":
+            try:
+                stub.UnregisterEngine(pb.UnregisterEngineRequest(worker=pb.EngineWorker(engine_id=step["engine"]),
+                                                                 session_token=step.get("token", "")), timeout=10)
+                out["steps"].append({"code": "OK"})
+            except grpc.RpcError as e:
+                out["steps"].append({"code": e.code().name, "details": e.details()})
+    if out.get("register") == "OK":
+        try:
+            stub.UnregisterEngine(pb.UnregisterEngineRequest(worker=pb.EngineWorker(engine_id=engine_id),
+                                                             session_token=token), timeout=10)
+        except grpc.RpcError:
+            pass
+finally:
+    mm.close()
+    os.unlink("/dev/shm" + name)
+print(json.dumps(out), flush=True)
+"""
+
+
+def as_engine(socket_path: str, uid: int, engine_id: str, steps: list[dict]) -> dict:
+    """Plays engine ``engine_id`` as ``uid`` in a fresh process (see ``_AS_ENGINE``)."""
+    r = subprocess.run([sys.executable, "-c", _AS_ENGINE, socket_path, str(uid), engine_id, json.dumps(steps)],
+                       capture_output=True, text=True, timeout=120, env=child_env())
+    lines = [l for l in r.stdout.splitlines() if l.startswith("{")]
+    assert lines, f"engine {engine_id} as uid {uid} printed nothing (rc {r.returncode}):\n{r.stderr[-3000:]}"
+    return json.loads(lines[-1])
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    d = start_daemon(reachable_dir(), "kvd", "--engine-socket-group", str(NOBODY),
+                     "--allowed-uids", f"{MALLORY},{ALICE}")
+    yield d
+    assert d.stop() == 0
+
+
+def _still_serving(d) -> None:
+    assert d.proc.poll() is None and d.stats().daemon_version
+
+
+def test_a_user_cannot_read_another_engines_blocks_through_its_own_daemon(daemon):
+    """Cross-user KV read: Mallory names the victim's engine and this very
+    daemon's peer address; without the victim's hold on those blocks for
+    that request, no READ runs and Mallory's memory stays zero."""
+    victim = Engine(daemon, "victim", SHAPE, seed=7)
+    try:
+        victim.hold("real-request", [1, 2])  # a live lease, but for another request
+        assert victim.quiet("real-request", 0.2)
+        out = as_engine(daemon.socket, MALLORY, "mallory", [
+            {"do": "stats"},
+            {"do": "load", "engine": "victim", "address": daemon.peer_address, "local": [0, 1, 2, 3],
+             "remote": [0, 1, 2, 3], "rid": "guess"},
+            {"do": "load", "engine": "victim", "address": daemon.peer_address, "local": [0, 1, 2],
+             "remote": [1, 2, 3], "rid": "real-request"},  # the right request, one block too many
+        ])
+        assert out["register"] == "OK", out
+        stats, guess, superset = out["steps"]
+        # GetStats shows Mallory her own worker only: no engine id, no hash of the victim's.
+        assert stats["engines"] == ["mallory"], stats
+        for attempt in (guess, superset):
+            assert attempt["event"] == "load_failed" and attempt["reason"].startswith("not_held:"), attempt
+            assert attempt["nonzero"] == 0, attempt
+        # The victim's lease is untouched and its owner still sees everything.
+        assert {w.engine_id for w in daemon.stats().workers} == {"victim"}
+        assert daemon.stats().workers[0].active_leases == 1
+    finally:
+        victim.close()
+    _still_serving(daemon)
+
+
+def test_a_held_request_is_read_as_before(daemon):
+    """The rule does not stop a real P/D pair: a hold, then the load of a
+    subset of its blocks (a decode-side prefix hit), moves the bytes."""
+    p = Engine(daemon, "p", SHAPE, seed=3)
+    d = Engine(daemon, "d", SHAPE)
+    try:
+        p.hold("r", [1, 2, 3])
+        d.load("dr", [4, 5], p, [2, 3], "r")
+        assert event_kind(d.wait("dr")) == "recv_done"
+        assert d.same_blocks([4, 5], p, [2, 3])
+        assert p.wait("r").send_done.request_id == "r"
+    finally:
+        d.close()
+        p.close()
+
+
+def test_across_daemons_the_reader_claims_the_hold_before_it_reads(daemon, tmp_path):
+    """The reader's daemon asks the source's daemon (PeerService.Claim)
+    before any READ: no hold there, no READ, and a hold that arrives while
+    the claim waits is honoured."""
+    other = start_daemon(str(tmp_path), "reader")
+    src = Engine(daemon, "src", SHAPE, seed=11)
+    dst = Engine(other, "dst", SHAPE)
+    try:
+        dst.load("x", [1, 2], src, [1, 2], "nobody-held-this", timeout_s=10)
+        ev = dst.wait("x")
+        assert event_kind(ev) == "load_failed" and ev.load_failed.reason.startswith("not_held:"), ev
+        assert not dst.kv[:, [1, 2]].any()
+        # The hold may reach the source's daemon after the reader's claim.
+        dst.load("y", [3], src, [5], "late-hold", timeout_s=10)
+        src.hold("late-hold", [5, 6])
+        assert event_kind(dst.wait("y")) == "recv_done"
+        assert dst.same_blocks([3], src, [5])
+    finally:
+        dst.close()
+        src.close()
+        assert other.stop() == 0
+    _still_serving(daemon)
