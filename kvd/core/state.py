@@ -27,8 +27,9 @@ PeerKey = tuple[str, str, int]  # (address, engine_id, tp_rank)
 
 # The daemon-to-daemon protocol; a peer with another number is refused at
 # handshake. Bump on any incompatible PeerService or notification change.
-# 2: a reader claims the source's hold (PeerService.Claim) before it READs.
-PROTOCOL_VERSION = 2
+# PeerService.Claim came later without a bump (a reader asks, an older source
+# answers UNIMPLEMENTED and the load fails with that message; docs/SECURITY.md).
+PROTOCOL_VERSION = 1
 
 
 @dataclass(frozen=True)
