@@ -16,10 +16,12 @@ import sys
 import grpc
 import pytest
 
+from kvd.client.engine_client import EngineClient
 from kvd.testing.daemons import start_daemon
 from kvd.testing.processes import child_env
 from kvd.testing.security import NOBODY, reachable_dir
-from kvd.testing.sessions import Engine, KvShape, event_kind
+from kvd.testing.sessions import Engine, KvShape, event_kind, register_request
+from kvd.testing.shm import ShmSegment
 from kvd.v1 import kvd_pb2 as pb
 
 MALLORY = 65533   # admitted by allowed_uids; reaches the socket through group nogroup
@@ -38,7 +40,9 @@ import grpc
 import numpy as np
 from kvd.v1 import kvd_pb2 as pb, kvd_pb2_grpc as pb_grpc
 from kvd.testing.sessions import KvShape, one_group, register_request, MESSAGE_OPTIONS
-sock, uid, engine_id, steps = sys.argv[1], int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
+sock, uid, spec, steps = sys.argv[1], int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
+engine_id, rank, size = (spec.split(":") + ["0", "1"])[:3]
+rank, size = int(rank), int(size)
 ch = grpc.insecure_channel(f"unix:{sock}", options=MESSAGE_OPTIONS)
 stub = pb_grpc.EngineServiceStub(ch)
 shape = KvShape(num_layers=1, num_blocks=8, block_len=1024)
@@ -55,7 +59,7 @@ seg = Seg(); seg.name = name; seg.size = shape.size
 token = ""
 try:
     try:
-        r = stub.RegisterEngine(register_request(engine_id, shape, seg), timeout=30)
+        r = stub.RegisterEngine(register_request(engine_id, shape, seg, rank=rank, size=size), timeout=30)
         token = r.session_token
         out["register"] = "OK"
     except grpc.RpcError as e:
@@ -100,8 +104,8 @@ try:
                 out["steps"].append({"code": e.code().name, "details": e.details()})
     if out.get("register") == "OK":
         try:
-            stub.UnregisterEngine(pb.UnregisterEngineRequest(worker=pb.EngineWorker(engine_id=engine_id),
-                                                             session_token=token), timeout=10)
+            stub.UnregisterEngine(pb.UnregisterEngineRequest(
+                worker=pb.EngineWorker(engine_id=engine_id, tp_rank=rank), session_token=token), timeout=10)
         except grpc.RpcError:
             pass
 finally:
@@ -112,7 +116,8 @@ print(json.dumps(out), flush=True)
 
 
 def as_engine(socket_path: str, uid: int, engine_id: str, steps: list[dict]) -> dict:
-    """Plays engine ``engine_id`` as ``uid`` in a fresh process (see ``_AS_ENGINE``)."""
+    """Plays engine ``engine_id`` (``"id"`` or ``"id:rank:tp_size"``) as
+    ``uid`` in a fresh process (see ``_AS_ENGINE``)."""
     r = subprocess.run([sys.executable, "-c", _AS_ENGINE, socket_path, str(uid), engine_id, json.dumps(steps)],
                        capture_output=True, text=True, timeout=120, env=child_env())
     lines = [l for l in r.stdout.splitlines() if l.startswith("{")]
@@ -200,3 +205,48 @@ def test_across_daemons_the_reader_claims_the_hold_before_it_reads(daemon, tmp_p
         src.close()
         assert other.stop() == 0
     _still_serving(daemon)
+
+
+def test_an_engine_id_belongs_to_the_uid_that_registered_it(daemon):
+    """Engine-id squatting: while root's engine "owned" has rank 0
+    registered, another user can neither take that rank (ALREADY_EXISTS) nor
+    add a rank of that id (PERMISSION_DENIED), nor drop it; the owner's
+    engine goes on."""
+    owner = Engine(daemon, "owned", SHAPE, tp_size=2)
+    try:
+        taken = as_engine(daemon.socket, MALLORY, "owned:0:2", [])
+        assert taken["register"] == "ALREADY_EXISTS" and "by uid 0" in taken["register_details"], taken
+        other_rank = as_engine(daemon.socket, MALLORY, "owned:1:2", [{"do": "unregister", "engine": "owned"}])
+        assert other_rank["register"] == "PERMISSION_DENIED", other_rank
+        assert "belongs to uid 0" in other_rank["register_details"], other_rank
+        assert other_rank["steps"][0]["code"] == "PERMISSION_DENIED", other_rank
+        # The owner's own second rank is welcome.
+        rank1 = Engine(daemon, "owned", SHAPE, rank=1, tp_size=2, open_session=False)
+        rank1.close()
+        owner.hold("still-mine", [1])
+        owner.release("still-mine")
+        assert owner.wait("still-mine").send_done.released
+    finally:
+        owner.close()
+    # Once every rank is gone, the id is free for whoever registers next.
+    assert as_engine(daemon.socket, MALLORY, "owned:1:2", [])["register"] == "OK"
+    _still_serving(daemon)
+
+
+def test_the_engine_client_sends_its_session_token(tmp_path):
+    """With require_session_token, the shipped EngineClient opens its session
+    and unregisters: it sends the token RegisterEngine returned."""
+    d = start_daemon(str(tmp_path), "strict", "--require-session-token", "true")
+    seg = ShmSegment(SHAPE.size)
+    client = EngineClient(d.socket)
+    try:
+        r = client.register(register_request("strict-engine", SHAPE, seg), timeout_s=10)
+        assert len(r.session_token) == 32
+        client.start_session()
+        assert client.wait_opened(10), d.log_tail()
+        assert client.unregister().released_leases == 0
+        assert d.stats().engines == 0
+    finally:
+        client.close()
+        seg.close()
+        assert d.stop() == 0

@@ -137,7 +137,8 @@ class Holds:
         w = self.rt.worker(engine_id, tp_rank)
         if len(flat(groups)) > self.rt.limits.max_blocks_per_request:
             raise InvalidArgument(f"claim: more than {self.rt.limits.max_blocks_per_request} blocks")
-        deadline = time.monotonic() + min(max(wait_s, 0.0), BOUNDS.max_claim_wait_s)
+        # NaN, negative or infinite from a peer: no wait, or the cap.
+        deadline = time.monotonic() + (min(wait_s, BOUNDS.max_claim_wait_s) if wait_s > 0 else 0.0)
         while not w.leases.covers(request_id, groups):
             left = deadline - time.monotonic()
             if left <= 0 or self.rt.workers.get(w.key) is not w:

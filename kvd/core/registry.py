@@ -84,8 +84,7 @@ class Registry:
             raise InvalidArgument(f"tp_size must be in 1..{BOUNDS.max_tp_size} (got {tp_size})")
         if not 0 <= tp_rank < tp_size:
             raise InvalidArgument(f"tp_rank {tp_rank} must be in 0..tp_size-1 (tp_size {tp_size})")
-        if (engine_id, tp_rank) in self.rt.workers:
-            raise AlreadyExists(f"engine {engine_id!r} rank {tp_rank} is already registered")
+        self._check_engine_id(engine_id, tp_rank, owner)
         if not segments or len(segments) > BOUNDS.max_regions:
             raise InvalidArgument(f"a worker registers 1..{BOUNDS.max_regions} segments (got {len(segments)})")
         try:
@@ -165,6 +164,28 @@ class Registry:
                 log.warning("%s: %s", w.label, cuda.choice.warning)
         self.rt.on_event("register", {"engine": engine_id})
         return w
+
+    def _check_engine_id(self, engine_id: str, tp_rank: int, owner: Owner | None) -> None:
+        """An engine id belongs to the uid that registered it first, while any
+        of its ranks is registered (docs/SECURITY.md): otherwise one user could
+        squat another's id, keep its engine out and answer reads meant for it.
+
+        Raises:
+            AlreadyExists: ``(engine_id, tp_rank)`` is registered (the message
+                names the owner's uid).
+            PermissionDenied: another rank of ``engine_id`` is registered by
+                another uid.
+        """
+        w = self.rt.workers.get((engine_id, tp_rank))
+        if w is not None:
+            raise AlreadyExists(f"engine {engine_id!r} rank {tp_rank} is already registered"
+                                + (f" (by uid {w.owner.uid})" if w.owner is not None else ""))
+        if owner is None:
+            return
+        for (eid, rank), other in self.rt.workers.items():
+            if eid == engine_id and other.owner is not None and other.owner.uid != owner.uid:
+                raise PermissionDenied(f"engine id {engine_id!r} belongs to uid {other.owner.uid} while its rank "
+                                       f"{rank} is registered; uid {owner.uid} may not register rank {tp_rank}")
 
     def _make_agent(self, name, mappings, layout, regions, memory="DRAM", device=0):
         agent = NixlAgent(name, self.backends)
