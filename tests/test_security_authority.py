@@ -250,3 +250,31 @@ def test_the_engine_client_sends_its_session_token(tmp_path):
         client.close()
         seg.close()
         assert d.stop() == 0
+
+
+def test_a_stale_session_never_drives_the_worker_registered_again_under_its_key(daemon):
+    """Unregister and register the same key while the old session stays
+    open: the old session's commands are refused (its worker's NIXL state is
+    freed), the new registration serves, the daemon goes on."""
+    src = Engine(daemon, "stale-src", SHAPE, seed=5)
+    old = Engine(daemon, "stale", SHAPE)
+    new = None
+    try:
+        daemon.stub().UnregisterEngine(pb.UnregisterEngineRequest(worker=pb.EngineWorker(engine_id="stale")),
+                                       timeout=10)
+        new = Engine(daemon, "stale", SHAPE, open_session=False)
+        src.hold("h", [1, 2])
+        old.load("via-old", [1, 2], src, [1, 2], "h", timeout_s=10)
+        ev = old.wait("")  # refused before it names a request: the stream then ends
+        assert event_kind(ev) == "rejected" and "unregistered" in ev.rejected.reason, ev
+        assert not old.kv[:, [1, 2]].any()
+        old.hold("via-old-hold", [3])
+        assert old.quiet("via-old-hold", 0.5)
+        stats = {w.engine_id: w for w in daemon.stats().workers}
+        assert stats["stale"].active_leases == 0 and stats["stale-src"].active_leases == 1
+    finally:
+        old.close(unregister=False)
+        if new is not None:
+            new.close()
+        src.close()
+    _still_serving(daemon)

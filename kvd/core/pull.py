@@ -164,7 +164,7 @@ class Pull:
                 return self._fail(w, req, K.HANDSHAKE, f"handshake: {e}")
             except (NotFound, PeerUnavailable, InvalidArgument) as e:
                 return self._fail(w, req, K.HANDSHAKE, f"handshake: {e}")
-            if w.key not in self.rt.workers:
+            if not self.rt.registered(w):
                 return self._fail(w, req, K.UNREGISTERED, "worker unregistered")
             if w.session.epoch != epoch:
                 log.info("%s request=%s: session ended during the handshake; load dropped", w.label, rid)
@@ -210,7 +210,7 @@ class Pull:
         if err:
             for h, r in posted:
                 await self.rt.nixl(self.rt.release_handle, w.agent, h)
-            if retry and err[0] is K.NIXL and w.key in self.rt.workers:
+            if retry and err[0] is K.NIXL and self.rt.registered(w):
                 for _, r in posted:
                     self.peers.retire(w, r, err[1])
                 for p in read_from:

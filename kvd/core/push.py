@@ -78,7 +78,7 @@ class Push:
             return FailureKind.TIMEOUT, "timeout: push not done by the deadline"
         except (Incompatible, NotFound, PeerUnavailable, InvalidArgument) as e:
             return FailureKind.PUSH, f"push: {e}"
-        if w.key not in self.rt.workers:
+        if not self.rt.registered(w):
             return None
         done = [r for r in results if r is not None]
         nbytes, ndescs = sum(r.bytes for r in done), sum(r.num_descriptors for r in done)

@@ -74,6 +74,12 @@ class Runtime:
             raise NotFound(f"engine {engine_id!r} rank {tp_rank} is not registered with this daemon")
         return w
 
+    def registered(self, w: Worker) -> bool:
+        """True while ``w`` itself is registered: a worker unregistered and
+        registered again under the same key is another object, and the old
+        one's NIXL state is freed (its commands must not reach NIXL)."""
+        return self.workers.get(w.key) is w
+
     def emit(self, w: Worker, ev: Event) -> None:
         """Queues ``ev`` for ``w``'s session (the oldest event is dropped past
         ``BOUNDS.max_pending_events``, for a session gone for long)."""

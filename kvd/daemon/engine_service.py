@@ -253,7 +253,10 @@ class EngineService(pb_grpc.EngineServiceServicer):
         limit = BOUNDS.max_id_bytes
         async for cmd in it:
             kind = cmd.WhichOneof("command")
-            if w.key not in node.workers:
+            if node.workers.get(w.key) is not w:
+                # Unregistered, or registered again (another Worker, this
+                # session's one is freed): its commands would reach freed NIXL
+                # handles (a released descriptor list in make_prepped_xfer).
                 node.reject(w, "", "worker unregistered")
                 return
             c = getattr(cmd, kind) if kind else None
