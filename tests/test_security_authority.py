@@ -10,19 +10,24 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
+import time
 
 import grpc
+import numpy as np
 import pytest
 
 from kvd.client.engine_client import EngineClient
 from kvd.testing.daemons import start_daemon
 from kvd.testing.processes import child_env
 from kvd.testing.security import NOBODY, reachable_dir
-from kvd.testing.sessions import Engine, KvShape, event_kind, register_request
+from kvd.testing.sessions import MESSAGE_OPTIONS, Engine, KvShape, event_kind, one_group, register_request
 from kvd.testing.shm import ShmSegment
 from kvd.v1 import kvd_pb2 as pb
+from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
 MALLORY = 65533   # admitted by allowed_uids; reaches the socket through group nogroup
 ALICE = 65531     # admitted too: another user's engines
@@ -276,5 +281,59 @@ def test_a_stale_session_never_drives_the_worker_registered_again_under_its_key(
         old.close(unregister=False)
         if new is not None:
             new.close()
+        src.close()
+    _still_serving(daemon)
+
+
+BIG = KvShape(num_layers=1, num_blocks=32, block_len=4 << 20)  # 2 regions x 32 blocks x 4 MiB: 256 MiB
+
+
+def test_no_read_lands_after_its_session_ended(daemon):
+    """A load's READ is running when its session ends (the shim half-closes
+    the stream): the stream is closed only once that READ can no longer
+    land, so the blocks the shim then reports failed never change after."""
+    src = Engine(daemon, "big-src", BIG, seed=9)
+    dst = Engine(daemon, "big-dst", BIG, open_session=False)
+    ch = grpc.insecure_channel(f"unix:{daemon.socket}", options=MESSAGE_OPTIONS)
+    try:
+        ids = list(range(BIG.num_blocks))
+        src.hold("big", ids)
+        out: queue.Queue = queue.Queue()
+        out.put(pb.SessionCommand(open=pb.OpenSession(worker=pb.EngineWorker(engine_id="big-dst"))))
+        out.put(pb.SessionCommand(load=pb.LoadBlocks(
+            request_id="big", local_groups=one_group(ids), remote_engine_id="big-src",
+            remote_address=daemon.peer_address, remote_groups=one_group(ids), remote_request_id="big",
+            remote_tp_size=1, timeout_s=30)))
+
+        def gen():
+            while (c := out.get()) is not None:
+                yield c
+
+        call = pb_grpc.EngineServiceStub(ch).Session(gen(), timeout=60)
+        ended = threading.Event()
+        snapshot = {}
+
+        def read():
+            try:
+                for _ in call:
+                    pass
+            except grpc.RpcError:
+                pass
+            snapshot["at_end"] = np.array(dst.kv, copy=True)  # what the shim would report failed
+            ended.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        # Half-close once the READ is landing (its first bytes are there).
+        deadline = time.monotonic() + 20
+        while not dst.kv[0, 0].any():
+            assert time.monotonic() < deadline, "the READ never started"
+            time.sleep(0.0005)
+        out.put(None)
+        assert ended.wait(40)
+        time.sleep(0.5)
+        assert np.array_equal(snapshot["at_end"], dst.kv), "bytes landed after the session ended"
+    finally:
+        ch.close()
+        dst.close()
         src.close()
     _still_serving(daemon)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from kvd.core import settle
 from kvd.core.events import CommandRejected
 from kvd.core.holds import Holds
 from kvd.core.layout import Layout, Region
@@ -154,14 +155,19 @@ class Node:
         """See :meth:`kvd.core.registry.Registry.unregister`."""
         return await self.registry.unregister(key, reason, engine_gone)
 
-    def attach(self, engine_id: str, tp_rank: int) -> Worker:
-        """A session stream opened for the worker; returns it. Raises NotFound."""
-        return self.registry.attach(engine_id, tp_rank)
+    async def attach(self, engine_id: str, tp_rank: int) -> Worker:
+        """A session stream opened for the worker; returns it once no READ of
+        its previous session can land any more (``kvd.core.settle``).
+        Raises NotFound."""
+        w = self.registry.attach(engine_id, tp_rank)
+        await settle.settled(w)
+        return w
 
-    def detach(self, w: Worker) -> None:
-        """The worker's session stream ended; the last one cancels its loads."""
+    async def detach(self, w: Worker) -> None:
+        """The worker's session stream ended; the last one cancels its loads
+        and returns once none of their READs can land (``kvd.core.settle``)."""
         if self.registry.detach(w):
-            self.pull.cancel(w)
+            await self.pull.cancel(w)
 
     # -------------------------------------------------------------- session
     def reject(self, w: Worker, request_id: str, reason: str) -> None:

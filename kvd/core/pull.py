@@ -18,7 +18,7 @@ import time
 
 from kvd import tracepoints as tp
 from kvd.core import layout as lay
-from kvd.core import plan
+from kvd.core import plan, settle
 from kvd.core.events import (
     CommandRejected,
     FailureKind,
@@ -78,6 +78,7 @@ class Pull:
         except Exception as e:
             log.exception("%s request=%s: load failed unexpectedly", w.label, req.request_id)
             w.pending_loads.discard(req.request_id)
+            w.posting.discard(req.request_id)
             if req.request_id not in w.inflight:
                 self.rt.fail_load(w, req.request_id, req.local_block_ids, K.INTERNAL,
                                   f"internal: {type(e).__name__}: {e}", req.remote_address)
@@ -171,9 +172,14 @@ class Pull:
                 return
             # No READ of another engine's blocks without its hold on them (docs/SECURITY.md).
             denied = await self.holds.claim_sources(w, req, read_from, deadline)
-            if denied or w.session.epoch != epoch:
-                return self._fail(w, req, *denied) if denied else None
+            if denied or not self.rt.registered(w):
+                return self._fail(w, req, *(denied or (K.UNREGISTERED, "worker unregistered")))
+            if w.session.epoch != epoch:
+                return
+            w.posting.add(rid)  # Pull.cancel waits for it: a post may be queued on the NIXL thread
             for p in read_from:
+                if w.session.epoch != epoch:
+                    break
                 r = remotes[p]
                 try:
                     lidx, ridx = plan.chunk_indices(req.local_groups, req.remote_groups, r.num_regions,
@@ -206,6 +212,16 @@ class Pull:
             err = (K.NIXL, f"nixl: {e}")
         finally:
             w.pending_loads.discard(rid)
+        if w.session.epoch != epoch:
+            # The session ended while posting: its shim reports these blocks
+            # failed once the stream is closed, which waits for this release.
+            for h, r in posted:
+                await self.rt.nixl(self.rt.release_handle, w.agent, h)
+            w.posting.discard(rid)
+            self.rt.counters.transfers_failed += 1
+            log.warning("%s request=%s: session ended while posting; READs cancelled", w.label, rid)
+            return
+        w.posting.discard(rid)
         retry = not fresh_any and retry_deadline is None
         if err:
             for h, r in posted:
@@ -287,15 +303,18 @@ class Pull:
                     self.peers.retire(w, r, "transfer past its deadline")
                     self.rt.zombies.append((w.agent, h))  # released (or cancelled) by the next poll
 
-    def cancel(self, w: Worker) -> None:
+    async def cancel(self, w: Worker) -> None:
         """The worker's last session ended: the shim reports every load sent
         on the broken stream as failed and vLLM may reuse those blocks, so no
-        READ of them may go on."""
+        READ of them may go on. Returns once none can land any more
+        (``kvd.core.settle``); the session's stream ends after that."""
+        handles = []
         for load in list(w.inflight.values()):
             del w.inflight[load.req.request_id]
             self.rt.counters.transfers_failed += 1
-            self.rt.zombies.extend((w.agent, h) for h, _ in load.parts)  # the next poll cancels/releases
+            handles += [h for h, _ in load.parts]
             log.warning("%s request=%s: session ended; load cancelled", w.label, load.req.request_id)
+        await settle.cancel_reads(self.rt, w, handles)
 
     async def abort_load(self, w: Worker, request_id: str, remote_engine_id: str, remote_address: str,
                          remote_request_id: str, remote_tp_size: int) -> None:

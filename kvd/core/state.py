@@ -235,6 +235,7 @@ class WorkerSession:
     streams: int = 0
     detached_since: float | None = None
     epoch: int = 0
+    settling: asyncio.Task | None = None  # cancelling the ended session's READs (kvd.core.settle)
 
 
 @dataclass
@@ -255,6 +256,7 @@ class Worker:
     pairs: WorkerPairs = field(default_factory=WorkerPairs)
     inflight: dict[str, InflightLoad] = field(default_factory=dict)  # READs posted
     pending_loads: set[str] = field(default_factory=set)  # loads before their posts (handshaking)
+    posting: set[str] = field(default_factory=set)  # loads between their claim and their last post
     session: WorkerSession = field(default_factory=WorkerSession)
     # Set (and replaced) at each hold: wakes claims waiting for one (kvd.core.holds).
     hold_added: asyncio.Event = field(default_factory=asyncio.Event)

@@ -222,7 +222,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
         try:
             self.node.worker(*key)
             self._authorize(key, caller, first.open.session_token, "OpenSession")
-            w = self.node.attach(*key)
+            w = await self.node.attach(*key)
         except ev.CoreError as e:
             await context.abort(status_of(e), str(e))
         log.info("session opened: %s", w.label)
@@ -243,7 +243,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
                 waiter.cancel()
         finally:
             reader.cancel()
-            self.node.detach(w)
+            await self.node.detach(w)
             log.info("session closed: %s", w.label)
 
     async def _read_commands(self, w: Worker, it) -> None:
