@@ -148,6 +148,9 @@ class Config:
     max_leases_per_worker: int = _setting(65536, "prefill leases held per engine worker; a hold past it is "
                                                  "rejected")
     max_blocks_per_request: int = _setting(1 << 20, "block ids in one load or hold (all groups together)")
+    max_queued_event_bytes: int = _setting(64 << 20, "events queued for one engine worker's session that it has "
+                                                     "not read, bytes (8 per block id); past it the stream is "
+                                                     "ended and the events dropped")
     log_level: str = _setting("info", "debug | info | warning | error")
     log_format: str = _setting("human", "human (one line of text) | json (one JSON object per line)")
 
@@ -212,7 +215,8 @@ class Config:
                                ("max_leases_per_worker", 1, 1 << 24),
                                ("max_engine_connections", 1, 1 << 20),
                                ("max_engine_connections_per_uid", 1, 1 << 20),
-                               ("max_blocks_per_request", 1, 1 << 26)):
+                               ("max_blocks_per_request", 1, 1 << 26),
+                               ("max_queued_event_bytes", 1 << 16, 1 << 40)):
             v = getattr(self, key)
             if not low <= v <= high:
                 raise self._error(key, f"{v} out of range {low}..{high}")

@@ -337,3 +337,53 @@ def test_no_read_lands_after_its_session_ended(daemon):
         dst.close()
         src.close()
     _still_serving(daemon)
+
+
+def test_a_session_that_never_reads_is_dropped_past_its_queued_event_bytes(tmp_path):
+    """Memory DoS through events: a session that never reads its stream sends
+    LoadBlocks of 100,000 bad block ids, again and again; each LoadFailed
+    names them all. Once gRPC's buffers are full, events queue in the
+    daemon; past max_queued_event_bytes it ends the stream
+    (RESOURCE_EXHAUSTED, logged) and drops them, instead of growing."""
+    d = start_daemon(str(tmp_path), "events", "--max-queued-event-bytes", str(1 << 20))
+    eng = Engine(d, "deaf", SHAPE, open_session=False)
+    ch = grpc.insecure_channel(f"unix:{d.socket}", options=MESSAGE_OPTIONS)
+    dropped = threading.Event()
+    try:
+        bad = list(range(1000, 101000))  # out of range: each load fails at once, naming all 100,000
+
+        def commands():
+            yield pb.SessionCommand(open=pb.OpenSession(worker=pb.EngineWorker(engine_id="deaf")))
+            for i in range(2000):
+                if dropped.is_set():
+                    break
+                yield pb.SessionCommand(load=pb.LoadBlocks(
+                    request_id=f"r{i}", local_groups=one_group(bad), remote_engine_id="x",
+                    remote_address="127.0.0.1:1", remote_groups=one_group([1]), remote_request_id="x"))
+            dropped.wait(120)
+
+        call = pb_grpc.EngineServiceStub(ch).Session(commands(), timeout=180)
+        # Read nothing until the daemon has dropped the session.
+        deadline = time.monotonic() + 150
+        while "more than max_queued_event_bytes" not in d.log():
+            assert time.monotonic() < deadline and d.proc.poll() is None, d.log_tail()
+            time.sleep(0.2)
+        dropped.set()
+        with pytest.raises(grpc.RpcError) as e:
+            for _ in call:
+                pass
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
+        assert "max_queued_event_bytes" in e.value.details()
+        # Dropped with the stream (a load still failing meanwhile may queue one more).
+        assert d.stats().pending_events <= 2
+        # The engine may open a new session; the daemon serves on.
+        eng.session = None
+        from kvd.testing.sessions import Session
+
+        s2 = Session(d, "deaf")
+        s2.close()
+    finally:
+        dropped.set()
+        ch.close()
+        eng.close()
+        assert d.stop() == 0

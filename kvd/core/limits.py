@@ -31,6 +31,7 @@ class Limits:
     poll_idle_s: float = 0.005       # otherwise (notifications, leases)
     transfer_mode: str = "pull"      # "pull": decode READs; "push": prefill WRITEs on request
     detach_grace_s: float = 10.0     # an engine whose session is gone this long is unregistered
+    max_queued_event_bytes: int = 64 << 20  # events queued for one worker's session (kvd.core.events.event_bytes)
 
 
 @dataclass(frozen=True)

@@ -255,6 +255,7 @@ class Registry:
         w = self.rt.worker(engine_id, tp_rank)
         w.session.streams += 1
         w.session.detached_since = None
+        w.session.overflowed = False
         return w
 
     def detach(self, w: Worker) -> bool:

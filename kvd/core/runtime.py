@@ -20,7 +20,7 @@ from typing import Callable
 from kvd.core.events import Event, FailureKind, LoadFailed, NotFound
 from kvd.core.limits import BOUNDS, Limits
 from kvd.core.nixl_agent import NixlAgent
-from kvd.core.state import Counters, Worker, WorkerKey
+from kvd.core.state import Counters, Worker, WorkerKey, overflow
 
 log = logging.getLogger("kvd.core")
 
@@ -82,12 +82,16 @@ class Runtime:
 
     def emit(self, w: Worker, ev: Event) -> None:
         """Queues ``ev`` for ``w``'s session (the oldest event is dropped past
-        ``BOUNDS.max_pending_events``, for a session gone for long)."""
+        ``BOUNDS.max_pending_events``, for a session gone for long). Past
+        ``Limits.max_queued_event_bytes`` the session is dropped
+        (``kvd.core.state.overflow``)."""
         events = w.session.events
         if len(events) >= BOUNDS.max_pending_events:
             dropped = events.popleft()
             log.warning("%s: event queue full, dropped %s", w.label, dropped)
         events.append(ev)
+        if events.nbytes > self.limits.max_queued_event_bytes:
+            overflow(w, self.limits.max_queued_event_bytes)
         w.session.wakeup.set()
 
     def fail_load(self, w: Worker, request_id: str, block_ids: list[int], kind: FailureKind, reason: str,
@@ -98,7 +102,9 @@ class Runtime:
         self.counters.transfers_failed += 1
         log.warning("%s request=%s peer=%s: load failed: %s", w.label, request_id, peer or "?", reason)
         self.on_event("failure", {"kind": kind})
-        self.emit(w, LoadFailed(request_id, block_ids, reason, kind))
+        # A load past max_blocks_per_request was never accepted: its event names
+        # that many ids at most (each id is 8 queued bytes; kvd.core.events).
+        self.emit(w, LoadFailed(request_id, block_ids[:self.limits.max_blocks_per_request], reason, kind))
 
     def release_handle(self, agent: NixlAgent, handle) -> None:
         """NIXL thread: releases a transfer handle, or keeps it for the next poll."""

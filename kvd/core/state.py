@@ -10,17 +10,19 @@ Units: seconds, bytes, counts.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+import logging
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvd.core import plan
-from kvd.core.events import FailureKind
+from kvd.core.events import EventQueue, FailureKind
 from kvd.core.layout import Layout, Region
 from kvd.core.leases import LeaseTable
 from kvd.core.memory import ShmMapping
 from kvd.core.nixl_agent import NixlAgent
 from kvd.requests import BlockGroups, LoadRequest
+
+log = logging.getLogger("kvd.core")
 
 WorkerKey = tuple[str, int]  # (engine_id, tp_rank)
 PeerKey = tuple[str, str, int]  # (address, engine_id, tp_rank)
@@ -230,8 +232,11 @@ class WorkerSession:
     dropped. ``detached_since``: monotonic time the last stream ended (None
     while one is open)."""
 
-    events: deque = field(default_factory=deque)
+    events: EventQueue = field(default_factory=EventQueue)
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set when the queued events passed ``Limits.max_queued_event_bytes``: the
+    # session's stream is ended (its engine does not read); cleared at attach.
+    overflowed: bool = False
     streams: int = 0
     detached_since: float | None = None
     epoch: int = 0
@@ -273,6 +278,18 @@ class Worker:
     def geometry(self) -> plan.Geometry:
         return plan.Geometry(self.key[1], self.tp_size, self.layout, tuple(self.regions),
                              self.layout.model_kv_heads(self.tp_size))
+
+
+def overflow(w: Worker, limit: int) -> None:
+    """``w``'s session queued more than ``limit`` bytes of events it does not
+    read: they are dropped, and so is its stream (the engine service ends it;
+    the shim then reports its loads failed and reconnects)."""
+    s = w.session
+    log.warning("%s: %d events (%d bytes) queued, more than max_queued_event_bytes %d: the session's engine "
+                "does not read them; events dropped%s", w.label, len(s.events), s.events.nbytes, limit,
+                ", stream ended" if s.streams else "")
+    s.events.clear()
+    s.overflowed = bool(s.streams)
 
 
 @dataclass

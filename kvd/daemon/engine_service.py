@@ -235,6 +235,10 @@ class EngineService(pb_grpc.EngineServiceServicer):
                     e = events.popleft()
                     tp.hit(tp.EVENT, e.request_id)
                     yield event_to_pb(e)
+                if w.session.overflowed:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        f"session dropped: more than {self.node.limits.max_queued_event_bytes} "
+                                        f"bytes of events queued unread (max_queued_event_bytes)")
                 if reader.done():
                     break
                 wakeup.clear()
