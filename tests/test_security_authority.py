@@ -455,3 +455,45 @@ def test_expiring_early_notifications_looks_only_at_the_expired_ones():
     t.expire(now=120.0 + 65535 / 1000)  # every first notification's deadline has passed
     assert list(t.early) == ["e0"] and t.early["e0"][0] == 2
     assert len(t.early) <= t.max_early
+
+
+def test_workers_descriptors_and_aborts_are_capped_per_uid_and_overall(tmp_path):
+    """No caps on workers: 100 registrations once made 101 NIXL threads and
+    1,500 fds. Past max_workers_per_uid / max_workers / max_descriptors a
+    registration is refused RESOURCE_EXHAUSTED naming the key; AbortLoads
+    past max_aborts are rejected; the daemon serves on."""
+    from kvd.testing.fakes import blackhole
+
+    d = start_daemon(reachable_dir(), "caps", "--engine-socket-group", str(NOBODY), "--allowed-uids",
+                     str(MALLORY), "--max-workers", "3", "--max-workers-per-uid", "2",
+                     "--max-descriptors", str(4 * SHAPE.num_regions * SHAPE.num_blocks), "--max-aborts", "2",
+                     "--handshake-timeout-s", "3")
+    engines = []
+    try:
+        engines += [Engine(d, "root-1", SHAPE), Engine(d, "root-2", SHAPE)]
+        with pytest.raises(grpc.RpcError) as e:
+            Engine(d, "root-3", SHAPE)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_workers_per_uid" in e.value.details()
+        # Another uid still has room under the overall cap, once.
+        assert as_engine(d.socket, MALLORY, "mallory-1", [])["register"] == "OK"
+        big = KvShape(num_layers=3, num_blocks=8, block_len=1024)  # 48 descriptors: 32 + 48 > 64
+        with pytest.raises(grpc.RpcError) as e:
+            Engine(d, "root-big", big)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "more than max_descriptors 64" in e.value.details(), e.value.details()
+        # Aborts against a peer that never answers: two run, the rest are rejected.
+        with blackhole() as hung:
+            a = engines[0]
+            for i in range(5):
+                a.session.send(abort_load=pb.AbortLoad(request_id=f"ab{i}", remote_engine_id="p",
+                                                       remote_address=hung, remote_request_id=f"ab{i}",
+                                                       remote_tp_size=1))
+            rejected = [a.wait(f"ab{i}", 10) for i in range(2, 5)]
+            assert all("max_aborts" in ev.rejected.reason for ev in rejected), rejected
+            assert a.quiet("ab0", 0.2) and a.quiet("ab1", 0.0)
+        assert d.stats().engines == 2
+    finally:
+        for e_ in engines:
+            e_.close()
+        _still_serving(d)
+        assert d.stop() == 0

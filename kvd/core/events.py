@@ -27,6 +27,10 @@ class AlreadyExists(CoreError):
     """The engine worker is registered already."""
 
 
+class ResourceExhausted(CoreError):
+    """A daemon-wide or per-uid cap (``kvd.core.limits.Limits``) is reached."""
+
+
 class Incompatible(CoreError):
     """Two workers cannot exchange blocks (hash, version or layout mismatch)."""
 

@@ -32,6 +32,16 @@ class Limits:
     transfer_mode: str = "pull"      # "pull": decode READs; "push": prefill WRITEs on request
     detach_grace_s: float = 10.0     # an engine whose session is gone this long is unregistered
     max_queued_event_bytes: int = 64 << 20  # events queued for one worker's session (kvd.core.events.event_bytes)
+    # What the engines may make the daemon hold (each worker is a NIXL agent
+    # with its thread and ~15 fds; measured: 100 registrations took fds from
+    # 22 to 1530 and RSS from 81 to 578 MiB). A real node: 8 GPUs x a few
+    # engines x their TP ranks. Per uid: the caller's kernel uid (the gate).
+    max_workers: int = 64
+    max_workers_per_uid: int = 32
+    max_descriptors: int = 1 << 28          # registered block descriptors (regions x blocks), all workers
+    max_descriptors_per_uid: int = 1 << 27
+    max_aborts: int = 1024                  # AbortLoads in flight (each may wait a handshake timeout)
+    max_aborts_per_uid: int = 256
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import uuid
 
 from kvd.core import cuda_ipc
 from kvd.core import layout as lay
-from kvd.core.events import AlreadyExists, InvalidArgument, NotFound, PermissionDenied
+from kvd.core.events import AlreadyExists, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from kvd.core.layout import Layout, LayoutError, Region
 from kvd.core.leases import LeaseTable
 from kvd.core.limits import BOUNDS
@@ -75,8 +75,10 @@ class Registry:
         Raises:
             InvalidArgument: bad ids, layout or regions, or a segment that is
                 missing or smaller than asked (nothing stays mapped).
-            PermissionDenied: ``owner`` may not read and write a segment.
+            PermissionDenied: ``owner`` may not read and write a segment, or
+                another uid owns ``engine_id``.
             AlreadyExists: the worker is registered already.
+            ResourceExhausted: past a cap on workers or descriptors.
         """
         if not engine_id or len(engine_id) > BOUNDS.max_engine_id_chars:
             raise InvalidArgument(f"engine_id must be 1..{BOUNDS.max_engine_id_chars} characters")
@@ -91,6 +93,7 @@ class Registry:
             lay.validate(layout, regions, [s.size for s in segments])
         except LayoutError as e:
             raise InvalidArgument(str(e)) from None
+        self._check_caps(len(regions) * layout.num_blocks, owner)
         access = Access(owner.uid, owner.gids) if owner is not None else None
         mappings: list[ShmMapping] = []
         staging: list[str] = []
@@ -186,6 +189,23 @@ class Registry:
             if eid == engine_id and other.owner is not None and other.owner.uid != owner.uid:
                 raise PermissionDenied(f"engine id {engine_id!r} belongs to uid {other.owner.uid} while its rank "
                                        f"{rank} is registered; uid {owner.uid} may not register rank {tp_rank}")
+
+    def _check_caps(self, descriptors: int, owner: Owner | None) -> None:
+        """Refuses a registration past ``Limits.max_workers`` /
+        ``max_descriptors`` (all workers) or their ``_per_uid`` caps (the
+        owner's uid; None: not checked per uid). Raises ResourceExhausted."""
+        lim, ws = self.rt.limits, list(self.rt.workers.values())
+        mine = [w for w in ws if owner is not None and w.owner is not None and w.owner.uid == owner.uid]
+        descs = lambda group: sum(len(w.regions) * w.layout.num_blocks for w in group)  # noqa: E731
+        for what, used, cap, key in (
+                ("workers", len(ws) + 1, lim.max_workers, "max_workers"),
+                ("block descriptors", descs(ws) + descriptors, lim.max_descriptors, "max_descriptors"),
+                *((("workers of uid", len(mine) + 1, lim.max_workers_per_uid, "max_workers_per_uid"),
+                   ("block descriptors of uid", descs(mine) + descriptors, lim.max_descriptors_per_uid,
+                    "max_descriptors_per_uid")) if owner is not None else ())):
+            if used > cap:
+                who = f" {owner.uid}" if "uid" in what else ""
+                raise ResourceExhausted(f"register: {what}{who} would be {used}, more than {key} {cap}")
 
     def _make_agent(self, name, mappings, layout, regions, memory="DRAM", device=0):
         agent = NixlAgent(name, self.backends)

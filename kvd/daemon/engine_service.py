@@ -76,6 +76,8 @@ class EngineService(pb_grpc.EngineServiceServicer):
         self.metrics_address = ""      # host:port of /metrics, for GetStats
         self.callers = callers or (lambda context: None)
         self.require_session_token = require_session_token
+        self._aborts: dict[int, int] = {}  # caller uid -> AbortLoads in flight (Limits.max_aborts*)
+        self._aborts_total = 0
 
     async def _refuse_while_draining(self, context) -> None:
         if self.node.draining:  # set by the server at SIGTERM
@@ -227,7 +229,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
             await context.abort(status_of(e), str(e))
         log.info("session opened: %s", w.label)
         yield pb.SessionEvent(opened=pb.SessionOpened(agent_name=w.agent.name, daemon_version=__version__))
-        reader = asyncio.get_running_loop().create_task(self._read_commands(w, it))
+        reader = asyncio.get_running_loop().create_task(self._read_commands(w, it, caller.uid))
         try:
             events, wakeup = w.session.events, w.session.wakeup
             while True:
@@ -250,9 +252,9 @@ class EngineService(pb_grpc.EngineServiceServicer):
             await self.node.detach(w)
             log.info("session closed: %s", w.label)
 
-    async def _read_commands(self, w: Worker, it) -> None:
-        """Runs the session's commands on ``w``; a bad one is rejected (an
-        event), never a broken stream."""
+    async def _read_commands(self, w: Worker, it, uid: int) -> None:
+        """Runs the session's commands on ``w`` (opened by a caller of ``uid``);
+        a bad one is rejected (an event), never a broken stream."""
         node = self.node
         limit = BOUNDS.max_id_bytes
         async for cmd in it:
@@ -277,7 +279,32 @@ class EngineService(pb_grpc.EngineServiceServicer):
             elif kind == "release":
                 node.release(w, c.request_id)
             elif kind == "abort_load":
-                asyncio.get_running_loop().create_task(node.abort_load(
-                    w, c.request_id, c.remote_engine_id, c.remote_address, c.remote_request_id, c.remote_tp_size))
+                self._abort(w, c, uid)
             else:
                 node.reject(w, "", f"unexpected command {kind!r} on an open session")
+
+    def _abort(self, w: Worker, c: pb.AbortLoad, uid: int) -> None:
+        """Starts an AbortLoad unless ``Limits.max_aborts`` (all sessions) or
+        ``max_aborts_per_uid`` are in flight: each may wait a handshake
+        timeout on an unreachable peer, so unbounded they pile up as tasks."""
+        lim = self.node.limits
+        mine = self._aborts.get(uid, 0)
+        if self._aborts_total >= lim.max_aborts or mine >= lim.max_aborts_per_uid:
+            self.node.reject(w, c.request_id, f"abort_load: {self._aborts_total} aborts in flight ({mine} of uid "
+                                              f"{uid}): max_aborts {lim.max_aborts}, max_aborts_per_uid "
+                                              f"{lim.max_aborts_per_uid}")
+            return
+        self._aborts[uid] = mine + 1
+        self._aborts_total += 1
+
+        def done(_task) -> None:
+            self._aborts_total -= 1
+            left = self._aborts[uid] - 1
+            if left:
+                self._aborts[uid] = left
+            else:
+                del self._aborts[uid]
+
+        asyncio.get_running_loop().create_task(self.node.abort_load(
+            w, c.request_id, c.remote_engine_id, c.remote_address, c.remote_request_id,
+            c.remote_tp_size)).add_done_callback(done)

@@ -153,7 +153,10 @@ class Server:
                         transfer_mode=cfg.transfer_mode, max_inflight_per_worker=cfg.max_inflight_per_worker,
                         max_blocks_per_request=cfg.max_blocks_per_request,
                         max_leases_per_worker=cfg.max_leases_per_worker,
-                        max_queued_event_bytes=cfg.max_queued_event_bytes)
+                        max_queued_event_bytes=cfg.max_queued_event_bytes, max_workers=cfg.max_workers,
+                        max_workers_per_uid=cfg.max_workers_per_uid, max_descriptors=cfg.max_descriptors,
+                        max_descriptors_per_uid=cfg.max_descriptors_per_uid, max_aborts=cfg.max_aborts,
+                        max_aborts_per_uid=cfg.max_aborts_per_uid)
         options = server_options(cfg.max_message_bytes)
         self._loop = asyncio.get_running_loop()
         self.metrics = Metrics(self._stats_threadsafe)
