@@ -497,3 +497,38 @@ def test_workers_descriptors_and_aborts_are_capped_per_uid_and_overall(tmp_path)
             e_.close()
         _still_serving(d)
         assert d.stop() == 0
+
+
+def test_the_daemon_never_unlinks_an_object_it_did_not_map(tmp_path):
+    """A registration claims a dead owner_pid, then unlinks its own segment
+    name; another user makes an object of that name. When the daemon drops
+    the engine (its process gone), it leaves that object alone: it unlinks
+    only the object it mapped."""
+    d = start_daemon(str(tmp_path), "unlink", "--detach-grace-s", "1")
+    seg = ShmSegment(SHAPE.size)
+    planted = None
+    try:
+        dead = subprocess.Popen(["true"])
+        dead.wait()
+        req = register_request("liar", SHAPE, seg)
+        req.owner_pid = dead.pid
+        d.stub().RegisterEngine(req, timeout=30)
+        os.unlink(seg.path)
+        fd = os.open(seg.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        os.write(fd, b"alice's")
+        os.fchown(fd, ALICE, ALICE)
+        os.close(fd)
+        planted = seg.path
+        deadline = time.monotonic() + 30
+        while d.stats().engines:
+            assert time.monotonic() < deadline, d.log_tail()
+            time.sleep(0.1)
+        assert os.path.exists(planted), "the daemon unlinked an object it never mapped"
+        with open(planted, "rb") as f:
+            assert f.read(7) == b"alice's"
+        assert "unlinked 0 of its 1 segment(s)" in d.log()
+    finally:
+        if planted and os.path.exists(planted):
+            os.unlink(planted)
+        seg.close()
+        assert d.stop() == 0

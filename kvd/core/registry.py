@@ -241,10 +241,12 @@ class Registry:
         for n in w.mem.staging:
             unlink_shm(n)
         if engine_gone and w.mem.owner_pid > 0 and not os.path.exists(f"/proc/{w.mem.owner_pid}"):
-            for n in w.mem.segment_names:
-                unlink_shm(n)
-            log.info("%s: engine process %d is gone; unlinked its %d segment(s)", w.label, w.mem.owner_pid,
-                     len(w.mem.segment_names))
+            # Only the very objects mapped (kvd.core.memory.unlink_shm): a name
+            # made again since by someone else is left alone.
+            names = set(w.mem.segment_names)  # empty for staged and CUDA workers (their mappings are ours)
+            gone = sum(unlink_shm(m.name, m.identity) for m in w.mem.mappings if names and m.name in names)
+            log.info("%s: engine process %d is gone; unlinked %d of its %d segment(s)", w.label,
+                     w.mem.owner_pid, gone, len(w.mem.segment_names))
         log.info("unregistered %s (%s): %d leases, %d loads dropped", w.label, reason, released, len(w.inflight))
         w.inflight.clear()
         w.leases.leases.clear()
