@@ -1,4 +1,4 @@
-"""Reliability (issue 4, scenario 9): hostile input, property-based.
+"""Reliability, scenario 9 (docs/RELIABILITY.md): hostile input, property-based.
 
 Hypothesis generates every message of EngineService and PeerService (and raw,
 malformed bytes for each method) against ONE running daemon, and forged
@@ -17,7 +17,7 @@ side. Properties, for every message:
 - the daemon keeps serving; afterwards its stats show no leaked lease,
   transfer, handle, prepped list or pending event, and its RSS is reported.
 
-Message count: ``KVD_FUZZ_EXAMPLES`` (default 2,000 for CI; the issue's full
+Message count: ``KVD_FUZZ_EXAMPLES`` (default 2,000 for CI; the full
 run is ``KVD_FUZZ_EXAMPLES=10000``), split across the tests below by SHARE.
 The ``ci`` profile is derandomized (same examples every run); set
 ``KVD_FUZZ_PROFILE=random`` to explore new ones.
