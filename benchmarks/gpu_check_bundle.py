@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Builds the Python packages the device check needs on the H200 image, small
-enough to carry (issue 7, docs/GPU.md "Run it").
+enough to carry (docs/GPU.md "Run it").
 
 The device image has python3 3.12, torch (cu130), numpy and uvloop, but no
 NIXL, and its grpcio/protobuf may be older than kvd's generated code needs

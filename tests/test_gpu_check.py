@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py, the issue-7 device script, proven on the CPU
+"""benchmarks/gpu_check.py, the GPU device check, proven on the CPU
 (``--cpu``): the same flow as on the H200 (two engine processes, two real
 daemons, direct / staged / auto, bytes compared, reference copy, UCX
 protocol tables classified from the daemon's log), on DRAM."""

@@ -1,6 +1,6 @@
-"""kvd.shim.cuda_share on the CPU: handle parsing, region maths on tensors
+"""kvd.shim.memory.cuda_ipc on the CPU: handle parsing, region maths on tensors
 shaped like vLLM's GPU KV caches (FlashAttention NHD/HND, FlashInfer, MLA),
-segment dedup by allocation, and the staged path's block copies (issue 7).
+segment dedup by allocation, and the staged path's block copies.
 
 Nothing here needs a GPU: the export is faked with the same shapes of data
 torch's ``_share_cuda_`` returns, and the copies run on CPU tensors."""
@@ -10,18 +10,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvd.shim import cuda_share
-from kvd.shim.cuda_share import (
+from kvd.shim.memory import cuda_ipc as cuda_share
+from kvd.shim.memory.cuda_ipc import (
     CudaShareError,
     ExportedStorage,
-    VramStaging,
     infer_kv_layout,
     parse_torch_handle,
     plan_regions,
     share_kv_caches,
 )
-from kvd.shim.regions import dense_as_set
+from kvd.shim.memory.regions import dense_as_set
+from kvd.shim.memory.staged import StagingMirror
 from kvd.v1 import kvd_pb2 as pb
+from kvd.testing.shm import ShmSegment
 
 NB, T, H, D = 6, 16, 4, 32  # blocks, tokens per block, KV heads, head_dim
 BF16 = 2
@@ -223,22 +224,26 @@ def test_staging_mirror_copies_exactly_the_blocks_asked_with_the_segment_offsets
     shared = share_kv_caches(caches, num_blocks=NB, block_size=T, kv_layout="HND", num_kv_heads=H, head_dim=D,
                              exporter=fake_exporter(offsets=offsets, handles={0: HANDLE, 1: HANDLE}))
     (seg,) = shared.segments
-    mirror = torch.zeros(seg.size, dtype=torch.uint8)
-    st = VramStaging(shared.plan, [e.offset for e in shared.exported], shared.segment_of_storage, [mirror], NB)
-    ids = [4, 1]
-    st.copy_in(ids)
-    for r in shared.regions:
-        for b in range(NB):
-            got = mirror[r.offset + b * r.block_stride: r.offset + b * r.block_stride + r.block_len]
-            layer = caches[r.name.rsplit("/", 1)[0]]
-            want = layer[0 if r.name.endswith("/k") else 1, b].permute(1, 0, 2).contiguous().view(torch.uint8).flatten()
-            assert torch.equal(got, want) == (b in ids), (r.name, b)
-    # decode side: clear the cache, bring blocks back from the mirror
-    snapshot = {k: v.clone() for k, v in caches.items()}
-    for t in caches.values():
-        t.zero_()
-    st.copy_out([1])
-    for k, t in caches.items():
-        assert torch.equal(t[:, 1], snapshot[k][:, 1]) and not t[:, 4].any()
-    st.close()
-    st.close()
+    shm = ShmSegment(seg.size)
+    try:
+        st = StagingMirror(shared.cache_blocks(), shared.regions, [seg.size], NB,
+                           [pb.Segment(kind=pb.MEMORY_KIND_SHM, name=shm.name, size=shm.size)])
+        ids = [4, 1]
+        st.copy_in([ids])
+        for r in shared.regions:
+            for b in range(NB):
+                got = bytes(shm.mm[r.offset + b * r.block_stride: r.offset + b * r.block_stride + r.block_len])
+                layer = caches[r.name.rsplit("/", 1)[0]]
+                want = layer[0 if r.name.endswith("/k") else 1, b].permute(1, 0, 2).contiguous().view(torch.uint8)
+                assert (got == want.numpy().tobytes()) == (b in ids), (r.name, b)
+        # decode side: clear the cache, bring blocks back from the mirror
+        snapshot = {k: v.clone() for k, v in caches.items()}
+        for t in caches.values():
+            t.zero_()
+        st.copy_out([[1]])
+        for k, t in caches.items():
+            assert torch.equal(t[:, 1], snapshot[k][:, 1]) and not t[:, 4].any()
+        st.close()
+        st.close()
+    finally:
+        shm.close()

@@ -24,7 +24,7 @@ class Rank:
     ``layout="CPU"``: vLLM-CPU's block, K and V of each head in it
     (``cpu_attn.py:411-415``), K as its vec kernels write it, dim-major
     ``[HEAD_DIM // 2, tokens]``, then V ``[tokens, HEAD_DIM // 2]``
-    (``kvd.shim.cpu_kv_probe``); registered as HND with
+    (``kvd.shim.vllm.cpu_kv_probe``); registered as HND with
     ``Layout.kv_in_block`` and ``k_dim_major``. A token's HEAD_DIM values
     are its K (first half) and its V (second half).
     """

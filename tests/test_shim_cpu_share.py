@@ -1,4 +1,4 @@
-"""kvd.shim.cpu_share: region maths on real torch tensors shaped like vLLM's,
+"""kvd.shim.memory.shm: region maths on real torch tensors shaped like vLLM's,
 and the private torch sharing path checked end to end through /dev/shm."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from kvd.shim import cpu_share
-from kvd.shim.cpu_share import CpuShareError, plan_regions, share_kv_caches, share_storage
+from kvd.shim.memory import shm as cpu_share
+from kvd.shim.memory.shm import CpuShareError, plan_regions, share_kv_caches, share_storage
 from kvd.testing.cpu_caches import F32, NB, D, H, N, vllm032_cpu_caches
 from kvd.v1 import kvd_pb2 as pb
 
@@ -189,7 +189,7 @@ def test_describe_shares_nothing_and_counts_offsets_from_the_storage():
 # ---------------------------------------------------------------- shutdown
 _RELEASE_SCRIPT = r"""
 import gc, os, sys, torch
-from kvd.shim import cpu_share
+from kvd.shim.memory import shm as cpu_share
 t = torch.zeros(64, 1024)
 view = t[3]
 (st,) = [cpu_share.share_storage(t)]
@@ -224,7 +224,7 @@ def test_release_names_unlinks_and_torch_frees_the_storage_later_without_abortin
 
 # ---------------------------------------------------------------- staging
 def test_staging_mirror_copies_blocks_per_group_both_ways(tmp_path):
-    from kvd.shim.staging import StagingError, StagingMirror
+    from kvd.shim.memory.staged import StagingError, StagingMirror
     from kvd.testing.shm import ShmSegment
 
     buf, caches = vllm032_cpu_caches(2)
@@ -233,7 +233,7 @@ def test_staging_mirror_copies_blocks_per_group_both_ways(tmp_path):
     seg = ShmSegment(buf.numel())
     seg2 = ShmSegment(buf.numel())
     try:
-        mirror = StagingMirror(shared.tensors, shared.regions, NB,
+        mirror = StagingMirror(shared.cache_blocks(), shared.regions, [s.size for s in shared.segments], NB,
                                [pb.Segment(kind=pb.MEMORY_KIND_SHM, name=seg.name, size=seg.size)])
         layers = list(caches.values())
         for i, v in enumerate(layers):

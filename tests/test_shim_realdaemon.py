@@ -37,11 +37,15 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
+from kvd.client.engine_client import EngineClientError  # noqa: E402
+from kvd.shim.memory import auto, cuda_ipc  # noqa: E402
+from kvd.shim.memory.cuda_ipc import ExportedStorage  # noqa: E402
 from kvd.shim.vllm import KvdConnector  # noqa: E402
 from kvd.v1 import kvd_pb2 as pb  # noqa: E402
 from kvd.testing.daemons import start_daemon  # noqa: E402
-from test_shim_vllm import (  # noqa: E402,F401  (model_dir is a fixture)
+from vllm_inproc import (  # noqa: E402
     BS,
+    EOS,
     HEAD,
     KV_HEADS,
     LAYERS,
@@ -49,7 +53,6 @@ from test_shim_vllm import (  # noqa: E402,F401  (model_dir is a fixture)
     WINDOW_BLOCKS,
     hma_kv_cache_config,
     make_request,
-    model_dir,
     remote_params,
     vllm_config,
 )
@@ -199,7 +202,7 @@ def check_heads(p: Side, d: Side, load) -> int:
     """D rank r's blocks hold, head by head, P's blocks of the same global heads.
     Returns the elements compared."""
     compared = 0
-    for g, (lg, rg) in enumerate(zip(load.local_groups, load.remote_groups)):
+    for g, (lg, rg) in enumerate(zip(load.request.local_groups, load.request.remote_groups)):
         assert len(lg) == len(rg) > 0
         for r, dcaches in enumerate(d.caches):
             for name, dview in dcaches.items():
@@ -240,7 +243,7 @@ def test_tp_pairs_each_decode_rank_gets_its_heads(model_dir, daemons, p_tp, d_tp
         assert params["tp_size"] == p_tp
         req, load = decode(d, prompt, params)
         assert d.finished(req.request_id).finish_reason is not None
-        assert load.remote_tp_size == p_tp and len(load.local_groups[0]) == 4
+        assert load.request.remote_tp_size == p_tp and len(load.request.local_groups[0]) == 4
         assert check_heads(p, d, load) == 4 * len(LAYERS) * KV_HEADS * BS * 2 * HEAD
         # Every P rank got every expected notification: blocks freed, not expired.
         p.run_until(lambda: preq.request_id in p.finished_sending, timeout_s=5)
@@ -258,12 +261,12 @@ def test_prefill_block_32_into_decode_block_64_cpu_layout(model_dir, daemons, p_
     its block size, D loads 2 P blocks into each of its blocks, and every
     element lands where vLLM-CPU's kernel reads it (``cpu_attn.py:411-415``:
     per head K then V; inside K, the layout the kernel writes, probed by
-    ``kvd.shim.cpu_kv_probe``: on x86 ``[head_size, tokens]``). Checked head
+    ``kvd.shim.vllm.cpu_kv_probe``: on x86 ``[head_size, tokens]``). Checked head
     by head, K and V apart: D block ``i`` tokens ``[32 j, 32 j + 32)`` of K
     and of V == P's block ``2 i + j``, for every element of every loaded
     block. 3 D blocks + 5 tokens: a partial last D block holding a single P
     block (7 P blocks into 4 D blocks)."""
-    from kvd.shim.cpu_kv_probe import kv_block_layout
+    from kvd.shim.vllm.cpu_kv_probe import kv_block_layout
 
     k_layout = kv_block_layout(torch.float32, 2 * BS, HEAD)
     if k_layout is None:
@@ -277,7 +280,7 @@ def test_prefill_block_32_into_decode_block_64_cpu_layout(model_dir, daemons, p_
         assert params["block_size"] == BS and params["tp_size"] == p_tp
         req, load = decode(d, prompt, params)
         assert d.finished(req.request_id).finish_reason is not None
-        (lg,), (rg,) = load.local_groups, load.remote_groups
+        (lg,), (rg,) = load.request.local_groups, load.request.remote_groups
         assert (len(lg), len(rg)) == (4, 7), (lg, rg)
         def k_and_v(view, bs):
             """[blocks, heads, tokens, head] views of K and V (tokens along dim 2)."""
@@ -325,8 +328,7 @@ def test_prefill_block_32_into_decode_block_64_partial_local_prefix_hit(model_di
     from vllm.v1.request import Request
     from vllm import SamplingParams
 
-    from kvd.shim.cpu_kv_probe import kv_block_layout
-    from test_shim_vllm import EOS
+    from kvd.shim.vllm.cpu_kv_probe import kv_block_layout
 
     k_layout = kv_block_layout(torch.float32, 2 * BS, HEAD)
     if k_layout is None:
@@ -379,7 +381,7 @@ def test_prefill_block_32_into_decode_block_64_partial_local_prefix_hit(model_di
         assert len(table) == 5 and table[:hit] == own, (table, own)  # D's own prefix blocks hit
         d.run_until(lambda: d.finished(req.request_id) is not None)
         load = d.loads[req.request_id]
-        (lg,), (rg,) = load.local_groups, load.remote_groups
+        (lg,), (rg,) = load.request.local_groups, load.request.remote_groups
         assert lg == table[hit:], (lg, table)
         assert rg == p_ids[2 * hit:], (rg, p_ids)  # trimmed by k = 2 P blocks per D block hit
 
@@ -457,7 +459,7 @@ def test_staged_bytes_equal_direct_bytes(model_dir, daemons):
             params, _ = prefill(p, prompt)
             _, load = decode(d, prompt, params)
             check_heads(p, d, load)
-            got[(p_path, d_path)] = torch.stack([d.caches[0][n][torch.tensor(load.local_groups[0])]
+            got[(p_path, d_path)] = torch.stack([d.caches[0][n][torch.tensor(load.request.local_groups[0])]
                                                  for n in LAYERS]).clone()
             (stats,) = [s for s in d.stats if s.num_successful_transfers]
             block_len = KV_HEADS * BS * 2 * HEAD * 4
@@ -469,6 +471,55 @@ def test_staged_bytes_equal_direct_bytes(model_dir, daemons):
     first = got[("direct", "direct")]
     assert all(torch.equal(first, v) for v in got.values())
     assert pd.stats().active_leases == 0
+
+
+@pytest.fixture
+def cuda_kv_cache(monkeypatch):
+    """The connector's CUDA branch on this GPU-less machine: the chooser sees
+    the (CPU) KV cache on cuda:0, torch's ``_share_cuda_`` hands out one
+    64-byte handle per storage, and the device syncs are recorded."""
+    syncs: list[torch.device] = []
+    monkeypatch.setattr(auto, "kv_device", lambda caches: torch.device("cuda", 0))
+    monkeypatch.setattr(cuda_ipc, "export_storage", lambda t: ExportedStorage(
+        0, t.untyped_storage().data_ptr().to_bytes(8, "little") * 8, 0, t.untyped_storage().nbytes()))
+    monkeypatch.setattr(cuda_ipc, "synchronize", syncs.append)
+    return syncs
+
+
+def test_cuda_kv_cache_staged_through_a_daemon_without_gpu_moves_the_prefill_bytes(model_dir, daemons,
+                                                                                    cuda_kv_cache):
+    """A CUDA engine asking for the staged path registers CUDA IPC segments;
+    a daemon without a GPU gives it shm mirrors (``kvd.core.cuda_ipc.wants_vram``),
+    the worker copies through them, and D's blocks hold P's bytes. P waited
+    for the device before its hold went out."""
+    pd, dd = daemons
+    p = Side(model_dir, pd, kv_seed=7, kvd_lease_s=P_LEASE_S, kvd_data_path="staged")
+    d = Side(model_dir, dd, role="kv_consumer", kvd_data_path="staged")
+    try:
+        for side in (p, d):
+            w = side.workers[0].worker
+            assert w.sharing.kind == "cuda_ipc" and w.registered.data_path == pb.DATA_PATH_STAGED
+            assert [s.kind for s in w.registered.staging_segments] == [pb.MEMORY_KIND_SHM]
+        prompt = list(range(7000, 7000 + 3 * BS + 1))
+        params, req = prefill(p, prompt)
+        assert cuda_kv_cache == [], "no hold yet"
+        _, load = decode(d, prompt, params)
+        p.run_until(lambda: req.request_id in p.finished_sending)
+        assert cuda_kv_cache == [torch.device("cuda", 0)], "the hold's step waited for the device once"
+        assert check_heads(p, d, load) > 0
+    finally:
+        p.close()
+        d.close()
+    assert pd.stats().active_leases == 0
+
+
+def test_cuda_kv_cache_direct_on_a_daemon_without_gpu_is_refused_with_a_message(model_dir, daemons, cuda_kv_cache):
+    """Direct CUDA IPC needs the daemon to open the handles: a daemon without
+    a GPU says so at registration; the engine fails to start with that message."""
+    pd, _ = daemons
+    with pytest.raises(EngineClientError) as e:
+        Side(model_dir, pd, kvd_lease_s=P_LEASE_S, kvd_data_path="direct")
+    assert "CUDA IPC segments need a GPU" in str(e.value), str(e.value)  # kvd.core.cuda_ipc.NO_GPU
 
 
 @pytest.mark.parametrize("data_path", ["direct", "staged"])
@@ -485,7 +536,7 @@ def test_hma_two_groups_one_sliding_window(model_dir, daemons, data_path):
         full, window = params["remote_block_ids"]
         assert len(full) == 7 and len(window) == WINDOW_BLOCKS
         _, load = decode(d, prompt, params)
-        assert [len(g) for g in load.local_groups][0] == 7 and 0 < len(load.local_groups[1]) <= WINDOW_BLOCKS
+        assert [len(g) for g in load.request.local_groups][0] == 7 and 0 < len(load.request.local_groups[1]) <= WINDOW_BLOCKS
         check_heads(p, d, load)
         p.run_until(lambda: preq.request_id in p.finished_sending, timeout_s=5)
         assert wait_leases_zero(pd) < 5

@@ -28,34 +28,14 @@ if os.environ.get("KVD_SKIP_VLLM") == "1":
     pytest.skip("KVD_SKIP_VLLM=1", allow_module_level=True)
 pytest.importorskip("vllm")
 
-from transformers import LlamaConfig  # noqa: E402
-from vllm import SamplingParams  # noqa: E402
-from vllm.config import (  # noqa: E402
-    CacheConfig,
-    DeviceConfig,
-    KVTransferConfig,
-    ModelConfig,
-    SchedulerConfig,
-    VllmConfig,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.engine import FinishReason  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheTensor,
-    SlidingWindowSpec,
-)
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request, RequestStatus  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
+from kvd.requests import LoadRequest  # noqa: E402
 from kvd.shim.vllm import (  # noqa: E402
     HoldSpec,
     KvdConnector,
@@ -70,166 +50,13 @@ from kvd.shim.vllm import (  # noqa: E402
     split_host_port,
 )
 from kvd.v1 import kvd_pb2 as pb  # noqa: E402
-from kvd.testing.fakes import PEER_ADDRESS, FakeDaemon
+from kvd.testing.fakes import PEER_ADDRESS, FakeDaemon  # noqa: E402
+from vllm_inproc import (  # noqa: E402
+    BS, HEAD, HMA_LAYERS, KV_HEADS, LAYERS, NB, WINDOW_BLOCKS, Engine, kv_cache_config, make_request,
+    prefill_request, remote_params, vllm_config,
+)
 
-BS, NB, LAYERS, KV_HEADS, HEAD = 32, 64, ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"), 2, 32
-EOS = 2047
 FAST_S = 0.010
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny-llama")
-    LlamaConfig(vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=KV_HEADS, head_dim=HEAD,
-                max_position_embeddings=2048, torch_dtype="float32").save_pretrained(d)
-    init_none_hash(sha256)
-    return str(d)
-
-
-def vllm_config(model_dir: str, sock: str, *, role: str = "kv_both", policy: str = "fail",
-                max_num_batched_tokens: int = 2048, **extra) -> VllmConfig:
-    mc = ModelConfig(model=model_dir, dtype="float32", seed=0, skip_tokenizer_init=True, max_model_len=2048)
-    cc = CacheConfig(block_size=BS, enable_prefix_caching=True)
-    cc.kv_cache_layout = "LBHNC"  # what the engine core resolves for the CPU backend
-    kv = KVTransferConfig(
-        kv_connector="KvdConnector", kv_connector_module_path="kvd.shim.vllm", kv_role=role,
-        kv_load_failure_policy=policy, kv_connector_extra_config={"kvd_socket": sock, **extra},
-    )
-    return VllmConfig(
-        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
-                                         max_model_len=2048, is_encoder_decoder=False),
-        model_config=mc, cache_config=cc, kv_transfer_config=kv, device_config=DeviceConfig("cpu"),
-    )
-
-
-def kv_cache_config() -> KVCacheConfig:
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.float32)
-    page = spec.page_size_bytes
-    return KVCacheConfig(
-        num_blocks=NB,
-        kv_cache_tensors=[KVCacheTensor(size=NB * page * len(LAYERS), layers=list(LAYERS),
-                                        layer_stride=NB * page, block_stride=page)],
-        kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
-    )
-
-
-HMA_LAYERS = tuple(f"model.layers.{i}.self_attn.attn" for i in range(4))
-WINDOW = 64                      # tokens of the sliding-window layers
-WINDOW_BLOCKS = WINDOW // BS + 1  # what NixlConnector keeps of them: cdiv(window, block) + 1
-
-
-def hma_kv_cache_config(config: VllmConfig) -> KVCacheConfig:
-    """A hybrid model as vLLM itself groups it: layers 0 and 2 full attention
-    (group 0), layers 1 and 3 a 64-token sliding window (group 1), the two
-    groups overlaid on the same bytes (vLLM's own get_kv_cache_groups and
-    get_kv_cache_config_from_groups)."""
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
-
-    full = FullAttentionSpec(block_size=BS, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.float32)
-    sw = SlidingWindowSpec(block_size=BS, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.float32,
-                           sliding_window=WINDOW)
-    specs = {name: (full if i % 2 == 0 else sw) for i, name in enumerate(HMA_LAYERS)}
-    groups = get_kv_cache_groups(config, specs)
-    assert [type(g.kv_cache_spec) for g in groups] == [FullAttentionSpec, SlidingWindowSpec]
-    kcc = get_kv_cache_config_from_groups(config, groups, NB * full.page_size_bytes * 2)
-    assert kcc.num_blocks == NB
-    return kcc
-
-
-_ids = iter(range(1, 1 << 30))
-
-
-def make_request(prompt: list[int], params: dict | None, max_tokens: int = 4, rid: str | None = None) -> Request:
-    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    sp.update_from_generation_config({}, EOS)
-    req = Request(request_id=rid or f"req-{next(_ids)}", prompt_token_ids=list(prompt), sampling_params=sp,
-                  pooling_params=None, block_hasher=get_request_block_hasher(BS, sha256))
-    req.kv_transfer_params = params
-    return req
-
-
-class Engine:
-    """vLLM's scheduler + a worker-side KvdConnector; one ``step`` = one engine step."""
-
-    def __init__(self, model_dir: str, sock: str, hma: bool = False, write_kv: bool = False, **kw):
-        self.config = vllm_config(model_dir, sock, **kw)
-        kcc = hma_kv_cache_config(self.config) if hma else kv_cache_config()
-        self.kcc = kcc
-        self.config.cache_config.num_gpu_blocks = NB
-        self.sched = Scheduler(vllm_config=self.config, kv_cache_config=kcc, log_stats=True,
-                               structured_output_manager=StructuredOutputManager(self.config), block_size=BS)
-        self.connector = self.sched.connector
-        assert isinstance(self.connector, KvdConnector)
-        self.worker = KvdConnector(self.config, KVConnectorRole.WORKER, kcc)
-        self.caches = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout.LBHNC,
-                                        [BS] * len(kcc.kv_cache_groups))
-        self.worker.register_kv_caches(self.caches)
-        self.stats: list = []
-        self.write_kv = write_kv
-        self.outputs: dict[str, list] = {}
-        self.step_times: list[float] = []
-
-    def forward(self, out) -> None:
-        """What the forward pass writes: block b of layer i of every scheduled
-        request holds 100 * i + b (only with write_kv)."""
-        for rid in out.num_scheduled_tokens:
-            for group, ids in zip(self.kcc.kv_cache_groups, self.sched.kv_cache_manager.get_block_ids(rid)):
-                for name in group.layer_names:
-                    i = list(self.caches).index(name)
-                    for b in ids:
-                        if b:
-                            self.caches[name][b].fill_(float(100 * i + b))
-
-    def step(self) -> None:
-        out = self.sched.schedule()
-        t0 = time.perf_counter()
-        self.worker.bind_connector_metadata(out.kv_connector_metadata)
-        self.worker.start_load_kv(None)
-        if self.write_kv:
-            self.forward(out)
-        self.worker.wait_for_save()
-        res = self.worker.get_transfer_results(out.finished_req_ids)
-        kvo = KVConnectorOutput(
-            finished_sending=res.finished_sending, finished_recving=res.finished_recving,
-            failed_recving=res.failed_recving, invalid_block_ids=self.worker.get_block_ids_with_load_errors(),
-            kv_connector_stats=self.worker.get_kv_connector_stats(),
-        )
-        if kvo.kv_connector_stats is not None:
-            self.stats.append(kvo.kv_connector_stats)
-        self.worker.clear_connector_metadata()
-        self.step_times.append(time.perf_counter() - t0)
-        ids = list(out.num_scheduled_tokens)
-        sampled = []
-        for rid in ids:
-            req = self.sched.requests[rid]
-            sampled.append([7] if req.num_computed_tokens >= req.num_tokens else [])
-        mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                sampled_token_ids=sampled, kv_connector_output=kvo)
-        for outs in self.sched.update_from_output(out, mro).values():
-            for o in outs.outputs:
-                self.outputs.setdefault(o.request_id, []).append(o)
-        self.last_meta = out.kv_connector_metadata
-
-    def run_until(self, cond, timeout_s: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not cond():
-            assert time.monotonic() < deadline, "engine loop timed out"
-            self.step()
-            time.sleep(0.005)
-
-    def finished(self, rid: str):
-        return next((o for o in self.outputs.get(rid, []) if o.finish_reason is not None), None)
-
-    def close(self) -> None:
-        self.worker.shutdown()
-
-
-@pytest.fixture
-def fake(tmp_path):
-    d = FakeDaemon(str(tmp_path / "engine.sock")).start()
-    yield d
-    d.close()
 
 
 def hold_cmds(fake) -> list:
@@ -251,11 +78,10 @@ def wait_for(cond, timeout_s: float = 5.0) -> None:
         time.sleep(0.01)
 
 
-def remote_params(prefill_output_params: dict) -> dict:
-    """What vLLM's toy proxy forwards to the decode engine: the params as JSON."""
-    import json
-
-    return json.loads(json.dumps(prefill_output_params))
+def load_spec(rid: str, local: list, remote: list, remote_rid: str, *, engine: str = "engine-p",
+              awaiting: bool = True, error: str | None = None) -> LoadSpec:
+    """A scheduler -> worker load (block ids per group) from a prefill engine at 127.0.0.1:9."""
+    return LoadSpec(LoadRequest(rid, local, engine, "127.0.0.1:9", remote, remote_rid), awaiting, error)
 
 
 # ------------------------------------------------------------------ helpers
@@ -292,7 +118,7 @@ def test_register_kv_caches_shares_vllm_allocation_and_describes_it(model_dir, f
         assert (reg.layout.dtype, reg.layout.num_kv_heads, reg.layout.head_dim, reg.layout.num_layers) == (
             "float32", KV_HEADS, 2 * HEAD, 2)
         # What the kernel keeps inside K decides the remap (x86 vec kernels: K [head_size, tokens]).
-        from kvd.shim.cpu_kv_probe import kv_block_layout
+        from kvd.shim.vllm.cpu_kv_probe import kv_block_layout
         k_layout = kv_block_layout(torch.float32, BS, HEAD)
         assert reg.layout.kv_in_block == (k_layout is not None)
         assert reg.layout.k_dim_major == (k_layout == "dim_major")
@@ -342,7 +168,7 @@ def test_prefill_finish_returns_nixl_shaped_params_and_holds_until_send_done(mod
         eng.step()  # the next step carries the hold to the worker
         wait_for(lambda: len(hold_cmds(fake)) == 1)
         (hold,) = hold_cmds(fake)
-        assert (hold.request_id, list(hold.block_ids), hold.lease_s) == (req.request_id, blocks, 45)
+        assert (hold.request_id, [list(g.ids) for g in hold.groups], hold.lease_s) == (req.request_id, [blocks], 45)
         assert req.request_id in eng.sched.requests
 
         eng.worker.worker.client.release(req.request_id)  # the fake ends leases on release
@@ -389,13 +215,13 @@ def test_decode_loads_all_prompt_blocks_then_runs(model_dir, fake):
         eng.step()
         assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         (ld,) = eng.last_meta.loads
-        (local,) = ld.local_groups
-        assert ld.awaiting and len(local) == 4 and ld.remote_groups == [[40, 41, 42, 43]]
+        (local,) = ld.request.local_groups
+        assert ld.awaiting and len(local) == 4 and ld.request.remote_groups == [[40, 41, 42, 43]]
         wait_for(lambda: len(load_cmds(fake)) == 1)
         (cmd,) = load_cmds(fake)
         assert (cmd.remote_address, cmd.remote_engine_id, cmd.remote_request_id) == ("10.9.9.9:7500", "engine-p", "p-req-1")
-        assert list(cmd.local_block_ids) == local and cmd.timeout_s == 12 and cmd.remote_tp_size == 1
-        assert list(cmd.remote_block_ids) == [40, 41, 42, 43] and not cmd.local_groups  # one group: flat lists
+        assert [list(g.ids) for g in cmd.local_groups] == [local] and cmd.timeout_s == 12 and cmd.remote_tp_size == 1
+        assert [list(g.ids) for g in cmd.remote_groups] == [[40, 41, 42, 43]]  # one group: [[...]], groups only
         eng.run_until(lambda: eng.finished(req.request_id) is not None)
         ps = prefill_stats(eng, req.request_id)
         # vLLM counts all 100 prompt tokens as external KV transfer, none computed
@@ -415,8 +241,8 @@ def test_partial_local_prefix_hit_loads_only_the_missing_tail(model_dir, fake):
         eng.sched.add_request(req)
         eng.step()
         (ld,) = eng.last_meta.loads
-        assert len(ld.local_groups[0]) == 2, "only the blocks D does not hold are loaded"
-        assert ld.remote_groups == [[42, 43]], "P's blocks trimmed from the front, aligned by position"
+        assert len(ld.request.local_groups[0]) == 2, "only the blocks D does not hold are loaded"
+        assert ld.request.remote_groups == [[42, 43]], "P's blocks trimmed from the front, aligned by position"
         eng.run_until(lambda: eng.finished(req.request_id) is not None)
         ps = prefill_stats(eng, req.request_id)
         assert (ps.num_local_cached_tokens, ps.num_external_cached_tokens, ps.num_computed_tokens) == (64, 36, 0)
@@ -461,7 +287,7 @@ def test_decode_request_aborted_before_scheduling_tells_the_prefill_side(model_d
         eng.sched.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
         eng.step()
         (ld,) = eng.last_meta.loads
-        assert (ld.request_id, ld.local_groups, ld.awaiting, ld.remote_request_id) == (
+        assert (ld.request_id, ld.request.local_groups, ld.awaiting, ld.request.remote_request_id) == (
             req.request_id, [], False, "p-req-1")
         wait_for(lambda: len(abort_cmds(fake)) == 1)
         assert abort_cmds(fake)[0].remote_request_id == "p-req-1"
@@ -519,9 +345,9 @@ def test_worker_step_calls_stay_fast_while_the_daemon_is_slow(model_dir, tmp_pat
         worst = 0.0
         for step in range(10):
             meta = KvdConnectorMetadata(
-                loads=[LoadSpec(f"d{step}", [step], "engine-p", "127.0.0.1:9", [step + 10], f"p{step}", 1, True),
-                       LoadSpec(f"a{step}", [], "engine-p", "127.0.0.1:9", [], f"pa{step}", 1, False)],
-                holds=[HoldSpec(f"p{step}", [step + 20], 30.0)],
+                loads=[load_spec(f"d{step}", [[step]], [[step + 10]], f"p{step}"),
+                       load_spec(f"a{step}", [], [], f"pa{step}", awaiting=False)],
+                holds=[HoldSpec(f"p{step}", [[step + 20]], 30.0)],
             )
             t0 = time.perf_counter()
             worker.bind_connector_metadata(meta)
@@ -546,12 +372,6 @@ def test_worker_step_calls_stay_fast_while_the_daemon_is_slow(model_dir, tmp_pat
 
 
 # ------------------------------------------------------------- HMA (2 groups)
-def prefill_request(prompt: list[int]) -> Request:
-    return make_request(prompt, {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                                 "remote_block_ids": None, "remote_request_id": None, "remote_host": None,
-                                 "remote_port": None}, max_tokens=1)
-
-
 def test_hma_regions_carry_their_group_and_overlaid_bytes_are_one_region_per_group(model_dir, fake):
     eng = Engine(model_dir, fake.socket, hma=True, kvd_peer_address="127.0.0.1:7000")
     try:
@@ -603,13 +423,13 @@ def test_hma_decode_loads_each_group_into_its_own_blocks(model_dir, fake):
         eng.sched.add_request(req)
         eng.step()
         (ld,) = eng.last_meta.loads
-        full, window = ld.local_groups
+        full, window = ld.request.local_groups
         assert len(full) == 7 and 0 < len(window) <= WINDOW_BLOCKS and 0 not in window
-        assert ld.remote_groups == [list(range(40, 47)), [50, 51, 52][-len(window):]]
+        assert ld.request.remote_groups == [list(range(40, 47)), [50, 51, 52][-len(window):]]
         wait_for(lambda: len(load_cmds(fake)) == 1)
         (cmd,) = load_cmds(fake)
         assert [list(g.ids) for g in cmd.local_groups] == [full, window]
-        assert [list(g.ids) for g in cmd.remote_groups] == ld.remote_groups
+        assert [list(g.ids) for g in cmd.remote_groups] == ld.request.remote_groups
         eng.run_until(lambda: eng.finished(req.request_id) is not None)
         ps = prefill_stats(eng, req.request_id)
         assert (ps.num_external_cached_tokens, ps.num_computed_tokens) == (200, 0)
@@ -683,11 +503,11 @@ def test_stats_reach_vllms_aggregation_logger_and_prometheus(model_dir, tmp_path
             workers.append(w)
         assert all(w.get_kv_connector_stats() is None for w in workers), "no events: no stats"
         meta0 = KvdConnectorMetadata(
-            loads=[LoadSpec("d1", [[1, 2, 3]], "e", "127.0.0.1:9", [[4, 5, 6]], "p1", 1, True),
-                   LoadSpec("d2", [[7]], "e", "127.0.0.1:9", [[8]], "p2", 1, True),
-                   LoadSpec("d3", [[9]], "e", "127.0.0.1:9", [[]], "p3", 1, True, error="invalid: test")],
+            loads=[load_spec("d1", [[1, 2, 3]], [[4, 5, 6]], "p1", engine="e"),
+                   load_spec("d2", [[7]], [[8]], "p2", engine="e"),
+                   load_spec("d3", [[9]], [[]], "p3", engine="e", error="invalid: test")],
             holds=[HoldSpec("h1", [[10]], 30.0)])
-        meta1 = KvdConnectorMetadata(loads=[LoadSpec("d1", [[11, 12]], "e", "127.0.0.1:9", [[4, 5]], "p1", 1, True)])
+        meta1 = KvdConnectorMetadata(loads=[load_spec("d1", [[11, 12]], [[4, 5]], "p1", engine="e")])
         outputs = []
         for w, meta in zip(workers, (meta0, meta1)):
             w.bind_connector_metadata(meta)
@@ -832,7 +652,7 @@ def test_staged_engine_registers_unnamed_segments_and_copies_computed_blocks_int
 
 
 def test_auto_data_path_is_direct_on_cpu_and_staged_when_the_cache_cannot_be_shared(model_dir, fake, monkeypatch):
-    from kvd.shim import cpu_share
+    from kvd.shim.memory import shm as cpu_share
 
     eng = Engine(model_dir, fake.socket, kvd_peer_address="127.0.0.1:7000", kvd_data_path="auto")
     try:
@@ -853,3 +673,17 @@ def test_auto_data_path_is_direct_on_cpu_and_staged_when_the_cache_cannot_be_sha
         eng.close()
     with pytest.raises(cpu_share.CpuShareError):  # direct asked for: no silent fallback
         Engine(model_dir, fake.socket, kvd_peer_address="127.0.0.1:7000")
+
+
+def test_staged_worker_closes_its_mirrors_before_unregistering(model_dir, fake, monkeypatch):
+    """Shutdown closes the worker's mirror mappings before UnregisterEngine:
+    the daemon frees the mirrors then, and a VRAM mirror must not be freed
+    while another process still maps it (kvd.core.cuda_ipc.VramMirror.close)."""
+    eng = Engine(model_dir, fake.socket, kvd_peer_address="127.0.0.1:7000", kvd_data_path="staged")
+    staging = eng.worker.worker.staging
+    unregisters_at_close = []
+    close = staging.close
+    monkeypatch.setattr(staging, "close", lambda: (unregisters_at_close.append(len(fake.service.unregisters)),
+                                                   close()))
+    eng.close()
+    assert unregisters_at_close == [0] and len(fake.service.unregisters) == 1

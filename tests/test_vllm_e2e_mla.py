@@ -345,7 +345,7 @@ def test_vllm_cpu_mla_cache_is_described_as_one_latent_region_per_layer():
     """The shim describes vLLM-CPU's MLA cache as kvd's MLA layout: one region
     per layer, a block = 16 x 576 float32 (36,864 B), head_dim 576, one
     KV head, no K/V in a block (so no block-size pin in compat_extra)."""
-    from kvd.shim import cpu_share
+    from kvd.shim.memory import shm as cpu_share
     from kvd.v1 import kvd_pb2 as pb
 
     nb = 7

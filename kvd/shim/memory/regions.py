@@ -1,6 +1,7 @@
-"""Region maths shared by the CPU (``kvd.shim.cpu_share``) and GPU
-(``kvd.shim.cuda_share``) sharing paths: which bytes of vLLM's KV cache
-tensors are one block of one region.
+"""Region maths shared by the CPU (``kvd.shim.memory.shm``) and GPU
+(``kvd.shim.memory.cuda_ipc``) sharing paths and the staged path's copies
+(``kvd.shim.memory.staged``): which bytes of vLLM's KV cache tensors are
+one block of one region.
 
 vLLM hands ``register_kv_caches`` one tensor per layer (often views of one
 backing allocation, ``vllm/v1/worker/utils.py:allocate_kv_cache``). A tensor
@@ -232,3 +233,24 @@ def plan_regions(
     if not plan.regions:
         raise error("no KV cache tensors to register")
     return plan
+
+
+def storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D ``uint8`` view of ``t``'s whole storage (byte 0 = the storage's
+    byte 0), on ``t``'s device."""
+    s = t.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(s, 0, (s.nbytes(),), (1,))
+
+
+def block_view(buf: torch.Tensor, offset: int, block_len: int, block_stride: int, num_blocks: int,
+               error: type[Exception] = KvShareError) -> torch.Tensor:
+    """``[num_blocks, block_len]`` view of a region inside a 1-D ``uint8`` buffer
+    (block ``b`` at ``offset + b * block_stride``, bytes).
+
+    Raises:
+        ``error``: the region reaches outside the buffer.
+    """
+    if offset < 0 or offset + (num_blocks - 1) * block_stride + block_len > buf.numel():
+        raise error(f"region at {offset} ({num_blocks} x {block_stride} B) outside a buffer of "
+                    f"{buf.numel()} bytes")
+    return buf.as_strided((num_blocks, block_len), (block_stride, 1), buf.storage_offset() + offset)

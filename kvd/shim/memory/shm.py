@@ -1,4 +1,5 @@
-"""CPU KV cache tensors -> POSIX shared memory + ``kvd.v1`` segments and regions.
+"""CPU KV cache tensors -> POSIX shared memory + ``kvd.v1`` segments and regions
+(:class:`ShmSharing`, what ``kvd.shim.memory.auto`` picks for CPU tensors).
 
 The engine hands the daemon its KV cache *by name*, never by copying bytes: each
 torch storage that backs a KV cache tensor is moved into a POSIX shared memory
@@ -49,7 +50,7 @@ any tensor:
   lets the daemon give each decode rank its heads under heterogeneous TP.
   With ``kv_layout`` HND, ``Layout.kv_in_block`` then tells the daemon that a
   head's bytes are its K then its V (the vLLM shim adds how the kernel lays
-  out K inside, ``Layout.k_dim_major``, probed by ``kvd.shim.cpu_kv_probe``),
+  out K inside, ``Layout.k_dim_major``, probed by ``kvd.shim.vllm.cpu_kv_probe``),
   so it moves K and V of each head separately and a prefill block can fill part of a larger
   decode block (``kvd.core.plan.chunks``). Any other layout with K and V in
   the block cannot be re-sliced by tokens: the vLLM shim then puts the block
@@ -71,7 +72,7 @@ any tensor:
   them), after raising torch's header refcount so that torch's own unlink at
   free time does not abort the process.
 - The staged data path shares nothing: :func:`describe_kv_caches` gives the
-  same regions over unnamed segments, and ``kvd.shim.staging`` copies blocks.
+  same regions over unnamed segments, and ``kvd.shim.memory.staged`` copies blocks.
 
 Units: bytes for sizes, strides and offsets; tokens for ``block_size``.
 """
@@ -79,15 +80,19 @@ Units: bytes for sizes, strides and offsets; tokens for ``block_size``.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from kvd.shim import regions
-from kvd.shim.regions import KV_LAYOUTS, KvCachePlan, KvShareError, dtype_name
+from kvd.shim.memory import regions
+from kvd.shim.memory.base import KvSharing
+from kvd.shim.memory.regions import KV_LAYOUTS, KvCachePlan, KvShareError, dtype_name
 from kvd.v1 import kvd_pb2 as pb
+
+log = logging.getLogger("kvd.shim.memory.shm")
 
 SHM_DIR = "/dev/shm"
 
@@ -244,7 +249,7 @@ def plan_regions(
     groups: Mapping[str, int] | None = None,
 ) -> KvCachePlan:
     """Regions of vLLM CPU KV cache tensors (``layer name -> tensor``):
-    ``kvd.shim.regions.plan_regions`` on CPU tensors, blocks in row-major
+    ``kvd.shim.memory.regions.plan_regions`` on CPU tensors, blocks in row-major
     order (vLLM-CPU's LBHNC/LBNHC).
 
     Args:
@@ -293,6 +298,15 @@ class SharedKvCaches:
     storages: list[SharedStorage]
     tensors: list[torch.Tensor] = field(default_factory=list)
     kv_in_block: bool = False
+
+    def cache_blocks(self) -> list[torch.Tensor]:
+        """Per region, the ``[num_blocks, block_len]`` ``uint8`` view of the KV
+        cache (the staged path's copy source and target). Region offsets are
+        from the storage's byte 0 here (:func:`describe_kv_caches`)."""
+        bufs = [regions.storage_bytes(t) for t in self.tensors]
+        return [regions.block_view(bufs[r.segment_index], r.offset - self.storages[r.segment_index].data_offset,
+                                   r.block_len, r.block_stride, self.layout.num_blocks, CpuShareError)
+                for r in self.regions]
 
 
 def head_vector(block_len: int, block_size: int, num_kv_heads: int, head_dim: int, elem_bytes: int) -> int:
@@ -430,8 +444,52 @@ def describe_kv_caches(
     unnamed (``RegisterEngineRequest`` with ``DATA_PATH_STAGED``: only their
     sizes count, the daemon makes a mirror of each) and the region offsets
     count from each storage's byte 0. ``tensors`` are what the shim copies
-    from and to (``kvd.shim.staging``).
+    from and to (``kvd.shim.memory.staged``).
     """
     return _describe(kv_caches, num_blocks=num_blocks, block_size=block_size, kv_layout=kv_layout,
                      num_kv_heads=num_kv_heads, head_dim=head_dim, total_kv_heads=total_kv_heads,
                      block_dim=block_dim, groups=groups, share=False)
+
+
+# ---------------------------------------------------------------- sharing
+class ShmSharing(KvSharing):
+    """CPU KV caches: POSIX shm segments (direct), or unnamed ones the daemon
+    mirrors (staged). ``auto`` is decided here: direct, or staged when the
+    storages cannot be moved into shm (the warning says why); the daemon is
+    then asked for exactly that path."""
+
+    kind = "shm"
+
+    def __init__(self, data_path: str = "direct"):
+        super().__init__(data_path)
+        self._names: list[SharedStorage] = []
+        self._tensors: list[torch.Tensor] = []  # keep the storages alive until close
+
+    def share(self, kv_caches: Mapping[str, torch.Tensor], **describe) -> SharedKvCaches:
+        """See :meth:`KvSharing.share`. Raises :class:`CpuShareError`."""
+        if self.data_path == "staged":
+            self.shared = describe_kv_caches(kv_caches, **describe)
+            return self.shared
+        try:
+            shared = share_kv_caches(kv_caches, **describe)
+        except CpuShareError as e:
+            if self.data_path != "auto":
+                raise
+            log.warning("kvd: the KV cache cannot be shared (%s); using the staged data path", e)
+            self.data_path = "staged"
+            self.shared = describe_kv_caches(kv_caches, **describe)
+            return self.shared
+        self.data_path = "direct"
+        self._names, self._tensors = list(shared.storages), list(shared.tensors)
+        self.shared = shared
+        return shared
+
+    def close(self) -> list[str]:
+        """Unlinks the shm names first (see :func:`release_names`: vLLM
+        force-kills workers right after asking them to stop), then unmaps
+        any mirrors."""
+        released = release_names(self._names, self._tensors)
+        self._names, self._tensors = [], []
+        super().close()
+        return released
+

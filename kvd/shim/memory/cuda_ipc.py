@@ -1,4 +1,5 @@
-"""GPU KV cache tensors -> CUDA IPC handles + ``kvd.v1`` segments and regions (issue 7).
+"""GPU KV cache tensors -> CUDA IPC handles + ``kvd.v1`` segments and regions
+(:class:`CudaIpcSharing`, what ``kvd.shim.memory.auto`` picks for CUDA tensors).
 
 The engine hands the daemon its KV cache by handle, never by copying bytes:
 every CUDA allocation that backs a KV cache tensor is exported as a
@@ -26,8 +27,9 @@ Export, and the one place that touches torch's private CUDA sharing API
 - Calling ``_share_cuda_`` also makes torch keep a small shared ref-counter
   and record an event on the current stream; both are harmless for a KV cache
   that lives as long as the engine. The daemon reads the memory only after a
-  hold / load command: the shim must have synchronized the stream that wrote
-  the blocks before it sends ``hold`` (as ``wait_for_save`` does).
+  hold / load command, through its own mapping, unordered with the engine's
+  streams: the worker waits for the device before it sends a hold
+  (:meth:`CudaIpcSharing.sync`).
 
 The alternative when the engine lets the connector choose the allocator
 (vLLM 0.33's ``get_mem_pool_context``): allocate the KV cache from a
@@ -42,7 +44,7 @@ through ``cuda_ipc``: openucx/ucx#11183), so the direct path would be
 zero-copy with no staging; it needs that UCX, pidfd_getfd (Linux 5.6+), and
 the connector to own allocation. Not built here; see docs/GPU.md.
 
-Region maths (:func:`plan_regions`) follow ``kvd.shim.cpu_share.plan_regions``
+Region maths (:func:`plan_regions`) follow ``kvd.shim.memory.shm.plan_regions``
 (block dim = first dim of size ``num_blocks``, every index of the dims before
 it is a region, dedup by storage), with two differences for GPU caches: any
 device is accepted (tests use CPU and meta tensors shaped like vLLM's GPU
@@ -71,8 +73,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvd.shim import regions
-from kvd.shim.regions import KV_LAYOUTS, KvCachePlan, KvShareError, dtype_name
+from kvd.shim.memory import regions
+from kvd.shim.memory.base import KvSharing
+from kvd.shim.memory.regions import KV_LAYOUTS, KvCachePlan, KvShareError, dtype_name
 from kvd.v1 import kvd_pb2 as pb
 
 IPC_HANDLE_SIZE = 64  # sizeof(cudaIpcMemHandle_t)
@@ -162,10 +165,10 @@ def plan_regions(
     groups: Mapping[str, int] | None = None,
 ) -> KvCachePlan:
     """Regions of vLLM GPU KV cache tensors (``layer name -> tensor``):
-    ``kvd.shim.regions.plan_regions`` on any device, a block's bytes one
+    ``kvd.shim.memory.regions.plan_regions`` on any device, a block's bytes one
     dense run in any order (vLLM's HND ``kv_cache_stride_order`` views).
 
-    Args: as ``kvd.shim.cpu_share.plan_regions`` (``groups``: layer -> vLLM
+    Args: as ``kvd.shim.memory.shm.plan_regions`` (``groups``: layer -> vLLM
     HMA KV-cache group; regions are deduped within a group).
 
     Raises:
@@ -212,6 +215,14 @@ class SharedCudaKvCaches:
     exported: list[ExportedStorage]
     plan: KvCachePlan
     segment_of_storage: list[int]
+    kv_in_block: bool = False
+
+    def cache_blocks(self) -> list[torch.Tensor]:
+        """Per region, the ``[num_blocks, block_len]`` ``uint8`` view of the KV
+        cache, on its device (the staged path's copy source and target)."""
+        bufs = [regions.storage_bytes(t) for t in self.plan.storages]
+        return [regions.block_view(bufs[r.storage], r.offset, r.block_len, r.block_stride, self.layout.num_blocks,
+                                   CudaShareError) for r in self.plan.regions]
 
 
 def share_kv_caches(
@@ -229,7 +240,7 @@ def share_kv_caches(
 ) -> SharedCudaKvCaches:
     """Exports every allocation behind ``kv_caches`` and describes it for the daemon.
 
-    Args: as ``kvd.shim.cpu_share.share_kv_caches``; ``exporter`` turns a
+    Args: as ``kvd.shim.memory.shm.share_kv_caches``; ``exporter`` turns a
     storage's tensor into an :class:`ExportedStorage` (tests pass a fake).
 
     Raises:
@@ -265,14 +276,14 @@ def share_kv_caches(
     handles = sorted(seg_index, key=seg_index.get)
     segments = [pb.Segment(kind=pb.MEMORY_KIND_CUDA_IPC, handle=h, device=devices[0], size=sz)
                 for h, sz in zip(handles, sizes)]
-    regions = []
+    wire_regions = []
     for r in plan.regions:
         e = exported[r.storage]
         end = r.offset + (num_blocks - 1) * r.block_stride + r.block_len
         if end > e.nbytes:
             raise CudaShareError(f"region {r.name}: {num_blocks} blocks end at byte {end}, "
                                  f"past its storage of {e.nbytes} bytes")
-        regions.append(pb.Region(segment_index=seg_of[r.storage], offset=e.offset + r.offset,
+        wire_regions.append(pb.Region(segment_index=seg_of[r.storage], offset=e.offset + r.offset,
                                  block_len=r.block_len, block_stride=r.block_stride, name=r.name, group=r.group))
     layout = pb.Layout(
         num_blocks=num_blocks, block_size=block_size, kv_layout=KV_LAYOUTS[kv_layout],
@@ -280,135 +291,54 @@ def share_kv_caches(
         head_dim=head_dim, num_layers=len(plan.layers), block_lens=[r.block_len for r in plan.regions],
         total_kv_heads=total_kv_heads,
     )
-    return SharedCudaKvCaches(segments, regions, layout, exported, plan, seg_of)
+    # A block that is more than tokens x heads x head_dim of one K or V
+    # (FlashInfer's [2, block_size, heads, head_dim] per block) holds K and V
+    # together: the daemon can move it whole only, between equal block sizes.
+    token_bytes = block_size * num_kv_heads * head_dim * (plan.storages[0].element_size() if plan.storages else 1)
+    kv_in_block = kv_layout != "MLA" and any(r.block_len != token_bytes for r in plan.regions)
+    return SharedCudaKvCaches(segments, wire_regions, layout, exported, plan, seg_of, kv_in_block)
 
 
-# ------------------------------------------------------ staged path (engine)
-def storage_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A 1-D ``uint8`` view of ``t``'s whole storage (byte 0 = the storage's byte 0)."""
-    s = t.untyped_storage()
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(s, 0, (s.nbytes(),), (1,))
+# ---------------------------------------------------------------- sharing
+def synchronize(device: torch.device) -> None:
+    """Waits for every stream of ``device`` (``torch.cuda.synchronize``)."""
+    torch.cuda.synchronize(device)
 
 
-def block_view(buf: torch.Tensor, offset: int, block_len: int, block_stride: int, num_blocks: int) -> torch.Tensor:
-    """``[num_blocks, block_len]`` view of a region inside a 1-D ``uint8`` buffer."""
-    if offset < 0 or offset + (num_blocks - 1) * block_stride + block_len > buf.numel():
-        raise CudaShareError(f"region at {offset} ({num_blocks} x {block_stride} B) outside a buffer of "
-                             f"{buf.numel()} bytes")
-    return buf.as_strided((num_blocks, block_len), (block_stride, 1), buf.storage_offset() + offset)
+class CudaIpcSharing(KvSharing):
+    """CUDA KV caches on one device: one CUDA IPC segment per allocation.
 
-
-class _CudaArray:
-    """``__cuda_array_interface__`` over a raw device pointer (for ``torch.as_tensor``)."""
-
-    def __init__(self, ptr: int, size: int):
-        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (ptr, False), "version": 3,
-                                         "strides": None}
-
-
-class VramStaging:
-    """The engine side of the staged path for a GPU worker: the daemon's VRAM
-    mirror segments, and block copies between the KV cache and them (the
-    same region maths). Any 1-D ``uint8`` mirror tensors work (the device
-    check's CPU dry run passes mapped shm); ``kvd.shim.staging`` is the CPU
-    shim's own, with re-registration support, and the two should merge once
-    the vLLM shim takes CUDA caches.
+    Every ``data_path`` registers the same segments; the daemon opens them
+    (direct), gives them VRAM mirrors (staged; shm mirrors on a daemon
+    without a GPU) or chooses by whether UCX can re-export the imported
+    memory (auto, ``kvd.core.path_select``); the response says which, and
+    :meth:`attach` maps the mirrors then.
 
     Args:
-        plan: the storage-relative regions (:attr:`SharedCudaKvCaches.plan`).
-        storage_offsets: bytes from its segment's base to each storage.
-        segment_of_storage: segment index of each storage.
-        mirrors: one 1-D ``uint8`` tensor per segment: the mirror's bytes.
-        num_blocks: blocks per region.
-        on_close: called once by :meth:`close` (unmaps the mirrors).
-
-    :meth:`copy_in` before a ``hold`` (prefill), :meth:`copy_out` after a
-    ``recv_done`` (decode); both wait for the device before they return.
-    :meth:`close` before unregistering (the daemon frees the mirrors).
-    :meth:`open_cuda` opens a GPU worker's VRAM mirrors.
+        data_path: ``"direct"``, ``"staged"`` or ``"auto"``.
+        device: the KV cache's device (``kvd.shim.memory.auto.kv_device``).
     """
 
-    def __init__(self, plan: KvCachePlan, storage_offsets: list[int], segment_of_storage: list[int],
-                 mirrors: list[torch.Tensor], num_blocks: int, on_close: Callable[[], None] | None = None):
-        self.mirrors = list(mirrors)
-        self._on_close = on_close
-        self.device = self.mirrors[0].device
-        self._pairs = []  # (cache view, mirror view, group) per region
-        bufs = [storage_bytes(t) for t in plan.storages]
-        for r in plan.regions:
-            cache = block_view(bufs[r.storage], r.offset, r.block_len, r.block_stride, num_blocks)
-            mirror = block_view(self.mirrors[segment_of_storage[r.storage]], storage_offsets[r.storage] + r.offset,
-                                r.block_len, r.block_stride, num_blocks)
-            self._pairs.append((cache, mirror, r.group))
+    kind = "cuda_ipc"
 
-    @classmethod
-    def open_cuda(cls, shared: SharedCudaKvCaches, staging_segments, num_blocks: int) -> "VramStaging":
-        """Opens ``RegisterEngineResponse.staging_segments`` (CUDA IPC, one per
-        segment of ``shared``, same sizes) through ``kvd.cudart``.
+    def __init__(self, data_path: str = "direct", device: torch.device | None = None):
+        super().__init__(data_path)
+        self.device = torch.device("cuda", 0) if device is None else device
 
-        Raises:
-            CudaShareError: a mirror that is not CUDA IPC or has another size.
-            kvd.cudart.CudaError / CudaUnavailable: the open failed.
-        """
-        from kvd import cudart
+    def share(self, kv_caches: Mapping[str, torch.Tensor], **describe) -> SharedCudaKvCaches:
+        """Exports each allocation (:func:`export_storage`). Raises
+        :class:`CudaShareError` (expandable segments, more than one device,
+        a layout the strides contradict)."""
+        # export_storage looked up per call: the module's one export function
+        # (tests stand in for torch's _share_cuda_ by replacing it).
+        self.shared = share_kv_caches(kv_caches, exporter=lambda t: export_storage(t), **describe)
+        return self.shared
 
-        if len(staging_segments) != len(shared.segments):
-            raise CudaShareError(f"{len(staging_segments)} staging segments for {len(shared.segments)} segments")
-        rt = cudart.load()
-        opened: list[tuple[int, int]] = []
+    def sync(self) -> None:
+        """Waits for the device before a hold: the forward pass that wrote the
+        held blocks ran on the engine's streams, and the daemon's NIXL READ
+        (direct) or the peer's read of the mirror (staged) is ordered after
+        none of them. Called in ``start_load_kv`` only on steps that send a
+        hold, when that step's own kernels are not launched yet."""
+        synchronize(self.device)
 
-        def unmap() -> None:
-            for device, ptr in opened:
-                try:
-                    rt.ipc_close(device, ptr)
-                except Exception:
-                    pass
-            opened.clear()
-
-        try:
-            mirrors = []
-            for mine, m in zip(shared.segments, staging_segments):
-                if m.kind != pb.MEMORY_KIND_CUDA_IPC or m.size != mine.size:
-                    raise CudaShareError(f"staging segment kind {m.kind} size {m.size}: expected CUDA_IPC of "
-                                         f"{mine.size} bytes")
-                ptr = rt.ipc_open(m.device, bytes(m.handle))
-                opened.append((m.device, ptr))
-                mirrors.append(torch.as_tensor(_CudaArray(ptr, m.size), device=f"cuda:{m.device}"))
-            return cls(shared.plan, [e.offset for e in shared.exported], shared.segment_of_storage, mirrors,
-                       num_blocks, on_close=unmap)
-        except BaseException:
-            unmap()
-            raise
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def _copy(self, block_ids, into_mirror: bool) -> None:
-        groups = block_ids if len(block_ids) and isinstance(block_ids[0], (list, tuple)) else [block_ids]
-        idx = [torch.as_tensor(list(g), dtype=torch.long, device=self.device) for g in groups]
-        for cache, mirror, group in self._pairs:
-            ids = idx[group] if group < len(idx) else idx[0]
-            if into_mirror:
-                mirror.index_copy_(0, ids, cache.index_select(0, ids))
-            else:
-                cache.index_copy_(0, ids, mirror.index_select(0, ids))
-        self._sync()
-
-    def copy_in(self, block_ids) -> None:
-        """KV cache -> mirror for ``block_ids`` (a list, or one list per HMA group)."""
-        self._copy(block_ids, True)
-
-    def copy_out(self, block_ids) -> None:
-        """Mirror -> KV cache for ``block_ids``."""
-        self._copy(block_ids, False)
-
-    def close(self) -> None:
-        """Drops the views, then unmaps the mirrors; idempotent."""
-        if self._pairs or self.mirrors:
-            self._sync()
-        self._pairs = []
-        self.mirrors = []
-        if self._on_close is not None:
-            on_close, self._on_close = self._on_close, None
-            on_close()

@@ -1,0 +1,173 @@
+"""``kv_connector_extra_config`` of KvdConnector, and what it refuses at startup.
+
+``kv_connector_extra_config`` keys (all optional but ``kvd_socket``):
+
+===================== ======= ==================================================
+key                   default meaning
+===================== ======= ==================================================
+kvd_socket            --      the daemon's engine socket (path or ``unix://``)
+kvd_peer_address      (ask)   ``host:port`` remote daemons reach ours at; default:
+                              ``GetStats.peer_address``, asked once at startup
+kvd_lease_s           daemon  seconds the prefill daemon holds finished blocks
+                              for a reader (like NIXL's ``kv_lease_duration``);
+                              default: the daemon's ``--lease-s``
+kvd_load_timeout_s    daemon  seconds a load may take before it fails; default:
+                              the daemon's ``--transfer-timeout-s``
+kvd_connect_timeout_s 60      startup wait for the daemon (register, GetStats)
+kvd_data_path         direct  how blocks reach NIXL (docs/DESIGN.md "Memory
+                              sharing"): ``direct`` (the daemon maps the KV
+                              cache itself: POSIX shm or CUDA IPC), ``staged``
+                              (the daemon owns staging mirrors; this worker
+                              copies blocks in before a hold and out after a
+                              load), ``auto`` (CPU: direct, or staged when the
+                              KV cache cannot be shared; CUDA: the daemon
+                              chooses, ``kvd.core.path_select``); the memory
+                              kind follows the KV cache's device
+                              (``kvd.shim.memory.auto``)
+===================== ======= ==================================================
+
+Refused at startup (:func:`check_supported`) with a clear error, and why:
+
+- KV-cache groups that are not attention over token positions (Mamba/SSM
+  state), bounded-replay sliding windows (DSV41) and drafters that read
+  prefill lookahead tokens (MTP/EAGLE): NixlConnector serves them by making P
+  stop short of the last prompt tokens and D recompute them
+  (``nixl/base_scheduler.py:379-435``, ``_prefill_backoff``) and by clipping
+  SSM state slots; kvd moves whole blocks by position only.
+- More than one transfer group on a vLLM without
+  ``KVConnectorTransferResults``: block-level load errors with more than
+  one group make vLLM's scheduler raise (``scheduler.py:3365-3374``).
+- Decode context parallelism and pipeline parallelism (one registration per
+  TP rank). Transfer groups with different block sizes are refused at
+  registration (``Layout.block_size`` is one number).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.config import VllmConfig
+
+from kvd.shim.memory.base import DATA_PATHS
+
+try:  # vLLM >= 0.32: failed receives reported with the completions
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # pragma: no cover - older vLLM
+    KVConnectorTransferResults = None  # type: ignore[assignment,misc]
+
+
+@dataclass(frozen=True)
+class KvdShimConfig:
+    """Settings read from ``kv_connector_extra_config`` (see the module table)."""
+
+    socket: str
+    peer_address: str | None = None
+    lease_s: float = 0.0            # 0: the daemon's default lease
+    load_timeout_s: float = 0.0     # 0: the daemon's default transfer timeout
+    connect_timeout_s: float = 60.0
+    data_path: str = "direct"       # "direct" | "staged" | "auto"
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> KvdShimConfig:
+        """Raises ValueError naming the bad key."""
+        extra = dict(extra or {})
+        socket = extra.get("kvd_socket")
+        if not socket or not isinstance(socket, str):
+            raise ValueError(
+                "KvdConnector needs kv_connector_extra_config.kvd_socket: the kvd daemon's "
+                "engine socket (e.g. /run/kvd/engine.sock, as given to `kvd serve --engine-socket`)"
+            )
+
+        def seconds(key: str, default: float) -> float:
+            """``extra[key]`` as seconds (> 0), else ``default``; raises ValueError naming the key."""
+            value = extra.get(key)
+            if value is None:
+                return default
+            try:
+                value = float(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"kv_connector_extra_config.{key} must be a number of seconds (got {value!r})") from None
+            if value <= 0:
+                raise ValueError(f"kv_connector_extra_config.{key} must be > 0 seconds (got {value})")
+            return value
+
+        peer = extra.get("kvd_peer_address")
+        if peer is not None:
+            split_host_port(str(peer))  # validate early
+        data_path = str(extra.get("kvd_data_path") or "direct").lower()
+        if data_path not in DATA_PATHS:
+            raise ValueError(f"kv_connector_extra_config.kvd_data_path must be one of {', '.join(DATA_PATHS)} "
+                             f"(got {extra.get('kvd_data_path')!r})")
+        return cls(
+            socket=socket,
+            peer_address=str(peer) if peer is not None else None,
+            lease_s=seconds("kvd_lease_s", 0.0),
+            load_timeout_s=seconds("kvd_load_timeout_s", 0.0),
+            connect_timeout_s=seconds("kvd_connect_timeout_s", 60.0),
+            data_path=data_path,
+        )
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """``"host:port"`` / ``"[v6]:port"`` -> (host, port). Raises ValueError."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"peer address must be host:port (got {address!r})")
+    return host.strip("[]"), int(port)
+
+
+def join_host_port(host: str, port: int | str) -> str:
+    """(host, port) -> ``"host:port"``, brackets around an IPv6 host."""
+    host = str(host)
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{int(port)}"
+
+
+def check_supported(vllm_config: VllmConfig, kv_cache_config: Any) -> None:
+    """Refuses, at startup, what this connector cannot transfer correctly.
+
+    Raises:
+        ValueError: naming the feature and why (see the module docstring):
+            SSM (Mamba) groups, bounded sliding-window replay, drafters that
+            read prefill lookahead tokens (all three need NixlConnector's
+            ``_prefill_backoff``, ``nixl/base_scheduler.py:379-435``); more
+            than one transfer group without ``KVConnectorTransferResults``
+            (failures could then only be block ids, which vLLM's scheduler
+            refuses with several groups, ``scheduler.py:3365-3374``); decode
+            context or pipeline parallelism.
+    """
+    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
+
+    pc = vllm_config.parallel_config
+    if getattr(pc, "decode_context_parallel_size", 1) > 1:
+        raise ValueError("KvdConnector does not support decode context parallelism (decode_context_parallel_size > 1)")
+    if getattr(pc, "pipeline_parallel_size", 1) > 1:
+        raise ValueError("KvdConnector does not support pipeline parallelism: it registers one worker per TP rank")
+    if kv_cache_config is not None:
+        groups = kv_cache_config.kv_cache_groups
+        ids = tuple(getattr(kv_cache_config, "transfer_group_ids", range(len(groups))))
+        for gid in ids:
+            spec = groups[gid].kv_cache_spec
+            inner = list(getattr(spec, "kv_cache_specs", {}).values()) or [spec]  # UniformTypeKVCacheSpecs
+            if any(isinstance(x, MambaSpec) or not isinstance(x, AttentionSpec) for x in inner):
+                raise ValueError(
+                    f"KvdConnector cannot transfer KV-cache group {gid} ({type(spec).__name__}): state caches "
+                    "(Mamba/SSM) need the prefill side to stop short of the last prompt token "
+                    "(NixlConnector's _prefill_backoff); run this model without kvd P/D disaggregation"
+                )
+            if getattr(spec, "prefix_replay_tokens", 0) > 0:
+                raise ValueError(
+                    f"KvdConnector cannot transfer KV-cache group {gid}: bounded sliding-window replay needs "
+                    "the prefill side to stop short of the last prompt token (NixlConnector's _prefill_backoff)"
+                )
+        if len(ids) > 1 and KVConnectorTransferResults is None:
+            raise ValueError(
+                f"KvdConnector supports {len(ids)} KV-cache groups only with vLLM >= 0.32 "
+                "(KVConnectorTransferResults.failed_recving); this vLLM can only take block-level load errors, "
+                "which its scheduler refuses for hybrid models"
+            )
+    lookahead = getattr(vllm_config, "num_prefill_lookahead_tokens", 0)
+    if isinstance(lookahead, int) and lookahead > 1:
+        raise ValueError("KvdConnector does not support drafters that read prefill lookahead tokens (MTP/EAGLE)")

@@ -1,0 +1,127 @@
+"""Block ids per KV-cache group, and the groups that take part in transfers.
+
+vLLM's hybrid memory allocator (HMA) gives block ids per KV-cache group; kvd
+moves the *transfer* groups' (``KVCacheConfig.transfer_groups``), numbered
+0..G-1 as NixlConnector numbers them, sliding-window groups clipped to the
+window (``nixl/base_scheduler.py:140-151,250-291``). Block ids always travel
+as :data:`kvd.requests.BlockGroups` (one group is ``[[...]]``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvd.requests import BlockGroups
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+def as_groups(block_ids: Any) -> BlockGroups:
+    """``remote_block_ids`` -> block ids per KV-cache group.
+
+    Accepts vLLM 0.32's per-group form ``[[...], [...]]`` (``BlockIds``, a
+    tuple of lists that JSON turns into a list of lists) and the older flat
+    ``[...]`` (one group).
+    """
+    if not block_ids:
+        return []
+    if isinstance(block_ids[0], (list, tuple)):
+        return [[int(b) for b in g] for g in block_ids]
+    return [[int(b) for b in block_ids]]
+
+
+def first_group(block_ids: Any) -> list[int]:
+    """Block ids of KV cache group 0 from ``remote_block_ids`` (see :func:`as_groups`)."""
+    groups = as_groups(block_ids)
+    return groups[0] if groups else []
+
+
+def copy_groups(block_ids: Any) -> BlockGroups:
+    """:func:`as_groups` for block ids this shim's scheduler built (lists of
+    ints per group): copies without an ``int()`` per block (the worker's
+    per-load cost on the engine step, docs/PERFORMANCE.md). Anything else goes through
+    :func:`as_groups`."""
+    if block_ids and type(block_ids[0]) is list:
+        return [g.copy() for g in block_ids]
+    return as_groups(block_ids)
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints."""
+    return -(-a // b)
+
+
+@dataclass
+class TransferGroups:
+    """The KV-cache groups that take part in transfers, and how to clip them.
+
+    vLLM's block ids come per KV-cache group; kvd numbers the *transfer*
+    groups (``KVCacheConfig.transfer_groups``) 0..G-1, as NixlConnector does.
+
+    Attributes:
+        group_ids: indices of the transfer groups among all groups.
+        num_groups: all KV-cache groups (what vLLM's block id tuples hold).
+        window_blocks: per transfer group, the blocks a sliding window keeps
+            (``cdiv(window, block_size) + 1``, NixlConnector's
+            ``blocks_per_sw``), 0 for groups that keep every block.
+        layer_group: layer name -> transfer group index.
+        block_sizes: tokens per block of each transfer group.
+    """
+
+    group_ids: tuple[int, ...] = (0,)
+    num_groups: int = 1
+    window_blocks: tuple[int, ...] = (0,)
+    layer_group: dict[str, int] = field(default_factory=dict)
+    block_sizes: tuple[int, ...] = ()
+
+    @classmethod
+    def from_config(cls, kv_cache_config: KVCacheConfig | None) -> TransferGroups:
+        """The transfer groups of vLLM's ``KVCacheConfig`` (its ``transfer_group_ids``
+        when set, else every group), with block sizes (tokens), sliding windows
+        in blocks (``cdiv(window, block_size) + 1``) and the layer -> group map.
+        None or no groups: the single-group default."""
+        from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+        if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
+            return cls()
+        all_groups = list(kv_cache_config.kv_cache_groups)
+        ids = tuple(getattr(kv_cache_config, "transfer_group_ids", range(len(all_groups))))
+        windows, layers, sizes = [], {}, []
+        for i, gid in enumerate(ids):
+            spec = all_groups[gid].kv_cache_spec
+            sizes.append(int(spec.block_size))
+            if isinstance(spec, SlidingWindowSpec) and spec.sliding_window:
+                windows.append(cdiv(int(spec.sliding_window), int(spec.block_size)) + 1)
+            else:
+                windows.append(0)
+            for name in all_groups[gid].layer_names:
+                layers[name] = i
+        return cls(group_ids=ids, num_groups=len(all_groups), window_blocks=tuple(windows),
+                   layer_group=layers, block_sizes=tuple(sizes))
+
+    @property
+    def count(self) -> int:
+        """Number of transfer groups."""
+        return len(self.group_ids)
+
+    def select(self, block_ids: Any) -> BlockGroups:
+        """vLLM's per-group block ids (all groups) -> the transfer groups' lists.
+
+        Raises:
+            ValueError: a group count that is neither all groups nor the
+                transfer groups.
+        """
+        groups = [list(g) for g in block_ids]
+        if len(groups) == self.num_groups:
+            return [groups[i] for i in self.group_ids]
+        if len(groups) == self.count:
+            return groups
+        raise ValueError(f"block ids for {len(groups)} KV-cache groups; this engine has {self.num_groups} "
+                         f"({self.count} transferable)")
+
+    def clip(self, groups: BlockGroups) -> BlockGroups:
+        """Sliding-window groups keep the blocks of the window only (the tail),
+        as NixlConnector's ``get_exchange_clipped_blocks``. Other groups as is."""
+        return [g[-n:] if n and len(g) > n else list(g) for g, n in zip(groups, self.window_blocks)]

@@ -1,0 +1,306 @@
+"""Scheduler side of KvdConnector: decides loads, holds and saves; builds the step's metadata.
+
+Runs in vLLM's engine core (``KVConnectorRole.SCHEDULER``). Per request, in
+the order vLLM's scheduler calls the facade (``kvd.shim.vllm.connector``):
+
+- decode (D): ``get_num_new_matched_tokens`` (how many tokens come from P,
+  maybe called more than once), ``update_state_after_alloc`` (the blocks to
+  fill: a :class:`~kvd.shim.vllm.metadata.LoadSpec`);
+- prefill (P): ``update_state_after_alloc`` (staged: start tracking the
+  blocks to save), ``request_finished`` (the ``kv_transfer_params`` for D, a
+  :class:`~kvd.shim.vllm.metadata.HoldSpec`);
+- every step: ``build_connector_meta`` hands what was queued to the workers.
+
+No method does I/O but the constructor (the daemon's peer address, once).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.config import VllmConfig
+
+from kvd.requests import BlockGroups, LoadRequest
+from kvd.shim.vllm.config import KvdShimConfig, join_host_port, split_host_port
+from kvd.shim.vllm.groups import TransferGroups, as_groups, cdiv
+from kvd.shim.vllm.metadata import HoldSpec, KvdConnectorMetadata, LoadSpec, SaveSpec
+from kvd.shim.vllm.worker import daemon_peer_address
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvd.shim.vllm")
+
+REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+
+#: ``kv_transfer_params.transfer_mode``: the decode side's daemon reads
+#: (NixlConnector's ``_TRANSFER_MODE`` of its pull scheduler).
+TRANSFER_MODE = "pull"
+
+
+def has_remote(params: dict[str, Any]) -> bool:
+    """True when ``kv_transfer_params`` name remote blocks and every remote field."""
+    if not params.get("remote_block_ids"):
+        return False
+    for k in REMOTE_KEYS:  # a loop, not all(<generator>): twice per request on the scheduler (engine-step cost)
+        if params.get(k) is None:
+            return False
+    return True
+
+
+@dataclass
+class _SaveState:
+    """A request being staged: its block table per transfer group, and how
+    many of its tokens' blocks the workers were already told to save."""
+
+    request: Request
+    table: BlockGroups = field(default_factory=list)
+    saved_tokens: int = 0
+
+
+class KvdScheduler:
+    """Scheduler-side state: loads and holds waiting for the next step's metadata."""
+
+    def __init__(self, vllm_config: VllmConfig, cfg: KvdShimConfig, engine_id: str,
+                 groups: TransferGroups | None = None):
+        self.cfg = cfg
+        self.engine_id = engine_id
+        pc = vllm_config.parallel_config
+        self.tp_size = pc.tensor_parallel_size
+        self.pp_size = int(getattr(pc, "pipeline_parallel_size", 1))
+        self.dcp_size = int(getattr(pc, "decode_context_parallel_size", 1))
+        self.groups = groups or TransferGroups()
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self._loads: dict[str, LoadSpec] = {}
+        self._holds: list[HoldSpec] = []
+        # Staged path: do_remote_decode requests whose computed blocks the
+        # workers copy into their mirrors (request, block table, tokens saved).
+        self._stage = cfg.data_path != "direct"
+        self._saving: dict[str, _SaveState] = {}
+        self.peer_host: str | None = None
+        self.peer_port: int | None = None
+        kv = vllm_config.kv_transfer_config
+        if kv is not None and kv.is_kv_producer:
+            self.peer_host, self.peer_port = split_host_port(cfg.peer_address or daemon_peer_address(cfg))
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Decode side (``KvdConnector.get_num_new_matched_tokens``): for a request
+        with ``do_remote_prefill`` and complete remote params, ``(prompt tokens -
+        num_computed_tokens, True)`` (loaded asynchronously); else ``(0, False)``.
+        No side effects."""
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill") and has_remote(params):
+            count = request.num_prompt_tokens - num_computed_tokens
+            if count > 0:
+                return count, True
+        return 0, False
+
+    def _remote_spec(self, request_id: str, params: dict[str, Any], local: BlockGroups, remote: BlockGroups,
+                     awaiting: bool, error: str | None = None) -> LoadSpec:
+        """The :class:`LoadSpec` for D's request from P's ``kv_transfer_params``
+        (``local`` / ``remote``: block ids per transfer group, [] when none)."""
+        return LoadSpec(LoadRequest(
+            request_id=request_id,
+            local_groups=local,
+            remote_engine_id=str(params["remote_engine_id"]),
+            remote_address=join_host_port(params["remote_host"], params["remote_port"]),
+            remote_groups=remote,
+            remote_request_id=str(params["remote_request_id"]),
+            remote_tp_size=int(params.get("tp_size") or 1),
+            timeout_s=self.cfg.load_timeout_s,
+        ), awaiting=awaiting, error=error)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """Decode side (``KvdConnector.update_state_after_alloc``): queues the request's
+        load (blocks to fill per transfer group: not from the prefix cache, windows
+        clipped, P's blocks tail-matched, ``k`` P blocks per D block), or a
+        notify-only spec when ``num_external_tokens`` is 0; clears
+        ``do_remote_prefill`` (one transfer per request, as NixlConnector). A
+        mismatch sets ``LoadSpec.error`` (the worker reports the load failed), it
+        does not raise. Prefill side, staged path: starts tracking a
+        ``do_remote_decode`` request's blocks for saving."""
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_decode") and self._stage and self.peer_host is not None:
+            self._saving.setdefault(request.request_id, _SaveState(request))
+        if not params or not params.get("do_remote_prefill"):
+            return
+        # One transfer per request, as NixlConnector does (pull_scheduler.py:188).
+        params["do_remote_prefill"] = False
+        if not has_remote(params):
+            log.warning("kvd engine=%s request=%s: kv_transfer_params lack remote fields %s; no transfer",
+                        self.engine_id, request.request_id, [k for k in (*REMOTE_KEYS, "remote_block_ids") if not params.get(k)])
+            return
+        awaiting = num_external_tokens > 0
+        if not awaiting:  # full local prefix hit (or nothing to load): only tell P
+            self._loads[request.request_id] = self._remote_spec(request.request_id, params, [], [], False)
+            return
+        error = None
+        remote = as_groups(params["remote_block_ids"])
+        try:
+            # The blocks to fill: those not from D's prefix cache, padding
+            # (null) blocks skipped, sliding windows clipped as P clipped them
+            # (pull_scheduler.py:149-156).
+            local = self.groups.clip(self.groups.select(blocks.get_unhashed_block_ids_all_groups()))
+        except ValueError as e:
+            local, error = [], f"invalid: {e}"
+        if error is None and len(remote) != len(local):
+            error = f"invalid: the prefill engine sent block ids for {len(remote)} KV-cache groups, this engine has {len(local)}"
+        k, error = (1, error) if error else self._blocks_per_local_block(params)
+        if error is None:
+            for g, (lg, rg) in enumerate(zip(local, remote)):
+                if len(lg) > -(-len(rg) // k):
+                    error = f"invalid: group {g}: {len(lg)} local blocks to fill, the prefill engine sent {len(rg)}"
+                    break
+                # D's prefix cache already holds the leading blocks: the blocks
+                # to fill are the tail, so take the tail of P's blocks
+                # (nixl/base_worker.py:3446-3455). P block < D block (k P
+                # blocks per D block): D's hit is whole D blocks, k P blocks each.
+                remote[g] = rg[k * (-(-len(rg) // k) - len(lg)):] if lg else []
+        self._loads[request.request_id] = self._remote_spec(request.request_id, params, local, remote, True, error)
+
+    def _blocks_per_local_block(self, params: dict[str, Any]) -> tuple[int, str | None]:
+        """``(k, error)``: prefill blocks per local block (``kv_transfer_params``
+        ``block_size``, sent by this shim's prefill side; absent: equal sizes).
+
+        ``k`` > 1 when P's block is a divisor of this engine's (the daemon
+        fills one decode block from ``k`` prefill blocks); a P block that does
+        not divide D's is an error (the daemon refuses it at handshake as
+        well), and so is a remap with sliding-window groups (their windows
+        are clipped in each side's own blocks).
+        """
+        remote_bs = int(params.get("block_size") or self.block_size)
+        if remote_bs <= 0 or self.block_size % remote_bs:
+            return 1, (f"invalid: the prefill engine's block size {remote_bs} does not divide this engine's "
+                       f"{self.block_size} tokens (kvd fills a decode block from whole prefill blocks only: "
+                       f"prefill block <= decode block)")
+        k = self.block_size // remote_bs
+        if k > 1 and any(self.groups.window_blocks):
+            return 1, (f"invalid: prefill block size {remote_bs} != decode block size {self.block_size} "
+                       f"with sliding-window KV-cache groups (not supported)")
+        return k, None
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput | None = None) -> KvdConnectorMetadata:
+        """The loads, holds (and, staged, saves) queued since the last step, for the
+        workers (``KvdConnector.build_connector_meta``, once per engine step);
+        clears the queues."""
+        meta = KvdConnectorMetadata(loads=list(self._loads.values()), holds=self._holds)
+        self._loads = {}
+        self._holds = []
+        if self._saving and scheduler_output is not None:
+            meta.saves = self._saves(scheduler_output)
+        return meta
+
+    def _saves(self, scheduler_output: SchedulerOutput) -> list[SaveSpec]:
+        """Blocks this step writes for the requests being staged: every block
+        of the tokens computed by the end of this step not saved yet (on the
+        first step also the prefix-cache hits, which no step of this request
+        computed)."""
+        from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
+
+        saves = []
+        scheduled = scheduler_output.num_scheduled_tokens
+        # yield_req_data's third element: vLLM 0.32 "resumed from preemption",
+        # 0.33 "is_full_table" (True for new requests too). Either way True
+        # means new_ids is the whole block table, which replaces ours; a new
+        # request under 0.32 (False) has no table yet, so it is replaced too.
+        for rid, new_ids, full_table in yield_req_data(scheduler_output):
+            st = self._saving.get(rid)
+            if st is None:
+                continue
+            if new_ids is not None:
+                try:
+                    new_groups = self.groups.select(new_ids)
+                except ValueError:
+                    continue
+                if full_table or not st.table:  # a new or preempted-and-resumed request: its whole table
+                    st.table, st.saved_tokens = new_groups, 0
+                else:
+                    for g, ids in zip(st.table, new_groups):
+                        g.extend(ids)
+            end = st.request.num_computed_tokens + scheduled.get(rid, 0)
+            first, last = st.saved_tokens // self.block_size, cdiv(end, self.block_size)
+            groups = [[b for b in g[first:last] if b] for g in st.table]  # 0: vLLM's null block
+            st.saved_tokens = end
+            if any(groups):
+                saves.append(SaveSpec(rid, groups))
+        return saves
+
+    def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        """Called through ``KvdConnector.request_finished_all_groups`` (and
+        ``request_finished``) with every group's block ids. Prefill side,
+        ``do_remote_decode`` finished normally on a KV producer: returns
+        ``(delay_free, kv_transfer_params for D)`` and, when any blocks remain
+        after clipping, queues a hold (``delay_free`` True: vLLM keeps the
+        blocks until ``finished_sending``). Decode side aborted before
+        scheduling: queues a notify-only load so P frees. Otherwise
+        ``(False, None)``; never raises (bad block ids are logged)."""
+        from vllm.v1.request import RequestStatus
+
+        self._saving.pop(request.request_id, None)
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        if params.get("do_remote_prefill"):
+            # Decode request finished before it was scheduled (aborted): tell P
+            # nobody will read, as NixlConnector does (pull_scheduler.py:219-230).
+            if has_remote(params):
+                self._loads[request.request_id] = self._remote_spec(request.request_id, params, [], [], False)
+            params["do_remote_prefill"] = False
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None  # aborted prefill: nothing to hand off
+        if self.peer_host is None or self.peer_port is None:
+            log.warning("kvd engine=%s request=%s: do_remote_decode on an engine that is not a KV producer (kv_role); "
+                        "no transfer", self.engine_id, request.request_id)
+            return False, None
+        try:
+            groups = self.groups.clip(self.groups.select(block_ids))
+        except ValueError as e:
+            log.warning("kvd engine=%s request=%s: %s; no transfer", self.engine_id, request.request_id, e)
+            return False, None
+        delay_free = any(groups)
+        if delay_free:
+            self._holds.append(HoldSpec(request.request_id, groups, self.cfg.lease_s))
+        return delay_free, self._prefill_params(request, groups)
+
+    def _prefill_params(self, request: Request, groups: BlockGroups) -> dict[str, Any]:
+        """P's ``kv_transfer_params`` for D: NixlConnector's keys
+        (``nixl/pull_scheduler.py:278-292``, 0.32 and 0.33), which routers key
+        on, plus kvd's ``block_size``.
+
+        - ``remote_host``/``remote_port``: P's *daemon* peer address;
+        - ``transfer_mode``: ``"pull"`` (D's daemon reads; routers dispatch
+          both legs at once only for ``"push"``);
+        - ``remote_blocks_expiry_time``: when the lease ends, wall clock
+          seconds (``time.time()``), taken now, a step before the hold reaches
+          the daemon and its lease starts: never later than the real end.
+          None when the lease is the daemon's default (``kvd_lease_s``
+          unset), whose length the engine does not know;
+        - ``tp_size``, ``pp_size``, ``dcp_size``: P's parallel sizes (PP and
+          DCP are 1: :func:`~kvd.shim.vllm.config.check_supported`);
+        - ``remote_num_tokens``: the tokens P computed.
+        """
+        lease_s = self.cfg.lease_s
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": groups,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request.request_id,
+            "remote_host": self.peer_host,
+            "remote_port": self.peer_port,
+            "tp_size": self.tp_size,
+            "pp_size": self.pp_size,
+            "dcp_size": self.dcp_size,
+            "block_size": self.block_size,  # D maps k = D's / P's block size P blocks per D block
+            "remote_num_tokens": request.num_computed_tokens,
+            "remote_blocks_expiry_time": time.time() + lease_s if lease_s > 0 else None,
+            "transfer_mode": TRANSFER_MODE,
+        }
