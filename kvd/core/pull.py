@@ -170,6 +170,15 @@ class Pull:
             if w.session.epoch != epoch:
                 log.info("%s request=%s: session ended during the handshake; load dropped", w.label, rid)
                 return
+            chunks = {}  # the request's block ids are checked against both layouts before the claim
+            for p in read_from:
+                r = remotes[p]
+                try:
+                    chunks[p] = plan.chunk_indices(req.local_groups, req.remote_groups, r.num_regions,
+                                                   w.layout.num_blocks, r.layout.num_blocks, r.k, r.C,
+                                                   r.region_groups)
+                except LayoutError as e:
+                    return self._fail(w, req, K.INVALID, f"invalid: {e}")
             # No READ of another engine's blocks without its hold on them (docs/SECURITY.md).
             denied = await self.holds.claim_sources(w, req, read_from, deadline)
             if denied or not self.rt.registered(w):
@@ -181,13 +190,7 @@ class Pull:
                 if w.session.epoch != epoch:
                     break
                 r = remotes[p]
-                try:
-                    lidx, ridx = plan.chunk_indices(req.local_groups, req.remote_groups, r.num_regions,
-                                                    w.layout.num_blocks, r.layout.num_blocks, r.k, r.C,
-                                                    r.region_groups)
-                except LayoutError as e:
-                    err = (K.INVALID, f"invalid: {e}")
-                    break
+                lidx, ridx = chunks[p]
                 msg = notif_message(req.remote_request_id, expected(p))
                 try:
                     handle, state, post_s = await self.rt.nixl(self._post, rid, w.agent, "READ", r.local_dlist,
