@@ -102,9 +102,7 @@ class Runtime:
         self.counters.transfers_failed += 1
         log.warning("%s request=%s peer=%s: load failed: %s", w.label, request_id, peer or "?", reason)
         self.on_event("failure", {"kind": kind})
-        # A load past max_blocks_per_request was never accepted: its event names
-        # that many ids at most (each id is 8 queued bytes; kvd.core.events).
-        self.emit(w, LoadFailed(request_id, block_ids[:self.limits.max_blocks_per_request], reason, kind))
+        self.emit(w, LoadFailed(request_id, block_ids, reason, kind))
 
     def release_handle(self, agent: NixlAgent, handle) -> None:
         """NIXL thread: releases a transfer handle, or keeps it for the next poll."""
