@@ -160,6 +160,17 @@ class Config:
     max_leases_per_worker: int = _setting(65536, "prefill leases held per engine worker; a hold past it is "
                                                  "rejected")
     max_blocks_per_request: int = _setting(1 << 20, "block ids in one load or hold (all groups together)")
+    max_queued_event_bytes: int = _setting(64 << 20, "events queued for one engine worker's session that it has "
+                                                     "not read, bytes (8 per block id); past it the stream is "
+                                                     "ended and the events dropped")
+    max_workers: int = _setting(64, "engine workers (TP ranks) registered at once, all users; one more is "
+                                    "refused RESOURCE_EXHAUSTED")
+    max_workers_per_uid: int = _setting(32, "engine workers registered at once per caller uid")
+    max_descriptors: int = _setting(1 << 28, "block descriptors (regions x blocks) registered at once, all "
+                                             "workers")
+    max_descriptors_per_uid: int = _setting(1 << 27, "block descriptors registered at once per caller uid")
+    max_aborts: int = _setting(1024, "AbortLoads in flight at once, all sessions; one more is rejected")
+    max_aborts_per_uid: int = _setting(256, "AbortLoads in flight at once per caller uid")
     log_level: str = _setting("info", "debug | info | warning | error")
     log_format: str = _setting("human", "human (one line of text) | json (one JSON object per line)")
 
@@ -236,7 +247,11 @@ class Config:
                                ("max_leases_per_worker", 1, 1 << 24),
                                ("max_engine_connections", 1, 1 << 20),
                                ("max_engine_connections_per_uid", 1, 1 << 20),
-                               ("max_blocks_per_request", 1, 1 << 26)):
+                               ("max_blocks_per_request", 1, 1 << 26),
+                               ("max_queued_event_bytes", 1 << 16, 1 << 40),
+                               ("max_workers", 1, 1 << 16), ("max_workers_per_uid", 1, 1 << 16),
+                               ("max_descriptors", 1, 1 << 40), ("max_descriptors_per_uid", 1, 1 << 40),
+                               ("max_aborts", 1, 1 << 20), ("max_aborts_per_uid", 1, 1 << 20)):
             v = getattr(self, key)
             if not low <= v <= high:
                 raise self._error(key, f"{v} out of range {low}..{high}")

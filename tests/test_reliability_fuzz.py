@@ -1,4 +1,4 @@
-"""Reliability (scenario 9): hostile input, property-based.
+"""Reliability, scenario 9 (docs/RELIABILITY.md): hostile input, property-based.
 
 Hypothesis generates every message of EngineService and PeerService (and raw,
 malformed bytes for each method) against ONE running daemon, and forged
@@ -17,7 +17,7 @@ side. Properties, for every message:
 - the daemon keeps serving; afterwards its stats show no leaked lease,
   transfer, handle, prepped list or pending event, and its RSS is reported.
 
-Message count: ``KVD_FUZZ_EXAMPLES`` (default 2,000 for CI; the issue's full
+Message count: ``KVD_FUZZ_EXAMPLES`` (default 2,000 for CI; the full
 run is ``KVD_FUZZ_EXAMPLES=10000``), split across the tests below by SHARE.
 The ``ci`` profile is derandomized (same examples every run); set
 ``KVD_FUZZ_PROFILE=random`` to explore new ones.
@@ -45,7 +45,8 @@ from kvd.testing.util import rss_kib, wait_until
 TOTAL = int(os.environ.get("KVD_FUZZ_EXAMPLES", "2000"))
 SHARE = {  # fraction of TOTAL each test sends
     "register": 0.12, "unregister_stats": 0.04, "session_open": 0.04, "session_commands": 0.32,
-    "raw_bytes": 0.06, "peer_handshake": 0.08, "push": 0.10, "notify": 0.04, "forged_handshake": 0.20,
+    "raw_bytes": 0.06, "peer_handshake": 0.08, "push": 0.10, "notify": 0.04, "claim": 0.04,
+    "forged_handshake": 0.20,
 }
 SENT: dict[str, int] = {k: 0 for k in SHARE}
 
@@ -374,7 +375,8 @@ def test_fuzz_session_commands(target):
 
 RAW_METHODS = [("/kvd.v1.EngineService/RegisterEngine", "engine"), ("/kvd.v1.EngineService/UnregisterEngine", "engine"),
                ("/kvd.v1.EngineService/GetStats", "engine"), ("/kvd.v1.PeerService/Handshake", "peer"),
-               ("/kvd.v1.PeerService/Push", "peer"), ("/kvd.v1.PeerService/Notify", "peer")]
+               ("/kvd.v1.PeerService/Push", "peer"), ("/kvd.v1.PeerService/Notify", "peer"),
+               ("/kvd.v1.PeerService/Claim", "peer")]
 
 
 def test_fuzz_raw_bytes_every_method(target):
@@ -584,6 +586,38 @@ def test_fuzz_notify_requests(target):
             (code, details)
 
     prop()
+
+
+def test_fuzz_claim_requests(target):
+    """A claim is answered OK only for blocks a lease holds; anything else is
+    a deliberate refusal, and no claim changes a lease."""
+    d, p = target["daemon"], target["prefill"]
+    stub = pb_grpc.PeerServiceStub(grpc.insecure_channel(d.peer_address))
+    p.hold("fz-claim-held", [2, 3, 4])
+    # Waits stay short (a claim of nothing held waits them out; 5 s at most).
+    waits = st.one_of(st.sampled_from([0.0, -1.0, math.nan, -math.inf, 1e-9, 0.01]), st.floats(-10, 0.02))
+    reqs = st.builds(pb.ClaimRequest, engine_id=st.one_of(st.just(p.engine_id), text),
+                     tp_rank=st.one_of(st.just(0), any_u32),
+                     request_id=st.one_of(st.just("held"), text),
+                     groups=st.lists(st.builds(pb.BlockIds, ids=command_block_ids), max_size=3),
+                     wait_s=waits)
+
+    @examples("claim")
+    @given(req=reqs)
+    def prop(req):
+        SENT["claim"] += 1
+        req.request_id = "fz-claim-" + req.request_id
+        code, details = _status(lambda: stub.Claim(req, timeout=10))
+        _assert_deliberate(code, details, "Claim")
+        assert code in (grpc.StatusCode.OK, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,
+                        grpc.StatusCode.PERMISSION_DENIED), (code, details)
+        held = (req.engine_id == p.engine_id and req.tp_rank == 0 and req.request_id == "fz-claim-held"
+                and len(req.groups) <= 1 and all(set(g.ids) <= {2, 3, 4} for g in req.groups))
+        assert (code == grpc.StatusCode.OK) == held, (code, details, req)
+
+    prop()
+    p.release("fz-claim-held")
+    assert p.wait("fz-claim-held").send_done.released
 
 
 # ------------------------------------------------------------------ afterwards

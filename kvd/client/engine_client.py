@@ -173,6 +173,9 @@ class EngineClient:
 
         self._register_request: pb.RegisterEngineRequest | None = None
         self._worker: pb.EngineWorker | None = None
+        # The last registration's token: sent in OpenSession and UnregisterEngine
+        # (a daemon with require_session_token refuses them without it).
+        self._session_token = ""
         self._thread: threading.Thread | None = None
         self._closing = threading.Event()
         self._opened = threading.Event()
@@ -224,7 +227,7 @@ class EngineClient:
         self._worker = request.worker
         self.label = f"engine={request.worker.engine_id} rank={request.worker.tp_rank}"
         try:
-            return self._unary("RegisterEngine", self._stub.RegisterEngine, request, timeout_s)
+            return self._registered(self._unary("RegisterEngine", self._stub.RegisterEngine, request, timeout_s))
         except EngineClientError as e:
             if e.code != grpc.StatusCode.ALREADY_EXISTS or not replace_existing:
                 raise
@@ -233,7 +236,12 @@ class EngineClient:
             request.worker.engine_id, request.worker.tp_rank,
         )
         self.unregister(timeout_s=timeout_s)
-        return self._unary("RegisterEngine", self._stub.RegisterEngine, request, timeout_s)
+        return self._registered(self._unary("RegisterEngine", self._stub.RegisterEngine, request, timeout_s))
+
+    def _registered(self, response: pb.RegisterEngineResponse) -> pb.RegisterEngineResponse:
+        """Keeps the registration's ``session_token`` for the session and unregistering."""
+        self._session_token = response.session_token
+        return response
 
     def unregister(self, *, timeout_s: float = 5.0) -> pb.UnregisterEngineResponse:
         """Releases this worker's leases and registrations (blocking; shutdown).
@@ -245,7 +253,8 @@ class EngineClient:
             raise EngineClientError("unregister before register")
         return self._unary(
             "UnregisterEngine", self._stub.UnregisterEngine,
-            pb.UnregisterEngineRequest(worker=self._worker), timeout_s, wait_for_ready=False,
+            pb.UnregisterEngineRequest(worker=self._worker, session_token=self._session_token), timeout_s,
+            wait_for_ready=False,
         )
 
     def get_stats(self, *, timeout_s: float = 5.0, wait_for_ready: bool = True) -> pb.StatsResponse:
@@ -452,7 +461,7 @@ class EngineClient:
 
     def _commands(self, stream: Stream) -> Iterator[pb.SessionCommand]:
         """The request iterator of one stream (consumed by a gRPC thread)."""
-        yield pb.SessionCommand(open=pb.OpenSession(worker=self._worker))
+        yield pb.SessionCommand(open=pb.OpenSession(worker=self._worker, session_token=self._session_token))
         with self._lock:
             now = time.monotonic()
             again = []
@@ -553,8 +562,8 @@ class EngineClient:
         if self._register_request is None:
             return
         try:
-            response = self._unary("RegisterEngine", self._stub.RegisterEngine, self._register_request,
-                                   self.reregister_timeout_s)
+            response = self._registered(self._unary("RegisterEngine", self._stub.RegisterEngine,
+                                                    self._register_request, self.reregister_timeout_s))
         except EngineClientError as e:
             if e.code != grpc.StatusCode.ALREADY_EXISTS:
                 raise

@@ -4,30 +4,56 @@ A hold starts (or renews) a lease (``kvd.core.leases``); it ends when every
 expected reader has notified (a READ's notification, a bare one, or a push
 WRITE), when the engine releases it, or when it expires; each end is one
 ``SendDone`` for the engine. Bad input is a ``CommandRejected``.
+
+A hold is also the source engine's consent to be read (docs/SECURITY.md): a
+reader READs another engine's blocks only after that engine's daemon
+confirmed a lease on exactly those blocks for that request (a *claim*:
+:meth:`Holds.claim` on the source, :meth:`Holds.claim_sources` on the
+reader; PeerService.Claim between two daemons, a direct call when the
+source is this daemon). Without it, any admitted local user could name
+another user's engine id in a LoadBlocks and READ its KV cache.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
 from kvd.core import layout as lay
-from kvd.core.events import CommandRejected, InvalidArgument, SendDone
+from kvd.core.events import (
+    CommandRejected,
+    CoreError,
+    FailureKind,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    SendDone,
+)
 from kvd.core.layout import LayoutError
 from kvd.core.leases import parse_notif
 from kvd.core.limits import BOUNDS
 from kvd.core.runtime import Runtime
-from kvd.core.state import Worker
-from kvd.requests import BlockGroups, flat
+from kvd.core.state import PeerLink, Worker
+from kvd.requests import BlockGroups, LoadRequest, flat
 
 log = logging.getLogger("kvd.core")
 
 
 class Holds:
-    """Leases of every prefill worker (``Worker.leases``)."""
+    """Leases of every prefill worker (``Worker.leases``), and the claims on them.
 
-    def __init__(self, rt: Runtime):
+    Args:
+        rt: the core's shared state.
+        link: reaches remote daemons (claims on their holds; None: none).
+        own_address: this daemon's peer address (a claim on a worker of this
+            daemon is answered without a call).
+    """
+
+    def __init__(self, rt: Runtime, link: PeerLink | None = None, own_address: str = ""):
         self.rt = rt
+        self.link = link
+        self.own_address = own_address
 
     def hold(self, w: Worker, request_id: str, groups: BlockGroups, lease_s: float = 0.0) -> None:
         """Holds ``groups`` (block ids per KV-cache group) of ``request_id``
@@ -57,6 +83,8 @@ class Holds:
         now = time.monotonic()
         lease_s = min(lease_s if lease_s > 0 else limits.lease_s, limits.max_lease_s)
         result = w.leases.hold(request_id, groups, now + lease_s, now)
+        woken, w.hold_added = w.hold_added, asyncio.Event()
+        woken.set()
         if result == "conflict":
             emit(w, CommandRejected(request_id, "hold: request already holds other blocks"))
         elif result == "done":
@@ -93,6 +121,66 @@ class Holds:
         if w.leases.notify(request_id, expected, time.monotonic()):
             self.rt.counters.leases_notified += 1
             self.rt.emit(w, SendDone(request_id))
+
+    async def claim(self, engine_id: str, tp_rank: int, request_id: str, groups: BlockGroups,
+                    wait_s: float = 0.0) -> None:
+        """Source side: returns once worker ``(engine_id, tp_rank)`` holds a
+        lease of ``request_id`` covering ``groups`` (block ids per KV-cache
+        group; a subset of the held ones), waiting up to ``wait_s`` seconds
+        (capped at ``BOUNDS.max_claim_wait_s``) for a hold still on its way.
+
+        Raises:
+            NotFound: no such worker here.
+            InvalidArgument: more blocks than ``max_blocks_per_request``.
+            PermissionDenied: no such lease by the end of the wait.
+        """
+        w = self.rt.worker(engine_id, tp_rank)
+        if len(flat(groups)) > self.rt.limits.max_blocks_per_request:
+            raise InvalidArgument(f"claim: more than {self.rt.limits.max_blocks_per_request} blocks")
+        # NaN, negative or infinite from a peer: no wait, or the cap.
+        deadline = time.monotonic() + (min(wait_s, BOUNDS.max_claim_wait_s) if wait_s > 0 else 0.0)
+        while not w.leases.covers(request_id, groups):
+            left = deadline - time.monotonic()
+            if left <= 0 or self.rt.workers.get(w.key) is not w:
+                raise PermissionDenied(f"claim: engine {engine_id!r} rank {tp_rank} holds no lease on those "
+                                       f"blocks for request {request_id!r}")
+            try:
+                await asyncio.wait_for(w.hold_added.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+
+    async def claim_sources(self, w: Worker, req: LoadRequest, ranks, deadline: float
+                            ) -> tuple[FailureKind, str] | None:
+        """Reader side, before any READ of ``req``: every source rank in
+        ``ranks`` holds ``req.remote_groups`` for ``req.remote_request_id``.
+
+        One claim per rank, all at once (a direct call when the source is
+        this daemon, PeerService.Claim otherwise), each within ``deadline``
+        (monotonic seconds). Returns None, or ``(kind, reason)`` for
+        ``LoadFailed``: ``not_held`` when a source denies, ``handshake``
+        when it cannot be asked.
+        """
+        wait_s = min(BOUNDS.max_claim_wait_s, max(0.0, deadline - time.monotonic() - 0.1))
+
+        async def one(p: int) -> None:
+            if req.remote_address == self.own_address:
+                await self.claim(req.remote_engine_id, p, req.remote_request_id, req.remote_groups, wait_s)
+            elif self.link is None:
+                raise NotFound("this daemon has no peer client")
+            else:
+                await self.link.claim(req.remote_address, req.remote_engine_id, p, req.remote_request_id,
+                                      req.remote_groups, wait_s, max(0.1, deadline - time.monotonic()))
+
+        results = await asyncio.gather(*(one(p) for p in ranks), return_exceptions=True)
+        for e in results:
+            if isinstance(e, PermissionDenied):
+                log.warning("%s request=%s: %s; no READ", w.label, req.request_id, e)
+                return FailureKind.NOT_HELD, f"not_held: {e}"
+            if isinstance(e, CoreError):
+                return FailureKind.HANDSHAKE, f"handshake: claim: {e}"
+            if isinstance(e, BaseException):
+                raise e
+        return None
 
     def expire(self, now: float) -> None:
         """Ends every lease past its deadline (``SendDone(expired=True)``)."""

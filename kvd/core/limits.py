@@ -35,6 +35,17 @@ class Limits:
     # Remote engines handshaken ahead of need: (peer address, engine id)
     # pairs (the ``warm_peers`` setting, kvd/config.py).
     warm_peers: tuple[tuple[str, str], ...] = ()
+    max_queued_event_bytes: int = 64 << 20  # events queued for one worker's session (kvd.core.events.event_bytes)
+    # What the engines may make the daemon hold (each worker is a NIXL agent
+    # with its thread and ~15 fds; measured: 100 registrations took fds from
+    # 22 to 1530 and RSS from 81 to 578 MiB). A real node: 8 GPUs x a few
+    # engines x their TP ranks. Per uid: the caller's kernel uid (the gate).
+    max_workers: int = 64
+    max_workers_per_uid: int = 32
+    max_descriptors: int = 1 << 28          # registered block descriptors (regions x blocks), all workers
+    max_descriptors_per_uid: int = 1 << 27
+    max_aborts: int = 1024                  # AbortLoads in flight (each may wait a handshake timeout)
+    max_aborts_per_uid: int = 256
 
 
 @dataclass(frozen=True)
@@ -83,6 +94,12 @@ class Bounds:
     # A handshake that failed as unreachable is tried once more only when the
     # request's deadline leaves at least this long (seconds).
     retry_handshake_min_s: float = 2.0
+
+    # A claim (PeerService.Claim) waits this long at most for a hold still on
+    # its way from the prefill engine (seconds): the shim sends the hold on
+    # its session while the proxy already forwards kv_transfer_params, so a
+    # decode daemon's claim can arrive first.
+    max_claim_wait_s: float = 5.0
 
     @property
     def max_notif_bytes(self) -> int:

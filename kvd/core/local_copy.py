@@ -213,11 +213,17 @@ class LocalCopy:
                 return why if isinstance(why, tuple) else None
         ndescs = sum(len(x[0]) for x in pieces)
         tp.hit(tp.POST, req.request_id, "copy")
-        for dst, src, ln in pieces:
-            why = self._still(w, epoch, sources, deadline)
-            if why:
-                return why if isinstance(why, tuple) else None
-            await self.rt.nixl(copy_rows, dst, src, ln)
+        # While a piece may still be copying, the reader's session end waits
+        # (kvd.core.settle): no byte lands in blocks already reported failed.
+        w.posting.add(req.request_id)
+        try:
+            for dst, src, ln in pieces:
+                why = self._still(w, epoch, sources, deadline)
+                if why:
+                    return why if isinstance(why, tuple) else None
+                await self.rt.nixl(copy_rows, dst, src, ln)
+        finally:
+            w.posting.discard(req.request_id)
         if self._still(w, epoch, sources, float("inf")):
             return None
         tp.hit(tp.POSTED, req.request_id, "COPIED")

@@ -103,12 +103,28 @@ def create_shm(size: int, prefix: str = "kvd-stage", mode: int = 0o660) -> str:
     return name
 
 
-def unlink_shm(name: str) -> None:
-    """Removes a shm object; idempotent."""
+def unlink_shm(name: str, identity: tuple[int, int] | None = None) -> bool:
+    """Removes a shm object; idempotent. True when it removed one.
+
+    ``identity``: ``(st_dev, st_ino)`` of the object that was mapped
+    (``ShmMapping.identity``); the name is removed only while it still
+    names that object. An engine's name may have been unlinked and made
+    again by another user since (/dev/shm is shared): a root daemon
+    unlinking by name alone removed that user's object. The check and the
+    unlink are two calls; only the name's owner can swap the object in
+    between (the sticky /dev/shm keeps others from removing it), so at worst
+    an object of that same owner is removed.
+    """
+    path = shm_path(name)
     try:
-        os.unlink(shm_path(name))
+        if identity is not None:
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != identity:
+                return False
+        os.unlink(path)
+        return True
     except FileNotFoundError:
-        pass
+        return False
 
 
 class ShmMapping:
@@ -122,6 +138,7 @@ class ShmMapping:
     Attributes:
         addr: virtual address of the first byte in this process.
         size: mapped length in bytes.
+        identity: ``(st_dev, st_ino)`` of the object mapped.
 
     Raises:
         SegmentError: bad name, missing object, not a regular file, or
@@ -163,6 +180,7 @@ class ShmMapping:
         self.name = name
         self.addr = int(addr)
         self.size = size
+        self.identity = (st.st_dev, st.st_ino)  # which object this is (unlink_shm)
 
     def read(self, offset: int, length: int) -> bytes:
         """Copies ``length`` bytes at ``offset`` (for checks and tests)."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from kvd.core import settle
 from kvd.core.events import CommandRejected
 from kvd.core.holds import Holds
 from kvd.core.layout import Layout, Region
@@ -84,10 +85,10 @@ class Node:
         self.rt = Runtime(limits or Limits(), on_event)
         self.peers = Peers(self.rt, peers)
         self.registry = Registry(self.rt, self.peers, backends or ["UCX"])
-        self.holds = Holds(self.rt)
+        self.holds = Holds(self.rt, peers, peer_address)
         self.push_mode = Push(self.rt, self.peers, self.holds)
         self.local_copy = LocalCopy(self.rt, self.holds)
-        self.pull = Pull(self.rt, self.peers, self.push_mode, self.local_copy)
+        self.pull = Pull(self.rt, self.peers, self.push_mode, self.local_copy, self.holds)
         self.peer_address = peer_address
         self.progress = Progress(self.rt, self.registry, self.peers, self.holds, self.pull, self.push_mode)
 
@@ -95,13 +96,14 @@ class Node:
     @property
     def peer_address(self) -> str:
         """``host:port`` remote daemons reach this one at (what
-        ``kv_transfer_params`` carry); a load naming it is a same-node load
-        (``kvd.core.local_copy``)."""
-        return self._peer_address
+        ``kv_transfer_params`` carry; set by the server once bound); a load
+        naming it is a same-node load (``kvd.core.local_copy``), and a claim
+        on it is answered by this daemon's own holds."""
+        return self.holds.own_address
 
     @peer_address.setter
     def peer_address(self, value: str) -> None:
-        self._peer_address = value
+        self.holds.own_address = value
         self.local_copy.addresses = {value} if value else set()
 
     @property
@@ -165,14 +167,19 @@ class Node:
         """See :meth:`kvd.core.registry.Registry.unregister`."""
         return await self.registry.unregister(key, reason, engine_gone)
 
-    def attach(self, engine_id: str, tp_rank: int) -> Worker:
-        """A session stream opened for the worker; returns it. Raises NotFound."""
-        return self.registry.attach(engine_id, tp_rank)
+    async def attach(self, engine_id: str, tp_rank: int) -> Worker:
+        """A session stream opened for the worker; returns it once no READ of
+        its previous session can land any more (``kvd.core.settle``).
+        Raises NotFound."""
+        w = self.registry.attach(engine_id, tp_rank)
+        await settle.settled(w)
+        return w
 
-    def detach(self, w: Worker) -> None:
-        """The worker's session stream ended; the last one cancels its loads."""
+    async def detach(self, w: Worker) -> None:
+        """The worker's session stream ended; the last one cancels its loads
+        and returns once none of their READs can land (``kvd.core.settle``)."""
         if self.registry.detach(w):
-            self.pull.cancel(w)
+            await self.pull.cancel(w)
 
     # -------------------------------------------------------------- session
     def reject(self, w: Worker, request_id: str, reason: str) -> None:
@@ -222,6 +229,11 @@ class Node:
     def notify(self, engine_id: str, tp_rank: int, request_id: str, expected: int) -> None:
         """See :meth:`kvd.core.holds.Holds.notify`."""
         self.holds.notify(engine_id, tp_rank, request_id, expected)
+
+    async def claim(self, engine_id: str, tp_rank: int, request_id: str, groups: BlockGroups,
+                    wait_s: float = 0.0) -> None:
+        """See :meth:`kvd.core.holds.Holds.claim`."""
+        await self.holds.claim(engine_id, tp_rank, request_id, groups, wait_s)
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict:

@@ -362,7 +362,7 @@ class Peers:
             r = await self.pair(w, hs, tp_rank, we_read=True, address=address, engine_id=engine_id)
         except NixlError as e:
             raise InvalidArgument(f"agent metadata rejected: {e}") from None
-        if w.key not in self.rt.workers:
+        if not self.rt.registered(w):
             raise NotFound("local worker unregistered during the handshake")
         w.pairs.remotes[key] = r
         self.rt.counters.handshakes += 1

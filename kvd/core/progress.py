@@ -97,7 +97,7 @@ class Progress:
             now = time.monotonic()
             self.push.complete(writes)
             for w, a, st, extra in results:
-                if w.key not in rt.workers:
+                if not rt.registered(w):
                     continue
                 if st == "NOTIF":
                     self.holds.on_notif(w, a, extra)

@@ -21,7 +21,7 @@ import time
 
 from kvd import tracepoints as tp
 from kvd.core import layout as lay
-from kvd.core import plan
+from kvd.core import plan, settle
 from kvd.core.events import (
     CommandRejected,
     FailureKind,
@@ -31,6 +31,7 @@ from kvd.core.events import (
     PeerUnavailable,
     RecvDone,
 )
+from kvd.core.holds import Holds
 from kvd.core.layout import LayoutError
 from kvd.core.leases import notif_message
 from kvd.core.limits import BOUNDS
@@ -56,13 +57,15 @@ class Pull:
         push: the push-mode reader side (``Limits.transfer_mode == "push"``).
         local: same-node loads (the source registered with this daemon),
             which it copies itself (``kvd.core.local_copy``) in either mode.
+        holds: claims on the sources' holds before any READ.
     """
 
-    def __init__(self, rt: Runtime, peers: Peers, push: Push, local: LocalCopy):
+    def __init__(self, rt: Runtime, peers: Peers, push: Push, local: LocalCopy, holds: Holds):
         self.rt = rt
         self.peers = peers
         self.push = push
         self.local = local
+        self.holds = holds
 
     async def load(self, w: Worker, req: LoadRequest, *, retry_deadline: float | None = None) -> None:
         """Pulls ``req.remote_groups`` into ``req.local_groups``; emits
@@ -82,6 +85,7 @@ class Pull:
         except Exception as e:
             log.exception("%s request=%s: load failed unexpectedly", w.label, req.request_id)
             w.pending_loads.discard(req.request_id)
+            w.posting.discard(req.request_id)
             if req.request_id not in w.inflight:
                 self.rt.fail_load(w, req.request_id, req.local_block_ids, K.INTERNAL,
                                   f"internal: {type(e).__name__}: {e}", req.remote_address)
@@ -177,20 +181,32 @@ class Pull:
                 return self._fail(w, req, K.HANDSHAKE, f"handshake: {e}")
             except (NotFound, PeerUnavailable, InvalidArgument) as e:
                 return self._fail(w, req, K.HANDSHAKE, f"handshake: {e}")
-            if w.key not in self.rt.workers:
+            if not self.rt.registered(w):
                 return self._fail(w, req, K.UNREGISTERED, "worker unregistered")
             if w.session.epoch != epoch:
                 log.info("%s request=%s: session ended during the handshake; load dropped", w.label, rid)
                 return
+            chunks = {}  # the request's block ids are checked against both layouts before the claim
             for p in read_from:
                 r = remotes[p]
                 try:
-                    lidx, ridx = plan.chunk_indices(req.local_groups, req.remote_groups, r.num_regions,
-                                                    w.layout.num_blocks, r.layout.num_blocks, r.k, r.C,
-                                                    r.region_groups)
+                    chunks[p] = plan.chunk_indices(req.local_groups, req.remote_groups, r.num_regions,
+                                                   w.layout.num_blocks, r.layout.num_blocks, r.k, r.C,
+                                                   r.region_groups)
                 except LayoutError as e:
-                    err = (K.INVALID, f"invalid: {e}")
+                    return self._fail(w, req, K.INVALID, f"invalid: {e}")
+            # No READ of another engine's blocks without its hold on them (docs/SECURITY.md).
+            denied = await self.holds.claim_sources(w, req, read_from, deadline)
+            if denied or not self.rt.registered(w):
+                return self._fail(w, req, *(denied or (K.UNREGISTERED, "worker unregistered")))
+            if w.session.epoch != epoch:
+                return
+            w.posting.add(rid)  # Pull.cancel waits for it: a post may be queued on the NIXL thread
+            for p in read_from:
+                if w.session.epoch != epoch:
                     break
+                r = remotes[p]
+                lidx, ridx = chunks[p]
                 msg = notif_message(req.remote_request_id, expected(p))
                 try:
                     handle, state, post_s = await self.rt.nixl(self._post, rid, w.agent, "READ", r.local_dlist,
@@ -215,11 +231,21 @@ class Pull:
             err = (K.NIXL, f"nixl: {e}")
         finally:
             w.pending_loads.discard(rid)
+        if w.session.epoch != epoch:
+            # The session ended while posting: its shim reports these blocks
+            # failed once the stream is closed, which waits for this release.
+            for h, r in posted:
+                await self.rt.nixl(self.rt.release_handle, w.agent, h)
+            w.posting.discard(rid)
+            self.rt.counters.transfers_failed += 1
+            log.warning("%s request=%s: session ended while posting; READs cancelled", w.label, rid)
+            return
+        w.posting.discard(rid)
         retry = not fresh_any and retry_deadline is None
         if err:
             for h, r in posted:
                 await self.rt.nixl(self.rt.release_handle, w.agent, h)
-            if retry and err[0] is K.NIXL and w.key in self.rt.workers:
+            if retry and err[0] is K.NIXL and self.rt.registered(w):
                 for _, r in posted:
                     self.peers.retire(w, r, err[1])
                 for p in read_from:
@@ -300,15 +326,18 @@ class Pull:
                     self.peers.retire(w, r, "transfer past its deadline")
                     self.rt.zombies.append((w.agent, h))  # released (or cancelled) by the next poll
 
-    def cancel(self, w: Worker) -> None:
+    async def cancel(self, w: Worker) -> None:
         """The worker's last session ended: the shim reports every load sent
         on the broken stream as failed and vLLM may reuse those blocks, so no
-        READ of them may go on."""
+        READ of them may go on. Returns once none can land any more
+        (``kvd.core.settle``); the session's stream ends after that."""
+        handles = []
         for load in list(w.inflight.values()):
             del w.inflight[load.req.request_id]
             self.rt.counters.transfers_failed += 1
-            self.rt.zombies.extend((w.agent, h) for h, _ in load.parts)  # the next poll cancels/releases
+            handles += [h for h, _ in load.parts]
             log.warning("%s request=%s: session ended; load cancelled", w.label, load.req.request_id)
+        await settle.cancel_reads(self.rt, w, handles)
 
     async def abort_load(self, w: Worker, request_id: str, remote_engine_id: str, remote_address: str,
                          remote_request_id: str, remote_tp_size: int) -> None:

@@ -78,7 +78,7 @@ class Push:
             return FailureKind.TIMEOUT, "timeout: push not done by the deadline"
         except (Incompatible, NotFound, PeerUnavailable, InvalidArgument) as e:
             return FailureKind.PUSH, f"push: {e}"
-        if w.key not in self.rt.workers:
+        if not self.rt.registered(w):
             return None
         done = [r for r in results if r is not None]
         nbytes, ndescs = sum(r.bytes for r in done), sum(r.num_descriptors for r in done)
@@ -110,9 +110,7 @@ class Push:
         limit = self.rt.limits.max_blocks_per_request  # as for a load
         if max(len(flat(order.source_groups)), len(flat(order.reader_groups))) > limit:
             raise InvalidArgument(f"push: more than {limit} blocks")
-        held = w.leases.leases[order.request_id].groups
-        if len(order.source_groups) > len(held) or any(
-                not set(g) <= set(h) for g, h in zip(order.source_groups, held)):
+        if not w.leases.covers(order.request_id, order.source_groups):
             # Push is the one mode where the source moves the bytes: it writes
             # only blocks its engine holds for that request (docs/SECURITY.md).
             raise InvalidArgument(f"push: blocks not held for request {order.request_id!r}")

@@ -16,7 +16,7 @@ import uuid
 
 from kvd.core import cuda_ipc
 from kvd.core import layout as lay
-from kvd.core.events import AlreadyExists, InvalidArgument, NotFound, PermissionDenied
+from kvd.core.events import AlreadyExists, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from kvd.core.layout import Layout, LayoutError, Region
 from kvd.core.leases import LeaseTable
 from kvd.core.limits import BOUNDS
@@ -75,8 +75,10 @@ class Registry:
         Raises:
             InvalidArgument: bad ids, layout or regions, or a segment that is
                 missing or smaller than asked (nothing stays mapped).
-            PermissionDenied: ``owner`` may not read and write a segment.
+            PermissionDenied: ``owner`` may not read and write a segment, or
+                another uid owns ``engine_id``.
             AlreadyExists: the worker is registered already.
+            ResourceExhausted: past a cap on workers or descriptors.
         """
         if not engine_id or len(engine_id) > BOUNDS.max_engine_id_chars:
             raise InvalidArgument(f"engine_id must be 1..{BOUNDS.max_engine_id_chars} characters")
@@ -84,14 +86,14 @@ class Registry:
             raise InvalidArgument(f"tp_size must be in 1..{BOUNDS.max_tp_size} (got {tp_size})")
         if not 0 <= tp_rank < tp_size:
             raise InvalidArgument(f"tp_rank {tp_rank} must be in 0..tp_size-1 (tp_size {tp_size})")
-        if (engine_id, tp_rank) in self.rt.workers:
-            raise AlreadyExists(f"engine {engine_id!r} rank {tp_rank} is already registered")
+        self._check_engine_id(engine_id, tp_rank, owner)
         if not segments or len(segments) > BOUNDS.max_regions:
             raise InvalidArgument(f"a worker registers 1..{BOUNDS.max_regions} segments (got {len(segments)})")
         try:
             lay.validate(layout, regions, [s.size for s in segments])
         except LayoutError as e:
             raise InvalidArgument(str(e)) from None
+        self._check_caps(len(regions) * layout.num_blocks, owner)
         access = Access(owner.uid, owner.gids) if owner is not None else None
         mappings: list[ShmMapping] = []
         staging: list[str] = []
@@ -166,6 +168,45 @@ class Registry:
         self.rt.on_event("register", {"engine": engine_id})
         return w
 
+    def _check_engine_id(self, engine_id: str, tp_rank: int, owner: Owner | None) -> None:
+        """An engine id belongs to the uid that registered it first, while any
+        of its ranks is registered (docs/SECURITY.md): otherwise one user could
+        squat another's id, keep its engine out and answer reads meant for it.
+
+        Raises:
+            AlreadyExists: ``(engine_id, tp_rank)`` is registered (the message
+                names the owner's uid).
+            PermissionDenied: another rank of ``engine_id`` is registered by
+                another uid.
+        """
+        w = self.rt.workers.get((engine_id, tp_rank))
+        if w is not None:
+            raise AlreadyExists(f"engine {engine_id!r} rank {tp_rank} is already registered"
+                                + (f" (by uid {w.owner.uid})" if w.owner is not None else ""))
+        if owner is None:
+            return
+        for (eid, rank), other in self.rt.workers.items():
+            if eid == engine_id and other.owner is not None and other.owner.uid != owner.uid:
+                raise PermissionDenied(f"engine id {engine_id!r} belongs to uid {other.owner.uid} while its rank "
+                                       f"{rank} is registered; uid {owner.uid} may not register rank {tp_rank}")
+
+    def _check_caps(self, descriptors: int, owner: Owner | None) -> None:
+        """Refuses a registration past ``Limits.max_workers`` /
+        ``max_descriptors`` (all workers) or their ``_per_uid`` caps (the
+        owner's uid; None: not checked per uid). Raises ResourceExhausted."""
+        lim, ws = self.rt.limits, list(self.rt.workers.values())
+        mine = [w for w in ws if owner is not None and w.owner is not None and w.owner.uid == owner.uid]
+        descs = lambda group: sum(len(w.regions) * w.layout.num_blocks for w in group)  # noqa: E731
+        for what, used, cap, key in (
+                ("workers", len(ws) + 1, lim.max_workers, "max_workers"),
+                ("block descriptors", descs(ws) + descriptors, lim.max_descriptors, "max_descriptors"),
+                *((("workers of uid", len(mine) + 1, lim.max_workers_per_uid, "max_workers_per_uid"),
+                   ("block descriptors of uid", descs(mine) + descriptors, lim.max_descriptors_per_uid,
+                    "max_descriptors_per_uid")) if owner is not None else ())):
+            if used > cap:
+                who = f" {owner.uid}" if "uid" in what else ""
+                raise ResourceExhausted(f"register: {what}{who} would be {used}, more than {key} {cap}")
+
     def _make_agent(self, name, mappings, layout, regions, memory="DRAM", device=0):
         agent = NixlAgent(name, self.backends)
         regs = []
@@ -200,10 +241,12 @@ class Registry:
         for n in w.mem.staging:
             unlink_shm(n)
         if engine_gone and w.mem.owner_pid > 0 and not os.path.exists(f"/proc/{w.mem.owner_pid}"):
-            for n in w.mem.segment_names:
-                unlink_shm(n)
-            log.info("%s: engine process %d is gone; unlinked its %d segment(s)", w.label, w.mem.owner_pid,
-                     len(w.mem.segment_names))
+            # Only the very objects mapped (kvd.core.memory.unlink_shm): a name
+            # made again since by someone else is left alone.
+            names = set(w.mem.segment_names)  # empty for staged and CUDA workers (their mappings are ours)
+            gone = sum(unlink_shm(m.name, m.identity) for m in w.mem.mappings if names and m.name in names)
+            log.info("%s: engine process %d is gone; unlinked %d of its %d segment(s)", w.label,
+                     w.mem.owner_pid, gone, len(w.mem.segment_names))
         log.info("unregistered %s (%s): %d leases, %d loads dropped", w.label, reason, released, len(w.inflight))
         w.inflight.clear()
         w.leases.leases.clear()
@@ -234,6 +277,7 @@ class Registry:
         w = self.rt.worker(engine_id, tp_rank)
         w.session.streams += 1
         w.session.detached_since = None
+        w.session.overflowed = False
         return w
 
     def detach(self, w: Worker) -> bool:

@@ -28,7 +28,7 @@ from typing import Callable
 from kvd.core.events import Event, FailureKind, LoadFailed, NotFound
 from kvd.core.limits import BOUNDS, Limits
 from kvd.core.nixl_agent import NixlAgent
-from kvd.core.state import Counters, Worker, WorkerKey
+from kvd.core.state import Counters, Worker, WorkerKey, overflow
 
 log = logging.getLogger("kvd.core")
 
@@ -82,14 +82,24 @@ class Runtime:
             raise NotFound(f"engine {engine_id!r} rank {tp_rank} is not registered with this daemon")
         return w
 
+    def registered(self, w: Worker) -> bool:
+        """True while ``w`` itself is registered: a worker unregistered and
+        registered again under the same key is another object, and the old
+        one's NIXL state is freed (its commands must not reach NIXL)."""
+        return self.workers.get(w.key) is w
+
     def emit(self, w: Worker, ev: Event) -> None:
         """Queues ``ev`` for ``w``'s session (the oldest event is dropped past
-        ``BOUNDS.max_pending_events``, for a session gone for long)."""
+        ``BOUNDS.max_pending_events``, for a session gone for long). Past
+        ``Limits.max_queued_event_bytes`` the session is dropped
+        (``kvd.core.state.overflow``)."""
         events = w.session.events
         if len(events) >= BOUNDS.max_pending_events:
             dropped = events.popleft()
             log.warning("%s: event queue full, dropped %s", w.label, dropped)
         events.append(ev)
+        if events.nbytes > self.limits.max_queued_event_bytes:
+            overflow(w, self.limits.max_queued_event_bytes)
         w.session.wakeup.set()
 
     def fail_load(self, w: Worker, request_id: str, block_ids: list[int], kind: FailureKind, reason: str,

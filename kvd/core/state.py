@@ -10,23 +10,27 @@ Units: seconds, bytes, counts.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+import logging
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvd.core import plan
-from kvd.core.events import FailureKind
+from kvd.core.events import EventQueue, FailureKind
 from kvd.core.layout import Layout, Region
 from kvd.core.leases import LeaseTable
 from kvd.core.memory import ShmMapping
 from kvd.core.nixl_agent import NixlAgent, Unprepped
 from kvd.requests import BlockGroups, LoadRequest
 
+log = logging.getLogger("kvd.core")
+
 WorkerKey = tuple[str, int]  # (engine_id, tp_rank)
 PeerKey = tuple[str, str, int]  # (address, engine_id, tp_rank)
 
 # The daemon-to-daemon protocol; a peer with another number is refused at
 # handshake. Bump on any incompatible PeerService or notification change.
+# PeerService.Claim came later without a bump (a reader asks, an older source
+# answers UNIMPLEMENTED and the load fails with that message; docs/SECURITY.md).
 PROTOCOL_VERSION = 1
 
 
@@ -88,7 +92,8 @@ class PeerLink(Protocol):
     """How the core reaches remote daemons (the daemon's gRPC PeerClient).
 
     Every method raises ``Incompatible``, ``NotFound``, ``InvalidArgument`` or
-    ``PeerUnavailable`` with the peer's message.
+    ``PeerUnavailable`` with the peer's message; ``claim`` also
+    ``PermissionDenied`` (the source holds no lease on those blocks).
     """
 
     async def handshake(self, address: str, engine_id: str, tp_rank: int, compat_hash: str,
@@ -98,6 +103,9 @@ class PeerLink(Protocol):
 
     async def notify(self, address: str, engine_id: str, tp_rank: int, request_id: str, expected: int,
                      timeout_s: float) -> None: ...
+
+    async def claim(self, address: str, engine_id: str, tp_rank: int, request_id: str, groups: BlockGroups,
+                    wait_s: float, timeout_s: float) -> None: ...
 
 
 @dataclass
@@ -231,11 +239,15 @@ class WorkerSession:
     dropped. ``detached_since``: monotonic time the last stream ended (None
     while one is open)."""
 
-    events: deque = field(default_factory=deque)
+    events: EventQueue = field(default_factory=EventQueue)
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set when the queued events passed ``Limits.max_queued_event_bytes``: the
+    # session's stream is ended (its engine does not read); cleared at attach.
+    overflowed: bool = False
     streams: int = 0
     detached_since: float | None = None
     epoch: int = 0
+    settling: asyncio.Task | None = None  # cancelling the ended session's READs (kvd.core.settle)
 
 
 @dataclass
@@ -256,7 +268,10 @@ class Worker:
     pairs: WorkerPairs = field(default_factory=WorkerPairs)
     inflight: dict[str, InflightLoad] = field(default_factory=dict)  # READs posted
     pending_loads: set[str] = field(default_factory=set)  # loads before their posts (handshaking)
+    posting: set[str] = field(default_factory=set)  # loads between their claim and their last post
     session: WorkerSession = field(default_factory=WorkerSession)
+    # Set (and replaced) at each hold: wakes claims waiting for one (kvd.core.holds).
+    hold_added: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def label(self) -> str:
@@ -270,6 +285,18 @@ class Worker:
     def geometry(self) -> plan.Geometry:
         return plan.Geometry(self.key[1], self.tp_size, self.layout, tuple(self.regions),
                              self.layout.model_kv_heads(self.tp_size))
+
+
+def overflow(w: Worker, limit: int) -> None:
+    """``w``'s session queued more than ``limit`` bytes of events it does not
+    read: they are dropped, and so is its stream (the engine service ends it;
+    the shim then reports its loads failed and reconnects)."""
+    s = w.session
+    log.warning("%s: %d events (%d bytes) queued, more than max_queued_event_bytes %d: the session's engine "
+                "does not read them; events dropped%s", w.label, len(s.events), s.events.nbytes, limit,
+                ", stream ended" if s.streams else "")
+    s.events.clear()
+    s.overflowed = bool(s.streams)
 
 
 @dataclass

@@ -21,6 +21,7 @@ STATUS = {
     ev.Incompatible: grpc.StatusCode.FAILED_PRECONDITION,
     ev.PeerUnavailable: grpc.StatusCode.UNAVAILABLE,
     ev.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    ev.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 

@@ -76,6 +76,8 @@ class EngineService(pb_grpc.EngineServiceServicer):
         self.metrics_address = ""      # host:port of /metrics, for GetStats
         self.callers = callers or (lambda context: None)
         self.require_session_token = require_session_token
+        self._aborts: dict[int, int] = {}  # caller uid -> AbortLoads in flight (Limits.max_aborts*)
+        self._aborts_total = 0
 
     async def _refuse_while_draining(self, context) -> None:
         if self.node.draining:  # set by the server at SIGTERM
@@ -189,9 +191,22 @@ class EngineService(pb_grpc.EngineServiceServicer):
     async def GetStats(self, request, context) -> pb.StatsResponse:
         """This daemon's ``StatsResponse`` (workers, leases, transfers, peer and
         metrics addresses, draining flag; ``build_stats``). Never aborts; read by
-        ``kvd status`` and by the shim for the peer address."""
+        ``kvd status`` and by the shim for the peer address.
+
+        Worker rows (engine ids, compatibility hashes, agent names) only for
+        the caller's own workers (same uid); root and the daemon's own uid see
+        every one. Another user's engine id and hash are what a cross-user
+        READ would need (docs/SECURITY.md)."""
         return build_stats(self.node, draining=self.node.draining, backends=self.backends,
-                           metrics_address=self.metrics_address)
+                           metrics_address=self.metrics_address, visible=self._visible(self.callers(context)))
+
+    @staticmethod
+    def _visible(caller):
+        """Which workers' rows ``caller`` sees (None: all of them)."""
+        if caller is not None and caller.uid in (0, os.getuid()):
+            return None
+        uid = caller.uid if caller is not None else None
+        return lambda w: uid is not None and w.owner is not None and w.owner.uid == uid
 
     async def Session(self, request_iterator, context):
         """One worker's command/event stream; the first command must be ``open``."""
@@ -209,12 +224,12 @@ class EngineService(pb_grpc.EngineServiceServicer):
         try:
             self.node.worker(*key)
             self._authorize(key, caller, first.open.session_token, "OpenSession")
-            w = self.node.attach(*key)
+            w = await self.node.attach(*key)
         except ev.CoreError as e:
             await context.abort(status_of(e), str(e))
         log.info("session opened: %s", w.label)
         yield pb.SessionEvent(opened=pb.SessionOpened(agent_name=w.agent.name, daemon_version=__version__))
-        reader = asyncio.get_running_loop().create_task(self._read_commands(w, it))
+        reader = asyncio.get_running_loop().create_task(self._read_commands(w, it, caller.uid))
         try:
             events, wakeup = w.session.events, w.session.wakeup
             while True:
@@ -222,6 +237,10 @@ class EngineService(pb_grpc.EngineServiceServicer):
                     e = events.popleft()
                     tp.hit(tp.EVENT, e.request_id)
                     yield event_to_pb(e)
+                if w.session.overflowed:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        f"session dropped: more than {self.node.limits.max_queued_event_bytes} "
+                                        f"bytes of events queued unread (max_queued_event_bytes)")
                 if reader.done():
                     break
                 wakeup.clear()
@@ -230,17 +249,20 @@ class EngineService(pb_grpc.EngineServiceServicer):
                 waiter.cancel()
         finally:
             reader.cancel()
-            self.node.detach(w)
+            await self.node.detach(w)
             log.info("session closed: %s", w.label)
 
-    async def _read_commands(self, w: Worker, it) -> None:
-        """Runs the session's commands on ``w``; a bad one is rejected (an
-        event), never a broken stream."""
+    async def _read_commands(self, w: Worker, it, uid: int) -> None:
+        """Runs the session's commands on ``w`` (opened by a caller of ``uid``);
+        a bad one is rejected (an event), never a broken stream."""
         node = self.node
         limit = BOUNDS.max_id_bytes
         async for cmd in it:
             kind = cmd.WhichOneof("command")
-            if w.key not in node.workers:
+            if node.workers.get(w.key) is not w:
+                # Unregistered, or registered again (another Worker, this
+                # session's one is freed): its commands would reach freed NIXL
+                # handles (a released descriptor list in make_prepped_xfer).
                 node.reject(w, "", "worker unregistered")
                 return
             c = getattr(cmd, kind) if kind else None
@@ -257,7 +279,32 @@ class EngineService(pb_grpc.EngineServiceServicer):
             elif kind == "release":
                 node.release(w, c.request_id)
             elif kind == "abort_load":
-                asyncio.get_running_loop().create_task(node.abort_load(
-                    w, c.request_id, c.remote_engine_id, c.remote_address, c.remote_request_id, c.remote_tp_size))
+                self._abort(w, c, uid)
             else:
                 node.reject(w, "", f"unexpected command {kind!r} on an open session")
+
+    def _abort(self, w: Worker, c: pb.AbortLoad, uid: int) -> None:
+        """Starts an AbortLoad unless ``Limits.max_aborts`` (all sessions) or
+        ``max_aborts_per_uid`` are in flight: each may wait a handshake
+        timeout on an unreachable peer, so unbounded they pile up as tasks."""
+        lim = self.node.limits
+        mine = self._aborts.get(uid, 0)
+        if self._aborts_total >= lim.max_aborts or mine >= lim.max_aborts_per_uid:
+            self.node.reject(w, c.request_id, f"abort_load: {self._aborts_total} aborts in flight ({mine} of uid "
+                                              f"{uid}): max_aborts {lim.max_aborts}, max_aborts_per_uid "
+                                              f"{lim.max_aborts_per_uid}")
+            return
+        self._aborts[uid] = mine + 1
+        self._aborts_total += 1
+
+        def done(_task) -> None:
+            self._aborts_total -= 1
+            left = self._aborts[uid] - 1
+            if left:
+                self._aborts[uid] = left
+            else:
+                del self._aborts[uid]
+
+        asyncio.get_running_loop().create_task(self.node.abort_load(
+            w, c.request_id, c.remote_engine_id, c.remote_address, c.remote_request_id,
+            c.remote_tp_size)).add_done_callback(done)

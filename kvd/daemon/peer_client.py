@@ -49,6 +49,7 @@ def _error(address: str, e: grpc.aio.AioRpcError) -> ev.CoreError:
         grpc.StatusCode.NOT_FOUND: ev.NotFound,
         grpc.StatusCode.FAILED_PRECONDITION: ev.Incompatible,
         grpc.StatusCode.INVALID_ARGUMENT: ev.InvalidArgument,
+        grpc.StatusCode.PERMISSION_DENIED: ev.PermissionDenied,
     }.get(e.code())
     if kind is not None:
         return kind(msg)
@@ -132,6 +133,14 @@ class PeerClient:
         req = pb.NotifyRequest(engine_id=engine_id, tp_rank=tp_rank, request_id=request_id,
                                expected_notifications=expected)
         await self._call(address, "Notify", req, timeout_s)
+
+    async def claim(self, address: str, engine_id: str, tp_rank: int, request_id: str, groups,
+                    wait_s: float, timeout_s: float) -> None:
+        """Returns once ``address``'s worker holds ``groups`` for ``request_id``
+        (``kvd.core.holds.Holds.claim``); PermissionDenied when it does not."""
+        req = pb.ClaimRequest(engine_id=engine_id, tp_rank=tp_rank, request_id=request_id,
+                              groups=groups_to_pb(groups), wait_s=wait_s)
+        await self._call(address, "Claim", req, timeout_s)
 
     async def close(self) -> None:
         for ch in self._channels.values():

@@ -84,3 +84,20 @@ class PeerService(pb_grpc.PeerServiceServicer):
         except ev.CoreError as e:
             await self._refuse(context, "notify", request, e)
         return pb.NotifyResponse()
+
+    async def Claim(self, request: pb.ClaimRequest, context) -> pb.ClaimResponse:
+        """A reader's claim before its READs: answers once worker
+        ``(engine_id, tp_rank)`` holds ``groups`` for ``request_id``, waiting
+        up to ``wait_s`` (capped) for the hold (``kvd.core.holds.Holds.claim``).
+
+        gRPC status: NOT_FOUND for a worker not registered here;
+        PERMISSION_DENIED when no lease covers those blocks; INVALID_ARGUMENT
+        for too many blocks or a ``request_id`` over ``BOUNDS.max_id_bytes``."""
+        try:
+            if len(request.request_id.encode()) > BOUNDS.max_id_bytes:
+                raise ev.InvalidArgument(f"claim: request_id longer than {BOUNDS.max_id_bytes} bytes")
+            await self.node.claim(request.engine_id, request.tp_rank, request.request_id,
+                                  groups_from_pb(request.groups), request.wait_s)
+        except ev.CoreError as e:
+            await self._refuse(context, "claim", request, e)
+        return pb.ClaimResponse()

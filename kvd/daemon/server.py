@@ -155,7 +155,11 @@ class Server:
                         max_blocks_per_request=cfg.max_blocks_per_request,
                         max_leases_per_worker=cfg.max_leases_per_worker, poll_busy_s=cfg.poll_busy_s,
                         poll_idle_s=cfg.poll_idle_s,
-                        warm_peers=tuple(tuple(e.split("/", 1)) for e in cfg.warm_peers))
+                        warm_peers=tuple(tuple(e.split("/", 1)) for e in cfg.warm_peers),
+                        max_queued_event_bytes=cfg.max_queued_event_bytes, max_workers=cfg.max_workers,
+                        max_workers_per_uid=cfg.max_workers_per_uid, max_descriptors=cfg.max_descriptors,
+                        max_descriptors_per_uid=cfg.max_descriptors_per_uid, max_aborts=cfg.max_aborts,
+                        max_aborts_per_uid=cfg.max_aborts_per_uid)
         options = server_options(cfg.max_message_bytes)
         self._loop = asyncio.get_running_loop()
         self.metrics = Metrics(self._stats_threadsafe)

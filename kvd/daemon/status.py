@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import platform
 from importlib.metadata import PackageNotFoundError, version
-
+from typing import Callable
 
 from kvd import __version__
 from kvd.core.node import Node
+from kvd.core.state import Worker
 from kvd.v1 import kvd_pb2 as pb
 
 
@@ -36,8 +37,12 @@ _VERSIONS: dict[str, str] | None = None
 
 
 def build_stats(node: Node, draining: bool = False, backends: list[str] | None = None,
-                metrics_address: str = "") -> pb.StatsResponse:
-    """A ``StatsResponse`` for ``node`` (call on the daemon's event loop)."""
+                metrics_address: str = "", visible: Callable[[Worker], bool] | None = None) -> pb.StatsResponse:
+    """A ``StatsResponse`` for ``node`` (call on the daemon's event loop).
+
+    ``visible``: which workers get a row (and their remote workers);
+    None: every one. The daemon-wide counts cover every worker either way
+    (they name no engine)."""
     global _VERSIONS
     if _VERSIONS is None:
         _VERSIONS = versions()
@@ -51,6 +56,8 @@ def build_stats(node: Node, draining: bool = False, backends: list[str] | None =
     )
     paths = set()
     for w in list(node.workers.values()):
+        if visible is not None and not visible(w):
+            continue
         # Regions are POSIX shm registered as DRAM, or CUDA IPC memory as
         # VRAM: the engine's own segments ("direct") or daemon-owned staging
         # mirrors of them ("staged", WorkerMemory.staging).

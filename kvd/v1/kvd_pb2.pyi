@@ -508,3 +508,21 @@ class NotifyRequest(_message.Message):
 class NotifyResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ClaimRequest(_message.Message):
+    __slots__ = ("engine_id", "tp_rank", "request_id", "groups", "wait_s")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    tp_rank: int
+    request_id: str
+    groups: _containers.RepeatedCompositeFieldContainer[BlockIds]
+    wait_s: float
+    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., request_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class ClaimResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

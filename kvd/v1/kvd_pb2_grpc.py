@@ -269,6 +269,11 @@ class PeerServiceStub:
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.NotifyRequest.SerializeToString,
                 response_deserializer=kvd_dot_v1_dot_kvd__pb2.NotifyResponse.FromString,
                 _registered_method=True)
+        self.Claim = channel.unary_unary(
+                '/kvd.v1.PeerService/Claim',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.ClaimRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.ClaimResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -301,6 +306,14 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Claim(self, request, context):
+        """NOT_FOUND for an unknown engine/rank; PERMISSION_DENIED when the worker
+        holds no lease on those blocks for the request (no READ may start).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -318,6 +331,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.Notify,
                     request_deserializer=kvd_dot_v1_dot_kvd__pb2.NotifyRequest.FromString,
                     response_serializer=kvd_dot_v1_dot_kvd__pb2.NotifyResponse.SerializeToString,
+            ),
+            'Claim': grpc.unary_unary_rpc_method_handler(
+                    servicer.Claim,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.ClaimRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.ClaimResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -405,6 +423,33 @@ class PeerService:
             '/kvd.v1.PeerService/Notify',
             kvd_dot_v1_dot_kvd__pb2.NotifyRequest.SerializeToString,
             kvd_dot_v1_dot_kvd__pb2.NotifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Claim(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.PeerService/Claim',
+            kvd_dot_v1_dot_kvd__pb2.ClaimRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.ClaimResponse.FromString,
             options,
             channel_credentials,
             insecure,
