@@ -71,10 +71,6 @@ K = FailureKind
 # that long at most, while the round trip per piece (~50 us) stays a few % of it.
 COPY_PIECE_BYTES = 8 << 20
 
-# A load waiting for its hold is woken by the hold (LocalCopy.held); it also
-# looks this often whether its reader or source left meanwhile (seconds).
-_RECHECK_S = 0.05
-
 
 @dataclass
 class Side:
@@ -158,7 +154,6 @@ class LocalCopy:
         self.rt = rt
         self.holds = holds
         self.addresses: set[str] = set()
-        self._waiting: dict[tuple[WorkerKey, str], list[asyncio.Event]] = {}  # (source, request) -> loads
         self._plans: dict[tuple[WorkerKey, WorkerKey], CopyPlan] = {}
 
     def sources(self, w: Worker, req: LoadRequest, notify: list[int]) -> dict[int, Worker] | None:
@@ -207,10 +202,14 @@ class LocalCopy:
             src, _ = cp.source_side.rows(ridx)
             pieces += split_pieces(dst, src, ln)
             nbytes += cp.transfer_bytes(req.remote_groups)
-        for p in read_from:
-            why = await self._wait_held(w, epoch, sources[p], req, deadline)
-            if why:
-                return why if isinstance(why, tuple) else None
+        # No copy of another engine's blocks without its hold on them, the
+        # same claim a READ makes (kvd.core.holds, docs/SECURITY.md).
+        denied = await self.holds.claim_sources(w, req, read_from, deadline)
+        if denied:
+            return denied
+        why = self._still(w, epoch, sources, deadline)
+        if why:
+            return why if isinstance(why, tuple) else None
         ndescs = sum(len(x[0]) for x in pieces)
         tp.hit(tp.POST, req.request_id, "copy")
         # While a piece may still be copying, the reader's session end waits
@@ -272,43 +271,6 @@ class LocalCopy:
             return K.TIMEOUT, "timeout: transfer past its deadline"
         return None
 
-    async def _wait_held(self, w: Worker, epoch: int, s: Worker, req: LoadRequest, deadline: float):
-        """Waits until ``s`` holds every block ``req`` reads from it; ``None``
-        then, else what :meth:`_still` returns, or ``(INVALID, reason)`` when
-        the lease holds other blocks. Woken by :meth:`held`; looks again
-        every ``_RECHECK_S`` for the reader or the source leaving."""
-        key = (s.key, req.remote_request_id)
-        while True:
-            why = held_error(s, req.remote_request_id, req.remote_groups)
-            if why is None:
-                return None
-            if why != "no lease":
-                return K.INVALID, f"invalid: {why}"
-            stop = self._still(w, epoch, {0: s}, deadline)
-            if stop is not None and stop is not True and stop[0] is K.TIMEOUT:
-                return K.TIMEOUT, (f"timeout: engine {s.key[0]!r} rank {s.key[1]} held no blocks for request "
-                                   f"{req.remote_request_id!r} by the load's deadline")
-            if stop is not None:
-                return stop
-            ev = asyncio.Event()
-            self._waiting.setdefault(key, []).append(ev)
-            try:
-                await asyncio.wait_for(ev.wait(), max(0.0, min(_RECHECK_S, deadline - time.monotonic())))
-            except asyncio.TimeoutError:
-                pass
-            finally:
-                waiters = self._waiting.get(key, [])
-                if ev in waiters:
-                    waiters.remove(ev)
-                if not waiters:
-                    self._waiting.pop(key, None)
-
-    def held(self, w: Worker, request_id: str) -> None:
-        """``w``'s engine sent a hold of ``request_id``: wakes the loads
-        waiting for it (``Node.hold`` calls this after ``Holds.hold``)."""
-        for ev in self._waiting.pop((w.key, request_id), []):
-            ev.set()
-
     def _notify(self, w: Worker, req: LoadRequest, sources: dict[int, Worker], notify: list[int],
                 remote_tp: int) -> None:
         """Reader ``w``'s notification of ``req.remote_request_id`` to each
@@ -322,25 +284,6 @@ class LocalCopy:
             except CoreError as e:
                 log.info("engine=%s rank=%d request=%s: not notified: %s", s.key[0], s.key[1],
                          req.remote_request_id, e)
-
-
-def held_error(s: Worker, request_id: str, groups) -> str | None:
-    """Why ``s`` does not hold ``groups`` (source block ids per KV-cache
-    group) for ``request_id``: ``"no lease"``, a sentence naming the blocks,
-    or None when every block is held by that request's lease (the rule of
-    docs/SECURITY.md: a reader reads only blocks their engine holds for it)."""
-    lease = s.leases.leases.get(request_id)
-    if lease is None:
-        return "no lease"
-    held = lease.groups
-    if len(groups) > len(held):
-        return f"request {request_id!r} holds {len(held)} KV-cache group(s), the load reads {len(groups)}"
-    for g, (ids, have) in enumerate(zip(groups, held)):
-        missing = set(ids) - set(have)
-        if missing:
-            return (f"engine {s.key[0]!r} rank {s.key[1]} does not hold block {min(missing)} (group {g}) "
-                    f"for request {request_id!r}")
-    return None
 
 
 def split_pieces(dst: np.ndarray, src: np.ndarray, ln: np.ndarray, piece: int = COPY_PIECE_BYTES):

@@ -188,10 +188,9 @@ class Node:
         self.rt.emit(w, CommandRejected(request_id, reason))
 
     def hold(self, w: Worker, request_id: str, groups: BlockGroups, lease_s: float = 0.0) -> None:
-        """See :meth:`kvd.core.holds.Holds.hold`; wakes same-node loads
-        waiting for it (:meth:`kvd.core.local_copy.LocalCopy.held`)."""
+        """See :meth:`kvd.core.holds.Holds.hold` (a claim waiting for this
+        hold, local or from a peer, is answered by it)."""
         self.holds.hold(w, request_id, groups, lease_s)
-        self.local_copy.held(w, request_id)
 
     def release(self, w: Worker, request_id: str) -> None:
         """See :meth:`kvd.core.holds.Holds.release`."""
