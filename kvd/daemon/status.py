@@ -80,7 +80,7 @@ def handover_of(worker) -> str:
     fd, ``kvd.core.memory.FdMapping``), ``"shm"`` (a name in /dev/shm),
     ``"cuda_ipc"``; ``""`` on the staged path (the daemon's own mirrors)."""
     mem = worker.mem
-    if mem.staged or mem.staging or not mem.mappings:
+    if mem.staged or mem.staging or not getattr(mem, "mappings", None):
         return ""
     return getattr(mem.mappings[0], "kind", "cuda_ipc")
 
