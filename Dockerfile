@@ -9,6 +9,12 @@
 # nvidia.com/gpu resource), which mounts the driver; NIXL picks its CUDA 12
 # or 13 build from the driver at run time. See docs/OPERATIONS.md, "Docker".
 #
+# Offline build (no registry, no PyTorch index; the wheels in deploy/wheels/,
+# a locally made base image; podman keeps HEALTHCHECK only in docker format):
+#   podman build --format docker --network none --build-arg PIP_NO_INDEX=1 \
+#     --build-arg PYTHON_IMAGE=localhost/debian-python:bookworm -t kvd:0.1.0 .
+# deploy/wheels/README.md says how to fill the folder and make the base image.
+#
 # Runs `kvd serve` as uid 10001 (user kvd). Engines that share their KV
 # cache with it through /dev/shm must run with the same uid.
 
@@ -17,14 +23,22 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 FROM ${PYTHON_IMAGE} AS build
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG TORCH_VERSION=2.13.0
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# 1: install only from the wheels in deploy/wheels/ (an offline build); 0 (the
+# default): from the indexes, wheels found in deploy/wheels/ included.
+ARG PIP_NO_INDEX=0
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_FIND_LINKS=/wheels
 RUN python -m venv /opt/kvd
 ENV PATH=/opt/kvd/bin:$PATH
+COPY deploy/wheels/ /wheels/
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 WORKDIR /src
+# The dependencies in a layer of their own (pyproject.toml without kvd/
+# builds an empty kvd, uninstalled at once), so that a change to kvd/
+# rebuilds only the small layer below.
 COPY pyproject.toml README.md ./
+RUN pip install . && pip uninstall --yes kvd
 COPY kvd ./kvd
-RUN pip install . \
+RUN pip install --no-deps . \
     && find /opt/kvd -name '__pycache__' -type d -prune -exec rm -rf {} + \
     && kvd version
 

@@ -34,12 +34,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kvd.demo import run, tiny_model  # noqa: E402
-from kvd.testing import proxy  # noqa: E402
-from kvd.testing.util import free_port  # noqa: E402
-from kvd.testing.vllm_engines import PDStack  # noqa: E402
+from kvd.demo import run, tiny_model
+from kvd.testing import proxy
+from kvd.testing.util import free_port
+from kvd.testing.vllm_engines import PDStack
 
 
 def _median(xs: list[float]) -> float:

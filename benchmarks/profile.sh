@@ -12,7 +12,7 @@ PY=.venv/bin/python; SPY=.venv/bin/py-spy
 mkdir -p "$OUT"
 pidf=$(mktemp -u /tmp/kvd-prof-XXXXXX.json)
 TOTAL=$((5 * SECS + 32))
-$PY benchmarks/profile_small.py --mode "$MODE" --seconds "$TOTAL" --pidfile "$pidf" --json "$OUT/$MODE.run.json" \
+$PY -m benchmarks.profile_small --mode "$MODE" --seconds "$TOTAL" --pidfile "$pidf" --json "$OUT/$MODE.run.json" \
     > "$OUT/$MODE.run.log" 2>&1 &
 drv=$!
 for _ in $(seq 240); do [ -f "$pidf" ] && break; sleep 0.5; done
@@ -26,7 +26,7 @@ rec() {  # who pid kind flags...
   echo "  load $(cut -d' ' -f1-3 /proc/loadavg) after $who $kind" | tee -a "$OUT/$MODE.pids.txt"
 }
 cp /proc/$D/maps "$OUT/$MODE-D.maps"; cp /proc/$P/maps "$OUT/$MODE-P.maps"; cp /proc/$C/maps "$OUT/$MODE-client.maps"
-$PY benchmarks/thread_cpu.py 10 P=$P D=$D client=$C > "$OUT/$MODE-threads.txt" 2>&1 || true
+$PY -m benchmarks.thread_cpu 10 P=$P D=$D client=$C > "$OUT/$MODE-threads.txt" 2>&1 || true
 rec D "$D" idle --idle
 rec D "$D" cpu
 $SPY dump --pid "$D" --native > "$OUT/$MODE-D-dump.txt" 2>&1 || true

@@ -1,6 +1,6 @@
 """``python benchmarks/profile_entry.py [--telemetry] [daemon_entry args] serve ...``
 
-Runs a kvd daemon through ``kvd.bench.daemon_entry`` (so ``--trace`` and
+Runs a kvd daemon through ``benchmarks.daemon_entry`` (so ``--trace`` and
 ``--set`` work) and, with ``--telemetry``, turns on NIXL's per-transfer
 telemetry (``nixl_agent_config(capture_telemetry=True)``) and logs, for every
 transfer handle the daemon releases, NIXL's own breakdown
@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def install_telemetry() -> None:
@@ -68,7 +65,7 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--telemetry"]:
         install_telemetry()
         argv = argv[1:]
-    from kvd.bench.daemon_entry import main as entry_main
+    from benchmarks.daemon_entry import main as entry_main
 
     return entry_main(argv)
 

@@ -9,7 +9,7 @@ process (the engine side) to ``--pidfile`` once warm, then loads for
 ``--seconds``:
 
 - ``latency``: 16 x 64 KiB loads, polled every 50 us, 10 ms apart
-  (benchmark 3's kvd case, and ``kvd.bench.trace``'s loop);
+  (benchmark 3's kvd case, and ``benchmarks.trace``'s loop);
 - ``dataplane``: 1 x 64 KiB and 16 x 64 KiB loads alternating, back to back
   (benchmark 1's two smallest cells from 64 KiB blocks up).
 
@@ -29,10 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kvd.bench import common as cm  # noqa: E402
-from kvd.bench.kvd_pair import KvdPair  # noqa: E402
+from kvd.bench import common as cm
+from kvd.bench.kvd_pair import KvdPair
 
 BLOCK = 64 * cm.KiB
 

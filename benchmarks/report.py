@@ -14,9 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kvd.bench import common as cm  # noqa: E402
+from kvd.bench import common as cm
 
 
 def _load(p: Path):
@@ -33,7 +31,8 @@ def _meta(res: dict) -> str:
 
 def tables(d: Path) -> dict[str, str]:
     """Markdown of each result file in ``d``, by file name."""
-    from kvd.bench import dataplane, scale, step, variants
+    from benchmarks import latency, scale, variants
+    from kvd.bench import dataplane, step
 
     out: dict[str, str] = {}
     for name in ("dataplane.json", "dataplane_b_tuned.json"):
@@ -45,7 +44,7 @@ def tables(d: Path) -> dict[str, str]:
                          f"{g['a_over_c_cells_met']} cells.")
     r = _load(d / "latency.json")
     if r:
-        out["latency.json"] = f"{_meta(r)}\n\n{_md_lines(dataplane.latency_table(r, markdown=True))}"
+        out["latency.json"] = f"{_meta(r)}\n\n{_md_lines(latency.latency_table(r, markdown=True))}"
     r = _load(d / "trace.json")
     if r:
         rows = [[k, f"{v:.3f}", f"{r['legs_p90_ms'][k]:.3f}"] for k, v in r["legs_ms"].items()]
@@ -62,8 +61,7 @@ def tables(d: Path) -> dict[str, str]:
         out["scale.json"] = f"{_meta(r)}\n\n{_md_lines(scale.table(r, markdown=True))}"
     r = _load(d / "engines.json")
     if r:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import baseline_nixl_connector as b
+        from benchmarks import baseline_nixl_connector as b
 
         summary = {int(k): v for k, v in r["summary"].items()}
         text = (f"`{r.get('command', '')}` (load average at the end "

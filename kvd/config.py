@@ -107,6 +107,12 @@ class Config:
     detach_grace_s: float = _setting(10.0, "an engine whose session stream has been gone this long "
                                            "is unregistered, seconds")
     grace_s: float = _setting(10.0, "on SIGTERM, wait this long for transfers in flight, seconds")
+    # The core's completion poll (kvd.core.state.Limits): shorter means a load's
+    # event sooner after NIXL is done and more CPU while idle or busy
+    # (docs/PERFORMANCE.md measures both).
+    poll_busy_s: float = _setting(0.0005, "interval of the completion poll while transfers are in flight, seconds")
+    poll_idle_s: float = _setting(0.005, "interval of the poll for notifications and lease expiry otherwise, "
+                                         "seconds")
     transfer_mode: str = _setting("pull", "pull (decode daemon READs) | push (prefill daemon WRITEs, "
                                           "asked by the decode daemon); set on the decode side")
     # Security (docs/SECURITY.md). Local engines: who may use the engine socket.
@@ -185,6 +191,10 @@ class Config:
             v = getattr(self, key)
             if not math.isfinite(v) or v <= 0:
                 raise self._error(key, f"must be a finite number of seconds > 0 (got {v})")
+        for key in ("poll_busy_s", "poll_idle_s"):
+            v = getattr(self, key)
+            if not math.isfinite(v) or not 0 < v <= 1:
+                raise self._error(key, f"must be a number of seconds in (0, 1] (got {v})")
         if self.lease_s > 3600:
             # kvd.core.state.Limits.max_lease_s caps every lease at one hour.
             raise self._error("lease_s", f"at most 3600 seconds (got {self.lease_s})")

@@ -5,7 +5,7 @@ Both sides of the GPU path use it (issue 7, docs/GPU.md):
 - the daemon (``kvd.core.cuda_ipc``) opens the engine's CUDA IPC handles,
   checks whether the opened memory can be re-exported, and allocates its own
   VRAM staging mirrors;
-- the engine side (``kvd.shim.cuda_share``) opens a daemon's staging mirror
+- the engine side (``kvd.shim.memory.cuda_ipc``) opens a daemon's staging mirror
   to copy blocks in and out.
 
 Only what those need is bound, each call with explicit ``argtypes`` /

@@ -58,6 +58,18 @@ def health(target: str, service: str = "", timeout_s: float = 2.0) -> Answer:
     return Answer(EXIT_NOT_SERVING, f"kvd health: {target}: {name}")
 
 
+def get_stats(target: str, timeout_s: float = 2.0):
+    """``EngineService.GetStats`` of the daemon at ``target`` (``unix:<engine
+    socket>``) within ``timeout_s`` seconds: a ``kvd.v1.StatsResponse``.
+    Raises grpc.RpcError (UNAVAILABLE while nothing serves there)."""
+    import grpc
+
+    from kvd.v1 import kvd_pb2, kvd_pb2_grpc
+
+    with grpc.insecure_channel(target) as ch:
+        return kvd_pb2_grpc.EngineServiceStub(ch).GetStats(kvd_pb2.StatsRequest(), timeout=timeout_s)
+
+
 def status(target: str, timeout_s: float = 2.0, as_json: bool = False) -> Answer:
     """The daemon's GetStats at ``target`` (engine socket only) within
     ``timeout_s`` seconds, as the table for people or as JSON
@@ -65,11 +77,9 @@ def status(target: str, timeout_s: float = 2.0, as_json: bool = False) -> Answer
     import grpc
 
     from kvd.daemon.status import render, to_dict
-    from kvd.v1 import kvd_pb2, kvd_pb2_grpc
 
     try:
-        with grpc.insecure_channel(target) as ch:
-            s = kvd_pb2_grpc.EngineServiceStub(ch).GetStats(kvd_pb2.StatsRequest(), timeout=timeout_s)
+        s = get_stats(target, timeout_s)
     except grpc.RpcError as e:
         return Answer(EXIT_UNREACHABLE, f"kvd status: {target}: {e.code().name}: {e.details()}")
     d = to_dict(s)

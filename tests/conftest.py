@@ -62,3 +62,45 @@ def tiny_model_dir():
     from kvd.demo import tiny_model
 
     return tiny_model.build(quiet=True)
+
+
+@pytest.fixture(scope="session")
+def hybrid_model_dir():
+    """``kvd.demo.tiny_hybrid`` (built once, cached under ~/.cache/kvd)."""
+    why = _vllm_missing()
+    if why:
+        pytest.skip(why)
+    from kvd.demo import tiny_hybrid
+
+    return tiny_hybrid.build(quiet=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A config-only tiny Llama (no weights: the in-process engine loops of
+    tests/test_shim_*.py run vLLM's scheduler, not a model), with its KV shape
+    (``tests/vllm_inproc.py``: 2 KV heads of 32)."""
+    why = _vllm_missing()
+    if why:
+        pytest.skip(why)
+    from transformers import LlamaConfig
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+
+    d = tmp_path_factory.mktemp("tiny-llama")
+    LlamaConfig(vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                max_position_embeddings=2048, torch_dtype="float32").save_pretrained(d)
+    init_none_hash(sha256)
+    return str(d)
+
+
+@pytest.fixture
+def fake(tmp_path):
+    """A :class:`kvd.testing.fakes.FakeDaemon` on ``<tmp>/engine.sock``
+    (answers every command at once), closed after the test."""
+    from kvd.testing.fakes import FakeDaemon
+
+    d = FakeDaemon(str(tmp_path / "engine.sock")).start()
+    yield d
+    d.close()

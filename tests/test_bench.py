@@ -35,15 +35,49 @@ def test_kvd_bench_quick_reports_ratios(tmp_path):
         assert res["engine_step"]["unary_getstats"]["p50_us"] > 0
 
 
-def test_daemon_entry_sets_module_defaults():
-    from kvd.bench.daemon_entry import apply
-    from kvd.core import node
+def test_daemon_entry_sets_module_constants_and_refuses_typos():
+    from benchmarks.daemon_entry import apply
+    from kvd.core import nixl_agent
 
-    old = node.Limits().poll_busy_s
+    old = nixl_agent.PROGRESS_US
     try:
-        apply("kvd.core.node.Limits.poll_busy_s=0.00025")
-        assert node.Limits().poll_busy_s == 0.00025
+        apply("kvd.core.nixl_agent.PROGRESS_US=0")
+        assert nixl_agent.PROGRESS_US == 0
     finally:
-        apply(f"kvd.core.node.Limits.poll_busy_s={old}")
+        nixl_agent.PROGRESS_US = old
     with pytest.raises(ImportError):
         apply("nosuchmodule.X=1")
+    with pytest.raises(AttributeError):
+        apply("kvd.core.nixl_agent.PROGRES_US=0")
+
+
+def test_trace_joins_the_daemon_hit_lines():
+    """benchmarks.trace reads what the --trace sink prints, one hit per line."""
+    from benchmarks.daemon_entry import print_hit
+    from benchmarks.trace import _hits
+
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stderr(buf):
+        print_hit("load", "r1", "", 1.5)
+        print_hit("posted", "r1", "DONE", 1.75)
+        print_hit("gate_in", "", "", 1.25)
+    hits = _hits(buf.getvalue())
+    assert hits == {"load": [("r1", "", 1.5)], "posted": [("r1", "DONE", 1.75)], "gate_in": [("", "", 1.25)]}
+
+
+def test_the_harness_package_imports_neither_nixl_nor_vllm():
+    """kvd.testing (and kvd bench's modules) load in a process that has no
+    business with NIXL or vLLM: an engine, the CLI; NIXL runs inside the
+    daemons, vLLM inside the engines (docs/DESIGN.md, dependency rules)."""
+    code = ("import pkgutil, importlib, sys, kvd.testing, kvd.bench\n"
+            "for pkg in (kvd.testing, kvd.bench):\n"
+            "    for m in pkgutil.iter_modules(pkg.__path__):\n"
+            "        if m.name != 'cpu_caches':  # torch, by design (not nixl, not vllm)\n"
+            "            importlib.import_module(f'{pkg.__name__}.{m.name}')\n"
+            "print(sorted({n.split('.')[0] for n in sys.modules} & {'nixl', 'vllm', 'torch'}))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip() == "[]", r.stdout

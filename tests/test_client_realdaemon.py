@@ -9,8 +9,6 @@ client that must carry on.
 from __future__ import annotations
 
 import signal
-import socket
-import threading
 import time
 
 import pytest
@@ -22,7 +20,7 @@ from kvd.shim.memory.shm import share_kv_caches
 from kvd.v1 import kvd_pb2 as pb
 from kvd.testing.cpu_caches import NB, D, H, N, vllm032_cpu_caches
 from kvd.testing.daemons import start_daemon
-from kvd.testing.fakes import kinds, wait_events
+from kvd.testing.fakes import blackhole, kinds, wait_events
 
 
 def connect(daemon, engine_id: str, caches: dict[str, torch.Tensor]) -> EngineClient:
@@ -83,28 +81,8 @@ def test_a_load_of_blocks_outside_the_remote_cache_fails_not_hangs(daemon_pair):
 @pytest.fixture
 def silent_peer():
     """A TCP port that accepts connections and never speaks (a hung peer daemon)."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(16)
-    conns = []
-    stop = threading.Event()
-
-    def accept():
-        srv.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                conns.append(srv.accept()[0])
-            except OSError:
-                continue
-
-    t = threading.Thread(target=accept, daemon=True)
-    t.start()
-    yield "127.0.0.1:%d" % srv.getsockname()[1]
-    stop.set()
-    t.join(2)
-    for c in conns:
-        c.close()
-    srv.close()
+    with blackhole() as address:
+        yield address
 
 
 def test_daemon_killed_and_restarted_under_a_connected_client(tmp_path, silent_peer):

@@ -80,6 +80,8 @@ def test_bad_file_values_name_the_key(tmp_path, text, words):
     ({"KVD_LOG_FORMAT": "xml"}, ["log_format (from env KVD_LOG_FORMAT)", "human | json"]),
     ({"KVD_BACKENDS": " , "}, ["backends (from env KVD_BACKENDS)"]),
     ({"KVD_TRANSFER_TIMEOUT_S": "nan"}, ["transfer_timeout_s (from env", "finite"]),
+    ({"KVD_POLL_BUSY_S": "0"}, ["poll_busy_s (from env KVD_POLL_BUSY_S)", "(0, 1]"]),
+    ({"KVD_POLL_IDLE_S": "5"}, ["poll_idle_s (from env KVD_POLL_IDLE_S)", "(0, 1]"]),
 ])
 def test_bad_env_values_name_the_variable(env, words):
     with pytest.raises(ConfigError) as e:
@@ -151,6 +153,22 @@ def test_a_misspelt_environment_variable_is_reported_not_silently_ignored():
     assert any("KVD_FOO" in w and "did you mean" not in w for w in cfg.warnings)
     r = _kvd("serve", "--print-config", env={"KVD_LEESE_S": "5"})
     assert r.returncode == 0 and "did you mean KVD_LEASE_S" in r.stderr
+
+
+def test_a_daemon_runs_with_the_poll_intervals_given(tmp_path):
+    """--poll-busy-s / --poll-idle-s become the core's Limits (a daemon that
+    could not build them would not serve) and --print-config shows them."""
+    from kvd.testing.daemons import start_daemon
+
+    d = start_daemon(str(tmp_path), "kvd", "--poll-busy-s", "0.0002", "--poll-idle-s", "0.05")
+    try:
+        assert d.stats().daemon_version
+    finally:
+        assert d.stop() == 0
+    r = subprocess.run([sys.executable, "-m", "kvd.cli", "serve", "--poll-idle-s", "0.05", "--print-config"],
+                       capture_output=True, text=True, timeout=60, env={k: v for k, v in os.environ.items()
+                                                                         if not k.startswith("KVD_")})
+    assert r.returncode == 0 and "poll_idle_s = 0.05" in r.stdout, r.stdout + r.stderr
 
 
 def test_log_level_and_format_are_case_insensitive():

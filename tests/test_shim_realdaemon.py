@@ -43,8 +43,9 @@ from kvd.shim.memory.cuda_ipc import ExportedStorage  # noqa: E402
 from kvd.shim.vllm import KvdConnector  # noqa: E402
 from kvd.v1 import kvd_pb2 as pb  # noqa: E402
 from kvd.testing.daemons import start_daemon  # noqa: E402
-from test_shim_vllm import (  # noqa: E402,F401  (model_dir is a fixture)
+from vllm_inproc import (  # noqa: E402
     BS,
+    EOS,
     HEAD,
     KV_HEADS,
     LAYERS,
@@ -52,7 +53,6 @@ from test_shim_vllm import (  # noqa: E402,F401  (model_dir is a fixture)
     WINDOW_BLOCKS,
     hma_kv_cache_config,
     make_request,
-    model_dir,
     remote_params,
     vllm_config,
 )
@@ -329,7 +329,6 @@ def test_prefill_block_32_into_decode_block_64_partial_local_prefix_hit(model_di
     from vllm import SamplingParams
 
     from kvd.shim.vllm.cpu_kv_probe import kv_block_layout
-    from test_shim_vllm import EOS
 
     k_layout = kv_block_layout(torch.float32, 2 * BS, HEAD)
     if k_layout is None:

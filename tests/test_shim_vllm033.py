@@ -31,7 +31,7 @@ import vllm.distributed.kv_transfer.kv_connector.utils as kv_utils  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1  # noqa: E402
 
 from kvd.shim.vllm import KvdConnector  # noqa: E402
-from test_shim_vllm import Engine, fake, make_request, model_dir, prefill_request  # noqa: E402,F401  (fixtures)
+from vllm_inproc import Engine, make_request, prefill_request  # noqa: E402
 
 #: NixlConnector's prefill-side kv_transfer_params keys (0.32 and 0.33).
 NIXL_PARAMS = {"do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id", "remote_request_id",

@@ -46,19 +46,6 @@ FREE_DEADLINE_S = 5.0
 LENGTHS = [20, 100, 600]         # < window, > window (clipped), >> window
 
 
-@pytest.fixture(scope="module")
-def hybrid_model_dir():
-    """``kvd.demo.tiny_hybrid`` (built once, cached under ~/.cache/kvd)."""
-    from conftest import _vllm_missing
-
-    why = _vllm_missing()
-    if why:
-        pytest.skip(why)
-    from kvd.demo import tiny_hybrid
-
-    return tiny_hybrid.build(quiet=True)
-
-
 @pytest.fixture(scope="module", params=["direct", "staged"])
 def pd(request, hybrid_model_dir, tmp_path_factory):
     """The running P/D stack (kvd.testing.vllm_engines.PDStack) on the hybrid model; P's

@@ -2,7 +2,8 @@
 memcpy) and benchmark 2 (the shim's cost per engine step), with a progress
 display; prints the ratios against the goals of docs/PERFORMANCE.md.
 
-The full-size benchmarks are ``benchmarks/*.py`` (one command each).
+The full-size benchmarks are the ``benchmarks`` package (``python -m
+benchmarks.<name>`` from the checkout's root).
 """
 
 from __future__ import annotations
@@ -56,10 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_step:
         from kvd.bench import step
 
-        try:
-            step._vllm()
-        except ImportError as e:
-            print(f"\n(2) engine step: skipped, vLLM is not installed ({e})")
+        why = step.unavailable()
+        if why:
+            print(f"\n(2) engine step: skipped, {why}")
         else:
             st = step.run((0, 16) if args.quick else (0, 16, 256), steps=30 if args.quick else 200,
                           warmup=5 if args.quick else 20, unary_n=20 if args.quick else 100, progress=progress)

@@ -17,8 +17,9 @@ import itertools
 import time
 from dataclasses import dataclass
 
-from kvd.testing.daemons import Daemon, start_daemon
 from kvd.client.engine_client import EngineClient
+from kvd.requests import LoadRequest
+from kvd.testing.daemons import Daemon, start_daemon
 from kvd.v1 import kvd_pb2 as pb
 
 
@@ -111,9 +112,9 @@ class KvdPair:
         n = next(self._ids)
         prid, drid = f"p{n}", f"d{n}"
         if hold:
-            pw.client.hold(prid, remote_ids, lease_s=300)
-        dw.client.load(drid, local_ids, remote_engine_id=pw.engine_id, remote_address=self.p.peer_address,
-                       remote_block_ids=remote_ids, remote_request_id=prid, remote_tp_size=1, timeout_s=120)
+            pw.client.hold(prid, [list(remote_ids)], lease_s=300)
+        dw.client.load(LoadRequest(drid, [list(local_ids)], pw.engine_id, self.p.peer_address, [list(remote_ids)],
+                                   prid, remote_tp_size=1, timeout_s=120))
         return drid
 
     def wait(self, block_len: int, rids: set[str], poll_s: float, timeout_s: float = 300.0) -> dict[str, float]:

@@ -10,6 +10,11 @@ length (as vLLM's ``NixlConnector`` does at handshake), then each transfer is
 process collects notifications (``get_new_notifs``) while it waits for
 commands, as the prefill worker does every engine step.
 
+The dependency rule of docs/DESIGN.md holds: this module never imports nixl;
+the child gets NIXL's own classes (``nixl_agent``, ``nixl_agent_config``)
+from :mod:`kvd.core.nixl_agent`, so the plain-NIXL case runs the same NIXL
+calls vLLM's connector makes, with no kvd wrapper in between.
+
 The agents are configured as vLLM 0.32's ``NixlConnector`` configures its own
 (``nixl_agent_config(num_threads=4, capture_telemetry=True)``, NIXL's default
 progress thread on), unless told otherwise (``prog_thread``, ``num_threads``).
@@ -42,10 +47,11 @@ def _peer_main(conn, name: str, cfg: PeerConfig) -> None:  # pragma: no cover - 
     import numpy as np
     import logging
 
-    from kvd.core.nixl_agent import _import_nixl_without_torch
+    # NIXL's own Python API, as vLLM's NixlConnector drives it, loaded through
+    # kvd's one NIXL module (the only one that may import nixl).
+    from kvd.core.nixl_agent import _nixl
 
-    _import_nixl_without_torch()
-    from nixl._api import nixl_agent, nixl_agent_config
+    nixl_agent, nixl_agent_config = _nixl()
 
     logging.getLogger("nixl").setLevel(logging.WARNING)
 

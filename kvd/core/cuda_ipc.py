@@ -1,7 +1,7 @@
 """Mapping engine GPU memory into the daemon: CUDA IPC handles (issue 7).
 
 The shim exports each KV cache allocation as a ``cudaIpcMemHandle_t``
-(``kvd.shim.cuda_share``); the daemon opens it here
+(``kvd.shim.memory.cuda_ipc``); the daemon opens it here
 (``cudaIpcOpenMemHandle``) on the segment's device and the core registers the
 mapping with NIXL as VRAM. It closes the mapping when the worker goes away,
 after NIXL has deregistered it.

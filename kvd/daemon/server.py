@@ -155,7 +155,8 @@ class Server:
                         handshake_timeout_s=cfg.handshake_timeout_s, detach_grace_s=cfg.detach_grace_s,
                         transfer_mode=cfg.transfer_mode, max_inflight_per_worker=cfg.max_inflight_per_worker,
                         max_blocks_per_request=cfg.max_blocks_per_request,
-                        max_leases_per_worker=cfg.max_leases_per_worker)
+                        max_leases_per_worker=cfg.max_leases_per_worker, poll_busy_s=cfg.poll_busy_s,
+                        poll_idle_s=cfg.poll_idle_s)
         options = server_options(cfg.max_message_bytes)
         self._loop = asyncio.get_running_loop()
         self.metrics = Metrics(self._stats_threadsafe)

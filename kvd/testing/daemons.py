@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvd.ops import get_stats
 from kvd.testing.processes import DIE_WITH_PARENT, child_env
 from kvd.testing.util import tail
 from kvd.v1 import kvd_pb2 as pb
@@ -26,10 +27,10 @@ LEAK_FIELDS = ("active_leases", "inflight_transfers", "leaked_handles", "remote_
 
 def stats_of(socket_path: str, timeout_s: float = 5.0) -> pb.StatsResponse:
     """``EngineService.GetStats`` of the daemon on the Unix socket
-    ``socket_path`` (``timeout_s`` seconds); the one GetStats caller of every
-    harness. Raises grpc.RpcError (UNAVAILABLE while it is not serving)."""
-    with grpc.insecure_channel(f"unix:{socket_path}") as ch:
-        return pb_grpc.EngineServiceStub(ch).GetStats(pb.StatsRequest(), timeout=timeout_s)
+    ``socket_path`` (``timeout_s`` seconds), as ``kvd status`` asks it
+    (:func:`kvd.ops.get_stats`). Raises grpc.RpcError (UNAVAILABLE while it
+    is not serving)."""
+    return get_stats(f"unix:{socket_path}", timeout_s)
 
 
 def stats_dict(socket_path: str, timeout_s: float = 5.0) -> dict:

@@ -111,6 +111,7 @@ class OtherEngine:
         self.token, self.segment = info["token"], info["segment"]
 
     def exit(self) -> None:
+        """Lets the engine process exit (without unregistering, like a killed engine)."""
         if self.proc.poll() is None:
             self.proc.stdin.write("\n")
             self.proc.stdin.flush()

@@ -173,18 +173,25 @@ class Engine:
 
     @property
     def peer_address(self) -> str:
+        """The daemon's PeerService address (what a decode engine loads from)."""
         return self.daemon.peer_address
 
     # -- commands (all non-blocking) -------------------------------------------------
     def hold(self, request_id: str, block_ids, lease_s: float = 600.0) -> None:
+        """Holds ``block_ids`` (one group) for ``request_id`` under a ``lease_s``
+        second lease, as a prefill worker does."""
         self.session.send(hold=pb.HoldBlocks(request_id=request_id, groups=one_group(block_ids), lease_s=lease_s))
 
     def release(self, request_id: str) -> None:
+        """Ends the lease of ``request_id`` (the daemon answers send_done(released))."""
         self.session.send(release=pb.ReleaseBlocks(request_id=request_id))
 
     def load(self, request_id: str, local_ids, src: "Engine | None", remote_ids, remote_request_id: str, *,
              timeout_s: float = 0.0, remote_engine_id: str | None = None, remote_address: str | None = None,
              remote_tp_size: int = 1) -> None:
+        """Loads ``remote_ids`` of ``src`` (or the engine id and address given)
+        into ``local_ids`` (one group each side, as the wire carries block ids:
+        groups only); ``timeout_s`` 0: the daemon's default."""
         self.session.send(load=pb.LoadBlocks(
             request_id=request_id, local_groups=one_group(local_ids),
             remote_engine_id=remote_engine_id if remote_engine_id is not None else src.engine_id,
@@ -193,6 +200,7 @@ class Engine:
             remote_tp_size=remote_tp_size, timeout_s=timeout_s))
 
     def abort_load(self, request_id: str, src: "Engine", remote_request_id: str) -> None:
+        """Tells the daemon that ``request_id``'s load from ``src`` will not happen (frees src's lease)."""
         self.session.send(abort_load=pb.AbortLoad(
             request_id=request_id, remote_engine_id=src.engine_id, remote_address=src.peer_address,
             remote_request_id=remote_request_id, remote_tp_size=1))
@@ -200,6 +208,7 @@ class Engine:
     # -- events ------------------------------------------------------------------------
     @staticmethod
     def request_of(ev: pb.SessionEvent) -> str:
+        """The request id an event is about."""
         return getattr(ev, ev.WhichOneof("event")).request_id
 
     def _file_events(self) -> None:

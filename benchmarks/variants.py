@@ -4,9 +4,9 @@ every case run on every variant in turn (rotating order), plus plain NIXL (b)
 as the reference. Idle variants are paused (SIGSTOP) while another runs.
 
 A variant is a list of module defaults set before the daemon starts
-(``kvd.bench.daemon_entry``) and/or environment variables, e.g.::
+(``benchmarks.daemon_entry``) and/or environment variables, e.g.::
 
-    python -m kvd.bench.variants \\
+    python -m benchmarks.variants \\
         --variant 'thread-1ms=' \\
         --variant 'no-thread=kvd.core.nixl_agent.PROGRESS_US=0' \\
         --variant 'thread-10ms=kvd.core.nixl_agent.PROGRESS_US=10000' \\
@@ -22,16 +22,17 @@ import time
 
 import numpy as np
 
+from benchmarks.daemon_entry import entry
 from kvd.bench import common as cm
 from kvd.testing.shm import ShmSegment, cleanup_segments
-from kvd.bench.dataplane import entry_for, parse_sizes
+from benchmarks.dataplane import parse_sizes
 from kvd.bench.kvd_pair import KvdPair
 from kvd.bench.nixl_pair import NixlPair, PeerConfig
 
 
 def parse_variant(spec: str) -> tuple[str, list[str], dict]:
     """``"NAME=SET;SET;env:K=V"`` -> ``(name, module-default assignments for
-    kvd.bench.daemon_entry, environment)``."""
+    benchmarks.daemon_entry, environment)``."""
     name, _, rest = spec.partition("=")
     sets, env = [], {}
     for item in filter(None, rest.split(";")):
@@ -61,7 +62,7 @@ def run(variants: list[str], cells: list[tuple[int, int, int]], reps: int, poll_
     try:
         for i, (name, sets, env) in enumerate(specs):
             pairs[name] = KvdPair(f"{wd}", (src.name, seg), (dst.name, seg), env=env or None,
-                                  entry=entry_for(sets), prefix=f"v{i}-")
+                                  entry=entry(sets), prefix=f"v{i}-")
             pairs[name].pause(True)
         nixl = NixlPair(src.name, seg, dst.name, seg, peer_cfg or PeerConfig(num_threads=0, pthr_delay_us=1000))
         nixl.pause(True)
@@ -156,7 +157,7 @@ def table(res: dict, markdown: bool = False) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvd.bench.variants``: parses ``--variant`` and ``--cells``
+    """``python -m benchmarks.variants``: parses ``--variant`` and ``--cells``
     (``block_len:blocks:concurrency``), runs :func:`run`, prints the table,
     writes ``--json``. Returns 0."""
     ap = argparse.ArgumentParser(description="A/B of kvd daemon variants, side by side")
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     cleanup_segments(cm.SHM_PREFIX)
     res = run(args.variant, cells, args.reps, args.poll_us * 1e-6, progress=not args.no_progress)
     res["machine"] = cm.machine()
-    res["command"] = " ".join(["python -m kvd.bench.variants", *(argv if argv is not None else sys.argv[1:])])
+    res["command"] = " ".join(["python -m benchmarks.variants", *(argv if argv is not None else sys.argv[1:])])
     print(table(res))
     print(f"load average {res['loadavg_start']} -> {res['loadavg_end']}")
     if args.json:

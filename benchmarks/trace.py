@@ -1,13 +1,15 @@
 """Where the time of one small load goes: engine -> daemon -> NIXL -> engine.
 
-    .venv/bin/python -m kvd.bench.trace [--blocks 16] [--block-len 64K] [--reps 50]
+    .venv/bin/python -m benchmarks.trace [--blocks 16] [--block-len 64K] [--reps 50]
 
-Starts two daemons with a tracing entry (``kvd.bench.daemon_entry --trace``),
-times loads from the engine side (``EngineClient.load`` -> ``recv_done`` in
-``drain_events``) and joins each with the decode daemon's trace: the moment
-the command reached the core (``Node.load``), the post (start, end, state) and
-the moment its event was built. Clocks are CLOCK_MONOTONIC in both processes.
-Prints the median of each leg.
+Starts two daemons with a tracing entry (``benchmarks.daemon_entry --trace``:
+a :mod:`kvd.tracepoints` sink), times loads from the engine side
+(``EngineClient.load`` -> ``recv_done`` in ``drain_events``) and joins each
+with the decode daemon's trace points: bytes at the engine socket's gate
+(``GATE_IN``), the session reader's command (``SESSION_READ``), the core's
+load (``LOAD``), the NIXL post (``POST``, ``POSTED`` with its state), the
+event (``EVENT``) and its bytes leaving the gate (``GATE_OUT``). Clocks are
+CLOCK_MONOTONIC in both processes. Prints the median of each leg.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ import statistics
 import sys
 import time
 
+from benchmarks.daemon_entry import entry as daemon_entry
+from benchmarks.dataplane import parse_sizes
+from kvd import tracepoints as tp
 from kvd.bench import common as cm
-from kvd.testing.shm import ShmSegment
-from kvd.bench.dataplane import parse_sizes
 from kvd.bench.kvd_pair import KvdPair
+from kvd.testing.shm import ShmSegment
 
 LEGS = (("engine -> daemon core (command: client thread, gRPC, relay, session reader)", "t0", "load"),
         ("part: engine: load() -> command built by the client's sender thread", "t0", "sent"),
@@ -40,24 +44,29 @@ LEGS = (("engine -> daemon core (command: client thread, gRPC, relay, session re
 
 def _client_stamps() -> tuple[dict, dict]:
     """Times (perf_counter) at which this process's EngineClient built each
-    load's command (sender thread) and received each event (session thread)."""
-    from kvd.client import engine_client as ec
-
+    load's command (sender thread, ``SENT``) and received its recv_done
+    (session thread, ``RECEIVED``): a :mod:`kvd.tracepoints` sink in this
+    process."""
     sent, recv = {}, {}
-    orig_build, orig_on_event = ec._Load.build, ec.EngineClient._on_event
 
-    def build(self):
-        sent.setdefault(self.request_id, time.perf_counter())
-        return orig_build(self)
+    def sink(point: str, request_id: str, detail: str, t: float) -> None:
+        if point == tp.SENT:
+            sent.setdefault(request_id, t)
+        elif point == tp.RECEIVED and detail == "recv_done":
+            recv.setdefault(request_id, t)
 
-    def on_event(self, event):
-        kind = event.WhichOneof("event")
-        if kind == "recv_done":
-            recv.setdefault(event.recv_done.request_id, time.perf_counter())
-        return orig_on_event(self, event)
-
-    ec._Load.build, ec.EngineClient._on_event = build, on_event
+    tp.install(sink)
     return sent, recv
+
+
+def _hits(log: str) -> dict[str, list[tuple[str, str, float]]]:
+    """The daemon log's ``HIT`` lines (:func:`benchmarks.daemon_entry.print_hit`)
+    by point: ``[(request id, detail, perf_counter seconds)]``."""
+    out: dict[str, list] = {}
+    for m in re.finditer(r"^HIT (\S+) (\S+) (\S+) (\S+)$", log, re.M):
+        rid, detail = (None if x == "-" else x for x in m.group(2, 3))
+        out.setdefault(m.group(1), []).append((rid or "", detail or "", float(m.group(4))))
+    return out
 
 
 def _first_after(times: list[float], t: float) -> float | None:
@@ -76,8 +85,7 @@ def run(block_len: int, blocks: int, reps: int, poll_s: float = 50e-6, daemon_se
     src, dst = ShmSegment(size, cm.SHM_PREFIX), ShmSegment(size, cm.SHM_PREFIX)
     src.fill(3)
     wd = cm.workdir()
-    entry = ("-m", "kvd.bench.daemon_entry", "--trace", *[x for a in daemon_set for x in ("--set", a)])
-    pair = KvdPair(wd, (src.name, size), (dst.name, size), entry=entry)
+    pair = KvdPair(wd, (src.name, size), (dst.name, size), entry=daemon_entry(daemon_set, trace=True))
     engine = {}
     sent, recv = _client_stamps()
     try:
@@ -91,29 +99,33 @@ def run(block_len: int, blocks: int, reps: int, poll_s: float = 50e-6, daemon_se
                 engine[rid] = (t0, t1)
             time.sleep(0.01)
     finally:
+        tp.install(None)
         pair.close()
         src.close()
         dst.close()
         with open(f"{wd}/D.log") as f:
             log = f.read()
         cm.remove_workdir(wd)
+    hits = _hits(log)
+    unnamed = {p: sorted(t for _, _, t in hits.get(p, [])) for p in (tp.GATE_IN, tp.GATE_OUT)}
+    by_rid = {p: {} for p in (tp.SESSION_READ, tp.LOAD, tp.POST, tp.POSTED, tp.EVENT)}
+    for p, named in by_rid.items():
+        for rid, detail, t in hits.get(p, []):
+            named.setdefault(rid, []).append((t, detail))
     rows = []
     states = []
-    gate_in = sorted(float(x) for x in re.findall(r"GATEIN (\S+)", log))
-    gate_out = sorted(float(x) for x in re.findall(r"GATEOUT (\S+)", log))
-    reads = sorted(float(x) for x in re.findall(r"READ (\S+)", log))
-    for m in re.finditer(r"TRACE (\S+) load (\S+) post (\S+) posted (\S+) state (\S+) event (\S+)", log):
-        rid = m.group(1)
-        if rid not in engine or rid not in sent or rid not in recv:
+    for rid, (t0, t1) in engine.items():
+        if rid not in sent or rid not in recv or not all(rid in by_rid[p] for p in by_rid):
             continue
-        t = dict(t0=engine[rid][0], t1=engine[rid][1], load=float(m.group(2)), post=float(m.group(3)),
-                 posted=float(m.group(4)), event=float(m.group(6)), sent=sent[rid], recv=recv[rid])
-        t["gatein"] = _first_after(gate_in, t["sent"])
-        t["read"] = _first_after(reads, t["gatein"] or t["sent"])
-        t["gateout"] = _first_after(gate_out, t["event"])
+        posted_t, state = by_rid[tp.POSTED][rid][-1]  # the last post's return (the transfer that completed)
+        t = dict(t0=t0, t1=t1, sent=sent[rid], recv=recv[rid], read=by_rid[tp.SESSION_READ][rid][0][0],
+                 load=by_rid[tp.LOAD][rid][0][0], post=by_rid[tp.POST][rid][-1][0], posted=posted_t,
+                 event=by_rid[tp.EVENT][rid][-1][0])
+        t["gatein"] = _first_after(unnamed[tp.GATE_IN], t["sent"])
+        t["gateout"] = _first_after(unnamed[tp.GATE_OUT], t["event"])
         if None in t.values():
             continue
-        states.append(m.group(5))
+        states.append(state)
         rows.append({name: (t[b] - t[a]) * 1e3 for name, a, b in LEGS})
     return dict(benchmark="trace", block_len=block_len, blocks=blocks, reps=len(rows),
                 done_at_post=sum(s == "DONE" for s in states),
@@ -122,7 +134,7 @@ def run(block_len: int, blocks: int, reps: int, poll_s: float = 50e-6, daemon_se
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvd.bench.trace``: runs :func:`run`, prints the legs, writes ``--json``. Returns 0."""
+    """``python -m benchmarks.trace``: runs :func:`run`, prints the legs, writes ``--json``. Returns 0."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--block-len", default="64K")
     ap.add_argument("--blocks", type=int, default=16)
@@ -133,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     load0 = cm.loadavg()
     res = run(parse_sizes(args.block_len)[0], args.blocks, args.reps, daemon_set=args.daemon_set)
     res.update(loadavg_start=load0, loadavg_end=cm.loadavg(), machine=cm.machine(),
-               command=" ".join(["python -m kvd.bench.trace", *(argv if argv is not None else sys.argv[1:])]))
+               command=" ".join(["python -m benchmarks.trace", *(argv if argv is not None else sys.argv[1:])]))
     rows = [[name, f"{res['legs_ms'][name]:.3f}", f"{res['legs_p90_ms'][name]:.3f}"] for name, _, _ in LEGS]
     print(cm.fmt_table(["leg", "p50 ms", "p90 ms"], rows))
     print(f"{res['done_at_post']}/{res['reps']} READs were done when the post returned; "
