@@ -313,3 +313,12 @@ def test_hostile_side_channel_requests_are_answered_and_leak_nothing(daemon, hea
 def test_hand_over_says_why_when_there_is_no_side_channel(tmp_path):
     with pytest.raises(HandoverError, match="fd channel"):
         hand_over(str(tmp_path / "none.sock"), [0])
+
+
+def test_memfd_move_by_chunks_keeps_every_byte(monkeypatch):
+    monkeypatch.setattr(memfd, "_CHUNK", 3 * 4096 + 100)  # chunks that end mid-page
+    t = torch.randn(1000, 257)
+    ref = t.clone()
+    view = t[5:]
+    memfd.share_storage(t)
+    assert torch.equal(t, ref) and torch.equal(view, ref[5:])
