@@ -322,3 +322,33 @@ def test_memfd_move_by_chunks_keeps_every_byte(monkeypatch):
     view = t[5:]
     memfd.share_storage(t)
     assert torch.equal(t, ref) and torch.equal(view, ref[5:])
+
+
+def test_a_memfd_engine_hands_its_fds_over_again_to_a_restarted_daemon(tmp_path):
+    """Ids are one-use and a restarted daemon knows none: the client's
+    ``before_register`` hands the fds over again before it re-registers."""
+    from kvd.client.engine_client import EngineClient
+    from kvd.testing.daemons import start_daemon
+
+    d = start_daemon(str(tmp_path), "kvd")
+    seg = MemfdSegment(SHAPE.size, d.socket)
+    client = EngineClient(d.socket, backoff_initial_s=0.05, backoff_max_s=0.5)
+    req = register_request("restarted", SHAPE, seg)
+    client.before_register = lambda r: r.segments[0].CopyFrom(seg.segment())
+    try:
+        client.register(req, timeout_s=30)
+        client.start_session()
+        assert client.wait_opened(10)
+        first = req.segments[0].fd_id
+        d.stop(signal.SIGKILL)
+        d = start_daemon(str(tmp_path), "kvd")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not stats_of(d.socket).workers:
+            time.sleep(0.1)
+        (w,) = stats_of(d.socket).workers
+        assert (w.engine_id, w.handover) == ("restarted", "memfd")
+        assert req.segments[0].fd_id != first
+    finally:
+        client.close()
+        d.stop()
+        seg.close()
