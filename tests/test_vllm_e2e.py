@@ -20,7 +20,7 @@ import time
 import pytest
 
 from kvd.testing import proxy
-from kvd.testing.e2e import (kv_segments, run_prompts, stop_engines_and_wait_segments_gone,
+from kvd.testing.e2e import (check_named_kv_segments, kv_segments, run_prompts, stop_engines_and_wait_segments_gone,
                              swapped_prompt_outputs)
 from kvd.testing.processes import ChildFailed, ProcessSet
 from kvd.testing.shm import pids_in_groups
@@ -355,5 +355,5 @@ def test_tp_stopped_engines_leave_no_kv_segments(pd_tp, pd_tp_results):
 
     pd_tp.check_alive()
     kv = kv_segments(pd_tp)
-    assert len(kv) >= 2, kv  # one per D rank (P is staged: it shares nothing)
+    check_named_kv_segments(kv, 2)  # named shm: one per D rank (P is staged: it shares nothing)
     stop_engines_and_wait_segments_gone(pd_tp, kv)

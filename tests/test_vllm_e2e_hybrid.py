@@ -31,7 +31,7 @@ import time
 import pytest
 
 from kvd.testing import proxy
-from kvd.testing.e2e import kv_segments, stop_engines_and_wait_segments_gone, swapped_prompt_outputs
+from kvd.testing.e2e import check_named_kv_segments, kv_segments, stop_engines_and_wait_segments_gone, swapped_prompt_outputs
 from kvd.testing.util import wait_until
 from kvd.testing.vllm_engines import EXTERNAL, LOCAL_HIT, PDStack, prompt_tokens_by_source
 
@@ -217,5 +217,5 @@ def test_stopped_engines_leave_no_kv_segments(pd, results):
     pd.check_alive()
     kv = kv_segments(pd)
     staged = pd.p_extra_config["kvd_data_path"] == "staged"
-    assert len(kv) >= (1 if staged else 2), kv   # D's (and a direct P's) shared KV cache
+    check_named_kv_segments(kv, 1 if staged else 2)   # named shm: D's (and a direct P's) shared KV cache
     stop_engines_and_wait_segments_gone(pd, kv)

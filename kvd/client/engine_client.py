@@ -191,6 +191,11 @@ class EngineClient:
         #: blocks are sent again. When it raises, the registration is undone
         #: (logged) and the reconnect retried.
         self.on_register: Callable[[pb.RegisterEngineResponse], None] | None = None
+        #: Called with the request before every RegisterEngine (first, replacing,
+        #: re-registering); may edit it in place: the memfd path hands its fds
+        #: over again there (``kvd.client.fd_handover``: ids are one-use). What
+        #: it raises becomes an EngineClientError.
+        self.before_register: Callable[[pb.RegisterEngineRequest], None] | None = None
 
     # ------------------------------------------------------------ unary RPCs
     def _unary(self, name: str, method, request, timeout_s: float, wait_for_ready: bool = True):
@@ -227,7 +232,7 @@ class EngineClient:
         self._worker = request.worker
         self.label = f"engine={request.worker.engine_id} rank={request.worker.tp_rank}"
         try:
-            return self._registered(self._unary("RegisterEngine", self._stub.RegisterEngine, request, timeout_s))
+            return self._send_register(request, timeout_s)
         except EngineClientError as e:
             if e.code != grpc.StatusCode.ALREADY_EXISTS or not replace_existing:
                 raise
@@ -236,10 +241,18 @@ class EngineClient:
             request.worker.engine_id, request.worker.tp_rank,
         )
         self.unregister(timeout_s=timeout_s)
-        return self._registered(self._unary("RegisterEngine", self._stub.RegisterEngine, request, timeout_s))
+        return self._send_register(request, timeout_s)
 
-    def _registered(self, response: pb.RegisterEngineResponse) -> pb.RegisterEngineResponse:
-        """Keeps the registration's ``session_token`` for the session and unregistering."""
+    def _send_register(self, request: pb.RegisterEngineRequest, timeout_s: float) -> pb.RegisterEngineResponse:
+        """RegisterEngine, after ``before_register`` (the memory handover's
+        fd ids are fresh for each registration); keeps the answer's
+        ``session_token`` for the session and for unregistering."""
+        if self.before_register is not None:
+            try:
+                self.before_register(request)
+            except Exception as e:
+                raise EngineClientError(f"RegisterEngine to kvd at {self.address}: {e}") from e
+        response = self._unary("RegisterEngine", self._stub.RegisterEngine, request, timeout_s)
         self._session_token = response.session_token
         return response
 
@@ -562,8 +575,7 @@ class EngineClient:
         if self._register_request is None:
             return
         try:
-            response = self._registered(self._unary("RegisterEngine", self._stub.RegisterEngine,
-                                                    self._register_request, self.reregister_timeout_s))
+            response = self._send_register(self._register_request, self.reregister_timeout_s)
         except EngineClientError as e:
             if e.code != grpc.StatusCode.ALREADY_EXISTS:
                 raise

@@ -13,6 +13,15 @@ never maps or registers bytes that are not there). Mapping on behalf of an
 engine (``access``) also checks that the engine itself could open the object
 read-write (``SegmentAccessError``): the daemon, which may run as another user
 or as root, never lends its own rights to a caller (docs/SECURITY.md).
+
+Memory handed over by file descriptor (:class:`FdMapping`, the preferred CPU
+path, docs/SECURITY.md "Memory handover"): the engine passes a sealed memfd
+over the fd side channel (``kvd.daemon.fd_channel``) and the daemon maps the
+fd it received. The seals are checked on that very fd (``F_GET_SEALS``,
+fcntl(2)): without ``F_SEAL_SHRINK`` the engine could ``ftruncate`` the file
+under the daemon's mapping and the daemon's next access past the new end
+would raise SIGBUS (mmap(2)), killing the daemon for every engine. Nothing
+is named in /dev/shm on this path, so nothing is ever unlinked.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import fcntl
 import mmap
 import os
 import re
@@ -148,6 +158,8 @@ class ShmMapping:
     Close with :meth:`close` once NIXL has deregistered the memory.
     """
 
+    kind = "shm"
+
     def __init__(self, name: str, size: int, access: Access | None = None):
         path = shm_path(name)
         if size <= 0:
@@ -193,3 +205,68 @@ class ShmMapping:
         if self.addr:
             _libc.munmap(self.addr, self.size)
             self.addr = 0
+
+
+MEMFD_KIND = "memfd"
+#: Seals the daemon requires on a handed-over fd: it can then never shrink.
+REQUIRED_SEALS = fcntl.F_SEAL_SHRINK
+
+
+def check_sealed(fd: int, size: int, label: str = "memfd") -> os.stat_result:
+    """Checks that ``fd`` is shared memory the daemon may map ``size`` bytes
+    of, read-write, and that cannot shrink; returns its ``fstat``.
+
+    Raises:
+        SegmentError: not a regular file; not open read-write; no seals at
+            all (``F_GET_SEALS`` fails: not a memfd / shmem file) or no
+            ``F_SEAL_SHRINK``; ``size`` <= 0 or larger than the file.
+    """
+    try:
+        st = os.fstat(fd)
+        mode = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
+    except OSError as e:
+        raise SegmentError(f"{label}: not an open file descriptor ({e.strerror or e})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise SegmentError(f"{label}: not a memory file (a memfd is expected)")
+    if mode != os.O_RDWR:
+        raise SegmentError(f"{label}: the fd is not open read-write")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        raise SegmentError(f"{label}: the fd cannot be sealed (not a memfd made with MFD_ALLOW_SEALING)") from None
+    if seals & REQUIRED_SEALS != REQUIRED_SEALS:
+        raise SegmentError(f"{label}: the memfd is not sealed against shrinking (F_SEAL_SHRINK missing; "
+                           f"seals 0x{seals:x}): the engine could truncate it under the daemon")
+    if size <= 0:
+        raise SegmentError(f"{label}: size must be > 0 (got {size})")
+    if size > st.st_size:
+        raise SegmentError(f"{label}: {size} bytes asked, the memfd has {st.st_size}")
+    return st
+
+
+class FdMapping(ShmMapping):
+    """A read-write ``MAP_SHARED`` mapping of a sealed memfd the engine handed over.
+
+    Args:
+        fd: the fd received (``kvd.daemon.fd_channel``); the caller keeps
+            owning it and closes it (the mapping holds the pages, not the fd).
+        size: bytes to map from the file's start.
+        label: names the segment in messages (e.g. the fd id).
+
+    Raises:
+        SegmentError: see :func:`check_sealed`; mmap failed.
+
+    Attributes as :class:`ShmMapping`; ``name`` is ``label``. Close with
+    :meth:`close` once NIXL has deregistered the memory.
+    """
+
+    kind = MEMFD_KIND
+
+    def __init__(self, fd: int, size: int, label: str = "memfd"):  # noqa: super().__init__ opens by name
+        check_sealed(fd, size, label)
+        addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, _MAP_FAILED):
+            raise SegmentError(f"{label}: mmap failed: {os.strerror(ctypes.get_errno())}")
+        self.name = label
+        self.addr = int(addr)
+        self.size = size

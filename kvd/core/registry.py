@@ -20,7 +20,8 @@ from kvd.core.events import AlreadyExists, InvalidArgument, NotFound, Permission
 from kvd.core.layout import Layout, LayoutError, Region
 from kvd.core.leases import LeaseTable
 from kvd.core.limits import BOUNDS
-from kvd.core.memory import Access, SegmentAccessError, SegmentError, ShmMapping, create_shm, unlink_shm
+from kvd.core.memory import (MEMFD_KIND, Access, FdMapping, SegmentAccessError, SegmentError, ShmMapping, create_shm,
+                             unlink_shm)
 from kvd.core.nixl_agent import NixlAgent, NixlError
 from kvd.core.peers import Peers, on_device
 from kvd.core.runtime import Runtime
@@ -111,6 +112,9 @@ class Registry:
                 for s in segments:
                     if staged:
                         staging.append(create_shm(s.size))
+                    if s.kind == MEMFD_KIND and not staged:  # handed over by fd: nothing named, nothing to unlink
+                        mappings.append(FdMapping(s.fd, s.size, s.name))
+                        continue
                     mappings.append(ShmMapping(staging[-1] if staged else s.name, s.size, None if staged else access))
         except (SegmentError, OSError) as e:
             for m in mappings:
@@ -146,7 +150,7 @@ class Registry:
                 device=cuda.device if cuda else 0,
                 staged=staged,
                 staging=staging,
-                segment_names=[] if staged or cuda else [s.name for s in segments],
+                segment_names=[] if staged or cuda else [s.name for s in segments if s.kind != MEMFD_KIND],
                 owner_pid=owner_pid,
                 data_path_reason=cuda.choice.reason if cuda else "",
             ),

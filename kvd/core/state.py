@@ -37,14 +37,17 @@ PROTOCOL_VERSION = 1
 @dataclass(frozen=True)
 class Segment:
     """An engine memory segment as the shim describes it: a POSIX shm object
-    (``kind`` ``"shm"``, by ``name``) or a CUDA allocation (``kind``
-    ``"cuda_ipc"``: its IPC ``handle`` on ``device``)."""
+    (``kind`` ``"shm"``, by ``name``), a CUDA allocation (``kind``
+    ``"cuda_ipc"``: its IPC ``handle`` on ``device``) or a sealed memfd the
+    engine handed over (``kind`` ``"memfd"``: ``fd``, owned by the caller of
+    ``Registry.register``, which closes it afterwards)."""
 
     name: str
     size: int
     kind: str = "shm"
     handle: bytes = b""
     device: int = 0
+    fd: int = -1
 
 
 @dataclass

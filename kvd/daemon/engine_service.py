@@ -33,10 +33,12 @@ from kvd import tracepoints as tp
 from kvd.core import cuda_ipc
 from kvd.core import events as ev
 from kvd.core.limits import BOUNDS
+from kvd.core.memory import MEMFD_KIND
 from kvd.core.node import Node
 from kvd.core.state import Owner, Segment, Worker, WorkerKey
 from kvd.daemon.convert import event_to_pb, groups_from_pb, layout_from_pb, load_from_pb, region_from_pb, status_of
-from kvd.daemon.status import build_stats
+from kvd.daemon.fd_channel import ClaimError, FdTable
+from kvd.daemon.status import build_stats, handover_of
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
@@ -67,10 +69,11 @@ class EngineService(pb_grpc.EngineServiceServicer):
             RPC's caller (``Gate.caller``).
         require_session_token: refuse OpenSession / UnregisterEngine without
             the registration's token.
+        fds: fds handed over on the fd side channel, claimed by RegisterEngine.
     """
 
     def __init__(self, node: Node, backends: list[str] | None = None, callers=None,
-                 require_session_token: bool = False):
+                 require_session_token: bool = False, fds: FdTable | None = None):
         self.node = node
         self.backends = list(backends or [])
         self.metrics_address = ""      # host:port of /metrics, for GetStats
@@ -78,6 +81,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
         self.require_session_token = require_session_token
         self._aborts: dict[int, int] = {}  # caller uid -> AbortLoads in flight (Limits.max_aborts*)
         self._aborts_total = 0
+        self.fds = fds if fds is not None else FdTable()  # the fd side channel's unclaimed fds
 
     async def _refuse_while_draining(self, context) -> None:
         if self.node.draining:  # set by the server at SIGTERM
@@ -129,22 +133,36 @@ class EngineService(pb_grpc.EngineServiceServicer):
         INVALID_ARGUMENT for bad ids, layout, regions, a missing or short segment,
         or a segment kind other than SHM/CUDA_IPC on the direct path;
         ALREADY_EXISTS when ``(engine_id, tp_rank)`` is registered (core errors
-        mapped by ``convert.status_of``)."""
+        mapped by ``convert.status_of``). MEMFD segments name fds handed over
+        on the fd side channel (``kvd.daemon.fd_channel``): an id that cannot
+        be claimed, or an fd that is not a memfd sealed against shrinking, is
+        INVALID_ARGUMENT."""
+        with self.fds.claiming() as claim:  # the fds this call claims are closed when it ends
+            return await self._register(request, context, claim)
+
+    async def _register(self, request: pb.RegisterEngineRequest, context, claim) -> pb.RegisterEngineResponse:
         await self._refuse_while_draining(context)
         caller = await self._caller(context)
         w = request.worker
         staged = request.data_path == pb.DATA_PATH_STAGED or (
-            request.data_path == pb.DATA_PATH_AUTO and any(not s.name for s in request.segments))
+            request.data_path == pb.DATA_PATH_AUTO and any(not (s.name or s.fd_id) for s in request.segments))
         if request.data_path == pb.DATA_PATH_AUTO and any(s.kind == pb.MEMORY_KIND_CUDA_IPC for s in request.segments):
             staged = None  # GPU memory: the core chooses (kvd.core.path_select)
         segments = []
         for i, s in enumerate(request.segments):
+            if s.kind == pb.MEMORY_KIND_MEMFD and not staged:
+                try:
+                    segments.append(Segment(s.fd_id, s.size, MEMFD_KIND, fd=claim(s.fd_id, caller.uid)))
+                except ClaimError as e:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"segment {i}: {e}")
+                continue
             if s.kind == pb.MEMORY_KIND_CUDA_IPC:
                 segments.append(Segment(s.name, s.size, cuda_ipc.KIND, bytes(s.handle), s.device))
                 continue
             if not staged and s.kind != pb.MEMORY_KIND_SHM:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"segment {i}: only MEMORY_KIND_SHM and MEMORY_KIND_CUDA_IPC are supported by "
+                                    f"segment {i}: only MEMORY_KIND_SHM, MEMORY_KIND_MEMFD and MEMORY_KIND_CUDA_IPC "
+                                    f"are supported by "
                                     f"this daemon (or data_path STAGED)")
             segments.append(Segment(s.name, s.size))
         token = secrets.token_hex(16)
@@ -159,7 +177,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
             )
         except ev.CoreError as e:
             await context.abort(status_of(e), str(e))
-        log.info("%s registered by %s", worker.label, caller)
+        log.info("%s registered by %s (memory handed over as %s)", worker.label, caller, handover_of(worker))
         return pb.RegisterEngineResponse(
             session_token=token,
             agent_name=worker.agent.name, peer_address=self.node.peer_address,

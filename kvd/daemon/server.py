@@ -47,12 +47,14 @@ from kvd.core.events import FailureKind
 from kvd.core.limits import Limits
 from kvd.core.node import Node
 from kvd.daemon.engine_service import EngineService
+from kvd.daemon.fd_channel import FdChannel
 from kvd.daemon.local_gate import AdmissionInterceptor, Gate, Policy
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.peer_auth import PeerAuth, PeerAuthInterceptor
 from kvd.daemon.sdnotify import Notifier
 from kvd.daemon.peer_client import PeerClient
 from kvd.daemon.peer_service import PeerService
+from kvd.fd_wire import fd_socket_path
 from kvd.v1 import kvd_pb2, kvd_pb2_grpc
 
 log = logging.getLogger("kvd.server")
@@ -119,6 +121,7 @@ class Server:
         self.peer_auth = PeerAuth.from_config(config)
         self.peer_client = PeerClient(self.peer_auth, config.max_message_bytes)
         self.gate: Gate | None = None
+        self.fd_channel: FdChannel | None = None  # beside the engine socket (kvd.daemon.fd_channel)
         self.node: Node | None = None
         self.metrics: Metrics | None = None
         self.should_exit = asyncio.Event()
@@ -171,9 +174,11 @@ class Server:
                          max_connections=cfg.max_engine_connections,
                          max_per_uid=cfg.max_engine_connections_per_uid, idle_timeout_s=cfg.engine_idle_timeout_s)
         self.metrics.registry.register(self.gate)
+        self.fd_channel = FdChannel(fd_socket_path(cfg.engine_socket), policy, self.gate.group)
         self.engine_service = EngineService(self.node, backends=cfg.backends,
                                             callers=self.gate.caller,
-                                            require_session_token=cfg.require_session_token)
+                                            require_session_token=cfg.require_session_token,
+                                            fds=self.fd_channel.table)
 
         # Peer side (TCP).
         host = self._peer_host(host, port)
@@ -220,6 +225,7 @@ class Server:
         await self.engine_server.start()
         await self.gate.open()
         self._gate_open = True
+        await self.fd_channel.open()
         self.node.start()
         metrics_at = ""
         if cfg.metrics_port:
@@ -395,6 +401,8 @@ class Server:
         await self.peer_client.close()
         if self.metrics is not None:
             self.metrics.stop()
+        if self.fd_channel is not None:
+            await self.fd_channel.close()  # its socket and every fd not claimed
         if self.gate is not None:
             if getattr(self, "_gate_open", False):
                 await self.gate.close()  # the socket and the private directory

@@ -70,7 +70,7 @@ def build_stats(node: Node, draining: bool = False, backends: list[str] | None =
             num_blocks=w.layout.num_blocks, block_size=w.layout.block_size,
             registered_bytes=mem.registered_bytes, active_leases=len(w.leases),
             inflight_transfers=len(w.inflight), sessions=w.session.streams, peers=len(w.pairs.remotes),
-            memory=mem.memory, data_path=path,
+            memory=mem.memory, data_path=path, handover=handover_of(w),
         )
         for r in list(w.pairs.remotes.values()):
             resp.remote_workers.add(
@@ -80,6 +80,16 @@ def build_stats(node: Node, draining: bool = False, backends: list[str] | None =
             )
     resp.data_path = paths.pop() if len(paths) == 1 else ("mixed" if paths else "")
     return resp
+
+
+def handover_of(worker) -> str:
+    """How ``worker``'s engine handed its memory over: ``"memfd"`` (a sealed
+    fd, ``kvd.core.memory.FdMapping``), ``"shm"`` (a name in /dev/shm),
+    ``"cuda_ipc"``; ``""`` on the staged path (the daemon's own mirrors)."""
+    mem = worker.mem
+    if mem.staged or mem.staging or not getattr(mem, "mappings", None):
+        return ""
+    return getattr(mem.mappings[0], "kind", "cuda_ipc")
 
 
 # ----------------------------------------------------------------- client side
@@ -156,9 +166,10 @@ def render(d: dict, target: str = "") -> str:
         lines.append("")
         lines += _table(
             ["ENGINE", "RANK", "TP", "MODEL", "REGIONS", "BLOCKS", "TOKENS/BLOCK", "REGISTERED", "MEMORY", "PATH",
-             "SESSIONS", "LEASES", "IN FLIGHT", "PEERS"],
+             "HANDOVER", "SESSIONS", "LEASES", "IN FLIGHT", "PEERS"],
             [[w["engine_id"], w["tp_rank"], w["tp_size"], w["model"] or "-", w["regions"], w["num_blocks"],
-              w["block_size"], human_bytes(w["registered_bytes"]), w["memory"], w["data_path"], w["sessions"],
+              w["block_size"], human_bytes(w["registered_bytes"]), w["memory"], w["data_path"],
+              w.get("handover") or "-", w["sessions"],
               w["active_leases"], w["inflight_transfers"], w["peers"]] for w in d["workers"]],
         )
     if d.get("remote_workers"):

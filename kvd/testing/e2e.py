@@ -82,6 +82,19 @@ def kv_segments(st: PDStack) -> set[str]:
     return {n for pid in pids for n in shm_in_use_by(pid) if n.startswith(f"torch_{pid}_")}
 
 
+def check_named_kv_segments(kv: set[str], named: int) -> None:
+    """AssertionError unless ``kv`` (:func:`kv_segments`) is what the shim
+    names: nothing where it hands the KV cache over as sealed memfds
+    (``kvd.shim.memory.memfd``, the CPU default where memfds can be sealed),
+    else at least ``named`` segments."""
+    from kvd.shim.memory import memfd
+
+    if memfd.available():
+        assert kv == set(), f"KV cache named in /dev/shm on the memfd path: {sorted(kv)}"
+    else:
+        assert len(kv) >= named, kv
+
+
 def stop_engines_and_wait_segments_gone(st: PDStack, kv: set[str], timeout_s: float = 30.0) -> None:
     """Stops both engines (the daemons keep running, as in production) and
     waits until none of ``kv`` exists; AssertionError naming the ones left."""

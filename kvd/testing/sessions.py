@@ -72,11 +72,13 @@ def register_request(engine_id: str, shape: KvShape, seg: ShmSegment, rank: int 
                      model: str = "test-model") -> pb.RegisterEngineRequest:
     """The ``RegisterEngineRequest`` of engine worker ``engine_id`` (TP rank
     ``rank`` of ``size``) whose KV cache is ``seg`` laid out as ``shape``
-    (``seg`` needs only ``name`` and ``size``)."""
+    (``seg`` needs only ``name`` and ``size``, or a ``segment()`` that gives
+    its proto segment: ``kvd.testing.memfd.MemfdSegment``)."""
     return pb.RegisterEngineRequest(
         worker=pb.EngineWorker(engine_id=engine_id, tp_rank=rank, tp_size=size),
         layout=shape.layout(),
-        segments=[pb.Segment(kind=pb.MEMORY_KIND_SHM, name=seg.name, size=seg.size)],
+        segments=[seg.segment() if hasattr(seg, "segment") else
+                  pb.Segment(kind=pb.MEMORY_KIND_SHM, name=seg.name, size=seg.size)],
         regions=shape.regions(),
         model=model,
     )

@@ -19,6 +19,7 @@ class MemoryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MEMORY_KIND_UNSPECIFIED: _ClassVar[MemoryKind]
     MEMORY_KIND_SHM: _ClassVar[MemoryKind]
     MEMORY_KIND_CUDA_IPC: _ClassVar[MemoryKind]
+    MEMORY_KIND_MEMFD: _ClassVar[MemoryKind]
 
 class DataPath(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -32,23 +33,26 @@ KV_LAYOUT_MLA: KvLayout
 MEMORY_KIND_UNSPECIFIED: MemoryKind
 MEMORY_KIND_SHM: MemoryKind
 MEMORY_KIND_CUDA_IPC: MemoryKind
+MEMORY_KIND_MEMFD: MemoryKind
 DATA_PATH_AUTO: DataPath
 DATA_PATH_DIRECT: DataPath
 DATA_PATH_STAGED: DataPath
 
 class Segment(_message.Message):
-    __slots__ = ("kind", "name", "size", "handle", "device")
+    __slots__ = ("kind", "name", "size", "handle", "device", "fd_id")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    FD_ID_FIELD_NUMBER: _ClassVar[int]
     kind: MemoryKind
     name: str
     size: int
     handle: bytes
     device: int
-    def __init__(self, kind: _Optional[_Union[MemoryKind, str]] = ..., name: _Optional[str] = ..., size: _Optional[int] = ..., handle: _Optional[bytes] = ..., device: _Optional[int] = ...) -> None: ...
+    fd_id: str
+    def __init__(self, kind: _Optional[_Union[MemoryKind, str]] = ..., name: _Optional[str] = ..., size: _Optional[int] = ..., handle: _Optional[bytes] = ..., device: _Optional[int] = ..., fd_id: _Optional[str] = ...) -> None: ...
 
 class Region(_message.Message):
     __slots__ = ("segment_index", "offset", "block_len", "block_stride", "name", "group")
@@ -366,7 +370,7 @@ class StatsResponse(_message.Message):
     def __init__(self, engines: _Optional[int] = ..., regions: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., peers: _Optional[int] = ..., active_leases: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., bytes_read: _Optional[int] = ..., transfers_done: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., leases_expired: _Optional[int] = ..., sessions: _Optional[int] = ..., uptime_s: _Optional[float] = ..., daemon_version: _Optional[str] = ..., peer_address: _Optional[str] = ..., leaked_handles: _Optional[int] = ..., remote_agents: _Optional[int] = ..., early_notifications: _Optional[int] = ..., pending_events: _Optional[int] = ..., prepped_dlists: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., remote_workers: _Optional[_Iterable[_Union[PeerStats, _Mapping]]] = ..., data_path: _Optional[str] = ..., versions: _Optional[_Mapping[str, str]] = ..., backends: _Optional[_Iterable[str]] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("engine_id", "tp_rank", "tp_size", "model", "agent_name", "compat_hash", "regions", "num_blocks", "block_size", "registered_bytes", "active_leases", "inflight_transfers", "sessions", "peers", "memory", "data_path")
+    __slots__ = ("engine_id", "tp_rank", "tp_size", "model", "agent_name", "compat_hash", "regions", "num_blocks", "block_size", "registered_bytes", "active_leases", "inflight_transfers", "sessions", "peers", "memory", "data_path", "handover")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -383,6 +387,7 @@ class WorkerStats(_message.Message):
     PEERS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     DATA_PATH_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     tp_rank: int
     tp_size: int
@@ -399,7 +404,8 @@ class WorkerStats(_message.Message):
     peers: int
     memory: str
     data_path: str
-    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., model: _Optional[str] = ..., agent_name: _Optional[str] = ..., compat_hash: _Optional[str] = ..., regions: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., active_leases: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., sessions: _Optional[int] = ..., peers: _Optional[int] = ..., memory: _Optional[str] = ..., data_path: _Optional[str] = ...) -> None: ...
+    handover: str
+    def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., model: _Optional[str] = ..., agent_name: _Optional[str] = ..., compat_hash: _Optional[str] = ..., regions: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., active_leases: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., sessions: _Optional[int] = ..., peers: _Optional[int] = ..., memory: _Optional[str] = ..., data_path: _Optional[str] = ..., handover: _Optional[str] = ...) -> None: ...
 
 class PeerStats(_message.Message):
     __slots__ = ("address", "engine_id", "tp_rank", "tp_size", "agent_name", "daemon_version", "local_engine_id", "local_tp_rank")

@@ -3,8 +3,11 @@
 As uvicorn's ``loops/auto.py`` picks an event loop: one function,
 :func:`choose`, the only place that decides between
 
-- ``kvd.shim.memory.shm.ShmSharing``: CPU tensors (POSIX shm, or unnamed
-  segments the daemon mirrors, ``kvd_data_path`` staged/auto);
+- ``kvd.shim.memory.memfd.MemfdSharing``: CPU tensors where sealable memfds
+  work (sealed memfds handed over by fd; docs/SECURITY.md "Memory handover");
+- ``kvd.shim.memory.shm.ShmSharing``: CPU tensors elsewhere (POSIX shm by
+  name); both use unnamed segments the daemon mirrors for ``kvd_data_path``
+  staged/auto;
 - ``kvd.shim.memory.cuda_ipc.CudaIpcSharing``: CUDA tensors on one device
   (CUDA IPC handles; staged/auto decided with the daemon).
 
@@ -23,6 +26,7 @@ import torch
 from kvd.shim.memory.base import KvSharing
 from kvd.shim.memory.cuda_ipc import CudaIpcSharing, CudaShareError
 from kvd.shim.memory.regions import KvShareError
+from kvd.shim.memory import memfd
 from kvd.shim.memory.shm import ShmSharing
 
 
@@ -57,7 +61,7 @@ def choose(kv_caches: Mapping[str, torch.Tensor], data_path: str = "direct") -> 
     """
     device = kv_device(kv_caches)
     if device.type == "cpu":
-        return ShmSharing(data_path)
+        return memfd.MemfdSharing(data_path) if memfd.available() else ShmSharing(data_path)
     if device.type == "cuda":
         return CudaIpcSharing(data_path, device)
     raise KvShareError(f"the KV cache is on {device}: kvd shares CPU (POSIX shm) and CUDA (CUDA IPC) memory only")

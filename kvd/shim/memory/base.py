@@ -109,6 +109,12 @@ class KvSharing(ABC):
         self.staging = StagingMirror(shared.cache_blocks(), shared.regions, [s.size for s in shared.segments],
                                      shared.layout.num_blocks, response.staging_segments)
 
+    def prepare(self, request: pb.RegisterEngineRequest, engine_socket: str) -> None:
+        """Before every ``RegisterEngine`` of ``request`` to the daemon of
+        ``engine_socket`` (``EngineClient.before_register``): makes what the
+        request names reachable for that daemon (the memfd path hands its fds
+        over and fills in their ids). Default: nothing to do."""
+
     def sync(self) -> None:
         """Makes the forward pass's KV writes visible to the daemon (before a
         hold). Host memory: nothing to do, the writes are done when the step's

@@ -82,7 +82,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -118,12 +118,15 @@ class SharedStorage:
         header_addr: address, in this process, of torch's header at the
             object's byte 0 (its reference count, see :func:`release_names`);
             0 when unknown (then the name is never unlinked here).
+        fd: a sealed memfd holding the storage (``kvd.shim.memory.memfd``;
+            ``name`` is then ""), handed over by fd; -1 for a named object.
     """
 
     name: str
     data_offset: int
     nbytes: int
     header_addr: int = 0
+    fd: int = -1
 
     @property
     def size(self) -> int:
@@ -336,16 +339,17 @@ def _describe(
     total_kv_heads: int,
     block_dim: int | None,
     groups: Mapping[str, int] | None,
-    share: bool,
+    share: Callable[[torch.Tensor], SharedStorage] | None,
 ) -> SharedKvCaches:
     if kv_layout not in KV_LAYOUTS:
         raise CpuShareError(f"kv_layout must be one of {sorted(KV_LAYOUTS)} (got {kv_layout!r})")
     if block_size <= 0:
         raise CpuShareError(f"block_size must be > 0 tokens (got {block_size})")
     plan = plan_regions(kv_caches, num_blocks, block_dim=block_dim, groups=groups)
-    if share:
-        shared = [share_storage(t) for t in plan.storages]
-        segments = [pb.Segment(kind=pb.MEMORY_KIND_SHM, name=s.name, size=s.size) for s in shared]
+    if share is not None:
+        shared = [share(t) for t in plan.storages]
+        segments = [pb.Segment(kind=pb.MEMORY_KIND_MEMFD, size=s.size) if s.fd >= 0 else
+                    pb.Segment(kind=pb.MEMORY_KIND_SHM, name=s.name, size=s.size) for s in shared]
     else:
         shared = [SharedStorage(name="", data_offset=0, nbytes=t.untyped_storage().nbytes()) for t in plan.storages]
         segments = [pb.Segment(kind=pb.MEMORY_KIND_SHM, name="", size=s.size) for s in shared]
@@ -398,6 +402,7 @@ def share_kv_caches(
     total_kv_heads: int = 0,
     block_dim: int | None = None,
     groups: Mapping[str, int] | None = None,
+    share: Callable[[torch.Tensor], SharedStorage] = share_storage,
 ) -> SharedKvCaches:
     """Shares every storage behind ``kv_caches`` and describes it for the daemon
     (the direct data path: the daemon maps the engine's own pages).
@@ -413,17 +418,21 @@ def share_kv_caches(
         total_kv_heads: KV heads of the whole model (0: ``num_kv_heads`` x TP size).
         block_dim: see :func:`plan_regions`.
         groups: layer -> KV-cache group, see :func:`plan_regions`.
+        share: moves one storage where the daemon can map it:
+            :func:`share_storage` (a name in /dev/shm) or
+            ``kvd.shim.memory.memfd.share_storage`` (a sealed memfd).
 
     Returns:
-        Segments (one per storage, ``MEMORY_KIND_SHM``), regions with offsets
-        from each segment's byte 0 (the shm header included), and the layout.
+        Segments (one per storage, ``MEMORY_KIND_SHM``, or ``MEMORY_KIND_MEMFD``
+        without its ``fd_id`` yet), regions with offsets from each segment's
+        byte 0 (the shm header included), and the layout.
 
     Raises:
         CpuShareError: see :func:`plan_regions` and :func:`share_storage`.
     """
     return _describe(kv_caches, num_blocks=num_blocks, block_size=block_size, kv_layout=kv_layout,
                      num_kv_heads=num_kv_heads, head_dim=head_dim, total_kv_heads=total_kv_heads,
-                     block_dim=block_dim, groups=groups, share=True)
+                     block_dim=block_dim, groups=groups, share=share)
 
 
 def describe_kv_caches(
@@ -448,7 +457,7 @@ def describe_kv_caches(
     """
     return _describe(kv_caches, num_blocks=num_blocks, block_size=block_size, kv_layout=kv_layout,
                      num_kv_heads=num_kv_heads, head_dim=head_dim, total_kv_heads=total_kv_heads,
-                     block_dim=block_dim, groups=groups, share=False)
+                     block_dim=block_dim, groups=groups, share=None)
 
 
 # ---------------------------------------------------------------- sharing
@@ -459,6 +468,8 @@ class ShmSharing(KvSharing):
     then asked for exactly that path."""
 
     kind = "shm"
+    #: Moves one storage where the daemon can map it (see ``share_kv_caches``).
+    share_storage = staticmethod(share_storage)
 
     def __init__(self, data_path: str = "direct"):
         super().__init__(data_path)
@@ -471,7 +482,7 @@ class ShmSharing(KvSharing):
             self.shared = describe_kv_caches(kv_caches, **describe)
             return self.shared
         try:
-            shared = share_kv_caches(kv_caches, **describe)
+            shared = share_kv_caches(kv_caches, share=self.share_storage, **describe)
         except CpuShareError as e:
             if self.data_path != "auto":
                 raise

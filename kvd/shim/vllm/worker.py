@@ -187,6 +187,7 @@ class KvdWorker:
             data_path=sharing.wire_data_path,
             owner_pid=os.getpid(),
         )
+        self.client.before_register = lambda req: sharing.prepare(req, self.client.address)  # memfds: fresh ids
         self.registered = self.client.register(request, timeout_s=self.cfg.connect_timeout_s)
         sharing.attach(self.registered)
         if sharing.staging is not None:

@@ -1,0 +1,354 @@
+"""The fd side channel: engines hand the daemon their KV cache memory as fds.
+
+gRPC carries no file descriptors, so a sealed memfd (``kvd.shim.memory.memfd``)
+reaches the daemon over a second Unix socket beside the engine socket
+(``kvd.fd_wire``: the format; ``kvd.fd_wire.fd_socket_path``: the path),
+with ``SCM_RIGHTS`` (unix(7)). The daemon answers one id per fd; the engine
+names those ids in ``RegisterEngine`` (``MEMORY_KIND_MEMFD``), where
+``EngineService`` claims them (:meth:`FdTable.claim`) and the core maps the
+fds (``kvd.core.memory.FdMapping``, which checks the seals).
+
+Admission and bounds, as the engine socket's (``kvd.daemon.local_gate``):
+
+- the socket has the engine socket's mode (0660) and group; every
+  connection's caller is read from the kernel (``SO_PEERCRED``,
+  ``SO_PEERGROUPS``) and admitted by the same ``Policy``; a caller not
+  admitted gets a refusal and its fds are closed unread (the kernel closes
+  fds still queued on a socket that is closed);
+- connections open at once are capped (``max_connections``); one that sends
+  nothing within ``timeout_s`` is closed; one message per connection, of at
+  most ``kvd.fd_wire.MAX_MESSAGE_BYTES`` bytes and ``kvd.fd_wire.MAX_FDS``
+  fds (a truncated message or ancillary buffer is refused: the kernel has
+  closed the fds that did not fit);
+- fds received and not yet claimed are capped per uid (``max_pending_per_uid``)
+  and overall (``max_pending``), and closed ``claim_timeout_s`` after they
+  arrived;
+- an id is claimed once, by the uid that sent its fd.
+
+Every refusal is an answer with a message (``kvd.fd_wire.encode_answer``)
+and a throttled log line; the daemon keeps serving.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import stat
+import time
+from dataclasses import dataclass
+
+from kvd import fd_wire as wire
+from kvd.daemon.local_gate import SOCKET_MODE, Policy, peer_credentials
+from kvd.daemon.logs import Throttled
+
+log = logging.getLogger("kvd.fd_channel")
+
+_FD_BYTES = array.array("i").itemsize
+
+
+class ClaimError(LookupError):
+    """An fd id that cannot be claimed (unknown, expired, claimed, another
+    uid's); the message says which, without telling another uid's ids apart."""
+
+
+@dataclass
+class _Pending:
+    fd: int
+    uid: int
+    pid: int
+    deadline: float  # time.monotonic() seconds
+
+
+class FdTable:
+    """Fds received and not yet claimed, by id (no I/O but ``os.close``).
+
+    Args:
+        claim_timeout_s: seconds an fd waits for its ``RegisterEngine``.
+        max_pending: fds held at once, all callers.
+        max_pending_per_uid: fds held at once per caller uid.
+    """
+
+    def __init__(self, claim_timeout_s: float = 30.0, max_pending: int = 512, max_pending_per_uid: int = 256):
+        self.claim_timeout_s = claim_timeout_s
+        self.max_pending = max_pending
+        self.max_pending_per_uid = max_pending_per_uid
+        self._pending: dict[str, _Pending] = {}
+        self.expired = 0  # fds closed unclaimed at their deadline
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def room_for(self, uid: int, n: int) -> str:
+        """"" when ``n`` more fds of ``uid`` fit, else why not (for the refusal)."""
+        self.expire()
+        if len(self._pending) + n > self.max_pending:
+            return f"the daemon holds {len(self._pending)} unclaimed fds (at most {self.max_pending})"
+        mine = sum(1 for p in self._pending.values() if p.uid == uid)
+        if mine + n > self.max_pending_per_uid:
+            return f"uid {uid} has {mine} unclaimed fds (at most {self.max_pending_per_uid})"
+        return ""
+
+    def add(self, fds: list[int], uid: int, pid: int) -> list[str]:
+        """Takes ownership of ``fds`` (sent by ``uid``/``pid``); returns their ids."""
+        deadline = time.monotonic() + self.claim_timeout_s
+        ids = []
+        for fd in fds:
+            fd_id = secrets.token_hex(wire.ID_CHARS // 2)
+            self._pending[fd_id] = _Pending(fd, uid, pid, deadline)
+            ids.append(fd_id)
+        return ids
+
+    def claim(self, fd_id: str, uid: int) -> int:
+        """The fd of ``fd_id``, which the caller now owns (and closes).
+
+        Raises:
+            ClaimError: unknown, expired or already claimed, or sent by
+                another uid (root may claim any).
+        """
+        self.expire()
+        p = self._pending.get(fd_id)
+        if p is None or (uid != 0 and p.uid != uid):
+            raise ClaimError(f"fd id {fd_id[:8]}...: unknown, already claimed, expired (fds wait "
+                             f"{self.claim_timeout_s:g} s) or sent by another user")
+        del self._pending[fd_id]
+        return p.fd
+
+    @contextlib.contextmanager
+    def claiming(self):
+        """``with table.claiming() as claim:``: ``claim(fd_id, uid)`` as
+        :meth:`claim`; every fd claimed through it is closed when the block
+        ends, however it ends (the mappings made meanwhile hold the pages)."""
+        taken: list[int] = []
+
+        def claim(fd_id: str, uid: int) -> int:
+            taken.append(self.claim(fd_id, uid))
+            return taken[-1]
+
+        try:
+            yield claim
+        finally:
+            for fd in taken:
+                _close(fd)
+
+    def expire(self, now: float | None = None) -> int:
+        """Closes the fds past their deadline; returns how many."""
+        now = time.monotonic() if now is None else now
+        late = [k for k, p in self._pending.items() if p.deadline <= now]
+        for k in late:
+            _close(self._pending.pop(k).fd)
+        if late:
+            self.expired += len(late)
+            log.info("fd channel: closed %d fd(s) not claimed within %g s", len(late), self.claim_timeout_s)
+        return len(late)
+
+    def close(self) -> None:
+        """Closes every fd held (daemon shutdown)."""
+        for p in self._pending.values():
+            _close(p.fd)
+        self._pending.clear()
+
+
+def _close(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def received_fds(ancdata) -> list[int]:
+    """Every fd in the ``SCM_RIGHTS`` items of ``recvmsg``'s ancillary data."""
+    fds: list[int] = []
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            a = array.array("i")
+            a.frombytes(data[: len(data) - len(data) % _FD_BYTES])
+            fds.extend(a)
+    return fds
+
+
+class FdChannel:
+    """The fd side channel's socket (see the module).
+
+    Args:
+        path: its socket (``kvd.fd_wire.fd_socket_path(engine_socket)``).
+        policy: who is admitted (the engine socket's ``Policy``).
+        group: gid of the socket file (None: the daemon's group).
+        table: where received fds wait for their claim.
+        max_connections: connections open at once.
+        timeout_s: seconds a connection may take to send its request.
+
+    ``open()`` binds and starts accepting (on the running loop); ``close()``
+    stops, removes the socket and closes every unclaimed fd. ``refused``
+    counts refusals; ``accepted`` counts fds taken.
+    """
+
+    def __init__(self, path: str, policy: Policy, group: int | None = None, table: FdTable | None = None, *,
+                 max_connections: int = 64, timeout_s: float = 5.0):
+        self.path = path
+        self.policy = policy
+        self.group = group
+        self.table = table or FdTable()
+        self.max_connections = max_connections
+        self.timeout_s = timeout_s
+        self._sock: socket.socket | None = None
+        self._conns: dict[int, tuple[socket.socket, asyncio.TimerHandle]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._expiry: asyncio.TimerHandle | None = None
+        self.refused = 0
+        self.accepted = 0
+        self._warn = Throttled(log)
+
+    async def open(self) -> None:
+        """Binds ``path`` (mode 0660, ``group``) and starts accepting.
+        Raises OSError when it cannot be bound or given to the group."""
+        if os.path.lexists(self.path):
+            if not _is_socket(self.path):
+                raise OSError(f"fd channel: {self.path} exists and is not a socket; refusing to replace it")
+            os.unlink(self.path)  # the engine socket's check has run: no daemon serves here
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            s.bind(self.path)
+            os.chmod(self.path, SOCKET_MODE)
+            if self.group is not None:
+                os.chown(self.path, -1, self.group)
+            s.listen(128)
+            s.setblocking(False)
+        except BaseException:
+            s.close()
+            if os.path.exists(self.path):
+                os.unlink(self.path)
+            raise
+        self._sock = s
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(s.fileno(), self._accept)
+        self._tick()
+
+    def _tick(self) -> None:
+        self.table.expire()
+        self._expiry = self._loop.call_later(max(0.5, self.table.claim_timeout_s / 4), self._tick)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # EMFILE and friends: the daemon keeps serving
+                self._warn.warning("fd channel: accept failed: %s", e)
+                return
+            conn.setblocking(False)
+            try:
+                pid, uid, gid, gids = peer_credentials(conn)
+            except OSError as e:
+                self._refuse(conn, f"cannot read the caller's credentials ({e})")
+                continue
+            who = f"pid {pid or '?'} uid {uid} gid {gid}"
+            if len(self._conns) >= self.max_connections:
+                self._refuse(conn, f"{who}: {len(self._conns)} fd channel connections open (at most "
+                                   f"{self.max_connections}); try again")
+                continue
+            if not self.policy.admits(uid, gids):
+                self._refuse(conn, f"{who} is not admitted on the engine socket (admitted: "
+                                   f"{self.policy.describe()}; daemon settings allowed_uids, allowed_gids)")
+                continue
+            fd = conn.fileno()
+            timer = self._loop.call_later(self.timeout_s, self._timed_out, fd, who)
+            self._conns[fd] = (conn, timer)
+            self._loop.add_reader(fd, self._receive, fd, pid, uid, who)
+
+    def _timed_out(self, fd: int, who: str) -> None:
+        conn = self._drop(fd)
+        if conn is not None:
+            self._refuse(conn, f"{who} sent no request within {self.timeout_s:g} s")
+
+    def _drop(self, fd: int) -> socket.socket | None:
+        entry = self._conns.pop(fd, None)
+        if entry is None:
+            return None
+        conn, timer = entry
+        timer.cancel()
+        self._loop.remove_reader(fd)
+        return conn
+
+    def _receive(self, fd: int, pid: int, uid: int, who: str) -> None:
+        conn = self._drop(fd)
+        if conn is None:
+            return
+        try:
+            data, anc, flags, _ = conn.recvmsg(wire.MAX_MESSAGE_BYTES, socket.CMSG_SPACE(wire.MAX_FDS * _FD_BYTES),
+                                               socket.MSG_CMSG_CLOEXEC)
+        except (BlockingIOError, InterruptedError):  # woken without data: wait again
+            self._conns[fd] = (conn, self._loop.call_later(self.timeout_s, self._timed_out, fd, who))
+            self._loop.add_reader(fd, self._receive, fd, pid, uid, who)
+            return
+        except OSError as e:
+            self._refuse(conn, f"{who}: cannot read the request ({e})")
+            return
+        fds = received_fds(anc)
+        why = self._check(data, flags, fds, uid)
+        if why:
+            for f in fds:
+                _close(f)
+            self._refuse(conn, f"{who}: {why}")
+            return
+        ids = self.table.add(fds, uid, pid)
+        self.accepted += len(fds)
+        log.debug("fd channel: %d fd(s) from %s", len(fds), who)
+        self._answer(conn, wire.encode_answer(ids))
+
+    def _check(self, data: bytes, flags: int, fds: list[int], uid: int) -> str:
+        """"" for a good request, else why it is refused."""
+        if not data:
+            return "connection closed without a request"
+        if flags & socket.MSG_TRUNC:
+            return f"request longer than {wire.MAX_MESSAGE_BYTES} bytes"
+        if flags & socket.MSG_CTRUNC:
+            return f"more than {wire.MAX_FDS} fds in one request"
+        try:
+            nfds = wire.parse_request(data)
+        except wire.WireError as e:
+            return str(e)
+        if nfds != len(fds):
+            return f"request header announces {nfds} fds, {len(fds)} came with it"
+        return self.table.room_for(uid, nfds)
+
+    def _refuse(self, conn: socket.socket, why: str) -> None:
+        self.refused += 1
+        self._warn.warning("fd channel: refused: %s", why)
+        self._answer(conn, wire.encode_answer(refused=f"kvd: {why}"))
+
+    @staticmethod
+    def _answer(conn: socket.socket, data: bytes) -> None:
+        try:
+            conn.send(data)  # small: fits the socket buffer, never blocks
+        except OSError:
+            pass  # the engine hung up: nothing to tell
+        conn.close()
+
+    async def close(self) -> None:
+        """Stops accepting; closes open connections and unclaimed fds; removes the socket."""
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+        for fd in list(self._conns):
+            conn = self._drop(fd)
+            if conn is not None:
+                conn.close()
+        if self._sock is not None:
+            self._loop.remove_reader(self._sock.fileno())
+            self._sock.close()
+            self._sock = None
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        self.table.close()
+
+
+def _is_socket(path: str) -> bool:
+    return stat.S_ISSOCK(os.lstat(path).st_mode)

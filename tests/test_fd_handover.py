@@ -1,0 +1,354 @@
+"""Memory handed over by file descriptor: sealed memfds over the fd side
+channel (``kvd.fd_wire``, ``kvd.daemon.fd_channel``, ``kvd.core.memory.FdMapping``,
+``kvd.shim.memory.memfd``), so no engine can shrink memory under the daemon.
+
+Scenarios with real daemons (``kvd serve`` subprocesses, NIXL/UCX) and real
+engine processes (this test process, or a child running the shim's
+``MemfdSharing``):
+
+- a hostile engine's ``ftruncate`` of its registered KV cache fails (EPERM
+  from the seal), a transfer from it still lands byte for byte, the daemon
+  keeps serving;
+- an unsealed memfd, one that cannot be sealed, a reused or unknown id are
+  refused with INVALID_ARGUMENT and a message;
+- the daemon holds no fd more after registrations, refusals and
+  unregistrations than before (``/proc/<pid>/fd``);
+- engine and daemon killed together (SIGKILL): nothing of theirs in /dev/shm;
+- hostile side-channel requests (hypothesis): every one answered, the daemon
+  serves on and leaks no fd.
+"""
+
+from __future__ import annotations
+
+import array
+import errno
+import fcntl
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import grpc
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvd import fd_wire as wire
+from kvd.client.fd_handover import HandoverError, hand_over
+from kvd.core.memory import FdMapping, SegmentError
+from kvd.daemon.fd_channel import ClaimError, FdTable
+from kvd.shim.memory import auto, memfd
+from kvd.testing.daemons import stats_of
+from kvd.testing.memfd import MemfdSegment
+from kvd.testing.processes import child_env
+from kvd.testing.sessions import Engine, KvShape, register_request
+from kvd.v1 import kvd_pb2 as pb
+
+pytestmark = pytest.mark.skipif(not memfd.available(), reason="no sealable memfds here")
+
+SHAPE = KvShape(num_layers=2, num_blocks=16, block_len=1024, block_size=16)
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def fd_targets(pid: int) -> list[str]:
+    out = []
+    for n in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            out.append(os.readlink(f"/proc/{pid}/fd/{n}"))
+        except OSError:
+            pass
+    return sorted(out)
+
+
+def settled_fds(pid: int, want: int, timeout_s: float = 5.0) -> int:
+    """The daemon's open fd count once it is back to ``want`` (or the last
+    seen after ``timeout_s``): gRPC's own fds come and go with connections."""
+    deadline = time.monotonic() + timeout_s
+    n = open_fds(pid)
+    while n > want and time.monotonic() < deadline:
+        time.sleep(0.1)
+        n = open_fds(pid)
+    return n
+
+
+# ------------------------------------------------------------------ units
+def test_wire_round_trips_and_refuses_malformed_headers():
+    assert wire.parse_request(wire.encode_request(3)) == 3
+    ids = ["a" * wire.ID_CHARS, "b" * wire.ID_CHARS]
+    assert wire.parse_answer(wire.encode_answer(ids)) == (ids, "")
+    assert wire.parse_answer(wire.encode_answer(refused="no")) == ([], "no")
+    for bad in (b"", b"KVDF", b"XXXX\x01\x01\x00\x00", b"KVDF\x02\x01\x00\x00", b"KVDF\x01\x00\x00\x00",
+                b"KVDF\x01\x01\x01\x00", wire.REQUEST.pack(b"KVDF", 1, wire.MAX_FDS + 1, 0)):
+        with pytest.raises(wire.WireError):
+            wire.parse_request(bad)
+    with pytest.raises(wire.WireError):
+        wire.encode_request(0)
+    assert wire.fd_socket_path("unix:///run/kvd/engine.sock") == "/run/kvd/engine.sock.fd"
+
+
+def test_fd_mapping_checks_the_seals_on_the_fd_itself(tmp_path):
+    seg = MemfdSegment(8192, "")
+    try:
+        m = FdMapping(seg.fd, 8192)
+        seg.array[5] = 7
+        assert m.read(5, 1) == b"\x07"
+        m.close()
+        with pytest.raises(SegmentError, match="8193 bytes asked"):
+            FdMapping(seg.fd, 8193)
+    finally:
+        seg.close()
+    unsealed = MemfdSegment(4096, "", seals=0)
+    grow_only = MemfdSegment(4096, "", seals=fcntl.F_SEAL_GROW)
+    plain = MemfdSegment(4096, "", seals=0, sealable=False)
+    f = tmp_path / "file"
+    f.write_bytes(b"x" * 4096)
+    try:
+        for s in (unsealed, grow_only):
+            with pytest.raises(SegmentError, match="F_SEAL_SHRINK"):
+                FdMapping(s.fd, 4096)
+        with pytest.raises(SegmentError, match="F_SEAL_SHRINK"):  # made sealed shut (F_SEAL_SEAL) without it
+            FdMapping(plain.fd, 4096)
+        with open(f, "r+b") as fh:
+            with pytest.raises(SegmentError, match="cannot be sealed|F_SEAL_SHRINK"):
+                FdMapping(fh.fileno(), 4096)
+        with open(f, "rb") as fh:
+            with pytest.raises(SegmentError, match="read-write"):
+                FdMapping(fh.fileno(), 4096)
+    finally:
+        for s in (unsealed, grow_only, plain):
+            s.close()
+
+
+def test_fd_table_gives_an_id_once_to_its_own_uid_and_closes_unclaimed_fds():
+    table = FdTable(claim_timeout_s=10.0, max_pending=3, max_pending_per_uid=2)
+    a, b, c = (os.memfd_create("t") for _ in range(3))
+    ida, idb = table.add([a, b], uid=1000, pid=1)
+    assert table.room_for(1000, 1) and not table.room_for(1001, 1)  # per-uid cap, then the global one
+    with pytest.raises(ClaimError):
+        table.claim(ida, uid=1001)          # another user's
+    assert table.claim(ida, uid=1000) == a
+    with pytest.raises(ClaimError):
+        table.claim(ida, uid=1000)          # once
+    (idc,) = table.add([c], uid=1001, pid=2)
+    assert table.expire(now=time.monotonic() + 11) == 2  # b and c: closed
+    for fd in (b, c):
+        with pytest.raises(OSError) as e:
+            os.fstat(fd)
+        assert e.value.errno == errno.EBADF
+    with pytest.raises(ClaimError):
+        table.claim(idc, uid=1001)
+    os.close(a)
+
+
+def test_memfd_share_keeps_existing_views_valid_and_names_nothing():
+    raw = torch.arange(4 * 8 * 16, dtype=torch.float32)
+    view = raw.view(4, 8, 16)[1:]
+    before = view.data_ptr()
+    shared = memfd.share_storage(raw)
+    assert shared.fd >= 0 and shared.name == "" and shared.data_offset == 0
+    assert view.data_ptr() != before, "the storage was expected to move into the memfd"
+    assert view[0, 0, 0].item() == 128.0 and raw[-1].item() == 511.0
+    assert memfd.share_storage(view) is shared  # idempotent per storage
+    view[0, 0, 0] = -1.0
+    fd_view = torch.frombuffer(bytearray(os.pread(shared.fd, 4, 128 * 4)), dtype=torch.float32)
+    assert fd_view.item() == -1.0, "the tensor's writes must land in the memfd"
+    with pytest.raises(PermissionError):
+        os.ftruncate(shared.fd, 0)
+    maps = open("/proc/self/maps").read()
+    assert "memfd:kvd-kv-cache" in maps
+    assert isinstance(auto.choose({"l0": raw}), memfd.MemfdSharing)
+
+
+# ------------------------------------------------------- with real daemons
+def test_hostile_truncate_is_refused_by_the_seal_and_a_transfer_still_works(daemon_pair):
+    p, d = daemon_pair
+    pseg, dseg = MemfdSegment(SHAPE.size, p.socket), MemfdSegment(SHAPE.size, d.socket)
+    pseg.fill(seed=1)
+    src = Engine(p, "prefill-0", SHAPE, seg=pseg)
+    dst = Engine(d, "decode-0", SHAPE, seg=dseg)
+    try:
+        for size in (0, SHAPE.size // 2, SHAPE.size * 2):
+            with pytest.raises(PermissionError):
+                os.ftruncate(pseg.fd, size)
+        assert os.fstat(pseg.fd).st_size == SHAPE.size
+        src.hold("r1", [3, 4, 5])
+        dst.load("r1", [0, 1, 2], src, [3, 4, 5], "r1", timeout_s=30)
+        ev = dst.wait("r1", timeout=60)
+        assert ev.WhichOneof("event") == "recv_done", ev
+        assert dst.same_blocks([0, 1, 2], src, [3, 4, 5])
+        for daemon in (p, d):
+            stats = stats_of(daemon.socket)
+            assert [w.handover for w in stats.workers] == ["memfd"]
+            assert daemon.proc.poll() is None
+    finally:
+        dst.close()
+        src.close()
+        pseg.close()
+        dseg.close()
+
+
+def test_unsealed_unsealable_reused_and_unknown_fds_are_refused_with_a_message(daemon):
+    stub = daemon.stub()
+    cases = [(MemfdSegment(SHAPE.size, daemon.socket, seals=0), "F_SEAL_SHRINK"),
+             (MemfdSegment(SHAPE.size, daemon.socket, seals=0, sealable=False), "F_SEAL_SHRINK")]
+    try:
+        for seg, why in cases:
+            with pytest.raises(grpc.RpcError) as e:
+                stub.RegisterEngine(register_request("bad", SHAPE, seg), timeout=30)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in e.value.details()
+        good = MemfdSegment(SHAPE.size, daemon.socket)
+        req = register_request("good", SHAPE, good)
+        stub.RegisterEngine(req, timeout=30)
+        stub.UnregisterEngine(pb.UnregisterEngineRequest(worker=req.worker), timeout=30)
+        for fd_id in (req.segments[0].fd_id, "0" * wire.ID_CHARS):  # claimed once already; never given
+            req.segments[0].fd_id = fd_id
+            with pytest.raises(grpc.RpcError) as e:
+                stub.RegisterEngine(req, timeout=30)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "fd id" in e.value.details()
+        good.close()
+        assert stats_of(daemon.socket).workers == []
+    finally:
+        for seg, _ in cases:
+            seg.close()
+
+
+def test_the_daemon_keeps_no_fd_of_registrations_refusals_or_bad_requests(daemon):
+    stub = daemon.stub()
+
+    def cycle(i):
+        seg = MemfdSegment(SHAPE.size, daemon.socket)
+        req = register_request(f"e{i}", SHAPE, seg)
+        stub.RegisterEngine(req, timeout=30)
+        stub.UnregisterEngine(pb.UnregisterEngineRequest(worker=req.worker), timeout=30)
+        seg.close()
+        bad = MemfdSegment(SHAPE.size, daemon.socket, seals=0)
+        with pytest.raises(grpc.RpcError):
+            stub.RegisterEngine(register_request(f"b{i}", SHAPE, bad), timeout=30)
+        bad.close()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:  # header says 2 fds, 1 comes
+            s.connect(wire.fd_socket_path(daemon.socket))
+            fd = os.memfd_create("x")
+            s.sendmsg([wire.encode_request(2)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+            assert "announces 2 fds" in wire.parse_answer(s.recv(8192))[1]
+            os.close(fd)
+
+    cycle(0)  # the first registration opens what UCX and gRPC then keep (workers, event fds)
+    base, was = open_fds(daemon.pid), fd_targets(daemon.pid)
+    for i in range(1, 4):
+        cycle(i)
+    assert settled_fds(daemon.pid, base) <= base, (was, fd_targets(daemon.pid))
+
+
+ENGINE = textwrap.dedent("""
+    import os, sys, time, torch
+    from kvd.client.engine_client import EngineClient
+    from kvd.shim.memory import auto
+    from kvd.v1 import kvd_pb2 as pb
+    caches = {"l0": torch.ones(16, 2, 16, 32), "l1": torch.ones(16, 2, 16, 32)}
+    sharing = auto.choose(caches, "direct")
+    shared = sharing.share(caches, num_blocks=16, block_size=16, kv_layout="HND", num_kv_heads=2, head_dim=16)
+    client = EngineClient(sys.argv[1])
+    client.before_register = lambda req: sharing.prepare(req, client.address)
+    client.register(pb.RegisterEngineRequest(
+        worker=pb.EngineWorker(engine_id="doomed", tp_rank=0, tp_size=1), layout=shared.layout,
+        segments=shared.segments, regions=shared.regions, model="m", data_path=sharing.wire_data_path,
+        owner_pid=os.getpid()), timeout_s=30)
+    print(sharing.kind, "/dev/shm" in open("/proc/self/maps").read(), flush=True)
+    time.sleep(600)
+""")
+
+
+def test_engine_and_daemon_killed_together_leave_nothing_in_dev_shm(daemon):
+    before = set(os.listdir("/dev/shm"))
+    engine = subprocess.Popen([sys.executable, "-c", ENGINE, daemon.socket], stdout=subprocess.PIPE,
+                              env=child_env(), text=True)
+    try:
+        line = engine.stdout.readline().split()
+        assert line == ["memfd", "False"], line  # the shim took the memfd path; nothing mapped from /dev/shm
+        (w,) = stats_of(daemon.socket).workers
+        assert (w.engine_id, w.handover) == ("doomed", "memfd")
+    finally:
+        engine.send_signal(signal.SIGKILL)
+        daemon.proc.send_signal(signal.SIGKILL)
+        engine.wait(10)
+        daemon.proc.wait(10)
+    # Names carry their maker's pid (torch_<pid>_..., kvd-stage-<pid>-...); other runs' are not ours.
+    ours = [f"{sep}{pid}{sep}" for pid in (engine.pid, daemon.pid) for sep in "_-"]
+    left = [n for n in set(os.listdir("/dev/shm")) - before if any(tag in n for tag in ours)]
+    assert left == []
+
+
+# --------------------------------------------------------------- fuzzing
+@settings(max_examples=int(os.environ.get("KVD_FUZZ_EXAMPLES", "2000")) // 20, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(header=st.one_of(st.binary(max_size=64),
+                        st.builds(wire.REQUEST.pack, st.sampled_from([b"KVDF", b"KVDA", b"\0\0\0\0"]),
+                                  st.integers(0, 255), st.integers(0, 255), st.integers(0, 65535))),
+       nfds=st.integers(0, 4))
+def test_hostile_side_channel_requests_are_answered_and_leak_nothing(daemon, header, nfds):
+    fds = [os.memfd_create("fz") for _ in range(nfds)]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+            s.settimeout(10)
+            s.connect(wire.fd_socket_path(daemon.socket))
+            anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+            s.sendmsg([header], anc)
+            ids, refused = wire.parse_answer(s.recv(8192))
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert bool(ids) != bool(refused)
+    if ids:  # a well-formed request: its fds wait for a claim; claim them away
+        assert len(ids) == nfds
+    assert daemon.proc.poll() is None
+
+
+def test_hand_over_says_why_when_there_is_no_side_channel(tmp_path):
+    with pytest.raises(HandoverError, match="fd channel"):
+        hand_over(str(tmp_path / "none.sock"), [0])
+
+
+def test_memfd_move_by_chunks_keeps_every_byte(monkeypatch):
+    monkeypatch.setattr(memfd, "_CHUNK", 3 * 4096 + 100)  # chunks that end mid-page
+    t = torch.randn(1000, 257)
+    ref = t.clone()
+    view = t[5:]
+    memfd.share_storage(t)
+    assert torch.equal(t, ref) and torch.equal(view, ref[5:])
+
+
+def test_a_memfd_engine_hands_its_fds_over_again_to_a_restarted_daemon(tmp_path):
+    """Ids are one-use and a restarted daemon knows none: the client's
+    ``before_register`` hands the fds over again before it re-registers."""
+    from kvd.client.engine_client import EngineClient
+    from kvd.testing.daemons import start_daemon
+
+    d = start_daemon(str(tmp_path), "kvd")
+    seg = MemfdSegment(SHAPE.size, d.socket)
+    client = EngineClient(d.socket, backoff_initial_s=0.05, backoff_max_s=0.5)
+    req = register_request("restarted", SHAPE, seg)
+    client.before_register = lambda r: r.segments[0].CopyFrom(seg.segment())
+    try:
+        client.register(req, timeout_s=30)
+        client.start_session()
+        assert client.wait_opened(10)
+        first = req.segments[0].fd_id
+        d.stop(signal.SIGKILL)
+        d = start_daemon(str(tmp_path), "kvd")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not stats_of(d.socket).workers:
+            time.sleep(0.1)
+        (w,) = stats_of(d.socket).workers
+        assert (w.engine_id, w.handover) == ("restarted", "memfd")
+        assert req.segments[0].fd_id != first
+    finally:
+        client.close()
+        d.stop()
+        seg.close()
