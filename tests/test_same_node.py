@@ -29,8 +29,8 @@ def one(tmp_path_factory):
 @pytest.fixture
 def engines(one, request):
     tag = request.node.name[-40:].replace("[", "-").replace("]", "")
-    p = Engine(one, f"p-{tag}", SHAPE, seed=11)
-    d = Engine(one, f"d-{tag}", SHAPE)
+    p = Engine(one, f"p-{tag}", SHAPE, seed=11, memfd=True)
+    d = Engine(one, f"d-{tag}", SHAPE, memfd=True)
     yield p, d
     p.close()
     d.close()
@@ -97,8 +97,8 @@ def test_block_ids_out_of_the_source_range_fail_the_load_not_the_daemon(one, eng
 
 
 def test_incompatible_engines_of_one_daemon_are_refused_and_the_source_freed(one):
-    p = Engine(one, "p-other-model", SHAPE, seed=3, model="another-model")
-    d = Engine(one, "d-other-model", SHAPE)
+    p = Engine(one, "p-other-model", SHAPE, seed=3, model="another-model", memfd=True)
+    d = Engine(one, "d-other-model", SHAPE, memfd=True)
     try:
         p.hold("x", [1])
         d.load("xd", [1], p, [1], "x")

@@ -180,14 +180,16 @@ class Side:
 
 def prefill(p: Side, prompt: list[int]) -> tuple[dict, object]:
     """P computes ``prompt`` (its forward pass writes random KV) and finishes
-    it; returns the params for D and the request. P does not step again
-    here: the hold only goes out with P's next step, and D must find the bytes
-    all the same (staged: in P's mirror since the computing step)."""
+    it; returns the params for D and the request. The hold goes out with
+    P's next step (vLLM steps once more to tell the workers which requests
+    finished), so P steps once here, as its engine core would: D's daemon
+    reads only blocks P's daemon holds for that request (docs/SECURITY.md)."""
     req = make_request(prompt, {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                                 "remote_block_ids": None, "remote_request_id": None, "remote_host": None,
                                 "remote_port": None}, max_tokens=1)
     p.sched.add_request(req)
     p.run_until(lambda: p.finished(req.request_id) is not None)
+    p.step()
     return remote_params(p.finished(req.request_id).kv_transfer_params), req
 
 
@@ -501,11 +503,11 @@ def test_cuda_kv_cache_staged_through_a_daemon_without_gpu_moves_the_prefill_byt
             assert w.sharing.kind == "cuda_ipc" and w.registered.data_path == pb.DATA_PATH_STAGED
             assert [s.kind for s in w.registered.staging_segments] == [pb.MEMORY_KIND_SHM]
         prompt = list(range(7000, 7000 + 3 * BS + 1))
-        params, req = prefill(p, prompt)
-        assert cuda_kv_cache == [], "no hold yet"
+        params, req = prefill(p, prompt)  # P's step after the request's end sends the hold
+        assert cuda_kv_cache == [torch.device("cuda", 0)], "the hold's step waited for the device once"
         _, load = decode(d, prompt, params)
         p.run_until(lambda: req.request_id in p.finished_sending)
-        assert cuda_kv_cache == [torch.device("cuda", 0)], "the hold's step waited for the device once"
+        assert cuda_kv_cache == [torch.device("cuda", 0)], "only a step that sends a hold waits for the device"
         assert check_heads(p, d, load) > 0
     finally:
         p.close()

@@ -132,15 +132,19 @@ def test_register_kv_caches_shares_vllm_allocation_and_describes_it(model_dir, f
         assert fake.service.sessions == 1
         # The regions address vLLM's own per-layer views, block by block.
         seg = reg.segments[0]
-        with open("/dev/shm" + seg.name, "rb") as f:
-            m = mmap.mmap(f.fileno(), seg.size, prot=mmap.PROT_READ)
-            for i, (layer, r) in enumerate(zip(LAYERS, reg.regions)):
-                view = eng.caches[layer]
-                assert tuple(view.shape) == (NB, KV_HEADS, BS, 2 * HEAD)  # [B, H, N, K+V]
-                view[5].fill_(float(i + 1))
-                start = r.offset + 5 * r.block_stride
-                assert m[start:start + r.block_len] == view[5].numpy().tobytes()
-            m.close()
+        # The segment as the daemon maps it: the handed-over memfd (the fake
+        # keeps every fd it received), or the POSIX shm name where memfds are unavailable.
+        if seg.kind == pb.MEMORY_KIND_MEMFD:
+            m = mmap.mmap(fake.fds[seg.fd_id], seg.size, prot=mmap.PROT_READ)
+        else:
+            m = mmap.mmap(os.open("/dev/shm" + seg.name, os.O_RDONLY), seg.size, prot=mmap.PROT_READ)
+        for i, (layer, r) in enumerate(zip(LAYERS, reg.regions)):
+            view = eng.caches[layer]
+            assert tuple(view.shape) == (NB, KV_HEADS, BS, 2 * HEAD)  # [B, H, N, K+V]
+            view[5].fill_(float(i + 1))
+            start = r.offset + 5 * r.block_stride
+            assert m[start:start + r.block_len] == view[5].numpy().tobytes()
+        m.close()
     finally:
         eng.close()
     assert len(fake.service.unregisters) == 1
@@ -587,10 +591,14 @@ def test_a_stopped_engine_leaves_no_kv_segment_and_its_cache_stays_usable(model_
     freeing them later does not trip torch's own unlink."""
     eng = Engine(model_dir, fake.socket, kvd_peer_address="127.0.0.1:7000")
     (seg,) = fake.service.registers[0].segments
-    path = "/dev/shm" + seg.name
-    assert seg.name.startswith("/torch_") and os.path.exists(path)
-    eng.close()
-    assert not os.path.exists(path), "the KV cache segment outlived the engine"
+    if seg.kind == pb.MEMORY_KIND_MEMFD:  # handed over by fd: nothing is ever named in /dev/shm
+        assert seg.name == "" and not any(n.startswith(f"torch_{os.getpid()}_") for n in os.listdir("/dev/shm"))
+        eng.close()
+    else:
+        path = "/dev/shm" + seg.name
+        assert seg.name.startswith("/torch_") and os.path.exists(path)
+        eng.close()
+        assert not os.path.exists(path), "the KV cache segment outlived the engine"
     eng.close()  # idempotent
     view = eng.caches[LAYERS[0]]
     view[3].fill_(5.0)

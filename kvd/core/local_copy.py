@@ -57,6 +57,7 @@ from kvd.core import plan
 from kvd.core.events import CoreError, FailureKind, Incompatible
 from kvd.core.holds import Holds
 from kvd.core.layout import LayoutError
+from kvd.core.memory import MEMFD_KIND
 from kvd.core.peers import pair_plan
 from kvd.core.runtime import Runtime
 from kvd.core.state import Worker, WorkerKey
@@ -160,8 +161,11 @@ class LocalCopy:
         """The source workers by rank when ``req`` is a same-node load, else None.
 
         None as well (the NIXL path serves it) when ``same_node_copy`` is off,
-        when a source rank is not registered here, or when either side's
-        memory is not DRAM (VRAM: see the module docstring).
+        when a source rank is not registered here, when either side's
+        memory is not DRAM (VRAM: see the module docstring), or when either
+        side's memory is not a sealed memfd (a named shm segment can be
+        truncated under the copy: SIGBUS in the daemon, found by an attacker
+        review; NIXL's READ fails cleanly instead).
         """
         if not self.rt.limits.same_node_copy or req.remote_address not in self.addresses:
             return None
@@ -169,6 +173,11 @@ class LocalCopy:
         if any(s is None for s in found.values()):
             return None
         if w.mem.memory != "DRAM" or any(s.mem.memory != "DRAM" for s in found.values()):
+            return None
+        # A memmove touches the mappings directly: memory an engine could
+        # still truncate (a named shm segment, not a sealed memfd) would
+        # raise SIGBUS in the daemon, where UCX fails such a READ cleanly.
+        if any(m.kind != MEMFD_KIND for x in (w, *found.values()) for m in x.mem.mappings):
             return None
         return found
 

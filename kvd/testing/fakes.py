@@ -11,6 +11,7 @@ daemon's tests use :mod:`kvd.testing.daemons`.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import os
 import socket
@@ -21,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from kvd import fd_wire
 from kvd.testing.sessions import MESSAGE_OPTIONS
 from kvd.testing.util import free_port
 from kvd.v1 import kvd_pb2 as pb
@@ -144,24 +146,68 @@ class FakeDaemon:
         self.server: grpc.Server | None = None
 
     def start(self) -> FakeDaemon:
-        """Serves on ``socket`` (a stale socket file is removed first); returns self."""
+        """Serves on ``socket`` (a stale socket file is removed first), and
+        the memory handover's fd side channel beside it (``kvd.fd_wire``:
+        every fd is accepted and kept, ``self.fds`` by id); returns self."""
         if os.path.exists(self.socket):
             os.unlink(self.socket)
         self.server = grpc.server(ThreadPoolExecutor(max_workers=16))
         pb_grpc.add_EngineServiceServicer_to_server(self.service, self.server)
         self.server.add_insecure_port(f"unix://{self.socket}")
         self.server.start()
+        self._start_fd_channel()
         return self
+
+    def _start_fd_channel(self) -> None:
+        path = fd_wire.fd_socket_path(self.socket)
+        if os.path.exists(path):
+            os.unlink(path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener.bind(path)
+        listener.listen(16)
+        self._fd_listener = listener
+        if not hasattr(self, "fds"):
+            self.fds: dict[str, int] = {}
+
+        def serve() -> None:
+            while True:
+                try:
+                    conn, _ = listener.accept()
+                except OSError:
+                    return  # closed by stop()
+                with conn:
+                    data, anc, _, _ = conn.recvmsg(fd_wire.MAX_MESSAGE_BYTES,
+                                                   socket.CMSG_SPACE(fd_wire.MAX_FDS * 4))
+                    fds = [f for lvl, typ, raw in anc if lvl == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS
+                           for f in array.array("i", raw[: len(raw) - len(raw) % 4])]
+                    ids = [uuid.uuid4().hex for _ in fds]
+                    self.fds.update(zip(ids, fds))
+                    conn.send(fd_wire.encode_answer(ids))
+
+        threading.Thread(target=serve, name="fake-fd-channel", daemon=True).start()
 
     def stop(self) -> None:
         """Stops serving (restartable); the staging mirrors made so far stay."""
         if self.server is not None:
             self.server.stop(grace=None).wait(5)
             self.server = None
+        listener = getattr(self, "_fd_listener", None)
+        if listener is not None:
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
+            listener.close()
+            self._fd_listener = None
+            try:
+                os.unlink(fd_wire.fd_socket_path(self.socket))
+            except FileNotFoundError:
+                pass
 
     def close(self) -> None:
-        """Stops and unlinks every staging mirror it made."""
+        """Stops, closes the fds it was handed and unlinks every staging mirror it made."""
         self.stop()
+        for fd in getattr(self, "fds", {}).values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
         self.service.unlink_staging()
 
 

@@ -30,13 +30,19 @@ class Rank:
     are its K (first half) and its V (second half).
     """
 
-    def __init__(self, engine, rank, tp, heads, block_size, layout, model="m"):
+    def __init__(self, engine, rank, tp, heads, block_size, layout, model="m", memfd_socket: str = ""):
         self.engine, self.rank, self.tp, self.heads = engine, rank, tp, heads
         self.block_size, self.layout, self.model = block_size, layout, model
         self.nh = 1 if layout == "MLA" else max(1, heads // tp)
         self.h0 = 0 if layout == "MLA" else rank * heads // tp
         self.block_len = self.nh * block_size * HEAD_DIM * 4
-        self.seg = ShmSegment(NUM_REGIONS * NUM_BLOCKS * self.block_len)
+        size = NUM_REGIONS * NUM_BLOCKS * self.block_len
+        if memfd_socket:  # a sealed memfd handed over to the daemon on that engine socket
+            from kvd.testing.memfd import MemfdSegment
+
+            self.seg = MemfdSegment(size, memfd_socket)
+        else:
+            self.seg = ShmSegment(size)
 
     def shape(self):
         if self.layout == "CPU":
@@ -85,7 +91,8 @@ class Rank:
                              dtype="float32", num_kv_heads=self.nh, head_dim=HEAD_DIM, num_layers=2,
                              block_lens=[self.block_len] * NUM_REGIONS,
                              total_kv_heads=1 if self.layout == "MLA" else self.heads),
-            segments=[pb.Segment(kind=pb.MEMORY_KIND_SHM, name=self.seg.name, size=self.seg.size)],
+            segments=[self.seg.segment() if hasattr(self.seg, "segment") else
+                      pb.Segment(kind=pb.MEMORY_KIND_SHM, name=self.seg.name, size=self.seg.size)],
             regions=regions, model=self.model), timeout=30)
         return Session(daemon, self.engine, self.rank)
 
@@ -105,8 +112,11 @@ def run_pd(prefill_daemon, decode_daemon, p_tp, d_tp, heads, p_layout, d_layout,
     rng = np.random.default_rng(7)
     p_ids = [int(x) for x in rng.permutation(NUM_BLOCKS)[:-(-n_tokens // p_bs)]]
     d_ids = [int(x) for x in rng.permutation(NUM_BLOCKS)[:-(-n_tokens // d_bs)]]
-    P = [Rank(f"P{tag}", p, p_tp, heads, p_bs, p_layout) for p in range(p_tp)]
-    D = [Rank(f"D{tag}", r, d_tp, heads, d_bs, d_layout) for r in range(d_tp)]
+    # One daemon for both sides: memfds, as the shim hands over, so the
+    # daemon copies itself (kvd.core.local_copy copies only sealed memory).
+    fd_sock = prefill_daemon.socket if prefill_daemon is decode_daemon else ""
+    P = [Rank(f"P{tag}", p, p_tp, heads, p_bs, p_layout, memfd_socket=fd_sock) for p in range(p_tp)]
+    D = [Rank(f"D{tag}", r, d_tp, heads, d_bs, d_layout, memfd_socket=fd_sock) for r in range(d_tp)]
     sessions = []
     try:
         for r in P:

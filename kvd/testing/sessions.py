@@ -141,17 +141,23 @@ class Engine:
 
     Events are filed by request id as they arrive, whatever their order;
     :meth:`wait` returns the next one for a request. ``kv`` views the cache
-    as ``[region, block, byte]``.
+    as ``[region, block, byte]``. ``memfd``: the cache is a sealed memfd
+    handed over on the daemon's fd side channel instead of a named segment.
     """
 
     def __init__(self, daemon: Daemon, engine_id: str, shape: KvShape, *, rank: int = 0, tp_size: int = 1,
                  model: str = "test-model", seed: int | None = None, open_session: bool = True,
-                 seg: ShmSegment | None = None):
+                 seg: ShmSegment | None = None, memfd: bool = False):
         self.daemon = daemon
         self.engine_id = engine_id
         self.rank = rank
         self.shape = shape
         self._own_seg = seg is None  # a segment passed in outlives the engine
+        if seg is None and memfd:  # handed over sealed, as the shim does where memfds work
+            from kvd.testing.memfd import MemfdSegment
+
+            seg = MemfdSegment(shape.size, daemon.socket)
+            self._own_seg = True
         self.seg = seg if seg is not None else ShmSegment(shape.size)
         self.kv = self.seg.array.reshape(shape.num_regions, shape.num_blocks, shape.block_len)
         if seed is not None:
