@@ -1,0 +1,109 @@
+"""Attacker scenarios against real daemons that the current code does not stop.
+
+Each test runs the hostile sequence and asserts what docs/SECURITY.md
+promises; the ones marked xfail(strict) fail today (the reason says what
+happens instead), so a fix turns them into errors until the mark is removed.
+
+- A same-node load reads another engine's blocks only while that engine holds
+  them for the request (kvd.core.local_copy). Naming this daemon by another
+  spelling of its peer address (``localhost:PORT`` for ``127.0.0.1:PORT``)
+  misses ``LocalCopy.addresses`` and takes the NIXL path, which reads any
+  registered block of the engine named, held or not.
+- With neither TLS nor a token the PeerService listens on loopback only, but
+  every local user can reach loopback: a uid refused on the engine socket
+  gets an engine's NIXL agent metadata and region addresses from Handshake
+  (what a host needs to READ or WRITE that memory, SECURITY.md "Not
+  covered"), and ends its leases with Notify.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvd.testing.daemons import start_daemon
+from kvd.testing.processes import child_env
+from kvd.testing.security import NOBODY, reachable_dir
+from kvd.testing.sessions import Engine, KvShape, event_kind
+
+SHAPE = KvShape(num_layers=2, num_blocks=16, block_len=4096)
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    """One daemon in its default configuration (no peer TLS, no token: loopback)."""
+    d = start_daemon(reachable_dir(), "kvd")
+    yield d
+    assert d.stop() == 0
+
+
+@pytest.fixture
+def victim(daemon, request):
+    v = Engine(daemon, f"victim-{request.node.name[-30:]}", SHAPE, seed=7)
+    yield v
+    v.close()
+
+
+@pytest.mark.xfail(strict=True, reason="localhost:PORT misses LocalCopy.addresses; the NIXL path reads unheld blocks")
+def test_a_load_naming_this_daemon_by_another_spelling_reads_no_block_nobody_held(daemon, victim):
+    thief = Engine(daemon, "thief-alias", SHAPE)
+    try:
+        port = daemon.peer_address.rsplit(":", 1)[1]
+        # The daemon's own spelling: the hold rule applies (nothing held: fails at the deadline).
+        thief.load("own", [1, 2], None, [3, 4], "never-held", timeout_s=1, remote_engine_id=victim.engine_id,
+                   remote_address=daemon.peer_address)
+        ev = thief.wait("own", 20)
+        assert event_kind(ev) == "load_failed" and "held no blocks" in ev.load_failed.reason, ev
+        assert not thief.kv.any()
+        # The same daemon as localhost: the same rule must apply.
+        thief.load("alias", [1, 2], None, [3, 4], "never-held", timeout_s=1, remote_engine_id=victim.engine_id,
+                   remote_address=f"localhost:{port}")
+        ev = thief.wait("alias", 20)
+        assert not thief.same_blocks([1, 2], victim, [3, 4]), "the victim's unheld blocks 3, 4 were read"
+        assert event_kind(ev) == "load_failed", ev
+    finally:
+        thief.close()
+
+
+# As NOBODY (admitted nowhere), after the imports: PeerService Handshake and Notify.
+_PEER_AS_NOBODY = r"""
+import json, os, sys, grpc
+from kvd.v1 import kvd_pb2 as pb, kvd_pb2_grpc as pb_grpc
+addr, engine_id, request_id, uid = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+stub = pb_grpc.PeerServiceStub(grpc.insecure_channel(addr))
+os.setgroups([]); os.setgid(uid); os.setuid(uid)
+out = {}
+for name, call in (
+        ("handshake", lambda: stub.Handshake(pb.HandshakeRequest(engine_id=engine_id, protocol_version=1), timeout=10)),
+        ("notify", lambda: stub.Notify(pb.NotifyRequest(engine_id=engine_id, request_id=request_id,
+                                                        expected_notifications=1), timeout=10))):
+    try:
+        r = call()
+        out[name] = {"ok": True, "metadata_bytes": len(getattr(r, "agent_metadata", b""))}
+    except grpc.RpcError as e:
+        out[name] = {"ok": False, "code": e.code().name, "details": e.details()}
+print(json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a caller as another user")
+@pytest.mark.xfail(strict=True, reason="the loopback PeerService answers any local uid: agent metadata, Notify")
+def test_a_local_user_refused_on_the_engine_socket_gets_nothing_from_the_loopback_peer_port(daemon, victim):
+    victim.hold("secret", [1, 2])
+    r = subprocess.run([sys.executable, "-c", _PEER_AS_NOBODY, daemon.peer_address, victim.engine_id, "secret",
+                        str(NOBODY)], capture_output=True, text=True, timeout=60, env=child_env())
+    lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
+    assert lines, r.stderr[-3000:]
+    out = json.loads(lines[-1])
+    try:
+        assert not out["handshake"]["ok"], f"uid {NOBODY} got {out['handshake']['metadata_bytes']} B of agent metadata"
+        assert not out["notify"]["ok"], f"uid {NOBODY} ended another user's lease"
+        assert victim.quiet("secret", 0.5)  # the lease is untouched
+    finally:
+        victim.release("secret")
+        victim.wait("secret", 10)
+    assert daemon.stats().engines >= 1  # still serving
