@@ -107,3 +107,33 @@ def test_a_local_user_refused_on_the_engine_socket_gets_nothing_from_the_loopbac
         victim.release("secret")
         victim.wait("secret", 10)
     assert daemon.stats().engines >= 1  # still serving
+
+
+@pytest.mark.xfail(strict=True, reason="memmove on a truncated shm mapping: SIGBUS kills the daemon")
+@pytest.mark.parametrize("liar", ["source", "reader"])
+def test_a_segment_truncated_after_registration_fails_the_copy_not_the_daemon(tmp_path, liar):
+    """An engine shrinks its own shm object (ftruncate 0) after registering
+    it, then a same-node copy reads from (or writes into) its blocks."""
+    d0 = start_daemon(str(tmp_path), "kvd")
+    p = Engine(d0, "p-liar", SHAPE, seed=7)
+    d = Engine(d0, "d-liar", SHAPE)
+    try:
+        p.hold("r", [3, 4])
+        os.truncate((p if liar == "source" else d).seg.path, 0)
+        d.load("x", [1, 2], p, [3, 4], "r", timeout_s=5)
+        try:
+            ev = d.wait("x", 20)
+        except AssertionError:  # the session broke: let the daemon finish exiting, if it does
+            try:
+                d0.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+            raise
+        finally:
+            assert d0.proc.poll() is None, f"daemon exited {d0.proc.poll()} (-7: SIGBUS)"
+        assert event_kind(ev) == "load_failed", ev
+        assert d0.stats().engines == 2  # still serving
+    finally:
+        p.close()
+        d.close()
+        d0.stop()
