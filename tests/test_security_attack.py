@@ -137,3 +137,31 @@ def test_a_segment_truncated_after_registration_fails_the_copy_not_the_daemon(tm
         p.close()
         d.close()
         d0.stop()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a daemon as another user")
+@pytest.mark.xfail(strict=True, reason="the loopback PeerService serves any local uid's daemon: unheld blocks read")
+def test_a_daemon_run_by_a_local_user_admitted_nowhere_reads_no_block_of_this_daemon(daemon, victim):
+    """User NOBODY runs its own ``kvd serve`` (allowed: it is a program) and
+    its own engine, and loads the victim's blocks through this daemon's
+    loopback peer port, knowing only the engine id."""
+    from kvd.testing.shm import ShmSegment
+    wd = reachable_dir()
+    os.chown(wd, NOBODY, NOBODY)
+    thief_d = start_daemon(wd, "thief", env={"HOME": wd},  # NIXL reads $HOME/.nixl.cfg
+                           wrap=("setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"))
+    seg = ShmSegment(SHAPE.size)
+    os.chown(seg.path, NOBODY, NOBODY)  # the thief's own segment (this helper runs as root)
+    thief = Engine(thief_d, "thief", SHAPE, seg=seg)
+    try:
+        assert os.stat(f"/proc/{thief_d.proc.pid}").st_uid == NOBODY
+        thief.load("steal", [1, 2, 3], None, [3, 4, 5], "never-held", timeout_s=5,
+                   remote_engine_id=victim.engine_id, remote_address=daemon.peer_address)
+        ev = thief.wait("steal", 30)
+        assert victim.kv[:, [3, 4, 5]].any()
+        assert not thief.same_blocks([1, 2, 3], victim, [3, 4, 5]), f"uid {NOBODY} read the victim's blocks: {ev}"
+        assert event_kind(ev) == "load_failed", ev
+    finally:
+        thief.close()
+        seg.close()
+        thief_d.stop()
