@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from kvd.testing.daemons import start_daemon
@@ -165,3 +166,33 @@ def test_a_daemon_run_by_a_local_user_admitted_nowhere_reads_no_block_of_this_da
         thief.close()
         seg.close()
         thief_d.stop()
+
+
+def _rss_mib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("VmRSS")).split()[1]) // 1024
+
+
+@pytest.mark.xfail(strict=True, reason="a same-node load builds every row's addresses before waiting for its hold")
+def test_loads_waiting_for_a_hold_cost_the_daemon_about_their_block_ids_not_their_rows(tmp_path):
+    """One engine sends loads of every block (shuffled: no rows merge) from
+    a source that never holds them: 64 regions x 32768 blocks is 2M rows a
+    load, 192 KiB of block ids on the wire. Each load may wait up to
+    ``max_transfer_timeout_s`` (3600 s), 4096 of them per worker."""
+    shape = KvShape(num_layers=32, num_blocks=32768, block_len=64)  # 128 MiB per engine
+    d0 = start_daemon(str(tmp_path), "kvd")
+    p = Engine(d0, "p-noisy", shape)
+    d = Engine(d0, "d-noisy", shape)
+    try:
+        before = _rss_mib(d0.proc.pid)
+        rng = np.random.default_rng(0)
+        for i in range(4):
+            ids = rng.permutation(shape.num_blocks).tolist()
+            d.load(f"w{i}", ids, p, ids, f"never-held-{i}", timeout_s=600)
+        assert d.quiet("w3", 3.0)  # all four wait for their holds
+        grown = _rss_mib(d0.proc.pid) - before
+        assert grown < 64, f"daemon RSS grew {grown} MiB for 4 waiting loads (0.8 MiB of block ids)"
+    finally:
+        d.close()
+        p.close()
+        assert d0.stop() == 0
