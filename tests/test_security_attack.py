@@ -13,7 +13,13 @@ happens instead), so a fix turns them into errors until the mark is removed.
   every local user can reach loopback: a uid refused on the engine socket
   gets an engine's NIXL agent metadata and region addresses from Handshake
   (what a host needs to READ or WRITE that memory, SECURITY.md "Not
-  covered"), and ends its leases with Notify.
+  covered"), and ends its leases with Notify; a daemon run by that user reads
+  the engine's blocks, held or not.
+- An engine that shrinks its own segment (ftruncate) after registering it
+  kills the daemon (SIGBUS) at the next same-node copy from or into it.
+- Memory one engine makes the daemon keep, far beyond its bytes on the wire:
+  same-node loads waiting for a hold keep every row's addresses; holds keep
+  every block id (repeats accepted) as Python lists.
 """
 
 from __future__ import annotations
@@ -194,5 +200,31 @@ def test_loads_waiting_for_a_hold_cost_the_daemon_about_their_block_ids_not_thei
         assert grown < 64, f"daemon RSS grew {grown} MiB for 4 waiting loads (0.8 MiB of block ids)"
     finally:
         d.close()
+        p.close()
+        assert d0.stop() == 0
+
+
+@pytest.mark.xfail(strict=True, reason="a hold keeps every block id as a Python list, duplicates accepted")
+def test_holds_of_one_block_repeated_cost_the_daemon_nothing_like_their_count(tmp_path):
+    """An engine of 64 blocks holds them 16384 times over (1M ids, ~1 MiB on
+    the wire) under 20 request ids. Past 20 there are 65516 more leases
+    allowed per worker (``max_leases_per_worker``). Either the hold is
+    refused (a request's blocks are distinct: vLLM allocates each once) or
+    what the daemon keeps stays small."""
+    shape = KvShape(num_layers=1, num_blocks=64, block_len=1024)
+    d0 = start_daemon(str(tmp_path), "kvd")
+    p = Engine(d0, "hoarder", shape)
+    try:
+        before = _rss_mib(d0.proc.pid)
+        ids = [i % shape.num_blocks for i in range(1 << 20)]
+        for i in range(20):
+            p.hold(f"h{i}", ids, lease_s=3600)
+        p.hold("probe", [1])
+        p.release("probe")
+        assert event_kind(p.wait("probe")) == "send_done"  # every hold before it was handled
+        refused = [e for e in p.drain() if event_kind(e) == "rejected"]
+        grown = _rss_mib(d0.proc.pid) - before
+        assert len(refused) == 20 or grown < 32, f"daemon RSS grew {grown} MiB for 20 MiB of block ids on the wire"
+    finally:
         p.close()
         assert d0.stop() == 0
