@@ -116,7 +116,6 @@ def test_a_local_user_refused_on_the_engine_socket_gets_nothing_from_the_loopbac
     assert daemon.stats().engines >= 1  # still serving
 
 
-@pytest.mark.xfail(strict=True, reason="memmove on a truncated shm mapping: SIGBUS kills the daemon")
 @pytest.mark.parametrize("liar", ["source", "reader"])
 def test_a_segment_truncated_after_registration_fails_the_copy_not_the_daemon(tmp_path, liar):
     """An engine shrinks its own shm object (ftruncate 0) after registering
@@ -147,7 +146,6 @@ def test_a_segment_truncated_after_registration_fails_the_copy_not_the_daemon(tm
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a daemon as another user")
-@pytest.mark.xfail(strict=True, reason="the loopback PeerService serves any local uid's daemon: unheld blocks read")
 def test_a_daemon_run_by_a_local_user_admitted_nowhere_reads_no_block_of_this_daemon(daemon, victim):
     """User NOBODY runs its own ``kvd serve`` (allowed: it is a program) and
     its own engine, and loads the victim's blocks through this daemon's
