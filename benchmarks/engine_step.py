@@ -10,7 +10,7 @@ shim package may import vllm inside kvd (docs/DESIGN.md, dependency rules).
 A decode engine is played in this process with vLLM 0.32's own ``Scheduler``
 (which makes the scheduler-side ``KvdConnector``) and a worker-side
 ``KvdConnector`` registered with a real daemon D; a second worker-side
-connector (engine P, daemon P) holds the remote blocks. Each step does what
+connector (engine P, daemon P) holds the remote blocks (one hold per load). Each step does what
 vLLM does around a forward pass (``kv_connector_model_runner_mixin.py``:
 ``bind_connector_metadata``, ``start_load_kv``, the forward, ``wait_for_save``,
 ``get_transfer_results``, ``get_block_ids_with_load_errors``,
@@ -177,6 +177,9 @@ class EngineHarness:
         sp.update_from_generation_config({}, 2047)
         req = Request(request_id=f"d{self._n}", prompt_token_ids=[(self._n * 7 + i) % 2000 + 3 for i in range(PROMPT)],
                       sampling_params=sp, pooling_params=None)
+        # P's hold on the blocks this load reads (as P's shim sends it after
+        # the prefill): D's daemon reads only blocks P's daemon holds for the request.
+        self.p_worker.worker.client.hold(f"p{self._n}", [list(range(first, first + nb))], lease_s=600)
         req.kv_transfer_params = {
             "do_remote_prefill": True, "do_remote_decode": False,
             "remote_block_ids": [list(range(first, first + nb))], "remote_engine_id": "bench-step-P",
