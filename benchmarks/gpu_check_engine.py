@@ -80,6 +80,7 @@ class Engine:
     """One engine process: a KV cache buffer, its daemon, its session."""
 
     def __init__(self, mode: str, socket: str, device: int, buffer_bytes: int, role: str):
+        self.engine_socket = socket
         import grpc
         import torch
 
@@ -189,6 +190,7 @@ class Engine:
                                        model="kvd-gpu-check", data_path=self.sharing.wire_data_path,
                                        owner_pid=os.getpid())
         t0 = time.perf_counter()
+        self.sharing.prepare(req, self.engine_socket)  # memfds: handed over first, as the connector does
         resp = self.stub.RegisterEngine(req, timeout=300)
         register_s = time.perf_counter() - t0
         self.engine_id = engine_id
