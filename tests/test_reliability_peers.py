@@ -308,7 +308,7 @@ def test_a_replayed_peer_description_neither_breaks_nor_replaces_the_real_peer(d
     mangled.CopyFrom(real)
     mangled.layout.num_blocks = 2 * SMALL.num_blocks
     answer = {"now": mangled}
-    relay = FakePeer(lambda request, context: answer["now"])
+    relay = FakePeer(lambda request, context: answer["now"], claims_to=prefill.peer_address)
     two = Engine(decode, "two-addresses-d", SMALL)
 
     def request(i: int, address: str) -> pb.SessionEvent:
@@ -387,7 +387,7 @@ def test_a_handshake_slower_than_the_handshake_timeout_is_tried_once_more_within
             time.sleep(1.5)
         return real
 
-    relay = FakePeer(late_once)
+    relay = FakePeer(late_once, claims_to=prefill.peer_address)
     try:
         healthy.hold("retry", [5, 6])
         e.load("retry", [1, 2], None, [5, 6], "retry", remote_engine_id=healthy.engine_id,

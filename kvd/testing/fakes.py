@@ -231,17 +231,29 @@ def kinds(events) -> list[str]:
 class FakePeer:
     """An in-process ``PeerService`` on ``127.0.0.1:<free port>`` that answers
     every handshake with ``respond(request, context)`` (a forged
-    ``HandshakeResponse``, or ``context.abort(...)``). Counts the calls."""
+    ``HandshakeResponse``, or ``context.abort(...)``). Counts the calls.
+    ``claims_to``: a real daemon's peer address that answers the reader's
+    ``Claim`` on the hold (a relay in front of that daemon); without it a
+    claim is UNIMPLEMENTED, as from a daemon that predates claims."""
 
-    def __init__(self, respond):
+    def __init__(self, respond, claims_to: str = ""):
         self.respond = respond
         self.calls = 0
         peer = self
+        real = pb_grpc.PeerServiceStub(grpc.insecure_channel(claims_to)) if claims_to else None
 
         class _Servicer(pb_grpc.PeerServiceServicer):
             def Handshake(self, request, context):
                 peer.calls += 1
                 return peer.respond(request, context)
+
+            def Claim(self, request, context):
+                if real is None:
+                    context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
+                try:
+                    return real.Claim(request, timeout=context.time_remaining())
+                except grpc.RpcError as e:
+                    context.abort(e.code(), e.details())
 
         self.server = grpc.server(ThreadPoolExecutor(max_workers=4), options=MESSAGE_OPTIONS)
         pb_grpc.add_PeerServiceServicer_to_server(_Servicer(), self.server)
