@@ -183,8 +183,13 @@ def target(tmp_path_factory):
     fuzz drives handshakes, READs and notifications, and its loads name
     request ids no lease holds (a same-node copy waits for the hold until
     the load's deadline; tests/test_same_node.py covers that path)."""
+    # Each example calls through a fresh Daemon.stub() channel, closed only
+    # when garbage collected: past the gate's per-uid connection cap (128) a
+    # busy run saw new connections refused ("Socket closed"). The caps are
+    # tested in tests/test_security_gate.py; here they stay out of the way.
     d = start_daemon(str(tmp_path_factory.mktemp("fuzz")), "kvd", "--handshake-timeout-s", "5",
-                     "--same-node-copy", "false")
+                     "--same-node-copy", "false", "--max-engine-connections", "8192",
+                     "--max-engine-connections-per-uid", "8192")
     prefill = Engine(d, "fz-prefill", SHAPE, seed=2)
     decode = Engine(d, "fz-decode", SHAPE)
     spare = ShmSegment(SHAPE.size)

@@ -150,7 +150,16 @@ def test_a_daemon_run_by_a_local_user_admitted_nowhere_reads_no_block_of_this_da
     """User NOBODY runs its own ``kvd serve`` (allowed: it is a program) and
     its own engine, and loads the victim's blocks through this daemon's
     loopback peer port, knowing only the engine id."""
+    import subprocess
+    import sys
+
     from kvd.testing.shm import ShmSegment
+    # uid NOBODY must be able to run this checkout's kvd at all (a clone
+    # under a 0700 directory, e.g. mktemp's, is not readable to it).
+    probe = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                            sys.executable, "-c", "import kvd.cli"], capture_output=True, text=True, timeout=60)
+    if probe.returncode != 0:
+        pytest.skip(f"uid {NOBODY} cannot import this checkout's kvd: {probe.stderr.strip().splitlines()[-1:]}")
     wd = reachable_dir()
     os.chown(wd, NOBODY, NOBODY)
     thief_d = start_daemon(wd, "thief", env={"HOME": wd},  # NIXL reads $HOME/.nixl.cfg
