@@ -5,7 +5,9 @@
   (``kvd/daemon/local_gate.py``);
 - ``PeerService`` (+ Health, reflection) on TCP, for remote daemons, with
   mutual TLS and/or a token (``kvd/daemon/peer_auth.py``); with neither it
-  binds loopback only unless ``peer_insecure`` (docs/SECURITY.md);
+  binds loopback only unless ``peer_insecure``, and admits callers on this
+  host only from sockets of root or the daemon's uid
+  (``kvd/daemon/peer_local.py``; docs/SECURITY.md);
 - both on one ``grpc.aio`` event loop run by uvloop; NIXL calls run on the
   core's NIXL thread.
 Startup ends with sd_notify ``READY=1`` (systemd ``Type=notify``).
@@ -51,6 +53,7 @@ from kvd.daemon.fd_channel import FdChannel
 from kvd.daemon.local_gate import AdmissionInterceptor, Gate, Policy
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.peer_auth import PeerAuth, PeerAuthInterceptor
+from kvd.daemon.peer_local import LocalPeerGate
 from kvd.daemon.sdnotify import Notifier
 from kvd.daemon.peer_client import PeerClient
 from kvd.daemon.peer_service import PeerService
@@ -184,6 +187,10 @@ class Server:
         host = self._peer_host(host, port)
         auth = self.peer_auth
         interceptors = [PeerAuthInterceptor(auth, self._own_addresses)] if auth.token else []
+        if not auth.secured:
+            # Loopback is every local user's: only root's and our uid's sockets
+            # may call (kvd.daemon.peer_local, docs/SECURITY.md).
+            interceptors.append(LocalPeerGate(lambda: self.peer_port))
         self.peer_server = grpc.aio.server(options=options, interceptors=interceptors)
         kvd_pb2_grpc.add_PeerServiceServicer_to_server(PeerService(self.node), self.peer_server)
         self.peer_health = self._add_health_and_reflection(self.peer_server, PEER_SERVICE)
