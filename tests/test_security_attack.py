@@ -55,7 +55,6 @@ def victim(daemon, request):
     v.close()
 
 
-@pytest.mark.xfail(strict=True, reason="localhost:PORT misses LocalCopy.addresses; the NIXL path reads unheld blocks")
 def test_a_load_naming_this_daemon_by_another_spelling_reads_no_block_nobody_held(daemon, victim):
     thief = Engine(daemon, "thief-alias", SHAPE)
     try:

@@ -209,6 +209,7 @@ class Server:
                         if adv.startswith("127.") else "")
         adv = adv or f"{host}:{self.peer_port}"
         self.node.peer_address = adv
+        self.node.listening(host, self.peer_port)
         self._bound = bind.replace(f":{port}", f":{self.peer_port}") if port == 0 else bind
 
         # Engine side (Unix socket, through the gate).
