@@ -184,16 +184,17 @@ def _rss_mib(pid: int) -> int:
         return int(next(line for line in f if line.startswith("VmRSS")).split()[1]) // 1024
 
 
-@pytest.mark.xfail(strict=True, reason="a same-node load builds every row's addresses before waiting for its hold")
-def test_loads_waiting_for_a_hold_cost_the_daemon_about_their_block_ids_not_their_rows(tmp_path):
+@pytest.mark.parametrize("memfd", [False, True], ids=["nixl-path", "same-node-copy"])
+def test_loads_waiting_for_a_hold_cost_the_daemon_about_their_block_ids_not_their_rows(tmp_path, memfd):
     """One engine sends loads of every block (shuffled: no rows merge) from
     a source that never holds them: 64 regions x 32768 blocks is 2M rows a
-    load, 192 KiB of block ids on the wire. Each load may wait up to
-    ``max_transfer_timeout_s`` (3600 s), 4096 of them per worker."""
+    load, 192 KiB of block ids on the wire. Each waits for its claim (up to
+    ``max_claim_wait_s``), 4096 of them per worker. Named segments take the
+    NIXL path to this same daemon, sealed memfds the same-node copy."""
     shape = KvShape(num_layers=32, num_blocks=32768, block_len=64)  # 128 MiB per engine
     d0 = start_daemon(str(tmp_path), "kvd")
-    p = Engine(d0, "p-noisy", shape)
-    d = Engine(d0, "d-noisy", shape)
+    p = Engine(d0, "p-noisy", shape, memfd=memfd)
+    d = Engine(d0, "d-noisy", shape, memfd=memfd)
     try:
         before = _rss_mib(d0.proc.pid)
         rng = np.random.default_rng(0)

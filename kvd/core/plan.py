@@ -337,15 +337,40 @@ def chunk_indices(local_blocks, remote_blocks, num_regions: int, local_num_block
         LayoutError: a block id out of range, a missing group, or too few
             local blocks.
     """
+    region_groups = list(region_groups) if region_groups is not None else [0] * num_regions
+    lgroups, rgroups = check_block_ids(local_blocks, remote_blocks, local_num_blocks, remote_num_blocks, k,
+                                       region_groups)
+    lout, rout = [], []
+    c = np.arange(C, dtype=np.int64)[None, None, :]
+    for g in range(max(region_groups) + 1):
+        lb, rb = lgroups[g], rgroups[g]
+        regs = np.array([i for i, rg in enumerate(region_groups) if rg == g], dtype=np.int64)[:, None, None]
+        i = np.arange(len(rb), dtype=np.int64)
+        lpos = lb[i // k] * k + i % k                   # (block, slot) of each remote block
+        lout.append((((regs * local_num_blocks * k) + lpos[None, :, None]) * C + c).reshape(-1))
+        rout.append((((regs * remote_num_blocks) + rb[None, :, None]) * C + c).reshape(-1))
+    return np.concatenate(lout).astype(np.int32), np.concatenate(rout).astype(np.int32)
+
+
+def check_block_ids(local_blocks, remote_blocks, local_num_blocks: int, remote_num_blocks: int, k: int,
+                    region_groups: list[int]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """What :func:`chunk_indices` checks, without making a row: every group
+    the regions use (``region_groups``) has block ids on both sides, enough
+    local blocks for its remote ones (``k`` per local block), and every id
+    in range. Costs about the block ids (a load may wait for its claim with
+    them; its rows, regions x blocks x chunks, are made after).
+
+    Returns the ids as ``(local, remote)`` lists of int64 arrays per group.
+
+    Raises:
+        LayoutError: as :func:`chunk_indices`.
+    """
     lgroups = _as_groups(local_blocks)
     rgroups = _as_groups(remote_blocks)
-    region_groups = list(region_groups) if region_groups is not None else [0] * num_regions
     ngroups = max(region_groups) + 1
     if len(lgroups) != len(rgroups) or len(lgroups) < ngroups:
         raise LayoutError(f"block ids for {len(lgroups)} local / {len(rgroups)} remote groups, "
                           f"the regions use {ngroups}")
-    lout, rout = [], []
-    c = np.arange(C, dtype=np.int64)[None, None, :]
     for g in range(ngroups):
         lb, rb = lgroups[g], rgroups[g]
         if len(lb) * k < len(rb) or len(lb) < -(-len(rb) // k):
@@ -355,12 +380,7 @@ def chunk_indices(local_blocks, remote_blocks, num_regions: int, local_num_block
             if ids.size and (ids.min() < 0 or ids.max() >= n):
                 bad = int(ids[(ids < 0) | (ids >= n)][0])
                 raise LayoutError(f"{side} block id {bad} out of range 0..{n - 1}")
-        regs = np.array([i for i, rg in enumerate(region_groups) if rg == g], dtype=np.int64)[:, None, None]
-        i = np.arange(len(rb), dtype=np.int64)
-        lpos = lb[i // k] * k + i % k                   # (block, slot) of each remote block
-        lout.append((((regs * local_num_blocks * k) + lpos[None, :, None]) * C + c).reshape(-1))
-        rout.append((((regs * remote_num_blocks) + rb[None, :, None]) * C + c).reshape(-1))
-    return np.concatenate(lout).astype(np.int32), np.concatenate(rout).astype(np.int32)
+    return lgroups, rgroups
 
 
 def _as_groups(blocks) -> list[np.ndarray]:
