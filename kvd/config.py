@@ -160,6 +160,8 @@ class Config:
     max_leases_per_worker: int = _setting(65536, "prefill leases held per engine worker; a hold past it is "
                                                  "rejected")
     max_blocks_per_request: int = _setting(1 << 20, "block ids in one load or hold (all groups together)")
+    max_held_blocks_per_worker: int = _setting(1 << 22, "block ids held by one engine worker's leases, all "
+                                                         "together; a hold past it is rejected")
     max_queued_event_bytes: int = _setting(64 << 20, "events queued for one engine worker's session that it has "
                                                      "not read, bytes (8 per block id); past it the stream is "
                                                      "ended and the events dropped")
@@ -248,6 +250,7 @@ class Config:
                                ("max_engine_connections", 1, 1 << 20),
                                ("max_engine_connections_per_uid", 1, 1 << 20),
                                ("max_blocks_per_request", 1, 1 << 26),
+                               ("max_held_blocks_per_worker", 1, 1 << 30),
                                ("max_queued_event_bytes", 1 << 16, 1 << 40),
                                ("max_workers", 1, 1 << 16), ("max_workers_per_uid", 1, 1 << 16),
                                ("max_descriptors", 1, 1 << 40), ("max_descriptors_per_uid", 1, 1 << 40),

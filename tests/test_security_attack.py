@@ -210,7 +210,6 @@ def test_loads_waiting_for_a_hold_cost_the_daemon_about_their_block_ids_not_thei
         assert d0.stop() == 0
 
 
-@pytest.mark.xfail(strict=True, reason="a hold keeps every block id as a Python list, duplicates accepted")
 def test_holds_of_one_block_repeated_cost_the_daemon_nothing_like_their_count(tmp_path):
     """An engine of 64 blocks holds them 16384 times over (1M ids, ~1 MiB on
     the wire) under 20 request ids. Past 20 there are 65516 more leases

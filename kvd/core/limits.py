@@ -27,6 +27,9 @@ class Limits:
     max_blocks_per_request: int = 1 << 20
     max_inflight_per_worker: int = 4096
     max_leases_per_worker: int = 65536  # prefill leases held at once (each keeps its request id and blocks)
+    # Block ids held by one worker's leases, all together (4 bytes each; a
+    # block shared by several requests' prefixes counts once per hold).
+    max_held_blocks_per_worker: int = 1 << 22
     poll_busy_s: float = 0.0005      # poll interval while transfers are in flight
     poll_idle_s: float = 0.005       # otherwise (notifications, leases)
     transfer_mode: str = "pull"      # "pull": decode READs; "push": prefill WRITEs on request

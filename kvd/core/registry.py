@@ -253,7 +253,7 @@ class Registry:
                      w.mem.owner_pid, gone, len(w.mem.segment_names))
         log.info("unregistered %s (%s): %d leases, %d loads dropped", w.label, reason, released, len(w.inflight))
         w.inflight.clear()
-        w.leases.leases.clear()
+        w.leases.clear()
         return released
 
     def _free_worker(self, w: Worker) -> None:
