@@ -133,6 +133,9 @@ class Config:
     engine_idle_timeout_s: float = _setting(10.0, "a connection to the engine socket that sends no byte this "
                                                   "long is closed, seconds (a gRPC client sends its preface "
                                                   "at once)")
+    require_memfd: bool = _setting(False, "refuse named shm segments (MEMORY_KIND_SHM) in RegisterEngine: "
+                                          "engines hand their KV cache over as sealed memfds (an engine "
+                                          "could shrink a named segment under the daemon: SIGBUS)")
     require_session_token: bool = _setting(False, "OpenSession and UnregisterEngine must carry the "
                                                   "session_token of the registration (else the same process "
                                                   "that registered may omit it)")

@@ -182,6 +182,7 @@ class Server:
         self.engine_service = EngineService(self.node, backends=cfg.backends,
                                             callers=self.gate.caller,
                                             require_session_token=cfg.require_session_token,
+                                            require_memfd=cfg.require_memfd,
                                             fds=self.fd_channel.table)
 
         # Peer side (TCP).
