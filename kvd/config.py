@@ -155,6 +155,12 @@ class Config:
                                            "host:port/engine_id (a remote daemon's peer address and an engine "
                                            "registered there): every TP rank of it, for each local worker at "
                                            "its registration, retried until it answers", factory=list)
+    peer_check_s: float = _setting(15.0, "each remote worker this daemon reads from is asked (a handshake) "
+                                         "this often whether its daemon and engine are still there, seconds")
+    peer_dead_s: float = _setting(45.0, "a remote daemon that has not answered for this long has its agents "
+                                        "and descriptor lists released here (the next load handshakes again), "
+                                        "seconds")
+    peer_idle_s: float = _setting(600.0, "a remote worker no load has used for this long is released, seconds")
     # Bounds.
     max_message_bytes: int = _setting(MAX_MESSAGE_BYTES, "largest gRPC message received or sent, bytes "
                                                          "(both ports)")
@@ -217,7 +223,7 @@ class Config:
         if not self.metrics_host:
             raise self._error("metrics_host", "must not be empty")
         for key in ("lease_s", "transfer_timeout_s", "handshake_timeout_s", "grace_s", "detach_grace_s",
-                    "engine_idle_timeout_s"):
+                    "engine_idle_timeout_s", "peer_check_s", "peer_dead_s", "peer_idle_s"):
             v = getattr(self, key)
             if not math.isfinite(v) or v <= 0:
                 raise self._error(key, f"must be a finite number of seconds > 0 (got {v})")

@@ -49,6 +49,15 @@ class Limits:
     max_descriptors_per_uid: int = 1 << 27
     max_aborts: int = 1024                  # AbortLoads in flight (each may wait a handshake timeout)
     max_aborts_per_uid: int = 256
+    # Remote workers' liveness (kvd.core.peers.Peers.check): each remote is
+    # asked (a handshake) every peer_check_s; one whose daemon has not
+    # answered for peer_dead_s, whose engine is gone, or no load has used for
+    # peer_idle_s is released (its peer agent and descriptor lists); the next
+    # load handshakes again. A dead peer's state goes within about
+    # peer_dead_s + peer_check_s.
+    peer_check_s: float = 15.0
+    peer_dead_s: float = 45.0
+    peer_idle_s: float = 600.0
 
 
 @dataclass(frozen=True)

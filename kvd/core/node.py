@@ -140,8 +140,10 @@ class Node:
         self.rt.draining = value
 
     def start(self) -> None:
-        """Starts the progress loop (polls transfers, notifications, leases)."""
+        """Starts the progress loop (polls transfers, notifications, leases)
+        and the peers' liveness check (``kvd.core.peers``)."""
         self.progress.start()
+        self.peers.start()
 
     async def close(self) -> None:
         """Fails in-flight loads, releases leases, unregisters every worker.

@@ -15,6 +15,16 @@ handshaken again in the background.
 A remote is *fresh* when this request's own handshake made it; a READ that
 fails on a cached remote is retried once after a new handshake
 (``kvd.core.pull``).
+
+Liveness (:meth:`Peers.check`, every ``Limits.peer_check_s``): each remote
+worker in use is asked again (a handshake, one per remote worker whatever
+the number of local workers pairing with it). A daemon that has not answered
+for ``peer_dead_s`` (killed, its host gone), an engine no longer registered
+there, or a remote no load has used for ``peer_idle_s`` is released: its
+peer agent and descriptor lists are freed once no load uses them, and the
+next load handshakes again. An answer naming another agent (the peer
+restarted) retires the old one and handshakes anew in the background. Before,
+a SIGKILLed peer's agent stayed loaded for as long as the decode daemon ran.
 """
 
 from __future__ import annotations
@@ -117,6 +127,8 @@ class Peers:
         self.link = link
         self._handshakes: dict[tuple, asyncio.Future] = {}  # (local key, peer key) -> handshake task
         self._warming: set[asyncio.Task] = set()  # Limits.warm_peers handshakes, retried until one answers
+        self._silent_since: dict[PeerKey, float] = {}  # remote worker -> first failed liveness probe
+        self._watcher: asyncio.Task | None = None
 
     def warm_configured(self, w: Worker) -> None:
         """Starts handshakes of ``w`` with every ``Limits.warm_peers`` engine
@@ -150,23 +162,94 @@ class Peers:
             await asyncio.sleep(delay)
             delay = min(30.0, 2 * delay)
 
+    def start(self) -> None:
+        """Starts the liveness check of remote workers (:meth:`check` every
+        ``Limits.peer_check_s``) on the running event loop."""
+        self._watcher = asyncio.get_running_loop().create_task(self._watch(), name="kvd-peer-liveness")
+
+    async def _watch(self) -> None:
+        while not self.rt.closing:
+            await asyncio.sleep(self.rt.limits.peer_check_s)
+            try:
+                await self.check(time.monotonic())
+            except Exception:
+                log.exception("peer liveness check failed")
+
+    async def check(self, now: float) -> None:
+        """One liveness round (see the module docstring): releases idle
+        remotes, then asks each remote worker still in use whether it is
+        there, all at once, each within ``min(handshake_timeout_s,
+        peer_check_s)``."""
+        limits = self.rt.limits
+        users: dict[PeerKey, list[tuple[Worker, RemoteWorker]]] = {}
+        for w in list(self.rt.workers.values()):
+            for key, r in list(w.pairs.remotes.items()):
+                if now - r.last_used > limits.peer_idle_s:
+                    self.retire(w, r, f"no load used it for {limits.peer_idle_s:.0f} s (peer_idle_s)", again=False)
+                else:
+                    users.setdefault(key, []).append((w, r))
+        for key in [k for k in self._silent_since if k not in users]:
+            del self._silent_since[key]
+        if self.link is None or not users:
+            return
+        timeout = min(limits.handshake_timeout_s, limits.peer_check_s)
+        await asyncio.gather(*(self._probe(key, pairs, now, timeout) for key, pairs in users.items()))
+
+    async def _probe(self, key: PeerKey, pairs: list[tuple[Worker, RemoteWorker]], now: float,
+                     timeout: float) -> None:
+        """Asks remote worker ``key`` for its handshake and retires the
+        ``pairs`` using it when it is gone, another agent, or silent past
+        ``peer_dead_s``."""
+        address, engine_id, rank = key
+        try:
+            hs = await self.link.handshake(address, engine_id, rank, pairs[0][0].compat_hash, timeout)
+        except PeerUnavailable as e:
+            since = self._silent_since.setdefault(key, now)
+            if now - since >= self.rt.limits.peer_dead_s:
+                del self._silent_since[key]
+                for w, r in pairs:
+                    self.retire(w, r, f"its daemon has not answered for {now - since:.0f} s (peer_dead_s): {e}",
+                                again=False)
+            return
+        except (NotFound, Incompatible, InvalidArgument) as e:
+            self._silent_since.pop(key, None)
+            for w, r in self._settled(pairs, now):
+                self.retire(w, r, f"liveness check: {e}", again=False)
+            return
+        self._silent_since.pop(key, None)
+        for w, r in self._settled(pairs, now):
+            if hs.agent_name != r.agent_name:
+                self.retire(w, r, f"the peer now has agent {hs.agent_name} (restarted)")
+
+    def _settled(self, pairs: list[tuple[Worker, RemoteWorker]], now: float) -> list[tuple[Worker, RemoteWorker]]:
+        """The pairs no load may be about to post on: a load takes its remote
+        before its claim and posts after it, and a retired remote is freed
+        once no *posted* READ uses it. A daemon that answers may grant that
+        claim, so a remote taken within a claim's reach is left to the next
+        round (or to the READ's own failure, ``kvd.core.pull``); a silent one
+        cannot, and is released at once."""
+        reach = BOUNDS.max_claim_wait_s + self.rt.limits.handshake_timeout_s
+        return [(w, r) for w, r in pairs if now - r.last_used >= reach]
+
     async def close(self) -> None:
-        """Stops handshakes under way (at shutdown)."""
-        tasks = [*self._warming, *self._handshakes.values()]
+        """Stops handshakes and the liveness check under way (at shutdown)."""
+        tasks = [*self._warming, *self._handshakes.values(), *([self._watcher] if self._watcher else [])]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    def retire(self, w: Worker, remote: RemoteWorker, why: str) -> None:
-        """Stops using a remote agent; its NIXL state is freed once no load uses it."""
+    def retire(self, w: Worker, remote: RemoteWorker, why: str, again: bool = True) -> None:
+        """Stops using a remote agent; its NIXL state is freed once no load
+        uses it. ``again``: handshake with that peer again in the background
+        (the peer may have restarted with new agents: the new handshake is
+        under way before the next load needs it); else the next load does."""
         if w.pairs.remotes.get(remote.key) is remote:
             del w.pairs.remotes[remote.key]
             w.pairs.retired.append(remote)
-            log.info("%s: dropped remote agent %s at %s (%s); handshaking again in the background",
-                     w.label, remote.agent_name, remote.address, why)
-            # The peer may have restarted with new agents: the new handshake
-            # is under way before the next load needs it.
-            self.warm(w, remote.address, remote.engine_id, remote.tp_size)
+            log.info("%s: dropped remote agent %s at %s (%s)%s", w.label, remote.agent_name, remote.address, why,
+                     "; handshaking again in the background" if again else "")
+            if again:
+                self.warm(w, remote.address, remote.engine_id, remote.tp_size)
 
     def _load_agent(self, w: Worker, name: str, metadata: bytes) -> str:
         """NIXL thread: loads a peer's agent into ``w``'s agent once; counts its users.
@@ -339,6 +422,7 @@ class Peers:
             fresh = True
         if r.tp_size != tp_size:  # a cached remote, or a handshake another request started
             raise Incompatible(f"remote engine {engine_id!r} has TP size {r.tp_size}, the request says {tp_size}")
+        r.last_used = time.monotonic()
         return r, fresh
 
     async def _do_handshake(self, w: Worker, key: PeerKey, tp_size: int) -> RemoteWorker:
@@ -422,7 +506,7 @@ class Peers:
         src_bytes = tuple(int(c[:C, 3].sum()) for c in chunk_sets)
         return RemoteWorker(address, engine_id, peer_rank, hs.tp_size, name, hs.layout, len(hs.regions), k, C,
                             ours_dlist, theirs_dlist, prep and not identity, hs.daemon_version, src_bytes,
-                            tuple(x.group for x in w.regions))
+                            tuple(x.group for x in w.regions), last_used=time.monotonic())
 
     # ------------------------------------------------------------- peer side
     async def handshake_info(self, engine_id: str, tp_rank: int, caller_hash: str,

@@ -138,6 +138,7 @@ class RemoteWorker:
     daemon_version: str
     region_bytes: tuple[int, ...] = ()  # bytes one source block contributes, per region
     region_groups: tuple[int, ...] = ()  # KV-cache group of each region
+    last_used: float = 0.0  # monotonic seconds a load last took it (kvd.core.peers: idle eviction)
 
     def transfer_bytes(self, source_groups: BlockGroups) -> int:
         """Bytes a transfer of ``source_groups`` moves from this source."""
