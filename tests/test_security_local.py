@@ -106,6 +106,16 @@ def test_an_admitted_uid_registers_its_own_memory_but_never_memory_it_could_not_
     _still_serving(daemon)
 
 
+def test_a_staging_mirror_is_mode_0600_and_owned_by_the_engine_that_registered(daemon):
+    """Staged data path: the daemon's mirror of an engine's cache is that
+    engine's alone (0600, its uid), not open to the daemon's group."""
+    r = call_as(daemon.socket, ADMITTED, NOBODY, "register-staged")
+    assert r["ok"], r  # and the engine could open it read-write
+    assert r["mirror"] == {"uid": ADMITTED, "mode": 0o600}, r
+    assert daemon.stats().engines == 0
+    _still_serving(daemon)
+
+
 def test_a_symbolic_link_in_dev_shm_is_never_followed(daemon):
     seg = ShmSegment(SHAPE.size)
     link = f"/dev/shm/kvdtest_{os.getpid()}_link"

@@ -111,7 +111,7 @@ class Registry:
                 staged = bool(staged)
                 for s in segments:
                     if staged:
-                        staging.append(create_shm(s.size))
+                        staging.append(create_shm(s.size, uid=owner.uid if owner is not None else -1))
                     if s.kind == MEMFD_KIND and not staged:  # handed over by fd: nothing named, nothing to unlink
                         mappings.append(FdMapping(s.fd, s.size, s.name))
                         continue
