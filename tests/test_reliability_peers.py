@@ -1,11 +1,11 @@
-"""Reliability (issue 4): the prefill side dies or restarts, handshakes fail.
+"""Reliability: the prefill side dies or restarts, handshakes fail, peers go silent or idle.
 
 Real daemons (subprocesses), real NIXL/UCX, real shared memory; the test
 process plays the engines over raw session streams (``kvd.testing.sessions.Engine``).
 One decode daemon and one healthy prefill daemon serve the whole module; the
 prefill daemons that are killed or restarted are started by their test.
 
-Scenarios 1, 2 and 7 of issue 4; deadlines are in docs/RELIABILITY.md.
+Scenarios 1, 2, 2b and 7 of docs/RELIABILITY.md's table, with their deadlines.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Local access (issue 8): who may use the engine socket, which memory a caller
+"""Local access: who may use the engine socket, which memory a caller
 may hand the daemon, and which engine worker a caller may drive.
 
 One daemon for the module; its socket's group is nogroup and it admits one

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from kvd.daemon.peer_local import LocalPeerGate, parse_peer, socket_owners
+from kvd.daemon.peer_local import LocalPeerGate, _proc_owners, parse_peer, socket_owners
 from kvd.testing.security import NOBODY
 
 
@@ -39,6 +39,7 @@ def test_the_owner_of_a_connected_socket_is_the_uid_that_made_it(family, host):
         port = c.getsockname()[1]
         peer = f"ipv4:{host}:{port}" if family == socket.AF_INET else f"ipv6:[{host}]:{port}"
         assert socket_owners(ip, port, server_port) == [os.geteuid()]
+        assert _proc_owners(ip, port, server_port) == [os.geteuid()]  # the fallback agrees
         # Only sockets connected to the daemon's port count.
         assert socket_owners(ip, port, server_port ^ 1) == []
         gate = LocalPeerGate(lambda: server_port)
@@ -78,3 +79,12 @@ def test_a_socket_of_another_uid_is_refused_and_named():
 def test_a_caller_from_another_host_is_not_looked_up_as_local():
     # peer_insecure: remote hosts stay admitted (no credential configured means every host is trusted).
     assert LocalPeerGate(lambda: 7700).refusal("ipv4:192.0.2.7:40000") is None
+
+
+def test_a_caller_that_dialed_an_address_no_lookup_guesses_is_found_all_the_same():
+    """A wildcard listener dialed at 127.0.0.5: the caller's side is
+    127.0.0.1 -> 127.0.0.5, which the exact lookups (listen IPs, the caller's
+    own, loopback) miss; /proc/net/tcp finds it."""
+    with socket.create_server(("0.0.0.0", 0)) as srv, socket.create_connection(("127.0.0.5", srv.getsockname()[1])) as c:
+        ip, port = c.getsockname()
+        assert socket_owners(ipaddress.ip_address(ip), port, srv.getsockname()[1]) == [os.geteuid()]
