@@ -317,18 +317,11 @@ class PDStack:
         self.procs.check_alive()
 
     def log_tails(self, lines: int = LOG_TAIL_LINES) -> str:
-        """The last ``lines`` lines of each child's log (``<run dir>/<name>.log``:
-        daemon-P, daemon-D, engine-P, engine-D), one titled block each, for a
-        failure report: a test that fails on a CI machine shows why without
-        its run directory."""
-        out = []
-        for path in sorted(self.run_dir.glob("*.log")):
-            try:
-                text = path.read_text(errors="replace").splitlines()[-lines:]
-            except OSError as e:
-                text = [f"(unreadable: {e})"]
-            out.append(f"----- {path} (last {len(text)} lines)\n" + "\n".join(text))
-        return "\n".join(out)
+        """The last ``lines`` lines of each child's log (daemon-P, daemon-D,
+        engine-P, engine-D), one titled block each, for a failure report: a
+        test that fails on a CI machine shows why without its run directory."""
+        return "\n".join(f"----- {c.name} ({c.log_path}), last {lines} lines\n{c.log_tail(lines)}"
+                         for c in self.procs.children)
 
     def close(self) -> tuple[list[str], list[str]]:
         """Stops every child, removes the daemons' sockets (and the socket
