@@ -42,15 +42,18 @@ from kvd.requests import BlockGroups, LoadRequest, flat
 log = logging.getLogger("kvd.core")
 
 
-def _repeated(groups: BlockGroups, num_blocks: int) -> str:
-    """Why ``groups`` (ids already checked to be in ``0..num_blocks-1``) is no
-    hold: a block id twice in one KV-cache group (vLLM allocates a request's
-    blocks once each), or "" when none is."""
+def _repeated(groups: BlockGroups) -> str:
+    """Why ``groups`` is no hold: a block id twice in one KV-cache group
+    (vLLM allocates a request's blocks once each), or "" when none is."""
     for g, ids in enumerate(groups):
         if len(ids) > 1:
-            counts = np.bincount(np.asarray(ids, dtype=np.int64), minlength=1)
-            if counts.max() > 1:
-                return f"block id {int(counts.argmax())} repeated in group {g} ({int(counts.max())} times)"
+            # Sorted, not counted per block: a count array would take 8 bytes
+            # per block of the cache (up to 2^24 blocks) for each hold.
+            a = np.sort(np.asarray(ids, dtype=np.int64))
+            same = np.flatnonzero(a[1:] == a[:-1])
+            if same.size:
+                bid = a[same[0]]
+                return f"block id {int(bid)} repeated in group {g} ({int((a == bid).sum())} times)"
     return ""
 
 
@@ -93,7 +96,7 @@ class Holds:
         except LayoutError as e:
             emit(w, CommandRejected(request_id, f"hold: {e}"))
             return
-        repeated = _repeated(groups, w.layout.num_blocks)
+        repeated = _repeated(groups)
         if repeated:
             emit(w, CommandRejected(request_id, f"hold: {repeated}"))
             return
