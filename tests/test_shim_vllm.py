@@ -35,6 +35,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
+from kvd.addresses import join_host_port, split_host_port  # noqa: E402
 from kvd.requests import LoadRequest  # noqa: E402
 from kvd.shim.vllm import (  # noqa: E402
     HoldSpec,
@@ -46,8 +47,6 @@ from kvd.shim.vllm import (  # noqa: E402
     TransferGroups,
     as_groups,
     first_group,
-    join_host_port,
-    split_host_port,
 )
 from kvd.v1 import kvd_pb2 as pb  # noqa: E402
 from kvd.testing.fakes import PEER_ADDRESS, FakeDaemon  # noqa: E402
