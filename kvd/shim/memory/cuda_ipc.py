@@ -75,7 +75,7 @@ import torch
 
 from kvd.shim.memory import regions
 from kvd.shim.memory.base import KvSharing
-from kvd.shim.memory.regions import KV_LAYOUTS, KvCachePlan, KvShareError, dtype_name
+from kvd.shim.memory.regions import KvCachePlan, KvShareError
 from kvd.v1 import kvd_pb2 as pb
 
 IPC_HANDLE_SIZE = 64  # sizeof(cudaIpcMemHandle_t)
@@ -220,9 +220,8 @@ class SharedCudaKvCaches:
     def cache_blocks(self) -> list[torch.Tensor]:
         """Per region, the ``[num_blocks, block_len]`` ``uint8`` view of the KV
         cache, on its device (the staged path's copy source and target)."""
-        bufs = [regions.storage_bytes(t) for t in self.plan.storages]
-        return [regions.block_view(bufs[r.storage], r.offset, r.block_len, r.block_stride, self.layout.num_blocks,
-                                   CudaShareError) for r in self.plan.regions]
+        spans = ((r.storage, r.offset, r.block_len, r.block_stride) for r in self.plan.regions)
+        return regions.block_views(self.plan.storages, spans, self.layout.num_blocks, CudaShareError)
 
 
 def share_kv_caches(
@@ -248,10 +247,7 @@ def share_kv_caches(
             declared ``kv_layout`` that contradicts the tensors' strides; regions
             past their storage; tensors on more than one device.
     """
-    if kv_layout not in KV_LAYOUTS:
-        raise CudaShareError(f"kv_layout must be one of {sorted(KV_LAYOUTS)} (got {kv_layout!r})")
-    if block_size <= 0:
-        raise CudaShareError(f"block_size must be > 0 tokens (got {block_size})")
+    regions.check_block_format(kv_layout, block_size, CudaShareError)
     plan = plan_regions(kv_caches, num_blocks, block_dim=block_dim, groups=groups)
     if kv_layout != "MLA":
         for layer in plan.layers:
@@ -276,27 +272,16 @@ def share_kv_caches(
     handles = sorted(seg_index, key=seg_index.get)
     segments = [pb.Segment(kind=pb.MEMORY_KIND_CUDA_IPC, handle=h, device=devices[0], size=sz)
                 for h, sz in zip(handles, sizes)]
-    wire_regions = []
-    for r in plan.regions:
-        e = exported[r.storage]
-        end = r.offset + (num_blocks - 1) * r.block_stride + r.block_len
-        if end > e.nbytes:
-            raise CudaShareError(f"region {r.name}: {num_blocks} blocks end at byte {end}, "
-                                 f"past its storage of {e.nbytes} bytes")
-        wire_regions.append(pb.Region(segment_index=seg_of[r.storage], offset=e.offset + r.offset,
-                                 block_len=r.block_len, block_stride=r.block_stride, name=r.name, group=r.group))
-    layout = pb.Layout(
-        num_blocks=num_blocks, block_size=block_size, kv_layout=KV_LAYOUTS[kv_layout],
-        dtype=dtype_name(plan.dtype) if plan.dtype is not None else "", num_kv_heads=num_kv_heads,
-        head_dim=head_dim, num_layers=len(plan.layers), block_lens=[r.block_len for r in plan.regions],
-        total_kv_heads=total_kv_heads,
-    )
+    wire = regions.wire_regions(plan, num_blocks, bases=[e.offset for e in exported],
+                                nbytes=[e.nbytes for e in exported], segment_of=seg_of, error=CudaShareError)
+    layout = regions.wire_layout(plan, num_blocks=num_blocks, block_size=block_size, kv_layout=kv_layout,
+                                 num_kv_heads=num_kv_heads, head_dim=head_dim, total_kv_heads=total_kv_heads)
     # A block that is more than tokens x heads x head_dim of one K or V
     # (FlashInfer's [2, block_size, heads, head_dim] per block) holds K and V
     # together: the daemon can move it whole only, between equal block sizes.
     token_bytes = block_size * num_kv_heads * head_dim * (plan.storages[0].element_size() if plan.storages else 1)
     kv_in_block = kv_layout != "MLA" and any(r.block_len != token_bytes for r in plan.regions)
-    return SharedCudaKvCaches(segments, wire_regions, layout, exported, plan, seg_of, kv_in_block)
+    return SharedCudaKvCaches(segments, wire, layout, exported, plan, seg_of, kv_in_block)
 
 
 # ---------------------------------------------------------------- sharing
