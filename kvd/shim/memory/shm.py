@@ -84,6 +84,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -330,34 +331,29 @@ def head_vector(block_len: int, block_size: int, num_kv_heads: int, head_dim: in
 def share_kv_caches(
     kv_caches: Mapping[str, torch.Tensor],
     *,
-    num_blocks: int,
-    block_size: int,
-    kv_layout: str,
-    num_kv_heads: int,
-    head_dim: int,
-    total_kv_heads: int = 0,
-    block_dim: int | None = None,
-    groups: Mapping[str, int] | None = None,
-    share: Callable[[torch.Tensor], SharedStorage] | None = share_storage,
+    share: Callable[[torch.Tensor], SharedStorage] = share_storage,
+    **describe: Any,
 ) -> SharedKvCaches:
     """Shares every storage behind ``kv_caches`` and describes it for the daemon
     (the direct data path: the daemon maps the engine's own pages).
 
     Args:
         kv_caches: ``layer name -> tensor`` as given to ``register_kv_caches``.
-        num_blocks: blocks per region (``KVCacheConfig.num_blocks``).
-        block_size: tokens per block (the KV cache manager's block size).
-        kv_layout: ``"HND"``, ``"NHD"`` or ``"MLA"`` (inside one block).
-        num_kv_heads: KV heads held by this TP rank.
-        head_dim: head size in elements (``layout.head_dim`` may be twice it,
-            see :func:`head_vector`).
-        total_kv_heads: KV heads of the whole model (0: ``num_kv_heads`` x TP size).
-        block_dim: see :func:`plan_regions`.
-        groups: layer -> KV-cache group, see :func:`plan_regions`.
         share: moves one storage where the daemon can map it:
             :func:`share_storage` (a name in /dev/shm) or
-            ``kvd.shim.memory.memfd.share_storage`` (a sealed memfd); None:
-            share nothing (:func:`describe_kv_caches`).
+            ``kvd.shim.memory.memfd.share_storage`` (a sealed memfd).
+        describe: keyword arguments:
+
+            - ``num_blocks``: blocks per region (``KVCacheConfig.num_blocks``);
+            - ``block_size``: tokens per block (the KV cache manager's block size);
+            - ``kv_layout``: ``"HND"``, ``"NHD"`` or ``"MLA"`` (inside one block);
+            - ``num_kv_heads``: KV heads held by this TP rank;
+            - ``head_dim``: head size in elements (``layout.head_dim`` may be
+              twice it, see :func:`head_vector`);
+            - ``total_kv_heads`` (default 0): KV heads of the whole model
+              (0: ``num_kv_heads`` x TP size);
+            - ``block_dim``, ``groups`` (layer -> KV-cache group): see
+              :func:`plan_regions`.
 
     Returns:
         Segments (one per storage, ``MEMORY_KIND_SHM``, or ``MEMORY_KIND_MEMFD``
@@ -366,7 +362,40 @@ def share_kv_caches(
 
     Raises:
         CpuShareError: see :func:`plan_regions` and :func:`share_storage`.
+        TypeError: a missing or unknown ``describe`` key.
     """
+    return _describe(kv_caches, share=share, **describe)
+
+
+def describe_kv_caches(kv_caches: Mapping[str, torch.Tensor], **describe: Any) -> SharedKvCaches:
+    """Describes ``kv_caches`` without sharing anything (the staged data path).
+
+    Same ``describe`` arguments and maths as :func:`share_kv_caches`, but
+    the segments are unnamed (``RegisterEngineRequest`` with
+    ``DATA_PATH_STAGED``: only their sizes count, the daemon makes a mirror of
+    each) and the region offsets count from each storage's byte 0.
+    ``tensors`` are what the shim copies from and to (``kvd.shim.memory.staged``).
+
+    Raises:
+        CpuShareError: as :func:`share_kv_caches`.
+    """
+    return _describe(kv_caches, share=None, **describe)
+
+
+def _describe(
+    kv_caches: Mapping[str, torch.Tensor],
+    *,
+    num_blocks: int,
+    block_size: int,
+    kv_layout: str,
+    num_kv_heads: int,
+    head_dim: int,
+    total_kv_heads: int = 0,
+    block_dim: int | None = None,
+    groups: Mapping[str, int] | None = None,
+    share: Callable[[torch.Tensor], SharedStorage] | None,
+) -> SharedKvCaches:
+    """:func:`share_kv_caches` (``share`` given) or :func:`describe_kv_caches` (None)."""
     regions.check_block_format(kv_layout, block_size, CpuShareError)
     plan = plan_regions(kv_caches, num_blocks, block_dim=block_dim, groups=groups)
     if share is not None:
@@ -389,21 +418,6 @@ def share_kv_caches(
                                  kv_in_block=kv_in_block and kv_layout == "HND")
     return SharedKvCaches(segments=segments, regions=wire, layout=layout, storages=shared,
                           tensors=list(plan.storages), kv_in_block=kv_in_block)
-
-
-def describe_kv_caches(kv_caches: Mapping[str, torch.Tensor], **describe) -> SharedKvCaches:
-    """Describes ``kv_caches`` without sharing anything (the staged data path).
-
-    Same arguments (but ``share``) and maths as :func:`share_kv_caches`, but
-    the segments are unnamed (``RegisterEngineRequest`` with
-    ``DATA_PATH_STAGED``: only their sizes count, the daemon makes a mirror of
-    each) and the region offsets count from each storage's byte 0.
-    ``tensors`` are what the shim copies from and to (``kvd.shim.memory.staged``).
-
-    Raises:
-        CpuShareError: as :func:`share_kv_caches`.
-    """
-    return share_kv_caches(kv_caches, share=None, **describe)
 
 
 # ---------------------------------------------------------------- sharing
