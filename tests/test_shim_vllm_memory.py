@@ -5,18 +5,10 @@ the direct, staged and auto data paths (a staged prefill copies computed
 blocks into the daemon's mirror, again after a daemon restart), and the KV
 cache's memory at shutdown (no segment left, mirrors closed first).
 
-(``test_shim_vllm_transfers.py``: prefill hand-off, decode loads, hybrid
-allocator groups, stats.)
-
-Each test runs an in-process "engine loop" with no model
-(``tests/vllm_inproc.py``): vLLM's own ``Scheduler`` (which constructs the
-scheduler-side ``KvdConnector`` from the ``--kv-transfer-config`` it would get
-on the command line), and a worker-side ``KvdConnector`` that registers a KV
-cache allocated by vLLM's own ``allocate_kv_cache``. Each step does what
-``vllm/v1/worker/kv_connector_model_runner_mixin.py:_get_kv_connector_output``
-does around a forward pass: bind metadata, ``start_load_kv``,
-``get_transfer_results``, ``get_block_ids_with_load_errors``, and hands the
-result back to ``Scheduler.update_from_output``.
+The in-process engine loop (``tests/vllm_inproc.py``: vLLM's own
+``Scheduler`` and a worker-side ``KvdConnector``, no model) is the one
+``test_shim_vllm_transfers.py`` drives; that module tests the transfers
+(prefill hand-off, decode loads, hybrid allocator groups, stats).
 """
 
 from __future__ import annotations

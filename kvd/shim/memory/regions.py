@@ -258,13 +258,39 @@ def block_view(buf: torch.Tensor, offset: int, block_len: int, block_stride: int
 
 
 # ------------------------------------------------------------------- proto
-def check_block_format(kv_layout: str, block_size: int, error: type[KvShareError] = KvShareError) -> None:
-    """Refuses a ``kv_layout`` not in :data:`KV_LAYOUTS` or a ``block_size``
-    (tokens) below 1, raising ``error``."""
-    if kv_layout not in KV_LAYOUTS:
-        raise error(f"kv_layout must be one of {sorted(KV_LAYOUTS)} (got {kv_layout!r})")
-    if block_size <= 0:
-        raise error(f"block_size must be > 0 tokens (got {block_size})")
+@dataclass(frozen=True)
+class KvDescription:
+    """What a worker says about its KV cache beside the tensors: the keyword
+    arguments of ``KvSharing.share`` and of each path's ``share_kv_caches``.
+
+    Attributes:
+        num_blocks: blocks per region (``KVCacheConfig.num_blocks``).
+        block_size: tokens per block (the KV cache manager's block size).
+        kv_layout: ``"HND"``, ``"NHD"`` or ``"MLA"``: the order of tokens and
+            heads inside one block.
+        num_kv_heads: KV heads held by this TP rank.
+        head_dim: head size in elements.
+        total_kv_heads: KV heads of the whole model (0: ``num_kv_heads`` x TP size).
+        block_dim: force the block dimension (see :func:`find_block_dim`).
+        groups: layer name -> KV-cache group (vLLM HMA; default: all group 0).
+    """
+
+    num_blocks: int
+    block_size: int
+    kv_layout: str
+    num_kv_heads: int
+    head_dim: int
+    total_kv_heads: int = 0
+    block_dim: int | None = None
+    groups: Mapping[str, int] | None = None
+
+    def check(self, error: type[KvShareError] = KvShareError) -> None:
+        """Refuses a ``kv_layout`` not in :data:`KV_LAYOUTS` or a ``block_size``
+        below 1 token, raising ``error``."""
+        if self.kv_layout not in KV_LAYOUTS:
+            raise error(f"kv_layout must be one of {sorted(KV_LAYOUTS)} (got {self.kv_layout!r})")
+        if self.block_size <= 0:
+            raise error(f"block_size must be > 0 tokens (got {self.block_size})")
 
 
 def wire_regions(plan: KvCachePlan, num_blocks: int, *, bases: Sequence[int], nbytes: Sequence[int],
@@ -295,16 +321,16 @@ def wire_regions(plan: KvCachePlan, num_blocks: int, *, bases: Sequence[int], nb
     return out
 
 
-def wire_layout(plan: KvCachePlan, *, num_blocks: int, block_size: int, kv_layout: str, num_kv_heads: int,
-                head_dim: int, total_kv_heads: int, kv_in_block: bool = False) -> pb.Layout:
-    """``RegisterEngineRequest.layout`` of ``plan``: ``head_dim`` is what the
-    caller worked out (elements per token and head in a block),
-    ``kv_in_block`` the layout flag (K and V runs the daemon may move apart)."""
+def wire_layout(plan: KvCachePlan, d: KvDescription, *, head_dim: int, kv_in_block: bool = False) -> pb.Layout:
+    """``RegisterEngineRequest.layout`` of ``plan`` described by ``d``:
+    ``head_dim`` is what the caller worked out (elements per token and head
+    in a block), ``kv_in_block`` the layout flag (K and V runs the daemon may
+    move apart)."""
     return pb.Layout(
-        num_blocks=num_blocks, block_size=block_size, kv_layout=KV_LAYOUTS[kv_layout],
-        dtype=dtype_name(plan.dtype) if plan.dtype is not None else "", num_kv_heads=num_kv_heads,
+        num_blocks=d.num_blocks, block_size=d.block_size, kv_layout=KV_LAYOUTS[d.kv_layout],
+        dtype=dtype_name(plan.dtype) if plan.dtype is not None else "", num_kv_heads=d.num_kv_heads,
         head_dim=head_dim, num_layers=len(plan.layers), block_lens=[r.block_len for r in plan.regions],
-        total_kv_heads=total_kv_heads, kv_in_block=kv_in_block,
+        total_kv_heads=d.total_kv_heads, kv_in_block=kv_in_block,
     )
 
 

@@ -90,7 +90,7 @@ import torch
 
 from kvd.shim.memory import regions
 from kvd.shim.memory.base import KvSharing
-from kvd.shim.memory.regions import KvCachePlan, KvShareError
+from kvd.shim.memory.regions import KvCachePlan, KvDescription, KvShareError
 from kvd.v1 import kvd_pb2 as pb
 
 log = logging.getLogger("kvd.shim.memory.shm")
@@ -342,18 +342,11 @@ def share_kv_caches(
         share: moves one storage where the daemon can map it:
             :func:`share_storage` (a name in /dev/shm) or
             ``kvd.shim.memory.memfd.share_storage`` (a sealed memfd).
-        describe: keyword arguments:
-
-            - ``num_blocks``: blocks per region (``KVCacheConfig.num_blocks``);
-            - ``block_size``: tokens per block (the KV cache manager's block size);
-            - ``kv_layout``: ``"HND"``, ``"NHD"`` or ``"MLA"`` (inside one block);
-            - ``num_kv_heads``: KV heads held by this TP rank;
-            - ``head_dim``: head size in elements (``layout.head_dim`` may be
-              twice it, see :func:`head_vector`);
-            - ``total_kv_heads`` (default 0): KV heads of the whole model
-              (0: ``num_kv_heads`` x TP size);
-            - ``block_dim``, ``groups`` (layer -> KV-cache group): see
-              :func:`plan_regions`.
+        describe: the fields of ``kvd.shim.memory.regions.KvDescription``
+            (``num_blocks``, ``block_size``, ``kv_layout``, ``num_kv_heads``,
+            ``head_dim``; optional ``total_kv_heads``, ``block_dim``,
+            ``groups``); ``layout.head_dim`` may be twice ``head_dim``, see
+            :func:`head_vector`.
 
     Returns:
         Segments (one per storage, ``MEMORY_KIND_SHM``, or ``MEMORY_KIND_MEMFD``
@@ -364,7 +357,7 @@ def share_kv_caches(
         CpuShareError: see :func:`plan_regions` and :func:`share_storage`.
         TypeError: a missing or unknown ``describe`` key.
     """
-    return _describe(kv_caches, share=share, **describe)
+    return _describe(kv_caches, KvDescription(**describe), share)
 
 
 def describe_kv_caches(kv_caches: Mapping[str, torch.Tensor], **describe: Any) -> SharedKvCaches:
@@ -377,27 +370,16 @@ def describe_kv_caches(kv_caches: Mapping[str, torch.Tensor], **describe: Any) -
     ``tensors`` are what the shim copies from and to (``kvd.shim.memory.staged``).
 
     Raises:
-        CpuShareError: as :func:`share_kv_caches`.
+        CpuShareError, TypeError: as :func:`share_kv_caches`.
     """
-    return _describe(kv_caches, share=None, **describe)
+    return _describe(kv_caches, KvDescription(**describe), None)
 
 
-def _describe(
-    kv_caches: Mapping[str, torch.Tensor],
-    *,
-    num_blocks: int,
-    block_size: int,
-    kv_layout: str,
-    num_kv_heads: int,
-    head_dim: int,
-    total_kv_heads: int = 0,
-    block_dim: int | None = None,
-    groups: Mapping[str, int] | None = None,
-    share: Callable[[torch.Tensor], SharedStorage] | None,
-) -> SharedKvCaches:
+def _describe(kv_caches: Mapping[str, torch.Tensor], d: KvDescription,
+              share: Callable[[torch.Tensor], SharedStorage] | None) -> SharedKvCaches:
     """:func:`share_kv_caches` (``share`` given) or :func:`describe_kv_caches` (None)."""
-    regions.check_block_format(kv_layout, block_size, CpuShareError)
-    plan = plan_regions(kv_caches, num_blocks, block_dim=block_dim, groups=groups)
+    d.check(CpuShareError)
+    plan = plan_regions(kv_caches, d.num_blocks, block_dim=d.block_dim, groups=d.groups)
     if share is not None:
         shared = [share(t) for t in plan.storages]
         segments = [pb.Segment(kind=pb.MEMORY_KIND_MEMFD, size=s.size) if s.fd >= 0 else
@@ -405,17 +387,15 @@ def _describe(
     else:
         shared = [SharedStorage(name="", data_offset=0, nbytes=t.untyped_storage().nbytes()) for t in plan.storages]
         segments = [pb.Segment(kind=pb.MEMORY_KIND_SHM, name="", size=s.size) for s in shared]
-    wire = regions.wire_regions(plan, num_blocks, bases=[s.data_offset for s in shared],
+    wire = regions.wire_regions(plan, d.num_blocks, bases=[s.data_offset for s in shared],
                                 nbytes=[s.nbytes for s in shared], error=CpuShareError)
     esize = plan.storages[0].element_size() if plan.storages else 1
-    vecs = {head_vector(r.block_len, block_size, num_kv_heads, head_dim, esize) for r in plan.regions}
-    vec = vecs.pop() if len(vecs) == 1 and plan.kernel_blocks == 1 else head_dim
-    kv_in_block = vec != head_dim
+    vecs = {head_vector(r.block_len, d.block_size, d.num_kv_heads, d.head_dim, esize) for r in plan.regions}
+    vec = vecs.pop() if len(vecs) == 1 and plan.kernel_blocks == 1 else d.head_dim
+    kv_in_block = vec != d.head_dim
     # HND with K and V in the block is vLLM-CPU's [heads, 2, tokens, head_size]:
     # the daemon moves K and V runs separately (block-size remap works).
-    layout = regions.wire_layout(plan, num_blocks=num_blocks, block_size=block_size, kv_layout=kv_layout,
-                                 num_kv_heads=num_kv_heads, head_dim=vec, total_kv_heads=total_kv_heads,
-                                 kv_in_block=kv_in_block and kv_layout == "HND")
+    layout = regions.wire_layout(plan, d, head_dim=vec, kv_in_block=kv_in_block and d.kv_layout == "HND")
     return SharedKvCaches(segments=segments, regions=wire, layout=layout, storages=shared,
                           tensors=list(plan.storages), kv_in_block=kv_in_block)
 
