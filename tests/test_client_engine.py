@@ -66,8 +66,8 @@ def test_register_stats_and_unregister_reach_the_daemon(sock):
         client = EngineClient(sock)
         resp = client.register(register_request(), timeout_s=5)
         assert resp.peer_address == PEER_ADDRESS
-        assert client.get_stats(timeout_s=5).peer_address == PEER_ADDRESS
-        assert client.get_info(timeout_s=5).daemon_version == "fake"
+        stats = client.get_stats(timeout_s=5)
+        assert stats.peer_address == PEER_ADDRESS and stats.daemon_version == "fake"
         client.unregister(timeout_s=5)
         assert fake.service.registers[0].worker.engine_id == "engine-a"
         assert len(fake.service.unregisters) == 1

@@ -242,8 +242,6 @@ class EngineClient:
         return call_unary(self.address, "GetStats", self._stub.GetStats, pb.StatsRequest(), timeout_s,
                           wait_for_ready)
 
-    get_info = get_stats
-
     # --------------------------------------------------------------- session
     def start_session(self) -> None:
         """Starts the background session thread (after :meth:`register`).
