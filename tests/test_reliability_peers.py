@@ -409,7 +409,7 @@ LIVENESS = ("--peer-check-s", "0.5", "--peer-dead-s", "2")
 
 
 def test_a_killed_peers_agent_is_released_within_peer_dead_s_and_handshaken_again_when_it_returns(tmp):
-    """kvd.core.peers.Peers.check: after SIGKILL of the prefill daemon, the
+    """kvd.core.liveness.Liveness.check: after SIGKILL of the prefill daemon, the
     decode daemon keeps its remote agent and descriptor lists only until the
     peer has been silent for ``peer_dead_s`` (2 s here, probed every 0.5 s;
     before, they stayed for the daemon's life: > 120 s seen). A daemon that

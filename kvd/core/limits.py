@@ -49,7 +49,7 @@ class Limits:
     max_descriptors_per_uid: int = 1 << 27
     max_aborts: int = 1024                  # AbortLoads in flight (each may wait a handshake timeout)
     max_aborts_per_uid: int = 256
-    # Remote workers' liveness (kvd.core.peers.Peers.check): each remote is
+    # Remote workers' liveness (kvd.core.liveness.Liveness.check): each remote is
     # asked (a handshake) every peer_check_s; one whose daemon has not
     # answered for peer_dead_s, whose engine is gone, or no load has used for
     # peer_idle_s is released (its peer agent and descriptor lists); the next

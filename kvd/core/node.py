@@ -38,6 +38,7 @@ from kvd.core.events import CommandRejected
 from kvd.core.holds import Holds
 from kvd.core.layout import Layout, Region
 from kvd.core.limits import Limits
+from kvd.core.liveness import Liveness
 from kvd.core.local_copy import LocalCopy
 from kvd.core.peers import Peers
 from kvd.core.progress import Progress
@@ -87,6 +88,7 @@ class Node:
         self.rt = Runtime(limits or Limits(), on_event)
         self.own = OwnAddresses()
         self.peers = Peers(self.rt, peers)
+        self.liveness = Liveness(self.rt, self.peers)
         self.registry = Registry(self.rt, self.peers, backends or ["UCX"])
         self.holds = Holds(self.rt, peers, peer_address)
         self.push_mode = Push(self.rt, self.peers, self.holds)
@@ -141,9 +143,9 @@ class Node:
 
     def start(self) -> None:
         """Starts the progress loop (polls transfers, notifications, leases)
-        and the peers' liveness check (``kvd.core.peers``)."""
+        and the remote workers' liveness check (``kvd.core.liveness``)."""
         self.progress.start()
-        self.peers.start()
+        self.liveness.start()
 
     async def close(self) -> None:
         """Fails in-flight loads, releases leases, unregisters every worker.
@@ -153,6 +155,7 @@ class Node:
         within ``detach_grace_s`` of an engine crash would leave them in
         /dev/shm. A live engine's segments are never touched."""
         self.rt.closing = True
+        await self.liveness.close()
         await self.peers.close()
         await self.progress.stop()
         for key in list(self.rt.workers):

@@ -16,15 +16,9 @@ A remote is *fresh* when this request's own handshake made it; a READ that
 fails on a cached remote is retried once after a new handshake
 (``kvd.core.pull``).
 
-Liveness (:meth:`Peers.check`, every ``Limits.peer_check_s``): each remote
-worker in use is asked again (a handshake, one per remote worker whatever
-the number of local workers pairing with it). A daemon that has not answered
-for ``peer_dead_s`` (killed, its host gone), an engine no longer registered
-there, or a remote no load has used for ``peer_idle_s`` is released: its
-peer agent and descriptor lists are freed once no load uses them, and the
-next load handshakes again. An answer naming another agent (the peer
-restarted) retires the old one and handshakes anew in the background. Before,
-a SIGKILLed peer's agent stayed loaded for as long as the decode daemon ran.
+A remote no load should use any more (its daemon silent, its engine gone,
+idle) is retired by ``kvd.core.liveness``; ``RemoteWorker.last_used`` is
+when a load last took it.
 """
 
 from __future__ import annotations
@@ -46,6 +40,13 @@ from kvd.core.runtime import Runtime
 from kvd.core.state import PROTOCOL_VERSION, HandshakeResult, PeerKey, PeerLink, RemoteWorker, Worker
 
 log = logging.getLogger("kvd.core")
+
+# Seconds from a handshake to the preparation of its pair's descriptor
+# lists: the load that caused the handshake posts its READ first (idle: a
+# claim round trip, ~1 ms); until then, and for a pair past
+# BOUNDS.max_prepped_rows always, each transfer makes its own rows (about
+# the same cost above a few hundred descriptors; 0.04 ms more for 8).
+PREP_DELAY_S = 1.0
 
 
 def check_peer(w: Worker, hs: HandshakeResult, what: str) -> None:
@@ -127,8 +128,7 @@ class Peers:
         self.link = link
         self._handshakes: dict[tuple, asyncio.Future] = {}  # (local key, peer key) -> handshake task
         self._warming: set[asyncio.Task] = set()  # Limits.warm_peers handshakes, retried until one answers
-        self._silent_since: dict[PeerKey, float] = {}  # remote worker -> first failed liveness probe
-        self._watcher: asyncio.Task | None = None
+        self._preparing: set[asyncio.Task] = set()  # descriptor lists prepared after a handshake
 
     def warm_configured(self, w: Worker) -> None:
         """Starts handshakes of ``w`` with every ``Limits.warm_peers`` engine
@@ -162,78 +162,9 @@ class Peers:
             await asyncio.sleep(delay)
             delay = min(30.0, 2 * delay)
 
-    def start(self) -> None:
-        """Starts the liveness check of remote workers (:meth:`check` every
-        ``Limits.peer_check_s``) on the running event loop."""
-        self._watcher = asyncio.get_running_loop().create_task(self._watch(), name="kvd-peer-liveness")
-
-    async def _watch(self) -> None:
-        while not self.rt.closing:
-            await asyncio.sleep(self.rt.limits.peer_check_s)
-            try:
-                await self.check(time.monotonic())
-            except Exception:
-                log.exception("peer liveness check failed")
-
-    async def check(self, now: float) -> None:
-        """One liveness round (see the module docstring): releases idle
-        remotes, then asks each remote worker still in use whether it is
-        there, all at once, each within ``min(handshake_timeout_s,
-        peer_check_s)``."""
-        limits = self.rt.limits
-        users: dict[PeerKey, list[tuple[Worker, RemoteWorker]]] = {}
-        for w in list(self.rt.workers.values()):
-            for key, r in list(w.pairs.remotes.items()):
-                if now - r.last_used > limits.peer_idle_s:
-                    self.retire(w, r, f"no load used it for {limits.peer_idle_s:.0f} s (peer_idle_s)", again=False)
-                else:
-                    users.setdefault(key, []).append((w, r))
-        for key in [k for k in self._silent_since if k not in users]:
-            del self._silent_since[key]
-        if self.link is None or not users:
-            return
-        timeout = min(limits.handshake_timeout_s, limits.peer_check_s)
-        await asyncio.gather(*(self._probe(key, pairs, now, timeout) for key, pairs in users.items()))
-
-    async def _probe(self, key: PeerKey, pairs: list[tuple[Worker, RemoteWorker]], now: float,
-                     timeout: float) -> None:
-        """Asks remote worker ``key`` for its handshake and retires the
-        ``pairs`` using it when it is gone, another agent, or silent past
-        ``peer_dead_s``."""
-        address, engine_id, rank = key
-        try:
-            hs = await self.link.handshake(address, engine_id, rank, pairs[0][0].compat_hash, timeout)
-        except PeerUnavailable as e:
-            since = self._silent_since.setdefault(key, now)
-            if now - since >= self.rt.limits.peer_dead_s:
-                del self._silent_since[key]
-                for w, r in pairs:
-                    self.retire(w, r, f"its daemon has not answered for {now - since:.0f} s (peer_dead_s): {e}",
-                                again=False)
-            return
-        except (NotFound, Incompatible, InvalidArgument) as e:
-            self._silent_since.pop(key, None)
-            for w, r in self._settled(pairs, now):
-                self.retire(w, r, f"liveness check: {e}", again=False)
-            return
-        self._silent_since.pop(key, None)
-        for w, r in self._settled(pairs, now):
-            if hs.agent_name != r.agent_name:
-                self.retire(w, r, f"the peer now has agent {hs.agent_name} (restarted)")
-
-    def _settled(self, pairs: list[tuple[Worker, RemoteWorker]], now: float) -> list[tuple[Worker, RemoteWorker]]:
-        """The pairs no load may be about to post on: a load takes its remote
-        before its claim and posts after it, and a retired remote is freed
-        once no *posted* READ uses it. A daemon that answers may grant that
-        claim, so a remote taken within a claim's reach is left to the next
-        round (or to the READ's own failure, ``kvd.core.pull``); a silent one
-        cannot, and is released at once."""
-        reach = BOUNDS.max_claim_wait_s + self.rt.limits.handshake_timeout_s
-        return [(w, r) for w, r in pairs if now - r.last_used >= reach]
-
     async def close(self) -> None:
-        """Stops handshakes and the liveness check under way (at shutdown)."""
-        tasks = [*self._warming, *self._handshakes.values(), *([self._watcher] if self._watcher else [])]
+        """Stops handshakes and list preparations under way (at shutdown)."""
+        tasks = [*self._warming, *self._handshakes.values(), *self._preparing]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -300,6 +231,7 @@ class Peers:
 
     def free_remote(self, w: Worker, r: RemoteWorker) -> None:
         """NIXL thread: releases a remote's prepped lists and forgets its agent."""
+        r.freed = True
         lists = [r.remote_dlist] + ([r.local_dlist] if r.owns_local_dlist else [])
         for d in lists:
             try:
@@ -470,7 +402,7 @@ class Peers:
         log.info("%s: handshake with %s engine=%s rank=%d/%d agent=%s (kvd %s) in %.1f ms (%s): %d chunk(s) x "
                  "%d slot(s)%s", w.label, address, engine_id, tp_rank, hs.tp_size, r.agent_name, hs.daemon_version,
                  1e3 * (time.monotonic() - t0), spent, r.C, r.k,
-                 "" if r.prepped_lists or not isinstance(r.remote_dlist, Unprepped) else ", rows per transfer")
+                 ", lists prepared in the background" if r.prepare_later else ", rows per transfer")
         return r
 
     async def pair(self, w: Worker, hs: HandshakeResult, peer_rank: int, *, we_read: bool, address: str,
@@ -501,36 +433,63 @@ class Peers:
         identity = reader_identity if we_read else source_identity
         our_map = our_map_of(w.mem.bases, w.regions, w.layout.num_blocks, chunk_sets, k, w.mem.device)
         their_map = their_map_of(hs.region_bases, hs.regions, hs.layout.num_blocks, chunk_sets, k, hs.device)
-        # Prepared lists cost time per row of both caches, on the request's
-        # path; past BOUNDS.max_prepped_rows each transfer makes its own rows
-        # instead (docs/PERFORMANCE.md, "First contact").
-        prep = len(their_map) + (0 if identity else len(our_map)) <= BOUNDS.max_prepped_rows
-
         phases["plan"] = time.monotonic() - t0
         queued = time.monotonic()
 
         def add():
             phases["nixl_wait"] = time.monotonic() - queued
-            name = self._load_agent(w, hs.agent_name, hs.agent_metadata, phases)
-            t_prep = time.monotonic()
-            if not prep:
-                return (name, Unprepped(their_map.rows, hs.memory, name),
-                        Unprepped(our_map.rows, w.mem.memory))
-            try:
-                theirs_dlist = w.agent.prep_remote(name, their_map.all(), hs.memory)
-                ours_dlist = (w.mem.local_dlist if identity
-                              else w.agent.prep_local(our_map.all(), w.mem.memory))
-                phases["prep"] = time.monotonic() - t_prep
-                return name, theirs_dlist, ours_dlist
-            except Exception:
-                self._unload_agent(w, name)
-                raise
+            return self._load_agent(w, hs.agent_name, hs.agent_metadata, phases)
 
-        name, theirs_dlist, ours_dlist = await self.rt.nixl(add)
+        name = await self.rt.nixl(add)
         src_bytes = tuple(int(c[:C, 3].sum()) for c in chunk_sets)
-        return RemoteWorker(address, engine_id, peer_rank, hs.tp_size, name, hs.layout, len(hs.regions), k, C,
-                            ours_dlist, theirs_dlist, prep and not identity, hs.daemon_version, src_bytes,
-                            tuple(x.group for x in w.regions), last_used=time.monotonic())
+        # Transfers make their own rows until the lists are prepared: the
+        # first load never waits for the whole cache's lists.
+        r = RemoteWorker(address, engine_id, peer_rank, hs.tp_size, name, hs.layout, len(hs.regions), k, C,
+                         lists=(Unprepped(our_map.rows, w.mem.memory), Unprepped(their_map.rows, hs.memory, name)),
+                         owns_local_dlist=False, daemon_version=hs.daemon_version, region_bytes=src_bytes,
+                         region_groups=tuple(x.group for x in w.regions), last_used=time.monotonic())
+        # Prepared lists cost time per row of both caches (29k rows: 10 ms
+        # idle, 0.1-1.1 s with both cores busy, GIL held), so they are made
+        # off the request's path, PREP_DELAY_S after the handshake; past
+        # BOUNDS.max_prepped_rows never (docs/PERFORMANCE.md, "First contact").
+        if len(their_map) + (0 if identity else len(our_map)) <= BOUNDS.max_prepped_rows:
+            r.prepare_later = True
+            self._prepare_later(w, r, our_map, their_map, identity, hs.memory)
+        return r
+
+    def _prepare_later(self, w: Worker, r: RemoteWorker, our_map, their_map, identity: bool, memory: str) -> None:
+        """Prepares ``r``'s two descriptor lists on the NIXL thread,
+        ``PREP_DELAY_S`` seconds from now (the first load of a fresh pair
+        usually posts within that: it is not queued behind the preparation),
+        and swaps them in. Nothing happens if ``r`` or ``w`` is gone by then;
+        a NIXL error is logged and the pair keeps making rows per transfer."""
+
+        def prepare() -> None:  # NIXL thread, serial with free_remote
+            if r.freed or not self.rt.registered(w):
+                return
+            t0 = time.monotonic()
+            theirs = w.agent.prep_remote(r.agent_name, their_map.all(), memory)
+            try:
+                ours = w.mem.local_dlist if identity else w.agent.prep_local(our_map.all(), w.mem.memory)
+            except Exception:
+                w.agent.release_dlist(theirs)
+                raise
+            r.owns_local_dlist = not identity
+            r.lists = (ours, theirs)
+            log.debug("%s: lists of %s prepared in %.1f ms (%d rows)", w.label, r.agent_name,
+                      1e3 * (time.monotonic() - t0), len(their_map) + (0 if identity else len(our_map)))
+
+        async def run() -> None:
+            await asyncio.sleep(PREP_DELAY_S)
+            try:
+                await self.rt.nixl(prepare)
+            except Exception as e:
+                log.info("%s: preparing the lists of %s failed (%s); transfers keep making their rows",
+                         w.label, r.agent_name, e)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._preparing.add(task)
+        task.add_done_callback(self._preparing.discard)
 
     # ------------------------------------------------------------- peer side
     async def handshake_info(self, engine_id: str, tp_rank: int, caller_hash: str,
