@@ -142,3 +142,22 @@ def test_dynamo_takes_multiconnector_with_kvd_named_nixl_as_the_nixl_protocol():
     child = proto._vllm_config.kv_transfer_config
     assert child.kv_connector == routers.NIXL_CONNECTOR
     assert child.kv_connector_module_path == NAMED_MODULE
+
+
+def test_multiconnector_rebuilds_kvd_stats_by_name():
+    """vLLM's MultiConnector rebuilds a child's stats in the API server by
+    class name from vLLM's registry; kvd registers itself on import
+    (``kvd.shim.vllm.connector.register_with_vllm``), else the API server's
+    output handler raises on the first load's stats."""
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    from kvd.shim.vllm import KvdConnector, KvdKVConnectorStats
+
+    assert KVConnectorFactory.get_connector_class_by_name("KvdConnector") is KvdConnector
+    sent = KvdKVConnectorStats()
+    sent.data["bytes_transferred"].append(32768)
+    got = MultiConnector.build_kv_connector_stats({KvdConnector.__name__: dict(sent.data)})
+    assert isinstance(got["KvdConnector"], KvdKVConnectorStats)
+    assert got["KvdConnector"].data["bytes_transferred"] == [32768]
