@@ -161,3 +161,54 @@ def test_multiconnector_rebuilds_kvd_stats_by_name():
     got = MultiConnector.build_kv_connector_stats({KvdConnector.__name__: dict(sent.data)})
     assert isinstance(got["KvdConnector"], KvdKVConnectorStats)
     assert got["KvdConnector"].data["bytes_transferred"] == [32768]
+
+
+# ---------------------------------------------------------------- push: a hold that arrives after the push
+
+@pytest.fixture(scope="module")
+def push_daemons(tmp_path_factory):
+    """A prefill daemon and a decode daemon in push mode (no engines)."""
+    from kvd.testing.daemons import start_daemon
+
+    d = str(tmp_path_factory.mktemp("push-late"))
+    a, b = start_daemon(d, "prefill"), start_daemon(d, "decode", "--transfer-mode", "push")
+    yield a, b
+    assert a.stop() == 0 and b.stop() == 0
+
+
+def test_push_waits_for_a_hold_that_arrives_after_the_load(push_daemons):
+    """What vllm-router does to push mode: D's load reaches D's daemon
+    before P's hold reaches P's daemon (vLLM answers P's HTTP request a
+    step before its connector sends the hold). The push waits for the hold
+    and moves the right bytes; P's lease ends by the WRITE."""
+    import time
+
+    import numpy as np
+
+    from kvd.testing.parity import Rank, unregister_ranks
+    from kvd.testing.sessions import one_group
+    from kvd.v1 import kvd_pb2 as pb
+
+    prefill, decode = push_daemons
+    n_tokens, bs = 49, 16
+    p_ids, d_ids = [3, 7, 1, 12], [5, 2, 9, 14]
+    P, D = Rank("Plate", 0, 1, 4, bs, "HND"), Rank("Dlate", 0, 1, 4, bs, "HND")
+    P.fill(p_ids, n_tokens)
+    sp, sd = P.register(prefill), D.register(decode)
+    try:
+        sd.send(load=pb.LoadBlocks(request_id="dlate", local_groups=one_group(d_ids), remote_engine_id="Plate",
+                                   remote_address=prefill.peer_address, remote_groups=one_group(p_ids),
+                                   remote_request_id="plate", remote_tp_size=1, timeout_s=20))
+        time.sleep(0.5)  # D's push reaches P's daemon before the hold does (on a machine not stalled)
+        sp.send(hold=pb.HoldBlocks(request_id="plate", groups=one_group(p_ids), lease_s=600))
+        ev = sd.next(30)
+        assert ev.WhichOneof("event") == "recv_done", ev
+        for got, want in zip(D.arrays(), D.expected(d_ids, n_tokens)):
+            np.testing.assert_array_equal(got, want)
+        pev = sp.next(10)
+        assert pev.WhichOneof("event") == "send_done" and not pev.send_done.expired, pev
+        assert prefill.stats().active_leases == 0
+    finally:
+        sp.close(), sd.close()
+        unregister_ranks(prefill, [P])
+        unregister_ranks(decode, [D])
