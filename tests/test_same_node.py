@@ -59,7 +59,7 @@ def test_a_load_from_an_engine_of_the_same_daemon_is_copied_byte_exact_without_n
 
 @pytest.mark.parametrize("spelling", ["localhost:{port}", "[::ffff:127.0.0.1]:{port}", "0.0.0.0:{port}"])
 def test_a_load_naming_this_daemon_by_another_spelling_is_a_same_node_copy(one, engines, spelling):
-    """kvd.core.addresses: another spelling of this daemon's peer address is
+    """kvd.core.own_addresses: another spelling of this daemon's peer address is
     resolved to its listener first, so the same-node rules apply (a copy, a
     claim answered by its own holds), with no NIXL pair to itself."""
     p, d = engines

@@ -33,13 +33,13 @@ import time
 from typing import Callable
 
 from kvd.core import settle
-from kvd.core.addresses import OwnAddresses
 from kvd.core.events import CommandRejected
 from kvd.core.holds import Holds
 from kvd.core.layout import Layout, Region
 from kvd.core.limits import Limits
 from kvd.core.liveness import Liveness
 from kvd.core.local_copy import LocalCopy
+from kvd.core.own_addresses import OwnAddresses
 from kvd.core.peers import Peers
 from kvd.core.progress import Progress
 from kvd.core.pull import Pull
@@ -115,7 +115,7 @@ class Node:
     def listening(self, host: str, port: int) -> None:
         """PeerService is bound to ``host`` and TCP ``port``: a load naming
         this daemon by another spelling of an address that reaches it is a
-        same-node load too (``kvd.core.addresses``)."""
+        same-node load too (``kvd.core.own_addresses``)."""
         self.own.listening(host, port)
 
     @property
@@ -214,7 +214,7 @@ class Node:
     async def load(self, w: Worker, req: LoadRequest) -> None:
         """See :meth:`kvd.core.pull.Pull.load` (never raises). A
         ``remote_address`` that reaches this daemon is replaced by its
-        advertised one first (``kvd.core.addresses``)."""
+        advertised one first (``kvd.core.own_addresses``)."""
         address = await self.own.canonical(req.remote_address)
         if address != req.remote_address:
             req = dataclasses.replace(req, remote_address=address)

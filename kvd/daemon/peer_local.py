@@ -42,7 +42,8 @@ import struct
 
 import grpc
 
-from kvd.core.addresses import is_host_address
+from kvd.addresses import split_host_port
+from kvd.core.own_addresses import is_host_address
 from kvd.daemon.local_gate import wrap_handler
 from kvd.daemon.logs import Throttled
 
@@ -186,7 +187,7 @@ class LocalPeerGate(grpc.aio.ServerInterceptor):
         ips = []
         for a in self.addresses():
             try:
-                ip = ipaddress.ip_address(a.rpartition(":")[0].strip("[]"))
+                ip = ipaddress.ip_address(split_host_port(a)[0])
             except ValueError:
                 continue
             if not ip.is_unspecified:

@@ -1,4 +1,4 @@
-"""kvd.core.addresses: the spellings of an address that reach this daemon."""
+"""kvd.core.own_addresses: the spellings of an address that reach this daemon."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from kvd.core.addresses import OwnAddresses
+from kvd.core.own_addresses import OwnAddresses
 
 
 def own(host: str, port: int = 7700, advertised: str = "") -> OwnAddresses:

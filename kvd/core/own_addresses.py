@@ -27,6 +27,8 @@ import asyncio
 import ipaddress
 import socket
 
+from kvd.addresses import split_host_port
+
 # A name a request carries is resolved within this (seconds); gRPC would
 # resolve it when dialing anyway.
 RESOLVE_TIMEOUT_S = 2.0
@@ -74,7 +76,7 @@ class OwnAddresses:
         """PeerService is bound to ``host`` (an IP, ``0.0.0.0``, ``::``,
         ``localhost``) and TCP ``port``."""
         self.port = port
-        host = host.strip("[]")
+        host = host.strip("[]")  # as split_host_port gives it, or a bracketed IPv6
         if host in ("", "0.0.0.0", "::"):
             self.wildcard, self.dual_stack, self.listen_ip = True, host != "0.0.0.0", None
             return
@@ -97,10 +99,12 @@ class OwnAddresses:
         else ``address`` unchanged (also when it is no ``host:port``)."""
         if not address or address == self.advertised or not self.port:
             return address
-        host, sep, port = address.rpartition(":")
-        if not sep or port != str(self.port):
+        try:
+            host, port = split_host_port(address)
+        except ValueError:
             return address
-        host = host.strip("[]")
+        if port != self.port:
+            return address
         try:
             ips = [ipaddress.ip_address(host.split("%")[0])]
         except ValueError:
