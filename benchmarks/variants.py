@@ -4,13 +4,16 @@ every case run on every variant in turn (rotating order), plus plain NIXL (b)
 as the reference. Idle variants are paused (SIGSTOP) while another runs.
 
 A variant is a list of module defaults set before the daemon starts
-(``benchmarks.daemon_entry``) and/or environment variables, e.g.::
+(``benchmarks.daemon_entry``), environment variables, and/or another
+checkout whose daemon code runs (``tree:DIR``: a before/after of a code
+change in one interleaved run; the engine side is this checkout's), e.g.::
 
     python -m benchmarks.variants \\
         --variant 'thread-1ms=' \\
         --variant 'no-thread=kvd.core.nixl_agent.PROGRESS_US=0' \\
         --variant 'thread-10ms=kvd.core.nixl_agent.PROGRESS_US=10000' \\
-        --variant 'tls-no-sm=env:UCX_TLS=cma,tcp,self'
+        --variant 'tls-no-sm=env:UCX_TLS=cma,tcp,self' \\
+        --variant 'before=tree:/tmp/kvd-before'
 """
 
 from __future__ import annotations
@@ -30,18 +33,20 @@ from kvd.bench.kvd_pair import KvdPair
 from kvd.bench.nixl_pair import NixlPair, PeerConfig
 
 
-def parse_variant(spec: str) -> tuple[str, list[str], dict]:
-    """``"NAME=SET;SET;env:K=V"`` -> ``(name, module-default assignments for
-    benchmarks.daemon_entry, environment)``."""
+def parse_variant(spec: str) -> tuple[str, list[str], dict, str]:
+    """``"NAME=SET;SET;env:K=V;tree:DIR"`` -> ``(name, module-default
+    assignments for benchmarks.daemon_entry, environment, checkout or "")``."""
     name, _, rest = spec.partition("=")
-    sets, env = [], {}
+    sets, env, tree = [], {}, ""
     for item in filter(None, rest.split(";")):
         if item.startswith("env:"):
             k, _, v = item[4:].partition("=")
             env[k] = v
+        elif item.startswith("tree:"):
+            tree = item[5:]
         else:
             sets.append(item)
-    return name, sets, env
+    return name, sets, env, tree
 
 
 def run(variants: list[str], cells: list[tuple[int, int, int]], reps: int, poll_s: float = 50e-6,
@@ -60,9 +65,9 @@ def run(variants: list[str], cells: list[tuple[int, int, int]], reps: int, poll_
     out = {"benchmark": "variants", "variants": variants, "reps": reps, "poll_us": poll_s * 1e6, "cells": []}
     prog = cm.Progress(total=len(cells) * reps, title="variants", enabled=progress)
     try:
-        for i, (name, sets, env) in enumerate(specs):
+        for i, (name, sets, env, tree) in enumerate(specs):
             pairs[name] = KvdPair(f"{wd}", (src.name, seg), (dst.name, seg), env=env or None,
-                                  entry=entry(sets), prefix=f"v{i}-")
+                                  entry=entry(sets, tree=tree), prefix=f"v{i}-")
             pairs[name].pause(True)
         nixl = NixlPair(src.name, seg, dst.name, seg, peer_cfg or PeerConfig(num_threads=0, pthr_delay_us=1000))
         nixl.pause(True)
@@ -78,8 +83,9 @@ def run(variants: list[str], cells: list[tuple[int, int, int]], reps: int, poll_
         for bl in sorted({c[0] for c in cells}):
             for name, p in pairs.items():
                 only(name)
-                rid = p.start(bl, [0], [1], hold=False)
+                rid = p.start(bl, [0], [1])  # held: a reader claims the source's hold first
                 p.wait(bl, {rid}, poll_s)
+                p.drain_sources()
         for name, p in pairs.items():
             only(name)
             time.sleep(0.3)
@@ -107,9 +113,10 @@ def run(variants: list[str], cells: list[tuple[int, int, int]], reps: int, poll_
                         t0 = time.perf_counter()
                         started = {}
                         for l, rm in ids:
-                            rid = p.start(bl, l, rm, hold=False)
+                            rid = p.start(bl, l, rm)  # the hold is sent first, on P's session
                             started[rid] = time.perf_counter()
                         done = p.wait(bl, set(started), poll_s)
+                        p.drain_sources()
                         res_l = [done[k] - started[k] for k in started]
                         res_w = max(done.values()) - t0
                     if r >= 2:  # two warm-up rounds

@@ -167,6 +167,12 @@ class Pull:
         fresh_any = False
         err: tuple[FailureKind, str] | None = None
         remotes: dict[int, RemoteWorker] = {}
+        # A claim only asks (no lease changes on the source), so it is sent
+        # now and its round trip overlaps the remote workers and the plan:
+        # it is the largest daemon-side piece of a small load
+        # (docs/PERFORMANCE.md, "Per-load cost, third round").
+        tp.hit(tp.CLAIM, rid)
+        claim = asyncio.ensure_future(self.holds.claim_sources(w, req, read_from, deadline))
         try:
             try:
                 remotes, fresh_any = await self.peers.remotes(w, req.remote_address, req.remote_engine_id, notify,
@@ -196,7 +202,8 @@ class Pull:
                 except LayoutError as e:
                     return self._fail(w, req, K.INVALID, f"invalid: {e}")
             # No READ of another engine's blocks without its hold on them (docs/SECURITY.md).
-            denied = await self.holds.claim_sources(w, req, read_from, deadline)
+            denied = await claim
+            tp.hit(tp.CLAIMED, rid)
             if denied or not self.rt.registered(w):
                 return self._fail(w, req, *(denied or (K.UNREGISTERED, "worker unregistered")))
             if w.session.epoch != epoch:
@@ -231,6 +238,10 @@ class Pull:
             err = (K.NIXL, f"nixl: {e}")
         finally:
             w.pending_loads.discard(rid)
+            if not claim.done():  # the load ended before its claim was answered
+                claim.cancel()
+            elif not claim.cancelled():
+                claim.exception()  # retrieved: an early return never awaited it
         if w.session.epoch != epoch:
             # The session ended while posting: its shim reports these blocks
             # failed once the stream is closed, which waits for this release.
