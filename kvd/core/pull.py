@@ -20,7 +20,6 @@ import logging
 import time
 
 from kvd import tracepoints as tp
-from kvd.core import layout as lay
 from kvd.core import plan, settle
 from kvd.core.events import (
     CommandRejected,
@@ -124,7 +123,7 @@ class Pull:
         if len(w.inflight) + len(w.pending_loads) >= self.rt.limits.max_inflight_per_worker:
             return self._fail(w, req, K.BUSY, "busy: too many loads in flight for this worker")
         try:  # local input is checked before any network or NIXL call
-            lay.descriptor_indices(local_ids, 1, w.layout.num_blocks)
+            plan.check_block_ids(local_ids, w.layout.num_blocks)
         except LayoutError as e:
             return self._fail(w, req, K.INVALID, f"invalid: local {e}")
         if req.remote_tp_size > BOUNDS.max_tp_size:
