@@ -100,6 +100,7 @@ def run(variants: list[str], cells: list[tuple[int, int, int]], reps: int, poll_
             ids = [(rng.permutation(nsrc)[:n].tolist(), rng.permutation(nsrc)[:n].tolist()) for _ in range(conc)]
             lat = {k: [] for k in names}
             wall = {k: [] for k in names}
+            cpu = {k: [0.0, 0.0] for k in pairs}  # CPU seconds of P and D during the timed batches
             for r in range(reps + 2):
                 order = names[r % len(names):] + names[:r % len(names)]
                 for name in order:
@@ -110,6 +111,7 @@ def run(variants: list[str], cells: list[tuple[int, int, int]], reps: int, poll_
                         res_l, res_w = times, max(times)
                     else:
                         p = pairs[name]
+                        c0 = (cm.cpu_seconds(p.p.pid), cm.cpu_seconds(p.d.pid))
                         t0 = time.perf_counter()
                         started = {}
                         for l, rm in ids:
@@ -119,6 +121,9 @@ def run(variants: list[str], cells: list[tuple[int, int, int]], reps: int, poll_
                         p.drain_sources()
                         res_l = [done[k] - started[k] for k in started]
                         res_w = max(done.values()) - t0
+                        if r >= 2:
+                            cpu[name][0] += cm.cpu_seconds(p.p.pid) - c0[0]
+                            cpu[name][1] += cm.cpu_seconds(p.d.pid) - c0[1]
                     if r >= 2:  # two warm-up rounds
                         lat[name].extend(res_l)
                         wall[name].append(res_w)
@@ -130,6 +135,9 @@ def run(variants: list[str], cells: list[tuple[int, int, int]], reps: int, poll_
                                      p99_ms=cm.pct(lat[k], 99) * 1e3, wall_ms=cm.median(wall[k]) * 1e3,
                                      gbs=bl * n * conc / cm.median(wall[k]) / 1e9,
                                      over_b=cm.median([b / a for a, b in zip(wall[k], wall["(b)"])]))
+                if k in cpu:  # per load, microseconds (the daemons' CPU includes their idle loops)
+                    cell["by"][k].update(cpu_us_per_load_P=cpu[k][0] / (reps * conc) * 1e6,
+                                         cpu_us_per_load_D=cpu[k][1] / (reps * conc) * 1e6)
             out["cells"].append(cell)
     finally:
         prog.close()
@@ -152,11 +160,13 @@ def table(res: dict, markdown: bool = False) -> str:
     rows = []
     for c in res["cells"]:
         for k, v in c["by"].items():
+            cpu = (f"{v['cpu_us_per_load_P']:.0f} / {v['cpu_us_per_load_D']:.0f}" if "cpu_us_per_load_P" in v
+                   else "")
             rows.append([f"{cm.fmt_bytes(c['block_len'])} x {c['blocks']} x {c['concurrency']}", k,
                          f"{v['p50_ms']:.3f}", f"{v['p90_ms']:.3f}", f"{v['p99_ms']:.3f}", f"{v['gbs']:.2f}",
-                         f"{v['over_b']:.2f}"])
+                         f"{v['over_b']:.2f}", cpu])
     t = cm.fmt_table(["case (block x blocks x concurrent)", "variant", "p50 ms", "p90 ms", "p99 ms", "GB/s",
-                      "(b) time / this"], rows, markdown)
+                      "(b) time / this", "CPU us/load P / D"], rows, markdown)
     idle = res.get("idle_cpu_pct", {})
     if idle:
         t += "\nidle CPU, % of a core: " + "; ".join(f"{k}: P {v['P']:.1f}, D {v['D']:.1f}" for k, v in idle.items())
