@@ -8,6 +8,23 @@ from kvd.testing.daemons import start_daemon
 from kvd.testing.shm import cleanup_segments
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that fails while real-engine stacks run (kvd.testing.vllm_engines.
+    PDStack) gets their daemons' and engines' log tails in its report: on a CI
+    machine the run directory is gone by the time anyone reads the output."""
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed:
+        return
+    try:
+        from kvd.testing.vllm_engines import open_stacks
+    except ImportError:
+        return
+    for i, stack in enumerate(open_stacks()):
+        report.sections.append((f"kvd stack {i} logs ({stack.run_dir})", stack.log_tails()))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_leftover_test_segments():
     """Removes the test's shm segments (``/dev/shm/kvdtest_<pid>_*``) whose

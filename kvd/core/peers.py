@@ -168,7 +168,7 @@ class Peers:
             # is under way before the next load needs it.
             self.warm(w, remote.address, remote.engine_id, remote.tp_size)
 
-    def _load_agent(self, w: Worker, name: str, metadata: bytes) -> str:
+    def _load_agent(self, w: Worker, name: str, metadata: bytes, phases: dict[str, float] | None = None) -> str:
         """NIXL thread: loads a peer's agent into ``w``'s agent once; counts its users.
 
         Several remotes may be one NIXL agent (the same peer under two
@@ -177,10 +177,14 @@ class Peers:
         entry is shared and removed with its last user. Before, the second
         load failed and dropping either remote broke the other.
 
+        ``phases`` (if given) gets the seconds NIXL's ``add_remote_agent`` and
+        ``make_connection`` took, as ``add_remote`` and ``connect``.
+
         Raises:
             NixlError: the metadata is rejected, names another agent than
                 ``name``, or differs from what is loaded under ``name``.
         """
+        phases = {} if phases is None else phases
         embedded = metadata_agent_name(metadata)
         if embedded != name:
             raise NixlError(f"agent metadata names {embedded!r}, the peer said {name!r}")
@@ -190,13 +194,17 @@ class Peers:
                 raise NixlError(f"agent {name!r} is loaded already, with other metadata")
             w.pairs.agents[name] = (metadata, known[1] + 1)
             return name
+        t0 = time.monotonic()
         loaded = w.agent.add_remote(metadata)
+        phases["add_remote"] = time.monotonic() - t0
         if loaded != name:  # not NIXL 1.5's format after all: undo what is ours to undo
             if loaded not in w.pairs.agents:
                 w.agent.remove_remote(loaded)
             raise NixlError(f"agent metadata loaded as {loaded!r}, the peer said {name!r}")
         w.pairs.agents[name] = (metadata, 1)
+        t0 = time.monotonic()
         w.agent.connect(name)
+        phases["connect"] = time.monotonic() - t0
         return name
 
     def _unload_agent(self, w: Worker, name: str) -> None:
@@ -350,6 +358,7 @@ class Peers:
         timeout = self.rt.limits.handshake_timeout_s
         t0 = time.monotonic()
         hs = await self.link.handshake(address, engine_id, tp_rank, w.compat_hash, timeout)
+        t_rpc = time.monotonic() - t0
         if hs.tp_size != tp_size:
             raise Incompatible(f"remote engine {engine_id!r} has TP size {hs.tp_size}, the request says {tp_size}")
         check_peer(w, hs, "handshake")
@@ -358,8 +367,10 @@ class Peers:
         for old in [o for o in w.pairs.retired if o.agent_name == hs.agent_name]:
             w.pairs.retired.remove(old)
             await self.rt.nixl(self.free_remote, w, old)
+        phases: dict[str, float] = {}
         try:
-            r = await self.pair(w, hs, tp_rank, we_read=True, address=address, engine_id=engine_id)
+            r = await self.pair(w, hs, tp_rank, we_read=True, address=address, engine_id=engine_id,
+                                phases=phases)
         except NixlError as e:
             raise InvalidArgument(f"agent metadata rejected: {e}") from None
         if not self.rt.registered(w):
@@ -367,14 +378,19 @@ class Peers:
         w.pairs.remotes[key] = r
         self.rt.counters.handshakes += 1
         self.rt.on_event("handshake", {"seconds": time.monotonic() - t0})
-        log.info("%s: handshake with %s engine=%s rank=%d/%d agent=%s (kvd %s) in %.1f ms: %d chunk(s) x %d slot(s)%s",
-                 w.label, address, engine_id, tp_rank, hs.tp_size, r.agent_name, hs.daemon_version,
-                 1e3 * (time.monotonic() - t0), r.C, r.k,
+        # Where the time went (ms): the peer's answer, the plan, the wait for
+        # the NIXL thread, NIXL's add_remote_agent, make_connection and the
+        # descriptor lists: a slow first contact names its phase in the log.
+        phases["rpc"] = t_rpc
+        spent = " ".join(f"{k} {1e3 * v:.1f}" for k, v in phases.items())
+        log.info("%s: handshake with %s engine=%s rank=%d/%d agent=%s (kvd %s) in %.1f ms (%s): %d chunk(s) x "
+                 "%d slot(s)%s", w.label, address, engine_id, tp_rank, hs.tp_size, r.agent_name, hs.daemon_version,
+                 1e3 * (time.monotonic() - t0), spent, r.C, r.k,
                  "" if r.prepped_lists or not isinstance(r.remote_dlist, Unprepped) else ", rows per transfer")
         return r
 
     async def pair(self, w: Worker, hs: HandshakeResult, peer_rank: int, *, we_read: bool, address: str,
-                    engine_id: str) -> RemoteWorker:
+                    engine_id: str, phases: dict[str, float] | None = None) -> RemoteWorker:
         """Loads a peer worker's agent into ``w``'s and prepares both
         descriptor lists of the pair's transfer plan (``kvd.core.plan``).
 
@@ -389,6 +405,8 @@ class Peers:
             NixlError: NIXL refused the agent metadata or a list (the agent is
                 unloaded again).
         """
+        phases = {} if phases is None else phases
+        t0 = time.monotonic()
         ours = w.geometry()
         theirs = plan.Geometry(peer_rank, hs.tp_size, hs.layout, tuple(hs.regions),
                                hs.layout.model_kv_heads(hs.tp_size))
@@ -404,8 +422,13 @@ class Peers:
         # instead (docs/PERFORMANCE.md, "First contact").
         prep = len(their_map) + (0 if identity else len(our_map)) <= BOUNDS.max_prepped_rows
 
+        phases["plan"] = time.monotonic() - t0
+        queued = time.monotonic()
+
         def add():
-            name = self._load_agent(w, hs.agent_name, hs.agent_metadata)
+            phases["nixl_wait"] = time.monotonic() - queued
+            name = self._load_agent(w, hs.agent_name, hs.agent_metadata, phases)
+            t_prep = time.monotonic()
             if not prep:
                 return (name, Unprepped(their_map.rows, hs.memory, name),
                         Unprepped(our_map.rows, w.mem.memory))
@@ -413,6 +436,7 @@ class Peers:
                 theirs_dlist = w.agent.prep_remote(name, their_map.all(), hs.memory)
                 ours_dlist = (w.mem.local_dlist if identity
                               else w.agent.prep_local(our_map.all(), w.mem.memory))
+                phases["prep"] = time.monotonic() - t_prep
                 return name, theirs_dlist, ours_dlist
             except Exception:
                 self._unload_agent(w, name)

@@ -412,8 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     except proxy.HttpError as e:
         log(f"FAILED: {e}")
         if st is not None:
-            for c in st.procs.children:
-                log(f"--- {c.name} (last lines) ---\n{c.log_tail(25)}")
+            log(st.log_tails(25))
         rc = 2
     finally:
         if st is not None:

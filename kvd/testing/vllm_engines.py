@@ -25,6 +25,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -170,7 +171,19 @@ def nixl_transfer_totals(metrics: dict) -> dict[str, float]:
     }
 
 
-@dataclass
+LOG_TAIL_LINES = 60
+
+# Stacks started and not yet closed (weakly held): tests/conftest.py adds
+# their log tails to the report of a test that fails while they run.
+_OPEN_STACKS: "weakref.WeakSet[PDStack]" = weakref.WeakSet()
+
+
+def open_stacks() -> list["PDStack"]:
+    """The PDStacks started in this process and not yet closed."""
+    return list(_OPEN_STACKS)
+
+
+@dataclass(eq=False)
 class PDStack:
     """Two daemons (kvd only) and two engines. Use as a context manager.
     ``shared_daemon``: one daemon for both engines (``daemons["P"]`` is
@@ -207,6 +220,7 @@ class PDStack:
         if len(str(sock_dir / "kvd-p.sock")) > 100:
             sock_dir = Path(tempfile.mkdtemp(prefix="kvd-demo-"))
         self.sock_dir = sock_dir
+        _OPEN_STACKS.add(self)
 
     # ---- accessors
     @property
@@ -302,10 +316,18 @@ class PDStack:
         """Raises ChildFailed for the first daemon or engine that has exited."""
         self.procs.check_alive()
 
+    def log_tails(self, lines: int = LOG_TAIL_LINES) -> str:
+        """The last ``lines`` lines of each child's log (daemon-P, daemon-D,
+        engine-P, engine-D), one titled block each, for a failure report: a
+        test that fails on a CI machine shows why without its run directory."""
+        return "\n".join(f"----- {c.name} ({c.log_path}), last {lines} lines\n{c.log_tail(lines)}"
+                         for c in self.procs.children)
+
     def close(self) -> tuple[list[str], list[str]]:
         """Stops every child, removes the daemons' sockets (and the socket
         directory when it is not the run directory) and cleans /dev/shm; returns
         ``(removed, left_alone)`` shm names."""
+        _OPEN_STACKS.discard(self)
         removed, left = self.procs.close()
         for d in self.daemons.values():
             try:
