@@ -46,7 +46,9 @@ class NixlThread:
     """The one thread that makes every NIXL call, in submission order.
 
     :meth:`call` hands it ``fn(*args)`` and returns an asyncio future the
-    event loop resolves. A queue and ``call_soon_threadsafe`` instead of
+    event loop resolves; a call whose future is cancelled before it starts
+    is skipped (as ``run_in_executor`` does), one already running finishes
+    and its result is dropped. A queue and ``call_soon_threadsafe`` instead of
     ``loop.run_in_executor``: one hand-off each way, without a
     ``concurrent.futures.Future`` chained to the asyncio one (measured here
     with uvloop, a no-op call's round trip: median ~45 us through a
@@ -88,6 +90,11 @@ class NixlThread:
             if item is None:
                 return
             loop, fut, fn, args = item
+            if fut.cancelled():
+                # Its awaiting task was cancelled before the call started: the
+                # call is skipped, as an executor skips a cancelled work item
+                # (e.g. a post whose load was given up must not go out).
+                continue
             try:
                 value, ok = fn(*args), True
             except BaseException as e:  # handed to the awaiting task, as an executor does
