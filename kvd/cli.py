@@ -19,7 +19,7 @@ import sys
 
 from kvd import __version__, ops
 from kvd.config import ConfigError, client_socket, flag_name, help_text, load_config, metavar, setting_names, settings
-from kvd.usage import EXIT_OK, EXIT_USAGE, UsageParser
+from kvd.usage import EXIT_OK, EXIT_USAGE, UsageParser, positive
 
 
 def cmd_serve(args) -> int:
@@ -93,17 +93,6 @@ def cmd_version(args) -> int:
     return EXIT_OK
 
 
-def _seconds(text: str) -> float:
-    """argparse type of a deadline: a finite number of seconds > 0."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0 < v < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: seconds must be > 0 and finite")
-    return v
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvd`` argument parser: one ``serve`` flag per setting of kvd/config.py
     (default SUPPRESS, so env and file still apply), and the health, status,
@@ -141,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "health":
             c.add_argument("--address", default="", metavar="HOST:PORT",
                            help="ask over TCP (the peer port) instead of the Unix socket")
-        c.add_argument("--timeout", type=_seconds, default=2.0, metavar="SECONDS", help="deadline (default 2)")
+        c.add_argument("--timeout", type=positive(float), default=2.0, metavar="SECONDS", help="deadline (default 2)")
         if name == "health":
             c.add_argument("--service", default="", help="service name to check (default: the whole server)")
             c.add_argument("-q", "--quiet", action="store_true", help="print nothing when serving")

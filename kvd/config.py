@@ -30,6 +30,8 @@ import tomllib
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Mapping
 
+from kvd.addresses import split_host_port
+
 DEFAULT_SOCKET = "/run/kvd/engine.sock"
 DEFAULT_PEER_LISTEN = "127.0.0.1:7700"
 ENV_PREFIX = "KVD_"
@@ -55,21 +57,16 @@ class ConfigError(ValueError):
 
 
 def parse_host_port(value: str, key: str) -> tuple[str, int]:
-    """``"host:port"`` (IPv6 as ``[::1]:7700``) -> ``(host, port)``.
+    """``"host:port"`` (IPv6 as ``[::1]:7700``) -> ``(host, port)``; port 0
+    (a free port) allowed (:func:`kvd.addresses.split_host_port`).
 
     Raises:
-        ConfigError: not host:port, or port outside 0..65535.
+        ConfigError: not host:port, or port outside 0..65535; names ``key``.
     """
-    host, sep, port = value.rpartition(":")
-    if not sep or not host:
-        raise ConfigError(f"{key}: expected host:port, got {value!r}")
     try:
-        p = int(port)
-    except ValueError:
-        raise ConfigError(f"{key}: port {port!r} is not a number") from None
-    if not 0 <= p <= 65535:
-        raise ConfigError(f"{key}: port {p} out of range 0..65535")
-    return host.strip("[]"), p
+        return split_host_port(value, key)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _setting(default: Any, doc: str, *, factory=None):

@@ -23,3 +23,18 @@ class UsageParser(argparse.ArgumentParser):
     def error(self, message: str):
         self.print_usage(sys.stderr)
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def positive(kind: type = float):
+    """An argparse ``type`` for a number of ``kind`` (``int`` or ``float``)
+    > 0, and finite: anything else is a usage error (exit 64) whose message
+    quotes the text."""
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not 0 < v < float("inf"):
+            raise argparse.ArgumentTypeError(f"{text!r} must be > 0" + ("" if kind is int else " and finite"))
+        return v
+    return parse

@@ -66,8 +66,8 @@ def test_register_stats_and_unregister_reach_the_daemon(sock):
         client = EngineClient(sock)
         resp = client.register(register_request(), timeout_s=5)
         assert resp.peer_address == PEER_ADDRESS
-        assert client.get_stats(timeout_s=5).peer_address == PEER_ADDRESS
-        assert client.get_info(timeout_s=5).daemon_version == "fake"
+        stats = client.get_stats(timeout_s=5)
+        assert stats.peer_address == PEER_ADDRESS and stats.daemon_version == "fake"
         client.unregister(timeout_s=5)
         assert fake.service.registers[0].worker.engine_id == "engine-a"
         assert len(fake.service.unregisters) == 1
@@ -177,7 +177,7 @@ def test_a_hold_ends_with_send_done_on_release_or_at_its_lease(sock):
         client.hold("h2", [[3]], lease_s=0.2)  # the fake never ends it: the client does
         (ev,) = wait_events(client, lambda ev: len(ev) == 1, timeout_s=3)
         assert ev.send_done.request_id == "h2" and ev.send_done.expired
-        sent = [c.hold for c in fake.service.commands if c.WhichOneof("command") == "hold"]
+        sent = fake.service.received("hold")
         assert sent[0].lease_s == 60 and [list(g.ids) for g in sent[0].groups] == [[1, 2]]
     finally:
         client.close()
@@ -218,7 +218,7 @@ def test_daemon_restart_fails_inflight_loads_then_later_commands_work(sock):
 
         assert len(fake.service.registers) >= 2, "regions were not registered again"
         assert fake.service.sessions == 2 and client.sessions_opened == 2
-        holds = [c.hold for c in fake.service.commands if c.WhichOneof("command") == "hold"]
+        holds = fake.service.received("hold")
         assert [h.request_id for h in holds] == ["held", "held"]
         assert 0 < holds[1].lease_s <= 60
         assert client.pending() == (0, 1)  # the hold is still held
@@ -274,7 +274,7 @@ def test_abort_load_goes_out_on_the_stream_and_needs_no_answer(sock):
         while fake.service.count("abort_load") < 1:
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        (cmd,) = [c.abort_load for c in fake.service.commands if c.WhichOneof("command") == "abort_load"]
+        (cmd,) = fake.service.received("abort_load")
         assert (cmd.request_id, cmd.remote_engine_id, cmd.remote_address, cmd.remote_request_id,
                 cmd.remote_tp_size) == ("d1", "engine-p", PEER_ADDRESS, "p-d1", 2)
         assert client.pending() == (0, 0) and client.drain_events() == []
@@ -298,7 +298,7 @@ def test_block_ids_per_group_go_out_as_groups_and_survive_a_reconnect(sock):
         while fake.service.count("load") < 1 or fake.service.count("hold") < 1:
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        (ld,) = [c.load for c in fake.service.commands if c.WhichOneof("command") == "load"]
+        (ld,) = fake.service.received("load")
         assert [list(g.ids) for g in ld.local_groups] == [[1, 2], [3]]
         assert [list(g.ids) for g in ld.remote_groups] == [[5, 6], [7]]
         fake.stop()
@@ -310,7 +310,7 @@ def test_block_ids_per_group_go_out_as_groups_and_survive_a_reconnect(sock):
         while fake.service.count("hold") < 2:
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        holds = [c.hold for c in fake.service.commands if c.WhichOneof("command") == "hold"]
+        holds = fake.service.received("hold")
         assert [[list(g.ids) for g in h.groups] for h in holds] == [[[8, 9], [4]]] * 2
         assert 0 < holds[1].lease_s <= 60
     finally:

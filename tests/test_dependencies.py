@@ -10,8 +10,8 @@ package:
 - only the vLLM shim package (``kvd/shim/vllm/``) imports ``vllm``;
 - the engine side (``kvd/shim``, ``kvd/client``) never imports the daemon
   (``kvd.core``, ``kvd.daemon``): an engine process needs no NIXL at all;
-- the neutral leaves (``kvd/requests.py``, ``kvd/tracepoints.py``, ``kvd/fd_wire.py``) import
-  nothing of kvd's;
+- the neutral leaves (``kvd/requests.py``, ``kvd/tracepoints.py``, ``kvd/fd_wire.py``,
+  ``kvd/addresses.py``) import nothing of kvd's;
 - no two kvd modules import each other, directly or through others;
 - no test module imports another test module or ``conftest``: shared
   helpers live in ``kvd.testing``, fixtures in ``tests/conftest.py``; the
@@ -122,7 +122,7 @@ def test_engine_side_never_imports_the_daemon():
     assert _offenders(engine, daemon) == []
 
 
-@pytest.mark.parametrize("leaf", ["kvd.requests", "kvd.tracepoints", "kvd.fd_wire"])
+@pytest.mark.parametrize("leaf", ["kvd.requests", "kvd.tracepoints", "kvd.fd_wire", "kvd.addresses"])
 def test_neutral_leaves_import_nothing_of_kvd(leaf):
     assert leaf in MODULES
     assert sorted(i for i in IMPORTS[leaf] if _top(i) == "kvd") == []

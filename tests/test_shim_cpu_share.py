@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from kvd.shim.memory import regions
 from kvd.shim.memory import shm as cpu_share
 from kvd.shim.memory.shm import CpuShareError, plan_regions, share_kv_caches, share_storage
 from kvd.testing.cpu_caches import F32, NB, D, H, N, vllm032_cpu_caches
@@ -132,8 +133,8 @@ def test_share_kv_caches_validates_its_arguments():
 
 
 def test_dtype_names_match_the_proto_convention():
-    assert cpu_share.dtype_name(torch.bfloat16) == "bfloat16"
-    assert cpu_share.dtype_name(torch.float32) == "float32"
+    assert regions.dtype_name(torch.bfloat16) == "bfloat16"
+    assert regions.dtype_name(torch.float32) == "float32"
 
 
 # ------------------------------------------------------------- HMA groups

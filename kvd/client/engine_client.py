@@ -40,7 +40,7 @@ Guarantees to the caller (what ``kvd.shim.vllm`` relies on):
   A re-registration the daemon accepts as new (it had dropped the worker, or
   restarted) calls ``on_register`` with its response *before* the held
   blocks are sent again: a staged shim maps the new staging mirrors there and
-  copies the held blocks into them (``kvd.shim.staging``).
+  copies the held blocks into them (``kvd.shim.memory.staged``).
 - ``AbortLoad`` has no answer event: it only tells the prefill side to free a
   request's blocks now (a decode request aborted before its load).
 - Block ids are always per KV-cache group (``kvd.requests.BlockGroups``;
@@ -48,58 +48,37 @@ Guarantees to the caller (what ``kvd.shim.vllm`` relies on):
   ``hold(request_id, groups)``. A ``load_failed`` names them flat, as vLLM's
   load errors do.
 
-Addresses: ``unix:///abs/path.sock``, ``unix:relative.sock``, a bare path
-(``/run/kvd/engine.sock``, made ``unix://``), or ``host:port``.
+Where each part lives: this module is the API (unary RPCs, queuing, close);
+``kvd.client.channel`` the daemon address, the channel and
+:class:`EngineClientError`; ``kvd.client.pending`` the loads and holds awaited,
+their deadlines and the two queues; ``kvd.client.session`` the thread that owns
+the stream and reconnects; ``kvd.client.commands`` the commands themselves.
 """
 
 from __future__ import annotations
 
-import heapq
 import logging
-import os
-import random
-import threading
-import time
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import grpc
 
-from kvd import tracepoints as tp
-from kvd.client.commands import Command, Hold, Lazy, Load, Stream, abort_cmd, hold_ended, load_failed, release_cmd
+from kvd.client.channel import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    EngineClientError,
+    call_unary,
+    normalize_address,
+    open_channel,
+)
+from kvd.client.commands import Lazy, abort_cmd, release_cmd
+from kvd.client.pending import Pending
+from kvd.client.session import SessionLoop
 from kvd.requests import BlockGroups, LoadRequest
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
+__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "EngineClient", "EngineClientError", "normalize_address"]
+
 log = logging.getLogger("kvd.client")
-
-#: Default bound on one gRPC message either way (bytes). A RegisterEngine of a
-#: few thousand regions is tens of kB; stats and events are far smaller.
-DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-
-
-class EngineClientError(RuntimeError):
-    """A blocking RPC failed; the message names the RPC and the gRPC status."""
-
-    def __init__(self, message: str, code: grpc.StatusCode | None = None):
-        super().__init__(message)
-        self.code = code
-
-
-def normalize_address(address: str) -> str:
-    """A gRPC target for a daemon address (see the module docstring).
-
-    Raises:
-        ValueError: empty address.
-    """
-    address = address.strip()
-    if not address:
-        raise ValueError("empty kvd daemon address")
-    if address.startswith(("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:")):
-        return address
-    if address.startswith(("/", ".")) or address.endswith(".sock"):
-        return "unix://" + os.path.abspath(address)
-    return address
 
 
 class EngineClient:
@@ -152,40 +131,18 @@ class EngineClient:
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self.reregister_timeout_s = reregister_timeout_s
-        options = [
-            ("grpc.max_send_message_length", self.max_message_bytes),
-            ("grpc.max_receive_message_length", self.max_message_bytes),
-            # The channel's own reconnect; our loop backs off on top of it.
-            ("grpc.initial_reconnect_backoff_ms", 50),
-            ("grpc.min_reconnect_backoff_ms", 50),
-            ("grpc.max_reconnect_backoff_ms", int(backoff_max_s * 1000)),
-        ]
-        self._channel = grpc.insecure_channel(self.address, options=options)
+        self._channel = open_channel(self.address, max_message_bytes=self.max_message_bytes,
+                                     backoff_max_s=backoff_max_s)
         self._stub = pb_grpc.EngineServiceStub(self._channel)
-
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
-        self._outq: deque[Command] = deque()  # built into commands by the sender thread
-        self._events: deque[pb.SessionEvent] = deque()
-        self._loads: dict[str, Load] = {}
-        self._holds: dict[str, Hold] = {}
-        self._deadlines: list[tuple[float, str, str]] = []  # (deadline, "load"|"hold", request id)
-
+        self._pending = Pending()
         self._register_request: pb.RegisterEngineRequest | None = None
         self._worker: pb.EngineWorker | None = None
         # The last registration's token: sent in OpenSession and UnregisterEngine
         # (a daemon with require_session_token refuses them without it).
         self._session_token = ""
-        self._thread: threading.Thread | None = None
-        self._closing = threading.Event()
-        self._opened = threading.Event()
-        self._call: grpc.Call | None = None
-        #: The daemon's ``SessionOpened`` of the current (or last) stream.
-        self.session_info: pb.SessionOpened | None = None
-        #: Streams opened so far (1 after the first session; +1 per reconnect).
-        self.sessions_opened = 0
-        #: ``engine=<id> rank=<r>``: starts every log line about this worker.
-        self.label = "engine=? rank=?"
+        self._session = SessionLoop(
+            self._stub, self._pending, open_session=self._open_session, reregister=self._reregister,
+            backoff_initial_s=backoff_initial_s, backoff_max_s=backoff_max_s)
         #: Called (session thread) with the response of every re-registration
         #: the daemon accepted as new, before the stream reopens and held
         #: blocks are sent again. When it raises, the registration is undone
@@ -197,17 +154,22 @@ class EngineClient:
         #: it raises becomes an EngineClientError.
         self.before_register: Callable[[pb.RegisterEngineRequest], None] | None = None
 
-    # ------------------------------------------------------------ unary RPCs
-    def _unary(self, name: str, method, request, timeout_s: float, wait_for_ready: bool = True):
-        try:
-            return method(request, timeout=timeout_s, wait_for_ready=wait_for_ready)
-        except grpc.RpcError as e:
-            code = e.code() if hasattr(e, "code") else None
-            details = e.details() if hasattr(e, "details") else str(e)
-            raise EngineClientError(
-                f"{name} to kvd at {self.address} failed: {code.name if code else '?'}: {details}", code
-            ) from None
+    @property
+    def label(self) -> str:
+        """``engine=<id> rank=<r>``: starts every log line about this worker."""
+        return self._pending.label
 
+    @property
+    def session_info(self) -> pb.SessionOpened | None:
+        """The daemon's ``SessionOpened`` of the current (or last) stream."""
+        return self._session.session_info
+
+    @property
+    def sessions_opened(self) -> int:
+        """Streams opened so far (1 after the first session; +1 per reconnect)."""
+        return self._session.sessions_opened
+
+    # ------------------------------------------------------------ unary RPCs
     def register(
         self,
         request: pb.RegisterEngineRequest,
@@ -230,7 +192,7 @@ class EngineClient:
         """
         self._register_request = request
         self._worker = request.worker
-        self.label = f"engine={request.worker.engine_id} rank={request.worker.tp_rank}"
+        self._pending.label = f"engine={request.worker.engine_id} rank={request.worker.tp_rank}"
         try:
             return self._send_register(request, timeout_s)
         except EngineClientError as e:
@@ -252,7 +214,7 @@ class EngineClient:
                 self.before_register(request)
             except Exception as e:
                 raise EngineClientError(f"RegisterEngine to kvd at {self.address}: {e}") from e
-        response = self._unary("RegisterEngine", self._stub.RegisterEngine, request, timeout_s)
+        response = call_unary(self.address, "RegisterEngine", self._stub.RegisterEngine, request, timeout_s)
         self._session_token = response.session_token
         return response
 
@@ -264,11 +226,9 @@ class EngineClient:
         """
         if self._worker is None:
             raise EngineClientError("unregister before register")
-        return self._unary(
-            "UnregisterEngine", self._stub.UnregisterEngine,
-            pb.UnregisterEngineRequest(worker=self._worker, session_token=self._session_token), timeout_s,
-            wait_for_ready=False,
-        )
+        request = pb.UnregisterEngineRequest(worker=self._worker, session_token=self._session_token)
+        return call_unary(self.address, "UnregisterEngine", self._stub.UnregisterEngine, request, timeout_s,
+                          wait_for_ready=False)
 
     def get_stats(self, *, timeout_s: float = 5.0, wait_for_ready: bool = True) -> pb.StatsResponse:
         """The daemon's ``GetStats`` (blocking; startup and tools only).
@@ -279,9 +239,8 @@ class EngineClient:
         Raises:
             EngineClientError: the daemon is unreachable within ``timeout_s``.
         """
-        return self._unary("GetStats", self._stub.GetStats, pb.StatsRequest(), timeout_s, wait_for_ready)
-
-    get_info = get_stats
+        return call_unary(self.address, "GetStats", self._stub.GetStats, pb.StatsRequest(), timeout_s,
+                          wait_for_ready)
 
     # --------------------------------------------------------------- session
     def start_session(self) -> None:
@@ -291,19 +250,16 @@ class EngineClient:
         """
         if self._worker is None:
             raise EngineClientError("start_session before register")
-        if self._thread is not None:
-            return
-        self._thread = threading.Thread(target=self._run, name="kvd-session", daemon=True)
-        self._thread.start()
+        self._session.start()
 
     def wait_opened(self, timeout_s: float) -> bool:
         """True once a session is open (waits at most ``timeout_s``)."""
-        return self._opened.wait(timeout_s)
+        return self._session.opened.wait(timeout_s)
 
     @property
     def connected(self) -> bool:
         """True while a session stream is open."""
-        return self._opened.is_set()
+        return self._session.opened.is_set()
 
     def load(self, req: LoadRequest) -> None:
         """Queues a ``LoadBlocks`` of ``req`` (decode side; non-blocking, no I/O).
@@ -317,19 +273,7 @@ class EngineClient:
         """
         timeout_s = req.timeout_s if req.timeout_s > 0 else self.default_load_timeout_s
         wait_s = (timeout_s if timeout_s > 0 else self.unknown_timeout_wait_s) + self.load_grace_s
-        rid = req.request_id
-        with self._cond:
-            if rid in self._loads:
-                log.warning("kvd %s request=%s: load already pending; duplicate ignored", self.label, rid)
-                return
-            if self._closing.is_set():
-                self._events.append(load_failed(rid, req.local_block_ids, "kvd client closed"))
-                return
-            deadline = time.monotonic() + wait_s
-            ld = Load(req, timeout_s, deadline)
-            self._loads[rid] = ld
-            heapq.heappush(self._deadlines, (deadline, "load", rid))
-            self._enqueue(ld)
+        self._pending.add_load(req, timeout_s, wait_s)
 
     def hold(self, request_id: str, groups: BlockGroups, *, lease_s: float = 0.0) -> None:
         """Queues a ``HoldBlocks`` of ``groups`` (block ids per KV-cache group;
@@ -342,24 +286,11 @@ class EngineClient:
         lease = lease_s if lease_s > 0 else max(self.default_lease_s, 0.0)
         groups = [list(g) for g in groups]  # the protobuf is built by the sender thread (Hold.build)
         wait_s = lease if lease > 0 else self.unknown_lease_wait_s
-        with self._cond:
-            if request_id in self._holds:
-                log.warning("kvd %s request=%s: already held; duplicate ignored", self.label, request_id)
-                return
-            if self._closing.is_set():
-                self._events.append(hold_ended(request_id, expired=True))
-                return
-            now = time.monotonic()
-            h = Hold(request_id, lease, groups, now + wait_s, now + wait_s + self.hold_grace_s)
-            self._holds[request_id] = h
-            heapq.heappush(self._deadlines, (h.deadline, "hold", request_id))
-            self._enqueue(h)
+        self._pending.add_hold(request_id, lease, groups, wait_s, self.hold_grace_s)
 
     def release(self, request_id: str) -> None:
         """Queues a ``ReleaseBlocks`` (end a lease now; non-blocking, no I/O)."""
-        cmd = Lazy(release_cmd, request_id)
-        with self._cond:
-            self._enqueue(cmd)
+        self._pending.queue(Lazy(release_cmd, request_id))
 
     def abort_load(
         self,
@@ -380,24 +311,9 @@ class EngineClient:
         the next one.
         """
         cmd = Lazy(abort_cmd, request_id, remote_engine_id, remote_address, remote_request_id, remote_tp_size)
-        with self._cond:
-            if self._closing.is_set():
-                log.info("kvd %s request=%s: client closed; abort of %s not sent (the remote lease bounds it)",
-                         self.label, request_id, remote_request_id)
-                return
-            self._enqueue(cmd)
-
-    def _enqueue(self, cmd: Command) -> None:
-        """Under the lock: queues ``cmd`` for the stream. Wakes the stream's
-        sender only when the queue was empty (it waits only then): a step that
-        queues many commands wakes that thread once, not once per command
-        (each wake-up costs the engine's thread a GIL hand-off,
-        docs/PERFORMANCE.md "engine step")."""
-        if not self._outq:
-            self._outq.append(cmd)
-            self._cond.notify_all()
-        else:
-            self._outq.append(cmd)
+        if not self._pending.queue(cmd, unless_closing=True):
+            log.info("kvd %s request=%s: client closed; abort of %s not sent (the remote lease bounds it)",
+                     self.label, request_id, remote_request_id)
 
     def drain_events(self) -> list[pb.SessionEvent]:
         """Every event queued since the last call (non-blocking, no I/O).
@@ -406,172 +322,32 @@ class EngineClient:
         Events: ``recv_done``, ``load_failed``, ``send_done`` (see the module
         docstring for the guarantees).
         """
-        deadlines, events = self._deadlines, self._events
-        if deadlines and deadlines[0][0] <= time.monotonic():
-            self._expire(time.monotonic())
-        if not events:
-            return []
-        out = []
-        while True:
-            try:
-                out.append(events.popleft())
-            except IndexError:
-                return out
+        return self._pending.drain()
 
     def pending(self) -> tuple[int, int]:
         """(loads awaiting an answer, holds awaiting their end)."""
-        with self._lock:
-            return len(self._loads), len(self._holds)
+        return self._pending.counts()
 
     def close(self, *, timeout_s: float = 2.0) -> None:
         """Stops the session thread and closes the channel (waits <= ``timeout_s``).
 
         Loads still pending are reported failed in the event queue.
         """
-        self._closing.set()
-        with self._cond:
-            self._cond.notify_all()
-        call = self._call
-        if call is not None:
-            call.cancel()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-        with self._lock:
-            for rid, ld in list(self._loads.items()):
-                self._events.append(load_failed(rid, ld.req.local_block_ids, "kvd client closed"))
-            self._loads.clear()
+        self._pending.closing.set()
+        self._pending.wake()
+        self._session.stop(timeout_s)
+        self._pending.fail_loads("kvd client closed")
         self._channel.close()
 
     # ------------------------------------------------------------- internals
-    def _expire(self, now: float) -> None:
-        with self._lock:
-            while self._deadlines and self._deadlines[0][0] <= now:
-                deadline, kind, rid = heapq.heappop(self._deadlines)
-                if kind == "load":
-                    ld = self._loads.get(rid)
-                    if ld is not None and ld.deadline == deadline:
-                        del self._loads[rid]
-                        log.warning("kvd %s request=%s: load had no answer from the daemon in time; failed locally", self.label, rid)
-                        self._events.append(load_failed(rid, ld.req.local_block_ids, "timeout: no answer from kvd"))
-                else:
-                    h = self._holds.get(rid)
-                    if h is not None and h.deadline == deadline:
-                        del self._holds[rid]
-                        log.warning("kvd %s request=%s: lease over with no answer from the daemon; ended locally", self.label, rid)
-                        self._events.append(hold_ended(rid, expired=True))
-
-    def _mark_sent(self, cmd: Command, stream: Stream) -> bool:
-        """Under the lock: records ``cmd`` as sent on ``stream``; False = drop it."""
-        if type(cmd) is Load:
-            if self._loads.get(cmd.req.request_id) is not cmd:
-                return False  # ended locally (deadline) before it went out
-            cmd.stream = stream.epoch
-        elif type(cmd) is Hold:
-            if self._holds.get(cmd.request_id) is not cmd:
-                return False
-            cmd.stream = stream.epoch
-        return True
-
-    def _commands(self, stream: Stream) -> Iterator[pb.SessionCommand]:
-        """The request iterator of one stream (consumed by a gRPC thread)."""
-        yield pb.SessionCommand(open=pb.OpenSession(worker=self._worker, session_token=self._session_token))
-        with self._lock:
-            now = time.monotonic()
-            again = []
-            for rid, h in self._holds.items():
-                if h.stream is not None and h.stream != stream.epoch and h.lease_deadline > now:
-                    h.stream = stream.epoch
-                    # the remaining lease; a daemon-default lease starts again
-                    lease = h.lease_deadline - now if h.lease_s > 0 else 0.0
-                    again.append(pb.SessionCommand(hold=h.hold_message(lease)))
-        if again:
-            log.info("kvd %s: holding %d leases again after reconnecting", self.label, len(again))
-        yield from again
-        while True:
-            with self._cond:
-                while not self._outq and not stream.done and not self._closing.is_set():
-                    self._cond.wait(0.5)
-                if stream.done or self._closing.is_set():
-                    return
-                # Everything queued, in one hold of the lock (fewer lock hand-offs
-                # with the engine thread queuing more).
-                batch = []
-                while self._outq:
-                    cmd = self._outq.popleft()
-                    if self._mark_sent(cmd, stream):
-                        batch.append(cmd)
-            # Built here, outside the lock: the engine thread never waits for it.
-            for cmd in batch:
-                try:
-                    built = cmd.build()
-                except (TypeError, ValueError) as e:  # arguments protobuf refuses: the load fails here
-                    self._refuse(cmd, e)
-                    continue
-                yield built
-
-    def _refuse(self, cmd: Command, error: Exception) -> None:
-        """A command whose arguments cannot be put on the wire: its load fails
-        (its hold ends) locally, as a daemon rejection would end it."""
-        log.error("kvd %s: command not sent: %s: %s", self.label, type(error).__name__, error)
-        with self._lock:
-            if type(cmd) is Load and self._loads.get(cmd.req.request_id) is cmd:
-                del self._loads[cmd.req.request_id]
-                self._events.append(load_failed(cmd.req.request_id, cmd.req.local_block_ids,
-                                                f"invalid command: {error}"))
-            elif type(cmd) is Hold and self._holds.get(cmd.request_id) is cmd:
-                del self._holds[cmd.request_id]
-                self._events.append(hold_ended(cmd.request_id, released=True))
-
-    def _on_event(self, event: pb.SessionEvent) -> None:
-        kind = event.WhichOneof("event")
-        if kind == "opened":
-            self.session_info = event.opened
-            self.sessions_opened += 1
-            self._opened.set()
-            log.info("kvd %s: session open (agent %s, daemon %s)", self.label, event.opened.agent_name,
-                     event.opened.daemon_version)
-            return
-        with self._lock:
-            if kind == "recv_done" or kind == "load_failed":
-                rid = getattr(event, kind).request_id
-                tp.hit(tp.RECEIVED, rid, kind)
-                if self._loads.pop(rid, None) is not None:
-                    self._events.append(event)
-                else:
-                    log.debug("kvd %s request=%s: %s for a load not pending here; dropped", self.label, rid, kind)
-            elif kind == "send_done":
-                rid = event.send_done.request_id
-                if self._holds.pop(rid, None) is not None:
-                    self._events.append(event)
-                else:
-                    log.debug("kvd %s request=%s: send_done for a hold not held here; dropped", self.label, rid)
-            elif kind == "rejected":
-                rid, reason = event.rejected.request_id, event.rejected.reason
-                ld = self._loads.pop(rid, None)
-                if ld is not None:
-                    self._events.append(load_failed(rid, ld.req.local_block_ids, f"rejected: {reason}"))
-                elif self._holds.pop(rid, None) is not None:
-                    log.warning("kvd %s request=%s: hold rejected: %s; blocks released", self.label, rid, reason)
-                    self._events.append(hold_ended(rid, released=True))
-                else:
-                    log.warning("kvd %s request=%s: command rejected: %s", self.label, rid or "-", reason)
-            else:
-                log.warning("kvd %s: unknown session event %r ignored", self.label, kind)
-
-    def _fail_stream(self, stream: Stream, reason: str) -> None:
-        """The stream ended: fail every load that went out on it."""
-        with self._cond:
-            stream.done = True
-            self._cond.notify_all()
-            lost = [rid for rid, ld in self._loads.items() if ld.stream == stream.epoch]
-            for rid in lost:
-                ld = self._loads.pop(rid)
-                self._events.append(load_failed(rid, ld.req.local_block_ids, f"kvd session lost: {reason}"))
-        if lost:
-            log.warning("kvd %s: session lost (%s): loads in flight reported failed: %s", self.label, reason,
-                        ", ".join(lost))
+    def _open_session(self) -> pb.OpenSession:
+        return pb.OpenSession(worker=self._worker, session_token=self._session_token)
 
     def _reregister(self) -> None:
+        """Before a new stream (session thread): registers the worker again.
+        ``ALREADY_EXISTS`` means the daemon kept the registration (and its
+        staging mirrors); a new one goes through ``on_register``, undone when
+        that raises. Raises EngineClientError (the loop retries)."""
         if self._register_request is None:
             return
         try:
@@ -592,43 +368,3 @@ class EngineClient:
                 except EngineClientError as e2:
                     log.warning("kvd %s: unregister after a failed on_register: %s", self.label, e2)
                 raise EngineClientError(f"on_register: {type(e).__name__}: {e}") from e
-
-    def _run(self) -> None:
-        backoff = self.backoff_initial_s
-        epoch = 0
-        first = True
-        while not self._closing.is_set():
-            if not first:
-                try:
-                    self._reregister()
-                except EngineClientError as e:
-                    log.warning("kvd %s: reconnect: %s; retrying in about %.2f s", self.label, e, backoff)
-                    self._closing.wait(backoff * (0.5 + random.random() / 2))
-                    backoff = min(backoff * 2, self.backoff_max_s)
-                    continue
-            first = False
-            epoch += 1
-            stream = Stream(epoch)
-            reason = "the daemon ended the session"
-            try:
-                call = self._stub.Session(self._commands(stream), wait_for_ready=False)
-                self._call = call
-                for event in call:
-                    if event.WhichOneof("event") == "opened":
-                        backoff = self.backoff_initial_s
-                    self._on_event(event)
-            except grpc.RpcError as e:
-                code = e.code() if hasattr(e, "code") else None
-                reason = f"{code.name if code else '?'}: {e.details() if hasattr(e, 'details') else e}"
-            except Exception as e:  # never let the thread die silently
-                reason = f"{type(e).__name__}: {e}"
-                log.exception("kvd %s: session thread error", self.label)
-            finally:
-                self._opened.clear()
-                self._call = None
-                self._fail_stream(stream, reason)
-            if self._closing.is_set():
-                break
-            log.warning("kvd %s: session lost (%s); reconnecting in about %.2f s", self.label, reason, backoff)
-            self._closing.wait(backoff * (0.5 + random.random() / 2))
-            backoff = min(backoff * 2, self.backoff_max_s)

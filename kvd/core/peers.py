@@ -37,6 +37,13 @@ from kvd.core.state import PROTOCOL_VERSION, HandshakeResult, PeerKey, PeerLink,
 
 log = logging.getLogger("kvd.core")
 
+# Seconds from a handshake to the preparation of its pair's descriptor
+# lists: the load that caused the handshake posts its READ first (idle: a
+# claim round trip, ~1 ms); until then, and for a pair past
+# BOUNDS.max_prepped_rows always, each transfer makes its own rows (about
+# the same cost above a few hundred descriptors; 0.04 ms more for 8).
+PREP_DELAY_S = 1.0
+
 
 def check_peer(w: Worker, hs: HandshakeResult, what: str) -> None:
     """Validates a peer worker's description before any NIXL call uses it.
@@ -117,6 +124,7 @@ class Peers:
         self.link = link
         self._handshakes: dict[tuple, asyncio.Future] = {}  # (local key, peer key) -> handshake task
         self._warming: set[asyncio.Task] = set()  # Limits.warm_peers handshakes, retried until one answers
+        self._preparing: set[asyncio.Task] = set()  # descriptor lists prepared after a handshake
 
     def warm_configured(self, w: Worker) -> None:
         """Starts handshakes of ``w`` with every ``Limits.warm_peers`` engine
@@ -152,7 +160,7 @@ class Peers:
 
     async def close(self) -> None:
         """Stops handshakes under way (at shutdown)."""
-        tasks = [*self._warming, *self._handshakes.values()]
+        tasks = [*self._warming, *self._handshakes.values(), *self._preparing]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -217,6 +225,7 @@ class Peers:
 
     def free_remote(self, w: Worker, r: RemoteWorker) -> None:
         """NIXL thread: releases a remote's prepped lists and forgets its agent."""
+        r.freed = True
         lists = [r.remote_dlist] + ([r.local_dlist] if r.owns_local_dlist else [])
         for d in lists:
             try:
@@ -386,7 +395,7 @@ class Peers:
         log.info("%s: handshake with %s engine=%s rank=%d/%d agent=%s (kvd %s) in %.1f ms (%s): %d chunk(s) x "
                  "%d slot(s)%s", w.label, address, engine_id, tp_rank, hs.tp_size, r.agent_name, hs.daemon_version,
                  1e3 * (time.monotonic() - t0), spent, r.C, r.k,
-                 "" if r.prepped_lists or not isinstance(r.remote_dlist, Unprepped) else ", rows per transfer")
+                 ", lists prepared in the background" if r.prepare_later else ", rows per transfer")
         return r
 
     async def pair(self, w: Worker, hs: HandshakeResult, peer_rank: int, *, we_read: bool, address: str,
@@ -417,36 +426,63 @@ class Peers:
         identity = reader_identity if we_read else source_identity
         our_map = our_map_of(w.mem.bases, w.regions, w.layout.num_blocks, chunk_sets, k, w.mem.device)
         their_map = their_map_of(hs.region_bases, hs.regions, hs.layout.num_blocks, chunk_sets, k, hs.device)
-        # Prepared lists cost time per row of both caches, on the request's
-        # path; past BOUNDS.max_prepped_rows each transfer makes its own rows
-        # instead (docs/PERFORMANCE.md, "First contact").
-        prep = len(their_map) + (0 if identity else len(our_map)) <= BOUNDS.max_prepped_rows
-
         phases["plan"] = time.monotonic() - t0
         queued = time.monotonic()
 
         def add():
             phases["nixl_wait"] = time.monotonic() - queued
-            name = self._load_agent(w, hs.agent_name, hs.agent_metadata, phases)
-            t_prep = time.monotonic()
-            if not prep:
-                return (name, Unprepped(their_map.rows, hs.memory, name),
-                        Unprepped(our_map.rows, w.mem.memory))
-            try:
-                theirs_dlist = w.agent.prep_remote(name, their_map.all(), hs.memory)
-                ours_dlist = (w.mem.local_dlist if identity
-                              else w.agent.prep_local(our_map.all(), w.mem.memory))
-                phases["prep"] = time.monotonic() - t_prep
-                return name, theirs_dlist, ours_dlist
-            except Exception:
-                self._unload_agent(w, name)
-                raise
+            return self._load_agent(w, hs.agent_name, hs.agent_metadata, phases)
 
-        name, theirs_dlist, ours_dlist = await self.rt.nixl(add)
+        name = await self.rt.nixl(add)
         src_bytes = tuple(int(c[:C, 3].sum()) for c in chunk_sets)
-        return RemoteWorker(address, engine_id, peer_rank, hs.tp_size, name, hs.layout, len(hs.regions), k, C,
-                            ours_dlist, theirs_dlist, prep and not identity, hs.daemon_version, src_bytes,
-                            tuple(x.group for x in w.regions))
+        # Transfers make their own rows until the lists are prepared: the
+        # first load never waits for the whole cache's lists.
+        r = RemoteWorker(address, engine_id, peer_rank, hs.tp_size, name, hs.layout, len(hs.regions), k, C,
+                         lists=(Unprepped(our_map.rows, w.mem.memory), Unprepped(their_map.rows, hs.memory, name)),
+                         owns_local_dlist=False, daemon_version=hs.daemon_version, region_bytes=src_bytes,
+                         region_groups=tuple(x.group for x in w.regions))
+        # Prepared lists cost time per row of both caches (29k rows: 10 ms
+        # idle, 0.1-1.1 s with both cores busy, GIL held), so they are made
+        # off the request's path, PREP_DELAY_S after the handshake; past
+        # BOUNDS.max_prepped_rows never (docs/PERFORMANCE.md, "First contact").
+        if len(their_map) + (0 if identity else len(our_map)) <= BOUNDS.max_prepped_rows:
+            r.prepare_later = True
+            self._prepare_later(w, r, our_map, their_map, identity, hs.memory)
+        return r
+
+    def _prepare_later(self, w: Worker, r: RemoteWorker, our_map, their_map, identity: bool, memory: str) -> None:
+        """Prepares ``r``'s two descriptor lists on the NIXL thread,
+        ``PREP_DELAY_S`` seconds from now (the first load of a fresh pair
+        usually posts within that: it is not queued behind the preparation),
+        and swaps them in. Nothing happens if ``r`` or ``w`` is gone by then;
+        a NIXL error is logged and the pair keeps making rows per transfer."""
+
+        def prepare() -> None:  # NIXL thread, serial with free_remote
+            if r.freed or not self.rt.registered(w):
+                return
+            t0 = time.monotonic()
+            theirs = w.agent.prep_remote(r.agent_name, their_map.all(), memory)
+            try:
+                ours = w.mem.local_dlist if identity else w.agent.prep_local(our_map.all(), w.mem.memory)
+            except Exception:
+                w.agent.release_dlist(theirs)
+                raise
+            r.owns_local_dlist = not identity
+            r.lists = (ours, theirs)
+            log.debug("%s: lists of %s prepared in %.1f ms (%d rows)", w.label, r.agent_name,
+                      1e3 * (time.monotonic() - t0), len(their_map) + (0 if identity else len(our_map)))
+
+        async def run() -> None:
+            await asyncio.sleep(PREP_DELAY_S)
+            try:
+                await self.rt.nixl(prepare)
+            except Exception as e:
+                log.info("%s: preparing the lists of %s failed (%s); transfers keep making their rows",
+                         w.label, r.agent_name, e)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._preparing.add(task)
+        task.add_done_callback(self._preparing.discard)
 
     # ------------------------------------------------------------- peer side
     async def handshake_info(self, engine_id: str, tp_rank: int, caller_hash: str,

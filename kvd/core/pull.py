@@ -214,9 +214,10 @@ class Pull:
                 r = remotes[p]
                 lidx, ridx = chunks[p]
                 msg = notif_message(req.remote_request_id, expected(p))
+                local, remote = r.lists  # one read: the NIXL thread may swap in prepared lists
                 try:
-                    handle, state, post_s = await self.rt.nixl(self._post, rid, w.agent, "READ", r.local_dlist,
-                                                                lidx, r.remote_dlist, ridx, msg)
+                    handle, state, post_s = await self.rt.nixl(self._post, rid, w.agent, "READ", local,
+                                                                lidx, remote, ridx, msg)
                     posts_s += post_s
                 except NixlError as e:
                     err = (K.NIXL, f"nixl: {e}")

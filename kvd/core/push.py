@@ -132,9 +132,9 @@ class Push:
                                                   r.region_groups)
         except LayoutError as e:
             raise InvalidArgument(f"push: {e}") from None
+        local, remote = r.lists  # one read: the NIXL thread may swap in prepared lists
         try:
-            handle, state = await self.rt.nixl(w.agent.post, "WRITE", r.local_dlist, src_idx, r.remote_dlist,
-                                               dst_idx, b"")
+            handle, state = await self.rt.nixl(w.agent.post, "WRITE", local, src_idx, remote, dst_idx, b"")
         except NixlError as e:
             raise PeerUnavailable(f"push: {e}") from None
         fut = asyncio.get_running_loop().create_future()

@@ -117,10 +117,14 @@ class RemoteWorker:
 
     Holds the pair's transfer plan: ``k`` source blocks per local block, ``C``
     chunks per source block and region, and the two descriptor lists
-    (``local_dlist`` is the worker's own list when the plan is the identity):
-    prepped handles, released when the remote is dropped, or
-    ``nixl_agent.Unprepped`` for a pair too large to prepare
-    (``Bounds.max_prepped_rows``).
+    ``lists = (local, remote)`` (the local one is the worker's own list when
+    the plan is the identity): both ``nixl_agent.Unprepped`` after the
+    handshake (each transfer makes its own rows), then, for a pair small
+    enough (``Bounds.max_prepped_rows``), both prepped handles once the
+    background preparation has run (``kvd.core.peers``), released when the
+    remote is dropped. One attribute: a post reads both lists at once while
+    the NIXL thread may swap them. ``freed`` (NIXL thread) is set when the
+    remote's NIXL state is gone: nothing may be prepared for it after.
     """
 
     address: str
@@ -132,12 +136,23 @@ class RemoteWorker:
     num_regions: int
     k: int
     C: int
-    local_dlist: object
-    remote_dlist: object
+    lists: tuple[object, object]
     owns_local_dlist: bool
     daemon_version: str
     region_bytes: tuple[int, ...] = ()  # bytes one source block contributes, per region
     region_groups: tuple[int, ...] = ()  # KV-cache group of each region
+    freed: bool = False
+    prepare_later: bool = False  # small enough: lists prepared after the handshake
+
+    @property
+    def local_dlist(self) -> object:
+        """The local side's list (see ``lists``)."""
+        return self.lists[0]
+
+    @property
+    def remote_dlist(self) -> object:
+        """The remote side's list (see ``lists``)."""
+        return self.lists[1]
 
     def transfer_bytes(self, source_groups: BlockGroups) -> int:
         """Bytes a transfer of ``source_groups`` moves from this source."""

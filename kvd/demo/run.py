@@ -42,7 +42,7 @@ from kvd.testing import proxy
 from kvd.testing import vllm_engines as engines
 from kvd.testing.processes import KVD_ROOT, ChildFailed
 from kvd.testing.util import free_port, wait_until
-from kvd.usage import UsageParser
+from kvd.usage import UsageParser, positive
 
 DEFAULT_LENGTHS = [20, 100, 600, 31, 64, 250, 1000, 33]  # prompt tokens
 BLOCK_SIZE = 32
@@ -296,22 +296,9 @@ def _daemon_supports(flag: str) -> bool:
     return flag in r.stdout
 
 
-def _positive(kind):
-    """argparse type: a number of ``kind`` > 0 (a usage error otherwise, exit 64)."""
-    def parse(text: str):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-        if not 0 < v < float("inf"):
-            raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
-        return v
-    return parse
-
-
 def _lengths(text: str) -> list[int]:
     """argparse type of ``--lengths``: comma-separated prompt lengths, tokens >= 1."""
-    parse = _positive(int)
+    parse = positive(int)
     out = [parse(x.strip()) for x in text.split(",") if x.strip()]
     if not out:
         raise argparse.ArgumentTypeError("no lengths given")
@@ -326,11 +313,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "checks decode output == non-disaggregated output.")
     ap.add_argument("--connector", choices=("kvd", "nixl"), default="kvd",
                     help="kvd (default) or vLLM's built-in NixlConnector (baseline)")
-    ap.add_argument("--prompts", type=_positive(int), default=3,
+    ap.add_argument("--prompts", type=positive(int), default=3,
                     help=f"number of prompts (lengths cycle through {DEFAULT_LENGTHS})")
     ap.add_argument("--lengths", type=_lengths, default=[],
                     help="comma-separated prompt lengths in tokens (overrides --prompts)")
-    ap.add_argument("--max-tokens", type=_positive(int), default=MAX_TOKENS, help="tokens generated per prompt")
+    ap.add_argument("--max-tokens", type=positive(int), default=MAX_TOKENS, help="tokens generated per prompt")
     ap.add_argument("--seed", type=int, default=0, help="prompt selection seed")
     ap.add_argument("--workdir", type=Path, default=None,
                     help="run directory for logs and sockets (default .kvd-demo/<time>)")
@@ -339,7 +326,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--model-dir", type=Path, default=None,
                     help=f"tiny model directory (default {tiny_model.default_dir()})")
     ap.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
-    ap.add_argument("--engine-ready-timeout", type=_positive(float), default=engines.ENGINE_READY_S,
+    ap.add_argument("--engine-ready-timeout", type=positive(float), default=engines.ENGINE_READY_S,
                     help="seconds each engine may take to start")
     return ap.parse_args(argv)
 

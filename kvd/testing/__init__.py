@@ -18,6 +18,8 @@ the package does: NIXL runs inside the daemons, vLLM inside the engines):
   ``one_group`` (block ids as the wire carries them without HMA).
 - :mod:`~kvd.testing.fakes`: ``FakeDaemon``, ``FakePeer``, ``blackhole``,
   ``closed_address``, ``wait_events``.
+- :mod:`~kvd.testing.fuzz`: Hypothesis strategies for hostile ``kvd.v1``
+  messages (imports hypothesis, a dev dependency; only the fuzz imports it).
 - :mod:`~kvd.testing.parity`: ``Rank``, ``run_pd`` (the parity scenarios:
   TP ranks of a prefill and a decode engine, every element compared).
 - :mod:`~kvd.testing.netns`: ``NetnsPair`` (two hosts on one machine).

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -51,6 +51,9 @@ class Daemon:
     log_path: str
     peer_address: str = ""
     name: str = ""
+    # The one channel of stub(): a channel per call would leave a connection
+    # to the engine socket open per call until garbage collection.
+    _channel: grpc.Channel | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def pid(self) -> int:
@@ -58,8 +61,17 @@ class Daemon:
         return self.proc.pid
 
     def stub(self) -> pb_grpc.EngineServiceStub:
-        """A stub on a new channel to the engine socket (closed when garbage collected)."""
-        return pb_grpc.EngineServiceStub(grpc.insecure_channel(f"unix:{self.socket}"))
+        """A stub on this daemon's one channel to the engine socket (opened at
+        the first call, closed by :meth:`stop` or :meth:`close_channel`)."""
+        if self._channel is None:
+            self._channel = grpc.insecure_channel(f"unix:{self.socket}")
+        return pb_grpc.EngineServiceStub(self._channel)
+
+    def close_channel(self) -> None:
+        """Closes the channel of :meth:`stub` (idempotent; the next call opens another)."""
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.close()
 
     def stats(self, timeout_s: float = 5.0) -> pb.StatsResponse:
         """The daemon's StatsResponse (:func:`stats_of`). Raises grpc.RpcError."""
@@ -81,7 +93,9 @@ class Daemon:
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> int:
         """Sends ``sig`` (resuming a paused daemon first), then SIGKILL after
-        ``timeout_s`` seconds; returns the exit code (negative: killed by a signal)."""
+        ``timeout_s`` seconds; returns the exit code (negative: killed by a signal).
+        Closes the channel of :meth:`stub` first."""
+        self.close_channel()
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGCONT)
             self.proc.send_signal(sig)

@@ -131,10 +131,15 @@ class FakeEngineService(pb_grpc.EngineServiceServicer):
         elif kind == "release":
             yield pb.SessionEvent(send_done=pb.SendDone(request_id=cmd.release.request_id, released=True))
 
+    def received(self, kind: str) -> list:
+        """The messages of the ``kind`` commands that arrived (``load``:
+        ``LoadBlocks``, ``hold``, ``abort_load``, ...), in arrival order."""
+        with self.lock:
+            return [getattr(c, kind) for c in self.commands if c.WhichOneof("command") == kind]
+
     def count(self, kind: str) -> int:
         """How many commands of ``kind`` (``load``, ``hold``, ...) arrived."""
-        with self.lock:
-            return sum(1 for c in self.commands if c.WhichOneof("command") == kind)
+        return len(self.received(kind))
 
 
 class FakeDaemon:

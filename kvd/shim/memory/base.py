@@ -77,9 +77,10 @@ class KvSharing(ABC):
     def share(self, kv_caches: Mapping[str, torch.Tensor], **describe: Any) -> SharedKv:
         """Shares (or, staged, only describes) ``kv_caches`` (``layer -> tensor``).
 
-        ``describe``: ``num_blocks``, ``block_size`` (tokens), ``kv_layout``,
-        ``num_kv_heads``, ``head_dim``, ``total_kv_heads``, ``groups`` (layer ->
-        KV-cache group), as ``shm.share_kv_caches`` takes them.
+        ``describe``: the fields of ``kvd.shim.memory.regions.KvDescription``
+        (``num_blocks``, ``block_size`` in tokens, ``kv_layout``,
+        ``num_kv_heads``, ``head_dim``, ``total_kv_heads``, ``groups``: layer
+        -> KV-cache group).
 
         Raises:
             KvShareError (a kind of it): the KV cache cannot be shared here.

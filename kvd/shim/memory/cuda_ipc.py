@@ -70,12 +70,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kvd.shim.memory import regions
 from kvd.shim.memory.base import KvSharing
-from kvd.shim.memory.regions import KV_LAYOUTS, KvCachePlan, KvShareError, dtype_name
+from kvd.shim.memory.regions import KvCachePlan, KvDescription, KvShareError
 from kvd.v1 import kvd_pb2 as pb
 
 IPC_HANDLE_SIZE = 64  # sizeof(cudaIpcMemHandle_t)
@@ -220,44 +221,36 @@ class SharedCudaKvCaches:
     def cache_blocks(self) -> list[torch.Tensor]:
         """Per region, the ``[num_blocks, block_len]`` ``uint8`` view of the KV
         cache, on its device (the staged path's copy source and target)."""
-        bufs = [regions.storage_bytes(t) for t in self.plan.storages]
-        return [regions.block_view(bufs[r.storage], r.offset, r.block_len, r.block_stride, self.layout.num_blocks,
-                                   CudaShareError) for r in self.plan.regions]
+        spans = ((r.storage, r.offset, r.block_len, r.block_stride) for r in self.plan.regions)
+        return regions.block_views(self.plan.storages, spans, self.layout.num_blocks, CudaShareError)
 
 
 def share_kv_caches(
     kv_caches: Mapping[str, torch.Tensor],
     *,
-    num_blocks: int,
-    block_size: int,
-    kv_layout: str,
-    num_kv_heads: int,
-    head_dim: int,
-    total_kv_heads: int = 0,
-    block_dim: int | None = None,
-    groups: Mapping[str, int] | None = None,
     exporter: Callable[[torch.Tensor], ExportedStorage] = export_storage,
+    **describe: Any,
 ) -> SharedCudaKvCaches:
     """Exports every allocation behind ``kv_caches`` and describes it for the daemon.
 
-    Args: as ``kvd.shim.memory.shm.share_kv_caches``; ``exporter`` turns a
+    Args: as ``kvd.shim.memory.shm.share_kv_caches`` (``describe``: the fields
+    of ``kvd.shim.memory.regions.KvDescription``); ``exporter`` turns a
     storage's tensor into an :class:`ExportedStorage` (tests pass a fake).
 
     Raises:
         CudaShareError: see :func:`plan_regions` and :func:`export_storage`; a
             declared ``kv_layout`` that contradicts the tensors' strides; regions
             past their storage; tensors on more than one device.
+        TypeError: a missing or unknown ``describe`` key.
     """
-    if kv_layout not in KV_LAYOUTS:
-        raise CudaShareError(f"kv_layout must be one of {sorted(KV_LAYOUTS)} (got {kv_layout!r})")
-    if block_size <= 0:
-        raise CudaShareError(f"block_size must be > 0 tokens (got {block_size})")
-    plan = plan_regions(kv_caches, num_blocks, block_dim=block_dim, groups=groups)
-    if kv_layout != "MLA":
+    d = KvDescription(**describe)
+    d.check(CudaShareError)
+    plan = plan_regions(kv_caches, d.num_blocks, block_dim=d.block_dim, groups=d.groups)
+    if d.kv_layout != "MLA":
         for layer in plan.layers:
-            found = infer_kv_layout(kv_caches[layer], plan.block_dims[layer], block_size, num_kv_heads)
-            if found is not None and found != kv_layout:
-                raise CudaShareError(f"layer {layer}: declared kv_layout {kv_layout}, but its strides put the "
+            found = infer_kv_layout(kv_caches[layer], plan.block_dims[layer], d.block_size, d.num_kv_heads)
+            if found is not None and found != d.kv_layout:
+                raise CudaShareError(f"layer {layer}: declared kv_layout {d.kv_layout}, but its strides put the "
                                      f"blocks in {found} order (vLLM kv_cache_stride_order)")
     exported = [exporter(t) for t in plan.storages]
     devices = sorted({e.device for e in exported})
@@ -276,27 +269,16 @@ def share_kv_caches(
     handles = sorted(seg_index, key=seg_index.get)
     segments = [pb.Segment(kind=pb.MEMORY_KIND_CUDA_IPC, handle=h, device=devices[0], size=sz)
                 for h, sz in zip(handles, sizes)]
-    wire_regions = []
-    for r in plan.regions:
-        e = exported[r.storage]
-        end = r.offset + (num_blocks - 1) * r.block_stride + r.block_len
-        if end > e.nbytes:
-            raise CudaShareError(f"region {r.name}: {num_blocks} blocks end at byte {end}, "
-                                 f"past its storage of {e.nbytes} bytes")
-        wire_regions.append(pb.Region(segment_index=seg_of[r.storage], offset=e.offset + r.offset,
-                                 block_len=r.block_len, block_stride=r.block_stride, name=r.name, group=r.group))
-    layout = pb.Layout(
-        num_blocks=num_blocks, block_size=block_size, kv_layout=KV_LAYOUTS[kv_layout],
-        dtype=dtype_name(plan.dtype) if plan.dtype is not None else "", num_kv_heads=num_kv_heads,
-        head_dim=head_dim, num_layers=len(plan.layers), block_lens=[r.block_len for r in plan.regions],
-        total_kv_heads=total_kv_heads,
-    )
+    wire = regions.wire_regions(plan, d.num_blocks, bases=[e.offset for e in exported],
+                                nbytes=[e.nbytes for e in exported], segment_of=seg_of, error=CudaShareError)
+    layout = regions.wire_layout(plan, d, head_dim=d.head_dim)
     # A block that is more than tokens x heads x head_dim of one K or V
     # (FlashInfer's [2, block_size, heads, head_dim] per block) holds K and V
     # together: the daemon can move it whole only, between equal block sizes.
-    token_bytes = block_size * num_kv_heads * head_dim * (plan.storages[0].element_size() if plan.storages else 1)
-    kv_in_block = kv_layout != "MLA" and any(r.block_len != token_bytes for r in plan.regions)
-    return SharedCudaKvCaches(segments, wire_regions, layout, exported, plan, seg_of, kv_in_block)
+    esize = plan.storages[0].element_size() if plan.storages else 1
+    token_bytes = d.block_size * d.num_kv_heads * d.head_dim * esize
+    kv_in_block = d.kv_layout != "MLA" and any(r.block_len != token_bytes for r in plan.regions)
+    return SharedCudaKvCaches(segments, wire, layout, exported, plan, seg_of, kv_in_block)
 
 
 # ---------------------------------------------------------------- sharing

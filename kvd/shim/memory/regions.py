@@ -1,7 +1,8 @@
 """Region maths shared by the CPU (``kvd.shim.memory.shm``) and GPU
 (``kvd.shim.memory.cuda_ipc``) sharing paths and the staged path's copies
 (``kvd.shim.memory.staged``): which bytes of vLLM's KV cache tensors are
-one block of one region.
+one block of one region, and the ``RegisterEngineRequest`` regions and
+layout both sharing paths build from it.
 
 vLLM hands ``register_kv_caches`` one tensor per layer (often views of one
 backing allocation, ``vllm/v1/worker/utils.py:allocate_kv_cache``). A tensor
@@ -19,7 +20,7 @@ Units: bytes for sizes, strides and offsets.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -254,3 +255,91 @@ def block_view(buf: torch.Tensor, offset: int, block_len: int, block_stride: int
         raise error(f"region at {offset} ({num_blocks} x {block_stride} B) outside a buffer of "
                     f"{buf.numel()} bytes")
     return buf.as_strided((num_blocks, block_len), (block_stride, 1), buf.storage_offset() + offset)
+
+
+# ------------------------------------------------------------------- proto
+@dataclass(frozen=True)
+class KvDescription:
+    """What a worker says about its KV cache beside the tensors: the keyword
+    arguments of ``KvSharing.share`` and of each path's ``share_kv_caches``.
+
+    Attributes:
+        num_blocks: blocks per region (``KVCacheConfig.num_blocks``).
+        block_size: tokens per block (the KV cache manager's block size).
+        kv_layout: ``"HND"``, ``"NHD"`` or ``"MLA"``: the order of tokens and
+            heads inside one block.
+        num_kv_heads: KV heads held by this TP rank.
+        head_dim: head size in elements.
+        total_kv_heads: KV heads of the whole model (0: ``num_kv_heads`` x TP size).
+        block_dim: force the block dimension (see :func:`find_block_dim`).
+        groups: layer name -> KV-cache group (vLLM HMA; default: all group 0).
+    """
+
+    num_blocks: int
+    block_size: int
+    kv_layout: str
+    num_kv_heads: int
+    head_dim: int
+    total_kv_heads: int = 0
+    block_dim: int | None = None
+    groups: Mapping[str, int] | None = None
+
+    def check(self, error: type[KvShareError] = KvShareError) -> None:
+        """Refuses a ``kv_layout`` not in :data:`KV_LAYOUTS` or a ``block_size``
+        below 1 token, raising ``error``."""
+        if self.kv_layout not in KV_LAYOUTS:
+            raise error(f"kv_layout must be one of {sorted(KV_LAYOUTS)} (got {self.kv_layout!r})")
+        if self.block_size <= 0:
+            raise error(f"block_size must be > 0 tokens (got {self.block_size})")
+
+
+def wire_regions(plan: KvCachePlan, num_blocks: int, *, bases: Sequence[int], nbytes: Sequence[int],
+                 segment_of: Sequence[int] | None = None,
+                 error: type[KvShareError] = KvShareError) -> list[pb.Region]:
+    """``RegisterEngineRequest.regions`` of ``plan`` (units: bytes).
+
+    Args:
+        plan: from :func:`plan_regions`.
+        num_blocks: blocks per region.
+        bases: per storage of ``plan``, the offset of its byte 0 in its
+            segment (the shm header; the storage's place in its CUDA allocation).
+        nbytes: per storage, its size: no region may reach past it.
+        segment_of: per storage, its segment index (default: one segment per storage).
+
+    Raises:
+        ``error``: a region whose ``num_blocks`` blocks end past its storage.
+    """
+    out = []
+    for r in plan.regions:
+        end = r.offset + (num_blocks - 1) * r.block_stride + r.block_len
+        if end > nbytes[r.storage]:
+            raise error(f"region {r.name}: {num_blocks} blocks end at byte {end}, "
+                        f"past its storage of {nbytes[r.storage]} bytes")
+        out.append(pb.Region(segment_index=segment_of[r.storage] if segment_of is not None else r.storage,
+                             offset=bases[r.storage] + r.offset, block_len=r.block_len,
+                             block_stride=r.block_stride, name=r.name, group=r.group))
+    return out
+
+
+def wire_layout(plan: KvCachePlan, d: KvDescription, *, head_dim: int, kv_in_block: bool = False) -> pb.Layout:
+    """``RegisterEngineRequest.layout`` of ``plan`` described by ``d``:
+    ``head_dim`` is what the caller worked out (elements per token and head
+    in a block), ``kv_in_block`` the layout flag (K and V runs the daemon may
+    move apart)."""
+    return pb.Layout(
+        num_blocks=d.num_blocks, block_size=d.block_size, kv_layout=KV_LAYOUTS[d.kv_layout],
+        dtype=dtype_name(plan.dtype) if plan.dtype is not None else "", num_kv_heads=d.num_kv_heads,
+        head_dim=head_dim, num_layers=len(plan.layers), block_lens=[r.block_len for r in plan.regions],
+        total_kv_heads=d.total_kv_heads, kv_in_block=kv_in_block,
+    )
+
+
+def block_views(storages: Sequence[torch.Tensor], spans: Iterable[tuple[int, int, int, int]], num_blocks: int,
+                error: type[Exception] = KvShareError) -> list[torch.Tensor]:
+    """Per span ``(storage index, offset from the storage's byte 0, block_len,
+    block_stride)``, the ``[num_blocks, block_len]`` ``uint8`` view of those
+    bytes of ``storages`` (what ``SharedKv.cache_blocks`` returns: the staged
+    path's copy source and target). Raises ``error`` (:func:`block_view`)."""
+    bufs = [storage_bytes(t) for t in storages]
+    return [block_view(bufs[s], offset, block_len, block_stride, num_blocks, error)
+            for s, offset, block_len, block_stride in spans]

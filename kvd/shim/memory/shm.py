@@ -84,12 +84,13 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from kvd.shim.memory import regions
 from kvd.shim.memory.base import KvSharing
-from kvd.shim.memory.regions import KV_LAYOUTS, KvCachePlan, KvShareError, dtype_name
+from kvd.shim.memory.regions import KvCachePlan, KvDescription, KvShareError
 from kvd.v1 import kvd_pb2 as pb
 
 log = logging.getLogger("kvd.shim.memory.shm")
@@ -304,12 +305,11 @@ class SharedKvCaches:
 
     def cache_blocks(self) -> list[torch.Tensor]:
         """Per region, the ``[num_blocks, block_len]`` ``uint8`` view of the KV
-        cache (the staged path's copy source and target). Region offsets are
-        from the storage's byte 0 here (:func:`describe_kv_caches`)."""
-        bufs = [regions.storage_bytes(t) for t in self.tensors]
-        return [regions.block_view(bufs[r.segment_index], r.offset - self.storages[r.segment_index].data_offset,
-                                   r.block_len, r.block_stride, self.layout.num_blocks, CpuShareError)
-                for r in self.regions]
+        cache (the staged path's copy source and target)."""
+        # Region offsets count from the segment's byte 0: back to the storage's.
+        spans = ((r.segment_index, r.offset - self.storages[r.segment_index].data_offset, r.block_len,
+                  r.block_stride) for r in self.regions)
+        return regions.block_views(self.tensors, spans, self.layout.num_blocks, CpuShareError)
 
 
 def head_vector(block_len: int, block_size: int, num_kv_heads: int, head_dim: int, elem_bytes: int) -> int:
@@ -328,99 +328,25 @@ def head_vector(block_len: int, block_size: int, num_kv_heads: int, head_dim: in
     return vec if vec in (head_dim, 2 * head_dim) else head_dim
 
 
-def _describe(
-    kv_caches: Mapping[str, torch.Tensor],
-    *,
-    num_blocks: int,
-    block_size: int,
-    kv_layout: str,
-    num_kv_heads: int,
-    head_dim: int,
-    total_kv_heads: int,
-    block_dim: int | None,
-    groups: Mapping[str, int] | None,
-    share: Callable[[torch.Tensor], SharedStorage] | None,
-) -> SharedKvCaches:
-    if kv_layout not in KV_LAYOUTS:
-        raise CpuShareError(f"kv_layout must be one of {sorted(KV_LAYOUTS)} (got {kv_layout!r})")
-    if block_size <= 0:
-        raise CpuShareError(f"block_size must be > 0 tokens (got {block_size})")
-    plan = plan_regions(kv_caches, num_blocks, block_dim=block_dim, groups=groups)
-    if share is not None:
-        shared = [share(t) for t in plan.storages]
-        segments = [pb.Segment(kind=pb.MEMORY_KIND_MEMFD, size=s.size) if s.fd >= 0 else
-                    pb.Segment(kind=pb.MEMORY_KIND_SHM, name=s.name, size=s.size) for s in shared]
-    else:
-        shared = [SharedStorage(name="", data_offset=0, nbytes=t.untyped_storage().nbytes()) for t in plan.storages]
-        segments = [pb.Segment(kind=pb.MEMORY_KIND_SHM, name="", size=s.size) for s in shared]
-    regions = []
-    for r in plan.regions:
-        end = r.offset + (num_blocks - 1) * r.block_stride + r.block_len
-        if end > shared[r.storage].nbytes:
-            raise CpuShareError(
-                f"region {r.name}: {num_blocks} blocks end at byte {end}, "
-                f"past its storage of {shared[r.storage].nbytes} bytes"
-            )
-        regions.append(pb.Region(
-            segment_index=r.storage,
-            offset=shared[r.storage].data_offset + r.offset,
-            block_len=r.block_len,
-            block_stride=r.block_stride,
-            name=r.name,
-            group=r.group,
-        ))
-    esize = plan.storages[0].element_size() if plan.storages else 1
-    vecs = {head_vector(r.block_len, block_size, num_kv_heads, head_dim, esize) for r in plan.regions}
-    vec = vecs.pop() if len(vecs) == 1 and plan.kernel_blocks == 1 else head_dim
-    kv_in_block = vec != head_dim
-    layout = pb.Layout(
-        num_blocks=num_blocks,
-        block_size=block_size,
-        kv_layout=KV_LAYOUTS[kv_layout],
-        dtype=dtype_name(plan.dtype) if plan.dtype is not None else "",
-        num_kv_heads=num_kv_heads,
-        head_dim=vec,
-        num_layers=len(plan.layers),
-        block_lens=[r.block_len for r in plan.regions],
-        total_kv_heads=total_kv_heads,
-        # HND with K and V in the block is vLLM-CPU's [heads, 2, tokens, head_size]:
-        # the daemon moves K and V runs separately (block-size remap works).
-        kv_in_block=kv_in_block and kv_layout == "HND",
-    )
-    return SharedKvCaches(segments=segments, regions=regions, layout=layout, storages=shared,
-                          tensors=list(plan.storages), kv_in_block=kv_in_block)
-
-
 def share_kv_caches(
     kv_caches: Mapping[str, torch.Tensor],
     *,
-    num_blocks: int,
-    block_size: int,
-    kv_layout: str,
-    num_kv_heads: int,
-    head_dim: int,
-    total_kv_heads: int = 0,
-    block_dim: int | None = None,
-    groups: Mapping[str, int] | None = None,
     share: Callable[[torch.Tensor], SharedStorage] = share_storage,
+    **describe: Any,
 ) -> SharedKvCaches:
     """Shares every storage behind ``kv_caches`` and describes it for the daemon
     (the direct data path: the daemon maps the engine's own pages).
 
     Args:
         kv_caches: ``layer name -> tensor`` as given to ``register_kv_caches``.
-        num_blocks: blocks per region (``KVCacheConfig.num_blocks``).
-        block_size: tokens per block (the KV cache manager's block size).
-        kv_layout: ``"HND"``, ``"NHD"`` or ``"MLA"`` (inside one block).
-        num_kv_heads: KV heads held by this TP rank.
-        head_dim: head size in elements (``layout.head_dim`` may be twice it,
-            see :func:`head_vector`).
-        total_kv_heads: KV heads of the whole model (0: ``num_kv_heads`` x TP size).
-        block_dim: see :func:`plan_regions`.
-        groups: layer -> KV-cache group, see :func:`plan_regions`.
         share: moves one storage where the daemon can map it:
             :func:`share_storage` (a name in /dev/shm) or
             ``kvd.shim.memory.memfd.share_storage`` (a sealed memfd).
+        describe: the fields of ``kvd.shim.memory.regions.KvDescription``
+            (``num_blocks``, ``block_size``, ``kv_layout``, ``num_kv_heads``,
+            ``head_dim``; optional ``total_kv_heads``, ``block_dim``,
+            ``groups``); ``layout.head_dim`` may be twice ``head_dim``, see
+            :func:`head_vector`.
 
     Returns:
         Segments (one per storage, ``MEMORY_KIND_SHM``, or ``MEMORY_KIND_MEMFD``
@@ -429,35 +355,49 @@ def share_kv_caches(
 
     Raises:
         CpuShareError: see :func:`plan_regions` and :func:`share_storage`.
+        TypeError: a missing or unknown ``describe`` key.
     """
-    return _describe(kv_caches, num_blocks=num_blocks, block_size=block_size, kv_layout=kv_layout,
-                     num_kv_heads=num_kv_heads, head_dim=head_dim, total_kv_heads=total_kv_heads,
-                     block_dim=block_dim, groups=groups, share=share)
+    return _describe(kv_caches, KvDescription(**describe), share)
 
 
-def describe_kv_caches(
-    kv_caches: Mapping[str, torch.Tensor],
-    *,
-    num_blocks: int,
-    block_size: int,
-    kv_layout: str,
-    num_kv_heads: int,
-    head_dim: int,
-    total_kv_heads: int = 0,
-    block_dim: int | None = None,
-    groups: Mapping[str, int] | None = None,
-) -> SharedKvCaches:
+def describe_kv_caches(kv_caches: Mapping[str, torch.Tensor], **describe: Any) -> SharedKvCaches:
     """Describes ``kv_caches`` without sharing anything (the staged data path).
 
-    Same arguments and maths as :func:`share_kv_caches`, but the segments are
-    unnamed (``RegisterEngineRequest`` with ``DATA_PATH_STAGED``: only their
-    sizes count, the daemon makes a mirror of each) and the region offsets
-    count from each storage's byte 0. ``tensors`` are what the shim copies
-    from and to (``kvd.shim.memory.staged``).
+    Same ``describe`` arguments and maths as :func:`share_kv_caches`, but
+    the segments are unnamed (``RegisterEngineRequest`` with
+    ``DATA_PATH_STAGED``: only their sizes count, the daemon makes a mirror of
+    each) and the region offsets count from each storage's byte 0.
+    ``tensors`` are what the shim copies from and to (``kvd.shim.memory.staged``).
+
+    Raises:
+        CpuShareError, TypeError: as :func:`share_kv_caches`.
     """
-    return _describe(kv_caches, num_blocks=num_blocks, block_size=block_size, kv_layout=kv_layout,
-                     num_kv_heads=num_kv_heads, head_dim=head_dim, total_kv_heads=total_kv_heads,
-                     block_dim=block_dim, groups=groups, share=None)
+    return _describe(kv_caches, KvDescription(**describe), None)
+
+
+def _describe(kv_caches: Mapping[str, torch.Tensor], d: KvDescription,
+              share: Callable[[torch.Tensor], SharedStorage] | None) -> SharedKvCaches:
+    """:func:`share_kv_caches` (``share`` given) or :func:`describe_kv_caches` (None)."""
+    d.check(CpuShareError)
+    plan = plan_regions(kv_caches, d.num_blocks, block_dim=d.block_dim, groups=d.groups)
+    if share is not None:
+        shared = [share(t) for t in plan.storages]
+        segments = [pb.Segment(kind=pb.MEMORY_KIND_MEMFD, size=s.size) if s.fd >= 0 else
+                    pb.Segment(kind=pb.MEMORY_KIND_SHM, name=s.name, size=s.size) for s in shared]
+    else:
+        shared = [SharedStorage(name="", data_offset=0, nbytes=t.untyped_storage().nbytes()) for t in plan.storages]
+        segments = [pb.Segment(kind=pb.MEMORY_KIND_SHM, name="", size=s.size) for s in shared]
+    wire = regions.wire_regions(plan, d.num_blocks, bases=[s.data_offset for s in shared],
+                                nbytes=[s.nbytes for s in shared], error=CpuShareError)
+    esize = plan.storages[0].element_size() if plan.storages else 1
+    vecs = {head_vector(r.block_len, d.block_size, d.num_kv_heads, d.head_dim, esize) for r in plan.regions}
+    vec = vecs.pop() if len(vecs) == 1 and plan.kernel_blocks == 1 else d.head_dim
+    kv_in_block = vec != d.head_dim
+    # HND with K and V in the block is vLLM-CPU's [heads, 2, tokens, head_size]:
+    # the daemon moves K and V runs separately (block-size remap works).
+    layout = regions.wire_layout(plan, d, head_dim=vec, kv_in_block=kv_in_block and d.kv_layout == "HND")
+    return SharedKvCaches(segments=segments, regions=wire, layout=layout, storages=shared,
+                          tensors=list(plan.storages), kv_in_block=kv_in_block)
 
 
 # ---------------------------------------------------------------- sharing

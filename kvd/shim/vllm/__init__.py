@@ -49,7 +49,7 @@ Worker-side primitives (each worker process, ``kvd.shim.vllm.worker``):
 No per-step primitive makes an RPC (``kvd/client/engine_client.py``).
 """
 
-from kvd.shim.vllm.config import KvdShimConfig, join_host_port, split_host_port
+from kvd.shim.vllm.config import KvdShimConfig
 from kvd.shim.vllm.connector import KvdConnector
 from kvd.shim.vllm.groups import TransferGroups, as_groups, first_group
 from kvd.shim.vllm.metadata import HoldSpec, KvdConnectorMetadata, LoadSpec, SaveSpec
@@ -67,6 +67,4 @@ __all__ = [
     "TransferGroups",
     "as_groups",
     "first_group",
-    "join_host_port",
-    "split_host_port",
 ]

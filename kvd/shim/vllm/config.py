@@ -49,6 +49,7 @@ from typing import Any
 
 from vllm.config import VllmConfig
 
+from kvd.addresses import split_host_port
 from kvd.shim.memory.base import DATA_PATHS
 
 try:  # vLLM >= 0.32: failed receives reported with the completions
@@ -94,7 +95,7 @@ class KvdShimConfig:
 
         peer = extra.get("kvd_peer_address")
         if peer is not None:
-            split_host_port(str(peer))  # validate early
+            split_host_port(str(peer), "kv_connector_extra_config.kvd_peer_address", min_port=1)  # validate early
         data_path = str(extra.get("kvd_data_path") or "direct").lower()
         if data_path not in DATA_PATHS:
             raise ValueError(f"kv_connector_extra_config.kvd_data_path must be one of {', '.join(DATA_PATHS)} "
@@ -107,22 +108,6 @@ class KvdShimConfig:
             connect_timeout_s=seconds("kvd_connect_timeout_s", 60.0),
             data_path=data_path,
         )
-
-
-def split_host_port(address: str) -> tuple[str, int]:
-    """``"host:port"`` / ``"[v6]:port"`` -> (host, port). Raises ValueError."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"peer address must be host:port (got {address!r})")
-    return host.strip("[]"), int(port)
-
-
-def join_host_port(host: str, port: int | str) -> str:
-    """(host, port) -> ``"host:port"``, brackets around an IPv6 host."""
-    host = str(host)
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"{host}:{int(port)}"
 
 
 def check_supported(vllm_config: VllmConfig, kv_cache_config: Any) -> None:

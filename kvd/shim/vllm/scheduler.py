@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.config import VllmConfig
 
+from kvd.addresses import join_host_port, split_host_port
 from kvd.requests import BlockGroups, LoadRequest
-from kvd.shim.vllm.config import KvdShimConfig, join_host_port, split_host_port
+from kvd.shim.vllm.config import KvdShimConfig
 from kvd.shim.vllm.groups import TransferGroups, as_groups, cdiv
 from kvd.shim.vllm.metadata import HoldSpec, KvdConnectorMetadata, LoadSpec, SaveSpec
 from kvd.shim.vllm.worker import daemon_peer_address
@@ -86,7 +87,9 @@ class KvdScheduler:
         self.peer_port: int | None = None
         kv = vllm_config.kv_transfer_config
         if kv is not None and kv.is_kv_producer:
-            self.peer_host, self.peer_port = split_host_port(cfg.peer_address or daemon_peer_address(cfg))
+            key = "kv_connector_extra_config.kvd_peer_address" if cfg.peer_address else "the daemon's peer_address"
+            self.peer_host, self.peer_port = split_host_port(cfg.peer_address or daemon_peer_address(cfg), key,
+                                                             min_port=1)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Decode side (``KvdConnector.get_num_new_matched_tokens``): for a request

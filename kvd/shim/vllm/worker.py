@@ -20,13 +20,14 @@ import torch
 
 from vllm.config import VllmConfig
 
+from kvd.addresses import split_host_port
 from kvd.client.engine_client import EngineClient, EngineClientError
 from kvd.requests import BlockGroups, LoadRequest, flat
 from kvd.shim.memory import auto
 from kvd.shim.memory.base import KvSharing
 from kvd.shim.memory.staged import StagingError, StagingMirror
 from kvd.shim.vllm import cpu_kv_probe
-from kvd.shim.vllm.config import KvdShimConfig, split_host_port
+from kvd.shim.vllm.config import KvdShimConfig
 from kvd.shim.vllm.groups import TransferGroups, copy_groups
 from kvd.shim.vllm.metadata import KvdConnectorMetadata
 from kvd.shim.vllm.stats import KvdKVConnectorStats
@@ -67,7 +68,7 @@ def daemon_peer_address(cfg: KvdShimConfig) -> str:
         client.close()
     if not stats.peer_address:
         raise RuntimeError("KvdConnector: the kvd daemon reports no peer_address; set kvd_peer_address")
-    host, _ = split_host_port(stats.peer_address)
+    host, _ = split_host_port(stats.peer_address, "the daemon's peer_address", min_port=1)
     if host in ("0.0.0.0", "::", ""):
         log.warning("kvd peer address %s is a wildcard; remote decode engines cannot reach it "
                     "(set kvd_peer_address or the daemon's advertised address)", stats.peer_address)

@@ -1,13 +1,18 @@
-"""KvdConnector inside vLLM 0.32's real scheduler, against a fake daemon.
+"""KvdConnector inside vLLM 0.32's real scheduler, against a fake daemon:
+the transfers. Prefill hands its blocks off (holds, ``kv_transfer_params``),
+decode loads them (or only notifies P, or fails by vLLM's policy), both with
+vLLM's hybrid allocator (two KV-cache groups), no step call waits on the
+daemon, and the transfer stats reach vLLM's logger and Prometheus.
 
-(``test_shim_realdaemon.py`` runs the same engine loop against two real
-daemons and checks the bytes.)
+(``test_shim_vllm_memory.py``: configuration, registration and the KV
+cache's memory; ``test_shim_realdaemon.py`` runs the same engine loop against
+two real daemons and checks the bytes.)
 
-Each test runs an in-process "engine loop" with no model: vLLM's own
-``Scheduler`` (which constructs the scheduler-side ``KvdConnector`` from the
-``--kv-transfer-config`` it would get on the command line), and a worker-side
-``KvdConnector`` that registers a KV cache allocated by vLLM's own
-``allocate_kv_cache``. Each step does what
+Each test runs an in-process "engine loop" with no model
+(``tests/vllm_inproc.py``): vLLM's own ``Scheduler`` (which constructs the
+scheduler-side ``KvdConnector`` from the ``--kv-transfer-config`` it would get
+on the command line), and a worker-side ``KvdConnector`` that registers a KV
+cache allocated by vLLM's own ``allocate_kv_cache``. Each step does what
 ``vllm/v1/worker/kv_connector_model_runner_mixin.py:_get_kv_connector_output``
 does around a forward pass: bind metadata, ``start_load_kv``,
 ``get_transfer_results``, ``get_block_ids_with_load_errors``, and hands the
@@ -16,8 +21,6 @@ result back to ``Scheduler.update_from_output``.
 
 from __future__ import annotations
 
-import gc
-import mmap
 import os
 import time
 
@@ -35,47 +38,29 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
+from kvd.addresses import join_host_port  # noqa: E402
 from kvd.requests import LoadRequest  # noqa: E402
 from kvd.shim.vllm import (  # noqa: E402
     HoldSpec,
     KvdConnector,
     KvdConnectorMetadata,
     KvdKVConnectorStats,
-    KvdShimConfig,
     LoadSpec,
     TransferGroups,
-    as_groups,
-    first_group,
-    join_host_port,
-    split_host_port,
 )
-from kvd.v1 import kvd_pb2 as pb  # noqa: E402
 from kvd.testing.fakes import PEER_ADDRESS, FakeDaemon  # noqa: E402
+from kvd.testing.util import wait_until  # noqa: E402
 from vllm_inproc import (  # noqa: E402
-    BS, HEAD, HMA_LAYERS, KV_HEADS, LAYERS, NB, WINDOW_BLOCKS, Engine, kv_cache_config, make_request,
-    prefill_request, remote_params, vllm_config,
+    BS, HMA_LAYERS, WINDOW_BLOCKS, Engine, kv_cache_config, make_request, prefill_request, remote_params,
+    vllm_config,
 )
 
 FAST_S = 0.010
 
 
-def hold_cmds(fake) -> list:
-    return [c.hold for c in fake.service.commands if c.WhichOneof("command") == "hold"]
-
-
-def load_cmds(fake) -> list:
-    return [c.load for c in fake.service.commands if c.WhichOneof("command") == "load"]
-
-
 def prefill_stats(eng: Engine, rid: str):
     return next(o.prefill_stats for o in eng.outputs[rid] if o.prefill_stats is not None)
 
-
-def wait_for(cond, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
 
 
 def load_spec(rid: str, local: list, remote: list, remote_rid: str, *, engine: str = "engine-p",
@@ -83,71 +68,6 @@ def load_spec(rid: str, local: list, remote: list, remote_rid: str, *, engine: s
     """A scheduler -> worker load (block ids per group) from a prefill engine at 127.0.0.1:9."""
     return LoadSpec(LoadRequest(rid, local, engine, "127.0.0.1:9", remote, remote_rid), awaiting, error)
 
-
-# ------------------------------------------------------------------ helpers
-def test_config_keys_and_addresses():
-    cfg = KvdShimConfig.from_extra({"kvd_socket": "/s.sock", "kvd_lease_s": "12", "kvd_peer_address": "[::1]:5"})
-    assert (cfg.socket, cfg.lease_s, cfg.load_timeout_s, cfg.peer_address) == ("/s.sock", 12.0, 0.0, "[::1]:5")
-    with pytest.raises(ValueError, match="kvd_socket"):
-        KvdShimConfig.from_extra({})
-    with pytest.raises(ValueError, match="kvd_load_timeout_s"):
-        KvdShimConfig.from_extra({"kvd_socket": "/s", "kvd_load_timeout_s": -1})
-    with pytest.raises(ValueError, match="host:port"):
-        KvdShimConfig.from_extra({"kvd_socket": "/s", "kvd_peer_address": "nope"})
-    assert split_host_port("[::1]:5") == ("::1", 5) and join_host_port("::1", 5) == "[::1]:5"
-    assert join_host_port("10.0.0.1", "80") == "10.0.0.1:80"
-    assert first_group([[1, 2], [3]]) == [1, 2] and first_group([4, 5]) == [4, 5] and first_group([]) == []
-    assert as_groups([[1, 2], [3]]) == [[1, 2], [3]] and as_groups((4, 5)) == [[4, 5]] and as_groups(None) == []
-    assert KvdShimConfig.from_extra({"kvd_socket": "/s"}).data_path == "direct"
-    assert KvdShimConfig.from_extra({"kvd_socket": "/s", "kvd_data_path": "STAGED"}).data_path == "staged"
-    with pytest.raises(ValueError, match="kvd_data_path"):
-        KvdShimConfig.from_extra({"kvd_socket": "/s", "kvd_data_path": "gpu"})
-
-
-# ------------------------------------------------------------- registration
-def test_register_kv_caches_shares_vllm_allocation_and_describes_it(model_dir, fake):
-    eng = Engine(model_dir, fake.socket, kvd_peer_address="127.0.0.1:7000")
-    try:
-        (reg,) = fake.service.registers
-        spec = kv_cache_config().kv_cache_groups[0].kv_cache_spec
-        assert reg.worker == pb.EngineWorker(engine_id=eng.config.kv_transfer_config.engine_id, tp_rank=0, tp_size=1)
-        assert (reg.layout.num_blocks, reg.layout.block_size, reg.layout.kv_layout) == (NB, BS, pb.KV_LAYOUT_HND)
-        # vLLM-CPU keeps K and V of a head in one block ([heads, 2 x tokens, head_size]):
-        # the per-head vector is K and V together, and the layout says K and V share
-        # the block, so the daemon can move them apart (block-size remap).
-        assert (reg.layout.dtype, reg.layout.num_kv_heads, reg.layout.head_dim, reg.layout.num_layers) == (
-            "float32", KV_HEADS, 2 * HEAD, 2)
-        # What the kernel keeps inside K decides the remap (x86 vec kernels: K [head_size, tokens]).
-        from kvd.shim.vllm.cpu_kv_probe import kv_block_layout
-        k_layout = kv_block_layout(torch.float32, BS, HEAD)
-        assert reg.layout.kv_in_block == (k_layout is not None)
-        assert reg.layout.k_dim_major == (k_layout == "dim_major")
-        assert f"kv_in_block={1 if k_layout else BS}" in reg.compat_extra
-        assert reg.layout.total_kv_heads == KV_HEADS
-        assert reg.owner_pid == os.getpid() and reg.data_path == pb.DATA_PATH_DIRECT
-        assert [r.group for r in reg.regions] == [0, 0]
-        assert len(reg.segments) == 1 and len(reg.regions) == 2  # one backing buffer, one region per layer
-        assert all(r.block_len == spec.page_size_bytes == r.block_stride for r in reg.regions)
-        assert reg.model == model_dir and "vllm=0.32" in reg.compat_extra
-        assert fake.service.sessions == 1
-        # The regions address vLLM's own per-layer views, block by block.
-        seg = reg.segments[0]
-        # The segment as the daemon maps it: the handed-over memfd (the fake
-        # keeps every fd it received), or the POSIX shm name where memfds are unavailable.
-        if seg.kind == pb.MEMORY_KIND_MEMFD:
-            m = mmap.mmap(fake.fds[seg.fd_id], seg.size, prot=mmap.PROT_READ)
-        else:
-            m = mmap.mmap(os.open("/dev/shm" + seg.name, os.O_RDONLY), seg.size, prot=mmap.PROT_READ)
-        for i, (layer, r) in enumerate(zip(LAYERS, reg.regions)):
-            view = eng.caches[layer]
-            assert tuple(view.shape) == (NB, KV_HEADS, BS, 2 * HEAD)  # [B, H, N, K+V]
-            view[5].fill_(float(i + 1))
-            start = r.offset + 5 * r.block_stride
-            assert m[start:start + r.block_len] == view[5].numpy().tobytes()
-        m.close()
-    finally:
-        eng.close()
-    assert len(fake.service.unregisters) == 1
 
 
 # ---------------------------------------------------------------- prefill side
@@ -170,8 +90,8 @@ def test_prefill_finish_returns_nixl_shaped_params_and_holds_until_send_done(mod
         assert req.request_id in eng.sched.requests, "blocks must stay allocated until finished_sending"
 
         eng.step()  # the next step carries the hold to the worker
-        wait_for(lambda: len(hold_cmds(fake)) == 1)
-        (hold,) = hold_cmds(fake)
+        wait_until(lambda: fake.service.count("hold") == 1, 5, "hold command #1 at the daemon")
+        (hold,) = fake.service.received("hold")
         assert (hold.request_id, [list(g.ids) for g in hold.groups], hold.lease_s) == (req.request_id, [blocks], 45)
         assert req.request_id in eng.sched.requests
 
@@ -189,7 +109,7 @@ def test_aborted_prefill_is_not_held(model_dir, fake):
         eng.sched.add_request(req)
         eng.sched.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
         eng.step()
-        assert req.request_id not in eng.sched.requests and hold_cmds(fake) == []
+        assert req.request_id not in eng.sched.requests and fake.service.received("hold") == []
     finally:
         eng.close()
 
@@ -221,8 +141,8 @@ def test_decode_loads_all_prompt_blocks_then_runs(model_dir, fake):
         (ld,) = eng.last_meta.loads
         (local,) = ld.request.local_groups
         assert ld.awaiting and len(local) == 4 and ld.request.remote_groups == [[40, 41, 42, 43]]
-        wait_for(lambda: len(load_cmds(fake)) == 1)
-        (cmd,) = load_cmds(fake)
+        wait_until(lambda: fake.service.count("load") == 1, 5, "load command #1 at the daemon")
+        (cmd,) = fake.service.received("load")
         assert (cmd.remote_address, cmd.remote_engine_id, cmd.remote_request_id) == ("10.9.9.9:7500", "engine-p", "p-req-1")
         assert [list(g.ids) for g in cmd.local_groups] == [local] and cmd.timeout_s == 12 and cmd.remote_tp_size == 1
         assert [list(g.ids) for g in cmd.remote_groups] == [[40, 41, 42, 43]]  # one group: [[...]], groups only
@@ -254,10 +174,6 @@ def test_partial_local_prefix_hit_loads_only_the_missing_tail(model_dir, fake):
         eng.close()
 
 
-def abort_cmds(fake) -> list:
-    return [c.abort_load for c in fake.service.commands if c.WhichOneof("command") == "abort_load"]
-
-
 def test_nothing_to_load_only_notifies_and_never_reports_a_receive(model_dir, fake):
     """A request that skips the prefix cache (e.g. prompt logprobs) computes its
     prompt locally: P is told to free its blocks (AbortLoad, no answer), no
@@ -268,14 +184,14 @@ def test_nothing_to_load_only_notifies_and_never_reports_a_receive(model_dir, fa
         req.skip_reading_prefix_cache = True
         eng.sched.add_request(req)
         eng.run_until(lambda: eng.finished(req.request_id) is not None)
-        wait_for(lambda: len(abort_cmds(fake)) == 1)
-        (ab,) = abort_cmds(fake)
+        wait_until(lambda: fake.service.count("abort_load") == 1, 5, "abort_load command #1 at the daemon")
+        (ab,) = fake.service.received("abort_load")
         assert (ab.request_id, ab.remote_engine_id, ab.remote_address, ab.remote_request_id, ab.remote_tp_size) == (
             req.request_id, "engine-p", "10.9.9.9:7500", "p-req-1", 1)
         for _ in range(5):
             eng.step()
             time.sleep(0.01)
-        assert load_cmds(fake) == []
+        assert fake.service.received("load") == []
     finally:
         eng.close()
 
@@ -293,12 +209,12 @@ def test_decode_request_aborted_before_scheduling_tells_the_prefill_side(model_d
         (ld,) = eng.last_meta.loads
         assert (ld.request_id, ld.request.local_groups, ld.awaiting, ld.request.remote_request_id) == (
             req.request_id, [], False, "p-req-1")
-        wait_for(lambda: len(abort_cmds(fake)) == 1)
-        assert abort_cmds(fake)[0].remote_request_id == "p-req-1"
+        wait_until(lambda: fake.service.count("abort_load") == 1, 5, "abort_load command #1 at the daemon")
+        assert fake.service.received("abort_load")[0].remote_request_id == "p-req-1"
         for _ in range(5):
             eng.step()
             time.sleep(0.01)
-        assert load_cmds(fake) == []
+        assert fake.service.received("load") == []
     finally:
         eng.close()
 
@@ -331,8 +247,9 @@ def test_mismatched_remote_blocks_fail_the_load_without_asking_the_daemon(model_
         eng.sched.add_request(req)
         eng.run_until(lambda: eng.finished(req.request_id) is not None)
         assert eng.finished(req.request_id).finish_reason == FinishReason.ERROR
-        assert load_cmds(fake) == []
-        wait_for(lambda: len(abort_cmds(fake)) == 1)  # P frees its blocks at once
+        assert fake.service.received("load") == []
+        # P frees its blocks at once
+        wait_until(lambda: fake.service.count("abort_load") == 1, 5, "abort_load command #1 at the daemon")
     finally:
         eng.close()
 
@@ -406,8 +323,8 @@ def test_hma_prefill_hands_off_block_ids_per_group_with_the_window_clipped(model
         assert full == list(full_now) and window == list(window_now)[-WINDOW_BLOCKS:]
         assert 0 not in window, "null (padding) blocks are never handed off"
         eng.step()
-        wait_for(lambda: len(hold_cmds(fake)) == 1)
-        (hold,) = hold_cmds(fake)
+        wait_until(lambda: fake.service.count("hold") == 1, 5, "hold command #1 at the daemon")
+        (hold,) = fake.service.received("hold")
         assert [list(g.ids) for g in hold.groups] == [full, window] and hold.lease_s == 45
         eng.worker.worker.client.release(req.request_id)
         eng.run_until(lambda: req.request_id not in eng.sched.requests)
@@ -430,8 +347,8 @@ def test_hma_decode_loads_each_group_into_its_own_blocks(model_dir, fake):
         full, window = ld.request.local_groups
         assert len(full) == 7 and 0 < len(window) <= WINDOW_BLOCKS and 0 not in window
         assert ld.request.remote_groups == [list(range(40, 47)), [50, 51, 52][-len(window):]]
-        wait_for(lambda: len(load_cmds(fake)) == 1)
-        (cmd,) = load_cmds(fake)
+        wait_until(lambda: fake.service.count("load") == 1, 5, "load command #1 at the daemon")
+        (cmd,) = fake.service.received("load")
         assert [list(g.ids) for g in cmd.local_groups] == [full, window]
         assert [list(g.ids) for g in cmd.remote_groups] == ld.request.remote_groups
         eng.run_until(lambda: eng.finished(req.request_id) is not None)
@@ -582,116 +499,3 @@ def test_empty_stats_reduce_and_aggregate():
     assert not one.is_empty() and empty.aggregate(one).reduce()["Num KV expired reqs"] == 1
     clone = one.clone_and_reset()
     assert one.is_empty() and clone.data["num_kv_expired_reqs"] == [1]
-
-
-# ----------------------------------------------------------- memory hygiene
-def test_a_stopped_engine_leaves_no_kv_segment_and_its_cache_stays_usable(model_dir, fake):
-    """shutdown() unlinks the KV cache's /dev/shm name (vLLM kills torch's
-    shm manager, which would otherwise leak it); the tensors stay valid, and
-    freeing them later does not trip torch's own unlink."""
-    eng = Engine(model_dir, fake.socket, kvd_peer_address="127.0.0.1:7000")
-    (seg,) = fake.service.registers[0].segments
-    if seg.kind == pb.MEMORY_KIND_MEMFD:  # handed over by fd: nothing is ever named in /dev/shm
-        assert seg.name == "" and not any(n.startswith(f"torch_{os.getpid()}_") for n in os.listdir("/dev/shm"))
-        eng.close()
-    else:
-        path = "/dev/shm" + seg.name
-        assert seg.name.startswith("/torch_") and os.path.exists(path)
-        eng.close()
-        assert not os.path.exists(path), "the KV cache segment outlived the engine"
-    eng.close()  # idempotent
-    view = eng.caches[LAYERS[0]]
-    view[3].fill_(5.0)
-    assert float(view[3].sum()) == 5.0 * view[3].numel()
-    del eng, view
-    gc.collect()  # torch frees the storage: must not abort ("could not unlink the shared memory file")
-
-
-# ----------------------------------------------------------- staged data path
-def mirror_bytes(name: str, size: int) -> bytes:
-    with open("/dev/shm" + name, "rb") as f:
-        return f.read(size)
-
-
-def test_staged_engine_registers_unnamed_segments_and_copies_computed_blocks_into_the_mirror(model_dir, fake):
-    """Staged prefill: the blocks a step computes for a do_remote_decode
-    request are in the mirror when that step ends, i.e. before its
-    kv_transfer_params leave the engine (a reader may READ at once; the hold
-    only goes out with the next step); other blocks are not copied."""
-    eng = Engine(model_dir, fake.socket, write_kv=True, kvd_peer_address="10.1.2.3:7400",
-                 kvd_data_path="staged", max_num_batched_tokens=64)
-    try:
-        (reg,) = fake.service.registers
-        assert reg.data_path == pb.DATA_PATH_STAGED and reg.owner_pid == os.getpid()
-        assert [s.name for s in reg.segments] == [""], "the staged path shares nothing"
-        (r0, r1) = reg.regions
-        assert r0.offset == 0, "offsets count from the storage's byte 0 (no shm header)"
-        plain = make_request(list(range(2000, 2040)), None, max_tokens=1)  # not handed off: not copied
-        eng.sched.add_request(plain)
-        eng.run_until(lambda: eng.finished(plain.request_id) is not None)
-        req = prefill_request(list(range(100, 200)))  # 100 tokens in 2 chunks of 64 (chunked prefill)
-        eng.sched.add_request(req)
-        eng.run_until(lambda: eng.finished(req.request_id) is not None)
-        (blocks,) = eng.finished(req.request_id).kv_transfer_params["remote_block_ids"]
-        assert hold_cmds(fake) == [], "the hold goes out with the next step"
-        (mirror,) = fake.service.staging
-        data = mirror_bytes(mirror, reg.segments[0].size)
-        for i, (layer, r) in enumerate(zip(LAYERS, reg.regions)):
-            for b in range(NB):
-                got = data[r.offset + b * r.block_stride:][:r.block_len]
-                want = eng.caches[layer][b].numpy().tobytes() if b in blocks else bytes(r.block_len)
-                assert got == want, (layer, b)
-
-        eng.step()
-        wait_for(lambda: len(hold_cmds(fake)) == 1)
-
-        # The daemon restarts: new mirrors; the shim maps them and copies the
-        # KV cache in again before the hold goes out again.
-        fake.stop()
-        fake.start()
-        wait_for(lambda: len(hold_cmds(fake)) == 2, timeout_s=10)
-        assert len(fake.service.staging) == 2
-        data = mirror_bytes(fake.service.staging[1], reg.segments[0].size)
-        for layer, r in zip(LAYERS, reg.regions):
-            for b in blocks:
-                assert data[r.offset + b * r.block_stride:][:r.block_len] == eng.caches[layer][b].numpy().tobytes()
-    finally:
-        eng.close()
-
-
-def test_auto_data_path_is_direct_on_cpu_and_staged_when_the_cache_cannot_be_shared(model_dir, fake, monkeypatch):
-    from kvd.shim.memory import shm as cpu_share
-
-    eng = Engine(model_dir, fake.socket, kvd_peer_address="127.0.0.1:7000", kvd_data_path="auto")
-    try:
-        assert fake.service.registers[-1].data_path == pb.DATA_PATH_DIRECT
-    finally:
-        eng.close()
-
-    def cannot(*a, **kw):
-        raise cpu_share.CpuShareError("no /dev/shm here")
-
-    monkeypatch.setattr(cpu_share, "share_kv_caches", cannot)
-    eng = Engine(model_dir, fake.socket, kvd_peer_address="127.0.0.1:7000", kvd_data_path="auto")
-    try:
-        reg = fake.service.registers[-1]
-        assert reg.data_path == pb.DATA_PATH_STAGED and [s.name for s in reg.segments] == [""]
-        assert eng.worker.worker.staging is not None
-    finally:
-        eng.close()
-    with pytest.raises(cpu_share.CpuShareError):  # direct asked for: no silent fallback
-        Engine(model_dir, fake.socket, kvd_peer_address="127.0.0.1:7000")
-
-
-def test_staged_worker_closes_its_mirrors_before_unregistering(model_dir, fake, monkeypatch):
-    """Shutdown closes the worker's mirror mappings before UnregisterEngine:
-    the daemon frees the mirrors then, and a VRAM mirror must not be freed
-    while another process still maps it (kvd.core.cuda_ipc.VramMirror.close)."""
-    eng = Engine(model_dir, fake.socket, kvd_peer_address="127.0.0.1:7000", kvd_data_path="staged")
-    staging = eng.worker.worker.staging
-    unregisters_at_close = []
-    close = staging.close
-    monkeypatch.setattr(staging, "close", lambda: (unregisters_at_close.append(len(fake.service.unregisters)),
-                                                   close()))
-    eng.close()
-    assert unregisters_at_close == [0] and len(fake.service.unregisters) == 1

@@ -1,0 +1,44 @@
+"""``host:port`` addresses: the one parser and joiner every layer uses.
+
+A neutral leaf (imports nothing of kvd's): the daemon's settings
+(``kvd.config``: ``peer_listen``, ``peer_advertise``, ``warm_peers``) and the
+engine shim (``kvd.shim.vllm``: ``kvd_peer_address``, P's
+``kv_transfer_params``) read addresses with the same rules. An IPv6 host is
+written in brackets (``[::1]:7700``, RFC 3986 section 3.2.2), as gRPC
+targets spell it.
+"""
+
+from __future__ import annotations
+
+
+def split_host_port(address: str, key: str = "address", *, min_port: int = 0) -> tuple[str, int]:
+    """``"host:port"`` or ``"[v6]:port"`` -> ``(host, port)``, brackets removed.
+
+    Args:
+        address: the text to parse.
+        key: what the address is (a setting's name), first in every message.
+        min_port: lowest port accepted: 0 where 0 means "any free port" (a
+            listen address), 1 for an address to dial.
+
+    Raises:
+        ValueError: no host or no ``:port``, a port that is not a decimal
+            number, or one outside ``min_port..65535``; the message starts
+            with ``key``.
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"{key}: expected host:port, got {address!r}")
+    if not (port.isascii() and port.isdigit()):
+        raise ValueError(f"{key}: port {port!r} is not a number")
+    p = int(port)
+    if not min_port <= p <= 65535:
+        raise ValueError(f"{key}: port {p} out of range {min_port}..65535")
+    return host.strip("[]"), p
+
+
+def join_host_port(host: str, port: int | str) -> str:
+    """``(host, port)`` -> ``"host:port"``, brackets around an IPv6 host."""
+    host = str(host)
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{int(port)}"

@@ -1,0 +1,83 @@
+"""The engine client's gRPC channel to its node's daemon: the daemon address as
+a gRPC target, the channel's options, and how a failed call reads
+(:class:`EngineClientError`).
+
+Addresses: ``unix:///abs/path.sock``, ``unix:relative.sock``, a bare path
+(``/run/kvd/engine.sock``, made ``unix://``), or ``host:port``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import grpc
+
+#: Default bound on one gRPC message either way (bytes). A RegisterEngine of a
+#: few thousand regions is tens of kB; stats and events are far smaller.
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+class EngineClientError(RuntimeError):
+    """A blocking RPC failed; the message names the RPC and the gRPC status.
+
+    ``code``: the call's ``grpc.StatusCode`` (None when it had none, e.g. a
+    failure before the call, such as ``before_register`` raising).
+    """
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        self.code = code
+
+
+def normalize_address(address: str) -> str:
+    """A gRPC target for a daemon address (see the module docstring).
+
+    Raises:
+        ValueError: empty address.
+    """
+    address = address.strip()
+    if not address:
+        raise ValueError("empty kvd daemon address")
+    if address.startswith(("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:")):
+        return address
+    if address.startswith(("/", ".")) or address.endswith(".sock"):
+        return "unix://" + os.path.abspath(address)
+    return address
+
+
+def open_channel(target: str, *, max_message_bytes: int, backoff_max_s: float) -> grpc.Channel:
+    """An insecure channel to ``target`` (a :func:`normalize_address` result):
+    messages capped at ``max_message_bytes`` either way, the channel's own
+    reconnect backoff from 50 ms up to ``backoff_max_s`` (seconds)."""
+    options = [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        # The channel's own reconnect; the session loop backs off on top of it.
+        ("grpc.initial_reconnect_backoff_ms", 50),
+        ("grpc.min_reconnect_backoff_ms", 50),
+        ("grpc.max_reconnect_backoff_ms", int(backoff_max_s * 1000)),
+    ]
+    return grpc.insecure_channel(target, options=options)
+
+
+def rpc_status(error: grpc.RpcError) -> tuple[grpc.StatusCode | None, str]:
+    """``(code, "CODE: details")`` of a failed call (``"?"`` for a missing code:
+    an ``RpcError`` that is not a ``grpc.Call``)."""
+    code = error.code() if hasattr(error, "code") else None
+    details = error.details() if hasattr(error, "details") else str(error)
+    return code, f"{code.name if code else '?'}: {details}"
+
+
+def call_unary(address: str, name: str, method, request, timeout_s: float, wait_for_ready: bool = True):
+    """``method(request)`` (a stub's unary method named ``name``), with a
+    deadline of ``timeout_s`` seconds.
+
+    Raises:
+        EngineClientError: the call failed; the message names ``name``,
+            ``address`` and the status.
+    """
+    try:
+        return method(request, timeout=timeout_s, wait_for_ready=wait_for_ready)
+    except grpc.RpcError as e:
+        code, text = rpc_status(e)
+        raise EngineClientError(f"{name} to kvd at {address} failed: {text}", code) from None

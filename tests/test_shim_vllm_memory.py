@@ -1,0 +1,214 @@
+"""KvdConnector inside vLLM 0.32's real scheduler, against a fake daemon:
+what the worker sets up. Its configuration keys, the registration of vLLM's
+KV cache (segments, regions, layout; the regions address vLLM's own views),
+the direct, staged and auto data paths (a staged prefill copies computed
+blocks into the daemon's mirror, again after a daemon restart), and the KV
+cache's memory at shutdown (no segment left, mirrors closed first).
+
+The in-process engine loop (``tests/vllm_inproc.py``: vLLM's own
+``Scheduler`` and a worker-side ``KvdConnector``, no model) is the one
+``test_shim_vllm_transfers.py`` drives; that module tests the transfers
+(prefill hand-off, decode loads, hybrid allocator groups, stats).
+"""
+
+from __future__ import annotations
+
+import gc
+import mmap
+import os
+
+import pytest
+import torch
+
+if os.environ.get("KVD_SKIP_VLLM") == "1":
+    pytest.skip("KVD_SKIP_VLLM=1", allow_module_level=True)
+pytest.importorskip("vllm")
+
+from kvd.addresses import join_host_port, split_host_port  # noqa: E402
+from kvd.shim.vllm import KvdShimConfig, as_groups, first_group  # noqa: E402
+from kvd.testing.util import wait_until  # noqa: E402
+from kvd.v1 import kvd_pb2 as pb  # noqa: E402
+from vllm_inproc import (  # noqa: E402
+    BS, HEAD, KV_HEADS, LAYERS, NB, Engine, kv_cache_config, make_request, prefill_request,
+)
+
+
+# ------------------------------------------------------------------ helpers
+def test_config_keys_and_addresses():
+    cfg = KvdShimConfig.from_extra({"kvd_socket": "/s.sock", "kvd_lease_s": "12", "kvd_peer_address": "[::1]:5"})
+    assert (cfg.socket, cfg.lease_s, cfg.load_timeout_s, cfg.peer_address) == ("/s.sock", 12.0, 0.0, "[::1]:5")
+    with pytest.raises(ValueError, match="kvd_socket"):
+        KvdShimConfig.from_extra({})
+    with pytest.raises(ValueError, match="kvd_load_timeout_s"):
+        KvdShimConfig.from_extra({"kvd_socket": "/s", "kvd_load_timeout_s": -1})
+    with pytest.raises(ValueError, match="host:port"):
+        KvdShimConfig.from_extra({"kvd_socket": "/s", "kvd_peer_address": "nope"})
+    assert split_host_port("[::1]:5") == ("::1", 5) and join_host_port("::1", 5) == "[::1]:5"
+    assert join_host_port("10.0.0.1", "80") == "10.0.0.1:80"
+    assert first_group([[1, 2], [3]]) == [1, 2] and first_group([4, 5]) == [4, 5] and first_group([]) == []
+    assert as_groups([[1, 2], [3]]) == [[1, 2], [3]] and as_groups((4, 5)) == [[4, 5]] and as_groups(None) == []
+    assert KvdShimConfig.from_extra({"kvd_socket": "/s"}).data_path == "direct"
+    assert KvdShimConfig.from_extra({"kvd_socket": "/s", "kvd_data_path": "STAGED"}).data_path == "staged"
+    with pytest.raises(ValueError, match="kvd_data_path"):
+        KvdShimConfig.from_extra({"kvd_socket": "/s", "kvd_data_path": "gpu"})
+
+
+# ------------------------------------------------------------- registration
+def test_register_kv_caches_shares_vllm_allocation_and_describes_it(model_dir, fake):
+    eng = Engine(model_dir, fake.socket, kvd_peer_address="127.0.0.1:7000")
+    try:
+        (reg,) = fake.service.registers
+        spec = kv_cache_config().kv_cache_groups[0].kv_cache_spec
+        assert reg.worker == pb.EngineWorker(engine_id=eng.config.kv_transfer_config.engine_id, tp_rank=0, tp_size=1)
+        assert (reg.layout.num_blocks, reg.layout.block_size, reg.layout.kv_layout) == (NB, BS, pb.KV_LAYOUT_HND)
+        # vLLM-CPU keeps K and V of a head in one block ([heads, 2 x tokens, head_size]):
+        # the per-head vector is K and V together, and the layout says K and V share
+        # the block, so the daemon can move them apart (block-size remap).
+        assert (reg.layout.dtype, reg.layout.num_kv_heads, reg.layout.head_dim, reg.layout.num_layers) == (
+            "float32", KV_HEADS, 2 * HEAD, 2)
+        # What the kernel keeps inside K decides the remap (x86 vec kernels: K [head_size, tokens]).
+        from kvd.shim.vllm.cpu_kv_probe import kv_block_layout
+        k_layout = kv_block_layout(torch.float32, BS, HEAD)
+        assert reg.layout.kv_in_block == (k_layout is not None)
+        assert reg.layout.k_dim_major == (k_layout == "dim_major")
+        assert f"kv_in_block={1 if k_layout else BS}" in reg.compat_extra
+        assert reg.layout.total_kv_heads == KV_HEADS
+        assert reg.owner_pid == os.getpid() and reg.data_path == pb.DATA_PATH_DIRECT
+        assert [r.group for r in reg.regions] == [0, 0]
+        assert len(reg.segments) == 1 and len(reg.regions) == 2  # one backing buffer, one region per layer
+        assert all(r.block_len == spec.page_size_bytes == r.block_stride for r in reg.regions)
+        assert reg.model == model_dir and "vllm=0.32" in reg.compat_extra
+        assert fake.service.sessions == 1
+        # The regions address vLLM's own per-layer views, block by block.
+        seg = reg.segments[0]
+        # The segment as the daemon maps it: the handed-over memfd (the fake
+        # keeps every fd it received), or the POSIX shm name where memfds are unavailable.
+        if seg.kind == pb.MEMORY_KIND_MEMFD:
+            m = mmap.mmap(fake.fds[seg.fd_id], seg.size, prot=mmap.PROT_READ)
+        else:
+            m = mmap.mmap(os.open("/dev/shm" + seg.name, os.O_RDONLY), seg.size, prot=mmap.PROT_READ)
+        for i, (layer, r) in enumerate(zip(LAYERS, reg.regions)):
+            view = eng.caches[layer]
+            assert tuple(view.shape) == (NB, KV_HEADS, BS, 2 * HEAD)  # [B, H, N, K+V]
+            view[5].fill_(float(i + 1))
+            start = r.offset + 5 * r.block_stride
+            assert m[start:start + r.block_len] == view[5].numpy().tobytes()
+        m.close()
+    finally:
+        eng.close()
+    assert len(fake.service.unregisters) == 1
+
+
+
+
+# ----------------------------------------------------------- memory hygiene
+def test_a_stopped_engine_leaves_no_kv_segment_and_its_cache_stays_usable(model_dir, fake):
+    """shutdown() unlinks the KV cache's /dev/shm name (vLLM kills torch's
+    shm manager, which would otherwise leak it); the tensors stay valid, and
+    freeing them later does not trip torch's own unlink."""
+    eng = Engine(model_dir, fake.socket, kvd_peer_address="127.0.0.1:7000")
+    (seg,) = fake.service.registers[0].segments
+    if seg.kind == pb.MEMORY_KIND_MEMFD:  # handed over by fd: nothing is ever named in /dev/shm
+        assert seg.name == "" and not any(n.startswith(f"torch_{os.getpid()}_") for n in os.listdir("/dev/shm"))
+        eng.close()
+    else:
+        path = "/dev/shm" + seg.name
+        assert seg.name.startswith("/torch_") and os.path.exists(path)
+        eng.close()
+        assert not os.path.exists(path), "the KV cache segment outlived the engine"
+    eng.close()  # idempotent
+    view = eng.caches[LAYERS[0]]
+    view[3].fill_(5.0)
+    assert float(view[3].sum()) == 5.0 * view[3].numel()
+    del eng, view
+    gc.collect()  # torch frees the storage: must not abort ("could not unlink the shared memory file")
+
+
+# ----------------------------------------------------------- staged data path
+def mirror_bytes(name: str, size: int) -> bytes:
+    with open("/dev/shm" + name, "rb") as f:
+        return f.read(size)
+
+
+def test_staged_engine_registers_unnamed_segments_and_copies_computed_blocks_into_the_mirror(model_dir, fake):
+    """Staged prefill: the blocks a step computes for a do_remote_decode
+    request are in the mirror when that step ends, i.e. before its
+    kv_transfer_params leave the engine (a reader may READ at once; the hold
+    only goes out with the next step); other blocks are not copied."""
+    eng = Engine(model_dir, fake.socket, write_kv=True, kvd_peer_address="10.1.2.3:7400",
+                 kvd_data_path="staged", max_num_batched_tokens=64)
+    try:
+        (reg,) = fake.service.registers
+        assert reg.data_path == pb.DATA_PATH_STAGED and reg.owner_pid == os.getpid()
+        assert [s.name for s in reg.segments] == [""], "the staged path shares nothing"
+        (r0, r1) = reg.regions
+        assert r0.offset == 0, "offsets count from the storage's byte 0 (no shm header)"
+        plain = make_request(list(range(2000, 2040)), None, max_tokens=1)  # not handed off: not copied
+        eng.sched.add_request(plain)
+        eng.run_until(lambda: eng.finished(plain.request_id) is not None)
+        req = prefill_request(list(range(100, 200)))  # 100 tokens in 2 chunks of 64 (chunked prefill)
+        eng.sched.add_request(req)
+        eng.run_until(lambda: eng.finished(req.request_id) is not None)
+        (blocks,) = eng.finished(req.request_id).kv_transfer_params["remote_block_ids"]
+        assert fake.service.received("hold") == [], "the hold goes out with the next step"
+        (mirror,) = fake.service.staging
+        data = mirror_bytes(mirror, reg.segments[0].size)
+        for i, (layer, r) in enumerate(zip(LAYERS, reg.regions)):
+            for b in range(NB):
+                got = data[r.offset + b * r.block_stride:][:r.block_len]
+                want = eng.caches[layer][b].numpy().tobytes() if b in blocks else bytes(r.block_len)
+                assert got == want, (layer, b)
+
+        eng.step()
+        wait_until(lambda: fake.service.count("hold") == 1, 5, "hold command #1 at the daemon")
+
+        # The daemon restarts: new mirrors; the shim maps them and copies the
+        # KV cache in again before the hold goes out again.
+        fake.stop()
+        fake.start()
+        wait_until(lambda: fake.service.count("hold") == 2, 10, "hold command #2 at the daemon")
+        assert len(fake.service.staging) == 2
+        data = mirror_bytes(fake.service.staging[1], reg.segments[0].size)
+        for layer, r in zip(LAYERS, reg.regions):
+            for b in blocks:
+                assert data[r.offset + b * r.block_stride:][:r.block_len] == eng.caches[layer][b].numpy().tobytes()
+    finally:
+        eng.close()
+
+
+def test_auto_data_path_is_direct_on_cpu_and_staged_when_the_cache_cannot_be_shared(model_dir, fake, monkeypatch):
+    from kvd.shim.memory import shm as cpu_share
+
+    eng = Engine(model_dir, fake.socket, kvd_peer_address="127.0.0.1:7000", kvd_data_path="auto")
+    try:
+        assert fake.service.registers[-1].data_path == pb.DATA_PATH_DIRECT
+    finally:
+        eng.close()
+
+    def cannot(*a, **kw):
+        raise cpu_share.CpuShareError("no /dev/shm here")
+
+    monkeypatch.setattr(cpu_share, "share_kv_caches", cannot)
+    eng = Engine(model_dir, fake.socket, kvd_peer_address="127.0.0.1:7000", kvd_data_path="auto")
+    try:
+        reg = fake.service.registers[-1]
+        assert reg.data_path == pb.DATA_PATH_STAGED and [s.name for s in reg.segments] == [""]
+        assert eng.worker.worker.staging is not None
+    finally:
+        eng.close()
+    with pytest.raises(cpu_share.CpuShareError):  # direct asked for: no silent fallback
+        Engine(model_dir, fake.socket, kvd_peer_address="127.0.0.1:7000")
+
+
+def test_staged_worker_closes_its_mirrors_before_unregistering(model_dir, fake, monkeypatch):
+    """Shutdown closes the worker's mirror mappings before UnregisterEngine:
+    the daemon frees the mirrors then, and a VRAM mirror must not be freed
+    while another process still maps it (kvd.core.cuda_ipc.VramMirror.close)."""
+    eng = Engine(model_dir, fake.socket, kvd_peer_address="127.0.0.1:7000", kvd_data_path="staged")
+    staging = eng.worker.worker.staging
+    unregisters_at_close = []
+    close = staging.close
+    monkeypatch.setattr(staging, "close", lambda: (unregisters_at_close.append(len(fake.service.unregisters)),
+                                                   close()))
+    eng.close()
+    assert unregisters_at_close == [0] and len(fake.service.unregisters) == 1
