@@ -191,7 +191,7 @@ class Pull:
             if w.session.epoch != epoch:
                 log.info("%s request=%s: session ended during the handshake; load dropped", w.label, rid)
                 return
-            chunks = {}  # the request's block ids are checked against both layouts before the claim
+            chunks = {}  # the request's block ids are checked against both layouts before any READ
             for p in read_from:
                 r = remotes[p]
                 try:
