@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvd.core.layout import Layout, Region
-from kvd.core.plan import (Geometry, PlanError, chunk_indices, chunks, compatible, expected_notifications,
+from kvd.core.plan import (Geometry, PlanError, RowMap, chunk_indices, chunks, compatible, expected_notifications,
                            local_rows, remote_rows, source_ranks)
 
 HEAD_DIM = 4
@@ -189,3 +189,19 @@ def test_cross_layer_regions_need_equal_geometry():
     half = Geometry(0, 2, lay2, (Region(0, 0, lay2.block_lens[0], lay2.block_lens[0]),), 4)
     with pytest.raises(PlanError, match="cross-layer"):
         compatible(half, big)
+
+
+def test_row_map_edges_are_the_first_and_last_block_rows_of_every_region():
+    """``RowMap.edges`` (what the handshake checks against the peer's
+    registered memory) are exactly the rows of each region's first and last
+    block, and no row of the map lies outside them."""
+    rm = RowMap(bases=np.array([1 << 20, 1 << 24], dtype=np.int64), strides=np.array([4096, 8192]),
+                offsets=np.array([[0, 1024], [0, 4096]]), lengths=np.array([[1024, 1024], [4096, 4096]]),
+                num_blocks=7)
+    rows = rm.all().reshape(2, 7, 2, 3)  # region, block, position, (addr, len, device)
+    edges = rm.edges()
+    want = np.concatenate([rows[:, 0].reshape(-1, 3), rows[:, -1].reshape(-1, 3)])
+    assert np.array_equal(edges, want)
+    all_rows = rm.all()
+    assert all_rows[:, 0].min() == edges[:, 0].min()
+    assert (all_rows[:, 0] + all_rows[:, 1]).max() == (edges[:, 0] + edges[:, 1]).max()

@@ -99,9 +99,7 @@ def test_dead_engine_is_unregistered_after_the_grace_and_its_memory_unmapped(dae
         if session:
             assert st.active_leases == base.active_leases + 1  # the doomed engine's hold
             assert st.remote_agents == base.remote_agents + 1
-            # The pair's list is prepared in the background after the handshake.
-            wait_until(lambda: daemon.stats().prepped_dlists == base.prepped_dlists + 2, 30,
-                       "the doomed worker's pair prepared")
+            assert daemon.settled_stats().prepped_dlists == base.prepped_dlists + 2
             assert st.sessions == base.sessions + 1
         assert f"/dev/shm{seg_name}" in maps_of(daemon.proc.pid)
 

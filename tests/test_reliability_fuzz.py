@@ -481,6 +481,7 @@ def test_after_the_fuzz_the_daemon_serves_and_leaks_nothing(target):
                and d.stats().leaked_handles == 0 and d.stats().pending_events == 0, 30, "no lease/transfer left")
     st_ = d.stats()
     assert st_.engines == base.engines
+    st_ = d.settled_stats()
     assert st_.prepped_dlists == st_.engines + st_.remote_agents
     rss = rss_kib(d.proc.pid)
     total = sum(SENT.values())

@@ -106,7 +106,7 @@ def test_prefill_daemon_killed_mid_transfer_fails_the_load_within_its_deadline(t
     quarter of the blocks land in the decode engine's memory.
     """
     _transfer_ok(small, healthy, f"before-{transport}", [1, 2, 3], [9, 8, 7])
-    base = decode.stats()
+    base = decode.settled_stats()
     env = {"UCX_TLS": "tcp"} if transport == "tcp" else {}
     victim = start_daemon(tmp, f"victim-{transport}", env=env)
     src = Engine(victim, f"victim-{transport}", BIG, seg=big_segments[0])
@@ -169,7 +169,7 @@ def test_prefill_daemon_restarted_on_the_same_address_is_handshaken_again(tmp, d
     src = Engine(old, "restarting-p", SMALL, seed=11)
     try:
         _transfer_ok(small, src, "before-restart", [1, 2], [3, 4])
-        base = decode.stats()
+        base = decode.settled_stats()
         old_agent = src.registered.agent_name
         old.stop(signal.SIGKILL)
         src.close(unregister=False)
@@ -189,7 +189,7 @@ def test_prefill_daemon_restarted_on_the_same_address_is_handshaken_again(tmp, d
         assert len(handshakes) == 2, f"expected exactly one new handshake: {handshakes}"
         # The stale agent is gone; the new one replaced it (one remote, as before).
         wait_until(lambda: decode.stats().remote_agents == base.remote_agents, 5, "stale agent freed")
-        assert decode.stats().prepped_dlists == base.prepped_dlists
+        assert decode.settled_stats().prepped_dlists == base.prepped_dlists
         # Later requests use the new agent directly.
         _transfer_ok(small, src, "later", [8], [13])
         assert decode.proc.poll() is None

@@ -55,8 +55,6 @@ from vllm_inproc import (  # noqa: E402
     vllm_config,
 )
 
-FAST_S = 0.010
-
 
 def prefill_stats(eng: Engine, rid: str):
     return next(o.prefill_stats for o in eng.outputs[rid] if o.prefill_stats is not None)
@@ -256,8 +254,11 @@ def test_mismatched_remote_blocks_fail_the_load_without_asking_the_daemon(model_
 
 # -------------------------------------------------------- never blocks the step
 def test_worker_step_calls_stay_fast_while_the_daemon_is_slow(model_dir, tmp_path):
-    """A daemon taking 1 s per command: start_load_kv and get_finished stay < 10 ms."""
-    fake = FakeDaemon(str(tmp_path / "slow.sock"), delay_s=1.0).start()
+    """A daemon taking 1 s per command: no step's connector calls wait for it.
+    The bound is half the daemon's delay (behaviour, not a quiet machine): a
+    step that waited for one command would take at least the whole delay."""
+    fake_delay_s = 1.0
+    fake = FakeDaemon(str(tmp_path / "slow.sock"), delay_s=fake_delay_s).start()
     cfg = vllm_config(model_dir, fake.socket, role="kv_both", kvd_peer_address="127.0.0.1:1")
     kcc = kv_cache_config()
     worker = KvdConnector(cfg, KVConnectorRole.WORKER, kcc)
@@ -280,7 +281,7 @@ def test_worker_step_calls_stay_fast_while_the_daemon_is_slow(model_dir, tmp_pat
             worker.get_block_ids_with_load_errors()
             worker.clear_connector_metadata()
             worst = max(worst, time.perf_counter() - t0)
-        assert worst < FAST_S, f"a step's connector calls took {worst * 1e3:.2f} ms"
+        assert worst < fake_delay_s / 2, f"a step's connector calls took {worst * 1e3:.2f} ms"
         done: set[str] = set()
         deadline = time.monotonic() + 5
         while "d0" not in done:

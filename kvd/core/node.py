@@ -255,6 +255,7 @@ class Node:
             early_notifications=sum(len(w.leases.early) for w in ws),
             pending_events=sum(len(w.session.events) for w in ws if not w.session.streams),
             prepped_dlists=sum(1 + sum(r.prepped_lists for r in w.pairs.all()) for w in ws),
+            dlists_preparing=sum(r.prepare_later for w in ws for r in w.pairs.all()),
             bytes_read=c.bytes_read,
             transfers_done=c.transfers_done,
             transfers_failed=c.transfers_failed,

@@ -431,7 +431,17 @@ class Peers:
 
         def add():
             phases["nixl_wait"] = time.monotonic() - queued
-            return self._load_agent(w, hs.agent_name, hs.agent_metadata, phases)
+            name = self._load_agent(w, hs.agent_name, hs.agent_metadata, phases)
+            # A description that names memory the peer's agent never
+            # registered (a mangled relay, a lying peer) is refused here, as a
+            # prepared list of the whole map would be: NIXL checks each row
+            # against the remote registrations; the edges bound every row.
+            try:
+                w.agent.release_dlist(w.agent.prep_remote(name, their_map.edges(), hs.memory))
+            except Exception:
+                self._unload_agent(w, name)
+                raise
+            return name
 
         name = await self.rt.nixl(add)
         src_bytes = tuple(int(c[:C, 3].sum()) for c in chunk_sets)
@@ -473,12 +483,14 @@ class Peers:
                       1e3 * (time.monotonic() - t0), len(their_map) + (0 if identity else len(our_map)))
 
         async def run() -> None:
-            await asyncio.sleep(PREP_DELAY_S)
             try:
+                await asyncio.sleep(PREP_DELAY_S)
                 await self.rt.nixl(prepare)
             except Exception as e:
                 log.info("%s: preparing the lists of %s failed (%s); transfers keep making their rows",
                          w.label, r.agent_name, e)
+            finally:
+                r.prepare_later = False  # done, failed, or the pair is gone: nothing pending (stats)
 
         task = asyncio.get_running_loop().create_task(run())
         self._preparing.add(task)

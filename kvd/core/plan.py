@@ -308,6 +308,15 @@ class RowMap:
         """Every row, in index order."""
         return self.rows(np.arange(len(self), dtype=np.int64))
 
+    def edges(self) -> np.ndarray:
+        """The rows of each region's first and last block (``2 x R x P`` rows):
+        the lowest and highest bytes the map can name, what a check that the
+        map lies inside the peer's registered memory needs to look at (each
+        region's blocks are evenly strided between them)."""
+        P, nb = self.offsets.shape[1], self.num_blocks
+        first = (np.arange(len(self.bases), dtype=np.int64) * nb)[:, None] * P + np.arange(P, dtype=np.int64)
+        return self.rows(np.concatenate([first.ravel(), (first + (nb - 1) * P).ravel()]))
+
 
 def _row_map(bases, regions, num_blocks: int, cols: list[np.ndarray], device: int) -> RowMap:
     return RowMap(np.asarray(bases, dtype=np.int64), np.array([r.block_stride for r in regions], dtype=np.int64),

@@ -224,6 +224,7 @@ class Registry:
             for r in regs:
                 agent.deregister(r)
             raise
+        agent.warm_up()  # UCX's per-agent set-up now, not on the first load to a new peer
         return agent, regs, dlist
 
     async def unregister(self, key: WorkerKey, reason: str = "unregistered", engine_gone: bool = False) -> int:

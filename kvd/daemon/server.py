@@ -42,6 +42,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from kvd import __version__
+from kvd.addresses import join_host_port
 from kvd.config import MAX_MESSAGE_BYTES, Config, parse_host_port, resolve_gid, resolve_uid
 from kvd.core.events import FailureKind
 from kvd.core.limits import Limits
@@ -97,7 +98,7 @@ def routable_address(port: int) -> str:
         except OSError:
             continue
         if not is_loopback(addr) and not ipaddress.ip_address(addr.split("%")[0]).is_unspecified:
-            return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+            return join_host_port(addr, port)
     try:
         infos = socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM)
     except OSError:
@@ -105,7 +106,7 @@ def routable_address(port: int) -> str:
     for family, *_, sockaddr in sorted(infos, key=lambda i: i[0] != socket.AF_INET):
         addr = sockaddr[0]
         if not is_loopback(addr) and not addr.startswith("fe80:"):
-            return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+            return join_host_port(addr, port)
     return f"127.0.0.1:{port}"
 
 
@@ -187,7 +188,7 @@ class Server:
         self.peer_server = grpc.aio.server(options=options, interceptors=interceptors)
         kvd_pb2_grpc.add_PeerServiceServicer_to_server(PeerService(self.node), self.peer_server)
         self.peer_health = self._add_health_and_reflection(self.peer_server, PEER_SERVICE)
-        bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        bind = join_host_port(host, port)
         creds = auth.server_credentials()
         self.peer_port = (self.peer_server.add_secure_port(bind, creds) if creds is not None
                           else self.peer_server.add_insecure_port(bind))
@@ -272,7 +273,7 @@ class Server:
         log.warning("SECURITY: PeerService has no authentication (no peer_tls_*, no peer_token_file): binding "
                     "%s instead of %s, so remote daemons cannot reach this one. Configure mutual TLS or a "
                     "token (docs/SECURITY.md), or set peer_insecure = true to serve unauthenticated peers.",
-                    f"[{loopback}]:{port}" if ":" in loopback else f"{loopback}:{port}", self.config.peer_listen)
+                    join_host_port(loopback, port), self.config.peer_listen)
         return loopback
 
     def _own_addresses(self) -> set[str]:

@@ -15,7 +15,7 @@ import grpc
 
 from kvd.ops import get_stats
 from kvd.testing.processes import DIE_WITH_PARENT, child_env
-from kvd.testing.util import tail
+from kvd.testing.util import tail, wait_until
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
@@ -76,6 +76,15 @@ class Daemon:
     def stats(self, timeout_s: float = 5.0) -> pb.StatsResponse:
         """The daemon's StatsResponse (:func:`stats_of`). Raises grpc.RpcError."""
         return stats_of(self.socket, timeout_s)
+
+    def settled_stats(self, timeout_s: float = 30.0) -> pb.StatsResponse:
+        """The StatsResponse once no pair's descriptor lists are still being
+        prepared (``dlists_preparing`` 0: a daemon prepares them about a
+        second after each handshake, ``kvd.core.peers.PREP_DELAY_S``), so
+        that ``prepped_dlists`` is a baseline to compare with. Raises
+        AssertionError after ``timeout_s`` seconds."""
+        wait_until(lambda: self.stats().dlists_preparing == 0, timeout_s, "descriptor lists prepared")
+        return self.stats()
 
     def log(self) -> str:
         """The daemon's whole log."""
