@@ -17,6 +17,9 @@ echo "setting up $venv (first time: a few minutes)" >&2
 pip() { "$venv/bin/python" -m pip --disable-pip-version-check -q "$@" 2> >(grep -v "^WARNING: Location" >&2); }
 pip install torch==2.13.0
 pip install -e ".[vllm,dev]"
+# Dynamo's connector-protocol module (dynamo/vllm/kv_connector_protocols.py,
+# plain Python) for tests/test_routers_multi.py; its runtime is not needed.
+pip install --no-deps ai-dynamo==1.6.1
 "$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
 "$venv/bin/python" -c "import kvd, grpc, nixl, vllm, torch; assert '+cpu' in torch.__version__, torch.__version__"
 rm -f "$venv"/.kvd-setup-*

