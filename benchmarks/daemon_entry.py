@@ -24,13 +24,22 @@ import sys
 from kvd import tracepoints
 
 
-def entry(sets=(), trace: bool = False) -> tuple[str, ...]:
+def entry(sets=(), trace: bool = False, tree: str = "") -> tuple[str, ...]:
     """What python runs to start a daemon with these ``--set`` assignments
-    (and ``--trace``): plain ``-m kvd.cli`` when there is nothing to change."""
-    if not sets and not trace:
+    (and ``--trace``): plain ``-m kvd.cli`` when there is nothing to change.
+
+    ``tree``: a checkout of kvd (e.g. ``git worktree add /tmp/base HEAD~3``)
+    whose daemon code runs instead of this one's, for a before/after run in
+    one benchmark (``benchmarks.variants``: ``--variant 'before=tree:/tmp/base'``);
+    that checkout must have this module."""
+    flags = (*(("--trace",) if trace else ()), *[x for a in sets for x in ("--set", a)])
+    if tree:
+        boot = (f"import sys; sys.path.insert(0, {str(tree)!r}); from benchmarks.daemon_entry import main; "
+                f"sys.exit(main(sys.argv[1:]))")
+        return ("-c", boot, *flags)
+    if not flags:
         return ("-m", "kvd.cli")
-    return ("-m", "benchmarks.daemon_entry", *(("--trace",) if trace else ()),
-            *[x for a in sets for x in ("--set", a)])
+    return ("-m", "benchmarks.daemon_entry", *flags)
 
 
 def apply(assignment: str) -> None:

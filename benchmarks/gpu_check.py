@@ -26,7 +26,7 @@ size (default 64 KiB, 256 KiB, 1 MiB, 4 MiB) and each data path (``direct``,
 GB/s are payload bytes / seconds, 1 GB = 1e9 B (a D2D copy reads and writes
 each byte: the copy engine moves twice this figure). "transfer" is from the
 first LoadBlocks sent to the last RecvDone seen by D; "end to end" adds the
-staged path's copies. Ratio = end-to-end / D2D. The issue's goal: >= 0.8 for
+staged path's copies. Ratio = end-to-end / D2D. The goal: >= 0.8 for
 the best path at blocks >= 1 MiB.
 
 ``--cpu`` (alias ``--dry-run``) runs the same flow on DRAM (POSIX shm
@@ -305,7 +305,7 @@ def write_reports(out: Path, results: dict) -> None:
                 lines.append(f"\n{human(c['block_bytes'])} {c['path']}: {key}: {c[key]}")
     best = [c for c in results["cases"] if c["block_bytes"] >= 1 << 20 and c.get("ratio_to_d2d") and c.get("ok")]
     if results["meta"]["mode"] != "gpu":
-        lines += ["", "CPU dry run: DRAM through POSIX shm, a CPU memcpy as the reference; the issue's goal "
+        lines += ["", "CPU dry run: DRAM through POSIX shm, a CPU memcpy as the reference; the goal "
                       "(>= 0.8 of D2D at blocks >= 1 MiB) applies to the GPU run."]
     elif best:
         top = max(best, key=lambda c: c["ratio_to_d2d"])

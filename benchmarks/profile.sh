@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # py-spy profiles of the kvd daemons and the engine-side client during small
-# loads (issue 5): benchmarks/profile.sh MODE OUTDIR [SECONDS] [RATE]
+# loads: benchmarks/profile.sh MODE OUTDIR [SECONDS] [RATE]
 #   MODE: latency (16 x 64 KiB, 10 ms apart) or dataplane (1 and 16 x 64 KiB, back to back)
 # One process is sampled at a time (2 cores: py-spy --native costs CPU), each
 # twice: --idle (every thread every tick: what it waits on) and without

@@ -11,7 +11,9 @@ process (the engine side) to ``--pidfile`` once warm, then loads for
 - ``latency``: 16 x 64 KiB loads, polled every 50 us, 10 ms apart
   (benchmark 3's kvd case, and ``benchmarks.trace``'s loop);
 - ``dataplane``: 1 x 64 KiB and 16 x 64 KiB loads alternating, back to back
-  (benchmark 1's two smallest cells from 64 KiB blocks up).
+  (benchmark 1's two smallest cells from 64 KiB blocks up);
+- ``concurrent``: ``--inflight`` one-block loads started at once, all
+  waited for, again (the throughput goal's case; times are per batch).
 
 Prints (and with ``--json`` writes) each size's p50/p90 and the load average;
 with ``--telemetry`` also the median of NIXL's per-transfer telemetry in D.
@@ -38,7 +40,8 @@ BLOCK = 64 * cm.KiB
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mode", choices=("latency", "dataplane"), default="latency")
+    ap.add_argument("--mode", choices=("latency", "dataplane", "concurrent"), default="latency")
+    ap.add_argument("--inflight", type=int, default=64, help="loads per batch in --mode concurrent")
     ap.add_argument("--seconds", type=float, default=40.0)
     ap.add_argument("--pidfile", default="")
     ap.add_argument("--telemetry", action="store_true")
@@ -55,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     wd = cm.workdir()
     entry = (str(Path(__file__).resolve().parent / "profile_entry.py"), *(["--telemetry"] if args.telemetry else []))
     pair = KvdPair(wd, (src.name, size), (dst.name, size), entry=entry, same_node=args.same_node)
-    sizes = (16,) if args.mode == "latency" else (1, 16)
+    sizes = {"latency": (16,), "dataplane": (1, 16), "concurrent": (1,)}[args.mode]
     times: dict[int, list[float]] = {n: [] for n in sizes}
     load0 = cm.loadavg()
     try:
@@ -66,7 +69,12 @@ def main(argv: list[str] | None = None) -> int:
         remote_ids = {n: (rnd.sample(range(nsrc), n) if args.random_ids else list(range(16, 16 + n))) for n in sizes}
 
         def one(n: int) -> float:
-            dt = pair.transfer(BLOCK, list(range(n)), remote_ids[n], 50e-6)
+            if args.mode == "concurrent":  # a batch of one-block loads, source blocks 16.., local 0..
+                t0 = time.perf_counter()
+                rids = {pair.start(BLOCK, [i % nsrc], [16 + i % (nsrc - 16)]) for i in range(args.inflight)}
+                dt = max(pair.wait(BLOCK, rids, 50e-6).values()) - t0
+            else:
+                dt = pair.transfer(BLOCK, list(range(n)), remote_ids[n], 50e-6)
             pair.drain_sources()
             return dt
 

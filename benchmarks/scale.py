@@ -69,7 +69,7 @@ def run(block_len: int = BLOCK_LEN, blocks=BLOCKS, concurrency=CONCURRENCY, peer
                    for _ in range(min(conc, 8))]
             tags = [f"-peer{i}" for i in range(npeers)]
             for t in tags:  # handshakes and first use, untimed
-                rid = kvd.start(block_len, ids[0][0], ids[0][1], tag=t, hold=False)
+                rid = kvd.start(block_len, ids[0][0], ids[0][1], tag=t)  # held: readers claim holds
                 kvd.wait(block_len, {rid}, poll_s)
             walls, lat, bwalls, blat = [], [], [], []
             for r in range(reps):
@@ -78,7 +78,7 @@ def run(block_len: int = BLOCK_LEN, blocks=BLOCKS, concurrency=CONCURRENCY, peer
                 started = {}
                 for i in range(conc):
                     loc, rem = ids[i % len(ids)]
-                    rid = kvd.start(block_len, loc, rem, tag=tags[i % npeers], hold=False)
+                    rid = kvd.start(block_len, loc, rem, tag=tags[i % npeers])
                     started[rid] = time.perf_counter()
                 done = kvd.wait(block_len, set(started), poll_s)
                 walls.append(max(done.values()) - t0)

@@ -34,6 +34,9 @@ LEGS = (("engine -> daemon core (command: client thread, gRPC, relay, session re
         ("part: gate relay + daemon gRPC server -> session reader has the command", "gatein", "read"),
         ("part: session reader -> Node.load runs", "read", "load"),
         ("daemon: checks, plan, hand-off to the NIXL thread", "load", "post"),
+        ("part: checks, remote workers, plan -> claim sent", "load", "claim"),
+        ("part: claim on the source's hold (PeerService.Claim round trip, or a direct call)", "claim", "claimed"),
+        ("part: claim answered -> NIXL thread posts", "claimed", "post"),
         ("move: NIXL post (UCX: CMA), or the same-node copy", "post", "posted"),
         ("daemon: completion -> event built", "posted", "event"),
         ("daemon -> engine (event: gRPC, relay, client thread, 50 us poll)", "event", "t1"),
@@ -113,7 +116,8 @@ def run(block_len: int, blocks: int, reps: int, poll_s: float = 50e-6, daemon_se
     hits = _hits(log)
     unnamed = {p: sorted(t for _, _, t in hits.get(p, [])) for p in (tp.GATE_IN, tp.GATE_OUT)}
     by_rid = {p: {} for p in (tp.SESSION_READ, tp.LOAD, tp.POST, tp.POSTED, tp.EVENT)}
-    for p, named in by_rid.items():
+    claims = {p: {} for p in (tp.CLAIM, tp.CLAIMED)}  # absent on a same-node copy's path
+    for p, named in {**by_rid, **claims}.items():
         for rid, detail, t in hits.get(p, []):
             named.setdefault(rid, []).append((t, detail))
     rows = []
@@ -125,6 +129,8 @@ def run(block_len: int, blocks: int, reps: int, poll_s: float = 50e-6, daemon_se
         t = dict(t0=t0, t1=t1, sent=sent[rid], recv=recv[rid], read=by_rid[tp.SESSION_READ][rid][0][0],
                  load=by_rid[tp.LOAD][rid][0][0], post=by_rid[tp.POST][rid][-1][0], posted=posted_t,
                  event=by_rid[tp.EVENT][rid][-1][0])
+        t["claim"] = claims[tp.CLAIM].get(rid, [(t["load"], "")])[-1][0]
+        t["claimed"] = claims[tp.CLAIMED].get(rid, [(t["claim"], "")])[-1][0]
         t["gatein"] = _first_after(unnamed[tp.GATE_IN], t["sent"])
         t["gateout"] = _first_after(unnamed[tp.GATE_OUT], t["event"])
         if None in t.values():

@@ -4,13 +4,16 @@ every case run on every variant in turn (rotating order), plus plain NIXL (b)
 as the reference. Idle variants are paused (SIGSTOP) while another runs.
 
 A variant is a list of module defaults set before the daemon starts
-(``benchmarks.daemon_entry``) and/or environment variables, e.g.::
+(``benchmarks.daemon_entry``), environment variables, and/or another
+checkout whose daemon code runs (``tree:DIR``: a before/after of a code
+change in one interleaved run; the engine side is this checkout's), e.g.::
 
     python -m benchmarks.variants \\
         --variant 'thread-1ms=' \\
         --variant 'no-thread=kvd.core.nixl_agent.PROGRESS_US=0' \\
         --variant 'thread-10ms=kvd.core.nixl_agent.PROGRESS_US=10000' \\
-        --variant 'tls-no-sm=env:UCX_TLS=cma,tcp,self'
+        --variant 'tls-no-sm=env:UCX_TLS=cma,tcp,self' \\
+        --variant 'before=tree:/tmp/kvd-before'
 """
 
 from __future__ import annotations
@@ -30,18 +33,20 @@ from kvd.bench.kvd_pair import KvdPair
 from kvd.bench.nixl_pair import NixlPair, PeerConfig
 
 
-def parse_variant(spec: str) -> tuple[str, list[str], dict]:
-    """``"NAME=SET;SET;env:K=V"`` -> ``(name, module-default assignments for
-    benchmarks.daemon_entry, environment)``."""
+def parse_variant(spec: str) -> tuple[str, list[str], dict, str]:
+    """``"NAME=SET;SET;env:K=V;tree:DIR"`` -> ``(name, module-default
+    assignments for benchmarks.daemon_entry, environment, checkout or "")``."""
     name, _, rest = spec.partition("=")
-    sets, env = [], {}
+    sets, env, tree = [], {}, ""
     for item in filter(None, rest.split(";")):
         if item.startswith("env:"):
             k, _, v = item[4:].partition("=")
             env[k] = v
+        elif item.startswith("tree:"):
+            tree = item[5:]
         else:
             sets.append(item)
-    return name, sets, env
+    return name, sets, env, tree
 
 
 def run(variants: list[str], cells: list[tuple[int, int, int]], reps: int, poll_s: float = 50e-6,
@@ -60,9 +65,9 @@ def run(variants: list[str], cells: list[tuple[int, int, int]], reps: int, poll_
     out = {"benchmark": "variants", "variants": variants, "reps": reps, "poll_us": poll_s * 1e6, "cells": []}
     prog = cm.Progress(total=len(cells) * reps, title="variants", enabled=progress)
     try:
-        for i, (name, sets, env) in enumerate(specs):
+        for i, (name, sets, env, tree) in enumerate(specs):
             pairs[name] = KvdPair(f"{wd}", (src.name, seg), (dst.name, seg), env=env or None,
-                                  entry=entry(sets), prefix=f"v{i}-")
+                                  entry=entry(sets, tree=tree), prefix=f"v{i}-")
             pairs[name].pause(True)
         nixl = NixlPair(src.name, seg, dst.name, seg, peer_cfg or PeerConfig(num_threads=0, pthr_delay_us=1000))
         nixl.pause(True)
@@ -78,8 +83,9 @@ def run(variants: list[str], cells: list[tuple[int, int, int]], reps: int, poll_
         for bl in sorted({c[0] for c in cells}):
             for name, p in pairs.items():
                 only(name)
-                rid = p.start(bl, [0], [1], hold=False)
+                rid = p.start(bl, [0], [1])  # held: a reader claims the source's hold first
                 p.wait(bl, {rid}, poll_s)
+                p.drain_sources()
         for name, p in pairs.items():
             only(name)
             time.sleep(0.3)
@@ -94,6 +100,7 @@ def run(variants: list[str], cells: list[tuple[int, int, int]], reps: int, poll_
             ids = [(rng.permutation(nsrc)[:n].tolist(), rng.permutation(nsrc)[:n].tolist()) for _ in range(conc)]
             lat = {k: [] for k in names}
             wall = {k: [] for k in names}
+            cpu = {k: [0.0, 0.0] for k in pairs}  # CPU seconds of P and D during the timed batches
             for r in range(reps + 2):
                 order = names[r % len(names):] + names[:r % len(names)]
                 for name in order:
@@ -104,14 +111,19 @@ def run(variants: list[str], cells: list[tuple[int, int, int]], reps: int, poll_
                         res_l, res_w = times, max(times)
                     else:
                         p = pairs[name]
+                        c0 = (cm.cpu_seconds(p.p.pid), cm.cpu_seconds(p.d.pid))
                         t0 = time.perf_counter()
                         started = {}
                         for l, rm in ids:
-                            rid = p.start(bl, l, rm, hold=False)
+                            rid = p.start(bl, l, rm)  # the hold is sent first, on P's session
                             started[rid] = time.perf_counter()
                         done = p.wait(bl, set(started), poll_s)
+                        p.drain_sources()
                         res_l = [done[k] - started[k] for k in started]
                         res_w = max(done.values()) - t0
+                        if r >= 2:
+                            cpu[name][0] += cm.cpu_seconds(p.p.pid) - c0[0]
+                            cpu[name][1] += cm.cpu_seconds(p.d.pid) - c0[1]
                     if r >= 2:  # two warm-up rounds
                         lat[name].extend(res_l)
                         wall[name].append(res_w)
@@ -123,6 +135,9 @@ def run(variants: list[str], cells: list[tuple[int, int, int]], reps: int, poll_
                                      p99_ms=cm.pct(lat[k], 99) * 1e3, wall_ms=cm.median(wall[k]) * 1e3,
                                      gbs=bl * n * conc / cm.median(wall[k]) / 1e9,
                                      over_b=cm.median([b / a for a, b in zip(wall[k], wall["(b)"])]))
+                if k in cpu:  # per load, microseconds (the daemons' CPU includes their idle loops)
+                    cell["by"][k].update(cpu_us_per_load_P=cpu[k][0] / (reps * conc) * 1e6,
+                                         cpu_us_per_load_D=cpu[k][1] / (reps * conc) * 1e6)
             out["cells"].append(cell)
     finally:
         prog.close()
@@ -145,11 +160,13 @@ def table(res: dict, markdown: bool = False) -> str:
     rows = []
     for c in res["cells"]:
         for k, v in c["by"].items():
+            cpu = (f"{v['cpu_us_per_load_P']:.0f} / {v['cpu_us_per_load_D']:.0f}" if "cpu_us_per_load_P" in v
+                   else "")
             rows.append([f"{cm.fmt_bytes(c['block_len'])} x {c['blocks']} x {c['concurrency']}", k,
                          f"{v['p50_ms']:.3f}", f"{v['p90_ms']:.3f}", f"{v['p99_ms']:.3f}", f"{v['gbs']:.2f}",
-                         f"{v['over_b']:.2f}"])
+                         f"{v['over_b']:.2f}", cpu])
     t = cm.fmt_table(["case (block x blocks x concurrent)", "variant", "p50 ms", "p90 ms", "p99 ms", "GB/s",
-                      "(b) time / this"], rows, markdown)
+                      "(b) time / this", "CPU us/load P / D"], rows, markdown)
     idle = res.get("idle_cpu_pct", {})
     if idle:
         t += "\nidle CPU, % of a core: " + "; ".join(f"{k}: P {v['P']:.1f}, D {v['D']:.1f}" for k, v in idle.items())

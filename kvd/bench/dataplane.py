@@ -270,7 +270,7 @@ def run(cells: list[Cell], reps: int, poll_s: float = 50e-6, peer_cfg: PeerConfi
 
 
 def goals(res: dict) -> dict:
-    """The issue's goals on these results: (a)/(b) >= 0.97 for blocks >= 64 KiB,
+    """The goals on these results: (a)/(b) >= 0.97 for blocks >= 64 KiB,
     (a)/(c) >= 0.7 (both as medians of per-round ratios)."""
     big = [c for c in res["cells"] if c["block_len"] >= 64 * cm.KiB]
     ab = [c["a_over_b"] for c in big]

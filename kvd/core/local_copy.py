@@ -200,8 +200,8 @@ class LocalCopy:
         for p in read_from:
             cp = plans[p]
             try:
-                plan.check_block_ids(req.local_groups, req.remote_groups, w.layout.num_blocks,
-                                     cp.source.layout.num_blocks, cp.k, list(cp.region_groups))
+                plan.check_request(req.local_groups, req.remote_groups, w.layout.num_blocks,
+                                   cp.source.layout.num_blocks, cp.k, cp.region_groups)
             except LayoutError as e:
                 return K.INVALID, f"invalid: {e}"
         # No copy of another engine's blocks without its hold on them, the

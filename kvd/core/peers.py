@@ -396,7 +396,8 @@ class Peers:
         self.rt.on_event("handshake", {"seconds": time.monotonic() - t0})
         # Where the time went (ms): the peer's answer, the plan, the wait for
         # the NIXL thread, NIXL's add_remote_agent, make_connection and the
-        # descriptor lists: a slow first contact names its phase in the log.
+        # check of the peer's rows: a slow first contact names its phase in
+        # the log (the rest is waiting for the event loop).
         phases["rpc"] = t_rpc
         spent = " ".join(f"{k} {1e3 * v:.1f}" for k, v in phases.items())
         log.info("%s: handshake with %s engine=%s rank=%d/%d agent=%s (kvd %s) in %.1f ms (%s): %d chunk(s) x "
@@ -443,11 +444,13 @@ class Peers:
             # registered (a mangled relay, a lying peer) is refused here, as a
             # prepared list of the whole map would be: NIXL checks each row
             # against the remote registrations; the edges bound every row.
+            t_check = time.monotonic()
             try:
                 w.agent.release_dlist(w.agent.prep_remote(name, their_map.edges(), hs.memory))
             except Exception:
                 self._unload_agent(w, name)
                 raise
+            phases["check"] = time.monotonic() - t_check
             return name
 
         name = await self.rt.nixl(add)

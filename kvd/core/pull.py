@@ -20,7 +20,6 @@ import logging
 import time
 
 from kvd import tracepoints as tp
-from kvd.core import layout as lay
 from kvd.core import plan, settle
 from kvd.core.events import (
     CommandRejected,
@@ -124,7 +123,7 @@ class Pull:
         if len(w.inflight) + len(w.pending_loads) >= self.rt.limits.max_inflight_per_worker:
             return self._fail(w, req, K.BUSY, "busy: too many loads in flight for this worker")
         try:  # local input is checked before any network or NIXL call
-            lay.descriptor_indices(local_ids, 1, w.layout.num_blocks)
+            plan.check_block_ids(local_ids, w.layout.num_blocks)
         except LayoutError as e:
             return self._fail(w, req, K.INVALID, f"invalid: local {e}")
         if req.remote_tp_size > BOUNDS.max_tp_size:
@@ -167,6 +166,12 @@ class Pull:
         fresh_any = False
         err: tuple[FailureKind, str] | None = None
         remotes: dict[int, RemoteWorker] = {}
+        # A claim only asks (no lease changes on the source), so it is sent
+        # now and its round trip overlaps the remote workers and the plan:
+        # it is the largest daemon-side piece of a small load
+        # (docs/PERFORMANCE.md, "Per-load cost, third round").
+        tp.hit(tp.CLAIM, rid)
+        claim = asyncio.ensure_future(self.holds.claim_sources(w, req, read_from, deadline))
         try:
             try:
                 remotes, fresh_any = await self.peers.remotes(w, req.remote_address, req.remote_engine_id, notify,
@@ -186,20 +191,23 @@ class Pull:
             if w.session.epoch != epoch:
                 log.info("%s request=%s: session ended during the handshake; load dropped", w.label, rid)
                 return
-            for p in read_from:  # the request's block ids are checked against both layouts before the claim
+            for p in read_from:  # the request's block ids are checked against both layouts before any READ
                 r = remotes[p]
                 try:
-                    plan.check_block_ids(req.local_groups, req.remote_groups, w.layout.num_blocks,
-                                         r.layout.num_blocks, r.k, list(r.region_groups))
+                    plan.check_request(req.local_groups, req.remote_groups, w.layout.num_blocks,
+                                       r.layout.num_blocks, r.k, r.region_groups)
                 except LayoutError as e:
                     return self._fail(w, req, K.INVALID, f"invalid: {e}")
             # No READ of another engine's blocks without its hold on them (docs/SECURITY.md).
-            denied = await self.holds.claim_sources(w, req, read_from, deadline)
+            denied = await claim
+            tp.hit(tp.CLAIMED, rid)
             if denied or not self.rt.registered(w):
                 return self._fail(w, req, *(denied or (K.UNREGISTERED, "worker unregistered")))
             if w.session.epoch != epoch:
                 return
-            # Rows after the claim: a load waiting for its hold keeps only its block ids.
+            # Rows after the claim: a load waiting for its hold (up to
+            # max_claim_wait_s) keeps only its block ids, not regions x
+            # blocks x chunks of rows (docs/SECURITY.md, "Limits").
             chunks = {p: plan.chunk_indices(req.local_groups, req.remote_groups, remotes[p].num_regions,
                                             w.layout.num_blocks, remotes[p].layout.num_blocks, remotes[p].k,
                                             remotes[p].C, remotes[p].region_groups) for p in read_from}
@@ -234,6 +242,10 @@ class Pull:
             err = (K.NIXL, f"nixl: {e}")
         finally:
             w.pending_loads.discard(rid)
+            if not claim.done():  # the load ended before its claim was answered
+                claim.cancel()
+            elif not claim.cancelled():
+                claim.exception()  # retrieved: an early return never awaited it
         if w.session.epoch != epoch:
             # The session ended while posting: its shim reports these blocks
             # failed once the stream is closed, which waits for this release.

@@ -261,6 +261,9 @@ class EngineService(pb_grpc.EngineServiceServicer):
         reader = asyncio.get_running_loop().create_task(self._read_commands(w, it, caller.uid))
         try:
             events, wakeup = w.session.events, w.session.wakeup
+            # The reader's end wakes this loop too: one Event to wait on, no
+            # waiter task and asyncio.wait per event (two loop rounds less).
+            reader.add_done_callback(lambda _: wakeup.set())
             while True:
                 while events:
                     e = events.popleft()
@@ -273,9 +276,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
                 if reader.done():
                     break
                 wakeup.clear()
-                waiter = asyncio.ensure_future(wakeup.wait())
-                await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
-                waiter.cancel()
+                await wakeup.wait()
         finally:
             reader.cancel()
             await self.node.detach(w)
