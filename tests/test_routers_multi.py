@@ -1,7 +1,7 @@
 """kvd in the configuration Dynamo accepts, and kvd's push mode behind a
 router, with real engines: one P/D stack whose engines run vLLM's
 ``MultiConnector`` with kvd as its only child, named ``NixlConnector``
-(``kvd.testing.nixl_named``), and whose daemons run ``--transfer-mode push``
+(``kvd.shim.vllm.nixl_name``), and whose daemons run ``--transfer-mode push``
 (the decode daemon asks the prefill daemon to WRITE). A second stack after
 tests/test_routers.py's (pytest closes a module's fixtures at its end, so
 the two never run at once).
@@ -29,7 +29,7 @@ from kvd.testing.vllm_engines import PDStack, kvd_connector_config
 vllm = pytest.mark.vllm
 
 LENGTHS = [20, 100, 300]
-NAMED_MODULE = "kvd.testing.nixl_named"
+NAMED_MODULE = "kvd.shim.vllm.nixl_name"
 
 
 def _wrap(cfg: dict) -> dict:
