@@ -171,7 +171,9 @@ class Holds:
         deadline = time.monotonic() + (min(wait_s, BOUNDS.max_claim_wait_s) if wait_s > 0 else 0.0)
         while not w.leases.covers(request_id, groups):
             left = deadline - time.monotonic()
-            if left <= 0 or self.rt.workers.get(w.key) is not w:
+            # A lease of the request that lacks these blocks will not grow
+            # (a second hold of other blocks is refused): no use waiting.
+            if left <= 0 or self.rt.workers.get(w.key) is not w or request_id in w.leases.leases:
                 raise PermissionDenied(f"claim: engine {engine_id!r} rank {tp_rank} holds no lease on those "
                                        f"blocks for request {request_id!r}")
             try:

@@ -72,7 +72,7 @@ class Push:
                               req.local_groups, expected, left)
             try:
                 return await link.push(req.remote_address, order, left)
-            except NotFound as e:
+            except NotFound:
                 # The hold may still be on its way: vLLM answers P's HTTP
                 # request a step before its connector sends the hold, and a
                 # router that sends D at once (vllm-router,
@@ -83,7 +83,7 @@ class Push:
                     await link.claim(req.remote_address, req.remote_engine_id, p, req.remote_request_id,
                                      req.remote_groups, wait_s, max(0.1, deadline - time.monotonic()))
                 except PermissionDenied:
-                    raise e from None
+                    pass  # asked once more all the same: the source's answer names its reason
                 order.timeout_s = max(0.1, deadline - time.monotonic())
                 return await link.push(req.remote_address, order, order.timeout_s)
 
