@@ -214,3 +214,36 @@ def test_sighup_is_logged_and_the_daemon_keeps_serving_also_after_a_registration
         rc = d.stop()
         seg.close()
     assert rc == 0
+
+
+def test_a_peer_port_in_use_names_peer_listen_and_the_reason(tmp_path):
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    port = s.getsockname()[1]
+    try:
+        r = subprocess.run([sys.executable, "-m", "kvd.cli", "serve", "--peer-listen", f"127.0.0.1:{port}",
+                            "--engine-socket", str(tmp_path / "k.sock")], capture_output=True, text=True, timeout=60)
+    finally:
+        s.close()
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+    assert f"peer_listen: cannot bind PeerService to 127.0.0.1:{port}: Address already in use" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_an_engine_socket_under_a_file_names_the_setting_and_the_parent(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x\n")
+    r = _serve("--engine-socket", str(afile / "engine.sock"))
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+    assert f"engine_socket: parent {afile} of {afile}/engine.sock is not a directory" in r.stderr
+    assert afile.read_text() == "x\n"
+
+
+def test_an_engine_socket_directory_where_nothing_can_be_created_names_the_setting():
+    # /proc refuses new entries even to root (a read-only directory would not stop root);
+    # the error names the setting and the directory, not the gate's private temp directory.
+    r = _serve("--engine-socket", "/proc/kvd-engine.sock")
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+    assert "engine_socket: cannot create the socket in /proc: " in r.stderr, r.stderr[-2000:]
+    assert ".kvd-engine.sock." not in r.stderr and "Traceback" not in r.stderr
