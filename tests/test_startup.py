@@ -247,3 +247,32 @@ def test_an_engine_socket_directory_where_nothing_can_be_created_names_the_setti
     assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
     assert "engine_socket: cannot create the socket in /proc: " in r.stderr, r.stderr[-2000:]
     assert ".kvd-engine.sock." not in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("mode, warned", [(0o644, True), (0o640, True), (0o600, False), (0o400, False)])
+def test_a_peer_token_file_readable_by_group_or_other_is_warned_about(tmp_path, mode, warned):
+    from kvd.config import load_config
+    from kvd.daemon.server import secret_file_warnings
+
+    token = tmp_path / "peer.token"
+    token.write_text("0123456789abcdef0123456789abcdef\n")
+    token.chmod(mode)
+    w = secret_file_warnings(load_config({"peer_token_file": str(token)}, environ={}))
+    assert bool(w) is warned, w
+    if warned:
+        assert str(token) in w[0] and f"mode {mode:04o}" in w[0] and "peer_token_file" in w[0]
+
+
+def test_the_daemon_logs_the_token_file_warning_at_startup_and_serves(tmp_path):
+    from kvd.testing.daemons import start_daemon
+
+    token = tmp_path / "peer.token"
+    token.write_text("0123456789abcdef0123456789abcdef\n")
+    token.chmod(0o644)
+    d = start_daemon(str(tmp_path), "k", "--peer-token-file", str(token))
+    try:
+        assert d.stats().engines == 0  # serving: a warning, not a refusal
+        log = d.log()
+        assert f"WARNING kvd.server: peer_token_file: {token} is mode 0644" in log, log[-3000:]
+    finally:
+        assert d.stop() == 0

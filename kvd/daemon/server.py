@@ -92,6 +92,24 @@ def bind_failure(host: str, port: int) -> str:
     return "gRPC could not bind it"
 
 
+def secret_file_warnings(cfg: Config) -> list[str]:
+    """A warning for ``peer_token_file`` when group or other may read or
+    write it (``mode & 0o077``): the token lets any host act as a daemon of the
+    cluster. A warning, not a refusal, since a group-readable file can be a
+    deliberate choice (a secret volume's default mode); ssh refuses keys so."""
+    path = cfg.peer_token_file
+    if not path:
+        return []
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return []  # unreadable: PeerAuth.from_config has already refused it
+    if not mode & 0o077:
+        return []
+    return [f"peer_token_file: {path} is mode {mode:04o}, readable by group or other; "
+            f"make it 0600 (chmod 0600 {path})"]
+
+
 def make_socket_dir(path: str) -> None:
     """Makes the directory of the engine socket ``path`` (and its parents).
 
@@ -295,7 +313,7 @@ class Server:
                  "authentication: %s), NIXL backends %s%s",
                  __version__, sock, policy.describe(), self._bound, adv, auth.describe(), ",".join(cfg.backends),
                  f", metrics on http://{metrics_at}/metrics" if metrics_at else "")
-        for w in cfg.warnings:
+        for w in cfg.warnings + secret_file_warnings(cfg):
             log.warning("%s", w)
         self.notifier.ready(f"serving: engines on unix:{sock}, peers on {adv}")
 
