@@ -91,3 +91,16 @@ def test_health_address_with_the_socket_from_the_environment_is_not_a_usage_erro
     r = subprocess.run([sys.executable, "-m", "kvd.cli", "health", "--address", "127.0.0.1:1", "--timeout", "0.5"],
                        capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 2 and "127.0.0.1:1" in r.stderr, (r.returncode, r.stderr)
+
+
+def test_demo_summary_prints_the_rate_in_mb_per_s():
+    # The demo's tiny model moves a few MB in a few ms: in GB/s the line read "(0.000 GB/s)".
+    from kvd.demo.run import RequestReport, format_summary, summarize
+
+    reps = [RequestReport(index=i, request_id=f"r{i}", prompt_tokens=64, external_tokens=64, bytes=1_500_000,
+                          transfer_s=0.001, transfers=1, pd_token_ids=[1, 2], ref_token_ids=[1, 2]) for i in range(2)]
+    s = summarize(reps, "kvd")
+    assert s["mb_per_s"] == pytest.approx(1500.0)
+    line = format_summary(s)
+    assert "3.000 MB in 2.0 ms (1500.0 MB/s)" in line and "GB/s" not in line and line.endswith("OK"), line
+    assert "(n/a)" in format_summary(summarize([RequestReport(index=0, request_id="r", prompt_tokens=1)], "kvd"))
