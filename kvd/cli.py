@@ -73,12 +73,13 @@ def cmd_health(args) -> int:
     Returns 0 serving, 1 not serving (draining, or an unknown ``--service``),
     2 unreachable within ``--timeout`` seconds or refused, 64 when ``--socket``
     and ``--address`` are both given (one target per check)."""
-    if args.socket is not None and args.address:
+    if args.socket is not None and args.address is not None:
         print("kvd health: error: --socket and --address are mutually exclusive (one daemon per check)",
               file=sys.stderr)
         return EXIT_USAGE
     socket_path = client_socket() if args.socket is None else args.socket
-    return _print(ops.health(ops.target(socket_path, args.address), args.service, args.timeout), args.quiet)
+    return _print(ops.health(ops.target(socket_path, args.address or ""), args.service, args.timeout),
+                  args.quiet)
 
 
 def dial_address(text: str) -> str:
@@ -148,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--socket", default=None if name == "health" else client_socket(), metavar="PATH",
                        help=f"the daemon's engine socket (default: $KVD_ENGINE_SOCKET or {client_socket()})")
         if name == "health":
-            c.add_argument("--address", default="", metavar="HOST:PORT", type=dial_address,
+            c.add_argument("--address", default=None, metavar="HOST:PORT", type=dial_address,
                            help="ask over TCP (the peer port) instead of the Unix socket; not with --socket")
         c.add_argument("--timeout", type=positive(float), default=2.0, metavar="SECONDS", help="deadline (default 2)")
         if name == "health":

@@ -104,3 +104,9 @@ def test_demo_summary_prints_the_rate_in_mb_per_s():
     line = format_summary(s)
     assert "3.000 MB in 2.0 ms (1500.0 MB/s)" in line and "GB/s" not in line and line.endswith("OK"), line
     assert "(n/a)" in format_summary(summarize([RequestReport(index=0, request_id="r", prompt_tokens=1)], "kvd"))
+
+
+def test_health_without_address_asks_the_socket(tmp_path):
+    # --address's check must not run on its absent default: no daemon here is "unreachable" (2), not 64.
+    r = _kvd("health", "--socket", str(tmp_path / "absent.sock"), "--timeout", "0.5")
+    assert r.returncode == 2 and "UNAVAILABLE" in r.stderr, (r.returncode, r.stderr)

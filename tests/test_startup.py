@@ -249,13 +249,20 @@ def test_an_engine_socket_directory_where_nothing_can_be_created_names_the_setti
     assert ".kvd-engine.sock." not in r.stderr and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("mode, warned", [(0o644, True), (0o640, True), (0o600, False), (0o400, False)])
-def test_a_peer_token_file_readable_by_group_or_other_is_warned_about(tmp_path, mode, warned):
+@pytest.mark.parametrize("mode, foreign_group, warned", [
+    (0o644, False, True), (0o604, False, True), (0o640, True, True),
+    (0o640, False, False),  # the daemon's own group: the DaemonSet's Secret (0440, fsGroup)
+    (0o600, False, False), (0o400, False, False)])
+def test_a_peer_token_file_readable_by_group_or_other_is_warned_about(tmp_path, mode, foreign_group, warned):
     from kvd.config import load_config
     from kvd.daemon.server import secret_file_warnings
 
     token = tmp_path / "peer.token"
     token.write_text("0123456789abcdef0123456789abcdef\n")
+    if foreign_group:
+        if os.geteuid() != 0:
+            pytest.skip("giving a file another group needs root")
+        os.chown(token, -1, os.getegid() + 1 if os.getegid() < 65534 else 0)
     token.chmod(mode)
     w = secret_file_warnings(load_config({"peer_token_file": str(token)}, environ={}))
     assert bool(w) is warned, w

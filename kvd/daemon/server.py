@@ -93,21 +93,28 @@ def bind_failure(host: str, port: int) -> str:
 
 
 def secret_file_warnings(cfg: Config) -> list[str]:
-    """A warning for ``peer_token_file`` when group or other may read or
-    write it (``mode & 0o077``): the token lets any host act as a daemon of the
-    cluster. A warning, not a refusal, since a group-readable file can be a
-    deliberate choice (a secret volume's default mode); ssh refuses keys so."""
+    """A warning for ``peer_token_file`` when others may read or write it: the
+    token lets any host act as a daemon of the cluster.
+
+    Warned: a mode with other bits (``0o007``), or with group bits (``0o070``)
+    for a group that is not the daemon's own (effective gid). A file of the
+    daemon's own group is not: the shipped DaemonSet mounts the token Secret
+    mode 0440 with ``fsGroup`` the daemon's gid (Kubernetes makes Secret files
+    root-owned, so the group bit is how the daemon reads it). A warning, not a
+    refusal: the operator may have chosen the mode.
+    """
     path = cfg.peer_token_file
     if not path:
         return []
     try:
-        mode = stat.S_IMODE(os.stat(path).st_mode)
+        st = os.stat(path)
     except OSError:
         return []  # unreadable: PeerAuth.from_config has already refused it
-    if not mode & 0o077:
+    mode = stat.S_IMODE(st.st_mode)
+    if not (mode & 0o007 or (mode & 0o070 and st.st_gid != os.getegid())):
         return []
-    return [f"peer_token_file: {path} is mode {mode:04o}, readable by group or other; "
-            f"make it 0600 (chmod 0600 {path})"]
+    return [f"peer_token_file: {path} is mode {mode:04o} (gid {st.st_gid}), readable or writable beyond the "
+            f"daemon's user and group; make it 0600 (chmod 0600 {path})"]
 
 
 def make_socket_dir(path: str) -> None:
