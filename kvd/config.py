@@ -131,6 +131,9 @@ class Config:
     engine_idle_timeout_s: float = _setting(10.0, "a connection to the engine socket that sends no byte this "
                                                   "long is closed, seconds (a gRPC client sends its preface "
                                                   "at once)")
+    require_memfd: bool = _setting(False, "refuse named shm segments (MEMORY_KIND_SHM) in RegisterEngine: "
+                                          "engines hand their KV cache over as sealed memfds (an engine "
+                                          "could shrink a named segment under the daemon: SIGBUS)")
     require_session_token: bool = _setting(False, "OpenSession and UnregisterEngine must carry the "
                                                   "session_token of the registration (else the same process "
                                                   "that registered may omit it)")
@@ -150,6 +153,12 @@ class Config:
                                            "host:port/engine_id (a remote daemon's peer address and an engine "
                                            "registered there): every TP rank of it, for each local worker at "
                                            "its registration, retried until it answers", factory=list)
+    peer_check_s: float = _setting(15.0, "each remote worker this daemon reads from is asked (a handshake) "
+                                         "this often whether its daemon and engine are still there, seconds")
+    peer_dead_s: float = _setting(45.0, "a remote daemon that has not answered for this long has its agents "
+                                        "and descriptor lists released here (the next load handshakes again), "
+                                        "seconds")
+    peer_idle_s: float = _setting(600.0, "a remote worker no load has used for this long is released, seconds")
     # Bounds.
     max_message_bytes: int = _setting(MAX_MESSAGE_BYTES, "largest gRPC message received or sent, bytes "
                                                          "(both ports)")
@@ -158,6 +167,8 @@ class Config:
     max_leases_per_worker: int = _setting(65536, "prefill leases held per engine worker; a hold past it is "
                                                  "rejected")
     max_blocks_per_request: int = _setting(1 << 20, "block ids in one load or hold (all groups together)")
+    max_held_blocks_per_worker: int = _setting(1 << 22, "block ids held by one engine worker's leases, all "
+                                                         "together; a hold past it is rejected")
     max_queued_event_bytes: int = _setting(64 << 20, "events queued for one engine worker's session that it has "
                                                      "not read, bytes (8 per block id); past it the stream is "
                                                      "ended and the events dropped")
@@ -210,7 +221,7 @@ class Config:
         if not self.metrics_host:
             raise self._error("metrics_host", "must not be empty")
         for key in ("lease_s", "transfer_timeout_s", "handshake_timeout_s", "grace_s", "detach_grace_s",
-                    "engine_idle_timeout_s"):
+                    "engine_idle_timeout_s", "peer_check_s", "peer_dead_s", "peer_idle_s"):
             v = getattr(self, key)
             if not math.isfinite(v) or v <= 0:
                 raise self._error(key, f"must be a finite number of seconds > 0 (got {v})")
@@ -246,6 +257,7 @@ class Config:
                                ("max_engine_connections", 1, 1 << 20),
                                ("max_engine_connections_per_uid", 1, 1 << 20),
                                ("max_blocks_per_request", 1, 1 << 26),
+                               ("max_held_blocks_per_worker", 1, 1 << 30),
                                ("max_queued_event_bytes", 1 << 16, 1 << 40),
                                ("max_workers", 1, 1 << 16), ("max_workers_per_uid", 1, 1 << 16),
                                ("max_descriptors", 1, 1 << 40), ("max_descriptors_per_uid", 1, 1 << 40),

@@ -1,11 +1,11 @@
-"""Reliability (issue 4): the prefill side dies or restarts, handshakes fail.
+"""Reliability: the prefill side dies or restarts, handshakes fail, peers go silent or idle.
 
 Real daemons (subprocesses), real NIXL/UCX, real shared memory; the test
 process plays the engines over raw session streams (``kvd.testing.sessions.Engine``).
 One decode daemon and one healthy prefill daemon serve the whole module; the
 prefill daemons that are killed or restarted are started by their test.
 
-Scenarios 1, 2 and 7 of issue 4; deadlines are in docs/RELIABILITY.md.
+Scenarios 1, 2, 2b and 7 of docs/RELIABILITY.md's table, with their deadlines.
 """
 
 from __future__ import annotations
@@ -402,3 +402,87 @@ def test_a_handshake_slower_than_the_handshake_timeout_is_tried_once_more_within
         relay.stop()
         e.close()
         assert d.stop() == 0
+
+
+# ------------------------------------------------------------ dead and idle peers
+LIVENESS = ("--peer-check-s", "0.5", "--peer-dead-s", "2")
+
+
+def test_a_killed_peers_agent_is_released_within_peer_dead_s_and_handshaken_again_when_it_returns(tmp):
+    """kvd.core.liveness.Liveness.check: after SIGKILL of the prefill daemon, the
+    decode daemon keeps its remote agent and descriptor lists only until the
+    peer has been silent for ``peer_dead_s`` (2 s here, probed every 0.5 s;
+    before, they stayed for the daemon's life: > 120 s seen). A daemon that
+    comes back on the address is handshaken again by the next load."""
+    port = free_port()
+    listen = ("--peer-listen", f"127.0.0.1:{port}")
+    dec = start_daemon(tmp, "liveness-d", *LIVENESS)
+    old = start_daemon(tmp, "liveness-p1", *listen)
+    new = None
+    dst = Engine(dec, "liveness-dst", SMALL)
+    src = Engine(old, "liveness-p", SMALL, seed=21)
+    try:
+        base = dec.stats()
+        _transfer_ok(dst, src, "before-kill", [1, 2], [3, 4])
+        assert dec.stats().remote_agents == base.remote_agents + 1
+        old.stop(signal.SIGKILL)
+        killed = time.monotonic()
+        src.close(unregister=False)
+        took = wait_until(lambda: dec.stats().remote_agents == base.remote_agents, 30, "dead peer's agent released")
+        assert dec.stats().prepped_dlists == base.prepped_dlists
+        assert "has not answered for" in dec.log() and "peer_dead_s" in dec.log()
+        print(f"\nremote agent released {time.monotonic() - killed:.1f} s after SIGKILL (peer_dead_s 2, "
+              f"checks every 0.5 s; waited {took:.1f} s)")
+        new = start_daemon(tmp, "liveness-p2", *listen)
+        src = Engine(new, "liveness-p", SMALL, seed=22)
+        _transfer_ok(dst, src, "after-return", [5, 6], [7, 8])
+        assert dec.stats().remote_agents == base.remote_agents + 1
+    finally:
+        src.close(unregister=new is not None)
+        dst.close()
+        for d in (old, new):
+            if d is not None:
+                d.stop()
+        assert dec.stop() == 0
+
+
+def test_an_idle_peer_is_released_and_handshaken_again_at_the_next_load(tmp):
+    """``peer_idle_s``: a remote no load used for that long is released
+    (here 2 s), and the next load handshakes again."""
+    dec = start_daemon(tmp, "idle-d", *LIVENESS, "--peer-idle-s", "2")
+    pre = start_daemon(tmp, "idle-p")
+    dst = Engine(dec, "idle-dst", SMALL)
+    src = Engine(pre, "idle-p", SMALL, seed=23)
+    try:
+        base = dec.stats()
+        _transfer_ok(dst, src, "first", [1], [2])
+        wait_until(lambda: dec.stats().remote_agents == base.remote_agents, 30, "idle remote released")
+        assert "peer_idle_s" in dec.log()
+        _transfer_ok(dst, src, "second", [3], [4])  # handshaken again
+        assert dec.stats().remote_agents == base.remote_agents + 1
+    finally:
+        src.close()
+        dst.close()
+        assert pre.stop() == 0
+        assert dec.stop() == 0
+
+
+def test_a_remote_whose_engine_left_its_daemon_is_released(tmp):
+    """The peer answers, but the engine is no longer registered there
+    (NOT_FOUND): its remote is released at a check once no load can be
+    about to use it (a claim's reach: ``max_claim_wait_s`` + the handshake
+    timeout, 1 s here)."""
+    dec = start_daemon(tmp, "left-d", *LIVENESS, "--handshake-timeout-s", "1")
+    pre = start_daemon(tmp, "left-p")
+    dst = Engine(dec, "left-dst", SMALL)
+    src = Engine(pre, "left-p", SMALL, seed=24)
+    try:
+        base = dec.stats()
+        _transfer_ok(dst, src, "only", [1], [2])
+        src.close()
+        wait_until(lambda: dec.stats().remote_agents == base.remote_agents, 40, "gone engine's remote released")
+        assert "liveness check:" in dec.log() and "NOT_FOUND" in dec.log()
+    finally:
+        dst.close()
+        assert pre.stop() == 0
+        assert dec.stop() == 0

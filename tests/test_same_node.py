@@ -57,6 +57,25 @@ def test_a_load_from_an_engine_of_the_same_daemon_is_copied_byte_exact_without_n
     assert "same-node copy plan" in one.log()
 
 
+@pytest.mark.parametrize("spelling", ["localhost:{port}", "[::ffff:127.0.0.1]:{port}", "0.0.0.0:{port}"])
+def test_a_load_naming_this_daemon_by_another_spelling_is_a_same_node_copy(one, engines, spelling):
+    """kvd.core.own_addresses: another spelling of this daemon's peer address is
+    resolved to its listener first, so the same-node rules apply (a copy, a
+    claim answered by its own holds), with no NIXL pair to itself."""
+    p, d = engines
+    before = one.stats()
+    address = spelling.format(port=one.peer_address.rsplit(":", 1)[1])
+    p.hold("alias-p", REMOTE_IDS[:2])
+    d.load("alias-d", LOCAL_IDS[:2], None, REMOTE_IDS[:2], "alias-p", remote_engine_id=p.engine_id,
+           remote_address=address)
+    ev = d.wait("alias-d")
+    assert event_kind(ev) == "recv_done", ev
+    assert d.same_blocks(LOCAL_IDS[:2], p, REMOTE_IDS[:2])
+    assert event_kind(p.wait("alias-p", 10)) == "send_done"
+    st = one.stats()
+    assert st.peers == 0 and st.remote_agents == 0 and st.prepped_dlists == before.prepped_dlists
+
+
 def test_a_load_that_comes_before_its_hold_waits_for_it(engines):
     p, d = engines
     d.load("early-d", LOCAL_IDS[:2], p, REMOTE_IDS[:2], "early-p", timeout_s=20)

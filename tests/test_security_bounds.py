@@ -1,9 +1,10 @@
-"""Bounds (issue 8): every block id is checked against the registered region
+"""Bounds: every block id is checked against the registered region
 before any NIXL call, messages and per-worker state are capped, push writes
 only what the source holds, and peer agent metadata is size-capped. Every
 refusal is a status or an event with a message, and the daemons keep serving.
 
-Daemons for the module: P (1 MiB messages, 3 leases per worker), D (defaults),
+Daemons for the module: P (1 MiB messages, 3 leases and 12 held block ids
+per worker), D (defaults),
 E (push mode: asks P to WRITE).
 """
 
@@ -26,7 +27,8 @@ SHAPE = KvShape(num_layers=2, num_blocks=16, block_len=2048)
 @pytest.fixture(scope="module")
 def daemons(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("bounds"))
-    ds = start_daemons((tmp, "P", "--max-message-bytes", str(1 << 20), "--max-leases-per-worker", "3"),
+    ds = start_daemons((tmp, "P", "--max-message-bytes", str(1 << 20), "--max-leases-per-worker", "3",
+                        "--max-held-blocks-per-worker", "12"),
                        (tmp, "D"), (tmp, "E", "--transfer-mode", "push"))
     yield ds
     stop_daemons(ds)
@@ -95,6 +97,37 @@ def test_leases_per_worker_are_capped(daemons, engines):
     for i in range(3):
         src.release(f"cap{i}")
         assert src.wait(f"cap{i}").send_done.released
+    _still_serving(daemons[0])
+
+
+def test_a_hold_repeating_a_block_id_is_refused(daemons, engines):
+    src = engines[0]
+    src.hold("twice", [4, 5, 4])
+    ev = src.wait("twice")
+    assert event_kind(ev) == "rejected" and "block id 4 repeated in group 0 (2 times)" in ev.rejected.reason, ev
+    assert daemons[0].stats().active_leases == 0
+    _still_serving(daemons[0])
+
+
+def test_block_ids_held_per_worker_are_capped(daemons, engines):
+    """Every lease's ids count (``max_held_blocks_per_worker``): a block
+    held by two requests counts twice; an ended lease gives its ids back."""
+    src = engines[0]
+    src.hold("many", list(range(10)))
+    src.hold("shared", [0, 1])  # 12: at the cap, still held
+    src.hold("one-more", [2])
+    ev = src.wait("one-more")
+    assert event_kind(ev) == "rejected" and "max_held_blocks_per_worker" in ev.rejected.reason, ev
+    assert "12 held" in ev.rejected.reason
+    src.hold("many", list(range(10)))  # a renewal adds nothing
+    assert src.quiet("many", 0.2)
+    src.release("many")
+    assert src.wait("many").send_done.released
+    src.hold("one-more", [2])
+    assert src.quiet("one-more", 0.2)  # held now
+    for rid in ("shared", "one-more"):
+        src.release(rid)
+        assert src.wait(rid).send_done.released
     _still_serving(daemons[0])
 
 

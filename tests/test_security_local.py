@@ -1,4 +1,4 @@
-"""Local access (issue 8): who may use the engine socket, which memory a caller
+"""Local access: who may use the engine socket, which memory a caller
 may hand the daemon, and which engine worker a caller may drive.
 
 One daemon for the module; its socket's group is nogroup and it admits one
@@ -102,6 +102,16 @@ def test_an_admitted_uid_registers_its_own_memory_but_never_memory_it_could_not_
         assert "permission denied" in r["details"] and f"uid {ADMITTED}" in r["details"], r
     finally:
         seg.close()
+    assert daemon.stats().engines == 0
+    _still_serving(daemon)
+
+
+def test_a_staging_mirror_is_mode_0600_and_owned_by_the_engine_that_registered(daemon):
+    """Staged data path: the daemon's mirror of an engine's cache is that
+    engine's alone (0600, its uid), not open to the daemon's group."""
+    r = call_as(daemon.socket, ADMITTED, NOBODY, "register-staged")
+    assert r["ok"], r  # and the engine could open it read-write
+    assert r["mirror"] == {"uid": ADMITTED, "mode": 0o600}, r
     assert daemon.stats().engines == 0
     _still_serving(daemon)
 

@@ -20,6 +20,8 @@ import asyncio
 import logging
 import time
 
+import numpy as np
+
 from kvd.core import layout as lay
 from kvd.core.events import (
     CommandRejected,
@@ -38,6 +40,21 @@ from kvd.core.state import PeerLink, Worker
 from kvd.requests import BlockGroups, LoadRequest, flat
 
 log = logging.getLogger("kvd.core")
+
+
+def _repeated(groups: BlockGroups) -> str:
+    """Why ``groups`` is no hold: a block id twice in one KV-cache group
+    (vLLM allocates a request's blocks once each), or "" when none is."""
+    for g, ids in enumerate(groups):
+        if len(ids) > 1:
+            # Sorted, not counted per block: a count array would take 8 bytes
+            # per block of the cache (up to 2^24 blocks) for each hold.
+            a = np.sort(np.asarray(ids, dtype=np.int64))
+            same = np.flatnonzero(a[1:] == a[:-1])
+            if same.size:
+                bid = a[same[0]]
+                return f"block id {int(bid)} repeated in group {g} ({int((a == bid).sum())} times)"
+    return ""
 
 
 class Holds:
@@ -61,7 +78,10 @@ class Holds:
 
         ``lease_s`` 0 means the daemon default; capped at ``max_lease_s``. A
         second hold of the same request and blocks renews the lease. Emits
-        ``CommandRejected`` on bad input, ``SendDone`` when the lease ends.
+        ``CommandRejected`` on bad input (an id out of range or repeated
+        within a group, more than ``max_blocks_per_request`` ids, past
+        ``max_leases_per_worker`` leases or ``max_held_blocks_per_worker``
+        ids held), ``SendDone`` when the lease ends.
         """
         emit, limits = self.rt.emit, self.rt.limits
         if not request_id:
@@ -76,10 +96,20 @@ class Holds:
         except LayoutError as e:
             emit(w, CommandRejected(request_id, f"hold: {e}"))
             return
-        if request_id not in w.leases.leases and len(w.leases) >= limits.max_leases_per_worker:
-            emit(w, CommandRejected(request_id, f"hold: {limits.max_leases_per_worker} leases held already "
-                                                f"(max_leases_per_worker)"))
+        repeated = _repeated(groups)
+        if repeated:
+            emit(w, CommandRejected(request_id, f"hold: {repeated}"))
             return
+        if request_id not in w.leases.leases:
+            if len(w.leases) >= limits.max_leases_per_worker:
+                emit(w, CommandRejected(request_id, f"hold: {limits.max_leases_per_worker} leases held already "
+                                                    f"(max_leases_per_worker)"))
+                return
+            if w.leases.held_blocks + len(ids) > limits.max_held_blocks_per_worker:
+                emit(w, CommandRejected(request_id, f"hold: {len(ids)} more block ids would pass the "
+                                                    f"{limits.max_held_blocks_per_worker} this worker may hold "
+                                                    f"({w.leases.held_blocks} held; max_held_blocks_per_worker)"))
+                return
         now = time.monotonic()
         lease_s = min(lease_s if lease_s > 0 else limits.lease_s, limits.max_lease_s)
         result = w.leases.hold(request_id, groups, now + lease_s, now)

@@ -22,6 +22,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvd.core.limits import BOUNDS
 
 
@@ -47,12 +49,24 @@ def parse_notif(msg: bytes) -> tuple[str, int] | None:
 
 @dataclass
 class Lease:
-    """Blocks of one request held until ``deadline`` (monotonic seconds)."""
+    """Blocks of one request held until ``deadline`` (monotonic seconds).
+
+    ``groups``: block ids per KV-cache group, int32 (4 bytes an id: a
+    Python list took ~10 MiB per 1M ids, found by an attacker review)."""
 
     request_id: str
-    groups: list[list[int]]  # block ids per KV-cache group
+    groups: list[np.ndarray]
     deadline: float
     notified: int = 0
+
+    @property
+    def num_blocks(self) -> int:
+        """Block ids held, all groups together."""
+        return sum(len(g) for g in self.groups)
+
+
+def _compact(groups) -> list[np.ndarray]:
+    return [np.asarray(g, dtype=np.int32) for g in groups]
 
 
 @dataclass
@@ -62,12 +76,16 @@ class LeaseTable:
     Args:
         early_s: how long a notification that beat its hold is kept.
         max_early: bound on such notifications (older ones are dropped).
+
+    ``held_blocks``: block ids of every live lease, all groups together
+    (what ``Limits.max_held_blocks_per_worker`` bounds, ``kvd.core.holds``).
     """
 
     early_s: float = 120.0
     max_early: int = 65536
     leases: dict[str, Lease] = field(default_factory=dict)
     early: dict[str, tuple[int, int, float]] = field(default_factory=dict)  # rid -> (count, expected, deadline)
+    held_blocks: int = 0
     _heap: list = field(default_factory=list)
 
     def __len__(self) -> int:
@@ -88,22 +106,36 @@ class LeaseTable:
         already) or ``"conflict"`` (a lease of other blocks exists).
         """
         old = self.leases.get(request_id)
+        groups = _compact(groups)
         if old is not None:
-            if old.groups != list(groups):
+            if len(old.groups) != len(groups) or not all(map(np.array_equal, old.groups, groups)):
                 return "conflict"
             if deadline > old.deadline:
                 old.deadline = deadline
                 self._push(deadline, request_id)
             return "renewed"
-        lease = Lease(request_id, list(groups), deadline)
+        lease = Lease(request_id, groups, deadline)
         early = self.early.pop(request_id, None)
         if early is not None:
             lease.notified = early[0]
             if lease.notified >= early[1]:
                 return "done"
         self.leases[request_id] = lease
+        self.held_blocks += lease.num_blocks
         self._push(deadline, request_id)
         return "held"
+
+    def _end(self, request_id: str) -> Lease | None:
+        """Removes a lease (None when there is none)."""
+        lease = self.leases.pop(request_id, None)
+        if lease is not None:
+            self.held_blocks -= lease.num_blocks
+        return lease
+
+    def clear(self) -> None:
+        """Drops every lease (the worker is unregistered)."""
+        self.leases.clear()
+        self.held_blocks = 0
 
     def notify(self, request_id: str, expected: int, now: float) -> bool:
         """One reader notified; True when that ends the lease."""
@@ -117,7 +149,7 @@ class LeaseTable:
             return False
         lease.notified += 1
         if lease.notified >= expected:
-            del self.leases[request_id]
+            self._end(request_id)
             return True
         return False
 
@@ -128,11 +160,11 @@ class LeaseTable:
         lease = self.leases.get(request_id)
         if lease is None or len(groups) > len(lease.groups):
             return False
-        return all(set(g) <= set(h) for g, h in zip(groups, lease.groups))
+        return all(np.isin(np.asarray(g, dtype=np.int64), h).all() for g, h in zip(groups, lease.groups))
 
     def release(self, request_id: str) -> bool:
         """Ends a lease now; False when there is none."""
-        return self.leases.pop(request_id, None) is not None
+        return self._end(request_id) is not None
 
     def expire(self, now: float) -> list[str]:
         """Ends and returns every lease whose deadline has passed."""
@@ -142,7 +174,7 @@ class LeaseTable:
             lease = self.leases.get(rid)
             if lease is None or lease.deadline > now:
                 continue  # ended already, or renewed (a later entry stands)
-            del self.leases[rid]
+            self._end(rid)
             out.append(rid)
         while self.early:
             rid, (_, _, d) = next(iter(self.early.items()))

@@ -27,6 +27,9 @@ class Limits:
     max_blocks_per_request: int = 1 << 20
     max_inflight_per_worker: int = 4096
     max_leases_per_worker: int = 65536  # prefill leases held at once (each keeps its request id and blocks)
+    # Block ids held by one worker's leases, all together (4 bytes each; a
+    # block shared by several requests' prefixes counts once per hold).
+    max_held_blocks_per_worker: int = 1 << 22
     poll_busy_s: float = 0.0005      # poll interval while transfers are in flight
     poll_idle_s: float = 0.005       # otherwise (notifications, leases)
     transfer_mode: str = "pull"      # "pull": decode READs; "push": prefill WRITEs on request
@@ -46,6 +49,15 @@ class Limits:
     max_descriptors_per_uid: int = 1 << 27
     max_aborts: int = 1024                  # AbortLoads in flight (each may wait a handshake timeout)
     max_aborts_per_uid: int = 256
+    # Remote workers' liveness (kvd.core.liveness.Liveness.check): each remote is
+    # asked (a handshake) every peer_check_s; one whose daemon has not
+    # answered for peer_dead_s, whose engine is gone, or no load has used for
+    # peer_idle_s is released (its peer agent and descriptor lists); the next
+    # load handshakes again. A dead peer's state goes within about
+    # peer_dead_s + peer_check_s.
+    peer_check_s: float = 15.0
+    peer_dead_s: float = 45.0
+    peer_idle_s: float = 600.0
 
 
 @dataclass(frozen=True)

@@ -197,28 +197,35 @@ class LocalCopy:
         except Incompatible as e:
             self._notify(w, req, sources, notify, remote_tp)  # nobody will read them: free them now
             return K.HANDSHAKE, f"handshake: {e}"
-        pieces = []
-        nbytes = 0
         for p in read_from:
             cp = plans[p]
             try:
-                lidx, ridx = plan.chunk_indices(req.local_groups, req.remote_groups, len(w.regions),
-                                                w.layout.num_blocks, cp.source.layout.num_blocks, cp.k, cp.C,
-                                                cp.region_groups)
+                plan.check_request(req.local_groups, req.remote_groups, w.layout.num_blocks,
+                                   cp.source.layout.num_blocks, cp.k, cp.region_groups)
             except LayoutError as e:
                 return K.INVALID, f"invalid: {e}"
-            dst, ln = cp.reader_side.rows(lidx)
-            src, _ = cp.source_side.rows(ridx)
-            pieces += split_pieces(dst, src, ln)
-            nbytes += cp.transfer_bytes(req.remote_groups)
         # No copy of another engine's blocks without its hold on them, the
-        # same claim a READ makes (kvd.core.holds, docs/SECURITY.md).
+        # same claim a READ makes (kvd.core.holds, docs/SECURITY.md). Rows
+        # are made after it: a load waiting for its hold keeps only its block
+        # ids (measured: 4 loads of 64 regions x 32k shuffled blocks waiting
+        # grew the daemon by 547 MiB with their rows, under 64 MiB without).
         denied = await self.holds.claim_sources(w, req, read_from, deadline)
         if denied:
             return denied
         why = self._still(w, epoch, sources, deadline)
         if why:
             return why if isinstance(why, tuple) else None
+        pieces = []
+        nbytes = 0
+        for p in read_from:
+            cp = plans[p]
+            lidx, ridx = plan.chunk_indices(req.local_groups, req.remote_groups, len(w.regions),
+                                            w.layout.num_blocks, cp.source.layout.num_blocks, cp.k, cp.C,
+                                            cp.region_groups)
+            dst, ln = cp.reader_side.rows(lidx)
+            src, _ = cp.source_side.rows(ridx)
+            pieces += split_pieces(dst, src, ln)
+            nbytes += cp.transfer_bytes(req.remote_groups)
         ndescs = sum(len(x[0]) for x in pieces)
         tp.hit(tp.POST, req.request_id, "copy")
         # While a piece may still be copying, the reader's session end waits

@@ -92,17 +92,28 @@ def shm_path(name: str) -> str:
     return os.path.join(SHM_DIR, name.lstrip("/"))
 
 
-def create_shm(size: int, prefix: str = "kvd-stage", mode: int = 0o660) -> str:
+def create_shm(size: int, prefix: str = "kvd-stage", uid: int = -1) -> str:
     """Creates a new POSIX shm object of ``size`` bytes; returns its name.
 
-    Used for daemon-owned staging mirrors (``data_path = staged``); the
-    creator unlinks it with :func:`unlink_shm`.
+    Used for daemon-owned staging mirrors (``data_path = staged``), which
+    the registering engine (uid ``uid``; -1: the daemon's own) maps too:
+    mode 0600, owned by that uid, so no other user can open one engine's
+    mirror (before: 0660 with the daemon's group, open to every member of
+    it). A daemon that may not give the object away (not root, another
+    uid) keeps it 0660 with its group, the only way that engine can open it.
+    The creator unlinks it with :func:`unlink_shm`.
     """
     import uuid
 
     name = f"/{prefix}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-    fd = os.open(shm_path(name), os.O_CREAT | os.O_EXCL | os.O_RDWR, mode)
+    fd = os.open(shm_path(name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
+        mode = 0o600
+        if uid >= 0 and uid != os.geteuid():
+            try:
+                os.fchown(fd, uid, -1)
+            except PermissionError:
+                mode = 0o660
         os.fchmod(fd, mode)  # not narrowed by the umask
         os.ftruncate(fd, size)
     except OSError:

@@ -152,8 +152,9 @@ def _probe_metadata(backends: list[str]) -> bytes:
     key = tuple(backends)
     probe = _PROBES.get(key)
     if probe is None:
-        probe = _PROBES[key] = NixlAgent(f"kvd-warm-up-probe-{os.getpid()}-{len(_PROBES)}", list(backends),
-                                         progress_us=0)
+        # With its own progress thread, like any peer: the endpoints agents
+        # open to it and close again at once see a peer that answers.
+        probe = _PROBES[key] = NixlAgent(f"kvd-warm-up-probe-{os.getpid()}-{len(_PROBES)}", list(backends))
     return probe.metadata()
 
 

@@ -28,6 +28,7 @@ Pull mode (the seed connector's protocol, docs/DESIGN.md "Transfer protocol"):
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable
 
@@ -36,7 +37,9 @@ from kvd.core.events import CommandRejected
 from kvd.core.holds import Holds
 from kvd.core.layout import Layout, Region
 from kvd.core.limits import Limits
+from kvd.core.liveness import Liveness
 from kvd.core.local_copy import LocalCopy
+from kvd.core.own_addresses import OwnAddresses
 from kvd.core.peers import Peers
 from kvd.core.progress import Progress
 from kvd.core.pull import Pull
@@ -83,7 +86,9 @@ class Node:
         on_event: Callable[[str, dict], None] | None = None,
     ):
         self.rt = Runtime(limits or Limits(), on_event)
+        self.own = OwnAddresses()
         self.peers = Peers(self.rt, peers)
+        self.liveness = Liveness(self.rt, self.peers)
         self.registry = Registry(self.rt, self.peers, backends or ["UCX"])
         self.holds = Holds(self.rt, peers, peer_address)
         self.push_mode = Push(self.rt, self.peers, self.holds)
@@ -105,6 +110,13 @@ class Node:
     def peer_address(self, value: str) -> None:
         self.holds.own_address = value
         self.local_copy.addresses = {value} if value else set()
+        self.own.advertised = value
+
+    def listening(self, host: str, port: int) -> None:
+        """PeerService is bound to ``host`` and TCP ``port``: a load naming
+        this daemon by another spelling of an address that reaches it is a
+        same-node load too (``kvd.core.own_addresses``)."""
+        self.own.listening(host, port)
 
     @property
     def limits(self) -> Limits:
@@ -130,8 +142,10 @@ class Node:
         self.rt.draining = value
 
     def start(self) -> None:
-        """Starts the progress loop (polls transfers, notifications, leases)."""
+        """Starts the progress loop (polls transfers, notifications, leases)
+        and the remote workers' liveness check (``kvd.core.liveness``)."""
         self.progress.start()
+        self.liveness.start()
 
     async def close(self) -> None:
         """Fails in-flight loads, releases leases, unregisters every worker.
@@ -141,6 +155,7 @@ class Node:
         within ``detach_grace_s`` of an engine crash would leave them in
         /dev/shm. A live engine's segments are never touched."""
         self.rt.closing = True
+        await self.liveness.close()
         await self.peers.close()
         await self.progress.stop()
         for key in list(self.rt.workers):
@@ -197,12 +212,18 @@ class Node:
         self.holds.release(w, request_id)
 
     async def load(self, w: Worker, req: LoadRequest) -> None:
-        """See :meth:`kvd.core.pull.Pull.load` (never raises)."""
+        """See :meth:`kvd.core.pull.Pull.load` (never raises). A
+        ``remote_address`` that reaches this daemon is replaced by its
+        advertised one first (``kvd.core.own_addresses``)."""
+        address = await self.own.canonical(req.remote_address)
+        if address != req.remote_address:
+            req = dataclasses.replace(req, remote_address=address)
         await self.pull.load(w, req)
 
     async def abort_load(self, w: Worker, request_id: str, remote_engine_id: str, remote_address: str,
                          remote_request_id: str, remote_tp_size: int) -> None:
         """See :meth:`kvd.core.pull.Pull.abort_load` (never raises)."""
+        remote_address = await self.own.canonical(remote_address)
         await self.pull.abort_load(w, request_id, remote_engine_id, remote_address, remote_request_id,
                                    remote_tp_size)
 

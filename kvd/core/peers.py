@@ -15,6 +15,10 @@ handshaken again in the background.
 A remote is *fresh* when this request's own handshake made it; a READ that
 fails on a cached remote is retried once after a new handshake
 (``kvd.core.pull``).
+
+A remote no load should use any more (its daemon silent, its engine gone,
+idle) is retired by ``kvd.core.liveness``; ``RemoteWorker.last_used`` is
+when a load last took it.
 """
 
 from __future__ import annotations
@@ -159,22 +163,24 @@ class Peers:
             delay = min(30.0, 2 * delay)
 
     async def close(self) -> None:
-        """Stops handshakes under way (at shutdown)."""
+        """Stops handshakes and list preparations under way (at shutdown)."""
         tasks = [*self._warming, *self._handshakes.values(), *self._preparing]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    def retire(self, w: Worker, remote: RemoteWorker, why: str) -> None:
-        """Stops using a remote agent; its NIXL state is freed once no load uses it."""
+    def retire(self, w: Worker, remote: RemoteWorker, why: str, again: bool = True) -> None:
+        """Stops using a remote agent; its NIXL state is freed once no load
+        uses it. ``again``: handshake with that peer again in the background
+        (the peer may have restarted with new agents: the new handshake is
+        under way before the next load needs it); else the next load does."""
         if w.pairs.remotes.get(remote.key) is remote:
             del w.pairs.remotes[remote.key]
             w.pairs.retired.append(remote)
-            log.info("%s: dropped remote agent %s at %s (%s); handshaking again in the background",
-                     w.label, remote.agent_name, remote.address, why)
-            # The peer may have restarted with new agents: the new handshake
-            # is under way before the next load needs it.
-            self.warm(w, remote.address, remote.engine_id, remote.tp_size)
+            log.info("%s: dropped remote agent %s at %s (%s)%s", w.label, remote.agent_name, remote.address, why,
+                     "; handshaking again in the background" if again else "")
+            if again:
+                self.warm(w, remote.address, remote.engine_id, remote.tp_size)
 
     def _load_agent(self, w: Worker, name: str, metadata: bytes, phases: dict[str, float] | None = None) -> str:
         """NIXL thread: loads a peer's agent into ``w``'s agent once; counts its users.
@@ -356,6 +362,7 @@ class Peers:
             fresh = True
         if r.tp_size != tp_size:  # a cached remote, or a handshake another request started
             raise Incompatible(f"remote engine {engine_id!r} has TP size {r.tp_size}, the request says {tp_size}")
+        r.last_used = time.monotonic()
         return r, fresh
 
     async def _do_handshake(self, w: Worker, key: PeerKey, tp_size: int) -> RemoteWorker:
@@ -453,7 +460,7 @@ class Peers:
         r = RemoteWorker(address, engine_id, peer_rank, hs.tp_size, name, hs.layout, len(hs.regions), k, C,
                          lists=(Unprepped(our_map.rows, w.mem.memory), Unprepped(their_map.rows, hs.memory, name)),
                          owns_local_dlist=False, daemon_version=hs.daemon_version, region_bytes=src_bytes,
-                         region_groups=tuple(x.group for x in w.regions))
+                         region_groups=tuple(x.group for x in w.regions), last_used=time.monotonic())
         # Prepared lists cost time per row of both caches (29k rows: 10 ms
         # idle, 0.1-1.1 s with both cores busy, GIL held), so they are made
         # off the request's path, PREP_DELAY_S after the handshake; past

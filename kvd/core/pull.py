@@ -191,13 +191,11 @@ class Pull:
             if w.session.epoch != epoch:
                 log.info("%s request=%s: session ended during the handshake; load dropped", w.label, rid)
                 return
-            chunks = {}  # the request's block ids are checked against both layouts before any READ
-            for p in read_from:
+            for p in read_from:  # the request's block ids are checked against both layouts before any READ
                 r = remotes[p]
                 try:
-                    chunks[p] = plan.chunk_indices(req.local_groups, req.remote_groups, r.num_regions,
-                                                   w.layout.num_blocks, r.layout.num_blocks, r.k, r.C,
-                                                   r.region_groups)
+                    plan.check_request(req.local_groups, req.remote_groups, w.layout.num_blocks,
+                                       r.layout.num_blocks, r.k, r.region_groups)
                 except LayoutError as e:
                     return self._fail(w, req, K.INVALID, f"invalid: {e}")
             # No READ of another engine's blocks without its hold on them (docs/SECURITY.md).
@@ -207,6 +205,12 @@ class Pull:
                 return self._fail(w, req, *(denied or (K.UNREGISTERED, "worker unregistered")))
             if w.session.epoch != epoch:
                 return
+            # Rows after the claim: a load waiting for its hold (up to
+            # max_claim_wait_s) keeps only its block ids, not regions x
+            # blocks x chunks of rows (docs/SECURITY.md, "Limits").
+            chunks = {p: plan.chunk_indices(req.local_groups, req.remote_groups, remotes[p].num_regions,
+                                            w.layout.num_blocks, remotes[p].layout.num_blocks, remotes[p].k,
+                                            remotes[p].C, remotes[p].region_groups) for p in read_from}
             w.posting.add(rid)  # Pull.cancel waits for it: a post may be queued on the NIXL thread
             for p in read_from:
                 if w.session.epoch != epoch:

@@ -111,7 +111,7 @@ class Registry:
                 staged = bool(staged)
                 for s in segments:
                     if staged:
-                        staging.append(create_shm(s.size))
+                        staging.append(create_shm(s.size, uid=owner.uid if owner is not None else -1))
                     if s.kind == MEMFD_KIND and not staged:  # handed over by fd: nothing named, nothing to unlink
                         mappings.append(FdMapping(s.fd, s.size, s.name))
                         continue
@@ -254,7 +254,7 @@ class Registry:
                      w.mem.owner_pid, gone, len(w.mem.segment_names))
         log.info("unregistered %s (%s): %d leases, %d loads dropped", w.label, reason, released, len(w.inflight))
         w.inflight.clear()
-        w.leases.leases.clear()
+        w.leases.clear()
         return released
 
     def _free_worker(self, w: Worker) -> None:

@@ -141,6 +141,7 @@ class RemoteWorker:
     daemon_version: str
     region_bytes: tuple[int, ...] = ()  # bytes one source block contributes, per region
     region_groups: tuple[int, ...] = ()  # KV-cache group of each region
+    last_used: float = 0.0  # monotonic seconds a load last took it (kvd.core.peers: idle eviction)
     freed: bool = False
     prepare_later: bool = False  # small enough: lists prepared after the handshake
 

@@ -69,16 +69,19 @@ class EngineService(pb_grpc.EngineServiceServicer):
             RPC's caller (``Gate.caller``).
         require_session_token: refuse OpenSession / UnregisterEngine without
             the registration's token.
+        require_memfd: refuse named shm segments in RegisterEngine (memory
+            handed over as sealed memfds only; docs/SECURITY.md).
         fds: fds handed over on the fd side channel, claimed by RegisterEngine.
     """
 
     def __init__(self, node: Node, backends: list[str] | None = None, callers=None,
-                 require_session_token: bool = False, fds: FdTable | None = None):
+                 require_session_token: bool = False, fds: FdTable | None = None, require_memfd: bool = False):
         self.node = node
         self.backends = list(backends or [])
         self.metrics_address = ""      # host:port of /metrics, for GetStats
         self.callers = callers or (lambda context: None)
         self.require_session_token = require_session_token
+        self.require_memfd = require_memfd
         self._aborts: dict[int, int] = {}  # caller uid -> AbortLoads in flight (Limits.max_aborts*)
         self._aborts_total = 0
         self.fds = fds if fds is not None else FdTable()  # the fd side channel's unclaimed fds
@@ -132,6 +135,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
         not come through the engine socket or a segment it cannot read and write;
         INVALID_ARGUMENT for bad ids, layout, regions, a missing or short segment,
         or a segment kind other than SHM/CUDA_IPC on the direct path;
+        FAILED_PRECONDITION for a named shm segment under ``require_memfd``;
         ALREADY_EXISTS when ``(engine_id, tp_rank)`` is registered (core errors
         mapped by ``convert.status_of``). MEMFD segments name fds handed over
         on the fd side channel (``kvd.daemon.fd_channel``): an id that cannot
@@ -164,6 +168,13 @@ class EngineService(pb_grpc.EngineServiceServicer):
                                     f"segment {i}: only MEMORY_KIND_SHM, MEMORY_KIND_MEMFD and MEMORY_KIND_CUDA_IPC "
                                     f"are supported by "
                                     f"this daemon (or data_path STAGED)")
+            if self.require_memfd and s.name and not staged:
+                # A named object can be shrunk by its engine under the daemon's
+                # mapping (SIGBUS in the daemon); a sealed memfd cannot.
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"segment {i}: named shm segment {s.name!r} refused: this daemon requires "
+                                    f"memory handed over as a sealed memfd (require_memfd); the kvd shim does "
+                                    f"so where memfd_create and F_SEAL_SHRINK work")
             segments.append(Segment(s.name, s.size))
         token = secrets.token_hex(16)
         owner = Owner(caller.uid, caller.gid, frozenset(caller.gids), caller.pid, token)

@@ -5,7 +5,9 @@
   (``kvd/daemon/local_gate.py``);
 - ``PeerService`` (+ Health, reflection) on TCP, for remote daemons, with
   mutual TLS and/or a token (``kvd/daemon/peer_auth.py``); with neither it
-  binds loopback only unless ``peer_insecure`` (docs/SECURITY.md);
+  binds loopback only unless ``peer_insecure``, and admits callers on this
+  host only from sockets of root or the daemon's uid
+  (``kvd/daemon/peer_local.py``; docs/SECURITY.md);
 - both on one ``grpc.aio`` event loop run by uvloop; NIXL calls run on the
   core's NIXL thread.
 Startup ends with sd_notify ``READY=1`` (systemd ``Type=notify``).
@@ -52,6 +54,7 @@ from kvd.daemon.fd_channel import FdChannel
 from kvd.daemon.local_gate import AdmissionInterceptor, Gate, Policy
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.peer_auth import PeerAuth, PeerAuthInterceptor
+from kvd.daemon.peer_local import LocalPeerGate
 from kvd.daemon.sdnotify import Notifier
 from kvd.daemon.peer_client import PeerClient
 from kvd.daemon.peer_service import PeerService
@@ -216,13 +219,15 @@ class Server:
                         transfer_mode=cfg.transfer_mode, same_node_copy=cfg.same_node_copy,
                         max_inflight_per_worker=cfg.max_inflight_per_worker,
                         max_blocks_per_request=cfg.max_blocks_per_request,
-                        max_leases_per_worker=cfg.max_leases_per_worker, poll_busy_s=cfg.poll_busy_s,
+                        max_leases_per_worker=cfg.max_leases_per_worker,
+                        max_held_blocks_per_worker=cfg.max_held_blocks_per_worker, poll_busy_s=cfg.poll_busy_s,
                         poll_idle_s=cfg.poll_idle_s,
                         warm_peers=tuple(tuple(e.split("/", 1)) for e in cfg.warm_peers),
                         max_queued_event_bytes=cfg.max_queued_event_bytes, max_workers=cfg.max_workers,
                         max_workers_per_uid=cfg.max_workers_per_uid, max_descriptors=cfg.max_descriptors,
                         max_descriptors_per_uid=cfg.max_descriptors_per_uid, max_aborts=cfg.max_aborts,
-                        max_aborts_per_uid=cfg.max_aborts_per_uid)
+                        max_aborts_per_uid=cfg.max_aborts_per_uid, peer_check_s=cfg.peer_check_s,
+                        peer_dead_s=cfg.peer_dead_s, peer_idle_s=cfg.peer_idle_s)
         options = server_options(cfg.max_message_bytes)
         self._loop = asyncio.get_running_loop()
         self.metrics = Metrics(self._stats_threadsafe)
@@ -238,12 +243,17 @@ class Server:
         self.engine_service = EngineService(self.node, backends=cfg.backends,
                                             callers=self.gate.caller,
                                             require_session_token=cfg.require_session_token,
+                                            require_memfd=cfg.require_memfd,
                                             fds=self.fd_channel.table)
 
         # Peer side (TCP).
         host = self._peer_host(host, port)
         auth = self.peer_auth
         interceptors = [PeerAuthInterceptor(auth, self._own_addresses)] if auth.token else []
+        if not auth.secured:
+            # Loopback is every local user's: only root's and our uid's sockets
+            # may call (kvd.daemon.peer_local, docs/SECURITY.md).
+            interceptors.append(LocalPeerGate(lambda: self.peer_port, self._own_addresses))
         self.peer_server = grpc.aio.server(options=options, interceptors=interceptors)
         kvd_pb2_grpc.add_PeerServiceServicer_to_server(PeerService(self.node), self.peer_server)
         self.peer_health = self._add_health_and_reflection(self.peer_server, PEER_SERVICE)
@@ -265,6 +275,7 @@ class Server:
                         if adv.startswith("127.") else "")
         adv = adv or f"{host}:{self.peer_port}"
         self.node.peer_address = adv
+        self.node.listening(host, self.peer_port)
         self._bound = bind.replace(f":{port}", f":{self.peer_port}") if port == 0 else bind
 
         # Engine side (Unix socket, through the gate).

@@ -50,7 +50,15 @@ try:
         else:
             seg.name = arg
         seg.size = shape.size
-        r = stub.RegisterEngine(register_request(f"as-{uid}-{action}", shape, seg), timeout=30)
+        req = register_request(f"as-{uid}-{action}", shape, seg)
+        if action == "register-staged":  # the daemon makes the mirror; this user must be able to open it
+            req.segments[0].name = ""
+            req.data_path = pb.DATA_PATH_STAGED
+        r = stub.RegisterEngine(req, timeout=30)
+        for m in r.staging_segments:
+            st = os.stat("/dev/shm" + m.name)
+            out["mirror"] = {"uid": st.st_uid, "mode": st.st_mode & 0o7777}
+            os.close(os.open("/dev/shm" + m.name, os.O_RDWR))  # what the staged shim does
         stub.UnregisterEngine(pb.UnregisterEngineRequest(worker=pb.EngineWorker(engine_id=f"as-{uid}-{action}"),
                                                          session_token=r.session_token), timeout=30)
     out["ok"] = True
@@ -65,7 +73,12 @@ print(json.dumps(out), flush=True)
 
 def call_as(socket_path: str, uid: int, gid: int, action: str = "stats", arg: str = "-") -> dict:
     """Runs one EngineService call as ``uid:gid`` in a fresh process; returns
-    ``{"ok", "code", "details"}`` (code: the gRPC status name)."""
+    ``{"ok", "code", "details"}`` (code: the gRPC status name; ``mirror``:
+    the staging mirror's owner and mode, for ``register-staged``).
+
+    ``action``: ``stats``, ``register-own`` (a segment of its own),
+    ``register-staged`` (a mirror the daemon makes, opened read-write as the
+    staged shim does), else register segment ``arg``."""
     r = subprocess.run([sys.executable, "-c", _AS_USER, socket_path, str(uid), str(gid), action, arg],
                        capture_output=True, text=True, timeout=120, env=child_env())
     lines = [l for l in r.stdout.splitlines() if l.startswith("{")]
