@@ -18,6 +18,7 @@ import logging
 import sys
 
 from kvd import __version__, ops
+from kvd.addresses import split_host_port
 from kvd.config import ConfigError, client_socket, flag_name, help_text, load_config, metavar, setting_names, settings
 from kvd.usage import EXIT_OK, EXIT_USAGE, UsageParser, positive
 
@@ -70,8 +71,26 @@ def _print(answer: ops.Answer, quiet: bool = False) -> int:
 def cmd_health(args) -> int:
     """``kvd health``: gRPC health check of the daemon (:func:`kvd.ops.health`).
     Returns 0 serving, 1 not serving (draining, or an unknown ``--service``),
-    2 unreachable within ``--timeout`` seconds or refused."""
-    return _print(ops.health(ops.target(args.socket, args.address), args.service, args.timeout), args.quiet)
+    2 unreachable within ``--timeout`` seconds or refused, 64 when ``--socket``
+    and ``--address`` are both given (one target per check)."""
+    if args.socket is not None and args.address is not None:
+        print("kvd health: error: --socket and --address are mutually exclusive (one daemon per check)",
+              file=sys.stderr)
+        return EXIT_USAGE
+    socket_path = client_socket() if args.socket is None else args.socket
+    return _print(ops.health(ops.target(socket_path, args.address or ""), args.service, args.timeout),
+                  args.quiet)
+
+
+def dial_address(text: str) -> str:
+    """An argparse ``type`` for ``--address``: ``host:port`` with a port
+    1..65535 (:func:`kvd.addresses.split_host_port`); anything else is a usage
+    error (exit 64), not a dial to gRPC's default port 443."""
+    try:
+        split_host_port(text, "--address", min_port=1)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def cmd_status(args) -> int:
@@ -125,11 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
         ("status", cmd_status, "show what the daemon holds: engines, regions, peers, leases, transfers"),
     ):
         c = sub.add_parser(name, help=helptext, description=helptext)
-        c.add_argument("--socket", default=client_socket(), metavar="PATH",
-                       help="the daemon's engine socket (default: $KVD_ENGINE_SOCKET or %(default)s)")
+        # health: None marks "not given", so that --socket with --address is
+        # refused while $KVD_ENGINE_SOCKET (a default) with --address is not.
+        c.add_argument("--socket", default=None if name == "health" else client_socket(), metavar="PATH",
+                       help=f"the daemon's engine socket (default: $KVD_ENGINE_SOCKET or {client_socket()})")
         if name == "health":
-            c.add_argument("--address", default="", metavar="HOST:PORT",
-                           help="ask over TCP (the peer port) instead of the Unix socket")
+            c.add_argument("--address", default=None, metavar="HOST:PORT", type=dial_address,
+                           help="ask over TCP (the peer port) instead of the Unix socket; not with --socket")
         c.add_argument("--timeout", type=positive(float), default=2.0, metavar="SECONDS", help="deadline (default 2)")
         if name == "health":
             c.add_argument("--service", default="", help="service name to check (default: the whole server)")

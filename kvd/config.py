@@ -24,11 +24,12 @@ it also reads ``NOTIFY_SOCKET``, the datagram socket systemd names for
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import tomllib
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from kvd.addresses import split_host_port
 
@@ -478,7 +479,7 @@ def load_config(
             f = by_name.get(key)
             if f is None:
                 hint = " (keys are top-level; no tables)" if isinstance(value, dict) else ""
-                raise ConfigError(f"{key} (from file {file}): unknown setting{hint}; "
+                raise ConfigError(f"{key} (from file {file}): unknown setting{hint}{did_you_mean(key, by_name)}; "
                                   f"known: {', '.join(by_name)}")
             values[key] = _coerce(f, value, f"file {file}", from_text=False)
             sources[key] = f"file {file}"
@@ -516,17 +517,22 @@ def unknown_env_warnings(environ: Mapping[str, str]) -> list[str]:
     used; it is not an error, since other tools may use the ``KVD_`` prefix.
     The daemon logs these at startup; ``--print-config`` prints them.
     """
-    import difflib
-
     known = {env_name(n) for n in setting_names()}
     out = []
     for var in sorted(environ):
         if not var.startswith(ENV_PREFIX) or var in known or var in OTHER_ENV:
             continue
-        close = difflib.get_close_matches(var, known, n=1, cutoff=0.75)
-        hint = f"; did you mean {close[0]}?" if close else ""
-        out.append(f"environment variable {var} is not a kvd setting and is ignored{hint}")
+        out.append(f"environment variable {var} is not a kvd setting and is ignored{did_you_mean(var, known)}")
     return out
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """``"; did you mean X?"`` for the ``known`` name closest to a misspelt
+    ``name`` (difflib ratio 0.75 or more, one letter off in a key such as
+    ``leese_s``), else ``""``: the hint of unknown file keys and ``KVD_*``
+    variables alike."""
+    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
+    return f"; did you mean {close[0]}?" if close else ""
 
 
 def client_socket(environ: Mapping[str, str] | None = None) -> str:

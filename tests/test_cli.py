@@ -63,3 +63,50 @@ def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path):
 @pytest.mark.parametrize("text", ["a\x01b", 'q"uote\\back', "new\nline\x7f", "caf\u00e9 \U0001f600", ""])
 def test_print_config_strings_read_back(text):
     assert tomllib.loads("x = " + _toml_value(text))["x"] == text
+
+
+@pytest.mark.parametrize("address, message", [
+    ("localhost", "expected host:port"),
+    ("localhost:", "is not a number"),
+    ("localhost:http", "is not a number"),
+    ("localhost:0", "out of range"),
+    ("localhost:70000", "out of range"),
+])
+def test_health_address_without_a_valid_port_is_a_usage_error(address, message):
+    # gRPC would dial "localhost" on its default port 443 and answer "unreachable" (2).
+    r = _kvd("health", "--address", address, "--timeout", "0.5")
+    assert r.returncode == 64, (r.returncode, r.stderr)
+    assert "--address" in r.stderr and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_health_socket_and_address_together_is_a_usage_error(tmp_path):
+    r = _kvd("health", "--socket", str(tmp_path / "engine.sock"), "--address", "127.0.0.1:1", "--timeout", "0.5")
+    assert r.returncode == 64 and "mutually exclusive" in r.stderr, (r.returncode, r.stderr)
+
+
+def test_health_address_with_the_socket_from_the_environment_is_not_a_usage_error(tmp_path):
+    # $KVD_ENGINE_SOCKET is the default of --socket, not a choice made on the command line.
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVD_")},
+           "KVD_ENGINE_SOCKET": str(tmp_path / "engine.sock")}
+    r = subprocess.run([sys.executable, "-m", "kvd.cli", "health", "--address", "127.0.0.1:1", "--timeout", "0.5"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and "127.0.0.1:1" in r.stderr, (r.returncode, r.stderr)
+
+
+def test_demo_summary_prints_the_rate_in_mb_per_s():
+    # The demo's tiny model moves a few MB in a few ms: in GB/s the line read "(0.000 GB/s)".
+    from kvd.demo.run import RequestReport, format_summary, summarize
+
+    reps = [RequestReport(index=i, request_id=f"r{i}", prompt_tokens=64, external_tokens=64, bytes=1_500_000,
+                          transfer_s=0.001, transfers=1, pd_token_ids=[1, 2], ref_token_ids=[1, 2]) for i in range(2)]
+    s = summarize(reps, "kvd")
+    assert s["mb_per_s"] == pytest.approx(1500.0)
+    line = format_summary(s)
+    assert "3.000 MB in 2.0 ms (1500.0 MB/s)" in line and "GB/s" not in line and line.endswith("OK"), line
+    assert "(n/a)" in format_summary(summarize([RequestReport(index=0, request_id="r", prompt_tokens=1)], "kvd"))
+
+
+def test_health_without_address_asks_the_socket(tmp_path):
+    # --address's check must not run on its absent default: no daemon here is "unreachable" (2), not 64.
+    r = _kvd("health", "--socket", str(tmp_path / "absent.sock"), "--timeout", "0.5")
+    assert r.returncode == 2 and "UNAVAILABLE" in r.stderr, (r.returncode, r.stderr)

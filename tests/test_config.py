@@ -55,7 +55,8 @@ def test_notify_socket_comes_from_systemd_not_from_settings():
 
 
 @pytest.mark.parametrize("text, words", [
-    ("lease = 5\n", ["lease (from file", "unknown setting"]),
+    ("lease = 5\n", ["lease (from file", "unknown setting", "did you mean lease_s?"]),
+    ("leese_s = 5\n", ["leese_s (from file", "unknown setting; did you mean lease_s?"]),
     ('[kvd]\nlease_s = 5\n', ["kvd (from file", "no tables"]),
     ('metrics_port = "9400"\n', ["metrics_port (from file", "expected an integer"]),
     ("lease_s = true\n", ["lease_s (from file", "expected a number"]),
@@ -181,3 +182,9 @@ def test_usage_errors_exit_64_not_2_which_health_uses_for_unreachable(argv):
     r = _kvd(*argv)
     assert r.returncode == 64, (r.returncode, r.stderr)
     assert "usage:" in r.stderr
+
+
+def test_an_unknown_file_key_like_no_setting_gets_no_guess(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(environ={}, file=_file(tmp_path, "zzzzzz = 5\n"))
+    assert "zzzzzz (from file" in str(e.value) and "did you mean" not in str(e.value), str(e.value)

@@ -214,3 +214,72 @@ def test_sighup_is_logged_and_the_daemon_keeps_serving_also_after_a_registration
         rc = d.stop()
         seg.close()
     assert rc == 0
+
+
+def test_a_peer_port_in_use_names_peer_listen_and_the_reason(tmp_path):
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    port = s.getsockname()[1]
+    try:
+        r = subprocess.run([sys.executable, "-m", "kvd.cli", "serve", "--peer-listen", f"127.0.0.1:{port}",
+                            "--engine-socket", str(tmp_path / "k.sock")], capture_output=True, text=True, timeout=60)
+    finally:
+        s.close()
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+    assert f"peer_listen: cannot bind PeerService to 127.0.0.1:{port}: Address already in use" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_an_engine_socket_under_a_file_names_the_setting_and_the_parent(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x\n")
+    r = _serve("--engine-socket", str(afile / "engine.sock"))
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+    assert f"engine_socket: parent {afile} of {afile}/engine.sock is not a directory" in r.stderr
+    assert afile.read_text() == "x\n"
+
+
+def test_an_engine_socket_directory_where_nothing_can_be_created_names_the_setting():
+    # /proc refuses new entries even to root (a read-only directory would not stop root);
+    # the error names the setting and the directory, not the gate's private temp directory.
+    r = _serve("--engine-socket", "/proc/kvd-engine.sock")
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+    assert "engine_socket: cannot create the socket in /proc: " in r.stderr, r.stderr[-2000:]
+    assert ".kvd-engine.sock." not in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("mode, foreign_group, warned", [
+    (0o644, False, True), (0o604, False, True), (0o640, True, True),
+    (0o640, False, False),  # the daemon's own group: the DaemonSet's Secret (0440, fsGroup)
+    (0o600, False, False), (0o400, False, False)])
+def test_a_peer_token_file_readable_by_group_or_other_is_warned_about(tmp_path, mode, foreign_group, warned):
+    from kvd.config import load_config
+    from kvd.daemon.server import secret_file_warnings
+
+    token = tmp_path / "peer.token"
+    token.write_text("0123456789abcdef0123456789abcdef\n")
+    if foreign_group:
+        if os.geteuid() != 0:
+            pytest.skip("giving a file another group needs root")
+        os.chown(token, -1, os.getegid() + 1 if os.getegid() < 65534 else 0)
+    token.chmod(mode)
+    w = secret_file_warnings(load_config({"peer_token_file": str(token)}, environ={}))
+    assert bool(w) is warned, w
+    if warned:
+        assert str(token) in w[0] and f"mode {mode:04o}" in w[0] and "peer_token_file" in w[0]
+
+
+def test_the_daemon_logs_the_token_file_warning_at_startup_and_serves(tmp_path):
+    from kvd.testing.daemons import start_daemon
+
+    token = tmp_path / "peer.token"
+    token.write_text("0123456789abcdef0123456789abcdef\n")
+    token.chmod(0o644)
+    d = start_daemon(str(tmp_path), "k", "--peer-token-file", str(token))
+    try:
+        assert d.stats().engines == 0  # serving: a warning, not a refusal
+        log = d.log()
+        assert f"WARNING kvd.server: peer_token_file: {token} is mode 0644" in log, log[-3000:]
+    finally:
+        assert d.stop() == 0

@@ -77,6 +77,65 @@ def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list:
 SERVER_OPTIONS = server_options()
 
 
+def bind_failure(host: str, port: int) -> str:
+    """Why the TCP address ``host:port`` cannot be bound, for a startup error:
+    gRPC's own error says only "Failed to bind to address", so a plain socket
+    tries the same bind (``strerror``: "Address already in use", "Cannot assign
+    requested address" for an address not on this host)."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        return f"cannot resolve {host!r}: {e.strerror or e}"
+    family, kind, proto, _, sockaddr = infos[0]
+    try:
+        with socket.socket(family, kind, proto) as s:
+            s.bind(sockaddr)
+    except OSError as e:
+        return e.strerror or str(e)
+    return "gRPC could not bind it"
+
+
+def secret_file_warnings(cfg: Config) -> list[str]:
+    """A warning for ``peer_token_file`` when others may read or write it: the
+    token lets any host act as a daemon of the cluster.
+
+    Warned: a mode with other bits (``0o007``), or with group bits (``0o070``)
+    for a group that is not the daemon's own (effective gid). A file of the
+    daemon's own group is not: the shipped DaemonSet mounts the token Secret
+    mode 0440 with ``fsGroup`` the daemon's gid (Kubernetes makes Secret files
+    root-owned, so the group bit is how the daemon reads it). A warning, not a
+    refusal: the operator may have chosen the mode.
+    """
+    path = cfg.peer_token_file
+    if not path:
+        return []
+    try:
+        st = os.stat(path)
+    except OSError:
+        return []  # unreadable: PeerAuth.from_config has already refused it
+    mode = stat.S_IMODE(st.st_mode)
+    if not (mode & 0o007 or (mode & 0o070 and st.st_gid != os.getegid())):
+        return []
+    return [f"peer_token_file: {path} is mode {mode:04o} (gid {st.st_gid}), readable or writable beyond the "
+            f"daemon's user and group; make it 0600 (chmod 0600 {path})"]
+
+
+def make_socket_dir(path: str) -> None:
+    """Makes the directory of the engine socket ``path`` (and its parents).
+
+    Raises:
+        OSError: naming ``engine_socket``: a parent is a file ("is not a
+            directory"), or the directory cannot be made (its ``strerror``).
+    """
+    parent = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise OSError(f"engine_socket: parent {parent} of {path} is not a directory") from None
+    except OSError as e:
+        raise OSError(f"engine_socket: cannot create directory {parent}: {e.strerror or e}") from None
+
+
 def is_loopback(host: str) -> bool:
     """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
     if host == "localhost":
@@ -200,10 +259,13 @@ class Server:
         self.peer_health = self._add_health_and_reflection(self.peer_server, PEER_SERVICE)
         bind = join_host_port(host, port)
         creds = auth.server_credentials()
-        self.peer_port = (self.peer_server.add_secure_port(bind, creds) if creds is not None
-                          else self.peer_server.add_insecure_port(bind))
+        try:
+            self.peer_port = (self.peer_server.add_secure_port(bind, creds) if creds is not None
+                              else self.peer_server.add_insecure_port(bind))
+        except RuntimeError:  # grpc.aio: "Failed to bind to address ...", no reason given
+            self.peer_port = 0
         if self.peer_port == 0:
-            raise OSError(f"cannot bind PeerService to {bind}")
+            raise OSError(f"peer_listen: cannot bind PeerService to {bind}: {bind_failure(host, port)}")
         adv = cfg.peer_advertise
         if not adv and host in ("0.0.0.0", "::", ""):
             adv = routable_address(self.peer_port)
@@ -218,7 +280,7 @@ class Server:
 
         # Engine side (Unix socket, through the gate).
         sock = cfg.engine_socket
-        os.makedirs(os.path.dirname(os.path.abspath(sock)), exist_ok=True)
+        make_socket_dir(sock)
         if os.path.lexists(sock):
             if not stat.S_ISSOCK(os.lstat(sock).st_mode):
                 # Never delete what is not a socket (a typo could name a file).
@@ -229,7 +291,11 @@ class Server:
         self.engine_server = grpc.aio.server(options=options, interceptors=[AdmissionInterceptor(self.gate)])
         kvd_pb2_grpc.add_EngineServiceServicer_to_server(self.engine_service, self.engine_server)
         self.engine_health = self._add_health_and_reflection(self.engine_server, ENGINE_SERVICE)
-        internal = self.gate.start()
+        try:
+            internal = self.gate.start()
+        except OSError as e:  # the gate's private directory beside the socket: name the setting, not it
+            raise OSError(f"engine_socket: cannot create the socket in {os.path.dirname(os.path.abspath(sock))}: "
+                          f"{e.strerror or e}") from None
         if self.engine_server.add_insecure_port(internal) == 0:
             raise OSError(f"cannot bind EngineService to {internal}")
 
@@ -265,7 +331,7 @@ class Server:
                  "authentication: %s), NIXL backends %s%s",
                  __version__, sock, policy.describe(), self._bound, adv, auth.describe(), ",".join(cfg.backends),
                  f", metrics on http://{metrics_at}/metrics" if metrics_at else "")
-        for w in cfg.warnings:
+        for w in cfg.warnings + secret_file_warnings(cfg):
             log.warning("%s", w)
         self.notifier.ready(f"serving: engines on unix:{sock}, peers on {adv}")
 
