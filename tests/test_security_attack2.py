@@ -1,0 +1,139 @@
+"""Attacker scenarios against real daemons, second review: the loopback
+caller check of PeerService (kvd.daemon.peer_local), hostile peer
+descriptions (kvd.core.peers), leases and claims (kvd.core.holds).
+
+Each test runs the hostile sequence and asserts what docs/SECURITY.md
+promises; the ones marked xfail(strict) fail today (the reason says what
+happens instead), so a fix turns them into errors until the mark is removed.
+The plain ones are regression guards of defences that held.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvd.testing.daemons import start_daemon
+from kvd.testing.processes import child_env
+from kvd.testing.security import NOBODY, reachable_dir
+from kvd.testing.sessions import Engine, KvShape
+
+SHAPE = KvShape(num_layers=2, num_blocks=16, block_len=4096)
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a caller as another user")
+
+# As uid argv[3] (after the imports): a TCP socket bound to 127.0.0.1:argv[4]
+# (0: any port) with SO_REUSEADDR, connected to argv[5]:argv[1], and a
+# gRPC channel relayed through it (gRPC cannot bind a client's port) that
+# asks PeerService.Handshake for engine argv[2]. Prints one JSON line.
+_HANDSHAKE_FROM_PORT = r"""
+import json, os, socket, sys, threading
+import grpc
+from kvd.v1 import kvd_pb2 as pb, kvd_pb2_grpc as pb_grpc
+port, engine_id, uid, src_port, dst = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+"x".encode("idna")  # loaded while root: as another user this interpreter's files may be unreadable
+os.setgroups([]); os.setgid(uid); os.setuid(uid)
+out = {}
+up = socket.socket()
+up.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+try:
+    up.bind(("127.0.0.1", src_port))
+    up.connect((dst, port))
+except OSError as e:
+    print(json.dumps({"ok": False, "code": "SOCKET", "details": str(e)}), flush=True)
+    sys.exit(0)
+out["src"] = list(up.getsockname())
+relay = socket.create_server(("127.0.0.1", 0))
+def pump(a, b):
+    try:
+        while (data := a.recv(65536)):
+            b.sendall(data)
+    except OSError:
+        pass
+def serve():
+    c, _ = relay.accept()
+    threading.Thread(target=pump, args=(c, up), daemon=True).start()
+    pump(up, c)
+threading.Thread(target=serve, daemon=True).start()
+stub = pb_grpc.PeerServiceStub(grpc.insecure_channel(f"127.0.0.1:{relay.getsockname()[1]}"))
+try:
+    r = stub.Handshake(pb.HandshakeRequest(engine_id=engine_id, protocol_version=1), timeout=10)
+    out.update(ok=True, metadata_bytes=len(r.agent_metadata), regions=len(r.region_base_addrs))
+except grpc.RpcError as e:
+    out.update(ok=False, code=e.code().name, details=e.details())
+print(json.dumps(out), flush=True)
+"""
+
+
+def _handshake_as(uid: int, port: int, engine_id: str, src_port: int, dst: str) -> dict:
+    r = subprocess.run([sys.executable, "-c", _HANDSHAKE_FROM_PORT, str(port), engine_id, str(uid), str(src_port),
+                        dst], capture_output=True, text=True, timeout=60, env=child_env())
+    lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
+    assert lines, r.stderr[-3000:]
+    return json.loads(lines[-1])
+
+
+def _client_ports(server_port: int, uid: int) -> list[int]:
+    """Local ports of ESTABLISHED loopback sockets of ``uid`` connected to
+    ``server_port`` (/proc/net/tcp{,6}: what any local user can read)."""
+    ports = []
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(path) as f:
+            for line in f.read().splitlines()[1:]:
+                p = line.split()
+                local, remote = p[1], p[2]
+                if (p[3] == "01" and int(p[7]) == uid and int(remote.rsplit(":", 1)[1], 16) == server_port
+                        and local.rsplit(":", 1)[0][-8:] == "0100007F"):
+                    ports.append(int(local.rsplit(":", 1)[1], 16))
+    return ports
+
+
+@pytest.fixture(scope="module")
+def insecure(tmp_path_factory):
+    """A daemon with no credential on a wildcard listener (``peer_insecure``):
+    every host is trusted, local callers still only as root or its uid."""
+    d = start_daemon(reachable_dir(), "wild", "--peer-listen", "0.0.0.0:0", "--peer-insecure", "true")
+    v = Engine(d, "victim-wild", SHAPE, seed=7)
+    yield d, v
+    v.close()
+    assert d.stop() == 0
+
+
+@needs_root
+def test_on_a_wildcard_listener_a_local_user_dialing_another_loopback_address_is_refused(insecure):
+    """Regression guard: uid NOBODY dials 127.0.0.2 (not the advertised or
+    the listen address, which is 0.0.0.0); its socket is still found."""
+    d, v = insecure
+    port = int(d.peer_address.rsplit(":", 1)[1])
+    out = _handshake_as(NOBODY, port, v.engine_id, 0, "127.0.0.2")
+    if out["code"] == "SOCKET":
+        pytest.skip(f"127.0.0.2 not reachable here: {out['details']}")
+    assert not out["ok"] and out["code"] == "UNAUTHENTICATED", out
+
+
+@needs_root
+@pytest.mark.xfail(strict=True, reason=(
+    "peer_local looks the caller's socket up by (caller ip:port, daemon port) and tries the destinations "
+    "127.0.0.1 / advertised IP first: a local user that binds the local port of a root (or daemon-uid) gRPC "
+    "client socket with SO_REUSEADDR (gRPC sets it on its client sockets) and dials the wildcard listener at "
+    "127.0.0.2 is taken for that socket's owner and gets the victim's agent metadata and region addresses"))
+def test_a_local_user_sharing_the_port_of_a_trusted_client_socket_gets_no_handshake(insecure):
+    d, v = insecure
+    port = int(d.peer_address.rsplit(":", 1)[1])
+    # A trusted client of the peer port (another daemon of this uid, `kvd health`): a plain gRPC channel.
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        ports = [p for p in _client_ports(port, os.geteuid()) if p != port]
+        assert ports, "the trusted channel's socket is not in /proc/net/tcp{,6}"
+        out = _handshake_as(NOBODY, port, v.engine_id, ports[0], "127.0.0.2")
+        if out.get("code") == "SOCKET":
+            pytest.skip(f"cannot share the port here: {out['details']}")
+        assert not out["ok"], (f"uid {NOBODY} got {out['metadata_bytes']} B of agent metadata and "
+                               f"{out['regions']} region addresses from {out['src']}")
+        assert out["code"] == "UNAUTHENTICATED", out
