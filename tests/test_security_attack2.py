@@ -137,3 +137,97 @@ def test_a_local_user_sharing_the_port_of_a_trusted_client_socket_gets_no_handsh
         assert not out["ok"], (f"uid {NOBODY} got {out['metadata_bytes']} B of agent metadata and "
                                f"{out['regions']} region addresses from {out['src']}")
         assert out["code"] == "UNAUTHENTICATED", out
+
+
+# ---------------------------------------------------------------- hostile peers
+# A peer's NIXL agent in its own process: registers ``argv[2]`` bytes filled
+# with 0xAB, prints ``MD <metadata hex> <base address>``, waits for stdin.
+_PEER_AGENT = r"""
+import ctypes, mmap, sys
+from kvd.core.nixl_agent import NixlAgent
+agent = NixlAgent(sys.argv[1])
+m = mmap.mmap(-1, int(sys.argv[2]))
+m[:] = b"\xab" * len(m)
+base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+agent.register_dram(base, len(m))
+print("MD", agent.metadata().hex(), base, flush=True)
+sys.stdin.readline()
+"""
+
+
+class HostilePeer:
+    """A PeerService on loopback that describes a NIXL agent of its own
+    (another process, ``self.agent``) as engine ``engine_id`` laid out like
+    ``shape`` and grants every claim: what any local user, or any host an
+    API client names in ``kv_transfer_params``, can serve."""
+
+    def __init__(self, shape: KvShape, compat_hash: str, name: str = "hostile-agent"):
+        from concurrent.futures import ThreadPoolExecutor
+
+        from kvd.v1 import kvd_pb2 as pb
+        from kvd.v1 import kvd_pb2_grpc as pb_grpc
+
+        self.agent = subprocess.Popen([sys.executable, "-c", _PEER_AGENT, name, str(shape.size)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env())
+        for line in self.agent.stdout:
+            if line.startswith("MD "):
+                break
+        else:
+            raise RuntimeError("the peer agent did not start")
+        _, md, base = line.split()
+        regions = shape.regions()
+        self.answer = pb.HandshakeResponse(
+            agent_metadata=bytes.fromhex(md), agent_name=name, layout=shape.layout(), regions=regions,
+            region_base_addrs=[int(base) + r.offset for r in regions], compat_hash=compat_hash,
+            daemon_version="0", protocol_version=1, tp_size=1, memory="DRAM")
+        peer = self
+
+        class Servicer(pb_grpc.PeerServiceServicer):
+            def Handshake(self, request, context):
+                return peer.answer
+
+            def Claim(self, request, context):
+                return pb.ClaimResponse()
+
+        self.server = grpc.server(ThreadPoolExecutor(max_workers=4))
+        pb_grpc.add_PeerServiceServicer_to_server(Servicer(), self.server)
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def close(self) -> None:
+        self.server.stop(grace=0.5).wait()
+        self.agent.kill()
+        self.agent.wait()
+
+
+def test_a_read_from_a_frozen_peer_fails_at_its_deadline_and_lands_nothing_after(tmp_path):
+    """A hostile peer grants the claim, then its agent stops (SIGSTOP: no
+    UCX progress on its side) while the reader's READ is posted. The load
+    must fail at its deadline (vLLM then reuses the blocks); when the peer
+    resumes, none of its bytes may land in those blocks any more."""
+    import signal
+    import time
+
+    from kvd.testing.sessions import event_kind
+
+    d = start_daemon(str(tmp_path), "kvd")
+    reader = Engine(d, "reader-frozen", SHAPE)
+    peer = HostilePeer(SHAPE, reader.registered.compat_hash)
+    try:
+        os.kill(peer.agent.pid, signal.SIGSTOP)
+        reader.load("frozen", [1, 2], None, [1, 2], "frozen", timeout_s=2, remote_engine_id="hostile",
+                    remote_address=peer.address)
+        ev = reader.wait("frozen", 30)
+        assert event_kind(ev) == "load_failed" and "timeout" in ev.load_failed.reason, ev
+        landed_before = bool(reader.kv[:, [1, 2]].any())
+        time.sleep(1)
+        reader.kv[:, [1, 2]] = 0  # vLLM reuses the failed blocks: new KV is written into them
+        os.kill(peer.agent.pid, signal.SIGCONT)
+        time.sleep(2)  # the peer's progress thread runs again
+        assert not reader.kv[:, [1, 2]].any(), (
+            f"the frozen peer's bytes landed in blocks reported failed (some already before: {landed_before})")
+        assert d.proc.poll() is None and d.stats().engines == 1
+    finally:
+        reader.close()
+        peer.close()
+        assert d.stop() == 0
