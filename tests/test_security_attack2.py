@@ -161,14 +161,14 @@ class HostilePeer:
     ``shape`` and grants every claim: what any local user, or any host an
     API client names in ``kv_transfer_params``, can serve."""
 
-    def __init__(self, shape: KvShape, compat_hash: str, name: str = "hostile-agent"):
+    def __init__(self, shape: KvShape, compat_hash: str, name: str = "hostile-agent", env: dict | None = None):
         from concurrent.futures import ThreadPoolExecutor
 
         from kvd.v1 import kvd_pb2 as pb
         from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
         self.agent = subprocess.Popen([sys.executable, "-c", _PEER_AGENT, name, str(shape.size)],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env())
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env(env))
         for line in self.agent.stdout:
             if line.startswith("MD "):
                 break
@@ -200,19 +200,28 @@ class HostilePeer:
         self.agent.wait()
 
 
-def test_a_read_from_a_frozen_peer_fails_at_its_deadline_and_lands_nothing_after(tmp_path):
+@pytest.mark.parametrize("tls", ["default", pytest.param("tcp", marks=pytest.mark.xfail(strict=True, reason=(
+    "with UCX_TLS=tcp the READ needs the peer's progress; at the deadline the load is reported failed and its "
+    "handle released at once (NIXL's release_xfer_handle accepts a transfer in PROC, so leaked_handles is 0), "
+    "and when the peer resumes its bytes land in blocks vLLM has been told are free"))),
+])
+def test_a_read_from_a_frozen_peer_fails_at_its_deadline_and_lands_nothing_after(tmp_path, tls):
     """A hostile peer grants the claim, then its agent stops (SIGSTOP: no
-    UCX progress on its side) while the reader's READ is posted. The load
-    must fail at its deadline (vLLM then reuses the blocks); when the peer
-    resumes, none of its bytes may land in those blocks any more."""
+    UCX progress on its side; an honest peer starved or paused looks the
+    same) while the reader's READ is posted. The load must fail at its
+    deadline (vLLM then reuses the blocks); when the peer resumes, none of
+    its bytes may land in those blocks any more. With UCX's default
+    transports on one host (shared memory / CMA) the reader pulls the bytes
+    itself before the deadline; with ``tcp`` the peer sends them, late."""
     import signal
     import time
 
     from kvd.testing.sessions import event_kind
 
-    d = start_daemon(str(tmp_path), "kvd")
+    env = {"UCX_TLS": "tcp"} if tls == "tcp" else None
+    d = start_daemon(str(tmp_path), "kvd", env=env)
     reader = Engine(d, "reader-frozen", SHAPE)
-    peer = HostilePeer(SHAPE, reader.registered.compat_hash)
+    peer = HostilePeer(SHAPE, reader.registered.compat_hash, env=env)
     try:
         os.kill(peer.agent.pid, signal.SIGSTOP)
         reader.load("frozen", [1, 2], None, [1, 2], "frozen", timeout_s=2, remote_engine_id="hostile",
@@ -229,5 +238,60 @@ def test_a_read_from_a_frozen_peer_fails_at_its_deadline_and_lands_nothing_after
         assert d.proc.poll() is None and d.stats().engines == 1
     finally:
         reader.close()
+        peer.close()
+        assert d.stop() == 0
+
+
+@pytest.mark.parametrize("end", [
+    pytest.param("session", marks=pytest.mark.xfail(strict=True, reason=(
+        "settle.cancel_reads counts on NIXL refusing to release a transfer still in progress; over tcp NIXL "
+        "releases the posted READ at once, the stream closes and a new session opens, and the peer's bytes "
+        "land in the blocks afterwards"))),
+    pytest.param("unregister", marks=pytest.mark.xfail(strict=True, reason=(
+        "the worker is dropped (its memory deregistered and unmapped, its agent destroyed) while the released "
+        "READ is still outstanding in UCX; when the peer answers, the daemon dies of SIGSEGV (-11): a peer "
+        "that stalls a READ until its reader is dropped kills the daemon for every engine"))),
+])
+def test_a_read_from_a_frozen_peer_lands_nothing_after_its_session_ended(tmp_path, end):
+    """As above over UCX's tcp transport, but the reader's session ends
+    while the READ is posted (the engine restarts its stream; or drops the
+    worker). The daemon cancels the READ and closes the stream only once
+    none can land (docs/SECURITY.md); a new session opens after that. When
+    the peer resumes, none of its bytes may land in the reader's blocks, and
+    the daemon keeps serving."""
+    import signal
+    import time
+
+    from kvd.testing.sessions import Session
+
+    env = {"UCX_TLS": "tcp"}
+    d = start_daemon(str(tmp_path), "kvd", env=env)
+    reader = Engine(d, "reader-ended", SHAPE)
+    peer = HostilePeer(SHAPE, reader.registered.compat_hash, env=env)
+    again = None
+    try:
+        os.kill(peer.agent.pid, signal.SIGSTOP)
+        reader.load("ended", [1, 2], None, [1, 2], "ended", timeout_s=60, remote_engine_id="hostile",
+                    remote_address=peer.address)
+        deadline = time.monotonic() + 20
+        while d.stats().inflight_transfers == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert d.stats().inflight_transfers == 1  # the READ is posted
+        if end == "session":
+            reader.session.close()
+            again = Session(d, reader.engine_id)  # opens once the old session's READs are settled
+        else:
+            reader.close(unregister=True)  # the engine's segment stays mapped here (the test's mapping is closed)
+        os.kill(peer.agent.pid, signal.SIGCONT)
+        time.sleep(2)  # the peer's progress thread runs again
+        assert d.proc.poll() is None, f"daemon exited {d.proc.poll()}"
+        if end == "session":
+            assert not reader.kv[:, [1, 2]].any(), "the frozen peer's bytes landed after the session ended"
+        assert d.stats().engines == (1 if end == "session" else 0)
+    finally:
+        if again is not None:
+            again.close()
+        if reader.kv is not None:
+            reader.close()
         peer.close()
         assert d.stop() == 0
