@@ -295,3 +295,77 @@ def test_a_read_from_a_frozen_peer_lands_nothing_after_its_session_ended(tmp_pat
             reader.close()
         peer.close()
         assert d.stop() == 0
+
+
+def test_a_worker_dropped_before_its_pairs_lists_are_prepared_leaves_the_daemon_serving(tmp_path):
+    """kvd.core.peers prepares a pair's descriptor lists PREP_DELAY_S after
+    its handshake, on the NIXL thread. The reader is dropped (its agent
+    destroyed) and registered again under the same key inside that second:
+    the late preparation must touch neither the freed agent nor the new
+    worker, and a load of the new worker from the same peer works."""
+    import time
+
+    from kvd.core.peers import PREP_DELAY_S
+    from kvd.testing.sessions import event_kind
+
+    d = start_daemon(str(tmp_path), "kvd")
+    reader = Engine(d, "reader-prep", SHAPE)
+    peer = HostilePeer(SHAPE, reader.registered.compat_hash)
+    try:
+        reader.load("first", [1], None, [1], "first", timeout_s=20, remote_engine_id="hostile",
+                    remote_address=peer.address)
+        assert event_kind(reader.wait("first", 30)) == "recv_done"
+        assert d.stats().dlists_preparing >= 1, "the lists were prepared before the worker could be dropped"
+        reader.close()
+        reader = Engine(d, "reader-prep", SHAPE)
+        time.sleep(PREP_DELAY_S + 0.5)  # the first pair's preparation has run (or been skipped) by now
+        assert d.proc.poll() is None
+        reader.load("second", [2], None, [2], "second", timeout_s=20, remote_engine_id="hostile",
+                    remote_address=peer.address)
+        assert event_kind(reader.wait("second", 30)) == "recv_done"
+        assert (reader.kv[:, 2] == 0xAB).all()
+        assert d.stats().engines == 1
+    finally:
+        reader.close()
+        peer.close()
+        assert d.stop() == 0
+
+
+def test_nixl_refuses_rows_between_two_registrations_of_a_peer(tmp_path):
+    """The handshake checks a peer's description by its edge rows only
+    (``RowMap.edges``): every row of a region lies between its first and last
+    block, but a peer with two registrations could describe a region that
+    starts in one, ends in the other and strides through the gap. What stops
+    it is NIXL checking each row against the remote agent's registrations,
+    at preparation and at ``initialize_xfer`` (measured: NIXL_ERR_NOT_FOUND
+    both ways; a row straddling a registration's end too)."""
+    import ctypes
+    import mmap
+
+    import numpy as np
+
+    from kvd.core.nixl_agent import NixlAgent, NixlError, Unprepped
+
+    page = 1 << 16
+    reader, source = NixlAgent("gap-reader"), NixlAgent("gap-source")
+    src = mmap.mmap(-1, 3 * page)
+    dst = mmap.mmap(-1, page)
+    src_base = ctypes.addressof(ctypes.c_char.from_buffer(src))
+    dst_base = ctypes.addressof(ctypes.c_char.from_buffer(dst))
+    source.register_dram(src_base, page)
+    source.register_dram(src_base + 2 * page, page)  # the middle page is not registered
+    reader.register_dram(dst_base, page)
+    name = reader.add_remote(source.metadata())
+
+    def rows(*addrs):
+        return np.array([[a, 4096, 0] for a in addrs], dtype=np.int64)
+
+    reader.release_dlist(reader.prep_remote(name, rows(src_base, src_base + 3 * page - 4096)))  # the edges pass
+    for bad in (src_base + page + 4096, src_base + page - 2048):  # in the gap; straddling the first's end
+        with pytest.raises(NixlError, match="NOT_FOUND"):
+            reader.prep_remote(name, rows(bad))
+        with pytest.raises(NixlError, match="NOT_FOUND"):
+            reader.post("READ", Unprepped(lambda idx: rows(dst_base)), np.array([0]),
+                        Unprepped(lambda idx, bad=bad: rows(bad), agent=name), np.array([0]), b"x")
+    assert dst[:] == bytes(page)  # nothing was read
+    reader.remove_remote(name)
