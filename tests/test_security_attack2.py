@@ -369,3 +369,67 @@ def test_nixl_refuses_rows_between_two_registrations_of_a_peer(tmp_path):
                         Unprepped(lambda idx, bad=bad: rows(bad), agent=name), np.array([0]), b"x")
     assert dst[:] == bytes(page)  # nothing was read
     reader.remove_remote(name)
+
+
+
+def _load_via(reader: Engine, peer: HostilePeer, rid: str):
+    reader.load(rid, [1], None, [1], rid, timeout_s=10, remote_engine_id="hostile", remote_address=peer.address)
+    return reader.wait(rid, 30)
+
+
+def test_a_peer_describing_an_agent_named_like_the_reader_is_refused(tmp_path):
+    """A hostile peer learns the reader's agent name (NIXL notifications and
+    UCX wire-up carry it) and answers a handshake with a real agent of that
+    name. NIXL refuses an agent named like the one loading it
+    (``loadRemoteMD``: NIXL_ERR_INVALID_PARAM): the load fails at its
+    handshake, the reader keeps working."""
+    from kvd.testing.sessions import event_kind
+
+    d = start_daemon(str(tmp_path), "kvd")
+    reader = Engine(d, "reader-self", SHAPE)
+    source = Engine(d, "source-self", SHAPE, seed=3)
+    peer = HostilePeer(SHAPE, reader.registered.compat_hash, name=reader.registered.agent_name)
+    try:
+        ev = _load_via(reader, peer, "self")
+        assert event_kind(ev) == "load_failed" and "handshake" in ev.load_failed.reason, ev
+        source.hold("real", [5])
+        reader.load("real", [6], source, [5], "real", timeout_s=10)
+        ev = reader.wait("real", 30)
+        assert event_kind(ev) == "recv_done" and reader.same_blocks([6], source, [5]), ev
+        assert d.proc.poll() is None and d.stats().engines == 2
+    finally:
+        peer.close()
+        reader.close()
+        source.close()
+        assert d.stop() == 0
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "NIXL keeps one remote agent per name and kvd.core.peers refuses a second description under a loaded name "
+    "('loaded already, with other metadata'): a peer that answers first with an agent named like the victim's "
+    "keeps this reader from loading the victim's blocks (every load fails at its handshake) while its forged "
+    "remote lives (answering liveness probes, refreshed by a load every peer_idle_s)"))
+def test_a_peer_squatting_another_engines_agent_name_does_not_keep_the_reader_from_it(tmp_path):
+    """A hostile peer (any local user can listen on loopback; a request's
+    ``kv_transfer_params`` name it) answers with a real agent of its own
+    named like the victim's (``kvd-<engine>-r<rank>-<random>``: from a
+    notification, a log, ``kvd status`` of a shared user). Then the reader's
+    first real load from the victim (the NIXL path: named shm)."""
+    from kvd.testing.sessions import event_kind
+
+    d = start_daemon(str(tmp_path), "kvd")
+    reader = Engine(d, "reader-squat", SHAPE)
+    victim = Engine(d, "victim-squat", SHAPE, seed=3)
+    peer = HostilePeer(SHAPE, reader.registered.compat_hash, name=victim.registered.agent_name)
+    try:
+        assert event_kind(_load_via(reader, peer, "squat")) == "recv_done"  # granted: it is the peer's own memory
+        victim.hold("real", [5])
+        reader.load("real", [6], victim, [5], "real", timeout_s=10)
+        ev = reader.wait("real", 30)
+        assert event_kind(ev) == "recv_done", ev
+        assert reader.same_blocks([6], victim, [5])
+    finally:
+        peer.close()
+        reader.close()
+        victim.close()
+        assert d.stop() == 0
