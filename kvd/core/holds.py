@@ -168,7 +168,9 @@ class Holds:
         if len(flat(groups)) > self.rt.limits.max_blocks_per_request:
             raise InvalidArgument(f"claim: more than {self.rt.limits.max_blocks_per_request} blocks")
         # NaN, negative or infinite from a peer: no wait, or the cap.
-        deadline = time.monotonic() + (min(wait_s, BOUNDS.max_claim_wait_s) if wait_s > 0 else 0.0)
+        t0 = time.monotonic()
+        deadline = t0 + (min(wait_s, BOUNDS.max_claim_wait_s) if wait_s > 0 else 0.0)
+        waited = False
         while not w.leases.covers(request_id, groups):
             left = deadline - time.monotonic()
             # A lease of the request that lacks these blocks will not grow
@@ -176,10 +178,19 @@ class Holds:
             if left <= 0 or self.rt.workers.get(w.key) is not w or request_id in w.leases.leases:
                 raise PermissionDenied(f"claim: engine {engine_id!r} rank {tp_rank} holds no lease on those "
                                        f"blocks for request {request_id!r}")
+            waited = True
             try:
                 await asyncio.wait_for(w.hold_added.wait(), left)
             except asyncio.TimeoutError:
                 pass
+        if waited:
+            # A reader asked before the engine's hold came (vLLM sends it a
+            # step after answering P's request): part of that load's time; a
+            # long wait (an engine slow to step) is worth an INFO line.
+            spent = time.monotonic() - t0
+            log.log(logging.INFO if spent > 0.1 else logging.DEBUG,
+                    "%s request=%s: claimed after waiting %.1f ms for the engine's hold", w.label, request_id,
+                    1e3 * spent)
 
     async def claim_sources(self, w: Worker, req: LoadRequest, ranks, deadline: float
                             ) -> tuple[FailureKind, str] | None:
