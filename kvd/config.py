@@ -131,6 +131,9 @@ class Config:
     engine_idle_timeout_s: float = _setting(10.0, "a connection to the engine socket that sends no byte this "
                                                   "long is closed, seconds (a gRPC client sends its preface "
                                                   "at once)")
+    command_socket: bool = _setting(True, "offer engines their session on a Unix socket beside the engine "
+                                          "socket (engine_socket + .cmd: frames, no gRPC per command; same "
+                                          "admission and caps); false: sessions on the gRPC stream only")
     require_memfd: bool = _setting(False, "refuse named shm segments (MEMORY_KIND_SHM) in RegisterEngine: "
                                           "engines hand their KV cache over as sealed memfds (an engine "
                                           "could shrink a named segment under the daemon: SIGBUS)")

@@ -122,7 +122,7 @@ def test_engine_side_never_imports_the_daemon():
     assert _offenders(engine, daemon) == []
 
 
-@pytest.mark.parametrize("leaf", ["kvd.requests", "kvd.tracepoints", "kvd.fd_wire", "kvd.addresses"])
+@pytest.mark.parametrize("leaf", ["kvd.requests", "kvd.tracepoints", "kvd.fd_wire", "kvd.command_wire", "kvd.addresses"])
 def test_neutral_leaves_import_nothing_of_kvd(leaf):
     assert leaf in MODULES
     assert sorted(i for i in IMPORTS[leaf] if _top(i) == "kvd") == []

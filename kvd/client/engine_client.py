@@ -100,6 +100,9 @@ class EngineClient:
         hold_grace_s: extra local wait past a lease before ending it here.
         backoff_initial_s, backoff_max_s: reconnect backoff (doubles, jittered).
         reregister_timeout_s: timeout of each RegisterEngine on reconnect.
+        command_socket: run the session on the daemon's command socket when
+            it offers one (``kvd.client.command_socket``); False: on the gRPC
+            ``Session`` stream always.
 
     Thread model: any thread may call the non-blocking methods; one background
     thread (``kvd-session``) owns the stream. Call :meth:`close` at shutdown.
@@ -119,6 +122,7 @@ class EngineClient:
         backoff_initial_s: float = 0.05,
         backoff_max_s: float = 2.0,
         reregister_timeout_s: float = 5.0,
+        command_socket: bool = True,
     ):
         self.address = normalize_address(address)
         self.max_message_bytes = int(max_message_bytes)
@@ -142,7 +146,9 @@ class EngineClient:
         self._session_token = ""
         self._session = SessionLoop(
             self._stub, self._pending, open_session=self._open_session, reregister=self._reregister,
-            backoff_initial_s=backoff_initial_s, backoff_max_s=backoff_max_s)
+            backoff_initial_s=backoff_initial_s, backoff_max_s=backoff_max_s, address=self.address,
+            command_socket=command_socket, max_message_bytes=self.max_message_bytes,
+            connect_timeout_s=reregister_timeout_s)
         #: Called (session thread) with the response of every re-registration
         #: the daemon accepted as new, before the stream reopens and held
         #: blocks are sent again. When it raises, the registration is undone

@@ -21,6 +21,7 @@ Anything else is PERMISSION_DENIED with a message naming both parties.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import os
@@ -55,6 +56,16 @@ def _staging_segments(worker: Worker) -> list[pb.Segment]:
         return [pb.Segment(kind=pb.MEMORY_KIND_CUDA_IPC, handle=m.handle, device=m.device, size=m.size)
                 for m in mem.mappings]
     return [pb.Segment(kind=pb.MEMORY_KIND_SHM, name=n, size=m.size) for n, m in zip(mem.staging, mem.mappings)]
+
+
+class SessionRefused(Exception):
+    """A session refused or ended by the daemon: ``code`` (a ``grpc.StatusCode``,
+    the status the gRPC stream ends with) and ``message``."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
 
 
 class EngineService(pb_grpc.EngineServiceServicer):
@@ -238,28 +249,61 @@ class EngineService(pb_grpc.EngineServiceServicer):
         return lambda w: uid is not None and w.owner is not None and w.owner.uid == uid
 
     async def Session(self, request_iterator, context):
-        """One worker's command/event stream; the first command must be ``open``."""
-        it = request_iterator.__aiter__()
+        """One worker's command/event stream; the first command must be ``open``
+        (the session's rules: :meth:`session_events`; a refusal ends the
+        stream with its status)."""
+        try:
+            async with contextlib.aclosing(self.session_events(request_iterator, lambda: self.callers(context))) \
+                    as events:
+                async for event in events:
+                    yield event
+        except SessionRefused as r:
+            await context.abort(r.code, r.message)
+
+    async def session_events(self, commands, caller):
+        """The session of one worker, whatever carries it (the gRPC stream
+        above, or the command socket, ``kvd.daemon.command_socket``): reads
+        ``commands`` (an async iterator of ``SessionCommand``; the first must
+        be ``open``), runs them on the worker it opens and yields the
+        ``SessionEvent`` s for its engine, ``opened`` first, until
+        ``commands`` ends; then detaches the worker (``Node.detach``).
+
+        ``caller()``: the ``Caller`` of the session (None: not through the gate).
+
+        Raises:
+            SessionRefused: INVALID_ARGUMENT (no OpenSession within
+                ``BOUNDS.open_session_timeout_s`` seconds, or the first command
+                is another), UNAVAILABLE (draining), PERMISSION_DENIED (caller
+                unknown, or not the worker's: ``_authorize``), NOT_FOUND
+                (worker not registered), RESOURCE_EXHAUSTED (more than
+                ``max_queued_event_bytes`` of events left unread).
+        """
+        it = commands.__aiter__()
         try:
             first = await asyncio.wait_for(it.__anext__(), timeout=BOUNDS.open_session_timeout_s)
         except (StopAsyncIteration, asyncio.TimeoutError):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"session: no OpenSession within {BOUNDS.open_session_timeout_s:g} s")
+            raise SessionRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"session: no OpenSession within {BOUNDS.open_session_timeout_s:g} s") from None
         if first.WhichOneof("command") != "open":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session: the first command must be OpenSession")
-        await self._refuse_while_draining(context)
-        caller = await self._caller(context)
+            raise SessionRefused(grpc.StatusCode.INVALID_ARGUMENT, "session: the first command must be OpenSession")
+        if self.node.draining:  # set by the server at SIGTERM
+            raise SessionRefused(grpc.StatusCode.UNAVAILABLE, "daemon is draining (shutting down)")
+        c = caller()
+        if c is None:
+            raise SessionRefused(grpc.StatusCode.PERMISSION_DENIED,
+                                 "kvd: caller unknown (not through the engine socket)")
         key = (first.open.worker.engine_id, first.open.worker.tp_rank)
         try:
             self.node.worker(*key)
-            self._authorize(key, caller, first.open.session_token, "OpenSession")
+            self._authorize(key, c, first.open.session_token, "OpenSession")
             w = await self.node.attach(*key)
         except ev.CoreError as e:
-            await context.abort(status_of(e), str(e))
+            raise SessionRefused(status_of(e), str(e)) from None
         log.info("session opened: %s", w.label)
-        yield pb.SessionEvent(opened=pb.SessionOpened(agent_name=w.agent.name, daemon_version=__version__))
-        reader = asyncio.get_running_loop().create_task(self._read_commands(w, it, caller.uid))
+        reader = None
         try:
+            yield pb.SessionEvent(opened=pb.SessionOpened(agent_name=w.agent.name, daemon_version=__version__))
+            reader = asyncio.get_running_loop().create_task(self._read_commands(w, it, c.uid))
             events, wakeup = w.session.events, w.session.wakeup
             # The reader's end wakes this loop too: one Event to wait on, no
             # waiter task and asyncio.wait per event (two loop rounds less).
@@ -270,15 +314,16 @@ class EngineService(pb_grpc.EngineServiceServicer):
                     tp.hit(tp.EVENT, e.request_id)
                     yield event_to_pb(e)
                 if w.session.overflowed:
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                        f"session dropped: more than {self.node.limits.max_queued_event_bytes} "
-                                        f"bytes of events queued unread (max_queued_event_bytes)")
+                    raise SessionRefused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                         f"session dropped: more than {self.node.limits.max_queued_event_bytes} "
+                                         f"bytes of events queued unread (max_queued_event_bytes)")
                 if reader.done():
                     break
                 wakeup.clear()
                 await wakeup.wait()
         finally:
-            reader.cancel()
+            if reader is not None:
+                reader.cancel()
             await self.node.detach(w)
             log.info("session closed: %s", w.label)
 

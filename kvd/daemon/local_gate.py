@@ -346,39 +346,62 @@ class Gate:
         self.refused[reason] += 1
         self._warn[reason].warning(msg, *args)
 
-    def _accept(self, front: _Front, transport) -> None:
-        """Identifies and counts a new connection; refuses it, or starts its relay."""
+    def admit(self, transport, what: str = "engine socket") -> Caller | None:
+        """Identifies a new connection on ``what`` (the engine socket or the
+        command socket, ``kvd.daemon.command_socket``) and counts it against
+        ``max_connections`` and ``max_per_uid``: its ``Caller`` (admitted or
+        not: :meth:`not_admitted` refuses it), to be given back with
+        :meth:`leave`; None when it was refused and closed (credentials
+        unreadable, a cap reached)."""
         try:
             pid, uid, gid, gids = peer_credentials(transport.get_extra_info("socket"))
         except OSError as e:
-            self._refuse("credentials", "engine socket: cannot read the caller's credentials (%s); "
-                                        "connection closed", e)
+            self._refuse("credentials", "%s: cannot read the caller's credentials (%s); "
+                                        "connection closed", what, e)
             transport.close()
-            return
+            return None
         caller = Caller(pid, uid, gid, gids, self.policy.admits(uid, gids))
         if self.open_connections >= self.max_connections:
-            self._refuse("max_engine_connections", "engine socket: %s refused: %d connections open "
-                         "(max_engine_connections); connection closed", caller, self.open_connections)
+            self._refuse("max_engine_connections", "%s: %s refused: %d connections open "
+                         "(max_engine_connections); connection closed", what, caller, self.open_connections)
             transport.close()
-            return
+            return None
         if self.open_by_uid[uid] >= self.max_per_uid:
-            self._refuse("max_engine_connections_per_uid", "engine socket: %s refused: uid %d has %d "
+            self._refuse("max_engine_connections_per_uid", "%s: %s refused: uid %d has %d "
                          "connections open (max_engine_connections_per_uid); connection closed",
-                         caller, uid, self.open_by_uid[uid])
+                         what, caller, uid, self.open_by_uid[uid])
             transport.close()
-            return
-        front.uid = uid
+            return None
         self.open_by_uid[uid] += 1
         self.open_connections += 1
+        return caller
+
+    def leave(self, uid: int) -> None:
+        """A connection counted by :meth:`admit` for ``uid`` closed."""
+        self.open_by_uid[uid] -= 1
+        if self.open_by_uid[uid] <= 0:
+            del self.open_by_uid[uid]
+        self.open_connections -= 1
+
+    def not_admitted(self, caller: Caller, what: str = "engine socket") -> str:
+        """Logs and counts the refusal of ``caller``, not admitted; returns
+        the message its refusal carries."""
+        self._refuse("not_admitted", "%s: %s is not admitted (admitted: %s; settings "
+                     "allowed_uids, allowed_gids); its connection is refused and closed",
+                     what, caller, self.policy.describe())
+        return (f"kvd: {caller} is not admitted on the engine socket (admitted: "
+                f"{self.policy.describe()}; daemon settings allowed_uids, allowed_gids)")
+
+    def _accept(self, front: _Front, transport) -> None:
+        """Identifies and counts a new connection; refuses it, or starts its relay."""
+        caller = self.admit(transport)
+        if caller is None:
+            return
+        front.uid = caller.uid
         loop = asyncio.get_running_loop()
         front.idle = loop.call_later(self.idle_timeout_s, self._idle, front, transport, caller)
         if not caller.admitted:
-            self._refuse("not_admitted", "engine socket: %s is not admitted (admitted: %s; settings "
-                         "allowed_uids, allowed_gids); its connection is refused and closed",
-                         caller, self.policy.describe())
-            front.refusal = Refusal(transport, grpc.StatusCode.PERMISSION_DENIED,
-                                     f"kvd: {caller} is not admitted on the engine socket (admitted: "
-                                     f"{self.policy.describe()}; daemon settings allowed_uids, allowed_gids)")
+            front.refusal = Refusal(transport, grpc.StatusCode.PERMISSION_DENIED, self.not_admitted(caller))
             transport.resume_reading()
             return
         task = loop.create_task(self._connect(front, transport, caller))
@@ -394,10 +417,7 @@ class Gate:
 
     def _closed(self, front: _Front) -> None:
         if front.uid is not None:
-            self.open_by_uid[front.uid] -= 1
-            if self.open_by_uid[front.uid] <= 0:
-                del self.open_by_uid[front.uid]
-            self.open_connections -= 1
+            self.leave(front.uid)
             front.uid = None
 
     async def _connect(self, front: _Relay, transport, caller: Caller) -> None:

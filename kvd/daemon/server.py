@@ -50,6 +50,7 @@ from kvd.core.events import FailureKind
 from kvd.core.limits import Limits
 from kvd.core.node import Node
 from kvd.daemon.engine_service import EngineService
+from kvd.daemon.command_socket import CommandSocket
 from kvd.daemon.fd_channel import FdChannel
 from kvd.daemon.local_gate import AdmissionInterceptor, Gate, Policy
 from kvd.daemon.metrics import Metrics
@@ -58,6 +59,7 @@ from kvd.daemon.peer_local import LocalPeerGate
 from kvd.daemon.sdnotify import Notifier
 from kvd.daemon.peer_client import PeerClient
 from kvd.daemon.peer_service import PeerService
+from kvd.command_wire import command_socket_path
 from kvd.fd_wire import fd_socket_path
 from kvd.v1 import kvd_pb2, kvd_pb2_grpc
 
@@ -185,6 +187,7 @@ class Server:
         self.peer_client = PeerClient(self.peer_auth, config.max_message_bytes)
         self.gate: Gate | None = None
         self.fd_channel: FdChannel | None = None  # beside the engine socket (kvd.daemon.fd_channel)
+        self.command_socket: CommandSocket | None = None  # sessions without gRPC (kvd.daemon.command_socket)
         self.node: Node | None = None
         self.metrics: Metrics | None = None
         self.should_exit = asyncio.Event()
@@ -245,6 +248,9 @@ class Server:
                                             require_session_token=cfg.require_session_token,
                                             require_memfd=cfg.require_memfd,
                                             fds=self.fd_channel.table)
+        if cfg.command_socket:
+            self.command_socket = CommandSocket(command_socket_path(cfg.engine_socket), self.gate,
+                                                self.engine_service, cfg.max_message_bytes)
 
         # Peer side (TCP).
         host = self._peer_host(host, port)
@@ -304,6 +310,8 @@ class Server:
         await self.gate.open()
         self._gate_open = True
         await self.fd_channel.open()
+        if self.command_socket is not None:
+            await self.command_socket.open()
         self.node.start()
         metrics_at = ""
         if cfg.metrics_port:
@@ -474,6 +482,8 @@ class Server:
             srv = getattr(self, name, None)
             if srv is not None:
                 await srv.stop(grace=grace)
+        if self.command_socket is not None:
+            await self.command_socket.close()  # its socket; every session on it ends (the engine sees EOF)
         if self.node:
             await self.node.close()
         await self.peer_client.close()

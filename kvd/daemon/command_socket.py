@@ -1,0 +1,262 @@
+"""The command socket: an engine worker's session without gRPC.
+
+Beside the engine socket (``kvd.command_wire.command_socket_path``) the
+daemon accepts Unix stream connections that each carry one session in
+frames (``kvd.command_wire``: a length, then a ``SessionCommand`` or a
+``SessionEvent``). A load's two hops between engine and daemon then cost a
+socket write and one wake-up each, instead of the gRPC stream's sender and
+poller threads and the gate's relay (docs/PERFORMANCE.md, "Design note: the
+engine <-> daemon command path without gRPC per load": ~10 us against
+~180 us a round trip).
+
+The session's rules are not repeated here: every connection runs
+``EngineService.session_events``, the same code as the gRPC ``Session``
+stream. What this module adds is the transport, with the gate's admission
+and bounds:
+
+- the socket has the engine socket's mode (0660) and group; each
+  connection's caller is read from the kernel (``SO_PEERCRED``,
+  ``SO_PEERGROUPS``) once, at accept, and counted against the same caps
+  (``Gate.admit``: ``max_engine_connections``, ``..._per_uid``: one count
+  for both sockets); a caller the ``Policy`` does not admit gets one
+  ``rejected`` event naming the policy and is closed, as the gate answers
+  PERMISSION_DENIED;
+- a frame longer than ``max_message_bytes`` or one that is not a
+  ``SessionCommand`` closes the connection after a ``rejected`` event saying
+  so (the session's worker is detached, as when a stream breaks);
+- a session refusal (``SessionRefused``: the status the stream would end
+  with) is a ``rejected`` event whose reason starts with the status name,
+  then the close;
+- commands read ahead and not yet run are bounded (reading pauses above
+  ``max_message_bytes`` of them); events wait in the worker's own queue
+  (bounded by ``max_queued_event_bytes``) while the socket's write buffer is
+  full, as they wait behind gRPC's flow control on the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import socket
+import stat
+
+from google.protobuf.message import DecodeError
+
+from kvd.command_wire import Deframer, FrameError, frame
+from kvd.daemon.engine_service import EngineService, SessionRefused
+from kvd.daemon.local_gate import SOCKET_MODE, Caller, Gate
+from kvd.daemon.logs import Throttled
+from kvd.v1 import kvd_pb2 as pb
+
+log = logging.getLogger("kvd.command_socket")
+
+WHAT = "command socket"
+_WRITE_HIGH = 1 << 20  # bytes of events queued on one connection before the session waits for the engine
+
+
+def _rejected(reason: str) -> bytes:
+    return frame(pb.SessionEvent(rejected=pb.CommandRejected(reason=reason)).SerializeToString())
+
+
+class _Commands:
+    """The commands of one connection as an async iterator (what
+    ``session_events`` reads); ends when the engine closes or the frames
+    go bad."""
+
+    def __init__(self, transport: asyncio.Transport, max_ahead_bytes: int):
+        self._transport = transport
+        self._max_ahead = max_ahead_bytes
+        self._queue: collections.deque[pb.SessionCommand] = collections.deque()
+        self._bytes = 0
+        self._paused = False
+        self._ended = False
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, cmd: pb.SessionCommand, size: int) -> None:
+        self._queue.append((cmd, size))
+        self._bytes += size
+        if self._bytes > self._max_ahead and not self._paused:
+            self._paused = True
+            self._transport.pause_reading()
+        self._wake()
+
+    def end(self) -> None:
+        self._ended = True
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> pb.SessionCommand:
+        while not self._queue:
+            if self._ended:
+                raise StopAsyncIteration
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        cmd, size = self._queue.popleft()
+        self._bytes -= size
+        if self._paused and self._bytes <= self._max_ahead // 2:
+            self._paused = False
+            self._transport.resume_reading()
+        return cmd
+
+
+class _Connection(asyncio.Protocol):
+    """One engine's connection: admitted, deframed, served by ``session_events``."""
+
+    def __init__(self, owner: "CommandSocket"):
+        self.owner = owner
+        self.transport: asyncio.Transport | None = None
+        self.caller: Caller | None = None
+        self.deframer = Deframer(owner.max_message_bytes)
+        self.commands: _Commands | None = None
+        self.task: asyncio.Task | None = None
+        self._drained: asyncio.Future | None = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        owner = self.owner
+        caller = owner.gate.admit(transport, WHAT)
+        if caller is None:
+            return
+        self.caller = caller
+        if not caller.admitted:
+            transport.write(_rejected(f"PERMISSION_DENIED: {owner.gate.not_admitted(caller, WHAT)}"))
+            transport.close()
+            return
+        transport.set_write_buffer_limits(high=_WRITE_HIGH)
+        self.commands = _Commands(transport, owner.max_message_bytes)
+        self.task = asyncio.get_running_loop().create_task(self._serve())
+        owner.connections.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self.commands is None:
+            return  # refused: closing
+        try:
+            payloads = self.deframer.feed(data)
+            for p in payloads:
+                cmd = pb.SessionCommand()
+                cmd.ParseFromString(p)
+                self.commands.put(cmd, len(p))
+        except (FrameError, DecodeError) as e:
+            self._bad_input(f"{e}" if isinstance(e, FrameError) else f"a frame that is not a SessionCommand ({e})")
+
+    def _bad_input(self, why: str) -> None:
+        self.owner.warn.warning("%s: %s sent %s; connection closed", WHAT, self.caller, why)
+        self.commands.end()
+        self.commands = None
+        code = "RESOURCE_EXHAUSTED" if "max_message_bytes" in why else "INVALID_ARGUMENT"
+        self.transport.write(_rejected(f"{code}: {why}"))
+        self.transport.close()
+
+    def eof_received(self):
+        if self.commands is not None:
+            self.commands.end()
+        return True  # half-close: the events still go out until the session ends
+
+    def pause_writing(self) -> None:
+        self._drained = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        d, self._drained = self._drained, None
+        if d is not None and not d.done():
+            d.set_result(None)
+
+    def connection_lost(self, exc) -> None:
+        if self.caller is not None:
+            self.owner.gate.leave(self.caller.uid)
+        if self.commands is not None:
+            self.commands.end()
+        self.resume_writing()
+        if self.task is not None:
+            self.task.cancel()  # as gRPC cancels a stream's handler when its client goes
+        self.owner.connections.discard(self)
+
+    async def _serve(self) -> None:
+        t = self.transport
+        try:
+            async with contextlib.aclosing(self.owner.service.session_events(self.commands, lambda: self.caller)) \
+                    as events:
+                async for e in events:
+                    t.write(frame(e.SerializeToString()))
+                    if self._drained is not None:
+                        await self._drained
+        except SessionRefused as r:
+            t.write(_rejected(str(r)))
+        except Exception:  # the daemon keeps serving; this connection ends
+            log.exception("%s: session of %s failed", WHAT, self.caller)
+        t.close()
+
+
+class CommandSocket:
+    """The command socket (see the module).
+
+    Args:
+        path: its socket (``kvd.command_wire.command_socket_path(engine_socket)``).
+        gate: the engine socket's gate: admission (``Policy``), the connection
+            caps and their counts, the refusal counters.
+        service: the ``EngineService`` whose ``session_events`` serves each connection.
+        max_message_bytes: the longest frame accepted (the engine server's
+            ``max_message_bytes``).
+
+    ``open()`` binds and starts accepting (on the running loop); ``close()``
+    stops, closes every connection (their sessions end) and removes the socket.
+    """
+
+    def __init__(self, path: str, gate: Gate, service: EngineService, max_message_bytes: int):
+        self.path = path
+        self.gate = gate
+        self.service = service
+        self.max_message_bytes = max_message_bytes
+        self.connections: set[_Connection] = set()
+        self.warn = Throttled(log)
+        self._server: asyncio.AbstractServer | None = None
+
+    async def open(self) -> None:
+        """Binds ``path`` (mode 0660, the gate's group) and starts accepting.
+        A socket file left there is replaced (the engine socket's check has
+        run: no daemon serves here). Raises OSError when it cannot be bound
+        or given to the group."""
+        if os.path.lexists(self.path):
+            if not stat.S_ISSOCK(os.lstat(self.path).st_mode):
+                raise OSError(f"command socket: {self.path} exists and is not a socket; refusing to replace it")
+            os.unlink(self.path)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.bind(self.path)
+            os.chmod(self.path, SOCKET_MODE)  # not connectable before listen(): who may connect is set first
+            if self.gate.group is not None:
+                os.chown(self.path, -1, self.gate.group)
+            s.listen(1024)
+            s.setblocking(False)
+        except BaseException:
+            s.close()
+            if os.path.lexists(self.path):
+                os.unlink(self.path)
+            raise
+        self._server = await asyncio.get_running_loop().create_unix_server(lambda: _Connection(self), sock=s)
+
+    async def close(self) -> None:
+        """Stops accepting, closes every connection, removes the socket."""
+        if self._server is None:
+            return
+        self._server.close()
+        self._server = None
+        for c in list(self.connections):
+            c.transport.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
