@@ -32,6 +32,25 @@ HEADER = struct.Struct("<I")  # frame length in bytes
 SUFFIX = ".cmd"
 
 
+# gRPC's status names (grpc/include/grpc/status.h): a session refusal's
+# reason starts with one and ": ".
+STATUS_NAMES = frozenset({
+    "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
+    "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
+    "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"})
+
+
+def refusal(request_id: str, reason: str) -> tuple[str, str] | None:
+    """``(status name, details)`` when a ``rejected`` event of
+    ``request_id`` / ``reason`` is the daemon refusing or ending the session
+    (no request id, a reason starting ``"STATUS_NAME: "``); None for a
+    command's rejection."""
+    name, sep, details = reason.partition(": ")
+    if request_id or not sep or name not in STATUS_NAMES:
+        return None
+    return name, details
+
+
 class FrameError(ValueError):
     """A frame this format refuses (longer than allowed); the message says how."""
 

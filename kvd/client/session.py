@@ -28,7 +28,7 @@ from google.protobuf.message import DecodeError
 from kvd.client.channel import EngineClientError, rpc_status
 from kvd.client.command_socket import CommandConnection
 from kvd.client.commands import Stream
-from kvd.command_wire import FrameError
+from kvd.command_wire import FrameError, refusal
 from kvd.client.pending import Pending
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
@@ -164,18 +164,16 @@ class SessionLoop:
         sender = threading.Thread(target=self._send, args=(conn, stream), name="kvd-session-send", daemon=True)
         sender.start()
         self._sender = sender
-        ended = ""
         for event in conn.events():
             kind = event.WhichOneof("event")
-            if kind == "rejected" and not event.rejected.request_id:
-                # A refusal (before "opened") or the daemon ending the session:
-                # the stream's status as text ("RESOURCE_EXHAUSTED: ...").
-                if not self.opened.is_set():
-                    raise SessionEnded(event.rejected.reason)
-                ended = event.rejected.reason
+            if kind == "rejected" and refusal(event.rejected.request_id, event.rejected.reason):
+                # The daemon refused (before "opened") or ended the session:
+                # the stream's status as text ("RESOURCE_EXHAUSTED: ...");
+                # the close follows.
+                raise SessionEnded(event.rejected.reason)
+            if kind != "opened" and not self.opened.is_set():
+                raise SessionEnded(f"first event is {kind!r}, not 'opened'")
             yield event
-        if ended:
-            raise SessionEnded(ended)
 
     def _on_event(self, event: pb.SessionEvent) -> None:
         kind = event.WhichOneof("event")

@@ -126,6 +126,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        # Paused until admitted (as the gate's connections are): a refused
+        # one is closed unread (uvloop closes it only then).
+        transport.pause_reading()
         owner = self.owner
         caller = owner.gate.admit(transport, WHAT)
         if caller is None:
@@ -139,6 +142,7 @@ class _Connection(asyncio.Protocol):
         self.commands = _Commands(transport, owner.max_message_bytes)
         self.task = asyncio.get_running_loop().create_task(self._serve())
         owner.connections.add(self)
+        transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
         if self.commands is None:
@@ -189,11 +193,14 @@ class _Connection(asyncio.Protocol):
             async with contextlib.aclosing(self.owner.service.session_events(self.commands, lambda: self.caller)) \
                     as events:
                 async for e in events:
+                    if t.is_closing():
+                        break  # the engine is gone: the session ends (its worker detached)
                     t.write(frame(e.SerializeToString()))
                     if self._drained is not None:
                         await self._drained
         except SessionRefused as r:
-            t.write(_rejected(str(r)))
+            if not t.is_closing():
+                t.write(_rejected(str(r)))
         except Exception:  # the daemon keeps serving; this connection ends
             log.exception("%s: session of %s failed", WHAT, self.caller)
         t.close()

@@ -307,11 +307,12 @@ class Server:
 
         await self.peer_server.start()
         await self.engine_server.start()
+        if self.command_socket is not None:
+            # Before the engine socket: an engine that reaches the daemon finds it.
+            await self.command_socket.open()
         await self.gate.open()
         self._gate_open = True
         await self.fd_channel.open()
-        if self.command_socket is not None:
-            await self.command_socket.open()
         self.node.start()
         metrics_at = ""
         if cfg.metrics_port:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from kvd.client.command_socket import CommandConnection
+from kvd.command_wire import refusal
 from kvd.testing.daemons import Daemon
 from kvd.testing.shm import ShmSegment
 from kvd.v1 import kvd_pb2 as pb
@@ -84,17 +86,38 @@ def register_request(engine_id: str, shape: KvShape, seg: ShmSegment, rank: int 
     )
 
 
+class SessionError(grpc.RpcError):
+    """How a command-socket session ends, read as the gRPC stream's end
+    would be: ``code()`` (a ``grpc.StatusCode``) and ``details()``."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+
 class Session:
-    """A raw session stream (no shim) of worker ``engine_id``/``rank``: send
+    """A raw session (no shim) of worker ``engine_id``/``rank``: send
     commands, wait for events. ``events`` queues each SessionEvent, or the
-    grpc.RpcError that ended the stream. Raises grpc.RpcError when the daemon
-    refuses to open it."""
+    grpc.RpcError that ended the session. Raises grpc.RpcError when the daemon
+    refuses to open it.
+
+    On the daemon's command socket when it offers one (``kvd.command_wire``;
+    ``KVD_COMMAND_SOCKET=false`` turns it off in the daemons tests start),
+    else on the gRPC ``Session`` stream; a refusal on the socket is a
+    :class:`SessionError` with the status the stream would have ended with.
+    """
 
     def __init__(self, daemon: Daemon, engine_id: str, rank: int = 0):
         self._out: "queue.Queue" = queue.Queue()
         self.events: "queue.Queue" = queue.Queue()
-        self._channel = grpc.insecure_channel(f"unix:{daemon.socket}", options=MESSAGE_OPTIONS)
-        stub = pb_grpc.EngineServiceStub(self._channel)
+        self._channel = self._call = self._conn = None
         self._out.put(pb.SessionCommand(open=pb.OpenSession(worker=pb.EngineWorker(engine_id=engine_id, tp_rank=rank))))
 
         def gen():
@@ -104,16 +127,43 @@ class Session:
                     return
                 yield c
 
-        self._call = stub.Session(gen())
+        try:
+            self._conn = CommandConnection.connect(daemon.socket, max_message_bytes=64 << 20, timeout_s=10)
+        except OSError:
+            self._channel = grpc.insecure_channel(f"unix:{daemon.socket}", options=MESSAGE_OPTIONS)
+            self._call = pb_grpc.EngineServiceStub(self._channel).Session(gen())
+        #: "socket" or "grpc": what carries this session.
+        self.transport = "socket" if self._conn is not None else "grpc"
 
         def read():
-            try:
-                for e in self._call:
+            if self._conn is None:
+                try:
+                    for e in self._call:
+                        self.events.put(e)
+                except grpc.RpcError as e:
                     self.events.put(e)
-            except grpc.RpcError as e:
-                self.events.put(e)
+                return
+            try:
+                for e in self._conn.events():
+                    end = refusal(e.rejected.request_id, e.rejected.reason) if e.HasField("rejected") else None
+                    if end is not None:
+                        self.events.put(SessionError(getattr(grpc.StatusCode, end[0]), end[1]))
+                        return
+                    self.events.put(e)
+                self.events.put(SessionError(grpc.StatusCode.UNAVAILABLE, "the daemon closed the command socket"))
+            except OSError as e:
+                self.events.put(SessionError(grpc.StatusCode.UNAVAILABLE, f"command socket: {e}"))
+
+        def send():
+            try:
+                for c in gen():
+                    self._conn.send([c])
+            except OSError:
+                pass
 
         threading.Thread(target=read, daemon=True).start()
+        if self._conn is not None:
+            threading.Thread(target=send, daemon=True).start()
         first = self.next(10)
         if isinstance(first, grpc.RpcError):
             raise first
@@ -129,8 +179,11 @@ class Session:
         return self.events.get(timeout=timeout)
 
     def close(self) -> None:
-        """Ends the command stream and cancels the call."""
+        """Ends the command stream and cancels the call (shuts the command socket)."""
         self._out.put(None)
+        if self._conn is not None:
+            self._conn.shutdown()
+            return
         self._call.cancel()
         self._channel.close()
 

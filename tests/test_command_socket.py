@@ -1,0 +1,180 @@
+"""The command socket (kvd.daemon.command_socket, kvd.client.command_socket):
+an engine's session in frames on a Unix socket, against real daemons.
+
+The rest of the suite runs its sessions on it by default (EngineClient and
+the harness's kvd.testing.sessions.Session take it when the daemon offers
+it); ``KVD_COMMAND_SOCKET=false`` runs the same tests on the gRPC stream.
+Here: which transport is chosen, both switches, the refusals, the shared
+connection caps, a restart under a connected client, and bad frames.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import struct
+
+import grpc
+import pytest
+
+from kvd.client.engine_client import EngineClient
+from kvd.command_wire import command_socket_path, frame
+from kvd.testing.daemons import start_daemon
+from kvd.testing.fakes import wait_events
+from kvd.requests import LoadRequest
+from kvd.testing.sessions import Engine, Session, SessionError, event_kind, register_request
+from kvd.testing.fuzz import SHAPE
+from kvd.testing.util import wait_until
+from kvd.v1 import kvd_pb2 as pb
+
+
+def _open_raw(d) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(command_socket_path(d.socket))
+    return s
+
+
+def _read_events(s: socket.socket) -> list[pb.SessionEvent]:
+    """Every event until the daemon closes the connection."""
+    buf = b""
+    while True:
+        data = s.recv(65536)
+        if not data:
+            break
+        buf += data
+    out = []
+    while len(buf) >= 4:
+        (n,) = struct.unpack_from("<I", buf)
+        out.append(pb.SessionEvent.FromString(buf[4:4 + n]))
+        buf = buf[4 + n:]
+    return out
+
+
+def _registered_client(d, eng: Engine, **kw) -> EngineClient:
+    """An EngineClient that takes over ``eng``'s registration (made without
+    a session) and opens its session."""
+    c = EngineClient(d.socket, **kw)
+    c.register(register_request(eng.engine_id, SHAPE, eng.seg), timeout_s=10)
+    c.start_session()
+    assert c.wait_opened(10)
+    return c
+
+
+@pytest.mark.parametrize("daemon_flag,client_flag,expect", [
+    ((), True, "socket"), (("--command-socket", "false"), True, "grpc"), ((), False, "grpc")])
+def test_a_session_runs_on_the_command_socket_unless_either_side_turns_it_off(tmp_path, daemon_flag, client_flag,
+                                                                              expect):
+    d = start_daemon(str(tmp_path), "kvd", "--same-node-copy", "false", *daemon_flag)
+    p = Engine(d, "cs-p", SHAPE, seed=3)
+    assert os.path.exists(command_socket_path(d.socket)) == (not daemon_flag)
+    assert p.session.transport == ("socket" if not daemon_flag else "grpc")
+    dec = Engine(d, "cs-d", SHAPE, open_session=False)
+    client = _registered_client(d, dec, command_socket=client_flag)
+    try:
+        assert client._session.transport == expect
+        p.hold("cs-1", [3, 4])
+        client.load(LoadRequest("cs-1", [[5, 6]], "cs-p", d.peer_address, [[3, 4]], "cs-1", timeout_s=10))
+        (ev,) = wait_events(client, lambda evs: len(evs) == 1, timeout_s=20)
+        assert ev.WhichOneof("event") == "recv_done", ev
+        assert dec.same_blocks([5, 6], p, [3, 4])
+    finally:
+        client.close()
+        p.close()
+        d.stop()
+
+
+def test_refusals_on_the_command_socket_carry_the_streams_status(daemon):
+    with pytest.raises(SessionError) as e:
+        Session(daemon, "nobody-registered")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and "nobody-registered" in e.value.details()
+    s = _open_raw(daemon)
+    s.sendall(frame(pb.SessionCommand(release=pb.ReleaseBlocks(request_id="r")).SerializeToString()))
+    (ev,) = _read_events(s)
+    assert ev.rejected.reason.startswith("INVALID_ARGUMENT: session: the first command must be OpenSession")
+    s.close()
+
+
+def _closed_at_once(s: socket.socket) -> bool:
+    s.settimeout(1.0)  # "at once": well before the OpenSession timeout
+    try:
+        return s.recv(16) == b""
+    except TimeoutError:
+        return False
+
+
+def test_the_command_socket_counts_against_the_engine_sockets_caps(tmp_path):
+    d = start_daemon(str(tmp_path), "kvd", "--max-engine-connections-per-uid", "3")
+    d.close_channel()
+    held = []
+    try:
+        # This test's own gRPC connections (start_daemon's GetStats) may still
+        # count for a moment: at most 3 in all are open, the next is closed.
+        for _ in range(4):
+            s = _open_raw(d)
+            held.append(s)
+            if _closed_at_once(s):
+                break
+        assert 1 <= len(held) <= 4 and _closed_at_once(held[-1]), "a connection past the per-uid cap is closed"
+        for s in held:
+            s.close()
+        assert "command socket: pid" in d.log() and "max_engine_connections_per_uid" in d.log()
+        wait_until(lambda: d.stats().engines == 0, 10, "the caps free again when the connections close")
+    finally:
+        d.stop()
+
+
+def test_a_client_reconnects_on_the_command_socket_after_a_daemon_restart(tmp_path):
+    d = start_daemon(str(tmp_path), "kvd")
+    eng = Engine(d, "cs-r", SHAPE, open_session=False)
+    client = _registered_client(d, eng, backoff_max_s=0.2)
+    try:
+        assert client._session.transport == "socket"
+        client.hold("cs-held", [[1, 2]], lease_s=60)
+        wait_until(lambda: d.stats().active_leases == 1, 10, "the hold reached the daemon")
+        d.stop(signal.SIGKILL)
+        wait_until(lambda: not client.connected, 10, "the client saw the daemon die (EOF)")
+        d = start_daemon(str(tmp_path), "kvd")
+        wait_until(lambda: client.sessions_opened == 2 and client.connected, 20, "reconnected")
+        assert client._session.transport == "socket"
+        wait_until(lambda: d.stats().active_leases == 1, 10, "the hold was sent again on the new session")
+        client.release("cs-held")
+        (ev,) = wait_events(client, lambda evs: len(evs) == 1, timeout_s=10)
+        assert ev.send_done.request_id == "cs-held" and ev.send_done.released
+    finally:
+        client.close()
+        d.stop()
+
+
+@pytest.mark.parametrize("bad", ["oversize", "garbage", "truncated", "huge_length"])
+def test_bad_frames_close_the_connection_and_the_daemon_serves_on(daemon, bad):
+    eng = Engine(daemon, "cs-f", SHAPE)
+    s = _open_raw(daemon)
+    worker = pb.EngineWorker(engine_id=eng.engine_id, tp_rank=0)
+    opening = frame(pb.SessionCommand(open=pb.OpenSession(worker=worker)).SerializeToString())
+    data = {
+        "oversize": struct.pack("<I", 64 * 1024 * 1024 + 1),
+        "huge_length": struct.pack("<I", 0xFFFFFFFF) + b"x" * 100,
+        "garbage": struct.pack("<I", 6) + b"\xff\xff\xff\xff\xff\xff",
+        "truncated": opening[:len(opening) - 3],
+    }[bad]
+    s.sendall(data)
+    if bad == "truncated":
+        s.shutdown(socket.SHUT_WR)  # the daemon waits for the rest, then sees the end: no session, no answer
+    events = _read_events(s)
+    s.close()
+    if bad in ("oversize", "huge_length"):
+        assert [event_kind(e) for e in events] == ["rejected"]
+        assert events[0].rejected.reason.startswith("RESOURCE_EXHAUSTED") and "max_message_bytes" in \
+            events[0].rejected.reason
+    elif bad == "garbage":
+        assert events and events[-1].rejected.reason.startswith("INVALID_ARGUMENT"), events
+    else:
+        assert [event_kind(e) for e in events] in ([], ["rejected"])
+    # The worker's own session still works on the daemon.
+    eng.hold("cs-after", [1])
+    eng.release("cs-after")
+    assert eng.wait("cs-after").send_done.released
+    eng.close()
+    assert daemon.proc.poll() is None
