@@ -28,10 +28,12 @@ from kvd.bench import common as cm
 from kvd.bench.kvd_pair import KvdPair
 from kvd.testing.shm import ShmSegment
 
-LEGS = (("engine -> daemon core (command: client thread, gRPC, relay, session reader)", "t0", "load"),
+LEGS = (("engine -> daemon core (command: client thread, command socket or gRPC + relay, session reader)", "t0",
+         "load"),
         ("part: engine: load() -> command built by the client's sender thread", "t0", "sent"),
-        ("part: client gRPC send -> bytes at the daemon's gate", "sent", "gatein"),
-        ("part: gate relay + daemon gRPC server -> session reader has the command", "gatein", "read"),
+        ("part: client send -> bytes at the daemon (command socket, or the gRPC stream's gate)", "sent", "gatein"),
+        ("part: frames parsed (or gate relay + daemon gRPC server) -> session reader has the command", "gatein",
+         "read"),
         ("part: session reader -> Node.load runs", "read", "load"),
         ("daemon: checks, plan, hand-off to the NIXL thread", "load", "post"),
         ("part: checks, remote workers, plan -> claim sent", "load", "claim"),
@@ -39,9 +41,10 @@ LEGS = (("engine -> daemon core (command: client thread, gRPC, relay, session re
         ("part: claim answered -> NIXL thread posts", "claimed", "post"),
         ("move: NIXL post (UCX: CMA), or the same-node copy", "post", "posted"),
         ("daemon: completion -> event built", "posted", "event"),
-        ("daemon -> engine (event: gRPC, relay, client thread, 50 us poll)", "event", "t1"),
-        ("part: event built -> its bytes at the gate (daemon gRPC server)", "event", "gateout"),
-        ("part: gate relay + client gRPC receive -> client's session thread has the event", "gateout", "recv"),
+        ("daemon -> engine (event: command socket or gRPC + relay, client thread, 50 us poll)", "event", "t1"),
+        ("part: event built -> its bytes written (command socket, or the gate after gRPC)", "event", "gateout"),
+        ("part: client receive (socket, or gate relay + gRPC) -> client's session thread has the event", "gateout",
+         "recv"),
         ("part: session thread -> engine's poll (drain_events, 50 us poll)", "recv", "t1"),
         ("total, as the engine sees it", "t0", "t1"))
 

@@ -28,12 +28,15 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import socket
+import struct
 
 import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvd.command_wire import Deframer, command_socket_path, frame
 from kvd.testing.daemons import start_daemon
 from kvd.testing.fakes import FakePeer, closed_address
 from kvd.testing.fuzz import (
@@ -60,7 +63,7 @@ TOTAL = int(os.environ.get("KVD_FUZZ_EXAMPLES", "2000"))
 SHARE = {  # fraction of TOTAL each test sends
     "register": 0.12, "unregister_stats": 0.04, "session_open": 0.04, "session_commands": 0.32,
     "raw_bytes": 0.06, "peer_handshake": 0.08, "push": 0.10, "notify": 0.04, "claim": 0.04,
-    "forged_handshake": 0.20,
+    "forged_handshake": 0.20, "framed": 0.04,
 }
 SENT: dict[str, int] = {k: 0 for k in SHARE}
 
@@ -302,6 +305,57 @@ def test_fuzz_raw_bytes_every_method(target):
     prop()
     for ch in channels.values():
         ch.close()
+    assert d.proc.poll() is None
+
+
+def test_fuzz_command_socket_frames(target):
+    """The command socket (kvd.command_wire frames): bad lengths, truncated
+    frames, garbage protobuf, oversize frames and commands before an
+    OpenSession. The daemon answers with events that parse (a refusal with
+    its reason) and closes the connection once the engine's side ends; it
+    keeps serving."""
+    d = target["daemon"]
+    path = command_socket_path(d.socket)
+    cmd_bytes = st.one_of(
+        st.builds(lambda w: pb.SessionCommand(open=pb.OpenSession(worker=w)).SerializeToString(), workers),
+        st.builds(lambda r: pb.SessionCommand(release=pb.ReleaseBlocks(request_id=r)).SerializeToString(), text),
+        st.just(b""), st.binary(max_size=64))
+    piece = st.one_of(
+        cmd_bytes.map(frame),                                                   # a whole frame
+        st.tuples(cmd_bytes, st.integers(0, 8)).map(lambda t: frame(t[0])[:t[1]]),  # a truncated one
+        st.integers(0, 0xFFFFFFFF).map(lambda n: struct.pack("<I", n)),        # a bare length, any size
+        st.binary(max_size=32))                                                 # noise
+
+    @examples("framed")
+    @given(pieces=st.lists(piece, min_size=1, max_size=4))
+    def prop(pieces):
+        SENT["framed"] += 1
+        for p in pieces:  # no valid OpenSession of a fuzz target's worker: those sessions are the fixture's
+            if p[4:] and b"fz-" in p:
+                return
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(EVENT_WAIT_S)
+            s.connect(path)
+            try:
+                s.sendall(b"".join(pieces))
+                s.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass  # the daemon closed first (an oversize length): what it answered is read below
+            data = b""
+            while True:
+                try:
+                    chunk = s.recv(65536)
+                except ConnectionResetError:
+                    break
+                if not chunk:
+                    break
+                data += chunk
+        deframer = Deframer(1 << 20)
+        events = [pb.SessionEvent.FromString(b) for b in deframer.feed(data)]
+        assert deframer.buffered == 0, (pieces, data)
+        assert all(e.WhichOneof("event") == "rejected" and e.rejected.reason for e in events), (pieces, events)
+
+    prop()
     assert d.proc.poll() is None
 
 

@@ -18,8 +18,9 @@ and bounds:
   connection's caller is read from the kernel (``SO_PEERCRED``,
   ``SO_PEERGROUPS``) once, at accept, and counted against the same caps
   (``Gate.admit``: ``max_engine_connections``, ``..._per_uid``: one count
-  for both sockets); a caller the ``Policy`` does not admit gets one
-  ``rejected`` event naming the policy and is closed, as the gate answers
+  for both sockets); one that sends nothing within ``engine_idle_timeout_s``
+  is closed; a caller the ``Policy`` does not admit gets one ``rejected``
+  event naming the policy and is closed, as the gate answers
   PERMISSION_DENIED;
 - a frame longer than ``max_message_bytes`` or one that is not a
   ``SessionCommand`` closes the connection after a ``rejected`` event saying
@@ -45,6 +46,7 @@ import stat
 
 from google.protobuf.message import DecodeError
 
+from kvd import tracepoints as tp
 from kvd.command_wire import Deframer, FrameError, frame
 from kvd.daemon.engine_service import EngineService, SessionRefused
 from kvd.daemon.local_gate import SOCKET_MODE, Caller, Gate
@@ -122,6 +124,7 @@ class _Connection(asyncio.Protocol):
         self.deframer = Deframer(owner.max_message_bytes)
         self.commands: _Commands | None = None
         self.task: asyncio.Task | None = None
+        self.idle: asyncio.TimerHandle | None = None
         self._drained: asyncio.Future | None = None
 
     def connection_made(self, transport) -> None:
@@ -139,12 +142,24 @@ class _Connection(asyncio.Protocol):
             transport.close()
             return
         transport.set_write_buffer_limits(high=_WRITE_HIGH)
+        self.idle = asyncio.get_running_loop().call_later(owner.gate.idle_timeout_s, self._idle)
         self.commands = _Commands(transport, owner.max_message_bytes)
         self.task = asyncio.get_running_loop().create_task(self._serve())
         owner.connections.add(self)
         transport.resume_reading()
 
+    def _idle(self) -> None:
+        self.idle = None
+        if not self.transport.is_closing():
+            self.owner.gate.refuse("idle", "%s: %s sent nothing in %g s (engine_idle_timeout_s); connection "
+                                   "closed", WHAT, self.caller, self.owner.gate.idle_timeout_s)
+            self.transport.close()
+
     def data_received(self, data: bytes) -> None:
+        tp.hit(tp.GATE_IN)  # as the gate's relay marks a command's bytes arriving (benchmarks.trace)
+        if self.idle is not None:  # the engine spoke
+            self.idle.cancel()
+            self.idle = None
         if self.commands is None:
             return  # refused: closing
         try:
@@ -178,6 +193,9 @@ class _Connection(asyncio.Protocol):
             d.set_result(None)
 
     def connection_lost(self, exc) -> None:
+        if self.idle is not None:
+            self.idle.cancel()
+            self.idle = None
         if self.caller is not None:
             self.owner.gate.leave(self.caller.uid)
         if self.commands is not None:
@@ -196,6 +214,7 @@ class _Connection(asyncio.Protocol):
                     if t.is_closing():
                         break  # the engine is gone: the session ends (its worker detached)
                     t.write(frame(e.SerializeToString()))
+                    tp.hit(tp.GATE_OUT)
                     if self._drained is not None:
                         await self._drained
         except SessionRefused as r:

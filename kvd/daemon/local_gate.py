@@ -342,7 +342,9 @@ class Gate:
     def _accepted(self) -> _Relay:
         return _Front(self)
 
-    def _refuse(self, reason: str, msg: str, *args) -> None:
+    def refuse(self, reason: str, msg: str, *args) -> None:
+        """Counts a closed connection under ``reason`` (``REFUSED_REASONS``) and
+        logs ``msg % args`` (throttled per reason)."""
         self.refused[reason] += 1
         self._warn[reason].warning(msg, *args)
 
@@ -356,18 +358,18 @@ class Gate:
         try:
             pid, uid, gid, gids = peer_credentials(transport.get_extra_info("socket"))
         except OSError as e:
-            self._refuse("credentials", "%s: cannot read the caller's credentials (%s); "
+            self.refuse("credentials", "%s: cannot read the caller's credentials (%s); "
                                         "connection closed", what, e)
             transport.close()
             return None
         caller = Caller(pid, uid, gid, gids, self.policy.admits(uid, gids))
         if self.open_connections >= self.max_connections:
-            self._refuse("max_engine_connections", "%s: %s refused: %d connections open "
+            self.refuse("max_engine_connections", "%s: %s refused: %d connections open "
                          "(max_engine_connections); connection closed", what, caller, self.open_connections)
             transport.close()
             return None
         if self.open_by_uid[uid] >= self.max_per_uid:
-            self._refuse("max_engine_connections_per_uid", "%s: %s refused: uid %d has %d "
+            self.refuse("max_engine_connections_per_uid", "%s: %s refused: uid %d has %d "
                          "connections open (max_engine_connections_per_uid); connection closed",
                          what, caller, uid, self.open_by_uid[uid])
             transport.close()
@@ -386,7 +388,7 @@ class Gate:
     def not_admitted(self, caller: Caller, what: str = "engine socket") -> str:
         """Logs and counts the refusal of ``caller``, not admitted; returns
         the message its refusal carries."""
-        self._refuse("not_admitted", "%s: %s is not admitted (admitted: %s; settings "
+        self.refuse("not_admitted", "%s: %s is not admitted (admitted: %s; settings "
                      "allowed_uids, allowed_gids); its connection is refused and closed",
                      what, caller, self.policy.describe())
         return (f"kvd: {caller} is not admitted on the engine socket (admitted: "
@@ -411,7 +413,7 @@ class Gate:
     def _idle(self, front: _Front, transport, caller: Caller) -> None:
         front.idle = None
         if not transport.is_closing():
-            self._refuse("idle", "engine socket: %s sent nothing (or was not answered) in %g s "
+            self.refuse("idle", "engine socket: %s sent nothing (or was not answered) in %g s "
                          "(engine_idle_timeout_s); connection closed", caller, self.idle_timeout_s)
             transport.close()
 
@@ -432,7 +434,7 @@ class Gate:
                 raise OSError(f"{self.internal} is not this daemon's socket any more")
         except OSError as e:
             back_sock.close()
-            self._refuse("relay", "engine socket: relay to gRPC failed: %s", e)
+            self.refuse("relay", "engine socket: relay to gRPC failed: %s", e)
             transport.close()
             return
         if transport.is_closing():
@@ -452,7 +454,7 @@ class Gate:
         except OSError as e:
             forget()
             back_sock.close()
-            self._refuse("relay", "engine socket: relay to gRPC failed: %s", e)
+            self.refuse("relay", "engine socket: relay to gRPC failed: %s", e)
             transport.close()
             return
         if transport.is_closing():  # the engine hung up meanwhile
