@@ -62,14 +62,26 @@ def _registered_client(d, eng: Engine, **kw) -> EngineClient:
     return c
 
 
+ON = ("--command-socket", "true")  # whatever KVD_COMMAND_SOCKET the suite runs with
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    """One running daemon that offers the command socket."""
+    d = start_daemon(str(tmp_path), "kvd", *ON)
+    yield d
+    d.stop()
+
+
 @pytest.mark.parametrize("daemon_flag,client_flag,expect", [
-    ((), True, "socket"), (("--command-socket", "false"), True, "grpc"), ((), False, "grpc")])
+    (ON, True, "socket"), (("--command-socket", "false"), True, "grpc"), (ON, False, "grpc")])
 def test_a_session_runs_on_the_command_socket_unless_either_side_turns_it_off(tmp_path, daemon_flag, client_flag,
                                                                               expect):
     d = start_daemon(str(tmp_path), "kvd", "--same-node-copy", "false", *daemon_flag)
     p = Engine(d, "cs-p", SHAPE, seed=3)
-    assert os.path.exists(command_socket_path(d.socket)) == (not daemon_flag)
-    assert p.session.transport == ("socket" if not daemon_flag else "grpc")
+    offered = daemon_flag == ON
+    assert os.path.exists(command_socket_path(d.socket)) == offered
+    assert p.session.transport == ("socket" if offered else "grpc")
     dec = Engine(d, "cs-d", SHAPE, open_session=False)
     client = _registered_client(d, dec, command_socket=client_flag)
     try:
@@ -112,7 +124,7 @@ def _answers(d) -> bool:
 
 
 def test_the_command_socket_counts_against_the_engine_sockets_caps(tmp_path):
-    d = start_daemon(str(tmp_path), "kvd", "--max-engine-connections-per-uid", "3")
+    d = start_daemon(str(tmp_path), "kvd", "--max-engine-connections-per-uid", "3", *ON)
     d.close_channel()
     held = []
     try:
@@ -133,7 +145,7 @@ def test_the_command_socket_counts_against_the_engine_sockets_caps(tmp_path):
 
 
 def test_a_client_reconnects_on_the_command_socket_after_a_daemon_restart(tmp_path):
-    d = start_daemon(str(tmp_path), "kvd")
+    d = start_daemon(str(tmp_path), "kvd", *ON)
     eng = Engine(d, "cs-r", SHAPE, open_session=False)
     client = _registered_client(d, eng, backoff_max_s=0.2)
     try:
@@ -142,7 +154,7 @@ def test_a_client_reconnects_on_the_command_socket_after_a_daemon_restart(tmp_pa
         wait_until(lambda: d.stats().active_leases == 1, 10, "the hold reached the daemon")
         d.stop(signal.SIGKILL)
         wait_until(lambda: not client.connected, 10, "the client saw the daemon die (EOF)")
-        d = start_daemon(str(tmp_path), "kvd")
+        d = start_daemon(str(tmp_path), "kvd", *ON)
         wait_until(lambda: client.sessions_opened == 2 and client.connected, 20, "reconnected")
         assert client._session.transport == "socket"
         wait_until(lambda: d.stats().active_leases == 1, 10, "the hold was sent again on the new session")
