@@ -71,7 +71,7 @@ class _Commands:
     def __init__(self, transport: asyncio.Transport, max_ahead_bytes: int):
         self._transport = transport
         self._max_ahead = max_ahead_bytes
-        self._queue: collections.deque[pb.SessionCommand] = collections.deque()
+        self._queue: collections.deque[tuple[pb.SessionCommand, int]] = collections.deque()  # (command, bytes)
         self._bytes = 0
         self._paused = False
         self._ended = False
@@ -144,7 +144,7 @@ class _Connection(asyncio.Protocol):
         transport.set_write_buffer_limits(high=_WRITE_HIGH)
         self.idle = asyncio.get_running_loop().call_later(owner.gate.idle_timeout_s, self._idle)
         self.commands = _Commands(transport, owner.max_message_bytes)
-        self.task = asyncio.get_running_loop().create_task(self._serve())
+        self.task = asyncio.get_running_loop().create_task(self._serve(self.commands))
         owner.connections.add(self)
         transport.resume_reading()
 
@@ -205,10 +205,10 @@ class _Connection(asyncio.Protocol):
             self.task.cancel()  # as gRPC cancels a stream's handler when its client goes
         self.owner.connections.discard(self)
 
-    async def _serve(self) -> None:
+    async def _serve(self, commands: _Commands) -> None:
         t = self.transport
         try:
-            async with contextlib.aclosing(self.owner.service.session_events(self.commands, lambda: self.caller)) \
+            async with contextlib.aclosing(self.owner.service.session_events(commands, lambda: self.caller)) \
                     as events:
                 async for e in events:
                     if t.is_closing():
