@@ -124,12 +124,12 @@ def test_on_a_wildcard_listener_a_local_user_dialing_another_loopback_address_is
 
 
 @needs_root
-@pytest.mark.xfail(strict=True, reason=(
-    "peer_local looks the caller's socket up by (caller ip:port, daemon port) and tries the destinations "
-    "127.0.0.1 / advertised IP first: a local user that binds the local port of a root (or daemon-uid) gRPC "
-    "client socket with SO_REUSEADDR (gRPC sets it on its client sockets) and dials the wildcard listener at "
-    "127.0.0.2 is taken for that socket's owner and gets the victim's agent metadata and region addresses"))
 def test_a_local_user_sharing_the_port_of_a_trusted_client_socket_gets_no_handshake(insecure):
+    """A local user binds the local port of a root (or daemon-uid) gRPC
+    client socket with SO_REUSEADDR (gRPC sets it on its client sockets)
+    and dials the wildcard listener at 127.0.0.2: gRPC tells the daemon the
+    caller's ip:port only, which both sockets share; the call is refused,
+    not taken for the trusted socket's owner."""
     d, v = insecure
     port = int(d.peer_address.rsplit(":", 1)[1])
     # A trusted client of the peer port (another daemon of this uid, `kvd health`): a plain gRPC channel.

@@ -253,7 +253,7 @@ class Server:
         if not auth.secured:
             # Loopback is every local user's: only root's and our uid's sockets
             # may call (kvd.daemon.peer_local, docs/SECURITY.md).
-            interceptors.append(LocalPeerGate(lambda: self.peer_port, self._own_addresses))
+            interceptors.append(LocalPeerGate(self.node.own))
         self.peer_server = grpc.aio.server(options=options, interceptors=interceptors)
         kvd_pb2_grpc.add_PeerServiceServicer_to_server(PeerService(self.node), self.peer_server)
         self.peer_health = self._add_health_and_reflection(self.peer_server, PEER_SERVICE)
