@@ -137,3 +137,18 @@ def test_every_socket_sharing_the_callers_address_and_port_counts_on_a_wildcard_
                 assert owners_by_proc("127.0.0.1", port, own) == [os.geteuid()] * 2
                 # A listener on 127.0.0.1 is reached by one of them only: the exact 4-tuple.
                 assert socket_owners(ip, port, listener("127.0.0.1", server_port)) == [os.geteuid()]
+
+
+def test_a_dual_stack_socket_as_grpc_makes_is_found_on_a_listener_of_one_ipv4_address():
+    """gRPC's client sockets are IPv6 ones with IPv4-mapped addresses: the
+    exact IPv4 lookup finds them, and sock_diag answers in IPv6 form."""
+    with socket.create_server(("127.0.0.1", 0)) as srv, socket.socket(socket.AF_INET6) as c:
+        try:
+            c.connect(("::ffff:127.0.0.1", srv.getsockname()[1]))
+        except OSError as e:
+            pytest.skip(f"no dual-stack sockets here: {e}")
+        port = c.getsockname()[1]
+        own = listener("127.0.0.1", srv.getsockname()[1])
+        for ip in ("127.0.0.1", "::ffff:127.0.0.1"):  # as gRPC's peer string may spell it
+            assert socket_owners(ipaddress.ip_address(ip), port, own) == [os.geteuid()]
+        assert owners_by_proc("127.0.0.1", port, own) == [os.geteuid()]

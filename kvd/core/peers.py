@@ -182,7 +182,8 @@ class Peers:
             if again:
                 self.warm(w, remote.address, remote.engine_id, remote.tp_size)
 
-    def _load_agent(self, w: Worker, name: str, metadata: bytes, phases: dict[str, float] | None = None) -> str:
+    def _load_agent(self, w: Worker, name: str, metadata: bytes, introducer: PeerKey,
+                    phases: dict[str, float] | None = None) -> str:
         """NIXL thread: loads a peer's agent into ``w``'s agent once; counts its users.
 
         Several remotes may be one NIXL agent (the same peer under two
@@ -190,6 +191,11 @@ class Peers:
         replayed by someone else), and NIXL keeps one entry per name: the
         entry is shared and removed with its last user. Before, the second
         load failed and dropping either remote broke the other.
+
+        ``introducer``: the peer whose description loads it first (its
+        ``(address, engine_id, tp_rank)``; address ``""`` for a push reader),
+        the one asked again when another peer describes another agent by that
+        name (:meth:`_settle_name`).
 
         ``phases`` (if given) gets the seconds NIXL's ``add_remote_agent`` and
         ``make_connection`` took, as ``add_remote`` and ``connect``.
@@ -206,7 +212,7 @@ class Peers:
         if known is not None:
             if known[0] != metadata:
                 raise NixlError(f"agent {name!r} is loaded already, with other metadata")
-            w.pairs.agents[name] = (metadata, known[1] + 1)
+            w.pairs.agents[name] = (metadata, known[1] + 1, known[2])
             return name
         t0 = time.monotonic()
         loaded = w.agent.add_remote(metadata)
@@ -215,7 +221,7 @@ class Peers:
             if loaded not in w.pairs.agents:
                 w.agent.remove_remote(loaded)
             raise NixlError(f"agent metadata loaded as {loaded!r}, the peer said {name!r}")
-        w.pairs.agents[name] = (metadata, 1)
+        w.pairs.agents[name] = (metadata, 1, introducer)
         t0 = time.monotonic()
         w.agent.connect(name)
         phases["connect"] = time.monotonic() - t0
@@ -223,9 +229,9 @@ class Peers:
 
     def _unload_agent(self, w: Worker, name: str) -> None:
         """NIXL thread: one user fewer of a peer agent; the last one removes it."""
-        metadata, users = w.pairs.agents.pop(name, (b"", 1))
+        metadata, users, introducer = w.pairs.agents.pop(name, (b"", 1, ("", "", 0)))
         if users > 1:
-            w.pairs.agents[name] = (metadata, users - 1)
+            w.pairs.agents[name] = (metadata, users - 1, introducer)
         else:
             w.agent.remove_remote(name)
 
@@ -378,6 +384,7 @@ class Peers:
         if hs.tp_size != tp_size:
             raise Incompatible(f"remote engine {engine_id!r} has TP size {hs.tp_size}, the request says {tp_size}")
         check_peer(w, hs, "handshake")
+        await self._settle_name(w, key, hs)
         # An agent of the same name still loaded (a retired one, or the peer's
         # old identity) is forgotten first: NIXL keeps one entry per name.
         for old in [o for o in w.pairs.retired if o.agent_name == hs.agent_name]:
@@ -405,6 +412,67 @@ class Peers:
                  1e3 * (time.monotonic() - t0), spent, r.C, r.k,
                  ", lists prepared in the background" if r.prepare_later else ", rows per transfer")
         return r
+
+    async def _settle_name(self, w: Worker, key: PeerKey, hs: HandshakeResult) -> None:
+        """Checks that remote worker ``key`` may have its agent loaded into
+        ``w``'s under the name its handshake ``hs`` gives, before any NIXL call.
+
+        NIXL keeps one remote agent per name, so a peer that answers first
+        with an agent of its own named like another engine's (names show in
+        notifications, logs, ``kvd status``) would keep ``w`` from that
+        engine: the real description is refused as "loaded already, with
+        other metadata". Hence:
+
+        - a name of one of this daemon's own agents, with other metadata than
+          that agent's, is refused: only the agent itself is described by its
+          name (an exact replay of its description loads that very agent);
+        - a name loaded already with other metadata: the peer that introduced
+          it is asked again (a handshake). When it still describes that agent
+          (or cannot be asked now), the newcomer is refused, and the holder
+          keeps its agent; when it describes another one or has no such
+          engine any more (restarted, gone), or it is the newcomer's own
+          address describing its agent anew, the holder's remotes of that
+          name are retired and the newcomer's agent is loaded.
+
+        Raises:
+            InvalidArgument: the name is refused (the message names the holder).
+        """
+        name = hs.agent_name
+        for x in self.rt.workers.values():
+            if x.agent.name == name and x.agent.metadata() != hs.agent_metadata:
+                raise InvalidArgument(f"agent metadata rejected: {key[0]} describes an agent named {name!r}, "
+                                      f"which is this daemon's agent of engine {x.key[0]!r} rank {x.key[1]}")
+        known = w.pairs.agents.get(name)
+        if known is None or known[0] == hs.agent_metadata:
+            return
+        holder = known[2]
+        if holder[0] != key[0]:
+            why = await self._still_described(w, holder, name, known[0])
+            if why:
+                raise InvalidArgument(f"agent metadata rejected: {key[0]} describes another agent named {name!r} "
+                                      f"than {holder[0]} engine={holder[1]} rank={holder[2]}, which loaded it first "
+                                      f"and {why}")
+        for r in [r for r in w.pairs.remotes.values() if r.agent_name == name]:
+            self.retire(w, r, f"{key[0]} engine={key[1]} rank={key[2]} describes another agent by its name",
+                        again=False)
+
+    async def _still_described(self, w: Worker, holder: PeerKey, name: str, metadata: bytes) -> str:
+        """Why ``holder`` keeps agent ``name`` (as a clause: it still
+        describes it with ``metadata``, or cannot be asked now); ``""`` when
+        it answers with another agent or has no such engine any more."""
+        address, engine_id, rank = holder
+        if not address or self.link is None:
+            return "is not a peer this daemon can ask again"
+        try:
+            hs = await self.link.handshake(address, engine_id, rank, w.compat_hash,
+                                           self.rt.limits.handshake_timeout_s)
+        except NotFound:
+            return ""
+        except Exception as e:
+            return f"cannot be asked again now ({e})"
+        if hs.agent_name == name and hs.agent_metadata == metadata:
+            return "still describes it"
+        return ""
 
     async def pair(self, w: Worker, hs: HandshakeResult, peer_rank: int, *, we_read: bool, address: str,
                     engine_id: str, phases: dict[str, float] | None = None) -> RemoteWorker:
@@ -439,7 +507,8 @@ class Peers:
 
         def add():
             phases["nixl_wait"] = time.monotonic() - queued
-            name = self._load_agent(w, hs.agent_name, hs.agent_metadata, phases)
+            name = self._load_agent(w, hs.agent_name, hs.agent_metadata, (address, engine_id, peer_rank),
+                                    phases)
             # A description that names memory the peer's agent never
             # registered (a mangled relay, a lying peer) is refused here, as a
             # prepared list of the whole map would be: NIXL checks each row

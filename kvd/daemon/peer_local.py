@@ -106,8 +106,6 @@ def _sock_diag(family: int, sport: int, dport: int, src: IP | None = None, dst: 
     kernel), else every one (a dump, which the kernel filters by both ports
     while walking its whole table). Raises OSError when netlink sock_diag
     cannot be used."""
-    width = 4 if family == socket.AF_INET else 16
-
     def addr(ip: IP | None) -> bytes:
         return bytes(16) if ip is None else ip.packed.ljust(16, b"\0")
 
@@ -141,7 +139,9 @@ def _sock_diag(family: int, sport: int, dport: int, src: IP | None = None, dst: 
                     # inet_diag_msg: family, state, timer, retrans, sockid (sport, dport,
                     # src[16], dst[16], if, cookie[2]), expires, rqueue, wqueue, uid, inode
                     body = off + 16
-                    (state,) = struct.unpack_from("=B", data, body + 1)
+                    # An IPv4 lookup also finds a dual-stack socket: an IPv6 one, IPv4-mapped addresses.
+                    sock_family, state = struct.unpack_from("=BB", data, body)
+                    width = 4 if sock_family == socket.AF_INET else 16
                     uid, inode = struct.unpack_from("=II", data, body + 4 + 48 + 12)
                     if state in HELD_STATES:  # an exact lookup answers in any state
                         found.append((_plain(ipaddress.ip_address(data[body + 8:body + 8 + width])),
