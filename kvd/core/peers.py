@@ -421,11 +421,9 @@ class Peers:
         with an agent of its own named like another engine's (names show in
         notifications, logs, ``kvd status``) would keep ``w`` from that
         engine: the real description is refused as "loaded already, with
-        other metadata". Hence:
+        other metadata". Hence (and names of this daemon's own agents:
+        :meth:`_own_name`):
 
-        - a name of one of this daemon's own agents, with other metadata than
-          that agent's, is refused: only the agent itself is described by its
-          name (an exact replay of its description loads that very agent);
         - a name loaded already with other metadata: the peer that introduced
           it is asked again (a handshake). When it still describes that agent
           (or cannot be asked now), the newcomer is refused, and the holder
@@ -438,10 +436,6 @@ class Peers:
             InvalidArgument: the name is refused (the message names the holder).
         """
         name = hs.agent_name
-        for x in self.rt.workers.values():
-            if x.agent.name == name and x.agent.metadata() != hs.agent_metadata:
-                raise InvalidArgument(f"agent metadata rejected: {key[0]} describes an agent named {name!r}, "
-                                      f"which is this daemon's agent of engine {x.key[0]!r} rank {x.key[1]}")
         known = w.pairs.agents.get(name)
         if known is None or known[0] == hs.agent_metadata:
             return
@@ -455,6 +449,16 @@ class Peers:
         for r in [r for r in w.pairs.remotes.values() if r.agent_name == name]:
             self.retire(w, r, f"{key[0]} engine={key[1]} rank={key[2]} describes another agent by its name",
                         again=False)
+
+    def _own_name(self, hs: HandshakeResult, what: str) -> None:
+        """Refuses a description (``what``: where it came from) that names one
+        of this daemon's own agents with other metadata than that agent's:
+        only the agent itself is described by its name (an exact replay of
+        its description loads that very agent). Raises NixlError."""
+        for x in self.rt.workers.values():
+            if x.agent.name == hs.agent_name and x.agent.metadata() != hs.agent_metadata:
+                raise NixlError(f"{what} describes an agent named {hs.agent_name!r}, which is this daemon's agent "
+                                f"of engine {x.key[0]!r} rank {x.key[1]}")
 
     async def _still_described(self, w: Worker, holder: PeerKey, name: str, metadata: bytes) -> str:
         """Why ``holder`` keeps agent ``name`` (as a clause: it still
@@ -488,9 +492,10 @@ class Peers:
         Raises:
             Incompatible: the layouts cannot be combined.
             NixlError: NIXL refused the agent metadata or a list (the agent is
-                unloaded again).
+                unloaded again), or it names one of this daemon's own agents.
         """
         phases = {} if phases is None else phases
+        self._own_name(hs, address or "a push reader")
         t0 = time.monotonic()
         ours = w.geometry()
         theirs = plan.Geometry(peer_rank, hs.tp_size, hs.layout, tuple(hs.regions),
