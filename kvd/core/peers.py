@@ -30,6 +30,7 @@ import time
 import numpy as np
 
 from kvd import __version__
+from kvd.core import agent_names
 from kvd.core import layout as lay
 from kvd.core import plan
 from kvd.core.events import Incompatible, InvalidArgument, NotFound, PeerUnavailable
@@ -195,7 +196,7 @@ class Peers:
         ``introducer``: the peer whose description loads it first (its
         ``(address, engine_id, tp_rank)``; address ``""`` for a push reader),
         the one asked again when another peer describes another agent by that
-        name (:meth:`_settle_name`).
+        name (``kvd.core.agent_names``).
 
         ``phases`` (if given) gets the seconds NIXL's ``add_remote_agent`` and
         ``make_connection`` took, as ``add_remote`` and ``connect``.
@@ -384,7 +385,7 @@ class Peers:
         if hs.tp_size != tp_size:
             raise Incompatible(f"remote engine {engine_id!r} has TP size {hs.tp_size}, the request says {tp_size}")
         check_peer(w, hs, "handshake")
-        await self._settle_name(w, key, hs)
+        await agent_names.settle(self, w, key, hs)
         # An agent of the same name still loaded (a retired one, or the peer's
         # old identity) is forgotten first: NIXL keeps one entry per name.
         for old in [o for o in w.pairs.retired if o.agent_name == hs.agent_name]:
@@ -413,71 +414,6 @@ class Peers:
                  ", lists prepared in the background" if r.prepare_later else ", rows per transfer")
         return r
 
-    async def _settle_name(self, w: Worker, key: PeerKey, hs: HandshakeResult) -> None:
-        """Checks that remote worker ``key`` may have its agent loaded into
-        ``w``'s under the name its handshake ``hs`` gives, before any NIXL call.
-
-        NIXL keeps one remote agent per name, so a peer that answers first
-        with an agent of its own named like another engine's (names show in
-        notifications, logs, ``kvd status``) would keep ``w`` from that
-        engine: the real description is refused as "loaded already, with
-        other metadata". Hence (and names of this daemon's own agents:
-        :meth:`_own_name`):
-
-        - a name loaded already with other metadata: the peer that introduced
-          it is asked again (a handshake). When it still describes that agent
-          (or cannot be asked now), the newcomer is refused, and the holder
-          keeps its agent; when it describes another one or has no such
-          engine any more (restarted, gone), or it is the newcomer's own
-          address describing its agent anew, the holder's remotes of that
-          name are retired and the newcomer's agent is loaded.
-
-        Raises:
-            InvalidArgument: the name is refused (the message names the holder).
-        """
-        name = hs.agent_name
-        known = w.pairs.agents.get(name)
-        if known is None or known[0] == hs.agent_metadata:
-            return
-        holder = known[2]
-        if holder[0] != key[0]:
-            why = await self._still_described(w, holder, name, known[0])
-            if why:
-                raise InvalidArgument(f"agent metadata rejected: {key[0]} describes another agent named {name!r} "
-                                      f"than {holder[0]} engine={holder[1]} rank={holder[2]}, which loaded it first "
-                                      f"and {why}")
-        for r in [r for r in w.pairs.remotes.values() if r.agent_name == name]:
-            self.retire(w, r, f"{key[0]} engine={key[1]} rank={key[2]} describes another agent by its name",
-                        again=False)
-
-    def _own_name(self, hs: HandshakeResult, what: str) -> None:
-        """Refuses a description (``what``: where it came from) that names one
-        of this daemon's own agents with other metadata than that agent's:
-        only the agent itself is described by its name (an exact replay of
-        its description loads that very agent). Raises NixlError."""
-        for x in self.rt.workers.values():
-            if x.agent.name == hs.agent_name and x.agent.metadata() != hs.agent_metadata:
-                raise NixlError(f"{what} describes an agent named {hs.agent_name!r}, which is this daemon's agent "
-                                f"of engine {x.key[0]!r} rank {x.key[1]}")
-
-    async def _still_described(self, w: Worker, holder: PeerKey, name: str, metadata: bytes) -> str:
-        """Why ``holder`` keeps agent ``name`` (as a clause: it still
-        describes it with ``metadata``, or cannot be asked now); ``""`` when
-        it answers with another agent or has no such engine any more."""
-        address, engine_id, rank = holder
-        if not address or self.link is None:
-            return "is not a peer this daemon can ask again"
-        try:
-            hs = await self.link.handshake(address, engine_id, rank, w.compat_hash,
-                                           self.rt.limits.handshake_timeout_s)
-        except NotFound:
-            return ""
-        except Exception as e:
-            return f"cannot be asked again now ({e})"
-        if hs.agent_name == name and hs.agent_metadata == metadata:
-            return "still describes it"
-        return ""
-
     async def pair(self, w: Worker, hs: HandshakeResult, peer_rank: int, *, we_read: bool, address: str,
                     engine_id: str, phases: dict[str, float] | None = None) -> RemoteWorker:
         """Loads a peer worker's agent into ``w``'s and prepares both
@@ -495,7 +431,7 @@ class Peers:
                 unloaded again), or it names one of this daemon's own agents.
         """
         phases = {} if phases is None else phases
-        self._own_name(hs, address or "a push reader")
+        agent_names.refuse_own(self.rt, hs, address or "a push reader")
         t0 = time.monotonic()
         ours = w.geometry()
         theirs = plan.Geometry(peer_rank, hs.tp_size, hs.layout, tuple(hs.regions),
