@@ -194,8 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         return demo_main(argv[1:])
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
-    if unknown:  # the subcommand's usage, not the top-level one argparse would print
-        getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+    if unknown:  # after a subcommand: its usage, not the top-level one argparse would print
+        after = argv[argv.index(args.command) + 1:] if args.command in argv else []
+        (args.parser if unknown[0] in after else parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     return args.func(args)
 
 

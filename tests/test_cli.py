@@ -128,6 +128,8 @@ def test_an_unknown_serve_flag_prints_serves_usage():
     assert "usage: kvd serve" in r.stderr and "kvd serve: error: unrecognized arguments: --no-such-flag 1" in r.stderr
     r = _kvd("health", "--bogus")  # every subcommand alike
     assert r.returncode == 64 and "usage: kvd health" in r.stderr, r.stderr
+    r = _kvd("--bogus", "version")  # before the subcommand: the top-level usage
+    assert r.returncode == 64 and "usage: kvd [" in r.stderr and "kvd: error: unrecognized arguments: --bogus" in r.stderr
 
 
 @pytest.mark.parametrize("text, value", [("true", True), ("FALSE", False), ("1", True), ("0", False),

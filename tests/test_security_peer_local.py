@@ -152,3 +152,17 @@ def test_a_dual_stack_socket_as_grpc_makes_is_found_on_a_listener_of_one_ipv4_ad
         for ip in ("127.0.0.1", "::ffff:127.0.0.1"):  # as gRPC's peer string may spell it
             assert socket_owners(ipaddress.ip_address(ip), port, own) == [os.geteuid()]
         assert owners_by_proc("127.0.0.1", port, own) == [os.geteuid()]
+
+
+def test_a_localhost_listener_is_reached_on_both_loopbacks():
+    """gRPC binds every address ``localhost`` resolves to: a caller on
+    ``::1`` reaches a ``localhost`` listener as one on 127.0.0.1 does."""
+    try:
+        srv = socket.create_server(("::1", 0), family=socket.AF_INET6)
+    except OSError as e:
+        pytest.skip(f"no ::1: {e}")
+    with srv, socket.create_connection(("::1", srv.getsockname()[1])) as c:
+        own = listener("localhost", srv.getsockname()[1])
+        assert own.accepts(ipaddress.ip_address("::1")) and own.accepts(ipaddress.ip_address("127.0.0.1"))
+        assert socket_owners(ipaddress.ip_address("::1"), c.getsockname()[1], own) == [os.geteuid()]
+        assert socket_owners(ipaddress.ip_address("::1"), c.getsockname()[1], listener("127.0.0.1", own.port)) == []
