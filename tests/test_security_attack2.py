@@ -255,10 +255,7 @@ def test_a_read_from_a_frozen_peer_fails_at_its_deadline_and_lands_nothing_after
         "settle.cancel_reads counts on NIXL refusing to release a transfer still in progress; over tcp NIXL "
         "releases the posted READ at once, the stream closes and a new session opens, and the peer's bytes "
         "land in the blocks afterwards"))),
-    pytest.param("unregister", marks=pytest.mark.xfail(strict=True, reason=(
-        "the worker is dropped (its memory deregistered and unmapped) while the released READ is still "
-        "outstanding in UCX; when the peer answers, its bytes land in the next engine's blocks (its mapping took "
-        "the freed addresses: 3 runs of 3), or with nothing there the daemon dies of SIGSEGV (4 of 4)"))),
+    "unregister",
 ])
 def test_a_read_from_a_frozen_peer_lands_nothing_after_its_session_ended(tmp_path, end):
     """As above over UCX's tcp transport, but the reader's session ends

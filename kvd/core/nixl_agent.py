@@ -303,7 +303,12 @@ class NixlAgent:
         return time.monotonic() - t0
 
     def remove_remote(self, name: str) -> None:
-        """Forgets a peer (and disconnects from it)."""
+        """Forgets a peer (and disconnects from it).
+
+        Never while a transfer with it is in ``PROC``: NIXL 1.5 then reports
+        that handle ``ERR`` at once ("remote agent was invalidated"), yet its
+        UCX requests go on and their bytes still land (measured here with
+        ``UCX_TLS=tcp`` and a SIGSTOPped source): the state would lie."""
         try:
             self._agent.remove_remote_agent(name)
         except Exception as e:  # the peer may already be gone
@@ -367,8 +372,23 @@ class NixlAgent:
         except Exception:
             return "ERR"
 
-    def release(self, handle) -> bool:
-        """Releases a transfer handle; False when NIXL refused (still in flight)."""
+    def release(self, handle, settled: bool = False) -> bool:
+        """Releases a transfer handle once its transfer has ended; False (the
+        handle kept) while it is still ``PROC`` or when NIXL refused.
+
+        ``settled``: the caller saw the state DONE or ERR just now (the
+        progress loop, a post), so it is not asked again.
+
+        Why the state is checked first: NIXL 1.5's ``release_xfer_handle``
+        accepts a handle in ``PROC`` (its UCX backend cancels the requests with
+        ``ucp_request_cancel`` and frees them), but a READ that needs the
+        peer's progress (``UCX_TLS=tcp``) is not stopped by that: measured
+        here, the bytes landed when a SIGSTOPped source resumed, seconds after
+        the release. A handle released only after DONE or ERR is one whose
+        bytes can no longer arrive.
+        """
+        if not settled and self.state(handle) == "PROC":
+            return False
         try:
             self._agent.release_xfer_handle(handle)
             return True

@@ -292,7 +292,7 @@ class Pull:
                 state = agent.state(handle)
         tp.hit(tp.POSTED, request_id, state)
         if state == "DONE":
-            self.rt.release_handle(agent, handle)
+            self.rt.release_handle(agent, handle, settled=True)
             return None, state, post_s
         return handle, state, post_s
 

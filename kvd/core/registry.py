@@ -240,11 +240,15 @@ class Registry:
             raise NotFound(f"engine {key[0]!r} rank {key[1]} is not registered with this daemon")
         self.rt.counters.transfers_failed += len(w.inflight)
         released = len(w.leases)
-        await self.rt.nixl(self._free_worker, w)
-        for m in w.mem.mappings:
-            m.close()
+        if await self.rt.nixl(self._free_worker, w):
+            self._unmap(w)
+        else:
+            self.rt.quarantine.append(w)
+            log.warning("%s: %d READ(s) still in progress in NIXL (a peer that does not answer); the worker's "
+                        "memory stays registered and mapped until they end (leaked_handles in stats)", w.label,
+                        self._outstanding(w))
         for n in w.mem.staging:
-            unlink_shm(n)
+            unlink_shm(n)  # the names only: a quarantined worker keeps its mappings
         if engine_gone and w.mem.owner_pid > 0 and not os.path.exists(f"/proc/{w.mem.owner_pid}"):
             # Only the very objects mapped (kvd.core.memory.unlink_shm): a name
             # made again since by someone else is left alone.
@@ -257,11 +261,39 @@ class Registry:
         w.leases.clear()
         return released
 
-    def _free_worker(self, w: Worker) -> None:
-        """NIXL thread: releases every handle, list, remote and registration of ``w``."""
+    def _outstanding(self, w: Worker) -> int:
+        """Transfer handles of ``w``'s agent still in progress (``Runtime.zombies``)."""
+        return sum(1 for a, _ in self.rt.zombies if a is w.agent)
+
+    @staticmethod
+    def _unmap(w: Worker) -> None:
+        for m in w.mem.mappings:
+            m.close()
+
+    async def free_quarantined(self) -> None:
+        """Event loop: frees each quarantined worker (``Runtime.quarantine``)
+        whose READs have all ended; the progress loop calls it each round
+        (nothing to do, and no NIXL call, when none is quarantined)."""
+        for w in [w for w in self.rt.quarantine if not self._outstanding(w)]:
+            if await self.rt.nixl(self._free_worker, w):
+                self.rt.quarantine.remove(w)
+                self._unmap(w)
+                log.info("%s: its last READ ended; memory deregistered and unmapped", w.label)
+
+    def _free_worker(self, w: Worker) -> bool:
+        """NIXL thread: releases every handle, list, remote and registration
+        of ``w``. False, with only the ended handles released, while one of
+        its READs is still in progress: deregistering (and unmapping) memory
+        a READ may still write into lets the late bytes land in whatever is
+        mapped there next, or kill the daemon with SIGSEGV (measured with
+        ``UCX_TLS=tcp`` and a SIGSTOPped source), and removing the peer's
+        agent makes NIXL report the handle ended while UCX goes on."""
         for load in w.inflight.values():
             for h, _ in load.parts:
                 self.rt.release_handle(w.agent, h)
+            load.parts = []
+        if self.rt.release_zombies(w.agent):
+            return False
         for r in w.pairs.all():
             self.peers.free_remote(w, r)
         w.pairs.remotes.clear()
@@ -276,6 +308,7 @@ class Registry:
                 w.agent.deregister(reg)
             except Exception as e:
                 log.warning("%s: deregister: %s", w.label, e)
+        return True
 
     def attach(self, engine_id: str, tp_rank: int) -> Worker:
         """A session stream opened for the worker; returns it. Raises NotFound."""

@@ -3,13 +3,19 @@ its loads' READs may land afterwards.
 
 The shim reports every load of a broken stream as failed (its blocks go back
 to vLLM, which may reuse them at once), so before the stream is closed the
-daemon cancels each READ (NIXL releases a transfer handle only once it is no
-longer in progress: cancelled or done) and waits for loads whose post is
-still queued on the NIXL thread (``Worker.posting``; they cancel their own).
-A new session of the worker opens only after that (:func:`settled`).
+daemon waits until each READ has ended (NIXL state DONE or ERR; a handle in
+``PROC`` is never taken as settled: ``NixlAgent.release``) and until loads
+whose post is still queued on the NIXL thread (``Worker.posting``) have
+cancelled their own. A new session of the worker opens only after that
+(:func:`settled`). The handles wait in ``Runtime.zombies`` from the start, so
+an unregistration meanwhile sees them and keeps the worker's memory
+(``Registry.unregister``, quarantine).
 
-Bounded by ``Limits.transfer_timeout_s``: past it, the handles left are kept
-for the progress loop (``Runtime.zombies``) and a warning is logged.
+Bounded by ``Limits.transfer_timeout_s``: past it a warning is logged and the
+stream closes; the handles stay in ``Runtime.zombies`` for the progress loop.
+NIXL 1.5 offers no way to stop a READ that needs the peer's progress
+(``UCX_TLS=tcp``) with a peer that stopped: its bytes may still land after
+that bound (docs/SECURITY.md, "Open").
 """
 
 from __future__ import annotations
@@ -27,9 +33,11 @@ POLL_S = 0.002  # between tries to release a handle still in progress (seconds)
 
 
 async def cancel_reads(rt: Runtime, w: Worker, handles: list) -> None:
-    """Releases ``handles`` (NIXL transfer handles of ``w``'s agent) and waits
-    until no READ of ``w`` is posting or in progress (see the module)."""
-    task = asyncio.get_running_loop().create_task(_settle(rt, w, handles))
+    """Hands ``handles`` (NIXL transfer handles of ``w``'s agent) to
+    ``Runtime.zombies`` and waits until no READ of ``w`` is posting or in
+    progress (see the module)."""
+    rt.zombies.extend((w.agent, h) for h in handles)
+    task = asyncio.get_running_loop().create_task(_settle(rt, w))
     w.session.settling = task
     await asyncio.shield(task)  # a second cancellation of the caller leaves the settling to run
 
@@ -41,22 +49,15 @@ async def settled(w: Worker) -> None:
         await asyncio.shield(task)
 
 
-def _release(agent, handles: list) -> list:
-    """NIXL thread: releases what it can; returns the handles still in progress."""
-    return [h for h in handles if not agent.release(h)]
-
-
-async def _settle(rt: Runtime, w: Worker, handles: list) -> None:
+async def _settle(rt: Runtime, w: Worker) -> None:
     bound = time.monotonic() + rt.limits.transfer_timeout_s
-    while True:
-        if handles:
-            handles = await rt.nixl(_release, w.agent, handles)
-        busy = handles or w.posting or any(a is w.agent for a, _ in rt.zombies)
-        if not busy or not rt.registered(w):
-            break
+    while rt.registered(w):
+        left = await rt.nixl(rt.release_zombies, w.agent)
+        if not left and not w.posting:
+            return
         if time.monotonic() > bound:
-            log.warning("%s: %d READ(s) of the ended session still in progress after %.0f s; left to the "
-                        "progress loop", w.label, len(handles) + len(w.posting), rt.limits.transfer_timeout_s)
-            break
+            log.warning("%s: %d READ(s) of the ended session still in progress after %.0f s; the stream closes, "
+                        "the handles are left to the progress loop", w.label, left + len(w.posting),
+                        rt.limits.transfer_timeout_s)
+            return
         await asyncio.sleep(POLL_S)
-    rt.zombies.extend((w.agent, h) for h in handles)
