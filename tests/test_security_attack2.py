@@ -206,11 +206,7 @@ class HostilePeer:
         self.agent.wait()
 
 
-@pytest.mark.parametrize("tls", ["default", pytest.param("tcp", marks=pytest.mark.xfail(strict=True, reason=(
-    "with UCX_TLS=tcp the READ needs the peer's progress; at the deadline the load is reported failed and its "
-    "handle released at once (NIXL's release_xfer_handle accepts a transfer in PROC, so leaked_handles is 0), "
-    "and when the peer resumes its bytes land in blocks vLLM has been told are free"))),
-])
+@pytest.mark.parametrize("tls", ["default", "tcp"])
 def test_a_read_from_a_frozen_peer_fails_at_its_deadline_and_lands_nothing_after(tmp_path, tls):
     """A hostile peer grants the claim, then its agent stops (SIGSTOP: no
     UCX progress on its side; an honest peer starved or paused looks the
@@ -251,10 +247,7 @@ def test_a_read_from_a_frozen_peer_fails_at_its_deadline_and_lands_nothing_after
 
 
 @pytest.mark.parametrize("end", [
-    pytest.param("session", marks=pytest.mark.xfail(strict=True, reason=(
-        "settle.cancel_reads counts on NIXL refusing to release a transfer still in progress; over tcp NIXL "
-        "releases the posted READ at once, the stream closes and a new session opens, and the peer's bytes "
-        "land in the blocks afterwards"))),
+    "session",
     "unregister",
 ])
 def test_a_read_from_a_frozen_peer_lands_nothing_after_its_session_ended(tmp_path, end):
