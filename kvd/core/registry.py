@@ -9,6 +9,7 @@ attach to and detach from a worker; a worker detached past
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -29,6 +30,9 @@ from kvd.core.runtime import Runtime
 from kvd.core.state import Owner, Segment, Worker, WorkerKey, WorkerMemory
 
 log = logging.getLogger("kvd.core")
+
+#: How long a replaced agent may wait for the last handle bound to it (seconds; measured: one NIXL call).
+CLOSE_WAIT_S = 2.0
 
 
 class Registry:
@@ -298,18 +302,24 @@ class Registry:
             return False
         name = f"kvd-{w.key[0]}-r{w.key[1]}-{uuid.uuid4().hex[:8]}"
         t0 = time.monotonic()
+        old = w.agent
         try:
-            old = w.agent.name
             closed = await self.rt.nixl(self._replace, w, name, why)
         except NixlError as e:
             log.error("%s: cannot make a new NIXL agent to stop a READ (%s): %s", w.label, why, e)
             return False
+        # A remote taken out of the pairs by a handshake under way is freed
+        # by its next NIXL call (kvd.core.peers): its lists bind the old agent
+        # until then.
+        while not closed and time.monotonic() - t0 < CLOSE_WAIT_S:
+            await asyncio.sleep(0.005)
+            closed = await self.rt.nixl(old.close)
         if closed:
-            log.warning("%s: NIXL agent %s replaced by %s in %.0f ms to stop its transfers (%s)", w.label, old, name,
+            log.warning("%s: NIXL agent %s replaced by %s in %.0f ms to stop its transfers (%s)", w.label, old.name, name,
                         (time.monotonic() - t0) * 1e3, why)
         else:
-            log.error("%s: NIXL agent %s replaced by %s but not destroyed (a handle still bound): its READs may "
-                      "still land (%s)", w.label, old, name, why)
+            log.error("%s: NIXL agent %s replaced by %s but not destroyed after %.0f s (a handle still bound): its "
+                      "READs may still land (%s)", w.label, old.name, name, CLOSE_WAIT_S, why)
         return closed
 
     def _replace(self, w: Worker, name: str, why: str) -> bool:
@@ -350,6 +360,7 @@ class Registry:
         w.pairs.remotes.clear()
         w.pairs.retired.clear()
         w.pairs.readers.clear()
+        w.pairs.agents.clear()  # the peers' agents go with this agent (a next one loads them afresh)
         try:
             w.agent.release_dlist(w.mem.local_dlist)
         except Exception:
