@@ -315,8 +315,8 @@ class Registry:
             await asyncio.sleep(0.005)
             closed = await self.rt.nixl(old.close)
         if closed:
-            log.warning("%s: NIXL agent %s replaced by %s in %.0f ms to stop its transfers (%s)", w.label, old.name, name,
-                        (time.monotonic() - t0) * 1e3, why)
+            log.warning("%s: NIXL agent %s replaced by %s in %.0f ms to stop its transfers (%s)", w.label,
+                        old.name, name, (time.monotonic() - t0) * 1e3, why)
         else:
             log.error("%s: NIXL agent %s replaced by %s but not destroyed after %.0f s (a handle still bound): its "
                       "READs may still land (%s)", w.label, old.name, name, CLOSE_WAIT_S, why)
