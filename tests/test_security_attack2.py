@@ -20,6 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvd.testing.daemons import start_daemon
+from kvd.testing.nixl_peer import PEER_AGENT
 from kvd.testing.processes import child_env
 from kvd.testing.security import NOBODY, reachable_dir
 from kvd.testing.sessions import Engine, KvShape
@@ -146,21 +147,6 @@ def test_a_local_user_sharing_the_port_of_a_trusted_client_socket_gets_no_handsh
 
 
 # ---------------------------------------------------------------- hostile peers
-# A peer's NIXL agent in its own process: registers ``argv[2]`` bytes filled
-# with 0xAB, prints ``MD <metadata hex> <base address>``, waits for stdin.
-_PEER_AGENT = r"""
-import ctypes, mmap, sys
-from kvd.core.nixl_agent import NixlAgent
-agent = NixlAgent(sys.argv[1])
-m = mmap.mmap(-1, int(sys.argv[2]))
-m[:] = b"\xab" * len(m)
-base = ctypes.addressof(ctypes.c_char.from_buffer(m))
-agent.register_dram(base, len(m))
-print("MD", agent.metadata().hex(), base, flush=True)
-sys.stdin.readline()
-"""
-
-
 class HostilePeer:
     """A PeerService on loopback that describes a NIXL agent of its own
     (another process, ``self.agent``) as engine ``engine_id`` laid out like
@@ -173,7 +159,7 @@ class HostilePeer:
         from kvd.v1 import kvd_pb2 as pb
         from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
-        self.agent = subprocess.Popen([sys.executable, "-c", _PEER_AGENT, name, str(shape.size)],
+        self.agent = subprocess.Popen([sys.executable, "-c", PEER_AGENT, name, str(shape.size)],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env(env))
         for line in self.agent.stdout:
             if line.startswith("MD "):

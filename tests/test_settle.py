@@ -21,9 +21,9 @@ import time
 
 import numpy as np
 import pytest
-from test_security_attack2 import _PEER_AGENT
 
 from kvd.core.nixl_agent import NixlAgent, Unprepped
+from kvd.testing.nixl_peer import PEER_AGENT
 from kvd.testing.processes import child_env
 from kvd.testing.util import wait_until
 
@@ -38,7 +38,7 @@ def frozen_read(monkeypatch):
     ``UCX_TLS=tcp`` (both sides)."""
     monkeypatch.setenv("UCX_TLS", "tcp")  # read by UCX when each agent is made
     size = BLOCK * N_BLOCKS
-    src = subprocess.Popen([sys.executable, "-c", _PEER_AGENT, "settle-source", str(size)], stdin=subprocess.PIPE,
+    src = subprocess.Popen([sys.executable, "-c", PEER_AGENT, "settle-source", str(size)], stdin=subprocess.PIPE,
                            stdout=subprocess.PIPE, text=True, env=child_env({"UCX_TLS": "tcp"}))
     agent = None
     try:
