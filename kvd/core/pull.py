@@ -266,6 +266,8 @@ class Pull:
         if err:
             for h, r in posted:
                 await self.rt.nixl(self.rt.release_handle, w.agent, h)
+            if posted:  # a READ of another source rank still in progress must end before the load does
+                await settle.end_reads(self.rt, self.registry, w, f"request {rid}: a post failed")
             if retry and err[0] is K.NIXL and self.rt.registered(w):
                 for _, r in posted:
                     self.peers.retire(w, r, err[1])

@@ -135,10 +135,10 @@ class Runtime:
         # given up at its deadline or at its session's end whose bytes may
         # still arrive): the next poll tries again; ``leaked_handles`` in stats.
         self.zombies: list[tuple[NixlAgent, object]] = []
-        # Workers unregistered while one of their READs was still in progress:
-        # their agent, registrations and mappings are kept (a late byte lands
-        # in memory still theirs, never in a freed or reused mapping) and freed
-        # by the progress loop once the READs end (``Registry.free_quarantined``).
+        # Workers unregistered while a READ was in progress whose NIXL agent
+        # could not be destroyed (a handle still bound to it): their mappings
+        # are kept (a late byte lands in memory still theirs, never in a freed
+        # or reused mapping) until it is (``Registry.free_quarantined``).
         self.quarantine: list[Worker] = []
         self.kick = asyncio.Event()  # wakes the progress loop (a transfer was posted)
         self.draining = False  # set at SIGTERM: no new loads or sessions, no second tries
