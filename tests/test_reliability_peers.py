@@ -208,9 +208,13 @@ def test_compat_hash_mismatch_fails_only_that_engines_requests_and_names_both_ha
     other = Engine(decode, "other-model-d", SMALL, model="another-model")
     try:
         assert other.registered.compat_hash != small.registered.compat_hash
-        healthy.hold("shared", [20, 21])
-        other.load("mismatch", [1, 2], healthy, [20, 21], "shared", timeout_s=DEADLINE_S)
-        small.load("match", [1, 2], healthy, [20, 21], "shared", timeout_s=DEADLINE_S)
+        # One hold per request, as vLLM makes them (a hold ends at its one
+        # reader's notification: the refused reader frees its own at once, by
+        # RPC, and must not end the compatible reader's).
+        healthy.hold("shared-a", [20, 21])
+        healthy.hold("shared-b", [20, 21])
+        other.load("mismatch", [1, 2], healthy, [20, 21], "shared-a", timeout_s=DEADLINE_S)
+        small.load("match", [1, 2], healthy, [20, 21], "shared-b", timeout_s=DEADLINE_S)
         bad = other.wait("mismatch", DEADLINE_S + 5)
         good = small.wait("match", DEADLINE_S + 5)
         assert event_kind(good) == "recv_done" and small.same_blocks([1, 2], healthy, [20, 21])
@@ -218,7 +222,9 @@ def test_compat_hash_mismatch_fails_only_that_engines_requests_and_names_both_ha
         reason = bad.load_failed.reason
         assert "compatibility hash mismatch" in reason, reason
         assert other.registered.compat_hash in reason and healthy.registered.compat_hash in reason, reason
-        assert event_kind(healthy.wait("shared")) == "send_done"
+        # Both holds end read: the compatible reader's by its READ, the refused one's by its RPC notification.
+        assert event_kind(healthy.wait("shared-b")) == "send_done"
+        assert event_kind(healthy.wait("shared-a")) == "send_done"
         # A refused handshake leaves nothing behind.
         assert decode.stats().inflight_transfers == 0
     finally:
