@@ -40,16 +40,14 @@ import asyncio
 import collections
 import contextlib
 import logging
-import os
 import socket
-import stat
 
 from google.protobuf.message import DecodeError
 
 from kvd import tracepoints as tp
 from kvd.command_wire import Deframer, FrameError, frame
 from kvd.daemon.engine_service import EngineService, SessionRefused
-from kvd.daemon.local_gate import SOCKET_MODE, Caller, Gate
+from kvd.daemon.local_gate import Caller, Gate, bind_side_socket, unlink_own
 from kvd.daemon.logs import Throttled
 from kvd.v1 import kvd_pb2 as pb
 
@@ -237,7 +235,8 @@ class CommandSocket:
             ``max_message_bytes``).
 
     ``open()`` binds and starts accepting (on the running loop); ``close()``
-    stops, closes every connection (their sessions end) and removes the socket.
+    stops, closes every connection (their sessions end) and removes the socket
+    if it is still the file bound here.
     """
 
     def __init__(self, path: str, gate: Gate, service: EngineService, max_message_bytes: int):
@@ -248,29 +247,14 @@ class CommandSocket:
         self.connections: set[_Connection] = set()
         self.warn = Throttled(log)
         self._server: asyncio.AbstractServer | None = None
+        self._bound: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket file bound
 
     async def open(self) -> None:
         """Binds ``path`` (mode 0660, the gate's group) and starts accepting.
         A socket file left there is replaced (the engine socket's check has
         run: no daemon serves here). Raises OSError when it cannot be bound
         or given to the group."""
-        if os.path.lexists(self.path):
-            if not stat.S_ISSOCK(os.lstat(self.path).st_mode):
-                raise OSError(f"command socket: {self.path} exists and is not a socket; refusing to replace it")
-            os.unlink(self.path)
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            s.bind(self.path)
-            os.chmod(self.path, SOCKET_MODE)  # not connectable before listen(): who may connect is set first
-            if self.gate.group is not None:
-                os.chown(self.path, -1, self.gate.group)
-            s.listen(1024)
-            s.setblocking(False)
-        except BaseException:
-            s.close()
-            if os.path.lexists(self.path):
-                os.unlink(self.path)
-            raise
+        s, self._bound = bind_side_socket(self.path, socket.SOCK_STREAM, self.gate.group, 1024, WHAT)
         self._server = await asyncio.get_running_loop().create_unix_server(lambda: _Connection(self), sock=s)
 
     async def close(self) -> None:
@@ -281,8 +265,5 @@ class CommandSocket:
         self._server = None
         for c in list(self.connections):
             c.transport.close()
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        unlink_own(self.path, self._bound, WHAT)
 

@@ -38,12 +38,11 @@ import logging
 import os
 import secrets
 import socket
-import stat
 import time
 from dataclasses import dataclass
 
 from kvd import fd_wire as wire
-from kvd.daemon.local_gate import SOCKET_MODE, Policy, peer_credentials
+from kvd.daemon.local_gate import Policy, bind_side_socket, peer_credentials, unlink_own
 from kvd.daemon.logs import Throttled
 
 log = logging.getLogger("kvd.fd_channel")
@@ -196,6 +195,7 @@ class FdChannel:
         self.max_connections = max_connections
         self.timeout_s = timeout_s
         self._sock: socket.socket | None = None
+        self._bound: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket file bound
         self._conns: dict[int, tuple[socket.socket, asyncio.TimerHandle]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._expiry: asyncio.TimerHandle | None = None
@@ -206,23 +206,7 @@ class FdChannel:
     async def open(self) -> None:
         """Binds ``path`` (mode 0660, ``group``) and starts accepting.
         Raises OSError when it cannot be bound or given to the group."""
-        if os.path.lexists(self.path):
-            if not _is_socket(self.path):
-                raise OSError(f"fd channel: {self.path} exists and is not a socket; refusing to replace it")
-            os.unlink(self.path)  # the engine socket's check has run: no daemon serves here
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            s.bind(self.path)
-            os.chmod(self.path, SOCKET_MODE)
-            if self.group is not None:
-                os.chown(self.path, -1, self.group)
-            s.listen(128)
-            s.setblocking(False)
-        except BaseException:
-            s.close()
-            if os.path.exists(self.path):
-                os.unlink(self.path)
-            raise
+        s, self._bound = bind_side_socket(self.path, socket.SOCK_SEQPACKET, self.group, 128, "fd channel")
         self._sock = s
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(s.fileno(), self._accept)
@@ -343,12 +327,5 @@ class FdChannel:
             self._loop.remove_reader(self._sock.fileno())
             self._sock.close()
             self._sock = None
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+            unlink_own(self.path, self._bound, "fd channel")
         self.table.close()
-
-
-def _is_socket(path: str) -> bool:
-    return stat.S_ISSOCK(os.lstat(path).st_mode)

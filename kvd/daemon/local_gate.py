@@ -72,6 +72,53 @@ REFUSED_REASONS = ("not_admitted", "max_engine_connections", "max_engine_connect
                    "credentials", "relay")
 
 
+def bind_side_socket(path: str, kind: int, group: int | None, backlog: int, what: str
+                     ) -> tuple[socket.socket, tuple[int, int]]:
+    """Binds a Unix socket of ``kind`` (``SOCK_STREAM``, ``SOCK_SEQPACKET``)
+    beside the engine socket, with its mode (:data:`SOCKET_MODE`) and
+    ``group``, listening and non-blocking; ``(socket, (st_dev, st_ino) of the
+    file bound)``, the identity :func:`unlink_own` checks. A socket file left
+    at ``path`` is replaced (the engine socket's check has run: no daemon
+    serves here). Raises OSError, naming ``what``, when ``path`` exists and is
+    not a socket, or it cannot be bound or given to the group."""
+    if os.path.lexists(path):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise OSError(f"{what}: {path} exists and is not a socket; refusing to replace it")
+        os.unlink(path)
+    s = socket.socket(socket.AF_UNIX, kind)
+    identity = None
+    try:
+        s.bind(path)
+        st = os.lstat(path)
+        identity = (st.st_dev, st.st_ino)
+        os.chmod(path, SOCKET_MODE)  # not connectable before listen(): who may connect is set first
+        if group is not None:
+            os.chown(path, -1, group)
+        s.listen(backlog)
+        s.setblocking(False)
+    except BaseException:
+        s.close()
+        if identity is not None:
+            unlink_own(path, identity, what)
+        raise
+    return s, identity
+
+
+def unlink_own(path: str, identity: tuple[int, int] | None, what: str) -> None:
+    """Unlinks ``path`` only if it is the socket file this daemon bound (same
+    device and inode, ``identity``): once removed, another daemon may have
+    bound the path (a clean-up of /run, an operator), and its socket is not
+    ours to remove."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if identity != (st.st_dev, st.st_ino):
+        log.info("%s %s is not the one this daemon bound (another daemon's?): left in place", what, path)
+        return
+    os.unlink(path)
+
+
 def relay_name() -> str:
     """A fresh abstract socket name for one relay connection: 128 random bits,
     which no other user can guess from the names it sees in /proc/net/unix."""
@@ -480,18 +527,8 @@ class Gate:
             shutil.rmtree(self.private_dir, ignore_errors=True)
 
     def _unlink_own(self) -> None:
-        """Unlinks ``path`` only if it is the socket file this gate bound (same
-        device and inode): once removed, another daemon may have bound the path
-        (a clean-up of /run, an operator), and its socket is not ours to remove."""
-        try:
-            st = os.lstat(self.path)
-        except FileNotFoundError:
-            return
-        if self._bound != (st.st_dev, st.st_ino):
-            log.info("engine socket %s is not the one this daemon bound (another daemon's?): left in place",
-                     self.path)
-            return
-        os.unlink(self.path)
+        """Unlinks ``path`` only if it is the socket file this gate bound (:func:`unlink_own`)."""
+        unlink_own(self.path, self._bound, "engine socket")
         self._bound = None
 
     def collect(self):
