@@ -429,6 +429,40 @@ class PeerStats(_message.Message):
     local_tp_rank: int
     def __init__(self, address: _Optional[str] = ..., engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., agent_name: _Optional[str] = ..., daemon_version: _Optional[str] = ..., local_engine_id: _Optional[str] = ..., local_tp_rank: _Optional[int] = ...) -> None: ...
 
+class LeaseRenewal(_message.Message):
+    __slots__ = ("request_id", "groups")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    groups: _containers.RepeatedCompositeFieldContainer[BlockIds]
+    def __init__(self, request_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ...) -> None: ...
+
+class LeaseRenewed(_message.Message):
+    __slots__ = ("request_id", "left_s", "reason")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEFT_S_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    left_s: float
+    reason: str
+    def __init__(self, request_id: _Optional[str] = ..., left_s: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RenewLeasesRequest(_message.Message):
+    __slots__ = ("remote_engine_id", "remote_address", "renewals")
+    REMOTE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RENEWALS_FIELD_NUMBER: _ClassVar[int]
+    remote_engine_id: str
+    remote_address: str
+    renewals: _containers.RepeatedCompositeFieldContainer[LeaseRenewal]
+    def __init__(self, remote_engine_id: _Optional[str] = ..., remote_address: _Optional[str] = ..., renewals: _Optional[_Iterable[_Union[LeaseRenewal, _Mapping]]] = ...) -> None: ...
+
+class RenewLeasesResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[LeaseRenewed]
+    def __init__(self, results: _Optional[_Iterable[_Union[LeaseRenewed, _Mapping]]] = ...) -> None: ...
+
 class HandshakeRequest(_message.Message):
     __slots__ = ("engine_id", "tp_rank", "daemon_version", "compat_hash", "protocol_version")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -534,3 +568,17 @@ class ClaimRequest(_message.Message):
 class ClaimResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class RenewRequest(_message.Message):
+    __slots__ = ("engine_id", "renewals")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    RENEWALS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    renewals: _containers.RepeatedCompositeFieldContainer[LeaseRenewal]
+    def __init__(self, engine_id: _Optional[str] = ..., renewals: _Optional[_Iterable[_Union[LeaseRenewal, _Mapping]]] = ...) -> None: ...
+
+class RenewResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[LeaseRenewed]
+    def __init__(self, results: _Optional[_Iterable[_Union[LeaseRenewed, _Mapping]]] = ...) -> None: ...
