@@ -25,6 +25,7 @@ from kvd.core.leases import LeaseTable
 from kvd.requests import MAX_RENEWALS_PER_CALL, LeaseRenewal
 from kvd.testing.daemons import start_daemons, stop_daemons
 from kvd.testing.sessions import Engine, KvShape, event_kind
+from kvd.testing.util import wait_until
 from kvd.v1 import kvd_pb2 as pb
 
 SHAPE = KvShape(num_layers=2, num_blocks=64, block_len=1024)
@@ -52,6 +53,24 @@ def env(tmp_path_factory):
     stop_daemons([p, d])
 
 
+def end_of(src: Engine, rid: str, timeout: float) -> tuple[pb.SessionEvent, list[float]]:
+    """The event that ends ``rid``'s lease, and the ``left_s`` of each
+    ``renewed`` event the prefill engine got before it."""
+    deadline = time.monotonic() + timeout
+    renewed = []
+    while True:
+        ev = src.wait(rid, max(0.0, deadline - time.monotonic()))
+        if event_kind(ev) != "renewed":
+            return ev, renewed
+        renewed.append(ev.renewed.left_s)
+
+
+def wait_held(src: Engine, n: int) -> None:
+    """Until the prefill daemon holds ``n`` leases (a hold travels on the
+    session stream; a renewal that beats it finds nothing: not_held)."""
+    wait_until(lambda: src.daemon.stats().active_leases == n, 10, f"{n} leases held")
+
+
 def renew(client: EngineClient, src: Engine, *renewals: tuple[str, list[int]], engine_id: str | None = None):
     """One RenewLeases call through the decode daemon; the results."""
     return client.renew_leases(engine_id or src.engine_id, src.peer_address,
@@ -65,18 +84,20 @@ def test_a_renewed_lease_outlives_its_deadline_and_expires_once_renewals_stop(en
     src, _, _, client = env
     t0 = time.monotonic()
     src.hold("wait", [1, 2, 3], lease_s=2.0)
-    last = t0
+    wait_held(src, 1)
+    last, n = t0, 0
     while time.monotonic() - t0 < 4.0:
         sent = time.monotonic()
         (r,) = renew(client, src, ("wait", [1, 2, 3]))
-        assert r.renewed, r
+        assert r.renewed, r  # still held: each renewal came within the lease
         assert 0 < r.left_s <= 2.0, r
-        last = sent
-        assert src.quiet("wait", 0.5), "lease ended while renewed"
+        last, n = sent, n + 1
+        time.sleep(0.5)
     assert time.monotonic() - t0 > 2.0 + 1.0  # well past the first deadline
-    ev = src.wait("wait", 2.0 + SLACK_S + 1)
+    ev, renewed = end_of(src, "wait", 2.0 + SLACK_S + 1)
     assert event_kind(ev) == "send_done" and ev.send_done.expired, ev
-    assert last + 2.0 - 0.05 <= src.arrived <= time.monotonic()
+    assert last + 2.0 - 0.05 <= src.arrived
+    assert len(renewed) == n and all(0 < x <= 2.0 for x in renewed)  # the engine learnt each new end
     print(f"\nlease of 2 s renewed for {last - t0:.1f} s: expired {src.arrived - last:.2f} s after the last renewal")
     (r,) = renew(client, src, ("wait", [1, 2, 3]))
     assert not r.renewed and r.reason == "not_held" and r.left_s == 0
@@ -88,6 +109,7 @@ def test_renewals_never_extend_a_lease_past_its_life_cap(env):
     src, _, _, client = env
     t0 = time.monotonic()
     src.hold("forever", [4, 5], lease_s=2.0)
+    wait_held(src, 1)
     lefts = []
     while True:
         (r,) = renew(client, src, ("forever", [4, 5]))
@@ -95,10 +117,9 @@ def test_renewals_never_extend_a_lease_past_its_life_cap(env):
             break
         lefts.append((time.monotonic() - t0, r.left_s))
         assert time.monotonic() - t0 + r.left_s <= LIFE_S + 0.5, (r, lefts)
-        if not src.quiet("forever", 0.5):
-            break
         assert time.monotonic() - t0 < LIFE_S + SLACK_S + 2, "lease still held past its cap"
-    ev = src.wait("forever", SLACK_S + 2)
+        time.sleep(0.5)
+    ev, _ = end_of(src, "forever", SLACK_S + 2)
     assert event_kind(ev) == "send_done" and ev.send_done.expired, ev
     assert LIFE_S - 0.05 <= src.arrived - t0 <= LIFE_S + SLACK_S
     assert min(left for _, left in lefts[-3:]) < 2.0 - 0.4, lefts  # the cap, not the lease, ended it
@@ -112,6 +133,7 @@ def test_a_renewal_that_does_not_name_the_held_blocks_or_engine_renews_nothing(e
     src, other, _, client = env
     t0 = time.monotonic()
     src.hold("mine", [10, 11], lease_s=2.0)
+    wait_held(src, 1)
     r1, r2, r3 = renew(client, src, ("mine", [10, 12]), ("mine", [10, 11, 13]), ("nobody", [10]))
     assert [r.reason for r in (r1, r2, r3)] == ["not_held"] * 3
     (r,) = renew(client, src, ("mine", [10, 11]), engine_id=other.engine_id)
@@ -119,7 +141,7 @@ def test_a_renewal_that_does_not_name_the_held_blocks_or_engine_renews_nothing(e
     with pytest.raises(EngineClientError) as e:
         renew(client, src, ("mine", [10, 11]), engine_id="no-such-engine")
     assert e.value.code == grpc.StatusCode.NOT_FOUND and "no-such-engine" in str(e.value)
-    ev = src.wait("mine", 2.0 + SLACK_S)
+    ev = src.wait("mine", 2.0 + SLACK_S)  # the first event: no renewed one came
     assert event_kind(ev) == "send_done" and ev.send_done.expired, ev
     assert 2.0 - 0.05 <= src.arrived - t0 <= 2.0 + SLACK_S
 
@@ -130,12 +152,13 @@ def test_one_batch_renews_what_is_held_and_reports_the_rest(env):
     src, _, _, client = env
     src.hold("a", [20, 21], lease_s=30)
     src.hold("b", [22], lease_s=30)
+    wait_held(src, 2)
     res = renew(client, src, ("a", [21]), ("gone", [1]), ("b", [22]))
     assert [(r.request_id, r.renewed) for r in res] == [("a", True), ("gone", False), ("b", True)]
     assert all(25 < r.left_s <= 30 for r in (res[0], res[2]))
     for rid in ("a", "b"):
         src.release(rid)
-        assert src.wait(rid).send_done.released
+        assert end_of(src, rid, 30)[0].send_done.released
 
 
 def test_batches_past_the_bounds_are_refused_with_a_message(env):
@@ -161,12 +184,13 @@ def test_a_renewal_on_the_prefill_daemon_itself_needs_no_peer_call(env):
     local = EngineClient(src.daemon.socket)
     try:
         src.hold("same-node", [30], lease_s=30)
+        wait_held(src, 1)
         (r,) = local.renew_leases(src.engine_id, src.peer_address, [LeaseRenewal("same-node", [[30]])]).result(30)
         assert r.renewed and r.left_s > 25
     finally:
         local.close()
     src.release("same-node")
-    assert src.wait("same-node").send_done.released
+    assert end_of(src, "same-node", 30)[0].send_done.released
 
 
 def test_a_peer_without_the_token_cannot_renew(env):
@@ -174,6 +198,7 @@ def test_a_peer_without_the_token_cannot_renew(env):
     token's proof it is UNAUTHENTICATED and the lease is not renewed."""
     src, _, _, _ = env
     src.hold("guarded", [40], lease_s=30)
+    wait_held(src, 1)
     body = pb.RenewRequest(engine_id=src.engine_id, renewals=[
         pb.LeaseRenewal(request_id="guarded", groups=[pb.BlockIds(ids=[40])])]).SerializeToString()
     with grpc.insecure_channel(src.peer_address) as ch:
@@ -198,3 +223,41 @@ def test_lease_table_renewal_keeps_the_longer_deadline_and_the_cap():
     assert t.expire(129.9) == [] and t.expire(130.0) == ["r"]
     assert t.hold("long", [[1]], deadline=200.0, now=100.0) == "held"
     assert t.renew("long", [[1]], now=150.0, max_life_s=30.0) == pytest.approx(50.0)  # own length > cap
+
+
+def test_the_prefill_engine_client_keeps_a_renewed_hold_past_its_own_deadline(env):
+    """The engine client ends a hold itself at lease + hold_grace_s (its last
+    resort); the daemon's ``renewed`` events move that end: a 1.5 s hold
+    (grace 0.5 s) renewed for 4 s ends by the daemon's expiry, after the
+    last renewal's lease, not at 2 s."""
+    from kvd.shim.memory.shm import share_kv_caches
+    from kvd.testing.cpu_caches import NB, D, H, N, vllm032_cpu_caches
+    from kvd.testing.fakes import wait_events
+
+    src, _, _, client = env
+    _, caches = vllm032_cpu_caches(2)
+    shared = share_kv_caches(caches, num_blocks=NB, block_size=N, kv_layout="HND", num_kv_heads=H, head_dim=D)
+    pc = EngineClient(src.daemon.socket, hold_grace_s=0.5)
+    try:
+        pc.register(pb.RegisterEngineRequest(worker=pb.EngineWorker(engine_id="renew-client-p", tp_rank=0, tp_size=1),
+                                             layout=shared.layout, segments=shared.segments,
+                                             regions=shared.regions, model="tiny"), timeout_s=10)
+        pc.start_session()
+        assert pc.wait_opened(10)
+        t0 = time.monotonic()
+        pc.hold("client-hold", [[1, 2]], lease_s=1.5)
+        wait_held(src, 1)
+        last = t0
+        while time.monotonic() - t0 < 4.0:
+            sent = time.monotonic()
+            (r,) = client.renew_leases("renew-client-p", src.peer_address,
+                                       [LeaseRenewal("client-hold", [[1, 2]])]).result(30)
+            assert r.renewed, r
+            last = sent
+            assert pc.drain_events() == [], "the hold ended while renewed"
+            time.sleep(0.4)
+        (ev,) = wait_events(pc, lambda evs: len(evs) == 1, timeout_s=1.5 + SLACK_S + 1)
+        assert ev.send_done.request_id == "client-hold" and ev.send_done.expired, ev
+        assert time.monotonic() >= last + 1.5 - 0.05
+    finally:
+        pc.close()

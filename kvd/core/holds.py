@@ -34,6 +34,7 @@ from kvd.core.events import (
     CoreError,
     FailureKind,
     InvalidArgument,
+    LeaseRenewed,
     NotFound,
     PermissionDenied,
     SendDone,
@@ -249,7 +250,8 @@ class Holds:
         """Source side: renews, on every TP rank of ``engine_id`` registered
         here, the lease of each renewal's request that holds its blocks
         (``LeaseTable.renew``: a full lease from now, capped at the lease's
-        start plus ``min(max_lease_life_s, max_lease_s)``). One result per
+        start plus ``min(max_lease_life_s, max_lease_s)``), and tells each
+        renewed worker's engine (``LeaseRenewed``). One result per
         renewal, same order; a request no rank holds those blocks for is
         ``reason="not_held"`` (not an error for the batch).
 
@@ -267,7 +269,14 @@ class Holds:
         life_s = min(self.rt.limits.max_lease_life_s, self.rt.limits.max_lease_s)
         out = []
         for r in renewals:
-            left = [x for w in workers if (x := w.leases.renew(r.request_id, r.groups, now, life_s)) is not None]
+            left = []
+            for w in workers:
+                x = w.leases.renew(r.request_id, r.groups, now, life_s)
+                if x is not None:
+                    left.append(x)
+                    # The engine ends a hold itself at its lease plus a grace
+                    # (kvd.client.pending): it must learn the new end.
+                    self.rt.emit(w, LeaseRenewed(r.request_id, x))
             out.append(RenewResult(r.request_id, min(left)) if left else RenewResult(r.request_id, 0.0, "not_held"))
         renewed = sum(r.renewed for r in out)
         self.rt.counters.leases_renewed += renewed

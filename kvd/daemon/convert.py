@@ -92,6 +92,8 @@ def event_to_pb(e: ev.Event) -> pb.SessionEvent:
     if isinstance(e, ev.SendDone):
         return pb.SessionEvent(send_done=pb.SendDone(
             request_id=e.request_id, expired=e.expired, released=e.released))
+    if isinstance(e, ev.LeaseRenewed):
+        return pb.SessionEvent(renewed=pb.LeaseRenewed(request_id=e.request_id, left_s=e.left_s))
     return pb.SessionEvent(rejected=pb.CommandRejected(request_id=e.request_id, reason=e.reason))
 
 

@@ -237,18 +237,20 @@ class AbortLoad(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., remote_address: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., remote_tp_size: _Optional[int] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("opened", "recv_done", "load_failed", "send_done", "rejected")
+    __slots__ = ("opened", "recv_done", "load_failed", "send_done", "rejected", "renewed")
     OPENED_FIELD_NUMBER: _ClassVar[int]
     RECV_DONE_FIELD_NUMBER: _ClassVar[int]
     LOAD_FAILED_FIELD_NUMBER: _ClassVar[int]
     SEND_DONE_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
+    RENEWED_FIELD_NUMBER: _ClassVar[int]
     opened: SessionOpened
     recv_done: RecvDone
     load_failed: LoadFailed
     send_done: SendDone
     rejected: CommandRejected
-    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., recv_done: _Optional[_Union[RecvDone, _Mapping]] = ..., load_failed: _Optional[_Union[LoadFailed, _Mapping]] = ..., send_done: _Optional[_Union[SendDone, _Mapping]] = ..., rejected: _Optional[_Union[CommandRejected, _Mapping]] = ...) -> None: ...
+    renewed: LeaseRenewed
+    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., recv_done: _Optional[_Union[RecvDone, _Mapping]] = ..., load_failed: _Optional[_Union[LoadFailed, _Mapping]] = ..., send_done: _Optional[_Union[SendDone, _Mapping]] = ..., rejected: _Optional[_Union[CommandRejected, _Mapping]] = ..., renewed: _Optional[_Union[LeaseRenewed, _Mapping]] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
     __slots__ = ("agent_name", "daemon_version")
