@@ -221,6 +221,8 @@ def test_lease_table_renewal_keeps_the_longer_deadline_and_the_cap():
     assert t.renew("r", [[1, 2]], now=125.0, max_life_s=30.0) == pytest.approx(5.0)  # capped at 130
     assert t.renew("r", [[3]], now=125.0, max_life_s=30.0) is None
     assert t.renew("other", [[1]], now=125.0, max_life_s=30.0) is None
+    assert t.renew("r", [[]], now=125.0, max_life_s=30.0) is None  # a renewal must name blocks
+    assert t.renew("r", [], now=125.0, max_life_s=30.0) is None
     assert t.expire(129.9) == [] and t.expire(130.0) == ["r"]
     assert t.hold("long", [[1]], deadline=200.0, now=100.0) == "held"
     assert t.renew("long", [[1]], now=150.0, max_life_s=30.0) == pytest.approx(50.0)  # own length > cap

@@ -177,13 +177,16 @@ class LeaseTable:
     def renew(self, request_id: str, groups: list[list[int]], now: float, max_life_s: float) -> float | None:
         """A reader renews the lease of ``request_id`` on ``groups`` (a subset
         per group, as a claim names them: :meth:`covers`). Returns the seconds
-        left after the renewal, or None when no live lease covers ``groups``.
+        left after the renewal, or None when no live lease covers ``groups``
+        or ``groups`` names no block (a renewal needs more than the request
+        id: a claim of nothing reads nothing, a renewal of nothing would pin
+        every block).
 
         The deadline becomes ``now + length`` (the lease the engine asked
         for), capped at ``start + max(max_life_s, length)``: a renewal never
         shortens a lease, and never extends it past the cap.
         """
-        if not self.covers(request_id, groups):
+        if not any(len(g) for g in groups) or not self.covers(request_id, groups):
             return None
         lease = self.leases[request_id]
         deadline = min(now + lease.length, lease.start + max(max_life_s, lease.length))
