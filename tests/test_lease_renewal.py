@@ -82,6 +82,7 @@ def test_a_renewed_lease_outlives_its_deadline_and_expires_once_renewals_stop(en
     deadline; once renewals stop it expires, not before a full lease after
     the last renewal, then a renewal says not_held."""
     src, _, _, client = env
+    before = src.daemon.stats().leases_renewed
     t0 = time.monotonic()
     src.hold("wait", [1, 2, 3], lease_s=2.0)
     wait_held(src, 1)
@@ -98,6 +99,7 @@ def test_a_renewed_lease_outlives_its_deadline_and_expires_once_renewals_stop(en
     assert event_kind(ev) == "send_done" and ev.send_done.expired, ev
     assert last + 2.0 - 0.05 <= src.arrived
     assert len(renewed) == n and all(0 < x <= 2.0 for x in renewed)  # the engine learnt each new end
+    assert src.daemon.stats().leases_renewed == before + n
     print(f"\nlease of 2 s renewed for {last - t0:.1f} s: expired {src.arrived - last:.2f} s after the last renewal")
     (r,) = renew(client, src, ("wait", [1, 2, 3]))
     assert not r.renewed and r.reason == "not_held" and r.left_s == 0
@@ -167,7 +169,8 @@ def test_batches_past_the_bounds_are_refused_with_a_message(env):
     no address: INVALID_ARGUMENT naming the bound; the daemon keeps serving."""
     src, _, _, client = env
     cases = [
-        ([LeaseRenewal(f"r{i}", [[1]]) for i in range(MAX_RENEWALS_PER_CALL + 1)], src.peer_address, "leases in one call"),
+        ([LeaseRenewal(f"r{i}", [[1]]) for i in range(MAX_RENEWALS_PER_CALL + 1)], src.peer_address,
+         "leases in one call"),
         ([LeaseRenewal("x" * 2000, [[1]])], src.peer_address, "request_id"),
         ([LeaseRenewal("r", [[1]])], "", "remote_address"),
     ]

@@ -277,10 +277,9 @@ class Holds:
                     # The engine ends a hold itself at its lease plus a grace
                     # (kvd.client.pending): it must learn the new end.
                     self.rt.emit(w, LeaseRenewed(r.request_id, x))
+            self.rt.counters.leases_renewed += len(left)
             out.append(RenewResult(r.request_id, min(left)) if left else RenewResult(r.request_id, 0.0, "not_held"))
-        renewed = sum(r.renewed for r in out)
-        self.rt.counters.leases_renewed += renewed
-        log.debug("engine %s: %d of %d leases renewed", engine_id, renewed, len(out))
+        log.debug("engine %s: %d of %d leases renewed", engine_id, sum(r.renewed for r in out), len(out))
         return out
 
     async def renew_at(self, address: str, engine_id: str, renewals: list[LeaseRenewal],

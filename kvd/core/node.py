@@ -293,4 +293,5 @@ class Node:
             transfers_done=c.transfers_done,
             transfers_failed=c.transfers_failed,
             leases_expired=c.leases_expired,
+            leases_renewed=c.leases_renewed,
         )
