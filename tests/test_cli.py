@@ -106,6 +106,16 @@ def test_demo_summary_prints_the_rate_in_mb_per_s():
     assert "(n/a)" in format_summary(summarize([RequestReport(index=0, request_id="r", prompt_tokens=1)], "kvd"))
 
 
+def test_demo_line_names_the_handshake_and_claim_legs_where_measured():
+    # A slow first request says whether first contact or the wait for P's hold took the time.
+    from kvd.demo.run import RequestReport, format_report
+
+    rep = RequestReport(index=0, request_id="r", prompt_tokens=20, external_tokens=20, bytes=32768,
+                        transfer_s=0.040, transfers=1, handshake_s=0.009, claim_s=0.0021)
+    assert "(1 xfer, handshake 9.0, claim 2.1)" in format_report(rep, 1)
+    assert "(1 xfer)" in format_report(RequestReport(index=0, request_id="r", prompt_tokens=20, transfers=1), 1)
+
+
 def test_health_without_address_asks_the_socket(tmp_path):
     # --address's check must not run on its absent default: no daemon here is "unreachable" (2), not 64.
     r = _kvd("health", "--socket", str(tmp_path / "absent.sock"), "--timeout", "0.5")

@@ -123,6 +123,9 @@ def test_metrics_count_a_real_transfer(ops):
     assert value(d, "kvd_transfer_descriptors_sum") == r.num_descriptors > 0
     assert value(d, "kvd_handshake_duration_seconds_count") == 1
     assert 0 < value(d, "kvd_handshake_duration_seconds_sum") < 10
+    # The one load that ran claimed its source's hold; the one whose handshake failed never got to its claim.
+    assert value(d, "kvd_claim_duration_seconds_count") == 1
+    assert 0 < value(d, "kvd_claim_duration_seconds_sum") <= r.duration_s
     assert value(d, "kvd_transfer_failures_total", reason="handshake") == 1
     assert value(d, "kvd_engines") == 1
     assert value(d, "kvd_regions") == SHAPE.num_regions

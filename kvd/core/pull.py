@@ -171,6 +171,7 @@ class Pull:
         # it is the largest daemon-side piece of a small load
         # (docs/PERFORMANCE.md, "Per-load cost, third round").
         tp.hit(tp.CLAIM, rid)
+        claim_t0 = time.monotonic()
         claim = asyncio.ensure_future(self.holds.claim_sources(w, req, read_from, deadline))
         try:
             try:
@@ -201,6 +202,7 @@ class Pull:
             # No READ of another engine's blocks without its hold on them (docs/SECURITY.md).
             denied = await claim
             tp.hit(tp.CLAIMED, rid)
+            self.rt.on_event("claim", {"seconds": time.monotonic() - claim_t0})
             if denied or not self.rt.registered(w):
                 return self._fail(w, req, *(denied or (K.UNREGISTERED, "worker unregistered")))
             if w.session.epoch != epoch:

@@ -12,6 +12,8 @@ Fed by the core's event hook (``Node(on_event=...)``), as things happen:
   ``invalid``, ``busy``, ``draining``, ``shutdown``, ...): a small, fixed set
 - ``kvd_transfer_duration_seconds``        histogram, load command to NIXL DONE
 - ``kvd_handshake_duration_seconds``       histogram, one handshake with a remote daemon
+- ``kvd_claim_duration_seconds``           histogram, a load's claim on the source's hold: sent to
+  answered by every source rank (includes the source daemon's wait for the hold to arrive)
 - ``kvd_transfer_descriptors``             histogram, NIXL descriptors per transfer
 
 Read from ``Node.stats()`` at scrape time (they cannot drift from the core):
@@ -118,6 +120,9 @@ class Metrics:
                                   registry=r, buckets=DURATION_BUCKETS)
         self.handshake = Histogram("kvd_handshake_duration_seconds", "Handshake duration with a remote daemon",
                                    registry=r, buckets=HANDSHAKE_BUCKETS)
+        self.claim = Histogram("kvd_claim_duration_seconds",
+                               "A load's claim on the source's hold, sent to answered (incl. its wait for the hold)",
+                               registry=r, buckets=DURATION_BUCKETS)
         self.descs = Histogram("kvd_transfer_descriptors", "NIXL descriptors per transfer", registry=r,
                                buckets=DESCRIPTOR_BUCKETS)
         r.register(_StatsCollector(stats))
@@ -128,8 +133,8 @@ class Metrics:
 
     def on_event(self, name: str, fields: dict) -> None:
         """The core's event hook: ``transfer`` (bytes, seconds, descs),
-        ``failure`` (kind: a ``FailureKind``), ``handshake`` (seconds); others
-        are ignored."""
+        ``failure`` (kind: a ``FailureKind``), ``handshake`` and ``claim``
+        (seconds); others are ignored."""
         if name == "transfer":
             self.bytes.inc(fields["bytes"])
             self.transfers.inc()
@@ -139,6 +144,8 @@ class Metrics:
             self.failures.labels(reason=FailureKind(fields["kind"]).value).inc()
         elif name == "handshake":
             self.handshake.observe(fields["seconds"])
+        elif name == "claim":
+            self.claim.observe(fields["seconds"])
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
         """Starts the HTTP exporter on ``addr:port`` (a daemon thread); returns the bound port."""

@@ -118,6 +118,8 @@ class RequestReport:
     local_hit_tokens: int = 0         # D: own prefix cache
     bytes: int = 0                    # moved into D
     transfer_s: float = 0.0           # D side, command to NIXL DONE
+    handshake_s: float = float("nan")  # kvd, D side: of transfer_s, handshakes with P's daemon
+    claim_s: float = float("nan")      # kvd, D side: of transfer_s, the claim (incl. its wait for P's hold)
     transfers: int = 0
     prefill_s: float = 0.0            # P request latency (max_tokens=1)
     decode_s: float = 0.0             # D request latency
@@ -159,20 +161,26 @@ class Meter:
             snap["xfer"] = engines.nixl_transfer_totals(m)
         else:
             s = self.st.d_daemon.stats()
+            times = self._daemon_times(self.st.d_daemon)
             snap["xfer"] = {"bytes": float(s.get("bytes_read", 0)),
                             "count": float(s.get("transfers_done", 0)),
-                            "time_s": self._daemon_time(self.st.d_daemon)}
+                            "time_s": times["kvd_transfer_duration_seconds_sum"],
+                            "handshake_s": times["kvd_handshake_duration_seconds_sum"],
+                            "claim_s": times["kvd_claim_duration_seconds_sum"]}
         return snap
 
-    def _daemon_time(self, daemon: engines.StackDaemon) -> float:
+    _TIMES = ("kvd_transfer_duration_seconds_sum", "kvd_handshake_duration_seconds_sum",
+              "kvd_claim_duration_seconds_sum")
+
+    def _daemon_times(self, daemon: engines.StackDaemon) -> dict[str, float]:
+        """D's daemon's summed seconds (``_TIMES``), NaN where it has no
+        metrics port or the scrape failed."""
         port = getattr(daemon, "metrics_port", None)
-        if not port:
-            return float("nan")
         try:
-            m = proxy.parse_prometheus(proxy.get_text(f"http://127.0.0.1:{port}/metrics"))
+            m = proxy.parse_prometheus(proxy.get_text(f"http://127.0.0.1:{port}/metrics")) if port else None
         except OSError:
-            return float("nan")
-        return proxy.metric_sum(m, "kvd_transfer_duration_seconds_sum")
+            m = None
+        return {k: proxy.metric_sum(m, k) if m is not None else float("nan") for k in self._TIMES}
 
     def settle(self, before: dict, prompt_tokens: int, timeout_s: float = 5.0) -> dict:
         """Poll until D's counters show the request (stats are published a
@@ -206,6 +214,9 @@ def run_one(st: engines.PDStack, meter: Meter, index: int, prompt: list[int],
     rep.bytes = int(after["xfer"]["bytes"] - before["xfer"]["bytes"])
     rep.transfers = int(after["xfer"]["count"] - before["xfer"]["count"])
     rep.transfer_s = after["xfer"]["time_s"] - before["xfer"]["time_s"]
+    nan = float("nan")  # the NixlConnector baseline has neither leg
+    rep.handshake_s = after["xfer"].get("handshake_s", nan) - before["xfer"].get("handshake_s", nan)
+    rep.claim_s = after["xfer"].get("claim_s", nan) - before["xfer"].get("claim_s", nan)
     rep.prefill_s = res.prefill.elapsed_s
     rep.decode_s = res.decode.elapsed_s
     rep.pd_token_ids = list(res.decode.token_ids or [])
@@ -242,6 +253,14 @@ def _fmt_ms(s: float) -> str:
     return "   n/a" if s != s else f"{s * 1e3:6.1f}"
 
 
+def _fmt_legs(rep: RequestReport) -> str:
+    """``, handshake 9.0 claim 2.1`` (ms, kvd's D daemon) where measured: what
+    of the transfer time was first contact with P's daemon and the claim's
+    wait for P's hold; empty for the NixlConnector baseline."""
+    legs = [(name, v) for name, v in (("handshake", rep.handshake_s), ("claim", rep.claim_s)) if v == v]
+    return "".join(f", {name} {v * 1e3:.1f}" for name, v in legs)
+
+
 def format_report(rep: RequestReport, total: int) -> str:
     """One line about ``rep`` (request ``rep.index + 1`` of ``total``): tokens,
     bytes, times (ms), match or MISMATCH / RECOMPUTED."""
@@ -251,7 +270,7 @@ def format_report(rep: RequestReport, total: int) -> str:
     line = (f"[{rep.index + 1}/{total}] prompt {rep.prompt_tokens:5d} tok | "
             f"loaded remotely {rep.external_tokens:5d} tok (local compute "
             f"{rep.local_compute_tokens}) | {_fmt_bytes(rep.bytes):>10} in "
-            f"{_fmt_ms(rep.transfer_s)} ms ({rep.transfers} xfer) | P {rep.prefill_s * 1e3:6.1f} ms"
+            f"{_fmt_ms(rep.transfer_s)} ms ({rep.transfers} xfer{_fmt_legs(rep)}) | P {rep.prefill_s * 1e3:6.1f} ms"
             f" D {rep.decode_s * 1e3:6.1f} ms, alone {rep.reference_s * 1e3:6.1f} ms | {status}")
     if rep.p_leases_after is not None:
         line += f" | P leases {rep.p_leases_after}"
