@@ -15,7 +15,7 @@ another user's engine id in a LoadBlocks and READ its KV cache.
 
 A reader whose request still waits renews the leases it will read
 (:meth:`Holds.renew` on the source, :meth:`Holds.renew_at` on the reader;
-PeerService.RenewLeases between two daemons), under the same rule as a
+PeerService.Renew between two daemons), under the same rule as a
 claim: a renewal names the engine, the request and the blocks, and renews
 only a lease of that engine's workers that holds those blocks.
 """

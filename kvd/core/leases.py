@@ -9,7 +9,7 @@ source rank for it (``"<request id>:<expected>"``, heterogeneous TP);
 a notification that arrives before its hold is kept for ``early_s`` seconds.
 
 A reader still waiting to read (vLLM's decode request queued on D) renews
-the lease (``renew``: PeerService.RenewLeases from its daemon, as vLLM's
+the lease (``renew``: PeerService.Renew from its daemon, as vLLM's
 NixlConnector sends heartbeats, ``nixl/base_worker.py`` ``_handle_heartbeat``):
 each renewal moves the deadline to a full lease from now, never past the
 lease's start plus the life cap (``Limits.max_lease_life_s``), so a reader

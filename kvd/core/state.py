@@ -331,5 +331,5 @@ class Counters:
     leases_expired: int = 0
     leases_notified: int = 0
     leases_released: int = 0
-    leases_renewed: int = 0    # renewals granted (PeerService.RenewLeases, one per lease and call)
+    leases_renewed: int = 0    # renewals granted (PeerService.Renew), one per lease, rank and call
     handshakes: int = 0

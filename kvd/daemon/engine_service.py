@@ -256,7 +256,8 @@ class EngineService(pb_grpc.EngineServiceServicer):
         try:
             if not request.remote_engine_id or not request.remote_address:
                 raise ev.InvalidArgument("renew: remote_engine_id and remote_address are required")
-            if max(len(request.remote_engine_id.encode()), len(request.remote_address.encode())) > BOUNDS.max_id_bytes:
+            longest = max(len(request.remote_engine_id.encode()), len(request.remote_address.encode()))
+            if longest > BOUNDS.max_id_bytes:
                 raise ev.InvalidArgument(f"renew: engine id or address longer than {BOUNDS.max_id_bytes} bytes")
             left = context.time_remaining()
             timeout_s = min(self.node.limits.handshake_timeout_s, left if left is not None else float("inf"))

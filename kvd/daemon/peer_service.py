@@ -33,8 +33,8 @@ class PeerService(pb_grpc.PeerServiceServicer):
         self.node = node
 
     async def _refuse(self, context, what: str, request, e: ev.CoreError):
-        log.warning("%s from %s for engine=%s rank=%d refused: %s", what, context.peer(), request.engine_id,
-                    getattr(request, "tp_rank", -1), e)
+        rank = f" rank={request.tp_rank}" if hasattr(request, "tp_rank") else ""  # Renew names no rank
+        log.warning("%s from %s for engine=%s%s refused: %s", what, context.peer(), request.engine_id, rank, e)
         await context.abort(status_of(e), str(e))
 
     async def Handshake(self, request: pb.HandshakeRequest, context) -> pb.HandshakeResponse:
