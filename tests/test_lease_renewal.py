@@ -267,3 +267,29 @@ def test_the_prefill_engine_client_keeps_a_renewed_hold_past_its_own_deadline(en
         assert time.monotonic() >= last + 1.5 - 0.05
     finally:
         pc.close()
+
+
+def test_a_renewal_reaches_every_tp_rank_of_the_engine(env):
+    """P's engine has two TP ranks on its daemon, each holding the request's
+    blocks: one renewal renews both (each rank's engine gets ``renewed``);
+    a rank whose lease ended is skipped; none left: not_held."""
+    src, _, _, client = env
+    ranks = [Engine(src.daemon, "renew-tp", SHAPE, rank=r, tp_size=2) for r in (0, 1)]
+    try:
+        for e in ranks:
+            e.hold("tp-req", [7, 8], lease_s=30)
+        wait_held(src, 2)
+        (r,) = renew(client, ranks[0], ("tp-req", [7, 8]))
+        assert r.renewed and 25 < r.left_s <= 30
+        for e in ranks:
+            ev = e.wait("tp-req", 10)
+            assert event_kind(ev) == "renewed" and 25 < ev.renewed.left_s <= 30, ev
+        ranks[1].release("tp-req")
+        assert ranks[1].wait("tp-req").send_done.released
+        assert renew(client, ranks[0], ("tp-req", [7, 8]))[0].renewed
+        ranks[0].release("tp-req")
+        assert end_of(ranks[0], "tp-req", 10)[0].send_done.released
+        assert renew(client, ranks[0], ("tp-req", [7, 8]))[0].reason == "not_held"
+    finally:
+        for e in ranks:
+            e.close()
