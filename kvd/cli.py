@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     for f in settings():
         s.add_argument(flag_name(f.name), dest=f.name, default=argparse.SUPPRESS, metavar=metavar(f.name),
                        help=help_text(f.name))
-    s.set_defaults(func=cmd_serve)
+    s.set_defaults(func=cmd_serve, parser=s)
 
     for name, func, helptext in (
         ("health", cmd_health, "exit 0 when the daemon is serving, 1 when not serving (draining, or an unknown "
@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("-q", "--quiet", action="store_true", help="print nothing when serving")
         else:
             c.add_argument("--json", action="store_true", help="machine-readable output")
-        c.set_defaults(func=func)
+        c.set_defaults(func=func, parser=c)
 
     # demo and bench are listed here for ``kvd --help`` only: main() hands
     # everything after them to their own parsers before this one runs.
@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("bench_args", nargs=argparse.REMAINDER)
 
     v = sub.add_parser("version", help="print versions")
-    v.set_defaults(func=cmd_version)
+    v.set_defaults(func=cmd_version, parser=v)
     return p
 
 
@@ -192,7 +192,11 @@ def main(argv: list[str] | None = None) -> int:
         from kvd.demo.run import main as demo_main
 
         return demo_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # after a subcommand: its usage, not the top-level one argparse would print
+        after = argv[argv.index(args.command) + 1:] if args.command in argv else []
+        (args.parser if unknown[0] in after else parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     return args.func(args)
 
 

@@ -400,12 +400,13 @@ def _coerce(f, value: Any, source: str, from_text: bool) -> Any:
         return list(value)
     if isinstance(default, bool):
         if from_text:
+            # Flags and KVD_* variables alike: true/false, 1/0, yes/no, any case.
             low = value.strip().lower()
-            if low in ("1", "true", "yes", "on"):
+            if low in ("1", "true", "yes"):
                 return True
-            if low in ("0", "false", "no", "off"):
+            if low in ("0", "false", "no"):
                 return False
-            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+            raise ConfigError(f"{where}: expected true or false (or 1/0, yes/no), got {value!r}")
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: expected true or false, got {value!r}")
         return value

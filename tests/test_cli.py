@@ -120,3 +120,45 @@ def test_health_without_address_asks_the_socket(tmp_path):
     # --address's check must not run on its absent default: no daemon here is "unreachable" (2), not 64.
     r = _kvd("health", "--socket", str(tmp_path / "absent.sock"), "--timeout", "0.5")
     assert r.returncode == 2 and "UNAVAILABLE" in r.stderr, (r.returncode, r.stderr)
+
+
+def test_an_unknown_serve_flag_prints_serves_usage():
+    r = _kvd("serve", "--no-such-flag", "1")
+    assert r.returncode == 64, (r.returncode, r.stderr)
+    assert "usage: kvd serve" in r.stderr and "kvd serve: error: unrecognized arguments: --no-such-flag 1" in r.stderr
+    r = _kvd("health", "--bogus")  # every subcommand alike
+    assert r.returncode == 64 and "usage: kvd health" in r.stderr, r.stderr
+    r = _kvd("--bogus", "version")  # before the subcommand: the top-level usage
+    assert r.returncode == 64 and "usage: kvd [" in r.stderr and "kvd: error: unrecognized arguments: --bogus" in r.stderr
+
+
+@pytest.mark.parametrize("text, value", [("true", True), ("FALSE", False), ("1", True), ("0", False),
+                                         ("yes", True), ("No", False), (" true ", True)])
+def test_a_boolean_setting_takes_true_false_1_0_yes_no_from_flags_and_env(text, value):
+    assert load_config({"peer_insecure": text}, environ={}).peer_insecure is value
+    assert load_config(environ={"KVD_PEER_INSECURE": text}).peer_insecure is value
+
+
+@pytest.mark.parametrize("text", ["on", "off", "y", "2", "", "truee"])
+def test_a_boolean_setting_refuses_anything_else_naming_what_it_takes(text):
+    with pytest.raises(ConfigError, match=r"peer_insecure \(from .*\): expected true or false \(or 1/0, yes/no\)"):
+        load_config({"peer_insecure": text}, environ={})
+    with pytest.raises(ConfigError, match="expected true or false"):
+        load_config(environ={"KVD_PEER_INSECURE": text})
+    r = _kvd("serve", "--peer-insecure", text, "--print-config")
+    assert r.returncode == 64 and "peer_insecure" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("mode, warned", [(0o644, True), (0o604, True), (0o600, False), (0o400, False)])
+def test_a_tls_key_readable_by_others_is_warned_about_as_the_token_file_is(tmp_path, mode, warned):
+    from kvd.daemon.server import secret_file_warnings
+
+    paths = {k: tmp_path / f"{k}.pem" for k in ("peer_tls_cert", "peer_tls_key", "peer_tls_ca")}
+    for p in paths.values():
+        p.write_text("-----BEGIN PRIVATE KEY-----\n")
+        p.chmod(0o644)
+    paths["peer_tls_key"].chmod(mode)
+    w = secret_file_warnings(load_config({k: str(p) for k, p in paths.items()}, environ={}))
+    assert bool(w) is warned, w
+    if warned:  # the key only: certificates are public
+        assert len(w) == 1 and w[0].startswith(f"peer_tls_key: {paths['peer_tls_key']} is mode {mode:04o}"), w

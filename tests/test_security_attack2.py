@@ -124,12 +124,12 @@ def test_on_a_wildcard_listener_a_local_user_dialing_another_loopback_address_is
 
 
 @needs_root
-@pytest.mark.xfail(strict=True, reason=(
-    "peer_local looks the caller's socket up by (caller ip:port, daemon port) and tries the destinations "
-    "127.0.0.1 / advertised IP first: a local user that binds the local port of a root (or daemon-uid) gRPC "
-    "client socket with SO_REUSEADDR (gRPC sets it on its client sockets) and dials the wildcard listener at "
-    "127.0.0.2 is taken for that socket's owner and gets the victim's agent metadata and region addresses"))
 def test_a_local_user_sharing_the_port_of_a_trusted_client_socket_gets_no_handshake(insecure):
+    """A local user binds the local port of a root (or daemon-uid) gRPC
+    client socket with SO_REUSEADDR (gRPC sets it on its client sockets)
+    and dials the wildcard listener at 127.0.0.2: gRPC tells the daemon the
+    caller's ip:port only, which both sockets share; the call is refused,
+    not taken for the trusted socket's owner."""
     d, v = insecure
     port = int(d.peer_address.rsplit(":", 1)[1])
     # A trusted client of the peer port (another daemon of this uid, `kvd health`): a plain gRPC channel.
@@ -425,17 +425,14 @@ def test_a_peer_describing_an_agent_named_like_the_reader_is_refused(tmp_path):
         assert d.stop() == 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "NIXL keeps one remote agent per name and kvd.core.peers refuses a second description under a loaded name "
-    "('loaded already, with other metadata'): a peer that answers first with an agent named like the victim's "
-    "keeps this reader from loading the victim's blocks (every load fails at its handshake) while its forged "
-    "remote lives (answering liveness probes, refreshed by a load every peer_idle_s)"))
 def test_a_peer_squatting_another_engines_agent_name_does_not_keep_the_reader_from_it(tmp_path):
     """A hostile peer (any local user can listen on loopback; a request's
     ``kv_transfer_params`` name it) answers with a real agent of its own
     named like the victim's (``kvd-<engine>-r<rank>-<random>``: from a
-    notification, a log, ``kvd status`` of a shared user). Then the reader's
-    first real load from the victim (the NIXL path: named shm)."""
+    notification, a log, ``kvd status`` of a shared user). The name is
+    one of the reader's daemon's own agents: refused at the handshake. Then
+    the reader's first real load from the victim (the NIXL path: named shm)
+    works."""
     from kvd.testing.sessions import event_kind
 
     d = start_daemon(str(tmp_path), "kvd")
@@ -443,7 +440,8 @@ def test_a_peer_squatting_another_engines_agent_name_does_not_keep_the_reader_fr
     victim = Engine(d, "victim-squat", SHAPE, seed=3)
     peer = HostilePeer(SHAPE, reader.registered.compat_hash, name=victim.registered.agent_name)
     try:
-        assert event_kind(_load_via(reader, peer, "squat")) == "recv_done"  # granted: it is the peer's own memory
+        ev = _load_via(reader, peer, "squat")
+        assert event_kind(ev) == "load_failed" and "this daemon's agent" in ev.load_failed.reason, ev
         victim.hold("real", [5])
         reader.load("real", [6], victim, [5], "real", timeout_s=10)
         ev = reader.wait("real", 30)
@@ -454,3 +452,46 @@ def test_a_peer_squatting_another_engines_agent_name_does_not_keep_the_reader_fr
         reader.close()
         victim.close()
         assert d.stop() == 0
+
+
+@pytest.mark.parametrize("holder", ["moved_on", "still_there"])
+def test_an_agent_name_loaded_from_one_peer_is_not_taken_over_by_another(tmp_path, holder):
+    """Across daemons: a hostile peer answers first with an agent named like
+    the victim's (on another daemon), and the reader loads it (its own
+    memory, granted). When the victim's real daemon then describes its agent
+    by that name, the peer that introduced the name is asked again: once it
+    describes another agent its remote is retired and the real load works;
+    while it still describes the name, the newcomer is refused, naming the
+    holder (without a peer credential this daemon cannot tell which of two
+    peers lies: docs/SECURITY.md), and the holder keeps its agent."""
+    from kvd.testing.sessions import event_kind
+    from kvd.v1 import kvd_pb2 as pb
+
+    d = start_daemon(str(tmp_path), "reader")
+    src = start_daemon(str(tmp_path), "source")
+    reader = Engine(d, "reader-taken", SHAPE)
+    victim = Engine(src, "victim-taken", SHAPE, seed=3)
+    peer = HostilePeer(SHAPE, reader.registered.compat_hash, name=victim.registered.agent_name)
+    try:
+        assert event_kind(_load_via(reader, peer, "first")) == "recv_done"  # the peer's own memory
+        if holder == "moved_on":
+            moved = pb.HandshakeResponse()
+            moved.CopyFrom(peer.answer)
+            moved.agent_name = "kvd-hostile-r0-another"
+            peer.answer = moved
+        victim.hold("real", [5])
+        reader.load("real", [6], victim, [5], "real", timeout_s=10)
+        ev = reader.wait("real", 30)
+        if holder == "moved_on":
+            assert event_kind(ev) == "recv_done", ev
+            assert reader.same_blocks([6], victim, [5])
+        else:
+            assert event_kind(ev) == "load_failed" and peer.address in ev.load_failed.reason, ev
+            victim.release("real")
+            assert event_kind(_load_via(reader, peer, "again")) == "recv_done"  # the holder's remote still works
+        assert d.proc.poll() is None and d.stats().engines == 1
+    finally:
+        peer.close()
+        reader.close()
+        victim.close()
+        assert d.stop() == 0 and src.stop() == 0

@@ -68,7 +68,9 @@ class OwnAddresses:
     def __init__(self) -> None:
         self.advertised = ""
         self.port = 0
-        self.listen_ip: IP | None = None
+        # The IPs a listener on one host is bound to: gRPC binds every address
+        # a name resolves to, both loopbacks for ``localhost``.
+        self.listen_ips: tuple[IP, ...] = ()
         self.wildcard = False
         self.dual_stack = False
 
@@ -78,12 +80,16 @@ class OwnAddresses:
         self.port = port
         host = host.strip("[]")  # as split_host_port gives it, or a bracketed IPv6
         if host in ("", "0.0.0.0", "::"):
-            self.wildcard, self.dual_stack, self.listen_ip = True, host != "0.0.0.0", None
+            self.wildcard, self.dual_stack, self.listen_ips = True, host != "0.0.0.0", ()
+            return
+        self.wildcard = False
+        if host == "localhost":
+            self.listen_ips = (ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1"))
             return
         try:
-            self.listen_ip = _plain(ipaddress.ip_address("127.0.0.1" if host == "localhost" else host))
+            self.listen_ips = (_plain(ipaddress.ip_address(host)),)
         except ValueError:
-            self.listen_ip = None
+            self.listen_ips = ()
 
     def accepts(self, ip: IP) -> bool:
         """True when a connection to ``ip`` on the bound port reaches this listener."""
@@ -92,7 +98,7 @@ class OwnAddresses:
             if ip.version == 6 and not self.dual_stack:
                 return False
             return ip.is_loopback or is_host_address(ip)
-        return ip == self.listen_ip
+        return ip in self.listen_ips
 
     async def canonical(self, address: str) -> str:
         """``advertised`` when ``address`` reaches this daemon's PeerService,

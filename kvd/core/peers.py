@@ -30,6 +30,7 @@ import time
 import numpy as np
 
 from kvd import __version__
+from kvd.core import agent_names
 from kvd.core import layout as lay
 from kvd.core import plan
 from kvd.core.events import Incompatible, InvalidArgument, NotFound, PeerUnavailable
@@ -182,7 +183,8 @@ class Peers:
             if again:
                 self.warm(w, remote.address, remote.engine_id, remote.tp_size)
 
-    def _load_agent(self, w: Worker, name: str, metadata: bytes, phases: dict[str, float] | None = None) -> str:
+    def _load_agent(self, w: Worker, name: str, metadata: bytes, introducer: PeerKey,
+                    phases: dict[str, float] | None = None) -> str:
         """NIXL thread: loads a peer's agent into ``w``'s agent once; counts its users.
 
         Several remotes may be one NIXL agent (the same peer under two
@@ -190,6 +192,11 @@ class Peers:
         replayed by someone else), and NIXL keeps one entry per name: the
         entry is shared and removed with its last user. Before, the second
         load failed and dropping either remote broke the other.
+
+        ``introducer``: the peer whose description loads it first (its
+        ``(address, engine_id, tp_rank)``; address ``""`` for a push reader),
+        the one asked again when another peer describes another agent by that
+        name (``kvd.core.agent_names``).
 
         ``phases`` (if given) gets the seconds NIXL's ``add_remote_agent`` and
         ``make_connection`` took, as ``add_remote`` and ``connect``.
@@ -206,7 +213,7 @@ class Peers:
         if known is not None:
             if known[0] != metadata:
                 raise NixlError(f"agent {name!r} is loaded already, with other metadata")
-            w.pairs.agents[name] = (metadata, known[1] + 1)
+            w.pairs.agents[name] = (metadata, known[1] + 1, known[2])
             return name
         t0 = time.monotonic()
         loaded = w.agent.add_remote(metadata)
@@ -215,7 +222,7 @@ class Peers:
             if loaded not in w.pairs.agents:
                 w.agent.remove_remote(loaded)
             raise NixlError(f"agent metadata loaded as {loaded!r}, the peer said {name!r}")
-        w.pairs.agents[name] = (metadata, 1)
+        w.pairs.agents[name] = (metadata, 1, introducer)
         t0 = time.monotonic()
         w.agent.connect(name)
         phases["connect"] = time.monotonic() - t0
@@ -223,9 +230,9 @@ class Peers:
 
     def _unload_agent(self, w: Worker, name: str) -> None:
         """NIXL thread: one user fewer of a peer agent; the last one removes it."""
-        metadata, users = w.pairs.agents.pop(name, (b"", 1))
+        metadata, users, introducer = w.pairs.agents.pop(name, (b"", 1, ("", "", 0)))
         if users > 1:
-            w.pairs.agents[name] = (metadata, users - 1)
+            w.pairs.agents[name] = (metadata, users - 1, introducer)
         else:
             w.agent.remove_remote(name)
 
@@ -378,6 +385,7 @@ class Peers:
         if hs.tp_size != tp_size:
             raise Incompatible(f"remote engine {engine_id!r} has TP size {hs.tp_size}, the request says {tp_size}")
         check_peer(w, hs, "handshake")
+        await agent_names.settle(self, w, key, hs)
         # An agent of the same name still loaded (a retired one, or the peer's
         # old identity) is forgotten first: NIXL keeps one entry per name.
         for old in [o for o in w.pairs.retired if o.agent_name == hs.agent_name]:
@@ -420,9 +428,10 @@ class Peers:
         Raises:
             Incompatible: the layouts cannot be combined.
             NixlError: NIXL refused the agent metadata or a list (the agent is
-                unloaded again).
+                unloaded again), or it names one of this daemon's own agents.
         """
         phases = {} if phases is None else phases
+        agent_names.refuse_own(self.rt, hs, address or "a push reader")
         t0 = time.monotonic()
         ours = w.geometry()
         theirs = plan.Geometry(peer_rank, hs.tp_size, hs.layout, tuple(hs.regions),
@@ -439,7 +448,8 @@ class Peers:
 
         def add():
             phases["nixl_wait"] = time.monotonic() - queued
-            name = self._load_agent(w, hs.agent_name, hs.agent_metadata, phases)
+            name = self._load_agent(w, hs.agent_name, hs.agent_metadata, (address, engine_id, peer_rank),
+                                    phases)
             # A description that names memory the peer's agent never
             # registered (a mangled relay, a lying peer) is refused here, as a
             # prepared list of the whole map would be: NIXL checks each row

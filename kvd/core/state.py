@@ -240,13 +240,14 @@ class WorkerPairs:
     ``remotes``: sources it READs from, by peer key; ``readers``: push-mode
     readers it WRITEs to, by agent name; ``retired``: dropped ones whose NIXL
     state is freed once no load uses them; ``agents``: peer agents loaded
-    into its agent, name -> (metadata, users).
+    into its agent, name -> (metadata, users, the peer key whose description
+    loaded it first: ``kvd.core.peers``).
     """
 
     remotes: dict[PeerKey, RemoteWorker] = field(default_factory=dict)
     readers: dict[str, RemoteWorker] = field(default_factory=dict)
     retired: list[RemoteWorker] = field(default_factory=list)
-    agents: dict[str, tuple[bytes, int]] = field(default_factory=dict)
+    agents: dict[str, tuple[bytes, int, PeerKey]] = field(default_factory=dict)
 
     def all(self) -> list[RemoteWorker]:
         """Every remote with prepped lists (sources, retired, readers)."""

@@ -96,8 +96,9 @@ def bind_failure(host: str, port: int) -> str:
 
 
 def secret_file_warnings(cfg: Config) -> list[str]:
-    """A warning for ``peer_token_file`` when others may read or write it: the
-    token lets any host act as a daemon of the cluster.
+    """A warning for ``peer_token_file`` and ``peer_tls_key`` when others may
+    read or write them: the token, or this node's private key, lets any
+    host act as a daemon of the cluster.
 
     Warned: a mode with other bits (``0o007``), or with group bits (``0o070``)
     for a group that is not the daemon's own (effective gid). A file of the
@@ -106,18 +107,20 @@ def secret_file_warnings(cfg: Config) -> list[str]:
     root-owned, so the group bit is how the daemon reads it). A warning, not a
     refusal: the operator may have chosen the mode.
     """
-    path = cfg.peer_token_file
-    if not path:
-        return []
-    try:
-        st = os.stat(path)
-    except OSError:
-        return []  # unreadable: PeerAuth.from_config has already refused it
-    mode = stat.S_IMODE(st.st_mode)
-    if not (mode & 0o007 or (mode & 0o070 and st.st_gid != os.getegid())):
-        return []
-    return [f"peer_token_file: {path} is mode {mode:04o} (gid {st.st_gid}), readable or writable beyond the "
-            f"daemon's user and group; make it 0600 (chmod 0600 {path})"]
+    warnings = []
+    for key in ("peer_token_file", "peer_tls_key"):
+        path = getattr(cfg, key)
+        if not path:
+            continue
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue  # unreadable: PeerAuth.from_config has already refused it
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o007 or (mode & 0o070 and st.st_gid != os.getegid()):
+            warnings.append(f"{key}: {path} is mode {mode:04o} (gid {st.st_gid}), readable or writable beyond "
+                            f"the daemon's user and group; make it 0600 (chmod 0600 {path})")
+    return warnings
 
 
 def make_socket_dir(path: str) -> None:
@@ -254,7 +257,7 @@ class Server:
         if not auth.secured:
             # Loopback is every local user's: only root's and our uid's sockets
             # may call (kvd.daemon.peer_local, docs/SECURITY.md).
-            interceptors.append(LocalPeerGate(lambda: self.peer_port, self._own_addresses))
+            interceptors.append(LocalPeerGate(self.node.own))
         self.peer_server = grpc.aio.server(options=options, interceptors=interceptors)
         kvd_pb2_grpc.add_PeerServiceServicer_to_server(PeerService(self.node), self.peer_server)
         self.peer_health = self._add_health_and_reflection(self.peer_server, PEER_SERVICE)
