@@ -3,9 +3,9 @@ caller check of PeerService (kvd.daemon.peer_local), hostile peer
 descriptions (kvd.core.peers), leases and claims (kvd.core.holds).
 
 Each test runs the hostile sequence and asserts what docs/SECURITY.md
-promises; the ones marked xfail(strict) fail today (the reason says what
-happens instead), so a fix turns them into errors until the mark is removed.
-The plain ones are regression guards of defences that held.
+promises: regression guards of defences that held, and of the fixes of what
+the review found open (a scenario still open would be marked xfail(strict),
+its reason saying what happens instead).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvd.testing.daemons import start_daemon
+from kvd.testing.nixl_peer import PEER_AGENT
 from kvd.testing.processes import child_env
 from kvd.testing.security import NOBODY, reachable_dir
 from kvd.testing.sessions import Engine, KvShape
@@ -146,21 +147,6 @@ def test_a_local_user_sharing_the_port_of_a_trusted_client_socket_gets_no_handsh
 
 
 # ---------------------------------------------------------------- hostile peers
-# A peer's NIXL agent in its own process: registers ``argv[2]`` bytes filled
-# with 0xAB, prints ``MD <metadata hex> <base address>``, waits for stdin.
-_PEER_AGENT = r"""
-import ctypes, mmap, sys
-from kvd.core.nixl_agent import NixlAgent
-agent = NixlAgent(sys.argv[1])
-m = mmap.mmap(-1, int(sys.argv[2]))
-m[:] = b"\xab" * len(m)
-base = ctypes.addressof(ctypes.c_char.from_buffer(m))
-agent.register_dram(base, len(m))
-print("MD", agent.metadata().hex(), base, flush=True)
-sys.stdin.readline()
-"""
-
-
 class HostilePeer:
     """A PeerService on loopback that describes a NIXL agent of its own
     (another process, ``self.agent``) as engine ``engine_id`` laid out like
@@ -173,7 +159,7 @@ class HostilePeer:
         from kvd.v1 import kvd_pb2 as pb
         from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
-        self.agent = subprocess.Popen([sys.executable, "-c", _PEER_AGENT, name, str(shape.size)],
+        self.agent = subprocess.Popen([sys.executable, "-c", PEER_AGENT, name, str(shape.size)],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env(env))
         for line in self.agent.stdout:
             if line.startswith("MD "):
@@ -206,11 +192,7 @@ class HostilePeer:
         self.agent.wait()
 
 
-@pytest.mark.parametrize("tls", ["default", pytest.param("tcp", marks=pytest.mark.xfail(strict=True, reason=(
-    "with UCX_TLS=tcp the READ needs the peer's progress; at the deadline the load is reported failed and its "
-    "handle released at once (NIXL's release_xfer_handle accepts a transfer in PROC, so leaked_handles is 0), "
-    "and when the peer resumes its bytes land in blocks vLLM has been told are free"))),
-])
+@pytest.mark.parametrize("tls", ["default", "tcp"])
 def test_a_read_from_a_frozen_peer_fails_at_its_deadline_and_lands_nothing_after(tmp_path, tls):
     """A hostile peer grants the claim, then its agent stops (SIGSTOP: no
     UCX progress on its side; an honest peer starved or paused looks the
@@ -251,14 +233,8 @@ def test_a_read_from_a_frozen_peer_fails_at_its_deadline_and_lands_nothing_after
 
 
 @pytest.mark.parametrize("end", [
-    pytest.param("session", marks=pytest.mark.xfail(strict=True, reason=(
-        "settle.cancel_reads counts on NIXL refusing to release a transfer still in progress; over tcp NIXL "
-        "releases the posted READ at once, the stream closes and a new session opens, and the peer's bytes "
-        "land in the blocks afterwards"))),
-    pytest.param("unregister", marks=pytest.mark.xfail(strict=True, reason=(
-        "the worker is dropped (its memory deregistered and unmapped) while the released READ is still "
-        "outstanding in UCX; when the peer answers, its bytes land in the next engine's blocks (its mapping took "
-        "the freed addresses: 3 runs of 3), or with nothing there the daemon dies of SIGSEGV (4 of 4)"))),
+    "session",
+    "unregister",
 ])
 def test_a_read_from_a_frozen_peer_lands_nothing_after_its_session_ended(tmp_path, end):
     """As above over UCX's tcp transport, but the reader's session ends

@@ -93,7 +93,7 @@ class Node:
         self.holds = Holds(self.rt, peers, peer_address)
         self.push_mode = Push(self.rt, self.peers, self.holds)
         self.local_copy = LocalCopy(self.rt, self.holds)
-        self.pull = Pull(self.rt, self.peers, self.push_mode, self.local_copy, self.holds)
+        self.pull = Pull(self.rt, self.peers, self.push_mode, self.local_copy, self.holds, self.registry)
         self.peer_address = peer_address
         self.progress = Progress(self.rt, self.registry, self.peers, self.holds, self.pull, self.push_mode)
 
@@ -289,6 +289,7 @@ class Node:
             pending_events=sum(len(w.session.events) for w in ws if not w.session.streams),
             prepped_dlists=sum(1 + sum(r.prepped_lists for r in w.pairs.all()) for w in ws),
             dlists_preparing=sum(r.prepare_later for w in ws for r in w.pairs.all()),
+            quarantined_workers=len(rt.quarantine),
             bytes_read=c.bytes_read,
             transfers_done=c.transfers_done,
             transfers_failed=c.transfers_failed,

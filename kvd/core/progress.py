@@ -55,11 +55,7 @@ class Progress:
     def poll(self):
         """NIXL thread: ``(writes ended, loads' results)``; each load result is
         ``(worker, request id | agent name, "ERR" | "END" | "NOTIF", source | message)``."""
-        still = []
-        for agent, h in self.rt.zombies:
-            if not agent.release(h):
-                still.append((agent, h))
-        self.rt.zombies = still
+        self.rt.release_zombies()
         writes = self.push.poll_writes(time.monotonic())
         done = []
         for w in list(self.rt.workers.values()):
@@ -70,7 +66,7 @@ class Progress:
                     if st == "PROC":
                         running.append((h, r))
                         continue
-                    self.rt.release_handle(w.agent, h)
+                    self.rt.release_handle(w.agent, h, settled=True)
                     if st != "DONE":
                         done.append((w, rid, "ERR", r))
                 load.parts = running
@@ -106,6 +102,8 @@ class Progress:
                 elif st == "END":
                     self.pull.finish(w, a, now)
             self.expire(now)
+            if rt.quarantine:
+                await self.registry.free_quarantined()
             busy = bool(self.push.writes) or any(w.inflight for w in rt.workers.values())
             rt.kick.clear()
             try:

@@ -38,6 +38,7 @@ from kvd.core.local_copy import LocalCopy
 from kvd.core.nixl_agent import NixlAgent, NixlError
 from kvd.core.peers import Peers
 from kvd.core.push import Push
+from kvd.core.registry import Registry
 from kvd.core.runtime import Runtime
 from kvd.core.state import InflightLoad, RemoteWorker, Worker
 from kvd.requests import LoadRequest, flat
@@ -57,10 +58,13 @@ class Pull:
         local: same-node loads (the source registered with this daemon),
             which it copies itself (``kvd.core.local_copy``) in either mode.
         holds: claims on the sources' holds before any READ.
+        registry: replaces a worker's NIXL agent to stop a READ that does
+            not end when its load must (``kvd.core.settle``).
     """
 
-    def __init__(self, rt: Runtime, peers: Peers, push: Push, local: LocalCopy, holds: Holds):
+    def __init__(self, rt: Runtime, peers: Peers, push: Push, local: LocalCopy, holds: Holds, registry: Registry):
         self.rt = rt
+        self.registry = registry
         self.peers = peers
         self.push = push
         self.local = local
@@ -222,7 +226,7 @@ class Pull:
                 msg = notif_message(req.remote_request_id, expected(p))
                 local, remote = r.lists  # one read: the NIXL thread may swap in prepared lists
                 try:
-                    handle, state, post_s = await self.rt.nixl(self._post, rid, w.agent, "READ", local,
+                    handle, state, post_s = await self.rt.nixl(self._post, rid, w.agent, r, "READ", local,
                                                                 lidx, remote, ridx, msg)
                     posts_s += post_s
                 except NixlError as e:
@@ -262,6 +266,8 @@ class Pull:
         if err:
             for h, r in posted:
                 await self.rt.nixl(self.rt.release_handle, w.agent, h)
+            if posted:  # a READ of another source rank still in progress must end before the load does
+                await settle.end_reads(self.rt, self.registry, w, f"request {rid}: a post failed")
             if retry and err[0] is K.NIXL and self.rt.registered(w):
                 for _, r in posted:
                     self.peers.retire(w, r, err[1])
@@ -275,7 +281,8 @@ class Pull:
             return
         self.rt.kick.set()
 
-    def _post(self, request_id: str, agent: NixlAgent, op: str, local, lidx, remote, ridx, msg: bytes):
+    def _post(self, request_id: str, agent: NixlAgent, source: RemoteWorker, op: str, local, lidx, remote, ridx,
+              msg: bytes):
         """NIXL thread: posts a transfer; ``(handle, state, seconds inside the
         post call)``. One already DONE (UCX moves shared-memory bytes inside
         the post) is released here and its handle is None: nothing is left
@@ -283,6 +290,10 @@ class Pull:
         ``BOUNDS.post_spin_s`` first (its notification is usually a moment
         from done): cheaper than a round through the progress loop
         (docs/PERFORMANCE.md, "fast path")."""
+        if source.freed:
+            # Its lists were released meanwhile (the worker's agent replaced,
+            # the pair freed): NIXL must not see their handles again.
+            raise NixlError(f"the pair with {source.agent_name} was freed before the post")
         tp.hit(tp.POST, request_id)
         t0 = time.monotonic()
         handle, state = agent.post(op, local, lidx, remote, ridx, msg)
@@ -294,7 +305,7 @@ class Pull:
                 state = agent.state(handle)
         tp.hit(tp.POSTED, request_id, state)
         if state == "DONE":
-            self.rt.release_handle(agent, handle)
+            self.rt.release_handle(agent, handle, settled=True)
             return None, state, post_s
         return handle, state, post_s
 
@@ -334,14 +345,25 @@ class Pull:
         self.rt.emit(w, RecvDone(req.request_id, nbytes, len(req.local_block_ids), ndescs, dur, post_s))
 
     def expire(self, now: float) -> None:
-        """Fails every load past its deadline; its READs are cancelled by the next poll."""
+        """Fails every load past its deadline. One with a READ still in
+        progress fails once that READ has ended for good
+        (``settle.end_reads``): vLLM reuses the blocks of a failed load."""
         for w in list(self.rt.workers.values()):
             for load in [l for l in w.inflight.values() if l.deadline <= now]:
                 w.inflight.pop(load.req.request_id)
-                self._fail(w, load.req, K.TIMEOUT, "timeout: transfer past its deadline")
                 for h, r in load.parts:
                     self.peers.retire(w, r, "transfer past its deadline")
-                    self.rt.zombies.append((w.agent, h))  # released (or cancelled) by the next poll
+                    self.rt.zombies.append((w.agent, h))
+                if load.parts:
+                    asyncio.get_running_loop().create_task(self._fail_when_ended(w, load.req))
+                else:
+                    self._fail(w, load.req, K.TIMEOUT, "timeout: transfer past its deadline")
+
+    async def _fail_when_ended(self, w: Worker, req: LoadRequest) -> None:
+        try:
+            await settle.end_reads(self.rt, self.registry, w, f"request {req.request_id} past its deadline")
+        finally:
+            self._fail(w, req, K.TIMEOUT, "timeout: transfer past its deadline")
 
     async def cancel(self, w: Worker) -> None:
         """The worker's last session ended: the shim reports every load sent
@@ -354,7 +376,7 @@ class Pull:
             self.rt.counters.transfers_failed += 1
             handles += [h for h, _ in load.parts]
             log.warning("%s request=%s: session ended; load cancelled", w.label, load.req.request_id)
-        await settle.cancel_reads(self.rt, w, handles)
+        await settle.cancel_reads(self.rt, self.registry, w, handles)
 
     async def abort_load(self, w: Worker, request_id: str, remote_engine_id: str, remote_address: str,
                          remote_request_id: str, remote_tp_size: int) -> None:

@@ -9,6 +9,7 @@ attach to and detach from a worker; a worker detached past
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -16,7 +17,8 @@ import uuid
 
 from kvd.core import cuda_ipc
 from kvd.core import layout as lay
-from kvd.core.events import AlreadyExists, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
+from kvd.core.events import (AlreadyExists, FailureKind, InvalidArgument, NotFound, PermissionDenied,
+                             ResourceExhausted)
 from kvd.core.layout import Layout, LayoutError, Region
 from kvd.core.leases import LeaseTable
 from kvd.core.limits import BOUNDS
@@ -28,6 +30,9 @@ from kvd.core.runtime import Runtime
 from kvd.core.state import Owner, Segment, Worker, WorkerKey, WorkerMemory
 
 log = logging.getLogger("kvd.core")
+
+#: How long a replaced agent may wait for the last handle bound to it (seconds; measured: one NIXL call).
+CLOSE_WAIT_S = 2.0
 
 
 class Registry:
@@ -240,11 +245,14 @@ class Registry:
             raise NotFound(f"engine {key[0]!r} rank {key[1]} is not registered with this daemon")
         self.rt.counters.transfers_failed += len(w.inflight)
         released = len(w.leases)
-        await self.rt.nixl(self._free_worker, w)
-        for m in w.mem.mappings:
-            m.close()
+        if await self.rt.nixl(self._free_worker, w):
+            self._unmap(w)
+        else:
+            self.rt.quarantine.append(w)
+            log.error("%s: a READ was in progress and the NIXL agent could not be destroyed; the worker's memory "
+                      "stays mapped (quarantined_workers in stats)", w.label)
         for n in w.mem.staging:
-            unlink_shm(n)
+            unlink_shm(n)  # the names only: a quarantined worker keeps its mappings
         if engine_gone and w.mem.owner_pid > 0 and not os.path.exists(f"/proc/{w.mem.owner_pid}"):
             # Only the very objects mapped (kvd.core.memory.unlink_shm): a name
             # made again since by someone else is left alone.
@@ -257,16 +265,102 @@ class Registry:
         w.leases.clear()
         return released
 
-    def _free_worker(self, w: Worker) -> None:
-        """NIXL thread: releases every handle, list, remote and registration of ``w``."""
+    @staticmethod
+    def _unmap(w: Worker) -> None:
+        for m in w.mem.mappings:
+            m.close()
+
+    async def free_quarantined(self) -> None:
+        """Event loop: unmaps each quarantined worker (``Runtime.quarantine``)
+        once its old agent can be destroyed; the progress loop calls it each
+        round it has one (none: no call at all)."""
+        for w in list(self.rt.quarantine):
+            if await self.rt.nixl(w.agent.close):
+                self.rt.quarantine.remove(w)
+                self._unmap(w)
+                log.info("%s: its NIXL agent is destroyed at last; memory unmapped", w.label)
+
+    async def replace_agent(self, w: Worker, why: str) -> bool:
+        """Stops every transfer of ``w`` now: makes it a new NIXL agent over
+        the same memory (a new name: peers handshake it on their next load,
+        as after a restart), then destroys the old one
+        (:meth:`NixlAgent.close`: UCX closes its endpoints with force and
+        purges their requests). Each load of ``w`` in flight has its READs
+        ended as failed (``why``; the progress loop ends it, or tries it
+        again within its deadline); every pair with a remote agent is freed.
+
+        Only for a READ that has not ended when it must (its deadline, its
+        session's end): NIXL 1.5 cannot cancel one that needs a peer that
+        does not answer. Costs one agent's set-up on the NIXL thread
+        (registration, prepared list, warm-up; docs/RELIABILITY.md).
+
+        Returns False when no new agent could be made, or the old one could
+        not be destroyed (a handle of it still bound): then nothing is known
+        to have stopped, and an error is logged.
+        """
+        if not self.rt.registered(w):
+            return False
+        name = f"kvd-{w.key[0]}-r{w.key[1]}-{uuid.uuid4().hex[:8]}"
+        t0 = time.monotonic()
+        old = w.agent
+        try:
+            closed = await self.rt.nixl(self._replace, w, name, why)
+        except NixlError as e:
+            log.error("%s: cannot make a new NIXL agent to stop a READ (%s): %s", w.label, why, e)
+            return False
+        # A remote taken out of the pairs by a handshake under way is freed
+        # by its next NIXL call (kvd.core.peers): its lists bind the old agent
+        # until then.
+        while not closed and time.monotonic() - t0 < CLOSE_WAIT_S:
+            await asyncio.sleep(0.005)
+            closed = await self.rt.nixl(old.close)
+        if closed:
+            log.warning("%s: NIXL agent %s replaced by %s in %.0f ms to stop its transfers (%s)", w.label,
+                        old.name, name, (time.monotonic() - t0) * 1e3, why)
+        else:
+            log.error("%s: NIXL agent %s replaced by %s but not destroyed after %.0f s (a handle still bound): its "
+                      "READs may still land (%s)", w.label, old.name, name, CLOSE_WAIT_S, why)
+        return closed
+
+    def _replace(self, w: Worker, name: str, why: str) -> bool:
+        """NIXL thread: :meth:`replace_agent`; True once the old agent is destroyed."""
+        if not self.rt.registered(w):
+            return False
+        mem, old = w.mem, w.agent
+        agent, regs, dlist = self._make_agent(name, mem.mappings, w.layout, w.regions, mem.memory, mem.device)
         for load in w.inflight.values():
-            for h, _ in load.parts:
-                self.rt.release_handle(w.agent, h)
+            if load.parts and not load.failed:
+                load.failed, load.kind = f"transfer: {why}", FailureKind.TRANSFER
+        self._end_transfers(w)
+        self._free_nixl(w)
+        mem.agent, mem.registrations, mem.local_dlist = agent, regs, dlist
+        return old.close()
+
+    def _end_transfers(self, w: Worker) -> int:
+        """NIXL thread: releases every transfer handle of ``w``'s agent (its
+        loads' and those in ``Runtime.zombies``), by force where one is still
+        in progress; returns how many were."""
+        agent, running = w.agent, 0
+        handles = [h for load in w.inflight.values() for h, _ in load.parts]
+        for load in w.inflight.values():
+            load.parts = []
+        for item in [z for z in self.rt.zombies if z[0] is agent]:
+            self.rt.zombies.remove(item)
+            handles.append(item[1])
+        for h in handles:
+            if agent.state(h) == "PROC":
+                running += 1
+            agent.release(h, settled=True)
+        return running
+
+    def _free_nixl(self, w: Worker) -> None:
+        """NIXL thread: frees ``w``'s pairs, prepared list and registrations (not its agent)."""
         for r in w.pairs.all():
             self.peers.free_remote(w, r)
         w.pairs.remotes.clear()
         w.pairs.retired.clear()
         w.pairs.readers.clear()
+        w.pairs.agents.clear()  # the peers' agents go with this agent (a next one loads them afresh)
         try:
             w.agent.release_dlist(w.mem.local_dlist)
         except Exception:
@@ -276,6 +370,17 @@ class Registry:
                 w.agent.deregister(reg)
             except Exception as e:
                 log.warning("%s: deregister: %s", w.label, e)
+
+    def _free_worker(self, w: Worker) -> bool:
+        """NIXL thread: releases every handle, list, remote and registration
+        of ``w`` and destroys its agent. False when a READ was still in
+        progress and the agent could not be destroyed: its memory must stay
+        mapped (quarantine), since the late bytes would land in whatever is
+        mapped there next, or kill the daemon with SIGSEGV (measured with
+        ``UCX_TLS=tcp`` and a SIGSTOPped source)."""
+        running = self._end_transfers(w)
+        self._free_nixl(w)
+        return w.agent.close() or not running
 
     def attach(self, engine_id: str, tp_rank: int) -> Worker:
         """A session stream opened for the worker; returns it. Raises NotFound."""

@@ -131,9 +131,15 @@ class Runtime:
         self.workers: dict[WorkerKey, Worker] = {}
         self.counters = Counters()
         self.started = time.monotonic()
-        # NIXL transfer handles not released yet (NIXL refused while still
-        # in progress): the next poll tries again; ``leaked_handles`` in stats.
+        # NIXL transfer handles not released yet (still in progress: a READ
+        # given up at its deadline or at its session's end whose bytes may
+        # still arrive): the next poll tries again; ``leaked_handles`` in stats.
         self.zombies: list[tuple[NixlAgent, object]] = []
+        # Workers unregistered while a READ was in progress whose NIXL agent
+        # could not be destroyed (a handle still bound to it): their mappings
+        # are kept (a late byte lands in memory still theirs, never in a freed
+        # or reused mapping) until it is (``Registry.free_quarantined``).
+        self.quarantine: list[Worker] = []
         self.kick = asyncio.Event()  # wakes the progress loop (a transfer was posted)
         self.draining = False  # set at SIGTERM: no new loads or sessions, no second tries
         self.closing = False
@@ -194,7 +200,26 @@ class Runtime:
         self.on_event("failure", {"kind": kind})
         self.emit(w, LoadFailed(request_id, block_ids, reason, kind))
 
-    def release_handle(self, agent: NixlAgent, handle) -> None:
-        """NIXL thread: releases a transfer handle, or keeps it for the next poll."""
-        if not agent.release(handle):
+    def release_handle(self, agent: NixlAgent, handle, settled: bool = False) -> None:
+        """NIXL thread: releases a transfer handle that has ended, or keeps it
+        (still in progress, or refused) for the next poll; ``settled`` as in
+        :meth:`NixlAgent.release`."""
+        if not agent.release(handle, settled):
             self.zombies.append((agent, handle))
+
+    def release_zombies(self, agent: NixlAgent | None = None) -> int:
+        """NIXL thread: releases the handles in ``zombies`` (of ``agent``
+        only, if given) whose transfers have ended; returns how many of them
+        are left. Removes entries one by one: the event loop may append
+        meanwhile (``Pull.expire``), and no append may be lost, since a lost
+        one would let its worker's memory be freed under a READ."""
+        left = 0
+        for item in list(self.zombies):
+            a, h = item
+            if agent is not None and a is not agent:
+                continue
+            if a.release(h):
+                self.zombies.remove(item)
+            else:
+                left += 1
+        return left

@@ -1,15 +1,20 @@
-"""Settling a session's READs: when a worker's last session ends, none of
-its loads' READs may land afterwards.
+"""Ending READs for good: no byte of a READ may land after kvd said its
+load ended, and no memory is deregistered or unmapped under one.
 
-The shim reports every load of a broken stream as failed (its blocks go back
-to vLLM, which may reuse them at once), so before the stream is closed the
-daemon cancels each READ (NIXL releases a transfer handle only once it is no
-longer in progress: cancelled or done) and waits for loads whose post is
-still queued on the NIXL thread (``Worker.posting``; they cancel their own).
-A new session of the worker opens only after that (:func:`settled`).
+A READ handle is settled only when NIXL reports it DONE or ERR
+(``NixlAgent.release`` never takes one in ``PROC``). When a READ must end
+and has not (its load's deadline, its worker's last session ending), the
+worker's NIXL agent is replaced (``Registry.replace_agent``): NIXL 1.5 cannot
+cancel a READ that needs the peer's progress (``UCX_TLS=tcp``, a peer that
+stopped), destroying the agent does. Only then is the load reported failed
+or the session's stream closed; a new session of the worker opens after
+that (:func:`settled`). A worker unregistered meanwhile is handled by
+``Registry.unregister`` (its agent destroyed before its memory is unmapped).
 
-Bounded by ``Limits.transfer_timeout_s``: past it, the handles left are kept
-for the progress loop (``Runtime.zombies``) and a warning is logged.
+When the session ends, the shim reports every load of the broken stream as
+failed, so the daemon waits first for loads whose post is still queued on
+the NIXL thread (``Worker.posting``; they hand their handles to
+``Runtime.zombies``), bounded by ``Limits.transfer_timeout_s``.
 """
 
 from __future__ import annotations
@@ -17,19 +22,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from kvd.core.runtime import Runtime
 from kvd.core.state import Worker
 
+if TYPE_CHECKING:
+    from kvd.core.registry import Registry
+
 log = logging.getLogger("kvd.core")
 
-POLL_S = 0.002  # between tries to release a handle still in progress (seconds)
+POLL_S = 0.002  # between looks at the loads still posting (seconds)
 
 
-async def cancel_reads(rt: Runtime, w: Worker, handles: list) -> None:
-    """Releases ``handles`` (NIXL transfer handles of ``w``'s agent) and waits
-    until no READ of ``w`` is posting or in progress (see the module)."""
-    task = asyncio.get_running_loop().create_task(_settle(rt, w, handles))
+async def cancel_reads(rt: Runtime, registry: Registry, w: Worker, handles: list) -> None:
+    """Hands ``handles`` (NIXL transfer handles of ``w``'s agent) to
+    ``Runtime.zombies`` and returns once no READ of ``w`` is posting or in
+    progress (see the module)."""
+    rt.zombies.extend((w.agent, h) for h in handles)
+    task = asyncio.get_running_loop().create_task(_settle(rt, registry, w))
     w.session.settling = task
     await asyncio.shield(task)  # a second cancellation of the caller leaves the settling to run
 
@@ -41,22 +52,34 @@ async def settled(w: Worker) -> None:
         await asyncio.shield(task)
 
 
-def _release(agent, handles: list) -> list:
-    """NIXL thread: releases what it can; returns the handles still in progress."""
-    return [h for h in handles if not agent.release(h)]
-
-
-async def _settle(rt: Runtime, w: Worker, handles: list) -> None:
+async def _settle(rt: Runtime, registry: Registry, w: Worker) -> None:
     bound = time.monotonic() + rt.limits.transfer_timeout_s
-    while True:
-        if handles:
-            handles = await rt.nixl(_release, w.agent, handles)
-        busy = handles or w.posting or any(a is w.agent for a, _ in rt.zombies)
-        if not busy or not rt.registered(w):
-            break
+    while w.posting and rt.registered(w):
         if time.monotonic() > bound:
-            log.warning("%s: %d READ(s) of the ended session still in progress after %.0f s; left to the "
-                        "progress loop", w.label, len(handles) + len(w.posting), rt.limits.transfer_timeout_s)
+            log.warning("%s: %d load(s) of the ended session still posting after %.0f s", w.label, len(w.posting),
+                        rt.limits.transfer_timeout_s)
             break
         await asyncio.sleep(POLL_S)
-    rt.zombies.extend((w.agent, h) for h in handles)
+    await end_reads(rt, registry, w, "its session ended")
+
+
+_replacing: dict[int, asyncio.Task] = {}  # id(worker) -> its agent replacement under way
+
+
+async def end_reads(rt: Runtime, registry: Registry, w: Worker, why: str) -> None:
+    """Returns once no handle of ``w``'s agent in ``Runtime.zombies`` is in
+    progress: each one ended is released; if one has not, the agent is
+    replaced (``why`` says what ended it, for logs and the failure reason
+    of the worker's other loads). One replacement at a time per worker; a
+    caller that finds one under way waits for it and looks again."""
+    while rt.registered(w):
+        task = _replacing.get(id(w))
+        if task is None:
+            if not await rt.nixl(rt.release_zombies, w.agent):
+                return
+            if _replacing.get(id(w)) is not None:
+                continue
+            task = _replacing[id(w)] = asyncio.get_running_loop().create_task(registry.replace_agent(w, why))
+            task.add_done_callback(lambda t, k=id(w): _replacing.pop(k, None) if _replacing.get(k) is t else None)
+        if not await asyncio.shield(task):
+            return  # logged: nothing more this side can do

@@ -309,7 +309,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("engines", "regions", "registered_bytes", "peers", "active_leases", "inflight_transfers", "bytes_read", "transfers_done", "transfers_failed", "leases_expired", "sessions", "uptime_s", "daemon_version", "peer_address", "leaked_handles", "remote_agents", "early_notifications", "pending_events", "prepped_dlists", "dlists_preparing", "leases_renewed", "workers", "remote_workers", "data_path", "versions", "backends", "draining", "metrics_address")
+    __slots__ = ("engines", "regions", "registered_bytes", "peers", "active_leases", "inflight_transfers", "bytes_read", "transfers_done", "transfers_failed", "leases_expired", "sessions", "uptime_s", "daemon_version", "peer_address", "leaked_handles", "remote_agents", "early_notifications", "pending_events", "prepped_dlists", "dlists_preparing", "quarantined_workers", "leases_renewed", "workers", "remote_workers", "data_path", "versions", "backends", "draining", "metrics_address")
     class VersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -337,6 +337,7 @@ class StatsResponse(_message.Message):
     PENDING_EVENTS_FIELD_NUMBER: _ClassVar[int]
     PREPPED_DLISTS_FIELD_NUMBER: _ClassVar[int]
     DLISTS_PREPARING_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_WORKERS_FIELD_NUMBER: _ClassVar[int]
     LEASES_RENEWED_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -365,6 +366,7 @@ class StatsResponse(_message.Message):
     pending_events: int
     prepped_dlists: int
     dlists_preparing: int
+    quarantined_workers: int
     leases_renewed: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStats]
     remote_workers: _containers.RepeatedCompositeFieldContainer[PeerStats]
@@ -373,7 +375,7 @@ class StatsResponse(_message.Message):
     backends: _containers.RepeatedScalarFieldContainer[str]
     draining: bool
     metrics_address: str
-    def __init__(self, engines: _Optional[int] = ..., regions: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., peers: _Optional[int] = ..., active_leases: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., bytes_read: _Optional[int] = ..., transfers_done: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., leases_expired: _Optional[int] = ..., sessions: _Optional[int] = ..., uptime_s: _Optional[float] = ..., daemon_version: _Optional[str] = ..., peer_address: _Optional[str] = ..., leaked_handles: _Optional[int] = ..., remote_agents: _Optional[int] = ..., early_notifications: _Optional[int] = ..., pending_events: _Optional[int] = ..., prepped_dlists: _Optional[int] = ..., dlists_preparing: _Optional[int] = ..., leases_renewed: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., remote_workers: _Optional[_Iterable[_Union[PeerStats, _Mapping]]] = ..., data_path: _Optional[str] = ..., versions: _Optional[_Mapping[str, str]] = ..., backends: _Optional[_Iterable[str]] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+    def __init__(self, engines: _Optional[int] = ..., regions: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., peers: _Optional[int] = ..., active_leases: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., bytes_read: _Optional[int] = ..., transfers_done: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., leases_expired: _Optional[int] = ..., sessions: _Optional[int] = ..., uptime_s: _Optional[float] = ..., daemon_version: _Optional[str] = ..., peer_address: _Optional[str] = ..., leaked_handles: _Optional[int] = ..., remote_agents: _Optional[int] = ..., early_notifications: _Optional[int] = ..., pending_events: _Optional[int] = ..., prepped_dlists: _Optional[int] = ..., dlists_preparing: _Optional[int] = ..., quarantined_workers: _Optional[int] = ..., leases_renewed: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., remote_workers: _Optional[_Iterable[_Union[PeerStats, _Mapping]]] = ..., data_path: _Optional[str] = ..., versions: _Optional[_Mapping[str, str]] = ..., backends: _Optional[_Iterable[str]] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
     __slots__ = ("engine_id", "tp_rank", "tp_size", "model", "agent_name", "compat_hash", "regions", "num_blocks", "block_size", "registered_bytes", "active_leases", "inflight_transfers", "sessions", "peers", "memory", "data_path", "handover")
