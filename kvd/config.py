@@ -100,6 +100,9 @@ class Config:
     backends: list[str] = _setting(None, "NIXL backends for every agent (comma-separated in env and flags)",
                                    factory=lambda: ["UCX"])
     lease_s: float = _setting(120.0, "default lease of held prefill blocks, seconds")
+    max_lease_life_s: float = _setting(600.0, "a lease renewed by its reader (a decode request still queued) "
+                                              "ends this long after its hold at the latest, seconds (at most "
+                                              "3600; a lease asked longer keeps its own length)")
     transfer_timeout_s: float = _setting(30.0, "a transfer not done by then fails its request, seconds")
     handshake_timeout_s: float = _setting(10.0, "deadline of one handshake with a remote daemon, seconds")
     detach_grace_s: float = _setting(10.0, "an engine whose session stream has been gone this long "
@@ -223,7 +226,7 @@ class Config:
             raise self._error("metrics_port", f"{self.metrics_port} out of range 0..65535")
         if not self.metrics_host:
             raise self._error("metrics_host", "must not be empty")
-        for key in ("lease_s", "transfer_timeout_s", "handshake_timeout_s", "grace_s", "detach_grace_s",
+        for key in ("lease_s", "max_lease_life_s", "transfer_timeout_s", "handshake_timeout_s", "grace_s", "detach_grace_s",
                     "engine_idle_timeout_s", "peer_check_s", "peer_dead_s", "peer_idle_s"):
             v = getattr(self, key)
             if not math.isfinite(v) or v <= 0:
@@ -232,9 +235,10 @@ class Config:
             v = getattr(self, key)
             if not math.isfinite(v) or not 0 < v <= 1:
                 raise self._error(key, f"must be a number of seconds in (0, 1] (got {v})")
-        if self.lease_s > 3600:
-            # kvd.core.state.Limits.max_lease_s caps every lease at one hour.
-            raise self._error("lease_s", f"at most 3600 seconds (got {self.lease_s})")
+        for key in ("lease_s", "max_lease_life_s"):
+            if getattr(self, key) > 3600:
+                # kvd.core.limits.Limits.max_lease_s caps every lease at one hour.
+                raise self._error(key, f"at most 3600 seconds (got {getattr(self, key)})")
         if not self.backends or not all(b and b.strip() == b for b in self.backends):
             raise self._error("backends", f"need one or more NIXL backend names (got {self.backends!r})")
         if self.transfer_mode not in ("pull", "push"):

@@ -21,6 +21,11 @@ from dataclasses import dataclass
 BlockGroups = list[list[int]]
 """Block ids per KV-cache group, each in prompt order (one group without HMA)."""
 
+MAX_RENEWALS_PER_CALL = 256
+"""Leases one ``RenewLeases`` call may name (EngineService and PeerService):
+the shim batches its renewals by it, the daemon refuses a longer list
+(``INVALID_ARGUMENT``)."""
+
 
 def flat(groups: BlockGroups) -> list[int]:
     """Every block id of every group, in order: what vLLM's load errors name
@@ -62,3 +67,38 @@ class LoadRequest:
     def local_block_ids(self) -> list[int]:
         """Every local block id (what a ``LoadFailed`` names)."""
         return flat(self.local_groups)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRenewal:
+    """A reader's renewal of one prefill lease, while its request waits to load.
+
+    - ``request_id``: the prefill request id (``kv_transfer_params``
+      ``remote_request_id``), whose lease is renewed.
+    - ``groups``: block ids per KV-cache group the reader will read (a subset
+      per group of the held ones, as a claim names them): the prefill daemon
+      renews only a lease that holds them (docs/SECURITY.md).
+    """
+
+    request_id: str
+    groups: BlockGroups
+
+
+@dataclass(frozen=True, slots=True)
+class RenewResult:
+    """What the prefill daemon answered for one :class:`LeaseRenewal`.
+
+    - ``left_s``: seconds until the lease ends after the renewal (the least
+      over the engine's TP ranks); 0 when not renewed.
+    - ``reason``: ``""`` when renewed, else why not (``not_held``: no lease of
+      the request holds those blocks: never held, read already, released or
+      expired).
+    """
+
+    request_id: str
+    left_s: float = 0.0
+    reason: str = ""
+
+    @property
+    def renewed(self) -> bool:
+        return not self.reason

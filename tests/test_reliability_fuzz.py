@@ -63,7 +63,7 @@ TOTAL = int(os.environ.get("KVD_FUZZ_EXAMPLES", "2000"))
 SHARE = {  # fraction of TOTAL each test sends
     "register": 0.12, "unregister_stats": 0.04, "session_open": 0.04, "session_commands": 0.32,
     "raw_bytes": 0.06, "peer_handshake": 0.08, "push": 0.10, "notify": 0.04, "claim": 0.04,
-    "forged_handshake": 0.20, "framed": 0.04,
+    "renew": 0.04, "forged_handshake": 0.16, "framed": 0.04,
 }
 SENT: dict[str, int] = {k: 0 for k in SHARE}
 
@@ -254,7 +254,8 @@ def test_fuzz_session_commands(target):
 RAW_METHODS = [("/kvd.v1.EngineService/RegisterEngine", "engine"), ("/kvd.v1.EngineService/UnregisterEngine", "engine"),
                ("/kvd.v1.EngineService/GetStats", "engine"), ("/kvd.v1.PeerService/Handshake", "peer"),
                ("/kvd.v1.PeerService/Push", "peer"), ("/kvd.v1.PeerService/Notify", "peer"),
-               ("/kvd.v1.PeerService/Claim", "peer")]
+               ("/kvd.v1.PeerService/Claim", "peer"), ("/kvd.v1.PeerService/Renew", "peer"),
+               ("/kvd.v1.EngineService/RenewLeases", "engine")]
 
 
 def test_fuzz_raw_bytes_every_method(target):
@@ -519,6 +520,53 @@ def test_fuzz_claim_requests(target):
     prop()
     p.release("fz-claim-held")
     assert p.wait("fz-claim-held").send_done.released
+
+
+def test_fuzz_renew_requests(target):
+    """A renewal (PeerService.Renew, and EngineService.RenewLeases naming
+    this daemon or a closed port) is answered per request: renewed only for
+    blocks a lease of the named engine holds, ``not_held`` otherwise; a
+    batch past the bounds or an unknown engine is a deliberate status."""
+    d, p = target["daemon"], target["prefill"]
+    peer = pb_grpc.PeerServiceStub(grpc.insecure_channel(d.peer_address))
+    local = pb_grpc.EngineServiceStub(grpc.insecure_channel(f"unix:{d.socket}"))
+    p.hold("fz-renew-held", [2, 3, 4])
+    wait_until(lambda: d.stats().active_leases >= 1, 10, "the hold landed")
+    renewals = st.lists(st.builds(pb.LeaseRenewal, request_id=st.one_of(st.just("held"), text),
+                                  groups=st.lists(st.builds(pb.BlockIds, ids=command_block_ids), max_size=3)),
+                        max_size=4)
+    engines = st.one_of(st.just(p.engine_id), text)
+
+    @examples("renew")
+    @given(engine_id=engines, rs=renewals, via=st.sampled_from(["peer", "engine", "closed"]))
+    def prop(engine_id, rs, via):
+        SENT["renew"] += 1
+        for r in rs:
+            r.request_id = "fz-renew-" + r.request_id
+        out = []
+        if via == "peer":
+            call = lambda: out.append(peer.Renew(pb.RenewRequest(engine_id=engine_id, renewals=rs), timeout=10))
+        else:
+            address = d.peer_address if via == "engine" else target["closed"]
+            call = lambda: out.append(local.RenewLeases(pb.RenewLeasesRequest(
+                remote_engine_id=engine_id, remote_address=address, renewals=rs), timeout=10))
+        code, details = _status(call)
+        _assert_deliberate(code, details, "Renew")
+        assert code in (grpc.StatusCode.OK, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,
+                        grpc.StatusCode.UNAVAILABLE), (code, details)
+        if code == grpc.StatusCode.OK:
+            assert [x.request_id for x in out[0].results] == [r.request_id for r in rs]
+            for r, x in zip(rs, out[0].results):
+                held = (engine_id == p.engine_id and r.request_id == "fz-renew-held" and len(r.groups) <= 1
+                        and all(set(g.ids) <= {2, 3, 4} for g in r.groups) and any(g.ids for g in r.groups))
+                assert (x.reason == "") == held and (x.left_s > 0) == held, (x, r)
+
+    prop()
+    p.release("fz-renew-held")
+    ev = p.wait("fz-renew-held")
+    while event_kind(ev) == "renewed":
+        ev = p.wait("fz-renew-held")
+    assert ev.send_done.released
 
 
 # ------------------------------------------------------------------ afterwards

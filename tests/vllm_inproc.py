@@ -183,3 +183,4 @@ class Engine:
 
     def close(self) -> None:
         self.worker.shutdown()
+        self.connector.shutdown()

@@ -41,6 +41,9 @@ Guarantees to the caller (what ``kvd.shim.vllm`` relies on):
   restarted) calls ``on_register`` with its response *before* the held
   blocks are sent again: a staged shim maps the new staging mirrors there and
   copies the held blocks into them (``kvd.shim.memory.staged``).
+- ``renew_leases`` (the decode scheduler, while a request waits to load) is
+  a unary RPC that does not block: it returns a future the caller looks at
+  on a later step.
 - ``AbortLoad`` has no answer event: it only tells the prefill side to free a
   request's blocks now (a decode request aborted before its load).
 - Block ids are always per KV-cache group (``kvd.requests.BlockGroups``;
@@ -59,6 +62,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import grpc
 
@@ -68,11 +72,12 @@ from kvd.client.channel import (
     call_unary,
     normalize_address,
     open_channel,
+    rpc_status,
 )
 from kvd.client.commands import Lazy, abort_cmd, release_cmd
 from kvd.client.pending import Pending
 from kvd.client.session import SessionLoop
-from kvd.requests import BlockGroups, LoadRequest
+from kvd.requests import BlockGroups, LeaseRenewal, LoadRequest, RenewResult
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
@@ -247,6 +252,37 @@ class EngineClient:
         """
         return call_unary(self.address, "GetStats", self._stub.GetStats, pb.StatsRequest(), timeout_s,
                           wait_for_ready)
+
+    def renew_leases(self, remote_engine_id: str, remote_address: str, renewals: list[LeaseRenewal], *,
+                     timeout_s: float = 10.0) -> Future[list[RenewResult]]:
+        """Asks the daemon to renew prefill leases of engine
+        ``remote_engine_id`` at ``remote_address`` (``RenewLeases``; at most
+        ``kvd.requests.MAX_RENEWALS_PER_CALL`` renewals). Needs no
+        registration: the decode scheduler calls it.
+
+        Does not block: the future's result is one :class:`RenewResult` per
+        renewal, same order, within ``timeout_s`` seconds; its exception an
+        :class:`EngineClientError` naming the status (the daemon could not
+        ask the prefill daemon, or refused the batch).
+        """
+        request = pb.RenewLeasesRequest(remote_engine_id=remote_engine_id, remote_address=remote_address,
+                                        renewals=[pb.LeaseRenewal(request_id=r.request_id,
+                                                                  groups=[pb.BlockIds(ids=g) for g in r.groups])
+                                                  for r in renewals])
+        out: Future[list[RenewResult]] = Future()
+        out.set_running_or_notify_cancel()
+
+        def done(call) -> None:
+            try:
+                r = call.result()
+            except grpc.RpcError as e:
+                out.set_exception(EngineClientError(
+                    f"RenewLeases to kvd at {self.address} failed: {rpc_status(e)[1]}", rpc_status(e)[0]))
+                return
+            out.set_result([RenewResult(x.request_id, x.left_s, x.reason) for x in r.results])
+
+        self._stub.RenewLeases.future(request, timeout=timeout_s).add_done_callback(done)
+        return out
 
     # --------------------------------------------------------------- session
     def start_session(self) -> None:

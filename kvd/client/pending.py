@@ -214,10 +214,12 @@ class Pending:
                 self._events.append(hold_ended(cmd.request_id, released=True))
 
     def on_answer(self, event: pb.SessionEvent, kind: str) -> None:
-        """Files the daemon's ``recv_done``, ``load_failed``, ``send_done`` or
-        ``rejected`` (``kind``): queued for the engine when it ends a pending
-        load or hold, dropped (logged) otherwise; a rejection ends its load
-        (``load_failed``) or its hold (``send_done(released=True)``)."""
+        """Files the daemon's ``recv_done``, ``load_failed``, ``send_done``,
+        ``renewed`` or ``rejected`` (``kind``): queued for the engine when it
+        ends a pending load or hold, dropped (logged) otherwise; a rejection
+        ends its load (``load_failed``) or its hold
+        (``send_done(released=True)``); ``renewed`` only moves a hold's local
+        deadline (never queued)."""
         with self.cond:
             if kind == "recv_done" or kind == "load_failed":
                 rid = getattr(event, kind).request_id
@@ -232,6 +234,15 @@ class Pending:
                     self._events.append(event)
                 else:
                     log.debug("kvd %s request=%s: send_done for a hold not held here; dropped", self.label, rid)
+            elif kind == "renewed":
+                # A reader renewed the lease at the daemon: the local last
+                # resort (lease + grace) moves with it, never earlier.
+                h = self._holds.get(event.renewed.request_id)
+                end = time.monotonic() + event.renewed.left_s
+                if h is not None and end > h.lease_deadline:
+                    grace = h.deadline - h.lease_deadline
+                    h.lease_deadline, h.deadline = end, end + grace
+                    heapq.heappush(self._deadlines, (h.deadline, "hold", h.request_id))
             elif kind == "rejected":
                 rid, reason = event.rejected.request_id, event.rejected.reason
                 ld = self._loads.pop(rid, None)

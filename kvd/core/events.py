@@ -105,6 +105,16 @@ class SendDone:
 
 
 @dataclass
+class LeaseRenewed:
+    """Prefill side: a reader renewed the lease of ``request_id``; it now ends
+    in ``left_s`` seconds at the latest (the engine client moves its own
+    last-resort deadline of the hold by it)."""
+
+    request_id: str
+    left_s: float
+
+
+@dataclass
 class CommandRejected:
     """A session command was refused (bad block id, unknown request...)."""
 
@@ -112,7 +122,7 @@ class CommandRejected:
     reason: str
 
 
-Event = RecvDone | LoadFailed | SendDone | CommandRejected
+Event = RecvDone | LoadFailed | SendDone | LeaseRenewed | CommandRejected
 
 
 def event_bytes(ev: Event) -> int:

@@ -12,6 +12,12 @@ confirmed a lease on exactly those blocks for that request (a *claim*:
 reader; PeerService.Claim between two daemons, a direct call when the
 source is this daemon). Without it, any admitted local user could name
 another user's engine id in a LoadBlocks and READ its KV cache.
+
+A reader whose request still waits renews the leases it will read
+(:meth:`Holds.renew` on the source, :meth:`Holds.renew_at` on the reader;
+PeerService.Renew between two daemons), under the same rule as a
+claim: a renewal names the engine, the request and the blocks, and renews
+only a lease of that engine's workers that holds those blocks.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from kvd.core.events import (
     CoreError,
     FailureKind,
     InvalidArgument,
+    LeaseRenewed,
     NotFound,
     PermissionDenied,
     SendDone,
@@ -37,7 +44,7 @@ from kvd.core.leases import parse_notif
 from kvd.core.limits import BOUNDS
 from kvd.core.runtime import Runtime
 from kvd.core.state import PeerLink, Worker
-from kvd.requests import BlockGroups, LoadRequest, flat
+from kvd.requests import BlockGroups, LeaseRenewal, LoadRequest, RenewResult, flat
 
 log = logging.getLogger("kvd.core")
 
@@ -224,6 +231,70 @@ class Holds:
             if isinstance(e, BaseException):
                 raise e
         return None
+
+    def _check_renewals(self, renewals: list[LeaseRenewal]) -> None:
+        """Raises InvalidArgument for a batch past the bounds (both sides
+        check: a local caller's batch is refused before any peer call)."""
+        if len(renewals) > BOUNDS.max_renewals_per_call:
+            raise InvalidArgument(f"renew: {len(renewals)} leases in one call, more than "
+                                  f"{BOUNDS.max_renewals_per_call}")
+        blocks = sum(len(flat(r.groups)) for r in renewals)
+        if blocks > self.rt.limits.max_blocks_per_request:
+            raise InvalidArgument(f"renew: {blocks} block ids in one call, more than "
+                                  f"{self.rt.limits.max_blocks_per_request} (max_blocks_per_request)")
+        for r in renewals:
+            if not r.request_id or len(r.request_id.encode()) > BOUNDS.max_id_bytes:
+                raise InvalidArgument(f"renew: request_id empty or longer than {BOUNDS.max_id_bytes} bytes")
+
+    def renew(self, engine_id: str, renewals: list[LeaseRenewal]) -> list[RenewResult]:
+        """Source side: renews, on every TP rank of ``engine_id`` registered
+        here, the lease of each renewal's request that holds its blocks
+        (``LeaseTable.renew``: a full lease from now, capped at the lease's
+        start plus ``min(max_lease_life_s, max_lease_s)``), and tells each
+        renewed worker's engine (``LeaseRenewed``). One result per
+        renewal, same order; a request no rank holds those blocks for is
+        ``reason="not_held"`` (not an error for the batch).
+
+        Raises:
+            NotFound: no worker of ``engine_id`` here.
+            InvalidArgument: more than ``BOUNDS.max_renewals_per_call``
+                renewals, more than ``max_blocks_per_request`` block ids in
+                all, or an empty or over-long request id.
+        """
+        self._check_renewals(renewals)
+        workers = [w for (eid, _), w in list(self.rt.workers.items()) if eid == engine_id]
+        if not workers:
+            raise NotFound(f"renew: engine {engine_id!r} is not registered here")
+        now = time.monotonic()
+        life_s = min(self.rt.limits.max_lease_life_s, self.rt.limits.max_lease_s)
+        out = []
+        for r in renewals:
+            left = []
+            for w in workers:
+                x = w.leases.renew(r.request_id, r.groups, now, life_s)
+                if x is not None:
+                    left.append(x)
+                    # The engine ends a hold itself at its lease plus a grace
+                    # (kvd.client.pending): it must learn the new end.
+                    self.rt.emit(w, LeaseRenewed(r.request_id, x))
+            self.rt.counters.leases_renewed += len(left)
+            out.append(RenewResult(r.request_id, min(left)) if left else RenewResult(r.request_id, 0.0, "not_held"))
+        log.debug("engine %s: %d of %d leases renewed", engine_id, sum(r.renewed for r in out), len(out))
+        return out
+
+    async def renew_at(self, address: str, engine_id: str, renewals: list[LeaseRenewal],
+                       timeout_s: float) -> list[RenewResult]:
+        """Reader side: renews ``renewals`` of engine ``engine_id`` at the
+        daemon at ``address`` (this daemon's own holds without a call when
+        it is this one; the caller resolved aliases first), within
+        ``timeout_s`` seconds. Raises what :meth:`renew` raises, and
+        ``PeerUnavailable`` when the peer cannot be asked."""
+        self._check_renewals(renewals)
+        if address == self.own_address:
+            return self.renew(engine_id, renewals)
+        if self.link is None:
+            raise NotFound("this daemon has no peer client")
+        return await self.link.renew(address, engine_id, renewals, timeout_s)
 
     def expire(self, now: float) -> None:
         """Ends every lease past its deadline (``SendDone(expired=True)``)."""

@@ -8,6 +8,13 @@ Notifications name the request and how many reader ranks will notify this
 source rank for it (``"<request id>:<expected>"``, heterogeneous TP);
 a notification that arrives before its hold is kept for ``early_s`` seconds.
 
+A reader still waiting to read (vLLM's decode request queued on D) renews
+the lease (``renew``: PeerService.Renew from its daemon, as vLLM's
+NixlConnector sends heartbeats, ``nixl/base_worker.py`` ``_handle_heartbeat``):
+each renewal moves the deadline to a full lease from now, never past the
+lease's start plus the life cap (``Limits.max_lease_life_s``), so a reader
+that never reads cannot pin the blocks for longer than that.
+
 Costs (the progress loop expires leases every few milliseconds): expiry is
 a heap of deadlines, compacted when ended or renewed leases' entries
 outnumber the live ones (before, each hold+release or renewal left an entry
@@ -52,12 +59,17 @@ class Lease:
     """Blocks of one request held until ``deadline`` (monotonic seconds).
 
     ``groups``: block ids per KV-cache group, int32 (4 bytes an id: a
-    Python list took ~10 MiB per 1M ids, found by an attacker review)."""
+    Python list took ~10 MiB per 1M ids, found by an attacker review).
+    ``start``: when the first hold came (monotonic seconds), from which the
+    life cap of renewals counts; ``length``: the lease the engine asked for
+    (seconds), what one renewal grants from its own time."""
 
     request_id: str
     groups: list[np.ndarray]
     deadline: float
     notified: int = 0
+    start: float = 0.0
+    length: float = 0.0
 
     @property
     def num_blocks(self) -> int:
@@ -114,7 +126,7 @@ class LeaseTable:
                 old.deadline = deadline
                 self._push(deadline, request_id)
             return "renewed"
-        lease = Lease(request_id, groups, deadline)
+        lease = Lease(request_id, groups, deadline, start=now, length=deadline - now)
         early = self.early.pop(request_id, None)
         if early is not None:
             lease.notified = early[0]
@@ -161,6 +173,27 @@ class LeaseTable:
         if lease is None or len(groups) > len(lease.groups):
             return False
         return all(np.isin(np.asarray(g, dtype=np.int64), h).all() for g, h in zip(groups, lease.groups))
+
+    def renew(self, request_id: str, groups: list[list[int]], now: float, max_life_s: float) -> float | None:
+        """A reader renews the lease of ``request_id`` on ``groups`` (a subset
+        per group, as a claim names them: :meth:`covers`). Returns the seconds
+        left after the renewal, or None when no live lease covers ``groups``
+        or ``groups`` names no block (a renewal needs more than the request
+        id: a claim of nothing reads nothing, a renewal of nothing would pin
+        every block).
+
+        The deadline becomes ``now + length`` (the lease the engine asked
+        for), capped at ``start + max(max_life_s, length)``: a renewal never
+        shortens a lease, and never extends it past the cap.
+        """
+        if not any(len(g) for g in groups) or not self.covers(request_id, groups):
+            return None
+        lease = self.leases[request_id]
+        deadline = min(now + lease.length, lease.start + max(max_life_s, lease.length))
+        if deadline > lease.deadline:
+            lease.deadline = deadline
+            self._push(deadline, request_id)
+        return max(0.0, lease.deadline - now)
 
     def release(self, request_id: str) -> bool:
         """Ends a lease now; False when there is none."""

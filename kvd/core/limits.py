@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvd.requests import MAX_RENEWALS_PER_CALL
+
 
 @dataclass
 class Limits:
@@ -20,6 +22,10 @@ class Limits:
 
     lease_s: float = 120.0           # default lease of held prefill blocks (vLLM's abort timeout is 480 s)
     max_lease_s: float = 3600.0
+    # Longest life of a renewed lease, from its hold (readers renew while
+    # their request waits; vLLM's NIXL abort timeout is 480 s); never past
+    # max_lease_s.
+    max_lease_life_s: float = 600.0
     transfer_timeout_s: float = 30.0  # a load not done by then fails
     max_transfer_timeout_s: float = 3600.0  # cap on a request's own timeout_s (inf or 1e300 would never end)
     handshake_timeout_s: float = 10.0
@@ -81,6 +87,8 @@ class Bounds:
     max_descriptors: int = 1 << 26
     # GPU ordinals accepted in a peer's description.
     max_device: int = 1 << 16
+    # Leases one RenewLeases call may name (the shim sends more in several calls).
+    max_renewals_per_call: int = MAX_RENEWALS_PER_CALL
     # Readers one source rank may wait for, per request (a notification's count).
     max_notifications: int = 1 << 16
     # Agent metadata accepted from a peer (NIXL metadata is a few KiB per backend).

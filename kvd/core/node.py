@@ -58,7 +58,7 @@ from kvd.core.state import (
     Worker,
     WorkerKey,
 )
-from kvd.requests import BlockGroups, LoadRequest
+from kvd.requests import BlockGroups, LeaseRenewal, LoadRequest, RenewResult
 
 
 class Node:
@@ -255,6 +255,18 @@ class Node:
         """See :meth:`kvd.core.holds.Holds.claim`."""
         await self.holds.claim(engine_id, tp_rank, request_id, groups, wait_s)
 
+    def renew(self, engine_id: str, renewals: list[LeaseRenewal]) -> list[RenewResult]:
+        """See :meth:`kvd.core.holds.Holds.renew`."""
+        return self.holds.renew(engine_id, renewals)
+
+    async def renew_at(self, address: str, engine_id: str, renewals: list[LeaseRenewal],
+                       timeout_s: float) -> list[RenewResult]:
+        """See :meth:`kvd.core.holds.Holds.renew_at`; an ``address`` that
+        reaches this daemon is replaced by its advertised one first
+        (``kvd.core.own_addresses``)."""
+        address = await self.own.canonical(address)
+        return await self.holds.renew_at(address, engine_id, renewals, timeout_s)
+
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict:
         """Counts for GetStats, ``kvd status`` and metrics."""
@@ -282,4 +294,5 @@ class Node:
             transfers_done=c.transfers_done,
             transfers_failed=c.transfers_failed,
             leases_expired=c.leases_expired,
+            leases_renewed=c.leases_renewed,
         )

@@ -20,7 +20,7 @@ from kvd.core.layout import Layout, Region
 from kvd.core.leases import LeaseTable
 from kvd.core.memory import ShmMapping
 from kvd.core.nixl_agent import NixlAgent, Unprepped
-from kvd.requests import BlockGroups, LoadRequest
+from kvd.requests import BlockGroups, LeaseRenewal, LoadRequest, RenewResult
 
 log = logging.getLogger("kvd.core")
 
@@ -109,6 +109,9 @@ class PeerLink(Protocol):
 
     async def claim(self, address: str, engine_id: str, tp_rank: int, request_id: str, groups: BlockGroups,
                     wait_s: float, timeout_s: float) -> None: ...
+
+    async def renew(self, address: str, engine_id: str, renewals: list[LeaseRenewal],
+                    timeout_s: float) -> list[RenewResult]: ...
 
 
 @dataclass
@@ -329,4 +332,5 @@ class Counters:
     leases_expired: int = 0
     leases_notified: int = 0
     leases_released: int = 0
+    leases_renewed: int = 0    # renewals granted (PeerService.Renew), one per lease, rank and call
     handshakes: int = 0

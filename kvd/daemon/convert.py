@@ -7,7 +7,7 @@ import grpc
 from kvd.core import events as ev
 from kvd.core.layout import Layout, Region
 from kvd.core.state import HandshakeResult
-from kvd.requests import BlockGroups, LoadRequest
+from kvd.requests import BlockGroups, LeaseRenewal, LoadRequest, RenewResult
 from kvd.v1 import kvd_pb2 as pb
 
 _KV_LAYOUT_NAMES = {pb.KV_LAYOUT_NHD: "NHD", pb.KV_LAYOUT_HND: "HND", pb.KV_LAYOUT_MLA: "MLA"}
@@ -92,6 +92,8 @@ def event_to_pb(e: ev.Event) -> pb.SessionEvent:
     if isinstance(e, ev.SendDone):
         return pb.SessionEvent(send_done=pb.SendDone(
             request_id=e.request_id, expired=e.expired, released=e.released))
+    if isinstance(e, ev.LeaseRenewed):
+        return pb.SessionEvent(renewed=pb.LeaseRenewed(request_id=e.request_id, left_s=e.left_s))
     return pb.SessionEvent(rejected=pb.CommandRejected(request_id=e.request_id, reason=e.reason))
 
 
@@ -135,3 +137,23 @@ def load_from_pb(m: pb.LoadBlocks) -> LoadRequest:
         remote_groups=groups_from_pb(m.remote_groups), remote_request_id=m.remote_request_id,
         remote_tp_size=m.remote_tp_size, timeout_s=m.timeout_s,
     )
+
+
+def renewals_from_pb(renewals) -> list[LeaseRenewal]:
+    """``repeated LeaseRenewal`` -> core values (the bounds are the core's to check)."""
+    return [LeaseRenewal(r.request_id, groups_from_pb(r.groups)) for r in renewals]
+
+
+def renewals_to_pb(renewals: list[LeaseRenewal]) -> list[pb.LeaseRenewal]:
+    """Core renewals -> ``pb.LeaseRenewal`` messages (a peer call's list)."""
+    return [pb.LeaseRenewal(request_id=r.request_id, groups=groups_to_pb(r.groups)) for r in renewals]
+
+
+def renewed_to_pb(results: list[RenewResult]) -> list[pb.LeaseRenewed]:
+    """Per-renewal results -> ``pb.LeaseRenewed`` messages, same order."""
+    return [pb.LeaseRenewed(request_id=r.request_id, left_s=r.left_s, reason=r.reason) for r in results]
+
+
+def renewed_from_pb(results) -> list[RenewResult]:
+    """``repeated LeaseRenewed`` -> core results, same order."""
+    return [RenewResult(r.request_id, r.left_s, r.reason) for r in results]

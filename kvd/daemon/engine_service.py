@@ -37,7 +37,16 @@ from kvd.core.limits import BOUNDS
 from kvd.core.memory import MEMFD_KIND
 from kvd.core.node import Node
 from kvd.core.state import Owner, Segment, Worker, WorkerKey
-from kvd.daemon.convert import event_to_pb, groups_from_pb, layout_from_pb, load_from_pb, region_from_pb, status_of
+from kvd.daemon.convert import (
+    event_to_pb,
+    groups_from_pb,
+    layout_from_pb,
+    load_from_pb,
+    region_from_pb,
+    renewals_from_pb,
+    renewed_to_pb,
+    status_of,
+)
 from kvd.daemon.fd_channel import ClaimError, FdTable
 from kvd.daemon.status import build_stats, handover_of
 from kvd.v1 import kvd_pb2 as pb
@@ -239,6 +248,37 @@ class EngineService(pb_grpc.EngineServiceServicer):
         READ would need (docs/SECURITY.md)."""
         return build_stats(self.node, draining=self.node.draining, backends=self.backends,
                            metrics_address=self.metrics_address, visible=self._visible(self.callers(context)))
+
+    async def RenewLeases(self, request: pb.RenewLeasesRequest, context) -> pb.RenewLeasesResponse:
+        """Decode side, from an engine's scheduler: renews leases of prefill
+        engine ``remote_engine_id`` at ``remote_address`` (PeerService.Renew,
+        or this daemon's own holds), within the call's deadline and at most
+        ``handshake_timeout_s``. One result per renewal, same order.
+
+        Admitted like every call on the engine socket (the gate); the prefill
+        daemon renews only leases that hold the named blocks of the named
+        requests (the claim rule, docs/SECURITY.md).
+
+        gRPC status: INVALID_ARGUMENT past the bounds (renewals per call,
+        block ids, id length) or for an empty engine id or address; NOT_FOUND
+        when the prefill daemon has no such engine; UNAVAILABLE when it
+        cannot be asked."""
+        await self._caller(context)
+        try:
+            if not request.remote_engine_id or not request.remote_address:
+                raise ev.InvalidArgument("renew: remote_engine_id and remote_address are required")
+            longest = max(len(request.remote_engine_id.encode()), len(request.remote_address.encode()))
+            if longest > BOUNDS.max_id_bytes:
+                raise ev.InvalidArgument(f"renew: engine id or address longer than {BOUNDS.max_id_bytes} bytes")
+            left = context.time_remaining()
+            timeout_s = min(self.node.limits.handshake_timeout_s, left if left is not None else float("inf"))
+            results = await self.node.renew_at(request.remote_address, request.remote_engine_id,
+                                               renewals_from_pb(request.renewals), timeout_s)
+        except ev.CoreError as e:
+            log.info("renew of %d leases of engine %s at %s refused: %s", len(request.renewals),
+                     request.remote_engine_id, request.remote_address, e)
+            await context.abort(status_of(e), str(e))
+        return pb.RenewLeasesResponse(results=renewed_to_pb(results))
 
     @staticmethod
     def _visible(caller):

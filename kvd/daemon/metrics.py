@@ -21,8 +21,9 @@ Read from ``Node.stats()`` at scrape time (they cannot drift from the core):
 - ``kvd_engines``, ``kvd_regions``, ``kvd_registered_bytes``: registered engine
   workers, their KV regions and the bytes of their segments
 - ``kvd_peers``: remote workers handshaken with
-- ``kvd_active_leases``, ``kvd_leases_expired_total``: held prefill leases, and
-  leases that ran out unread since start
+- ``kvd_active_leases``, ``kvd_leases_expired_total``,
+  ``kvd_leases_renewed_total``: held prefill leases, leases that ran out
+  unread since start, and renewals granted to readers still waiting
 - ``kvd_inflight_transfers``: READs posted and not finished
 - ``kvd_session_streams``: open engine session streams
 - ``kvd_leaked_transfer_handles``: NIXL handles that could not be released yet
@@ -59,6 +60,7 @@ STATS_METRICS = (
     ("kvd_peers", "peers", "Remote workers this daemon has handshaken with"),
     ("kvd_active_leases", "active_leases", "Prefill leases held for a reader"),
     ("kvd_leases_expired_total", "leases_expired", "Leases that ran out before a reader read the blocks"),
+    ("kvd_leases_renewed_total", "leases_renewed", "Lease renewals granted to readers still waiting to read"),
     ("kvd_inflight_transfers", "inflight_transfers", "Transfers (READs) in flight"),
     ("kvd_session_streams", "sessions", "Open engine session streams"),
     ("kvd_leaked_transfer_handles", "leaked_handles", "NIXL transfer handles not yet released"),

@@ -18,8 +18,9 @@ from kvd.config import MAX_MESSAGE_BYTES
 from kvd.core import events as ev
 from kvd.core.limits import BOUNDS
 from kvd.core.state import PROTOCOL_VERSION, HandshakeResult, PushOrder, PushResult
-from kvd.daemon.convert import groups_to_pb, handshake_from_pb, handshake_to_pb
+from kvd.daemon.convert import groups_to_pb, handshake_from_pb, handshake_to_pb, renewals_to_pb, renewed_from_pb
 from kvd.daemon.peer_auth import PeerAuth, PeerAuthError
+from kvd.requests import LeaseRenewal, RenewResult
 from kvd.v1 import kvd_pb2 as pb
 
 SERVICE = "/kvd.v1.PeerService/"
@@ -58,7 +59,7 @@ def _error(address: str, e: grpc.aio.AioRpcError) -> ev.CoreError:
 
 
 class PeerClient:
-    """Handshake, push and notify calls to remote daemons.
+    """Handshake, push, notify, claim and renew calls to remote daemons.
 
     Args:
         auth: TLS material and token (None: plaintext, no token).
@@ -141,6 +142,17 @@ class PeerClient:
         req = pb.ClaimRequest(engine_id=engine_id, tp_rank=tp_rank, request_id=request_id,
                               groups=groups_to_pb(groups), wait_s=wait_s)
         await self._call(address, "Claim", req, timeout_s)
+
+    async def renew(self, address: str, engine_id: str, renewals: list[LeaseRenewal],
+                    timeout_s: float) -> list[RenewResult]:
+        """Renews ``address``'s leases of engine ``engine_id`` named in
+        ``renewals`` (``kvd.core.holds.Holds.renew``); one result per renewal,
+        same order. A peer answering another count is PeerUnavailable."""
+        req = pb.RenewRequest(engine_id=engine_id, renewals=renewals_to_pb(renewals))
+        r = await self._call(address, "Renew", req, timeout_s)
+        if len(r.results) != len(renewals):
+            raise ev.PeerUnavailable(f"{address}: {len(r.results)} renewal results for {len(renewals)} renewals")
+        return renewed_from_pb(r.results)
 
     async def close(self) -> None:
         for ch in self._channels.values():

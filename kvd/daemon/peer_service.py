@@ -8,7 +8,14 @@ from kvd.core import events as ev
 from kvd.core.limits import BOUNDS
 from kvd.core.node import Node
 from kvd.core.state import PushOrder
-from kvd.daemon.convert import groups_from_pb, handshake_from_pb, handshake_to_pb, status_of
+from kvd.daemon.convert import (
+    groups_from_pb,
+    handshake_from_pb,
+    handshake_to_pb,
+    renewals_from_pb,
+    renewed_to_pb,
+    status_of,
+)
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
@@ -26,8 +33,8 @@ class PeerService(pb_grpc.PeerServiceServicer):
         self.node = node
 
     async def _refuse(self, context, what: str, request, e: ev.CoreError):
-        log.warning("%s from %s for engine=%s rank=%d refused: %s", what, context.peer(), request.engine_id,
-                    request.tp_rank, e)
+        rank = f" rank={request.tp_rank}" if hasattr(request, "tp_rank") else ""  # Renew names no rank
+        log.warning("%s from %s for engine=%s%s refused: %s", what, context.peer(), request.engine_id, rank, e)
         await context.abort(status_of(e), str(e))
 
     async def Handshake(self, request: pb.HandshakeRequest, context) -> pb.HandshakeResponse:
@@ -101,3 +108,20 @@ class PeerService(pb_grpc.PeerServiceServicer):
         except ev.CoreError as e:
             await self._refuse(context, "claim", request, e)
         return pb.ClaimResponse()
+
+    async def Renew(self, request: pb.RenewRequest, context) -> pb.RenewResponse:
+        """A reader's daemon renews leases of engine ``engine_id``'s workers
+        while the reader's requests wait (``kvd.core.holds.Holds.renew``): one
+        result per renewal, ``reason="not_held"`` for a request whose lease
+        does not hold the named blocks (a peer renews only leases it could
+        claim: another engine's, or other blocks, are not renewed).
+
+        gRPC status: NOT_FOUND for an engine not registered here;
+        INVALID_ARGUMENT for more than ``BOUNDS.max_renewals_per_call``
+        renewals, more than ``max_blocks_per_request`` block ids in all, or a
+        request id empty or over ``BOUNDS.max_id_bytes`` bytes."""
+        try:
+            results = self.node.renew(request.engine_id, renewals_from_pb(request.renewals))
+        except ev.CoreError as e:
+            await self._refuse(context, "renew", request, e)
+        return pb.RenewResponse(results=renewed_to_pb(results))

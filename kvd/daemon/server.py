@@ -220,8 +220,9 @@ class Server:
         backend that cannot be used."""
         cfg = self.config
         host, port = parse_host_port(cfg.peer_listen, "peer_listen")
-        limits = Limits(lease_s=cfg.lease_s, transfer_timeout_s=cfg.transfer_timeout_s,
-                        handshake_timeout_s=cfg.handshake_timeout_s, detach_grace_s=cfg.detach_grace_s,
+        limits = Limits(lease_s=cfg.lease_s, max_lease_life_s=cfg.max_lease_life_s,
+                        transfer_timeout_s=cfg.transfer_timeout_s, handshake_timeout_s=cfg.handshake_timeout_s,
+                        detach_grace_s=cfg.detach_grace_s,
                         transfer_mode=cfg.transfer_mode, same_node_copy=cfg.same_node_copy,
                         max_inflight_per_worker=cfg.max_inflight_per_worker,
                         max_blocks_per_request=cfg.max_blocks_per_request,

@@ -156,7 +156,7 @@ def render(d: dict, target: str = "") -> str:
         ("peers", str(d["peers"])),
         ("transfers", f"{d['transfers_done']} done, {d['transfers_failed']} failed, "
                       f"{d['inflight_transfers']} in flight, {human_bytes(d['bytes_read'])} read"),
-        ("leases", f"{d['active_leases']} active, {d['leases_expired']} expired"),
+        ("leases", f"{d['active_leases']} active, {d['leases_expired']} expired, {d['leases_renewed']} renewed"),
     ]
     if d.get("leaked_handles"):
         summary.append(("leaked handles", str(d["leaked_handles"])))

@@ -40,6 +40,10 @@ class FakeEngineService(pb_grpc.EngineServiceServicer):
     hold_mode: ``never`` (lease kept until release), ``done`` (send_done at
     once), ``expire`` (send_done(expired) at once).
 
+    ``RenewLeases`` is recorded (``renewals``) and answered renewed with
+    ``renew_left_s`` seconds left, or ``not_held`` for request ids in
+    ``not_held``.
+
     A registration with ``DATA_PATH_STAGED`` gets real staging mirrors (one
     new POSIX shm object per segment, ``/kvdtest_<pid>_stage_*``, unlinked by
     :meth:`unlink_staging`), as the real daemon makes them.
@@ -55,6 +59,9 @@ class FakeEngineService(pb_grpc.EngineServiceServicer):
         self.commands: list[pb.SessionCommand] = []
         self.sessions = 0
         self.staging: list[str] = []  # shm names of every mirror made
+        self.renewals: list[pb.RenewLeasesRequest] = []
+        self.renew_left_s = 0.9
+        self.not_held: set[str] = set()
 
     def RegisterEngine(self, request, context):
         with self.lock:
@@ -91,6 +98,19 @@ class FakeEngineService(pb_grpc.EngineServiceServicer):
         with self.lock:
             self.unregisters.append(request)
         return pb.UnregisterEngineResponse(released_leases=0)
+
+    def RenewLeases(self, request, context):
+        with self.lock:
+            self.renewals.append(request)
+            gone = set(self.not_held)
+        return pb.RenewLeasesResponse(results=[
+            pb.LeaseRenewed(request_id=r.request_id, reason="not_held") if r.request_id in gone
+            else pb.LeaseRenewed(request_id=r.request_id, left_s=self.renew_left_s) for r in request.renewals])
+
+    def renewed_ids(self) -> list[list[str]]:
+        """The request ids of each RenewLeases call, in arrival order."""
+        with self.lock:
+            return [[r.request_id for r in c.renewals] for c in self.renewals]
 
     def GetStats(self, request, context):
         return pb.StatsResponse(peer_address=PEER_ADDRESS, daemon_version="fake", sessions=self.sessions)

@@ -237,18 +237,20 @@ class AbortLoad(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., remote_address: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., remote_tp_size: _Optional[int] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("opened", "recv_done", "load_failed", "send_done", "rejected")
+    __slots__ = ("opened", "recv_done", "load_failed", "send_done", "rejected", "renewed")
     OPENED_FIELD_NUMBER: _ClassVar[int]
     RECV_DONE_FIELD_NUMBER: _ClassVar[int]
     LOAD_FAILED_FIELD_NUMBER: _ClassVar[int]
     SEND_DONE_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
+    RENEWED_FIELD_NUMBER: _ClassVar[int]
     opened: SessionOpened
     recv_done: RecvDone
     load_failed: LoadFailed
     send_done: SendDone
     rejected: CommandRejected
-    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., recv_done: _Optional[_Union[RecvDone, _Mapping]] = ..., load_failed: _Optional[_Union[LoadFailed, _Mapping]] = ..., send_done: _Optional[_Union[SendDone, _Mapping]] = ..., rejected: _Optional[_Union[CommandRejected, _Mapping]] = ...) -> None: ...
+    renewed: LeaseRenewed
+    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., recv_done: _Optional[_Union[RecvDone, _Mapping]] = ..., load_failed: _Optional[_Union[LoadFailed, _Mapping]] = ..., send_done: _Optional[_Union[SendDone, _Mapping]] = ..., rejected: _Optional[_Union[CommandRejected, _Mapping]] = ..., renewed: _Optional[_Union[LeaseRenewed, _Mapping]] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
     __slots__ = ("agent_name", "daemon_version")
@@ -307,7 +309,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("engines", "regions", "registered_bytes", "peers", "active_leases", "inflight_transfers", "bytes_read", "transfers_done", "transfers_failed", "leases_expired", "sessions", "uptime_s", "daemon_version", "peer_address", "leaked_handles", "remote_agents", "early_notifications", "pending_events", "prepped_dlists", "dlists_preparing", "quarantined_workers", "workers", "remote_workers", "data_path", "versions", "backends", "draining", "metrics_address")
+    __slots__ = ("engines", "regions", "registered_bytes", "peers", "active_leases", "inflight_transfers", "bytes_read", "transfers_done", "transfers_failed", "leases_expired", "sessions", "uptime_s", "daemon_version", "peer_address", "leaked_handles", "remote_agents", "early_notifications", "pending_events", "prepped_dlists", "dlists_preparing", "quarantined_workers", "leases_renewed", "workers", "remote_workers", "data_path", "versions", "backends", "draining", "metrics_address")
     class VersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -336,6 +338,7 @@ class StatsResponse(_message.Message):
     PREPPED_DLISTS_FIELD_NUMBER: _ClassVar[int]
     DLISTS_PREPARING_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    LEASES_RENEWED_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     DATA_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -364,6 +367,7 @@ class StatsResponse(_message.Message):
     prepped_dlists: int
     dlists_preparing: int
     quarantined_workers: int
+    leases_renewed: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStats]
     remote_workers: _containers.RepeatedCompositeFieldContainer[PeerStats]
     data_path: str
@@ -371,7 +375,7 @@ class StatsResponse(_message.Message):
     backends: _containers.RepeatedScalarFieldContainer[str]
     draining: bool
     metrics_address: str
-    def __init__(self, engines: _Optional[int] = ..., regions: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., peers: _Optional[int] = ..., active_leases: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., bytes_read: _Optional[int] = ..., transfers_done: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., leases_expired: _Optional[int] = ..., sessions: _Optional[int] = ..., uptime_s: _Optional[float] = ..., daemon_version: _Optional[str] = ..., peer_address: _Optional[str] = ..., leaked_handles: _Optional[int] = ..., remote_agents: _Optional[int] = ..., early_notifications: _Optional[int] = ..., pending_events: _Optional[int] = ..., prepped_dlists: _Optional[int] = ..., dlists_preparing: _Optional[int] = ..., quarantined_workers: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., remote_workers: _Optional[_Iterable[_Union[PeerStats, _Mapping]]] = ..., data_path: _Optional[str] = ..., versions: _Optional[_Mapping[str, str]] = ..., backends: _Optional[_Iterable[str]] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+    def __init__(self, engines: _Optional[int] = ..., regions: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., peers: _Optional[int] = ..., active_leases: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., bytes_read: _Optional[int] = ..., transfers_done: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., leases_expired: _Optional[int] = ..., sessions: _Optional[int] = ..., uptime_s: _Optional[float] = ..., daemon_version: _Optional[str] = ..., peer_address: _Optional[str] = ..., leaked_handles: _Optional[int] = ..., remote_agents: _Optional[int] = ..., early_notifications: _Optional[int] = ..., pending_events: _Optional[int] = ..., prepped_dlists: _Optional[int] = ..., dlists_preparing: _Optional[int] = ..., quarantined_workers: _Optional[int] = ..., leases_renewed: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., remote_workers: _Optional[_Iterable[_Union[PeerStats, _Mapping]]] = ..., data_path: _Optional[str] = ..., versions: _Optional[_Mapping[str, str]] = ..., backends: _Optional[_Iterable[str]] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
     __slots__ = ("engine_id", "tp_rank", "tp_size", "model", "agent_name", "compat_hash", "regions", "num_blocks", "block_size", "registered_bytes", "active_leases", "inflight_transfers", "sessions", "peers", "memory", "data_path", "handover")
@@ -430,6 +434,40 @@ class PeerStats(_message.Message):
     local_engine_id: str
     local_tp_rank: int
     def __init__(self, address: _Optional[str] = ..., engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., agent_name: _Optional[str] = ..., daemon_version: _Optional[str] = ..., local_engine_id: _Optional[str] = ..., local_tp_rank: _Optional[int] = ...) -> None: ...
+
+class LeaseRenewal(_message.Message):
+    __slots__ = ("request_id", "groups")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    groups: _containers.RepeatedCompositeFieldContainer[BlockIds]
+    def __init__(self, request_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ...) -> None: ...
+
+class LeaseRenewed(_message.Message):
+    __slots__ = ("request_id", "left_s", "reason")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEFT_S_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    left_s: float
+    reason: str
+    def __init__(self, request_id: _Optional[str] = ..., left_s: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RenewLeasesRequest(_message.Message):
+    __slots__ = ("remote_engine_id", "remote_address", "renewals")
+    REMOTE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RENEWALS_FIELD_NUMBER: _ClassVar[int]
+    remote_engine_id: str
+    remote_address: str
+    renewals: _containers.RepeatedCompositeFieldContainer[LeaseRenewal]
+    def __init__(self, remote_engine_id: _Optional[str] = ..., remote_address: _Optional[str] = ..., renewals: _Optional[_Iterable[_Union[LeaseRenewal, _Mapping]]] = ...) -> None: ...
+
+class RenewLeasesResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[LeaseRenewed]
+    def __init__(self, results: _Optional[_Iterable[_Union[LeaseRenewed, _Mapping]]] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
     __slots__ = ("engine_id", "tp_rank", "daemon_version", "compat_hash", "protocol_version")
@@ -536,3 +574,17 @@ class ClaimRequest(_message.Message):
 class ClaimResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class RenewRequest(_message.Message):
+    __slots__ = ("engine_id", "renewals")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    RENEWALS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    renewals: _containers.RepeatedCompositeFieldContainer[LeaseRenewal]
+    def __init__(self, engine_id: _Optional[str] = ..., renewals: _Optional[_Iterable[_Union[LeaseRenewal, _Mapping]]] = ...) -> None: ...
+
+class RenewResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[LeaseRenewed]
+    def __init__(self, results: _Optional[_Iterable[_Union[LeaseRenewed, _Mapping]]] = ...) -> None: ...

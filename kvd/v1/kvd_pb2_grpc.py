@@ -57,6 +57,11 @@ class EngineServiceStub:
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvd_dot_v1_dot_kvd__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.RenewLeases = channel.unary_unary(
+                '/kvd.v1.EngineService/RenewLeases',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.RenewLeasesRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.RenewLeasesResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -95,6 +100,17 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenewLeases(self, request, context):
+        """Renews prefill leases a waiting decode request will read (one call per
+        prefill engine and interval, from the scheduler). INVALID_ARGUMENT past
+        the bounds; NOT_FOUND when the prefill daemon has no such engine;
+        UNAVAILABLE when it cannot be asked. A request whose lease is gone is
+        a per-request reason, not an error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -117,6 +133,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=kvd_dot_v1_dot_kvd__pb2.StatsRequest.FromString,
                     response_serializer=kvd_dot_v1_dot_kvd__pb2.StatsResponse.SerializeToString,
+            ),
+            'RenewLeases': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLeases,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.RenewLeasesRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.RenewLeasesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -240,6 +261,33 @@ class EngineService:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def RenewLeases(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.EngineService/RenewLeases',
+            kvd_dot_v1_dot_kvd__pb2.RenewLeasesRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.RenewLeasesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PeerServiceStub:
     """Daemon to daemon over TCP, with mutual TLS (peer_tls_*) and/or a shared
@@ -273,6 +321,11 @@ class PeerServiceStub:
                 '/kvd.v1.PeerService/Claim',
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.ClaimRequest.SerializeToString,
                 response_deserializer=kvd_dot_v1_dot_kvd__pb2.ClaimResponse.FromString,
+                _registered_method=True)
+        self.Renew = channel.unary_unary(
+                '/kvd.v1.PeerService/Renew',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.RenewRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.RenewResponse.FromString,
                 _registered_method=True)
 
 
@@ -314,6 +367,15 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Renew(self, request, context):
+        """NOT_FOUND for an engine not registered here; INVALID_ARGUMENT past the
+        bounds (renewals, block ids, id length). A request whose lease does not
+        hold those blocks is reason "not_held" in its result, not an error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -336,6 +398,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.Claim,
                     request_deserializer=kvd_dot_v1_dot_kvd__pb2.ClaimRequest.FromString,
                     response_serializer=kvd_dot_v1_dot_kvd__pb2.ClaimResponse.SerializeToString,
+            ),
+            'Renew': grpc.unary_unary_rpc_method_handler(
+                    servicer.Renew,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.RenewRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.RenewResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -450,6 +517,33 @@ class PeerService:
             '/kvd.v1.PeerService/Claim',
             kvd_dot_v1_dot_kvd__pb2.ClaimRequest.SerializeToString,
             kvd_dot_v1_dot_kvd__pb2.ClaimResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Renew(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.PeerService/Renew',
+            kvd_dot_v1_dot_kvd__pb2.RenewRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.RenewResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -10,7 +10,10 @@ kvd_peer_address      (ask)   ``host:port`` remote daemons reach ours at; defaul
                               ``GetStats.peer_address``, asked once at startup
 kvd_lease_s           daemon  seconds the prefill daemon holds finished blocks
                               for a reader (like NIXL's ``kv_lease_duration``);
-                              default: the daemon's ``--lease-s``
+                              default: the daemon's ``--lease-s``; a waiting
+                              decode request renews it
+                              (``kvd.shim.vllm.renewals``) up to the prefill
+                              daemon's ``max_lease_life_s``
 kvd_load_timeout_s    daemon  seconds a load may take before it fails; default:
                               the daemon's ``--transfer-timeout-s``
 kvd_connect_timeout_s 60      startup wait for the daemon (register, GetStats)

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 
@@ -101,6 +102,18 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         """
         assert self.scheduler is not None
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def on_new_request(self, request: Request) -> None:
+        """Decode side: a request waiting for P's blocks has P's lease renewed
+        until it loads or finishes (as NixlConnector's heartbeats,
+        ``nixl/base_scheduler.py`` ``on_new_request``)."""
+        assert self.scheduler is not None
+        self.scheduler.on_new_request(request)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Decode side: received (or failed) requests need no more renewals."""
+        assert self.scheduler is not None
+        self.scheduler.update_connector_output(connector_output)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """Loads and holds decided since the last step, for the workers; resets them."""
@@ -244,6 +257,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         unlinks the KV cache's shm names (the memory stays mapped until exit)."""
         if self.worker is not None:
             self.worker.shutdown()
+        if self.scheduler is not None:
+            self.scheduler.shutdown()
 
 
 def register_with_vllm() -> None:

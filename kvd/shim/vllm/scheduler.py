@@ -9,9 +9,14 @@ the order vLLM's scheduler calls the facade (``kvd.shim.vllm.connector``):
 - prefill (P): ``update_state_after_alloc`` (staged: start tracking the
   blocks to save), ``request_finished`` (the ``kv_transfer_params`` for D, a
   :class:`~kvd.shim.vllm.metadata.HoldSpec`);
-- every step: ``build_connector_meta`` hands what was queued to the workers.
+- decode (D), while a request waits to load: ``on_new_request`` starts
+  renewing P's lease (:mod:`kvd.shim.vllm.renewals`), ``update_connector_output``
+  (received or failed) and ``request_finished`` stop it;
+- every step: ``build_connector_meta`` hands what was queued to the workers
+  (and sends the lease renewals that are due).
 
-No method does I/O but the constructor (the daemon's peer address, once).
+No method blocks on I/O: the constructor asks the daemon's peer address
+once; lease renewals are unary calls whose answers are taken on a later step.
 """
 
 from __future__ import annotations
@@ -24,15 +29,18 @@ from typing import TYPE_CHECKING, Any
 from vllm.config import VllmConfig
 
 from kvd.addresses import join_host_port, split_host_port
+from kvd.client import EngineClient
 from kvd.requests import BlockGroups, LoadRequest
 from kvd.shim.vllm.config import KvdShimConfig
 from kvd.shim.vllm.groups import TransferGroups, as_groups, cdiv
 from kvd.shim.vllm.metadata import HoldSpec, KvdConnectorMetadata, LoadSpec, SaveSpec
+from kvd.shim.vllm.renewals import LeaseRenewals
 from kvd.shim.vllm.worker import daemon_peer_address
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvd.shim.vllm")
@@ -85,11 +93,42 @@ class KvdScheduler:
         self._saving: dict[str, _SaveState] = {}
         self.peer_host: str | None = None
         self.peer_port: int | None = None
+        self._client: EngineClient | None = None  # for lease renewals, made at the first one
+        self.renewals = LeaseRenewals(self._renew)
         kv = vllm_config.kv_transfer_config
         if kv is not None and kv.is_kv_producer:
             key = "kv_connector_extra_config.kvd_peer_address" if cfg.peer_address else "the daemon's peer_address"
             self.peer_host, self.peer_port = split_host_port(cfg.peer_address or daemon_peer_address(cfg), key,
                                                              min_port=1)
+
+    def _renew(self, remote_engine_id: str, remote_address: str, renewals):
+        """Sends one ``RenewLeases`` through this scheduler's own client of the
+        daemon (no registration: the workers own those)."""
+        if self._client is None:
+            self._client = EngineClient(self.cfg.socket)
+        return self._client.renew_leases(remote_engine_id, remote_address, renewals)
+
+    def on_new_request(self, request: Request) -> None:
+        """Decode side (``KvdConnector.on_new_request``): a request with
+        ``do_remote_prefill`` and every remote field has P's lease renewed
+        while it waits (:mod:`kvd.shim.vllm.renewals`). No I/O."""
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill") and has_remote(params):
+            self.renewals.track(request, params)
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """Stops renewing P's lease for requests that received their blocks
+        or failed to (``KvdConnector.update_connector_output``)."""
+        for rid in (output.finished_recving or ()):
+            self.renewals.stop(rid)
+        for rid in (getattr(output, "failed_recving", None) or ()):
+            self.renewals.stop(rid)
+
+    def shutdown(self) -> None:
+        """Closes the renewals' client of the daemon (if one was made)."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Decode side (``KvdConnector.get_num_new_matched_tokens``): for a request
@@ -140,6 +179,7 @@ class KvdScheduler:
             return
         awaiting = num_external_tokens > 0
         if not awaiting:  # full local prefix hit (or nothing to load): only tell P
+            self.renewals.stop(request.request_id)
             self._loads[request.request_id] = self._remote_spec(request.request_id, params, [], [], False)
             return
         error = None
@@ -194,6 +234,8 @@ class KvdScheduler:
         meta = KvdConnectorMetadata(loads=list(self._loads.values()), holds=self._holds)
         self._loads = {}
         self._holds = []
+        if len(self.renewals):
+            self.renewals.poll()
         if self._saving and scheduler_output is not None:
             meta.saves = self._saves(scheduler_output)
         return meta
@@ -245,6 +287,7 @@ class KvdScheduler:
         from vllm.v1.request import RequestStatus
 
         self._saving.pop(request.request_id, None)
+        self.renewals.stop(request.request_id)
         params = request.kv_transfer_params
         if not params:
             return False, None

@@ -1,0 +1,213 @@
+"""Decode side: renew the prefill leases of requests still waiting to load.
+
+P's daemon holds a finished prefill's blocks for a lease (``kvd_lease_s``,
+default the daemon's ``lease_s``). A decode request can wait in D's queue
+longer than that (a long queue, a full KV cache); its blocks would be freed
+and the request recomputed. vLLM's NixlConnector renews the lease from D
+while the request waits (0.32+: ``nixl/base_scheduler.py`` ``on_new_request``
+tracks it, ``build_connector_meta`` packs heartbeats every
+``kv_lease_duration // 6`` seconds, ``update_connector_output`` and
+``request_finished`` stop them; P's ``_handle_heartbeat`` moves the
+deadline). kvd does the same from the scheduler process, through the local
+daemon (``EngineService.RenewLeases`` -> ``PeerService.Renew``):
+
+- :meth:`LeaseRenewals.track` a request with ``do_remote_prefill`` and every
+  remote field (``on_new_request``); :meth:`LeaseRenewals.stop` it when it
+  has loaded (``finished_recving``), failed, or finished (aborted).
+- :meth:`LeaseRenewals.poll` (every engine step) sends one call per prefill
+  engine when its renewals are due (at most ``MAX_RENEWALS_PER_CALL``
+  requests a call), a third of the shortest lease left (as the daemon
+  answered; before the first answer, a third of what
+  ``remote_blocks_expiry_time`` says, or :data:`FIRST_UNKNOWN_S` when P
+  used its daemon's default). Calls never block the step: each is a
+  future looked at on a later step.
+- A request P answers ``not_held`` for after it was renewed once has lost
+  its lease (read, released, expired, or the cap reached): it is no longer
+  renewed. One never renewed yet stays (P's hold may still be on its way).
+
+P caps a renewed lease's life (its daemon's ``max_lease_life_s``): a request
+that never loads does not pin P's blocks past that.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvd.addresses import join_host_port
+from kvd.requests import MAX_RENEWALS_PER_CALL, BlockGroups, LeaseRenewal, RenewResult
+from kvd.shim.vllm.groups import as_groups
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvd.shim.vllm")
+
+#: Seconds to the first renewal when the lease's length is unknown (P used
+#: its daemon's default): the answer gives the time left.
+FIRST_UNKNOWN_S = 1.0
+#: Shortest interval between two calls for one prefill engine (seconds).
+MIN_INTERVAL_S = 0.25
+#: Wait before retrying after a failed call (seconds).
+RETRY_S = 1.0
+#: Block ids per call, all requests together: well under the daemon's
+#: ``max_blocks_per_request`` default (1M), which bounds a call's total.
+MAX_BLOCKS_PER_CALL = 1 << 18
+
+Send = Callable[[str, str, list[LeaseRenewal]], "Future[list[RenewResult]]"]
+
+
+@dataclass
+class _Waiting:
+    """One waiting request's lease at P."""
+
+    remote_request_id: str
+    groups: BlockGroups
+    renewed: bool = False  # P renewed it once: a later not_held means the lease is gone
+
+
+@dataclass
+class _Remote:
+    """The waiting requests of one prefill engine (at one daemon address)."""
+
+    waiting: dict[str, _Waiting] = field(default_factory=dict)  # local request id ->
+    due: float = float("inf")                                    # monotonic seconds
+    calls: list[tuple[Future, list[str]]] = field(default_factory=list)  # in flight, local ids sent
+    failing: bool = False                                        # the last call failed (logged once)
+
+
+class LeaseRenewals:
+    """Which prefill leases this decode engine renews, and when.
+
+    Args:
+        send: ``(remote_engine_id, remote_address, renewals) -> Future`` of one
+            result per renewal (``EngineClient.renew_leases``).
+        clock: monotonic seconds; ``wall``: ``time.time`` (for
+            ``remote_blocks_expiry_time``, which P sends in wall-clock seconds).
+    """
+
+    def __init__(self, send: Send, *, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time):
+        self.send = send
+        self.clock = clock
+        self.wall = wall
+        self._remotes: dict[tuple[str, str], _Remote] = {}
+        self._of: dict[str, tuple[str, str]] = {}  # local request id -> its remote key
+
+    def __len__(self) -> int:
+        """Requests tracked."""
+        return len(self._of)
+
+    def track(self, request: Request, params: dict[str, Any]) -> None:
+        """Starts renewing the lease of ``request`` (its ``kv_transfer_params``
+        ``params``: remote fields checked by the caller). Bad block ids in
+        the params are logged, not raised (the load reports them)."""
+        try:
+            groups = as_groups(params["remote_block_ids"])
+        except (TypeError, ValueError) as e:
+            log.warning("kvd request=%s: remote_block_ids %s; its lease is not renewed", request.request_id, e)
+            return
+        self.stop(request.request_id)
+        key = (str(params["remote_engine_id"]), join_host_port(params["remote_host"], params["remote_port"]))
+        remote = self._remotes.setdefault(key, _Remote())
+        remote.waiting[request.request_id] = _Waiting(str(params["remote_request_id"]), groups)
+        self._of[request.request_id] = key
+        now = self.clock()
+        expiry = params.get("remote_blocks_expiry_time")
+        first = FIRST_UNKNOWN_S
+        if isinstance(expiry, (int, float)) and expiry > 0:
+            first = max(MIN_INTERVAL_S, (expiry - self.wall()) / 3)
+        remote.due = min(remote.due, now + first)
+
+    def stop(self, request_id: str) -> None:
+        """No more renewals for ``request_id`` (loaded, failed, finished);
+        a no-op for a request not tracked."""
+        key = self._of.pop(request_id, None)
+        if key is None:
+            return
+        remote = self._remotes[key]
+        remote.waiting.pop(request_id, None)
+        if not remote.waiting and not remote.calls:
+            del self._remotes[key]
+
+    def poll(self) -> int:
+        """Takes the answers of finished calls, then sends the renewals that
+        are due (never blocks). Returns the calls sent."""
+        now = self.clock()
+        sent = 0
+        for key, remote in list(self._remotes.items()):
+            self._collect(key, remote, now)
+            if not remote.waiting and not remote.calls:
+                del self._remotes[key]
+                continue
+            if remote.calls or now < remote.due:
+                continue
+            remote.due = float("inf")  # set again by the answers
+            for ids in self._batches(remote):
+                renewals = [LeaseRenewal(remote.waiting[i].remote_request_id, remote.waiting[i].groups) for i in ids]
+                try:
+                    call = self.send(key[0], key[1], renewals)
+                except Exception as e:  # the client could not even start the call
+                    log.warning("kvd: lease renewal for engine %s at %s not sent: %s", key[0], key[1], e)
+                    remote.due = now + RETRY_S
+                    break
+                remote.calls.append((call, ids))
+                sent += 1
+        return sent
+
+    @staticmethod
+    def _batches(remote: _Remote) -> list[list[str]]:
+        """Local request ids in calls of at most ``MAX_RENEWALS_PER_CALL``
+        requests and ``MAX_BLOCKS_PER_CALL`` block ids (a request past that
+        alone still goes, in a call of its own: P's hold bounded it)."""
+        out, ids, blocks = [], [], 0
+        for rid, w in remote.waiting.items():
+            n = sum(len(g) for g in w.groups)
+            if ids and (len(ids) >= MAX_RENEWALS_PER_CALL or blocks + n > MAX_BLOCKS_PER_CALL):
+                out.append(ids)
+                ids, blocks = [], 0
+            ids.append(rid)
+            blocks += n
+        if ids:
+            out.append(ids)
+        return out
+
+    def _collect(self, key: tuple[str, str], remote: _Remote, now: float) -> None:
+        """Applies the answers of ``remote``'s finished calls; sets when the
+        next renewal is due."""
+        still = []
+        for call, ids in remote.calls:
+            if not call.done():
+                still.append((call, ids))
+                continue
+            try:
+                results = call.result()
+            except Exception as e:
+                if not remote.failing:
+                    log.warning("kvd: lease renewal for engine %s at %s failed: %s (retried every %g s)",
+                                key[0], key[1], e, RETRY_S)
+                remote.failing = True
+                remote.due = min(remote.due, now + RETRY_S)
+                continue
+            remote.failing = False
+            left = []
+            for rid, r in zip(ids, results):
+                w = remote.waiting.get(rid)
+                if w is None:
+                    continue  # stopped while the call was out
+                if r.renewed:
+                    w.renewed = True
+                    left.append(r.left_s)
+                elif w.renewed:
+                    log.info("kvd request=%s: prefill lease of %s gone (%s); no more renewals", rid,
+                             w.remote_request_id, r.reason)
+                    self.stop(rid)
+            if left:
+                remote.due = min(remote.due, now + max(MIN_INTERVAL_S, min(left) / 3))
+            elif remote.waiting:
+                remote.due = min(remote.due, now + FIRST_UNKNOWN_S)
+        remote.calls = still

@@ -1,0 +1,203 @@
+"""The decode scheduler renews P's leases while a request waits to load
+(``kvd.shim.vllm.renewals``; vLLM's NixlConnector heartbeats,
+``nixl/base_scheduler.py`` ``on_new_request`` / ``_stop_heartbeat``).
+
+First :class:`LeaseRenewals` alone, with a fake clock and a recorded
+``send``; then inside vLLM 0.32's real scheduler against the fake daemon
+(``tests/vllm_inproc.py``): renewals go out while the request waits for its
+blocks and stop when it loads or is aborted. ``tests/test_lease_renewal.py``
+runs the daemon side for real.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import Future
+from types import SimpleNamespace
+
+import pytest
+
+if os.environ.get("KVD_SKIP_VLLM") == "1":
+    pytest.skip("KVD_SKIP_VLLM=1", allow_module_level=True)
+pytest.importorskip("vllm")
+
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+from kvd.requests import MAX_RENEWALS_PER_CALL, RenewResult  # noqa: E402
+from kvd.shim.vllm.renewals import FIRST_UNKNOWN_S, MIN_INTERVAL_S, RETRY_S, LeaseRenewals  # noqa: E402
+from vllm_inproc import Engine, make_request, remote_params  # noqa: E402
+
+
+def params(remote_rid: str, engine: str = "engine-p", port: int = 7500, blocks=(40, 41), expiry=None) -> dict:
+    return remote_params({
+        "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [list(blocks)],
+        "remote_engine_id": engine, "remote_request_id": remote_rid, "remote_host": "10.9.9.9",
+        "remote_port": port, "tp_size": 1, "remote_blocks_expiry_time": expiry,
+    })
+
+
+class Recorder:
+    """A ``send`` that records each call and leaves its future to the test."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, str, list, Future]] = []
+
+    def __call__(self, engine_id, address, renewals):
+        f: Future = Future()
+        self.calls.append((engine_id, address, renewals, f))
+        return f
+
+    def answer(self, i: int, left_s: float = 3.0, not_held=()):
+        _, _, renewals, f = self.calls[i]
+        f.set_result([RenewResult(r.request_id, 0.0, "not_held") if r.request_id in not_held
+                      else RenewResult(r.request_id, left_s) for r in renewals])
+
+
+@pytest.fixture
+def clock():
+    return SimpleNamespace(now=100.0)
+
+
+def renewer(clock, rec, wall=1000.0) -> LeaseRenewals:
+    return LeaseRenewals(rec, clock=lambda: clock.now, wall=lambda: wall)
+
+
+def req(rid: str) -> SimpleNamespace:
+    return SimpleNamespace(request_id=rid)
+
+
+def test_one_call_per_prefill_engine_when_due_then_a_third_of_the_lease_left(clock):
+    rec = Recorder()
+    r = renewer(clock, rec)
+    r.track(req("d1"), params("p1"))
+    r.track(req("d2"), params("p2"))
+    r.track(req("d3"), params("p3", engine="engine-q", port=7600))
+    assert r.poll() == 0 and not rec.calls  # nothing due before FIRST_UNKNOWN_S
+    clock.now += FIRST_UNKNOWN_S
+    assert r.poll() == 2
+    by_engine = {(e, a): [x.request_id for x in rs] for e, a, rs, _ in rec.calls}
+    assert by_engine == {("engine-p", "10.9.9.9:7500"): ["p1", "p2"], ("engine-q", "10.9.9.9:7600"): ["p3"]}
+    assert rec.calls[0][2][0].groups == [[40, 41]]
+    assert r.poll() == 0  # answers not in yet: no second call
+    rec.answer(0, left_s=3.0)
+    rec.answer(1, left_s=6.0)
+    assert r.poll() == 0
+    clock.now += 1.0 - 0.01
+    assert r.poll() == 0
+    clock.now += 0.01  # a third of 3 s since the answers
+    assert r.poll() == 1 and rec.calls[2][0] == "engine-p"
+    clock.now += 1.0
+    assert r.poll() == 1 and rec.calls[3][0] == "engine-q"  # a third of 6 s
+
+
+def test_the_first_renewal_follows_p_s_expiry_time_when_p_sent_one(clock):
+    rec = Recorder()
+    r = renewer(clock, rec, wall=1000.0)
+    r.track(req("d1"), params("p1", expiry=1000.0 + 0.9))  # a 0.9 s lease left: first renewal at 0.3 s
+    clock.now += 0.3
+    assert r.poll() == 1
+
+
+def test_stops_on_request_and_after_the_lease_is_gone_but_not_before_p_held_it(clock):
+    rec = Recorder()
+    r = renewer(clock, rec)
+    for i in range(3):
+        r.track(req(f"d{i}"), params(f"p{i}"))
+    r.stop("d2")
+    r.stop("unknown")  # a no-op
+    clock.now += FIRST_UNKNOWN_S
+    r.poll()
+    assert [x.request_id for x in rec.calls[0][2]] == ["p0", "p1"]
+    rec.answer(0, left_s=0.9, not_held={"p1"})  # p1's hold not at P yet: kept
+    assert r.poll() == 0  # takes the answer: next in a third of 0.9 s
+    clock.now += 0.3
+    assert r.poll() == 1
+    assert [x.request_id for x in rec.calls[1][2]] == ["p0", "p1"]
+    rec.answer(1, left_s=0.9, not_held={"p0"})  # p0 was renewed before: its lease is gone
+    assert r.poll() == 0
+    clock.now += 0.3
+    assert r.poll() == 1
+    assert [x.request_id for x in rec.calls[2][2]] == ["p1"] and len(r) == 1
+    r.stop("d1")
+    rec.answer(2)
+    clock.now += 10
+    assert r.poll() == 0 and len(r) == 0 and not r._remotes
+
+
+def test_large_batches_are_split_and_a_failed_call_is_retried(clock, caplog):
+    rec = Recorder()
+    r = renewer(clock, rec)
+    n = 2 * MAX_RENEWALS_PER_CALL + 1
+    for i in range(n):
+        r.track(req(f"d{i}"), params(f"p{i}"))
+    clock.now += FIRST_UNKNOWN_S
+    assert r.poll() == 3
+    assert [len(c[2]) for c in rec.calls] == [MAX_RENEWALS_PER_CALL, MAX_RENEWALS_PER_CALL, 1]
+    for i in range(3):
+        rec.calls[i][3].set_exception(RuntimeError("daemon away"))
+    caplog.set_level("WARNING", logger="kvd.shim.vllm")
+    assert r.poll() == 0
+    assert sum("daemon away" in m for m in caplog.messages) == 1  # once per failing engine
+    clock.now += RETRY_S
+    assert r.poll() == 3
+
+
+# ------------------------------------------------------- inside vLLM's scheduler
+def test_a_waiting_request_renews_until_it_is_aborted(model_dir, tmp_path):
+    """The fake daemon never answers the load: the request waits for its
+    remote KV, renewals go out at a third of the lease left (0.9 s -> every
+    0.3 s); aborting it stops them."""
+    from kvd.testing.fakes import FakeDaemon
+
+    fake = FakeDaemon(str(tmp_path / "e.sock"), load_mode="never").start()
+    eng = Engine(model_dir, fake.socket, role="kv_consumer")
+    try:
+        r = make_request(list(range(500, 564)), params("p-wait", expiry=time.time() + 0.9))
+        eng.sched.add_request(r)
+        eng.step()
+        assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        t0 = time.monotonic()
+        while len(fake.service.renewals) < 3:
+            assert time.monotonic() - t0 < 30, "no renewals while the request waits"
+            eng.step()
+            time.sleep(0.02)
+        (call,) = {tuple(x) for x in fake.service.renewed_ids()}
+        assert call == ("p-wait",)
+        req0 = fake.service.renewals[0]
+        assert (req0.remote_engine_id, req0.remote_address) == ("engine-p", "10.9.9.9:7500")
+        assert [list(g.ids) for g in req0.renewals[0].groups] == [[40, 41]]
+        eng.sched.finish_requests(r.request_id, RequestStatus.FINISHED_ABORTED)
+        eng.step()
+        seen = len(fake.service.renewals)
+        for _ in range(40):  # > 1 s of steps: several intervals
+            eng.step()
+            time.sleep(0.03)
+        assert len(fake.service.renewals) <= seen + 1  # one still in flight at the abort, no more
+        assert len(eng.connector.scheduler.renewals) == 0
+    finally:
+        eng.close()
+        fake.close()
+
+
+def test_renewals_stop_once_the_blocks_are_received(model_dir, tmp_path):
+    """The fake daemon answers the load after 1.5 s: renewals meanwhile,
+    none after vLLM sees the receive (``update_connector_output``)."""
+    from kvd.testing.fakes import FakeDaemon
+
+    fake = FakeDaemon(str(tmp_path / "e.sock"), delay_s=1.5).start()
+    eng = Engine(model_dir, fake.socket, role="kv_consumer")
+    try:
+        r = make_request(list(range(600, 664)), params("p-load", expiry=time.time() + 0.9))
+        eng.sched.add_request(r)
+        eng.run_until(lambda: eng.finished(r.request_id) is not None, timeout_s=30)
+        seen = len(fake.service.renewals)
+        assert seen >= 1, "no renewal while the load took 1.5 s"
+        assert len(eng.connector.scheduler.renewals) == 0
+        for _ in range(30):
+            eng.step()
+            time.sleep(0.03)
+        assert len(fake.service.renewals) == seen
+    finally:
+        eng.close()
+        fake.close()
