@@ -18,7 +18,7 @@ from time import perf_counter
 
 # The points, in the order a pull load passes them (engine client, daemon, engine client).
 SENT = "sent"                  # engine client: a load's command was built on the sender thread
-GATE_IN = "gate_in"            # engine socket: bytes from an engine reached the gate
+GATE_IN = "gate_in"            # command socket: a frame from an engine was read (gRPC path: bytes reached the gate)
 SESSION_READ = "session_read"  # session adapter: a LoadBlocks command is in hand
 LOAD = "load"                  # core: the load reached the pull path
 CLAIM = "claim"                # core: the claim on the source's hold is sent (kvd.core.holds)
@@ -26,7 +26,7 @@ CLAIMED = "claimed"            # core: every source rank confirmed its hold
 POST = "post"                  # core: the NIXL post of a transfer starts (detail: "", or "copy": a same-node copy)
 POSTED = "posted"              # core: it returned (detail: the NIXL state, e.g. "DONE", "PROC"; "COPIED")
 EVENT = "event"                # session adapter: the load's event is converted for the engine
-GATE_OUT = "gate_out"          # engine socket: bytes from gRPC towards an engine left the gate
+GATE_OUT = "gate_out"          # command socket: an event frame was written (gRPC path: bytes left the gate)
 RECEIVED = "received"          # engine client: the load's event reached the session thread (detail: its kind)
 
 Sink = Callable[[str, str, str, float], None]
