@@ -270,6 +270,10 @@ class Cudart:
                 drv = ctypes.CDLL("libcuda.so.1")
                 drv.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]
                 drv.cuPointerGetAttribute.restype = ctypes.c_int
+                # CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr dptr)
+                drv.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64),
+                                                        ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+                drv.cuMemGetAddressRange_v2.restype = ctypes.c_int
                 self._driver = drv
             except (OSError, AttributeError):
                 self._driver = False
@@ -291,6 +295,22 @@ class Cudart:
         if code != 0:
             return None
         return bool(val.value)
+
+
+    def allocation_range(self, device: int, ptr: int) -> tuple[int, int] | None:
+        """``(base, size in bytes)`` of the allocation that contains device
+        pointer ``ptr``, from the driver (``cuMemGetAddressRange``): what a
+        handle the daemon opened really maps, whatever size the engine
+        claims. ``None`` when libcuda is not available or the driver does
+        not know the pointer."""
+        drv = self._libcuda()
+        if drv is None:
+            return None
+        self.set_device(device)  # the primary context current for the driver call
+        base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
+        if drv.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr) != 0:
+            return None
+        return base.value, size.value
 
 
 def _raw(handle: IpcMemHandle) -> bytes:

@@ -65,6 +65,7 @@ class FakeCudart:
         self.closed = []
         self.freed = []
         self.fail_malloc_after = fail_malloc_after
+        self.sizes = {}       # handle -> the size of the allocation it maps (the driver's answer)
 
     def _fail(self, call, code, name):
         raise cudart.CudaError(call, code, name, "fake")
@@ -87,6 +88,10 @@ class FakeCudart:
 
     def legacy_ipc_capable(self, device, ptr):
         return None  # no libcuda: the runtime probe decides
+
+    def allocation_range(self, device, ptr):
+        size = self.sizes.get(self.opened.get(ptr, (None, None))[1])
+        return None if size is None else (ptr, size)  # None: no libcuda, nothing to check against
 
     def malloc(self, device, size):
         if self.fail_malloc_after is not None and len(self.allocated) >= self.fail_malloc_after:
@@ -167,6 +172,20 @@ def test_bad_input_is_refused_and_nothing_stays_open(fake):
     assert fake.opened == {}
     with pytest.raises(ValueError):
         open_segments([seg()], "sometimes")
+
+
+def test_a_segment_larger_than_the_allocation_its_handle_maps_is_refused(fake):
+    # An engine that claims more than it shares would have peers READ or WRITE
+    # device memory past its allocation: the driver's answer is the bound.
+    fake.sizes[H1] = 4096
+    with pytest.raises(CudaIpcError, match="8192 bytes claimed, but the handle maps an allocation of 4096 bytes"):
+        CudaIpcMapping(H1, 0, 8192)
+    assert fake.opened == {} and cuda_ipc._opened == {}, "the refused handle is closed again"
+    ok = CudaIpcMapping(H1, 0, 4096)  # exactly the allocation: fine
+    ok.close()
+    unknown = CudaIpcMapping(H2, 0, 1 << 40)  # no driver answer (no libcuda): the size cannot be checked here
+    unknown.close()
+    assert fake.opened == {}
 
 
 def test_a_failed_mirror_frees_the_mirrors_made_before_it(fake):

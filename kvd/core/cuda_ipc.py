@@ -99,7 +99,11 @@ class CudaIpcMapping:
         handle: the 64-byte ``cudaIpcMemHandle_t`` of the allocation.
         device: the device ordinal it lives on.
         size: bytes the daemon may touch from the allocation's first byte
-            (the shim sends ``storage offset + storage bytes``).
+            (the shim sends ``storage offset + storage bytes``); checked
+            against what the handle really maps (the driver's
+            ``cuMemGetAddressRange``) where libcuda answers: an engine that
+            claims more would have the daemon register, and peers read or
+            write, device memory past its allocation.
 
     Attributes:
         addr: device pointer of the allocation's byte 0 in this process.
@@ -109,7 +113,8 @@ class CudaIpcMapping:
             could export it to a peer through ``cuda_ipc``.
 
     Raises:
-        CudaIpcError: no GPU, a bad handle or device, or the open failed.
+        CudaIpcError: no GPU, a bad handle or device, the open failed, or
+            ``size`` is larger than the allocation the handle maps.
     """
 
     memory = "VRAM"
@@ -138,6 +143,12 @@ class CudaIpcMapping:
         self.device = device
         self.size = size
         self.addr = o.addr
+        got = rt.allocation_range(device, self.addr)
+        if got is not None and self.addr + size > got[0] + got[1]:
+            mapped = got[0] + got[1] - self.addr
+            self.close()
+            raise CudaIpcError(f"CUDA IPC segment on device {device}: {size} bytes claimed, but the handle maps an "
+                               f"allocation of {mapped} bytes from its start")
         self.reexport = reexport_check(rt, device, self.addr)
 
     def read(self, offset: int, length: int) -> bytes:
