@@ -14,6 +14,7 @@ health and status ask and the exit codes: kvd/ops.py, kvd/usage.py).
 from __future__ import annotations
 
 import argparse
+import os
 import logging
 import sys
 
@@ -197,7 +198,14 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:  # after a subcommand: its usage, not the top-level one argparse would print
         after = argv[argv.index(args.command) + 1:] if args.command in argv else []
         (args.parser if unknown[0] in after else parser).error(f"unrecognized arguments: {' '.join(unknown)}")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:
+        # The reader of stdout went away (`kvd status | head -1`): what it read
+        # was complete; no traceback. stdout goes to /dev/null so the flush at
+        # exit does not raise again (docs.python.org, signal: "Note on SIGPIPE").
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -38,6 +38,9 @@ DEFAULT_PEER_LISTEN = "127.0.0.1:7700"
 ENV_PREFIX = "KVD_"
 # Characters a Unix socket path may not hold here: gRPC parses targets as URIs.
 SOCKET_PATH_UNSAFE = "?#%"
+# sun_path is 108 bytes with its NUL (unix(7)), and the daemon binds the
+# engine socket plus "<path>.cmd" (kvd.command_wire) and "<path>.fd" (kvd.fd_wire).
+MAX_ENGINE_SOCKET_BYTES = 107 - len(".cmd")
 ENV_CONFIG_FILE = "KVD_CONFIG"      # names the TOML file when --config is not given
 ENV_NOTIFY_SOCKET = "NOTIFY_SOCKET"  # set by systemd for Type=notify units
 
@@ -197,9 +200,11 @@ class Config:
         """Checks every field; returns self. Raises ConfigError naming the key."""
         if not self.engine_socket:
             raise self._error("engine_socket", "must not be empty")
-        if len(os.fsencode(self.engine_socket)) > 107:
-            # sun_path is 108 bytes with its NUL (unix(7)).
-            raise self._error("engine_socket", f"path longer than 107 bytes: {self.engine_socket!r}")
+        if len(os.fsencode(self.engine_socket)) > MAX_ENGINE_SOCKET_BYTES:
+            raise self._error("engine_socket", f"path longer than {MAX_ENGINE_SOCKET_BYTES} bytes "
+                                               f"({len(os.fsencode(self.engine_socket))}): the daemon binds it and "
+                                               f"'<path>.cmd' and '<path>.fd' beside it, and a Unix socket path "
+                                               f"is at most 107 bytes (unix(7)): {self.engine_socket!r}")
         bad = sorted(set(self.engine_socket) & set(SOCKET_PATH_UNSAFE))
         if bad or any(ord(c) < 32 for c in self.engine_socket):
             # gRPC reads "unix:PATH" as a URI: '?' and '#' cut the path, '%'
@@ -239,6 +244,11 @@ class Config:
             if getattr(self, key) > 3600:
                 # kvd.core.limits.Limits.max_lease_s caps every lease at one hour.
                 raise self._error(key, f"at most 3600 seconds (got {getattr(self, key)})")
+        if self.max_lease_life_s < self.lease_s:
+            # A renewal never shortens a lease and the cap is start + max_lease_life_s:
+            # with the cap below the lease itself no renewal could ever extend one.
+            raise self._error("max_lease_life_s", f"must be at least lease_s ({self.lease_s} s): a renewal "
+                                                  f"extends a lease up to this long (got {self.max_lease_life_s})")
         if not self.backends or not all(b and b.strip() == b for b in self.backends):
             raise self._error("backends", f"need one or more NIXL backend names (got {self.backends!r})")
         if self.transfer_mode not in ("pull", "push"):

@@ -18,7 +18,14 @@ EXIT_OK, EXIT_NOT_SERVING, EXIT_UNREACHABLE, EXIT_USAGE = 0, 1, 2, 64
 
 class UsageParser(argparse.ArgumentParser):
     """argparse with usage errors exiting EXIT_USAGE (64, sysexits' EX_USAGE),
-    not argparse's 2, which ``kvd health`` uses for "unreachable"."""
+    not argparse's 2, which ``kvd health`` uses for "unreachable"; and no
+    abbreviated long flags (argparse's default): ``--max-lease-life 900``
+    must not mean ``--max-lease-life-s`` today and something else when a
+    flag with that prefix is added."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.print_usage(sys.stderr)

@@ -162,3 +162,41 @@ def test_a_tls_key_readable_by_others_is_warned_about_as_the_token_file_is(tmp_p
     assert bool(w) is warned, w
     if warned:  # the key only: certificates are public
         assert len(w) == 1 and w[0].startswith(f"peer_tls_key: {paths['peer_tls_key']} is mode {mode:04o}"), w
+
+
+def test_a_socket_path_too_long_for_the_side_sockets_is_a_config_error(tmp_path):
+    # The daemon binds <path>.cmd and <path>.fd too: a 104-107 byte path used to
+    # pass validation and fail at startup with exit 1 (systemd restarts that).
+    from kvd.config import MAX_ENGINE_SOCKET_BYTES
+
+    path = str(tmp_path) + "/" + "s" * (MAX_ENGINE_SOCKET_BYTES + 1 - len(str(tmp_path)) - 1)
+    assert len(path) == MAX_ENGINE_SOCKET_BYTES + 1
+    r = subprocess.run([sys.executable, "-m", "kvd.cli", "serve", "--engine-socket", path, "--print-config"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 64, r.stderr
+    assert "engine_socket" in r.stderr and ".cmd" in r.stderr, r.stderr
+
+
+def test_a_lease_life_cap_below_the_lease_is_a_config_error():
+    r = subprocess.run([sys.executable, "-m", "kvd.cli", "serve", "--lease-s", "900", "--max-lease-life-s", "60",
+                        "--print-config"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 64 and "max_lease_life_s" in r.stderr and "at least lease_s" in r.stderr, r.stderr
+
+
+def test_abbreviated_flags_are_refused():
+    r = subprocess.run([sys.executable, "-m", "kvd.cli", "serve", "--max-lease-life", "900", "--print-config"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 64 and "--max-lease-life" in r.stderr, r.stderr
+
+
+def test_a_command_printing_into_a_closed_pipe_exits_quietly():
+    # `kvd status | head -1`: no BrokenPipeError traceback, exit 0. The pipe's
+    # read end is closed before the command runs, so its first write fails.
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        p = subprocess.run([sys.executable, "-m", "kvd.cli", "version"], stdout=w, stderr=subprocess.PIPE,
+                           text=True, timeout=60)
+    finally:
+        os.close(w)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
