@@ -9,6 +9,7 @@ marked xfail(strict), their reason saying what happens instead.
 
 from __future__ import annotations
 
+import os
 import socket
 
 import grpc
@@ -103,3 +104,110 @@ def test_renewals_of_one_lease_do_not_push_the_engines_other_events_out(tmp_path
         conn.close()
         victim.close(unregister=True)
         assert d.stop() == 0
+
+
+# As another local user: binds the command socket path beside an engine
+# socket (argv[1]) in a directory it may write, answers the first frame with
+# argv[2] (hex: an "opened" event) and every later one with argv[3] (hex: a
+# "recv_done"), and prints each frame received as a JSON line (hex). Stdlib only.
+_IMPOSTOR = r"""
+import json, os, socket, struct, sys
+path, opened, done = sys.argv[1], bytes.fromhex(sys.argv[2]), bytes.fromhex(sys.argv[3])
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.bind(path)
+os.chmod(path, 0o777)
+s.listen(4)
+print(json.dumps({"ready": os.getuid()}), flush=True)
+c, _ = s.accept()
+c.settimeout(30)
+buf, n = b"", 0
+while True:
+    try:
+        data = c.recv(65536)
+    except OSError:
+        break
+    if not data:
+        break
+    buf += data
+    while len(buf) >= 4 and len(buf) - 4 >= struct.unpack_from("<I", buf)[0]:
+        size = struct.unpack_from("<I", buf)[0]
+        print(json.dumps({"frame": buf[4:4 + size].hex()}), flush=True)
+        buf = buf[4 + size:]
+        c.sendall(opened if n == 0 else done)
+        n += 1
+"""
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "open: the engine client connects to whatever listens at <engine_socket>.cmd and sends it its "
+    "OpenSession (session_token included) without checking who serves it; where the daemon offers no "
+    "command socket (command_socket = false, an older daemon, a restart in progress) and the socket's "
+    "directory is writable by another user, that user reads every command and forges the events "
+    "(here a recv_done for a load that never ran)"))
+def test_an_engine_client_does_not_take_another_users_socket_for_the_daemons_command_socket():
+    """A daemon runs with ``command_socket = false`` (or has not bound it
+    yet) and its engine socket sits in a shared sticky directory (``/tmp``
+    style). Another local user (nobody) binds ``<engine_socket>.cmd`` there.
+    An engine's client takes it for the daemon's command socket: the
+    impostor gets its session token, engine id and every hold and load
+    (request ids, block ids, peers), and answers with events of its own: the
+    engine reports a load done whose bytes never came (vLLM would decode
+    from stale blocks). Expected: the client checks the socket's server
+    (its ``SO_PEERCRED`` uid, the engine socket's owner or root) and keeps
+    to the gRPC stream when it is another user's."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from kvd.client.engine_client import EngineClient
+    from kvd.command_wire import command_socket_path
+    from kvd.requests import LoadRequest
+    from kvd.testing.fakes import wait_events
+    from kvd.testing.security import NOBODY, reachable_dir
+    from kvd.testing.sessions import register_request
+
+    workdir = reachable_dir()
+    os.chmod(workdir, 0o1777)  # a shared sticky directory, as /tmp
+    d = start_daemon(workdir, "kvd", "--command-socket", "false")
+    src = Engine(d, "src-c", SHAPE, seed=3)  # its session on the stream, before the impostor binds
+    path = command_socket_path(d.socket)
+    opened = frame(pb.SessionEvent(opened=pb.SessionOpened(agent_name="kvd-x", daemon_version="0")).SerializeToString())
+    done = frame(pb.SessionEvent(recv_done=pb.RecvDone(request_id="c-1", num_blocks=1)).SerializeToString())
+    impostor = subprocess.Popen(
+        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-I", "-c",
+         _IMPOSTOR, path, opened.hex(), done.hex()], stdout=subprocess.PIPE, text=True)
+    dec = Engine(d, "victim-c", SHAPE, open_session=False)
+    client = None
+    try:
+        assert json.loads(impostor.stdout.readline()) == {"ready": NOBODY}
+        assert os.stat(path).st_uid == NOBODY
+        client = EngineClient(d.socket)
+        client.register(register_request("victim-c", SHAPE, dec.seg), timeout_s=10)
+        client.start_session()
+        assert client.wait_opened(10)
+        src.hold("c-1", [3])
+        client.load(LoadRequest("c-1", [[5]], "src-c", d.peer_address, [[3]], "c-1", timeout_s=10))
+        (ev,) = wait_events(client, lambda evs: len(evs) == 1, timeout_s=20)
+        landed = dec.same_blocks([5], src, [3])
+        client.close()
+        client = None
+        impostor.wait(30)
+        frames = [pb.SessionCommand.FromString(bytes.fromhex(json.loads(ln)["frame"]))
+                  for ln in impostor.stdout.read().splitlines()]
+        stolen = [f.open.session_token for f in frames if f.HasField("open")]
+        assert d.proc.poll() is None
+        assert not stolen, (f"the impostor (uid {NOBODY}) got the session token {stolen[0][:6]}... and "
+                            f"{len(frames) - 1} commands; the client reported {ev.WhichOneof('event')} for c-1, "
+                            f"its bytes landed: {landed}")
+        assert ev.WhichOneof("event") == "recv_done" and landed
+    finally:
+        if client is not None:
+            client.close()
+        if impostor.poll() is None:
+            impostor.kill()
+            impostor.wait()
+        dec.close()
+        src.close()
+        d.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
