@@ -211,3 +211,72 @@ def test_an_engine_client_does_not_take_another_users_socket_for_the_daemons_com
         src.close()
         d.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+# As another local user: one connection to the command socket argv[1] per
+# frame given (hex, argv[2:]), each sent first; prints the events each got
+# back until the daemon closed it (hex, one JSON list per connection). Stdlib only.
+_SESSION_AS_OTHER = r"""
+import json, socket, struct, sys
+for raw in sys.argv[2:]:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(60)
+    s.connect(sys.argv[1])
+    s.sendall(bytes.fromhex(raw))
+    buf, got = b"", []
+    while True:
+        data = s.recv(65536)
+        if not data:
+            break
+        buf += data
+    while len(buf) >= 4:
+        (n,) = struct.unpack_from("<I", buf)
+        got.append(buf[4:4 + n].hex())
+        buf = buf[4 + n:]
+    print(json.dumps(got), flush=True)
+"""
+
+
+def test_another_user_cannot_open_an_engines_session_on_the_command_socket_even_with_its_token():
+    """Another admitted local user (nobody: in ``allowed_uids`` and the
+    socket's group) learned an engine's session token (a log, a core dump,
+    an impostor socket) and opens that engine's session on the command
+    socket, with the token and without: both are ``PERMISSION_DENIED`` (the
+    token counts only for the registering uid), the connection is closed,
+    and the engine's own session serves on (a hold and release answered)."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from kvd.command_wire import command_socket_path, refusal
+    from kvd.testing.security import NOBODY, reachable_dir
+    from kvd.testing.sessions import event_kind
+
+    workdir = reachable_dir()
+    d = start_daemon(workdir, "kvd", "--command-socket", "true", "--engine-socket-group", str(NOBODY),
+                     "--allowed-uids", str(NOBODY))
+    victim = Engine(d, "victim-t", SHAPE)
+    try:
+        worker = pb.EngineWorker(engine_id="victim-t", tp_rank=0)
+        tries = [frame(pb.SessionCommand(open=pb.OpenSession(worker=worker, session_token=t)).SerializeToString())
+                 for t in (victim.registered.session_token, "")]
+        r = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable,
+                            "-I", "-c", _SESSION_AS_OTHER, command_socket_path(d.socket), *(t.hex() for t in tries)],
+                           capture_output=True, text=True, timeout=120)
+        answers = [[pb.SessionEvent.FromString(bytes.fromhex(h)) for h in json.loads(ln)]
+                   for ln in r.stdout.splitlines()]
+        assert len(answers) == 2, r.stderr[-2000:]
+        for got in answers:
+            assert [e.WhichOneof("event") for e in got] == ["rejected"], got
+            code, details = refusal(got[0].rejected.request_id, got[0].rejected.reason)
+            assert code == "PERMISSION_DENIED" and f"uid {NOBODY} gid" in details, details
+        victim.hold("t-1", [2])
+        victim.release("t-1")
+        ev = victim.wait("t-1", 30)
+        assert event_kind(ev) == "send_done" and ev.send_done.released, ev
+        assert d.proc.poll() is None and d.stats().engines == 1
+    finally:
+        victim.close()
+        d.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
