@@ -280,3 +280,39 @@ def test_another_user_cannot_open_an_engines_session_on_the_command_socket_even_
         victim.close()
         d.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "open: every event the daemon drops from a full session queue is one WARNING line "
+    "(kvd.core.runtime emit, not throttled as the gate's refusals are): an engine that sends empty "
+    "frames and reads nothing (each answered by a CommandRejected), or a reader renewing another "
+    "engine's lease, writes the daemon's log at ~17 bytes of log per byte sent (13.8 MB for 800 kB here)"))
+def test_a_session_flooding_rejections_it_never_reads_does_not_flood_the_daemons_log(tmp_path):
+    """An admitted engine opens its own session on the command socket and
+    sends 200,000 empty frames (4 bytes each: a SessionCommand with no
+    command) without reading. Each is rejected ("unexpected command");
+    past ``BOUNDS.max_pending_events`` queued the daemon drops the oldest
+    event and logs a WARNING for each one. Expected: a flood is logged at
+    most about once a second with a count (``kvd.daemon.logs.Throttled``)."""
+    d = start_daemon(str(tmp_path), "kvd", "--command-socket", "true", log_level="warning")
+    eng = Engine(d, "flood-e", SHAPE, open_session=False)
+    conn = CommandConnection.connect(d.socket, max_message_bytes=64 << 20, timeout_s=10)
+    sent = 200_000 * 4
+    try:
+        worker = pb.EngineWorker(engine_id="flood-e", tp_rank=0)
+        conn.send([pb.SessionCommand(open=pb.OpenSession(worker=worker, session_token=eng.registered.session_token))])
+        events = conn.events()
+        assert next(events).WhichOneof("event") == "opened"  # then nothing is read
+        conn._sock.sendall(frame(b"") * 200_000)
+        # A hold after the flood: once it is seen held, every empty frame has been answered.
+        conn.send([pb.SessionCommand(hold=pb.HoldBlocks(request_id="after", groups=one_group([1]), lease_s=60))])
+        wait_until(lambda: not _renew(d, "flood-e", "after", 1)[0].reason, 60, "the hold after the flood")
+        assert d.proc.poll() is None
+    finally:
+        conn.shutdown()
+        conn.close()
+        eng.close()
+        assert d.stop() == 0  # the log is complete
+    lines = [ln for ln in d.log().splitlines() if "event queue full" in ln]
+    logged = sum(len(ln) + 1 for ln in lines)
+    assert len(lines) < 100, f"{len(lines)} lines ({logged} bytes) of log for {sent} bytes sent"
