@@ -1,0 +1,320 @@
+"""Attacker scenarios against real daemons, third review: lease renewal
+(EngineService.RenewLeases, PeerService.Renew, kvd.core.holds ``renew``)
+and the command socket (kvd.daemon.command_socket).
+
+Each test runs the hostile sequence and asserts what docs/SECURITY.md
+promises: regression guards of defences that held, and scenarios still open
+marked xfail(strict), their reason saying what happens instead.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvd.client.command_socket import CommandConnection
+from kvd.command_wire import frame
+from kvd.testing.daemons import start_daemon
+from kvd.testing.sessions import Engine, KvShape, one_group
+from kvd.testing.util import wait_until
+from kvd.v1 import kvd_pb2 as pb
+
+SHAPE = KvShape(num_layers=2, num_blocks=16, block_len=4096)
+# As long as a vLLM request id ("cmpl-<uuid4 hex>-0"): what a renewal event carries.
+RID = "cmpl-" + "7" * 32 + "-0"
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a caller as another user")
+
+
+def _renew(d, engine_id: str, rid: str, block: int, times: int = 1) -> list[pb.LeaseRenewed]:
+    """One RenewLeases call on ``d``'s engine socket naming ``d`` itself: ``times``
+    renewals of ``rid`` on ``[block]``; the results."""
+    req = pb.RenewLeasesRequest(remote_engine_id=engine_id, remote_address=d.peer_address,
+                                renewals=[pb.LeaseRenewal(request_id=rid, groups=one_group([block]))] * times)
+    return list(d.stub().RenewLeases(req, timeout=30).results)
+
+
+def _flood(d, engine_id: str, rid: str, block: int, renewals: int) -> None:
+    """``renewals`` renewals of ``rid``, 256 a call (the most one call may
+    carry), 16 calls at a time; each one renews (the lease holds ``block``)."""
+    calls = []
+    stub = d.stub()
+    req = pb.RenewLeasesRequest(remote_engine_id=engine_id, remote_address=d.peer_address,
+                                renewals=[pb.LeaseRenewal(request_id=rid, groups=one_group([block]))] * 256)
+    for _ in range(renewals // 256):
+        calls.append(stub.RenewLeases.future(req, timeout=60))
+        if len(calls) == 16:
+            for c in calls:
+                assert all(not r.reason for r in c.result().results)
+            calls.clear()
+    for c in calls:
+        assert all(not r.reason for r in c.result().results)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "open: each renewal queues a LeaseRenewed event for the prefill engine, even one that moves nothing "
+    "(the same request 256 times in a call, or past max_lease_life_s); a reader renewing faster than the "
+    "engine reads fills its session's queue and the daemon drops its oldest events "
+    "(BOUNDS.max_pending_events): here the engine's send_done for another request never arrives"))
+def test_renewals_of_one_lease_do_not_push_the_engines_other_events_out(tmp_path):
+    """A reader (any admitted engine through RenewLeases, or a peer daemon
+    through PeerService.Renew) that may renew one lease of a prefill
+    engine's (it knows the request id and one held block, as any reader
+    does) renews it 256 times a call while that engine's session is not
+    reading for a while (a step of the engine, a slow link). Every renewal is
+    a LeaseRenewed event queued for the engine; past
+    ``BOUNDS.max_pending_events`` queued the daemon drops the oldest ones:
+    the engine's real events (a SendDone, a LoadFailed) are lost. Expected:
+    renewals that move nothing add no event (or renewals never push out
+    another kind), so the engine's SendDone of "m" arrives."""
+    d = start_daemon(str(tmp_path), "kvd", "--command-socket", "true", log_level="warning")  # no line per call
+    victim = Engine(d, "victim-p", SHAPE, open_session=False)
+    conn = CommandConnection.connect(d.socket, max_message_bytes=64 << 20, timeout_s=10)
+    try:
+        worker = pb.EngineWorker(engine_id="victim-p", tp_rank=0)
+        conn.send([pb.SessionCommand(open=pb.OpenSession(worker=worker,
+                                                         session_token=victim.registered.session_token)),
+                   pb.SessionCommand(hold=pb.HoldBlocks(request_id=RID, groups=one_group([5]), lease_s=600))])
+        events = conn.events()
+        assert next(events).WhichOneof("event") == "opened"  # then this engine reads nothing for a while
+        wait_until(lambda: not _renew(d, "victim-p", RID, 5)[0].reason, 30, "the victim's hold landed")
+        _flood(d, "victim-p", RID, 5, 40_000)  # fills the session's socket and write buffer (~19,000 events here)
+        # A request of the victim's that ends while it is not reading: its SendDone is queued.
+        conn.send([pb.SessionCommand(hold=pb.HoldBlocks(request_id="m", groups=one_group([7]), lease_s=600))])
+        wait_until(lambda: not _renew(d, "victim-p", "m", 7)[0].reason, 30, "the hold of m landed")
+        conn.send([pb.SessionCommand(release=pb.ReleaseBlocks(request_id="m"))])
+        wait_until(lambda: _renew(d, "victim-p", "m", 7)[0].reason == "not_held", 30, "m released")
+        _flood(d, "victim-p", RID, 5, 100_352)  # BOUNDS.max_pending_events after it, and more
+        # The last event queued (never the oldest): a rejection of "end" (block out of range).
+        conn.send([pb.SessionCommand(hold=pb.HoldBlocks(request_id="end", groups=one_group([10 ** 6])))])
+        seen: dict[str, int] = {}
+        for ev in events:  # the engine reads again
+            kind = ev.WhichOneof("event")
+            rid = getattr(ev, kind).request_id
+            seen[f"{kind}:{rid}"] = seen.get(f"{kind}:{rid}", 0) + 1
+            if rid == "end":
+                break
+        assert d.proc.poll() is None
+        assert "rejected:end" in seen, seen
+        assert "send_done:m" in seen, (f"{seen}; daemon log: "
+                                       f"{[ln for ln in d.log().splitlines() if 'dropped' in ln][:2]}")
+    finally:
+        conn.shutdown()
+        conn.close()
+        victim.close(unregister=True)
+        assert d.stop() == 0
+
+
+# As another local user: binds the command socket path beside an engine
+# socket (argv[1]) in a directory it may write, answers the first frame with
+# argv[2] (hex: an "opened" event) and every later one with argv[3] (hex: a
+# "recv_done"), and prints each frame received as a JSON line (hex). Stdlib only.
+_IMPOSTOR = r"""
+import json, os, socket, struct, sys
+path, opened, done = sys.argv[1], bytes.fromhex(sys.argv[2]), bytes.fromhex(sys.argv[3])
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.bind(path)
+os.chmod(path, 0o777)
+s.listen(4)
+print(json.dumps({"ready": os.getuid()}), flush=True)
+c, _ = s.accept()
+c.settimeout(30)
+buf, n = b"", 0
+while True:
+    try:
+        data = c.recv(65536)
+    except OSError:
+        break
+    if not data:
+        break
+    buf += data
+    while len(buf) >= 4 and len(buf) - 4 >= struct.unpack_from("<I", buf)[0]:
+        size = struct.unpack_from("<I", buf)[0]
+        print(json.dumps({"frame": buf[4:4 + size].hex()}), flush=True)
+        buf = buf[4 + size:]
+        c.sendall(opened if n == 0 else done)
+        n += 1
+"""
+
+
+@needs_root
+@pytest.mark.xfail(strict=True, reason=(
+    "open: the engine client connects to whatever listens at <engine_socket>.cmd and sends it its "
+    "OpenSession (session_token included) without checking who serves it; where the daemon offers no "
+    "command socket (command_socket = false, an older daemon, a restart in progress) and the socket's "
+    "directory is writable by another user, that user reads every command and forges the events "
+    "(here a recv_done for a load that never ran)"))
+def test_an_engine_client_does_not_take_another_users_socket_for_the_daemons_command_socket():
+    """A daemon runs with ``command_socket = false`` (or has not bound it
+    yet) and its engine socket sits in a shared sticky directory (``/tmp``
+    style). Another local user (nobody) binds ``<engine_socket>.cmd`` there.
+    An engine's client takes it for the daemon's command socket: the
+    impostor gets its session token, engine id and every hold and load
+    (request ids, block ids, peers), and answers with events of its own: the
+    engine reports a load done whose bytes never came (vLLM would decode
+    from stale blocks). Expected: the client checks the socket's server
+    (its ``SO_PEERCRED`` uid, the engine socket's owner or root) and keeps
+    to the gRPC stream when it is another user's."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from kvd.client.engine_client import EngineClient
+    from kvd.command_wire import command_socket_path
+    from kvd.requests import LoadRequest
+    from kvd.testing.fakes import wait_events
+    from kvd.testing.security import NOBODY, reachable_dir
+    from kvd.testing.sessions import register_request
+
+    workdir = reachable_dir()
+    os.chmod(workdir, 0o1777)  # a shared sticky directory, as /tmp
+    d = start_daemon(workdir, "kvd", "--command-socket", "false")
+    src = Engine(d, "src-c", SHAPE, seed=3)  # its session on the stream, before the impostor binds
+    path = command_socket_path(d.socket)
+    opened = frame(pb.SessionEvent(opened=pb.SessionOpened(agent_name="kvd-x", daemon_version="0")).SerializeToString())
+    done = frame(pb.SessionEvent(recv_done=pb.RecvDone(request_id="c-1", num_blocks=1)).SerializeToString())
+    impostor = subprocess.Popen(
+        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-I", "-c",
+         _IMPOSTOR, path, opened.hex(), done.hex()], stdout=subprocess.PIPE, text=True)
+    dec = Engine(d, "victim-c", SHAPE, open_session=False)
+    client = None
+    try:
+        assert json.loads(impostor.stdout.readline()) == {"ready": NOBODY}
+        assert os.stat(path).st_uid == NOBODY
+        client = EngineClient(d.socket)
+        client.register(register_request("victim-c", SHAPE, dec.seg), timeout_s=10)
+        client.start_session()
+        assert client.wait_opened(10)
+        src.hold("c-1", [3])
+        client.load(LoadRequest("c-1", [[5]], "src-c", d.peer_address, [[3]], "c-1", timeout_s=10))
+        (ev,) = wait_events(client, lambda evs: len(evs) == 1, timeout_s=20)
+        landed = dec.same_blocks([5], src, [3])
+        client.close()
+        client = None
+        impostor.wait(30)
+        frames = [pb.SessionCommand.FromString(bytes.fromhex(json.loads(ln)["frame"]))
+                  for ln in impostor.stdout.read().splitlines()]
+        stolen = [f.open.session_token for f in frames if f.HasField("open")]
+        assert d.proc.poll() is None
+        assert not stolen, (f"the impostor (uid {NOBODY}) got the session token {stolen[0][:6]}... and "
+                            f"{len(frames) - 1} commands; the client reported {ev.WhichOneof('event')} for c-1, "
+                            f"its bytes landed: {landed}")
+        assert ev.WhichOneof("event") == "recv_done" and landed
+    finally:
+        if client is not None:
+            client.close()
+        if impostor.poll() is None:
+            impostor.kill()
+            impostor.wait()
+        dec.close()
+        src.close()
+        d.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+# As another local user: one connection to the command socket argv[1] per
+# frame given (hex, argv[2:]), each sent first; prints the events each got
+# back until the daemon closed it (hex, one JSON list per connection). Stdlib only.
+_SESSION_AS_OTHER = r"""
+import json, socket, struct, sys
+for raw in sys.argv[2:]:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(60)
+    s.connect(sys.argv[1])
+    s.sendall(bytes.fromhex(raw))
+    buf, got = b"", []
+    while True:
+        data = s.recv(65536)
+        if not data:
+            break
+        buf += data
+    while len(buf) >= 4:
+        (n,) = struct.unpack_from("<I", buf)
+        got.append(buf[4:4 + n].hex())
+        buf = buf[4 + n:]
+    print(json.dumps(got), flush=True)
+"""
+
+
+@needs_root
+def test_another_user_cannot_open_an_engines_session_on_the_command_socket_even_with_its_token():
+    """Another admitted local user (nobody: in ``allowed_uids`` and the
+    socket's group) learned an engine's session token (a log, a core dump,
+    an impostor socket) and opens that engine's session on the command
+    socket, with the token and without: both are ``PERMISSION_DENIED`` (the
+    token counts only for the registering uid), the connection is closed,
+    and the engine's own session serves on (a hold and release answered)."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from kvd.command_wire import command_socket_path, refusal
+    from kvd.testing.security import NOBODY, reachable_dir
+    from kvd.testing.sessions import event_kind
+
+    workdir = reachable_dir()
+    d = start_daemon(workdir, "kvd", "--command-socket", "true", "--engine-socket-group", str(NOBODY),
+                     "--allowed-uids", str(NOBODY))
+    victim = Engine(d, "victim-t", SHAPE)
+    try:
+        worker = pb.EngineWorker(engine_id="victim-t", tp_rank=0)
+        tries = [frame(pb.SessionCommand(open=pb.OpenSession(worker=worker, session_token=t)).SerializeToString())
+                 for t in (victim.registered.session_token, "")]
+        r = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable,
+                            "-I", "-c", _SESSION_AS_OTHER, command_socket_path(d.socket), *(t.hex() for t in tries)],
+                           capture_output=True, text=True, timeout=120)
+        answers = [[pb.SessionEvent.FromString(bytes.fromhex(h)) for h in json.loads(ln)]
+                   for ln in r.stdout.splitlines()]
+        assert len(answers) == 2, r.stderr[-2000:]
+        for got in answers:
+            assert [e.WhichOneof("event") for e in got] == ["rejected"], got
+            code, details = refusal(got[0].rejected.request_id, got[0].rejected.reason)
+            assert code == "PERMISSION_DENIED" and f"uid {NOBODY} gid" in details, details
+        victim.hold("t-1", [2])
+        victim.release("t-1")
+        ev = victim.wait("t-1", 30)
+        assert event_kind(ev) == "send_done" and ev.send_done.released, ev
+        assert d.proc.poll() is None and d.stats().engines == 1
+    finally:
+        victim.close()
+        d.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "open: every event the daemon drops from a full session queue is one WARNING line "
+    "(kvd.core.runtime emit, not throttled as the gate's refusals are): an engine that sends empty "
+    "frames and reads nothing (each answered by a CommandRejected), or a reader renewing another "
+    "engine's lease, writes the daemon's log at ~17 bytes of log per byte sent (13.8 MB for 800 kB here)"))
+def test_a_session_flooding_rejections_it_never_reads_does_not_flood_the_daemons_log(tmp_path):
+    """An admitted engine opens its own session on the command socket and
+    sends 200,000 empty frames (4 bytes each: a SessionCommand with no
+    command) without reading. Each is rejected ("unexpected command");
+    past ``BOUNDS.max_pending_events`` queued the daemon drops the oldest
+    event and logs a WARNING for each one. Expected: a flood is logged at
+    most about once a second with a count (``kvd.daemon.logs.Throttled``)."""
+    d = start_daemon(str(tmp_path), "kvd", "--command-socket", "true", log_level="warning")
+    eng = Engine(d, "flood-e", SHAPE, open_session=False)
+    conn = CommandConnection.connect(d.socket, max_message_bytes=64 << 20, timeout_s=10)
+    sent = 200_000 * 4
+    try:
+        worker = pb.EngineWorker(engine_id="flood-e", tp_rank=0)
+        conn.send([pb.SessionCommand(open=pb.OpenSession(worker=worker, session_token=eng.registered.session_token))])
+        events = conn.events()
+        assert next(events).WhichOneof("event") == "opened"  # then nothing is read
+        conn.send([pb.SessionCommand()] * 200_000)  # 4 bytes each: an empty frame
+        # A hold after the flood: once it is seen held, every empty frame has been answered.
+        conn.send([pb.SessionCommand(hold=pb.HoldBlocks(request_id="after", groups=one_group([1]), lease_s=60))])
+        wait_until(lambda: not _renew(d, "flood-e", "after", 1)[0].reason, 60, "the hold after the flood")
+        assert d.proc.poll() is None
+    finally:
+        conn.shutdown()
+        conn.close()
+        eng.close()
+        assert d.stop() == 0  # the log is complete
+    lines = [ln for ln in d.log().splitlines() if "event queue full" in ln]
+    logged = sum(len(ln) + 1 for ln in lines)
+    assert len(lines) < 100, f"{len(lines)} lines ({logged} bytes) of log for {sent} bytes sent"
