@@ -98,7 +98,9 @@ def test_a_renewed_lease_outlives_its_deadline_and_expires_once_renewals_stop(en
     ev, renewed = end_of(src, "wait", 2.0 + SLACK_S + 1)
     assert event_kind(ev) == "send_done" and ev.send_done.expired, ev
     assert last + 2.0 - 0.05 <= src.arrived
-    assert len(renewed) == n and all(0 < x <= 2.0 for x in renewed)  # the engine learnt each new end
+    # The engine learnt its new ends: the first renewal's, then one a second
+    # at most (kvd.core.holds.TELL_STEP_S; its own end of a hold has 5 s of grace).
+    assert 1 < len(renewed) < n and all(0 < x <= 2.0 for x in renewed), (renewed, n)
     assert src.daemon.stats().leases_renewed == before + n
     print(f"\nlease of 2 s renewed for {last - t0:.1f} s: expired {src.arrived - last:.2f} s after the last renewal")
     (r,) = renew(client, src, ("wait", [1, 2, 3]))
@@ -271,19 +273,20 @@ def test_the_prefill_engine_client_keeps_a_renewed_hold_past_its_own_deadline(en
 
 def test_a_renewal_reaches_every_tp_rank_of_the_engine(env):
     """P's engine has two TP ranks on its daemon, each holding the request's
-    blocks: one renewal renews both (each rank's engine gets ``renewed``);
+    blocks: one renewal renews both (each rank's engine gets ``renewed``:
+    the lease is shorter than the life cap, so the renewal moves its end);
     a rank whose lease ended is skipped; none left: not_held."""
     src, _, _, client = env
     ranks = [Engine(src.daemon, "renew-tp", SHAPE, rank=r, tp_size=2) for r in (0, 1)]
     try:
         for e in ranks:
-            e.hold("tp-req", [7, 8], lease_s=30)
+            e.hold("tp-req", [7, 8], lease_s=LIFE_S / 2)
         wait_held(src, 2)
         (r,) = renew(client, ranks[0], ("tp-req", [7, 8]))
-        assert r.renewed and 25 < r.left_s <= 30
+        assert r.renewed and LIFE_S / 2 - 1 < r.left_s <= LIFE_S / 2
         for e in ranks:
             ev = e.wait("tp-req", 10)
-            assert event_kind(ev) == "renewed" and 25 < ev.renewed.left_s <= 30, ev
+            assert event_kind(ev) == "renewed" and LIFE_S / 2 - 1 < ev.renewed.left_s <= LIFE_S / 2, ev
         ranks[1].release("tp-req")
         assert ranks[1].wait("tp-req").send_done.released
         assert renew(client, ranks[0], ("tp-req", [7, 8]))[0].renewed

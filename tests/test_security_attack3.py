@@ -4,7 +4,7 @@ and the command socket (kvd.daemon.command_socket).
 
 Each test runs the hostile sequence and asserts what docs/SECURITY.md
 promises: regression guards of defences that held, and scenarios still open
-marked xfail(strict), their reason saying what happens instead.
+marked xfail(strict), their reason saying what happens instead (none now).
 """
 
 from __future__ import annotations
@@ -52,11 +52,6 @@ def _flood(d, engine_id: str, rid: str, block: int, renewals: int) -> None:
         assert all(not r.reason for r in c.result().results)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "open: each renewal queues a LeaseRenewed event for the prefill engine, even one that moves nothing "
-    "(the same request 256 times in a call, or past max_lease_life_s); a reader renewing faster than the "
-    "engine reads fills its session's queue and the daemon drops its oldest events "
-    "(BOUNDS.max_pending_events): here the engine's send_done for another request never arrives"))
 def test_renewals_of_one_lease_do_not_push_the_engines_other_events_out(tmp_path):
     """A reader (any admitted engine through RenewLeases, or a peer daemon
     through PeerService.Renew) that may renew one lease of a prefill
@@ -139,12 +134,6 @@ while True:
 
 
 @needs_root
-@pytest.mark.xfail(strict=True, reason=(
-    "open: the engine client connects to whatever listens at <engine_socket>.cmd and sends it its "
-    "OpenSession (session_token included) without checking who serves it; where the daemon offers no "
-    "command socket (command_socket = false, an older daemon, a restart in progress) and the socket's "
-    "directory is writable by another user, that user reads every command and forges the events "
-    "(here a recv_done for a load that never ran)"))
 def test_an_engine_client_does_not_take_another_users_socket_for_the_daemons_command_socket():
     """A daemon runs with ``command_socket = false`` (or has not bound it
     yet) and its engine socket sits in a shared sticky directory (``/tmp``
@@ -284,11 +273,6 @@ def test_another_user_cannot_open_an_engines_session_on_the_command_socket_even_
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "open: every event the daemon drops from a full session queue is one WARNING line "
-    "(kvd.core.runtime emit, not throttled as the gate's refusals are): an engine that sends empty "
-    "frames and reads nothing (each answered by a CommandRejected), or a reader renewing another "
-    "engine's lease, writes the daemon's log at ~17 bytes of log per byte sent (13.8 MB for 800 kB here)"))
 def test_a_session_flooding_rejections_it_never_reads_does_not_flood_the_daemons_log(tmp_path):
     """An admitted engine opens its own session on the command socket and
     sends 200,000 empty frames (4 bytes each: a SessionCommand with no

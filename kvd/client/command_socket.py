@@ -9,13 +9,33 @@ stream: ``SessionCommand`` s out, ``SessionEvent`` s in.
 
 from __future__ import annotations
 
+import os
 import socket
+import struct
 from collections.abc import Iterable, Iterator
 
 from kvd.command_wire import Deframer, command_socket_path, frame
 from kvd.v1 import kvd_pb2 as pb
 
 _RECV_BYTES = 1 << 16
+
+
+def _check_server(s: socket.socket, path: str, engine_socket: str) -> None:
+    """Raises PermissionError unless the process serving ``s`` runs as root,
+    as the owner of the engine socket, or as this process's uid (unix(7):
+    ``SO_PEERCRED`` is the server's credentials at ``listen``)."""
+    _, uid, _ = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    for prefix in ("unix://", "unix:"):
+        if engine_socket.startswith(prefix):
+            engine_socket = engine_socket[len(prefix):]
+            break
+    try:
+        owner = os.stat(engine_socket).st_uid
+    except OSError:
+        owner = None
+    if uid not in (0, owner, os.geteuid()):
+        raise PermissionError(f"{path} is served by uid {uid}, not by the daemon (uid {owner}, the engine "
+                              "socket's owner) or root: not used")
 
 
 class CommandConnection:
@@ -34,15 +54,25 @@ class CommandConnection:
         """Connects to the command socket of ``engine_socket`` (a path or
         ``unix:`` address) within ``timeout_s`` seconds.
 
+        The socket's server must be the daemon: its kernel credentials
+        (``SO_PEERCRED``) name root, the owner of the engine socket, or this
+        process's own uid. Where the daemon offers no command socket (an
+        older daemon, ``command_socket = false``, a restart) and the engine
+        socket's directory is writable by others, another user could bind
+        the path and read the session's token and commands, and forge its
+        events; such a socket is refused and the session stays on gRPC.
+
         Raises:
             OSError: no command socket there (``FileNotFoundError``,
-                ``ConnectionRefusedError``: the daemon offers none), or it
-                cannot be reached.
+                ``ConnectionRefusedError``: the daemon offers none), it
+                cannot be reached, or ``PermissionError``: another user serves it.
         """
+        path = command_socket_path(engine_socket)
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             s.settimeout(timeout_s)
-            s.connect(command_socket_path(engine_socket))
+            s.connect(path)
+            _check_server(s, path, engine_socket)
             s.settimeout(None)
         except BaseException:
             s.close()

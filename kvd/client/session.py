@@ -153,6 +153,9 @@ class SessionLoop:
         try:
             return CommandConnection.connect(self._command_address, max_message_bytes=self._max_message_bytes,
                                              timeout_s=self._connect_timeout_s)
+        except PermissionError as e:  # another user's socket at the path (CommandConnection.connect)
+            log.warning("kvd %s: %s; session on the gRPC stream", self._pending.label, e)
+            return None
         except OSError as e:
             log.info("kvd %s: no command socket (%s): session on the gRPC stream", self._pending.label,
                      e.strerror or e)

@@ -48,6 +48,11 @@ from kvd.requests import BlockGroups, LeaseRenewal, LoadRequest, RenewResult, fl
 
 log = logging.getLogger("kvd.core")
 
+#: A renewed lease's engine learns its new end once the end has moved this
+#: many seconds since it last learned one (seconds; its client's own end of
+#: a hold is the lease plus a 5 s grace, ``kvd.client.pending``).
+TELL_STEP_S = 1.0
+
 
 def _repeated(groups: BlockGroups) -> str:
     """Why ``groups`` is no hold: a block id twice in one KV-cache group
@@ -268,17 +273,27 @@ class Holds:
         now = time.monotonic()
         life_s = min(self.rt.limits.max_lease_life_s, self.rt.limits.max_lease_s)
         out = []
+        done: dict[tuple, RenewResult] = {}  # a request named again in one call is answered, not renewed again
         for r in renewals:
+            key = (r.request_id, tuple(map(tuple, r.groups)))
+            if key in done:
+                out.append(done[key])
+                continue
             left = []
             for w in workers:
                 x = w.leases.renew(r.request_id, r.groups, now, life_s)
                 if x is not None:
                     left.append(x)
                     # The engine ends a hold itself at its lease plus a grace
-                    # (kvd.client.pending): it must learn the new end.
-                    self.rt.emit(w, LeaseRenewed(r.request_id, x))
+                    # (kvd.client.pending): it must learn the new end, but
+                    # not of every renewal: one event per TELL_STEP_S moved
+                    # at most (its grace is 5 s), so renewals cannot push the
+                    # engine's other events out of its queue.
+                    if w.leases.tell(r.request_id, TELL_STEP_S):
+                        self.rt.emit(w, LeaseRenewed(r.request_id, x))
             self.rt.counters.leases_renewed += len(left)
             out.append(RenewResult(r.request_id, min(left)) if left else RenewResult(r.request_id, 0.0, "not_held"))
+            done[key] = out[-1]
         log.debug("engine %s: %d of %d leases renewed", engine_id, sum(r.renewed for r in out), len(out))
         return out
 

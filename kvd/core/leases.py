@@ -70,6 +70,8 @@ class Lease:
     notified: int = 0
     start: float = 0.0
     length: float = 0.0
+    told: float = 0.0  # the deadline the engine last learned: its hold's, or one a LeaseRenewed named
+    renewals_told: int = 0  # LeaseRenewed events sent for it
 
     @property
     def num_blocks(self) -> int:
@@ -125,8 +127,9 @@ class LeaseTable:
             if deadline > old.deadline:
                 old.deadline = deadline
                 self._push(deadline, request_id)
+            old.told = max(old.told, deadline)  # the engine's own hold says so
             return "renewed"
-        lease = Lease(request_id, groups, deadline, start=now, length=deadline - now)
+        lease = Lease(request_id, groups, deadline, start=now, length=deadline - now, told=deadline)
         early = self.early.pop(request_id, None)
         if early is not None:
             lease.notified = early[0]
@@ -194,6 +197,22 @@ class LeaseTable:
             lease.deadline = deadline
             self._push(deadline, request_id)
         return max(0.0, lease.deadline - now)
+
+    def tell(self, request_id: str, step_s: float) -> bool:
+        """True when ``request_id``'s engine should learn its new deadline
+        (which then counts as learned): the first time a renewal moved it,
+        and then each time it has moved at least ``step_s`` seconds past the
+        one last learned. Renewals come a third of a lease apart from each
+        reader, but anyone who may renew can send them as fast as it likes,
+        and the engine needs to hear of a few only."""
+        lease = self.leases.get(request_id)
+        if lease is None or lease.deadline <= lease.told:
+            return False
+        if lease.renewals_told and lease.deadline - lease.told < step_s:
+            return False
+        lease.told = lease.deadline
+        lease.renewals_told += 1
+        return True
 
     def release(self, request_id: str) -> bool:
         """Ends a lease now; False when there is none."""

@@ -30,6 +30,7 @@ from kvd.core.events import Event, FailureKind, LoadFailed, NotFound
 from kvd.core.limits import BOUNDS, Limits
 from kvd.core.nixl_agent import NixlAgent
 from kvd.core.state import Counters, Worker, WorkerKey, overflow
+from kvd.core.throttle import Throttled
 
 log = logging.getLogger("kvd.core")
 
@@ -128,6 +129,7 @@ class Runtime:
     def __init__(self, limits: Limits, on_event: Callable[[str, dict], None] | None = None):
         self.limits = limits
         self.on_event = on_event or (lambda name, fields: None)
+        self.dropped_warning = Throttled(log)
         self.workers: dict[WorkerKey, Worker] = {}
         self.counters = Counters()
         self.started = time.monotonic()
@@ -184,7 +186,9 @@ class Runtime:
         events = w.session.events
         if len(events) >= BOUNDS.max_pending_events:
             dropped = events.popleft()
-            log.warning("%s: event queue full, dropped %s", w.label, dropped)
+            # One line a second at most: a session that never reads, fed
+            # events by others, must not turn each into a log line.
+            self.dropped_warning.warning("%s: event queue full, dropped %s", w.label, dropped)
         events.append(ev)
         if events.nbytes > self.limits.max_queued_event_bytes:
             overflow(w, self.limits.max_queued_event_bytes)

@@ -32,6 +32,8 @@ import re
 import sys
 import time
 
+from kvd.core.throttle import Throttled  # noqa: F401 (the daemon's modules take it from here)
+
 HUMAN_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 # C0 and C1 controls, DEL, and the Unicode line and paragraph separators
@@ -73,27 +75,6 @@ class HumanFormatter(logging.Formatter):
 def _indent(text: str) -> str:
     return "\n".join("  " + line for line in text.splitlines())
 
-
-class Throttled:
-    """A warning that may come once per connection or call from whoever asks:
-    logged at most once per ``interval_s`` seconds, with the count of the
-    ones left out since, so a flood cannot fill the log."""
-
-    def __init__(self, logger: logging.Logger, interval_s: float = 1.0):
-        self.log = logger
-        self.interval_s = interval_s
-        self._last = -interval_s
-        self._suppressed = 0
-
-    def warning(self, msg: str, *args) -> None:
-        """Logs ``msg % args`` at WARNING unless one was logged less than ``interval_s`` ago."""
-        now = time.monotonic()
-        if now - self._last < self.interval_s:
-            self._suppressed += 1
-            return
-        more = f" ({self._suppressed} more like it since the last message)" if self._suppressed else ""
-        self._last, self._suppressed = now, 0
-        self.log.warning(msg + more, *args)
 
 # key=value words kvd puts in transfer log lines; the value ends at a space,
 # a comma or the ": " that starts the next part of the message.
