@@ -42,7 +42,9 @@ def test_a_decode_request_queued_past_the_lease_still_loads_p_blocks(tiny_model_
         t0 = time.monotonic()
         proxy.complete(st.d.url, {"model": "tiny", "prompt": [5] * 16, "max_tokens": 64, "ignore_eos": True})
         per_token = (time.monotonic() - t0) / 64
-        busy_tokens = min(1900, max(64, int(BUSY_S / per_token)))
+        # At most 1,000: decode slows as the context grows (1,900 tokens took 200 s here, not the 30 s
+        # measured at 64); 1,000 keeps D busy well past twice the lease in a shorter test.
+        busy_tokens = min(1000, max(64, int(BUSY_S / per_token)))
         busy = threading.Thread(target=proxy.complete, daemon=True, args=(st.d.url, {
             "model": "tiny", "prompt": [7] * 16, "max_tokens": busy_tokens, "ignore_eos": True}),
             kwargs={"timeout_s": 600})
