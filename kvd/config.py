@@ -40,7 +40,7 @@ ENV_PREFIX = "KVD_"
 SOCKET_PATH_UNSAFE = "?#%"
 # sun_path is 108 bytes with its NUL (unix(7)), and the daemon binds the
 # engine socket plus "<path>.cmd" (kvd.command_wire) and "<path>.fd" (kvd.fd_wire).
-MAX_ENGINE_SOCKET_BYTES = 107 - len(".cmd")
+MAX_ENGINE_SOCKET_BYTES = 107 - len(".cmd")  # kvd.command_wire.SUFFIX, the longer of the two
 ENV_CONFIG_FILE = "KVD_CONFIG"      # names the TOML file when --config is not given
 ENV_NOTIFY_SOCKET = "NOTIFY_SOCKET"  # set by systemd for Type=notify units
 

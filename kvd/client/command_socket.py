@@ -14,23 +14,20 @@ import socket
 import struct
 from collections.abc import Iterable, Iterator
 
+from kvd.command_wire import SUFFIX as COMMAND_SUFFIX
 from kvd.command_wire import Deframer, command_socket_path, frame
 from kvd.v1 import kvd_pb2 as pb
 
 _RECV_BYTES = 1 << 16
 
 
-def _check_server(s: socket.socket, path: str, engine_socket: str) -> None:
+def _check_server(s: socket.socket, path: str) -> None:
     """Raises PermissionError unless the process serving ``s`` runs as root,
     as the owner of the engine socket, or as this process's uid (unix(7):
     ``SO_PEERCRED`` is the server's credentials at ``listen``)."""
     _, uid, _ = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    for prefix in ("unix://", "unix:"):
-        if engine_socket.startswith(prefix):
-            engine_socket = engine_socket[len(prefix):]
-            break
     try:
-        owner = os.stat(engine_socket).st_uid
+        owner = os.stat(path[:-len(COMMAND_SUFFIX)]).st_uid  # the engine socket, its "unix:" prefix gone
     except OSError:
         owner = None
     if uid not in (0, owner, os.geteuid()):
@@ -72,7 +69,7 @@ class CommandConnection:
         try:
             s.settimeout(timeout_s)
             s.connect(path)
-            _check_server(s, path, engine_socket)
+            _check_server(s, path)
             s.settimeout(None)
         except BaseException:
             s.close()
