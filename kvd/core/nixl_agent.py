@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 DRAM = "DRAM"
 VRAM = "VRAM"
 
+#: Bytes of an agent's warm-up scratch buffer (:meth:`NixlAgent.warm_read`):
+#: one page, enough for UCX to take the path a block READ takes.
+SCRATCH_BYTES = 4096
+
 
 class NixlError(RuntimeError):
     """A NIXL call failed; the message names the step and the agent."""
@@ -241,6 +245,8 @@ class NixlAgent:
                 raise NixlError(f"NIXL backend {b!r} failed to initialise: {e}") from e
         self.name = name
         self.backends = backends
+        self._scratch: np.ndarray | None = None  # warm_read's destination, kept as long as this object
+        self._scratch_reg = None
         self._metadata: bytes = self._agent.get_agent_metadata()
 
     # -- memory ----------------------------------------------------------------
@@ -266,6 +272,53 @@ class NixlAgent:
         """Releases a registration from :meth:`register_dram`."""
         self._agent.deregister_memory(reg)
         self._metadata = self._agent.get_agent_metadata()
+
+    def register_scratch(self) -> None:
+        """Registers a daemon-owned DRAM buffer of :data:`SCRATCH_BYTES` for
+        :meth:`warm_read` (no engine's memory). Call it with the engine's
+        registrations, before the metadata goes to any peer: a peer that
+        loaded this agent's metadata must not see it change.
+
+        Raises:
+            NixlError: NIXL refused the registration.
+        """
+        if self._scratch_reg is not None:
+            return
+        buf = np.zeros(SCRATCH_BYTES, dtype=np.uint8)
+        self._scratch_reg = self.register_memory(buf.ctypes.data, SCRATCH_BYTES, DRAM, 0)
+        self._scratch = buf
+
+    def warm_read(self, remote_agent: str, rows: np.ndarray, mem: str):
+        """Posts one READ of the first ``min(length, SCRATCH_BYTES)`` bytes
+        of each of ``rows`` (``(n, 3)``: address, length, device, in
+        ``remote_agent``'s registered ``mem``), every one into this agent's
+        scratch buffer, with no notification: the pair's first transfer (UCX
+        lane wire-up, first use of each remote key) happens here instead of
+        in a request's READ. The bytes are never read. Returns ``(handle,
+        state)`` as :meth:`post` (release the handle once DONE or ERR).
+
+        Raises:
+            NixlError: no scratch buffer (:meth:`register_scratch`), or NIXL
+                refused the transfer.
+        """
+        if self._scratch is None:
+            raise NixlError(f"{self.name}: no scratch buffer registered")
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+        n = np.minimum(rows[:, 1], SCRATCH_BYTES)
+        local = np.stack([np.full(len(rows), self._scratch.ctypes.data, dtype=np.int64), n,
+                          np.zeros(len(rows), dtype=np.int64)], axis=1)
+        remote = np.stack([rows[:, 0], n, rows[:, 2]], axis=1)
+        try:
+            h = self._agent.initialize_xfer("READ", self._agent.get_xfer_descs(local, DRAM),
+                                            self._agent.get_xfer_descs(remote, mem), remote_agent, b"")
+        except Exception as e:
+            raise NixlError(f"{self.name}: making the warm-up READ failed: {e}") from e
+        try:
+            state = self._agent.transfer(h)
+        except Exception as e:
+            self.release(h)
+            raise NixlError(f"{self.name}: warm-up READ post failed: {e}") from e
+        return h, state
 
     # -- metadata --------------------------------------------------------------
     def metadata(self) -> bytes:
@@ -429,6 +482,10 @@ class NixlAgent:
         # Any other (a handle NIXL's wrapper still binds) would keep it alive.
         if sys.getrefcount(native) > 3:
             return False
+        if self._scratch_reg is not None:  # no transfer is left that could land in it
+            with contextlib.suppress(Exception):
+                self._agent.deregister_memory(self._scratch_reg)
+            self._scratch_reg = None
         self._agent.agent = None
         del native  # the last reference: NIXL's destructor runs here
         self._metadata = b""

@@ -36,7 +36,7 @@ from kvd.core import plan
 from kvd.core.events import Incompatible, InvalidArgument, NotFound, PeerUnavailable
 from kvd.core.layout import LayoutError
 from kvd.core.limits import BOUNDS
-from kvd.core.nixl_agent import NixlError, Unprepped, metadata_agent_name
+from kvd.core.nixl_agent import DRAM, NixlError, Unprepped, metadata_agent_name
 from kvd.core.runtime import Runtime
 from kvd.core.state import PROTOCOL_VERSION, HandshakeResult, PeerKey, PeerLink, RemoteWorker, Worker
 
@@ -48,6 +48,10 @@ log = logging.getLogger("kvd.core")
 # BOUNDS.max_prepped_rows always, each transfer makes its own rows (about
 # the same cost above a few hundred descriptors; 0.04 ms more for 8).
 PREP_DELAY_S = 1.0
+
+# Rows of a new pair's warm-up READ (one per peer region, up to a page each:
+# at most 4 MiB into one scratch page): bounds what a peer with many regions costs.
+WARM_READ_ROWS = 1024
 
 
 def check_peer(w: Worker, hs: HandshakeResult, what: str) -> None:
@@ -455,12 +459,16 @@ class Peers:
             # prepared list of the whole map would be: NIXL checks each row
             # against the remote registrations; the edges bound every row.
             t_check = time.monotonic()
+            edges = their_map.edges()
             try:
-                w.agent.release_dlist(w.agent.prep_remote(name, their_map.edges(), hs.memory))
+                w.agent.release_dlist(w.agent.prep_remote(name, edges, hs.memory))
             except Exception:
                 self._unload_agent(w, name)
                 raise
             phases["check"] = time.monotonic() - t_check
+            if we_read:  # the first block's first row of each region (edges: firsts, then lasts)
+                self._warm_read(w, name, edges[:len(edges) // 2:max(1, len(edges) // (2 * len(hs.regions)))],
+                                hs.memory)
             return name
 
         name = await self.rt.nixl(add)
@@ -479,6 +487,29 @@ class Peers:
             r.prepare_later = True
             self._prepare_later(w, r, our_map, their_map, identity, hs.memory)
         return r
+
+    def _warm_read(self, w: Worker, name: str, rows, memory: str) -> None:
+        """NIXL thread: the pair's first READ, of up to a page at the first
+        block of each of the peer's regions (``rows``; at most
+        ``WARM_READ_ROWS``) into ``w``'s agent's scratch buffer
+        (:meth:`NixlAgent.warm_read`), now rather than in a request's: UCX
+        wires up the pair's lanes and first uses each remote key here, so a
+        load after a handshake ahead of need (``Limits.warm_peers``, the
+        other ranks of a remote engine) does not pay it. Measured
+        (``benchmarks/first_contact.py --warm-peers``, idle, 2 cores): the
+        first load 6-8 ms over the steady one without it, 1-4 ms with it
+        (docs/PERFORMANCE.md, "First contact"). DRAM on both sides only (a
+        VRAM pair's scratch would have to be VRAM on the right device); a
+        failure is logged: the request's READ wires the pair up anyway."""
+        if w.mem.memory != DRAM or memory != DRAM:
+            return
+        try:
+            handle, state = w.agent.warm_read(name, rows[:WARM_READ_ROWS], memory)
+        except NixlError as e:
+            log.info("%s: warm-up READ from %s failed (%s); the first load wires the pair up", w.label, name, e)
+            return
+        # Still in progress (wire-up under way): the progress loop releases it.
+        self.rt.release_handle(w.agent, handle, settled=state != "PROC")
 
     def _prepare_later(self, w: Worker, r: RemoteWorker, our_map, their_map, identity: bool, memory: str) -> None:
         """Prepares ``r``'s two descriptor lists on the NIXL thread,

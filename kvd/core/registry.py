@@ -24,7 +24,7 @@ from kvd.core.leases import LeaseTable
 from kvd.core.limits import BOUNDS
 from kvd.core.memory import (MEMFD_KIND, Access, FdMapping, SegmentAccessError, SegmentError, ShmMapping, create_shm,
                              unlink_shm)
-from kvd.core.nixl_agent import NixlAgent, NixlError
+from kvd.core.nixl_agent import DRAM, NixlAgent, NixlError
 from kvd.core.peers import Peers, on_device
 from kvd.core.runtime import Runtime
 from kvd.core.state import Owner, Segment, Worker, WorkerKey, WorkerMemory
@@ -222,6 +222,8 @@ class Registry:
         try:
             for m in mappings:
                 regs.append(agent.register_memory(m.addr, m.size, memory, device))
+            if memory == DRAM:
+                agent.register_scratch()  # warm-up READs of new pairs (kvd.core.peers)
             bases = [mappings[r.segment].addr + r.offset for r in regions]
             dlist = agent.prep_local(on_device(lay.block_descriptors(bases, regions, layout.num_blocks), device),
                                      memory)

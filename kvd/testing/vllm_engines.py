@@ -25,6 +25,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import uuid
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,6 +209,10 @@ class PDStack:
     # Turns each kvd engine's ``--kv-transfer-config`` into the one it is
     # started with (e.g. :func:`kvd.testing.routers.multi_connector_config`).
     wrap_kv_config: Callable[[dict], dict] | None = None
+    # D's daemon handshakes with P's engine ahead of the first load
+    # (``--warm-peers``, P's engine started with a known ``engine_id``), as a
+    # deployment that lists its prefill engines would: kvd connector, two daemons.
+    warm_peers: bool = False
 
     def __post_init__(self):
         if self.connector not in ("kvd", "nixl"):
@@ -218,12 +223,17 @@ class PDStack:
         self.daemons: dict[str, StackDaemon] = {}
         self.engines: dict[str, StackEngine] = {}
         self.timings: dict[str, float] = {}
+        # vLLM draws a random engine_id unless kv_transfer_config names one.
+        self.p_engine_id = f"kvd-demo-p-{uuid.uuid4().hex[:12]}" if self._warm() else ""
         # Unix socket paths must stay under ~108 bytes.
         sock_dir = self.run_dir
         if len(str(sock_dir / "kvd-p.sock")) > 100:
             sock_dir = Path(tempfile.mkdtemp(prefix="kvd-demo-"))
         self.sock_dir = sock_dir
         _OPEN_STACKS.add(self)
+
+    def _warm(self) -> bool:
+        return self.warm_peers and self.connector == "kvd" and not self.shared_daemon
 
     # ---- accessors
     @property
@@ -270,8 +280,10 @@ class PDStack:
                 os.unlink(sock)
             port = free_port()
             mport = self.metrics_ports.get(name)
-            argv = daemon_argv(sock, f"127.0.0.1:{port}", log_level="info", metrics_port=mport,
-                               extra=self.daemon_args)
+            extra = list(self.daemon_args)
+            if name == "D" and self._warm():
+                extra += ["--warm-peers", f"127.0.0.1:{self.daemons['P'].peer_port}/{self.p_engine_id}"]
+            argv = daemon_argv(sock, f"127.0.0.1:{port}", log_level="info", metrics_port=mport, extra=extra)
             child = self.procs.start(f"daemon-{name}", argv, wave=0)
             self.daemons[name] = StackDaemon(name, sock, port, child, mport)
             self.log(f"started daemon {name}: pid {child.pid}, socket {sock}, "
@@ -292,6 +304,8 @@ class PDStack:
             if self.connector == "kvd":
                 extra = self.p_extra_config if name == "P" else self.d_extra_config
                 cfg = kvd_connector_config(self.daemons[name].socket, extra)
+                if name == "P" and self.p_engine_id:
+                    cfg["engine_id"] = self.p_engine_id
                 if self.wrap_kv_config is not None:
                     cfg = self.wrap_kv_config(cfg)
                 env = engine_env(extra=self.engine_env)
