@@ -158,10 +158,12 @@ class Config:
     peer_insecure: bool = _setting(False, "serve PeerService on a non-loopback peer_listen with no TLS and no "
                                           "token (any host that reaches the port may read and write the KV "
                                           "caches); without it such a daemon binds loopback only")
-    warm_peers: list[str] = _setting(None, "remote engines to handshake with ahead of the first load, each "
-                                           "host:port/engine_id (a remote daemon's peer address and an engine "
-                                           "registered there): every TP rank of it, for each local worker at "
-                                           "its registration, retried until it answers", factory=list)
+    warm_peers: list[str] = _setting(None, "remote engines to handshake with ahead of the first load, "
+                                           "comma-separated host:port/engine_id (a remote daemon's peer address "
+                                           "and the engine_id of a prefill engine registered there: set a fixed "
+                                           "one in its --kv-transfer-config): every TP rank of it, for each "
+                                           "local worker at its registration, retried until it answers",
+                                     factory=list)
     peer_check_s: float = _setting(15.0, "each remote worker this daemon reads from is asked (a handshake) "
                                          "this often whether its daemon and engine are still there, seconds")
     peer_dead_s: float = _setting(45.0, "a remote daemon that has not answered for this long has its agents "
@@ -222,9 +224,11 @@ class Config:
         for entry in self.warm_peers:
             address, sep, engine_id = entry.partition("/")
             try:
-                parse_host_port(address, "warm_peers")
+                _, port = parse_host_port(address, "warm_peers")
             except ConfigError as e:
                 raise self._error("warm_peers", f"{entry!r}: {str(e).removeprefix('warm_peers: ')}") from None
+            if port == 0:  # a free port is for peer_listen: a remote daemon listens on a real one
+                raise self._error("warm_peers", f"{entry!r}: port 0 names no daemon (1..65535)")
             if not sep or not engine_id:
                 raise self._error("warm_peers", f"{entry!r} is not host:port/engine_id")
         if not 0 <= self.metrics_port <= 65535:

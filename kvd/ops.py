@@ -10,6 +10,7 @@ port.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 
 from kvd.usage import EXIT_NOT_SERVING, EXIT_OK, EXIT_UNREACHABLE
@@ -33,6 +34,17 @@ def target(socket_path: str, address: str = "") -> str:
     return address or f"unix:{socket_path}"
 
 
+def _unreachable(command: str, target: str, e) -> Answer:
+    """Exit code 2 and the line for an RPC that did not reach a daemon (or
+    was refused): with no file at an engine socket's path, says so plainly
+    rather than gRPC's connect error."""
+    path = target.removeprefix("unix:")
+    if target.startswith("unix:") and not os.path.exists(path):
+        return Answer(EXIT_UNREACHABLE, f"kvd {command}: no daemon at {path} (no such socket): start one with "
+                                        f"`kvd serve`, or name its engine socket with --socket")
+    return Answer(EXIT_UNREACHABLE, f"kvd {command}: {target}: {e.code().name}: {e.details()}")
+
+
 def health(target: str, service: str = "", timeout_s: float = 2.0) -> Answer:
     """gRPC health check of ``service`` at ``target`` within ``timeout_s`` seconds.
 
@@ -51,7 +63,7 @@ def health(target: str, service: str = "", timeout_s: float = 2.0) -> Answer:
         if e.code() == grpc.StatusCode.NOT_FOUND:  # the daemon answered, but does not serve that service
             return Answer(EXIT_NOT_SERVING, f"kvd health: {target}: NOT_FOUND: no service {service!r} here "
                                             f"(known: '' for the whole server, {', '.join(HEALTH_SERVICES[1:])})")
-        return Answer(EXIT_UNREACHABLE, f"kvd health: {target}: {e.code().name}: {e.details()}")
+        return _unreachable("health", target, e)
     name = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
     if r.status == health_pb2.HealthCheckResponse.SERVING:
         return Answer(EXIT_OK, f"{target}: {name}")
@@ -81,6 +93,6 @@ def status(target: str, timeout_s: float = 2.0, as_json: bool = False) -> Answer
     try:
         s = get_stats(target, timeout_s)
     except grpc.RpcError as e:
-        return Answer(EXIT_UNREACHABLE, f"kvd status: {target}: {e.code().name}: {e.details()}")
+        return _unreachable("status", target, e)
     d = to_dict(s)
     return Answer(EXIT_OK, json.dumps(d, indent=2, sort_keys=True) if as_json else render(d, target))

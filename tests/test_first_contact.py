@@ -222,11 +222,11 @@ def test_a_handshake_is_answered_while_the_nixl_thread_is_busy():
     assert hs.agent_metadata == fresh and hs.agent_name.startswith("kvd-P-r0-")
 
 
-def test_a_new_pair_reads_a_page_of_each_peer_region_into_scratch_not_into_the_engine():
-    """A handshake's pair makes its first READ at once (UCX wire-up, first
-    use of the remote keys, off any request's path): the start of each of
-    the peer's regions lands in the reader agent's scratch page, nothing in
-    the reader engine's memory, and the handle is released."""
+def test_a_new_pair_reads_the_peers_scratch_page_into_its_own_not_any_engine_memory():
+    """A handshake's pair makes its first READ at once (UCX wire-up, off any
+    request's path): the peer daemon's scratch page (``warm_up_addr``, here
+    filled with a pattern) lands in the reader agent's scratch page; neither
+    engine's memory is read or written, and the handle is released."""
     import asyncio
 
     from kvd.core.nixl_agent import SCRATCH_BYTES
@@ -237,7 +237,8 @@ def test_a_new_pair_reads_a_page_of_each_peer_region_into_scratch_not_into_the_e
     layout = Layout(16, BLOCK_SIZE, "NHD", "float16", 2, HEAD_DIM, 1, (blen, blen))
     regions = [Region(0, 0, blen, blen), Region(0, 16 * blen, blen, blen)]
     src, dst = ShmSegment(2 * 16 * blen), ShmSegment(2 * 16 * blen)
-    src.array[:] = np.random.default_rng(3).integers(1, 256, src.size, dtype=np.uint8)
+    src.array[:] = 7
+    pattern = np.random.default_rng(3).integers(1, 256, SCRATCH_BYTES, dtype=np.uint8)
 
     async def main():
         p, d = Node(), Node()
@@ -246,26 +247,26 @@ def test_a_new_pair_reads_a_page_of_each_peer_region_into_scratch_not_into_the_e
         try:
             wp = await p.register("P", 0, 1, layout, [Segment(src.name, src.size)], regions, model="m")
             wd = await d.register("D", 0, 1, layout, [Segment(dst.name, dst.size)], regions, model="m")
+            wp.agent._scratch[:] = pattern
             before = bytes(wd.agent._scratch)
             hs = await p.handshake_info("P", 0, wd.compat_hash)
+            assert hs.warm_up_addr == wp.agent.scratch_addr != 0
             await d.peers.pair(wd, hs, 0, we_read=True, address="127.0.0.1:1", engine_id="P")
             for _ in range(200):  # a READ still in progress is released by the progress loop
-                if not d.rt.zombies:
+                if not d.rt.warm_ups:
                     break
                 await asyncio.sleep(0.01)
-            return before, bytes(wd.agent._scratch), len(d.rt.zombies), wp
+            return before, bytes(wd.agent._scratch), len(d.rt.warm_ups), len(d.rt.zombies)
         finally:
             await d.close()
             await p.close()
 
     try:
-        before, after, zombies, _ = asyncio.run(main())
-        assert not any(before) and len(after) == SCRATCH_BYTES
-        # Both regions' first blocks were read into the same page: it holds one of them.
-        firsts = [bytes(src.array[r.offset:r.offset + blen]) for r in regions]
-        assert after[:blen] in firsts, "the scratch page holds no region's first block"
-        assert not dst.array.any(), "the warm-up wrote into the engine's memory"
-        assert zombies == 0
+        before, after, warm_ups, zombies = asyncio.run(main())
+        assert not any(before)
+        assert after == pattern.tobytes(), "the peer's scratch page did not land in the reader's"
+        assert not dst.array.any() and (src.array == 7).all(), "the warm-up touched an engine's memory"
+        assert warm_ups == zombies == 0
     finally:
         src.close()
         dst.close()

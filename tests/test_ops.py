@@ -200,6 +200,9 @@ def test_health_cli_exit_codes(ops, tmp_path):
     r = kvd_cli("health", "--socket", ops.decode.socket, "--service", "no.such.Service")
     assert r.returncode == 1 and "NOT_FOUND" in r.stderr
     r = kvd_cli("health", "--socket", str(tmp_path / "absent.sock"))
+    assert r.returncode == 2 and "no daemon at" in r.stderr and "Traceback" not in r.stderr
+    open(tmp_path / "stale.sock", "w").close()  # a file that is no socket: gRPC's own words
+    r = kvd_cli("health", "--socket", str(tmp_path / "stale.sock"), "--timeout", "1")
     assert r.returncode == 2 and "UNAVAILABLE" in r.stderr
     # A port that accepts TCP but never answers: the --timeout bounds the wait.
     with socket.socket() as hole:

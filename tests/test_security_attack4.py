@@ -1,21 +1,21 @@
-"""Attack 4: the warm-up READ of a new pair (``Peers._warm_read``, commit
-5b46f94) against a peer that stops progressing right after it answered the
-handshake (a hostile peer daemon, or one frozen with SIGSTOP).
+"""Attack 4: the warm-up READ of a new pair (``Peers._warm_read``) against
+a peer that stops progressing right after it answered the handshake (a
+hostile peer daemon, or one frozen with SIGSTOP).
 
-The warm-up READ has no deadline: over UCX's ``tcp`` transport a READ needs
+The warm-up READ had no deadline: over UCX's ``tcp`` transport a READ needs
 the source's progress, so against a frozen peer it stays ``PROC`` for ever
 and its handle sits in ``Runtime.zombies`` for as long as the reader worker
-lives. Every zombie of a worker's agent counts, to the rest of the daemon, as
+lived. Every zombie of a worker's agent counts, to the rest of the daemon, as
 a READ into engine memory that must be settled, although this one can only
 land in the daemon's scratch page:
 
-* ``leaked_handles`` never returns to 0 (the warm-up is never given up);
+* ``leaked_handles`` never returned to 0 (the warm-up was never given up);
 * the progress loop frees a worker's retired remotes only while none of its
-  agent's handles is a zombie, so every remote the worker retires later
-  (a healthy peer that restarted, an idle one) stays loaded for ever;
+  agent's handles is a zombie, so every remote the worker retired later
+  (a healthy peer that restarted, an idle one) stayed loaded for ever;
 * ``settle.end_reads`` replaces the agent whenever a zombie of it is still in
   progress, so the next end of the engine's session (no load in flight at
-  all) destroys the worker's agent and drops every healthy pair.
+  all) destroyed the worker's agent and dropped every healthy pair.
 
 Real NIXL agents over ``UCX_TLS=tcp``: the frozen peer is a NIXL agent in a
 process of its own (``kvd.testing.nixl_peer``) stopped before the pair is
@@ -24,9 +24,11 @@ healthy in-process ``Node`` is replayed with the frozen agent's metadata and
 addresses (what a hostile peer daemon answers), given to ``Peers.pair`` as
 ``Peers.handshake`` does.
 
-Each test is ``xfail(strict=True, raises=AssertionError)``: it fails today
-because of the weakness; a precondition that does not hold raises
-``RuntimeError`` instead (a real failure, not an expected one).
+Found by an attacker review, now fixed: warm-up READs are kept apart from
+``Runtime.zombies`` (``Runtime.warm_ups``), given up by force at
+``handshake_timeout_s``, and the warm-up reads the peer daemon's own scratch
+page (``warm_up_addr`` in the handshake), never an engine's memory. A
+precondition that does not hold raises ``RuntimeError``.
 """
 
 from __future__ import annotations
@@ -101,13 +103,14 @@ def run_scenario(frozen, body):
             healthy = await d.peers.pair(wd, hs, 0, we_read=True, address="127.0.0.1:2", engine_id="P")
             wd.pairs.remotes[healthy.key] = healthy
             for _ in range(300):  # the healthy pair's warm-up READ ends at once
-                if not d.rt.zombies:
+                if not d.rt.warm_ups:
                     break
                 await asyncio.sleep(0.01)
-            need(not d.rt.zombies, "the healthy peer's warm-up READ ended")
-            # The hostile peer's answer: a valid layout, its own agent and addresses.
+            need(not d.rt.warm_ups, "the healthy peer's warm-up READ ended")
+            # The hostile peer's answer: a valid layout, its own agent and
+            # addresses, its warm-up page somewhere in its registered memory.
             forged = dataclasses.replace(hs, agent_metadata=md, agent_name=metadata_agent_name(md),
-                                         region_bases=[base + r.offset for r in REGIONS])
+                                         region_bases=[base + r.offset for r in REGIONS], warm_up_addr=base)
             bad = await d.peers.pair(wd, forged, 0, we_read=True, address="127.0.0.1:1", engine_id="X")
             wd.pairs.remotes[bad.key] = bad
             return await body(d, wd, healthy, bad)
@@ -122,9 +125,6 @@ def run_scenario(frozen, body):
         dst.close()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="a warm-up READ to a frozen peer has no deadline: its handle is never given up "
-                          "(leaked_handles stays 1 for the worker's lifetime)")
 def test_a_warm_up_read_stuck_on_a_frozen_peer_is_given_up_within_the_handshake_timeout(frozen_peer):
     """Attack: a peer answers the handshake, then stops (SIGSTOP, or a
     hostile peer whose agent never progresses). The reader's warm-up READ
@@ -140,19 +140,18 @@ def test_a_warm_up_read_stuck_on_a_frozen_peer_is_given_up_within_the_handshake_
 
     async def body(d, wd, healthy, bad):
         await asyncio.sleep(0.2)
-        need(d.stats()["leaked_handles"] == 1, "the frozen peer's warm-up READ is still in progress")
+        need(len(d.rt.warm_ups) == 1, "the frozen peer's warm-up READ is still in progress")
+        leaked_meanwhile = d.stats()["leaked_handles"]
         t_end = time.monotonic() + HANDSHAKE_TIMEOUT_S + 2.0
-        while time.monotonic() < t_end and d.stats()["leaked_handles"]:
+        while time.monotonic() < t_end and d.rt.warm_ups:
             await asyncio.sleep(0.05)
-        return d.stats()["leaked_handles"]
+        return len(d.rt.warm_ups), leaked_meanwhile, d.stats()["leaked_handles"]
 
-    leaked = run_scenario(frozen_peer, body)
-    assert leaked == 0, f"{leaked} warm-up READ handle(s) still kept {HANDSHAKE_TIMEOUT_S + 2:.0f} s later"
+    kept, leaked_meanwhile, leaked = run_scenario(frozen_peer, body)
+    assert kept == 0, f"{kept} warm-up READ handle(s) still kept {HANDSHAKE_TIMEOUT_S + 2:.0f} s later"
+    assert leaked_meanwhile == leaked == 0, "a warm-up READ (scratch page only) counted as a leaked handle"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="a stuck warm-up READ is a zombie of the worker's agent: the progress loop never frees "
-                          "that worker's retired remotes (remote agents and prepped lists pile up)")
 def test_a_warm_up_read_stuck_on_a_frozen_peer_does_not_keep_retired_remotes_loaded(frozen_peer):
     """Attack: one frozen peer (its warm-up READ stuck) makes the reader
     worker keep every remote it retires afterwards: ``Progress.poll`` frees
@@ -178,9 +177,6 @@ def test_a_warm_up_read_stuck_on_a_frozen_peer_does_not_keep_retired_remotes_loa
                                          f"peer's agent loaded={loaded}, remote_agents={remote_agents}")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="a stuck warm-up READ makes settle.end_reads replace the worker's agent at the next "
-                          "session end, although no load was in flight: every healthy pair is dropped")
 def test_a_warm_up_read_stuck_on_a_frozen_peer_does_not_make_a_session_end_replace_the_agent(frozen_peer):
     """Attack: after one frozen peer's warm-up READ, the reader engine's
     session ends (a reconnect of its stream) with no load in flight. The
@@ -205,3 +201,45 @@ def test_a_warm_up_read_stuck_on_a_frozen_peer_does_not_make_a_session_end_repla
     same_agent, kept = run_scenario(frozen_peer, body)
     assert same_agent and kept, (f"a session end with no load in flight: agent kept={same_agent}, healthy "
                                  f"pair kept={kept}")
+
+
+def test_a_warm_up_address_outside_the_peers_registered_memory_is_refused_and_the_pair_kept():
+    """A peer's ``warm_up_addr`` pointing at memory it never registered
+    (here: the reader's own engine memory, or a wild address) makes no READ
+    (NIXL checks the row against the peer's registrations): the pair is
+    made, nothing lands anywhere; one past the 64-bit range is refused as
+    invalid before any NIXL call."""
+    from kvd.core.events import InvalidArgument
+    from kvd.core.peers import check_peer
+
+    src, dst = ShmSegment(SIZE), ShmSegment(SIZE)
+    src.array[:] = 9
+
+    async def main():
+        p, d = Node(), Node()
+        p.start()
+        d.start()
+        try:
+            await p.register("P", 0, 1, LAYOUT, [Segment(src.name, src.size)], REGIONS, model="m")
+            wd = await d.register("D", 0, 1, LAYOUT, [Segment(dst.name, dst.size)], REGIONS, model="m")
+            hs = await p.handshake_info("P", 0, wd.compat_hash)
+            with pytest.raises(InvalidArgument, match="warm_up_addr"):
+                check_peer(wd, dataclasses.replace(hs, warm_up_addr=(1 << 64) - 1), "handshake")
+            kept = []
+            for i, addr in enumerate((wd.mem.bases[0], 0x1000)):
+                forged = dataclasses.replace(hs, warm_up_addr=addr)
+                r = await d.peers.pair(wd, forged, 0, we_read=True, address=f"127.0.0.1:{i + 1}", engine_id="P")
+                kept.append(r.agent_name)
+                await d.rt.nixl(d.peers.free_remote, wd, r)
+            return kept, list(d.rt.warm_ups), bytes(wd.agent._scratch)
+        finally:
+            await d.close()
+            await p.close()
+
+    try:
+        kept, warm_ups, scratch = asyncio.run(main())
+        assert len(kept) == 2 and not warm_ups
+        assert not any(scratch) and not dst.array.any()
+    finally:
+        src.close()
+        dst.close()

@@ -32,6 +32,7 @@ VRAM = "VRAM"
 #: Bytes of an agent's warm-up scratch buffer (:meth:`NixlAgent.warm_read`):
 #: one page, enough for UCX to take the path a block READ takes.
 SCRATCH_BYTES = 4096
+_ORPHANED_SCRATCH: list = []  # pages of agents dropped before their native agent was destroyed
 
 
 class NixlError(RuntimeError):
@@ -245,7 +246,7 @@ class NixlAgent:
                 raise NixlError(f"NIXL backend {b!r} failed to initialise: {e}") from e
         self.name = name
         self.backends = backends
-        self._scratch: np.ndarray | None = None  # warm_read's destination, kept as long as this object
+        self._scratch: np.ndarray | None = None  # warm-up READs' page, kept as long as the native agent
         self._scratch_reg = None
         self._metadata: bytes = self._agent.get_agent_metadata()
 
@@ -274,10 +275,12 @@ class NixlAgent:
         self._metadata = self._agent.get_agent_metadata()
 
     def register_scratch(self) -> None:
-        """Registers a daemon-owned DRAM buffer of :data:`SCRATCH_BYTES` for
-        :meth:`warm_read` (no engine's memory). Call it with the engine's
-        registrations, before the metadata goes to any peer: a peer that
-        loaded this agent's metadata must not see it change.
+        """Registers a daemon-owned DRAM page of :data:`SCRATCH_BYTES`, the
+        source and the destination of new pairs' warm-up READs
+        (:meth:`warm_read`); no engine's memory, nothing of value: every
+        peer that loads this agent may READ and WRITE it. Call it with the
+        engine's registrations, before the metadata goes to any peer: a peer
+        that loaded this agent's metadata must not see it change.
 
         Raises:
             NixlError: NIXL refused the registration.
@@ -288,29 +291,33 @@ class NixlAgent:
         self._scratch_reg = self.register_memory(buf.ctypes.data, SCRATCH_BYTES, DRAM, 0)
         self._scratch = buf
 
-    def warm_read(self, remote_agent: str, rows: np.ndarray, mem: str):
-        """Posts one READ of the first ``min(length, SCRATCH_BYTES)`` bytes
-        of each of ``rows`` (``(n, 3)``: address, length, device, in
-        ``remote_agent``'s registered ``mem``), every one into this agent's
-        scratch buffer, with no notification: the pair's first transfer (UCX
-        lane wire-up, first use of each remote key) happens here instead of
-        in a request's READ. The bytes are never read. Returns ``(handle,
-        state)`` as :meth:`post` (release the handle once DONE or ERR).
+    @property
+    def scratch_addr(self) -> int:
+        """Address of the scratch page (:meth:`register_scratch`); 0: none."""
+        return 0 if self._scratch is None else int(self._scratch.ctypes.data)
+
+    def warm_read(self, remote_agent: str, addr: int):
+        """Posts a READ of the scratch page of ``remote_agent`` at ``addr``
+        (its :attr:`scratch_addr`, DRAM, :data:`SCRATCH_BYTES`) into this
+        agent's own, with no notification: the pair's first transfer (UCX
+        lane wire-up) happens here instead of in a request's READ. Both
+        pages are daemon memory and the bytes are never used. Returns
+        ``(handle, state)`` as :meth:`post` (release the handle once DONE or
+        ERR; by force is safe too: the bytes can land nowhere but this
+        agent's scratch page, which lives as long as the native agent).
 
         Raises:
-            NixlError: no scratch buffer (:meth:`register_scratch`), or NIXL
-                refused the transfer.
+            NixlError: no scratch page here (:meth:`register_scratch`), or
+                NIXL refused the transfer (``addr`` is not registered memory
+                of ``remote_agent``).
         """
         if self._scratch is None:
-            raise NixlError(f"{self.name}: no scratch buffer registered")
-        rows = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
-        n = np.minimum(rows[:, 1], SCRATCH_BYTES)
-        local = np.stack([np.full(len(rows), self._scratch.ctypes.data, dtype=np.int64), n,
-                          np.zeros(len(rows), dtype=np.int64)], axis=1)
-        remote = np.stack([rows[:, 0], n, rows[:, 2]], axis=1)
+            raise NixlError(f"{self.name}: no scratch page registered")
+        local = np.array([[self._scratch.ctypes.data, SCRATCH_BYTES, 0]], dtype=np.int64)
+        remote = np.array([[addr, SCRATCH_BYTES, 0]], dtype=np.int64)
         try:
             h = self._agent.initialize_xfer("READ", self._agent.get_xfer_descs(local, DRAM),
-                                            self._agent.get_xfer_descs(remote, mem), remote_agent, b"")
+                                            self._agent.get_xfer_descs(remote, DRAM), remote_agent, b"")
         except Exception as e:
             raise NixlError(f"{self.name}: making the warm-up READ failed: {e}") from e
         try:
@@ -460,6 +467,13 @@ class NixlAgent:
         except Exception as e:
             log.warning("%s: release_xfer_handle: %s", self.name, e)
             return False
+
+    def __del__(self):
+        # A native agent not destroyed (close() refused: a handle still bound
+        # to it) may still move bytes into the scratch page: keep the page.
+        page = getattr(self, "_scratch", None)
+        if page is not None and getattr(getattr(self, "_agent", None), "agent", None) is not None:
+            _ORPHANED_SCRATCH.append(page)
 
     def close(self) -> bool:
         """Destroys the native agent now; False (nothing destroyed) while a

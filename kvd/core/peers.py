@@ -36,7 +36,7 @@ from kvd.core import plan
 from kvd.core.events import Incompatible, InvalidArgument, NotFound, PeerUnavailable
 from kvd.core.layout import LayoutError
 from kvd.core.limits import BOUNDS
-from kvd.core.nixl_agent import DRAM, NixlError, Unprepped, metadata_agent_name
+from kvd.core.nixl_agent import DRAM, SCRATCH_BYTES, NixlError, Unprepped, metadata_agent_name
 from kvd.core.runtime import Runtime
 from kvd.core.state import PROTOCOL_VERSION, HandshakeResult, PeerKey, PeerLink, RemoteWorker, Worker
 
@@ -49,9 +49,6 @@ log = logging.getLogger("kvd.core")
 # the same cost above a few hundred descriptors; 0.04 ms more for 8).
 PREP_DELAY_S = 1.0
 
-# Rows of a new pair's warm-up READ (one per peer region, up to a page each:
-# at most 4 MiB into one scratch page): bounds what a peer with many regions costs.
-WARM_READ_ROWS = 1024
 
 
 def check_peer(w: Worker, hs: HandshakeResult, what: str) -> None:
@@ -85,6 +82,8 @@ def check_peer(w: Worker, hs: HandshakeResult, what: str) -> None:
         # in the descriptor maths and the load never ended).
         if base + (hs.layout.num_blocks - 1) * r.block_stride + r.block_len >= 1 << 63:
             raise InvalidArgument(f"{what}: region {i} at base address {base:#x} ends past the 64-bit range")
+    if not 0 <= hs.warm_up_addr < (1 << 63) - SCRATCH_BYTES:
+        raise InvalidArgument(f"{what}: warm_up_addr {hs.warm_up_addr:#x} is past the 64-bit range")
 
 
 def pair_plan(reader: plan.Geometry, source: plan.Geometry):
@@ -149,7 +148,7 @@ class Peers:
         again after 1, 2, 4 .. 30 s while the peer does not answer (it may
         start after this daemon), until ``w`` is unregistered. An
         incompatible or invalid peer is logged once and not tried again."""
-        delay = 1.0
+        delay, tries = 1.0, 0
         while self.rt.workers.get(w.key) is w and not (self.rt.closing or self.rt.draining):
             try:
                 if self.link is None:
@@ -162,8 +161,12 @@ class Peers:
                 log.warning("%s: warm_peers %s/%s: %s; not tried again", w.label, address, engine_id, e)
                 return
             except Exception as e:
-                log.info("%s: warm_peers %s/%s not reached (%s); next try in %.0f s", w.label, address, engine_id,
-                         e, delay)
+                # A peer starting after this daemon is expected for a while;
+                # still unreached after a minute or so, it may be a typo.
+                tries += 1
+                log.log(logging.WARNING if tries == 6 else logging.INFO,
+                        "%s: warm_peers %s/%s not reached (%s); next try in %.0f s", w.label, address, engine_id,
+                        e, delay)
             await asyncio.sleep(delay)
             delay = min(30.0, 2 * delay)
 
@@ -459,16 +462,14 @@ class Peers:
             # prepared list of the whole map would be: NIXL checks each row
             # against the remote registrations; the edges bound every row.
             t_check = time.monotonic()
-            edges = their_map.edges()
             try:
-                w.agent.release_dlist(w.agent.prep_remote(name, edges, hs.memory))
+                w.agent.release_dlist(w.agent.prep_remote(name, their_map.edges(), hs.memory))
             except Exception:
                 self._unload_agent(w, name)
                 raise
             phases["check"] = time.monotonic() - t_check
-            if we_read:  # the first block's first row of each region (edges: firsts, then lasts)
-                self._warm_read(w, name, edges[:len(edges) // 2:max(1, len(edges) // (2 * len(hs.regions)))],
-                                hs.memory)
+            if we_read and hs.warm_up_addr:
+                self._warm_read(w, name, hs.warm_up_addr)
             return name
 
         name = await self.rt.nixl(add)
@@ -488,28 +489,30 @@ class Peers:
             self._prepare_later(w, r, our_map, their_map, identity, hs.memory)
         return r
 
-    def _warm_read(self, w: Worker, name: str, rows, memory: str) -> None:
-        """NIXL thread: the pair's first READ, of up to a page at the first
-        block of each of the peer's regions (``rows``; at most
-        ``WARM_READ_ROWS``) into ``w``'s agent's scratch buffer
+    def _warm_read(self, w: Worker, name: str, addr: int) -> None:
+        """NIXL thread: the pair's first READ, of the peer agent's scratch
+        page at ``addr`` (the handshake's ``warm_up_addr``: daemon memory,
+        no engine's data) into ``w``'s agent's own
         (:meth:`NixlAgent.warm_read`), now rather than in a request's: UCX
-        wires up the pair's lanes and first uses each remote key here, so a
-        load after a handshake ahead of need (``Limits.warm_peers``, the
-        other ranks of a remote engine) does not pay it. Measured
-        (``benchmarks/first_contact.py --warm-peers``, idle, 2 cores): the
-        first load 6-8 ms over the steady one without it, 1-4 ms with it
-        (docs/PERFORMANCE.md, "First contact"). DRAM on both sides only (a
-        VRAM pair's scratch would have to be VRAM on the right device); a
-        failure is logged: the request's READ wires the pair up anyway."""
-        if w.mem.memory != DRAM or memory != DRAM:
+        wires up the pair's lanes here, so a load after a handshake ahead of
+        need (``Limits.warm_peers``, the other ranks of a remote engine) does
+        not pay it. Measured (``benchmarks/first_contact.py --warm-peers``,
+        idle, 2 cores, a variant reading a page of the peer's first block):
+        the first load 6.5-8.2 ms over the steady one without a warm-up
+        READ, 1.2-4.4 ms with one (docs/PERFORMANCE.md, "First contact").
+        No READ of an engine's memory without a claim: the scratch pages
+        are the daemons' own. DRAM workers only (a VRAM worker has no
+        scratch page). The handle is given up at ``handshake_timeout_s``
+        (``Runtime.warm_ups``); a failure is logged: the request's READ
+        wires the pair up anyway."""
+        if w.mem.memory != DRAM:
             return
         try:
-            handle, state = w.agent.warm_read(name, rows[:WARM_READ_ROWS], memory)
+            handle, state = w.agent.warm_read(name, addr)
         except NixlError as e:
             log.info("%s: warm-up READ from %s failed (%s); the first load wires the pair up", w.label, name, e)
             return
-        # Still in progress (wire-up under way): the progress loop releases it.
-        self.rt.release_handle(w.agent, handle, settled=state != "PROC")
+        self.rt.warm_up_posted(w.agent, handle, state)
 
     def _prepare_later(self, w: Worker, r: RemoteWorker, our_map, their_map, identity: bool, memory: str) -> None:
         """Prepares ``r``'s two descriptor lists on the NIXL thread,
@@ -572,6 +575,7 @@ class Peers:
         """``w`` as a handshake describes it (agent metadata, layout, regions).
         Needs no NIXL call (the metadata is the agent's cached bytes)."""
         return HandshakeResult(w.agent.metadata(), w.agent.name, w.layout, w.regions, w.mem.bases, w.compat_hash, __version__,
-                               PROTOCOL_VERSION, w.tp_size, memory=w.mem.memory, device=w.mem.device)
+                               PROTOCOL_VERSION, w.tp_size, memory=w.mem.memory, device=w.mem.device,
+                               warm_up_addr=w.agent.scratch_addr)
 
     # --------------------------------------------------------------- progress

@@ -56,6 +56,8 @@ class Progress:
         """NIXL thread: ``(writes ended, loads' results)``; each load result is
         ``(worker, request id | agent name, "ERR" | "END" | "NOTIF", source | message)``."""
         self.rt.release_zombies()
+        if self.rt.warm_ups:
+            self.rt.release_warm_ups(time.monotonic())
         writes = self.push.poll_writes(time.monotonic())
         done = []
         for w in list(self.rt.workers.values()):

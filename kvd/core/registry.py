@@ -349,6 +349,7 @@ class Registry:
         for item in [z for z in self.rt.zombies if z[0] is agent]:
             self.rt.zombies.remove(item)
             handles.append(item[1])
+        self.rt.release_warm_ups(time.monotonic(), agent)  # by force: they can land only in its scratch page
         for h in handles:
             if agent.state(h) == "PROC":
                 running += 1

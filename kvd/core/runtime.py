@@ -137,6 +137,11 @@ class Runtime:
         # given up at its deadline or at its session's end whose bytes may
         # still arrive): the next poll tries again; ``leaked_handles`` in stats.
         self.zombies: list[tuple[NixlAgent, object]] = []
+        # Warm-up READs of new pairs still in progress (``kvd.core.peers``):
+        # ``(agent, handle, give-up time)``. Apart from ``zombies``: their
+        # bytes can land only in the agent's scratch page, so they are given
+        # up by force at their time and never make a worker's end wait.
+        self.warm_ups: list[tuple[NixlAgent, object, float]] = []
         # Workers unregistered while a READ was in progress whose NIXL agent
         # could not be destroyed (a handle still bound to it): their mappings
         # are kept (a late byte lands in memory still theirs, never in a freed
@@ -210,6 +215,30 @@ class Runtime:
         :meth:`NixlAgent.release`."""
         if not agent.release(handle, settled):
             self.zombies.append((agent, handle))
+
+    def warm_up_posted(self, agent: NixlAgent, handle, state: str) -> None:
+        """NIXL thread: a warm-up READ was posted: released now when it is
+        DONE or ERR, else kept in ``warm_ups`` until it is, or until
+        ``handshake_timeout_s`` from now (a peer that answered and then
+        froze: the READ would never end)."""
+        if state == "PROC":
+            self.warm_ups.append((agent, handle, time.monotonic() + self.limits.handshake_timeout_s))
+        else:
+            agent.release(handle, settled=True)
+
+    def release_warm_ups(self, now: float, agent: NixlAgent | None = None) -> None:
+        """NIXL thread: releases the warm-up READs (of ``agent`` only, if
+        given: by force, as its agent is about to be destroyed) that ended
+        or whose time is up (by force: nothing but a scratch page is at stake)."""
+        for item in list(self.warm_ups):
+            a, h, until = item
+            if agent is not None and a is not agent:
+                continue
+            if agent is not None or now >= until:
+                a.release(h, settled=True)
+                self.warm_ups.remove(item)
+            elif a.release(h):
+                self.warm_ups.remove(item)
 
     def release_zombies(self, agent: NixlAgent | None = None) -> int:
         """NIXL thread: releases the handles in ``zombies`` (of ``agent``

@@ -65,6 +65,7 @@ class HandshakeResult:
     tp_size: int = 1
     memory: str = "DRAM"  # NIXL memory type of its regions in the peer's agent
     device: int = 0       # VRAM: the device id they are registered with there
+    warm_up_addr: int = 0  # its agent's scratch page (NixlAgent.register_scratch); 0: none
 
 
 @dataclass

@@ -103,7 +103,7 @@ def handshake_to_pb(hs: HandshakeResult) -> pb.HandshakeResponse:
         agent_metadata=hs.agent_metadata, agent_name=hs.agent_name, layout=layout_to_pb(hs.layout),
         regions=[region_to_pb(r) for r in hs.regions], region_base_addrs=hs.region_bases,
         compat_hash=hs.compat_hash, daemon_version=hs.daemon_version, protocol_version=hs.protocol_version,
-        tp_size=hs.tp_size, memory=hs.memory, device=hs.device,
+        tp_size=hs.tp_size, memory=hs.memory, device=hs.device, warm_up_addr=hs.warm_up_addr,
     )
 
 
@@ -113,7 +113,7 @@ def handshake_from_pb(r: pb.HandshakeResponse) -> HandshakeResult:
         agent_metadata=r.agent_metadata, agent_name=r.agent_name, layout=layout_from_pb(r.layout),
         regions=[region_from_pb(x) for x in r.regions], region_bases=list(r.region_base_addrs),
         compat_hash=r.compat_hash, daemon_version=r.daemon_version, protocol_version=r.protocol_version,
-        tp_size=r.tp_size or 1, memory=r.memory or "DRAM", device=r.device,
+        tp_size=r.tp_size or 1, memory=r.memory or "DRAM", device=r.device, warm_up_addr=r.warm_up_addr,
     )
 
 

@@ -343,7 +343,8 @@ class Server:
         log.info("kvd %s serving: engines on unix:%s (admitted: %s), peers on %s (advertised %s, "
                  "authentication: %s), NIXL backends %s%s",
                  __version__, sock, policy.describe(), self._bound, adv, auth.describe(), ",".join(cfg.backends),
-                 f", metrics on http://{metrics_at}/metrics" if metrics_at else "")
+                 (f", metrics on http://{metrics_at}/metrics" if metrics_at else "")
+                 + (f", warm peers {','.join(cfg.warm_peers)}" if cfg.warm_peers else ""))
         for w in cfg.warnings + secret_file_warnings(cfg):
             log.warning("%s", w)
         self.notifier.ready(f"serving: engines on unix:{sock}, peers on {adv}")

