@@ -145,10 +145,13 @@ class Peers:
     async def _keep_warm(self, w: Worker, address: str, engine_id: str) -> None:
         """Asks rank 0 of ``engine_id`` at ``address`` for its TP size, then
         handshakes with the ranks ``w`` pairs with (:meth:`warm`); asked
-        again after 1, 2, 4 .. 30 s while the peer does not answer (it may
-        start after this daemon), until ``w`` is unregistered. An
-        incompatible or invalid peer is logged once and not tried again."""
-        delay, tries = 1.0, 0
+        again every second for the first minute while the peer does not
+        answer (P and D engines start together: a P that registers a few
+        seconds after D must be paired before D's first request, which on
+        the demo's tiny engines comes 1-2 s after registration), then after
+        2, 4 .. 30 s, until ``w`` is unregistered. An incompatible or invalid
+        peer is logged once and not tried again."""
+        delay, warned, started = 1.0, False, time.monotonic()
         while self.rt.workers.get(w.key) is w and not (self.rt.closing or self.rt.draining):
             try:
                 if self.link is None:
@@ -161,14 +164,17 @@ class Peers:
                 log.warning("%s: warm_peers %s/%s: %s; not tried again", w.label, address, engine_id, e)
                 return
             except Exception as e:
-                # A peer starting after this daemon is expected for a while;
-                # still unreached after a minute or so, it may be a typo.
-                tries += 1
-                log.log(logging.WARNING if tries == 6 else logging.INFO,
+                # A peer starting after this daemon is expected for a while
+                # (an engine's start-up); still unreached after a minute, it
+                # may be a typo: said once at WARNING.
+                late = time.monotonic() - started > 60.0
+                log.log(logging.WARNING if late and not warned else logging.INFO,
                         "%s: warm_peers %s/%s not reached (%s); next try in %.0f s", w.label, address, engine_id,
                         e, delay)
+                warned = warned or late
             await asyncio.sleep(delay)
-            delay = min(30.0, 2 * delay)
+            if time.monotonic() - started > 60.0:
+                delay = min(30.0, 2 * delay)
 
     async def close(self) -> None:
         """Stops handshakes and list preparations under way (at shutdown)."""
@@ -310,6 +316,10 @@ class Peers:
         Raises:
             as :meth:`remote`: the first rank's error, in ``ranks`` order.
         """
+        for p in ranks:  # this load's own handshakes first: warm() makes the others, ahead of need
+            key = (address, engine_id, p)
+            if key not in w.pairs.remotes and address and ":" in address:
+                self._handshake_task(w, key, tp_size)
         self.warm(w, address, engine_id, tp_size)
         got = await asyncio.gather(*(self.remote(w, address, engine_id, p, tp_size, deadline) for p in ranks),
                                    return_exceptions=True)
@@ -337,13 +347,14 @@ class Peers:
             for rank in ranks:
                 key = (address, engine_id, rank)
                 if key not in lw.pairs.remotes and (lw.key, key) not in self._handshakes:
-                    self._handshake_task(lw, key, tp_size).add_done_callback(
+                    self._handshake_task(lw, key, tp_size, ahead=True).add_done_callback(
                         lambda f, lw=lw, key=key: f.cancelled() or f.exception() is None or log.info(
                             "%s: handshake ahead of need with %s engine=%s rank=%d failed: %s", lw.label, *key,
                             f.exception()))
 
-    def _handshake_task(self, w: Worker, key: PeerKey, tp_size: int) -> asyncio.Future:
-        """The handshake of ``w`` with remote worker ``key``: the one running, or a new one."""
+    def _handshake_task(self, w: Worker, key: PeerKey, tp_size: int, ahead: bool = False) -> asyncio.Future:
+        """The handshake of ``w`` with remote worker ``key``: the one running,
+        or a new one (``ahead``: no load is waiting for it, :meth:`warm`)."""
         fkey = (w.key, key)
         fut = self._handshakes.get(fkey)
         if fut is None:
@@ -351,7 +362,7 @@ class Peers:
             # needs it. It runs to the daemon's handshake timeout; each request
             # waits for it only until its own deadline (a request
             # that joined another's handshake once ended seconds late).
-            fut = asyncio.get_running_loop().create_task(self._do_handshake(w, key, tp_size))
+            fut = asyncio.get_running_loop().create_task(self._do_handshake(w, key, tp_size, ahead))
             self._handshakes[fkey] = fut
 
             def done(f: asyncio.Future) -> None:
@@ -379,7 +390,7 @@ class Peers:
         r.last_used = time.monotonic()
         return r, fresh
 
-    async def _do_handshake(self, w: Worker, key: PeerKey, tp_size: int) -> RemoteWorker:
+    async def _do_handshake(self, w: Worker, key: PeerKey, tp_size: int, ahead: bool = False) -> RemoteWorker:
         address, engine_id, tp_rank = key
         if self.link is None:
             raise PeerUnavailable("this daemon has no peer client")
@@ -401,7 +412,7 @@ class Peers:
         phases: dict[str, float] = {}
         try:
             r = await self.pair(w, hs, tp_rank, we_read=True, address=address, engine_id=engine_id,
-                                phases=phases)
+                                phases=phases, prep_delay_s=0.0 if ahead else PREP_DELAY_S)
         except NixlError as e:
             raise InvalidArgument(f"agent metadata rejected: {e}") from None
         if not self.rt.registered(w):
@@ -422,7 +433,8 @@ class Peers:
         return r
 
     async def pair(self, w: Worker, hs: HandshakeResult, peer_rank: int, *, we_read: bool, address: str,
-                    engine_id: str, phases: dict[str, float] | None = None) -> RemoteWorker:
+                    engine_id: str, phases: dict[str, float] | None = None,
+                    prep_delay_s: float = PREP_DELAY_S) -> RemoteWorker:
         """Loads a peer worker's agent into ``w``'s and prepares both
         descriptor lists of the pair's transfer plan (``kvd.core.plan``).
 
@@ -431,6 +443,8 @@ class Peers:
         returned RemoteWorker's ``local_dlist`` is always ``w``'s side (its
         own prepped list when the plan is the identity on its side) and
         ``remote_dlist`` the peer's. Units: bytes in ``region_bytes``.
+        ``prep_delay_s``: seconds until the lists are prepared (0 for a
+        handshake ahead of need: no load is about to post on the NIXL thread).
 
         Raises:
             Incompatible: the layouts cannot be combined.
@@ -486,7 +500,7 @@ class Peers:
         # BOUNDS.max_prepped_rows never (docs/PERFORMANCE.md, "First contact").
         if len(their_map) + (0 if identity else len(our_map)) <= BOUNDS.max_prepped_rows:
             r.prepare_later = True
-            self._prepare_later(w, r, our_map, their_map, identity, hs.memory)
+            self._prepare_later(w, r, our_map, their_map, identity, hs.memory, prep_delay_s)
         return r
 
     def _warm_read(self, w: Worker, name: str, addr: int) -> None:
@@ -514,10 +528,14 @@ class Peers:
             return
         self.rt.warm_up_posted(w.agent, handle, state)
 
-    def _prepare_later(self, w: Worker, r: RemoteWorker, our_map, their_map, identity: bool, memory: str) -> None:
+    def _prepare_later(self, w: Worker, r: RemoteWorker, our_map, their_map, identity: bool, memory: str,
+                       delay_s: float = PREP_DELAY_S) -> None:
         """Prepares ``r``'s two descriptor lists on the NIXL thread,
-        ``PREP_DELAY_S`` seconds from now (the first load of a fresh pair
-        usually posts within that: it is not queued behind the preparation),
+        ``delay_s`` seconds from now (``PREP_DELAY_S`` after a load's own
+        handshake: that load usually posts within it and is not queued
+        behind the preparation; 0 ahead of need, so that a first request
+        soon after, e.g. 1-2 s after the engines registered, finds the
+        NIXL thread free),
         and swaps them in. Nothing happens if ``r`` or ``w`` is gone by then;
         a NIXL error is logged and the pair keeps making rows per transfer."""
 
@@ -538,7 +556,7 @@ class Peers:
 
         async def run() -> None:
             try:
-                await asyncio.sleep(PREP_DELAY_S)
+                await asyncio.sleep(delay_s)
                 await self.rt.nixl(prepare)
             except Exception as e:
                 log.info("%s: preparing the lists of %s failed (%s); transfers keep making their rows",
