@@ -84,45 +84,57 @@ def frozen_peer(monkeypatch):
         peer.wait()
 
 
+def run_pair(body, limits: Limits | None = None, fill: int = 0):
+    """Runs ``body(d, wd, hs)``: an in-process source Node (engine "P",
+    memory filled with ``fill``) and a reader Node ``d`` (worker ``wd``),
+    ``hs`` the source's honest handshake answer; returns what ``body`` does
+    and both segments' bytes at the end."""
+    src, dst = ShmSegment(SIZE), ShmSegment(SIZE)
+    src.array[:] = fill
+
+    async def main():
+        p, d = Node(), Node(limits or Limits())
+        p.start()
+        d.start()
+        try:
+            await p.register("P", 0, 1, LAYOUT, [Segment(src.name, src.size)], REGIONS, model="m")
+            wd = await d.register("D", 0, 1, LAYOUT, [Segment(dst.name, dst.size)], REGIONS, model="m")
+            return await body(d, wd, await p.handshake_info("P", 0, wd.compat_hash))
+        finally:
+            await d.close()
+            await p.close()
+
+    try:
+        return asyncio.run(main()), bytes(src.array), bytes(dst.array)
+    finally:
+        src.close()
+        dst.close()
+
+
 def run_scenario(frozen, body):
     """Runs ``body(d, wd, healthy_remote, frozen_remote)``: a reader Node ``d``
     (worker ``wd``, ``handshake_timeout_s`` of 1 s) paired with a healthy
     in-process peer and then with the frozen one (its warm-up READ posted and
     stuck)."""
     md, base = frozen
-    src, dst = ShmSegment(SIZE), ShmSegment(SIZE)
 
-    async def main():
-        p, d = Node(), Node(Limits(handshake_timeout_s=HANDSHAKE_TIMEOUT_S))
-        p.start()
-        d.start()
-        try:
-            await p.register("P", 0, 1, LAYOUT, [Segment(src.name, src.size)], REGIONS, model="m")
-            wd = await d.register("D", 0, 1, LAYOUT, [Segment(dst.name, dst.size)], REGIONS, model="m")
-            hs = await p.handshake_info("P", 0, wd.compat_hash)
-            healthy = await d.peers.pair(wd, hs, 0, we_read=True, address="127.0.0.1:2", engine_id="P")
-            wd.pairs.remotes[healthy.key] = healthy
-            for _ in range(300):  # the healthy pair's warm-up READ ends at once
-                if not d.rt.warm_ups:
-                    break
-                await asyncio.sleep(0.01)
-            need(not d.rt.warm_ups, "the healthy peer's warm-up READ ended")
-            # The hostile peer's answer: a valid layout, its own agent and
-            # addresses, its warm-up page somewhere in its registered memory.
-            forged = dataclasses.replace(hs, agent_metadata=md, agent_name=metadata_agent_name(md),
-                                         region_bases=[base + r.offset for r in REGIONS], warm_up_addr=base)
-            bad = await d.peers.pair(wd, forged, 0, we_read=True, address="127.0.0.1:1", engine_id="X")
-            wd.pairs.remotes[bad.key] = bad
-            return await body(d, wd, healthy, bad)
-        finally:
-            await d.close()
-            await p.close()
+    async def scenario(d, wd, hs):
+        healthy = await d.peers.pair(wd, hs, 0, we_read=True, address="127.0.0.1:2", engine_id="P")
+        wd.pairs.remotes[healthy.key] = healthy
+        for _ in range(300):  # the healthy pair's warm-up READ ends at once
+            if not d.rt.warm_ups:
+                break
+            await asyncio.sleep(0.01)
+        need(not d.rt.warm_ups, "the healthy peer's warm-up READ ended")
+        # The hostile peer's answer: a valid layout, its own agent and
+        # addresses, its warm-up page somewhere in its registered memory.
+        forged = dataclasses.replace(hs, agent_metadata=md, agent_name=metadata_agent_name(md),
+                                     region_bases=[base + r.offset for r in REGIONS], warm_up_addr=base)
+        bad = await d.peers.pair(wd, forged, 0, we_read=True, address="127.0.0.1:1", engine_id="X")
+        wd.pairs.remotes[bad.key] = bad
+        return await body(d, wd, healthy, bad)
 
-    try:
-        return asyncio.run(main())
-    finally:
-        src.close()
-        dst.close()
+    return run_pair(scenario, Limits(handshake_timeout_s=HANDSHAKE_TIMEOUT_S))[0]
 
 
 def test_a_warm_up_read_stuck_on_a_frozen_peer_is_given_up_within_the_handshake_timeout(frozen_peer):
@@ -212,34 +224,17 @@ def test_a_warm_up_address_outside_the_peers_registered_memory_is_refused_and_th
     from kvd.core.events import InvalidArgument
     from kvd.core.peers import check_peer
 
-    src, dst = ShmSegment(SIZE), ShmSegment(SIZE)
-    src.array[:] = 9
+    async def body(d, wd, hs):
+        with pytest.raises(InvalidArgument, match="warm_up_addr"):
+            check_peer(wd, dataclasses.replace(hs, warm_up_addr=(1 << 64) - 1), "handshake")
+        kept = []
+        for i, addr in enumerate((wd.mem.bases[0], 0x1000)):
+            forged = dataclasses.replace(hs, warm_up_addr=addr)
+            r = await d.peers.pair(wd, forged, 0, we_read=True, address=f"127.0.0.1:{i + 1}", engine_id="P")
+            kept.append(r.agent_name)
+            await d.rt.nixl(d.peers.free_remote, wd, r)
+        return kept, list(d.rt.warm_ups), bytes(wd.agent._scratch)
 
-    async def main():
-        p, d = Node(), Node()
-        p.start()
-        d.start()
-        try:
-            await p.register("P", 0, 1, LAYOUT, [Segment(src.name, src.size)], REGIONS, model="m")
-            wd = await d.register("D", 0, 1, LAYOUT, [Segment(dst.name, dst.size)], REGIONS, model="m")
-            hs = await p.handshake_info("P", 0, wd.compat_hash)
-            with pytest.raises(InvalidArgument, match="warm_up_addr"):
-                check_peer(wd, dataclasses.replace(hs, warm_up_addr=(1 << 64) - 1), "handshake")
-            kept = []
-            for i, addr in enumerate((wd.mem.bases[0], 0x1000)):
-                forged = dataclasses.replace(hs, warm_up_addr=addr)
-                r = await d.peers.pair(wd, forged, 0, we_read=True, address=f"127.0.0.1:{i + 1}", engine_id="P")
-                kept.append(r.agent_name)
-                await d.rt.nixl(d.peers.free_remote, wd, r)
-            return kept, list(d.rt.warm_ups), bytes(wd.agent._scratch)
-        finally:
-            await d.close()
-            await p.close()
-
-    try:
-        kept, warm_ups, scratch = asyncio.run(main())
-        assert len(kept) == 2 and not warm_ups
-        assert not any(scratch) and not dst.array.any()
-    finally:
-        src.close()
-        dst.close()
+    (kept, warm_ups, scratch), src, dst = run_pair(body, fill=9)
+    assert len(kept) == 2 and not warm_ups
+    assert not any(scratch) and not any(dst) and set(src) == {9}

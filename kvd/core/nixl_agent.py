@@ -315,17 +315,9 @@ class NixlAgent:
             raise NixlError(f"{self.name}: no scratch page registered")
         local = np.array([[self._scratch.ctypes.data, SCRATCH_BYTES, 0]], dtype=np.int64)
         remote = np.array([[addr, SCRATCH_BYTES, 0]], dtype=np.int64)
-        try:
-            h = self._agent.initialize_xfer("READ", self._agent.get_xfer_descs(local, DRAM),
-                                            self._agent.get_xfer_descs(remote, DRAM), remote_agent, b"")
-        except Exception as e:
-            raise NixlError(f"{self.name}: making the warm-up READ failed: {e}") from e
-        try:
-            state = self._agent.transfer(h)
-        except Exception as e:
-            self.release(h)
-            raise NixlError(f"{self.name}: warm-up READ post failed: {e}") from e
-        return h, state
+        one = np.zeros(1, dtype=np.int64)
+        return self.post("READ", Unprepped(lambda idx: local[idx]), one,
+                         Unprepped(lambda idx: remote[idx], DRAM, remote_agent), one, b"")
 
     # -- metadata --------------------------------------------------------------
     def metadata(self) -> bytes:

@@ -36,7 +36,7 @@ from kvd.core import plan
 from kvd.core.events import Incompatible, InvalidArgument, NotFound, PeerUnavailable
 from kvd.core.layout import LayoutError
 from kvd.core.limits import BOUNDS
-from kvd.core.nixl_agent import DRAM, SCRATCH_BYTES, NixlError, Unprepped, metadata_agent_name
+from kvd.core.nixl_agent import SCRATCH_BYTES, NixlError, Unprepped, metadata_agent_name
 from kvd.core.runtime import Runtime
 from kvd.core.state import PROTOCOL_VERSION, HandshakeResult, PeerKey, PeerLink, RemoteWorker, Worker
 
@@ -519,7 +519,7 @@ class Peers:
         scratch page). The handle is given up at ``handshake_timeout_s``
         (``Runtime.warm_ups``); a failure is logged: the request's READ
         wires the pair up anyway."""
-        if w.mem.memory != DRAM:
+        if not w.agent.scratch_addr:  # a VRAM worker's agent has none
             return
         try:
             handle, state = w.agent.warm_read(name, addr)
