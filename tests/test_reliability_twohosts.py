@@ -93,6 +93,9 @@ def test_transfers_cross_the_veth_and_a_cut_link_fails_the_request_at_its_deadli
         assert failed_after <= DEADLINE_S + 1.0, f"LoadFailed {failed_after:.2f} s after the load, past its deadline"
         assert copied < 1.0
         assert b.proc.poll() is None and a.proc.poll() is None
+        # The reader's log says, at the deadline, which pair's READ was still going.
+        said = [ln for ln in open(b.log_path) if "request=cut: READ from" in ln]
+        assert said and "still in progress at the deadline" in said[0], said
 
         # Restore it: the next request succeeds (after a new handshake).
         net.link(up=True)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 import signal
 import subprocess
@@ -137,7 +138,7 @@ def run_scenario(frozen, body):
     return run_pair(scenario, Limits(handshake_timeout_s=HANDSHAKE_TIMEOUT_S))[0]
 
 
-def test_a_warm_up_read_stuck_on_a_frozen_peer_is_given_up_within_the_handshake_timeout(frozen_peer):
+def test_a_warm_up_read_stuck_on_a_frozen_peer_is_given_up_within_the_handshake_timeout(frozen_peer, caplog):
     """Attack: a peer answers the handshake, then stops (SIGSTOP, or a
     hostile peer whose agent never progresses). The reader's warm-up READ
     never ends; its handle stays in ``Runtime.zombies`` and
@@ -159,9 +160,12 @@ def test_a_warm_up_read_stuck_on_a_frozen_peer_is_given_up_within_the_handshake_
             await asyncio.sleep(0.05)
         return len(d.rt.warm_ups), leaked_meanwhile, d.stats()["leaked_handles"]
 
-    kept, leaked_meanwhile, leaked = run_scenario(frozen_peer, body)
+    with caplog.at_level(logging.WARNING, logger="kvd.core"):
+        kept, leaked_meanwhile, leaked = run_scenario(frozen_peer, body)
     assert kept == 0, f"{kept} warm-up READ handle(s) still kept {HANDSHAKE_TIMEOUT_S + 2:.0f} s later"
     assert leaked_meanwhile == leaked == 0, "a warm-up READ (scratch page only) counted as a leaked handle"
+    # Operators are told: a pair UCX never wired up stalls its loads' READs too.
+    assert [r for r in caplog.records if "warm-up READ not done after" in r.getMessage()], caplog.text
 
 
 def test_a_warm_up_read_stuck_on_a_frozen_peer_does_not_keep_retired_remotes_loaded(frozen_peer):

@@ -351,6 +351,12 @@ class Pull:
         for w in list(self.rt.workers.values()):
             for load in [l for l in w.inflight.values() if l.deadline <= now]:
                 w.inflight.pop(load.req.request_id)
+                if load.parts:
+                    # Said now: ending a READ that never ends (replacing the
+                    # agent) takes a while, and the engine may give up first.
+                    log.warning("%s request=%s: READ from %s still in progress at the deadline, %.1f s after "
+                                "the load came; ending it", w.label, load.req.request_id,
+                                ", ".join(r.agent_name for _, r in load.parts), now - load.started)
                 for h, r in load.parts:
                     self.peers.retire(w, r, "transfer past its deadline")
                     self.rt.zombies.append((w.agent, h))

@@ -235,10 +235,17 @@ class Runtime:
             if agent is not None and a is not agent:
                 continue
             if agent is not None or now >= until:
+                if agent is None:
+                    # UCX never wired the pair up: its loads' READs may stall too.
+                    log.warning("%s: warm-up READ not done after %.0f s (handshake_timeout_s); given up",
+                                a.name, self.limits.handshake_timeout_s)
                 a.release(h, settled=True)
                 self.warm_ups.remove(item)
             elif a.release(h):
                 self.warm_ups.remove(item)
+                took = now - (until - self.limits.handshake_timeout_s)
+                if took > 1.0:  # a slow wire-up: the pair's first loads were slow too
+                    log.info("%s: warm-up READ ended %.1f s after its post", a.name, took)
 
     def release_zombies(self, agent: NixlAgent | None = None) -> int:
         """NIXL thread: releases the handles in ``zombies`` (of ``agent``

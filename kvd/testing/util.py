@@ -56,9 +56,11 @@ def rss_kib(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def tail(path: str | os.PathLike, lines: int = 40, max_bytes: int = 64 * 1024) -> str:
+def tail(path: str | os.PathLike, lines: int = 40, max_bytes: int = 64 * 1024,
+         keep: Callable[[str], bool] | None = None) -> str:
     """The last ``lines`` lines of the log at ``path`` (reading at most its last
-    ``max_bytes`` bytes); ``"(no log: ...)"`` when it cannot be read."""
+    ``max_bytes`` bytes), only those ``keep`` is true of when given;
+    ``"(no log: ...)"`` when it cannot be read."""
     try:
         with open(Path(path), "rb") as f:
             f.seek(0, os.SEEK_END)
@@ -67,4 +69,5 @@ def tail(path: str | os.PathLike, lines: int = 40, max_bytes: int = 64 * 1024) -
             data = f.read().decode("utf-8", errors="replace")
     except OSError as e:
         return f"(no log: {e})"
-    return "\n".join(data.splitlines()[-lines:])
+    kept = data.splitlines() if keep is None else [ln for ln in data.splitlines() if keep(ln)]
+    return "\n".join(kept[-lines:])

@@ -34,7 +34,7 @@ from typing import Callable
 from kvd.testing import proxy
 from kvd.testing.daemons import daemon_argv, kvd_health, stats_dict
 from kvd.testing.processes import Child, ProcessSet
-from kvd.testing.util import free_port
+from kvd.testing.util import free_port, tail
 
 def http_ok(url: str, timeout_s: float = 2.0) -> bool:
     """True when GET ``url`` answers 2xx within ``timeout_s`` seconds; False on any error."""
@@ -173,6 +173,16 @@ def nixl_transfer_totals(metrics: dict) -> dict[str, float]:
 
 
 LOG_TAIL_LINES = 60
+
+#: Words of a child's log line worth a failure report (:meth:`PDStack.log_tails`),
+#: and those of vLLM-CPU's start-up warnings (every run prints them).
+_REPORTED = ("kvd ", "kvd.", "WARNING", "ERROR", "Error", "Traceback", "File \"", "raise ", "assert")
+_NOISE = ("nixl._api", "nixl_cu13._api", "LD_PRELOAD", "KVConnectorBase_V1", "Triton", "set_num_threads",
+          "Enforce eager", "Inductor", "chat template", "Starting to load model")
+
+
+def _matters(line: str) -> bool:
+    return any(w in line for w in _REPORTED) and not any(w in line for w in _NOISE)
 
 # Stacks started and not yet closed (weakly held): tests/conftest.py adds
 # their log tails to the report of a test that fails while they run.
@@ -353,8 +363,12 @@ class PDStack:
         """The last ``lines`` lines of each child's log (daemon-P, daemon-D,
         engine-P, engine-D), one titled block each, for a failure report: a
         test that fails on a CI machine shows why without its run directory."""
-        return "\n".join(f"----- {c.name} ({c.log_path}), last {lines} lines\n{c.log_tail(lines)}"
-                         for c in self.procs.children)
+        # A CI report keeps the head and the tail of a long failure: each
+        # block keeps what says why (an engine's kvd, warning and error
+        # lines, not its per-second throughput lines; a daemon's lines but
+        # NIXL's "agent initialized" ones), so all four fit.
+        return "\n".join(f"----- {c.name} ({c.log_path}), last {lines} lines that matter\n"
+                         f"{tail(c.log_path, lines, 1 << 20, _matters)}" for c in self.procs.children)
 
     def close(self) -> tuple[list[str], list[str]]:
         """Stops every child, removes the daemons' sockets (and the socket
