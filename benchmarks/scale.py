@@ -28,6 +28,7 @@ from kvd.bench import common as cm
 from kvd.testing.shm import ShmSegment, cleanup_segments
 from kvd.bench.kvd_pair import KvdPair
 from kvd.bench.nixl_pair import NixlPair, PeerConfig
+from kvd.bench.throughput import kvd_batch, nixl_batch
 
 BLOCK_LEN = 4 * cm.KiB
 BLOCKS = [1, 100, 1000, 10000]
@@ -74,21 +75,14 @@ def run(block_len: int = BLOCK_LEN, blocks=BLOCKS, concurrency=CONCURRENCY, peer
             walls, lat, bwalls, blat = [], [], [], []
             for r in range(reps):
                 kvd.pause(False)
-                t0 = time.perf_counter()
-                started = {}
-                for i in range(conc):
-                    loc, rem = ids[i % len(ids)]
-                    rid = kvd.start(block_len, loc, rem, tag=tags[i % npeers])
-                    started[rid] = time.perf_counter()
-                done = kvd.wait(block_len, set(started), poll_s)
-                walls.append(max(done.values()) - t0)
-                lat.extend(done[k] - started[k] for k in started)
+                wall, times = kvd_batch(kvd, block_len, ids, conc, poll_s, tags)
+                walls.append(wall)
+                lat.extend(times)
                 if nixl is not None and npeers == 1:
                     kvd.pause(True)
                     nixl.pause(False)
-                    key = nixl.prep(block_len, seg // block_len)
-                    times = nixl.read_many(key, [(*ids[i % len(ids)], b"s") for i in range(conc)], poll_s)
-                    bwalls.append(max(times))
+                    wall, times = nixl_batch(nixl, block_len, seg, ids, conc, poll_s)
+                    bwalls.append(wall)
                     blat.extend(times)
                     nixl.pause(True)
                     kvd.pause(False)

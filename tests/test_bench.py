@@ -22,10 +22,23 @@ def test_kvd_bench_quick_reports_ratios(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "(1) data plane" in r.stdout and "a/b" in r.stdout
     res = json.loads(out.read_text())
-    (cell,) = res["dataplane"]["cells"]
+    cells = {(c["block_len"], c["blocks"]): c for c in res["dataplane"]["cells"]}
+    assert set(cells) == {(64 << 10, 16), (256 << 10, 16)}
+    # The small-load goal's cell (16 x 64 KiB): kvd time / plain NIXL time.
+    g = res["dataplane_goals"]
+    assert g["small_load_a_time_over_b"] > 0 and isinstance(g["small_load_met"], bool)
+    assert "goal small load (16 x 64 KiB), kvd time / plain NIXL time <= 1.5x" in r.stdout
+    # (3): 64 one-block loads in flight through one P and one D daemon, and plain NIXL.
+    tp = res["throughput"]
+    assert tp["concurrency"] == 64 and tp["blocks"] == 1 and tp["block_len"] == 4 << 10
+    assert tp["kvd_loads_s"] > 0 and tp["plain_loads_s"] > 0 and tp["kvd_over_plain"] > 0
+    assert len(tp["kvd_wall_s"]) == len(tp["plain_wall_s"]) == tp["reps"] > 0
+    assert "(3) throughput" in r.stdout and "goal >= 10,000 one-block loads/s with 64 in flight" in r.stdout
+    assert f"kvd/plain {tp['kvd_over_plain']:.3f}" in r.stdout
     assert "(1s) same node" in r.stdout and "s/m" in r.stdout
-    for k in ("a_gbs", "b_gbs", "c_gbs", "a_over_b", "a_over_c", "s_gbs", "s_over_c", "m_gbs", "s_over_m"):
-        assert cell[k] > 0, (k, cell)
+    for cell in cells.values():
+        for k in ("a_gbs", "b_gbs", "c_gbs", "a_over_b", "a_over_c", "s_gbs", "s_over_c", "m_gbs", "s_over_m"):
+            assert cell[k] > 0, (k, cell)
     if "--skip-step" not in args:
         assert "(2) engine step" in r.stdout
         cases = {c["inflight"]: c for c in res["engine_step"]["cases"]}

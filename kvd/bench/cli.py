@@ -1,6 +1,8 @@
 """``kvd bench``: a short run of benchmark 1 (data plane: kvd vs plain NIXL vs
-memcpy, and the same-node copy of one daemon against memcpy) and benchmark 2 (the shim's cost per engine step), with a progress
-display; prints the ratios against the goals of docs/PERFORMANCE.md.
+memcpy, and the same-node copy of one daemon against memcpy), benchmark 2
+(the shim's cost per engine step) and the throughput of 64 one-block loads
+in flight (kvd vs plain NIXL), with a progress display; prints the figures
+against the goals of docs/PERFORMANCE.md.
 
 The full-size benchmarks are the ``benchmarks`` package (``python -m
 benchmarks.<name>`` from the checkout's root).
@@ -17,30 +19,34 @@ from kvd.usage import UsageParser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``kvd bench``: the short data-plane benchmark (kvd vs plain NIXL vs memcpy)
-    and, unless ``--skip-step``, the shim's per-step cost, with ratios against
+    """``kvd bench``: the short data-plane benchmark (kvd vs plain NIXL vs memcpy),
+    unless ``--skip-step`` the shim's per-step cost, and the throughput of 64
+    one-block loads in flight (kvd vs plain NIXL), with figures against
     docs/PERFORMANCE.md's goals. ``argv``: the arguments after ``bench``.
     Returns the exit code (64 on a usage error)."""
     ap = UsageParser(  # usage errors exit 64, as every kvd command
         prog="kvd bench",
         description="Short benchmarks: (1) data plane, kvd vs plain NIXL vs memcpy; (2) the shim's cost per "
-                    "engine step. Starts its own two daemons (and two plain NIXL processes) on this machine.")
+                    "engine step; (3) throughput, 64 one-block loads in flight, kvd vs plain NIXL. Starts its own two daemons (and two plain NIXL processes) on this machine.")
     ap.add_argument("--quick", action="store_true", help="seconds, not minutes (a smoke test)")
     ap.add_argument("--skip-step", action="store_true", help="data plane only (benchmark 2 needs vLLM)")
     ap.add_argument("--reps", type=int, default=0, help="rounds of the data-plane cells (default 5, quick 2)")
+    ap.add_argument("--throughput-reps", type=int, default=0, metavar="N",
+                    help="rounds of (3), 64 loads each (default 20, quick 5)")
     ap.add_argument("--json", default="", metavar="FILE", help="write every figure here")
     ap.add_argument("--no-progress", action="store_true", help="no progress display")
     args = ap.parse_args(argv)
     progress = not args.no_progress
 
-    from kvd.bench import dataplane
+    from kvd.bench import dataplane, throughput
 
     cleanup_segments(cm.SHM_PREFIX)
     info = cm.machine()
     print(f"kvd bench on {info['cpu']} ({info['cores']} cores), load average "
           f"{' '.join(f'{x:.2f}' for x in info['loadavg_start'])}", flush=True)
     if args.quick:
-        cells = dataplane.cells_for([256 * cm.KiB], [16], 4 * cm.MiB)
+        # 16 x 64 KiB: the small-load goal's cell.
+        cells = dataplane.cells_for([64 * cm.KiB, 256 * cm.KiB], [16], 4 * cm.MiB)
     else:
         cells = dataplane.cells_for([64 * cm.KiB, cm.MiB], [16, 256], 256 * cm.MiB)
     reps = args.reps or (2 if args.quick else 5)
@@ -53,6 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     g = dataplane.goals(dp)
     print(f"    goals: (a)/(b) >= 0.97 from 64 KiB blocks up: {g['a_over_b_cells_met']} cells; "
           f"(a)/(c) >= 0.7: {g['a_over_c_cells_met']} cells")
+    bl, nb = dataplane.SMALL_LOAD
+    if g["small_load_met"] is not None:
+        print(f"    goal small load ({nb} x {cm.fmt_bytes(bl)}), kvd time / plain NIXL time <= "
+              f"{dataplane.SMALL_LOAD_GOAL}x: {'met' if g['small_load_met'] else 'NOT met'} "
+              f"({g['small_load_a_time_over_b']:.2f}x)")
+    out["dataplane_goals"] = g
     print("\n(1s) same node: (s) both engines on one kvd daemon (the daemon copies), against (m) memmove per "
           "block in one process, (c) and (a)")
     print(dataplane.same_node_table(dp))
@@ -78,6 +90,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"{sg['held_p99_max_us']:.0f} us); loads starting and ending every step: "
                   f"{'met' if sg['met'] else 'NOT met'} (worst p50 {sg['p50_max_us']:.0f} us, p99 "
                   f"{sg['p99_max_us']:.0f} us); one blocking unary RPC: p50 {u['p50_us']:.0f} us")
+    treps = args.throughput_reps or (5 if args.quick else 20)
+    tp = throughput.run(treps, progress=progress)
+    out["throughput"] = tp
+    print(f"\n(3) throughput: batches of {tp['concurrency']} concurrent one-block loads "
+          f"({cm.fmt_bytes(tp['block_len'])}), median of {treps} rounds")
+    print(throughput.text(tp))
     print(f"\nload average now {' '.join(f'{x:.2f}' for x in cm.loadavg())} (figures on a busy machine are noisy; "
           "see docs/PERFORMANCE.md for the full runs)")
     if args.json:
