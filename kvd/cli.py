@@ -40,6 +40,15 @@ def cmd_serve(args) -> int:
         for w in cfg.warnings:
             print(f"kvd serve: warning: {w}", file=sys.stderr)
         sys.stdout.write(cfg.to_toml())
+        # The files the settings name (TLS, token) are read as serve would:
+        # a configuration the daemon would refuse is not reported as good.
+        from kvd.daemon.peer_auth import PeerAuth
+
+        try:
+            PeerAuth.from_config(cfg)
+        except ConfigError as e:
+            print(f"kvd serve: invalid setting: {e}", file=sys.stderr)
+            return EXIT_USAGE
         return EXIT_OK
     from kvd.daemon.logs import configure
     from kvd.daemon.server import run
@@ -130,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", metavar="FILE", default=None,
                    help="TOML file of settings (env KVD_CONFIG); flags > KVD_* env > file > defaults")
     s.add_argument("--print-config", action="store_true",
-                   help="print the effective settings as TOML, each with its source, and exit")
+                   help="print the effective settings as TOML, each with its source, and exit "
+                        "(64 when a file a setting names, TLS or token, is missing or bad)")
     # One flag per setting of kvd/config.py, default SUPPRESS: a flag not
     # given leaves the key to the environment, the file or the default.
     for f in settings():

@@ -291,8 +291,10 @@ class Config:
 
     def read_file_setting(self, key: str) -> bytes | None:
         """The contents of the file a setting names (None when unset); at
-        startup, not in :meth:`validate` (the file may not exist where the
-        configuration is checked). Raises ConfigError naming the key."""
+        startup and by ``kvd serve --print-config`` (which checks the
+        configuration on the machine it runs on), not in :meth:`validate`
+        (loading a configuration reads no other file). Raises ConfigError
+        naming the key."""
         path = getattr(self, key)
         if not path:
             return None

@@ -1,6 +1,6 @@
 """A small ctypes binding of the CUDA runtime (``libcudart``): no torch, no NIXL.
 
-Both sides of the GPU path use it (issue 7, docs/GPU.md):
+Both sides of the GPU path use it (docs/GPU.md):
 
 - the daemon (``kvd.core.cuda_ipc``) opens the engine's CUDA IPC handles,
   checks whether the opened memory can be re-exported, and allocates its own

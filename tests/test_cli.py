@@ -194,3 +194,21 @@ def test_a_command_printing_into_a_closed_pipe_exits_quietly():
     finally:
         os.close(w)
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+
+
+def test_print_config_refuses_a_token_file_the_daemon_could_not_read(tmp_path):
+    # What serve would refuse at startup is not printed as a good configuration.
+    missing = tmp_path / "no-such-token"
+    r = _kvd("serve", "--peer-token-file", str(missing), "--print-config")
+    assert r.returncode == 64, (r.returncode, r.stderr)
+    assert "peer_token_file" in r.stderr and str(missing) in r.stderr and "Traceback" not in r.stderr, r.stderr
+    short = tmp_path / "short-token"
+    short.write_text("too-short\n")
+    short.chmod(0o600)
+    r = _kvd("serve", "--peer-token-file", str(short), "--print-config")
+    assert r.returncode == 64 and "16 or more" in r.stderr, r.stderr
+    good = tmp_path / "token"
+    good.write_text("a" * 32 + "\n")
+    good.chmod(0o600)
+    r = _kvd("serve", "--peer-token-file", str(good), "--print-config")
+    assert r.returncode == 0 and "peer_token_file" in r.stdout, r.stderr

@@ -1,4 +1,4 @@
-"""kvd.core.cuda_ipc and kvd.cudart on a machine without a GPU (issue 7).
+"""kvd.core.cuda_ipc and kvd.cudart on a machine without a GPU (docs/GPU.md).
 
 - The real library: no device here, so every entry point raises the clear
   ``NO_GPU`` error (this machine may even have a libcudart, with no driver).

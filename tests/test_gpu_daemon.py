@@ -1,4 +1,4 @@
-"""A real daemon on a machine without a GPU, asked for the GPU path (issue 7).
+"""A real daemon on a machine without a GPU, asked for the GPU path (docs/GPU.md).
 
 - A CUDA IPC segment, data_path DIRECT or AUTO: INVALID_ARGUMENT with the
   message "CUDA IPC segments need a GPU and libcudart; this daemon has none",

@@ -1,6 +1,6 @@
 """kvd.core.path_select: which path a transfer takes, from recorded UCX
 protocol tables (``UCX_PROTO_INFO=y``), the re-export check, a measured
-bandwidth or NIXL's backend name; and ``data_path = auto`` (issue 7).
+bandwidth or NIXL's backend name; and ``data_path = auto`` (docs/GPU.md).
 
 The fixtures reproduce the format UCX 1.19-1.22 prints (two-cell header
 row naming context, scope, endpoint configuration, operation and memory

@@ -1,4 +1,4 @@
-"""Nothing kvd receives is unpickled, evaluated or imported (issue 8, DESIGN.md:
+"""Nothing kvd receives is unpickled, evaluated or imported (DESIGN.md:
 messages never carry pickled Python objects).
 
 An AST check of every module under kvd/ (the generated stubs included): no

@@ -1,4 +1,4 @@
-"""Reliability (issue 4): no request stays in flight past its deadline.
+"""Reliability: no request stays in flight past its deadline.
 
 Every wait has a deadline: a load's handshake and READ end by the request's
 ``LoadBlocks.timeout_s`` (daemon default ``--transfer-timeout-s``); the

@@ -1,4 +1,4 @@
-"""Reliability (issue 4): prefill blocks are always freed, and never too early.
+"""Reliability: prefill blocks are always freed, and never too early.
 
 A lease holds a prefill request's blocks for the decode side's READ. It ends
 when the reader's notification arrives, when the decode side aborts (a bare
@@ -6,7 +6,7 @@ notification), when the prefill engine releases it, or when it expires. These
 tests drive two real daemons from the test process (``kvd.testing.sessions.Engine``); both
 daemons serve the whole module.
 
-Scenarios 3 and 4 of issue 4; deadlines are in docs/RELIABILITY.md.
+Deadlines are in docs/RELIABILITY.md.
 """
 
 from __future__ import annotations

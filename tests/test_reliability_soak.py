@@ -1,4 +1,4 @@
-"""Reliability (issue 4, scenario 10): soak. Many requests through two daemons
+"""Reliability: soak. Many requests through two daemons
 with random sizes, reads, aborts, releases, lease expiries and failed loads
 mixed in, up to 16 at a time; afterwards nothing is left behind.
 

@@ -1,4 +1,4 @@
-"""Reliability (issue 4, scenario 8): two hosts, and the wire between them is cut.
+"""Reliability: two hosts, and the wire between them is cut.
 
 The test makes two network namespaces joined by a veth pair (two "hosts" on
 one machine; it runs as root here and in CI) and runs one daemon in each.

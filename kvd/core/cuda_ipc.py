@@ -1,4 +1,4 @@
-"""Mapping engine GPU memory into the daemon: CUDA IPC handles (issue 7).
+"""Mapping engine GPU memory into the daemon: CUDA IPC handles (docs/GPU.md).
 
 The shim exports each KV cache allocation as a ``cudaIpcMemHandle_t``
 (``kvd.shim.memory.cuda_ipc``); the daemon opens it here

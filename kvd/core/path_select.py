@@ -1,4 +1,4 @@
-"""Which path a transfer really takes, and ``data_path = auto`` (issue 7).
+"""Which path a transfer really takes, and ``data_path = auto`` (docs/GPU.md).
 
 Pure functions over what can be observed; no NIXL, no CUDA, no I/O, so every
 rule is unit-tested on the CPU with recorded strings (tests/test_gpu_path_select.py).

@@ -354,9 +354,9 @@ class Pull:
                 if load.parts:
                     # Said now: ending a READ that never ends (replacing the
                     # agent) takes a while, and the engine may give up first.
-                    log.warning("%s request=%s: READ from %s still in progress at the deadline, %.1f s after "
-                                "the load came; ending it", w.label, load.req.request_id,
-                                ", ".join(r.agent_name for _, r in load.parts), now - load.started)
+                    log.info("%s request=%s: READ from %s still in progress at the deadline, %.1f s after "
+                             "the load came; ending it", w.label, load.req.request_id,
+                             ", ".join(r.agent_name for _, r in load.parts), now - load.started)
                 for h, r in load.parts:
                     self.peers.retire(w, r, "transfer past its deadline")
                     self.rt.zombies.append((w.agent, h))
