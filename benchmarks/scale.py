@@ -111,12 +111,7 @@ def run(block_len: int = BLOCK_LEN, blocks=BLOCKS, concurrency=CONCURRENCY, peer
         workers = {"P": len(kvd._sources), "D": len(kvd._readers)}
     finally:
         prog.close()
-        for x in (nixl, kvd):
-            if x is not None:
-                try:
-                    x.close()
-                except Exception:
-                    pass
+        cm.close_pairs(nixl, kvd)
         src.close()
         dst.close()
         cm.remove_workdir(wd)

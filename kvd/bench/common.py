@@ -33,6 +33,19 @@ def workdir(prefix: str = "kvd-bench-") -> str:
     return tempfile.mkdtemp(prefix=prefix, dir="/tmp")
 
 
+def close_pairs(*pairs) -> None:
+    """Resumes (``pause(False)``) and closes each benchmark pair that is not
+    None (a KvdPair, a NixlPair), ignoring errors: teardown after a run that
+    may have failed half-way must not hide the run's own error."""
+    for x in pairs:
+        if x is not None:
+            try:
+                x.pause(False)
+                x.close()
+            except Exception:
+                pass
+
+
 def remove_workdir(path: str) -> None:
     """Removes a :func:`workdir` and everything in it (errors ignored)."""
     shutil.rmtree(path, ignore_errors=True)

@@ -93,13 +93,7 @@ def run(reps: int, concurrency: int = CONCURRENCY, block_len: int = BLOCK_LEN, b
             prog.step(label)
     finally:
         prog.close()
-        for x in (nixl, kvd):
-            if x is not None:
-                try:
-                    x.pause(False)
-                    x.close()
-                except Exception:
-                    pass
+        cm.close_pairs(nixl, kvd)
         src.close()
         dst.close()
         cm.remove_workdir(wd)
