@@ -316,15 +316,29 @@ def test_shutdown_leaves_the_socket_another_daemon_bound_on_the_same_path(tmp_pa
 class _Transport:
     """What Refusal writes, and whether it closed (a unit test's stand-in)."""
 
-    def __init__(self):
-        self.out, self.closed = b"", False
+    def __init__(self, eof_ok: bool = False):
+        self.out, self.closed, self.eof_ok, self.eof = b"", False, eof_ok, False
 
     def write(self, data: bytes) -> None:
-        assert not self.closed
+        assert not self.closed and not self.eof
         self.out += data
+
+    def can_write_eof(self) -> bool:
+        return self.eof_ok
+
+    def write_eof(self) -> None:
+        self.eof = True
 
     def close(self) -> None:
         self.closed = True
+
+
+class _Timer:
+    def __init__(self, delay, fn):
+        self.delay, self.fn, self.cancelled = delay, fn, False
+
+    def cancel(self) -> None:
+        self.cancelled = True
 
 
 def _frames(data: bytes) -> list[tuple[int, int, int]]:
@@ -352,3 +366,25 @@ def test_the_refusal_answers_http2_byte_by_byte_and_closes_anything_else():
         t = _Transport()
         Refusal(t, grpc.StatusCode.PERMISSION_DENIED, "no").feed(junk)
         assert t.closed and _frames(t.out) == [(0x4, 0, 0)]
+
+
+def test_the_refusal_half_closes_after_its_answer_and_closes_when_the_caller_does_or_at_the_bound():
+    from kvd.daemon.h2_refusal import LINGER_S, _PREFACE, Refusal, _frame
+
+    client = _PREFACE + _frame(0x1, 0x4, 1, b"\x82")
+    for caller_closes in (True, False):
+        t, timers = _Transport(eof_ok=True), []
+        r = Refusal(t, grpc.StatusCode.PERMISSION_DENIED, "no", lambda d, fn: timers.append(_Timer(d, fn)) or timers[-1])
+        r.feed(client)
+        # Answered and half-closed, still open for the caller's late frames (a
+        # SETTINGS ACK, the request's DATA), which are dropped.
+        assert _frames(t.out) == [(0x4, 0, 0), (0x1, 0x5, 1), (0x7, 0, 0)] and t.eof and not t.closed
+        assert [x.delay for x in timers] == [LINGER_S]
+        r.feed(_frame(0x4, 1, 0) + _frame(0x0, 0x1, 1, bytes(5)))
+        assert not t.closed
+        if caller_closes:
+            r.eof()
+            assert t.closed and timers[0].cancelled
+        else:
+            timers[0].fn()
+            assert t.closed

@@ -24,7 +24,7 @@ itself:
 - A caller that is not admitted never reaches gRPC: the gate answers its
   first call itself with PERMISSION_DENIED and a message (``Refusal``: a
   minimal HTTP/2 exchange, RFC 9113, in gRPC's trailers-only form), closes
-  the connection, logs it (throttled) and counts it
+  the connection (a lingering close, ``h2_refusal.LINGER_S``), logs it (throttled) and counts it
   (``kvd_engine_connections_refused_total{reason}``).
 - Connections are capped overall (``max_engine_connections``) and per caller
   uid (``max_engine_connections_per_uid``), admitted or not: one past a cap is
@@ -272,16 +272,27 @@ class _Front(_Relay):
     def data_received(self, data: bytes) -> None:
         if self.refusal is not None:
             self.refusal.feed(data)
+            if self.refusal.done and self.idle is not None:  # answered: the linger bound applies now
+                self.idle.cancel()
+                self.idle = None
             return
         if self.idle is not None:  # the caller spoke
             self.idle.cancel()
             self.idle = None
         super().data_received(data)
 
+    def eof_received(self):
+        if self.refusal is not None:
+            self.refusal.eof()
+            return False
+        return super().eof_received()
+
     def connection_lost(self, exc) -> None:
         if self.idle is not None:
             self.idle.cancel()
             self.idle = None
+        if self.refusal is not None:
+            self.refusal.close()
         self.gate._closed(self)
         super().connection_lost(exc)
 
@@ -450,7 +461,8 @@ class Gate:
         loop = asyncio.get_running_loop()
         front.idle = loop.call_later(self.idle_timeout_s, self._idle, front, transport, caller)
         if not caller.admitted:
-            front.refusal = Refusal(transport, grpc.StatusCode.PERMISSION_DENIED, self.not_admitted(caller))
+            front.refusal = Refusal(transport, grpc.StatusCode.PERMISSION_DENIED, self.not_admitted(caller),
+                                    loop.call_later)
             transport.resume_reading()
             return
         task = loop.create_task(self._connect(front, transport, caller))
