@@ -10,6 +10,8 @@ targets spell it.
 
 from __future__ import annotations
 
+import ipaddress
+
 
 def split_host_port(address: str, key: str = "address", *, min_port: int = 0) -> tuple[str, int]:
     """``"host:port"`` or ``"[v6]:port"`` -> ``(host, port)``, brackets removed.
@@ -42,3 +44,13 @@ def join_host_port(host: str, port: int | str) -> str:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"{host}:{int(port)}"
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

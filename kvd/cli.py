@@ -45,10 +45,18 @@ def cmd_serve(args) -> int:
         from kvd.daemon.peer_auth import PeerAuth
 
         try:
-            PeerAuth.from_config(cfg)
+            auth = PeerAuth.from_config(cfg)
         except ConfigError as e:
             print(f"kvd serve: invalid setting: {e}", file=sys.stderr)
             return EXIT_USAGE
+        from kvd.addresses import is_loopback, split_host_port
+
+        host = split_host_port(cfg.peer_listen)[0]
+        if not (auth.secured or cfg.peer_insecure or is_loopback(host)):
+            # What serve would log at startup (kvd.daemon.server._peer_host).
+            print(f"kvd serve: warning: peer_listen {cfg.peer_listen} with no peer authentication (no "
+                  f"peer_tls_*, no peer_token_file): the daemon will bind loopback instead, out of other "
+                  f"nodes' reach (docs/SECURITY.md)", file=sys.stderr)
         return EXIT_OK
     from kvd.daemon.logs import configure
     from kvd.daemon.server import run

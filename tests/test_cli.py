@@ -5,6 +5,7 @@ deadlines, and settings that would make engines dial another socket."""
 from __future__ import annotations
 
 import os
+import pathlib
 import subprocess
 import sys
 import tomllib
@@ -12,6 +13,8 @@ import tomllib
 import pytest
 
 from kvd.config import ConfigError, _toml_value, load_config
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _kvd(*args, timeout=60):
@@ -212,3 +215,16 @@ def test_print_config_refuses_a_token_file_the_daemon_could_not_read(tmp_path):
     good.chmod(0o600)
     r = _kvd("serve", "--peer-token-file", str(good), "--print-config")
     assert r.returncode == 0 and "peer_token_file" in r.stdout, r.stderr
+
+
+def test_print_config_warns_when_peer_listen_would_fall_back_to_loopback(tmp_path):
+    # deploy/kvd.toml listens on 0.0.0.0 and names no token (left for the
+    # operator): serve would bind loopback; --print-config says so.
+    r = _kvd("serve", "--config", str(ROOT / "deploy" / "kvd.toml"), "--print-config")
+    assert r.returncode == 0 and "the daemon will bind loopback instead" in r.stderr, r.stderr
+    token = tmp_path / "token"
+    token.write_text("b" * 32 + "\n")
+    token.chmod(0o600)
+    for extra in (["--peer-token-file", str(token)], ["--peer-listen", "127.0.0.1:7700"], ["--peer-insecure", "true"]):
+        r = _kvd("serve", "--config", str(ROOT / "deploy" / "kvd.toml"), *extra, "--print-config")
+        assert r.returncode == 0 and "bind loopback" not in r.stderr, (extra, r.stderr)

@@ -44,7 +44,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from kvd import __version__
-from kvd.addresses import join_host_port
+from kvd.addresses import is_loopback, join_host_port
 from kvd.config import MAX_MESSAGE_BYTES, Config, parse_host_port, resolve_gid, resolve_uid
 from kvd.core.events import FailureKind
 from kvd.core.limits import Limits
@@ -139,16 +139,6 @@ def make_socket_dir(path: str) -> None:
         raise OSError(f"engine_socket: parent {parent} of {path} is not a directory") from None
     except OSError as e:
         raise OSError(f"engine_socket: cannot create directory {parent}: {e.strerror or e}") from None
-
-
-def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def routable_address(port: int) -> str:
