@@ -157,3 +157,69 @@ def test_a_refused_caller_that_never_reads_does_not_keep_its_connection(gated, a
         _serves_an_engine(gated, "never-reads")
     finally:
         p.communicate("\n", timeout=30)
+
+
+# A caller of PeerService that proves nothing: as ``uid`` (0: stays root),
+# one Claim call of ``mib`` MiB of empty KV-cache groups (2 bytes each on the
+# wire: field 4, length 0), with a malformed token header when ``header``.
+# Prints the status it got.
+_UNPROVEN_CLAIM = r"""
+import json, os, sys, grpc
+addr, uid, mib, header = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+ch = grpc.insecure_channel(addr, options=[("grpc.max_send_message_length", 128 << 20)])
+claim = ch.unary_unary("/kvd.v1.PeerService/Claim")
+body = b"\x22\x00" * (mib << 19)
+if uid:
+    os.setgroups([]); os.setgid(uid); os.setuid(uid)
+md = (("x-kvd-peer-auth", f"v2 {addr} 0 00 00"),) if header else ()
+try:
+    claim(body, metadata=md, timeout=60)
+    out = {"code": "OK"}
+except grpc.RpcError as e:
+    out = {"code": e.code().name, "details": e.details()}
+print(json.dumps(out), flush=True)
+"""
+
+CLAIM_MIB = 24  # 12.6M empty groups: ~370 MiB once parsed (upb), 24 MiB as bytes
+
+
+@pytest.mark.parametrize("credential", ["token", "none"])
+def test_a_peer_call_that_proves_nothing_is_refused_before_its_request_is_parsed(tmp_path, credential):
+    """A PeerService call without the credential: with a token configured,
+    from any host that reaches the port (a wrong header, or none); with no
+    credential, from a local user whose socket the daemon does not admit.
+    Its request is a 24 MiB ClaimRequest of 12.6M empty KV-cache groups.
+    Before: gRPC parsed the request before the interceptor looked at the
+    caller (the token check even kept the parsed message beside its bytes),
+    ~16x its size in the daemon (24 MiB -> ~370 MiB, and ~0.6 s of the
+    event loop) for a caller refused UNAUTHENTICATED; a few such calls at
+    once, up to ``max_message_bytes`` (64 MiB) each, take gigabytes of an
+    unauthenticated host's choosing. Expected: refused from the bytes
+    received, never parsed: the daemon's peak RSS grows by a few times the
+    request's bytes at most."""
+    flags = ["--log-level", "info"]
+    if credential == "token":
+        token = tmp_path / "token"
+        token.write_text("t" * 32 + "\n")
+        token.chmod(0o600)
+        flags += ["--peer-token-file", str(token)]
+    elif os.geteuid() != 0:
+        pytest.skip("needs root to run a caller as another user")
+    d = start_daemon(reachable_dir(), "kvd", *flags[2:], log_level="info")
+    try:
+        base = _status_kib(d, "VmHWM")
+        for header in ("0", "1") if credential == "token" else ("0",):
+            r = subprocess.run([sys.executable, "-c", _UNPROVEN_CLAIM, d.peer_address,
+                                "0" if credential == "token" else str(OUTSIDER), str(CLAIM_MIB), header],
+                               capture_output=True, text=True, timeout=120, env=child_env())
+            lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
+            assert lines, r.stderr[-3000:]
+            assert json.loads(lines[-1])["code"] == "UNAUTHENTICATED", lines[-1]
+        grown = (_status_kib(d, "VmHWM") - base) >> 10
+        print(f"{credential}: peak RSS +{grown} MiB for refused {CLAIM_MIB} MiB calls")
+        # gRPC keeps the bytes as it received them and as one bytes object (2-3
+        # copies); parsed they were 16x.
+        assert grown < 6 * CLAIM_MIB, f"peak RSS grew {grown} MiB for a refused {CLAIM_MIB} MiB call"
+        _serves_an_engine(d, f"unproven-{credential}")
+    finally:
+        assert d.stop() == 0
