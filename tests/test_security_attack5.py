@@ -269,3 +269,58 @@ def test_a_hold_of_a_million_empty_groups_is_refused_not_kept_for_its_lease(tmp_
     finally:
         e.close()
         assert d.stop() == 0
+
+
+ADMITTED = 65533  # admitted by allowed_uids; reaches the sockets through group nogroup
+
+# An admitted user's process: opens n connections to the fd side channel
+# and sends nothing on them (each may wait timeout_s, 5 s, for its request);
+# prints how many the daemon kept open, then holds them until told.
+_FILLS_FD_CHANNEL = r"""
+import json, os, select, socket, sys, time
+path, uid, gid, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+os.setgroups([]); os.setgid(gid); os.setuid(uid)
+socks = []
+for _ in range(n):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET); s.connect(path); socks.append(s)
+# A refused connection gets its answer and is closed at once: readable.
+time.sleep(0.5)
+kept = n - len(select.select(socks, [], [], 0)[0])
+print(json.dumps({"kept": kept}), flush=True)
+sys.stdin.readline()
+"""
+
+
+@needs_root
+def test_one_user_cannot_take_every_fd_channel_connection_from_the_others():
+    """An admitted user (another tenant's engine) opens the fd side
+    channel's 64 connections (``FdChannel.max_connections``, all callers)
+    and sends nothing, reconnecting each 5 s as its connections time out.
+    Before: every other engine's handover was refused ("64 fd channel
+    connections open ...; try again") while it did, and a memfd engine whose
+    handover fails does not register: one user kept every other user's
+    engines from starting. Expected: connections are capped per uid too (as
+    the engine socket's), so another user's handover gets through."""
+    from kvd.client.fd_handover import hand_over
+    from kvd.fd_wire import fd_socket_path
+
+    d = start_daemon(reachable_dir(), "kvd", "--engine-socket-group", str(NOBODY), "--allowed-uids", str(ADMITTED),
+                     log_level="info")
+    p = subprocess.Popen([sys.executable, "-c", _FILLS_FD_CHANNEL, fd_socket_path(d.socket), str(ADMITTED),
+                          str(NOBODY), "80"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                         env=child_env())
+    try:
+        line = p.stdout.readline()
+        assert line, f"hostile child exited {p.wait()}"
+        kept = json.loads(line)["kept"]
+        fd = os.memfd_create("kvd-attack5", os.MFD_CLOEXEC)
+        try:
+            ids = hand_over(d.socket, [fd], timeout_s=3)  # root: another user's engine
+        finally:
+            os.close(fd)
+        assert len(ids) == 1, (kept, ids)
+        assert 0 < kept < 64, kept  # it still got some: a cap per uid, not a refusal of the user
+        print(f"the hostile user kept {kept} of 80 fd channel connections; another user's handover went through")
+    finally:
+        p.communicate("\n", timeout=30)
+        assert d.stop() == 0
