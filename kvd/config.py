@@ -25,8 +25,12 @@ it also reads ``NOTIFY_SOCKET``, the datagram socket systemd names for
 from __future__ import annotations
 
 import difflib
+import errno
 import math
 import os
+import select
+import stat
+import time
 import tomllib
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Iterable, Mapping
@@ -299,8 +303,7 @@ class Config:
         if not path:
             return None
         try:
-            with open(path, "rb") as fh:
-                return fh.read(1 << 20)
+            return read_regular(path)
         except OSError as e:
             raise self._error(key, f"cannot read {path}: {e.strerror or e}") from None
 
@@ -447,6 +450,63 @@ def _coerce(f, value: Any, source: str, from_text: bool) -> Any:
     return value
 
 
+#: The largest file a setting names or ``--config`` reads (bytes): a token,
+#: a PEM chain, a TOML file are kilobytes; more is a mistaken path.
+MAX_FILE_BYTES = 1 << 20
+
+
+#: How long a FIFO named as a file (a shell's process substitution,
+#: ``--config <(...)``) may take to deliver its contents (seconds).
+FIFO_WAIT_S = 10.0
+
+
+def read_regular(path: str, limit: int = MAX_FILE_BYTES, fifo_wait_s: float = FIFO_WAIT_S) -> bytes:
+    """The bytes of file ``path``, at most ``limit`` bytes: a regular file,
+    or a FIFO whose writer ends within ``fifo_wait_s`` seconds.
+
+    Opened non-blocking, so that a FIFO with no writer, a device or a
+    socket named by mistake is refused instead of blocking startup for
+    ever (a plain ``open()`` of a FIFO waits for a writer); a file over
+    ``limit`` is refused rather than cut (a cut token or certificate chain
+    fails later, less clearly).
+
+    Raises:
+        OSError: unreadable; not a regular file or FIFO (``EINVAL``); a FIFO
+            with no writer or no end in time (``ETIMEDOUT``); larger than
+            ``limit`` (``EFBIG``). ``strerror`` says which.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0))
+    try:
+        st = os.fstat(fd)
+        fifo = stat.S_ISFIFO(st.st_mode)
+        if not (fifo or stat.S_ISREG(st.st_mode)):
+            kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode) \
+                else "a device"
+            raise OSError(errno.EINVAL, f"{kind}, not a regular file")
+        if st.st_size > limit:
+            raise OSError(errno.EFBIG, f"larger than {limit} bytes")
+        deadline = time.monotonic() + fifo_wait_s
+        chunks, n = [], 0
+        while True:
+            if fifo and not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                raise OSError(errno.ETIMEDOUT, f"a FIFO that did not end within {fifo_wait_s:g} s")
+            try:
+                chunk = os.read(fd, limit + 1 - n)
+            except BlockingIOError:  # a FIFO's writer is still there: wait on
+                continue
+            if not chunk:
+                break
+            chunks.append(chunk)
+            n += len(chunk)
+            if n > limit:
+                raise OSError(errno.EFBIG, f"larger than {limit} bytes")
+        if fifo and not n:
+            raise OSError(errno.ETIMEDOUT, "a FIFO with no writer (or an empty one)")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def read_file(path: str) -> dict:
     """The top-level table of TOML file ``path``.
 
@@ -455,8 +515,7 @@ def read_file(path: str) -> dict:
             line and column).
     """
     try:
-        with open(path, "rb") as fh:
-            return tomllib.load(fh)
+        return tomllib.loads(read_regular(path).decode())
     except OSError as e:
         raise ConfigError(f"config file {path}: {e.strerror or e}") from None
     except UnicodeDecodeError as e:  # TOML files are UTF-8 (tomllib decodes before parsing)

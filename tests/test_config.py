@@ -98,6 +98,30 @@ def test_missing_file_is_an_error(tmp_path):
         load_config(environ={}, file=str(tmp_path / "missing.toml"))
 
 
+def test_a_file_setting_that_is_no_regular_file_is_refused_at_once_not_waited_on(tmp_path):
+    from kvd.config import read_regular
+
+    fifo = str(tmp_path / "token.fifo")
+    os.mkfifo(fifo)
+    # A FIFO nobody writes: refused after the wait, not blocking for ever.
+    with pytest.raises(OSError, match="FIFO that did not end within 0.2 s"):
+        read_regular(fifo, fifo_wait_s=0.2)
+    for path, words in ((str(tmp_path), "a directory"), ("/dev/null", "a device")):
+        with pytest.raises(OSError, match=words):
+            read_regular(path)
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * 101)
+    with pytest.raises(OSError, match="larger than 100 bytes"):
+        read_regular(str(big), limit=100)
+    assert read_regular(str(big), limit=101) == b"x" * 101
+    # A FIFO whose writer ends in time (a shell's --config <(...)) is read.
+    w = subprocess.Popen(["sh", "-c", f"sleep 0.2; printf 'lease_s = 9' > {fifo}"])
+    assert load_config(environ={}, file=fifo).lease_s == 9.0
+    w.wait(10)
+    r = _kvd("serve", "--print-config", "--peer-token-file", str(tmp_path))
+    assert r.returncode == 64 and "peer_token_file" in r.stderr and "a directory, not a regular file" in r.stderr
+
+
 def _kvd(*args, env=None):
     return subprocess.run([sys.executable, "-m", "kvd.cli", *args], capture_output=True, text=True, timeout=60,
                           env={**{k: v for k, v in os.environ.items() if not k.startswith("KVD_")}, **(env or {})})

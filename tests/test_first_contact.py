@@ -5,6 +5,9 @@ transfer's own descriptor rows. Real daemons, NIXL/UCX and shared memory."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -181,6 +184,19 @@ def test_warm_peers_handshakes_before_any_load(tmp_path, prefill_tp2):
         assert st.transfers_done == 0 and st.peers == 1
         assert sorted(r.tp_rank for r in st.remote_workers) == [0, 1], st.remote_workers
         assert "warm_peers 127.0.0.1:1/nobody not reached" in d.log()
+        # kvd status: where each warm peer stands, for that worker.
+        r = subprocess.run([sys.executable, "-m", "kvd.cli", "status", "--socket", d.socket, "--json"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        warm = {p["engine_id"]: p for p in json.loads(r.stdout)["warm_peers"]}
+        assert set(warm) == {"P", "nobody"} and {p["local_engine_id"] for p in warm.values()} == {"D"}
+        assert (warm["P"]["state"], warm["P"]["paired_ranks"], warm["P"]["last_error"]) == ("answered", 2, "")
+        assert warm["nobody"]["state"] == "trying" and warm["nobody"]["tries"] >= 1
+        assert warm["nobody"]["last_error"] and warm["nobody"]["paired_ranks"] == 0
+        table = subprocess.run([sys.executable, "-m", "kvd.cli", "status", "--socket", d.socket],
+                               capture_output=True, text=True, timeout=60).stdout
+        assert any(line.startswith("127.0.0.1:1") and "nobody" in line and "trying" in line
+                   for line in table.splitlines()), table
     finally:
         s.close()
         seg.close()

@@ -164,6 +164,8 @@ def test_status_json_has_engines_peers_transfers_and_versions(ops):
     assert s["peer_address"] == ops.decode.peer_address
     assert s["metrics_address"] == f"127.0.0.1:{ops.dm}"
     assert s["daemon_version"] == s["versions"]["kvd"]
+    assert s["command_socket"] == ops.decode.socket + ".cmd" and (s["lease_s"], s["max_lease_life_s"]) == (120, 600)
+    assert s["warm_peers"] == []  # none configured
     assert {"kvd", "nixl", "grpcio", "protobuf", "python"} <= set(s["versions"])
     [w] = s["workers"]
     assert (w["engine_id"], w["tp_rank"], w["tp_size"], w["model"]) == ("decode-e", 0, 1, "test-model")
@@ -185,7 +187,7 @@ def test_status_table_for_people(ops):
     r = kvd_cli("status", "--socket", ops.decode.socket)
     assert r.returncode == 0, r.stderr
     out = r.stdout
-    assert "serving" in out and "data path      direct" in out
+    assert "serving" in out and re.search(r"^data path +direct$", out, re.M)
     assert "1 done, 1 failed, 0 in flight, 256.0 KiB read" in out
     header = next(line for line in out.splitlines() if line.startswith("ENGINE"))
     row = next(line for line in out.splitlines() if line.startswith("decode-e"))
@@ -258,11 +260,12 @@ def test_status_reports_the_data_path_of_each_worker():
         return SimpleNamespace(
             key=(name, 0), tp_size=1, model="m", agent=SimpleNamespace(name=f"kvd-{name}"), compat_hash="h",
             regions=[1, 2], layout=SimpleNamespace(num_blocks=8, block_size=16), mem=mem,
-            leases=[], inflight={}, session=SimpleNamespace(streams=1), pairs=SimpleNamespace(remotes={}))
+            leases=[], inflight={}, session=SimpleNamespace(streams=1), pairs=SimpleNamespace(remotes={}, warm=[]))
 
     def node(*workers):
         return SimpleNamespace(stats=lambda: {"engines": len(workers), "not_in_the_proto": 7},
-                               peer_address="h:1", workers={w.key: w for w in workers})
+                               peer_address="h:1", workers={w.key: w for w in workers},
+                               rt=SimpleNamespace(limits=SimpleNamespace(lease_s=120.0, max_lease_life_s=600.0)))
 
     assert build_stats(node()).data_path == ""
     assert build_stats(node(worker("a", []))).data_path == "direct"
@@ -271,4 +274,6 @@ def test_status_reports_the_data_path_of_each_worker():
     s = build_stats(node(worker("a", []), worker("b", ["/kvd-stage-2"])))
     assert s.data_path == "mixed" and [w.data_path for w in s.workers] == ["direct", "staged"]
     text = render(to_dict(s), "unix:/x")
-    assert "data path      mixed" in text and "staged" in text
+    assert re.search(r"^data path +mixed$", text, re.M) and "staged" in text
+    assert re.search(r"^lease +120 s default, renewed up to 600 s after its hold$", text, re.M)
+    assert re.search(r"^command socket +off \(sessions on gRPC\)$", text, re.M)

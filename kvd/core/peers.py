@@ -38,7 +38,7 @@ from kvd.core.layout import LayoutError
 from kvd.core.limits import BOUNDS
 from kvd.core.nixl_agent import SCRATCH_BYTES, NixlError, Unprepped, metadata_agent_name
 from kvd.core.runtime import Runtime
-from kvd.core.state import PROTOCOL_VERSION, HandshakeResult, PeerKey, PeerLink, RemoteWorker, Worker
+from kvd.core.state import PROTOCOL_VERSION, HandshakeResult, PeerKey, PeerLink, RemoteWorker, WarmPeer, Worker
 
 log = logging.getLogger("kvd.core")
 
@@ -118,6 +118,12 @@ def on_device(rows: np.ndarray, device: int) -> np.ndarray:
     return rows
 
 
+def _said(e: BaseException) -> str:
+    """An error as ``kvd status`` shows it: its text, at most 200 characters."""
+    text = str(e) or type(e).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
 class Peers:
     """Remote workers of every local worker, and handshakes with their daemons.
 
@@ -152,18 +158,24 @@ class Peers:
         2, 4 .. 30 s, until ``w`` is unregistered. An incompatible or invalid
         peer is logged once and not tried again."""
         delay, warned, started = 1.0, False, time.monotonic()
+        state = WarmPeer(address, engine_id, since=started)
+        w.pairs.warm.append(state)
         while self.rt.workers.get(w.key) is w and not (self.rt.closing or self.rt.draining):
             try:
                 if self.link is None:
                     return
+                state.tries += 1
                 hs = await self.link.handshake(address, engine_id, 0, w.compat_hash,
                                                self.rt.limits.handshake_timeout_s)
+                state.state, state.since, state.last_error = "answered", time.monotonic(), ""
                 self.warm(w, address, engine_id, hs.tp_size)
                 return
             except (Incompatible, InvalidArgument) as e:
+                state.state, state.since, state.last_error = "given up", time.monotonic(), _said(e)
                 log.warning("%s: warm_peers %s/%s: %s; not tried again", w.label, address, engine_id, e)
                 return
             except Exception as e:
+                state.last_error = _said(e)
                 # A peer starting after this daemon is expected for a while
                 # (an engine's start-up); still unreached after a minute, it
                 # may be a typo: said once at WARNING.

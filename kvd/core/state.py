@@ -235,6 +235,26 @@ class WorkerMemory:
 
 
 @dataclass
+class WarmPeer:
+    """One ``warm_peers`` entry as one local worker sees it (``kvd status``).
+
+    ``state``: ``"trying"`` (its daemon not answered yet), ``"answered"``
+    (its TP size known, its ranks handshaken or under way:
+    ``kvd.core.peers.Peers.warm``), ``"given up"`` (incompatible or
+    invalid, not tried again). ``since``: monotonic seconds it entered the
+    state; ``tries``: handshakes asked of its rank 0; ``last_error``: the
+    last try's error ("" after an answer).
+    """
+
+    address: str
+    engine_id: str
+    state: str = "trying"
+    since: float = 0.0
+    tries: int = 0
+    last_error: str = ""
+
+
+@dataclass
 class WorkerPairs:
     """The remote agents one worker's agent knows (``kvd.core.peers``).
 
@@ -242,13 +262,15 @@ class WorkerPairs:
     readers it WRITEs to, by agent name; ``retired``: dropped ones whose NIXL
     state is freed once no load uses them; ``agents``: peer agents loaded
     into its agent, name -> (metadata, users, the peer key whose description
-    loaded it first: ``kvd.core.peers``).
+    loaded it first: ``kvd.core.peers``); ``warm``: its ``warm_peers``
+    handshakes ahead of need and where each stands.
     """
 
     remotes: dict[PeerKey, RemoteWorker] = field(default_factory=dict)
     readers: dict[str, RemoteWorker] = field(default_factory=dict)
     retired: list[RemoteWorker] = field(default_factory=list)
     agents: dict[str, tuple[bytes, int, PeerKey]] = field(default_factory=dict)
+    warm: list[WarmPeer] = field(default_factory=list)  # Limits.warm_peers, in their order
 
     def all(self) -> list[RemoteWorker]:
         """Every remote with prepped lists (sources, retired, readers)."""

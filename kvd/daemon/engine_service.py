@@ -99,6 +99,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
         self.node = node
         self.backends = list(backends or [])
         self.metrics_address = ""      # host:port of /metrics, for GetStats
+        self.command_socket = ""       # the command socket's path ("" off), for GetStats
         self.callers = callers or (lambda context: None)
         self.require_session_token = require_session_token
         self.require_memfd = require_memfd
@@ -247,7 +248,8 @@ class EngineService(pb_grpc.EngineServiceServicer):
         every one. Another user's engine id and hash are what a cross-user
         READ would need (docs/SECURITY.md)."""
         return build_stats(self.node, draining=self.node.draining, backends=self.backends,
-                           metrics_address=self.metrics_address, visible=self._visible(self.callers(context)))
+                           metrics_address=self.metrics_address, visible=self._visible(self.callers(context)),
+                           command_socket=self.command_socket)
 
     async def RenewLeases(self, request: pb.RenewLeasesRequest, context) -> pb.RenewLeasesResponse:
         """Decode side, from an engine's scheduler: renews leases of prefill

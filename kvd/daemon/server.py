@@ -255,6 +255,7 @@ class Server:
         if cfg.command_socket:
             self.command_socket = CommandSocket(command_socket_path(cfg.engine_socket), self.gate,
                                                 self.engine_service, cfg.max_message_bytes)
+            self.engine_service.command_socket = command_socket_path(cfg.engine_socket)
 
         # Peer side (TCP).
         host = self._peer_host(host, port)

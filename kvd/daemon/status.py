@@ -13,6 +13,7 @@ JSON numbers, field names as in proto/kvd/v1/kvd.proto) and
 from __future__ import annotations
 
 import platform
+import time
 from importlib.metadata import PackageNotFoundError, version
 from typing import Callable
 
@@ -37,12 +38,14 @@ _VERSIONS: dict[str, str] | None = None
 
 
 def build_stats(node: Node, draining: bool = False, backends: list[str] | None = None,
-                metrics_address: str = "", visible: Callable[[Worker], bool] | None = None) -> pb.StatsResponse:
+                metrics_address: str = "", visible: Callable[[Worker], bool] | None = None,
+                command_socket: str = "") -> pb.StatsResponse:
     """A ``StatsResponse`` for ``node`` (call on the daemon's event loop).
 
-    ``visible``: which workers get a row (and their remote workers);
-    None: every one. The daemon-wide counts cover every worker either way
-    (they name no engine)."""
+    ``visible``: which workers get a row (and their remote workers and
+    warm peers); None: every one. The daemon-wide counts cover every worker
+    either way (they name no engine). ``command_socket``: its path, "" when
+    off."""
     global _VERSIONS
     if _VERSIONS is None:
         _VERSIONS = versions()
@@ -51,9 +54,11 @@ def build_stats(node: Node, draining: bool = False, backends: list[str] | None =
     counts = {k: v for k, v in node.stats().items() if k in fields}
     resp = pb.StatsResponse(
         daemon_version=__version__, peer_address=node.peer_address, draining=draining,
-        backends=backends or [], metrics_address=metrics_address,
+        backends=backends or [], metrics_address=metrics_address, command_socket=command_socket,
+        lease_s=node.rt.limits.lease_s, max_lease_life_s=node.rt.limits.max_lease_life_s,
         versions=_VERSIONS, **counts,
     )
+    now = time.monotonic()
     paths = set()
     for w in list(node.workers.values()):
         if visible is not None and not visible(w):
@@ -77,6 +82,13 @@ def build_stats(node: Node, draining: bool = False, backends: list[str] | None =
                 address=r.address, engine_id=r.engine_id, tp_rank=r.tp_rank,
                 tp_size=r.tp_size, agent_name=r.agent_name, daemon_version=r.daemon_version,
                 local_engine_id=w.key[0], local_tp_rank=w.key[1],
+            )
+        for p in list(w.pairs.warm):
+            paired = sum(1 for r in w.pairs.remotes.values() if (r.address, r.engine_id) == (p.address, p.engine_id))
+            resp.warm_peers.add(
+                address=p.address, engine_id=p.engine_id, local_engine_id=w.key[0], local_tp_rank=w.key[1],
+                state=p.state, state_for_s=max(0.0, now - p.since), tries=p.tries, last_error=p.last_error,
+                paired_ranks=paired,
             )
     resp.data_path = paths.pop() if len(paths) == 1 else ("mixed" if paths else "")
     return resp
@@ -150,6 +162,9 @@ def render(d: dict, target: str = "") -> str:
         ("data path", d.get("data_path") or "- (no engines)"),
         ("NIXL backends", ",".join(d.get("backends") or []) or "-"),
         ("metrics", f"http://{d['metrics_address']}/metrics" if d.get("metrics_address") else "off"),
+        ("command socket", d.get("command_socket") or "off (sessions on gRPC)"),
+        ("lease", f"{d.get('lease_s', 0):g} s default, renewed up to {d.get('max_lease_life_s', 0):g} s "
+                  f"after its hold"),
         ("versions", ", ".join(f"{k} {v[k]}" for k in sorted(v)) or "-"),
         ("engines", f"{d['engines']} ({d['regions']} regions, {human_bytes(d['registered_bytes'])} registered, "
                     f"{d['sessions']} session streams)"),
@@ -178,5 +193,13 @@ def render(d: dict, target: str = "") -> str:
             ["PEER", "ENGINE", "RANK", "TP", "KVD", "READ BY"],
             [[r["address"], r["engine_id"], r["tp_rank"], r["tp_size"] or "-", r["daemon_version"] or "-",
               f"{r['local_engine_id']}/{r['local_tp_rank']}"] for r in d["remote_workers"]],
+        )
+    if d.get("warm_peers"):
+        lines.append("")
+        lines += _table(
+            ["WARM PEER", "ENGINE", "FOR", "STATE", "SINCE", "TRIES", "PAIRED RANKS", "LAST ERROR"],
+            [[p["address"], p["engine_id"], f"{p['local_engine_id']}/{p['local_tp_rank']}", p["state"],
+              human_duration(p["state_for_s"]), p["tries"], p["paired_ranks"], p["last_error"] or "-"]
+             for p in d["warm_peers"]],
         )
     return "\n".join(lines)

@@ -309,7 +309,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("engines", "regions", "registered_bytes", "peers", "active_leases", "inflight_transfers", "bytes_read", "transfers_done", "transfers_failed", "leases_expired", "sessions", "uptime_s", "daemon_version", "peer_address", "leaked_handles", "remote_agents", "early_notifications", "pending_events", "prepped_dlists", "dlists_preparing", "quarantined_workers", "leases_renewed", "workers", "remote_workers", "data_path", "versions", "backends", "draining", "metrics_address")
+    __slots__ = ("engines", "regions", "registered_bytes", "peers", "active_leases", "inflight_transfers", "bytes_read", "transfers_done", "transfers_failed", "leases_expired", "sessions", "uptime_s", "daemon_version", "peer_address", "leaked_handles", "remote_agents", "early_notifications", "pending_events", "prepped_dlists", "dlists_preparing", "quarantined_workers", "leases_renewed", "workers", "remote_workers", "data_path", "versions", "backends", "draining", "metrics_address", "warm_peers", "command_socket", "lease_s", "max_lease_life_s")
     class VersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -346,6 +346,10 @@ class StatsResponse(_message.Message):
     BACKENDS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    WARM_PEERS_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_LEASE_LIFE_S_FIELD_NUMBER: _ClassVar[int]
     engines: int
     regions: int
     registered_bytes: int
@@ -375,7 +379,11 @@ class StatsResponse(_message.Message):
     backends: _containers.RepeatedScalarFieldContainer[str]
     draining: bool
     metrics_address: str
-    def __init__(self, engines: _Optional[int] = ..., regions: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., peers: _Optional[int] = ..., active_leases: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., bytes_read: _Optional[int] = ..., transfers_done: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., leases_expired: _Optional[int] = ..., sessions: _Optional[int] = ..., uptime_s: _Optional[float] = ..., daemon_version: _Optional[str] = ..., peer_address: _Optional[str] = ..., leaked_handles: _Optional[int] = ..., remote_agents: _Optional[int] = ..., early_notifications: _Optional[int] = ..., pending_events: _Optional[int] = ..., prepped_dlists: _Optional[int] = ..., dlists_preparing: _Optional[int] = ..., quarantined_workers: _Optional[int] = ..., leases_renewed: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., remote_workers: _Optional[_Iterable[_Union[PeerStats, _Mapping]]] = ..., data_path: _Optional[str] = ..., versions: _Optional[_Mapping[str, str]] = ..., backends: _Optional[_Iterable[str]] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+    warm_peers: _containers.RepeatedCompositeFieldContainer[WarmPeerStats]
+    command_socket: str
+    lease_s: float
+    max_lease_life_s: float
+    def __init__(self, engines: _Optional[int] = ..., regions: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., peers: _Optional[int] = ..., active_leases: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., bytes_read: _Optional[int] = ..., transfers_done: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., leases_expired: _Optional[int] = ..., sessions: _Optional[int] = ..., uptime_s: _Optional[float] = ..., daemon_version: _Optional[str] = ..., peer_address: _Optional[str] = ..., leaked_handles: _Optional[int] = ..., remote_agents: _Optional[int] = ..., early_notifications: _Optional[int] = ..., pending_events: _Optional[int] = ..., prepped_dlists: _Optional[int] = ..., dlists_preparing: _Optional[int] = ..., quarantined_workers: _Optional[int] = ..., leases_renewed: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., remote_workers: _Optional[_Iterable[_Union[PeerStats, _Mapping]]] = ..., data_path: _Optional[str] = ..., versions: _Optional[_Mapping[str, str]] = ..., backends: _Optional[_Iterable[str]] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., warm_peers: _Optional[_Iterable[_Union[WarmPeerStats, _Mapping]]] = ..., command_socket: _Optional[str] = ..., lease_s: _Optional[float] = ..., max_lease_life_s: _Optional[float] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
     __slots__ = ("engine_id", "tp_rank", "tp_size", "model", "agent_name", "compat_hash", "regions", "num_blocks", "block_size", "registered_bytes", "active_leases", "inflight_transfers", "sessions", "peers", "memory", "data_path", "handover")
@@ -434,6 +442,28 @@ class PeerStats(_message.Message):
     local_engine_id: str
     local_tp_rank: int
     def __init__(self, address: _Optional[str] = ..., engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., agent_name: _Optional[str] = ..., daemon_version: _Optional[str] = ..., local_engine_id: _Optional[str] = ..., local_tp_rank: _Optional[int] = ...) -> None: ...
+
+class WarmPeerStats(_message.Message):
+    __slots__ = ("address", "engine_id", "local_engine_id", "local_tp_rank", "state", "state_for_s", "tries", "last_error", "paired_ranks")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FOR_S_FIELD_NUMBER: _ClassVar[int]
+    TRIES_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    PAIRED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    engine_id: str
+    local_engine_id: str
+    local_tp_rank: int
+    state: str
+    state_for_s: float
+    tries: int
+    last_error: str
+    paired_ranks: int
+    def __init__(self, address: _Optional[str] = ..., engine_id: _Optional[str] = ..., local_engine_id: _Optional[str] = ..., local_tp_rank: _Optional[int] = ..., state: _Optional[str] = ..., state_for_s: _Optional[float] = ..., tries: _Optional[int] = ..., last_error: _Optional[str] = ..., paired_ranks: _Optional[int] = ...) -> None: ...
 
 class LeaseRenewal(_message.Message):
     __slots__ = ("request_id", "groups")
