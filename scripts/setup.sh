@@ -15,13 +15,15 @@ fi
 echo "setting up $venv (first time: a few minutes)" >&2
 [ -x "$venv/bin/python" ] || python3.11 -m venv "$venv" 2>/dev/null || python3 -m venv "$venv"
 pip() { "$venv/bin/python" -m pip --disable-pip-version-check -q "$@" 2> >(grep -v "^WARNING: Location" >&2); }
-pip install torch==2.13.0
+# Where pip does not find the CPU build by itself (plain PyPI serves the CUDA
+# one): TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu scripts/setup.sh
+pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch==2.13.0
 pip install -e ".[vllm,dev]"
 # Dynamo's connector-protocol module (dynamo/vllm/kv_connector_protocols.py,
 # plain Python) for tests/test_routers_multi.py; its runtime is not needed.
 pip install --no-deps ai-dynamo==1.6.1
 "$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
-"$venv/bin/python" -c "import kvd, grpc, nixl, vllm, torch; assert '+cpu' in torch.__version__, torch.__version__"
+"$venv/bin/python" -c "import kvd, grpc, nixl, vllm, torch; assert '+cpu' in torch.__version__, torch.__version__ + ': not the CPU build of torch; run again with TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu'"
 rm -f "$venv"/.kvd-setup-*
 touch "$stamp"
 echo "setup done: $venv" >&2
