@@ -9,7 +9,9 @@ side. Properties, for every message:
 - a unary call ends with OK or a deliberate status with a message (never
   UNKNOWN or INTERNAL, which mean an exception the daemon did not handle;
   bytes that do not parse as the message are refused by gRPC itself, UNKNOWN
-  "Error parsing message", before any daemon code runs);
+  "Error parsing message", before any daemon code runs, or on PeerService,
+  whose requests are parsed only once the caller passed its check,
+  INVALID_ARGUMENT naming the parse error);
 - a session command gets its answer: a load exactly one RecvDone, LoadFailed
   or CommandRejected; a hold a CommandRejected or a lease that a release
   ends; a release of nothing a CommandRejected; an AbortLoad nothing (it is

@@ -332,6 +332,12 @@ class _Transport:
     def close(self) -> None:
         self.closed = True
 
+    def get_write_buffer_size(self) -> int:
+        return 0  # everything written has gone out
+
+    def abort(self) -> None:
+        self.closed = True
+
 
 class _Timer:
     def __init__(self, delay, fn):

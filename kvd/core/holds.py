@@ -90,14 +90,22 @@ class Holds:
 
         ``lease_s`` 0 means the daemon default; capped at ``max_lease_s``. A
         second hold of the same request and blocks renews the lease. Emits
-        ``CommandRejected`` on bad input (an id out of range or repeated
-        within a group, more than ``max_blocks_per_request`` ids, past
+        ``CommandRejected`` on bad input (more groups than the worker's
+        regions use, an id out of range or repeated within a group, more
+        than ``max_blocks_per_request`` ids, past
         ``max_leases_per_worker`` leases or ``max_held_blocks_per_worker``
         ids held), ``SendDone`` when the lease ends.
         """
         emit, limits = self.rt.emit, self.rt.limits
         if not request_id:
             emit(w, CommandRejected("", "hold: request_id is empty"))
+            return
+        if len(groups) > w.num_groups:
+            # The caps below count block ids; a lease keeps an array per
+            # group, so empty groups (2 bytes each on the wire) cost the
+            # daemon ~180 bytes each for the lease's life.
+            emit(w, CommandRejected(request_id, f"hold: block ids for {len(groups)} KV-cache groups, the "
+                                                f"worker's regions use {w.num_groups}"))
             return
         ids = flat(groups)
         if len(ids) > limits.max_blocks_per_request:

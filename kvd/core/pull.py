@@ -124,6 +124,10 @@ class Pull:
         local_ids = req.local_block_ids
         if max(len(local_ids), len(flat(req.remote_groups))) > limit:
             return self._fail(w, req, K.INVALID, f"invalid: more than {limit} blocks")
+        if max(len(req.local_groups), len(req.remote_groups)) > w.num_groups:  # kept while the load waits
+            return self._fail(w, req, K.INVALID, f"invalid: block ids for {len(req.local_groups)} local / "
+                                                 f"{len(req.remote_groups)} remote KV-cache groups, the "
+                                                 f"worker's regions use {w.num_groups}")
         if len(w.inflight) + len(w.pending_loads) >= self.rt.limits.max_inflight_per_worker:
             return self._fail(w, req, K.BUSY, "busy: too many loads in flight for this worker")
         try:  # local input is checked before any network or NIXL call

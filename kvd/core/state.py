@@ -324,6 +324,12 @@ class Worker:
         return f"engine={self.key[0]} rank={self.key[1]}"
 
     @property
+    def num_groups(self) -> int:
+        """KV-cache groups the worker's regions use (groups are numbered
+        0..G-1): the most a hold or a load may name block ids for."""
+        return max((r.group for r in self.regions), default=0) + 1
+
+    @property
     def agent(self) -> NixlAgent:
         """The worker's own NIXL agent."""
         return self.mem.agent

@@ -15,7 +15,9 @@ Admission and bounds, as the engine socket's (``kvd.daemon.local_gate``):
   ``SO_PEERGROUPS``) and admitted by the same ``Policy``; a caller not
   admitted gets a refusal and its fds are closed unread (the kernel closes
   fds still queued on a socket that is closed);
-- connections open at once are capped (``max_connections``); one that sends
+- connections open at once are capped (``max_connections``, and
+  ``max_per_uid`` per caller uid: one user cannot keep the others' engines
+  from handing their memory over); one that sends
   nothing within ``timeout_s`` is closed; one message per connection, of at
   most ``kvd.fd_wire.MAX_MESSAGE_BYTES`` bytes and ``kvd.fd_wire.MAX_FDS``
   fds (a truncated message or ancillary buffer is refused: the kernel has
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -178,7 +181,8 @@ class FdChannel:
         policy: who is admitted (the engine socket's ``Policy``).
         group: gid of the socket file (None: the daemon's group).
         table: where received fds wait for their claim.
-        max_connections: connections open at once.
+        max_connections: connections open at once, all callers.
+        max_per_uid: connections open at once per caller uid.
         timeout_s: seconds a connection may take to send its request.
 
     ``open()`` binds and starts accepting (on the running loop); ``close()``
@@ -187,16 +191,18 @@ class FdChannel:
     """
 
     def __init__(self, path: str, policy: Policy, group: int | None = None, table: FdTable | None = None, *,
-                 max_connections: int = 64, timeout_s: float = 5.0):
+                 max_connections: int = 64, max_per_uid: int = 16, timeout_s: float = 5.0):
         self.path = path
         self.policy = policy
         self.group = group
         self.table = table or FdTable()
         self.max_connections = max_connections
+        self.max_per_uid = max_per_uid
+        self._open_by_uid: collections.Counter[int] = collections.Counter()
         self.timeout_s = timeout_s
         self._sock: socket.socket | None = None
         self._bound: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket file bound
-        self._conns: dict[int, tuple[socket.socket, asyncio.TimerHandle]] = {}
+        self._conns: dict[int, tuple[socket.socket, asyncio.TimerHandle, int]] = {}  # fd -> (conn, timer, uid)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._expiry: asyncio.TimerHandle | None = None
         self.refused = 0
@@ -240,10 +246,18 @@ class FdChannel:
                 self._refuse(conn, f"{who} is not admitted on the engine socket (admitted: "
                                    f"{self.policy.describe()}; daemon settings allowed_uids, allowed_gids)")
                 continue
-            fd = conn.fileno()
-            timer = self._loop.call_later(self.timeout_s, self._timed_out, fd, who)
-            self._conns[fd] = (conn, timer)
-            self._loop.add_reader(fd, self._receive, fd, pid, uid, who)
+            if self._open_by_uid[uid] >= self.max_per_uid:
+                self._refuse(conn, f"{who}: uid {uid} has {self._open_by_uid[uid]} fd channel connections open "
+                                   f"(at most {self.max_per_uid}); try again")
+                continue
+            self._wait(conn, pid, uid, who)
+
+    def _wait(self, conn: socket.socket, pid: int, uid: int, who: str) -> None:
+        """Counts ``conn`` open for ``uid`` and waits (``timeout_s``) for its request."""
+        fd = conn.fileno()
+        self._conns[fd] = (conn, self._loop.call_later(self.timeout_s, self._timed_out, fd, who), uid)
+        self._open_by_uid[uid] += 1
+        self._loop.add_reader(fd, self._receive, fd, pid, uid, who)
 
     def _timed_out(self, fd: int, who: str) -> None:
         conn = self._drop(fd)
@@ -254,9 +268,12 @@ class FdChannel:
         entry = self._conns.pop(fd, None)
         if entry is None:
             return None
-        conn, timer = entry
+        conn, timer, uid = entry
         timer.cancel()
         self._loop.remove_reader(fd)
+        self._open_by_uid[uid] -= 1
+        if self._open_by_uid[uid] <= 0:
+            del self._open_by_uid[uid]
         return conn
 
     def _receive(self, fd: int, pid: int, uid: int, who: str) -> None:
@@ -267,8 +284,7 @@ class FdChannel:
             data, anc, flags, _ = conn.recvmsg(wire.MAX_MESSAGE_BYTES, socket.CMSG_SPACE(wire.MAX_FDS * _FD_BYTES),
                                                socket.MSG_CMSG_CLOEXEC)
         except (BlockingIOError, InterruptedError):  # woken without data: wait again
-            self._conns[fd] = (conn, self._loop.call_later(self.timeout_s, self._timed_out, fd, who))
-            self._loop.add_reader(fd, self._receive, fd, pid, uid, who)
+            self._wait(conn, pid, uid, who)
             return
         except OSError as e:
             self._refuse(conn, f"{who}: cannot read the request ({e})")

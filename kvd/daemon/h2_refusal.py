@@ -27,6 +27,15 @@ _ACK, _END_STREAM_HEADERS = 0x1, 0x1 | 0x4
 # The lingering close of HTTP servers (nginx ``lingering_close``) for the
 # same reason.
 LINGER_S = 2.0
+# What a caller may send before its first HEADERS frame (bytes), and how
+# many SETTINGS frames of it are answered: a gRPC client sends its preface,
+# one SETTINGS and a WINDOW_UPDATE (under 100 bytes), then the call's
+# HEADERS (a frame is at most _MAX_FRAME). More is not a gRPC client's first
+# call: the connection is closed at once, so that a caller that floods
+# frames and never reads makes the gate neither parse nor answer without
+# bound.
+MAX_PREAMBLE_BYTES = 4 * _MAX_FRAME
+MAX_SETTINGS = 4
 
 
 def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
@@ -69,8 +78,9 @@ class Refusal:
     and GOAWAY; then it half-closes (EOF to the caller) and discards what
     still comes until the caller closes (:meth:`eof`) or ``linger_s``
     seconds pass (``LINGER_S`` says why). Anything else (not HTTP/2, a frame
-    over 16 KiB) closes the connection at once. The client's header block is
-    never decoded.
+    over 16 KiB, more than ``MAX_PREAMBLE_BYTES`` or ``MAX_SETTINGS``
+    SETTINGS frames before the first HEADERS) closes the connection at once.
+    The client's header block is never decoded.
 
     Args:
         transport: an asyncio stream transport (``write``, ``close``,
@@ -86,7 +96,9 @@ class Refusal:
         self.code, self.message = code, message
         self.call_later, self.linger_s = call_later, linger_s
         self.linger = None  # the timer that ends the lingering close
-        self.buf = b""
+        self.buf = bytearray()
+        self.taken = 0      # bytes fed before the answer (MAX_PREAMBLE_BYTES)
+        self.settings = 0   # SETTINGS frames answered (MAX_SETTINGS)
         self.started = False
         self.done = False
         transport.write(_frame(_SETTINGS, 0, 0))
@@ -94,31 +106,44 @@ class Refusal:
     def feed(self, data: bytes) -> None:
         if self.done:
             return  # answered: the caller's late frames are read and dropped
-        self.buf += data
+        self.taken += len(data)
+        if self.taken > MAX_PREAMBLE_BYTES:
+            return self.close()
+        buf = self.buf
+        buf += data
         if not self.started:
-            if not _PREFACE.startswith(self.buf[:len(_PREFACE)]):
+            if not _PREFACE.startswith(buf[:len(_PREFACE)]):
                 return self.close()
-            if len(self.buf) < len(_PREFACE):
+            if len(buf) < len(_PREFACE):
                 return
-            self.buf, self.started = self.buf[len(_PREFACE):], True
-        while len(self.buf) >= 9:
-            length, kind, flags = int.from_bytes(self.buf[:3], "big"), self.buf[3], self.buf[4]
-            stream = int.from_bytes(self.buf[5:9], "big") & 0x7FFFFFFF
+            del buf[:len(_PREFACE)]
+            self.started = True
+        # Frames are read at an offset and the buffer cut once per call: a
+        # slice per frame copied the rest each time (quadratic in the frames
+        # of one read).
+        pos = 0
+        while len(buf) - pos >= 9:
+            length, kind, flags = int.from_bytes(buf[pos:pos + 3], "big"), buf[pos + 3], buf[pos + 4]
+            stream = int.from_bytes(buf[pos + 5:pos + 9], "big") & 0x7FFFFFFF
             if length > _MAX_FRAME:
                 return self.close()
-            if len(self.buf) < 9 + length:
-                return
-            self.buf = self.buf[9 + length:]
+            if len(buf) - pos - 9 < length:
+                break
+            pos += 9 + length
             if kind == _SETTINGS and not flags & _ACK:
+                self.settings += 1
+                if self.settings > MAX_SETTINGS:
+                    return self.close()
                 self.transport.write(_frame(_SETTINGS, _ACK, 0))
             elif kind == _HEADERS and stream:
                 self.transport.write(_frame(_HEADERS, _END_STREAM_HEADERS, stream,
                                             refusal_headers(self.code, self.message)))
                 self.transport.write(_frame(_GOAWAY, 0, 0, stream.to_bytes(4, "big") + bytes(4)))
                 return self._linger()
+        del buf[:pos]
 
     def _linger(self) -> None:
-        self.done, self.buf = True, b""
+        self.done, self.buf = True, bytearray()
         if self.call_later is None or not self.transport.can_write_eof():
             return self.close()
         self.transport.write_eof()  # after what was written
@@ -129,9 +154,15 @@ class Refusal:
         self.close()
 
     def close(self) -> None:
-        """Closes the connection now (what was written still goes out first)."""
+        """Closes the connection now. What was written and the caller has
+        not taken by then is dropped (``abort``): a ``close`` waits for the
+        caller to read it, and one that never reads would keep the
+        connection (a daemon fd, a slot of the connection caps) for ever."""
         self.done = True
         if self.linger is not None:
             self.linger.cancel()
             self.linger = None
-        self.transport.close()
+        if self.transport.get_write_buffer_size():
+            self.transport.abort()
+        else:
+            self.transport.close()

@@ -474,7 +474,10 @@ class Gate:
         if not transport.is_closing():
             self.refuse("idle", "engine socket: %s sent nothing (or was not answered) in %g s "
                          "(engine_idle_timeout_s); connection closed", caller, self.idle_timeout_s)
-            transport.close()
+            if front.refusal is not None:
+                front.refusal.close()  # drops what a caller that never reads left unsent
+            else:
+                transport.close()
 
     def _closed(self, front: _Front) -> None:
         if front.uid is not None:

@@ -50,6 +50,7 @@ import grpc
 from kvd.config import Config
 from kvd.daemon.local_gate import wrap_handler
 from kvd.daemon.logs import Throttled
+from kvd.daemon.peer_local import parse_request
 
 log = logging.getLogger("kvd.peer")
 
@@ -352,11 +353,7 @@ class PeerAuthInterceptor(grpc.aio.ServerInterceptor):
             return wrap_handler(handler, refuse)
         parse, behavior, serialize = handler.request_deserializer, handler.unary_unary, handler.response_serializer
 
-        def keep_bytes(data: bytes):
-            return data, parse(data) if parse else data
-
-        async def answer(raw, context):
-            data, request = raw
+        async def answer(data, context):
             try:
                 call = auth.check_call(method, metadata, {a.lower() for a in self.addresses()}, data)
             except PeerAuthError as e:
@@ -364,12 +361,12 @@ class PeerAuthInterceptor(grpc.aio.ServerInterceptor):
                 code = (grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, ReplayWindowFull)
                         else grpc.StatusCode.UNAUTHENTICATED)
                 await context.abort(code, f"kvd: {e}")
-            result = behavior(request, context)
+            result = behavior(await parse_request(parse, data, context), context)
             response = await result if inspect.isawaitable(result) else result
             body = serialize(response) if serialize else response
             context.set_trailing_metadata(((PROOF, call.reply_mac(auth.token, body)),))
             return body
 
         # The MAC covers the bytes as they came and as they go: the request is
-        # parsed here after its bytes are kept, the answer serialized here.
-        return handler._replace(request_deserializer=keep_bytes, unary_unary=answer, response_serializer=None)
+        # parsed here once they passed, the answer serialized here.
+        return handler._replace(request_deserializer=None, unary_unary=answer, response_serializer=None)

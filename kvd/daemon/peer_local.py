@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import inspect
 import ipaddress
 import logging
 import os
@@ -223,6 +224,34 @@ def held_by(socks: list[Sock], ip: IP, own: OwnAddresses) -> list[int]:
     return [uid for local, dst, uid, inode in socks if local == src and inode and (anywhere or own.accepts(dst))]
 
 
+async def parse_request(parse, data: bytes, context):
+    """``data`` (a unary call's request bytes) parsed with the handler's
+    deserializer ``parse`` (None: the bytes), once the caller has passed its
+    check: gRPC would parse it before any interceptor's code runs, and a
+    message of empty repeated submessages takes ~16x its bytes parsed (upb:
+    24 MiB -> ~370 MiB), for a caller that is then refused. Aborts
+    INVALID_ARGUMENT when ``data`` is not the method's message."""
+    if parse is None:
+        return data
+    try:
+        return parse(data)
+    except Exception as e:  # google.protobuf DecodeError; what gRPC would answer INTERNAL
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"kvd: the request is not a valid message ({e})")
+
+
+def check_then_parse(handler, check):
+    """``handler`` (unary-unary) with ``await check(context)`` before its
+    request is parsed (:func:`parse_request`) and its behavior runs."""
+    parse, behavior = handler.request_deserializer, handler.unary_unary
+
+    async def handle(data, context):
+        await check(context)
+        result = behavior(await parse_request(parse, data, context), context)
+        return await result if inspect.isawaitable(result) else result
+
+    return handler._replace(request_deserializer=None, unary_unary=handle)
+
+
 class LocalPeerGate(grpc.aio.ServerInterceptor):
     """Refuses PeerService calls from sockets of this host that belong to
     neither root nor the daemon's uid (UNAUTHENTICATED); health and
@@ -280,4 +309,6 @@ class LocalPeerGate(grpc.aio.ServerInterceptor):
                 self._refused.warning("peer call %s from %s refused: %s", method, context.peer(), why)
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"kvd: {why}")
 
-        return wrap_handler(handler, check)
+        if handler.request_streaming or handler.response_streaming:
+            return wrap_handler(handler, check)
+        return check_then_parse(handler, check)
