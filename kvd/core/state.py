@@ -10,6 +10,7 @@ Units: seconds, bytes, counts.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -323,10 +324,12 @@ class Worker:
     def label(self) -> str:
         return f"engine={self.key[0]} rank={self.key[1]}"
 
-    @property
+    @functools.cached_property
     def num_groups(self) -> int:
         """KV-cache groups the worker's regions use (groups are numbered
-        0..G-1): the most a hold or a load may name block ids for."""
+        0..G-1): the most a hold or a load may name block ids for. Cached:
+        the regions are fixed at registration, and a load reads it (a
+        1,000-region worker would pay a scan per load)."""
         return max((r.group for r in self.regions), default=0) + 1
 
     @property
