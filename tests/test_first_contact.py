@@ -286,3 +286,32 @@ def test_a_new_pair_reads_the_peers_scratch_page_into_its_own_not_any_engine_mem
     finally:
         src.close()
         dst.close()
+
+
+def test_a_pair_is_wired_up_only_once_the_warm_up_before_it_ended(monkeypatch):
+    """``Peers._wire_ups_ended``: the next agent load waits while a warm-up
+    READ of this daemon is in flight (one UCX wire-up at a time), and goes
+    on at ``WIRE_UP_WAIT_S`` when one never ends."""
+    import asyncio
+
+    from kvd.core import peers as peers_mod
+    from kvd.core.limits import Limits
+    from kvd.core.runtime import Runtime
+
+    async def main():
+        rt = Runtime(Limits())
+        p = peers_mod.Peers(rt, None)
+        w = type("W", (), {"label": "engine=e rank=0"})()
+        rt.warm_ups.append(("agent", "handle", 0.0))
+        asyncio.get_running_loop().call_later(0.2, rt.warm_ups.clear)  # the warm-up ends
+        phases = {}
+        await p._wire_ups_ended(w, phases)
+        waited = phases["wire_up_wait"]
+        monkeypatch.setattr(peers_mod, "WIRE_UP_WAIT_S", 0.3)
+        rt.warm_ups.append(("agent", "handle", 0.0))  # one that never ends
+        await p._wire_ups_ended(w, phases)
+        return waited, phases["wire_up_wait"]
+
+    waited, bounded = asyncio.run(main())
+    assert 0.15 <= waited < 1.5, waited
+    assert 0.25 <= bounded < 1.5, bounded

@@ -48,6 +48,17 @@ log = logging.getLogger("kvd.core")
 # BOUNDS.max_prepped_rows always, each transfer makes its own rows (about
 # the same cost above a few hundred descriptors; 0.04 ms more for 8).
 PREP_DELAY_S = 1.0
+#: A pair's agent is loaded and wired up (``add_remote_agent``, then its
+#: warm-up READ) only once no other warm-up READ of this daemon is in
+#: flight, waiting at most this long (seconds): one UCX wire-up at a time
+#: per daemon. Seen on this 2-core machine in full-suite runs (a TP 1 -> 2
+#: stack beside a running TP 1 -> 1 one): decode rank 1's
+#: ``add_remote_agent`` of the prefill agent blocked the NIXL thread for
+#: 63.8 s while rank 0's warm-up READ from that same agent, posted just
+#: before, stayed in progress, and both loads passed their deadline. A
+#: warm-up normally ends within milliseconds (docs/PERFORMANCE.md, "First
+#: contact"), so waiting costs a TP-N first contact a few ms per rank.
+WIRE_UP_WAIT_S = 2.0
 
 
 
@@ -139,6 +150,7 @@ class Peers:
         self._handshakes: dict[tuple, asyncio.Future] = {}  # (local key, peer key) -> handshake task
         self._warming: set[asyncio.Task] = set()  # Limits.warm_peers handshakes, retried until one answers
         self._preparing: set[asyncio.Task] = set()  # descriptor lists prepared after a handshake
+        self._wiring = asyncio.Lock()  # one agent load + warm-up READ at a time (WIRE_UP_WAIT_S)
 
     def warm_configured(self, w: Worker) -> None:
         """Starts handshakes of ``w`` with every ``Limits.warm_peers`` engine
@@ -498,7 +510,13 @@ class Peers:
                 self._warm_read(w, name, hs.warm_up_addr)
             return name
 
-        name = await self.rt.nixl(add)
+        if we_read:
+            async with self._wiring:
+                await self._wire_ups_ended(w, phases)
+                queued = time.monotonic()  # nixl_wait: behind other NIXL calls, after the wire-up wait
+                name = await self.rt.nixl(add)
+        else:
+            name = await self.rt.nixl(add)
         src_bytes = tuple(int(c[:C, 3].sum()) for c in chunk_sets)
         # Transfers make their own rows until the lists are prepared: the
         # first load never waits for the whole cache's lists.
@@ -514,6 +532,21 @@ class Peers:
             r.prepare_later = True
             self._prepare_later(w, r, our_map, their_map, identity, hs.memory, prep_delay_s)
         return r
+
+    async def _wire_ups_ended(self, w: Worker, phases: dict[str, float]) -> None:
+        """Waits until no warm-up READ of this daemon is in flight, at most
+        ``WIRE_UP_WAIT_S`` (``phases["wire_up_wait"]``: seconds waited). The
+        warm-ups are released by the progress loop's polls; it is kicked so
+        that one that ended is seen at once."""
+        t0 = time.monotonic()
+        deadline = t0 + WIRE_UP_WAIT_S
+        while self.rt.warm_ups and time.monotonic() < deadline:
+            self.rt.kick.set()
+            await asyncio.sleep(0.002)
+        phases["wire_up_wait"] = time.monotonic() - t0
+        if self.rt.warm_ups:
+            log.info("%s: a warm-up READ still in flight after %.0f s; wiring up the next pair anyway", w.label,
+                     WIRE_UP_WAIT_S)
 
     def _warm_read(self, w: Worker, name: str, addr: int) -> None:
         """NIXL thread: the pair's first READ, of the peer agent's scratch
