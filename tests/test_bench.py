@@ -49,6 +49,25 @@ def test_kvd_bench_quick_reports_ratios(tmp_path):
         assert res["engine_step"]["unary_getstats"]["p50_us"] > 0
 
 
+def test_pairs_benchmark_reports_aggregate_loads_and_scaling(tmp_path):
+    """benchmarks.pairs: N engine-pair processes on one daemon pair, each N
+    measured (aggregate loads/s, scaling against one pair); no goal checked."""
+    out = tmp_path / "pairs.json"
+    r = subprocess.run([sys.executable, "-m", "benchmarks.pairs", "--pairs", "1,2", "--reps", "1",
+                        "--concurrency", "8", "--no-progress", "--json", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    cases = {c["pairs"]: c for c in res["cases"]}
+    assert set(cases) == {1, 2}
+    for n, c in cases.items():
+        assert c["loads"] == 8 * n and c["loads_s"] > 0 and c["pair_loads_s_p50"] > 0 and c["scaling"] > 0, c
+        assert len(c["walls_s"]) == n and 0 <= c["overlap"] <= 1
+    assert cases[1]["scaling"] == 1.0
+    assert res["scaling_at_goal"] is None and res["goal_met"] is None
+    assert "goal 8 pairs >= 6x 1 pair: not measured" in r.stdout
+
+
 def test_daemon_entry_sets_module_constants_and_refuses_typos():
     from benchmarks.daemon_entry import apply
     from kvd.core import nixl_agent
