@@ -257,6 +257,7 @@ RAW_METHODS = [("/kvd.v1.EngineService/RegisterEngine", "engine"), ("/kvd.v1.Eng
                ("/kvd.v1.EngineService/GetStats", "engine"), ("/kvd.v1.PeerService/Handshake", "peer"),
                ("/kvd.v1.PeerService/Push", "peer"), ("/kvd.v1.PeerService/Notify", "peer"),
                ("/kvd.v1.PeerService/Claim", "peer"), ("/kvd.v1.PeerService/Renew", "peer"),
+               ("/kvd.v1.PeerService/Holds", "peer"),
                ("/kvd.v1.EngineService/RenewLeases", "engine")]
 
 
@@ -273,7 +274,8 @@ def test_fuzz_raw_bytes_every_method(target):
              pb.PushRequest(engine_id="fz-prefill", request_id="r", source_groups=[pb.BlockIds(ids=[1])],
                             reader=pb.HandshakeResponse(agent_metadata=b"m", region_base_addrs=[1]),
                             reader_groups=[pb.BlockIds(ids=[1])], expected_notifications=1).SerializeToString(),
-             pb.NotifyRequest(engine_id="fz-prefill", request_id="r", expected_notifications=1).SerializeToString()]
+             pb.NotifyRequest(engine_id="fz-prefill", request_id="r", expected_notifications=1).SerializeToString(),
+             pb.HoldsRequest(engine_id="fz-prefill", epoch="e", after=3, wait_s=0.5).SerializeToString()]
     payloads = st.one_of(st.binary(max_size=256),
                          st.tuples(st.sampled_from(valid), st.integers(0, 200)).map(lambda t: t[0][:t[1]]),
                          st.tuples(st.sampled_from(valid), st.integers(0, 200), st.integers(0, 255)).map(

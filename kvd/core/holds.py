@@ -39,6 +39,7 @@ from kvd.core.events import (
     PermissionDenied,
     SendDone,
 )
+from kvd.core.hold_mirror import HoldMirror
 from kvd.core.layout import LayoutError
 from kvd.core.leases import parse_notif
 from kvd.core.limits import BOUNDS
@@ -77,12 +78,16 @@ class Holds:
         link: reaches remote daemons (claims on their holds; None: none).
         own_address: this daemon's peer address (a claim on a worker of this
             daemon is answered without a call).
+        mirror: the followed holds of remote engines (``kvd.core.hold_mirror``):
+            a source rank they show holding the blocks is not asked.
     """
 
-    def __init__(self, rt: Runtime, link: PeerLink | None = None, own_address: str = ""):
+    def __init__(self, rt: Runtime, link: PeerLink | None = None, own_address: str = "",
+                 mirror: HoldMirror | None = None):
         self.rt = rt
         self.link = link
         self.own_address = own_address
+        self.mirror = mirror
 
     def hold(self, w: Worker, request_id: str, groups: BlockGroups, lease_s: float = 0.0) -> None:
         """Holds ``groups`` (block ids per KV-cache group) of ``request_id``
@@ -212,25 +217,50 @@ class Holds:
                     "%s request=%s: claimed after waiting %.1f ms for the engine's hold", w.label, request_id,
                     1e3 * spent)
 
+    def unshown(self, req: LoadRequest, ranks) -> list[int]:
+        """Those of source ``ranks`` of ``req`` whose hold the followed holds
+        (``kvd.core.hold_mirror``) do not show: the ones to claim. A source
+        on this daemon is never shown (its claim is a direct call)."""
+        if self.mirror is None or req.remote_address == self.own_address:
+            return list(ranks)
+        left = [p for p in ranks if not self.mirror.covers(req.remote_address, req.remote_engine_id, p,
+                                                           req.remote_request_id, req.remote_groups)]
+        self.rt.counters.claims_followed += len(ranks) - len(left)
+        return left
+
+    def notified(self, address: str, engine_id: str, tp_rank: int, request_id: str, expected: int) -> None:
+        """This daemon sent source rank ``tp_rank`` one of the ``expected``
+        notifications of ``request_id`` (a READ's, or a bare one): the
+        followed holds drop a lease once this daemon sent them all
+        (``HoldMirror.notified``)."""
+        if self.mirror is not None:
+            self.mirror.notified(address, engine_id, tp_rank, request_id, expected)
+
     async def claim_sources(self, w: Worker, req: LoadRequest, ranks, deadline: float
                             ) -> tuple[FailureKind, str] | None:
         """Reader side, before any READ of ``req``: every source rank in
         ``ranks`` holds ``req.remote_groups`` for ``req.remote_request_id``.
 
-        One claim per rank, all at once (a direct call when the source is
-        this daemon, PeerService.Claim otherwise), each within ``deadline``
-        (monotonic seconds). Returns None, or ``(kind, reason)`` for
-        ``LoadFailed``: ``not_held`` when a source denies, ``handshake``
-        when it cannot be asked.
+        A rank whose hold the followed holds show (``kvd.core.hold_mirror``)
+        is not asked; every other rank gets one claim, all at once (a direct
+        call when the source is this daemon, PeerService.Claim otherwise),
+        each within ``deadline`` (monotonic seconds). Returns None, or
+        ``(kind, reason)`` for ``LoadFailed``: ``not_held`` when a source
+        denies, ``handshake`` when it cannot be asked.
         """
+        local = req.remote_address == self.own_address
+        ranks = self.unshown(req, ranks)
+        if not ranks:
+            return None
         wait_s = min(BOUNDS.max_claim_wait_s, max(0.0, deadline - time.monotonic() - 0.1))
 
         async def one(p: int) -> None:
-            if req.remote_address == self.own_address:
+            if local:
                 await self.claim(req.remote_engine_id, p, req.remote_request_id, req.remote_groups, wait_s)
             elif self.link is None:
                 raise NotFound("this daemon has no peer client")
             else:
+                self.rt.counters.claims_sent += 1
                 await self.link.claim(req.remote_address, req.remote_engine_id, p, req.remote_request_id,
                                       req.remote_groups, wait_s, max(0.1, deadline - time.monotonic()))
 

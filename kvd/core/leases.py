@@ -27,6 +27,7 @@ with no lease live); early notifications are kept in deadline order (one
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -93,6 +94,9 @@ class LeaseTable:
 
     ``held_blocks``: block ids of every live lease, all groups together
     (what ``Limits.max_held_blocks_per_worker`` bounds, ``kvd.core.holds``).
+    ``on_change``: called ``(request_id, groups)`` when a lease starts and
+    ``(request_id, None)`` when it ends, however it ends (its worker's hold
+    feed, ``kvd.core.hold_feed``).
     """
 
     early_s: float = 120.0
@@ -100,6 +104,7 @@ class LeaseTable:
     leases: dict[str, Lease] = field(default_factory=dict)
     early: dict[str, tuple[int, int, float]] = field(default_factory=dict)  # rid -> (count, expected, deadline)
     held_blocks: int = 0
+    on_change: Callable[[str, list[np.ndarray] | None], None] | None = None
     _heap: list = field(default_factory=list)
 
     def __len__(self) -> int:
@@ -138,6 +143,8 @@ class LeaseTable:
         self.leases[request_id] = lease
         self.held_blocks += lease.num_blocks
         self._push(deadline, request_id)
+        if self.on_change is not None:
+            self.on_change(request_id, lease.groups)
         return "held"
 
     def _end(self, request_id: str) -> Lease | None:
@@ -145,10 +152,15 @@ class LeaseTable:
         lease = self.leases.pop(request_id, None)
         if lease is not None:
             self.held_blocks -= lease.num_blocks
+            if self.on_change is not None:
+                self.on_change(request_id, None)
         return lease
 
     def clear(self) -> None:
         """Drops every lease (the worker is unregistered)."""
+        if self.on_change is not None:
+            for rid in self.leases:
+                self.on_change(rid, None)
         self.leases.clear()
         self.held_blocks = 0
 

@@ -40,6 +40,10 @@ class Limits:
     poll_idle_s: float = 0.005       # otherwise (notifications, leases)
     transfer_mode: str = "pull"      # "pull": decode READs; "push": prefill WRITEs on request
     same_node_copy: bool = True      # a load from an engine of this daemon is a memmove (kvd.core.local_copy)
+    # Follow the holds of remote engines this daemon pairs with
+    # (PeerService.Holds, kvd.core.hold_mirror): a load of blocks shown held
+    # READs without a per-load claim.
+    follow_holds: bool = True
     detach_grace_s: float = 10.0     # an engine whose session is gone this long is unregistered
     # Remote engines handshaken ahead of need: (peer address, engine id)
     # pairs (the ``warm_peers`` setting, kvd/config.py).

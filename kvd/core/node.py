@@ -34,6 +34,8 @@ from typing import Callable
 
 from kvd.core import settle
 from kvd.core.events import CommandRejected
+from kvd.core.hold_feed import HoldsAnswer
+from kvd.core.hold_mirror import HoldMirror
 from kvd.core.holds import Holds
 from kvd.core.layout import Layout, Region
 from kvd.core.limits import Limits
@@ -87,10 +89,11 @@ class Node:
     ):
         self.rt = Runtime(limits or Limits(), on_event)
         self.own = OwnAddresses()
-        self.peers = Peers(self.rt, peers)
+        self.mirror = HoldMirror(self.rt, peers)
+        self.peers = Peers(self.rt, peers, self.mirror)
         self.liveness = Liveness(self.rt, self.peers)
         self.registry = Registry(self.rt, self.peers, backends or ["UCX"])
-        self.holds = Holds(self.rt, peers, peer_address)
+        self.holds = Holds(self.rt, peers, peer_address, self.mirror)
         self.push_mode = Push(self.rt, self.peers, self.holds)
         self.local_copy = LocalCopy(self.rt, self.holds)
         self.pull = Pull(self.rt, self.peers, self.push_mode, self.local_copy, self.holds, self.registry)
@@ -156,6 +159,7 @@ class Node:
         /dev/shm. A live engine's segments are never touched."""
         self.rt.closing = True
         await self.liveness.close()
+        await self.mirror.close()
         await self.peers.close()
         await self.progress.stop()
         for key in list(self.rt.workers):
@@ -255,6 +259,12 @@ class Node:
         """See :meth:`kvd.core.holds.Holds.claim`."""
         await self.holds.claim(engine_id, tp_rank, request_id, groups, wait_s)
 
+    async def follow_holds(self, engine_id: str, epoch: str, after: int, wait_s: float) -> HoldsAnswer:
+        """A reader daemon's poll of ``engine_id``'s holds (``kvd.core.hold_feed``).
+        Raises NotFound, ResourceExhausted."""
+        registered = any(k[0] == engine_id for k in self.rt.workers)
+        return await self.rt.feeds.poll(engine_id, registered, epoch, after, wait_s)
+
     def renew(self, engine_id: str, renewals: list[LeaseRenewal]) -> list[RenewResult]:
         """See :meth:`kvd.core.holds.Holds.renew`."""
         return self.holds.renew(engine_id, renewals)
@@ -295,4 +305,7 @@ class Node:
             transfers_failed=c.transfers_failed,
             leases_expired=c.leases_expired,
             leases_renewed=c.leases_renewed,
+            claims_sent=c.claims_sent,
+            claims_followed=c.claims_followed,
+            holds_followed=self.mirror.fresh(),
         )

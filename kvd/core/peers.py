@@ -34,6 +34,7 @@ from kvd.core import agent_names
 from kvd.core import layout as lay
 from kvd.core import plan
 from kvd.core.events import Incompatible, InvalidArgument, NotFound, PeerUnavailable
+from kvd.core.hold_mirror import HoldMirror
 from kvd.core.layout import LayoutError
 from kvd.core.limits import BOUNDS
 from kvd.core.nixl_agent import SCRATCH_BYTES, NixlError, Unprepped, metadata_agent_name
@@ -142,11 +143,14 @@ class Peers:
         rt: the core's shared state.
         link: reaches remote daemons (the daemon's gRPC ``PeerClient``; tests
             may pass a fake; None: no peer can be reached).
+        mirror: follows the holds of each remote engine once paired with
+            one of its ranks (``kvd.core.hold_mirror``; None: not followed).
     """
 
-    def __init__(self, rt: Runtime, link: PeerLink | None):
+    def __init__(self, rt: Runtime, link: PeerLink | None, mirror: HoldMirror | None = None):
         self.rt = rt
         self.link = link
+        self.mirror = mirror
         self._handshakes: dict[tuple, asyncio.Future] = {}  # (local key, peer key) -> handshake task
         self._warming: set[asyncio.Task] = set()  # Limits.warm_peers handshakes, retried until one answers
         self._preparing: set[asyncio.Task] = set()  # descriptor lists prepared after a handshake
@@ -340,6 +344,13 @@ class Peers:
         Raises:
             as :meth:`remote`: the first rank's error, in ``ranks`` order.
         """
+        cached = [w.pairs.remotes.get((address, engine_id, p)) for p in ranks]
+        if all(r is not None and r.tp_size == tp_size for r in cached):
+            # Every pair made already (the steady state): no task per rank.
+            now = time.monotonic()
+            for r in cached:
+                r.last_used = now
+            return dict(zip(ranks, cached)), False
         for p in ranks:  # this load's own handshakes first: warm() makes the others, ahead of need
             key = (address, engine_id, p)
             if key not in w.pairs.remotes and address and ":" in address:
@@ -442,6 +453,8 @@ class Peers:
         if not self.rt.registered(w):
             raise NotFound("local worker unregistered during the handshake")
         w.pairs.remotes[key] = r
+        if self.mirror is not None:
+            self.mirror.follow(address, engine_id)  # its loads then READ without a claim each
         self.rt.counters.handshakes += 1
         self.rt.on_event("handshake", {"seconds": time.monotonic() - t0})
         # Where the time went (ms): the peer's answer, the plan, the wait for

@@ -180,7 +180,9 @@ class Pull:
         # (docs/PERFORMANCE.md, "Per-load cost, third round").
         tp.hit(tp.CLAIM, rid)
         claim_t0 = time.monotonic()
-        claim = asyncio.ensure_future(self.holds.claim_sources(w, req, read_from, deadline))
+        # Ranks whose hold the followed holds show need no claim (kvd.core.hold_mirror).
+        unshown = self.holds.unshown(req, read_from)
+        claim = asyncio.ensure_future(self.holds.claim_sources(w, req, unshown, deadline)) if unshown else None
         try:
             try:
                 remotes, fresh_any = await self.peers.remotes(w, req.remote_address, req.remote_engine_id, notify,
@@ -208,9 +210,10 @@ class Pull:
                 except LayoutError as e:
                     return self._fail(w, req, K.INVALID, f"invalid: {e}")
             # No READ of another engine's blocks without its hold on them (docs/SECURITY.md).
-            denied = await claim
+            denied = await claim if claim is not None else None
             tp.hit(tp.CLAIMED, rid)
-            self.rt.on_event("claim", {"seconds": time.monotonic() - claim_t0})
+            if claim is not None:
+                self.rt.on_event("claim", {"seconds": time.monotonic() - claim_t0})
             if denied or not self.rt.registered(w):
                 return self._fail(w, req, *(denied or (K.UNREGISTERED, "worker unregistered")))
             if w.session.epoch != epoch:
@@ -241,6 +244,7 @@ class Pull:
                 if state == "ERR":
                     err = (K.NIXL, "nixl: transfer post returned ERR")
                     break
+                self.holds.notified(req.remote_address, req.remote_engine_id, p, req.remote_request_id, expected(p))
                 ndescs += len(lidx)
                 nbytes += r.transfer_bytes(req.remote_groups)
             else:
@@ -248,11 +252,15 @@ class Pull:
                     if p not in read_from:
                         await self.rt.nixl(w.agent.send_notif, remotes[p].agent_name,
                                            notif_message(req.remote_request_id, expected(p)))
+                        self.holds.notified(req.remote_address, req.remote_engine_id, p, req.remote_request_id,
+                                            expected(p))
         except NixlError as e:
             err = (K.NIXL, f"nixl: {e}")
         finally:
             w.pending_loads.discard(rid)
-            if not claim.done():  # the load ended before its claim was answered
+            if claim is None:
+                pass
+            elif not claim.done():  # the load ended before its claim was answered
                 claim.cancel()
             elif not claim.cancelled():
                 claim.exception()  # retrieved: an early return never awaited it
@@ -417,6 +425,7 @@ class Pull:
                                                    expected, deadline, w.label)
                     continue
                 await self.rt.nixl(w.agent.send_notif, remote.agent_name, notif_message(remote_request_id, expected))
+                self.holds.notified(remote_address, remote_engine_id, p, remote_request_id, expected)
             log.info("%s request=%s: aborted; told %s to free %s", w.label, request_id, remote_address,
                      remote_request_id)
         except Exception as e:

@@ -160,7 +160,8 @@ class Registry:
                 data_path_reason=cuda.choice.reason if cuda else "",
             ),
             owner=owner,
-            leases=LeaseTable(early_s=self.rt.limits.early_notif_s),
+            leases=LeaseTable(early_s=self.rt.limits.early_notif_s,
+                              on_change=self.rt.feeds.recorder(engine_id, tp_rank)),
         )
         w.session.detached_since = time.monotonic()
         self.rt.workers[w.key] = w
@@ -247,6 +248,11 @@ class Registry:
             raise NotFound(f"engine {key[0]!r} rank {key[1]} is not registered with this daemon")
         self.rt.counters.transfers_failed += len(w.inflight)
         released = len(w.leases)
+        # Ended now, before any await: a follower of its holds
+        # (kvd.core.hold_feed) learns it while the agent is being freed.
+        w.leases.clear()
+        if not any(k[0] == key[0] for k in self.rt.workers):
+            self.rt.feeds.drop(key[0])  # its followers start over if the engine registers again
         if await self.rt.nixl(self._free_worker, w):
             self._unmap(w)
         else:
@@ -264,7 +270,6 @@ class Registry:
                      w.mem.owner_pid, gone, len(w.mem.segment_names))
         log.info("unregistered %s (%s): %d leases, %d loads dropped", w.label, reason, released, len(w.inflight))
         w.inflight.clear()
-        w.leases.clear()
         return released
 
     @staticmethod

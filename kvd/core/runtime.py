@@ -27,6 +27,7 @@ import time
 from typing import Callable
 
 from kvd.core.events import Event, FailureKind, LoadFailed, NotFound
+from kvd.core.hold_feed import HoldFeeds
 from kvd.core.limits import BOUNDS, Limits
 from kvd.core.nixl_agent import NixlAgent
 from kvd.core.state import Counters, Worker, WorkerKey, overflow
@@ -132,6 +133,7 @@ class Runtime:
         self.dropped_warning = Throttled(log)
         self.workers: dict[WorkerKey, Worker] = {}
         self.counters = Counters()
+        self.feeds = HoldFeeds()  # each engine's lease starts and ends, for reader daemons (PeerService.Holds)
         self.started = time.monotonic()
         # NIXL transfer handles not released yet (still in progress: a READ
         # given up at its deadline or at its session's end whose bytes may

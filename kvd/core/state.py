@@ -17,6 +17,7 @@ from typing import Protocol
 
 from kvd.core import plan
 from kvd.core.events import EventQueue, FailureKind
+from kvd.core.hold_feed import HoldsAnswer
 from kvd.core.layout import Layout, Region
 from kvd.core.leases import LeaseTable
 from kvd.core.memory import ShmMapping
@@ -114,6 +115,9 @@ class PeerLink(Protocol):
 
     async def renew(self, address: str, engine_id: str, renewals: list[LeaseRenewal],
                     timeout_s: float) -> list[RenewResult]: ...
+
+    async def holds(self, address: str, engine_id: str, epoch: str, after: int, wait_s: float,
+                    timeout_s: float) -> HoldsAnswer: ...
 
 
 @dataclass
@@ -365,4 +369,6 @@ class Counters:
     leases_notified: int = 0
     leases_released: int = 0
     leases_renewed: int = 0    # renewals granted (PeerService.Renew), one per lease, rank and call
+    claims_sent: int = 0       # claims asked of a source's daemon (PeerService.Claim), one per source rank
+    claims_followed: int = 0   # source ranks whose hold the followed holds showed (no claim asked)
     handshakes: int = 0

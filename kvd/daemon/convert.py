@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import grpc
+import numpy as np
 
 from kvd.core import events as ev
+from kvd.core.hold_feed import HoldChange, HoldsAnswer
 from kvd.core.layout import Layout, Region
 from kvd.core.state import HandshakeResult
 from kvd.requests import BlockGroups, LeaseRenewal, LoadRequest, RenewResult
@@ -157,3 +159,22 @@ def renewed_to_pb(results: list[RenewResult]) -> list[pb.LeaseRenewed]:
 def renewed_from_pb(results) -> list[RenewResult]:
     """``repeated LeaseRenewed`` -> core results, same order."""
     return [RenewResult(r.request_id, r.left_s, r.reason) for r in results]
+
+
+def holds_to_pb(a: HoldsAnswer) -> pb.HoldsResponse:
+    """A hold feed's answer (``kvd.core.hold_feed``) as ``pb.HoldsResponse``."""
+    return pb.HoldsResponse(epoch=a.epoch, seq=a.seq, reset=a.reset, changes=[
+        pb.HoldChange(tp_rank=c.tp_rank, request_id=c.request_id, ended=c.groups is None,
+                      groups=[] if c.groups is None else [pb.BlockIds(ids=g.tolist()) for g in c.groups])
+        for c in a.changes])
+
+
+def holds_from_pb(m: pb.HoldsResponse) -> HoldsAnswer:
+    """A source's ``pb.HoldsResponse`` as a :class:`~kvd.core.hold_feed.HoldsAnswer`
+    (block ids as int64 arrays; the change numbers counted back from ``seq``;
+    ``kvd.core.hold_mirror`` checks the rest)."""
+    first = m.seq - len(m.changes) + 1
+    return HoldsAnswer(m.epoch, m.seq, m.reset, tuple(
+        HoldChange(first + i, c.tp_rank, c.request_id,
+                   None if c.ended else tuple(np.array(g.ids, dtype=np.int64) for g in c.groups))
+        for i, c in enumerate(m.changes)))

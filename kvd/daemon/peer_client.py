@@ -18,7 +18,15 @@ from kvd.config import MAX_MESSAGE_BYTES
 from kvd.core import events as ev
 from kvd.core.limits import BOUNDS
 from kvd.core.state import PROTOCOL_VERSION, HandshakeResult, PushOrder, PushResult
-from kvd.daemon.convert import groups_to_pb, handshake_from_pb, handshake_to_pb, renewals_to_pb, renewed_from_pb
+from kvd.core.hold_feed import HoldsAnswer
+from kvd.daemon.convert import (
+    groups_to_pb,
+    handshake_from_pb,
+    handshake_to_pb,
+    holds_from_pb,
+    renewals_to_pb,
+    renewed_from_pb,
+)
 from kvd.daemon.peer_auth import PeerAuth, PeerAuthError
 from kvd.requests import LeaseRenewal, RenewResult
 from kvd.v1 import kvd_pb2 as pb
@@ -68,42 +76,51 @@ class PeerClient:
 
     def __init__(self, auth: PeerAuth | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES):
         self._channels: dict[str, grpc.aio.Channel] = {}  # least recently used first
+        # Long polls of followed holds (Holds) on channels of their own, with
+        # their own connections (gRPC shares a subchannel, and its reconnect
+        # backoff, between channels to one address unless told not to): a poll
+        # retried while a peer restarts would otherwise fail the handshake with
+        # the new daemon at once (seen: "Connection refused" after it was up).
+        self._poll_channels: dict[str, grpc.aio.Channel] = {}
         self._closing: set[asyncio.Task] = set()
         self.auth = auth or PeerAuth()
         self.options = channel_options(max_message_bytes)
+        self.poll_options = [*self.options, ("grpc.use_local_subchannel_pool", 1)]
 
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        ch = self._channels.pop(address, None)
+    def _channel(self, address: str, pool: dict[str, grpc.aio.Channel]) -> grpc.aio.Channel:
+        ch = pool.pop(address, None)
         if ch is None:
-            ch = self.auth.channel(address, self.options)
-        self._channels[address] = ch
-        while len(self._channels) > BOUNDS.max_peer_channels:
-            self._forget(next(iter(self._channels)))
+            ch = self.auth.channel(address, self.poll_options if pool is self._poll_channels else self.options)
+        pool[address] = ch
+        while len(pool) > BOUNDS.max_peer_channels:
+            self._forget(next(iter(pool)), pool)
         return ch
 
-    def _forget(self, address: str) -> None:
+    def _forget(self, address: str, pool: dict[str, grpc.aio.Channel]) -> None:
         """Closes ``address``'s channel; calls still on it get a few seconds to end."""
-        ch = self._channels.pop(address, None)
+        ch = pool.pop(address, None)
         if ch is not None:
             task = asyncio.get_running_loop().create_task(ch.close(grace=5.0))
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
 
-    async def _call(self, address: str, name: str, request, timeout_s: float):
+    async def _call(self, address: str, name: str, request, timeout_s: float, poll: bool = False):
         """One authenticated unary call; gRPC and proof errors become core errors.
 
         Sent and received as bytes: the token's MAC covers the request's bytes
-        and the callee's proof the answer's, checked before it is parsed."""
+        and the callee's proof the answer's, checked before it is parsed.
+        ``poll``: on the long polls' own channel to ``address``."""
         body = request.SerializeToString()
         md, proof = self.auth.call_metadata(SERVICE + name, address, body)
+        pool = self._poll_channels if poll else self._channels
         try:
-            call = self._channel(address).unary_unary(SERVICE + name)(body, timeout=timeout_s, metadata=md)
+            call = self._channel(address, pool).unary_unary(SERVICE + name)(body, timeout=timeout_s, metadata=md)
             raw = await call
             self.auth.check_proof(await call.trailing_metadata(), proof, raw)
             return getattr(pb, f"{name}Response").FromString(raw)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE:
-                self._forget(address)
+                self._forget(address, pool)
             raise _error(address, e) from None
         except PeerAuthError as e:
             raise ev.PeerUnavailable(f"{address}: {e}") from None
@@ -143,6 +160,14 @@ class PeerClient:
                               groups=groups_to_pb(groups), wait_s=wait_s)
         await self._call(address, "Claim", req, timeout_s)
 
+    async def holds(self, address: str, engine_id: str, epoch: str, after: int, wait_s: float,
+                    timeout_s: float) -> HoldsAnswer:
+        """One poll of the holds of ``address``'s engine ``engine_id`` after
+        change ``after`` of feed ``epoch`` (``kvd.core.hold_feed``), waiting
+        there up to ``wait_s`` seconds for one."""
+        req = pb.HoldsRequest(engine_id=engine_id, epoch=epoch, after=after, wait_s=wait_s)
+        return holds_from_pb(await self._call(address, "Holds", req, timeout_s, poll=True))
+
     async def renew(self, address: str, engine_id: str, renewals: list[LeaseRenewal],
                     timeout_s: float) -> list[RenewResult]:
         """Renews ``address``'s leases of engine ``engine_id`` named in
@@ -155,8 +180,9 @@ class PeerClient:
         return renewed_from_pb(r.results)
 
     async def close(self) -> None:
-        for ch in self._channels.values():
-            await ch.close()
-        self._channels.clear()
+        for pool in (self._channels, self._poll_channels):
+            for ch in pool.values():
+                await ch.close()
+            pool.clear()
         for task in list(self._closing):
             await task

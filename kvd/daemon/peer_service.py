@@ -12,6 +12,7 @@ from kvd.daemon.convert import (
     groups_from_pb,
     handshake_from_pb,
     handshake_to_pb,
+    holds_to_pb,
     renewals_from_pb,
     renewed_to_pb,
     status_of,
@@ -108,6 +109,27 @@ class PeerService(pb_grpc.PeerServiceServicer):
         except ev.CoreError as e:
             await self._refuse(context, "claim", request, e)
         return pb.ClaimResponse()
+
+    async def Holds(self, request: pb.HoldsRequest, context) -> pb.HoldsResponse:
+        """A reader daemon follows the holds of engine ``engine_id``
+        (``kvd.core.hold_feed``): the leases started or ended after change
+        ``after`` of feed ``epoch``, waiting up to ``wait_s`` (capped) for one.
+
+        gRPC status: NOT_FOUND for an engine with no worker here;
+        INVALID_ARGUMENT for an ``engine_id`` over ``BOUNDS.max_id_bytes``
+        bytes; RESOURCE_EXHAUSTED when too many polls wait on that engine."""
+        try:
+            if len(request.engine_id.encode()) > BOUNDS.max_id_bytes or len(request.epoch) > 64:
+                raise ev.InvalidArgument("holds: engine_id or epoch too long")
+            answer = await self.node.follow_holds(request.engine_id, request.epoch, request.after, request.wait_s)
+        except ev.NotFound as e:
+            # A follower of an engine gone from here asks again after a backoff
+            # until its own pairs with it go: not worth a warning each time.
+            log.debug("holds from %s for engine=%s: %s", context.peer(), request.engine_id, e)
+            await context.abort(status_of(e), str(e))
+        except ev.CoreError as e:
+            await self._refuse(context, "holds", request, e)
+        return holds_to_pb(answer)
 
     async def Renew(self, request: pb.RenewRequest, context) -> pb.RenewResponse:
         """A reader's daemon renews leases of engine ``engine_id``'s workers

@@ -214,6 +214,7 @@ class Server:
                         transfer_timeout_s=cfg.transfer_timeout_s, handshake_timeout_s=cfg.handshake_timeout_s,
                         detach_grace_s=cfg.detach_grace_s,
                         transfer_mode=cfg.transfer_mode, same_node_copy=cfg.same_node_copy,
+                        follow_holds=cfg.follow_holds,
                         max_inflight_per_worker=cfg.max_inflight_per_worker,
                         max_blocks_per_request=cfg.max_blocks_per_request,
                         max_leases_per_worker=cfg.max_leases_per_worker,

@@ -172,6 +172,8 @@ def render(d: dict, target: str = "") -> str:
         ("transfers", f"{d['transfers_done']} done, {d['transfers_failed']} failed, "
                       f"{d['inflight_transfers']} in flight, {human_bytes(d['bytes_read'])} read"),
         ("leases", f"{d['active_leases']} active, {d['leases_expired']} expired, {d['leases_renewed']} renewed"),
+        ("claims", f"{d.get('claims_sent', 0)} asked, {d.get('claims_followed', 0)} shown by the followed holds "
+                   f"of {d.get('holds_followed', 0)} remote engine(s)"),
     ]
     if d.get("leaked_handles"):
         summary.append(("leaked handles", str(d["leaked_handles"])))

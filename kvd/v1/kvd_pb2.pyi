@@ -309,7 +309,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("engines", "regions", "registered_bytes", "peers", "active_leases", "inflight_transfers", "bytes_read", "transfers_done", "transfers_failed", "leases_expired", "sessions", "uptime_s", "daemon_version", "peer_address", "leaked_handles", "remote_agents", "early_notifications", "pending_events", "prepped_dlists", "dlists_preparing", "quarantined_workers", "leases_renewed", "workers", "remote_workers", "data_path", "versions", "backends", "draining", "metrics_address", "warm_peers", "command_socket", "lease_s", "max_lease_life_s")
+    __slots__ = ("engines", "regions", "registered_bytes", "peers", "active_leases", "inflight_transfers", "bytes_read", "transfers_done", "transfers_failed", "leases_expired", "sessions", "uptime_s", "daemon_version", "peer_address", "leaked_handles", "remote_agents", "early_notifications", "pending_events", "prepped_dlists", "dlists_preparing", "quarantined_workers", "leases_renewed", "claims_sent", "claims_followed", "holds_followed", "workers", "remote_workers", "data_path", "versions", "backends", "draining", "metrics_address", "warm_peers", "command_socket", "lease_s", "max_lease_life_s")
     class VersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -339,6 +339,9 @@ class StatsResponse(_message.Message):
     DLISTS_PREPARING_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_WORKERS_FIELD_NUMBER: _ClassVar[int]
     LEASES_RENEWED_FIELD_NUMBER: _ClassVar[int]
+    CLAIMS_SENT_FIELD_NUMBER: _ClassVar[int]
+    CLAIMS_FOLLOWED_FIELD_NUMBER: _ClassVar[int]
+    HOLDS_FOLLOWED_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     DATA_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -372,6 +375,9 @@ class StatsResponse(_message.Message):
     dlists_preparing: int
     quarantined_workers: int
     leases_renewed: int
+    claims_sent: int
+    claims_followed: int
+    holds_followed: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStats]
     remote_workers: _containers.RepeatedCompositeFieldContainer[PeerStats]
     data_path: str
@@ -383,7 +389,7 @@ class StatsResponse(_message.Message):
     command_socket: str
     lease_s: float
     max_lease_life_s: float
-    def __init__(self, engines: _Optional[int] = ..., regions: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., peers: _Optional[int] = ..., active_leases: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., bytes_read: _Optional[int] = ..., transfers_done: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., leases_expired: _Optional[int] = ..., sessions: _Optional[int] = ..., uptime_s: _Optional[float] = ..., daemon_version: _Optional[str] = ..., peer_address: _Optional[str] = ..., leaked_handles: _Optional[int] = ..., remote_agents: _Optional[int] = ..., early_notifications: _Optional[int] = ..., pending_events: _Optional[int] = ..., prepped_dlists: _Optional[int] = ..., dlists_preparing: _Optional[int] = ..., quarantined_workers: _Optional[int] = ..., leases_renewed: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., remote_workers: _Optional[_Iterable[_Union[PeerStats, _Mapping]]] = ..., data_path: _Optional[str] = ..., versions: _Optional[_Mapping[str, str]] = ..., backends: _Optional[_Iterable[str]] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., warm_peers: _Optional[_Iterable[_Union[WarmPeerStats, _Mapping]]] = ..., command_socket: _Optional[str] = ..., lease_s: _Optional[float] = ..., max_lease_life_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, engines: _Optional[int] = ..., regions: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., peers: _Optional[int] = ..., active_leases: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., bytes_read: _Optional[int] = ..., transfers_done: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., leases_expired: _Optional[int] = ..., sessions: _Optional[int] = ..., uptime_s: _Optional[float] = ..., daemon_version: _Optional[str] = ..., peer_address: _Optional[str] = ..., leaked_handles: _Optional[int] = ..., remote_agents: _Optional[int] = ..., early_notifications: _Optional[int] = ..., pending_events: _Optional[int] = ..., prepped_dlists: _Optional[int] = ..., dlists_preparing: _Optional[int] = ..., quarantined_workers: _Optional[int] = ..., leases_renewed: _Optional[int] = ..., claims_sent: _Optional[int] = ..., claims_followed: _Optional[int] = ..., holds_followed: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., remote_workers: _Optional[_Iterable[_Union[PeerStats, _Mapping]]] = ..., data_path: _Optional[str] = ..., versions: _Optional[_Mapping[str, str]] = ..., backends: _Optional[_Iterable[str]] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., warm_peers: _Optional[_Iterable[_Union[WarmPeerStats, _Mapping]]] = ..., command_socket: _Optional[str] = ..., lease_s: _Optional[float] = ..., max_lease_life_s: _Optional[float] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
     __slots__ = ("engine_id", "tp_rank", "tp_size", "model", "agent_name", "compat_hash", "regions", "num_blocks", "block_size", "registered_bytes", "active_leases", "inflight_transfers", "sessions", "peers", "memory", "data_path", "handover")
@@ -606,6 +612,42 @@ class ClaimRequest(_message.Message):
 class ClaimResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class HoldsRequest(_message.Message):
+    __slots__ = ("engine_id", "epoch", "after", "wait_s")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    epoch: str
+    after: int
+    wait_s: float
+    def __init__(self, engine_id: _Optional[str] = ..., epoch: _Optional[str] = ..., after: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class HoldChange(_message.Message):
+    __slots__ = ("tp_rank", "request_id", "groups", "ended")
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    tp_rank: int
+    request_id: str
+    groups: _containers.RepeatedCompositeFieldContainer[BlockIds]
+    ended: bool
+    def __init__(self, tp_rank: _Optional[int] = ..., request_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., ended: _Optional[bool] = ...) -> None: ...
+
+class HoldsResponse(_message.Message):
+    __slots__ = ("epoch", "seq", "reset", "changes")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    seq: int
+    reset: bool
+    changes: _containers.RepeatedCompositeFieldContainer[HoldChange]
+    def __init__(self, epoch: _Optional[str] = ..., seq: _Optional[int] = ..., reset: _Optional[bool] = ..., changes: _Optional[_Iterable[_Union[HoldChange, _Mapping]]] = ...) -> None: ...
 
 class RenewRequest(_message.Message):
     __slots__ = ("engine_id", "renewals")

@@ -322,6 +322,11 @@ class PeerServiceStub:
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.ClaimRequest.SerializeToString,
                 response_deserializer=kvd_dot_v1_dot_kvd__pb2.ClaimResponse.FromString,
                 _registered_method=True)
+        self.Holds = channel.unary_unary(
+                '/kvd.v1.PeerService/Holds',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.HoldsRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.HoldsResponse.FromString,
+                _registered_method=True)
         self.Renew = channel.unary_unary(
                 '/kvd.v1.PeerService/Renew',
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.RenewRequest.SerializeToString,
@@ -367,6 +372,14 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Holds(self, request, context):
+        """NOT_FOUND for an engine with no worker here; INVALID_ARGUMENT for an
+        engine id over the bounds. Answers at most after wait_s (capped).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Renew(self, request, context):
         """NOT_FOUND for an engine not registered here; INVALID_ARGUMENT past the
         bounds (renewals, block ids, id length). A request whose lease does not
@@ -398,6 +411,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.Claim,
                     request_deserializer=kvd_dot_v1_dot_kvd__pb2.ClaimRequest.FromString,
                     response_serializer=kvd_dot_v1_dot_kvd__pb2.ClaimResponse.SerializeToString,
+            ),
+            'Holds': grpc.unary_unary_rpc_method_handler(
+                    servicer.Holds,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.HoldsRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.HoldsResponse.SerializeToString,
             ),
             'Renew': grpc.unary_unary_rpc_method_handler(
                     servicer.Renew,
@@ -517,6 +535,33 @@ class PeerService:
             '/kvd.v1.PeerService/Claim',
             kvd_dot_v1_dot_kvd__pb2.ClaimRequest.SerializeToString,
             kvd_dot_v1_dot_kvd__pb2.ClaimResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Holds(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.PeerService/Holds',
+            kvd_dot_v1_dot_kvd__pb2.HoldsRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.HoldsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,201 @@
+"""Hold feeds: the source side of a reader daemon's copy of the holds.
+
+A READ of another engine's blocks waits for that engine's consent, its
+*hold* (docs/SECURITY.md). Asking for it per load (``PeerService.Claim``)
+costs a round trip between the daemons on every load: measured 1.5-3 ms of
+a 16 x 64 KiB load of ~4-5 ms on this machine, with the hold placed before
+the load, and the largest share of the reader's CPU per one-block load
+(docs/PERFORMANCE.md, "Per-load cost"). Instead, a reader daemon *follows*
+the holds of each remote engine it has paired with (``PeerService.Holds``,
+a long poll, ``kvd.core.hold_mirror``): this daemon lists, in order, every
+lease of that engine's workers that starts or ends, and the reader READs
+without a claim the blocks its copy shows held. A lease ends here (the
+readers notified, the engine released it, it expired, the worker
+unregistered) as before; the change reaches a follower one answer later.
+
+One :class:`HoldFeed` per engine id with a worker here. Its changes are
+numbered from 1 within an *epoch* (random, new whenever the feed is made
+again: a restart, or the engine's last worker gone and registered again);
+a follower that names another epoch, or a change older than those kept,
+starts over from the current one.
+
+Costs on the hold path: one tuple appended per lease started or ended (the
+lease's own id arrays, not copies) and one wake-up of the followers'
+pending polls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvd.core.events import NotFound, ResourceExhausted
+
+#: Changes kept per feed; a follower further behind starts over.
+CHANGES_KEPT = 8192
+#: Block ids the kept changes may name in all (4 bytes each: 16 MiB); the
+#: oldest are dropped first. A started lease's ids are its lease's own
+#: arrays, so this bounds only what ended leases leave behind.
+MAX_KEPT_IDS = 1 << 22
+#: Block ids in one answer (a uint32 varint is at most 5 bytes: ~5 MiB, under
+#: the peer channel's 64 MiB message cap); the rest comes in the next one.
+MAX_IDS_PER_ANSWER = 1 << 20
+#: Changes in one answer.
+MAX_CHANGES_PER_ANSWER = 4096
+#: Longest wait of one poll (seconds): a follower trusts its copy only while
+#: answers keep coming (``kvd.core.hold_mirror.FRESH_S``).
+MAX_WAIT_S = 2.0
+#: Polls waiting on one feed at once (each is a pending gRPC call here).
+MAX_WAITING = 256
+
+
+@dataclass(frozen=True)
+class HoldChange:
+    """One lease of ``request_id`` on TP rank ``tp_rank`` started (``groups``:
+    its block ids per KV-cache group, int32 arrays) or ended (``groups`` None)."""
+
+    seq: int
+    tp_rank: int
+    request_id: str
+    groups: tuple[np.ndarray, ...] | None
+
+    @property
+    def num_ids(self) -> int:
+        return 0 if self.groups is None else sum(len(g) for g in self.groups)
+
+
+@dataclass(frozen=True)
+class HoldsAnswer:
+    """What a poll gets: the feed's ``epoch``, the ``seq`` of the last change
+    in ``changes`` (or the feed's last one), whether the follower must start
+    over (``reset``), and the changes in order."""
+
+    epoch: str
+    seq: int
+    reset: bool
+    changes: tuple[HoldChange, ...]
+
+
+class HoldFeed:
+    """The changes of one engine's leases, all its TP ranks together (event loop only)."""
+
+    def __init__(self, engine_id: str):
+        self.engine_id = engine_id
+        self.epoch = secrets.token_hex(8)
+        self.seq = 0
+        self.changes: deque[HoldChange] = deque()
+        self.kept_ids = 0
+        self.waiting = 0
+        self.closed = False
+        self._changed = asyncio.Event()
+
+    def record(self, tp_rank: int, request_id: str, groups: list[np.ndarray] | None) -> None:
+        """A lease of ``request_id`` on ``tp_rank`` started (its ``groups``) or
+        ended (None); wakes every waiting poll."""
+        self.seq += 1
+        ch = HoldChange(self.seq, tp_rank, request_id, None if groups is None else tuple(groups))
+        self.changes.append(ch)
+        self.kept_ids += ch.num_ids
+        while len(self.changes) > CHANGES_KEPT or self.kept_ids > MAX_KEPT_IDS:
+            self.kept_ids -= self.changes.popleft().num_ids
+        self._wake()
+
+    def close(self) -> None:
+        """The engine's last worker is gone: waiting polls answer now (reset)."""
+        self.closed = True
+        self._wake()
+
+    def _wake(self) -> None:
+        woken, self._changed = self._changed, asyncio.Event()
+        woken.set()
+
+    @property
+    def first_seq(self) -> int:
+        """The oldest change kept (``seq + 1`` when none is)."""
+        return self.seq - len(self.changes) + 1
+
+    def answer(self, epoch: str, after: int) -> HoldsAnswer | None:
+        """The changes after ``after`` of ``epoch``; a reset when the follower
+        cannot continue from there; None when there is nothing new yet."""
+        if self.closed or epoch != self.epoch or after > self.seq or after < self.first_seq - 1:
+            return HoldsAnswer(self.epoch, self.seq, True, ())
+        if after == self.seq:
+            return None
+        out: list[HoldChange] = []
+        ids = 0
+        for ch in itertools.islice(self.changes, after - self.first_seq + 1, None):
+            if out and (len(out) >= MAX_CHANGES_PER_ANSWER or ids + ch.num_ids > MAX_IDS_PER_ANSWER):
+                break
+            out.append(ch)
+            ids += ch.num_ids
+        return HoldsAnswer(self.epoch, out[-1].seq, False, tuple(out))
+
+    async def wait_answer(self, epoch: str, after: int, wait_s: float) -> HoldsAnswer:
+        """:meth:`answer`, waiting up to ``wait_s`` seconds (capped at
+        ``MAX_WAIT_S``; NaN or negative: no wait) for a change; an empty
+        answer at the end of the wait.
+
+        Raises:
+            ResourceExhausted: ``MAX_WAITING`` polls wait on this feed already.
+        """
+        got = self.answer(epoch, after)
+        if got is not None:
+            return got
+        wait_s = min(wait_s, MAX_WAIT_S) if wait_s > 0 else 0.0
+        if wait_s > 0:
+            if self.waiting >= MAX_WAITING:
+                raise ResourceExhausted(f"holds: {MAX_WAITING} polls wait on engine {self.engine_id!r} already")
+            self.waiting += 1
+            try:
+                await asyncio.wait_for(self._changed.wait(), wait_s)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                self.waiting -= 1
+        return self.answer(epoch, after) or HoldsAnswer(self.epoch, self.seq, False, ())
+
+
+class HoldFeeds:
+    """Every engine's feed on this daemon (``Runtime.feeds``).
+
+    The registry names a recorder per worker (:meth:`recorder`, handed to
+    its ``LeaseTable``) and drops an engine's feed with its last worker
+    (:meth:`drop`); PeerService.Holds reads them (:meth:`poll`).
+    """
+
+    def __init__(self) -> None:
+        self.feeds: dict[str, HoldFeed] = {}
+
+    def recorder(self, engine_id: str, tp_rank: int):
+        """The ``LeaseTable.on_change`` of worker ``(engine_id, tp_rank)``."""
+
+        def record(request_id: str, groups: list[np.ndarray] | None) -> None:
+            feed = self.feeds.get(engine_id)
+            if feed is None:
+                feed = self.feeds[engine_id] = HoldFeed(engine_id)
+            feed.record(tp_rank, request_id, groups)
+
+        return record
+
+    def drop(self, engine_id: str) -> None:
+        """The engine has no worker here any more: its feed ends (a follower
+        starts over, in a new epoch, if the engine registers again)."""
+        feed = self.feeds.pop(engine_id, None)
+        if feed is not None:
+            feed.close()
+
+    async def poll(self, engine_id: str, registered: bool, epoch: str, after: int, wait_s: float) -> HoldsAnswer:
+        """A follower's poll of ``engine_id`` (``registered``: the engine has
+        a worker here). Raises NotFound for an engine with none,
+        ResourceExhausted as :meth:`HoldFeed.wait_answer`."""
+        if not registered:
+            raise NotFound(f"holds: engine {engine_id!r} is not registered here")
+        feed = self.feeds.get(engine_id)
+        if feed is None:
+            feed = self.feeds[engine_id] = HoldFeed(engine_id)
+        return await feed.wait_answer(epoch, after, wait_s)

@@ -1,0 +1,353 @@
+"""Followed holds: a reader daemon READs without a per-load claim the blocks
+the source's daemon has told it are held (``kvd.core.hold_feed`` on the
+source, ``kvd.core.hold_mirror`` on the reader, ``PeerService.Holds``).
+
+Unit tests of both halves (their rules and bounds), then two real daemons
+(gRPC, NIXL/UCX and shared memory real, ``kvd.testing.sessions.Engine`` as
+the engines) sharing a peer token: a load of a hold the reader follows is
+served without ``PeerService.Claim``; what the copy no longer shows (a
+lease its own READ ended, a released one, any lease while the source is
+frozen) is claimed as before, and the claim decides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from kvd.core import hold_feed as hf
+from kvd.core import hold_mirror as hm
+from kvd.core.events import NotFound, ResourceExhausted
+from kvd.core.hold_feed import HoldChange, HoldFeed, HoldFeeds, HoldsAnswer
+from kvd.core.hold_mirror import BadAnswer, Follow
+from kvd.core.leases import LeaseTable
+from kvd.testing.daemons import start_daemons, stop_daemons
+from kvd.testing.sessions import Engine, KvShape, event_kind
+from kvd.testing.util import wait_until
+from kvd.v1 import kvd_pb2 as pb
+
+SHAPE = KvShape(num_layers=2, num_blocks=64, block_len=1024)
+TOKEN = b"kvd-follow-test-token-0123456789abcdef"
+
+
+def arr(*ids) -> np.ndarray:
+    return np.asarray(ids, dtype=np.int32)
+
+
+# ------------------------------------------------------------------ source side
+def test_a_lease_table_reports_every_start_and_end_to_its_feed():
+    """A lease's start names its blocks; its end (notified, released,
+    expired, the worker unregistered) names none; a renewal or a conflict
+    changes nothing."""
+    seen = []
+    t = LeaseTable(on_change=lambda rid, groups: seen.append((rid, None if groups is None else
+                                                             [g.tolist() for g in groups])))
+    assert t.hold("a", [[1, 2]], 10.0, 0.0) == "held"
+    assert t.hold("a", [[1, 2]], 20.0, 0.0) == "renewed"
+    assert t.hold("a", [[3]], 20.0, 0.0) == "conflict"
+    t.hold("b", [[4]], 5.0, 0.0)
+    t.hold("c", [[5]], 50.0, 0.0)
+    t.hold("d", [[6]], 50.0, 0.0)
+    assert t.notify("a", 1, 1.0)
+    assert t.release("b")
+    t.hold("e", [[7]], 1.0, 0.0)
+    assert t.expire(2.0) == ["e"]
+    t.clear()
+    assert seen == [("a", [[1, 2]]), ("b", [[4]]), ("c", [[5]]), ("d", [[6]]), ("a", None), ("b", None),
+                    ("e", [[7]]), ("e", None), ("c", None), ("d", None)]
+
+
+def test_a_feed_answers_changes_in_order_and_a_reset_when_it_cannot_continue():
+    async def main():
+        f = HoldFeed("e")
+        first = await f.wait_answer("", 0, 0.0)
+        assert first.reset and first.epoch == f.epoch and first.seq == 0
+        f.record(0, "r1", [arr(1, 2)])
+        f.record(1, "r1", [arr(3)])
+        f.record(0, "r1", None)
+        a = await f.wait_answer(f.epoch, 0, 0.0)
+        assert not a.reset and a.seq == 3 and [(c.seq, c.tp_rank, c.request_id, c.groups is None)
+                                               for c in a.changes] == [(1, 0, "r1", False), (2, 1, "r1", False),
+                                                                       (3, 0, "r1", True)]
+        assert (await f.wait_answer(f.epoch, 2, 0.0)).changes[0].seq == 3
+        # Nothing new: an empty answer at the end of the wait (no wait: at once).
+        empty = await f.wait_answer(f.epoch, 3, 0.0)
+        assert not empty.reset and empty.seq == 3 and not empty.changes
+        for epoch, after in (("other", 3), (f.epoch, 4)):  # another feed, a change not made yet
+            assert (await f.wait_answer(epoch, after, 0.0)).reset
+        # A waiting poll is answered by the next change, not at the end of its wait.
+        t0 = time.monotonic()
+        waiter = asyncio.ensure_future(f.wait_answer(f.epoch, 3, 30.0))
+        await asyncio.sleep(0.05)
+        f.record(0, "r2", [arr(4)])
+        got = await asyncio.wait_for(waiter, 10)
+        assert [c.request_id for c in got.changes] == ["r2"] and time.monotonic() - t0 < 10
+        # The feed ends (its engine's last worker went): a waiting poll is told to start over.
+        waiter = asyncio.ensure_future(f.wait_answer(f.epoch, 4, 30.0))
+        await asyncio.sleep(0.05)
+        f.close()
+        assert (await asyncio.wait_for(waiter, 10)).reset
+
+    asyncio.run(main())
+
+
+def test_a_feed_keeps_a_bounded_history_and_splits_large_answers(monkeypatch):
+    monkeypatch.setattr(hf, "CHANGES_KEPT", 8)
+    monkeypatch.setattr(hf, "MAX_IDS_PER_ANSWER", 10)
+
+    async def main():
+        f = HoldFeed("e")
+        for i in range(20):
+            f.record(0, f"r{i}", [np.arange(4, dtype=np.int32)])
+        assert len(f.changes) == 8 and f.first_seq == 13
+        assert (await f.wait_answer(f.epoch, 5, 0.0)).reset  # further behind than the history: start over
+        a = await f.wait_answer(f.epoch, 12, 0.0)
+        assert [c.seq for c in a.changes] == [13, 14] and a.seq == 14  # 8 ids of at most 10
+        big = HoldFeed("e")
+        big.record(0, "huge", [np.arange(50, dtype=np.int32)])
+        assert [c.seq for c in (await big.wait_answer(big.epoch, 0, 0.0)).changes] == [1]  # one change always fits
+
+    asyncio.run(main())
+
+
+def test_a_feed_bounds_its_waiting_polls_and_answers_only_for_registered_engines(monkeypatch):
+    monkeypatch.setattr(hf, "MAX_WAITING", 2)
+
+    async def main():
+        feeds = HoldFeeds()
+        with pytest.raises(NotFound):
+            await feeds.poll("nobody", False, "", 0, 1.0)
+        a = await feeds.poll("e", True, "", 0, 0.0)
+        waiters = [asyncio.ensure_future(feeds.poll("e", True, a.epoch, 0, 30.0)) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        with pytest.raises(ResourceExhausted):
+            await feeds.poll("e", True, a.epoch, 0, 30.0)
+        # A wait past the cap, NaN or negative is capped or none.
+        for w in (-1.0, math.nan):
+            assert not (await feeds.poll("e", True, a.epoch, 0, w)).changes
+        feeds.drop("e")
+        assert all([(await asyncio.wait_for(w, 10)).reset for w in waiters])
+
+    asyncio.run(main())
+
+
+# ------------------------------------------------------------------ reader side
+def answer(epoch, seq, *changes, reset=False) -> HoldsAnswer:
+    first = seq - len(changes) + 1
+    return HoldsAnswer(epoch, seq, reset, tuple(HoldChange(first + i, *c) for i, c in enumerate(changes)))
+
+
+def test_a_follow_copies_the_live_leases_and_trusts_them_only_while_fresh():
+    f = Follow("p:1", "e")
+    f.apply(answer("ep", 7, reset=True), 100.0)
+    assert (f.epoch, f.seq, f.held) == ("ep", 7, {})
+    f.apply(answer("ep", 9, (0, "r", (np.arange(8),)), (1, "r", (np.arange(4),))), 100.0)
+    assert f.covers(0, "r", [list(range(8))], 100.0)      # every block
+    assert f.covers(0, "r", [[7, 2]], 100.0)               # a subset (a local prefix hit)
+    assert not f.covers(0, "r", [[8]], 100.0)              # a block not held
+    assert not f.covers(0, "r", [[1], [1]], 100.0)         # a group the lease does not have
+    assert not f.covers(2, "r", [[1]], 100.0) and not f.covers(0, "x", [[1]], 100.0)
+    assert not f.covers(0, "r", [[1]], 100.0 + hm.FRESH_S + 0.01)  # no answer for too long: claim instead
+    f.apply(answer("ep", 10, (0, "r", None)), 101.0)
+    assert not f.covers(0, "r", [[1]], 101.0) and f.covers(1, "r", [[3]], 101.0)
+    # This daemon's own notifications end the lease in the copy at once.
+    f.notified(1, "r", 2)
+    assert f.covers(1, "r", [[3]], 101.0)
+    f.notified(1, "r", 2)
+    assert not f.covers(1, "r", [[3]], 101.0) and f.ids == 0
+    # A reset (another epoch) drops everything.
+    f.apply(answer("ep", 11, (0, "s", (np.arange(2),))), 102.0)
+    f.apply(answer("ep2", 1, reset=True), 103.0)
+    assert not f.held and f.epoch == "ep2"
+
+
+@pytest.mark.parametrize("bad", [
+    answer("other", 5),                                              # another epoch without a reset
+    answer("ep", 7, (0, "r", (np.arange(2),))),                      # a change number skipped
+    answer("ep", 6, (9999, "r", (np.arange(2),))),                   # a TP rank past the bounds
+    answer("ep", 6, (0, "", (np.arange(2),))),                       # no request id
+    answer("ep", 6, (0, "x" * 2000, (np.arange(2),))),               # a request id past the bounds
+    answer("ep", 6, (0, "r", tuple(np.arange(1) for _ in range(hm.MAX_GROUPS + 1)))),
+])
+def test_a_follow_refuses_an_answer_that_breaks_the_protocol(bad):
+    f = Follow("p:1", "e")
+    f.apply(answer("ep", 5, reset=True), 1.0)
+    with pytest.raises(BadAnswer):
+        f.apply(bad, 1.0)
+
+
+def test_a_follow_refuses_a_copy_past_its_bounds(monkeypatch):
+    monkeypatch.setattr(hm, "MAX_IDS", 100)
+    f = Follow("p:1", "e")
+    f.apply(answer("ep", 0, reset=True), 1.0)
+    f.apply(answer("ep", 1, (0, "a", (np.arange(60),))), 1.0)
+    with pytest.raises(BadAnswer):
+        f.apply(answer("ep", 2, (0, "b", (np.arange(60),))), 1.0)
+
+
+# ------------------------------------------------------------------ two real daemons
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("follow")
+    token = tmp / "token"
+    token.write_bytes(TOKEN + b"\n")
+    token.chmod(0o600)
+    tok = ("--peer-token-file", str(token))
+    p, d = start_daemons((str(tmp), "prefill", *tok), (str(tmp), "decode", *tok))
+    src = Engine(p, "follow-p", SHAPE, seed=11)
+    dst = Engine(d, "follow-d", SHAPE)
+    # A first load pairs D with the source and starts following its holds.
+    src.hold("pair", [1])
+    dst.load("pair-d", [1], src, [1], "pair")
+    assert event_kind(dst.wait("pair-d")) == "recv_done"
+    wait_until(lambda: d.stats().holds_followed == 1, 30, "D follows the source's holds")
+    yield src, dst
+    for e in (dst, src):
+        e.close()
+    stop_daemons([p, d])
+
+
+def counts(dst: Engine) -> tuple[int, int]:
+    s = dst.daemon.stats()
+    return s.claims_sent, s.claims_followed
+
+
+def wait_held(src: Engine, rid: str) -> None:
+    n = src.daemon.stats().active_leases
+    src.hold(rid, [2, 3, 4])
+    wait_until(lambda: src.daemon.stats().active_leases == n + 1, 10, f"{rid} held")
+
+
+def followed_load(src: Engine, dst: Engine, tag: str, tries: int = 10) -> str:
+    """Holds and loads new requests until one is served by the followed holds
+    (no claim asked); returns its source request id. The copy learns a
+    hold one poll answer after it is made: a load that beats it claims, as
+    it should (a busy machine may delay an answer)."""
+    for i in range(tries):
+        rid = f"{tag}-{i}"
+        wait_held(src, rid)
+        time.sleep(0.3)
+        sent, followed = counts(dst)
+        dst.load(f"{rid}-d", [5, 6, 7], src, [2, 3, 4], rid)
+        ev = dst.wait(f"{rid}-d")
+        assert event_kind(ev) == "recv_done", ev
+        assert np.array_equal(dst.kv[:, 5:8], src.kv[:, 2:5])
+        s2, f2 = counts(dst)
+        if f2 == followed + 1:
+            assert s2 == sent, "a load the followed holds served asked a claim too"
+            return rid
+    raise AssertionError(f"no load of {tries} was served by the followed holds")
+
+
+def test_a_followed_hold_is_read_without_a_claim(env):
+    src, dst = env
+    followed_load(src, dst, "plain")
+
+
+def test_a_lease_the_readers_own_read_ended_is_claimed_again_and_refused(env):
+    """A second load of the same source request (a replayed
+    kv_transfer_params) after the first read ended the lease: the copy
+    dropped it when the READ's notification went out, so the load asks
+    Claim, and the source, whose lease has ended, refuses it."""
+    src, dst = env
+    rid = followed_load(src, dst, "replay")
+    assert event_kind(src.wait(rid)) == "send_done"
+    sent, followed = counts(dst)
+    dst.load(f"{rid}-again", [5, 6, 7], src, [2, 3, 4], rid)
+    ev = dst.wait(f"{rid}-again")
+    assert event_kind(ev) == "load_failed" and "not_held" in ev.load_failed.reason, ev
+    assert counts(dst) == (sent + 1, followed)
+
+
+def test_a_released_lease_leaves_the_copy_with_the_next_answer(env):
+    """A hold released by its engine: once a later hold has reached the
+    copy (changes arrive in order), the released one is gone from it, and
+    a load of it is claimed and refused."""
+    src, dst = env
+    wait_held(src, "gone")
+    src.release("gone")
+    assert src.wait("gone").send_done.released
+    followed_load(src, dst, "after-release")  # a later change applied: the release's too
+    sent, followed = counts(dst)
+    dst.load("gone-d", [5, 6, 7], src, [2, 3, 4], "gone")
+    ev = dst.wait("gone-d")
+    assert event_kind(ev) == "load_failed" and "not_held" in ev.load_failed.reason, ev
+    assert counts(dst) == (sent + 1, followed)
+
+
+def test_a_frozen_source_is_not_trusted_and_its_loads_claim(env):
+    """Past FRESH_S without an answer (the source frozen), a held request's
+    load asks Claim: it waits for the source, and once the source runs
+    again the claim grants the READ."""
+    src, dst = env
+    followed_load(src, dst, "before-freeze")
+    wait_held(src, "frozen")
+    time.sleep(0.3)
+    sent, followed = counts(dst)
+    src.daemon.pause(True)
+    try:
+        time.sleep(hm.FRESH_S + 1.0)
+        dst.load("frozen-d", [5, 6, 7], src, [2, 3, 4], "frozen", timeout_s=60)
+        time.sleep(0.5)
+    finally:
+        src.daemon.pause(False)
+    ev = dst.wait("frozen-d", 60)
+    assert event_kind(ev) == "recv_done", ev
+    s2, f2 = counts(dst)
+    assert (s2, f2) == (sent + 1, followed), (sent, followed, s2, f2)
+    # Answers come again: the copy is trusted again.
+    followed_load(src, dst, "after-freeze")
+
+
+def test_holds_polls_need_the_peer_token_and_refuse_bad_input(env):
+    src, _ = env
+    ch = grpc.insecure_channel(src.daemon.peer_address)
+    call = ch.unary_unary("/kvd.v1.PeerService/Holds")
+    req = pb.HoldsRequest(engine_id=src.engine_id, wait_s=0.1).SerializeToString()
+    with pytest.raises(grpc.RpcError) as e:
+        call(req, timeout=10)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    ch.close()
+
+
+def test_holds_are_followed_with_the_token_and_refused_for_bad_input(tmp_path):
+    """The source's PeerService.Holds, through the daemon's own peer client
+    (the token's proof both ways): NOT_FOUND for an engine not registered
+    there, INVALID_ARGUMENT for an engine id past the bounds."""
+    import asyncio as aio
+
+    from kvd.core.events import InvalidArgument
+    from kvd.daemon.peer_auth import PeerAuth
+    from kvd.daemon.peer_client import PeerClient
+
+    token = tmp_path / "token"
+    token.write_bytes(TOKEN + b"\n")
+    token.chmod(0o600)
+    (p,) = start_daemons((str(tmp_path), "holds-src", "--peer-token-file", str(token)))
+    try:
+        src = Engine(p, "holds-e", SHAPE)
+
+        async def main():
+            client = PeerClient(PeerAuth(token=TOKEN))
+            try:
+                first = await client.holds(p.peer_address, "holds-e", "", 0, 0.1, 10)
+                assert first.reset and first.epoch
+                src.hold("h1", [1, 2])
+                got = await client.holds(p.peer_address, "holds-e", first.epoch, first.seq, 5.0, 10)
+                assert [(c.request_id, [g.tolist() for g in c.groups]) for c in got.changes] == [("h1", [[1, 2]])]
+                with pytest.raises(NotFound):
+                    await client.holds(p.peer_address, "nobody", "", 0, 0.1, 10)
+                with pytest.raises(InvalidArgument):
+                    await client.holds(p.peer_address, "x" * 5000, "", 0, 0.1, 10)
+            finally:
+                await client.close()
+
+        aio.run(main())
+        src.close()
+    finally:
+        stop_daemons([p])
