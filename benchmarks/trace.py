@@ -25,7 +25,7 @@ from benchmarks.daemon_entry import entry as daemon_entry
 from benchmarks.dataplane import parse_sizes
 from kvd import tracepoints as tp
 from kvd.bench import common as cm
-from kvd.bench.kvd_pair import KvdPair
+from kvd.bench.kvd_pair import HOLD_AHEAD_S, KvdPair
 from kvd.testing.shm import ShmSegment
 
 LEGS = (("engine -> daemon core (command: client thread, command socket or gRPC + relay, session reader)", "t0",
@@ -84,9 +84,10 @@ def _first_after(times: list[float], t: float) -> float | None:
 
 
 def run(block_len: int, blocks: int, reps: int, poll_s: float = 50e-6, daemon_set=(),
-        same_node: bool = False) -> dict:
+        same_node: bool = False, hold_ahead_s: float = HOLD_AHEAD_S) -> dict:
     """Times ``reps`` loads of ``blocks`` blocks of ``block_len`` bytes (after 5
-    untimed) through two tracing daemons (``same_node``: one) and joins the
+    untimed; each hold sent ``hold_ahead_s`` before its load, 0: with it,
+    ``kvd.bench.kvd_pair``) through two tracing daemons (``same_node``: one) and joins the
     engine's and the decode daemon's timestamps. Returns a dict: per-leg
     median and p90 (ms), and how many moves (READs, copies) were done when
     their post returned."""
@@ -101,8 +102,14 @@ def run(block_len: int, blocks: int, reps: int, poll_s: float = 50e-6, daemon_se
     try:
         local, remote = list(range(blocks)), list(range(blocks, 2 * blocks))
         for i in range(reps + 5):
-            t0 = time.perf_counter()
-            rid = pair.start(block_len, local, remote)
+            if hold_ahead_s > 0:
+                n = pair.hold(block_len, remote)
+                time.sleep(hold_ahead_s)
+                t0 = time.perf_counter()
+                rid = pair.load(block_len, local, remote, n)
+            else:
+                t0 = time.perf_counter()
+                rid = pair.start(block_len, local, remote)
             t1 = pair.wait(block_len, {rid}, poll_s)[rid]
             pair.drain_sources()
             if i >= 5:
@@ -141,6 +148,7 @@ def run(block_len: int, blocks: int, reps: int, poll_s: float = 50e-6, daemon_se
         states.append(state)
         rows.append({name: (t[b] - t[a]) * 1e3 for name, a, b in LEGS})
     return dict(benchmark="trace", block_len=block_len, blocks=blocks, reps=len(rows), same_node=same_node,
+                hold_ahead_ms=hold_ahead_s * 1e3,
                 done_at_post=sum(s in ("DONE", "COPIED") for s in states),
                 legs_ms={name: statistics.median(r[name] for r in rows) for name, _, _ in LEGS} if rows else {},
                 legs_p90_ms={name: cm.pct([r[name] for r in rows], 90) for name, _, _ in LEGS} if rows else {})
@@ -154,11 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--daemon-set", action="append", default=[])
     ap.add_argument("--same-node", action="store_true", help="one daemon, both engines on it (a same-node copy)")
+    ap.add_argument("--hold-ahead-ms", type=float, default=HOLD_AHEAD_S * 1e3,
+                    help="each hold is sent this long before its load (default %(default)g; 0: with it)")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     load0 = cm.loadavg()
     res = run(parse_sizes(args.block_len)[0], args.blocks, args.reps, daemon_set=args.daemon_set,
-              same_node=args.same_node)
+              same_node=args.same_node, hold_ahead_s=args.hold_ahead_ms / 1e3)
     res.update(loadavg_start=load0, loadavg_end=cm.loadavg(), machine=cm.machine(),
                command=" ".join(["python -m benchmarks.trace", *(argv if argv is not None else sys.argv[1:])]))
     rows = [[name, f"{res['legs_ms'][name]:.3f}", f"{res['legs_p90_ms'][name]:.3f}"] for name, _, _ in LEGS]

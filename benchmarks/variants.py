@@ -29,7 +29,8 @@ from benchmarks.daemon_entry import entry
 from kvd.bench import common as cm
 from kvd.testing.shm import ShmSegment, cleanup_segments
 from benchmarks.dataplane import parse_sizes
-from kvd.bench.kvd_pair import KvdPair
+from kvd.bench.kvd_pair import HOLD_AHEAD_S, KvdPair
+from kvd.bench.throughput import kvd_batch
 from kvd.bench.nixl_pair import NixlPair, PeerConfig
 
 
@@ -50,9 +51,11 @@ def parse_variant(spec: str) -> tuple[str, list[str], dict, str]:
 
 
 def run(variants: list[str], cells: list[tuple[int, int, int]], reps: int, poll_s: float = 50e-6,
-        peer_cfg: PeerConfig | None = None, progress: bool = True, idle_s: float = 3.0) -> dict:
+        peer_cfg: PeerConfig | None = None, progress: bool = True, idle_s: float = 3.0,
+        hold_ahead_s: float = HOLD_AHEAD_S) -> dict:
     """``cells``: (block_len, blocks, concurrency). Returns per variant and cell the
-    per-request latencies (engine view) and batch walls."""
+    per-request latencies (engine view) and batch walls; a batch's holds go out
+    ``hold_ahead_s`` before its loads (``kvd.bench.kvd_pair``; 0: each with its load)."""
     specs = [parse_variant(v) for v in variants]
     seg = max(bl * n * 2 for bl, n, _ in cells)
     src, dst = ShmSegment(seg, cm.SHM_PREFIX), ShmSegment(seg, cm.SHM_PREFIX)
@@ -62,7 +65,8 @@ def run(variants: list[str], cells: list[tuple[int, int, int]], reps: int, poll_
     nixl = None
     rng = np.random.default_rng(5)
     load0 = cm.loadavg()
-    out = {"benchmark": "variants", "variants": variants, "reps": reps, "poll_us": poll_s * 1e6, "cells": []}
+    out = {"benchmark": "variants", "variants": variants, "reps": reps, "poll_us": poll_s * 1e6,
+           "hold_ahead_ms": hold_ahead_s * 1e3, "cells": []}
     prog = cm.Progress(total=len(cells) * reps, title="variants", enabled=progress)
     try:
         for i, (name, sets, env, tree) in enumerate(specs):
@@ -112,15 +116,8 @@ def run(variants: list[str], cells: list[tuple[int, int, int]], reps: int, poll_
                     else:
                         p = pairs[name]
                         c0 = (cm.cpu_seconds(p.p.pid), cm.cpu_seconds(p.d.pid))
-                        t0 = time.perf_counter()
-                        started = {}
-                        for l, rm in ids:
-                            rid = p.start(bl, l, rm)  # the hold is sent first, on P's session
-                            started[rid] = time.perf_counter()
-                        done = p.wait(bl, set(started), poll_s)
+                        res_w, res_l = kvd_batch(p, bl, ids, conc, poll_s, hold_ahead_s=hold_ahead_s)
                         p.drain_sources()
-                        res_l = [done[k] - started[k] for k in started]
-                        res_w = max(done.values()) - t0
                         if r >= 2:
                             cpu[name][0] += cm.cpu_seconds(p.p.pid) - c0[0]
                             cpu[name][1] += cm.cpu_seconds(p.d.pid) - c0[1]
@@ -183,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="block_len:blocks:concurrency, comma-separated")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--poll-us", type=float, default=50.0)
+    ap.add_argument("--hold-ahead-ms", type=float, default=HOLD_AHEAD_S * 1e3,
+                    help="a batch's holds go out this long before its loads (default %(default)g; 0: each with "
+                         "its load, timed)")
     ap.add_argument("--json", default="")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -191,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         bl, n, conc = c.split(":")
         cells.append((parse_sizes(bl)[0], int(n), int(conc)))
     cleanup_segments(cm.SHM_PREFIX)
-    res = run(args.variant, cells, args.reps, args.poll_us * 1e-6, progress=not args.no_progress)
+    res = run(args.variant, cells, args.reps, args.poll_us * 1e-6, progress=not args.no_progress,
+              hold_ahead_s=args.hold_ahead_ms / 1e3)
     res["machine"] = cm.machine()
     res["command"] = " ".join(["python -m benchmarks.variants", *(argv if argv is not None else sys.argv[1:])])
     print(table(res))

@@ -14,6 +14,7 @@ import json
 import sys
 
 from kvd.bench import common as cm
+from kvd.bench.kvd_pair import HOLD_AHEAD_S
 from kvd.testing.shm import cleanup_segments
 from kvd.usage import UsageParser
 
@@ -33,9 +34,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=0, help="rounds of the data-plane cells (default 5, quick 2)")
     ap.add_argument("--throughput-reps", type=int, default=0, metavar="N",
                     help="rounds of (3), 64 loads each (default 20, quick 5)")
+    ap.add_argument("--hold-ahead-ms", type=float, default=HOLD_AHEAD_S * 1e3, metavar="MS",
+                    help="the prefill hold of each kvd load is sent this long before the load, untimed, as "
+                         "in serving (default %(default)g); 0: with the load, its way to the prefill daemon "
+                         "timed too")
     ap.add_argument("--json", default="", metavar="FILE", help="write every figure here")
     ap.add_argument("--no-progress", action="store_true", help="no progress display")
     args = ap.parse_args(argv)
+    if not 0 <= args.hold_ahead_ms <= 1000:
+        ap.error("--hold-ahead-ms must be in 0..1000")
+    hold_ahead_s = args.hold_ahead_ms / 1e3
     progress = not args.no_progress
 
     from kvd.bench import dataplane, throughput
@@ -51,10 +59,11 @@ def main(argv: list[str] | None = None) -> int:
         cells = dataplane.cells_for([64 * cm.KiB, cm.MiB], [16, 256], 256 * cm.MiB)
     reps = args.reps or (2 if args.quick else 5)
     out: dict = {"machine": info}
-    dp = dataplane.run(cells, reps, progress=progress, title="(1) data plane", methods="abcsm")
+    dp = dataplane.run(cells, reps, progress=progress, title="(1) data plane", methods="abcsm",
+                       hold_ahead_s=hold_ahead_s)
     out["dataplane"] = dp
     print("\n(1) data plane: (a) kvd daemons, (b) plain NIXL processes, (c) memcpy; medians of "
-          f"{reps} interleaved rounds")
+          f"{reps} interleaved rounds; each kvd load's hold sent {args.hold_ahead_ms:g} ms before it")
     print(dataplane.table(dp))
     g = dataplane.goals(dp)
     print(f"    goals: (a)/(b) >= 0.97 from 64 KiB blocks up: {g['a_over_b_cells_met']} cells; "
@@ -91,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{'met' if sg['met'] else 'NOT met'} (worst p50 {sg['p50_max_us']:.0f} us, p99 "
                   f"{sg['p99_max_us']:.0f} us); one blocking unary RPC: p50 {u['p50_us']:.0f} us")
     treps = args.throughput_reps or (5 if args.quick else 20)
-    tp = throughput.run(treps, progress=progress)
+    tp = throughput.run(treps, progress=progress, hold_ahead_s=hold_ahead_s)
     out["throughput"] = tp
     print(f"\n(3) throughput: batches of {tp['concurrency']} concurrent one-block loads "
           f"({cm.fmt_bytes(tp['block_len'])}), median of {treps} rounds")

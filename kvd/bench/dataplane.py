@@ -32,7 +32,7 @@ import numpy as np
 
 from kvd.bench import common as cm
 from kvd.testing.shm import ShmSegment
-from kvd.bench.kvd_pair import KvdPair
+from kvd.bench.kvd_pair import HOLD_AHEAD_S, KvdPair
 from kvd.bench.nixl_pair import NixlPair, PeerConfig
 
 BLOCK_LENS = [4 * cm.KiB, 16 * cm.KiB, 64 * cm.KiB, 256 * cm.KiB, cm.MiB, 4 * cm.MiB]
@@ -98,8 +98,10 @@ class Bench:
     also case (s), a third daemon for both engines)."""
 
     def __init__(self, seg_bytes: int, poll_s: float, peer_cfg: PeerConfig, daemon_args=(), daemon_env=None,
-                 seed: int = 1, entry: tuple[str, ...] = KVD_ENTRY, same_node: bool = False):
+                 seed: int = 1, entry: tuple[str, ...] = KVD_ENTRY, same_node: bool = False,
+                 hold_ahead_s: float = HOLD_AHEAD_S):
         self.poll_s = poll_s
+        self.hold_ahead_s = hold_ahead_s
         self.rng = np.random.default_rng(seed)
         self.workdir = cm.workdir()
         self.src = ShmSegment(seg_bytes, cm.SHM_PREFIX)
@@ -144,7 +146,7 @@ class Bench:
         """One kvd transfer of ``cell`` through the two daemons; seconds."""
         local, remote = self.ids_for(cell)
         self.isolate("a")
-        t = self.kvd.transfer(cell.block_len, local, remote, self.poll_s)
+        t = self.kvd.transfer(cell.block_len, local, remote, self.poll_s, self.hold_ahead_s)
         self.kvd.drain_sources()
         return t
 
@@ -152,7 +154,7 @@ class Bench:
         """One same-node kvd load of ``cell`` (both engines on one daemon); seconds."""
         local, remote = self.ids_for(cell)
         self.isolate("s")
-        t = self.same.transfer(cell.block_len, local, remote, self.poll_s)
+        t = self.same.transfer(cell.block_len, local, remote, self.poll_s, self.hold_ahead_s)
         self.same.drain_sources()
         return t
 
@@ -233,17 +235,19 @@ class Bench:
 
 def run(cells: list[Cell], reps: int, poll_s: float = 50e-6, peer_cfg: PeerConfig | None = None,
         daemon_args=(), daemon_env=None, progress: bool = True, title: str = "data plane",
-        methods: str = "abc", entry: tuple[str, ...] = KVD_ENTRY) -> dict:
+        methods: str = "abc", entry: tuple[str, ...] = KVD_ENTRY, hold_ahead_s: float = HOLD_AHEAD_S) -> dict:
     """Runs every cell ``reps`` rounds, the cases of ``methods`` (``a``, ``b``,
     ``c``, ``s``, ``m``) in a rotating order; returns the results (a dict: its
     ``cells`` are :meth:`Cell.summary` dicts). ``entry``: what python runs to
-    start a daemon (:data:`KVD_ENTRY`, or a benchmark's tracing entry)."""
+    start a daemon (:data:`KVD_ENTRY`, or a benchmark's tracing entry);
+    ``hold_ahead_s``: how long before a kvd load its hold is sent
+    (``kvd.bench.kvd_pair``; 0: with the load, timed)."""
     seg = max(c.nbytes for c in cells)
     seg = max(seg, max(c.block_len for c in cells) * 2)
     load0 = cm.loadavg()
     t_start = time.time()
     bench = Bench(seg, poll_s, peer_cfg or PeerConfig(), daemon_args, daemon_env, entry=entry,
-                  same_node="s" in methods)
+                  same_node="s" in methods, hold_ahead_s=hold_ahead_s)
     prog = cm.Progress(total=len(cells) * (reps + 1), title=title, enabled=progress)
     try:
         for cell in cells:  # warm-up round: first use (handshake, page faults), byte checks
@@ -263,7 +267,8 @@ def run(cells: list[Cell], reps: int, poll_s: float = 50e-6, peer_cfg: PeerConfi
     finally:
         prog.close()
         bench.close()
-    return dict(benchmark="dataplane", reps=reps, poll_us=poll_s * 1e6, peer_config=asdict(peer_cfg or PeerConfig()),
+    return dict(benchmark="dataplane", reps=reps, poll_us=poll_s * 1e6, hold_ahead_ms=hold_ahead_s * 1e3,
+                peer_config=asdict(peer_cfg or PeerConfig()),
                 daemon_args=list(daemon_args), daemon_entry=list(entry), daemon_env=daemon_env or {},
                 seconds=time.time() - t_start,
                 loadavg_start=load0, loadavg_end=cm.loadavg(), cells=[c.summary() for c in cells])

@@ -8,7 +8,14 @@ of workers (a layout has one block length), all on the same two shm segments.
 
 A transfer is timed as the engine sees it: from ``load()`` (what the shim's
 ``start_load_kv`` does) to ``recv_done`` coming out of ``drain_events()`` (what
-``get_finished`` does), polling every ``poll_s``.
+``get_finished`` does), polling every ``poll_s``. The prefill worker's hold
+goes out ``hold_ahead_s`` before the load (``HOLD_AHEAD_S`` in ``kvd bench``
+and the benchmarks), as in serving: vLLM's prefill worker sends it in the
+step after the request finished, while the proxy forwards the
+``kv_transfer_params`` to the decode engine, whose load comes a scheduling
+step later. With 0 the hold and the load go out at once, and the load's
+time includes the hold's way to its daemon (the protocol before the
+followed holds; ``--hold-ahead-ms 0``).
 """
 
 from __future__ import annotations
@@ -21,6 +28,9 @@ from kvd.client.engine_client import EngineClient
 from kvd.requests import LoadRequest
 from kvd.testing.daemons import Daemon, start_daemon
 from kvd.v1 import kvd_pb2 as pb
+
+#: How long before a load its hold is sent (seconds; see the module docstring).
+HOLD_AHEAD_S = 0.005
 
 
 def register_request(engine_id: str, seg_name: str, seg_size: int, block_len: int,
@@ -115,17 +125,26 @@ class KvdPair:
                 eid, self.dst[0], self.dst[1], block_len, nd)), nd)
         return self._readers[block_len]
 
-    def start(self, block_len: int, local_ids, remote_ids, tag: str = "", hold: bool = True) -> str:
-        """Holds on P (unless ``hold`` is False) and loads on D (non-blocking);
-        returns the decode request id."""
-        pw, dw = self.source(block_len, tag), self.reader(block_len)
+    def hold(self, block_len: int, remote_ids, tag: str = "") -> int:
+        """Holds ``remote_ids`` on P (non-blocking); returns the request's number
+        ``n`` (prefill request ``p<n>``, the decode request :meth:`load` makes ``d<n>``)."""
         n = next(self._ids)
-        prid, drid = f"p{n}", f"d{n}"
-        if hold:
-            pw.client.hold(prid, [list(remote_ids)], lease_s=300)
-        dw.client.load(LoadRequest(drid, [list(local_ids)], pw.engine_id, self.p.peer_address, [list(remote_ids)],
-                                   prid, remote_tp_size=1, timeout_s=120))
-        return drid
+        self.source(block_len, tag).client.hold(f"p{n}", [list(remote_ids)], lease_s=300)
+        return n
+
+    def load(self, block_len: int, local_ids, remote_ids, n: int, tag: str = "") -> str:
+        """Loads request ``n``'s ``remote_ids`` into ``local_ids`` on D
+        (non-blocking); returns the decode request id."""
+        pw, dw = self.source(block_len, tag), self.reader(block_len)
+        dw.client.load(LoadRequest(f"d{n}", [list(local_ids)], pw.engine_id, self.p.peer_address,
+                                   [list(remote_ids)], f"p{n}", remote_tp_size=1, timeout_s=120))
+        return f"d{n}"
+
+    def start(self, block_len: int, local_ids, remote_ids, tag: str = "", hold: bool = True) -> str:
+        """Holds on P (unless ``hold`` is False) and loads on D at once
+        (non-blocking); returns the decode request id."""
+        n = self.hold(block_len, remote_ids, tag) if hold else next(self._ids)
+        return self.load(block_len, local_ids, remote_ids, n, tag)
 
     def wait(self, block_len: int, rids: set[str], poll_s: float, timeout_s: float = 300.0) -> dict[str, float]:
         """Polls D's client until every request in ``rids`` is done; returns
@@ -150,10 +169,17 @@ class KvdPair:
                 time.sleep(poll_s)
         return done
 
-    def transfer(self, block_len: int, local_ids, remote_ids, poll_s: float) -> float:
-        """One load, start to finish, as the engine sees it (seconds)."""
-        t0 = time.perf_counter()
-        rid = self.start(block_len, local_ids, remote_ids)
+    def transfer(self, block_len: int, local_ids, remote_ids, poll_s: float, hold_ahead_s: float = 0.0) -> float:
+        """One load, start to finish, as the engine sees it (seconds), its
+        hold sent ``hold_ahead_s`` before it (untimed; 0: at once, timed)."""
+        if hold_ahead_s > 0:
+            n = self.hold(block_len, remote_ids)
+            time.sleep(hold_ahead_s)
+            t0 = time.perf_counter()
+            rid = self.load(block_len, local_ids, remote_ids, n)
+        else:
+            t0 = time.perf_counter()
+            rid = self.start(block_len, local_ids, remote_ids)
         t1 = self.wait(block_len, {rid}, poll_s)[rid]
         return t1 - t0
 

@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from kvd.bench import common as cm
-from kvd.bench.kvd_pair import KvdPair
+from kvd.bench.kvd_pair import HOLD_AHEAD_S, KvdPair
 from kvd.bench.nixl_pair import NixlPair, PeerConfig
 from kvd.testing.shm import ShmSegment
 
@@ -26,16 +26,23 @@ GOAL_LOADS_S = 10_000.0
 
 
 def kvd_batch(kvd: KvdPair, block_len: int, ids: list[tuple[list[int], list[int]]], concurrency: int,
-              poll_s: float, tags=("",)) -> tuple[float, list[float]]:
+              poll_s: float, tags=("",), hold_ahead_s: float = 0.0) -> tuple[float, list[float]]:
     """Posts ``concurrency`` kvd loads at once (load ``i`` uses
     ``ids[i % len(ids)]`` = (local, remote) block ids and the source worker
-    ``tags[i % len(tags)]``) and waits for all. Returns (wall seconds from the
-    first post to the last ``recv_done``, each load's seconds from its post)."""
+    ``tags[i % len(tags)]``) and waits for all; their holds go out
+    ``hold_ahead_s`` before the first load (0: each with its load, timed;
+    ``kvd.bench.kvd_pair``). Returns (wall seconds from the first post to the
+    last ``recv_done``, each load's seconds from its post)."""
+    held = []
+    if hold_ahead_s > 0:
+        held = [kvd.hold(block_len, ids[i % len(ids)][1], tags[i % len(tags)]) for i in range(concurrency)]
+        time.sleep(hold_ahead_s)
     t0 = time.perf_counter()
     started = {}
     for i in range(concurrency):
         loc, rem = ids[i % len(ids)]
-        rid = kvd.start(block_len, loc, rem, tag=tags[i % len(tags)])
+        tag = tags[i % len(tags)]
+        rid = kvd.load(block_len, loc, rem, held[i], tag) if held else kvd.start(block_len, loc, rem, tag=tag)
         started[rid] = time.perf_counter()
     done = kvd.wait(block_len, set(started), poll_s)
     return max(done.values()) - t0, [done[k] - started[k] for k in started]
@@ -52,7 +59,8 @@ def nixl_batch(nixl: NixlPair, block_len: int, seg_bytes: int, ids: list[tuple[l
 
 
 def run(reps: int, concurrency: int = CONCURRENCY, block_len: int = BLOCK_LEN, blocks: int = 1,
-        poll_s: float = 50e-6, progress: bool = True, title: str = "(3) throughput") -> dict:
+        poll_s: float = 50e-6, progress: bool = True, title: str = "(3) throughput",
+        hold_ahead_s: float = HOLD_AHEAD_S) -> dict:
     """``reps`` interleaved rounds of one batch of ``concurrency`` loads of
     ``blocks`` blocks of ``block_len`` bytes, kvd (one P, one D daemon)
     then plain NIXL, each alone (the other pair paused: an idle NIXL agent
@@ -77,7 +85,7 @@ def run(reps: int, concurrency: int = CONCURRENCY, block_len: int = BLOCK_LEN, b
         for r in range(reps + 1):  # round 0: handshake and first use, untimed
             nixl.pause(True)
             kvd.pause(False)
-            w, ls = kvd_batch(kvd, block_len, ids, concurrency, poll_s)
+            w, ls = kvd_batch(kvd, block_len, ids, concurrency, poll_s, hold_ahead_s=hold_ahead_s)
             kvd.drain_sources()
             kvd.pause(True)
             nixl.pause(False)
@@ -99,6 +107,7 @@ def run(reps: int, concurrency: int = CONCURRENCY, block_len: int = BLOCK_LEN, b
         cm.remove_workdir(wd)
     a, b = concurrency / cm.median(walls), concurrency / cm.median(bwalls)
     return dict(concurrency=concurrency, block_len=block_len, blocks=blocks, reps=reps, poll_us=poll_s * 1e6,
+                hold_ahead_ms=hold_ahead_s * 1e3,
                 kvd_loads_s=a, plain_loads_s=b, kvd_over_plain=cm.median([bw / w for w, bw in zip(walls, bwalls)]),
                 kvd_lat_p50_ms=cm.pct(lat, 50) * 1e3, kvd_lat_p99_ms=cm.pct(lat, 99) * 1e3,
                 plain_lat_p50_ms=cm.pct(blat, 50) * 1e3, plain_lat_p99_ms=cm.pct(blat, 99) * 1e3,
