@@ -117,6 +117,10 @@ def test_demo_line_names_the_handshake_and_claim_legs_where_measured():
                         transfer_s=0.040, transfers=1, handshake_s=0.009, claim_s=0.0021)
     assert "(1 xfer, handshake 9.0, claim 2.1)" in format_report(rep, 1)
     assert "(1 xfer)" in format_report(RequestReport(index=0, request_id="r", prompt_tokens=20, transfers=1), 1)
+    # No claim asked: D's copy of P's holds showed the blocks held.
+    rep = RequestReport(index=0, request_id="r", prompt_tokens=20, transfers=1, handshake_s=0.0, claim_s=0.0,
+                        followed=1)
+    assert "(1 xfer, handshake 0.0, hold followed)" in format_report(rep, 1)
 
 
 def test_health_without_address_asks_the_socket(tmp_path):

@@ -120,6 +120,7 @@ class RequestReport:
     transfer_s: float = 0.0           # D side, command to NIXL DONE
     handshake_s: float = float("nan")  # kvd, D side: of transfer_s, handshakes with P's daemon
     claim_s: float = float("nan")      # kvd, D side: of transfer_s, the claim (incl. its wait for P's hold)
+    followed: int = 0                 # kvd, D side: source ranks READ without a claim (followed holds)
     transfers: int = 0
     prefill_s: float = 0.0            # P request latency (max_tokens=1)
     decode_s: float = 0.0             # D request latency
@@ -166,7 +167,8 @@ class Meter:
                             "count": float(s.get("transfers_done", 0)),
                             "time_s": times["kvd_transfer_duration_seconds_sum"],
                             "handshake_s": times["kvd_handshake_duration_seconds_sum"],
-                            "claim_s": times["kvd_claim_duration_seconds_sum"]}
+                            "claim_s": times["kvd_claim_duration_seconds_sum"],
+                            "followed": float(s.get("claims_followed", 0))}
         return snap
 
     _TIMES = ("kvd_transfer_duration_seconds_sum", "kvd_handshake_duration_seconds_sum",
@@ -217,6 +219,7 @@ def run_one(st: engines.PDStack, meter: Meter, index: int, prompt: list[int],
     nan = float("nan")  # the NixlConnector baseline has neither leg
     rep.handshake_s = after["xfer"].get("handshake_s", nan) - before["xfer"].get("handshake_s", nan)
     rep.claim_s = after["xfer"].get("claim_s", nan) - before["xfer"].get("claim_s", nan)
+    rep.followed = int(after["xfer"].get("followed", 0) - before["xfer"].get("followed", 0))
     rep.prefill_s = res.prefill.elapsed_s
     rep.decode_s = res.decode.elapsed_s
     rep.pd_token_ids = list(res.decode.token_ids or [])
@@ -254,11 +257,16 @@ def _fmt_ms(s: float) -> str:
 
 
 def _fmt_legs(rep: RequestReport) -> str:
-    """``, handshake 9.0 claim 2.1`` (ms, kvd's D daemon) where measured: what
+    """``, handshake 9.0, claim 2.1`` (ms, kvd's D daemon) where measured: what
     of the transfer time was first contact with P's daemon and the claim's
-    wait for P's hold; empty for the NixlConnector baseline."""
+    wait for P's hold; ``hold followed`` instead of a claim when D's copy of
+    P's holds already showed the blocks held (no claim was asked); empty for
+    the NixlConnector baseline."""
     legs = [(name, v) for name, v in (("handshake", rep.handshake_s), ("claim", rep.claim_s)) if v == v]
-    return "".join(f", {name} {v * 1e3:.1f}" for name, v in legs)
+    if rep.followed and not rep.claim_s:
+        legs = [(n, v) for n, v in legs if n != "claim"]
+    out = "".join(f", {name} {v * 1e3:.1f}" for name, v in legs)
+    return out + (", hold followed" if rep.followed and not rep.claim_s else "")
 
 
 def format_report(rep: RequestReport, total: int) -> str:
