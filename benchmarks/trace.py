@@ -102,14 +102,7 @@ def run(block_len: int, blocks: int, reps: int, poll_s: float = 50e-6, daemon_se
     try:
         local, remote = list(range(blocks)), list(range(blocks, 2 * blocks))
         for i in range(reps + 5):
-            if hold_ahead_s > 0:
-                n = pair.hold(block_len, remote)
-                time.sleep(hold_ahead_s)
-                t0 = time.perf_counter()
-                rid = pair.load(block_len, local, remote, n)
-            else:
-                t0 = time.perf_counter()
-                rid = pair.start(block_len, local, remote)
+            rid, t0 = pair.timed_start(block_len, local, remote, hold_ahead_s)
             t1 = pair.wait(block_len, {rid}, poll_s)[rid]
             pair.drain_sources()
             if i >= 5:

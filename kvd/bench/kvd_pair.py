@@ -169,19 +169,23 @@ class KvdPair:
                 time.sleep(poll_s)
         return done
 
-    def transfer(self, block_len: int, local_ids, remote_ids, poll_s: float, hold_ahead_s: float = 0.0) -> float:
-        """One load, start to finish, as the engine sees it (seconds), its
-        hold sent ``hold_ahead_s`` before it (untimed; 0: at once, timed)."""
+    def timed_start(self, block_len: int, local_ids, remote_ids, hold_ahead_s: float = 0.0) -> tuple[str, float]:
+        """Starts one load, its hold sent ``hold_ahead_s`` seconds before it
+        (0: at once); returns the decode request id and the load's start
+        (``time.perf_counter``: after the hold's lead, before the hold when 0)."""
         if hold_ahead_s > 0:
             n = self.hold(block_len, remote_ids)
             time.sleep(hold_ahead_s)
             t0 = time.perf_counter()
-            rid = self.load(block_len, local_ids, remote_ids, n)
-        else:
-            t0 = time.perf_counter()
-            rid = self.start(block_len, local_ids, remote_ids)
-        t1 = self.wait(block_len, {rid}, poll_s)[rid]
-        return t1 - t0
+            return self.load(block_len, local_ids, remote_ids, n), t0
+        t0 = time.perf_counter()
+        return self.start(block_len, local_ids, remote_ids), t0
+
+    def transfer(self, block_len: int, local_ids, remote_ids, poll_s: float, hold_ahead_s: float = 0.0) -> float:
+        """One load, start to finish, as the engine sees it (seconds), its
+        hold sent ``hold_ahead_s`` before it (untimed; 0: at once, timed)."""
+        rid, t0 = self.timed_start(block_len, local_ids, remote_ids, hold_ahead_s)
+        return self.wait(block_len, {rid}, poll_s)[rid] - t0
 
     def pause(self, on: bool) -> None:
         """Pauses (SIGSTOP) or resumes both daemons (or the one)."""
