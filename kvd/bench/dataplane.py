@@ -116,6 +116,7 @@ class Bench:
             if same_node:
                 self.same = KvdPair(self.workdir, (self.src.name, seg_bytes), (self.dst.name, seg_bytes),
                                     tuple(daemon_args), env=daemon_env, entry=entry, same_node=True)
+                self.same.src_mem.array[:] = self.src.array  # its engines' memory: sealed memfds
         except BaseException:
             self.close()
             raise
@@ -207,9 +208,10 @@ class Bench:
         """Runs case ``which`` once on a zeroed destination; raises AssertionError
         when the bytes differ from the source blocks."""
         local, remote = self.ids_for(cell)
-        self.dst.array[:cell.nbytes] = 0
+        dst = self.same.dst_mem if which == "s" else self.dst
+        dst.array[:cell.nbytes] = 0
         getattr(self, f"run_{which}")(cell)
-        got = self.dst.array[:cell.nbytes].reshape(cell.blocks, cell.block_len)
+        got = dst.array[:cell.nbytes].reshape(cell.blocks, cell.block_len)
         want = self.src.array.reshape(-1, cell.block_len)[remote]
         if not np.array_equal(got, want):
             raise AssertionError(f"({which}) {cell.blocks} x {cell.block_len} B: bytes differ")

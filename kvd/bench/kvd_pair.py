@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from kvd.client.engine_client import EngineClient
 from kvd.requests import LoadRequest
 from kvd.testing.daemons import Daemon, start_daemon
+from kvd.testing.memfd import MemfdSegment
 from kvd.v1 import kvd_pb2 as pb
 
 #: How long before a load its hold is sent (seconds; see the module docstring).
@@ -34,13 +35,14 @@ HOLD_AHEAD_S = 0.005
 
 
 def register_request(engine_id: str, seg_name: str, seg_size: int, block_len: int,
-                     num_blocks: int, offset: int = 0) -> pb.RegisterEngineRequest:
-    """One region of ``num_blocks`` blocks of ``block_len`` bytes at ``offset``."""
+                     num_blocks: int, offset: int = 0, segment: pb.Segment | None = None) -> pb.RegisterEngineRequest:
+    """One region of ``num_blocks`` blocks of ``block_len`` bytes at ``offset``
+    of the named shm segment ``seg_name``, or of ``segment`` (a memfd handed over)."""
     return pb.RegisterEngineRequest(
         worker=pb.EngineWorker(engine_id=engine_id, tp_rank=0, tp_size=1),
         layout=pb.Layout(num_blocks=num_blocks, block_size=16, kv_layout=pb.KV_LAYOUT_NHD, dtype="float16",
                          num_kv_heads=1, head_dim=64, num_layers=1, block_lens=[block_len]),
-        segments=[pb.Segment(kind=pb.MEMORY_KIND_SHM, name=seg_name, size=seg_size)],
+        segments=[segment or pb.Segment(kind=pb.MEMORY_KIND_SHM, name=seg_name, size=seg_size)],
         regions=[pb.Region(segment_index=0, offset=offset, block_len=block_len, block_stride=block_len,
                            name="bench")],
         model="kvd-bench",
@@ -69,7 +71,11 @@ class KvdPair:
             same-node one (``kvd.core.local_copy``).
         prefix: of the daemons' names and of the workers' engine ids.
         same_node: start one daemon ``S`` for both workers (when ``daemons``
-            is None).
+            is None). Its workers hand their memory over as sealed memfds
+            (``src_mem``, ``dst_mem``: the caller fills and reads them), as the
+            shim does: the daemon copies only between sealed memfds (a named
+            segment could be truncated under its memmove), and takes the NIXL
+            path for named ones.
     """
 
     def __init__(self, workdir: str, src: tuple[str, int], dst: tuple[str, int],
@@ -96,6 +102,14 @@ class KvdPair:
         self._sources: dict[tuple, Worker] = {}
         self._readers: dict[int, Worker] = {}
         self._ids = itertools.count()
+        self.src_mem = self.dst_mem = None
+        if same_node:
+            try:
+                self.src_mem = MemfdSegment(src[1], self.p.socket)
+                self.dst_mem = MemfdSegment(dst[1], self.d.socket)
+            except BaseException:
+                self.close()
+                raise
 
     def _client(self, daemon: Daemon, req: pb.RegisterEngineRequest) -> EngineClient:
         c = EngineClient(daemon.socket, unknown_lease_wait_s=600)
@@ -112,8 +126,9 @@ class KvdPair:
         if key not in self._sources:
             ns = self.src[1] // block_len
             eid = f"{self.prefix}src{tag}-{block_len}"
+            seg = self.src_mem.segment() if self.src_mem is not None else None
             self._sources[key] = Worker(eid, self._client(self.p, register_request(
-                eid, self.src[0], self.src[1], block_len, ns)), ns)
+                eid, self.src[0], self.src[1], block_len, ns, segment=seg)), ns)
         return self._sources[key]
 
     def reader(self, block_len: int) -> Worker:
@@ -121,8 +136,9 @@ class KvdPair:
         if block_len not in self._readers:
             nd = self.dst[1] // block_len
             eid = f"{self.prefix}dst-{block_len}"
+            seg = self.dst_mem.segment() if self.dst_mem is not None else None
             self._readers[block_len] = Worker(eid, self._client(self.d, register_request(
-                eid, self.dst[0], self.dst[1], block_len, nd)), nd)
+                eid, self.dst[0], self.dst[1], block_len, nd, segment=seg)), nd)
         return self._readers[block_len]
 
     def hold(self, block_len: int, remote_ids, tag: str = "") -> int:
@@ -207,6 +223,9 @@ class KvdPair:
             w.client.close()
         self._sources.clear()
         self._readers.clear()
+        for m in (self.src_mem, self.dst_mem):
+            if m is not None:
+                m.close()
         if self._own_daemons:
             self.d.stop()
             if self.p is not self.d:
