@@ -47,6 +47,21 @@ MAX_KEPT_IDS = 1 << 22
 MAX_IDS_PER_ANSWER = 1 << 20
 #: Changes in one answer.
 MAX_CHANGES_PER_ANSWER = 4096
+#: KV-cache groups in one answer, all changes together (each is a message
+#: of its own on the wire and an array at the reader), and the bytes one
+#: answer may take on the wire, estimated (:attr:`HoldChange.wire_bytes`).
+#: A change past either still goes alone (one lease: at most
+#: ``max_blocks_per_request`` ids, 4 bytes each below 2^28). The reader
+#: refuses more groups than this, and answers over ``MAX_ANSWER_WIRE_BYTES``
+#: (``kvd.daemon.peer_client``): before, it parsed and converted any answer
+#: up to the 64 MiB message cap, and a hostile source's 17.6 MiB answer of
+#: 131,072 leases x 64 empty groups held its event loop 35 s and kept
+#: 1.7 GB (attacker review, tests/test_security_attack6.py).
+MAX_GROUPS_PER_ANSWER = 16384
+MAX_ANSWER_BYTES = 4 << 20
+#: Largest answer a reader receives (bytes): a budget-full answer, or one
+#: lease of 1M block ids (``Limits.max_blocks_per_request``'s default) alone.
+MAX_ANSWER_WIRE_BYTES = 8 << 20
 #: Longest wait of one poll (seconds): a follower trusts its copy only while
 #: answers keep coming (``kvd.core.hold_mirror.FRESH_S``).
 MAX_WAIT_S = 2.0
@@ -67,6 +82,16 @@ class HoldChange:
     @property
     def num_ids(self) -> int:
         return 0 if self.groups is None else sum(len(g) for g in self.groups)
+
+    @property
+    def num_groups(self) -> int:
+        return 0 if self.groups is None else len(self.groups)
+
+    @property
+    def wire_bytes(self) -> int:
+        """An upper bound of the change's size in an answer (a block id is a
+        varint of at most 5 bytes, a group's header at most 6)."""
+        return 32 + len(self.request_id.encode()) + 6 * self.num_groups + 5 * self.num_ids
 
 
 @dataclass(frozen=True)
@@ -127,12 +152,16 @@ class HoldFeed:
         if after == self.seq:
             return None
         out: list[HoldChange] = []
-        ids = 0
+        ids = groups = size = 0
         for ch in itertools.islice(self.changes, after - self.first_seq + 1, None):
-            if out and (len(out) >= MAX_CHANGES_PER_ANSWER or ids + ch.num_ids > MAX_IDS_PER_ANSWER):
+            if out and (len(out) >= MAX_CHANGES_PER_ANSWER or ids + ch.num_ids > MAX_IDS_PER_ANSWER
+                        or groups + ch.num_groups > MAX_GROUPS_PER_ANSWER
+                        or size + ch.wire_bytes > MAX_ANSWER_BYTES):
                 break
             out.append(ch)
             ids += ch.num_ids
+            groups += ch.num_groups
+            size += ch.wire_bytes
         return HoldsAnswer(self.epoch, out[-1].seq, False, tuple(out))
 
     async def wait_answer(self, epoch: str, after: int, wait_s: float) -> HoldsAnswer:

@@ -18,11 +18,26 @@ claim has between its answer and the READ it allows), and it is trusted
 only while answers keep coming: more than ``FRESH_S`` after the last one
 (a frozen or unreachable source, a cut link), every load asks Claim again.
 
+Whose holds: the polls have a connection of their own, and an address may
+reach several daemons (a load balancer, a DNS name of several records),
+each perhaps with an engine of the same id. So after each reset the follow
+asks, on the polls' channel, the NIXL agent of every rank it is paired
+with (``PeerClient.holds_agent``), and the copy grants a rank only when
+this daemon's pairs with it are with that very agent: the daemon whose
+holds the copy shows is the one its READs go to.
+
 Bounds against a hostile or broken source: ``MAX_LEASES`` leases and
-``MAX_IDS`` block ids per followed engine, ``MAX_FOLLOWS`` engines
-followed, every answer checked (ranks, id lengths, the order of changes);
-past any of them the copy is dropped and the follow starts over after a
-backoff (loads ask Claim meanwhile).
+``MAX_IDS`` block ids per followed engine, ``MAX_BYTES`` of memory per
+followed engine and ``MAX_TOTAL_BYTES`` for all of them, ``MAX_FOLLOWS``
+engines followed, every answer checked (its size and groups before it is
+converted, ``kvd.daemon.peer_client``; ranks, id lengths, the order of
+changes here); past any of them the copy is dropped and the follow starts
+over after a backoff (loads ask Claim meanwhile). A source is polled at
+most every ``MIN_POLL_S``; one that answers at once with nothing new (an
+honest one waits ``WAIT_S`` for a change), resets again within ``WAIT_S``,
+or whose answers bring more than ``UNITS_PER_S`` a second, is polled again
+only later, its copy not trusted meanwhile (no poll waits at the source for
+a lease's end).
 """
 
 from __future__ import annotations
@@ -64,10 +79,48 @@ MAX_LEASES = 1 << 17
 MAX_IDS = 1 << 22
 #: KV-cache groups per lease accepted from a source.
 MAX_GROUPS = 64
+#: Memory of the copies (bytes, estimated per lease: ``LEASE_BYTES`` plus its
+#: request id, plus ``GROUP_BYTES`` and the ids' own bytes per group;
+#: measured with tracemalloc, 331 bytes for a lease of one empty group and a
+#: 36-byte id, +121 per group, +8 per id). Counts alone did not bound it: a
+#: hostile source's 131,072 leases of 64 empty groups each (ids: 0) kept
+#: 1.7 GB per followed engine, 256 engines followed.
+LEASE_BYTES, GROUP_BYTES = 192, 128
+MAX_BYTES = 64 << 20       # one followed engine
+MAX_TOTAL_BYTES = 256 << 20  # every followed engine together
+#: Leases of one followed engine this daemon remembers having sent every
+#: notification of until the source's end of them comes (see
+#: :meth:`Follow.notified`).
+MAX_SENT = 4096
+#: Polls of one source at most every ``MIN_POLL_S`` seconds; what the
+#: answers bring (a unit per change and per KV-cache group, one per
+#: ``IDS_PER_UNIT`` block ids) at most ``UNITS_PER_S`` a second after a burst
+#: of ``BURST_UNITS``; past that the next poll waits. Measured: a hostile
+#: source answering at once kept a reader polling 1,200 times a second
+#: (42 % of a core); converting a full answer (4,096 changes) takes
+#: ~40-50 ms.
+MIN_POLL_S = 0.002
+UNITS_PER_S = 16384
+BURST_UNITS = 8192
+IDS_PER_UNIT = 256
 
 
 class BadAnswer(Exception):
     """A source's poll answer that breaks the protocol or the bounds."""
+
+
+@dataclass
+class Budget:
+    """Bytes the copies of every followed engine use (``HoldMirror``'s one,
+    shared by its follows), at most ``limit``."""
+
+    used: int = 0
+    limit: int = MAX_TOTAL_BYTES
+
+
+def lease_bytes(request_id: str, groups) -> int:
+    """The estimated memory of one lease in a copy (see ``LEASE_BYTES``)."""
+    return LEASE_BYTES + len(request_id) + sum(GROUP_BYTES + np.asarray(g).nbytes for g in groups)
 
 
 @dataclass
@@ -82,16 +135,41 @@ class Follow:
     epoch: str = ""
     seq: int = 0
     held: dict[tuple[int, str], tuple[np.ndarray, ...]] = field(default_factory=dict)
-    sent: dict[tuple[int, str], int] = field(default_factory=dict)  # notifications this daemon sent per lease
+    # Notifications this daemon sent per lease: (sent, expected), oldest
+    # first, kept until the source's end of the lease comes (at most
+    # MAX_SENT, counted in bytes and budget).
+    sent: dict[tuple[int, str], tuple[int, int]] = field(default_factory=dict)
     ids: int = 0
     answered: float = -math.inf
     last_used: float = field(default_factory=time.monotonic)
     task: asyncio.Task | None = None
+    bytes: int = 0  # the copy's memory (lease_bytes), counted in budget too
+    budget: Budget = field(default_factory=Budget)
+    # The agent of each TP rank at the daemon that answers the polls (since
+    # the last reset): the copy grants a rank only through pairs with it.
+    agents: dict[int, str] = field(default_factory=dict)
 
     def _clear(self) -> None:
         self.held.clear()
         self.sent.clear()
+        self.agents.clear()
         self.ids = 0
+        self.budget.used -= self.bytes
+        self.bytes = 0
+
+    def _charge(self, n: int) -> None:
+        self.bytes += n
+        self.budget.used += n
+
+    def _drop(self, key: tuple[int, str]) -> None:
+        old = self.held.pop(key, None)
+        if old is not None:
+            self.ids -= sum(len(g) for g in old)
+            self._charge(-lease_bytes(key[1], old))
+
+    def _unsend(self, key: tuple[int, str]) -> None:
+        if self.sent.pop(key, None) is not None:
+            self._charge(-(LEASE_BYTES + len(key[1])))
 
     def forget(self) -> None:
         """Drops the copy; the next poll starts over (a reset from the source)."""
@@ -116,18 +194,23 @@ class Follow:
             if not ch.request_id or len(ch.request_id.encode()) > BOUNDS.max_id_bytes:
                 raise BadAnswer("request id empty or too long")
             key = (ch.tp_rank, ch.request_id)
-            self.sent.pop(key, None)
-            old = self.held.pop(key, None)
-            if old is not None:
-                self.ids -= sum(len(g) for g in old)
+            self._drop(key)
             if ch.groups is None:
+                self._unsend(key)
                 continue
             if len(ch.groups) > MAX_GROUPS:
                 raise BadAnswer(f"{len(ch.groups)} KV-cache groups")
+            done = self.sent.get(key)
+            if done is not None and done[0] >= done[1]:
+                continue  # this daemon has sent every notification that ends it: not held for its loads
             self.held[key] = ch.groups
             self.ids += sum(len(g) for g in ch.groups)
-            if self.ids > MAX_IDS or len(self.held) > MAX_LEASES:
-                raise BadAnswer(f"more than {MAX_LEASES} leases or {MAX_IDS} block ids held")
+            self._charge(lease_bytes(ch.request_id, ch.groups))
+            if self.ids > MAX_IDS or len(self.held) > MAX_LEASES or self.bytes > MAX_BYTES:
+                raise BadAnswer(f"more than {MAX_LEASES} leases, {MAX_IDS} block ids or {MAX_BYTES >> 20} MiB "
+                                f"held")
+            if self.budget.used > self.budget.limit:
+                raise BadAnswer(f"the copies of every followed engine would pass {self.budget.limit >> 20} MiB")
         self.seq = ans.seq
         self.answered = now
 
@@ -135,16 +218,22 @@ class Follow:
         """This daemon sent the lease of ``request_id`` on ``tp_rank`` one of
         the ``expected`` notifications that end it (a READ's or a bare one):
         once it sent them all, the lease is gone from the copy at once, not
-        an answer later (a second load naming the same blocks asks Claim)."""
+        an answer later (a second load naming the same blocks asks Claim),
+        and stays gone if its start reaches the copy only after that (its
+        load claimed: the claim's answer came before the poll's), until the
+        source's end of it comes. Before, the count began only once the
+        lease was in the copy: a start that came late put back a lease
+        this daemon had ended, until its end came one answer later."""
         key = (tp_rank, request_id)
-        if key not in self.held:
-            return
-        n = self.sent.get(key, 0) + 1
+        old = self.sent.pop(key, None)
+        if old is None:
+            self._charge(LEASE_BYTES + len(request_id))
+        n = (0 if old is None else old[0]) + 1
+        self.sent[key] = (n, expected)  # (re)inserted last: the oldest go first
+        while len(self.sent) > MAX_SENT:
+            self._unsend(next(iter(self.sent)))
         if n >= expected:
-            self.sent.pop(key, None)
-            self.ids -= sum(len(g) for g in self.held.pop(key))
-        else:
-            self.sent[key] = n
+            self._drop(key)
 
     def covers(self, tp_rank: int, request_id: str, groups: BlockGroups, now: float) -> bool:
         """True when the copy is fresh and shows a lease of ``request_id`` on
@@ -163,6 +252,41 @@ class Follow:
         return True
 
 
+@dataclass
+class Pace:
+    """When a follow polls its source again (:meth:`after`)."""
+
+    units: float = BURST_UNITS  # what the next answers may bring at once
+    at: float = 0.0             # when ``units`` was counted (monotonic seconds)
+    reset_at: float = -math.inf  # when the last reset came
+
+    def after(self, ans: HoldsAnswer, took_s: float, now: float) -> float:
+        """Seconds to wait before the next poll, the answer ``ans`` having
+        come at ``now``, ``took_s`` seconds after its poll went out.
+
+        An honest source answers at once only with something new (changes,
+        or a reset to start over from, at a follow's start or when the
+        source restarted); with nothing, it waits ``WAIT_S``
+        (``kvd.core.hold_feed``). One that answers at once with nothing, or
+        resets again within ``WAIT_S`` (each reset costs a handshake per
+        rank paired, ``HoldMirror._learn_agents``), is polled again only
+        after ``WAIT_S``. Otherwise at least ``MIN_POLL_S`` after the last
+        poll went out, and later when the answers bring more than
+        ``UNITS_PER_S`` (after a burst of ``BURST_UNITS``).
+        """
+        if ans.reset:
+            again, self.reset_at = now - self.reset_at < WAIT_S, now
+            if again:
+                return WAIT_S
+        elif took_s < WAIT_S / 2 and not ans.changes:
+            return WAIT_S
+        self.units = min(BURST_UNITS, self.units + (now - self.at) * UNITS_PER_S)
+        self.at = now
+        self.units -= sum(1 + (0 if c.groups is None else len(c.groups) + sum(len(g) for g in c.groups)
+                                // IDS_PER_UNIT) for c in ans.changes)
+        return max(MIN_POLL_S - took_s, -self.units / UNITS_PER_S)
+
+
 class HoldMirror:
     """The followed holds of remote engines, by ``(address, engine_id)``.
 
@@ -175,6 +299,7 @@ class HoldMirror:
         self.rt = rt
         self.link = link
         self.follows: dict[tuple[str, str], Follow] = {}
+        self.budget = Budget()  # the memory of every follow's copy
         self._warned = Throttled(log)
 
     def follow(self, address: str, engine_id: str) -> None:
@@ -192,20 +317,42 @@ class HoldMirror:
             self._warned.warning("not following the holds of %s engine=%s: %d engines followed already; its "
                                  "loads claim each hold", address, engine_id, MAX_FOLLOWS)
             return
-        f = self.follows[key] = Follow(address, engine_id)
+        f = self.follows[key] = Follow(address, engine_id, budget=self.budget)
         f.task = asyncio.get_running_loop().create_task(self._run(f))
 
     def covers(self, address: str, engine_id: str, tp_rank: int, request_id: str, groups: BlockGroups) -> bool:
         """True when the followed holds of ``engine_id`` at ``address`` show
-        ``groups`` held for ``request_id`` on ``tp_rank`` (:meth:`Follow.covers`)."""
+        ``groups`` held for ``request_id`` on ``tp_rank`` (:meth:`Follow.covers`)
+        and this daemon's pairs with that rank are with the agent of the
+        daemon that answers the polls (:meth:`_same_agent`)."""
         f = self.follows.get((address, engine_id))
         if f is None:
             return False
         now = time.monotonic()
-        if not f.covers(tp_rank, request_id, groups, now):
+        if not f.covers(tp_rank, request_id, groups, now) or not self._same_agent(f, tp_rank):
             return False
         f.last_used = now
         return True
+
+    def _same_agent(self, f: Follow, tp_rank: int) -> bool:
+        """True when some local worker is paired with ``f``'s engine's rank
+        ``tp_rank`` and every such pair is with ``f.agents[tp_rank]``: the
+        daemon whose holds the copy shows is the one a READ goes to. The
+        polls have a connection of their own (``PeerClient.holds``), and an
+        address may reach several daemons (a load balancer, a DNS name of
+        several records, one per connection)."""
+        name = f.agents.get(tp_rank)
+        if name is None:
+            return False
+        key = (f.address, f.engine_id, tp_rank)
+        found = False
+        for w in self.rt.workers.values():
+            r = w.pairs.remotes.get(key)
+            if r is not None:
+                if r.agent_name != name:
+                    return False
+                found = True
+        return found
 
     def notified(self, address: str, engine_id: str, tp_rank: int, request_id: str, expected: int) -> None:
         """See :meth:`Follow.notified` (nothing when ``engine_id`` at ``address`` is not followed)."""
@@ -222,12 +369,33 @@ class HoldMirror:
         return any(r.address == address and r.engine_id == engine_id
                    for w in self.rt.workers.values() for r in w.pairs.remotes.values())
 
+    def _paired_ranks(self, address: str, engine_id: str) -> set[int]:
+        return {r.tp_rank for w in self.rt.workers.values() for r in w.pairs.remotes.values()
+                if r.address == address and r.engine_id == engine_id}
+
+    async def _learn_agents(self, f: Follow) -> dict[int, str]:
+        """Asks, on the polls' own channel, the agent of every rank of ``f``'s
+        engine this daemon is paired with and does not know it of yet
+        (``PeerClient.holds_agent``; a link without it: none, and the copy
+        grants nothing). Raises CoreError."""
+        ask = getattr(self.link, "holds_agent", None)
+        if ask is None:
+            return {}
+        return {p: await ask(f.address, f.engine_id, p, WAIT_S + 5.0)
+                for p in sorted(self._paired_ranks(f.address, f.engine_id) - f.agents.keys())}
+
     async def _run(self, f: Follow) -> None:
         """Polls ``f``'s source until the follow ends (idle, closing), keeping
         its copy; a failed poll or a bad answer drops the copy and waits a
-        doubling backoff."""
+        doubling backoff (back to the shortest only once the source has
+        not failed for ``MAX_BACKOFF_S``: a source that breaks every other
+        answer is not polled at the shortest backoff each time); between
+        polls, :meth:`Pace.after`."""
         key = (f.address, f.engine_id)
         backoff = BACKOFF_S
+        failed = -math.inf
+        learn = False
+        pace = Pace(at=time.monotonic())
         checked = time.monotonic()
         try:
             while not self.rt.closing and self.follows.get(key) is f:
@@ -240,9 +408,21 @@ class HoldMirror:
                         return
                     if self._paired(*key):
                         f.last_used = now
+                    learn = True  # pairs made since: their ranks' agents
                 try:
+                    # The agents of ranks paired with since, asked before the
+                    # poll and used only if its answer continues the copy
+                    # (the same daemon answered it: epochs are random).
+                    learnt = await self._learn_agents(f) if learn and f.epoch else {}
+                    learn = False
+                    started = time.monotonic()
                     ans = await self.link.holds(f.address, f.engine_id, f.epoch, f.seq, WAIT_S, WAIT_S + 5.0)
-                    f.apply(ans, time.monotonic())
+                    got = time.monotonic()
+                    f.apply(ans, got)
+                    if ans.reset:  # the copy starts empty: who answers now
+                        f.agents.update(await self._learn_agents(f))
+                    else:
+                        f.agents.update(learnt)
                 except (CoreError, BadAnswer) as e:
                     f.forget()
                     msg = "holds of %s engine=%s: %s; loads claim each hold, following again in %.1f s"
@@ -252,8 +432,17 @@ class HoldMirror:
                         log.debug(msg, f.address, f.engine_id, e, backoff)
                     await asyncio.sleep(backoff)
                     backoff = min(MAX_BACKOFF_S, 2 * backoff)
+                    failed = time.monotonic()
                     continue
-                backoff = BACKOFF_S
+                if got - failed > MAX_BACKOFF_S:
+                    backoff = BACKOFF_S
+                wait = pace.after(ans, got - started, got)
+                if wait > MIN_POLL_S:
+                    # No poll of this daemon waits at the source meanwhile: a
+                    # lease that ends there would not reach the copy.
+                    f.answered = -math.inf
+                if wait > 0:
+                    await asyncio.sleep(wait)
         except asyncio.CancelledError:
             raise
         except Exception:  # never let a follow die silently: its loads claim each hold

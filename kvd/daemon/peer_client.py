@@ -16,9 +16,11 @@ from google.protobuf.message import DecodeError
 from kvd import __version__
 from kvd.config import MAX_MESSAGE_BYTES
 from kvd.core import events as ev
+from kvd.core import hold_feed
+from kvd.core.hold_feed import HoldsAnswer
+from kvd.core.hold_mirror import MAX_GROUPS, MAX_IDS, BadAnswer
 from kvd.core.limits import BOUNDS
 from kvd.core.state import PROTOCOL_VERSION, HandshakeResult, PushOrder, PushResult
-from kvd.core.hold_feed import HoldsAnswer
 from kvd.daemon.convert import (
     groups_to_pb,
     handshake_from_pb,
@@ -66,6 +68,28 @@ def _error(address: str, e: grpc.aio.AioRpcError) -> ev.CoreError:
                                                             grpc.StatusCode.DEADLINE_EXCEEDED))
 
 
+def _check_holds(m: pb.HoldsResponse) -> pb.HoldsResponse:
+    """``m`` if it is within what a source answers (``kvd.core.hold_feed``:
+    changes, KV-cache groups, block ids), counted before it is converted:
+    each group becomes an array (~2-6 us and ~120 bytes each), and a hostile
+    source's answer of 8.4M empty groups held the event loop 35 s and kept
+    1.7 GB. Raises BadAnswer."""
+    if len(m.changes) > hold_feed.MAX_CHANGES_PER_ANSWER:
+        raise BadAnswer(f"{len(m.changes)} changes in one answer")
+    groups = 0
+    for c in m.changes:
+        n = len(c.groups)
+        if n > MAX_GROUPS:
+            raise BadAnswer(f"{n} KV-cache groups")
+        groups += n
+    if groups > hold_feed.MAX_GROUPS_PER_ANSWER:
+        raise BadAnswer(f"{groups} KV-cache groups in one answer")
+    ids = sum(len(g.ids) for c in m.changes for g in c.groups)
+    if ids > MAX_IDS:
+        raise BadAnswer(f"{ids} block ids in one answer")
+    return m
+
+
 class PeerClient:
     """Handshake, push, notify, claim and renew calls to remote daemons.
 
@@ -85,7 +109,11 @@ class PeerClient:
         self._closing: set[asyncio.Task] = set()
         self.auth = auth or PeerAuth()
         self.options = channel_options(max_message_bytes)
-        self.poll_options = [*self.options, ("grpc.use_local_subchannel_pool", 1)]
+        # A poll's answer is bounded by the source (kvd.core.hold_feed): one
+        # larger is refused by gRPC before it is parsed (a hostile source's
+        # answer was parsed and converted up to the 64 MiB message cap).
+        self.poll_options = [*channel_options(min(max_message_bytes, hold_feed.MAX_ANSWER_WIRE_BYTES)),
+                             ("grpc.use_local_subchannel_pool", 1)]
 
     def _channel(self, address: str, pool: dict[str, grpc.aio.Channel]) -> grpc.aio.Channel:
         ch = pool.pop(address, None)
@@ -166,7 +194,22 @@ class PeerClient:
         change ``after`` of feed ``epoch`` (``kvd.core.hold_feed``), waiting
         there up to ``wait_s`` seconds for one."""
         req = pb.HoldsRequest(engine_id=engine_id, epoch=epoch, after=after, wait_s=wait_s)
-        return holds_from_pb(await self._call(address, "Holds", req, timeout_s, poll=True))
+        return holds_from_pb(_check_holds(await self._call(address, "Holds", req, timeout_s, poll=True)))
+
+    async def holds_agent(self, address: str, engine_id: str, tp_rank: int, timeout_s: float) -> str:
+        """The NIXL agent name of worker ``(engine_id, tp_rank)`` at the daemon
+        that answers this daemon's polls of ``address`` (a Handshake on the
+        polls' own channel). The polls have a connection of their own, and
+        an address may reach several daemons (a load balancer, a DNS name of
+        several records): a follow lets loads skip the claim only where its
+        pairs are with these very agents (``kvd.core.hold_mirror``).
+        Measured before: behind an address that sent each connection to the
+        next of two daemons, a reader READ engine ``e``'s blocks on one
+        daemon with a hold of the same engine id on the other
+        (tests/test_security_attack6.py)."""
+        req = pb.HandshakeRequest(engine_id=engine_id, tp_rank=tp_rank, daemon_version=__version__,
+                                  protocol_version=PROTOCOL_VERSION)
+        return (await self._call(address, "Handshake", req, timeout_s, poll=True)).agent_name
 
     async def renew(self, address: str, engine_id: str, renewals: list[LeaseRenewal],
                     timeout_s: float) -> list[RenewResult]:
