@@ -458,13 +458,15 @@ def test_a_lease_this_daemon_ended_stays_out_of_the_copy_when_its_start_comes_la
     assert len(f.sent) == hm.MAX_SENT
 
 
-def test_a_source_is_polled_at_a_bounded_pace():
+def test_a_source_is_polled_at_a_bounded_pace(monkeypatch):
     """``Pace.after``: an answer with nothing, at once, waits ``WAIT_S`` (an
     honest source waits that long for a change); so does a reset within
     ``WAIT_S`` of the last one (each costs a handshake per rank paired);
     a first reset and small answers wait at most ``MIN_POLL_S``; answers
     past ``BURST_UNITS`` wait their share of ``UNITS_PER_S``."""
-    p = Pace(at=0.0)
+    monkeypatch.setattr(hm, "BURST_UNITS", 8192)  # a burst of one full answer (4,096 changes of one group)
+    monkeypatch.setattr(hm, "UNITS_PER_S", 16384)
+    p = Pace(at=0.0, units=8192)
     assert p.after(answer("ep", 5), 0.001, 1.0) == hm.WAIT_S
     assert p.after(answer("ep", 5), 1.0, 1.0) <= 0.0  # at the end of the source's wait
     assert p.after(answer("ep", 5, reset=True), 0.001, 1.0) <= hm.MIN_POLL_S

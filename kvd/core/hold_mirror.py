@@ -98,10 +98,15 @@ MAX_SENT = 4096
 #: of ``BURST_UNITS``; past that the next poll waits. Measured: a hostile
 #: source answering at once kept a reader polling 1,200 times a second
 #: (42 % of a core); converting a full answer (4,096 changes) takes
-#: ~40-50 ms.
+#: ~40-50 ms, ~10 us a change. An honest source at the throughput goal
+#: (10,000 one-block loads/s: a start and an end each, 2 units a change)
+#: brings ~40,000 units a second; at 16,384 the pace had capped what a copy
+#: could serve near the ~4,000 loads/s measured (docs/PERFORMANCE.md,
+#: "Per-load cost, fifth round"). A hostile source can keep a reader busy
+#: converting for up to ~0.3 of a core.
 MIN_POLL_S = 0.002
-UNITS_PER_S = 16384
-BURST_UNITS = 8192
+UNITS_PER_S = 1 << 16
+BURST_UNITS = 1 << 15
 IDS_PER_UNIT = 256
 
 
