@@ -125,10 +125,12 @@ class Config:
                                           "asked by the decode daemon); set on the decode side")
     same_node_copy: bool = _setting(True, "a load whose prefill engine is registered with this daemon too is a "
                                           "copy by the daemon (no NIXL); false: every load goes through NIXL")
-    follow_holds: bool = _setting(True, "follow the holds of each remote engine this daemon pairs with "
-                                        "(PeerService.Holds, a long poll) and READ blocks shown held without "
-                                        "asking the source per load (PeerService.Claim); false: a claim per "
-                                        "load")
+    follow_holds: bool = _setting(True, "decode (reader) side: follow the holds of each remote engine this "
+                                        "daemon pairs with (PeerService.Holds, a long poll) and READ blocks its "
+                                        "copy shows held without a per-load PeerService.Claim; a hold not in the "
+                                        "copy yet (or a source silent for 1.5 s) still claims; false: a claim "
+                                        "per load and source rank. Either way this daemon answers authenticated "
+                                        "peers' Holds polls")
     # Security (docs/SECURITY.md). Local engines: who may use the engine socket.
     engine_socket_group: str = _setting("", "group (name or gid) of the engine socket, created mode 0660 "
                                              "(empty: the daemon's group)")

@@ -166,6 +166,8 @@ def test_status_json_has_engines_peers_transfers_and_versions(ops):
     assert s["daemon_version"] == s["versions"]["kvd"]
     assert s["command_socket"] == ops.decode.socket + ".cmd" and (s["lease_s"], s["max_lease_life_s"]) == (120, 600)
     assert s["warm_peers"] == []  # none configured
+    # The decode daemon follows the prefill engine's holds once paired (the default).
+    assert s["follow_holds"] is True and s["claims_sent"] + s["claims_followed"] >= 1
     assert {"kvd", "nixl", "grpcio", "protobuf", "python"} <= set(s["versions"])
     [w] = s["workers"]
     assert (w["engine_id"], w["tp_rank"], w["tp_size"], w["model"]) == ("decode-e", 0, 1, "test-model")
@@ -265,7 +267,8 @@ def test_status_reports_the_data_path_of_each_worker():
     def node(*workers):
         return SimpleNamespace(stats=lambda: {"engines": len(workers), "not_in_the_proto": 7},
                                peer_address="h:1", workers={w.key: w for w in workers},
-                               rt=SimpleNamespace(limits=SimpleNamespace(lease_s=120.0, max_lease_life_s=600.0)))
+                               rt=SimpleNamespace(limits=SimpleNamespace(lease_s=120.0, max_lease_life_s=600.0,
+                                                                         follow_holds=False)))
 
     assert build_stats(node()).data_path == ""
     assert build_stats(node(worker("a", []))).data_path == "direct"
@@ -277,3 +280,4 @@ def test_status_reports_the_data_path_of_each_worker():
     assert re.search(r"^data path +mixed$", text, re.M) and "staged" in text
     assert re.search(r"^lease +120 s default, renewed up to 600 s after its hold$", text, re.M)
     assert re.search(r"^command socket +off \(sessions on gRPC\)$", text, re.M)
+    assert re.search(r"^claims +0 sent, 0 followed \(per source rank\); follow_holds off$", text, re.M)

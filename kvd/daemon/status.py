@@ -56,6 +56,7 @@ def build_stats(node: Node, draining: bool = False, backends: list[str] | None =
         daemon_version=__version__, peer_address=node.peer_address, draining=draining,
         backends=backends or [], metrics_address=metrics_address, command_socket=command_socket,
         lease_s=node.rt.limits.lease_s, max_lease_life_s=node.rt.limits.max_lease_life_s,
+        follow_holds=node.rt.limits.follow_holds,
         versions=_VERSIONS, **counts,
     )
     now = time.monotonic()
@@ -172,8 +173,9 @@ def render(d: dict, target: str = "") -> str:
         ("transfers", f"{d['transfers_done']} done, {d['transfers_failed']} failed, "
                       f"{d['inflight_transfers']} in flight, {human_bytes(d['bytes_read'])} read"),
         ("leases", f"{d['active_leases']} active, {d['leases_expired']} expired, {d['leases_renewed']} renewed"),
-        ("claims", f"{d.get('claims_sent', 0)} asked, {d.get('claims_followed', 0)} shown by the followed holds "
-                   f"of {d.get('holds_followed', 0)} remote engine(s)"),
+        ("claims", f"{d.get('claims_sent', 0)} sent, {d.get('claims_followed', 0)} followed (per source rank); "
+                   + (f"following the holds of {d.get('holds_followed', 0)} remote engine(s)" if d.get("follow_holds")
+                      else "follow_holds off")),
     ]
     if d.get("leaked_handles"):
         summary.append(("leaked handles", str(d["leaked_handles"])))
