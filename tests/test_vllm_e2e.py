@@ -20,8 +20,8 @@ import time
 import pytest
 
 from kvd.testing import proxy
-from kvd.testing.e2e import (check_named_kv_segments, kv_segments, run_prompts, stop_engines_and_wait_segments_gone,
-                             swapped_prompt_outputs)
+from kvd.testing.e2e import (STACK_PAIRED_S, check_named_kv_segments, kv_segments, run_prompts,
+                             stop_engines_and_wait_segments_gone, swapped_prompt_outputs)
 from kvd.testing.processes import ChildFailed, ProcessSet
 from kvd.testing.shm import pids_in_groups
 from kvd.testing.util import wait_until
@@ -291,7 +291,8 @@ def pd_tp(tiny_model_dir, tmp_path_factory):
     lines: list[str] = []
     st = PDStack(model_dir=tiny_model_dir, run_dir=tmp_path_factory.mktemp("pd-tp"), connector="kvd",
                  log=lines.append, p_extra_config={"kvd_lease_s": P_LEASE_S, "kvd_data_path": "staged"},
-                 d_extra_config={"kvd_load_timeout_s": 60}, side_args={"D": ["--tensor-parallel-size", "2"]})
+                 d_extra_config={"kvd_load_timeout_s": 60}, side_args={"D": ["--tensor-parallel-size", "2"]},
+                 warm_peers=True, wait_paired_s=STACK_PAIRED_S)
     st.start()
     try:
         yield st

@@ -58,7 +58,8 @@ import os
 import pytest
 
 from kvd.testing import proxy
-from kvd.testing.e2e import check_named_kv_segments, kv_segments, stop_engines_and_wait_segments_gone, swapped_prompt_outputs
+from kvd.testing.e2e import (STACK_PAIRED_S, check_named_kv_segments, kv_segments, stop_engines_and_wait_segments_gone,
+                             swapped_prompt_outputs)
 from kvd.testing.vllm_engines import PDStack
 
 vllm = pytest.mark.vllm
@@ -253,7 +254,8 @@ def pd_mla_tp(mla_model_dir, tmp_path_factory):
     st = PDStack(model_dir=mla_model_dir, run_dir=tmp_path_factory.mktemp("pd-mla-tp"), connector="kvd",
                        log=lines.append, engine_args=list(ENGINE_ARGS),
                        p_extra_config={"kvd_lease_s": P_LEASE_S},
-                       d_extra_config={"kvd_load_timeout_s": 60}, side_args={"D": ["--tensor-parallel-size", "2"]})
+                       d_extra_config={"kvd_load_timeout_s": 60}, side_args={"D": ["--tensor-parallel-size", "2"]},
+                       warm_peers=True, wait_paired_s=STACK_PAIRED_S)
     st.start()
     try:
         yield st

