@@ -112,6 +112,9 @@ class Config:
                                               "3600; a lease asked longer keeps its own length)")
     transfer_timeout_s: float = _setting(30.0, "a transfer not done by then fails its request, seconds")
     handshake_timeout_s: float = _setting(10.0, "deadline of one handshake with a remote daemon, seconds")
+    stall_dump_s: float = _setting(10.0, "the event loop not run for this long: every thread's Python stack "
+                                         "goes to the log (faulthandler); a shorter stall (over 2 s) is "
+                                         "logged with each thread's CPU seconds; 0: no stacks, seconds")
     detach_grace_s: float = _setting(10.0, "an engine whose session stream has been gone this long "
                                            "is unregistered, seconds")
     grace_s: float = _setting(10.0, "on SIGTERM, wait this long for transfers in flight, seconds")
@@ -250,6 +253,8 @@ class Config:
             v = getattr(self, key)
             if not math.isfinite(v) or v <= 0:
                 raise self._error(key, f"must be a finite number of seconds > 0 (got {v})")
+        if not math.isfinite(self.stall_dump_s) or self.stall_dump_s < 0:
+            raise self._error("stall_dump_s", f"must be a finite number of seconds >= 0 (got {self.stall_dump_s})")
         for key in ("poll_busy_s", "poll_idle_s"):
             v = getattr(self, key)
             if not math.isfinite(v) or not 0 < v <= 1:

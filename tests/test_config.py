@@ -83,6 +83,7 @@ def test_bad_file_values_name_the_key(tmp_path, text, words):
     ({"KVD_TRANSFER_TIMEOUT_S": "nan"}, ["transfer_timeout_s (from env", "finite"]),
     ({"KVD_POLL_BUSY_S": "0"}, ["poll_busy_s (from env KVD_POLL_BUSY_S)", "(0, 1]"]),
     ({"KVD_POLL_IDLE_S": "5"}, ["poll_idle_s (from env KVD_POLL_IDLE_S)", "(0, 1]"]),
+    ({"KVD_STALL_DUMP_S": "-1"}, ["stall_dump_s (from env KVD_STALL_DUMP_S)", ">= 0"]),
     ({"KVD_WARM_PEERS": "10.0.0.5:0/prefill-a"}, ["warm_peers (from env KVD_WARM_PEERS)", "port 0 names no daemon"]),
     ({"KVD_WARM_PEERS": "10.0.0.5:7700/"}, ["warm_peers (from env KVD_WARM_PEERS)", "host:port/engine_id"]),
 ])

@@ -203,6 +203,32 @@ def test_warm_peers_handshakes_before_any_load(tmp_path, prefill_tp2):
         d.stop()
 
 
+def test_warm_peers_pairs_a_rank_that_registers_after_its_rank_0(tmp_path):
+    """A TP engine's ranks register one after the other: D's warm-up finds
+    P's rank 0 and not yet rank 1 (NOT_FOUND), and keeps trying until rank
+    1 registers, then pairs it too, before any load (before, the pair
+    with rank 1 was tried once and left to the first load)."""
+    p = start_daemon(str(tmp_path), "P")
+    d = start_daemon(str(tmp_path), "D", "--warm-peers", f"{p.peer_address}/P")
+    made = []
+    try:
+        made.append(_register(p, "P", 0, 2, seed=10))
+        made.append(_register(d, "D", 0, 1, seed=None))
+        wait_until(lambda: d.stats().remote_agents == 1, 30, "D paired with P's rank 0")
+        wait_until(lambda: "rank(s) 1 not paired" in d.log(), 30, "D tried P's rank 1")
+        made.append(_register(p, "P", 1, 2, seed=11))
+        wait_until(lambda: d.stats().remote_agents == 2, 30, "D paired with P's rank 1 once it registered")
+        (row,) = d.stats().warm_peers
+        assert (row.state, row.paired_ranks) == ("answered", 2), row
+        assert d.stats().transfers_done == 0
+    finally:
+        for seg, s in made:
+            s.close()
+            seg.close()
+        d.stop()
+        p.stop()
+
+
 def test_a_handshake_is_answered_while_the_nixl_thread_is_busy():
     """The answer is the agent's kept metadata: it does not wait for the
     NIXL thread (here held by a 3 s job, as a long post or an agent being

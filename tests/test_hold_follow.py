@@ -205,6 +205,7 @@ def env(tmp_path_factory):
     src.hold("pair", [1])
     dst.load("pair-d", [1], src, [1], "pair")
     assert event_kind(dst.wait("pair-d")) == "recv_done"
+    assert event_kind(src.wait("pair")) == "send_done"
     wait_until(lambda: d.stats().holds_followed == 1, 30, "D follows the source's holds")
     yield src, dst
     for e in (dst, src):
@@ -218,6 +219,9 @@ def counts(dst: Engine) -> tuple[int, int]:
 
 
 def wait_held(src: Engine, rid: str) -> None:
+    """Holds ``rid`` and waits until the source counts its lease. Every
+    earlier lease of this module ended first (its ``send_done`` taken), so
+    no release can cross the count."""
     n = src.daemon.stats().active_leases
     src.hold(rid, [2, 3, 4])
     wait_until(lambda: src.daemon.stats().active_leases == n + 1, 10, f"{rid} held")
@@ -227,7 +231,10 @@ def followed_load(src: Engine, dst: Engine, tag: str, tries: int = 10) -> str:
     """Holds and loads new requests until one is served by the followed holds
     (no claim asked); returns its source request id. The copy learns a
     hold one poll answer after it is made: a load that beats it claims, as
-    it should (a busy machine may delay an answer)."""
+    it should (a busy machine may delay an answer). Each read's lease has
+    ended at the source (its ``send_done`` taken) when this returns: a
+    notification still on its way would lower ``active_leases`` under a
+    later :func:`wait_held`."""
     for i in range(tries):
         rid = f"{tag}-{i}"
         wait_held(src, rid)
@@ -237,6 +244,7 @@ def followed_load(src: Engine, dst: Engine, tag: str, tries: int = 10) -> str:
         ev = dst.wait(f"{rid}-d")
         assert event_kind(ev) == "recv_done", ev
         assert np.array_equal(dst.kv[:, 5:8], src.kv[:, 2:5])
+        assert event_kind(src.wait(rid)) == "send_done"
         s2, f2 = counts(dst)
         if f2 == followed + 1:
             assert s2 == sent, "a load the followed holds served asked a claim too"
@@ -255,8 +263,7 @@ def test_a_lease_the_readers_own_read_ended_is_claimed_again_and_refused(env):
     dropped it when the READ's notification went out, so the load asks
     Claim, and the source, whose lease has ended, refuses it."""
     src, dst = env
-    rid = followed_load(src, dst, "replay")
-    assert event_kind(src.wait(rid)) == "send_done"
+    rid = followed_load(src, dst, "replay")  # its lease ended at the source
     sent, followed = counts(dst)
     dst.load(f"{rid}-again", [5, 6, 7], src, [2, 3, 4], rid)
     ev = dst.wait(f"{rid}-again")
@@ -298,6 +305,7 @@ def test_a_frozen_source_is_not_trusted_and_its_loads_claim(env):
         src.daemon.pause(False)
     ev = dst.wait("frozen-d", 60)
     assert event_kind(ev) == "recv_done", ev
+    assert event_kind(src.wait("frozen")) == "send_done"
     s2, f2 = counts(dst)
     assert (s2, f2) == (sent + 1, followed), (sent, followed, s2, f2)
     # Answers come again: the copy is trusted again.

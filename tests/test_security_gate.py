@@ -21,11 +21,12 @@ import pytest
 from kvd.daemon import local_gate
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
-from kvd.testing.daemons import start_daemon
+from kvd import ops
+from kvd.testing.daemons import start_daemon, stats_of
 from kvd.testing.processes import child_env
 from kvd.testing.security import NOBODY, OUTSIDER, call_as, reachable_dir
 from kvd.testing.sessions import Engine, KvShape
-from kvd.testing.util import free_port
+from kvd.testing.util import free_port, wait_until
 
 ADMITTED = 65533  # admitted by allowed_uids; reaches the socket through group nogroup
 SHAPE = KvShape(num_layers=1, num_blocks=8, block_len=1024)
@@ -255,6 +256,24 @@ def test_a_refused_caller_is_answered_and_closed_by_the_gate_before_grpc(daemon)
     assert r["code"] == "PERMISSION_DENIED" and f"uid {NOBODY}" in r["details"] and "allowed_uids" in r["details"]
     assert "its connection is refused and closed" in daemon.log()
     _serves_an_engine(daemon, "refused")
+
+
+def test_closed_callers_leave_no_connection_open(daemon):
+    """Callers that hang up after their call (``kvd status`` and ``kvd
+    health`` do, once a probe period) leave nothing open: a relay whose
+    two sides have both ended is closed. Before, one call in a few left
+    both relay sockets open for good, and a liveness probe's calls filled
+    max_engine_connections_per_uid (then every engine of that uid was
+    refused)."""
+    open_before, fds_before = _metric(daemon, "kvd_engine_connections"), _fds(daemon)
+    for i in range(3 * PER_UID):
+        stats_of(daemon.socket)
+        if i % 4 == 0:
+            assert ops.health(f"unix:{daemon.socket}").code == 0
+    wait_until(lambda: _metric(daemon, "kvd_engine_connections") <= open_before, 10,
+               "every relay closed once its caller hung up")
+    assert _settled(daemon, fds_before) <= fds_before, (fds_before, _fds(daemon))
+    assert _metric(daemon, "kvd_engine_connections_refused_total", reason="max_engine_connections_per_uid") == 0
 
 
 def test_connections_are_capped_per_uid_and_overall_and_silent_ones_time_out(daemon):

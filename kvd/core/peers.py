@@ -166,26 +166,40 @@ class Peers:
 
     async def _keep_warm(self, w: Worker, address: str, engine_id: str) -> None:
         """Asks rank 0 of ``engine_id`` at ``address`` for its TP size, then
-        handshakes with the ranks ``w`` pairs with (:meth:`warm`); asked
-        again every second for the first minute while the peer does not
-        answer (P and D engines start together: a P that registers a few
-        seconds after D must be paired before D's first request, which on
-        the demo's tiny engines comes 1-2 s after registration), then after
-        2, 4 .. 30 s, until ``w`` is unregistered. An incompatible or invalid
-        peer is logged once and not tried again."""
+        handshakes with the ranks ``w`` pairs with (:meth:`warm`) until each
+        is paired; asked again every second for the first minute while the
+        peer does not answer or a rank is not paired (P and D engines start
+        together, and a TP engine's ranks register one after the other: a
+        rank that registers a few seconds after its rank 0 must be paired
+        before D's first request, which on the demo's tiny engines comes 1-2
+        s after registration), then after 2, 4 .. 30 s, until ``w`` is
+        unregistered. An incompatible or invalid peer is logged once and
+        not tried again."""
         delay, warned, started = 1.0, False, time.monotonic()
         state = WarmPeer(address, engine_id, since=started)
         w.pairs.warm.append(state)
+        tp_size = 0
         while self.rt.workers.get(w.key) is w and not (self.rt.closing or self.rt.draining):
             try:
                 if self.link is None:
                     return
-                state.tries += 1
-                hs = await self.link.handshake(address, engine_id, 0, w.compat_hash,
-                                               self.rt.limits.handshake_timeout_s)
-                state.state, state.since, state.last_error = "answered", time.monotonic(), ""
-                self.warm(w, address, engine_id, hs.tp_size)
-                return
+                if not tp_size:
+                    state.tries += 1
+                    hs = await self.link.handshake(address, engine_id, 0, w.compat_hash,
+                                                   self.rt.limits.handshake_timeout_s)
+                    tp_size = hs.tp_size
+                    state.state, state.since, state.last_error = "answered", time.monotonic(), ""
+                running = self.warm(w, address, engine_id, tp_size)
+                if running:
+                    # asyncio.wait, not gather: this task's cancellation must
+                    # not cancel handshakes that loads share.
+                    await asyncio.wait(running)
+                missing = self._unpaired(w, address, engine_id, tp_size)
+                if not missing:
+                    return
+                errors = [f.exception() for f in running if not f.cancelled() and f.exception() is not None]
+                raise PeerUnavailable(f"rank(s) {', '.join(map(str, missing))} not paired"
+                                      + (f": {errors[-1]}" if errors else ""))
             except (Incompatible, InvalidArgument) as e:
                 state.state, state.since, state.last_error = "given up", time.monotonic(), _said(e)
                 log.warning("%s: warm_peers %s/%s: %s; not tried again", w.label, address, engine_id, e)
@@ -203,6 +217,16 @@ class Peers:
             await asyncio.sleep(delay)
             if time.monotonic() - started > 60.0:
                 delay = min(30.0, 2 * delay)
+
+    def _unpaired(self, w: Worker, address: str, engine_id: str, tp_size: int) -> list[int]:
+        """The ranks of remote engine ``engine_id`` (TP size ``tp_size``) at
+        ``address`` that ``w`` reads from or notifies and has no pair with."""
+        try:
+            _, ranks = plan.source_ranks(w.key[1], w.tp_size, tp_size, w.layout.model_kv_heads(w.tp_size),
+                                         w.layout.kv_layout == "MLA")
+        except plan.PlanError:
+            return []  # the load that names this pair reports it
+        return [r for r in ranks if (address, engine_id, r) not in w.pairs.remotes]
 
     async def close(self) -> None:
         """Stops handshakes and list preparations under way (at shutdown)."""
@@ -363,15 +387,19 @@ class Peers:
                 raise g
         return {p: r for p, (r, _) in zip(ranks, got)}, any(fresh for _, fresh in got)
 
-    def warm(self, w: Worker, address: str, engine_id: str, tp_size: int) -> None:
+    def warm(self, w: Worker, address: str, engine_id: str, tp_size: int) -> list[asyncio.Future]:
         """Starts a background handshake of every local worker of ``w``'s
         engine with each rank of remote engine ``engine_id`` (TP size
         ``tp_size``) at ``address`` that it will read from or notify
         (``plan.source_ranks``) and has none with yet: each TP rank of a
         vLLM engine loads the same request on its own, a moment apart. A
-        failure is logged; the next load that needs the pair tries again."""
+        failure is logged; the next load that needs the pair tries again
+        (and :meth:`_keep_warm`, for a ``warm_peers`` engine). Returns the
+        handshakes of ``w``'s own pairs now under way (started here or
+        before)."""
+        running: list[asyncio.Future] = []
         if self.link is None or self.rt.closing or not 1 <= tp_size <= BOUNDS.max_tp_size:
-            return
+            return running
         for lw in [x for x in self.rt.workers.values() if x.key[0] == w.key[0]]:
             mla = lw.layout.kv_layout == "MLA"
             try:
@@ -381,11 +409,18 @@ class Peers:
                 continue  # the load that names this pair reports it
             for rank in ranks:
                 key = (address, engine_id, rank)
-                if key not in lw.pairs.remotes and (lw.key, key) not in self._handshakes:
-                    self._handshake_task(lw, key, tp_size, ahead=True).add_done_callback(
+                if key in lw.pairs.remotes:
+                    continue
+                fut = self._handshakes.get((lw.key, key))
+                if fut is None:
+                    fut = self._handshake_task(lw, key, tp_size, ahead=True)
+                    fut.add_done_callback(
                         lambda f, lw=lw, key=key: f.cancelled() or f.exception() is None or log.info(
                             "%s: handshake ahead of need with %s engine=%s rank=%d failed: %s", lw.label, *key,
                             f.exception()))
+                if lw is w:
+                    running.append(fut)
+        return running
 
     def _handshake_task(self, w: Worker, key: PeerKey, tp_size: int, ahead: bool = False) -> asyncio.Future:
         """The handshake of ``w`` with remote worker ``key``: the one running,

@@ -220,6 +220,9 @@ class _Relay(asyncio.Protocol):
             if a.eof and b.transport.can_write_eof():
                 b.transport.write_eof()
             a.transport.resume_reading()
+        if self.eof and other.eof:
+            self.transport.close()
+            other.transport.close()
 
     def data_received(self, data: bytes) -> None:
         tp.hit(tp.GATE_IN if type(self) is _Front else tp.GATE_OUT)  # no request id: bytes of HTTP/2 frames
@@ -230,10 +233,19 @@ class _Relay(asyncio.Protocol):
             self.other.transport.write(data)
 
     def eof_received(self):
-        if self.other is None:
-            self.eof = True
-        elif self.other.transport.can_write_eof():
-            self.other.transport.write_eof()
+        self.eof = True
+        other = self.other
+        if other is None:
+            return True  # pair() passes it on
+        if other.transport.can_write_eof():
+            other.transport.write_eof()
+        if other.eof:
+            # Both ways ended: nothing more can pass, so close both (a
+            # transport kept open after its EOF is closed by nobody else: a
+            # client gone and gRPC's end closed left both relay sockets open,
+            # counted against max_engine_connections_per_uid, for good).
+            other.transport.close()
+            return False  # closes this transport
         return True  # half-close: keep sending the other way
 
     def pause_writing(self) -> None:  # the other side reads faster than we can write: slow it

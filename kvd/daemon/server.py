@@ -57,6 +57,7 @@ from kvd.daemon.metrics import Metrics
 from kvd.daemon.peer_auth import PeerAuth, PeerAuthInterceptor
 from kvd.daemon.peer_local import LocalPeerGate
 from kvd.daemon.sdnotify import Notifier
+from kvd.daemon.stall_watch import StallWatch
 from kvd.daemon.peer_client import PeerClient
 from kvd.daemon.peer_service import PeerService
 from kvd.command_wire import command_socket_path
@@ -187,6 +188,7 @@ class Server:
         self.force_exit = asyncio.Event()
         self.peer_port = 0
         self.notifier = Notifier(config.notify_socket)
+        self.stall_watch: StallWatch | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def serve(self) -> None:
@@ -310,6 +312,8 @@ class Server:
         self._gate_open = True
         await self.fd_channel.open()
         self.node.start()
+        self.stall_watch = StallWatch(cfg.stall_dump_s)
+        self.stall_watch.start()
         metrics_at = ""
         if cfg.metrics_port:
             try:
@@ -476,6 +480,8 @@ class Server:
         """Stops the servers, unregisters every worker, stops the metrics
         endpoint and removes the engine socket and the private directory:
         whatever startup made so far (also after a failed startup)."""
+        if self.stall_watch is not None:
+            await self.stall_watch.stop()
         for name in ("engine_server", "peer_server"):
             srv = getattr(self, name, None)
             if srv is not None:
@@ -498,7 +504,13 @@ class Server:
 
 
 def run(config: Config) -> None:
-    """Runs the daemon until SIGTERM/SIGINT, on uvloop."""
+    """Runs the daemon until SIGTERM/SIGINT, on uvloop. A fatal signal
+    (SIGSEGV, SIGABRT: a crash in native code, NIXL's or UCX's) writes every
+    thread's Python stack to stderr first (``faulthandler``)."""
+    import faulthandler
+
     import uvloop
+
+    faulthandler.enable()
 
     uvloop.run(Server(config).serve())

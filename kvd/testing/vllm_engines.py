@@ -33,7 +33,7 @@ from typing import Callable
 
 from kvd.testing import proxy
 from kvd.testing.daemons import daemon_argv, kvd_health, stats_dict
-from kvd.testing.processes import Child, ProcessSet
+from kvd.testing.processes import Child, ChildFailed, ProcessSet
 from kvd.testing.util import free_port, tail
 
 def http_ok(url: str, timeout_s: float = 2.0) -> bool:
@@ -322,23 +322,42 @@ class PDStack:
         ranks it reads from (``warm_peers`` rows of ``kvd status``: state
         ``answered`` and ``paired_ranks`` at least P's TP size over D's, or 1);
         returns the seconds it took. Raises ChildFailed naming the rows when
-        they are not there within ``timeout_s`` seconds, or a child exits."""
+        they are not there within ``timeout_s`` seconds, or a child exits
+        (with every child's log tail: a CI report shows why)."""
+        import grpc
+
         t0 = time.monotonic()
         need = max(1, self._tp("P") // self._tp("D"))
         rows: list = []
+        unanswered = ""
 
         def paired() -> bool:
-            nonlocal rows
+            nonlocal rows, unanswered
             self.procs.check_alive()
-            rows = self.d_daemon.stats().get("warm_peers", [])
+            try:
+                rows = self.d_daemon.stats().get("warm_peers", [])
+            except grpc.RpcError as e:
+                # A stats call that fails says little by itself: the daemon
+                # may have died under it (the next check names its exit
+                # code and log) or be too busy to answer for now.
+                unanswered = f"{e.code().name}: {e.details()}"
+                self.log(f"D's daemon did not answer GetStats: {unanswered}")
+                time.sleep(0.5)
+                self.procs.check_alive()
+                return False
+            unanswered = ""
             return len(rows) == self._tp("D") and all(
                 r.get("state") == "answered" and r.get("paired_ranks", 0) >= need for r in rows)
 
-        while not paired():
-            if time.monotonic() - t0 > timeout_s:
-                raise self.d_daemon.child.fail(f"D's daemon did not pair with P's engine within {timeout_s:.0f} s "
-                                      f"(warm_peers: {rows})")
-            time.sleep(0.2)
+        try:
+            while not paired():
+                if time.monotonic() - t0 > timeout_s:
+                    raise self.d_daemon.child.fail(
+                        f"D's daemon did not pair with P's engine within {timeout_s:.0f} s (warm_peers: {rows}"
+                        + (f"; last GetStats: {unanswered}" if unanswered else "") + ")")
+                time.sleep(0.2)
+        except ChildFailed as e:
+            raise ChildFailed(e.name, e.what, self.log_tails()) from None
         took = time.monotonic() - t0
         self.timings["paired_s"] = took
         self.log(f"D's daemon paired with P's engine {took:.1f} s after both served")

@@ -1,0 +1,155 @@
+"""Says when the daemon's event loop stops running, and what every thread did.
+
+A stalled event loop answers nothing: engines' sessions, peers' handshakes
+and health checks all wait. Stalls of tens of seconds were seen on a 2-core
+machine during first contact under load (docs/PERFORMANCE.md, "One wire-up
+at a time"), with nothing in the log to say where the time went. Two parts:
+
+- A task wakes every :data:`TICK_S` seconds. When it wakes more than
+  :data:`WARN_S` late, it logs a WARNING: how late, the process's CPU seconds
+  over the gap and each thread's (``/proc/self/task/<tid>/stat``, by Python
+  thread name where there is one). Little CPU over a long gap means the
+  daemon waited (a lock, the GIL held by a thread blocked in a native call,
+  no CPU given); one thread's seconds mean it ran.
+- ``faulthandler.dump_traceback_later``, re-armed at every tick: when the
+  task has not re-armed it for ``stall_dump_s`` seconds, a C thread that
+  needs no GIL writes every Python thread's stack to stderr (the daemon's
+  log) while the stall lasts: which call each thread is in.
+
+The faulthandler timer is process-wide (one per process): the daemon is its
+only user.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import faulthandler
+import logging
+import os
+import sys
+import threading
+
+log = logging.getLogger("kvd.stall")
+
+TICK_S = 1.0
+WARN_S = 2.0   # a wake this late (seconds past its time) is logged
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def thread_cpu() -> dict[int, tuple[str, float]]:
+    """Each thread of this process: ``{tid: (name, CPU seconds)}``; the name
+    is the Python thread's where one runs there, else the kernel's ``comm``
+    (gRPC's, UCX's and NIXL's own threads). Empty where ``/proc`` is not
+    readable."""
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    out: dict[int, tuple[str, float]] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for t in tids:
+        try:
+            with open(f"/proc/self/task/{t}/stat", "rb") as f:
+                raw = f.read()
+        except OSError:
+            continue  # the thread ended meanwhile
+        # comm is in parentheses and may hold spaces: fields after the last ')'.
+        end = raw.rfind(b")")
+        comm = raw[raw.find(b"(") + 1:end].decode(errors="replace")
+        rest = raw[end + 2:].split()
+        utime, stime = int(rest[11]), int(rest[12])   # fields 14 and 15 of proc(5)
+        tid = int(t)
+        out[tid] = (names.get(tid, comm), (utime + stime) / _CLK_TCK)
+    return out
+
+
+def describe_gap(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],
+                 top: int = 6) -> str:
+    """The threads that ran between two :func:`thread_cpu` snapshots, most
+    CPU first: ``"kvd-nixl 12.30 s, MainThread 0.10 s, ..."`` (at most
+    ``top``; threads with no tick of CPU are left out)."""
+    used = []
+    for tid, (name, cpu) in after.items():
+        d = cpu - before.get(tid, (name, 0.0))[1]
+        if d > 0:
+            used.append((d, name, tid))
+    used.sort(reverse=True)
+    if not used:
+        return "no thread ran"
+    return ", ".join(f"{name}[{tid}] {d:.2f} s" for d, name, tid in used[:top])
+
+
+class StallWatch:
+    """The event-loop stall watch of one daemon (:meth:`start`, :meth:`stop`).
+
+    Args:
+        stall_dump_s: seconds without a tick after which every thread's
+            Python stack is written to stderr (``faulthandler``); 0: no dump,
+            the late-wake WARNING only.
+        tick_s, warn_s: the tick interval (at most a quarter of
+            ``stall_dump_s``) and the lateness logged (seconds).
+    """
+
+    def __init__(self, stall_dump_s: float, tick_s: float = TICK_S, warn_s: float = WARN_S):
+        self.stall_dump_s = stall_dump_s
+        # Re-armed at every tick: ticks well inside the dump's timeout.
+        self.tick_s = min(tick_s, stall_dump_s / 4) if stall_dump_s > 0 else tick_s
+        self.warn_s = warn_s
+        self.stalls = 0          # late wakes logged
+        self.longest_s = 0.0     # the longest, seconds past its time
+        self._task: asyncio.Task | None = None
+        self._armed = False
+
+    def start(self) -> None:
+        """Starts the watch on the running event loop."""
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="kvd-stall-watch")
+
+    async def stop(self) -> None:
+        """Stops the watch and disarms the dump."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        self._disarm()
+
+    def _arm(self) -> None:
+        if self.stall_dump_s > 0:
+            try:
+                faulthandler.dump_traceback_later(self.stall_dump_s, repeat=False, file=sys.stderr)
+                self._armed = True
+            except (RuntimeError, ValueError, OSError, AttributeError):  # stderr closed or not a file
+                self.stall_dump_s = 0
+
+    def _disarm(self) -> None:
+        if self._armed:
+            faulthandler.cancel_dump_traceback_later()
+            self._armed = False
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        cpu = os.times()
+        threads = thread_cpu()
+        try:
+            while True:
+                self._arm()
+                due = loop.time() + self.tick_s
+                await asyncio.sleep(self.tick_s)
+                late = loop.time() - due
+                now_cpu, now_threads = os.times(), thread_cpu()
+                if late > self.warn_s:
+                    self.stalls += 1
+                    self.longest_s = max(self.longest_s, late)
+                    log.warning(
+                        "event loop stalled %.1f s (nothing served meanwhile): process CPU %.2f s user, "
+                        "%.2f s system over the last %.1f s; threads that ran: %s%s", late,
+                        now_cpu.user - cpu.user, now_cpu.system - cpu.system, self.tick_s + late,
+                        describe_gap(threads, now_threads),
+                        (f"; each thread's Python stack is written to the log once a stall passes "
+                         f"{self.stall_dump_s:g} s (stall_dump_s)" if 0 < self.stall_dump_s <= late else ""))
+                cpu, threads = now_cpu, now_threads
+        finally:
+            self._disarm()
+
