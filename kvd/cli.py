@@ -107,7 +107,8 @@ def dial_address(text: str) -> str:
     try:
         split_host_port(text, "--address", min_port=1)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        # argparse names the option itself ("argument --address: ...").
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--address: ")) from None
     return text
 
 

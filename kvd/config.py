@@ -436,7 +436,9 @@ def _coerce(f, value: Any, source: str, from_text: bool) -> Any:
                 return False
             raise ConfigError(f"{where}: expected true or false (or 1/0, yes/no), got {value!r}")
         if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+            hint = (" (a string: write it without quotes)"
+                    if isinstance(value, str) and value.strip().lower() in ("true", "false") else "")
+            raise ConfigError(f"{where}: expected true or false, got {value!r}{hint}")
         return value
     if isinstance(default, int):
         if from_text:

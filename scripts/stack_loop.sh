@@ -8,8 +8,9 @@
 #
 # Usage: scripts/stack_loop.sh [N]     (N defaults to 1; about 3-5 min per
 # start on a 2-core machine). Run from the repository root; logs go to
-# ${STACK_LOOP_DIR:-/tmp/kvd-stack-loop}/<stack>-<i>.log; the exit status is
-# 0 only when every start passed.
+# ${STACK_LOOP_DIR:-/tmp/kvd-stack-loop}/<stack>-<i>.log and each start's run
+# directory (the daemons' and engines' logs) to <stack>-<i>/; the exit
+# status is 0 only when every start passed.
 set -u
 n=${1:-1}
 case $n in ''|*[!0-9]*) echo "usage: $0 [N]" >&2; exit 64 ;; esac
@@ -28,7 +29,8 @@ for i in $(seq 1 "$n"); do
     IFS='|' read -r name file expr <<<"$s"
     log="$out/$name-$i.log"
     t0=$SECONDS
-    args=(-m pytest "$file" -x -q -p no:cacheprovider)
+    rm -rf "$out/$name-$i"
+    args=(-m pytest "$file" -x -q -p no:cacheprovider --basetemp "$out/$name-$i")
     [ -n "$expr" ] && args+=(-k "$expr")
     (cd "$root" && PYTHONPATH="$root" "$py" "${args[@]}") >"$log" 2>&1
     rc=$?

@@ -80,6 +80,7 @@ def test_health_address_without_a_valid_port_is_a_usage_error(address, message):
     r = _kvd("health", "--address", address, "--timeout", "0.5")
     assert r.returncode == 64, (r.returncode, r.stderr)
     assert "--address" in r.stderr and message in r.stderr and "Traceback" not in r.stderr
+    assert "--address: --address" not in r.stderr, r.stderr  # the option named once
 
 
 def test_health_socket_and_address_together_is_a_usage_error(tmp_path):

@@ -60,6 +60,7 @@ def test_notify_socket_comes_from_systemd_not_from_settings():
     ('[kvd]\nlease_s = 5\n', ["kvd (from file", "no tables"]),
     ('metrics_port = "9400"\n', ["metrics_port (from file", "expected an integer"]),
     ("lease_s = true\n", ["lease_s (from file", "expected a number"]),
+    ('follow_holds = "true"\n', ["follow_holds (from file", "expected true or false", "without quotes"]),
     ('backends = "UCX"\n', ["backends (from file", "array of strings"]),
     ("lease_s = -1\n", ["lease_s (from file", "> 0"]),
     ("lease_s = inf\n", ["lease_s (from file", "finite"]),
