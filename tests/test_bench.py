@@ -114,3 +114,14 @@ def test_the_harness_package_imports_neither_nixl_nor_vllm():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip() == "[]", r.stdout
+
+
+def test_sched_gaps_spin_runs_and_summarises():
+    """benchmarks.sched_gaps: its spinners start and are killed, and the
+    summary counts the heartbeat's ticks (about 2 s of 50 ms ticks)."""
+    r = subprocess.run([sys.executable, "-m", "benchmarks.sched_gaps", "spin", "--seconds", "2", "--spinners", "1"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    last = r.stdout.strip().splitlines()[-1]
+    ticks = int(last.split()[0])
+    assert 10 <= ticks <= 41 and "longest gap" in last and "1 spinners, yield, nice 5" in last, last

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from kvd.daemon.stall_watch import StallWatch, describe_gap, thread_cpu
+from kvd.daemon.stall_watch import StallWatch, describe_gap, describe_machine, machine_cpu, thread_cpu
 from kvd.testing.daemons import start_daemon
 from kvd.testing.util import wait_until
 
@@ -24,6 +24,14 @@ def test_thread_cpu_names_this_thread_and_counts_its_cpu():
     assert any(name == "MainThread" for name, _ in after.values()), after
     gap = describe_gap(before, after)
     assert gap.startswith("MainThread["), gap
+
+
+def test_the_machine_cpu_breakdown_is_in_percent_of_all_cpus():
+    before = (100, 0, 50, 850, 0, 0, 0, 0)
+    after = (110, 600, 440, 850, 0, 0, 0, 0)   # 1,000 ticks: nice 600, system 390, user 10, idle 0
+    assert describe_machine(before, after) == "user 1 %, nice 60 %, system 39 %, idle 0 %, iowait 0 %, steal 0 %"
+    assert describe_machine((), after) == "not known"
+    assert len(machine_cpu()) == 8 and sum(machine_cpu()) > 0
 
 
 def test_a_blocked_loop_is_logged_and_its_stacks_written(caplog, capfd):
@@ -43,6 +51,7 @@ def test_a_blocked_loop_is_logged_and_its_stacks_written(caplog, capfd):
     assert w.stalls == 1 and 0.8 < w.longest_s < 5, (w.stalls, w.longest_s)
     (rec,) = [r for r in caplog.records if "event loop stalled" in r.getMessage()]
     assert "MainThread" in rec.getMessage() and "Python stack is written" in rec.getMessage(), rec.getMessage()
+    assert "the machine's CPUs: user" in rec.getMessage(), rec.getMessage()
     err = capfd.readouterr().err
     # faulthandler's dump, from its own C thread while the loop was blocked.
     assert "most recent call first" in err and "test_stall_watch.py" in err, err[-2000:]

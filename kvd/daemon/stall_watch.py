@@ -2,15 +2,19 @@
 
 A stalled event loop answers nothing: engines' sessions, peers' handshakes
 and health checks all wait. Stalls of tens of seconds were seen on a 2-core
-machine during first contact under load (docs/PERFORMANCE.md, "One wire-up
-at a time"), with nothing in the log to say where the time went. Two parts:
+machine while vLLM TP engines ran beside the daemons, with nothing in the
+log to say where the time went; this watch then showed the daemons' threads
+given no CPU at all while the machine's CPUs were all busy with the engines
+(docs/PERFORMANCE.md, "One wire-up at a time"). Two parts:
 
 - A task wakes every :data:`TICK_S` seconds. When it wakes more than
   :data:`WARN_S` late, it logs a WARNING: how late, the process's CPU seconds
   over the gap and each thread's (``/proc/self/task/<tid>/stat``, by Python
-  thread name where there is one). Little CPU over a long gap means the
-  daemon waited (a lock, the GIL held by a thread blocked in a native call,
-  no CPU given); one thread's seconds mean it ran.
+  thread name where there is one), and where the machine's CPUs went
+  (``/proc/stat``). Little CPU over a long gap means the daemon waited: on
+  a lock or the GIL (held by a thread blocked in a native call) when the
+  machine had idle CPU, for a CPU when it had none; one thread's seconds
+  mean it ran.
 - ``faulthandler.dump_traceback_later``, re-armed at every tick: when the
   task has not re-armed it for ``stall_dump_s`` seconds, a C thread that
   needs no GIL writes every Python thread's stack to stderr (the daemon's
@@ -61,6 +65,35 @@ def thread_cpu() -> dict[int, tuple[str, float]]:
         tid = int(t)
         out[tid] = (names.get(tid, comm), (utime + stime) / _CLK_TCK)
     return out
+
+
+_STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def machine_cpu() -> tuple[int, ...]:
+    """The machine's CPU time so far, in clock ticks, from the ``cpu`` line
+    of ``/proc/stat`` (fields as :data:`_STAT_FIELDS`); empty where it is
+    not readable."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            first = f.readline().split()
+    except OSError:
+        return ()
+    return tuple(int(x) for x in first[1:1 + len(_STAT_FIELDS)])
+
+
+def describe_machine(before: tuple[int, ...], after: tuple[int, ...]) -> str:
+    """Where the machine's CPUs went between two :func:`machine_cpu`
+    snapshots, in percent of all CPUs: ``"user 1 %, nice 60 %, system 39 %,
+    idle 0 %, iowait 0 %, steal 0 %"``. With idle near 0 and this process
+    given nothing, other processes had every CPU (on a 2-core machine, the
+    sched_yield busy-poll of vLLM's TP workers does: docs/PERFORMANCE.md,
+    "First contact")."""
+    if not before or len(before) != len(after):
+        return "not known"
+    d = dict(zip(_STAT_FIELDS, (b - a for a, b in zip(before, after))))
+    total = sum(d.values()) or 1
+    return ", ".join(f"{k} {100 * d[k] / total:.0f} %" for k in ("user", "nice", "system", "idle", "iowait", "steal"))
 
 
 def describe_gap(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],
@@ -132,24 +165,25 @@ class StallWatch:
         loop = asyncio.get_running_loop()
         cpu = os.times()
         threads = thread_cpu()
+        machine = machine_cpu()
         try:
             while True:
                 self._arm()
                 due = loop.time() + self.tick_s
                 await asyncio.sleep(self.tick_s)
                 late = loop.time() - due
-                now_cpu, now_threads = os.times(), thread_cpu()
+                now_cpu, now_threads, now_machine = os.times(), thread_cpu(), machine_cpu()
                 if late > self.warn_s:
                     self.stalls += 1
                     self.longest_s = max(self.longest_s, late)
                     log.warning(
                         "event loop stalled %.1f s (nothing served meanwhile): process CPU %.2f s user, "
-                        "%.2f s system over the last %.1f s; threads that ran: %s%s", late,
-                        now_cpu.user - cpu.user, now_cpu.system - cpu.system, self.tick_s + late,
-                        describe_gap(threads, now_threads),
+                        "%.2f s system over the last %.1f s; threads that ran: %s; the machine's CPUs: %s%s",
+                        late, now_cpu.user - cpu.user, now_cpu.system - cpu.system, self.tick_s + late,
+                        describe_gap(threads, now_threads), describe_machine(machine, now_machine),
                         (f"; each thread's Python stack is written to the log once a stall passes "
                          f"{self.stall_dump_s:g} s (stall_dump_s)" if 0 < self.stall_dump_s <= late else ""))
-                cpu, threads = now_cpu, now_threads
+                cpu, threads, machine = now_cpu, now_threads, now_machine
         finally:
             self._disarm()
 
