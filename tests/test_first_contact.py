@@ -229,6 +229,63 @@ def test_warm_peers_pairs_a_rank_that_registers_after_its_rank_0(tmp_path):
         p.stop()
 
 
+def test_a_warm_peer_whose_rank_0_claims_a_huge_tp_size_is_given_up(tmp_path):
+    """A hostile or broken peer's rank 0 answers TP size 1,000,000 (the
+    field is a uint32): the daemon gives the peer up at once (a size past
+    BOUNDS.max_tp_size), logs it once, and never plans a million ranks on
+    its event loop (before: one 7.9 MB log line a second, 6 s of CPU in 12 s,
+    and at 8M the loop blocked 18 s)."""
+    import asyncio
+    import threading
+
+    import grpc
+
+    from kvd.testing.util import free_port
+    from kvd.v1 import kvd_pb2_grpc as pb_grpc
+
+    asked = []
+
+    class Hostile(pb_grpc.PeerServiceServicer):
+        async def Handshake(self, req, ctx):
+            asked.append(req.tp_rank)
+            return pb.HandshakeResponse(agent_metadata=b"x", agent_name="a", compat_hash=req.compat_hash,
+                                        protocol_version=req.protocol_version, daemon_version="evil",
+                                        tp_size=1_000_000, regions=[pb.Region(block_len=1)], region_base_addrs=[1],
+                                        memory="DRAM", layout=pb.Layout(kv_layout=pb.KV_LAYOUT_NHD, num_blocks=1))
+
+    port, ready, stop = free_port(), threading.Event(), threading.Event()
+
+    async def serve():
+        srv = grpc.aio.server()
+        pb_grpc.add_PeerServiceServicer_to_server(Hostile(), srv)
+        srv.add_insecure_port(f"127.0.0.1:{port}")
+        await srv.start()
+        ready.set()
+        while not stop.is_set():
+            await asyncio.sleep(0.1)
+        await srv.stop(None)
+
+    t = threading.Thread(target=lambda: asyncio.run(serve()), daemon=True)
+    t.start()
+    assert ready.wait(30)
+    d = start_daemon(str(tmp_path), "D", "--warm-peers", f"127.0.0.1:{port}/P")
+    seg, s = _register(d, "D", 0, 1, seed=None)
+    try:
+        wait_until(lambda: [r.state for r in d.stats().warm_peers] == ["given up"], 30, "the peer given up")
+        time.sleep(2.0)  # it is not asked again
+        (row,) = d.stats().warm_peers
+        assert row.tries == 1 and "tp_size must be in 1.." in row.last_error, row
+        assert asked == [0], asked
+        log = d.log()
+        assert log.count("not tried again") == 1 and len(log) < 200_000, len(log)
+    finally:
+        s.close()
+        seg.close()
+        d.stop()
+        stop.set()
+        t.join(10)
+
+
 def test_a_handshake_is_answered_while_the_nixl_thread_is_busy():
     """The answer is the agent's kept metadata: it does not wait for the
     NIXL thread (here held by a 3 s job, as a long post or an agent being

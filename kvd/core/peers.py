@@ -173,33 +173,45 @@ class Peers:
         rank that registers a few seconds after its rank 0 must be paired
         before D's first request, which on the demo's tiny engines comes 1-2
         s after registration), then after 2, 4 .. 30 s, until ``w`` is
-        unregistered. An incompatible or invalid peer is logged once and
-        not tried again."""
+        unregistered; rank 0 is asked at each try, so a TP size that
+        changed (the prefill engine restarted) is followed. A peer whose
+        rank 0 is incompatible or described out of bounds
+        (:func:`check_peer`: a TP size past ``BOUNDS.max_tp_size``, a
+        foreign hash) is logged once and not tried again; another rank's
+        error is tried again at the same pace."""
         delay, warned, started = 1.0, False, time.monotonic()
         state = WarmPeer(address, engine_id, since=started)
         w.pairs.warm.append(state)
-        tp_size = 0
         while self.rt.workers.get(w.key) is w and not (self.rt.closing or self.rt.draining):
             try:
                 if self.link is None:
                     return
-                if not tp_size:
-                    state.tries += 1
-                    hs = await self.link.handshake(address, engine_id, 0, w.compat_hash,
-                                                   self.rt.limits.handshake_timeout_s)
-                    tp_size = hs.tp_size
-                    state.state, state.since, state.last_error = "answered", time.monotonic(), ""
-                running = self.warm(w, address, engine_id, tp_size)
+                # Rank 0 is asked at every try: it says the engine's TP size
+                # now (a prefill engine restarted with another TP size is
+                # followed), and a peer it describes badly (a TP size past
+                # BOUNDS.max_tp_size, a foreign layout) is given up here.
+                state.tries += 1
+                hs = await self.link.handshake(address, engine_id, 0, w.compat_hash,
+                                               self.rt.limits.handshake_timeout_s)
+                check_peer(w, hs, f"warm_peers {address}/{engine_id} rank 0")
+                if state.state != "answered":
+                    state.state, state.since = "answered", time.monotonic()
+                state.last_error = ""
+                running = self.warm(w, address, engine_id, hs.tp_size)
                 if running:
                     # asyncio.wait, not gather: this task's cancellation must
                     # not cancel handshakes that loads share.
                     await asyncio.wait(running)
-                missing = self._unpaired(w, address, engine_id, tp_size)
+                missing = self._unpaired(w, address, engine_id, hs.tp_size)
                 if not missing:
                     return
+                # A rank's own error (not registered yet, a restart under
+                # way) is retried at the same bounded pace; only rank 0's
+                # description gives the peer up.
                 errors = [f.exception() for f in running if not f.cancelled() and f.exception() is not None]
-                raise PeerUnavailable(f"rank(s) {', '.join(map(str, missing))} not paired"
-                                      + (f": {errors[-1]}" if errors else ""))
+                shown = ", ".join(map(str, missing[:8])) + (f" and {len(missing) - 8} more" if len(missing) > 8
+                                                            else "")
+                raise PeerUnavailable(f"rank(s) {shown} not paired" + (f": {errors[-1]}" if errors else ""))
             except (Incompatible, InvalidArgument) as e:
                 state.state, state.since, state.last_error = "given up", time.monotonic(), _said(e)
                 log.warning("%s: warm_peers %s/%s: %s; not tried again", w.label, address, engine_id, e)
@@ -220,7 +232,10 @@ class Peers:
 
     def _unpaired(self, w: Worker, address: str, engine_id: str, tp_size: int) -> list[int]:
         """The ranks of remote engine ``engine_id`` (TP size ``tp_size``) at
-        ``address`` that ``w`` reads from or notifies and has no pair with."""
+        ``address`` that ``w`` reads from or notifies and has no pair with
+        (none for a TP size out of ``1..BOUNDS.max_tp_size``: never planned)."""
+        if not 1 <= tp_size <= BOUNDS.max_tp_size:
+            return []
         try:
             _, ranks = plan.source_ranks(w.key[1], w.tp_size, tp_size, w.layout.model_kv_heads(w.tp_size),
                                          w.layout.kv_layout == "MLA")
