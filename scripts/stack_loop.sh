@@ -6,7 +6,7 @@
 # (tests/test_vllm_e2e_mla.py -k tp1_to_tp2). Each start is its own pytest
 # run with -x (a fresh stack: daemons, engines, first contact between them).
 #
-# Usage: scripts/stack_loop.sh [N]     (N defaults to 1; about 3-5 min per
+# Usage: scripts/stack_loop.sh [N]     (N defaults to 1; about 1-2 min per
 # start on a 2-core machine). Run from the repository root; logs go to
 # ${STACK_LOOP_DIR:-/tmp/kvd-stack-loop}/<stack>-<i>.log and each start's run
 # directory (the daemons' and engines' logs) to <stack>-<i>/; the exit

@@ -5,7 +5,7 @@ and health checks all wait. Stalls of tens of seconds were seen on a 2-core
 machine while vLLM TP engines ran beside the daemons, with nothing in the
 log to say where the time went; this watch then showed the daemons' threads
 given no CPU at all while the machine's CPUs were all busy with the engines
-(docs/PERFORMANCE.md, "One wire-up at a time"). Two parts:
+(docs/PERFORMANCE.md, "Daemons given no CPU"). Two parts:
 
 - A task wakes every :data:`TICK_S` seconds. When it wakes more than
   :data:`WARN_S` late, it logs a WARNING: how late, the process's CPU seconds
@@ -18,7 +18,8 @@ given no CPU at all while the machine's CPUs were all busy with the engines
 - ``faulthandler.dump_traceback_later``, re-armed at every tick: when the
   task has not re-armed it for ``stall_dump_s`` seconds, a C thread that
   needs no GIL writes every Python thread's stack to stderr (the daemon's
-  log) while the stall lasts: which call each thread is in.
+  log) once per stall: which call each thread is in. It is plain text,
+  also under ``log_format = "json"``.
 
 The faulthandler timer is process-wide (one per process): the daemon is its
 only user.
@@ -86,9 +87,8 @@ def describe_machine(before: tuple[int, ...], after: tuple[int, ...]) -> str:
     """Where the machine's CPUs went between two :func:`machine_cpu`
     snapshots, in percent of all CPUs: ``"user 1 %, nice 60 %, system 39 %,
     idle 0 %, iowait 0 %, steal 0 %"``. With idle near 0 and this process
-    given nothing, other processes had every CPU (on a 2-core machine, the
-    sched_yield busy-poll of vLLM's TP workers does: docs/PERFORMANCE.md,
-    "First contact")."""
+    given nothing, other processes had every CPU (vLLM TP engines on a
+    2-core machine did: docs/PERFORMANCE.md, "Daemons given no CPU")."""
     if not before or len(before) != len(after):
         return "not known"
     d = dict(zip(_STAT_FIELDS, (b - a for a, b in zip(before, after))))

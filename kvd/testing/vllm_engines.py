@@ -95,8 +95,11 @@ def engine_argv(model_dir: str, port: int, kv_transfer_config: dict | None,
 
 
 #: ``nice`` increment of the stack's engines (the daemons run at the
-#: caller's priority): CFS then gives a daemon thread about 3 times an engine
-#: thread's share of a contended core (weights 1024 vs 335, sched(7)).
+#: caller's priority): meant to give a daemon thread about 3 times an engine
+#: thread's share of a contended core (weights 1024 vs 335, sched(7)). With
+#: autogroups on (this machine), each process started in its own session is
+#: its own scheduling group and nice weighs threads only within one, so it
+#: likely does nothing here (docs/PERFORMANCE.md, "Daemons given no CPU").
 ENGINE_NICE = 5
 
 
