@@ -63,6 +63,18 @@ WIRE_UP_WAIT_S = 2.0
 
 
 
+def _paired_ranks(w: Worker, tp_size: int) -> list[int]:
+    """The ranks of a remote engine of TP size ``tp_size`` that local worker
+    ``w`` reads from or notifies (``plan.source_ranks``); none when no plan
+    fits (the load that names the pair reports it)."""
+    try:
+        _, ranks = plan.source_ranks(w.key[1], w.tp_size, tp_size, w.layout.model_kv_heads(w.tp_size),
+                                     w.layout.kv_layout == "MLA")
+    except plan.PlanError:
+        return []
+    return list(ranks)
+
+
 def check_peer(w: Worker, hs: HandshakeResult, what: str) -> None:
     """Validates a peer worker's description before any NIXL call uses it.
 
@@ -236,12 +248,7 @@ class Peers:
         (none for a TP size out of ``1..BOUNDS.max_tp_size``: never planned)."""
         if not 1 <= tp_size <= BOUNDS.max_tp_size:
             return []
-        try:
-            _, ranks = plan.source_ranks(w.key[1], w.tp_size, tp_size, w.layout.model_kv_heads(w.tp_size),
-                                         w.layout.kv_layout == "MLA")
-        except plan.PlanError:
-            return []  # the load that names this pair reports it
-        return [r for r in ranks if (address, engine_id, r) not in w.pairs.remotes]
+        return [r for r in _paired_ranks(w, tp_size) if (address, engine_id, r) not in w.pairs.remotes]
 
     async def close(self) -> None:
         """Stops handshakes and list preparations under way (at shutdown)."""
@@ -416,13 +423,7 @@ class Peers:
         if self.link is None or self.rt.closing or not 1 <= tp_size <= BOUNDS.max_tp_size:
             return running
         for lw in [x for x in self.rt.workers.values() if x.key[0] == w.key[0]]:
-            mla = lw.layout.kv_layout == "MLA"
-            try:
-                _, ranks = plan.source_ranks(lw.key[1], lw.tp_size, tp_size, lw.layout.model_kv_heads(lw.tp_size),
-                                             mla)
-            except plan.PlanError:
-                continue  # the load that names this pair reports it
-            for rank in ranks:
+            for rank in _paired_ranks(lw, tp_size):
                 key = (address, engine_id, rank)
                 if key in lw.pairs.remotes:
                     continue
