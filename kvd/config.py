@@ -176,14 +176,17 @@ class Config:
                                            "comma-separated host:port/engine_id (a remote daemon's peer address "
                                            "and the engine_id of a prefill engine registered there: set a fixed "
                                            "one in its --kv-transfer-config): every TP rank of it, for each "
-                                           "local worker at its registration, retried until it answers",
+                                           "local worker at its registration, retried until it answers, "
+                                           "paired again whenever a pair is dropped (the engine restarted) "
+                                           "and never released as idle",
                                      factory=list)
     peer_check_s: float = _setting(15.0, "each remote worker this daemon reads from is asked (a handshake) "
                                          "this often whether its daemon and engine are still there, seconds")
     peer_dead_s: float = _setting(45.0, "a remote daemon that has not answered for this long has its agents "
                                         "and descriptor lists released here (the next load handshakes again), "
                                         "seconds")
-    peer_idle_s: float = _setting(600.0, "a remote worker no load has used for this long is released, seconds")
+    peer_idle_s: float = _setting(600.0, "a remote worker no load has used for this long is released "
+                                         "(not one of a warm_peers engine), seconds")
     # Bounds.
     max_message_bytes: int = _setting(MAX_MESSAGE_BYTES, "largest gRPC message received or sent, bytes "
                                                          "(both ports)")

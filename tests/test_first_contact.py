@@ -229,6 +229,44 @@ def test_warm_peers_pairs_a_rank_that_registers_after_its_rank_0(tmp_path):
         p.stop()
 
 
+def test_warm_peers_pairs_again_after_the_peer_engine_restarts(tmp_path):
+    """A warm peer's engine goes away (its pair is dropped at a liveness
+    check: NOT_FOUND) and registers again: D pairs with it again in the
+    background, before any load, as at start-up (before, only the first
+    pairing was made ahead of need and the first load after the restart
+    paid for first contact)."""
+    p = start_daemon(str(tmp_path), "P")
+    # A liveness check every second; a pair is dropped once no claim can be
+    # in flight on it (BOUNDS.max_claim_wait_s + handshake_timeout_s, ~7 s).
+    d = start_daemon(str(tmp_path), "D", "--warm-peers", f"{p.peer_address}/P", "--peer-check-s", "1",
+                     "--handshake-timeout-s", "2")
+    made = []
+    try:
+        made.append(_register(p, "P", 0, 1, seed=10))
+        made.append(_register(d, "D", 0, 1, seed=None))
+        wait_until(lambda: d.stats().remote_agents == 1, 30, "D paired with P")
+        first = d.stats().remote_workers[0].agent_name
+        seg, s = made.pop(0)
+        s.close()
+        seg.close()
+        wait_until(lambda: "a pair was dropped; pairing again" in d.log(), 60, "D saw the pair dropped")
+        assert d.stats().warm_peers[0].state == "trying"
+        made.append(_register(p, "P", 0, 1, seed=11))
+        wait_until(lambda: [r.agent_name for r in d.stats().remote_workers] not in ([], [first]), 30,
+                   "D paired with P's engine again")
+        st = d.stats()
+        assert len(st.remote_workers) == 1
+        (row,) = st.warm_peers
+        assert (row.state, row.paired_ranks) == ("answered", 1), row
+        assert st.transfers_done == 0
+    finally:
+        for seg, s in made:
+            s.close()
+            seg.close()
+        d.stop()
+        p.stop()
+
+
 def test_a_warm_peer_whose_rank_0_claims_a_huge_tp_size_is_given_up(tmp_path):
     """A hostile or broken peer's rank 0 answers TP size 1,000,000 (the
     field is a uint32): the daemon gives the peer up at once (a size past

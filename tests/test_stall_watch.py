@@ -92,3 +92,28 @@ def test_a_stopped_daemon_says_so_when_it_runs_again(tmp_path):
     finally:
         code = d.stop()
     assert code == 0, (code, d.log_tail(40))
+
+
+def test_an_engine_session_is_weighted_below_the_daemons_where_autogroups_are_on(tmp_path):
+    """The vLLM stacks weigh each engine's session with ENGINE_NICE: with
+    autogroups on, a thread's own nice does not weigh it against another
+    session's threads (sched(7)), so ``nice -n 5`` alone left the engines at
+    the daemons' weight. The autogroup's nice is what the kernel reads."""
+    from kvd.testing.processes import ProcessSet, set_autogroup_nice
+    from kvd.testing.vllm_engines import ENGINE_NICE
+
+    try:
+        enabled = open("/proc/sys/kernel/sched_autogroup_enabled").read().strip() == "1"
+    except OSError:
+        enabled = False
+    if not enabled:
+        pytest.skip("autogroups are off here (sched_autogroup_enabled)")
+    with ProcessSet(tmp_path) as procs:
+        child = procs.start("sleeper", ["sleep", "30"])
+        before = open(f"/proc/{child.pid}/autogroup").read()
+        assert before.endswith("nice 0\n"), before
+        assert set_autogroup_nice(child.pid, ENGINE_NICE)
+        assert open(f"/proc/{child.pid}/autogroup").read().endswith(f"nice {ENGINE_NICE}\n")
+        # Our own session is another group, untouched.
+        assert open("/proc/self/autogroup").read() != open(f"/proc/{child.pid}/autogroup").read()
+    assert not set_autogroup_nice(child.pid, ENGINE_NICE)  # gone: False, no exception

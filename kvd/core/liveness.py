@@ -8,9 +8,12 @@ released, through ``Peers.retire`` (freed once no posted READ uses it), when:
 
 - its daemon has not answered for ``peer_dead_s`` (killed, its host gone);
 - its engine is no longer registered there, or no longer compatible;
-- no load has used it for ``peer_idle_s``;
+- no load has used it for ``peer_idle_s``, unless it is a ``warm_peers``
+  engine's (kept paired for the next load);
 
-and the next load handshakes again (a daemon back on the address serves it).
+and the next load handshakes again (a daemon back on the address serves it;
+a ``warm_peers`` engine's pairs are made again in the background,
+``Peers._keep_warm``).
 An answer naming another agent (the peer restarted) retires the old one and
 handshakes anew in the background. A dead peer's state goes within about
 ``peer_dead_s + peer_check_s``. Before, a SIGKILLed peer's agent stayed
@@ -71,7 +74,7 @@ class Liveness:
         users: dict[PeerKey, list[tuple[Worker, RemoteWorker]]] = {}
         for w in list(self.rt.workers.values()):
             for key, r in list(w.pairs.remotes.items()):
-                if now - r.last_used > limits.peer_idle_s:
+                if now - r.last_used > limits.peer_idle_s and w.pairs.warm_peer(r.address, r.engine_id) is None:
                     self.peers.retire(w, r, f"no load used it for {limits.peer_idle_s:.0f} s (peer_idle_s)",
                                       again=False)
                 else:

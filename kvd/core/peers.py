@@ -177,27 +177,61 @@ class Peers:
             task.add_done_callback(self._warming.discard)
 
     async def _keep_warm(self, w: Worker, address: str, engine_id: str) -> None:
-        """Asks rank 0 of ``engine_id`` at ``address`` for its TP size, then
+        """Keeps ``w`` paired with every rank of ``warm_peers`` engine
+        ``engine_id`` at ``address`` that it reads from or notifies, for as
+        long as ``w`` is registered: pairs them (:meth:`_pair_warm`), then
+        waits until a pair is dropped (``WarmPeer.dropped``, set by
+        :meth:`retire`: its engine gone or its daemon silent at a liveness
+        check, an agent name reused) or found missing (looked at locally
+        every ``peer_check_s``), and pairs again at the same pace as at
+        start-up, so the first load after a prefill engine's restart does
+        not pay for first contact either. Ends when the peer is given up."""
+        state = WarmPeer(address, engine_id, since=time.monotonic())
+        w.pairs.warm.append(state)
+        while self._keeps_warming(w):
+            tp_size = await self._pair_warm(w, state)
+            if tp_size is None:
+                return
+            while self._keeps_warming(w):
+                state.dropped.clear()
+                if self._unpaired(w, address, engine_id, tp_size):
+                    break
+                try:
+                    await asyncio.wait_for(state.dropped.wait(), self.rt.limits.peer_check_s)
+                except asyncio.TimeoutError:
+                    pass
+            else:
+                return
+            log.info("%s: warm_peers %s/%s: a pair was dropped; pairing again", w.label, address, engine_id)
+            state.state, state.since = "trying", time.monotonic()
+
+    def _keeps_warming(self, w: Worker) -> bool:
+        """Whether ``w``'s ``warm_peers`` handshakes go on (``w`` still
+        registered, the daemon not closing or draining)."""
+        return self.rt.workers.get(w.key) is w and not (self.rt.closing or self.rt.draining)
+
+    async def _pair_warm(self, w: Worker, state: WarmPeer) -> int | None:
+        """Asks rank 0 of ``state``'s engine for its TP size, then
         handshakes with the ranks ``w`` pairs with (:meth:`warm`) until each
         is paired; asked again every second for the first minute while the
         peer does not answer or a rank is not paired (P and D engines start
         together, and a TP engine's ranks register one after the other: a
         rank that registers a few seconds after its rank 0 must be paired
         before D's first request, which on the demo's tiny engines comes 1-2
-        s after registration), then after 2, 4 .. 30 s, until ``w`` is
-        unregistered; rank 0 is asked at each try, so a TP size that
-        changed (the prefill engine restarted) is followed. A peer whose
-        rank 0 is incompatible or described out of bounds
-        (:func:`check_peer`: a TP size past ``BOUNDS.max_tp_size``, a
-        foreign hash) is logged once and not tried again; another rank's
-        error is tried again at the same pace."""
+        s after registration), then after 2, 4 .. 30 s. Rank 0 is asked at
+        each try, so a TP size that changed (the prefill engine restarted)
+        is followed. Returns the TP size once every rank is paired; None
+        when ``w`` is gone, the daemon stops, or the peer is given up: a
+        rank 0 incompatible or described out of bounds (:func:`check_peer`:
+        a TP size past ``BOUNDS.max_tp_size``, a foreign hash) is logged
+        once and not tried again; another rank's error is tried again at
+        the same pace."""
+        address, engine_id = state.address, state.engine_id
         delay, warned, started = 1.0, False, time.monotonic()
-        state = WarmPeer(address, engine_id, since=started)
-        w.pairs.warm.append(state)
-        while self.rt.workers.get(w.key) is w and not (self.rt.closing or self.rt.draining):
+        while self._keeps_warming(w):
             try:
                 if self.link is None:
-                    return
+                    return None
                 # Rank 0 is asked at every try: it says the engine's TP size
                 # now (a prefill engine restarted with another TP size is
                 # followed), and a peer it describes badly (a TP size past
@@ -216,7 +250,7 @@ class Peers:
                     await asyncio.wait(running)
                 missing = self._unpaired(w, address, engine_id, hs.tp_size)
                 if not missing:
-                    return
+                    return hs.tp_size
                 # A rank's own error (not registered yet, a restart under
                 # way) is retried at the same bounded pace; only rank 0's
                 # description gives the peer up.
@@ -227,7 +261,7 @@ class Peers:
             except (Incompatible, InvalidArgument) as e:
                 state.state, state.since, state.last_error = "given up", time.monotonic(), _said(e)
                 log.warning("%s: warm_peers %s/%s: %s; not tried again", w.label, address, engine_id, e)
-                return
+                return None
             except Exception as e:
                 state.last_error = _said(e)
                 # A peer starting after this daemon is expected for a while
@@ -241,6 +275,7 @@ class Peers:
             await asyncio.sleep(delay)
             if time.monotonic() - started > 60.0:
                 delay = min(30.0, 2 * delay)
+        return None
 
     def _unpaired(self, w: Worker, address: str, engine_id: str, tp_size: int) -> list[int]:
         """The ranks of remote engine ``engine_id`` (TP size ``tp_size``) at
@@ -269,6 +304,9 @@ class Peers:
                      "; handshaking again in the background" if again else "")
             if again:
                 self.warm(w, remote.address, remote.engine_id, remote.tp_size)
+            warm = w.pairs.warm_peer(remote.address, remote.engine_id)
+            if warm is not None:
+                warm.dropped.set()  # _keep_warm pairs it again
 
     def _load_agent(self, w: Worker, name: str, metadata: bytes, introducer: PeerKey,
                     phases: dict[str, float] | None = None) -> str:

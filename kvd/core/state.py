@@ -245,12 +245,14 @@ class WorkerMemory:
 class WarmPeer:
     """One ``warm_peers`` entry as one local worker sees it (``kvd status``).
 
-    ``state``: ``"trying"`` (its daemon not answered yet), ``"answered"``
-    (its TP size known, its ranks handshaken or under way:
-    ``kvd.core.peers.Peers.warm``), ``"given up"`` (incompatible or
-    invalid, not tried again). ``since``: monotonic seconds it entered the
-    state; ``tries``: handshakes asked of its rank 0; ``last_error``: the
-    last try's error ("" after an answer).
+    ``state``: ``"trying"`` (its daemon not answered yet, or not since a
+    pair with it was dropped), ``"answered"`` (its TP size known, its ranks
+    handshaken or under way: ``kvd.core.peers.Peers.warm``), ``"given up"``
+    (incompatible or invalid, not tried again). ``since``: monotonic
+    seconds it entered the state; ``tries``: handshakes asked of its rank
+    0; ``last_error``: the last try's error ("" after an answer).
+    ``dropped``: set when a pair with it is retired
+    (``kvd.core.peers.Peers.retire``), so pairing starts again at once.
     """
 
     address: str
@@ -259,6 +261,7 @@ class WarmPeer:
     since: float = 0.0
     tries: int = 0
     last_error: str = ""
+    dropped: asyncio.Event = field(default_factory=asyncio.Event, repr=False, compare=False)
 
 
 @dataclass
@@ -282,6 +285,11 @@ class WorkerPairs:
     def all(self) -> list[RemoteWorker]:
         """Every remote with prepped lists (sources, retired, readers)."""
         return [*self.remotes.values(), *self.retired, *self.readers.values()]
+
+    def warm_peer(self, address: str, engine_id: str) -> WarmPeer | None:
+        """The ``warm_peers`` entry naming remote engine ``engine_id`` at
+        ``address``, or None when it is not one."""
+        return next((p for p in self.warm if (p.address, p.engine_id) == (address, engine_id)), None)
 
 
 @dataclass

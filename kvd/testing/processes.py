@@ -51,6 +51,25 @@ def die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
 
 
+def set_autogroup_nice(pid: int, nice: int) -> bool:
+    """Sets the nice value of ``pid``'s autogroup (``/proc/<pid>/autogroup``,
+    sched(7)): the weight of its whole session against other sessions'.
+
+    With autogroups on (``/proc/sys/kernel/sched_autogroup_enabled``), every
+    child started in its own session is its own scheduling group, and a
+    thread's own nice weighs it only within that group: ``nice -n 5`` on an
+    engine does not put it below a daemon started in another session; this
+    does. Raising it needs no privilege for one's own children; lowering it
+    needs CAP_SYS_NICE. Returns False where it cannot be set (no autogroups,
+    the process gone, not permitted)."""
+    try:
+        with open(f"/proc/{pid}/autogroup", "w") as f:
+            f.write(str(nice))
+        return True
+    except OSError:
+        return False
+
+
 def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
     """``os.environ`` plus ``env``, with :data:`KVD_ROOT` first on PYTHONPATH."""
     full = {**os.environ, **(env or {})}

@@ -33,7 +33,7 @@ from typing import Callable
 
 from kvd.testing import proxy
 from kvd.testing.daemons import daemon_argv, kvd_health, stats_dict
-from kvd.testing.processes import Child, ChildFailed, ProcessSet
+from kvd.testing.processes import Child, ChildFailed, ProcessSet, set_autogroup_nice
 from kvd.testing.util import free_port, tail
 
 def http_ok(url: str, timeout_s: float = 2.0) -> bool:
@@ -95,11 +95,13 @@ def engine_argv(model_dir: str, port: int, kv_transfer_config: dict | None,
 
 
 #: ``nice`` increment of the stack's engines (the daemons run at the
-#: caller's priority): meant to give a daemon thread about 3 times an engine
-#: thread's share of a contended core (weights 1024 vs 335, sched(7)). With
+#: caller's priority): meant to give a daemon about 3 times an engine's
+#: share of a contended core (weights 1024 vs 335, sched(7)). With
 #: autogroups on (this machine), each process started in its own session is
-#: its own scheduling group and nice weighs threads only within one, so it
-#: likely does nothing here (docs/PERFORMANCE.md, "Daemons given no CPU").
+#: its own scheduling group and a thread's nice weighs it only within its
+#: group, so the engine's session gets the same value as its autogroup's
+#: nice (:func:`kvd.testing.processes.set_autogroup_nice`; docs/PERFORMANCE.md,
+#: "Daemons given no CPU").
 ENGINE_NICE = 5
 
 
@@ -414,6 +416,8 @@ class PDStack:
             # at equal weight the daemons' event loops wait behind them
             # (nice execs the engine: the pid is the engine's).
             child = self.procs.start(f"engine-{name}", ["nice", "-n", str(ENGINE_NICE), *argv], env=env, wave=1)
+            # Its session's weight too (autogroups): its TP workers are in it.
+            set_autogroup_nice(child.pid, ENGINE_NICE)
             self.engines[name] = StackEngine(name, port, child, cfg)
             self.log(f"started engine {name}: pid {child.pid}, http://127.0.0.1:{port}")
         for name, e in self.engines.items():
