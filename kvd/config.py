@@ -238,6 +238,9 @@ class Config:
                     parse_host_port(value, key)
                 except ConfigError as e:
                     raise self._error(key, str(e).removeprefix(f"{key}: ")) from None
+        # One entry per engine: a repeated one would start a second warm-up
+        # of the same pairs that no drop of them wakes (Peers._keep_warm).
+        self.warm_peers = list(dict.fromkeys(self.warm_peers))
         for entry in self.warm_peers:
             address, sep, engine_id = entry.partition("/")
             try:

@@ -216,3 +216,10 @@ def test_an_unknown_file_key_like_no_setting_gets_no_guess(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(environ={}, file=_file(tmp_path, "zzzzzz = 5\n"))
     assert "zzzzzz (from file" in str(e.value) and "did you mean" not in str(e.value), str(e.value)
+
+
+def test_a_warm_peer_listed_twice_is_warmed_once():
+    """One warm-up per engine: a repeated entry would start a second one
+    that no drop of its pairs wakes (kvd.core.peers.Peers._keep_warm)."""
+    cfg = load_config(environ={"KVD_WARM_PEERS": "10.0.0.5:7700/p,10.0.0.6:7700/p,10.0.0.5:7700/p"})
+    assert cfg.warm_peers == ["10.0.0.5:7700/p", "10.0.0.6:7700/p"]

@@ -230,29 +230,34 @@ def test_warm_peers_pairs_a_rank_that_registers_after_its_rank_0(tmp_path):
 
 
 def test_warm_peers_pairs_again_after_the_peer_engine_restarts(tmp_path):
-    """A warm peer's engine goes away (its pair is dropped at a liveness
-    check: NOT_FOUND) and registers again: D pairs with it again in the
+    """A warm peer's pairs are kept: not released as idle (``--peer-idle-s``
+    2 here), and when its engine goes away (the pair dropped at a liveness
+    check: NOT_FOUND) and registers again, D pairs with it again in the
     background, before any load, as at start-up (before, only the first
-    pairing was made ahead of need and the first load after the restart
+    pairing was made ahead of need, and the first load after the restart
     paid for first contact)."""
-    p = start_daemon(str(tmp_path), "P")
-    # A liveness check every second; a pair is dropped once no claim can be
-    # in flight on it (BOUNDS.max_claim_wait_s + handshake_timeout_s, ~7 s).
+    p = start_daemon(str(tmp_path), "P", "--detach-grace-s", "1")
+    # A liveness check every second; the pair is dropped once P's engine is
+    # unregistered (its detach grace, 1 s) and no claim can be in flight on
+    # it (BOUNDS.max_claim_wait_s + handshake_timeout_s, 7 s).
     d = start_daemon(str(tmp_path), "D", "--warm-peers", f"{p.peer_address}/P", "--peer-check-s", "1",
-                     "--handshake-timeout-s", "2")
+                     "--handshake-timeout-s", "2", "--peer-idle-s", "2")
     made = []
     try:
         made.append(_register(p, "P", 0, 1, seed=10))
         made.append(_register(d, "D", 0, 1, seed=None))
-        wait_until(lambda: d.stats().remote_agents == 1, 30, "D paired with P")
+        wait_until(lambda: d.stats().remote_agents == 1, 60, "D paired with P")
         first = d.stats().remote_workers[0].agent_name
+        time.sleep(4.0)  # past peer_idle_s, at least two liveness checks
+        assert [r.agent_name for r in d.stats().remote_workers] == [first]
+        assert "peer_idle_s" not in d.log()
         seg, s = made.pop(0)
         s.close()
         seg.close()
         wait_until(lambda: "a pair was dropped; pairing again" in d.log(), 60, "D saw the pair dropped")
         assert d.stats().warm_peers[0].state == "trying"
         made.append(_register(p, "P", 0, 1, seed=11))
-        wait_until(lambda: [r.agent_name for r in d.stats().remote_workers] not in ([], [first]), 30,
+        wait_until(lambda: [r.agent_name for r in d.stats().remote_workers] not in ([], [first]), 60,
                    "D paired with P's engine again")
         st = d.stats()
         assert len(st.remote_workers) == 1
@@ -436,3 +441,105 @@ def test_a_pair_is_wired_up_only_once_the_warm_up_before_it_ended(monkeypatch):
     waited, bounded = asyncio.run(main())
     assert 0.15 <= waited < 1.5, waited
     assert 0.25 <= bounded < 1.5, bounded
+
+
+def _keep_warm_harness(monkeypatch, answer):
+    """A ``Peers`` whose pairing is faked (``warm`` makes the pair at once)
+    and whose sleeps are recorded, not slept: runs ``_keep_warm`` for one
+    warm peer, dropping every pair as soon as it is made (a hostile peer),
+    until ``rounds`` pairings; returns (the pauses slept, the WarmPeer).
+    ``answer(try_number)``: rank 0's answer, or an exception to raise."""
+    import asyncio
+    import types
+
+    from kvd.core import peers as peers_mod
+    from kvd.core.limits import Limits
+    from kvd.core.runtime import Runtime
+    from kvd.core.state import WorkerPairs
+
+    slept = []
+    real_sleep = asyncio.sleep
+
+    async def fake_sleep(s, *a, **k):
+        slept.append(s)
+        await real_sleep(0)
+
+    monkeypatch.setattr(peers_mod.asyncio, "sleep", fake_sleep)
+    monkeypatch.setattr(peers_mod, "check_peer", lambda w, hs, what: None)
+    monkeypatch.setattr(peers_mod, "_paired_ranks", lambda w, tp: [0])
+
+    async def main(rounds: int):
+        rt = Runtime(Limits(peer_check_s=3600.0))
+        w = types.SimpleNamespace(key=("D", 0), label="engine=D rank=0", compat_hash="h", pairs=WorkerPairs())
+        rt.workers[w.key] = w
+        tries = []
+
+        class Link:
+            async def handshake(self, address, engine_id, rank, compat_hash, timeout_s):
+                tries.append(rank)
+                got = answer(len(tries))
+                if isinstance(got, BaseException):
+                    raise got
+                return types.SimpleNamespace(tp_size=1)
+
+        p = peers_mod.Peers(rt, Link())
+        pairings = []
+
+        def warm(w_, address, engine_id, tp_size):
+            key = (address, engine_id, 0)
+            w_.pairs.remotes[key] = object()
+            pairings.append(key)
+
+            def drop():  # the pair is retired at once (Peers.retire's signal)
+                w_.pairs.remotes.pop(key, None)
+                w_.pairs.warm_peer(address, engine_id).dropped.set()
+                if len(pairings) >= rounds:
+                    del rt.workers[w.key]  # unregistered: the warm-up ends
+
+            asyncio.get_running_loop().call_soon(drop)
+            return []
+
+        p.warm = warm
+        await asyncio.wait_for(p._keep_warm(w, "10.0.0.1:7000", "P"), 30)
+        return w.pairs.warm[0]
+
+    return slept, main
+
+
+def test_a_warm_peer_dropped_as_soon_as_paired_is_paired_again_at_a_growing_pause(monkeypatch):
+    """A peer whose pairs are dropped at once (two engines of a hostile
+    daemon describing one agent name retire each other's pairs) must not
+    make the decode daemon handshake and load agents in a loop: the pause
+    before each new pairing doubles from 1 s up to 30 s."""
+    import asyncio
+
+    slept, main = _keep_warm_harness(monkeypatch, lambda n: None)
+    state = asyncio.run(main(8))
+    assert slept == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0], slept
+    assert state.tries == 8
+
+
+def test_a_warm_peer_answering_incompatible_after_a_pairing_is_tried_again_not_given_up(monkeypatch):
+    """Given up at its first pairing, an incompatible warm peer is tried
+    again every 30 s once it has been paired (a rolling upgrade of the
+    prefill side briefly answers another hash), and paired again after."""
+    import asyncio
+
+    from kvd.core.events import Incompatible
+
+    answers = {2: Incompatible("compat hash x != y"), 3: Incompatible("compat hash x != y")}
+    slept, main = _keep_warm_harness(monkeypatch, lambda n: answers.get(n))
+    state = asyncio.run(main(2))
+    # pause after the drop, two refusals 30 s apart, then the second pairing.
+    assert slept == [1.0, 30.0, 30.0], slept
+    assert state.state != "given up" and state.tries == 4, state
+
+
+def test_a_warm_peer_incompatible_at_its_first_pairing_is_given_up(monkeypatch):
+    import asyncio
+
+    from kvd.core.events import Incompatible
+
+    slept, main = _keep_warm_harness(monkeypatch, lambda n: Incompatible("compat hash x != y"))
+    state = asyncio.run(main(1))
+    assert (state.state, state.tries, slept) == ("given up", 1, [])

@@ -9,8 +9,10 @@ transfer failed, and the answer to a remote daemon's handshake.
 
 First contact with a remote engine starts the handshakes of every (local
 rank, remote rank) pair of the two engines at once (:meth:`Peers.warm`);
-``Limits.warm_peers`` starts them at registration, and a retired remote is
-handshaken again in the background.
+``Limits.warm_peers`` starts them at registration and keeps them: a pair of
+a listed engine that is dropped is made again in the background
+(:meth:`Peers._keep_warm`); any other retired remote is handshaken again in
+the background once.
 
 A remote is *fresh* when this request's own handshake made it; a READ that
 fails on a cached remote is retried once after a new handshake
@@ -42,6 +44,11 @@ from kvd.core.runtime import Runtime
 from kvd.core.state import PROTOCOL_VERSION, HandshakeResult, PeerKey, PeerLink, RemoteWorker, WarmPeer, Worker
 
 log = logging.getLogger("kvd.core")
+
+#: Longest pause, seconds, before a ``warm_peers`` engine is paired again
+#: after a drop (:meth:`Peers._keep_warm`), and the pace of tries once a
+#: peer paired before answers as incompatible.
+REPAIR_PAUSE_MAX_S = 30.0
 
 # Seconds from a handshake to the preparation of its pair's descriptor
 # lists: the load that caused the handshake posts its READ first (idle: a
@@ -181,17 +188,26 @@ class Peers:
         ``engine_id`` at ``address`` that it reads from or notifies, for as
         long as ``w`` is registered: pairs them (:meth:`_pair_warm`), then
         waits until a pair is dropped (``WarmPeer.dropped``, set by
-        :meth:`retire`: its engine gone or its daemon silent at a liveness
-        check, an agent name reused) or found missing (looked at locally
-        every ``peer_check_s``), and pairs again at the same pace as at
-        start-up, so the first load after a prefill engine's restart does
-        not pay for first contact either. Ends when the peer is given up."""
+        :meth:`retire`, e.g. its engine gone or its daemon silent at a
+        liveness check, and when ``w``'s agent is replaced) or found missing
+        (looked at locally every ``peer_check_s``), and pairs again after a
+        pause, so the first load after a prefill engine's restart does not
+        pay for first contact either. The pause is 1 s, doubled up to
+        ``REPAIR_PAUSE_MAX_S`` while pairs keep being dropped within a
+        minute of their pairing: a peer that answers and is dropped at once
+        (two engines of a hostile daemon describing one agent name retire
+        each other's pairs, ``kvd.core.agent_names``) makes this a handshake
+        every 30 s, not a loop. Ends when the peer is given up at its first
+        pairing; once it has been paired, an incompatible answer is tried
+        again (a rolling upgrade)."""
         state = WarmPeer(address, engine_id, since=time.monotonic())
         w.pairs.warm.append(state)
+        pause, paired_at = 0.0, None
         while self._keeps_warming(w):
-            tp_size = await self._pair_warm(w, state)
+            tp_size = await self._pair_warm(w, state, give_up=paired_at is None)
             if tp_size is None:
                 return
+            paired_at = time.monotonic()
             while self._keeps_warming(w):
                 state.dropped.clear()
                 if self._unpaired(w, address, engine_id, tp_size):
@@ -202,15 +218,19 @@ class Peers:
                     pass
             else:
                 return
-            log.info("%s: warm_peers %s/%s: a pair was dropped; pairing again", w.label, address, engine_id)
+            pause = min(REPAIR_PAUSE_MAX_S, 2 * pause) if time.monotonic() - paired_at < 60.0 else 0.0
+            pause = max(pause, 1.0)
+            log.info("%s: warm_peers %s/%s: a pair was dropped; pairing again in %.0f s", w.label, address,
+                     engine_id, pause)
             state.state, state.since = "trying", time.monotonic()
+            await asyncio.sleep(pause)
 
     def _keeps_warming(self, w: Worker) -> bool:
         """Whether ``w``'s ``warm_peers`` handshakes go on (``w`` still
         registered, the daemon not closing or draining)."""
         return self.rt.workers.get(w.key) is w and not (self.rt.closing or self.rt.draining)
 
-    async def _pair_warm(self, w: Worker, state: WarmPeer) -> int | None:
+    async def _pair_warm(self, w: Worker, state: WarmPeer, give_up: bool = True) -> int | None:
         """Asks rank 0 of ``state``'s engine for its TP size, then
         handshakes with the ranks ``w`` pairs with (:meth:`warm`) until each
         is paired; asked again every second for the first minute while the
@@ -224,8 +244,8 @@ class Peers:
         when ``w`` is gone, the daemon stops, or the peer is given up: a
         rank 0 incompatible or described out of bounds (:func:`check_peer`:
         a TP size past ``BOUNDS.max_tp_size``, a foreign hash) is logged
-        once and not tried again; another rank's error is tried again at
-        the same pace."""
+        once and not tried again (``give_up``; else tried again every 30
+        s); another rank's error is tried again at the same pace."""
         address, engine_id = state.address, state.engine_id
         delay, warned, started = 1.0, False, time.monotonic()
         while self._keeps_warming(w):
@@ -259,9 +279,15 @@ class Peers:
                                                             else "")
                 raise PeerUnavailable(f"rank(s) {shown} not paired" + (f": {errors[-1]}" if errors else ""))
             except (Incompatible, InvalidArgument) as e:
-                state.state, state.since, state.last_error = "given up", time.monotonic(), _said(e)
-                log.warning("%s: warm_peers %s/%s: %s; not tried again", w.label, address, engine_id, e)
-                return None
+                state.last_error = _said(e)
+                if give_up:
+                    state.state, state.since = "given up", time.monotonic()
+                    log.warning("%s: warm_peers %s/%s: %s; not tried again", w.label, address, engine_id, e)
+                    return None
+                log.log(logging.INFO if warned else logging.WARNING,
+                        "%s: warm_peers %s/%s: %s; paired before, so tried again every %.0f s", w.label, address,
+                        engine_id, e, REPAIR_PAUSE_MAX_S)
+                warned, delay = True, REPAIR_PAUSE_MAX_S
             except Exception as e:
                 state.last_error = _said(e)
                 # A peer starting after this daemon is expected for a while

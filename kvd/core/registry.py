@@ -315,6 +315,8 @@ class Registry:
         except NixlError as e:
             log.error("%s: cannot make a new NIXL agent to stop a READ (%s): %s", w.label, why, e)
             return False
+        for warm in w.pairs.warm:
+            warm.dropped.set()  # its pairs went with the old agent: Peers._keep_warm pairs the new one
         # A remote taken out of the pairs by a handshake under way is freed
         # by its next NIXL call (kvd.core.peers): its lists bind the old agent
         # until then.

@@ -59,8 +59,8 @@ def set_autogroup_nice(pid: int, nice: int) -> bool:
     child started in its own session is its own scheduling group, and a
     thread's own nice weighs it only within that group: ``nice -n 5`` on an
     engine does not put it below a daemon started in another session; this
-    does. Raising it needs no privilege for one's own children; lowering it
-    needs CAP_SYS_NICE. Returns False where it cannot be set (no autogroups,
+    does. Raising it needs no privilege for a process of one's own uid;
+    lowering it needs CAP_SYS_NICE. Returns False where it cannot be set (no autogroups,
     the process gone, not permitted)."""
     try:
         with open(f"/proc/{pid}/autogroup", "w") as f:
