@@ -176,17 +176,20 @@ class Config:
                                            "comma-separated host:port/engine_id (a remote daemon's peer address "
                                            "and the engine_id of a prefill engine registered there: set a fixed "
                                            "one in its --kv-transfer-config): every TP rank of it, for each "
-                                           "local worker at its registration, retried until it answers, "
-                                           "paired again whenever a pair is dropped (the engine restarted) "
-                                           "and never released as idle",
+                                           "local worker at its registration, retried until every rank is "
+                                           "paired (given up if incompatible before its first pairing), paired "
+                                           "again after a pause whenever a pair is dropped (the engine "
+                                           "restarted), never released as idle (peer_idle_s); an entry given "
+                                           "twice counts once",
                                      factory=list)
     peer_check_s: float = _setting(15.0, "each remote worker this daemon reads from is asked (a handshake) "
                                          "this often whether its daemon and engine are still there, seconds")
     peer_dead_s: float = _setting(45.0, "a remote daemon that has not answered for this long has its agents "
-                                        "and descriptor lists released here (the next load handshakes again), "
-                                        "seconds")
+                                        "and descriptor lists released here (the next load handshakes again; "
+                                        "a warm_peers engine's: in the background), seconds")
     peer_idle_s: float = _setting(600.0, "a remote worker no load has used for this long is released "
-                                         "(not one of a warm_peers engine), seconds")
+                                         "(not one of a warm_peers engine: those stay paired, checked every "
+                                         "peer_check_s), seconds")
     # Bounds.
     max_message_bytes: int = _setting(MAX_MESSAGE_BYTES, "largest gRPC message received or sent, bytes "
                                                          "(both ports)")

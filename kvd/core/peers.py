@@ -247,7 +247,7 @@ class Peers:
         once and not tried again (``give_up``; else tried again every 30
         s); another rank's error is tried again at the same pace."""
         address, engine_id = state.address, state.engine_id
-        delay, warned, started = 1.0, False, time.monotonic()
+        delay, warned, refused, started = 1.0, False, False, time.monotonic()
         while self._keeps_warming(w):
             try:
                 if self.link is None:
@@ -284,10 +284,10 @@ class Peers:
                     state.state, state.since = "given up", time.monotonic()
                     log.warning("%s: warm_peers %s/%s: %s; not tried again", w.label, address, engine_id, e)
                     return None
-                log.log(logging.INFO if warned else logging.WARNING,
+                log.log(logging.INFO if refused else logging.WARNING,
                         "%s: warm_peers %s/%s: %s; paired before, so tried again every %.0f s", w.label, address,
                         engine_id, e, REPAIR_PAUSE_MAX_S)
-                warned, delay = True, REPAIR_PAUSE_MAX_S
+                refused, delay = True, REPAIR_PAUSE_MAX_S
             except Exception as e:
                 state.last_error = _said(e)
                 # A peer starting after this daemon is expected for a while
