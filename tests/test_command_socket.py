@@ -197,3 +197,80 @@ def test_bad_frames_close_the_connection_and_the_daemon_serves_on(daemon, bad):
     assert eng.wait("cs-after").send_done.released
     eng.close()
     assert daemon.proc.poll() is None
+
+
+def _read_some(s: socket.socket, n: int) -> list[pb.SessionEvent]:
+    """The next ``n`` events (raises TimeoutError after the socket's timeout)."""
+    buf, out = b"", []
+    while len(out) < n:
+        data = s.recv(65536)
+        if not data:
+            break
+        buf += data
+        while len(buf) >= 4 and len(buf) >= 4 + struct.unpack_from("<I", buf)[0]:
+            (k,) = struct.unpack_from("<I", buf)
+            out.append(pb.SessionEvent.FromString(buf[4:4 + k]))
+            buf = buf[4 + k:]
+    return out
+
+
+def test_commands_sent_with_the_open_run_first_in_order_then_each_as_it_is_read(daemon):
+    """Commands read ahead of the session's opening run in order once it is
+    open; later ones run as their frames arrive, their events written at
+    once; a bad command is rejected and the session goes on; a bad frame
+    still ends it."""
+    eng = Engine(daemon, "cs-o", SHAPE, open_session=False)
+    s = _open_raw(daemon)
+    worker = pb.EngineWorker(engine_id=eng.engine_id, tp_rank=0)
+
+    def cmd(**kw) -> bytes:
+        return frame(pb.SessionCommand(**kw).SerializeToString())
+
+    s.sendall(cmd(open=pb.OpenSession(worker=worker))
+              + cmd(hold=pb.HoldBlocks(request_id="o-1", groups=[pb.BlockIds(ids=[1, 2])], lease_s=60))
+              + cmd(release=pb.ReleaseBlocks(request_id="o-1"))
+              + cmd(release=pb.ReleaseBlocks(request_id="x" * 2000))
+              + cmd(hold=pb.HoldBlocks(request_id="o-2", groups=[pb.BlockIds(ids=[3])], lease_s=60)))
+    opened, first, long_id = _read_some(s, 3)
+    assert event_kind(opened) == "opened"
+    assert first.send_done.request_id == "o-1" and first.send_done.released
+    assert long_id.rejected.reason.startswith("release: request_id longer than")
+    s.sendall(cmd(release=pb.ReleaseBlocks(request_id="o-2")))
+    (second,) = _read_some(s, 1)
+    assert second.send_done.request_id == "o-2" and second.send_done.released
+    s.sendall(struct.pack("<I", 6) + b"\xff\xff\xff\xff\xff\xff")
+    rest = _read_events(s)
+    assert rest and rest[-1].rejected.reason.startswith("INVALID_ARGUMENT"), rest
+    s.close()
+    eng.close()
+    assert daemon.proc.poll() is None
+
+
+def test_a_session_that_never_reads_its_socket_is_dropped_past_its_queued_event_bytes(tmp_path):
+    """Events are written at once only while the engine reads: a session
+    that never reads fills the socket, then its events queue in the daemon,
+    and past max_queued_event_bytes the session is ended (logged) instead of
+    the queue growing; the daemon serves on."""
+    d = start_daemon(str(tmp_path), "deaf", *ON, "--max-queued-event-bytes", str(1 << 20))
+    eng = Engine(d, "cs-deaf", SHAPE, open_session=False)
+    s = _open_raw(d)
+    try:
+        bad = list(range(1000, 101000))  # out of range: each load fails at once, its event naming all 100,000
+        loads = b"".join(frame(pb.SessionCommand(load=pb.LoadBlocks(
+            request_id=f"r{i}", local_groups=[pb.BlockIds(ids=bad)], remote_engine_id="x",
+            remote_address="127.0.0.1:1", remote_groups=[pb.BlockIds(ids=[1])],
+            remote_request_id="x")).SerializeToString()) for i in range(40))
+        worker = pb.EngineWorker(engine_id=eng.engine_id, tp_rank=0)
+        s.sendall(frame(pb.SessionCommand(open=pb.OpenSession(worker=worker)).SerializeToString()) + loads)
+        wait_until(lambda: "more than max_queued_event_bytes" in d.log(), 60, "the session dropped")
+        events = _read_events(s)  # what was written before, then the end
+        assert events[-1].rejected.reason.startswith("RESOURCE_EXHAUSTED") and \
+            "max_queued_event_bytes" in events[-1].rejected.reason, events[-1]
+        assert sum(event_kind(e) == "load_failed" for e in events) < 40  # the rest were dropped, not written
+        assert d.stats().pending_events <= 2
+        again = Session(d, eng.engine_id)  # the engine may open a new session
+        again.close()
+    finally:
+        s.close()
+        eng.close()
+        d.stop()

@@ -1,8 +1,10 @@
-"""kvd.core.runtime.NixlThread: the one thread every NIXL call runs on.
+"""kvd.core.runtime: the NIXL thread every NIXL call runs on (or, while it is
+idle, a short call on the loop), and event delivery to a session.
 
 The real NIXL calls through it are exercised by every transfer test; these
 check the hand-off's own rules: order, errors, a cancelled call skipped,
-shutdown."""
+shutdown, a call run at once only while the thread is idle; and that an
+event goes straight to the session's writer only while nothing is queued."""
 
 from __future__ import annotations
 
@@ -83,3 +85,101 @@ def test_shutdown_runs_what_is_queued_then_refuses():
     with pytest.raises(RuntimeError, match="shut down"):
         asyncio.run(after())
     assert ran == list(range(5))
+
+
+def test_a_short_call_runs_on_the_loop_only_while_the_thread_is_idle():
+    """``try_now``: inline on the caller's thread when nothing is queued or
+    running on the NIXL thread; refused (nothing run) otherwise, so two
+    calls never overlap and submission order holds."""
+    t = NixlThread(name="kvd-nixl-test")
+    gate = threading.Event()
+    seen: list[tuple[str, str]] = []
+
+    def record(tag: str) -> str:
+        seen.append((tag, threading.current_thread().name))
+        return tag
+
+    def fail() -> None:
+        raise ValueError("post refused")
+
+    async def main():
+        assert t.try_now(record, "idle") == (True, "idle")
+        blocker = t.call(gate.wait, 10)            # the thread runs a call
+        queued = t.call(record, "queued")
+        assert t.try_now(record, "busy") == (False, None)
+        gate.set()
+        await blocker
+        await queued
+        assert t.try_now(record, "idle again") == (True, "idle again")
+        with pytest.raises(ValueError, match="post refused"):
+            t.try_now(fail)
+        assert t.try_now(record, "after an error") == (True, "after an error")  # the count was given back
+
+    try:
+        asyncio.run(main())
+    finally:
+        t.shutdown()
+    here = threading.current_thread().name
+    assert seen == [("idle", here), ("queued", "kvd-nixl-test"), ("idle again", here), ("after an error", here)]
+    with pytest.raises(RuntimeError, match="shut down"):
+        t.try_now(record, "late")
+
+
+def test_a_cancelled_queued_call_does_not_keep_the_thread_busy():
+    t = NixlThread()
+    gate = threading.Event()
+
+    async def main():
+        blocker = t.call(gate.wait, 10)
+        queued = asyncio.ensure_future(t.call(print, "never"))
+        await asyncio.sleep(0)
+        queued.cancel()
+        gate.set()
+        await blocker
+        for _ in range(100):  # the skipped call is counted off on the thread
+            ran, _ = t.try_now(lambda: None)
+            if ran:
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    try:
+        assert asyncio.run(main())
+    finally:
+        t.shutdown()
+
+
+def test_an_event_goes_straight_to_the_sessions_sink_only_while_nothing_is_queued():
+    """``Runtime.emit``: written through the session's sink (the command
+    socket's writer) when nothing waits in the queue; queued when the sink
+    cannot write now, and then every later event queues behind it, so the
+    engine sees them in order."""
+    from types import SimpleNamespace
+
+    from kvd.core.events import RecvDone
+    from kvd.core.limits import Limits
+    from kvd.core.runtime import Runtime
+    from kvd.core.state import WorkerSession
+
+    written: list[str] = []
+    writable = [True]
+
+    def sink(ev) -> bool:
+        if writable[0]:
+            written.append(ev.request_id)
+        return writable[0]
+
+    rt = Runtime(Limits())
+    w = SimpleNamespace(session=WorkerSession(streams=1, sink=sink), label="engine=e rank=0")
+    done = [RecvDone(f"r{i}", 1, 1, 1, 0.0) for i in range(4)]
+    rt.emit(w, done[0])
+    writable[0] = False                      # the engine's socket is full
+    rt.emit(w, done[1])
+    writable[0] = True
+    rt.emit(w, done[2])                      # behind r1, not around it
+    assert written == ["r0"]
+    assert [e.request_id for e in (w.session.events.popleft(), w.session.events.popleft())] == ["r1", "r2"]
+    assert w.session.wakeup.is_set()
+    rt.emit(w, done[3])                      # the queue drained: straight out again
+    assert written == ["r0", "r3"]
+    rt.shutdown()

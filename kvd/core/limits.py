@@ -105,8 +105,18 @@ class Bounds:
     max_peer_channels: int = 256
     # After posting a transfer that is not done at once, the NIXL thread checks
     # it again for this long before leaving it to the progress loop (seconds;
-    # docs/PERFORMANCE.md, "fast path").
+    # docs/PERFORMANCE.md, "fast path"). A READ posted on the loop is not
+    # checked again ("sixth round": with many loads in flight the checks held
+    # up the others and cost CPU, for no gain on a small load alone).
     post_spin_s: float = 0.0002
+    # A READ that moves at most this many bytes is posted on the event loop
+    # when the NIXL thread is idle (``Runtime.nixl_now``), saving two
+    # thread hand-offs (~0.1-0.2 ms); a larger one goes to the NIXL thread,
+    # because NIXL's ``transfer()`` moves shared-memory bytes inside the call
+    # with the GIL released (measured: a 256 MiB READ's post took 50 ms while
+    # another Python thread ran half as often as in a sleep), time the loop
+    # keeps serving on the thread path. 1 MiB is ~0.25 ms of CMA here.
+    inline_post_max_bytes: int = 1 << 20
     # A pair whose two descriptor lists have more rows than this in all has
     # none prepared: each transfer makes the rows of its own blocks
     # (NIXL initialize_xfer). Preparing costs time per row of the whole cache

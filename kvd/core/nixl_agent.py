@@ -1,11 +1,13 @@
 """The one place kvd imports ``nixl``: a thin wrapper over one NIXL agent.
 
 Each method is one NIXL step; the handle each returns and who releases it is
-stated. All methods are blocking native calls: the daemon calls them from its
-single NIXL thread (``kvd.core.runtime``; the binding holds the GIL while
-native code runs, so keep each call short), never from the event loop, and
-never from two threads at once (agents are made with NIXL's default
-``NIXL_THREAD_SYNC_NONE``).
+stated. All methods are blocking native calls: the daemon calls them on its
+NIXL thread (``kvd.core.runtime``; the binding holds the GIL while native
+code runs, so keep each call short), a READ's post also on the event loop
+while that thread is idle (``Runtime.nixl_now``), and never from two
+threads at once (agents are made with NIXL's default
+``NIXL_THREAD_SYNC_NONE``: one caller at a time, which ``NixlThread``
+keeps).
 
 Descriptors are numpy ``int64`` arrays of shape ``(N, 3)``: rows of
 ``(address, length in bytes, device id)``, the form ``nixl_agent.get_xfer_descs``

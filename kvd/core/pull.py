@@ -232,9 +232,16 @@ class Pull:
                 lidx, ridx = chunks[p]
                 msg = notif_message(req.remote_request_id, expected(p))
                 local, remote = r.lists  # one read: the NIXL thread may swap in prepared lists
+                size = r.transfer_bytes(req.remote_groups)
+                args = (rid, w.agent, r, "READ", local, lidx, remote, ridx, msg)
                 try:
-                    handle, state, post_s = await self.rt.nixl(self._post, rid, w.agent, r, "READ", local,
-                                                                lidx, remote, ridx, msg)
+                    # A small READ is posted here, on the loop, when the NIXL
+                    # thread is idle (BOUNDS.inline_post_max_bytes); the loop
+                    # never spins on it (BOUNDS.post_spin_s).
+                    ran, posted_now = (self.rt.nixl_now(self._post, *args, 0.0)
+                                       if size <= BOUNDS.inline_post_max_bytes else (False, None))
+                    handle, state, post_s = posted_now if ran else \
+                        await self.rt.nixl(self._post, *args, BOUNDS.post_spin_s)
                     posts_s += post_s
                 except NixlError as e:
                     err = (K.NIXL, f"nixl: {e}")
@@ -246,7 +253,7 @@ class Pull:
                     break
                 self.holds.notified(req.remote_address, req.remote_engine_id, p, req.remote_request_id, expected(p))
                 ndescs += len(lidx)
-                nbytes += r.transfer_bytes(req.remote_groups)
+                nbytes += size
             else:
                 for p in notify:
                     if p not in read_from:
@@ -294,14 +301,17 @@ class Pull:
         self.rt.kick.set()
 
     def _post(self, request_id: str, agent: NixlAgent, source: RemoteWorker, op: str, local, lidx, remote, ridx,
-              msg: bytes):
-        """NIXL thread: posts a transfer; ``(handle, state, seconds inside the
-        post call)``. One already DONE (UCX moves shared-memory bytes inside
-        the post) is released here and its handle is None: nothing is left
-        to poll. One still in progress is checked again for up to
-        ``BOUNDS.post_spin_s`` first (its notification is usually a moment
-        from done): cheaper than a round through the progress loop
-        (docs/PERFORMANCE.md, "fast path")."""
+              msg: bytes, spin: float):
+        """NIXL thread, or the loop for a small READ (``Runtime.nixl_now``):
+        posts a transfer; ``(handle, state, seconds inside the post call)``.
+        One already DONE (UCX moves shared-memory bytes inside the post) is
+        released here and its handle is None: nothing is left to poll. One
+        still in progress is checked again for up to ``spin`` seconds first
+        (its notification is usually a moment from done): cheaper than a
+        round through the progress loop on the NIXL thread; 0 on the loop,
+        where it held up every other load (measured: ~15 % of the decode
+        daemon's CPU with 64 one-block loads in flight, and no gain for a
+        small load alone; docs/PERFORMANCE.md, "sixth round")."""
         if source.freed:
             # Its lists were released meanwhile (the worker's agent replaced,
             # the pair freed): NIXL must not see their handles again.
@@ -310,7 +320,6 @@ class Pull:
         t0 = time.monotonic()
         handle, state = agent.post(op, local, lidx, remote, ridx, msg)
         post_s = time.monotonic() - t0
-        spin = BOUNDS.post_spin_s
         if state == "PROC" and spin > 0:
             until = time.monotonic() + spin
             while state == "PROC" and time.monotonic() < until:

@@ -396,6 +396,7 @@ class Registry:
         """A session stream opened for the worker; returns it. Raises NotFound."""
         w = self.rt.worker(engine_id, tp_rank)
         w.session.streams += 1
+        w.session.sink = None  # a second stream: events go through the queue (either may read them)
         w.session.detached_since = None
         w.session.overflowed = False
         return w

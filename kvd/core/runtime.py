@@ -5,13 +5,16 @@ One ``Runtime`` per daemon, made by ``kvd.core.node.Node`` and handed to each
 room (``registry``, ``peers``, ``holds``, ``pull``, ``push``, ``progress``);
 the rooms keep no state of their own beyond what they name.
 
-Every NIXL call runs on one thread (``kvd-nixl``): the asyncio event loop
-never waits on NIXL, and no agent is used from two threads. More threads
+Every NIXL call runs on one thread (``kvd-nixl``), or, for a small READ's
+post while that thread is idle, on the event loop itself
+(``Runtime.nixl_now``): no two NIXL calls ever overlap. More threads
 would not run NIXL work side by side: NIXL's Python binding holds the GIL
-through its native calls (measured: a Python thread that yields in a loop
+through most native calls (measured: a Python thread that yields in a loop
 ran 320 times during a 415 ms ``prep_xfer_dlist`` of 2M rows, 4,539 times
 during a sleep as long), so a long call stops the whole daemon whichever
-thread makes it. What keeps handshakes and answers from waiting is that no
+thread makes it; ``transfer()`` is the exception (during a 256 MiB
+shared-memory READ's post, 50 ms, another thread ran about half as often
+as during a sleep), which is why only small READs are posted on the loop. What keeps handshakes and answers from waiting is that no
 call on a request's path is long: descriptor lists are bounded per pair
 (``Bounds.max_prepped_rows``), a handshake answer needs no NIXL call, and
 the ranks of a remote engine are handshaken in parallel (``kvd.core.peers``).
@@ -63,7 +66,12 @@ class NixlThread:
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._lock = threading.Lock()  # start/stop only; calls take no lock
+        self._lock = threading.Lock()  # start/stop only
+        # Calls queued or running on the thread (or running inline), under
+        # ``_busy_lock``: :meth:`try_now` runs one only when it is 0, so no
+        # two calls ever overlap and submission order holds.
+        self._busy = 0
+        self._busy_lock = threading.Lock()
 
     def call(self, fn, *args) -> asyncio.Future:
         """Queues ``fn(*args)``; the future holds its result or its error.
@@ -75,8 +83,36 @@ class NixlThread:
             self._start()  # the first call; raises after shutdown
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
+        with self._busy_lock:
+            self._busy += 1
         self._calls.put((loop, fut, fn, args))
         return fut
+
+    def try_now(self, fn, *args) -> tuple[bool, object]:
+        """Runs ``fn(*args)`` on the calling thread (the event loop's) when
+        the NIXL thread has nothing queued or running: ``(True, result)``;
+        else runs nothing: ``(False, None)``, and the caller uses
+        :meth:`call`. Errors raised by ``fn`` propagate.
+
+        Why: a small READ's post takes tens of microseconds, and the two
+        thread hand-offs around it cost more than the call (each a wake-up;
+        docs/PERFORMANCE.md, "sixth round"). Running it here keeps the rules
+        of the thread: one call at a time (``_busy``), in submission order.
+
+        Raises:
+            RuntimeError: after :meth:`shutdown`.
+        """
+        if self._closed:
+            raise RuntimeError("the NIXL thread is shut down")
+        with self._busy_lock:
+            if self._busy:
+                return False, None
+            self._busy = 1
+        try:
+            return True, fn(*args)
+        finally:
+            with self._busy_lock:
+                self._busy -= 1
 
     def _start(self) -> None:
         with self._lock:
@@ -96,11 +132,15 @@ class NixlThread:
                 # Its awaiting task was cancelled before the call started: the
                 # call is skipped, as an executor skips a cancelled work item
                 # (e.g. a post whose load was given up must not go out).
+                with self._busy_lock:
+                    self._busy -= 1
                 continue
             try:
                 value, ok = fn(*args), True
             except BaseException as e:  # handed to the awaiting task, as an executor does
                 value, ok = e, False
+            with self._busy_lock:
+                self._busy -= 1
             try:
                 loop.call_soon_threadsafe(_resolve, fut, ok, value)
             except RuntimeError:  # the loop is closed: nobody waits any more
@@ -158,6 +198,16 @@ class Runtime:
         """Runs ``fn(*args)`` on the NIXL thread; returns its result, raises its error."""
         return await self._nixl.call(fn, *args)
 
+    def nixl_now(self, fn, *args) -> tuple[bool, object]:
+        """Runs ``fn(*args)`` here, on the event loop, when the NIXL thread
+        is idle (``NixlThread.try_now``: no hand-off, no wake-up): ``(True,
+        result)``; ``(False, None)`` when it is busy (then use :meth:`nixl`).
+        For short calls only, never one that releases the GIL for long (a
+        same-node copy's memmove, a large READ's post:
+        ``BOUNDS.inline_post_max_bytes``): the loop would wait where the
+        thread lets it run."""
+        return self._nixl.try_now(fn, *args)
+
     def shutdown(self) -> None:
         """Stops the NIXL thread (after its last call)."""
         self._nixl.shutdown()
@@ -186,11 +236,15 @@ class Runtime:
         return self.workers.get(w.key) is w
 
     def emit(self, w: Worker, ev: Event) -> None:
-        """Queues ``ev`` for ``w``'s session (the oldest event is dropped past
+        """Queues ``ev`` for ``w``'s session, or writes it at once through the
+        session's ``sink`` when one is set and nothing is queued (the oldest event is dropped past
         ``BOUNDS.max_pending_events``, for a session gone for long). Past
         ``Limits.max_queued_event_bytes`` the session is dropped
         (``kvd.core.state.overflow``)."""
         events = w.session.events
+        sink = w.session.sink
+        if sink is not None and not events and sink(ev):
+            return  # written to the engine's socket already (its order kept: nothing was queued)
         if len(events) >= BOUNDS.max_pending_events:
             dropped = events.popleft()
             # One line a second at most: a session that never reads, fed

@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvd.core import plan
-from kvd.core.events import EventQueue, FailureKind
+from kvd.core.events import Event, EventQueue, FailureKind
 from kvd.core.hold_feed import HoldsAnswer
 from kvd.core.layout import Layout, Region
 from kvd.core.leases import LeaseTable
@@ -302,6 +303,13 @@ class WorkerSession:
 
     events: EventQueue = field(default_factory=EventQueue)
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    # The one open session's direct writer (the command socket's): an event
+    # emitted while ``events`` is empty is written at once, without a round
+    # of the session's task (docs/PERFORMANCE.md, "sixth round"); it returns
+    # False, and the event is queued, while the engine's socket is full or
+    # closing. None with no session, or with two at once (which reads the
+    # queue is not known).
+    sink: Callable[[Event], bool] | None = None
     # Set when the queued events passed ``Limits.max_queued_event_bytes``: the
     # session's stream is ended (its engine does not read); cleared at attach.
     overflowed: bool = False

@@ -41,6 +41,7 @@ import collections
 import contextlib
 import logging
 import socket
+from collections.abc import Callable
 
 from google.protobuf.message import DecodeError
 
@@ -63,8 +64,9 @@ def _rejected(reason: str) -> bytes:
 
 class _Commands:
     """The commands of one connection as an async iterator (what
-    ``session_events`` reads); ends when the engine closes or the frames
-    go bad."""
+    ``session_events`` reads until the session is open), then handed to the
+    session's handler as they are read (:meth:`run_direct`); ends when the
+    engine closes or the frames go bad."""
 
     def __init__(self, transport: asyncio.Transport, max_ahead_bytes: int):
         self._transport = transport
@@ -74,8 +76,53 @@ class _Commands:
         self._paused = False
         self._ended = False
         self._waiter: asyncio.Future | None = None
+        self._direct: Callable[[pb.SessionCommand], bool] | None = None
+        self._done: asyncio.Future | None = None  # run_direct's: done when the commands end
+
+    def run_direct(self, handler: Callable[[pb.SessionCommand], bool]) -> asyncio.Future:
+        """From now on every command goes to ``handler`` as soon as its frame
+        is read (``data_received``), in order, the ones read ahead first: no
+        queue, and no round of a reader task per command (measured:
+        docs/PERFORMANCE.md, "sixth round"). ``handler`` returns False to
+        read no more (the session ends). Returns a future done when the
+        commands end (EOF, bad input, the connection lost, that False);
+        cancelling it stops the handler too."""
+        done = self._done = asyncio.get_running_loop().create_future()
+        while self._queue and not done.done():
+            cmd, _ = self._queue.popleft()
+            self._call(handler, cmd)
+        self._bytes = 0
+        self._queue.clear()
+        if self._paused:
+            self._paused = False
+            self._transport.resume_reading()
+        if self._ended:
+            self._finish()
+        elif not done.done():
+            self._direct = handler
+        return done
+
+    def _call(self, handler: Callable[[pb.SessionCommand], bool], cmd: pb.SessionCommand) -> None:
+        try:
+            keep = handler(cmd)
+        except Exception:  # a bug: this session ends, the daemon keeps serving
+            log.exception("%s: session command failed; session ended", WHAT)
+            keep = False
+        if not keep:
+            self._direct = None  # later frames are read and dropped until the session closes the connection
+            self._finish()
+
+    def _finish(self) -> None:
+        d = self._done
+        if d is not None and not d.done():
+            d.set_result(None)
 
     def put(self, cmd: pb.SessionCommand, size: int) -> None:
+        if self._done is not None:  # the session is open: run at once (or not at all, once ended)
+            handler = self._direct
+            if handler is not None and not self._done.done():
+                self._call(handler, cmd)
+            return
         self._queue.append((cmd, size))
         self._bytes += size
         if self._bytes > self._max_ahead and not self._paused:
@@ -85,6 +132,8 @@ class _Commands:
 
     def end(self) -> None:
         self._ended = True
+        self._direct = None
+        self._finish()
         self._wake()
 
     def _wake(self) -> None:
@@ -203,11 +252,22 @@ class _Connection(asyncio.Protocol):
             self.task.cancel()  # as gRPC cancels a stream's handler when its client goes
         self.owner.connections.discard(self)
 
+    def _write_event(self, e: pb.SessionEvent) -> bool:
+        """Writes ``e`` now (the session's direct ``write_event``); False,
+        writing nothing, while the socket's buffer is over ``_WRITE_HIGH``
+        or the connection is closing (the event is then queued)."""
+        t = self.transport
+        if self._drained is not None or t.is_closing():
+            return False
+        t.write(frame(e.SerializeToString()))
+        tp.hit(tp.GATE_OUT)
+        return True
+
     async def _serve(self, commands: _Commands) -> None:
         t = self.transport
         try:
-            async with contextlib.aclosing(self.owner.service.session_events(commands, lambda: self.caller)) \
-                    as events:
+            async with contextlib.aclosing(self.owner.service.session_events(
+                    commands, lambda: self.caller, self._write_event)) as events:
                 async for e in events:
                     if t.is_closing():
                         break  # the engine is gone: the session ends (its worker detached)

@@ -302,7 +302,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
         except SessionRefused as r:
             await context.abort(r.code, r.message)
 
-    async def session_events(self, commands, caller):
+    async def session_events(self, commands, caller, write_event=None):
         """The session of one worker, whatever carries it (the gRPC stream
         above, or the command socket, ``kvd.daemon.command_socket``): reads
         ``commands`` (an async iterator of ``SessionCommand``; the first must
@@ -311,6 +311,15 @@ class EngineService(pb_grpc.EngineServiceServicer):
         ``commands`` ends; then detaches the worker (``Node.detach``).
 
         ``caller()``: the ``Caller`` of the session (None: not through the gate).
+
+        Two shortcuts a transport may offer, each saving a round of this
+        generator's task per command or event (docs/PERFORMANCE.md, "sixth
+        round"): ``commands.run_direct(handler)`` (the command socket's
+        reader) hands every command after ``open`` to ``handler`` as it is
+        read and returns a future done when the commands end; and
+        ``write_event(SessionEvent) -> bool`` writes an event at once
+        (False: not now, it is queued and yielded here), used while this is
+        the worker's only session.
 
         Raises:
             SessionRefused: INVALID_ARGUMENT (no OpenSession within
@@ -342,11 +351,22 @@ class EngineService(pb_grpc.EngineServiceServicer):
         except ev.CoreError as e:
             raise SessionRefused(status_of(e), str(e)) from None
         log.info("session opened: %s", w.label)
-        reader = None
+        reader = sink = None
         try:
             yield pb.SessionEvent(opened=pb.SessionOpened(agent_name=w.agent.name, daemon_version=__version__))
-            reader = asyncio.get_running_loop().create_task(self._read_commands(w, it, c.uid))
+            direct = getattr(it, "run_direct", None)
+            if direct is not None:
+                reader = direct(lambda cmd: self._run_command(w, cmd, c.uid))
+            else:
+                reader = asyncio.get_running_loop().create_task(self._read_commands(w, it, c.uid))
             events, wakeup = w.session.events, w.session.wakeup
+            if write_event is not None and w.session.streams == 1 and not events:
+
+                def sink(e: ev.Event) -> bool:
+                    tp.hit(tp.EVENT, e.request_id)
+                    return write_event(event_to_pb(e))
+
+                w.session.sink = sink
             # The reader's end wakes this loop too: one Event to wait on, no
             # waiter task and asyncio.wait per event (two loop rounds less).
             reader.add_done_callback(lambda _: wakeup.set())
@@ -364,41 +384,50 @@ class EngineService(pb_grpc.EngineServiceServicer):
                 wakeup.clear()
                 await wakeup.wait()
         finally:
+            if sink is not None and w.session.sink is sink:
+                w.session.sink = None
             if reader is not None:
                 reader.cancel()
             await self.node.detach(w)
             log.info("session closed: %s", w.label)
 
     async def _read_commands(self, w: Worker, it, uid: int) -> None:
-        """Runs the session's commands on ``w`` (opened by a caller of ``uid``);
-        a bad one is rejected (an event), never a broken stream."""
+        """Runs the session's commands on ``w`` (opened by a caller of ``uid``)
+        until they end or one ends the session (``_run_command``)."""
+        async for cmd in it:
+            if not self._run_command(w, cmd, uid):
+                return
+
+    def _run_command(self, w: Worker, cmd: pb.SessionCommand, uid: int) -> bool:
+        """Runs one session command on ``w`` (opened by a caller of ``uid``);
+        a bad one is rejected (an event), never a broken stream. Returns
+        False when the session must read no more (its worker is gone)."""
         node = self.node
         limit = BOUNDS.max_id_bytes
-        async for cmd in it:
-            kind = cmd.WhichOneof("command")
-            if node.workers.get(w.key) is not w:
-                # Unregistered, or registered again (another Worker, this
-                # session's one is freed): its commands would reach freed NIXL
-                # handles (a released descriptor list in make_prepped_xfer).
-                node.reject(w, "", "worker unregistered")
-                return
-            c = getattr(cmd, kind) if kind else None
-            long_id = next((f for f in ("request_id", "remote_request_id", "remote_engine_id", "remote_address")
-                            if len(getattr(c, f, "").encode()) > limit), None)
-            if long_id:
-                node.reject(w, getattr(c, "request_id", ""), f"{kind}: {long_id} longer than {limit} bytes")
-                continue
-            if kind == "load":
-                tp.hit(tp.SESSION_READ, c.request_id)
-                asyncio.get_running_loop().create_task(node.load(w, load_from_pb(c)))
-            elif kind == "hold":
-                node.hold(w, c.request_id, groups_from_pb(c.groups), c.lease_s)
-            elif kind == "release":
-                node.release(w, c.request_id)
-            elif kind == "abort_load":
-                self._abort(w, c, uid)
-            else:
-                node.reject(w, "", f"unexpected command {kind!r} on an open session")
+        kind = cmd.WhichOneof("command")
+        if node.workers.get(w.key) is not w:
+            # Unregistered, or registered again (another Worker, this
+            # session's one is freed): its commands would reach freed NIXL
+            # handles (a released descriptor list in make_prepped_xfer).
+            node.reject(w, "", "worker unregistered")
+            return False
+        c = getattr(cmd, kind) if kind else None
+        long_id = next((f for f in ("request_id", "remote_request_id", "remote_engine_id", "remote_address")
+                        if len(getattr(c, f, "").encode()) > limit), None)
+        if long_id:
+            node.reject(w, getattr(c, "request_id", ""), f"{kind}: {long_id} longer than {limit} bytes")
+        elif kind == "load":
+            tp.hit(tp.SESSION_READ, c.request_id)
+            asyncio.get_running_loop().create_task(node.load(w, load_from_pb(c)))
+        elif kind == "hold":
+            node.hold(w, c.request_id, groups_from_pb(c.groups), c.lease_s)
+        elif kind == "release":
+            node.release(w, c.request_id)
+        elif kind == "abort_load":
+            self._abort(w, c, uid)
+        else:
+            node.reject(w, "", f"unexpected command {kind!r} on an open session")
+        return True
 
     def _abort(self, w: Worker, c: pb.AbortLoad, uid: int) -> None:
         """Starts an AbortLoad unless ``Limits.max_aborts`` (all sessions) or
