@@ -112,9 +112,7 @@ class KvdPair:
                 raise
 
     def _client(self, daemon: Daemon, req: pb.RegisterEngineRequest) -> EngineClient:
-        # Commands flushed as the shim flushes them: once per step (here: per
-        # hold or load, or once per batch, kvd.bench.throughput).
-        c = EngineClient(daemon.socket, unknown_lease_wait_s=600, batch_commands=True)
+        c = EngineClient(daemon.socket, unknown_lease_wait_s=600)
         c.register(req, timeout_s=60)
         c.start_session()
         if not c.wait_opened(30):
@@ -143,40 +141,26 @@ class KvdPair:
                 eid, self.dst[0], self.dst[1], block_len, nd, segment=seg)), nd)
         return self._readers[block_len]
 
-    def hold(self, block_len: int, remote_ids, tag: str = "", flush: bool = True) -> int:
-        """Holds ``remote_ids`` on P (non-blocking; ``flush`` False: queued
-        until :meth:`flush`); returns the request's number ``n`` (prefill
-        request ``p<n>``, the decode request :meth:`load` makes ``d<n>``)."""
+    def hold(self, block_len: int, remote_ids, tag: str = "") -> int:
+        """Holds ``remote_ids`` on P (non-blocking); returns the request's number
+        ``n`` (prefill request ``p<n>``, the decode request :meth:`load` makes ``d<n>``)."""
         n = next(self._ids)
-        client = self.source(block_len, tag).client
-        client.hold(f"p{n}", [list(remote_ids)], lease_s=300)
-        if flush:
-            client.flush()
+        self.source(block_len, tag).client.hold(f"p{n}", [list(remote_ids)], lease_s=300)
         return n
 
-    def load(self, block_len: int, local_ids, remote_ids, n: int, tag: str = "", flush: bool = True) -> str:
+    def load(self, block_len: int, local_ids, remote_ids, n: int, tag: str = "") -> str:
         """Loads request ``n``'s ``remote_ids`` into ``local_ids`` on D
-        (non-blocking; ``flush`` False: queued until :meth:`flush`); returns
-        the decode request id."""
+        (non-blocking); returns the decode request id."""
         pw, dw = self.source(block_len, tag), self.reader(block_len)
         dw.client.load(LoadRequest(f"d{n}", [list(local_ids)], pw.engine_id, self.p.peer_address,
                                    [list(remote_ids)], f"p{n}", remote_tp_size=1, timeout_s=120))
-        if flush:
-            dw.client.flush()
         return f"d{n}"
 
-    def flush(self) -> None:
-        """Sends what every worker's client has queued (``EngineClient.flush``:
-        what the shim does once per engine step)."""
-        for w in (*self._sources.values(), *self._readers.values()):
-            w.client.flush()
-
-    def start(self, block_len: int, local_ids, remote_ids, tag: str = "", hold: bool = True,
-              flush: bool = True) -> str:
+    def start(self, block_len: int, local_ids, remote_ids, tag: str = "", hold: bool = True) -> str:
         """Holds on P (unless ``hold`` is False) and loads on D at once
-        (non-blocking; ``flush`` as in :meth:`load`); returns the decode request id."""
-        n = self.hold(block_len, remote_ids, tag, flush) if hold else next(self._ids)
-        return self.load(block_len, local_ids, remote_ids, n, tag, flush)
+        (non-blocking); returns the decode request id."""
+        n = self.hold(block_len, remote_ids, tag) if hold else next(self._ids)
+        return self.load(block_len, local_ids, remote_ids, n, tag)
 
     def wait(self, block_len: int, rids: set[str], poll_s: float, timeout_s: float = 300.0) -> dict[str, float]:
         """Polls D's client until every request in ``rids`` is done; returns

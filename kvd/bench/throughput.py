@@ -35,19 +35,15 @@ def kvd_batch(kvd: KvdPair, block_len: int, ids: list[tuple[list[int], list[int]
     last ``recv_done``, each load's seconds from its post)."""
     held = []
     if hold_ahead_s > 0:
-        held = [kvd.hold(block_len, ids[i % len(ids)][1], tags[i % len(tags)], flush=False)
-                for i in range(concurrency)]
-        kvd.flush()
+        held = [kvd.hold(block_len, ids[i % len(ids)][1], tags[i % len(tags)]) for i in range(concurrency)]
         time.sleep(hold_ahead_s)
     t0 = time.perf_counter()
     started = {}
     for i in range(concurrency):
         loc, rem = ids[i % len(ids)]
         tag = tags[i % len(tags)]
-        rid = kvd.load(block_len, loc, rem, held[i], tag, flush=False) if held else \
-            kvd.start(block_len, loc, rem, tag=tag, flush=False)
+        rid = kvd.load(block_len, loc, rem, held[i], tag) if held else kvd.start(block_len, loc, rem, tag=tag)
         started[rid] = time.perf_counter()
-    kvd.flush()  # the batch's commands go out together, as one engine step's (the shim flushes once per step)
     done = kvd.wait(block_len, set(started), poll_s)
     return max(done.values()) - t0, [done[k] - started[k] for k in started]
 

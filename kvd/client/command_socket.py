@@ -45,10 +45,6 @@ class CommandConnection:
     def __init__(self, sock: socket.socket, max_message_bytes: int):
         self._sock = sock
         self._max = max_message_bytes
-        #: Bytes of frames a :meth:`send_now` could not write (the socket was
-        #: full): written first by the next blocking :meth:`send`, by the
-        #: session's sender thread. Read and written under the session's send lock.
-        self.backlog = b""
 
     @classmethod
     def connect(cls, engine_socket: str, *, max_message_bytes: int, timeout_s: float) -> "CommandConnection":
@@ -80,28 +76,11 @@ class CommandConnection:
             raise
         return cls(s, max_message_bytes)
 
-    @staticmethod
-    def encode(commands: Iterable[pb.SessionCommand]) -> bytes:
-        """``commands`` as frames, in order."""
-        return b"".join(frame(c.SerializeToString()) for c in commands)
-
-    def send(self, commands: Iterable[pb.SessionCommand] = (), data: bytes = b"") -> None:
-        """Writes the :attr:`backlog`, then ``data`` (frames), then
-        ``commands``, in order (blocks while the daemon's socket buffer is
-        full). Raises OSError once the connection is closed or broken."""
-        out = self.backlog + data + self.encode(commands)
-        self.backlog = b""
-        if out:
-            self._sock.sendall(out)
-
-    def send_now(self, data: bytes) -> int:
-        """Writes what of ``data`` the socket takes without waiting; returns
-        how many bytes (0: the socket is full). The caller keeps the rest
-        (:attr:`backlog`). Raises OSError once the connection is closed or broken."""
-        try:
-            return self._sock.send(data, socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return 0
+    def send(self, commands: Iterable[pb.SessionCommand]) -> None:
+        """Writes ``commands``, in order, in one ``sendall`` (blocks while the
+        daemon's socket buffer is full). Raises OSError once the connection
+        is closed or broken."""
+        self._sock.sendall(b"".join(frame(c.SerializeToString()) for c in commands))
 
     def events(self) -> Iterator[pb.SessionEvent]:
         """The daemon's events until it closes the connection (or

@@ -5,15 +5,12 @@ socket costs about 0.8 ms here, see ``notes/nixl.md``). So:
 
 - ``register`` / ``unregister`` / ``get_stats`` are blocking unary RPCs with a
   timeout, meant for startup and shutdown only.
-- Everything per step goes through ONE long-lived session (the daemon's
-  command socket, else a bidirectional gRPC ``Session`` stream), run by a
-  background daemon thread: ``load`` / ``hold`` / ``release`` /
-  ``abort_load`` append a command to a thread-safe outgoing queue and
-  ``flush`` it (at once, or once per step with ``batch_commands``): on the
-  command socket the calling thread writes it without waiting when the
-  socket takes it, otherwise the session's sender thread does; the thread
-  that reads the session's events pushes them into a local queue that
-  ``drain_events`` empties. Neither waits on the network.
+- Everything per step goes through ONE long-lived bidirectional ``Session``
+  stream, run by a background daemon thread: ``load`` / ``hold`` / ``release``
+  / ``abort_load`` only append a command to a thread-safe outgoing queue (the stream's request
+  iterator reads it), and the thread that reads the stream's responses pushes
+  events into a local queue that ``drain_events`` empties. Neither touches the
+  network.
 
 Guarantees to the caller (what ``kvd.shim.vllm`` relies on):
 
@@ -111,11 +108,6 @@ class EngineClient:
         command_socket: run the session on the daemon's command socket when
             it offers one (``kvd.client.command_socket``); False: on the gRPC
             ``Session`` stream always.
-        batch_commands: False (default): each of :meth:`load`, :meth:`hold`,
-            :meth:`release`, :meth:`abort_load` is sent at once
-            (:meth:`flush`); True: they are queued until the caller's
-            :meth:`flush` (the vLLM shim flushes once per step: one write
-            for all of a step's commands).
 
     Thread model: any thread may call the non-blocking methods; one background
     thread (``kvd-session``) owns the stream. Call :meth:`close` at shutdown.
@@ -136,9 +128,7 @@ class EngineClient:
         backoff_max_s: float = 2.0,
         reregister_timeout_s: float = 5.0,
         command_socket: bool = True,
-        batch_commands: bool = False,
     ):
-        self.batch_commands = batch_commands
         self.address = normalize_address(address)
         self.max_message_bytes = int(max_message_bytes)
         self.default_load_timeout_s = default_load_timeout_s
@@ -314,7 +304,7 @@ class EngineClient:
         return self._session.opened.is_set()
 
     def load(self, req: LoadRequest) -> None:
-        """Sends a ``LoadBlocks`` of ``req`` (decode side; non-blocking: :meth:`flush`).
+        """Queues a ``LoadBlocks`` of ``req`` (decode side; non-blocking, no I/O).
 
         Its answer comes out of :meth:`drain_events` as ``recv_done`` or
         ``load_failed`` (naming every local block of every group). A second
@@ -326,12 +316,10 @@ class EngineClient:
         timeout_s = req.timeout_s if req.timeout_s > 0 else self.default_load_timeout_s
         wait_s = (timeout_s if timeout_s > 0 else self.unknown_timeout_wait_s) + self.load_grace_s
         self._pending.add_load(req, timeout_s, wait_s)
-        if not self.batch_commands:
-            self._session.flush()
 
     def hold(self, request_id: str, groups: BlockGroups, *, lease_s: float = 0.0) -> None:
-        """Sends a ``HoldBlocks`` of ``groups`` (block ids per KV-cache group;
-        prefill side; non-blocking: :meth:`flush`).
+        """Queues a ``HoldBlocks`` of ``groups`` (block ids per KV-cache group;
+        prefill side; non-blocking, no I/O).
 
         Its end comes out of :meth:`drain_events` as ``send_done``. The
         groups are copied once (they are sent again after a reconnect).
@@ -341,14 +329,10 @@ class EngineClient:
         groups = [list(g) for g in groups]  # the protobuf is built by the sender thread (Hold.build)
         wait_s = lease if lease > 0 else self.unknown_lease_wait_s
         self._pending.add_hold(request_id, lease, groups, wait_s, self.hold_grace_s)
-        if not self.batch_commands:
-            self._session.flush()
 
     def release(self, request_id: str) -> None:
-        """Sends a ``ReleaseBlocks`` (end a lease now; non-blocking: :meth:`flush`)."""
+        """Queues a ``ReleaseBlocks`` (end a lease now; non-blocking, no I/O)."""
         self._pending.queue(Lazy(release_cmd, request_id))
-        if not self.batch_commands:
-            self._session.flush()
 
     def abort_load(
         self,
@@ -359,7 +343,7 @@ class EngineClient:
         remote_request_id: str,
         remote_tp_size: int = 1,
     ) -> None:
-        """Sends an ``AbortLoad`` (decode side; non-blocking: :meth:`flush`).
+        """Queues an ``AbortLoad`` (decode side; non-blocking, no I/O).
 
         For a request that will never load (aborted before its load, or its
         whole prompt is in the local prefix cache): the daemon tells the
@@ -372,15 +356,6 @@ class EngineClient:
         if not self._pending.queue(cmd, unless_closing=True):
             log.info("kvd %s request=%s: client closed; abort of %s not sent (the remote lease bounds it)",
                      self.label, request_id, remote_request_id)
-        elif not self.batch_commands:
-            self._session.flush()
-
-    def flush(self) -> None:
-        """Sends every command queued (non-blocking: at most one write that
-        does not wait, on the command socket; else the session's sender
-        thread is woken). Needed only with ``batch_commands``; a command
-        left unflushed still goes out within about 0.5 s."""
-        self._session.flush()
 
     def drain_events(self) -> list[pb.SessionEvent]:
         """Every event queued since the last call (non-blocking, no I/O).

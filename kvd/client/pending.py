@@ -17,7 +17,6 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 
 from kvd import tracepoints as tp
 from kvd.client.commands import Command, Hold, Load, Stream, hold_ended, load_failed
@@ -93,12 +92,16 @@ class Pending:
             return True
 
     def _enqueue(self, cmd: Command) -> None:
-        """Under the lock: queues ``cmd`` for the stream. Wakes nobody: the
-        caller flushes (``SessionLoop.flush``: written from the engine's
-        thread on the command socket, or the sender woken), once per command
-        or once per step (each wake-up of another thread costs the engine's
-        thread a GIL hand-off, docs/PERFORMANCE.md "engine step")."""
-        self._outq.append(cmd)
+        """Under the lock: queues ``cmd`` for the stream. Wakes the stream's
+        sender only when the queue was empty (it waits only then): a step that
+        queues many commands wakes that thread once, not once per command
+        (each wake-up costs the engine's thread a GIL hand-off,
+        docs/PERFORMANCE.md "engine step")."""
+        if not self._outq:
+            self._outq.append(cmd)
+            self.cond.notify_all()
+        else:
+            self._outq.append(cmd)
 
     def drain(self) -> list[pb.SessionEvent]:
         """Every event queued since the last call, after ending locally the
@@ -130,8 +133,7 @@ class Pending:
             self._loads.clear()
 
     def wake(self) -> None:
-        """Wakes the session's sender waiting for commands (to send them, or
-        to see ``closing``)."""
+        """Wakes the session thread waiting for commands (to see ``closing``)."""
         with self.cond:
             self.cond.notify_all()
 
@@ -172,25 +174,11 @@ class Pending:
     def next_batch(self, stream: Stream) -> list[Command] | None:
         """Waits for commands; returns all queued, marked sent on ``stream``,
         or None once ``stream`` ended or the client is closing."""
-        if not self.wait_commands(stream):
-            return None
-        return self.take_batch(stream)
-
-    def wait_commands(self, stream: Stream, ready: Callable[[], bool] = lambda: False) -> bool:
-        """Waits until a command is queued or ``ready()``; False once
-        ``stream`` ended or the client is closing. Looks again every 0.5 s
-        (a command queued with no flush still goes out)."""
         with self.cond:
-            while not self._outq and not ready() and not stream.done and not self.closing.is_set():
+            while not self._outq and not stream.done and not self.closing.is_set():
                 self.cond.wait(0.5)
-            return not (stream.done or self.closing.is_set())
-
-    def take_batch(self, stream: Stream) -> list[Command]:
-        """Every command queued (none: []), marked sent on ``stream``; []
-        once ``stream`` ended (they wait for the next one)."""
-        with self.cond:
-            if stream.done:
-                return []
+            if stream.done or self.closing.is_set():
+                return None
             # Everything queued, in one hold of the lock (fewer lock hand-offs
             # with the engine thread queuing more).
             batch = []

@@ -75,13 +75,6 @@ class SessionLoop:
         self._connect_timeout_s = connect_timeout_s
         self._conn: CommandConnection | None = None
         self._sender: threading.Thread | None = None
-        # Held while commands are taken from ``pending`` and written to the
-        # command socket (by the sender thread, or by ``flush`` on the
-        # engine's thread): one writer at a time, in the order taken.
-        self._send_lock = threading.Lock()
-        # The command-socket session ``flush`` may write to (its OpenSession
-        # and holds-again sent); None otherwise.
-        self._direct: tuple[CommandConnection, Stream] | None = None
         self._pending = pending
         self._open_session = open_session
         self._reregister = reregister
@@ -114,70 +107,25 @@ class SessionLoop:
         if self._thread is not None:
             self._thread.join(timeout_s)
 
-    def flush(self) -> None:
-        """Sends the commands queued so far, never waiting: on the command
-        socket, written from the calling thread (the engine's) in one
-        non-blocking write when no other write is under way; what the socket
-        does not take at once, and every command of a gRPC stream or of a
-        session not open yet, goes out from the sender thread, woken here.
-
-        Why the caller's thread: handing each command to the sender thread
-        cost a wake-up per load (~0.08-0.25 ms on this machine,
-        docs/PERFORMANCE.md "fourth round" and "sixth round")."""
-        direct = self._direct
-        if direct is None or not self._send_lock.acquire(blocking=False):
-            self._pending.wake()  # gRPC, opening, or the sender is writing: it takes them next
-            return
-        try:
-            conn, stream = direct
-            if self._direct is not direct or conn.backlog:
-                self._pending.wake()
-                return
-            data = conn.encode(self._build(self._pending.take_batch(stream)))
-            if not data:
-                return
-            try:
-                n = conn.send_now(data)
-            except OSError as e:  # broken: the session thread sees it end; its loads fail there
-                log.debug("kvd %s: command socket send: %s", self._pending.label, e)
-                conn.shutdown()
-                return
-            if n < len(data):  # the daemon's buffer is full: the sender writes the rest, blocking
-                conn.backlog = data[n:]
-                self._pending.wake()
-        finally:
-            self._send_lock.release()
-
-    def _build(self, batch: list) -> list[pb.SessionCommand]:
-        """The messages of ``batch``; a command protobuf refuses fails here
-        (``Pending.refuse``). Outside ``pending``'s lock: the engine's
-        thread never waits for it."""
-        built = []
-        for cmd in batch:
-            try:
-                built.append(cmd.build())
-            except (TypeError, ValueError) as e:  # arguments protobuf refuses: the load fails here
-                self._pending.refuse(cmd, e)
-        return built
-
-    def _first(self, stream: Stream) -> Iterator[list[pb.SessionCommand]]:
-        """What every session sends first: ``OpenSession``, then the holds
-        of the last session again."""
+    def _batches(self, stream: Stream) -> Iterator[list[pb.SessionCommand]]:
+        """What one session sends, a batch at a time: ``OpenSession``, the
+        holds again, then every command queued (consumed by one thread)."""
         yield [pb.SessionCommand(open=self._open_session())]
         again = self._pending.holds_again(stream)
         if again:
             log.info("kvd %s: holding %d leases again after reconnecting", self._pending.label, len(again))
             yield again
-
-    def _batches(self, stream: Stream) -> Iterator[list[pb.SessionCommand]]:
-        """What one gRPC session sends, a batch at a time: :meth:`_first`,
-        then every command queued (consumed by one thread)."""
-        yield from self._first(stream)
         while True:
             batch = self._pending.next_batch(stream)
             if batch is None:
                 return
-            built = self._build(batch)
+            built = []
+            # Built here, outside the lock: the engine thread never waits for it.
+            for cmd in batch:
+                try:
+                    built.append(cmd.build())
+                except (TypeError, ValueError) as e:  # arguments protobuf refuses: the load fails here
+                    self._pending.refuse(cmd, e)
             if built:
                 yield built
 
@@ -187,24 +135,14 @@ class SessionLoop:
             yield from batch
 
     def _send(self, conn: CommandConnection, stream: Stream) -> None:
-        """The ``kvd-session-send`` thread of one command-socket session:
-        sends :meth:`_first`, then lets :meth:`flush` write; then writes
-        what a flush left (the socket was full) and what is queued with no
-        flush after it, blocking, until the session ends."""
+        """The ``kvd-session-send`` thread of one command-socket session."""
         try:
-            with self._send_lock:
-                for batch in self._first(stream):
-                    conn.send(batch)
-                self._direct = (conn, stream)
-            while self._pending.wait_commands(stream, lambda: bool(conn.backlog)):
-                with self._send_lock:
-                    conn.send(self._build(self._pending.take_batch(stream)))
+            for batch in self._batches(stream):
+                conn.send(batch)
         except OSError as e:
             log.debug("kvd %s: command socket send: %s", self._pending.label, e)
         except Exception:  # never let the thread die silently
             log.exception("kvd %s: session sender error", self._pending.label)
-        with self._send_lock:
-            self._direct = None
         conn.shutdown()  # the reader ends too: the session is over
 
     def _connect(self) -> CommandConnection | None:

@@ -92,7 +92,6 @@ class KvdWorker:
         self.num_groups = num_groups
         self.client = client or EngineClient(
             cfg.socket, default_load_timeout_s=cfg.load_timeout_s, default_lease_s=cfg.lease_s,
-            batch_commands=True,  # flushed once per step (start)
         )
         self.registered: pb.RegisterEngineResponse | None = None
         self.sharing: KvSharing | None = None
@@ -217,8 +216,7 @@ class KvdWorker:
 
     # ----------------------------------------------------------- per step
     def start(self, meta: KvdConnectorMetadata) -> None:
-        """Sends this step's holds and loads (one write that does not wait,
-        ``EngineClient.flush``)."""
+        """Queues this step's holds and loads (no I/O)."""
         if meta.holds and self.sharing is not None:
             self.sharing.sync()  # the held blocks' bytes are final before the daemon may read them
         for h in meta.holds:
@@ -237,8 +235,6 @@ class KvdWorker:
                 continue
             self._recving[ld.request_id] = copy_groups(ld.request.local_groups)
             self.client.load(ld.request)
-        if meta.holds or meta.loads:
-            self.client.flush()  # one write for the step's commands (batch_commands)
 
     def save(self, meta: KvdConnectorMetadata) -> None:
         """Staged path: copies the blocks this step's forward pass wrote, for
