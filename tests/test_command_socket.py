@@ -274,3 +274,77 @@ def test_a_session_that_never_reads_its_socket_is_dropped_past_its_queued_event_
         s.close()
         eng.close()
         d.stop()
+
+
+def test_a_load_past_the_workers_cap_is_refused_before_it_starts(tmp_path):
+    """``max_inflight_per_worker`` counts loads from the moment their command
+    is read: a burst of loads whose handshakes hang (the peer accepts and
+    never answers) gets the rest refused at once ("busy"), no task each."""
+    silent = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)  # accepts (the kernel does), never answers
+    d = start_daemon(str(tmp_path), "cap", *ON, "--max-inflight-per-worker", "3", "--handshake-timeout-s", "30")
+    eng = Engine(d, "cs-cap", SHAPE, open_session=False)
+    s = _open_raw(d)
+    try:
+        worker = pb.EngineWorker(engine_id=eng.engine_id, tp_rank=0)
+        peer = f"127.0.0.1:{silent.getsockname()[1]}"
+        loads = b"".join(frame(pb.SessionCommand(load=pb.LoadBlocks(
+            request_id=f"c{i}", local_groups=[pb.BlockIds(ids=[i])], remote_engine_id="nobody",
+            remote_address=peer, remote_groups=[pb.BlockIds(ids=[i])], remote_request_id=f"p{i}",
+            timeout_s=30)).SerializeToString()) for i in range(10))
+        s.sendall(frame(pb.SessionCommand(open=pb.OpenSession(worker=worker)).SerializeToString()) + loads)
+        opened, *refused = _read_some(s, 8)
+        assert event_kind(opened) == "opened"
+        assert [e.rejected.request_id for e in refused] == [f"c{i}" for i in range(3, 10)]
+        assert all("busy" in e.rejected.reason and "max_inflight_per_worker 3" in e.rejected.reason
+                   for e in refused), refused
+        assert d.proc.poll() is None
+    finally:
+        s.close()
+        eng.close()
+        d.stop()
+        silent.close()
+
+
+def test_one_connections_flood_runs_a_share_per_pass_of_the_loop():
+    """Once the session is open, at most ``_PASS_COMMANDS`` of one
+    connection's commands run per pass of the event loop; its reading pauses
+    until the rest have run (other connections' commands run in between)."""
+    import asyncio
+
+    from kvd.daemon import command_socket as cs
+
+    class Transport:
+        def __init__(self):
+            self.paused = False
+            self.pauses = 0
+
+        def pause_reading(self):
+            self.paused, self.pauses = True, self.pauses + 1
+
+        def resume_reading(self):
+            self.paused = False
+
+        def is_closing(self):
+            return False
+
+    async def main():
+        t = Transport()
+        cmds = cs._Commands(t, 1 << 20)
+        ran: list[int] = []
+        n = 3 * cs._PASS_COMMANDS + 5
+        done = cmds.run_direct(lambda c: ran.append(len(ran)) or True)
+        for i in range(n):  # one read's worth of frames, as data_received puts them
+            cmds.put(pb.SessionCommand(release=pb.ReleaseBlocks(request_id=str(i))), 10)
+        per_pass = [len(ran)]
+        while len(ran) < n:
+            await asyncio.sleep(0)  # one pass of the loop
+            per_pass.append(len(ran) - sum(per_pass))
+        assert per_pass[0] == cs._PASS_COMMANDS and max(per_pass) == cs._PASS_COMMANDS
+        assert t.pauses == 1 and not t.paused  # paused while behind, reading again once caught up
+        assert ran == list(range(n))  # in order
+        cmds.end()
+        assert done.done()
+
+    asyncio.run(main())

@@ -183,3 +183,56 @@ def test_an_event_goes_straight_to_the_sessions_sink_only_while_nothing_is_queue
     rt.emit(w, done[3])                      # the queue drained: straight out again
     assert written == ["r0", "r3"]
     rt.shutdown()
+
+
+def test_posts_run_on_the_loop_are_capped_per_pass_of_the_loop():
+    """``Runtime.nixl_now``: the posts run on the loop before it has gone
+    round once move at most ``BOUNDS.inline_bytes_per_pass`` (each counted
+    as at least ``inline_post_min_bytes``); then it runs them again."""
+    from kvd.core.limits import BOUNDS, Limits
+    from kvd.core.runtime import Runtime
+
+    async def main():
+        rt = Runtime(Limits())
+        try:
+            small = BOUNDS.inline_bytes_per_pass // BOUNDS.inline_post_min_bytes
+            first = [rt.nixl_now(4096, lambda i=i: i)[0] for i in range(small + 2)]
+            assert first == [True] * small + [False] * 2
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+            big = [rt.nixl_now(BOUNDS.inline_bytes_per_pass // 2, lambda: 1)[0] for _ in range(3)]
+            assert big == [True, True, False]
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+            assert rt.nixl_now(BOUNDS.inline_bytes_per_pass * 2, lambda: 1) == (True, 1)  # one always may
+        finally:
+            rt.shutdown()
+
+    asyncio.run(main())
+
+
+def test_an_open_session_past_the_event_count_bound_is_ended_not_left_short(monkeypatch):
+    """Past ``BOUNDS.max_pending_events`` queued, a session gone drops its
+    oldest event (it may be reconnecting), but an open one is ended
+    (``overflowed``: its engine hears of it) instead of silently losing
+    events it would wait for."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from kvd.core import runtime as runtime_mod
+    from kvd.core.events import RecvDone
+    from kvd.core.limits import BOUNDS, Limits
+    from kvd.core.runtime import Runtime
+    from kvd.core.state import WorkerSession
+
+    monkeypatch.setattr(runtime_mod, "BOUNDS", dataclasses.replace(BOUNDS, max_pending_events=3))
+    rt = Runtime(Limits())
+    gone = SimpleNamespace(session=WorkerSession(streams=0), label="engine=g rank=0")
+    open_ = SimpleNamespace(session=WorkerSession(streams=1), label="engine=o rank=0")
+    for i in range(5):
+        rt.emit(gone, RecvDone(f"r{i}", 1, 1, 1, 0.0))
+        rt.emit(open_, RecvDone(f"r{i}", 1, 1, 1, 0.0))
+    assert [gone.session.events.popleft().request_id for _ in range(3)] == ["r2", "r3", "r4"]
+    assert not gone.session.overflowed
+    assert open_.session.overflowed == "3 events (a bound of kvd)"
+    rt.shutdown()

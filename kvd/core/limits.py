@@ -117,6 +117,13 @@ class Bounds:
     # another Python thread ran half as often as in a sleep), time the loop
     # keeps serving on the thread path. 1 MiB is ~0.25 ms of CMA here.
     inline_post_max_bytes: int = 1 << 20
+    # READs posted on the loop in one pass of the loop move at most this many
+    # bytes in all, each counted as at least ``inline_post_min_bytes`` (its
+    # fixed cost); the next go to the NIXL thread: a stream of small loads
+    # must not turn the loop, which serves every session and peer, into a
+    # copy engine (2 MiB: ~0.5 ms of CMA here, or 32 small posts).
+    inline_bytes_per_pass: int = 2 << 20
+    inline_post_min_bytes: int = 64 << 10
     # A pair whose two descriptor lists have more rows than this in all has
     # none prepared: each transfer makes the rows of its own blocks
     # (NIXL initialize_xfer). Preparing costs time per row of the whole cache

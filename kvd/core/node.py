@@ -28,6 +28,7 @@ Pull mode (the seed connector's protocol, docs/DESIGN.md "Transfer protocol"):
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from typing import Callable
@@ -191,7 +192,12 @@ class Node:
         its previous session can land any more (``kvd.core.settle``).
         Raises NotFound."""
         w = self.registry.attach(engine_id, tp_rank)
-        await settle.settled(w)
+        try:
+            await settle.settled(w)
+        except BaseException:  # the opening stream went (cancelled): it is not counted as a session
+            if self.registry.detach(w):
+                asyncio.get_running_loop().create_task(self.pull.cancel(w))
+            raise
         return w
 
     async def detach(self, w: Worker) -> None:

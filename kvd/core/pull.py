@@ -238,7 +238,7 @@ class Pull:
                     # A small READ is posted here, on the loop, when the NIXL
                     # thread is idle (BOUNDS.inline_post_max_bytes); the loop
                     # never spins on it (BOUNDS.post_spin_s).
-                    ran, posted_now = (self.rt.nixl_now(self._post, *args, 0.0)
+                    ran, posted_now = (self.rt.nixl_now(size, self._post, *args, 0.0)
                                        if size <= BOUNDS.inline_post_max_bytes else (False, None))
                     handle, state, post_s = posted_now if ran else \
                         await self.rt.nixl(self._post, *args, BOUNDS.post_spin_s)

@@ -398,7 +398,7 @@ class Registry:
         w.session.streams += 1
         w.session.sink = None  # a second stream: events go through the queue (either may read them)
         w.session.detached_since = None
-        w.session.overflowed = False
+        w.session.overflowed = ""
         return w
 
     def detach(self, w: Worker) -> bool:

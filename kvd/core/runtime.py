@@ -190,6 +190,7 @@ class Runtime:
         # or reused mapping) until it is (``Registry.free_quarantined``).
         self.quarantine: list[Worker] = []
         self.kick = asyncio.Event()  # wakes the progress loop (a transfer was posted)
+        self._inline_bytes = 0  # bytes posted on the loop in its current pass (nixl_now)
         self.draining = False  # set at SIGTERM: no new loads or sessions, no second tries
         self.closing = False
         self._nixl = NixlThread()
@@ -198,15 +199,27 @@ class Runtime:
         """Runs ``fn(*args)`` on the NIXL thread; returns its result, raises its error."""
         return await self._nixl.call(fn, *args)
 
-    def nixl_now(self, fn, *args) -> tuple[bool, object]:
-        """Runs ``fn(*args)`` here, on the event loop, when the NIXL thread
-        is idle (``NixlThread.try_now``: no hand-off, no wake-up): ``(True,
-        result)``; ``(False, None)`` when it is busy (then use :meth:`nixl`).
-        For short calls only, never one that releases the GIL for long (a
-        same-node copy's memmove, a large READ's post:
-        ``BOUNDS.inline_post_max_bytes``): the loop would wait where the
-        thread lets it run."""
-        return self._nixl.try_now(fn, *args)
+    def nixl_now(self, nbytes: int, fn, *args) -> tuple[bool, object]:
+        """Runs ``fn(*args)``, a READ's post moving ``nbytes``, here on the
+        event loop when the NIXL thread is idle (``NixlThread.try_now``: no
+        hand-off, no wake-up): ``(True, result)``; ``(False, None)`` when the
+        thread is busy or this pass of the loop has posted its share
+        (``BOUNDS.inline_bytes_per_pass``): then use :meth:`nixl`. For short
+        calls only, never one that releases the GIL for long (a same-node
+        copy's memmove, a large READ's post: ``BOUNDS.inline_post_max_bytes``):
+        the loop would wait where the thread lets it run."""
+        cost = max(nbytes, BOUNDS.inline_post_min_bytes)
+        if self._inline_bytes and self._inline_bytes + cost > BOUNDS.inline_bytes_per_pass:
+            return False, None
+        ran, value = self._nixl.try_now(fn, *args)
+        if ran:
+            if not self._inline_bytes:
+                asyncio.get_running_loop().call_soon(self._new_pass)  # runs in the loop's next pass
+            self._inline_bytes += cost
+        return ran, value
+
+    def _new_pass(self) -> None:
+        self._inline_bytes = 0
 
     def shutdown(self) -> None:
         """Stops the NIXL thread (after its last call)."""
@@ -237,22 +250,27 @@ class Runtime:
 
     def emit(self, w: Worker, ev: Event) -> None:
         """Queues ``ev`` for ``w``'s session, or writes it at once through the
-        session's ``sink`` when one is set and nothing is queued (the oldest event is dropped past
-        ``BOUNDS.max_pending_events``, for a session gone for long). Past
-        ``Limits.max_queued_event_bytes`` the session is dropped
+        session's ``sink`` when one is set and nothing is queued. Past
+        ``BOUNDS.max_pending_events`` queued, the oldest event is dropped
+        for a session gone (reconnecting), and an open session is dropped;
+        so it is past ``Limits.max_queued_event_bytes``
         (``kvd.core.state.overflow``)."""
         events = w.session.events
         sink = w.session.sink
         if sink is not None and not events and sink(ev):
             return  # written to the engine's socket already (its order kept: nothing was queued)
-        if len(events) >= BOUNDS.max_pending_events:
+        if len(events) >= BOUNDS.max_pending_events and w.session.streams:
+            # An open session that reads too slowly ends (its engine learns
+            # at once: loads failed, reconnect) rather than lose events unseen.
+            overflow(w, f"{BOUNDS.max_pending_events} events (a bound of kvd)")
+        elif len(events) >= BOUNDS.max_pending_events:
             dropped = events.popleft()
             # One line a second at most: a session that never reads, fed
             # events by others, must not turn each into a log line.
             self.dropped_warning.warning("%s: event queue full, dropped %s", w.label, dropped)
         events.append(ev)
         if events.nbytes > self.limits.max_queued_event_bytes:
-            overflow(w, self.limits.max_queued_event_bytes)
+            overflow(w, f"max_queued_event_bytes {self.limits.max_queued_event_bytes}")
         w.session.wakeup.set()
 
     def fail_load(self, w: Worker, request_id: str, block_ids: list[int], kind: FailureKind, reason: str,

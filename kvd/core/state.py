@@ -312,7 +312,7 @@ class WorkerSession:
     sink: Callable[[Event], bool] | None = None
     # Set when the queued events passed ``Limits.max_queued_event_bytes``: the
     # session's stream is ended (its engine does not read); cleared at attach.
-    overflowed: bool = False
+    overflowed: str = ""  # the limit passed, in words
     streams: int = 0
     detached_since: float | None = None
     epoch: int = 0
@@ -337,6 +337,9 @@ class Worker:
     pairs: WorkerPairs = field(default_factory=WorkerPairs)
     inflight: dict[str, InflightLoad] = field(default_factory=dict)  # READs posted
     pending_loads: set[str] = field(default_factory=set)  # loads before their posts (handshaking)
+    # Load tasks a session started and that have not ended (the engine service
+    # refuses more past Limits.max_inflight_per_worker, before a task exists).
+    loads_started: int = 0
     posting: set[str] = field(default_factory=set)  # loads between their claim and their last post
     session: WorkerSession = field(default_factory=WorkerSession)
     # Set (and replaced) at each hold: wakes claims waiting for one (kvd.core.holds).
@@ -364,16 +367,16 @@ class Worker:
                              self.layout.model_kv_heads(self.tp_size))
 
 
-def overflow(w: Worker, limit: int) -> None:
-    """``w``'s session queued more than ``limit`` bytes of events it does not
-    read: they are dropped, and so is its stream (the engine service ends it;
-    the shim then reports its loads failed and reconnects)."""
+def overflow(w: Worker, limit: str) -> None:
+    """``w``'s session queued more events than ``limit`` allows (its words,
+    e.g. ``"max_queued_event_bytes 1048576"``) that it does not read: they
+    are dropped, and so is its stream (the engine service ends it; the shim
+    then reports its loads failed and reconnects)."""
     s = w.session
-    log.warning("%s: %d events (%d bytes) queued, more than max_queued_event_bytes %d: the session's engine "
-                "does not read them; events dropped%s", w.label, len(s.events), s.events.nbytes, limit,
-                ", stream ended" if s.streams else "")
+    log.warning("%s: %d events (%d bytes) queued, more than %s: the session's engine does not read them; events "
+                "dropped%s", w.label, len(s.events), s.events.nbytes, limit, ", stream ended" if s.streams else "")
     s.events.clear()
-    s.overflowed = bool(s.streams)
+    s.overflowed = limit if s.streams else ""
 
 
 @dataclass

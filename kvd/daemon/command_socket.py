@@ -28,10 +28,14 @@ and bounds:
 - a session refusal (``SessionRefused``: the status the stream would end
   with) is a ``rejected`` event whose reason starts with the status name,
   then the close;
-- commands read ahead and not yet run are bounded (reading pauses above
-  ``max_message_bytes`` of them); events wait in the worker's own queue
-  (bounded by ``max_queued_event_bytes``) while the socket's write buffer is
-  full, as they wait behind gRPC's flow control on the stream.
+- commands read ahead of the session's opening are bounded (reading pauses
+  above ``max_message_bytes`` of them or ``_MAX_AHEAD_COMMANDS``); once it
+  is open each runs as it is read, at most ``_PASS_COMMANDS`` of one
+  connection per pass of the event loop (reading pauses meanwhile);
+  events are written at once while the socket takes them, else wait in the
+  worker's own queue (bounded by ``max_queued_event_bytes``) while the
+  socket's write buffer is full, as they wait behind gRPC's flow control on
+  the stream.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import collections
 import contextlib
 import logging
 import socket
+import traceback
 from collections.abc import Callable
 
 from google.protobuf.message import DecodeError
@@ -55,7 +60,15 @@ from kvd.v1 import kvd_pb2 as pb
 log = logging.getLogger("kvd.command_socket")
 
 WHAT = "command socket"
+_FAILED = Throttled(log)
 _WRITE_HIGH = 1 << 20  # bytes of events queued on one connection before the session waits for the engine
+# Commands read ahead of the session's opening (it may wait for an earlier
+# session's READs to settle): a parsed command takes ~100 times its bytes on
+# the wire (an empty one: 6 bytes, ~650 parsed), so bytes alone do not bound it.
+_MAX_AHEAD_COMMANDS = 4096
+# Commands of one connection run per pass of the event loop once its session
+# is open; the rest wait for the next pass (fairness between engines).
+_PASS_COMMANDS = 128
 
 
 def _rejected(reason: str) -> bytes:
@@ -78,35 +91,63 @@ class _Commands:
         self._waiter: asyncio.Future | None = None
         self._direct: Callable[[pb.SessionCommand], bool] | None = None
         self._done: asyncio.Future | None = None  # run_direct's: done when the commands end
+        self._scheduled = False  # a _run is due in the loop's next pass
+        self._in_pass = 0  # commands run in this pass of the loop
 
     def run_direct(self, handler: Callable[[pb.SessionCommand], bool]) -> asyncio.Future:
         """From now on every command goes to ``handler`` as soon as its frame
         is read (``data_received``), in order, the ones read ahead first: no
-        queue, and no round of a reader task per command (measured:
-        docs/PERFORMANCE.md, "sixth round"). ``handler`` returns False to
-        read no more (the session ends). Returns a future done when the
-        commands end (EOF, bad input, the connection lost, that False);
-        cancelling it stops the handler too."""
-        done = self._done = asyncio.get_running_loop().create_future()
-        while self._queue and not done.done():
-            cmd, _ = self._queue.popleft()
+        round of a reader task per command (measured: docs/PERFORMANCE.md,
+        "sixth round"). At most ``_PASS_COMMANDS`` per pass of the loop:
+        past them this connection's reading pauses and the rest run in the
+        next pass, after the other connections' (one engine's flood of
+        commands does not hold up every other session). ``handler`` returns
+        False to read no more (the session ends). Returns a future done when
+        the commands end (EOF and every command run, bad input, the
+        connection lost, that False); cancelling it stops the handler too."""
+        self._done = asyncio.get_running_loop().create_future()
+        self._direct = handler
+        self._run()
+        return self._done
+
+    def _run(self) -> None:
+        """Runs queued commands, at most ``_PASS_COMMANDS`` now."""
+        self._scheduled = False
+        done, handler, queue = self._done, self._direct, self._queue
+        while queue and handler is not None and not done.done():
+            if self._in_pass >= _PASS_COMMANDS:
+                self._scheduled = True
+                asyncio.get_running_loop().call_soon(self._run)
+                if not self._paused:
+                    self._paused = True
+                    self._transport.pause_reading()
+                return
+            if not self._in_pass:
+                asyncio.get_running_loop().call_soon(self._new_pass)  # before the _run above, if one is due
+            self._in_pass += 1
+            cmd, size = queue.popleft()
+            self._bytes -= size
             self._call(handler, cmd)
-        self._bytes = 0
-        self._queue.clear()
-        if self._paused:
+            handler = self._direct  # None once the handler said stop
+        if handler is None or done.done():
+            queue.clear()
+            self._bytes = 0
+        if self._paused and not self._transport.is_closing():
             self._paused = False
             self._transport.resume_reading()
-        if self._ended:
+        if self._ended and not queue:
             self._finish()
-        elif not done.done():
-            self._direct = handler
-        return done
+
+    def _new_pass(self) -> None:
+        self._in_pass = 0
 
     def _call(self, handler: Callable[[pb.SessionCommand], bool], cmd: pb.SessionCommand) -> None:
         try:
             keep = handler(cmd)
-        except Exception:  # a bug: this session ends, the daemon keeps serving
-            log.exception("%s: session command failed; session ended", WHAT)
+        except Exception as e:  # a bug: this session ends, the daemon keeps serving
+            # Throttled: an engine that can trigger it reconnects and does it again.
+            _FAILED.warning("%s: a session command failed (%s: %s); session ended\n%s", WHAT, type(e).__name__, e,
+                            traceback.format_exc())
             keep = False
         if not keep:
             self._direct = None  # later frames are read and dropped until the session closes the connection
@@ -118,22 +159,23 @@ class _Commands:
             d.set_result(None)
 
     def put(self, cmd: pb.SessionCommand, size: int) -> None:
-        if self._done is not None:  # the session is open: run at once (or not at all, once ended)
-            handler = self._direct
-            if handler is not None and not self._done.done():
-                self._call(handler, cmd)
-            return
         self._queue.append((cmd, size))
         self._bytes += size
-        if self._bytes > self._max_ahead and not self._paused:
+        if self._done is not None:  # the session is open: run now, unless this pass had its share
+            if not self._scheduled:
+                self._run()
+            return
+        if (self._bytes > self._max_ahead or len(self._queue) > _MAX_AHEAD_COMMANDS) and not self._paused:
             self._paused = True
             self._transport.pause_reading()
         self._wake()
 
     def end(self) -> None:
+        """No more commands come (EOF, bad input, the connection lost): the
+        ones queued still run, then the commands end."""
         self._ended = True
-        self._direct = None
-        self._finish()
+        if self._done is not None and not self._queue:
+            self._finish()
         self._wake()
 
     def _wake(self) -> None:
@@ -155,7 +197,7 @@ class _Commands:
                 self._waiter = None
         cmd, size = self._queue.popleft()
         self._bytes -= size
-        if self._paused and self._bytes <= self._max_ahead // 2:
+        if self._paused and self._bytes <= self._max_ahead // 2 and len(self._queue) <= _MAX_AHEAD_COMMANDS // 2:
             self._paused = False
             self._transport.resume_reading()
         return cmd

@@ -360,13 +360,12 @@ class EngineService(pb_grpc.EngineServiceServicer):
             else:
                 reader = asyncio.get_running_loop().create_task(self._read_commands(w, it, c.uid))
             events, wakeup = w.session.events, w.session.wakeup
-            if write_event is not None and w.session.streams == 1 and not events:
+            if write_event is not None:
 
                 def sink(e: ev.Event) -> bool:
                     tp.hit(tp.EVENT, e.request_id)
                     return write_event(event_to_pb(e))
 
-                w.session.sink = sink
             # The reader's end wakes this loop too: one Event to wait on, no
             # waiter task and asyncio.wait per event (two loop rounds less).
             reader.add_done_callback(lambda _: wakeup.set())
@@ -375,10 +374,15 @@ class EngineService(pb_grpc.EngineServiceServicer):
                     e = events.popleft()
                     tp.hit(tp.EVENT, e.request_id)
                     yield event_to_pb(e)
+                if sink is not None and w.session.streams == 1 and w.session.sink is None:
+                    # Nothing queued and this the worker's only session: later
+                    # events are written at once (again, after a second
+                    # session came and went, or after the socket was full).
+                    w.session.sink = sink
                 if w.session.overflowed:
                     raise SessionRefused(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                         f"session dropped: more than {self.node.limits.max_queued_event_bytes} "
-                                         f"bytes of events queued unread (max_queued_event_bytes)")
+                                         f"session dropped: more than {w.session.overflowed} of events "
+                                         f"queued unread")
                 if reader.done():
                     break
                 wakeup.clear()
@@ -418,7 +422,16 @@ class EngineService(pb_grpc.EngineServiceServicer):
             node.reject(w, getattr(c, "request_id", ""), f"{kind}: {long_id} longer than {limit} bytes")
         elif kind == "load":
             tp.hit(tp.SESSION_READ, c.request_id)
-            asyncio.get_running_loop().create_task(node.load(w, load_from_pb(c)))
+            cap = node.limits.max_inflight_per_worker
+            if w.loads_started + len(w.inflight) >= cap:
+                # Refused before a task exists: a flood of loads costs no task
+                # each (a task may first wait on a name lookup, Node.load).
+                node.reject(w, c.request_id, f"load: busy: {w.loads_started} loads starting and "
+                                             f"{len(w.inflight)} reading (max_inflight_per_worker {cap})")
+                return True
+            w.loads_started += 1
+            task = asyncio.get_running_loop().create_task(node.load(w, load_from_pb(c)))
+            task.add_done_callback(lambda _t: setattr(w, "loads_started", w.loads_started - 1))
         elif kind == "hold":
             node.hold(w, c.request_id, groups_from_pb(c.groups), c.lease_s)
         elif kind == "release":
