@@ -121,9 +121,12 @@ class Bounds:
     # bytes in all, each counted as at least ``inline_post_min_bytes`` (its
     # fixed cost); the next go to the NIXL thread: a stream of small loads
     # must not turn the loop, which serves every session and peer, into a
-    # copy engine (2 MiB: ~0.5 ms of CMA here, or 32 small posts).
-    inline_bytes_per_pass: int = 2 << 20
-    inline_post_min_bytes: int = 64 << 10
+    # copy engine (8 MiB: ~2 ms of CMA here, or 512 small posts). Measured
+    # with 64 one-block loads in flight: 2 MiB and 64 KiB sent most of them
+    # through the NIXL thread, 4,240 loads/s against 5,030-5,100 with these
+    # (docs/PERFORMANCE.md, "sixth round").
+    inline_bytes_per_pass: int = 8 << 20
+    inline_post_min_bytes: int = 16 << 10
     # A pair whose two descriptor lists have more rows than this in all has
     # none prepared: each transfer makes the rows of its own blocks
     # (NIXL initialize_xfer). Preparing costs time per row of the whole cache
