@@ -236,3 +236,27 @@ def test_an_open_session_past_the_event_count_bound_is_ended_not_left_short(monk
     assert not gone.session.overflowed
     assert open_.session.overflowed == "3 events (a bound of kvd)"
     rt.shutdown()
+
+
+def test_loads_failed_for_the_engines_own_input_are_logged_once_a_second(caplog):
+    """A flood of invalid loads (or loads past the worker's cap) is one log
+    line a second, with the count of the others; other failures, one each."""
+    from types import SimpleNamespace
+
+    from kvd.core.events import FailureKind
+    from kvd.core.limits import Limits
+    from kvd.core.runtime import Runtime
+    from kvd.core.state import WorkerSession
+
+    rt = Runtime(Limits())
+    w = SimpleNamespace(session=WorkerSession(), label="engine=e rank=0")
+    with caplog.at_level("WARNING", logger="kvd.core"):
+        for i in range(50):
+            rt.fail_load(w, f"bad{i}", [1], FailureKind.INVALID, "invalid: local block id 99 out of range")
+        for i in range(3):
+            rt.fail_load(w, f"late{i}", [1], FailureKind.TIMEOUT, "timeout: deadline passed")
+    lines = [r.getMessage() for r in caplog.records if "load failed" in r.getMessage()]
+    assert sum("invalid" in m for m in lines) == 1
+    assert sum("timeout" in m for m in lines) == 3
+    assert rt.counters.transfers_failed == 53  # counted all the same
+    rt.shutdown()
