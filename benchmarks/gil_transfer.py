@@ -1,6 +1,6 @@
 """Does NIXL's ``transfer()`` release the GIL while it moves shared-memory bytes?
 
-    .venv/bin/python -m benchmarks.gil_transfer [--mib 256] [--reps 3]
+    .venv/bin/python -m benchmarks.gil_transfer [--mib 256] [--reps 3] [--json FILE]
 
 Two NIXL agents in this process (UCX, DRAM), one READ of ``--mib`` MiB from
 one buffer into the other, while a Python thread counts in a loop: the
@@ -15,6 +15,7 @@ thread the loop keeps running during it only if the GIL is released.
 from __future__ import annotations
 
 import argparse
+import json
 import threading
 import time
 
@@ -68,11 +69,16 @@ def run(mib: int, reps: int) -> list[dict]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", type=int, default=256, help="MiB per READ (default 256)")
     ap.add_argument("--reps", type=int, default=3, help="READs (default 3; the first pays UCX's wire-up)")
+    ap.add_argument("--json", default="", help="also write the figures here")
     args = ap.parse_args()
-    for r in run(args.mib, args.reps):
+    rows = run(args.mib, args.reps)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "gil_transfer", "mib": args.mib, "reads": rows}, f, indent=1)
+    for r in rows:
         print(f"transfer() {r['transfer_s'] * 1e3:8.1f} ms, DONE after {r['done_s'] * 1e3:8.1f} ms; "
               f"counter {r['count_in_transfer']:>10,} during it, {r['count_in_sleep']:>10,} in a sleep as long")
     return 0

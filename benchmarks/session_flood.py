@@ -1,11 +1,12 @@
 """One engine floods its command socket; how long does another engine wait?
 
-    .venv/bin/python -m benchmarks.session_flood [--kind load] [--frames 1000000] [--seconds 25]
+    .venv/bin/python -m benchmarks.session_flood [--kind load] [--frames 1000000] [--seconds 25] [--json FILE]
 
 Starts one daemon with two engine workers: an attacker session on a raw
 command-socket connection that writes ``--frames`` commands in one burst
 (``load``: loads of an out-of-range block, each failing at once;
-``holdrel``: a hold and its release; ``emptyload``: loads with no fields),
+``holdrel``: a hold and its release, two frames per count; ``emptyload``:
+loads with no fields),
 reading its events as they come, and a victim session (the test harness's
 ``Engine``) that holds and releases one block in a loop meanwhile. Prints
 the victim's round trips (median, p99, max, and each one over 20 ms with its
@@ -18,6 +19,8 @@ docs/PERFORMANCE.md "sixth round".
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import select
 import socket
 import statistics
@@ -124,13 +127,20 @@ def run(kind: str, frames: int, seconds: float) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kind", choices=("load", "holdrel", "emptyload"), default="load")
-    ap.add_argument("--frames", type=int, default=1_000_000, help="commands in the burst (default 1,000,000)")
+    ap.add_argument("--frames", type=int, default=1_000_000, help="commands (holdrel: pairs) in the burst "
+                    "(default 1,000,000)")
     ap.add_argument("--seconds", type=float, default=25.0, help="longest the victim keeps measuring (default 25)")
+    ap.add_argument("--json", default="", help="also write the figures here")
     args = ap.parse_args()
     r = run(args.kind, args.frames, args.seconds)
-    print(f"burst: {r['frames']:,} {r['kind']} commands, {r['bytes']:,} bytes")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "session_flood", **r, "loadavg": list(os.getloadavg())}, f,
+                      indent=1)
+    pairs = " (a hold and a release each)" if r["kind"] == "holdrel" else ""
+    print(f"burst: {r['frames']:,} {r['kind']} commands{pairs}, {r['bytes']:,} bytes")
     print(f"victim round trips: {r['round_trips']}, median {r['median_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, "
           f"max {r['max_ms']:.1f} ms; over 20 ms (start s, ms): {r['slow']}")
     print(f"daemon RSS {r['rss_base_mib']} MiB, peak {r['rss_peak_mib']} MiB; alive {r['alive']}; "

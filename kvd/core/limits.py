@@ -97,7 +97,9 @@ class Bounds:
     max_notifications: int = 1 << 16
     # Agent metadata accepted from a peer (NIXL metadata is a few KiB per backend).
     max_agent_metadata: int = 1 << 20
-    # Events kept for a worker whose session is not attached (reconnecting shim).
+    # Events queued for a worker: past it, one whose session is not attached
+    # (a reconnecting shim) drops its oldest; an open session is ended
+    # (Runtime.emit), so no engine waits for an event silently dropped.
     max_pending_events: int = 100_000
     # A session stream's first command (OpenSession) must come within this (seconds).
     open_session_timeout_s: float = 30.0
@@ -113,9 +115,10 @@ class Bounds:
     # when the NIXL thread is idle (``Runtime.nixl_now``), saving two
     # thread hand-offs (~0.1-0.2 ms); a larger one goes to the NIXL thread,
     # because NIXL's ``transfer()`` moves shared-memory bytes inside the call
-    # with the GIL released (measured: a 256 MiB READ's post took 50 ms while
-    # another Python thread ran half as often as in a sleep), time the loop
-    # keeps serving on the thread path. 1 MiB is ~0.25 ms of CMA here.
+    # with the GIL released (benchmarks/gil_transfer.py: a 256 MiB READ's
+    # post took 60-96 ms while another Python thread ran 60-84 % as often as
+    # in a sleep), time the loop keeps serving on the thread path. 1 MiB is
+    # ~0.25 ms of CMA here.
     inline_post_max_bytes: int = 1 << 20
     # READs posted on the loop in one pass of the loop move at most this many
     # bytes in all, each counted as at least ``inline_post_min_bytes`` (its

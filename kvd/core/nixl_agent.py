@@ -2,12 +2,15 @@
 
 Each method is one NIXL step; the handle each returns and who releases it is
 stated. All methods are blocking native calls: the daemon calls them on its
-NIXL thread (``kvd.core.runtime``; the binding holds the GIL while native
-code runs, so keep each call short), a READ's post also on the event loop
-while that thread is idle (``Runtime.nixl_now``), and never from two
-threads at once (agents are made with NIXL's default
-``NIXL_THREAD_SYNC_NONE``: one caller at a time, which ``NixlThread``
-keeps).
+NIXL thread (``kvd.core.runtime``; the binding holds the GIL through most
+native calls, so keep each call short; ``transfer()`` releases it while UCX
+copies, ``benchmarks/gil_transfer.py``), a small READ's post also on the
+event loop while that thread is idle (``Runtime.nixl_now``), and never from
+two threads at once: agents are made with NIXL's default
+``NIXL_THREAD_SYNC_NONE``, for which NIXL's UCX plugin makes its worker
+``UCS_THREAD_MODE_SERIALIZED`` (nixl ``src/plugins/ucx/ucx_utils.cpp``,
+1.5): any thread may call, one at a time, the caller serializing, which
+``NixlThread`` does.
 
 Descriptors are numpy ``int64`` arrays of shape ``(N, 3)``: rows of
 ``(address, length in bytes, device id)``, the form ``nixl_agent.get_xfer_descs``

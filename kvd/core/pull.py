@@ -70,9 +70,15 @@ class Pull:
         self.local = local
         self.holds = holds
 
-    async def load(self, w: Worker, req: LoadRequest, *, retry_deadline: float | None = None) -> None:
+    async def load(self, w: Worker, req: LoadRequest, *, retry_deadline: float | None = None,
+                   epoch: int | None = None) -> None:
         """Pulls ``req.remote_groups`` into ``req.local_groups``; emits
         ``RecvDone`` or ``LoadFailed`` (naming every local block id).
+
+        ``epoch``: the worker's session epoch when the load's command was
+        read (None: the current one). A load whose session ended before it
+        started is dropped: its engine has already counted it failed (the
+        shim fails every load of a broken session) and may reuse its blocks.
 
         ``retry_deadline``: this is the one second try of a load whose READ
         failed on a cached remote agent (the peer may have restarted with a
@@ -84,7 +90,7 @@ class Pull:
         """
         tp.hit(tp.LOAD, req.request_id)
         try:
-            await self._load(w, req, retry_deadline)
+            await self._load(w, req, retry_deadline, epoch)
         except Exception as e:
             log.exception("%s request=%s: load failed unexpectedly", w.label, req.request_id)
             w.pending_loads.discard(req.request_id)
@@ -96,7 +102,8 @@ class Pull:
     def _fail(self, w: Worker, req: LoadRequest, kind: FailureKind, reason: str) -> None:
         self.rt.fail_load(w, req.request_id, req.local_block_ids, kind, reason, req.remote_address)
 
-    async def _load(self, w: Worker, req: LoadRequest, retry_deadline: float | None) -> None:
+    async def _load(self, w: Worker, req: LoadRequest, retry_deadline: float | None,
+                    epoch: int | None = None) -> None:
         """See :meth:`load`. Block ids come per KV-cache group:
         ``remote_groups[g][i]`` fills slot ``i % k`` of local block
         ``local_groups[g][i // k]`` (``k`` = local / remote block size).
@@ -104,7 +111,11 @@ class Pull:
         means the local TP size) and notifies all overlapping ones."""
         rid = req.request_id
         started = time.monotonic()
-        epoch = w.session.epoch
+        if epoch is None:
+            epoch = w.session.epoch
+        elif epoch != w.session.epoch:
+            log.info("%s request=%s: session ended before the load started; load dropped", w.label, rid)
+            return
         deadline = retry_deadline or started + self.rt.timeout(req.timeout_s)
         if not rid or rid in w.inflight or (rid in w.pending_loads and retry_deadline is None):
             self.rt.emit(w, CommandRejected(rid, "load: empty or duplicate request_id"))

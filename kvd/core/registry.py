@@ -397,6 +397,7 @@ class Registry:
         w = self.rt.worker(engine_id, tp_rank)
         w.session.streams += 1
         w.session.sink = None  # a second stream: events go through the queue (either may read them)
+        w.session.on_overflow = None
         w.session.detached_since = None
         w.session.overflowed = ""
         return w

@@ -13,8 +13,9 @@ through most native calls (measured: a Python thread that yields in a loop
 ran 320 times during a 415 ms ``prep_xfer_dlist`` of 2M rows, 4,539 times
 during a sleep as long), so a long call stops the whole daemon whichever
 thread makes it; ``transfer()`` is the exception (during a 256 MiB
-shared-memory READ's post, 50 ms, another thread ran about half as often
-as during a sleep), which is why only small READs are posted on the loop. What keeps handshakes and answers from waiting is that no
+shared-memory READ's post, 60-96 ms, another thread ran 60-84 % as often
+as during a sleep: ``benchmarks/gil_transfer.py``), which is why only
+small READs are posted on the loop. What keeps handshakes and answers from waiting is that no
 call on a request's path is long: descriptor lists are bounded per pair
 (``Bounds.max_prepped_rows``), a handshake answer needs no NIXL call, and
 the ranks of a remote engine are handshaken in parallel (``kvd.core.peers``).
@@ -258,8 +259,14 @@ class Runtime:
         (``kvd.core.state.overflow``)."""
         events = w.session.events
         sink = w.session.sink
-        if sink is not None and not events and sink(ev):
-            return  # written to the engine's socket already (its order kept: nothing was queued)
+        if sink is not None and not events:
+            try:
+                if sink(ev):
+                    return  # written to the engine's socket already (its order kept: nothing was queued)
+            except Exception:  # emit never raises: the event is queued, the session's task writes it
+                w.session.sink = None
+                self.dropped_warning.warning("%s: writing an event failed; queued instead", w.label)
+                log.debug("event writer failed", exc_info=True)
         if len(events) >= BOUNDS.max_pending_events and w.session.streams:
             # An open session that reads too slowly ends (its engine learns
             # at once: loads failed, reconnect) rather than lose events unseen.
@@ -276,7 +283,9 @@ class Runtime:
 
     def fail_load(self, w: Worker, request_id: str, block_ids: list[int], kind: FailureKind, reason: str,
                   peer: str = "") -> None:
-        """Ends a load as failed: counted, logged, reported to metrics, and
+        """Ends a load as failed: counted, logged (the engine's own invalid
+        or busy loads at most once a second, with the count of the others),
+        reported to metrics, and
         ``LoadFailed`` naming ``block_ids`` (local, flat) queued for the engine.
         ``reason`` starts with ``kind``'s word (``"timeout: ..."``)."""
         self.counters.transfers_failed += 1

@@ -310,6 +310,10 @@ class WorkerSession:
     # closing. None with no session, or with two at once (which reads the
     # queue is not known).
     sink: Callable[[Event], bool] | None = None
+    # Called when the session is dropped for not reading (``overflow``): the
+    # command socket ends its connection at once (its writer may be waiting
+    # for the engine to read, and would never see the flag).
+    on_overflow: Callable[[], None] | None = None
     # Set when the queued events passed ``Limits.max_queued_event_bytes``: the
     # session's stream is ended (its engine does not read); cleared at attach.
     overflowed: str = ""  # the limit passed, in words
@@ -377,6 +381,8 @@ def overflow(w: Worker, limit: str) -> None:
                 "dropped%s", w.label, len(s.events), s.events.nbytes, limit, ", stream ended" if s.streams else "")
     s.events.clear()
     s.overflowed = limit if s.streams else ""
+    if s.overflowed and s.on_overflow is not None:
+        s.on_overflow()
 
 
 @dataclass

@@ -79,12 +79,19 @@ class _Commands:
     """The commands of one connection as an async iterator (what
     ``session_events`` reads until the session is open), then handed to the
     session's handler as they are read (:meth:`run_direct`); ends when the
-    engine closes or the frames go bad."""
+    engine closes or the frames go bad.
 
-    def __init__(self, transport: asyncio.Transport, max_ahead_bytes: int):
+    Frames wait as bytes and are parsed as they run: a parsed command takes
+    ~100 times its bytes on the wire (an empty one: 6 bytes, ~650 parsed),
+    so what one read brings (up to 256 KiB) stays 256 KiB while it waits.
+    A frame that is not a ``SessionCommand`` calls ``on_bad(why)``."""
+
+    def __init__(self, transport: asyncio.Transport, max_ahead_bytes: int,
+                 on_bad: Callable[[str], None] = lambda why: None):
         self._transport = transport
         self._max_ahead = max_ahead_bytes
-        self._queue: collections.deque[tuple[pb.SessionCommand, int]] = collections.deque()  # (command, bytes)
+        self._on_bad = on_bad
+        self._queue: collections.deque[tuple[bytes, int]] = collections.deque()  # (frame payload, bytes)
         self._bytes = 0
         self._paused = False
         self._ended = False
@@ -99,11 +106,12 @@ class _Commands:
         is read (``data_received``), in order, the ones read ahead first: no
         round of a reader task per command (measured: docs/PERFORMANCE.md,
         "sixth round"). At most ``_PASS_COMMANDS`` per pass of the loop:
-        past them this connection's reading pauses and the rest run in the
-        next pass, after the other connections' (one engine's flood of
-        commands does not hold up every other session). ``handler`` returns
-        False to read no more (the session ends). Returns a future done when
-        the commands end (EOF and every command run, bad input, the
+        past them this connection's reading pauses and the rest run in later
+        passes, other connections' reads and timers served in between (one
+        engine's flood of commands does not hold up every other session).
+        ``handler`` returns False to read no more (the session ends).
+        Returns a future done when the commands end (EOF and every command
+        run, bad input, :meth:`abort`: the
         connection lost, that False); cancelling it stops the handler too."""
         self._done = asyncio.get_running_loop().create_future()
         self._direct = handler
@@ -125,8 +133,11 @@ class _Commands:
             if not self._in_pass:
                 asyncio.get_running_loop().call_soon(self._new_pass)  # before the _run above, if one is due
             self._in_pass += 1
-            cmd, size = queue.popleft()
+            payload, size = queue.popleft()
             self._bytes -= size
+            cmd = self._parse(payload)
+            if cmd is None:
+                return  # bad input: the connection is ending (on_bad)
             self._call(handler, cmd)
             handler = self._direct  # None once the handler said stop
         if handler is None or done.done():
@@ -140,6 +151,16 @@ class _Commands:
 
     def _new_pass(self) -> None:
         self._in_pass = 0
+
+    def _parse(self, payload: bytes) -> pb.SessionCommand | None:
+        """The command in ``payload``; None (and ``on_bad``) when it is not one."""
+        cmd = pb.SessionCommand()
+        try:
+            cmd.ParseFromString(payload)
+        except DecodeError as e:
+            self._on_bad(f"a frame that is not a SessionCommand ({e})")
+            return None
+        return cmd
 
     def _call(self, handler: Callable[[pb.SessionCommand], bool], cmd: pb.SessionCommand) -> None:
         try:
@@ -158,8 +179,10 @@ class _Commands:
         if d is not None and not d.done():
             d.set_result(None)
 
-    def put(self, cmd: pb.SessionCommand, size: int) -> None:
-        self._queue.append((cmd, size))
+    def put(self, payload: bytes, size: int) -> None:
+        """Queues one frame's payload (``size`` bytes); runs it now when the
+        session is open and this pass of the loop has room."""
+        self._queue.append((payload, size))
         self._bytes += size
         if self._done is not None:  # the session is open: run now, unless this pass had its share
             if not self._scheduled:
@@ -171,11 +194,21 @@ class _Commands:
         self._wake()
 
     def end(self) -> None:
-        """No more commands come (EOF, bad input, the connection lost): the
-        ones queued still run, then the commands end."""
+        """No more commands come (EOF, bad input): the ones queued still
+        run, then the commands end."""
         self._ended = True
         if self._done is not None and not self._queue:
             self._finish()
+        self._wake()
+
+    def abort(self) -> None:
+        """The connection is gone: what is queued is dropped and the
+        commands end now."""
+        self._queue.clear()
+        self._bytes = 0
+        self._direct = None
+        self._ended = True
+        self._finish()
         self._wake()
 
     def _wake(self) -> None:
@@ -187,20 +220,23 @@ class _Commands:
         return self
 
     async def __anext__(self) -> pb.SessionCommand:
-        while not self._queue:
-            if self._ended:
-                raise StopAsyncIteration
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        cmd, size = self._queue.popleft()
-        self._bytes -= size
-        if self._paused and self._bytes <= self._max_ahead // 2 and len(self._queue) <= _MAX_AHEAD_COMMANDS // 2:
-            self._paused = False
-            self._transport.resume_reading()
-        return cmd
+        while True:
+            while not self._queue:
+                if self._ended:
+                    raise StopAsyncIteration
+                self._waiter = asyncio.get_running_loop().create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+            payload, size = self._queue.popleft()
+            self._bytes -= size
+            if self._paused and self._bytes <= self._max_ahead // 2 and len(self._queue) <= _MAX_AHEAD_COMMANDS // 2:
+                self._paused = False
+                self._transport.resume_reading()
+            cmd = self._parse(payload)
+            if cmd is not None:
+                return cmd
 
 
 class _Connection(asyncio.Protocol):
@@ -232,7 +268,7 @@ class _Connection(asyncio.Protocol):
             return
         transport.set_write_buffer_limits(high=_WRITE_HIGH)
         self.idle = asyncio.get_running_loop().call_later(owner.gate.idle_timeout_s, self._idle)
-        self.commands = _Commands(transport, owner.max_message_bytes)
+        self.commands = _Commands(transport, owner.max_message_bytes, self._bad_input)
         self.task = asyncio.get_running_loop().create_task(self._serve(self.commands))
         owner.connections.add(self)
         transport.resume_reading()
@@ -253,16 +289,20 @@ class _Connection(asyncio.Protocol):
             return  # refused: closing
         try:
             payloads = self.deframer.feed(data)
-            for p in payloads:
-                cmd = pb.SessionCommand()
-                cmd.ParseFromString(p)
-                self.commands.put(cmd, len(p))
-        except (FrameError, DecodeError) as e:
-            self._bad_input(f"{e}" if isinstance(e, FrameError) else f"a frame that is not a SessionCommand ({e})")
+        except FrameError as e:
+            self._bad_input(str(e))
+            return
+        for p in payloads:  # parsed as each runs (_Commands)
+            commands = self.commands
+            if commands is None:
+                return  # one was bad: the connection is closing
+            commands.put(p, len(p))
 
     def _bad_input(self, why: str) -> None:
+        if self.commands is None:
+            return
         self.owner.warn.warning("%s: %s sent %s; connection closed", WHAT, self.caller, why)
-        self.commands.end()
+        self.commands.abort()  # what came after it does not run
         self.commands = None
         code = "RESOURCE_EXHAUSTED" if "max_message_bytes" in why else "INVALID_ARGUMENT"
         self.transport.write(_rejected(f"{code}: {why}"))
@@ -288,7 +328,7 @@ class _Connection(asyncio.Protocol):
         if self.caller is not None:
             self.owner.gate.leave(self.caller.uid)
         if self.commands is not None:
-            self.commands.end()
+            self.commands.abort()  # the session ends: what is queued does not run (as gRPC cancels a stream)
         self.resume_writing()
         if self.task is not None:
             self.task.cancel()  # as gRPC cancels a stream's handler when its client goes
@@ -305,11 +345,20 @@ class _Connection(asyncio.Protocol):
         tp.hit(tp.GATE_OUT)
         return True
 
+    def _drop(self) -> None:
+        """The session was dropped for not reading its events: the
+        connection ends now (its unread bytes dropped; the engine sees it
+        break, fails its loads and reconnects), not once the engine reads."""
+        self.owner.warn.warning("%s: %s does not read its events; connection ended", WHAT, self.caller)
+        if self.commands is not None:
+            self.commands.abort()
+        self.transport.abort()
+
     async def _serve(self, commands: _Commands) -> None:
         t = self.transport
         try:
             async with contextlib.aclosing(self.owner.service.session_events(
-                    commands, lambda: self.caller, self._write_event)) as events:
+                    commands, lambda: self.caller, self._write_event, self._drop)) as events:
                 async for e in events:
                     if t.is_closing():
                         break  # the engine is gone: the session ends (its worker detached)

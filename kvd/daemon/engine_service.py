@@ -302,7 +302,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
         except SessionRefused as r:
             await context.abort(r.code, r.message)
 
-    async def session_events(self, commands, caller, write_event=None):
+    async def session_events(self, commands, caller, write_event=None, drop=None):
         """The session of one worker, whatever carries it (the gRPC stream
         above, or the command socket, ``kvd.daemon.command_socket``): reads
         ``commands`` (an async iterator of ``SessionCommand``; the first must
@@ -319,7 +319,9 @@ class EngineService(pb_grpc.EngineServiceServicer):
         read and returns a future done when the commands end; and
         ``write_event(SessionEvent) -> bool`` writes an event at once
         (False: not now, it is queued and yielded here), used while this is
-        the worker's only session.
+        the worker's only session; ``drop()`` ends the transport at once when
+        the session is dropped for not reading its events (its writer may be
+        waiting for the engine to read, and this generator with it).
 
         Raises:
             SessionRefused: INVALID_ARGUMENT (no OpenSession within
@@ -327,7 +329,8 @@ class EngineService(pb_grpc.EngineServiceServicer):
                 is another), UNAVAILABLE (draining), PERMISSION_DENIED (caller
                 unknown, or not the worker's: ``_authorize``), NOT_FOUND
                 (worker not registered), RESOURCE_EXHAUSTED (more than
-                ``max_queued_event_bytes`` of events left unread).
+                ``max_queued_event_bytes`` or ``BOUNDS.max_pending_events``
+                of events left unread).
         """
         it = commands.__aiter__()
         try:
@@ -379,6 +382,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
                     # events are written at once (again, after a second
                     # session came and went, or after the socket was full).
                     w.session.sink = sink
+                    w.session.on_overflow = drop
                 if w.session.overflowed:
                     raise SessionRefused(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                          f"session dropped: more than {w.session.overflowed} of events "
@@ -390,6 +394,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
         finally:
             if sink is not None and w.session.sink is sink:
                 w.session.sink = None
+                w.session.on_overflow = None
             if reader is not None:
                 reader.cancel()
             await self.node.detach(w)
@@ -409,6 +414,8 @@ class EngineService(pb_grpc.EngineServiceServicer):
         node = self.node
         limit = BOUNDS.max_id_bytes
         kind = cmd.WhichOneof("command")
+        if w.session.overflowed:
+            return False  # dropped for not reading its events: no more of its commands run
         if node.workers.get(w.key) is not w:
             # Unregistered, or registered again (another Worker, this
             # session's one is freed): its commands would reach freed NIXL
@@ -422,15 +429,19 @@ class EngineService(pb_grpc.EngineServiceServicer):
             node.reject(w, getattr(c, "request_id", ""), f"{kind}: {long_id} longer than {limit} bytes")
         elif kind == "load":
             tp.hit(tp.SESSION_READ, c.request_id)
+            req = load_from_pb(c)
             cap = node.limits.max_inflight_per_worker
             if w.loads_started + len(w.inflight) >= cap:
-                # Refused before a task exists: a flood of loads costs no task
+                # Failed before a task exists: a flood of loads costs no task
                 # each (a task may first wait on a name lookup, Node.load).
-                node.reject(w, c.request_id, f"load: busy: {w.loads_started} loads starting and "
-                                             f"{len(w.inflight)} reading (max_inflight_per_worker {cap})")
+                node.rt.fail_load(w, req.request_id, req.local_block_ids, ev.FailureKind.BUSY,
+                                  f"busy: {w.loads_started} loads starting and {len(w.inflight)} reading "
+                                  f"(max_inflight_per_worker {cap})", req.remote_address)
                 return True
+            # The session's epoch now: a load that starts after its session
+            # ended is dropped (Pull.load), whatever order the loop runs it in.
+            task = asyncio.get_running_loop().create_task(node.load(w, req, w.session.epoch))
             w.loads_started += 1
-            task = asyncio.get_running_loop().create_task(node.load(w, load_from_pb(c)))
             task.add_done_callback(lambda _t: setattr(w, "loads_started", w.loads_started - 1))
         elif kind == "hold":
             node.hold(w, c.request_id, groups_from_pb(c.groups), c.lease_s)
