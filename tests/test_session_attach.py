@@ -53,3 +53,28 @@ def test_a_stream_cancelled_while_its_worker_settles_is_not_counted():
         w.session.settling.cancel()
 
     asyncio.run(main())
+
+
+def test_a_load_whose_session_ended_before_it_started_is_dropped():
+    """``Pull.load(..., epoch=)``: the session's epoch is taken when the
+    load's command is read; a load task that first runs after that session
+    ended (its engine already failed the load and may reuse the blocks)
+    posts nothing and emits nothing; it is counted as failed."""
+    from kvd.core.pull import Pull
+    from kvd.core.runtime import Runtime
+    from kvd.core.limits import Limits
+    from kvd.requests import LoadRequest
+
+    async def main():
+        rt = Runtime(Limits())
+        emitted = []
+        rt.emit = lambda w, ev: emitted.append(ev)
+        pull = Pull(rt, None, None, None, None, None)  # none of them may be reached
+        w = SimpleNamespace(session=WorkerSession(epoch=3), label="engine=e rank=0", inflight={},
+                            pending_loads=set())
+        req = LoadRequest("r1", [[1]], "p", "127.0.0.1:1", [[2]], "p1")
+        await pull.load(w, req, epoch=2)  # read in epoch 2; the session ended (now 3)
+        assert emitted == [] and not w.pending_loads and rt.counters.transfers_failed == 1
+        rt.shutdown()
+
+    asyncio.run(main())

@@ -114,6 +114,7 @@ class Pull:
         if epoch is None:
             epoch = w.session.epoch
         elif epoch != w.session.epoch:
+            self.rt.counters.transfers_failed += 1  # as a load whose session ended while posting
             log.info("%s request=%s: session ended before the load started; load dropped", w.label, rid)
             return
         deadline = retry_deadline or started + self.rt.timeout(req.timeout_s)
@@ -303,7 +304,7 @@ class Pull:
                     self.peers.retire(w, r, err[1])
                 for p in read_from:
                     self.peers.retire(w, remotes[p], err[1])
-                return await self.load(w, req, retry_deadline=deadline)
+                return await self.load(w, req, retry_deadline=deadline, epoch=epoch)
             return self._fail(w, req, *err)
         w.inflight[rid] = InflightLoad(req, posted, started, deadline, nbytes, ndescs, retry, post_s=posts_s)
         if not posted:  # every READ was done when posted: no poll round to wait for

@@ -264,7 +264,7 @@ class Runtime:
                 if sink(ev):
                     return  # written to the engine's socket already (its order kept: nothing was queued)
             except Exception:  # emit never raises: the event is queued, the session's task writes it
-                w.session.sink = None
+                w.session.sink = w.session.on_overflow = None
                 self.dropped_warning.warning("%s: writing an event failed; queued instead", w.label)
                 log.debug("event writer failed", exc_info=True)
         if len(events) >= BOUNDS.max_pending_events and w.session.streams:

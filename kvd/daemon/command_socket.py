@@ -159,6 +159,7 @@ class _Commands:
             cmd.ParseFromString(payload)
         except DecodeError as e:
             self._on_bad(f"a frame that is not a SessionCommand ({e})")
+            self.abort()  # what came after it does not run
             return None
         return cmd
 
@@ -352,6 +353,7 @@ class _Connection(asyncio.Protocol):
         self.owner.warn.warning("%s: %s does not read its events; connection ended", WHAT, self.caller)
         if self.commands is not None:
             self.commands.abort()
+            self.commands = None  # the rest of this read is not queued
         self.transport.abort()
 
     async def _serve(self, commands: _Commands) -> None:

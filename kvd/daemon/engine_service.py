@@ -394,6 +394,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
         finally:
             if sink is not None and w.session.sink is sink:
                 w.session.sink = None
+            if drop is not None and w.session.on_overflow is drop:
                 w.session.on_overflow = None
             if reader is not None:
                 reader.cancel()
