@@ -276,10 +276,11 @@ def test_another_user_cannot_open_an_engines_session_on_the_command_socket_even_
 def test_a_session_flooding_rejections_it_never_reads_does_not_flood_the_daemons_log(tmp_path):
     """An admitted engine opens its own session on the command socket and
     sends 200,000 empty frames (4 bytes each: a SessionCommand with no
-    command) without reading. Each is rejected ("unexpected command");
-    past ``BOUNDS.max_pending_events`` queued the daemon drops the oldest
-    event and logs a WARNING for each one. Expected: a flood is logged at
-    most about once a second with a count (``kvd.daemon.logs.Throttled``)."""
+    command) without reading. Each is rejected ("unexpected command"); once
+    its socket is full the events queue, and past ``BOUNDS.max_pending_events``
+    the session is ended (its connection with it) rather than the oldest
+    events dropped one by one with a line each. Expected: the daemon's log
+    stays small (the drop logged once), and the daemon serves on."""
     d = start_daemon(str(tmp_path), "kvd", "--command-socket", "true", log_level="warning")
     eng = Engine(d, "flood-e", SHAPE, open_session=False)
     conn = CommandConnection.connect(d.socket, max_message_bytes=64 << 20, timeout_s=10)
@@ -289,16 +290,19 @@ def test_a_session_flooding_rejections_it_never_reads_does_not_flood_the_daemons
         conn.send([pb.SessionCommand(open=pb.OpenSession(worker=worker, session_token=eng.registered.session_token))])
         events = conn.events()
         assert next(events).WhichOneof("event") == "opened"  # then nothing is read
-        conn.send([pb.SessionCommand()] * 200_000)  # 4 bytes each: an empty frame
-        # A hold after the flood: once it is seen held, every empty frame has been answered.
-        conn.send([pb.SessionCommand(hold=pb.HoldBlocks(request_id="after", groups=one_group([1]), lease_s=60))])
-        wait_until(lambda: not _renew(d, "flood-e", "after", 1)[0].reason, 60, "the hold after the flood")
+        try:
+            conn.send([pb.SessionCommand()] * 200_000)  # 4 bytes each: an empty frame
+        except OSError:
+            pass  # the daemon ended the connection while the flood was still being written
+        wait_until(lambda: "does not read them" in d.log(), 60, "the session dropped past the event bound")
         assert d.proc.poll() is None
+        assert d.stats().engines == 1  # the worker stays registered; its engine may open a new session
     finally:
         conn.shutdown()
         conn.close()
         eng.close()
         assert d.stop() == 0  # the log is complete
-    lines = [ln for ln in d.log().splitlines() if "event queue full" in ln]
+    lines = d.log().splitlines()
     logged = sum(len(ln) + 1 for ln in lines)
+    assert sum("does not read them" in ln for ln in lines) == 1
     assert len(lines) < 100, f"{len(lines)} lines ({logged} bytes) of log for {sent} bytes sent"
