@@ -111,8 +111,8 @@ class _Commands:
         engine's flood of commands does not hold up every other session).
         ``handler`` returns False to read no more (the session ends).
         Returns a future done when the commands end (EOF and every command
-        run, bad input, :meth:`abort`: the
-        connection lost, that False); cancelling it stops the handler too."""
+        run; a bad frame, the connection lost or dropped: :meth:`abort`;
+        that False); cancelling it stops the handler too."""
         self._done = asyncio.get_running_loop().create_future()
         self._direct = handler
         self._run()
@@ -195,8 +195,8 @@ class _Commands:
         self._wake()
 
     def end(self) -> None:
-        """No more commands come (EOF, bad input): the ones queued still
-        run, then the commands end."""
+        """No more commands come (EOF): the ones queued still run, then the
+        commands end."""
         self._ended = True
         if self._done is not None and not self._queue:
             self._finish()
