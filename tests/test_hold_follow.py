@@ -190,6 +190,72 @@ def test_a_follow_refuses_a_copy_past_its_bounds(monkeypatch):
         f.apply(answer("ep", 2, (0, "b", (np.arange(60),))), 1.0)
 
 
+# ------------------------------------------------------------------ waiting for the next answers
+def mirror_with(f: Follow, monkeypatch) -> hm.HoldMirror:
+    """A mirror following ``f`` whose pairs are with the copy's agents (the
+    walk over real workers, ``_same_agent``, has its own real-daemon tests)."""
+    from kvd.core.limits import Limits
+    from kvd.core.runtime import Runtime
+
+    m = hm.HoldMirror(Runtime(Limits()), link=None)
+    m.follows[(f.address, f.engine_id)] = f
+    monkeypatch.setattr(hm.HoldMirror, "_same_agent", lambda self, f, tp_rank: True)
+    return m
+
+
+def test_a_load_the_copy_does_not_show_yet_waits_for_the_next_answers(monkeypatch):
+    """The hold's answer comes while the load waits: shown, no claim. Two
+    answers without it, or no answer for SHOWN_WAIT_S: claim. No wait for
+    a copy that just started over (a hold may predate it), one not trusted,
+    or one dropped meanwhile."""
+    monkeypatch.setattr(hm, "SHOWN_WAIT_S", 0.3)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        t = time.monotonic()
+        f = Follow("p:1", "e")
+        f.apply(answer("ep", 1, reset=True), t - hm.SHOWN_WAIT_GRACE_S - 1)
+        f.apply(answer("ep", 2, (0, "x", (arr(9),))), t)
+        m = mirror_with(f, monkeypatch)
+
+        def wait(rid, until=math.inf):
+            return loop.create_task(m.wait_shown("p:1", "e", [0], rid, [[1, 2]], until))
+
+        # Shown by the second answer after the load came.
+        w = wait("r")
+        await asyncio.sleep(0.01)
+        f.apply(answer("ep", 3, (0, "other", (arr(1),))), time.monotonic())
+        await asyncio.sleep(0.01)
+        assert not w.done()
+        f.apply(answer("ep", 4, (0, "r", (arr(1, 2),))), time.monotonic())
+        assert await asyncio.wait_for(w, 1) == []
+        # Two answers without it: claim, at once (no timeout waited).
+        w = wait("s")
+        for seq in (5, 6):
+            await asyncio.sleep(0.01)
+            f.apply(answer("ep", seq, (0, f"o{seq}", (arr(1),))), time.monotonic())
+        assert await asyncio.wait_for(w, 0.2) == [0]
+        # No answer: claim after SHOWN_WAIT_S, or the load's own bound if sooner.
+        t0 = time.monotonic()
+        assert await wait("s") == [0]
+        assert hm.SHOWN_WAIT_S - 0.01 <= time.monotonic() - t0 < 5
+        t0 = time.monotonic()
+        assert await wait("s", until=t0 + 0.05) == [0]
+        assert time.monotonic() - t0 < hm.SHOWN_WAIT_S
+        # The copy dropped while a load waits: the load claims at once.
+        w = wait("s")
+        await asyncio.sleep(0.01)
+        f.forget()
+        assert await asyncio.wait_for(w, 0.2) == [0]
+        # A copy not trusted, or just started over: no wait.
+        assert await asyncio.wait_for(wait("s"), 0.1) == [0]
+        f.apply(answer("ep2", 1, reset=True), time.monotonic())
+        assert await asyncio.wait_for(wait("s"), 0.1) == [0]
+        assert await m.wait_shown("q:1", "e", [0, 1], "s", [[1]], math.inf) == [0, 1]  # not followed
+
+    asyncio.run(main())
+
+
 # ------------------------------------------------------------------ two real daemons
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
@@ -255,6 +321,29 @@ def followed_load(src: Engine, dst: Engine, tag: str, tries: int = 10) -> str:
 def test_a_followed_hold_is_read_without_a_claim(env):
     src, dst = env
     followed_load(src, dst, "plain")
+
+
+def test_a_load_that_comes_before_its_hold_is_served_by_the_next_answer(env):
+    """The load reaches the reader before the hold reaches the source (the
+    decode engine's load ahead of the prefill engine's hold): it waits for
+    the copy's next answers instead of claiming at once, and the answer
+    that brings the hold serves it without a claim. A busy machine may
+    delay an answer past the wait (that load claims, as it should): one
+    of several tries served without a claim is enough."""
+    src, dst = env
+    for i in range(8):
+        rid = f"early-{i}"
+        sent, followed = counts(dst)
+        dst.load(f"{rid}-d", [5, 6, 7], src, [2, 3, 4], rid, timeout_s=30)
+        src.hold(rid, [2, 3, 4])
+        ev = dst.wait(f"{rid}-d")
+        assert event_kind(ev) == "recv_done", ev
+        assert np.array_equal(dst.kv[:, 5:8], src.kv[:, 2:5])
+        assert event_kind(src.wait(rid)) == "send_done"
+        if counts(dst) == (sent, followed + 1):
+            return
+        time.sleep(0.2)
+    raise AssertionError("every load that came before its hold claimed")
 
 
 def test_a_lease_the_readers_own_read_ended_is_claimed_again_and_refused(env):

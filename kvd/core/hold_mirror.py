@@ -8,9 +8,10 @@ already: once paired with a remote engine (a handshake), this daemon
 poll answered as soon as a lease starts or ends there, or after
 ``WAIT_S``; ``kvd.core.hold_feed`` is the other side) and keeps a copy of
 its live leases. A load whose blocks the copy shows held on every source
-rank READs at once; any other load asks Claim as before (the hold may
-still be on its way, or was made before this daemon followed; the copy
-only ever grants, never denies).
+rank READs at once; any other load first waits briefly for the next
+answers (the hold may still be on its way: ``HoldMirror.wait_shown``),
+then asks Claim as before (the hold was made before this daemon followed,
+or is not there; the copy only ever grants, never denies).
 
 How fresh the copy is: a source answers a poll the moment a lease ends, so
 the copy lags the source by one answer's way across (the same window a
@@ -70,6 +71,19 @@ FRESH_S = WAIT_S + 0.5
 BACKOFF_S, MAX_BACKOFF_S = 0.5, 10.0
 #: A follow no local worker is paired with, and no load used, ends after this (seconds).
 IDLE_S = 60.0
+#: A load whose hold the copy does not show yet waits for at most this many
+#: answers, and this long (seconds), before it claims (``HoldMirror.wait_shown``).
+#: Measured with 64 one-block loads in flight, holds placed 5 ms ahead, on a
+#: 2-core machine: the holds' answer reached the reader's loop 3-15 ms after
+#: the source sent it, behind the batch's loads (the loop read those first),
+#: so 50-72 % of the loads claimed (docs/PERFORMANCE.md, "Per-load cost,
+#: seventh round"). Two answers: the first may have left the source before
+#: the hold came there; the second was asked after it. Loads within
+#: ``SHOWN_WAIT_GRACE_S`` of the copy's (re)start do not wait: their hold
+#: may predate the copy, which then never shows it.
+SHOWN_WAIT_ANSWERS = 2
+SHOWN_WAIT_S = 0.05
+SHOWN_WAIT_GRACE_S = 1.0
 #: Engines followed at once (each a pending poll and a copy of its leases).
 MAX_FOLLOWS = 256
 #: Per followed engine, all its ranks: leases and block ids in the copy
@@ -153,6 +167,21 @@ class Follow:
     # The agent of each TP rank at the daemon that answers the polls (since
     # the last reset): the copy grants a rank only through pairs with it.
     agents: dict[int, str] = field(default_factory=dict)
+    reset_at: float = -math.inf  # when the copy last started over (monotonic seconds)
+    # Resolved at the next answer applied or the copy's end (wait_shown's waiters).
+    _next: asyncio.Future | None = None
+
+    def next_answer(self) -> asyncio.Future:
+        """A future resolved when the next answer is applied or the copy is
+        dropped (shared by every waiter; never cancel it)."""
+        if self._next is None:
+            self._next = asyncio.get_running_loop().create_future()
+        return self._next
+
+    def _woken(self) -> None:
+        fut, self._next = self._next, None
+        if fut is not None and not fut.done():
+            fut.set_result(None)
 
     def _clear(self) -> None:
         self.held.clear()
@@ -181,6 +210,7 @@ class Follow:
         self._clear()
         self.epoch, self.seq = "", 0
         self.answered = -math.inf
+        self._woken()
 
     def apply(self, ans: HoldsAnswer, now: float) -> None:
         """Applies one poll answer. Raises BadAnswer (the caller forgets the copy)."""
@@ -189,7 +219,8 @@ class Follow:
                 raise BadAnswer(f"epoch {ans.epoch!r} without a reset (following {self.epoch!r})")
             self._clear()
             self.epoch, self.seq = ans.epoch, ans.seq
-            self.answered = now
+            self.answered = self.reset_at = now
+            self._woken()
             return
         if ans.seq != self.seq + len(ans.changes):
             raise BadAnswer(f"answer ends at change {ans.seq} with {len(ans.changes)} changes after {self.seq}")
@@ -218,6 +249,7 @@ class Follow:
                 raise BadAnswer(f"the copies of every followed engine would pass {self.budget.limit >> 20} MiB")
         self.seq = ans.seq
         self.answered = now
+        self._woken()
 
     def notified(self, tp_rank: int, request_id: str, expected: int) -> None:
         """This daemon sent the lease of ``request_id`` on ``tp_rank`` one of
@@ -250,8 +282,16 @@ class Follow:
         if held is None or len(groups) > len(held):
             return False
         for g, h in zip(groups, held):
-            if len(g) == len(h) and np.array_equal(g, h):
-                continue  # the whole group: a reader that takes every block (the common case)
+            if len(g) == len(h):
+                # The whole group: a reader that takes every block (the common
+                # case). A short list compares as a list: np.array_equal
+                # converts it first, ~5 % of a reader's loop at 64 one-block
+                # loads in flight (py-spy).
+                if len(h) <= 64 and isinstance(g, list):
+                    if h.tolist() == g:
+                        continue
+                elif np.array_equal(g, h):
+                    continue
             if not np.isin(np.asarray(g, dtype=np.int64), h).all():
                 return False
         return True
@@ -338,6 +378,33 @@ class HoldMirror:
             return False
         f.last_used = now
         return True
+
+    async def wait_shown(self, address: str, engine_id: str, ranks: list[int], request_id: str,
+                         groups: BlockGroups, until: float) -> list[int]:
+        """Of source ``ranks`` whose hold of ``groups`` for ``request_id`` the
+        copy does not show, those it still does not show after up to
+        ``SHOWN_WAIT_ANSWERS`` more answers, ``SHOWN_WAIT_S`` seconds, or
+        ``until`` (monotonic seconds), whichever comes first: the ones to
+        claim. No wait when the copy is not trusted now, or started over
+        within ``SHOWN_WAIT_GRACE_S`` (a hold made before it never shows).
+
+        Why: under load a hold's answer can reach this daemon's event loop
+        after the load that needs it (both arrive together; the loop reads
+        the engine's commands first), and a claim then costs a round trip
+        and CPU on both daemons for what the next answer brings anyway. A
+        wait only delays a claim; the copy still only grants."""
+        f = self.follows.get((address, engine_id))
+        if f is None:
+            return ranks
+        until = min(until, time.monotonic() + SHOWN_WAIT_S)
+        for _ in range(SHOWN_WAIT_ANSWERS):
+            now = time.monotonic()
+            if (not ranks or now >= until or self.follows.get((address, engine_id)) is not f
+                    or now - f.answered > FRESH_S or now - f.reset_at < SHOWN_WAIT_GRACE_S):
+                break
+            await asyncio.wait((f.next_answer(),), timeout=until - now)
+            ranks = [p for p in ranks if not self.covers(address, engine_id, p, request_id, groups)]
+        return ranks
 
     def _same_agent(self, f: Follow, tp_rank: int) -> bool:
         """True when some local worker is paired with ``f``'s engine's rank

@@ -241,8 +241,9 @@ class Holds:
         """Reader side, before any READ of ``req``: every source rank in
         ``ranks`` holds ``req.remote_groups`` for ``req.remote_request_id``.
 
-        A rank whose hold the followed holds show (``kvd.core.hold_mirror``)
-        is not asked; every other rank gets one claim, all at once (a direct
+        A rank whose hold the followed holds show (``kvd.core.hold_mirror``),
+        now or within the next answers (``HoldMirror.wait_shown``, at most
+        ``SHOWN_WAIT_S``), is not asked; every other rank gets one claim, all at once (a direct
         call when the source is this daemon, PeerService.Claim otherwise),
         each within ``deadline`` (monotonic seconds). Returns None, or
         ``(kind, reason)`` for ``LoadFailed``: ``not_held`` when a source
@@ -250,6 +251,11 @@ class Holds:
         """
         local = req.remote_address == self.own_address
         ranks = self.unshown(req, ranks)
+        if ranks and not local and self.mirror is not None:
+            shown = len(ranks)
+            ranks = await self.mirror.wait_shown(req.remote_address, req.remote_engine_id, ranks,
+                                                 req.remote_request_id, req.remote_groups, deadline - 0.1)
+            self.rt.counters.claims_followed += shown - len(ranks)
         if not ranks:
             return None
         wait_s = min(BOUNDS.max_claim_wait_s, max(0.0, deadline - time.monotonic() - 0.1))
