@@ -207,7 +207,7 @@ def test_a_load_the_copy_does_not_show_yet_waits_for_the_next_answers(monkeypatc
     """The hold's answer comes while the load waits: shown, no claim. Two
     answers without it, or no answer for SHOWN_WAIT_S: claim. No wait for
     a copy that just started over (a hold may predate it), one not trusted,
-    or one dropped meanwhile."""
+    one dropped meanwhile, or a hold no answer can show."""
     monkeypatch.setattr(hm, "SHOWN_WAIT_S", 0.3)
 
     async def main():
@@ -252,6 +252,17 @@ def test_a_load_the_copy_does_not_show_yet_waits_for_the_next_answers(monkeypatc
         f.apply(answer("ep2", 1, reset=True), time.monotonic())
         assert await asyncio.wait_for(wait("s"), 0.1) == [0]
         assert await m.wait_shown("q:1", "e", [0, 1], "s", [[1]], math.inf) == [0, 1]  # not followed
+        # No wait where no answer can show it: the copy has the lease with
+        # other blocks (the source refuses the claim at once), this daemon's
+        # notifications ended it, or the pairs are not with the polled agent.
+        f.reset_at = time.monotonic() - hm.SHOWN_WAIT_GRACE_S - 1
+        f.apply(answer("ep2", 3, (0, "u", (arr(7),)), (0, "v", (arr(1, 2),))), time.monotonic())
+        assert await asyncio.wait_for(wait("u"), 0.1) == [0]
+        f.notified(0, "v", 1)
+        assert await asyncio.wait_for(wait("v"), 0.1) == [0]
+        monkeypatch.setattr(hm.HoldMirror, "_same_agent", lambda self, f, tp_rank: False)
+        assert await asyncio.wait_for(wait("s"), 0.1) == [0]
+        assert not f.waiters  # every waiter's future gone with it
 
     asyncio.run(main())
 

@@ -76,7 +76,7 @@ IDLE_S = 60.0
 #: Measured with 64 one-block loads in flight, holds placed 5 ms ahead, on a
 #: 2-core machine: the holds' answer reached the reader's loop 3-15 ms after
 #: the source sent it, behind the batch's loads (the loop read those first),
-#: so 50-72 % of the loads claimed (docs/PERFORMANCE.md, "Per-load cost,
+#: so 68-72 % of the loads claimed (docs/PERFORMANCE.md, "Per-load cost,
 #: seventh round"). Two answers: the first may have left the source before
 #: the hold came there; the second was asked after it. Loads within
 #: ``SHOWN_WAIT_GRACE_S`` of the copy's (re)start do not wait: their hold
@@ -168,20 +168,20 @@ class Follow:
     # the last reset): the copy grants a rank only through pairs with it.
     agents: dict[int, str] = field(default_factory=dict)
     reset_at: float = -math.inf  # when the copy last started over (monotonic seconds)
-    # Resolved at the next answer applied or the copy's end (wait_shown's waiters).
-    _next: asyncio.Future | None = None
+    # wait_shown's waiters: each resolved at the next answer applied, or when
+    # the copy is dropped or stops being trusted (one future per waiter:
+    # removing a callback from a shared one costs a scan of all of them).
+    waiters: set[asyncio.Future] = field(default_factory=set)
 
-    def next_answer(self) -> asyncio.Future:
-        """A future resolved when the next answer is applied or the copy is
-        dropped (shared by every waiter; never cancel it)."""
-        if self._next is None:
-            self._next = asyncio.get_running_loop().create_future()
-        return self._next
-
-    def _woken(self) -> None:
-        fut, self._next = self._next, None
-        if fut is not None and not fut.done():
-            fut.set_result(None)
+    def woken(self) -> None:
+        """Wakes every :meth:`HoldMirror.wait_shown` waiter of this copy."""
+        for fut in self.waiters:
+            if not fut.done():
+                try:
+                    fut.set_result(None)
+                except RuntimeError:  # its loop is closed: nobody waits on it any more
+                    pass
+        self.waiters.clear()
 
     def _clear(self) -> None:
         self.held.clear()
@@ -210,7 +210,7 @@ class Follow:
         self._clear()
         self.epoch, self.seq = "", 0
         self.answered = -math.inf
-        self._woken()
+        self.woken()
 
     def apply(self, ans: HoldsAnswer, now: float) -> None:
         """Applies one poll answer. Raises BadAnswer (the caller forgets the copy)."""
@@ -220,7 +220,7 @@ class Follow:
             self._clear()
             self.epoch, self.seq = ans.epoch, ans.seq
             self.answered = self.reset_at = now
-            self._woken()
+            self.woken()
             return
         if ans.seq != self.seq + len(ans.changes):
             raise BadAnswer(f"answer ends at change {ans.seq} with {len(ans.changes)} changes after {self.seq}")
@@ -249,7 +249,7 @@ class Follow:
                 raise BadAnswer(f"the copies of every followed engine would pass {self.budget.limit >> 20} MiB")
         self.seq = ans.seq
         self.answered = now
-        self._woken()
+        self.woken()
 
     def notified(self, tp_rank: int, request_id: str, expected: int) -> None:
         """This daemon sent the lease of ``request_id`` on ``tp_rank`` one of
@@ -397,14 +397,36 @@ class HoldMirror:
         if f is None:
             return ranks
         until = min(until, time.monotonic() + SHOWN_WAIT_S)
+        loop = asyncio.get_running_loop()
         for _ in range(SHOWN_WAIT_ANSWERS):
             now = time.monotonic()
             if (not ranks or now >= until or self.follows.get((address, engine_id)) is not f
-                    or now - f.answered > FRESH_S or now - f.reset_at < SHOWN_WAIT_GRACE_S):
+                    or now - f.answered > FRESH_S or now - f.reset_at < SHOWN_WAIT_GRACE_S
+                    or not all(self._may_show(f, p, request_id) for p in ranks)):
                 break
-            await asyncio.wait((f.next_answer(),), timeout=until - now)
+            fut = loop.create_future()
+            f.waiters.add(fut)
+            try:
+                await asyncio.wait((fut,), timeout=until - now)
+            finally:
+                f.waiters.discard(fut)
             ranks = [p for p in ranks if not self.covers(address, engine_id, p, request_id, groups)]
         return ranks
+
+    def _may_show(self, f: Follow, tp_rank: int, request_id: str) -> bool:
+        """Whether a later answer could make the copy show a hold of
+        ``request_id`` on ``tp_rank`` that it does not show now: not when
+        the copy has that lease already (other blocks: the source refuses
+        the claim at once), when this daemon's own notifications ended it,
+        or when this daemon's pairs with the rank are not with the agent
+        that answers the polls (learnt every few seconds at most)."""
+        key = (tp_rank, request_id)
+        if key in f.held:
+            return False
+        done = f.sent.get(key)
+        if done is not None and done[0] >= done[1]:
+            return False
+        return self._same_agent(f, tp_rank)
 
     def _same_agent(self, f: Follow, tp_rank: int) -> bool:
         """True when some local worker is paired with ``f``'s engine's rank
@@ -513,6 +535,7 @@ class HoldMirror:
                     # No poll of this daemon waits at the source meanwhile: a
                     # lease that ends there would not reach the copy.
                     f.answered = -math.inf
+                    f.woken()  # loads waiting for an answer claim now
                 if wait > 0:
                     await asyncio.sleep(wait)
         except asyncio.CancelledError:

@@ -270,7 +270,11 @@ class Holds:
                 await self.link.claim(req.remote_address, req.remote_engine_id, p, req.remote_request_id,
                                       req.remote_groups, wait_s, max(0.1, deadline - time.monotonic()))
 
+        sent = time.monotonic()
         results = await asyncio.gather(*(one(p) for p in ranks), return_exceptions=True)
+        # kvd_claim_duration_seconds: a claim's own time, sent to answered
+        # (not the wait for the copy before it, nor a load that sent none).
+        self.rt.on_event("claim", {"seconds": time.monotonic() - sent})
         for e in results:
             if isinstance(e, PermissionDenied):
                 log.warning("%s request=%s: %s; no READ", w.label, req.request_id, e)

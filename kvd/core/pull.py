@@ -191,7 +191,6 @@ class Pull:
         # it is the largest daemon-side piece of a small load
         # (docs/PERFORMANCE.md, "Per-load cost, third round").
         tp.hit(tp.CLAIM, rid)
-        claim_t0 = time.monotonic()
         # Ranks whose hold the followed holds show need no claim (kvd.core.hold_mirror).
         unshown = self.holds.unshown(req, read_from)
         claim = asyncio.ensure_future(self.holds.claim_sources(w, req, unshown, deadline)) if unshown else None
@@ -224,8 +223,6 @@ class Pull:
             # No READ of another engine's blocks without its hold on them (docs/SECURITY.md).
             denied = await claim if claim is not None else None
             tp.hit(tp.CLAIMED, rid)
-            if claim is not None:
-                self.rt.on_event("claim", {"seconds": time.monotonic() - claim_t0})
             if denied or not self.rt.registered(w):
                 return self._fail(w, req, *(denied or (K.UNREGISTERED, "worker unregistered")))
             if w.session.epoch != epoch:
