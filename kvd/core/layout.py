@@ -154,19 +154,3 @@ def block_descriptors(bases: list[int], regions: list[Region], num_blocks: int) 
         rows[sl, 1] = r.block_len
         rows[sl, 2] = 0
     return rows
-
-
-def descriptor_indices(block_ids: list[int] | np.ndarray, num_regions: int, num_blocks: int) -> np.ndarray:
-    """Rows of :func:`block_descriptors` for ``block_ids`` in every region.
-
-    Returns int32 indices, region-major: all blocks of region 0, then region 1...
-
-    Raises:
-        LayoutError: a block id is negative or >= ``num_blocks``.
-    """
-    ids = np.asarray(block_ids, dtype=np.int64)
-    if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
-        bad = int(ids[(ids < 0) | (ids >= num_blocks)][0])
-        raise LayoutError(f"block id {bad} out of range 0..{num_blocks - 1}")
-    idx = (np.arange(num_regions, dtype=np.int64)[:, None] * num_blocks + ids[None, :]).reshape(-1)
-    return idx.astype(np.int32)
