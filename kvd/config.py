@@ -24,7 +24,6 @@ it also reads ``NOTIFY_SOCKET``, the datagram socket systemd names for
 
 from __future__ import annotations
 
-import difflib
 import errno
 import math
 import os
@@ -33,9 +32,10 @@ import stat
 import time
 import tomllib
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 from kvd.addresses import split_host_port
+from kvd.usage import did_you_mean
 
 DEFAULT_SOCKET = "/run/kvd/engine.sock"
 DEFAULT_PEER_LISTEN = "127.0.0.1:7700"
@@ -580,8 +580,10 @@ def load_config(
             f = by_name.get(key)
             if f is None:
                 hint = " (keys are top-level; no tables)" if isinstance(value, dict) else ""
-                raise ConfigError(f"{key} (from file {file}): unknown setting{hint}{did_you_mean(key, by_name)}; "
-                                  f"known: {', '.join(by_name)}")
+                # With a close match the hint is enough; without one, the list.
+                near = did_you_mean(key, by_name)
+                raise ConfigError(f"{key} (from file {file}): unknown setting{hint}"
+                                  + (near if near else f"; known: {', '.join(by_name)}"))
             values[key] = _coerce(f, value, f"file {file}", from_text=False)
             sources[key] = f"file {file}"
     for key, f in by_name.items():
@@ -625,15 +627,6 @@ def unknown_env_warnings(environ: Mapping[str, str]) -> list[str]:
             continue
         out.append(f"environment variable {var} is not a kvd setting and is ignored{did_you_mean(var, known)}")
     return out
-
-
-def did_you_mean(name: str, known: Iterable[str]) -> str:
-    """``"; did you mean X?"`` for the ``known`` name closest to a misspelt
-    ``name`` (difflib ratio 0.75 or more, one letter off in a key such as
-    ``leese_s``), else ``""``: the hint of unknown file keys and ``KVD_*``
-    variables alike."""
-    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
-    return f"; did you mean {close[0]}?" if close else ""
 
 
 def client_socket(environ: Mapping[str, str] | None = None) -> str:

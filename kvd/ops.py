@@ -42,6 +42,12 @@ def _unreachable(command: str, target: str, e) -> Answer:
     if target.startswith("unix:") and not os.path.exists(path):
         return Answer(EXIT_UNREACHABLE, f"kvd {command}: no daemon at {path} (no such socket): start one with "
                                         f"`kvd serve`, or name its engine socket with --socket")
+    if target.startswith("unix:") and "Connection refused" in (e.details() or ""):
+        # The file is there but nothing listens: a daemon killed without its
+        # cleanup (SIGKILL, a crash); the next `kvd serve` there takes it over.
+        return Answer(EXIT_UNREACHABLE, f"kvd {command}: no daemon at {path} (the socket is there but nothing "
+                                        f"listens: a daemon that stopped without removing it); start one with "
+                                        f"`kvd serve`")
     return Answer(EXIT_UNREACHABLE, f"kvd {command}: {target}: {e.code().name}: {e.details()}")
 
 

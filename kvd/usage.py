@@ -11,7 +11,10 @@ error or an invalid setting (sysexits.h ``EX_USAGE``).
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
 import sys
+from typing import Iterable
 
 EXIT_OK, EXIT_NOT_SERVING, EXIT_UNREACHABLE, EXIT_USAGE = 0, 1, 2, 64
 
@@ -28,8 +31,27 @@ class UsageParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
-        self.print_usage(sys.stderr)
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+        """Exits 64 with the error, a hint for a misspelt flag, and the usage
+        when it is short (``kvd serve``'s fills a screen: its first line and
+        a pointer to ``--help`` instead)."""
+        usage = self.format_usage()
+        if usage.count("\n") > 4:
+            usage = f"usage: {self.prog} [options]  (`{self.prog} --help` lists them)\n"
+        hint = ""
+        if message.startswith("unrecognized arguments:"):
+            known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+            for flag in re.findall(r"(--[^\s=]+)", message):
+                hint += did_you_mean(flag, known)
+        self.exit(EXIT_USAGE, f"{usage}{self.prog}: error: {message}{hint}\n")
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """``"; did you mean X?"`` for the ``known`` name closest to a misspelt
+    ``name`` (difflib ratio 0.75 or more, one letter off in a key such as
+    ``leese_s``), else ``""``: the hint of unknown flags, file keys and
+    ``KVD_*`` variables alike."""
+    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
+    return f"; did you mean {close[0]}?" if close else ""
 
 
 def positive(kind: type = float):

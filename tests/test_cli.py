@@ -124,6 +124,21 @@ def test_demo_line_names_the_handshake_and_claim_legs_where_measured():
     assert "(1 xfer, handshake 0.0, hold followed)" in format_report(rep, 1)
 
 
+def test_status_at_a_socket_nothing_listens_on_says_so(tmp_path):
+    """A daemon killed without its cleanup leaves its socket file: the
+    answer says nothing listens there, not gRPC's connect error."""
+    import socket
+
+    path = tmp_path / "stale.sock"
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(path))
+    s.close()
+    for cmd in ("status", "health"):
+        r = _kvd(cmd, "--socket", str(path), "--timeout", "2")
+        assert r.returncode == 2, (cmd, r.returncode, r.stderr)
+        assert "nothing listens" in r.stderr and "UNAVAILABLE" not in r.stderr, r.stderr
+
+
 def test_health_without_address_asks_the_socket(tmp_path):
     # --address's check must not run on its absent default: no daemon here is "unreachable" (2), not 64.
     r = _kvd("health", "--socket", str(tmp_path / "absent.sock"), "--timeout", "0.5")
@@ -134,6 +149,11 @@ def test_an_unknown_serve_flag_prints_serves_usage():
     r = _kvd("serve", "--no-such-flag", "1")
     assert r.returncode == 64, (r.returncode, r.stderr)
     assert "usage: kvd serve" in r.stderr and "kvd serve: error: unrecognized arguments: --no-such-flag 1" in r.stderr
+    # serve's full usage fills a screen: one line and a pointer to --help
+    assert len(r.stderr.splitlines()) == 2 and "kvd serve --help" in r.stderr, r.stderr
+    assert "did you mean" not in r.stderr
+    r = _kvd("serve", "--engine-sock", "/tmp/x.sock")  # a misspelt flag: the one meant
+    assert r.returncode == 64 and "did you mean --engine-socket?" in r.stderr, r.stderr
     r = _kvd("health", "--bogus")  # every subcommand alike
     assert r.returncode == 64 and "usage: kvd health" in r.stderr, r.stderr
     r = _kvd("--bogus", "version")  # before the subcommand: the top-level usage

@@ -216,6 +216,10 @@ def test_an_unknown_file_key_like_no_setting_gets_no_guess(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(environ={}, file=_file(tmp_path, "zzzzzz = 5\n"))
     assert "zzzzzz (from file" in str(e.value) and "did you mean" not in str(e.value), str(e.value)
+    assert "known: engine_socket, " in str(e.value)  # no guess: the list instead
+    with pytest.raises(ConfigError) as e:
+        load_config(environ={}, file=_file(tmp_path, "leese_s = 5\n"))
+    assert "did you mean lease_s?" in str(e.value) and "known:" not in str(e.value), str(e.value)
 
 
 def test_a_warm_peer_listed_twice_is_warmed_once():
