@@ -131,8 +131,9 @@ class Config:
                                           "copy by the daemon (no NIXL); false: every load goes through NIXL")
     follow_holds: bool = _setting(True, "decode (reader) side: follow the holds of each remote engine this "
                                         "daemon pairs with (PeerService.Holds, a long poll) and READ blocks its "
-                                        "copy shows held without a per-load PeerService.Claim; a hold not in the "
-                                        "copy yet (or a source silent for 1.5 s) still claims; false: a claim "
+                                        "copy shows held without a per-load PeerService.Claim; a hold the copy "
+                                        "does not show within its next two answers (at most 50 ms), or any while "
+                                        "the source is silent for 1.5 s, still claims; false: a claim "
                                         "per load and source rank. Either way this daemon answers authenticated "
                                         "peers' Holds polls")
     # Security (docs/SECURITY.md). Local engines: who may use the engine socket.

@@ -168,6 +168,25 @@ def test_the_shipped_example_config_is_valid():
     assert cfg.metrics_port > 0
 
 
+def test_the_shipped_example_config_names_every_setting_and_its_commented_defaults_are_true():
+    """deploy/kvd.toml lists every setting, set or commented out; a
+    commented-out one (other than the examples of an address, a path, a
+    group or a peer) shows the built-in default, so uncommenting it changes
+    nothing."""
+    import re
+
+    text = (ROOT / "deploy" / "kvd.toml").read_text()
+    defaults = load_config(environ={})
+    examples = {"peer_advertise", "peer_tls_cert", "peer_tls_key", "peer_tls_ca", "peer_token_file", "warm_peers",
+                "engine_socket_group", "allowed_gids"}
+    for name in setting_names():
+        m = re.search(rf"^(# )?{name} = (.*)$", text, re.M)
+        assert m, f"deploy/kvd.toml does not name {name}"
+        if m.group(1) and name not in examples:
+            value = tomllib.loads(f"{name} = {m.group(2)}")[name]
+            assert value == getattr(defaults, name), (name, value, getattr(defaults, name))
+
+
 def test_every_setting_is_documented_with_its_env_variable():
     doc = (ROOT / "docs" / "OPERATIONS.md").read_text()
     for name in setting_names():
