@@ -342,11 +342,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--connector", choices=("kvd", "nixl"), default="kvd",
                     help="kvd (default) or vLLM's built-in NixlConnector (baseline)")
     ap.add_argument("--prompts", type=positive(int), default=3,
-                    help=f"number of prompts (lengths cycle through {DEFAULT_LENGTHS})")
+                    help=f"number of prompts (default %(default)s; lengths cycle through {DEFAULT_LENGTHS})")
     ap.add_argument("--lengths", type=_lengths, default=[],
                     help="comma-separated prompt lengths in tokens (overrides --prompts)")
-    ap.add_argument("--max-tokens", type=positive(int), default=MAX_TOKENS, help="tokens generated per prompt")
-    ap.add_argument("--seed", type=int, default=0, help="prompt selection seed")
+    ap.add_argument("--max-tokens", type=positive(int), default=MAX_TOKENS, help="tokens generated per prompt (default %(default)s)")
+    ap.add_argument("--seed", type=int, default=0, help="prompt selection seed (default %(default)s)")
     ap.add_argument("--workdir", type=Path, default=None,
                     help="run directory for logs and sockets (default .kvd-demo/<time>)")
     ap.add_argument("--keep-logs", action="store_true",
@@ -363,7 +363,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "their own, the worker busy-polling for steps); default: each engine in one process "
                          "(VLLM_ENABLE_V1_MULTIPROCESSING=0), which leaves the daemons the CPU on a small machine")
     ap.add_argument("--engine-ready-timeout", type=positive(float), default=engines.ENGINE_READY_S,
-                    help="seconds each engine may take to start")
+                    help="seconds each engine may take to start (default %(default)s)")
     return ap.parse_args(argv)
 
 
