@@ -52,7 +52,13 @@ def refusal(request_id: str, reason: str) -> tuple[str, str] | None:
 
 
 class FrameError(ValueError):
-    """A frame this format refuses (longer than allowed); the message says how."""
+    """A frame this format refuses (longer than allowed); the message says
+    how. ``payloads``: the whole frames read before it, in order (a stream
+    delivers what came before a bad message, as gRPC does)."""
+
+    def __init__(self, message: str, payloads: list[bytes] | None = None):
+        super().__init__(message)
+        self.payloads = payloads or []
 
 
 def command_socket_path(engine_socket: str) -> str:
@@ -95,7 +101,8 @@ class Deframer:
 
         Raises:
             FrameError: a frame announces more than ``max_frame_bytes``
-                (checked as soon as its header is in, before its payload).
+                (checked as soon as its header is in, before its payload);
+                its ``payloads`` are the whole frames before it.
         """
         buf = self._buf
         buf += data
@@ -105,7 +112,9 @@ class Deframer:
         while n - pos >= size:
             (length,) = HEADER.unpack_from(buf, pos)
             if length > self.max_frame_bytes:
-                raise FrameError(f"frame of {length} bytes, more than {self.max_frame_bytes} (max_message_bytes)")
+                del buf[:]
+                raise FrameError(f"frame of {length} bytes, more than {self.max_frame_bytes} (max_message_bytes)",
+                                 out)
             if n - pos - size < length:
                 break
             out.append(bytes(buf[pos + size:pos + size + length]))

@@ -166,6 +166,29 @@ def test_a_client_reconnects_on_the_command_socket_after_a_daemon_restart(tmp_pa
         d.stop()
 
 
+def test_commands_read_with_an_oversized_frame_run_before_the_connection_closes(daemon):
+    """A hold and an oversized frame header in one read of an open session:
+    the hold runs (as if read first), then the connection is refused."""
+    eng = Engine(daemon, "cs-o", SHAPE)
+    s = _open_raw(daemon)
+    try:
+        worker = pb.EngineWorker(engine_id=eng.engine_id, tp_rank=0)
+        s.sendall(frame(pb.SessionCommand(open=pb.OpenSession(worker=worker)).SerializeToString()))
+        (n,) = struct.unpack("<I", s.recv(4, socket.MSG_WAITALL))
+        assert event_kind(pb.SessionEvent.FromString(s.recv(n, socket.MSG_WAITALL))) == "opened"
+        leases = daemon.stats().active_leases
+        hold = pb.SessionCommand(hold=pb.HoldBlocks(request_id="cs-o-held", groups=[pb.BlockIds(ids=[3])],
+                                                    lease_s=60))
+        s.sendall(frame(hold.SerializeToString()) + struct.pack("<I", 64 * 1024 * 1024 + 1))
+        events = _read_events(s)
+        assert events and events[-1].rejected.reason.startswith("RESOURCE_EXHAUSTED"), events
+        assert daemon.stats().active_leases == leases + 1, "the hold before the bad frame ran"
+    finally:
+        s.close()
+        eng.release("cs-o-held")
+        eng.close()
+
+
 @pytest.mark.parametrize("bad", ["oversize", "garbage", "truncated", "huge_length"])
 def test_bad_frames_close_the_connection_and_the_daemon_serves_on(daemon, bad):
     eng = Engine(daemon, "cs-f", SHAPE)

@@ -289,15 +289,16 @@ class _Connection(asyncio.Protocol):
         if self.commands is None:
             return  # refused: closing
         try:
-            payloads = self.deframer.feed(data)
+            payloads, bad = self.deframer.feed(data), None
         except FrameError as e:
-            self._bad_input(str(e))
-            return
+            payloads, bad = e.payloads, e  # the frames before it: as if read before it
         for p in payloads:  # parsed as each runs (_Commands)
             commands = self.commands
             if commands is None:
                 return  # one was bad: the connection is closing
             commands.put(p, len(p))
+        if bad is not None:
+            self._bad_input(str(bad))
 
     def _bad_input(self, why: str) -> None:
         if self.commands is None:
