@@ -4,7 +4,9 @@
 
 Prints one section per result file found (dataplane.json, dataplane_b_tuned.json,
 latency.json, variants_*.json, step.json, scale.json, engines.json), each with
-the command that made it and the load average around it.
+the command that made it and the load average around it. docs/PERFORMANCE.md
+is written by hand from these (its figures are quoted and compared, run by
+run); ``benchmarks/run_all.sh`` writes them to ``docs/perf-results/tables.md``.
 """
 
 from __future__ import annotations
@@ -89,24 +91,13 @@ def _md_lines(t: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", type=Path, default=Path("docs/perf-results"))
-    ap.add_argument("--fill", type=Path, default=None,
-                    help="a template whose lines 'TABLE:<file>.json' are replaced by that file's table")
-    ap.add_argument("--out", type=Path, default=None, help="with --fill: write here (default: stdout)")
+    ap.add_argument("--out", type=Path, default=None, help="write the tables here (default: stdout)")
     args = ap.parse_args(argv)
-    t = tables(args.results)
-    if args.fill:
-        lines = []
-        for line in args.fill.read_text().splitlines():
-            key = line.strip()[6:] if line.strip().startswith("TABLE:") else None
-            lines.append(t.get(key, f"(no {key} in {args.results})") if key else line)
-        text = "\n".join(lines) + "\n"
-        if args.out:
-            args.out.write_text(text)
-        else:
-            sys.stdout.write(text)
-        return 0
-    for name, text in t.items():
-        print(f"### {name}\n\n{text}\n")
+    text = "".join(f"### {name}\n\n{table}\n\n" for name, table in tables(args.results).items())
+    if args.out:
+        args.out.write_text(text)
+    else:
+        sys.stdout.write(text)
     return 0
 
 
