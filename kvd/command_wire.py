@@ -102,7 +102,8 @@ class Deframer:
         Raises:
             FrameError: a frame announces more than ``max_frame_bytes``
                 (checked as soon as its header is in, before its payload);
-                its ``payloads`` are the whole frames before it.
+                its ``payloads`` are the whole frames before it. The stream
+                is out of step after it: the connection is not read again.
         """
         buf = self._buf
         buf += data

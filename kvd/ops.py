@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass
 
 from kvd.usage import EXIT_NOT_SERVING, EXIT_OK, EXIT_UNREACHABLE
@@ -34,6 +35,13 @@ def target(socket_path: str, address: str = "") -> str:
     return address or f"unix:{socket_path}"
 
 
+def _is_socket(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
 def _unreachable(command: str, target: str, e) -> Answer:
     """Exit code 2 and the line for an RPC that did not reach a daemon (or
     was refused): with no file at an engine socket's path, says so plainly
@@ -42,6 +50,9 @@ def _unreachable(command: str, target: str, e) -> Answer:
     if target.startswith("unix:") and not os.path.exists(path):
         return Answer(EXIT_UNREACHABLE, f"kvd {command}: no daemon at {path} (no such socket): start one with "
                                         f"`kvd serve`, or name its engine socket with --socket")
+    if target.startswith("unix:") and not _is_socket(path):
+        return Answer(EXIT_UNREACHABLE, f"kvd {command}: {path} is not a socket: name the daemon's engine socket "
+                                        f"with --socket")
     if target.startswith("unix:") and "Connection refused" in (e.details() or ""):
         # The file is there but nothing listens: a daemon killed without its
         # cleanup (SIGKILL, a crash); the next `kvd serve` there takes it over.

@@ -137,6 +137,9 @@ def test_status_at_a_socket_nothing_listens_on_says_so(tmp_path):
         r = _kvd(cmd, "--socket", str(path), "--timeout", "2")
         assert r.returncode == 2, (cmd, r.returncode, r.stderr)
         assert "nothing listens" in r.stderr and "UNAVAILABLE" not in r.stderr, r.stderr
+    (tmp_path / "plain").write_text("")  # a file that is no socket: not mistaken for a stale one
+    r = _kvd("status", "--socket", str(tmp_path / "plain"), "--timeout", "2")
+    assert r.returncode == 2 and "is not a socket" in r.stderr, r.stderr
 
 
 def test_health_without_address_asks_the_socket(tmp_path):

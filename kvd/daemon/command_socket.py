@@ -291,14 +291,18 @@ class _Connection(asyncio.Protocol):
         try:
             payloads, bad = self.deframer.feed(data), None
         except FrameError as e:
-            payloads, bad = e.payloads, e  # the frames before it: as if read before it
+            # The frames before it are put as if read before it (they run as
+            # far as this pass's share goes; the abort then drops the rest, as
+            # it drops anything queued). A str: the exception would hold this
+            # frame, and the read's bytes, in a reference cycle.
+            payloads, bad = e.payloads, str(e)
         for p in payloads:  # parsed as each runs (_Commands)
             commands = self.commands
             if commands is None:
                 return  # one was bad: the connection is closing
             commands.put(p, len(p))
         if bad is not None:
-            self._bad_input(str(bad))
+            self._bad_input(bad)
 
     def _bad_input(self, why: str) -> None:
         if self.commands is None:
