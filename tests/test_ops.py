@@ -205,9 +205,9 @@ def test_health_cli_exit_codes(ops, tmp_path):
     assert r.returncode == 1 and "NOT_FOUND" in r.stderr
     r = kvd_cli("health", "--socket", str(tmp_path / "absent.sock"))
     assert r.returncode == 2 and "no daemon at" in r.stderr and "Traceback" not in r.stderr
-    open(tmp_path / "stale.sock", "w").close()  # a file that is no socket: gRPC's own words
-    r = kvd_cli("health", "--socket", str(tmp_path / "stale.sock"), "--timeout", "1")
-    assert r.returncode == 2 and "UNAVAILABLE" in r.stderr
+    open(tmp_path / "plain.sock", "w").close()  # a file that is no socket: said so
+    r = kvd_cli("health", "--socket", str(tmp_path / "plain.sock"), "--timeout", "1")
+    assert r.returncode == 2 and "is not a socket" in r.stderr, r.stderr
     # A port that accepts TCP but never answers: the --timeout bounds the wait.
     with socket.socket() as hole:
         hole.bind(("127.0.0.1", 0))
