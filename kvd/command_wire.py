@@ -53,8 +53,8 @@ def refusal(request_id: str, reason: str) -> tuple[str, str] | None:
 
 class FrameError(ValueError):
     """A frame this format refuses (longer than allowed); the message says
-    how. ``payloads``: the whole frames read before it, in order (a stream
-    delivers what came before a bad message, as gRPC does)."""
+    how. ``payloads``: the whole frames read before it, in order (handled
+    as if read before it)."""
 
     def __init__(self, message: str, payloads: list[bytes] | None = None):
         super().__init__(message)

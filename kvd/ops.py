@@ -46,19 +46,20 @@ def _unreachable(command: str, target: str, e) -> Answer:
     """Exit code 2 and the line for an RPC that did not reach a daemon (or
     was refused): with no file at an engine socket's path, says so plainly
     rather than gRPC's connect error."""
-    path = target.removeprefix("unix:")
-    if target.startswith("unix:") and not os.path.exists(path):
-        return Answer(EXIT_UNREACHABLE, f"kvd {command}: no daemon at {path} (no such socket): start one with "
-                                        f"`kvd serve`, or name its engine socket with --socket")
-    if target.startswith("unix:") and not _is_socket(path):
-        return Answer(EXIT_UNREACHABLE, f"kvd {command}: {path} is not a socket: name the daemon's engine socket "
-                                        f"with --socket")
-    if target.startswith("unix:") and "Connection refused" in (e.details() or ""):
-        # The file is there but nothing listens: a daemon killed without its
-        # cleanup (SIGKILL, a crash); the next `kvd serve` there takes it over.
-        return Answer(EXIT_UNREACHABLE, f"kvd {command}: no daemon at {path} (the socket is there but nothing "
-                                        f"listens: a daemon that stopped without removing it); start one with "
-                                        f"`kvd serve`")
+    if target.startswith("unix:"):
+        path = target.removeprefix("unix:")
+        if not os.path.exists(path):
+            return Answer(EXIT_UNREACHABLE, f"kvd {command}: no daemon at {path} (no such socket): start one "
+                                            f"with `kvd serve`, or name its engine socket with --socket")
+        if not _is_socket(path):
+            return Answer(EXIT_UNREACHABLE, f"kvd {command}: {path} is not a socket: name the daemon's engine "
+                                            f"socket with --socket")
+        if "Connection refused" in (e.details() or ""):
+            # Nothing listens: a daemon killed without its cleanup (SIGKILL,
+            # a crash); the next `kvd serve` there takes the path over.
+            return Answer(EXIT_UNREACHABLE, f"kvd {command}: no daemon at {path} (the socket is there but nothing "
+                                            f"listens: a daemon that stopped without removing it); start one "
+                                            f"with `kvd serve`")
     return Answer(EXIT_UNREACHABLE, f"kvd {command}: {target}: {e.code().name}: {e.details()}")
 
 
