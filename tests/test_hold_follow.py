@@ -115,6 +115,38 @@ def test_a_feed_keeps_a_bounded_history_and_splits_large_answers(monkeypatch):
     asyncio.run(main())
 
 
+def test_a_feeds_reset_lists_the_live_leases_when_they_fit_in_one_answer(monkeypatch):
+    """A follower that starts over gets every lease live at the reset (not
+    the ended ones), on the wire too; past one answer's bounds, or once the
+    engine is gone, a reset without them (its loads claim those leases)."""
+    from kvd.daemon.convert import holds_from_pb, holds_to_pb
+
+    async def main():
+        f = HoldFeed("e")
+        f.record(0, "a", [arr(1, 2)])
+        f.record(1, "a", [arr(3)])
+        f.record(0, "b", [arr(4)])
+        f.record(0, "a", None)
+        r = await f.wait_answer("", 0, 0.0)
+        assert r.reset and r.snapshot and r.seq == 4
+        assert sorted((c.tp_rank, c.request_id, [g.tolist() for g in c.groups]) for c in r.changes) == [
+            (0, "b", [[4]]), (1, "a", [[3]])]
+        wire = holds_from_pb(pb.HoldsResponse.FromString(holds_to_pb(r).SerializeToString()))
+        assert wire.snapshot and wire.seq == 4 and {(c.tp_rank, c.request_id) for c in wire.changes} == {
+            (0, "b"), (1, "a")}
+        # A later answer continues from the reset's change number.
+        f.record(2, "c", [arr(5)])
+        assert [c.request_id for c in (await f.wait_answer(f.epoch, r.seq, 0.0)).changes] == ["c"]
+        monkeypatch.setattr(hf, "MAX_CHANGES_PER_ANSWER", 2)
+        big = await f.wait_answer("old", 0, 0.0)
+        assert big.reset and not big.snapshot and not big.changes
+        monkeypatch.setattr(hf, "MAX_CHANGES_PER_ANSWER", 4096)
+        f.close()
+        assert not (await f.wait_answer("", 0, 0.0)).snapshot
+
+    asyncio.run(main())
+
+
 def test_a_feed_bounds_its_waiting_polls_and_answers_only_for_registered_engines(monkeypatch):
     monkeypatch.setattr(hf, "MAX_WAITING", 2)
 
@@ -166,6 +198,45 @@ def test_a_follow_copies_the_live_leases_and_trusts_them_only_while_fresh():
     assert not f.held and f.epoch == "ep2"
 
 
+def snapshot(epoch, seq, *changes) -> HoldsAnswer:
+    return HoldsAnswer(epoch, seq, True, tuple(HoldChange(seq, *c) for c in changes), snapshot=True)
+
+
+def test_a_follow_that_starts_over_from_a_snapshot_shows_the_leases_made_before():
+    """A reset's snapshot fills the copy; this daemon's own notifications
+    outlive the reset, so a lease they ended, still live at the source,
+    stays out of it; an end in a snapshot breaks the protocol."""
+    f = Follow("p:1", "e")
+    f.apply(answer("ep", 3, reset=True), 100.0)
+    f.apply(answer("ep", 4, (0, "old", (np.arange(2),))), 100.0)
+    f.notified(0, "done", 1)  # every notification of "done" sent, its end not yet at the source
+    f.apply(snapshot("ep2", 9, (0, "r", (np.arange(4),)), (1, "r", (np.arange(2),)),
+                     (0, "done", (np.arange(1),))), 101.0)
+    assert (f.epoch, f.seq) == ("ep2", 9) and f.blind_at == -math.inf
+    assert f.covers(0, "r", [[0, 3]], 101.0) and f.covers(1, "r", [[1]], 101.0)
+    assert not f.covers(0, "old", [[0]], 101.0) and not f.covers(0, "done", [[0]], 101.0)
+    assert f.ids == 6 and set(f.sent) == {(0, "done")}
+    f.apply(answer("ep2", 10, (0, "done", None)), 102.0)  # its end comes: forgotten
+    assert not f.sent
+    # A reset without a snapshot leaves the copy blind to the leases before it.
+    f.apply(answer("ep3", 1, reset=True), 103.0)
+    assert not f.held and f.blind_at == 103.0
+    with pytest.raises(BadAnswer):
+        f.apply(snapshot("ep4", 2, (0, "x", None)), 104.0)
+    # A follow that goes on after a failed poll keeps its notifications too.
+    f.notified(0, "mine", 1)
+    f.forget(keep_sent=True)
+    f.apply(snapshot("ep5", 3, (0, "mine", (np.arange(1),)), (0, "t", (np.arange(1),))), 105.0)
+    assert not f.covers(0, "mine", [[0]], 105.0) and f.covers(0, "t", [[0]], 105.0)
+    # Its memory is counted while it lives, and given back in full when it ends,
+    # a snapshot refused half-way included.
+    with pytest.raises(BadAnswer):
+        f.apply(snapshot("ep6", 4, (0, "u", (np.arange(3),)), (0, "", (np.arange(1),))), 106.0)
+    assert f.budget.used == f.bytes > 0
+    f.forget()
+    assert f.budget.used == f.bytes == 0 and not f.sent
+
+
 @pytest.mark.parametrize("bad", [
     answer("other", 5),                                              # another epoch without a reset
     answer("ep", 7, (0, "r", (np.arange(2),))),                      # a change number skipped
@@ -188,6 +259,8 @@ def test_a_follow_refuses_a_copy_past_its_bounds(monkeypatch):
     f.apply(answer("ep", 1, (0, "a", (np.arange(60),))), 1.0)
     with pytest.raises(BadAnswer):
         f.apply(answer("ep", 2, (0, "b", (np.arange(60),))), 1.0)
+    with pytest.raises(BadAnswer):  # a snapshot too
+        Follow("p:1", "e").apply(snapshot("ep", 2, (0, "a", (np.arange(60),)), (0, "b", (np.arange(60),))), 1.0)
 
 
 # ------------------------------------------------------------------ waiting for the next answers
@@ -255,7 +328,7 @@ def test_a_load_the_copy_does_not_show_yet_waits_for_the_next_answers(monkeypatc
         # No wait where no answer can show it: the copy has the lease with
         # other blocks (the source refuses the claim at once), this daemon's
         # notifications ended it, or the pairs are not with the polled agent.
-        f.reset_at = time.monotonic() - hm.SHOWN_WAIT_GRACE_S - 1
+        f.blind_at = time.monotonic() - hm.SHOWN_WAIT_GRACE_S - 1
         f.apply(answer("ep2", 3, (0, "u", (arr(7),)), (0, "v", (arr(1, 2),))), time.monotonic())
         assert await asyncio.wait_for(wait("u"), 0.1) == [0]
         f.notified(0, "v", 1)
@@ -412,6 +485,36 @@ def test_a_frozen_source_is_not_trusted_and_its_loads_claim(env):
     followed_load(src, dst, "after-freeze")
 
 
+def test_a_hold_made_before_the_reader_follows_is_read_without_a_claim(tmp_path):
+    """The source's reset brings the leases live when the reader starts to
+    follow: a hold made before then is read without a claim (before the
+    snapshot, its load claimed), and so is one made after."""
+    p, d = start_daemons((str(tmp_path), "snap-p"), (str(tmp_path), "snap-d"))
+    src = dst = None
+    try:
+        src = Engine(p, "snap-p", SHAPE, seed=5)
+        dst = Engine(d, "snap-d", SHAPE)
+        src.hold("early", [2, 3, 4])
+        wait_until(lambda: p.stats().active_leases == 1, 10, "early held")
+        src.hold("pair", [1])
+        dst.load("pair-d", [1], src, [1], "pair")  # pairs D with the source: D starts following
+        assert event_kind(dst.wait("pair-d")) == "recv_done"
+        wait_until(lambda: d.stats().holds_followed == 1, 30, "D follows the source's holds")
+        sent, followed = counts(dst)
+        dst.load("early-d", [5, 6, 7], src, [2, 3, 4], "early")
+        ev = dst.wait("early-d")
+        assert event_kind(ev) == "recv_done", ev
+        assert np.array_equal(dst.kv[:, 5:8], src.kv[:, 2:5])
+        assert counts(dst) == (sent, followed + 1)
+        assert event_kind(src.wait("pair")) == "send_done" and event_kind(src.wait("early")) == "send_done"
+        followed_load(src, dst, "later")
+    finally:
+        for e in (dst, src):
+            if e is not None:
+                e.close()
+        stop_daemons([p, d])
+
+
 def test_holds_polls_need_the_peer_token_and_refuse_bad_input(env):
     src, _ = env
     ch = grpc.insecure_channel(src.daemon.peer_address)
@@ -448,6 +551,10 @@ def test_holds_are_followed_with_the_token_and_refused_for_bad_input(tmp_path):
                 src.hold("h1", [1, 2])
                 got = await client.holds(p.peer_address, "holds-e", first.epoch, first.seq, 5.0, 10)
                 assert [(c.request_id, [g.tolist() for g in c.groups]) for c in got.changes] == [("h1", [[1, 2]])]
+                # The agent comes with the feed's epoch; a reset now lists h1.
+                assert await client.holds_agent(p.peer_address, "holds-e", 0, 10) == (src.registered.agent_name, first.epoch)
+                again = await client.holds(p.peer_address, "holds-e", "", 0, 0.1, 10)
+                assert again.snapshot and [c.request_id for c in again.changes] == ["h1"]
                 with pytest.raises(NotFound):
                     await client.holds(p.peer_address, "nobody", "", 0, 0.1, 10)
                 with pytest.raises(InvalidArgument):

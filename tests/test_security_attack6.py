@@ -482,15 +482,18 @@ def test_a_source_is_polled_at_a_bounded_pace(monkeypatch):
 def test_a_copy_grants_a_rank_only_through_pairs_with_the_agent_that_answers_the_polls():
     """The follow learns, on the polls' own channel, the agent of each rank
     it is paired with; a copy of that daemon's holds grants a load only
-    when this daemon's pairs with the rank are with that agent."""
+    when this daemon's pairs with the rank are with that agent, and the
+    agent came with the copy's epoch: a reset and its snapshot from one
+    daemon and the agent from another (behind one address, the connection
+    broken between the two calls) grant nothing."""
     pair = SimpleNamespace(address="p:1", engine_id="e", tp_rank=0, agent_name="agent-A")
     worker = SimpleNamespace(pairs=SimpleNamespace(remotes={("p:1", "e", 0): pair}))
     rt = SimpleNamespace(limits=Limits(), closing=False, workers={("reader", 0): worker})
 
     class Link:
-        def __init__(self, agent: str):
-            self.agent = agent
-            self.answers = [HoldsAnswer("ep", 0, True, ()),
+        def __init__(self, agent: str, epoch: str):
+            self.agent, self.epoch = agent, epoch
+            self.answers = [HoldsAnswer("ep", 0, True, (HoldChange(0, 0, "s", (np.arange(4),)),), snapshot=True),
                             HoldsAnswer("ep", 1, False, (HoldChange(1, 0, "r", (np.arange(4),)),))]
 
         async def holds(self, address, engine_id, epoch, after, wait_s, timeout_s):
@@ -499,20 +502,23 @@ def test_a_copy_grants_a_rank_only_through_pairs_with_the_agent_that_answers_the
             await asyncio.sleep(3600)  # a long poll with nothing new
 
         async def holds_agent(self, address, engine_id, tp_rank, timeout_s):
-            return self.agent
+            return self.agent, self.epoch
 
-    async def granted(agent: str) -> bool:
-        mirror = HoldMirror(rt, Link(agent))
+    async def granted(agent: str, epoch: str = "ep") -> bool:
+        mirror = HoldMirror(rt, Link(agent, epoch))
         mirror.follow("p:1", "e")
         f = mirror.follows[("p:1", "e")]
         for _ in range(200):
             if f.seq == 1:
                 break
             await asyncio.sleep(0.01)
-        assert f.seq == 1 and f.agents == {0: agent}
+        assert f.seq == 1 and f.agents == ({0: agent} if epoch == "ep" else {})
         ok = mirror.covers("p:1", "e", 0, "r", [[1, 2]])
+        assert mirror.covers("p:1", "e", 0, "s", [[1, 2]]) == ok  # a lease of the snapshot alike
         await mirror.close()
         return ok
 
     assert asyncio.run(granted("agent-A"))
     assert not asyncio.run(granted("agent-B"))  # another daemon's engine of the same id answers the polls
+    assert not asyncio.run(granted("agent-A", "other-epoch"))  # the agent from another daemon than the copy
+    assert not asyncio.run(granted("agent-A", ""))  # an older daemon's answer, with no epoch

@@ -17,7 +17,13 @@ One :class:`HoldFeed` per engine id with a worker here. Its changes are
 numbered from 1 within an *epoch* (random, new whenever the feed is made
 again: a restart, or the engine's last worker gone and registered again);
 a follower that names another epoch, or a change older than those kept,
-starts over from the current one.
+starts over from the current one. Its reset lists every lease live then
+(a *snapshot*, when it fits in one answer): without it, a lease made before
+the reset never reached the copy, and a follower could not tell such a
+lease from one whose start was still on its way, so for a second after
+each (re)start its loads claimed every hold the copy did not show yet
+(measured: 1-3 of 20 `kvd bench` throughput rounds, 64 claims each,
+~100 ms against ~15 ms; docs/PERFORMANCE.md, "Per-load cost, eighth round").
 
 Costs on the hold path: one tuple appended per lease started or ended (the
 lease's own id arrays, not copies) and one wake-up of the followers'
@@ -98,12 +104,35 @@ class HoldChange:
 class HoldsAnswer:
     """What a poll gets: the feed's ``epoch``, the ``seq`` of the last change
     in ``changes`` (or the feed's last one), whether the follower must start
-    over (``reset``), and the changes in order."""
+    over (``reset``), and the changes in order. A reset with ``snapshot``
+    lists instead every lease live at ``seq`` (starts, in no order): the
+    follower's copy is then whole from the reset on; without it, the copy
+    lacks the leases made before ``seq``."""
 
     epoch: str
     seq: int
     reset: bool
     changes: tuple[HoldChange, ...]
+    snapshot: bool = False
+
+
+def _within_answer(changes, whole: bool) -> list[HoldChange] | None:
+    """The first of ``changes`` that fit in one answer (at least one); with
+    ``whole``, all of them, or None when they do not all fit."""
+    out: list[HoldChange] = []
+    ids = groups = size = 0
+    for ch in changes:
+        if out and (len(out) >= MAX_CHANGES_PER_ANSWER or ids + ch.num_ids > MAX_IDS_PER_ANSWER
+                    or groups + ch.num_groups > MAX_GROUPS_PER_ANSWER
+                    or size + ch.wire_bytes > MAX_ANSWER_BYTES):
+            if whole:
+                return None
+            break
+        out.append(ch)
+        ids += ch.num_ids
+        groups += ch.num_groups
+        size += ch.wire_bytes
+    return out
 
 
 class HoldFeed:
@@ -117,6 +146,9 @@ class HoldFeed:
         self.kept_ids = 0
         self.waiting = 0
         self.closed = False
+        # The live leases, by (tp_rank, request_id): a reset's snapshot. The
+        # entries are the changes' own objects (no copy of their ids).
+        self.live: dict[tuple[int, str], HoldChange] = {}
         self._changed = asyncio.Event()
 
     def record(self, tp_rank: int, request_id: str, groups: list[np.ndarray] | None) -> None:
@@ -126,6 +158,10 @@ class HoldFeed:
         ch = HoldChange(self.seq, tp_rank, request_id, None if groups is None else tuple(groups))
         self.changes.append(ch)
         self.kept_ids += ch.num_ids
+        if groups is None:
+            self.live.pop((tp_rank, request_id), None)
+        else:
+            self.live[(tp_rank, request_id)] = ch
         while len(self.changes) > CHANGES_KEPT or self.kept_ids > MAX_KEPT_IDS:
             self.kept_ids -= self.changes.popleft().num_ids
         self._wake()
@@ -148,21 +184,23 @@ class HoldFeed:
         """The changes after ``after`` of ``epoch``; a reset when the follower
         cannot continue from there; None when there is nothing new yet."""
         if self.closed or epoch != self.epoch or after > self.seq or after < self.first_seq - 1:
-            return HoldsAnswer(self.epoch, self.seq, True, ())
+            return self._reset()
         if after == self.seq:
             return None
-        out: list[HoldChange] = []
-        ids = groups = size = 0
-        for ch in itertools.islice(self.changes, after - self.first_seq + 1, None):
-            if out and (len(out) >= MAX_CHANGES_PER_ANSWER or ids + ch.num_ids > MAX_IDS_PER_ANSWER
-                        or groups + ch.num_groups > MAX_GROUPS_PER_ANSWER
-                        or size + ch.wire_bytes > MAX_ANSWER_BYTES):
-                break
-            out.append(ch)
-            ids += ch.num_ids
-            groups += ch.num_groups
-            size += ch.wire_bytes
+        out = _within_answer(itertools.islice(self.changes, after - self.first_seq + 1, None), whole=False)
         return HoldsAnswer(self.epoch, out[-1].seq, False, tuple(out))
+
+    def _reset(self) -> HoldsAnswer:
+        """A reset at the current change, with the snapshot of the live
+        leases when it fits in one answer (the bounds of any answer:
+        ``MAX_CHANGES_PER_ANSWER`` and the others); without one past them
+        (the follower's loads claim the leases made before it, as they did
+        before snapshots) or once the engine is gone."""
+        if not self.closed:
+            out = _within_answer(self.live.values(), whole=True)
+            if out is not None:
+                return HoldsAnswer(self.epoch, self.seq, True, tuple(out), snapshot=True)
+        return HoldsAnswer(self.epoch, self.seq, True, ())
 
     async def wait_answer(self, epoch: str, after: int, wait_s: float) -> HoldsAnswer:
         """:meth:`answer`, waiting up to ``wait_s`` seconds (capped at
@@ -204,12 +242,21 @@ class HoldFeeds:
         """The ``LeaseTable.on_change`` of worker ``(engine_id, tp_rank)``."""
 
         def record(request_id: str, groups: list[np.ndarray] | None) -> None:
-            feed = self.feeds.get(engine_id)
-            if feed is None:
-                feed = self.feeds[engine_id] = HoldFeed(engine_id)
-            feed.record(tp_rank, request_id, groups)
+            self._feed(engine_id).record(tp_rank, request_id, groups)
 
         return record
+
+    def _feed(self, engine_id: str) -> HoldFeed:
+        """``engine_id``'s feed, made now if it has none yet (an engine
+        registered here with no lease yet)."""
+        feed = self.feeds.get(engine_id)
+        if feed is None:
+            feed = self.feeds[engine_id] = HoldFeed(engine_id)
+        return feed
+
+    def epoch(self, engine_id: str) -> str:
+        """The epoch of ``engine_id``'s feed (call only for an engine registered here)."""
+        return self._feed(engine_id).epoch
 
     def drop(self, engine_id: str) -> None:
         """The engine has no worker here any more: its feed ends (a follower
@@ -224,7 +271,4 @@ class HoldFeeds:
         ResourceExhausted as :meth:`HoldFeed.wait_answer`."""
         if not registered:
             raise NotFound(f"holds: engine {engine_id!r} is not registered here")
-        feed = self.feeds.get(engine_id)
-        if feed is None:
-            feed = self.feeds[engine_id] = HoldFeed(engine_id)
-        return await feed.wait_answer(epoch, after, wait_s)
+        return await self._feed(engine_id).wait_answer(epoch, after, wait_s)

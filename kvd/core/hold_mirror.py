@@ -10,8 +10,11 @@ poll answered as soon as a lease starts or ends there, or after
 its live leases. A load whose blocks the copy shows held on every source
 rank READs at once; any other load first waits briefly for the next
 answers (the hold may still be on its way: ``HoldMirror.wait_shown``),
-then asks Claim as before (the hold was made before this daemon followed,
-or is not there; the copy only ever grants, never denies).
+then asks Claim as before (the hold is not there, or not yet; the copy
+only ever grants, never denies). The copy starts from the source's
+snapshot of its live leases (``kvd.core.hold_feed``), so it lacks none
+made before this daemon followed, unless they are more than one answer
+holds.
 
 How fresh the copy is: a source answers a poll the moment a lease ends, so
 the copy lags the source by one answer's way across (the same window a
@@ -23,9 +26,11 @@ Whose holds: the polls have a connection of their own, and an address may
 reach several daemons (a load balancer, a DNS name of several records),
 each perhaps with an engine of the same id. So after each reset the follow
 asks, on the polls' channel, the NIXL agent of every rank it is paired
-with (``PeerClient.holds_agent``), and the copy grants a rank only when
-this daemon's pairs with it are with that very agent: the daemon whose
-holds the copy shows is the one its READs go to.
+with (``PeerClient.holds_agent``, with the epoch of the engine's feed at
+the daemon that answers), and the copy grants a rank only when this
+daemon's pairs with it are with that very agent and the agent came with
+the copy's own epoch: the daemon whose holds the copy shows is the one
+its READs go to.
 
 Bounds against a hostile or broken source: ``MAX_LEASES`` leases and
 ``MAX_IDS`` block ids per followed engine, ``MAX_BYTES`` of memory per
@@ -52,7 +57,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvd.core.events import CoreError
-from kvd.core.hold_feed import HoldsAnswer
+from kvd.core.hold_feed import HoldChange, HoldsAnswer
 from kvd.core.limits import BOUNDS
 from kvd.core.runtime import Runtime
 from kvd.core.state import PeerLink
@@ -79,8 +84,10 @@ IDLE_S = 60.0
 #: so 68-72 % of the loads claimed (docs/PERFORMANCE.md, "Per-load cost,
 #: seventh round"). Two answers: the first may have left the source before
 #: the hold came there; the second was asked after it. Loads within
-#: ``SHOWN_WAIT_GRACE_S`` of the copy's (re)start do not wait: their hold
-#: may predate the copy, which then never shows it.
+#: ``SHOWN_WAIT_GRACE_S`` of a (re)start of the copy that brought no
+#: snapshot of the source's live leases (an older source, or more leases
+#: than one answer holds) do not wait: their hold may predate the copy,
+#: which then never shows it.
 SHOWN_WAIT_ANSWERS = 2
 SHOWN_WAIT_S = 0.05
 SHOWN_WAIT_GRACE_S = 1.0
@@ -167,7 +174,9 @@ class Follow:
     # The agent of each TP rank at the daemon that answers the polls (since
     # the last reset): the copy grants a rank only through pairs with it.
     agents: dict[int, str] = field(default_factory=dict)
-    reset_at: float = -math.inf  # when the copy last started over (monotonic seconds)
+    # When the copy last started over without the source's live leases (a
+    # reset with no snapshot; monotonic seconds): those never show in it.
+    blind_at: float = -math.inf
     # wait_shown's waiters: each resolved at the next answer applied, or when
     # the copy is dropped or stops being trusted (one future per waiter:
     # removing a callback from a shared one costs a scan of all of them).
@@ -183,11 +192,16 @@ class Follow:
                     pass
         self.waiters.clear()
 
-    def _clear(self) -> None:
+    def _clear(self, keep_sent: bool = False) -> None:
         self.held.clear()
-        self.sent.clear()
         self.agents.clear()
         self.ids = 0
+        if keep_sent:  # its bytes stay counted
+            sent = sum(LEASE_BYTES + len(k[1]) for k in self.sent)
+            self.budget.used -= self.bytes - sent
+            self.bytes = sent
+            return
+        self.sent.clear()
         self.budget.used -= self.bytes
         self.bytes = 0
 
@@ -205,51 +219,69 @@ class Follow:
         if self.sent.pop(key, None) is not None:
             self._charge(-(LEASE_BYTES + len(key[1])))
 
-    def forget(self) -> None:
-        """Drops the copy; the next poll starts over (a reset from the source)."""
-        self._clear()
+    def forget(self, keep_sent: bool = False) -> None:
+        """Drops the copy; the next poll starts over (a reset from the source).
+        ``keep_sent``: this daemon's own notifications stay (a follow that
+        goes on: a snapshot may still list a lease they ended)."""
+        self._clear(keep_sent)
         self.epoch, self.seq = "", 0
         self.answered = -math.inf
         self.woken()
 
     def apply(self, ans: HoldsAnswer, now: float) -> None:
-        """Applies one poll answer. Raises BadAnswer (the caller forgets the copy)."""
+        """Applies one poll answer. Raises BadAnswer (the caller forgets the copy).
+
+        A reset empties the copy; its snapshot (``HoldsAnswer.snapshot``),
+        if any, fills it again. This daemon's own notifications are kept
+        across a reset: a lease they ended may still be live in the
+        snapshot (their end not yet at the source), and must not show."""
         if ans.reset or ans.epoch != self.epoch:
             if not ans.reset:
                 raise BadAnswer(f"epoch {ans.epoch!r} without a reset (following {self.epoch!r})")
-            self._clear()
+            self._clear(keep_sent=True)
             self.epoch, self.seq = ans.epoch, ans.seq
-            self.answered = self.reset_at = now
+            if ans.snapshot:
+                for ch in ans.changes:
+                    if ch.groups is None:
+                        raise BadAnswer("a lease's end in a snapshot")
+                    self._take(ch)
+            self.blind_at = -math.inf if ans.snapshot else now
+            self.answered = now
             self.woken()
             return
         if ans.seq != self.seq + len(ans.changes):
             raise BadAnswer(f"answer ends at change {ans.seq} with {len(ans.changes)} changes after {self.seq}")
         for ch in ans.changes:
-            if not 0 <= ch.tp_rank < BOUNDS.max_tp_size:
-                raise BadAnswer(f"TP rank {ch.tp_rank}")
-            if not ch.request_id or len(ch.request_id.encode()) > BOUNDS.max_id_bytes:
-                raise BadAnswer("request id empty or too long")
-            key = (ch.tp_rank, ch.request_id)
-            self._drop(key)
-            if ch.groups is None:
-                self._unsend(key)
-                continue
-            if len(ch.groups) > MAX_GROUPS:
-                raise BadAnswer(f"{len(ch.groups)} KV-cache groups")
-            done = self.sent.get(key)
-            if done is not None and done[0] >= done[1]:
-                continue  # this daemon has sent every notification that ends it: not held for its loads
-            self.held[key] = ch.groups
-            self.ids += sum(len(g) for g in ch.groups)
-            self._charge(lease_bytes(ch.request_id, ch.groups))
-            if self.ids > MAX_IDS or len(self.held) > MAX_LEASES or self.bytes > MAX_BYTES:
-                raise BadAnswer(f"more than {MAX_LEASES} leases, {MAX_IDS} block ids or {MAX_BYTES >> 20} MiB "
-                                f"held")
-            if self.budget.used > self.budget.limit:
-                raise BadAnswer(f"the copies of every followed engine would pass {self.budget.limit >> 20} MiB")
+            self._take(ch)
         self.seq = ans.seq
         self.answered = now
         self.woken()
+
+    def _take(self, ch: HoldChange) -> None:
+        """One lease started (into the copy, unless this daemon's own
+        notifications ended it) or ended. Raises BadAnswer past a bound."""
+        if not 0 <= ch.tp_rank < BOUNDS.max_tp_size:
+            raise BadAnswer(f"TP rank {ch.tp_rank}")
+        if not ch.request_id or len(ch.request_id.encode()) > BOUNDS.max_id_bytes:
+            raise BadAnswer("request id empty or too long")
+        key = (ch.tp_rank, ch.request_id)
+        self._drop(key)
+        if ch.groups is None:
+            self._unsend(key)
+            return
+        if len(ch.groups) > MAX_GROUPS:
+            raise BadAnswer(f"{len(ch.groups)} KV-cache groups")
+        done = self.sent.get(key)
+        if done is not None and done[0] >= done[1]:
+            return  # this daemon has sent every notification that ends it: not held for its loads
+        self.held[key] = ch.groups
+        self.ids += sum(len(g) for g in ch.groups)
+        self._charge(lease_bytes(ch.request_id, ch.groups))
+        if self.ids > MAX_IDS or len(self.held) > MAX_LEASES or self.bytes > MAX_BYTES:
+            raise BadAnswer(f"more than {MAX_LEASES} leases, {MAX_IDS} block ids or {MAX_BYTES >> 20} MiB "
+                            f"held")
+        if self.budget.used > self.budget.limit:
+            raise BadAnswer(f"the copies of every followed engine would pass {self.budget.limit >> 20} MiB")
 
     def notified(self, tp_rank: int, request_id: str, expected: int) -> None:
         """This daemon sent the lease of ``request_id`` on ``tp_rank`` one of
@@ -386,7 +418,8 @@ class HoldMirror:
         ``SHOWN_WAIT_ANSWERS`` more answers, ``SHOWN_WAIT_S`` seconds, or
         ``until`` (monotonic seconds), whichever comes first: the ones to
         claim. No wait when the copy is not trusted now, or started over
-        within ``SHOWN_WAIT_GRACE_S`` (a hold made before it never shows).
+        without a snapshot within ``SHOWN_WAIT_GRACE_S`` (a hold made
+        before it never shows).
 
         Why: under load a hold's answer can reach this daemon's event loop
         after the load that needs it (both arrive together; the loop reads
@@ -401,7 +434,7 @@ class HoldMirror:
         for _ in range(SHOWN_WAIT_ANSWERS):
             now = time.monotonic()
             if (not ranks or now >= until or self.follows.get((address, engine_id)) is not f
-                    or now - f.answered > FRESH_S or now - f.reset_at < SHOWN_WAIT_GRACE_S
+                    or now - f.answered > FRESH_S or now - f.blind_at < SHOWN_WAIT_GRACE_S
                     or not all(self._may_show(f, p, request_id) for p in ranks)):
                 break
             fut = loop.create_future()
@@ -467,9 +500,10 @@ class HoldMirror:
         return {r.tp_rank for w in self.rt.workers.values() for r in w.pairs.remotes.values()
                 if r.address == address and r.engine_id == engine_id}
 
-    async def _learn_agents(self, f: Follow) -> dict[int, str]:
+    async def _learn_agents(self, f: Follow) -> dict[int, tuple[str, str]]:
         """Asks, on the polls' own channel, the agent of every rank of ``f``'s
-        engine this daemon is paired with and does not know it of yet
+        engine this daemon is paired with and does not know it of yet, with
+        the epoch of the engine's hold feed at the daemon that answers
         (``PeerClient.holds_agent``; a link without it: none, and the copy
         grants nothing). Raises CoreError."""
         ask = getattr(self.link, "holds_agent", None)
@@ -477,6 +511,16 @@ class HoldMirror:
             return {}
         return {p: await ask(f.address, f.engine_id, p, WAIT_S + 5.0)
                 for p in sorted(self._paired_ranks(f.address, f.engine_id) - f.agents.keys())}
+
+    @staticmethod
+    def _take_agents(f: Follow, learnt: dict[int, tuple[str, str]]) -> None:
+        """Keeps the agents of ``learnt`` answered with the copy's own epoch:
+        the daemon that named them is the one whose holds the copy shows
+        (epochs are random). Behind an address that reaches two daemons, a
+        reset and its snapshot from one and the agents from the other (a
+        connection broken between the two calls) would otherwise have
+        granted the first one's holds through pairs with the second."""
+        f.agents.update({p: name for p, (name, epoch) in learnt.items() if epoch and epoch == f.epoch})
 
     async def _run(self, f: Follow) -> None:
         """Polls ``f``'s source until the follow ends (idle, closing), keeping
@@ -505,20 +549,18 @@ class HoldMirror:
                     learn = True  # pairs made since: their ranks' agents
                 try:
                     # The agents of ranks paired with since, asked before the
-                    # poll and used only if its answer continues the copy
-                    # (the same daemon answered it: epochs are random).
+                    # poll and used only if they came with the copy's epoch.
                     learnt = await self._learn_agents(f) if learn and f.epoch else {}
                     learn = False
                     started = time.monotonic()
                     ans = await self.link.holds(f.address, f.engine_id, f.epoch, f.seq, WAIT_S, WAIT_S + 5.0)
                     got = time.monotonic()
                     f.apply(ans, got)
-                    if ans.reset:  # the copy starts empty: who answers now
-                        f.agents.update(await self._learn_agents(f))
-                    else:
-                        f.agents.update(learnt)
+                    if ans.reset:  # the copy starts over: who answers now
+                        learnt = await self._learn_agents(f)
+                    self._take_agents(f, learnt)
                 except (CoreError, BadAnswer) as e:
-                    f.forget()
+                    f.forget(keep_sent=True)
                     msg = "holds of %s engine=%s: %s; loads claim each hold, following again in %.1f s"
                     if isinstance(e, BadAnswer):  # a broken or hostile source: said, at most once a second
                         self._warned.warning(msg, f.address, f.engine_id, e, backoff)

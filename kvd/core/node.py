@@ -273,6 +273,14 @@ class Node:
         registered = any(k[0] == engine_id for k in self.rt.workers)
         return await self.rt.feeds.poll(engine_id, registered, epoch, after, wait_s)
 
+    def holds_epoch(self, engine_id: str) -> str:
+        """The epoch of ``engine_id``'s hold feed here (a Handshake's
+        ``holds_epoch``); "" for an engine with no worker here (no feed is
+        made for it: only a registered engine's feed is dropped with it)."""
+        if not any(k[0] == engine_id for k in self.rt.workers):
+            return ""
+        return self.rt.feeds.epoch(engine_id)
+
     def renew(self, engine_id: str, renewals: list[LeaseRenewal]) -> list[RenewResult]:
         """See :meth:`kvd.core.holds.Holds.renew`."""
         return self.holds.renew(engine_id, renewals)

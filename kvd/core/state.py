@@ -120,7 +120,8 @@ class PeerLink(Protocol):
     async def holds(self, address: str, engine_id: str, epoch: str, after: int, wait_s: float,
                     timeout_s: float) -> HoldsAnswer: ...
 
-    async def holds_agent(self, address: str, engine_id: str, tp_rank: int, timeout_s: float) -> str: ...
+    async def holds_agent(self, address: str, engine_id: str, tp_rank: int,
+                          timeout_s: float) -> tuple[str, str]: ...
 
 
 @dataclass

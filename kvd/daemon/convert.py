@@ -163,7 +163,7 @@ def renewed_from_pb(results) -> list[RenewResult]:
 
 def holds_to_pb(a: HoldsAnswer) -> pb.HoldsResponse:
     """A hold feed's answer (``kvd.core.hold_feed``) as ``pb.HoldsResponse``."""
-    return pb.HoldsResponse(epoch=a.epoch, seq=a.seq, reset=a.reset, changes=[
+    return pb.HoldsResponse(epoch=a.epoch, seq=a.seq, reset=a.reset, snapshot=a.snapshot, changes=[
         pb.HoldChange(tp_rank=c.tp_rank, request_id=c.request_id, ended=c.groups is None,
                       groups=[] if c.groups is None else [pb.BlockIds(ids=g.tolist()) for g in c.groups])
         for c in a.changes])
@@ -171,10 +171,11 @@ def holds_to_pb(a: HoldsAnswer) -> pb.HoldsResponse:
 
 def holds_from_pb(m: pb.HoldsResponse) -> HoldsAnswer:
     """A source's ``pb.HoldsResponse`` as a :class:`~kvd.core.hold_feed.HoldsAnswer`
-    (block ids as int64 arrays; the change numbers counted back from ``seq``;
-    ``kvd.core.hold_mirror`` checks the rest)."""
+    (block ids as int64 arrays; the change numbers counted back from ``seq``,
+    a snapshot's all ``seq``; ``kvd.core.hold_mirror`` checks the rest)."""
+    snapshot = m.reset and m.snapshot
     first = m.seq - len(m.changes) + 1
     return HoldsAnswer(m.epoch, m.seq, m.reset, tuple(
-        HoldChange(first + i, c.tp_rank, c.request_id,
+        HoldChange(m.seq if snapshot else first + i, c.tp_rank, c.request_id,
                    None if c.ended else tuple(np.array(g.ids, dtype=np.int64) for g in c.groups))
-        for i, c in enumerate(m.changes)))
+        for i, c in enumerate(m.changes)), snapshot=snapshot)

@@ -196,10 +196,11 @@ class PeerClient:
         req = pb.HoldsRequest(engine_id=engine_id, epoch=epoch, after=after, wait_s=wait_s)
         return holds_from_pb(_check_holds(await self._call(address, "Holds", req, timeout_s, poll=True)))
 
-    async def holds_agent(self, address: str, engine_id: str, tp_rank: int, timeout_s: float) -> str:
+    async def holds_agent(self, address: str, engine_id: str, tp_rank: int, timeout_s: float) -> tuple[str, str]:
         """The NIXL agent name of worker ``(engine_id, tp_rank)`` at the daemon
         that answers this daemon's polls of ``address`` (a Handshake on the
-        polls' own channel). The polls have a connection of their own, and
+        polls' own channel), and the epoch of that engine's hold feed there
+        (``HandshakeResponse.holds_epoch``). The polls have a connection of their own, and
         an address may reach several daemons (a load balancer, a DNS name of
         several records): a follow lets loads skip the claim only where its
         pairs are with these very agents (``kvd.core.hold_mirror``).
@@ -209,7 +210,8 @@ class PeerClient:
         (tests/test_security_attack6.py)."""
         req = pb.HandshakeRequest(engine_id=engine_id, tp_rank=tp_rank, daemon_version=__version__,
                                   protocol_version=PROTOCOL_VERSION)
-        return (await self._call(address, "Handshake", req, timeout_s, poll=True)).agent_name
+        r = await self._call(address, "Handshake", req, timeout_s, poll=True)
+        return r.agent_name, r.holds_epoch
 
     async def renew(self, address: str, engine_id: str, renewals: list[LeaseRenewal],
                     timeout_s: float) -> list[RenewResult]:

@@ -56,7 +56,9 @@ class PeerService(pb_grpc.PeerServiceServicer):
                                                 request.protocol_version)
         except ev.CoreError as e:
             await self._refuse(context, "handshake", request, e)
-        return handshake_to_pb(hs)
+        resp = handshake_to_pb(hs)
+        resp.holds_epoch = self.node.holds_epoch(request.engine_id)
+        return resp
 
     async def Push(self, request: pb.PushRequest, context) -> pb.PushResponse:
         """Push mode, source side: WRITEs the blocks this worker holds for

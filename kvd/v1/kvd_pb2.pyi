@@ -522,7 +522,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., daemon_version: _Optional[str] = ..., compat_hash: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("agent_metadata", "agent_name", "layout", "regions", "region_base_addrs", "compat_hash", "daemon_version", "protocol_version", "tp_size", "memory", "device", "warm_up_addr")
+    __slots__ = ("agent_metadata", "agent_name", "layout", "regions", "region_base_addrs", "compat_hash", "daemon_version", "protocol_version", "tp_size", "memory", "device", "warm_up_addr", "holds_epoch")
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -535,6 +535,7 @@ class HandshakeResponse(_message.Message):
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     WARM_UP_ADDR_FIELD_NUMBER: _ClassVar[int]
+    HOLDS_EPOCH_FIELD_NUMBER: _ClassVar[int]
     agent_metadata: bytes
     agent_name: str
     layout: Layout
@@ -547,7 +548,8 @@ class HandshakeResponse(_message.Message):
     memory: str
     device: int
     warm_up_addr: int
-    def __init__(self, agent_metadata: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., region_base_addrs: _Optional[_Iterable[int]] = ..., compat_hash: _Optional[str] = ..., daemon_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., tp_size: _Optional[int] = ..., memory: _Optional[str] = ..., device: _Optional[int] = ..., warm_up_addr: _Optional[int] = ...) -> None: ...
+    holds_epoch: str
+    def __init__(self, agent_metadata: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., region_base_addrs: _Optional[_Iterable[int]] = ..., compat_hash: _Optional[str] = ..., daemon_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., tp_size: _Optional[int] = ..., memory: _Optional[str] = ..., device: _Optional[int] = ..., warm_up_addr: _Optional[int] = ..., holds_epoch: _Optional[str] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("engine_id", "tp_rank", "request_id", "reader", "reader_tp_rank", "expected_notifications", "timeout_s", "source_groups", "reader_groups")
@@ -640,16 +642,18 @@ class HoldChange(_message.Message):
     def __init__(self, tp_rank: _Optional[int] = ..., request_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., ended: _Optional[bool] = ...) -> None: ...
 
 class HoldsResponse(_message.Message):
-    __slots__ = ("epoch", "seq", "reset", "changes")
+    __slots__ = ("epoch", "seq", "reset", "changes", "snapshot")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
     CHANGES_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     epoch: str
     seq: int
     reset: bool
     changes: _containers.RepeatedCompositeFieldContainer[HoldChange]
-    def __init__(self, epoch: _Optional[str] = ..., seq: _Optional[int] = ..., reset: _Optional[bool] = ..., changes: _Optional[_Iterable[_Union[HoldChange, _Mapping]]] = ...) -> None: ...
+    snapshot: bool
+    def __init__(self, epoch: _Optional[str] = ..., seq: _Optional[int] = ..., reset: _Optional[bool] = ..., changes: _Optional[_Iterable[_Union[HoldChange, _Mapping]]] = ..., snapshot: _Optional[bool] = ...) -> None: ...
 
 class RenewRequest(_message.Message):
     __slots__ = ("engine_id", "renewals")
