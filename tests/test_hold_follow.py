@@ -552,7 +552,8 @@ def test_holds_are_followed_with_the_token_and_refused_for_bad_input(tmp_path):
                 got = await client.holds(p.peer_address, "holds-e", first.epoch, first.seq, 5.0, 10)
                 assert [(c.request_id, [g.tolist() for g in c.groups]) for c in got.changes] == [("h1", [[1, 2]])]
                 # The agent comes with the feed's epoch; a reset now lists h1.
-                assert await client.holds_agent(p.peer_address, "holds-e", 0, 10) == (src.registered.agent_name, first.epoch)
+                agent = await client.holds_agent(p.peer_address, "holds-e", 0, 10)
+                assert agent == (src.registered.agent_name, first.epoch)
                 again = await client.holds(p.peer_address, "holds-e", "", 0, 0.1, 10)
                 assert again.snapshot and [c.request_id for c in again.changes] == ["h1"]
                 with pytest.raises(NotFound):

@@ -522,3 +522,51 @@ def test_a_copy_grants_a_rank_only_through_pairs_with_the_agent_that_answers_the
     assert not asyncio.run(granted("agent-B"))  # another daemon's engine of the same id answers the polls
     assert not asyncio.run(granted("agent-A", "other-epoch"))  # the agent from another daemon than the copy
     assert not asyncio.run(granted("agent-A", ""))  # an older daemon's answer, with no epoch
+
+
+def test_a_rank_paired_again_with_a_new_agent_is_learnt_again(monkeypatch):
+    """A source rank registered again (a new NIXL agent) and paired with
+    again: the follow asks its agent at its next check and grants through
+    the new pair, where it had kept the old agent and claimed every load
+    until the copy's next reset."""
+    monkeypatch.setattr(hm, "CHECK_S", 0.05)
+    pair = SimpleNamespace(address="p:1", engine_id="e", tp_rank=0, agent_name="agent-A")
+    worker = SimpleNamespace(pairs=SimpleNamespace(remotes={("p:1", "e", 0): pair}))
+    rt = SimpleNamespace(limits=Limits(), closing=False, workers={("reader", 0): worker})
+
+    class Link:
+        agent = "agent-A"
+        seq = 0
+
+        async def holds(self, address, engine_id, epoch, after, wait_s, timeout_s):
+            await asyncio.sleep(0.01)
+            if not epoch:
+                return HoldsAnswer("ep", 0, True, (), snapshot=True)
+            self.seq += 1  # a lease starts at every answer: polled again within MIN_POLL_S
+            return HoldsAnswer("ep", self.seq, False, (HoldChange(self.seq, 0, f"r{self.seq}", (np.arange(2),)),))
+
+        async def holds_agent(self, address, engine_id, tp_rank, timeout_s):
+            return self.agent, "ep"
+
+    async def main():
+        link = Link()
+        mirror = HoldMirror(rt, link)
+        mirror.follow("p:1", "e")
+        f = mirror.follows[("p:1", "e")]
+
+        async def until(cond):
+            for _ in range(500):
+                if cond():
+                    return True
+                await asyncio.sleep(0.01)
+            return False
+
+        assert await until(lambda: f.agents == {0: "agent-A"} and f.seq >= 1)
+        assert mirror.covers("p:1", "e", 0, f"r{f.seq}", [[1]])
+        pair.agent_name = link.agent = "agent-A2"  # the rank registered again, paired again
+        assert not mirror.covers("p:1", "e", 0, f"r{f.seq}", [[1]])
+        assert await until(lambda: f.agents == {0: "agent-A2"})
+        assert await until(lambda: mirror.covers("p:1", "e", 0, f"r{f.seq}", [[1]]))
+        await mirror.close()
+
+    asyncio.run(main())

@@ -76,6 +76,10 @@ FRESH_S = WAIT_S + 0.5
 BACKOFF_S, MAX_BACKOFF_S = 0.5, 10.0
 #: A follow no local worker is paired with, and no load used, ends after this (seconds).
 IDLE_S = 60.0
+#: How often a follow checks that it is still paired with, and asks the
+#: agents of ranks paired with since or with another agent (seconds: each
+#: check walks every pair, each agent asked is a Handshake).
+CHECK_S = 5.0
 #: A load whose hold the copy does not show yet waits for at most this many
 #: answers, and this long (seconds), before it claims (``HoldMirror.wait_shown``).
 #: Measured with 64 one-block loads in flight, holds placed 5 ms ahead, on a
@@ -496,9 +500,13 @@ class HoldMirror:
         return any(r.address == address and r.engine_id == engine_id
                    for w in self.rt.workers.values() for r in w.pairs.remotes.values())
 
-    def _paired_ranks(self, address: str, engine_id: str) -> set[int]:
+    def _ranks_to_learn(self, f: Follow) -> set[int]:
+        """The ranks of ``f``'s engine this daemon is paired with whose agent
+        the follow does not know, or knows another one of than a pair's (a
+        rank registered again there, with a new agent: its loads would
+        claim until the copy's next reset)."""
         return {r.tp_rank for w in self.rt.workers.values() for r in w.pairs.remotes.values()
-                if r.address == address and r.engine_id == engine_id}
+                if r.address == f.address and r.engine_id == f.engine_id and f.agents.get(r.tp_rank) != r.agent_name}
 
     async def _learn_agents(self, f: Follow) -> dict[int, tuple[str, str]]:
         """Asks, on the polls' own channel, the agent of every rank of ``f``'s
@@ -509,8 +517,7 @@ class HoldMirror:
         ask = getattr(self.link, "holds_agent", None)
         if ask is None:
             return {}
-        return {p: await ask(f.address, f.engine_id, p, WAIT_S + 5.0)
-                for p in sorted(self._paired_ranks(f.address, f.engine_id) - f.agents.keys())}
+        return {p: await ask(f.address, f.engine_id, p, WAIT_S + 5.0) for p in sorted(self._ranks_to_learn(f))}
 
     @staticmethod
     def _take_agents(f: Follow, learnt: dict[int, tuple[str, str]]) -> None:
@@ -538,7 +545,7 @@ class HoldMirror:
         try:
             while not self.rt.closing and self.follows.get(key) is f:
                 now = time.monotonic()
-                if now - checked > 5.0:  # at most every few seconds: a walk over every pair
+                if now - checked > CHECK_S:  # at most every few seconds: a walk over every pair
                     checked = now
                     if now - f.last_used > IDLE_S and not self._paired(*key):
                         log.info("stopped following the holds of %s engine=%s (no pair with it for %.0f s)",
