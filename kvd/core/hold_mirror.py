@@ -148,8 +148,9 @@ class Budget:
     limit: int = MAX_TOTAL_BYTES
 
 
-def lease_bytes(request_id: str, groups) -> int:
-    """The estimated memory of one lease in a copy (see ``LEASE_BYTES``)."""
+def lease_bytes(request_id: str, groups=()) -> int:
+    """The estimated memory of one lease in a copy (see ``LEASE_BYTES``);
+    with no ``groups``, of one record in ``Follow.sent``."""
     return LEASE_BYTES + len(request_id) + sum(GROUP_BYTES + np.asarray(g).nbytes for g in groups)
 
 
@@ -201,13 +202,23 @@ class Follow:
         self.agents.clear()
         self.ids = 0
         if keep_sent:  # its bytes stay counted
-            sent = sum(LEASE_BYTES + len(k[1]) for k in self.sent)
+            sent = sum(lease_bytes(k[1]) for k in self.sent)
             self.budget.used -= self.bytes - sent
             self.bytes = sent
             return
         self.sent.clear()
         self.budget.used -= self.bytes
         self.bytes = 0
+
+    def take_agents(self, learnt: dict[int, tuple[str, str]]) -> None:
+        """Keeps the agents of ``learnt`` (rank -> (agent name, feed epoch),
+        ``HoldMirror._learn_agents``) answered with the copy's own epoch:
+        the daemon that named them is the one whose holds the copy shows
+        (epochs are random). Behind an address that reaches two daemons, a
+        reset and its snapshot from one and the agents from the other (a
+        connection broken between the two calls) would otherwise have
+        granted the first one's holds through pairs with the second."""
+        self.agents.update({p: name for p, (name, epoch) in learnt.items() if epoch and epoch == self.epoch})
 
     def _charge(self, n: int) -> None:
         self.bytes += n
@@ -221,7 +232,7 @@ class Follow:
 
     def _unsend(self, key: tuple[int, str]) -> None:
         if self.sent.pop(key, None) is not None:
-            self._charge(-(LEASE_BYTES + len(key[1])))
+            self._charge(-lease_bytes(key[1]))
 
     def forget(self, keep_sent: bool = False) -> None:
         """Drops the copy; the next poll starts over (a reset from the source).
@@ -300,7 +311,7 @@ class Follow:
         key = (tp_rank, request_id)
         old = self.sent.pop(key, None)
         if old is None:
-            self._charge(LEASE_BYTES + len(request_id))
+            self._charge(lease_bytes(request_id))
         n = (0 if old is None else old[0]) + 1
         self.sent[key] = (n, expected)  # (re)inserted last: the oldest go first
         while len(self.sent) > MAX_SENT:
@@ -519,15 +530,6 @@ class HoldMirror:
             return {}
         return {p: await ask(f.address, f.engine_id, p, WAIT_S + 5.0) for p in sorted(self._ranks_to_learn(f))}
 
-    @staticmethod
-    def _take_agents(f: Follow, learnt: dict[int, tuple[str, str]]) -> None:
-        """Keeps the agents of ``learnt`` answered with the copy's own epoch:
-        the daemon that named them is the one whose holds the copy shows
-        (epochs are random). Behind an address that reaches two daemons, a
-        reset and its snapshot from one and the agents from the other (a
-        connection broken between the two calls) would otherwise have
-        granted the first one's holds through pairs with the second."""
-        f.agents.update({p: name for p, (name, epoch) in learnt.items() if epoch and epoch == f.epoch})
 
     async def _run(self, f: Follow) -> None:
         """Polls ``f``'s source until the follow ends (idle, closing), keeping
@@ -565,7 +567,7 @@ class HoldMirror:
                     f.apply(ans, got)
                     if ans.reset:  # the copy starts over: who answers now
                         learnt = await self._learn_agents(f)
-                    self._take_agents(f, learnt)
+                    f.take_agents(learnt)
                 except (CoreError, BadAnswer) as e:
                     f.forget(keep_sent=True)
                     msg = "holds of %s engine=%s: %s; loads claim each hold, following again in %.1f s"

@@ -270,16 +270,17 @@ class Node:
     async def follow_holds(self, engine_id: str, epoch: str, after: int, wait_s: float) -> HoldsAnswer:
         """A reader daemon's poll of ``engine_id``'s holds (``kvd.core.hold_feed``).
         Raises NotFound, ResourceExhausted."""
-        registered = any(k[0] == engine_id for k in self.rt.workers)
-        return await self.rt.feeds.poll(engine_id, registered, epoch, after, wait_s)
+        return await self.rt.feeds.poll(engine_id, self._registered(engine_id), epoch, after, wait_s)
+
+    def _registered(self, engine_id: str) -> bool:
+        """Whether ``engine_id`` has a worker here."""
+        return any(k[0] == engine_id for k in self.rt.workers)
 
     def holds_epoch(self, engine_id: str) -> str:
         """The epoch of ``engine_id``'s hold feed here (a Handshake's
         ``holds_epoch``); "" for an engine with no worker here (no feed is
         made for it: only a registered engine's feed is dropped with it)."""
-        if not any(k[0] == engine_id for k in self.rt.workers):
-            return ""
-        return self.rt.feeds.epoch(engine_id)
+        return self.rt.feeds.epoch(engine_id) if self._registered(engine_id) else ""
 
     def renew(self, engine_id: str, renewals: list[LeaseRenewal]) -> list[RenewResult]:
         """See :meth:`kvd.core.holds.Holds.renew`."""
