@@ -250,7 +250,8 @@ class Config:
             try:
                 _, port = parse_host_port(address, "warm_peers")
             except ConfigError as e:
-                raise self._error("warm_peers", f"{entry!r}: {str(e).removeprefix('warm_peers: ')}") from None
+                raise self._error("warm_peers", f"{entry!r} is not host:port/engine_id "
+                                                f"({str(e).removeprefix('warm_peers: ')})") from None
             if port == 0:  # a free port is for peer_listen: a remote daemon listens on a real one
                 raise self._error("warm_peers", f"{entry!r}: port 0 names no daemon (1..65535)")
             if not sep or not engine_id:

@@ -68,6 +68,22 @@ def test_pairs_benchmark_reports_aggregate_loads_and_scaling(tmp_path):
     assert "goal 8 pairs >= 6x 1 pair: not measured" in r.stdout
 
 
+def test_cpu_per_load_reports_each_process_and_how_loads_were_granted(tmp_path):
+    """benchmarks.cpu_per_load: a short window of back-to-back batches; CPU
+    per load of P, D and the engine, and D's claim counters per load (every
+    load granted by the followed holds or a claim: one source rank each)."""
+    out = tmp_path / "cpu.json"
+    r = subprocess.run([sys.executable, "-m", "benchmarks.cpu_per_load", "--seconds", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text().splitlines()[-1])
+    assert res["loads"] >= 64 and res["loads"] % 64 == 0 and res["loads_s_median"] > 0
+    assert res["p_cpu_us"] > 0 and res["d_cpu_us"] > 0 and res["engine_cpu_us"] > 0
+    assert abs(res["claims_sent"] + res["claims_followed"] - 1.0) < 1e-9, res
+    assert 0 <= res["claims_waited"] <= 1
+    assert "CPU per load: P" in r.stdout
+
+
 def test_daemon_entry_sets_module_constants_and_refuses_typos():
     from benchmarks.daemon_entry import apply
     from kvd.core import nixl_agent

@@ -482,3 +482,79 @@ def test_frames_wait_as_bytes_and_a_bad_one_ends_the_commands_where_it_is():
         assert done.done()
 
     asyncio.run(main())
+
+
+def test_events_of_one_pass_go_out_in_one_write_in_order():
+    """Events the session takes in one pass of the event loop are written
+    together at its end (one write: one wake-up of the engine's reader), in
+    order and before any later write on the connection; past
+    ``_COALESCE_BYTES`` at once; none taken while the socket is full; the
+    ones not written yet are dropped with the connection."""
+    import asyncio
+    import types
+
+    from kvd.daemon import command_socket as cs
+
+    class Transport:
+        def __init__(self):
+            self.writes: list[bytes] = []
+            self.closing = False
+
+        def write(self, data):
+            self.writes.append(bytes(data))
+
+        def is_closing(self):
+            return self.closing
+
+        def close(self):
+            self.closing = True
+
+    def event(i: int, pad: int = 0) -> pb.SessionEvent:
+        return pb.SessionEvent(recv_done=pb.RecvDone(request_id=f"r{i}" + "x" * pad))
+
+    def framed(*events) -> bytes:
+        return b"".join(frame(e.SerializeToString()) for e in events)
+
+    async def main():
+        owner = types.SimpleNamespace(max_message_bytes=1 << 20, connections=set(),
+                                      warn=types.SimpleNamespace(warning=lambda *a: None))
+        conn = cs._Connection(owner)
+        t = conn.transport = Transport()
+        assert all(conn._write_event(event(i)) for i in range(3))
+        assert t.writes == []  # taken, not written yet: the pass goes on
+        await asyncio.sleep(0)
+        assert t.writes == [framed(event(0), event(1), event(2))]
+
+        # A write of the connection's own comes after the events taken before it.
+        t.writes.clear()
+        assert conn._write_event(event(3))
+        conn.commands = types.SimpleNamespace(abort=lambda: None)
+        conn._bad_input("a frame that is not a SessionCommand")
+        assert len(t.writes) == 2 and t.writes[0] == framed(event(3))
+        assert pb.SessionEvent.FromString(t.writes[1][4:]).WhichOneof("event") == "rejected"
+        await asyncio.sleep(0)
+        assert len(t.writes) == 2  # nothing twice
+
+        # Past _COALESCE_BYTES: written at once, without waiting for the pass's end.
+        t.closing = False
+        t.writes.clear()
+        pad = cs._COALESCE_BYTES // 4
+        big = [event(i, pad) for i in range(4)]
+        for e in big:
+            assert conn._write_event(e)
+        assert t.writes and b"".join(t.writes) == framed(*big[:len(b"".join(t.writes)) // len(framed(big[0]))])
+        await asyncio.sleep(0)
+        assert b"".join(t.writes) == framed(*big)
+
+        # The socket's buffer full: nothing taken (the session queues the event).
+        t.writes.clear()
+        conn._drained = asyncio.get_running_loop().create_future()
+        assert not conn._write_event(event(9))
+        conn.resume_writing()
+        # Taken, then the connection lost: not written.
+        assert conn._write_event(event(10))
+        conn.connection_lost(None)
+        await asyncio.sleep(0)
+        assert t.writes == []
+
+    asyncio.run(main())

@@ -280,4 +280,5 @@ def test_status_reports_the_data_path_of_each_worker():
     assert re.search(r"^data path +mixed$", text, re.M) and "staged" in text
     assert re.search(r"^lease +120 s default, renewed up to 600 s after its hold$", text, re.M)
     assert re.search(r"^command socket +off \(sessions on gRPC\)$", text, re.M)
-    assert re.search(r"^claims +0 sent, 0 followed \(per source rank\); follow_holds off$", text, re.M)
+    assert re.search(r"^claims +0 sent, 0 followed, 0 waited for the holds' next answer \(per source rank\); "
+                     r"follow_holds off$", text, re.M)

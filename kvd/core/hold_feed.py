@@ -36,7 +36,7 @@ import asyncio
 import itertools
 import secrets
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -78,26 +78,33 @@ MAX_WAITING = 256
 @dataclass(frozen=True)
 class HoldChange:
     """One lease of ``request_id`` on TP rank ``tp_rank`` started (``groups``:
-    its block ids per KV-cache group, int32 arrays) or ended (``groups`` None)."""
+    its block ids per KV-cache group, int32 arrays) or ended (``groups`` None).
+
+    ``num_ids``, ``num_groups`` and ``wire_bytes`` are set once, when the
+    change is made: every answer's bounds check reads them
+    (:func:`_within_answer`), and summing the groups there again took ~6 %
+    of the source daemon's samples with 64 one-block loads in flight
+    (py-spy; docs/PERFORMANCE.md, "Per-load cost, ninth round")."""
 
     seq: int
     tp_rank: int
     request_id: str
     groups: tuple[np.ndarray, ...] | None
+    #: Block ids, all groups together (0 for an end).
+    num_ids: int = field(init=False, repr=False, compare=False)
+    #: KV-cache groups (0 for an end).
+    num_groups: int = field(init=False, repr=False, compare=False)
+    #: An upper bound of the change's size in an answer (bytes: a block id
+    #: is a varint of at most 5 bytes, a group's header at most 6).
+    wire_bytes: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def num_ids(self) -> int:
-        return 0 if self.groups is None else sum(len(g) for g in self.groups)
-
-    @property
-    def num_groups(self) -> int:
-        return 0 if self.groups is None else len(self.groups)
-
-    @property
-    def wire_bytes(self) -> int:
-        """An upper bound of the change's size in an answer (a block id is a
-        varint of at most 5 bytes, a group's header at most 6)."""
-        return 32 + len(self.request_id.encode()) + 6 * self.num_groups + 5 * self.num_ids
+    def __post_init__(self) -> None:
+        groups = self.groups
+        ids = 0 if groups is None else sum(len(g) for g in groups)
+        ngroups = 0 if groups is None else len(groups)
+        object.__setattr__(self, "num_ids", ids)
+        object.__setattr__(self, "num_groups", ngroups)
+        object.__setattr__(self, "wire_bytes", 32 + len(self.request_id.encode()) + 6 * ngroups + 5 * ids)
 
 
 @dataclass(frozen=True)
@@ -187,7 +194,13 @@ class HoldFeed:
             return self._reset()
         if after == self.seq:
             return None
-        out = _within_answer(itertools.islice(self.changes, after - self.first_seq + 1, None), whole=False)
+        # The changes after ``after``, walked from the newest end: an islice
+        # from the front stepped over every older change kept (up to
+        # CHANGES_KEPT) on each poll, ~290 us an answer with 64 loads in
+        # flight (cProfile; docs/PERFORMANCE.md, "Per-load cost, ninth round").
+        new = list(itertools.islice(reversed(self.changes), self.seq - after))
+        new.reverse()
+        out = _within_answer(new, whole=False)
         return HoldsAnswer(self.epoch, out[-1].seq, False, tuple(out))
 
     def _reset(self) -> HoldsAnswer:

@@ -446,12 +446,14 @@ class HoldMirror:
             return ranks
         until = min(until, time.monotonic() + SHOWN_WAIT_S)
         loop = asyncio.get_running_loop()
-        for _ in range(SHOWN_WAIT_ANSWERS):
+        for i in range(SHOWN_WAIT_ANSWERS):
             now = time.monotonic()
             if (not ranks or now >= until or self.follows.get((address, engine_id)) is not f
                     or now - f.answered > FRESH_S or now - f.blind_at < SHOWN_WAIT_GRACE_S
                     or not all(self._may_show(f, p, request_id) for p in ranks)):
                 break
+            if not i:
+                self.rt.counters.claims_waited += len(ranks)  # kvd_claims_waited_total: holds on their way
             fut = loop.create_future()
             f.waiters.add(fut)
             try:

@@ -324,5 +324,6 @@ class Node:
             leases_renewed=c.leases_renewed,
             claims_sent=c.claims_sent,
             claims_followed=c.claims_followed,
+            claims_waited=c.claims_waited,
             holds_followed=self.mirror.fresh(),
         )

@@ -399,4 +399,5 @@ class Counters:
     leases_renewed: int = 0    # renewals granted (PeerService.Renew), one per lease, rank and call
     claims_sent: int = 0       # claims asked of a source's daemon (PeerService.Claim), one per source rank
     claims_followed: int = 0   # source ranks whose hold the followed holds showed (no claim asked)
+    claims_waited: int = 0     # source ranks whose load waited for the followed holds' next answers first
     handshakes: int = 0

@@ -32,7 +32,8 @@ and bounds:
   above ``max_message_bytes`` of them or ``_MAX_AHEAD_COMMANDS``); once it
   is open each runs as it is read, at most ``_PASS_COMMANDS`` of one
   connection per pass of the event loop (reading pauses meanwhile);
-  events are written at once while the socket takes them, else wait in the
+  events are written while the socket takes them (those of one pass of
+  the event loop together, at its end: one write), else wait in the
   worker's own queue (bounded by ``max_queued_event_bytes``) while the
   socket's write buffer is full, as they wait behind gRPC's flow control on
   the stream.
@@ -69,6 +70,13 @@ _MAX_AHEAD_COMMANDS = 4096
 # Commands of one connection run per pass of the event loop once its session
 # is open; the rest wait for the next pass (fairness between engines).
 _PASS_COMMANDS = 128
+# Event frames written in one pass of the loop are sent together, at its end
+# (one write, one wake-up of the engine's reader) unless they reach this
+# many bytes first. Measured: a write per event cost the source daemon ~40
+# and the decode daemon ~20 us of its CPU per one-block load with 64 in
+# flight, most of it the wake-up of the engine's thread, not the bytes
+# (cProfile; docs/PERFORMANCE.md, "Per-load cost, ninth round").
+_COALESCE_BYTES = 64 << 10
 
 
 def _rejected(reason: str) -> bytes:
@@ -252,6 +260,10 @@ class _Connection(asyncio.Protocol):
         self.task: asyncio.Task | None = None
         self.idle: asyncio.TimerHandle | None = None
         self._drained: asyncio.Future | None = None
+        # Event frames of this pass of the loop, not written yet (_flush).
+        self._out: list[bytes] = []
+        self._out_bytes = 0
+        self._flush_at: asyncio.Handle | None = None
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -311,6 +323,7 @@ class _Connection(asyncio.Protocol):
         self.commands.abort()  # what came after it does not run
         self.commands = None
         code = "RESOURCE_EXHAUSTED" if "max_message_bytes" in why else "INVALID_ARGUMENT"
+        self._flush()  # the events before it, then the rejection
         self.transport.write(_rejected(f"{code}: {why}"))
         self.transport.close()
 
@@ -335,27 +348,56 @@ class _Connection(asyncio.Protocol):
             self.owner.gate.leave(self.caller.uid)
         if self.commands is not None:
             self.commands.abort()  # the session ends: what is queued does not run (as gRPC cancels a stream)
+        self._discard_out()
         self.resume_writing()
         if self.task is not None:
             self.task.cancel()  # as gRPC cancels a stream's handler when its client goes
         self.owner.connections.discard(self)
 
     def _write_event(self, e: pb.SessionEvent) -> bool:
-        """Writes ``e`` now (the session's direct ``write_event``); False,
-        writing nothing, while the socket's buffer is over ``_WRITE_HIGH``
-        or the connection is closing (the event is then queued)."""
-        t = self.transport
-        if self._drained is not None or t.is_closing():
+        """Takes ``e`` for the socket (the session's direct ``write_event``):
+        written with the others of this pass of the loop at its end
+        (:meth:`_flush`), or at once past ``_COALESCE_BYTES``; False, taking
+        nothing, while the socket's buffer is over ``_WRITE_HIGH`` or the
+        connection is closing (the event is then queued)."""
+        if self._drained is not None or self.transport.is_closing():
             return False
-        t.write(frame(e.SerializeToString()))
-        tp.hit(tp.GATE_OUT)
+        data = frame(e.SerializeToString())
+        self._out.append(data)
+        self._out_bytes += len(data)
+        if self._out_bytes >= _COALESCE_BYTES:
+            self._flush()
+        elif self._flush_at is None:
+            self._flush_at = asyncio.get_running_loop().call_soon(self._flush)
         return True
+
+    def _flush(self) -> None:
+        """Writes the event frames taken this pass (one write); before any
+        other write on the connection, so events keep their order."""
+        if self._flush_at is not None:
+            self._flush_at.cancel()
+            self._flush_at = None
+        if not self._out:
+            return
+        out, n = self._out, len(self._out)
+        self._out, self._out_bytes = [], 0
+        if not self.transport.is_closing():
+            self.transport.write(out[0] if n == 1 else b"".join(out))
+            for _ in range(n):
+                tp.hit(tp.GATE_OUT)
+
+    def _discard_out(self) -> None:
+        if self._flush_at is not None:
+            self._flush_at.cancel()
+            self._flush_at = None
+        self._out, self._out_bytes = [], 0
 
     def _drop(self) -> None:
         """The session was dropped for not reading its events: the
         connection ends now (its unread bytes dropped; the engine sees it
         break, fails its loads and reconnects), not once the engine reads."""
         self.owner.warn.warning("%s: %s does not read its events; connection ended", WHAT, self.caller)
+        self._discard_out()
         if self.commands is not None:
             self.commands.abort()
             self.commands = None  # the rest of this read is not queued
@@ -369,15 +411,18 @@ class _Connection(asyncio.Protocol):
                 async for e in events:
                     if t.is_closing():
                         break  # the engine is gone: the session ends (its worker detached)
+                    self._flush()
                     t.write(frame(e.SerializeToString()))
                     tp.hit(tp.GATE_OUT)
                     if self._drained is not None:
                         await self._drained
         except SessionRefused as r:
+            self._flush()
             if not t.is_closing():
                 t.write(_rejected(str(r)))
         except Exception:  # the daemon keeps serving; this connection ends
             log.exception("%s: session of %s failed", WHAT, self.caller)
+        self._flush()
         t.close()
 
 
@@ -422,6 +467,7 @@ class CommandSocket:
         self._server.close()
         self._server = None
         for c in list(self.connections):
+            c._flush()
             c.transport.close()
         unlink_own(self.path, self._bound, WHAT)
 

@@ -25,9 +25,11 @@ Read from ``Node.stats()`` at scrape time (they cannot drift from the core):
   ``kvd_leases_renewed_total``: held prefill leases, leases that ran out
   unread since start, and renewals granted to readers still waiting
 - ``kvd_claims_sent_total``, ``kvd_claims_followed_total``,
-  ``kvd_holds_followed``: source ranks a READ asked to confirm their hold
-  (PeerService.Claim), those whose hold the followed holds showed (no
-  round trip), and the remote engines followed (PeerService.Holds)
+  ``kvd_claims_waited_total``, ``kvd_holds_followed``: source ranks a READ
+  asked to confirm their hold (PeerService.Claim), those whose hold the
+  followed holds showed (no round trip), those whose load first waited for
+  the copy's next answers (its hold on its way: either of the first two
+  follows), and the remote engines followed (PeerService.Holds)
 - ``kvd_inflight_transfers``: READs posted and not finished
 - ``kvd_session_streams``: open engine session streams
 - ``kvd_leaked_transfer_handles``: NIXL handles that could not be released yet
@@ -68,6 +70,8 @@ STATS_METRICS = (
     ("kvd_claims_sent_total", "claims_sent", "Claims asked of source daemons before a READ, per source rank"),
     ("kvd_claims_followed_total", "claims_followed",
      "Source ranks READ without a claim: the followed holds showed the blocks held"),
+    ("kvd_claims_waited_total", "claims_waited",
+     "Source ranks whose load waited for the followed holds' next answers before its READ or claim"),
     ("kvd_holds_followed", "holds_followed", "Remote engines whose holds are followed, answers current"),
     ("kvd_inflight_transfers", "inflight_transfers", "Transfers (READs) in flight"),
     ("kvd_session_streams", "sessions", "Open engine session streams"),

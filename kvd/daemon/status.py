@@ -173,7 +173,8 @@ def render(d: dict, target: str = "") -> str:
         ("transfers", f"{d['transfers_done']} done, {d['transfers_failed']} failed, "
                       f"{d['inflight_transfers']} in flight, {human_bytes(d['bytes_read'])} read"),
         ("leases", f"{d['active_leases']} active, {d['leases_expired']} expired, {d['leases_renewed']} renewed"),
-        ("claims", f"{d.get('claims_sent', 0)} sent, {d.get('claims_followed', 0)} followed (per source rank); "
+        ("claims", f"{d.get('claims_sent', 0)} sent, {d.get('claims_followed', 0)} followed, "
+                   f"{d.get('claims_waited', 0)} waited for the holds' next answer (per source rank); "
                    + (f"following the holds of {d.get('holds_followed', 0)} remote engine(s)" if d.get("follow_holds")
                       else "follow_holds off")),
     ]

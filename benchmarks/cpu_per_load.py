@@ -1,0 +1,114 @@
+"""CPU per one-block load of each process: the prefill daemon (P), the
+decode daemon (D) and the engine process, during back-to-back batches of
+64 loads (``kvd bench``'s throughput case, ``kvd.bench.throughput``).
+
+    .venv/bin/python -m benchmarks.cpu_per_load [--seconds 10] [--json FILE]
+
+On a machine with fewer cores than busy processes, loads/s is set by the
+sum of the three (two cores here: loads/s ~ 2 / (P + D + engine) CPU per
+load), so this is how a change to the per-load path is measured: each
+process's user + system CPU (``/proc/PID/stat``, all its threads) over the
+window, divided by the loads done in it. The engine process is the
+benchmark itself (``EngineClient`` for both workers, polling every 50 us
+as ``kvd bench`` does). D's counters tell how the loads were granted
+(``claims_sent``, ``claims_followed``, ``claims_waited`` per load).
+
+A before/after of a code change: run it against each checkout in turn,
+several alternating pairs, by path from outside the repository so that
+``PYTHONPATH`` picks the code (the daemons run what the benchmark
+imports), e.g. ``cd /tmp && PYTHONPATH=/tmp/kvd-before
+/path/to/kvd/.venv/bin/python /path/to/kvd/benchmarks/cpu_per_load.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from kvd.bench import common as cm
+from kvd.bench.kvd_pair import HOLD_AHEAD_S, KvdPair
+from kvd.bench.throughput import BLOCK_LEN, CONCURRENCY, kvd_batch
+from kvd.testing.shm import ShmSegment
+
+HZ = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid``, all its threads."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / HZ
+
+
+def run(seconds: float, concurrency: int = CONCURRENCY, block_len: int = BLOCK_LEN, poll_s: float = 50e-6,
+        hold_ahead_s: float = HOLD_AHEAD_S, warm_batches: int = 3) -> dict:
+    """Batches of ``concurrency`` one-block loads of ``block_len`` bytes, back
+    to back for ``seconds`` after ``warm_batches`` untimed ones. Returns a
+    dict: loads, seconds, median batch loads/s, CPU per load (us) of P, D
+    and this process, and D's claim counters per load."""
+    seg = max(64, 2 * concurrency) * block_len
+    src, dst = ShmSegment(seg, cm.SHM_PREFIX), ShmSegment(seg, cm.SHM_PREFIX)
+    src.fill(7)
+    wd = cm.workdir()
+    rng = np.random.default_rng(3)
+    nb = seg // block_len
+    ids = [(rng.permutation(nb)[:1].tolist(), rng.permutation(nb)[:1].tolist()) for _ in range(8)]
+    kvd = None
+    try:
+        kvd = KvdPair(wd, (src.name, seg), (dst.name, seg))
+        for _ in range(warm_batches):  # handshake, first contact, the copy's first answers
+            kvd_batch(kvd, block_len, ids, concurrency, poll_s, hold_ahead_s=hold_ahead_s)
+            kvd.drain_sources()
+        p, d = kvd.p.proc.pid, kvd.d.proc.pid
+        s0 = kvd.d.stats()
+        c0 = (cpu_s(p), cpu_s(d), time.process_time())
+        t0 = time.monotonic()
+        walls = []
+        while time.monotonic() - t0 < seconds:
+            w, _ = kvd_batch(kvd, block_len, ids, concurrency, poll_s, hold_ahead_s=hold_ahead_s)
+            kvd.drain_sources()
+            walls.append(w)
+        elapsed = time.monotonic() - t0
+        c1 = (cpu_s(p), cpu_s(d), time.process_time())
+        s1 = kvd.d.stats()
+    finally:
+        if kvd is not None:
+            kvd.close()
+        src.close()
+        dst.close()
+        cm.remove_workdir(wd)
+    n = concurrency * len(walls)
+    per = [(b - a) / n * 1e6 for a, b in zip(c0, c1)]
+    return dict(concurrency=concurrency, block_len=block_len, poll_us=poll_s * 1e6, hold_ahead_ms=hold_ahead_s * 1e3,
+                loads=n, seconds=elapsed, loads_s_median=concurrency / cm.median(walls),
+                p_cpu_us=per[0], d_cpu_us=per[1], engine_cpu_us=per[2], total_cpu_us=sum(per),
+                claims_sent=(s1.claims_sent - s0.claims_sent) / n,
+                claims_followed=(s1.claims_followed - s0.claims_followed) / n,
+                claims_waited=(s1.claims_waited - s0.claims_waited) / n if hasattr(s1, "claims_waited") else None,
+                loadavg=os.getloadavg())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=float, default=10.0, help="timed window (default 10)")
+    ap.add_argument("--json", metavar="FILE", help="append the result as one JSON line here")
+    args = ap.parse_args(argv)
+    res = run(args.seconds)
+    print(f"{res['loads']:,} loads in {res['seconds']:.1f} s, {res['loads_s_median']:,.0f} loads/s (median batch); "
+          f"CPU per load: P {res['p_cpu_us']:.0f} us, D {res['d_cpu_us']:.0f} us, engine "
+          f"{res['engine_cpu_us']:.0f} us (total {res['total_cpu_us']:.0f}); per load: claims sent "
+          f"{res['claims_sent']:.2f}, followed {res['claims_followed']:.2f}, waited "
+          f"{'-' if res['claims_waited'] is None else format(res['claims_waited'], '.2f')}")
+    if args.json:
+        with open(args.json, "a") as f:
+            f.write(json.dumps(res) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
