@@ -35,16 +35,6 @@ from kvd.bench.kvd_pair import HOLD_AHEAD_S, KvdPair
 from kvd.bench.throughput import BLOCK_LEN, CONCURRENCY, kvd_batch
 from kvd.testing.shm import ShmSegment
 
-HZ = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid``, all its threads."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / HZ
-
-
 def run(seconds: float, concurrency: int = CONCURRENCY, block_len: int = BLOCK_LEN, poll_s: float = 50e-6,
         hold_ahead_s: float = HOLD_AHEAD_S, warm_batches: int = 3) -> dict:
     """Batches of ``concurrency`` one-block loads of ``block_len`` bytes, back
@@ -66,7 +56,7 @@ def run(seconds: float, concurrency: int = CONCURRENCY, block_len: int = BLOCK_L
             kvd.drain_sources()
         p, d = kvd.p.proc.pid, kvd.d.proc.pid
         s0 = kvd.d.stats()
-        c0 = (cpu_s(p), cpu_s(d), time.process_time())
+        c0 = (cm.cpu_seconds(p), cm.cpu_seconds(d), time.process_time())
         t0 = time.monotonic()
         walls = []
         while time.monotonic() - t0 < seconds:
@@ -74,7 +64,7 @@ def run(seconds: float, concurrency: int = CONCURRENCY, block_len: int = BLOCK_L
             kvd.drain_sources()
             walls.append(w)
         elapsed = time.monotonic() - t0
-        c1 = (cpu_s(p), cpu_s(d), time.process_time())
+        c1 = (cm.cpu_seconds(p), cm.cpu_seconds(d), time.process_time())
         s1 = kvd.d.stats()
     finally:
         if kvd is not None:

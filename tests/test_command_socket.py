@@ -509,15 +509,19 @@ def test_events_of_one_pass_go_out_in_one_write_in_order():
         def close(self):
             self.closing = True
 
+        abort = close
+
     def event(i: int, pad: int = 0) -> pb.SessionEvent:
         return pb.SessionEvent(recv_done=pb.RecvDone(request_id=f"r{i}" + "x" * pad))
 
     def framed(*events) -> bytes:
         return b"".join(frame(e.SerializeToString()) for e in events)
 
+    warned: list[str] = []
+
     async def main():
         owner = types.SimpleNamespace(max_message_bytes=1 << 20, connections=set(),
-                                      warn=types.SimpleNamespace(warning=lambda *a: None))
+                                      warn=types.SimpleNamespace(warning=lambda fmt, *a: warned.append(fmt % a)))
         conn = cs._Connection(owner)
         t = conn.transport = Transport()
         assert all(conn._write_event(event(i)) for i in range(3))
@@ -556,5 +560,19 @@ def test_events_of_one_pass_go_out_in_one_write_in_order():
         conn.connection_lost(None)
         await asyncio.sleep(0)
         assert t.writes == []
+
+        # A write that fails ends the connection (the engine sees it break and
+        # fails its loads) rather than losing the events unseen.
+        conn = cs._Connection(owner)
+        t = conn.transport = Transport()
+
+        def broken(data):
+            raise RuntimeError("write failed")
+
+        t.write = broken
+        assert conn._write_event(event(11))
+        await asyncio.sleep(0)
+        assert t.closing and any("writing events" in w for w in warned), warned
+        assert not conn._write_event(event(12))  # closing: the session queues it
 
     asyncio.run(main())

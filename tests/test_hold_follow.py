@@ -115,6 +115,24 @@ def test_a_feed_keeps_a_bounded_history_and_splits_large_answers(monkeypatch):
     asyncio.run(main())
 
 
+def test_a_feed_answers_the_same_from_either_end_of_its_history(monkeypatch):
+    """Every follower position gets the changes after it, oldest first, up to
+    one answer's count, whichever end of the kept history is nearer."""
+    monkeypatch.setattr(hf, "CHANGES_KEPT", 12)
+    monkeypatch.setattr(hf, "MAX_CHANGES_PER_ANSWER", 5)
+
+    async def main():
+        f = HoldFeed("e")
+        for i in range(30):
+            f.record(i % 2, f"r{i}", [np.arange(i % 3, dtype=np.int32)] if i % 4 else None)
+            for after in range(f.first_seq - 1, f.seq):
+                a = await f.wait_answer(f.epoch, after, 0.0)
+                want = list(range(after + 1, min(f.seq, after + 5) + 1))
+                assert not a.reset and [c.seq for c in a.changes] == want and a.seq == want[-1], (f.seq, after)
+
+    asyncio.run(main())
+
+
 def test_a_feeds_reset_lists_the_live_leases_when_they_fit_in_one_answer(monkeypatch):
     """A follower that starts over gets every lease live at the reset (not
     the ended ones), on the wire too; past one answer's bounds, or once the

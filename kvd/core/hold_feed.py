@@ -194,12 +194,18 @@ class HoldFeed:
             return self._reset()
         if after == self.seq:
             return None
-        # The changes after ``after``, walked from the newest end: an islice
-        # from the front stepped over every older change kept (up to
-        # CHANGES_KEPT) on each poll, ~290 us an answer with 64 loads in
-        # flight (cProfile; docs/PERFORMANCE.md, "Per-load cost, ninth round").
-        new = list(itertools.islice(reversed(self.changes), self.seq - after))
-        new.reverse()
+        # The changes after ``after``, walked from the nearer end of the
+        # deque: from the front, a follower near the newest change made every
+        # poll step over all the older ones kept (up to CHANGES_KEPT), ~290 us
+        # an answer with 64 loads in flight (cProfile; docs/PERFORMANCE.md,
+        # "Per-load cost, ninth round").
+        n = self.seq - after
+        start = len(self.changes) - n
+        if n <= start:
+            new = list(itertools.islice(reversed(self.changes), n))
+            new.reverse()
+        else:
+            new = itertools.islice(self.changes, start, start + MAX_CHANGES_PER_ANSWER)
         out = _within_answer(new, whole=False)
         return HoldsAnswer(self.epoch, out[-1].seq, False, tuple(out))
 

@@ -381,10 +381,20 @@ class _Connection(asyncio.Protocol):
             return
         out, n = self._out, len(self._out)
         self._out, self._out_bytes = [], 0
-        if not self.transport.is_closing():
-            self.transport.write(out[0] if n == 1 else b"".join(out))
-            for _ in range(n):
-                tp.hit(tp.GATE_OUT)
+        t = self.transport
+        if t.is_closing():
+            return
+        try:
+            t.write(out[0] if n == 1 else b"".join(out))
+        except Exception as e:  # not seen from uvloop's open transports; never lose events unseen
+            # The engine must learn these events are gone: the connection
+            # breaks, its loads fail and it reconnects (as for a dropped session).
+            self.owner.warn.warning("%s: writing events to %s failed (%s: %s); connection ended", WHAT,
+                                    self.caller, type(e).__name__, e)
+            t.abort()
+            return
+        for _ in range(n):
+            tp.hit(tp.GATE_OUT)
 
     def _discard_out(self) -> None:
         if self._flush_at is not None:
@@ -422,8 +432,10 @@ class _Connection(asyncio.Protocol):
                 t.write(_rejected(str(r)))
         except Exception:  # the daemon keeps serving; this connection ends
             log.exception("%s: session of %s failed", WHAT, self.caller)
-        self._flush()
-        t.close()
+        try:
+            self._flush()
+        finally:
+            t.close()
 
 
 class CommandSocket:
@@ -467,7 +479,9 @@ class CommandSocket:
         self._server.close()
         self._server = None
         for c in list(self.connections):
-            c._flush()
-            c.transport.close()
+            try:
+                c._flush()
+            finally:
+                c.transport.close()
         unlink_own(self.path, self._bound, WHAT)
 
