@@ -25,9 +25,14 @@ def test_kvd_bench_quick_reports_ratios(tmp_path):
     cells = {(c["block_len"], c["blocks"]): c for c in res["dataplane"]["cells"]}
     assert set(cells) == {(64 << 10, 16), (256 << 10, 16)}
     # The small-load goal's cell (16 x 64 KiB): kvd time / plain NIXL time.
+    # Its goal is read over the cell's 2 quick rounds and 4 more of (a) and (b) alone.
     g = res["dataplane_goals"]
     assert g["small_load_a_time_over_b"] > 0 and isinstance(g["small_load_met"], bool)
+    more = res["dataplane"]["small_load"]
+    assert len(more["a_s"]) == len(more["b_s"]) == 4 and g["small_load_rounds"] == 2 + 4
+    assert min(more["a_s"] + more["b_s"]) > 0
     assert "goal small load (16 x 64 KiB), kvd time / plain NIXL time <= 1.5x" in r.stdout
+    assert "median of 6 rounds' ratios" in r.stdout
     # (3): 64 one-block loads in flight through one P and one D daemon, and plain NIXL.
     tp = res["throughput"]
     assert tp["concurrency"] == 64 and tp["blocks"] == 1 and tp["block_len"] == 4 << 10
