@@ -247,15 +247,14 @@ class Config:
         self.warm_peers = list(dict.fromkeys(self.warm_peers))
         for entry in self.warm_peers:
             address, sep, engine_id = entry.partition("/")
+            if not sep or not engine_id:
+                raise self._error("warm_peers", f"{entry!r} is not host:port/engine_id")
             try:
                 _, port = parse_host_port(address, "warm_peers")
             except ConfigError as e:
-                raise self._error("warm_peers", f"{entry!r} is not host:port/engine_id "
-                                                f"({str(e).removeprefix('warm_peers: ')})") from None
+                raise self._error("warm_peers", f"{entry!r}: {str(e).removeprefix('warm_peers: ')}") from None
             if port == 0:  # a free port is for peer_listen: a remote daemon listens on a real one
                 raise self._error("warm_peers", f"{entry!r}: port 0 names no daemon (1..65535)")
-            if not sep or not engine_id:
-                raise self._error("warm_peers", f"{entry!r} is not host:port/engine_id")
         if not 0 <= self.metrics_port <= 65535:
             raise self._error("metrics_port", f"{self.metrics_port} out of range 0..65535")
         if not self.metrics_host:

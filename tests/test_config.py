@@ -87,8 +87,8 @@ def test_bad_file_values_name_the_key(tmp_path, text, words):
     ({"KVD_STALL_DUMP_S": "-1"}, ["stall_dump_s (from env KVD_STALL_DUMP_S)", ">= 0"]),
     ({"KVD_WARM_PEERS": "10.0.0.5:0/prefill-a"}, ["warm_peers (from env KVD_WARM_PEERS)", "port 0 names no daemon"]),
     ({"KVD_WARM_PEERS": "10.0.0.5:7700/"}, ["warm_peers (from env KVD_WARM_PEERS)", "host:port/engine_id"]),
-    ({"KVD_WARM_PEERS": "foo"}, ["warm_peers (from env KVD_WARM_PEERS)", "'foo' is not host:port/engine_id",
-                                 "expected host:port"]),
+    ({"KVD_WARM_PEERS": "foo"}, ["warm_peers (from env KVD_WARM_PEERS)", "'foo' is not host:port/engine_id"]),
+    ({"KVD_WARM_PEERS": "h:x/p"}, ["warm_peers (from env KVD_WARM_PEERS)", "'h:x/p': port 'x' is not a number"]),
 ])
 def test_bad_env_values_name_the_variable(env, words):
     with pytest.raises(ConfigError) as e:

@@ -412,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
                            single_process_engines=not args.vllm_multiprocessing)
         log(f"run directory: {workdir} (connector {args.connector}"
             f"{', warm peers' if st.p_engine_id else ''}"
-            f"{', each engine in one process' if st.single_process_engines else ''})")
+            f"{', each engine in one process' if st.single_process_engines else ''}"
+            f"{'; removed after a run that passes, --keep-logs keeps it' if not args.keep_logs and args.workdir is None else ''})")
         st.start()
         log(f"stack up in {st.timings['stack_start_s']:.1f} s")
 
