@@ -42,6 +42,9 @@ class UsageParser(argparse.ArgumentParser):
             known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
             for flag in re.findall(r"(--[^\s=]+)", message):
                 hint += did_you_mean(flag, known)
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+        if choice:  # a misspelt command (``kvd statsu``) or a value of a flag with choices
+            hint += did_you_mean(choice[1], re.findall(r"'([^']*)'", choice[2]))
         self.exit(EXIT_USAGE, f"{usage}{self.prog}: error: {message}{hint}\n")
 
 

@@ -161,6 +161,10 @@ def test_an_unknown_serve_flag_prints_serves_usage():
     assert r.returncode == 64 and "usage: kvd health" in r.stderr, r.stderr
     r = _kvd("--bogus", "version")  # before the subcommand: the top-level usage
     assert r.returncode == 64 and "usage: kvd [" in r.stderr and "kvd: error: unrecognized arguments: --bogus" in r.stderr
+    r = _kvd("statsu")  # a misspelt command: the one meant
+    assert r.returncode == 64 and "invalid choice: 'statsu'" in r.stderr and "did you mean status?" in r.stderr, r.stderr
+    r = _kvd("frobnicate")  # nothing close: no guess
+    assert r.returncode == 64 and "invalid choice" in r.stderr and "did you mean" not in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("text, value", [("true", True), ("FALSE", False), ("1", True), ("0", False),
