@@ -28,12 +28,10 @@ import os
 import sys
 import time
 
-import numpy as np
-
 from kvd.bench import common as cm
 from kvd.bench.kvd_pair import HOLD_AHEAD_S, KvdPair
-from kvd.bench.throughput import BLOCK_LEN, CONCURRENCY, kvd_batch
-from kvd.testing.shm import ShmSegment
+from kvd.bench.throughput import BLOCK_LEN, CONCURRENCY, kvd_batch, segments
+
 
 def run(seconds: float, concurrency: int = CONCURRENCY, block_len: int = BLOCK_LEN, poll_s: float = 50e-6,
         hold_ahead_s: float = HOLD_AHEAD_S, warm_batches: int = 3) -> dict:
@@ -41,16 +39,11 @@ def run(seconds: float, concurrency: int = CONCURRENCY, block_len: int = BLOCK_L
     to back for ``seconds`` after ``warm_batches`` untimed ones. Returns a
     dict: loads, seconds, median batch loads/s, CPU per load (us) of P, D
     and this process, and D's claim counters per load."""
-    seg = max(64, 2 * concurrency) * block_len
-    src, dst = ShmSegment(seg, cm.SHM_PREFIX), ShmSegment(seg, cm.SHM_PREFIX)
-    src.fill(7)
+    src, dst, ids = segments(concurrency, block_len, 1)
     wd = cm.workdir()
-    rng = np.random.default_rng(3)
-    nb = seg // block_len
-    ids = [(rng.permutation(nb)[:1].tolist(), rng.permutation(nb)[:1].tolist()) for _ in range(8)]
     kvd = None
     try:
-        kvd = KvdPair(wd, (src.name, seg), (dst.name, seg))
+        kvd = KvdPair(wd, (src.name, src.size), (dst.name, dst.size))
         for _ in range(warm_batches):  # handshake, first contact, the copy's first answers
             kvd_batch(kvd, block_len, ids, concurrency, poll_s, hold_ahead_s=hold_ahead_s)
             kvd.drain_sources()

@@ -256,7 +256,8 @@ def run(cells: list[Cell], reps: int, poll_s: float = 50e-6, peer_cfg: PeerConfi
     t_start = time.time()
     bench = Bench(seg, poll_s, peer_cfg or PeerConfig(), daemon_args, daemon_env, entry=entry,
                   same_node="s" in methods, hold_ahead_s=hold_ahead_s)
-    small = [c for c in cells if (c.block_len, c.blocks) == SMALL_LOAD] if small_load_reps > 0 else []
+    small = ([c for c in cells if (c.block_len, c.blocks) == SMALL_LOAD]
+             if small_load_reps > 0 and "a" in methods and "b" in methods else [])
     extra: dict[str, list[float]] = {"a": [], "b": []}
     prog = cm.Progress(total=len(cells) * (reps + 1) + (small_load_reps if small else 0), title=title,
                        enabled=progress)
@@ -275,7 +276,7 @@ def run(cells: list[Cell], reps: int, poll_s: float = 50e-6, peer_cfg: PeerConfi
                     getattr(cell, m).append(getattr(bench, f"run_{m}")(cell))
                 same = f", same-node/memmove {cell.ratio('s', 'm'):.2f}" if cell.s and cell.m else ""
                 prog.step(f"round {r + 1}/{reps}: {cm.fmt_bytes(cell.block_len)} x {cell.blocks}{same}")
-        if small and "a" in methods and "b" in methods:
+        if small:
             for r in range(small_load_reps):
                 for m in ("ab" if r % 2 else "ba"):
                     extra[m].append(getattr(bench, f"run_{m}")(small[0]))

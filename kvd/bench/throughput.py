@@ -58,6 +58,21 @@ def nixl_batch(nixl: NixlPair, block_len: int, seg_bytes: int, ids: list[tuple[l
     return max(times), times
 
 
+def segments(concurrency: int, block_len: int, blocks: int) -> tuple[ShmSegment, ShmSegment, list]:
+    """The source and destination shm segments of batches of ``concurrency``
+    loads of ``blocks`` blocks of ``block_len`` bytes (the source filled),
+    and the block ids of the batches' loads: ``(local, remote)`` lists, 8
+    pairs at most (load ``i`` uses pair ``i % 8``), the same every run."""
+    seg = max(64, 2 * concurrency * blocks) * block_len
+    src, dst = ShmSegment(seg, cm.SHM_PREFIX), ShmSegment(seg, cm.SHM_PREFIX)
+    src.fill(7)
+    rng = np.random.default_rng(3)
+    nb = seg // block_len
+    ids = [(rng.permutation(nb)[:blocks].tolist(), rng.permutation(nb)[:blocks].tolist())
+           for _ in range(min(concurrency, 8))]
+    return src, dst, ids
+
+
 def run(reps: int, concurrency: int = CONCURRENCY, block_len: int = BLOCK_LEN, blocks: int = 1,
         poll_s: float = 50e-6, progress: bool = True, title: str = "(3) throughput",
         hold_ahead_s: float = HOLD_AHEAD_S) -> dict:
@@ -67,14 +82,9 @@ def run(reps: int, concurrency: int = CONCURRENCY, block_len: int = BLOCK_LEN, b
     spins a core). Returns a dict: median loads/s of each (``kvd_loads_s``,
     ``plain_loads_s``), their median per-round ratio ``kvd_over_plain``,
     latency p50/p99 (ms), raw walls (s) and whether the goal is met."""
-    seg = max(64, 2 * concurrency * blocks) * block_len
-    src, dst = ShmSegment(seg, cm.SHM_PREFIX), ShmSegment(seg, cm.SHM_PREFIX)
-    src.fill(7)
+    src, dst, ids = segments(concurrency, block_len, blocks)
+    seg = src.size
     wd = cm.workdir()
-    rng = np.random.default_rng(3)
-    nb = seg // block_len
-    ids = [(rng.permutation(nb)[:blocks].tolist(), rng.permutation(nb)[:blocks].tolist())
-           for _ in range(min(concurrency, 8))]
     kvd = nixl = None
     walls, lat, bwalls, blat = [], [], [], []
     prog = cm.Progress(total=reps + 1, title=title, enabled=progress)

@@ -410,10 +410,11 @@ def main(argv: list[str] | None = None) -> int:
                            log=log, engine_ready_s=args.engine_ready_timeout,
                            metrics_ports=metrics_ports, warm_peers=args.warm_peers,
                            single_process_engines=not args.vllm_multiprocessing)
+        removed = not args.keep_logs and args.workdir is None  # as at the end of main
         log(f"run directory: {workdir} (connector {args.connector}"
             f"{', warm peers' if st.p_engine_id else ''}"
             f"{', each engine in one process' if st.single_process_engines else ''}"
-            f"{'; removed after a run that passes, --keep-logs keeps it' if not args.keep_logs and args.workdir is None else ''})")
+            f"{'; removed after a run that passes, --keep-logs keeps it' if removed else ''})")
         st.start()
         log(f"stack up in {st.timings['stack_start_s']:.1f} s")
 
