@@ -418,7 +418,8 @@ def help_text(key: str) -> str:
     shown = (",".join(default) if isinstance(default, list) else
              str(default).lower() if isinstance(default, bool) else default)
     shown = shown if shown != "" else '""'
-    return f"{f.metadata['doc']} (default {shown}; env {env_name(key)})"
+    also = "; 1/0 and yes/no work too" if isinstance(default, bool) else ""
+    return f"{f.metadata['doc']} (default {shown}{also}; env {env_name(key)})"
 
 
 def _default(f) -> Any:

@@ -177,6 +177,12 @@ def test_warm_peers_handshakes_before_any_load(tmp_path, prefill_tp2):
     there (a closed port) is only retried, never an error."""
     p, _ = prefill_tp2
     d = start_daemon(str(tmp_path), "D", "--warm-peers", f"{p.peer_address}/P,127.0.0.1:1/nobody")
+    # Before any engine registers, status names the configured peers and says when they pair.
+    before = subprocess.run([sys.executable, "-m", "kvd.cli", "status", "--socket", d.socket],
+                            capture_output=True, text=True, timeout=60).stdout
+    assert (f"warm peers      {p.peer_address}/P, 127.0.0.1:1/nobody (paired once an engine registers)"
+            in before), before
+    assert list(d.stats().warm_peers_configured) == [f"{p.peer_address}/P", "127.0.0.1:1/nobody"]
     seg, s = _register(d, "D", 0, 1, seed=None)
     try:
         assert wait_until(lambda: d.stats().remote_agents == 2, 30, interval=0.1) is not None, d.log_tail()

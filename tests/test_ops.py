@@ -135,6 +135,9 @@ def test_metrics_count_a_real_transfer(ops):
     assert value(d, "kvd_inflight_transfers") == 0
     assert value(d, "kvd_active_leases") == 0
     assert value(d, "kvd_uptime_seconds") > 0
+    # The stall watch ticks every second from the start.
+    assert 0 <= value(d, "kvd_event_loop_tick_age_seconds") < 30
+    _until(lambda: value(scrape(ops.dm), "kvd_event_loop_lag_seconds_count") >= 1)
 
     p = scrape(ops.pm)
     assert value(p, "kvd_leases_expired_total") == 1      # req-unread
@@ -268,7 +271,7 @@ def test_status_reports_the_data_path_of_each_worker():
         return SimpleNamespace(stats=lambda: {"engines": len(workers), "not_in_the_proto": 7},
                                peer_address="h:1", workers={w.key: w for w in workers},
                                rt=SimpleNamespace(limits=SimpleNamespace(lease_s=120.0, max_lease_life_s=600.0,
-                                                                         follow_holds=False)))
+                                                                         follow_holds=False, warm_peers=())))
 
     assert build_stats(node()).data_path == ""
     assert build_stats(node(worker("a", []))).data_path == "direct"

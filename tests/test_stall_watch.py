@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
+import urllib.request
 
 import pytest
 
+from kvd.daemon.metrics import Metrics
 from kvd.daemon.stall_watch import StallWatch, describe_gap, describe_machine, machine_cpu, thread_cpu
 from kvd.testing.daemons import start_daemon
 from kvd.testing.util import wait_until
@@ -55,6 +58,54 @@ def test_a_blocked_loop_is_logged_and_its_stacks_written(caplog, capfd):
     err = capfd.readouterr().err
     # faulthandler's dump, from its own C thread while the loop was blocked.
     assert "most recent call first" in err and "test_stall_watch.py" in err, err[-2000:]
+
+
+def test_a_stall_shows_in_the_metrics_while_it_lasts_and_in_the_lag_histogram_after():
+    """The loop blocked for 1.5 s: a scrape from another thread meanwhile
+    answers and reads the loop's tick age growing (the core's stats need
+    the loop: left out, a warning); once the loop runs again the late tick
+    is in ``kvd_event_loop_lag_seconds`` and counted a stall."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def stats() -> dict:
+        raise TimeoutError()  # as Server._stats_threadsafe while the loop is stalled
+
+    metrics = Metrics(stats)
+    port = metrics.serve(0, "127.0.0.1")
+    during: dict[str, float] = {}
+
+    def scrape() -> dict[str, float]:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+    async def main():
+        w = StallWatch(stall_dump_s=0, tick_s=0.05, warn_s=0.5)
+        w.on_tick = metrics.watch_loop(w.tick_age)
+        w.start()
+        await asyncio.sleep(0.3)
+        before = scrape()
+        reader = threading.Timer(1.0, lambda: during.update(scrape()))
+        reader.start()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 1.5:  # the loop runs nothing meanwhile
+            pass
+        reader.join()
+        await asyncio.sleep(0.2)
+        await w.stop()
+        return w, before
+
+    try:
+        w, before = asyncio.run(main())
+        after = scrape()
+    finally:
+        metrics.stop()
+    assert before["kvd_event_loop_tick_age_seconds"] < 0.5 and before["kvd_event_loop_stalls_total"] == 0
+    assert 0.9 <= during["kvd_event_loop_tick_age_seconds"] < 5, during
+    assert "kvd_engines" not in during  # the core's stats: not served without the loop
+    assert w.stalls == 1 and after["kvd_event_loop_stalls_total"] == 1
+    assert after["kvd_event_loop_lag_seconds_count"] > before["kvd_event_loop_lag_seconds_count"] + 2
+    assert after["kvd_event_loop_lag_seconds_sum"] >= 1.0
+    assert after["kvd_event_loop_tick_age_seconds"] < 0.5
 
 
 def test_no_dump_when_off_and_no_warning_when_on_time(caplog, capfd):

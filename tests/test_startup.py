@@ -283,3 +283,18 @@ def test_the_daemon_logs_the_token_file_warning_at_startup_and_serves(tmp_path):
         assert f"WARNING kvd.server: peer_token_file: {token} is mode 0644" in log, log[-3000:]
     finally:
         assert d.stop() == 0
+
+
+def test_an_engine_socket_directory_the_daemon_makes_is_logged_with_its_mode(tmp_path, caplog):
+    import logging
+
+    from kvd.daemon.server import make_socket_dir
+
+    sock = tmp_path / "run" / "kvd" / "engine.sock"
+    with caplog.at_level(logging.INFO, logger="kvd.server"):
+        make_socket_dir(str(sock))
+        make_socket_dir(str(sock))  # there already: nothing to say
+    made = [r.getMessage() for r in caplog.records if "created directory" in r.getMessage()]
+    mode = os.stat(sock.parent).st_mode & 0o777
+    assert made == [f"engine_socket: created directory {sock.parent} (mode {mode:04o}, uid {os.getuid()}, "
+                    f"gid {os.getgid()})"], made

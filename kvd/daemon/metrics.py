@@ -15,6 +15,16 @@ Fed by the core's event hook (``Node(on_event=...)``), as things happen:
 - ``kvd_claim_duration_seconds``           histogram, a load's claim on the source's hold: sent to
   answered by every source rank (includes the source daemon's wait for the hold to arrive)
 - ``kvd_transfer_descriptors``             histogram, NIXL descriptors per transfer
+- ``kvd_event_loop_lag_seconds``           histogram, how late the event loop's 1 s tick ran
+  (``kvd.daemon.stall_watch``): a loop that keeps up reads ~0; every session, handshake
+  and health check waits that long
+- ``kvd_event_loop_stalls_total``          ticks later than the stall watch's warning (2 s),
+  each one a WARNING in the log
+
+Read in the metrics thread at scrape time, without the event loop:
+
+- ``kvd_event_loop_tick_age_seconds``: seconds since the loop last ticked; grows
+  while a stall lasts (the stats below are then not served: they are read on the loop)
 
 Read from ``Node.stats()`` at scrape time (they cannot drift from the core):
 
@@ -45,7 +55,7 @@ import logging
 import threading
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvd import __version__
@@ -55,6 +65,8 @@ log = logging.getLogger("kvd.metrics")
 
 # Seconds: 0.5 ms (a small READ over shared memory) to the 30 s default deadline.
 DURATION_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
+# Seconds late: a loop that keeps up (<1 ms) to the stalls seen on a starved 2-core machine (tens of s).
+LAG_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60)
 HANDSHAKE_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10)
 DESCRIPTOR_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
 
@@ -99,7 +111,9 @@ class _StatsCollector:
         try:
             s = self._stats()
         except Exception as e:  # a scrape must never take the daemon down
-            log.warning("metrics: stats unavailable: %s", e)
+            # A stalled loop: the future's TimeoutError has no text of its own.
+            log.warning("metrics: stats unavailable: %s", e or f"{type(e).__name__} (the event loop did not "
+                        "answer; kvd_event_loop_tick_age_seconds says for how long)")
             return
         for name, key, doc in STATS_METRICS:
             if key not in s:
@@ -137,6 +151,12 @@ class Metrics:
                                registry=r, buckets=DURATION_BUCKETS)
         self.descs = Histogram("kvd_transfer_descriptors", "NIXL descriptors per transfer", registry=r,
                                buckets=DESCRIPTOR_BUCKETS)
+        self.loop_lag = Histogram("kvd_event_loop_lag_seconds", "How late the event loop's 1 s tick ran",
+                                  registry=r, buckets=LAG_BUCKETS)
+        self.loop_stalls = Counter("kvd_event_loop_stalls", "Event loop ticks late past the stall warning",
+                                   registry=r)
+        self.loop_tick_age = Gauge("kvd_event_loop_tick_age_seconds",
+                                   "Seconds since the event loop last ticked (grows during a stall)", registry=r)
         r.register(_StatsCollector(stats))
         ProcessCollector(registry=r)
         self._http = None
@@ -158,6 +178,18 @@ class Metrics:
             self.handshake.observe(fields["seconds"])
         elif name == "claim":
             self.claim.observe(fields["seconds"])
+
+    def watch_loop(self, tick_age: Callable[[], float]) -> Callable[[float, bool], None]:
+        """Serves ``tick_age()`` (seconds, read in the scrape's thread) as
+        ``kvd_event_loop_tick_age_seconds``; returns the stall watch's
+        ``on_tick`` that feeds the lag histogram and the stall counter."""
+        self.loop_tick_age.set_function(tick_age)
+
+        def on_tick(late_s: float, stalled: bool) -> None:
+            self.loop_lag.observe(late_s)
+            if stalled:
+                self.loop_stalls.inc()
+        return on_tick
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
         """Starts the HTTP exporter on ``addr:port`` (a daemon thread); returns the bound port."""

@@ -134,12 +134,19 @@ def make_socket_dir(path: str) -> None:
             directory"), or the directory cannot be made (its ``strerror``).
     """
     parent = os.path.dirname(os.path.abspath(path))
+    existed = os.path.isdir(parent)
     try:
         os.makedirs(parent, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
         raise OSError(f"engine_socket: parent {parent} of {path} is not a directory") from None
     except OSError as e:
         raise OSError(f"engine_socket: cannot create directory {parent}: {e.strerror or e}") from None
+    if not existed:
+        # Said: an operator finds a directory the unit or chart did not make,
+        # with the daemon's umask (who may enter it decides who reaches the socket).
+        st = os.stat(parent)
+        log.info("engine_socket: created directory %s (mode %04o, uid %d, gid %d)", parent,
+                 stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid)
 
 
 def routable_address(port: int) -> str:
@@ -313,6 +320,7 @@ class Server:
         await self.fd_channel.open()
         self.node.start()
         self.stall_watch = StallWatch(cfg.stall_dump_s)
+        self.stall_watch.on_tick = self.metrics.watch_loop(self.stall_watch.tick_age)
         self.stall_watch.start()
         metrics_at = ""
         if cfg.metrics_port:

@@ -21,6 +21,13 @@ given no CPU at all while the machine's CPUs were all busy with the engines
   log) once per stall: which call each thread is in. It is plain text,
   also under ``log_format = "json"``.
 
+Every tick's lateness also goes to ``on_tick`` (the daemon's
+``kvd_event_loop_lag_seconds`` histogram and ``kvd_event_loop_stalls_total``),
+and :meth:`StallWatch.tick_age` tells, from any thread, how long ago the
+loop last ticked: the metrics thread serves it as
+``kvd_event_loop_tick_age_seconds``, which grows while a stall lasts (the
+lag histogram learns of a stall only once it ends).
+
 The faulthandler timer is process-wide (one per process): the daemon is its
 only user.
 """
@@ -33,6 +40,8 @@ import logging
 import os
 import sys
 import threading
+import time
+from collections.abc import Callable
 
 log = logging.getLogger("kvd.stall")
 
@@ -121,20 +130,34 @@ class StallWatch:
             the late-wake WARNING only.
         tick_s, warn_s: the tick interval (at most a quarter of
             ``stall_dump_s``) and the lateness logged (seconds).
+        on_tick: called on the loop after every tick with
+            ``(late_s, stalled)``: seconds past its time, and whether it
+            was late enough to be logged (``warn_s``). Must not raise.
     """
 
-    def __init__(self, stall_dump_s: float, tick_s: float = TICK_S, warn_s: float = WARN_S):
+    def __init__(self, stall_dump_s: float, tick_s: float = TICK_S, warn_s: float = WARN_S,
+                 on_tick: Callable[[float, bool], None] | None = None):
         self.stall_dump_s = stall_dump_s
         # Re-armed at every tick: ticks well inside the dump's timeout.
         self.tick_s = min(tick_s, stall_dump_s / 4) if stall_dump_s > 0 else tick_s
         self.warn_s = warn_s
+        self.on_tick = on_tick
         self.stalls = 0          # late wakes logged
         self.longest_s = 0.0     # the longest, seconds past its time
         self._task: asyncio.Task | None = None
         self._armed = False
+        self._ticked: float | None = None  # time.monotonic() of the last tick (or the start)
+
+    def tick_age(self) -> float:
+        """Seconds since the loop last ticked (0 before :meth:`start`):
+        about ``tick_s`` at most while it runs, more while it is stalled.
+        Safe from any thread (one float read)."""
+        t = self._ticked
+        return 0.0 if t is None else max(0.0, time.monotonic() - t)
 
     def start(self) -> None:
         """Starts the watch on the running event loop."""
+        self._ticked = time.monotonic()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="kvd-stall-watch")
 
     async def stop(self) -> None:
@@ -171,7 +194,10 @@ class StallWatch:
                 self._arm()
                 due = loop.time() + self.tick_s
                 await asyncio.sleep(self.tick_s)
-                late = loop.time() - due
+                late = max(0.0, loop.time() - due)
+                self._ticked = time.monotonic()
+                if self.on_tick is not None:
+                    self.on_tick(late, late > self.warn_s)
                 now_cpu, now_threads, now_machine = os.times(), thread_cpu(), machine_cpu()
                 if late > self.warn_s:
                     self.stalls += 1

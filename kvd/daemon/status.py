@@ -57,6 +57,7 @@ def build_stats(node: Node, draining: bool = False, backends: list[str] | None =
         backends=backends or [], metrics_address=metrics_address, command_socket=command_socket,
         lease_s=node.rt.limits.lease_s, max_lease_life_s=node.rt.limits.max_lease_life_s,
         follow_holds=node.rt.limits.follow_holds,
+        warm_peers_configured=[f"{a}/{e}" for a, e in node.rt.limits.warm_peers],
         versions=_VERSIONS, **counts,
     )
     now = time.monotonic()
@@ -178,6 +179,10 @@ def render(d: dict, target: str = "") -> str:
                    + (f"following the holds of {d.get('holds_followed', 0)} remote engine(s)" if d.get("follow_holds")
                       else "follow_holds off")),
     ]
+    if d.get("warm_peers_configured"):
+        # Configured, whether or not an engine has registered yet (their pairs, below, need one).
+        summary.append(("warm peers", ", ".join(d["warm_peers_configured"])
+                        + ("" if d.get("workers") else " (paired once an engine registers)")))
     if d.get("leaked_handles"):
         summary.append(("leaked handles", str(d["leaked_handles"])))
     width = max(len(k) for k, _ in summary)
