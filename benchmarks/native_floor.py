@@ -13,7 +13,9 @@ thread spinning, ``pthrDelay`` 0; UCX ``num_threads`` 4) and with the ones
 kvd's daemons make (the progress thread sleeping in ``poll()`` up to
 ``kvd.core.nixl_agent.PROGRESS_US``; the backend's default threads). CPU is
 each process's user + system time over the window (every thread), divided
-by the loads done in it; loads/s is the median batch's. Rounds alternate
+by the loads done in it; loads/s is the median batch's and the window's
+(batches and the gaps between them: NIXL's spinning progress thread makes
+some batches much slower than the median). Rounds alternate
 the cases; the medians of the rounds are printed and written to ``--json``.
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -117,8 +120,9 @@ def plain(seconds: float, progress_us: int, num_threads: int, batch: int = CONCU
             pair.close()
         src.close()
         dst.close()
+    elapsed = time.monotonic() - t0
     n = batch * len(walls)
-    return dict(loads=n, median_batch_loads_s=batch / cm.median(walls),
+    return dict(loads=n, seconds=elapsed, loads_s=n / elapsed, median_batch_loads_s=batch / cm.median(walls),
                 reader_cpu_us_per_load=(c1[0] - c0[0]) / n * 1e6, source_cpu_us_per_load=(c1[1] - c0[1]) / n * 1e6)
 
 
@@ -130,49 +134,62 @@ def run(seconds: float, rounds: int) -> dict:
     runs: dict[str, list[dict]] = {}
     for r in range(rounds):
         for name, progress_us, threads in AGENTS:
-            runs.setdefault(f"native, {name}", []).append(native(seconds, progress_us, threads))
-            runs.setdefault(f"plain Python NIXL, {name}", []).append(plain(seconds, progress_us, threads))
+            runs.setdefault(f"NIXL from C, {name}", []).append(native(seconds, progress_us, threads))
+            runs.setdefault(f"NIXL from Python, {name}", []).append(plain(seconds, progress_us, threads))
         k = cpu_per_load.run(seconds)
         runs.setdefault("kvd (one P, one D daemon)", []).append(dict(
-            loads=k["loads"], median_batch_loads_s=k["loads_s_median"], reader_cpu_us_per_load=k["d_cpu_us"],
+            loads=k["loads"], loads_s=k["loads"] / k["seconds"], median_batch_loads_s=k["loads_s_median"],
+            reader_cpu_us_per_load=k["d_cpu_us"],
             source_cpu_us_per_load=k["p_cpu_us"], engine_cpu_us_per_load=k["engine_cpu_us"]))
         print(f"round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
-    keys = ("median_batch_loads_s", "reader_cpu_us_per_load", "source_cpu_us_per_load", "engine_cpu_us_per_load")
+    keys = ("median_batch_loads_s", "loads_s", "reader_cpu_us_per_load", "source_cpu_us_per_load", "engine_cpu_us_per_load")
     summary = {case: {k: cm.median([x[k] for x in xs]) for k in keys if k in xs[0]} for case, xs in runs.items()}
     return dict(seconds=seconds, rounds=rounds, batch=CONCURRENCY, block_len=BLOCK_LEN, summary=summary, runs=runs,
                 loadavg=os.getloadavg(), machine=cm.machine())
 
 
 def text(res: dict) -> str:
-    """The summary as a table: loads/s, and CPU per load of the reader (D),
-    the source (P) and, for kvd, the engine process."""
-    rows = [f"{'case':<48} {'loads/s':>9} {'reader us':>10} {'source us':>10} {'engine us':>10} {'total us':>9}"]
+    """The summary as a table: loads/s (the median batch's, and over the
+    whole window: batches and the gaps between them), and CPU per load of
+    the reader (D), the source (P) and, for kvd, the engine process."""
+    rows = [f"{'case':<46} {'batch/s':>9} {'window/s':>9} {'reader us':>10} {'source us':>10} {'engine us':>10} "
+            f"{'total us':>9}"]
     for case, s in res["summary"].items():
         eng = s.get("engine_cpu_us_per_load")
         total = s["reader_cpu_us_per_load"] + s["source_cpu_us_per_load"] + (eng or 0)
-        rows.append(f"{case:<48} {s['median_batch_loads_s']:>9,.0f} {s['reader_cpu_us_per_load']:>10.1f} "
+        rows.append(f"{case:<46} {s['median_batch_loads_s']:>9,.0f} {s.get('loads_s', 0):>9,.0f} "
+                    f"{s['reader_cpu_us_per_load']:>10.1f} "
                     f"{s['source_cpu_us_per_load']:>10.1f} {'-' if eng is None else format(eng, '.1f'):>10} "
                     f"{total:>9.1f}")
     return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.native_floor",
+                                 description=__doc__.split("\n\n")[0].replace("``", ""))
     ap.add_argument("--seconds", type=float, default=5.0, help="timed window of each case (default 5)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of every case (default 3)")
     ap.add_argument("--json", metavar="FILE", help="write the result here")
     args = ap.parse_args(argv)
-    if args.seconds <= 0 or args.rounds < 1:
-        ap.error("--seconds must be > 0 and --rounds >= 1")
+    if not (math.isfinite(args.seconds) and 0 < args.seconds <= 3600) or args.rounds < 1:
+        ap.error("--seconds must be a number in (0, 3600] and --rounds >= 1")
+    out = None
+    if args.json:  # opened first: a path that cannot be written is said before the run, not after it
+        try:
+            out = open(args.json, "w")
+        except OSError as e:
+            ap.error(f"--json {args.json}: {e.strerror or e}")
     try:
         res = run(args.seconds, args.rounds)
+        print(text(res))
+        if out is not None:
+            json.dump(res, out, indent=1)
     except BuildError as e:
         print(f"native_floor: {e}", file=sys.stderr)
         return 1
-    print(text(res))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+    finally:
+        if out is not None:
+            out.close()
     return 0
 
 

@@ -40,9 +40,19 @@ def test_native_reads_refuse_bad_arguments(binary, args):
 
 
 def test_the_summary_table_adds_the_engine_for_kvd_only():
-    res = {"summary": {"native, x": dict(median_batch_loads_s=50000.0, reader_cpu_us_per_load=16.0,
-                                         source_cpu_us_per_load=10.0),
-                       "kvd": dict(median_batch_loads_s=3000.0, reader_cpu_us_per_load=270.0,
+    res = {"summary": {"NIXL from C, x": dict(median_batch_loads_s=50000.0, loads_s=40000.0,
+                                              reader_cpu_us_per_load=16.0, source_cpu_us_per_load=10.0),
+                       "kvd": dict(median_batch_loads_s=3000.0, loads_s=2500.0, reader_cpu_us_per_load=270.0,
                                    source_cpu_us_per_load=160.0, engine_cpu_us_per_load=90.0)}}
     lines = nf.text(res).splitlines()
     assert lines[1].split()[-2:] == ["-", "26.0"] and lines[2].split()[-1] == "520.0", lines
+
+
+@pytest.mark.parametrize("args, says", [(["--seconds", "nan"], "--seconds must be"),
+                                        (["--seconds", "inf"], "--seconds must be"),
+                                        (["--rounds", "0"], "--rounds >= 1"),
+                                        (["--json", "/nonexistent-dir/x.json"], "--json /nonexistent-dir/x.json")])
+def test_native_floor_refuses_bad_arguments_before_running(args, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        nf.main(args)
+    assert e.value.code == 2 and says in capsys.readouterr().err

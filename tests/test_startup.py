@@ -236,8 +236,12 @@ def test_an_engine_socket_under_a_file_names_the_setting_and_the_parent(tmp_path
     afile.write_text("x\n")
     r = _serve("--engine-socket", str(afile / "engine.sock"))
     assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
-    assert f"engine_socket: parent {afile} of {afile}/engine.sock is not a directory" in r.stderr
+    assert f"engine_socket: {afile} is not a directory (on the way to {afile}/engine.sock)" in r.stderr
     assert afile.read_text() == "x\n"
+    # Deeper: the file in the way is named, not the directory that was to be made under it.
+    r = _serve("--engine-socket", str(afile / "sub" / "engine.sock"))
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+    assert f"engine_socket: {afile} is not a directory (on the way to {afile}/sub/engine.sock)" in r.stderr
 
 
 def test_an_engine_socket_directory_where_nothing_can_be_created_names_the_setting():

@@ -157,7 +157,11 @@ def make_socket_dir(path: str) -> None:
     try:
         os.makedirs(parent, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
-        raise OSError(f"engine_socket: parent {parent} of {path} is not a directory") from None
+        # Name what is in the way: the deepest existing ancestor, a file.
+        blocker = parent
+        while not os.path.exists(blocker) and os.path.dirname(blocker) != blocker:
+            blocker = os.path.dirname(blocker)
+        raise OSError(f"engine_socket: {blocker} is not a directory (on the way to {path})") from None
     except OSError as e:
         raise OSError(f"engine_socket: cannot create directory {parent}: {e.strerror or e}") from None
     if not existed:
