@@ -73,13 +73,21 @@ def build(cc: str | None = None) -> str:
     if shutil.which(cc) is None:
         raise BuildError(f"no C compiler ({cc!r} not found; set CC)")
     libdir = capi_dir()
-    if BINARY.exists() and BINARY.stat().st_mtime >= SOURCE.stat().st_mtime:
+    stamp = BINARY.with_suffix(".libdir")  # the library it was linked against (its rpath)
+    if (BINARY.exists() and BINARY.stat().st_mtime >= SOURCE.stat().st_mtime and stamp.exists()
+            and stamp.read_text() == libdir):
         return str(BINARY)
     BINARY.parent.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run([cc, "-O2", "-Wall", "-o", str(BINARY), str(SOURCE), f"-L{libdir}", "-l:libnixl_capi.so",
-                        f"-Wl,-rpath,{libdir}"], capture_output=True, text=True)
-    if r.returncode:
-        raise BuildError(f"{cc} failed:\n{r.stderr.strip()}")
+    tmp = BINARY.with_name(f"{BINARY.name}.{os.getpid()}.tmp")  # built aside, then renamed: no half-written binary
+    try:
+        r = subprocess.run([cc, "-O2", "-Wall", "-o", str(tmp), str(SOURCE), f"-L{libdir}", "-l:libnixl_capi.so",
+                            f"-Wl,-rpath,{libdir}", "-lm"], capture_output=True, text=True)
+        if r.returncode:
+            raise BuildError(f"{cc} failed:\n{r.stderr.strip()}")
+        os.replace(tmp, BINARY)
+        stamp.write_text(libdir)
+    finally:
+        tmp.unlink(missing_ok=True)
     return str(BINARY)
 
 

@@ -285,3 +285,22 @@ def test_status_reports_the_data_path_of_each_worker():
     assert re.search(r"^command socket +off \(sessions on gRPC\)$", text, re.M)
     assert re.search(r"^claims +0 sent, 0 followed, 0 waited for the holds' next answer \(per source rank\); "
                      r"follow_holds off$", text, re.M)
+
+
+def test_configured_warm_peers_are_shown_only_to_callers_who_see_every_worker():
+    """The warm_peers setting names remote engines; a caller that sees only
+    its own workers (another admitted uid) is not shown it, as it is not
+    shown other workers' warm_peers rows."""
+    from kvd.daemon.status import build_stats, render, to_dict
+
+    node = SimpleNamespace(stats=lambda: {}, peer_address="h:1", workers={},
+                           rt=SimpleNamespace(limits=SimpleNamespace(
+                               lease_s=120.0, max_lease_life_s=600.0, follow_holds=True,
+                               warm_peers=(("10.0.0.1:7001", "tenant-a-prefill"),))))
+    everyone = build_stats(node)
+    assert list(everyone.warm_peers_configured) == ["10.0.0.1:7001/tenant-a-prefill"]
+    assert re.search(r"^warm peers +10\.0\.0\.1:7001/tenant-a-prefill \(paired once an engine registers\)$",
+                     render(to_dict(everyone)), re.M)
+    own_only = build_stats(node, visible=lambda w: False)
+    assert list(own_only.warm_peers_configured) == []
+    assert "tenant-a" not in render(to_dict(own_only))

@@ -106,6 +106,7 @@ def test_a_stall_shows_in_the_metrics_while_it_lasts_and_in_the_lag_histogram_af
     assert after["kvd_event_loop_lag_seconds_count"] > before["kvd_event_loop_lag_seconds_count"] + 2
     assert after["kvd_event_loop_lag_seconds_sum"] >= 1.0
     assert after["kvd_event_loop_tick_age_seconds"] < 0.5
+    assert w.tick_age() == 0.0  # stopped: a loop no longer watched does not read as stalled
 
 
 def test_no_dump_when_off_and_no_warning_when_on_time(caplog, capfd):

@@ -299,6 +299,6 @@ def test_an_engine_socket_directory_the_daemon_makes_is_logged_with_its_mode(tmp
         make_socket_dir(str(sock))
         make_socket_dir(str(sock))  # there already: nothing to say
     made = [r.getMessage() for r in caplog.records if "created directory" in r.getMessage()]
-    mode = os.stat(sock.parent).st_mode & 0o777
-    assert made == [f"engine_socket: created directory {sock.parent} (mode {mode:04o}, uid {os.getuid()}, "
-                    f"gid {os.getgid()})"], made
+    mode = os.stat(tmp_path / "run").st_mode & 0o777
+    assert made == [f"engine_socket: created directory {sock.parent} (from {tmp_path / 'run'} down) (mode "
+                    f"{mode:04o}, uid {os.getuid()}, gid {os.getgid()})"], made

@@ -29,6 +29,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <math.h>
 #include <signal.h>
 #include <stdbool.h>
 #include <stddef.h>
@@ -113,6 +114,17 @@ static double cpu_s(void) { /* user + system seconds of every thread of this pro
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
     return ru.ru_utime.tv_sec + ru.ru_stime.tv_sec + (ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) * 1e-6;
+}
+
+static char *alloc_blocks(size_t bytes, int fill) { /* page-aligned, rounded up to whole pages */
+    size_t rounded = (bytes + 4095) & ~(size_t)4095;
+    char *buf = aligned_alloc(4096, rounded);
+    if (!buf) {
+        fprintf(stderr, "nixl_reads: cannot allocate %zu bytes\n", rounded);
+        exit(2);
+    }
+    memset(buf, fill, rounded);
+    return buf;
 }
 
 static void write_all(int fd, const void *buf, size_t len) {
@@ -201,8 +213,7 @@ static void exchange_md(handle_t agent, int out, int in, char **peer) {
 
 static int run_source(int out, int in, size_t block_len, int num_blocks) {
     size_t bytes = block_len * (size_t)num_blocks;
-    char *buf = aligned_alloc(4096, bytes);
-    memset(buf, 7, bytes);
+    char *buf = alloc_blocks(bytes, 7);
     handle_t backend, map;
     handle_t agent = make_agent("native-source", buf, bytes, &backend);
     char *peer;
@@ -252,8 +263,8 @@ static int cmp_double(const void *a, const void *b) {
 
 static int run_reader(int out, int in, double seconds, int batch, size_t block_len, int num_blocks) {
     size_t bytes = block_len * (size_t)num_blocks;
-    char *buf = aligned_alloc(4096, bytes);
-    memset(buf, 0, bytes);
+    char *buf = alloc_blocks(bytes, 0);
+    char *target = calloc((size_t)num_blocks, 1); /* local blocks some READ filled */
     handle_t backend, ldl, rdl, lh, rh;
     handle_t agent = make_agent("native-reader", buf, bytes, &backend);
     char *peer;
@@ -270,13 +281,17 @@ static int run_reader(int out, int in, double seconds, int batch, size_t block_l
     CHECK(nixl_capi_prep_xfer_dlist(agent, peer, rdl, &rh, NULL));
     handle_t *reqs = calloc(batch, sizeof *reqs);
     handle_t *opts = calloc(batch, sizeof *opts);
+    size_t max_batches = (size_t)(seconds * 1e6) + 16;
+    double *walls = calloc(max_batches, sizeof *walls);
+    if (!target || !reqs || !opts || !walls) {
+        fprintf(stderr, "nixl_reads: out of memory\n");
+        return 2;
+    }
     char msg[64];
     for (int i = 0; i < batch; i++) {
         CHECK(nixl_capi_create_opt_args(&opts[i]));
         CHECK(nixl_capi_opt_args_set_has_notif(opts[i], true));
     }
-    size_t max_batches = (size_t)(seconds * 1e6) + 16;
-    double *walls = calloc(max_batches, sizeof *walls);
     uint64_t loads = 0, serial = 0;
     size_t nb = 0;
     int warm = 3; /* untimed batches: connection setup, first use */
@@ -295,6 +310,7 @@ static int run_reader(int out, int in, double seconds, int batch, size_t block_l
         for (int i = 0; i < batch; i++) {
             int li = (int)((serial * 7) % (uint64_t)num_blocks), ri = (int)((serial * 13 + 5) % (uint64_t)num_blocks);
             int n = snprintf(msg, sizeof msg, "load-%llu", (unsigned long long)serial++);
+            target[li] = 1;
             CHECK(nixl_capi_make_xfer_req(agent, OP_READ, lh, &li, 1, rh, &ri, 1, &reqs[i], NULL));
             CHECK(nixl_capi_opt_args_set_notif_msg(opts[i], msg, (size_t)n));
             status_t st = nixl_capi_post_xfer_req(agent, reqs[i], opts[i]);
@@ -325,7 +341,8 @@ static int run_reader(int out, int in, double seconds, int batch, size_t block_l
             warm--;
             continue;
         }
-        walls[nb++ < max_batches ? nb - 1 : max_batches - 1] = now_s() - b0;
+        if (nb < max_batches)
+            walls[nb++] = now_s() - b0;
         loads += (uint64_t)batch;
     }
     double elapsed = now_s() - t0, used = cpu_s() - c0;
@@ -335,11 +352,17 @@ static int run_reader(int out, int in, double seconds, int batch, size_t block_l
     uint64_t notifs;
     read_all(in, &src_cpu, sizeof src_cpu);
     read_all(in, &notifs, sizeof notifs);
+    if (!loads || !nb) {
+        fprintf(stderr, "nixl_reads: no batch finished in %g s\n", seconds);
+        return 3;
+    }
     qsort(walls, nb, sizeof *walls, cmp_double);
-    double med = nb ? walls[nb / 2] : 0;
+    double med = walls[nb / 2];
+    /* Every block some READ filled holds the source's bytes (7), every other one is untouched (0). */
     for (size_t b = 0; b < bytes; b++) {
-        if (buf[b] != 7 && buf[b] != 0) {
-            fprintf(stderr, "nixl_reads: byte %zu is %d, not the source's 7\n", b, buf[b]);
+        int want = target[b / block_len] ? 7 : 0;
+        if (buf[b] != want) {
+            fprintf(stderr, "nixl_reads: byte %zu is %d, not %d\n", b, buf[b], want);
             return 3;
         }
     }
@@ -362,8 +385,11 @@ int main(int argc, char **argv) {
     double seconds = atof(argv[1]);
     int batch = atoi(argv[2]), num_blocks = atoi(argv[4]);
     long block_len = atol(argv[3]);
-    if (seconds <= 0 || batch <= 0 || batch > 4096 || block_len <= 0 || num_blocks <= 0 || num_blocks > (1 << 20)) {
-        fprintf(stderr, "nixl_reads: SECONDS > 0, 1 <= BATCH <= 4096, BLOCK_LEN > 0, 1 <= NUM_BLOCKS <= 2^20\n");
+    if (!isfinite(seconds) || seconds < 0.01 || seconds > 3600 || batch <= 0 || batch > 4096 || block_len <= 0 ||
+        block_len > (1L << 30) || num_blocks <= 0 || num_blocks > (1 << 20) ||
+        (double)block_len * num_blocks > (double)(1ULL << 34)) {
+        fprintf(stderr, "nixl_reads: 0.01 <= SECONDS <= 3600, 1 <= BATCH <= 4096, 1 <= BLOCK_LEN <= 2^30, "
+                        "1 <= NUM_BLOCKS <= 2^20, BLOCK_LEN x NUM_BLOCKS <= 16 GiB\n");
         return 64;
     }
     int p2c[2], c2p[2];

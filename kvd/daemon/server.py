@@ -71,13 +71,16 @@ log = logging.getLogger("kvd.server")
 #: (SETTINGS_MAX_CONCURRENT_STREAMS). Unbounded (gRPC's default), a caller
 #: that pipelines unary calls and never reads the answers makes gRPC keep
 #: every answer: ~47,000 GetStats on one connection held +106 MiB of RSS;
-#: with 1,024, 60,000 cost +21 MiB (256: +7). A stream past the bound is
-#: refused at once, and grpc-python's client fails such a call UNAVAILABLE
-#: rather than queueing it, so the bound is far above an engine's use (its
-#: session stream, a renewal or stats call now and then). The peer port
-#: keeps gRPC's default: a reader daemon's one channel to a source carries a
-#: claim per load that waits (up to max_workers x max_inflight_per_worker),
-#: and its callers are authenticated daemons.
+#: with 1,024, 60,000 cost +21 MiB (256: +7). Past the bound, grpc-python's
+#: client queues a call for a slot (or, for calls sent before it learnt the
+#: bound, fails it UNAVAILABLE); all channels of one process to the same
+#: socket share a connection, so the bound is per engine process: far above
+#: what one uses (a session stream per worker, a renewal or stats call now
+#: and then). It does not bound a request still arriving: gRPC buffers each
+#: open stream's message, up to max_message_bytes, before any handler runs
+#: (docs/SECURITY.md, "Not bounded yet"). The peer port keeps gRPC's
+#: default: a reader daemon's one channel to a source carries a claim per
+#: load that waits (up to max_workers x max_inflight_per_worker).
 ENGINE_MAX_STREAMS = 1024
 
 
@@ -153,6 +156,9 @@ def make_socket_dir(path: str) -> None:
             directory"), or the directory cannot be made (its ``strerror``).
     """
     parent = os.path.dirname(os.path.abspath(path))
+    top = parent  # the first directory to be made (its parents exist)
+    while not os.path.exists(os.path.dirname(top)) and os.path.dirname(top) != top:
+        top = os.path.dirname(top)
     existed = os.path.isdir(parent)
     try:
         os.makedirs(parent, exist_ok=True)
@@ -167,9 +173,9 @@ def make_socket_dir(path: str) -> None:
     if not existed:
         # Said: an operator finds a directory the unit or chart did not make,
         # with the daemon's umask (who may enter it decides who reaches the socket).
-        st = os.stat(parent)
-        log.info("engine_socket: created directory %s (mode %04o, uid %d, gid %d)", parent,
-                 stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid)
+        st = os.stat(top)
+        log.info("engine_socket: created directory %s (mode %04o, uid %d, gid %d)", parent if top == parent
+                 else f"{parent} (from {top} down)", stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid)
 
 
 def routable_address(port: int) -> str:

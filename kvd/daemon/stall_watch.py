@@ -149,7 +149,7 @@ class StallWatch:
         self._ticked: float | None = None  # time.monotonic() of the last tick (or the start)
 
     def tick_age(self) -> float:
-        """Seconds since the loop last ticked (0 before :meth:`start`):
+        """Seconds since the loop last ticked (0 before :meth:`start` and after :meth:`stop`):
         about ``tick_s`` at most while it runs, more while it is stalled.
         Safe from any thread (one float read)."""
         t = self._ticked
@@ -161,7 +161,9 @@ class StallWatch:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="kvd-stall-watch")
 
     async def stop(self) -> None:
-        """Stops the watch and disarms the dump."""
+        """Stops the watch and disarms the dump; :meth:`tick_age` reads 0
+        from now on (a loop no longer watched is not a stalled one)."""
+        self._ticked = None
         if self._task is not None:
             self._task.cancel()
             try:
@@ -195,7 +197,8 @@ class StallWatch:
                 due = loop.time() + self.tick_s
                 await asyncio.sleep(self.tick_s)
                 late = max(0.0, loop.time() - due)
-                self._ticked = time.monotonic()
+                if self._ticked is not None:  # not stopped meanwhile
+                    self._ticked = time.monotonic()
                 if self.on_tick is not None:
                     self.on_tick(late, late > self.warn_s)
                 now_cpu, now_threads, now_machine = os.times(), thread_cpu(), machine_cpu()

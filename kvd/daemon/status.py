@@ -57,7 +57,9 @@ def build_stats(node: Node, draining: bool = False, backends: list[str] | None =
         backends=backends or [], metrics_address=metrics_address, command_socket=command_socket,
         lease_s=node.rt.limits.lease_s, max_lease_life_s=node.rt.limits.max_lease_life_s,
         follow_holds=node.rt.limits.follow_holds,
-        warm_peers_configured=[f"{a}/{e}" for a, e in node.rt.limits.warm_peers],
+        # The setting names remote engines: shown to callers who see every worker (root, the daemon's uid),
+        # as the per-worker warm_peers rows are to their workers' owners only.
+        warm_peers_configured=[f"{a}/{e}" for a, e in node.rt.limits.warm_peers] if visible is None else [],
         versions=_VERSIONS, **counts,
     )
     now = time.monotonic()
