@@ -91,11 +91,10 @@ def build(cc: str | None = None) -> str:
     return str(BINARY)
 
 
-def native(seconds: float, progress_us: int, num_threads: int, batch: int = CONCURRENCY,
+def native(binary: str, seconds: float, progress_us: int, num_threads: int, batch: int = CONCURRENCY,
            block_len: int = BLOCK_LEN, num_blocks: int = NUM_BLOCKS) -> dict:
-    """One run of the native benchmark (its JSON line as a dict). Raises
-    RuntimeError with its stderr when it fails."""
-    binary = build()
+    """One run of the native benchmark ``binary`` (:func:`build`'s), its JSON
+    line as a dict. Raises RuntimeError with its stderr when it fails."""
     r = subprocess.run([binary, str(seconds), str(batch), str(block_len), str(num_blocks), str(progress_us),
                         str(num_threads)], capture_output=True, text=True, timeout=seconds + 120)
     if r.returncode:
@@ -122,13 +121,13 @@ def plain(seconds: float, progress_us: int, num_threads: int, batch: int = CONCU
         walls = []
         while time.monotonic() - t0 < seconds:
             walls.append(nixl_batch(pair, block_len, src.size, ids, batch, poll_s)[0])
+        elapsed = time.monotonic() - t0
         c1 = [cm.cpu_seconds(p) for p in pids]
     finally:
         if pair is not None:
             pair.close()
         src.close()
         dst.close()
-    elapsed = time.monotonic() - t0
     n = batch * len(walls)
     return dict(loads=n, seconds=elapsed, loads_s=n / elapsed, median_batch_loads_s=batch / cm.median(walls),
                 reader_cpu_us_per_load=(c1[0] - c0[0]) / n * 1e6, source_cpu_us_per_load=(c1[1] - c0[1]) / n * 1e6)
@@ -138,11 +137,11 @@ def run(seconds: float, rounds: int) -> dict:
     """``rounds`` rounds of every case, alternating; the medians per case."""
     from benchmarks import cpu_per_load
 
-    build()
+    binary = build()
     runs: dict[str, list[dict]] = {}
     for r in range(rounds):
         for name, progress_us, threads in AGENTS:
-            runs.setdefault(f"NIXL from C, {name}", []).append(native(seconds, progress_us, threads))
+            runs.setdefault(f"NIXL from C, {name}", []).append(native(binary, seconds, progress_us, threads))
             runs.setdefault(f"NIXL from Python, {name}", []).append(plain(seconds, progress_us, threads))
         k = cpu_per_load.run(seconds)
         runs.setdefault("kvd (one P, one D daemon)", []).append(dict(
@@ -150,7 +149,8 @@ def run(seconds: float, rounds: int) -> dict:
             reader_cpu_us_per_load=k["d_cpu_us"],
             source_cpu_us_per_load=k["p_cpu_us"], engine_cpu_us_per_load=k["engine_cpu_us"]))
         print(f"round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
-    keys = ("median_batch_loads_s", "loads_s", "reader_cpu_us_per_load", "source_cpu_us_per_load", "engine_cpu_us_per_load")
+    keys = ("median_batch_loads_s", "loads_s", "reader_cpu_us_per_load", "source_cpu_us_per_load",
+            "engine_cpu_us_per_load")
     summary = {case: {k: cm.median([x[k] for x in xs]) for k in keys if k in xs[0]} for case, xs in runs.items()}
     return dict(seconds=seconds, rounds=rounds, batch=CONCURRENCY, block_len=BLOCK_LEN, summary=summary, runs=runs,
                 loadavg=os.getloadavg(), machine=cm.machine())

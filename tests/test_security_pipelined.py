@@ -15,18 +15,14 @@ import time
 import pytest
 
 from kvd.bench.common import proc_status
+from kvd.daemon.h2_refusal import _PREFACE, _frame, _hpack_string
 from kvd.testing.daemons import start_daemon
 from kvd.testing.util import wait_until
 
 
-def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
-    return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream.to_bytes(4, "big") + payload
-
-
 def _literal(name: bytes, value: bytes) -> bytes:
-    """An HPACK literal header field, not indexed, new name, short strings (RFC 7541 6.2.2)."""
-    assert len(name) < 127 and len(value) < 127
-    return b"\x00" + bytes((len(name),)) + name + bytes((len(value),)) + value
+    """An HPACK literal header field, not indexed, new name (RFC 7541 6.2.2)."""
+    return b"\x00" + _hpack_string(name) + _hpack_string(value)
 
 
 _HEADERS = b"".join(_literal(k, v) for k, v in (
@@ -58,7 +54,7 @@ def test_pipelined_calls_never_read_are_bounded_and_leave_nothing_after_the_call
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # reads nothing, and holds little for the daemon
     s.connect(daemon.socket)
     # The preface, empty SETTINGS, a large connection window; then calls, as fast as the socket takes them.
-    s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + _frame(0x4, 0, 0) + _frame(0x8, 0, 0, (1 << 30).to_bytes(4, "big")))
+    s.sendall(_PREFACE + _frame(0x4, 0, 0) + _frame(0x8, 0, 0, (1 << 30).to_bytes(4, "big")))
     s.settimeout(5)
     sent = 0
     try:

@@ -99,8 +99,6 @@ def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES, max_streams: int 
     return opts
 
 
-SERVER_OPTIONS = server_options()
-
 
 def bind_failure(host: str, port: int) -> str:
     """Why the TCP address ``host:port`` cannot be bound, for a startup error:
