@@ -113,7 +113,7 @@ class Config:
     transfer_timeout_s: float = _setting(30.0, "a transfer not done by then fails its request, seconds")
     handshake_timeout_s: float = _setting(10.0, "deadline of one handshake with a remote daemon, seconds")
     stall_dump_s: float = _setting(10.0, "the event loop not run for this long: every thread's Python stack "
-                                         "goes to the log (faulthandler, plain text), seconds; every stall "
+                                         "goes to the log (a watchdog thread, plain text), seconds; every stall "
                                          "over 2 s is logged at WARNING with each thread's CPU seconds and "
                                          "the machine's; 0: no stack dump, the WARNING only")
     detach_grace_s: float = _setting(10.0, "an engine whose session stream has been gone this long "

@@ -56,7 +56,7 @@ def test_a_blocked_loop_is_logged_and_its_stacks_written(caplog, capfd):
     assert "MainThread" in rec.getMessage() and "Python stack is written" in rec.getMessage(), rec.getMessage()
     assert "the machine's CPUs: user" in rec.getMessage(), rec.getMessage()
     err = capfd.readouterr().err
-    # faulthandler's dump, from its own C thread while the loop was blocked.
+    # The watchdog thread's dump, written while the loop was blocked.
     assert "most recent call first" in err and "test_stall_watch.py" in err, err[-2000:]
 
 
@@ -137,9 +137,9 @@ def test_a_stopped_daemon_says_so_when_it_runs_again(tmp_path):
         wait_until(lambda: "event loop stalled" in d.log(), 20, "the stall logged")
         log = d.log()
         assert "threads that ran:" in log, d.log_tail(40)
-        # The stack dump races SIGCONT: the loop may re-arm the timer before
-        # faulthandler's thread runs (the dump is checked above, in-process).
-        assert log.count("Timeout (0:00:01)!") <= 1, d.log_tail(60)
+        # The stack dump races SIGCONT: the loop may tick before the watchdog
+        # thread looks (the dump is checked above, in-process). Once at most.
+        assert log.count("Stall: the event loop has not run") <= 1, d.log_tail(60)
         assert d.stats().peer_address
     finally:
         code = d.stop()

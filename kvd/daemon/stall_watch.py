@@ -15,11 +15,17 @@ given no CPU at all while the machine's CPUs were all busy with the engines
   a lock or the GIL (held by a thread blocked in a native call) when the
   machine had idle CPU, for a CPU when it had none; one thread's seconds
   mean it ran.
-- ``faulthandler.dump_traceback_later``, re-armed at every tick: when the
-  task has not re-armed it for ``stall_dump_s`` seconds, a C thread that
-  needs no GIL writes every Python thread's stack to stderr (the daemon's
-  log) once per stall: which call each thread is in. It is plain text,
-  also under ``log_format = "json"``.
+- A watchdog thread (``kvd-stall-dump``): when the loop has not ticked for
+  ``stall_dump_s`` seconds, it writes every Python thread's stack to stderr
+  (the daemon's log) once per stall: which call each thread is in. It is
+  plain text, also under ``log_format = "json"``. It takes the GIL to read
+  the frames (``sys._current_frames``), so a stall that holds the GIL in a
+  native call gets no dump (the WARNING above still says which thread ran).
+  ``faulthandler.dump_traceback_later`` did this without the GIL until a
+  daemon died or hung in the middle of such a dump: on a loaded machine,
+  its timer ran out while the process was stopped, and at SIGCONT its
+  thread walked the main thread's frames while that thread ran again
+  (CPython's GIL-free walk is best-effort).
 
 Every tick's lateness also goes to ``on_tick`` (the daemon's
 ``kvd_event_loop_lag_seconds`` histogram and ``kvd_event_loop_stalls_total``),
@@ -27,20 +33,17 @@ and :meth:`StallWatch.tick_age` tells, from any thread, how long ago the
 loop last ticked: the metrics thread serves it as
 ``kvd_event_loop_tick_age_seconds``, which grows while a stall lasts (the
 lag histogram learns of a stall only once it ends).
-
-The faulthandler timer is process-wide (one per process): the daemon is its
-only user.
 """
 
 from __future__ import annotations
 
 import asyncio
-import faulthandler
 import logging
 import os
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 
 log = logging.getLogger("kvd.stall")
@@ -138,14 +141,15 @@ class StallWatch:
     def __init__(self, stall_dump_s: float, tick_s: float = TICK_S, warn_s: float = WARN_S,
                  on_tick: Callable[[float, bool], None] | None = None):
         self.stall_dump_s = stall_dump_s
-        # Re-armed at every tick: ticks well inside the dump's timeout.
+        # Ticks (and the watchdog's checks) well inside the dump's bound.
         self.tick_s = min(tick_s, stall_dump_s / 4) if stall_dump_s > 0 else tick_s
         self.warn_s = warn_s
         self.on_tick = on_tick
         self.stalls = 0          # late wakes logged
         self.longest_s = 0.0     # the longest, seconds past its time
         self._task: asyncio.Task | None = None
-        self._armed = False
+        self._dumper: threading.Thread | None = None
+        self._stopping = threading.Event()
         self._ticked: float | None = None  # time.monotonic() of the last tick (or the start)
 
     def tick_age(self) -> float:
@@ -159,6 +163,10 @@ class StallWatch:
         """Starts the watch on the running event loop."""
         self._ticked = time.monotonic()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="kvd-stall-watch")
+        if self.stall_dump_s > 0:
+            self._stopping.clear()
+            self._dumper = threading.Thread(target=self._watch_dog, name="kvd-stall-dump", daemon=True)
+            self._dumper.start()
 
     async def stop(self) -> None:
         """Stops the watch and disarms the dump; :meth:`tick_age` reads 0
@@ -171,48 +179,61 @@ class StallWatch:
             except asyncio.CancelledError:
                 pass
             self._task = None
-        self._disarm()
+        self._stopping.set()
+        if self._dumper is not None:
+            self._dumper.join(5.0)
+            self._dumper = None
 
-    def _arm(self) -> None:
-        if self.stall_dump_s > 0:
-            try:
-                faulthandler.dump_traceback_later(self.stall_dump_s, repeat=False, file=sys.stderr)
-                self._armed = True
-            except (RuntimeError, ValueError, OSError, AttributeError):  # stderr closed or not a file
-                self.stall_dump_s = 0
-
-    def _disarm(self) -> None:
-        if self._armed:
-            faulthandler.cancel_dump_traceback_later()
-            self._armed = False
+    def _watch_dog(self) -> None:
+        """The ``kvd-stall-dump`` thread: every ``tick_s``, a loop that has not
+        ticked for ``stall_dump_s`` gets its threads' stacks dumped, once per stall."""
+        dumped = None  # the tick (its time) whose stall was dumped
+        while not self._stopping.wait(self.tick_s):
+            t = self._ticked
+            if t is not None and t != dumped and time.monotonic() - t >= self.stall_dump_s:
+                dumped = t
+                dump_stacks(f"the event loop has not run for {time.monotonic() - t:.1f} s "
+                            f"(stall_dump_s {self.stall_dump_s:g})")
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         cpu = os.times()
         threads = thread_cpu()
         machine = machine_cpu()
-        try:
-            while True:
-                self._arm()
-                due = loop.time() + self.tick_s
-                await asyncio.sleep(self.tick_s)
-                late = max(0.0, loop.time() - due)
-                if self._ticked is not None:  # not stopped meanwhile
-                    self._ticked = time.monotonic()
-                if self.on_tick is not None:
-                    self.on_tick(late, late > self.warn_s)
-                now_cpu, now_threads, now_machine = os.times(), thread_cpu(), machine_cpu()
-                if late > self.warn_s:
-                    self.stalls += 1
-                    self.longest_s = max(self.longest_s, late)
-                    log.warning(
-                        "event loop stalled %.1f s (nothing served meanwhile): process CPU %.2f s user, "
-                        "%.2f s system over the last %.1f s; threads that ran: %s; the machine's CPUs: %s%s",
-                        late, now_cpu.user - cpu.user, now_cpu.system - cpu.system, self.tick_s + late,
-                        describe_gap(threads, now_threads), describe_machine(machine, now_machine),
-                        (f"; each thread's Python stack is written to the log once a stall passes "
-                         f"{self.stall_dump_s:g} s (stall_dump_s)" if 0 < self.stall_dump_s <= late else ""))
-                cpu, threads, machine = now_cpu, now_threads, now_machine
-        finally:
-            self._disarm()
+        while True:
+            due = loop.time() + self.tick_s
+            await asyncio.sleep(self.tick_s)
+            late = max(0.0, loop.time() - due)
+            if self._ticked is not None:  # not stopped meanwhile
+                self._ticked = time.monotonic()
+            if self.on_tick is not None:
+                self.on_tick(late, late > self.warn_s)
+            now_cpu, now_threads, now_machine = os.times(), thread_cpu(), machine_cpu()
+            if late > self.warn_s:
+                self.stalls += 1
+                self.longest_s = max(self.longest_s, late)
+                log.warning(
+                    "event loop stalled %.1f s (nothing served meanwhile): process CPU %.2f s user, "
+                    "%.2f s system over the last %.1f s; threads that ran: %s; the machine's CPUs: %s%s",
+                    late, now_cpu.user - cpu.user, now_cpu.system - cpu.system, self.tick_s + late,
+                    describe_gap(threads, now_threads), describe_machine(machine, now_machine),
+                    (f"; each thread's Python stack is written to the log once a stall passes "
+                     f"{self.stall_dump_s:g} s (stall_dump_s)" if 0 < self.stall_dump_s <= late else ""))
+            cpu, threads, machine = now_cpu, now_threads, now_machine
 
+
+def dump_stacks(why: str, out=None) -> None:
+    """Writes every Python thread's stack (most recent call first), by
+    thread name, to ``out`` (stderr), headed by ``why``; never raises."""
+    out = out or sys.stderr
+    try:
+        names = {t.ident: t.name for t in threading.enumerate()}
+        lines = [f"Stall: {why}; every thread's Python stack:"]
+        for ident, frame in sys._current_frames().items():
+            lines.append(f"Thread {names.get(ident, '?')} (0x{ident:x}) (most recent call first):")
+            for fs in reversed(traceback.extract_stack(frame)):
+                lines.append(f'  File "{fs.filename}", line {fs.lineno} in {fs.name}')
+        out.write("\n".join(lines) + "\n")
+        out.flush()
+    except Exception:  # stderr closed: the WARNING still goes to the log
+        pass
