@@ -205,3 +205,28 @@ def test_row_map_edges_are_the_first_and_last_block_rows_of_every_region():
     all_rows = rm.all()
     assert all_rows[:, 0].min() == edges[:, 0].min()
     assert (all_rows[:, 0] + all_rows[:, 1]).max() == (edges[:, 0] + edges[:, 1]).max()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_small_plans_index_the_same_rows_as_the_numpy_path(seed, monkeypatch):
+    """chunk_indices computes a small one-group plan in Python
+    (plan.SMALL_PLAN_ROWS); it must name exactly the rows the numpy path
+    names, in the same order, up to the threshold and past it."""
+    from kvd.core import plan
+
+    rng = np.random.default_rng(seed)
+    for _ in range(40):
+        regions, C = int(rng.integers(1, 5)), int(rng.integers(1, 5))
+        lnb, rnb = int(rng.integers(8, 300)), int(rng.integers(8, 300))
+        n = int(rng.integers(0, min(lnb, rnb, 80 // (regions * C) + 3)))
+        rb = [int(x) for x in rng.choice(rnb, n, replace=False)]
+        lb = [int(x) for x in rng.choice(lnb, n + int(rng.integers(0, 3)) if n < lnb - 3 else n, replace=False)]
+        fast = plan.chunk_indices([lb], [rb], regions, lnb, rnb, 1, C)
+        with monkeypatch.context() as m:
+            m.setattr(plan, "SMALL_PLAN_ROWS", -1)
+            slow = plan.chunk_indices([lb], [rb], regions, lnb, rnb, 1, C)
+        for a, b in zip(fast, slow):
+            assert a.dtype == b.dtype == np.int32
+            assert a.tolist() == b.tolist()
+    with pytest.raises(plan.LayoutError):  # the checks come first on either path
+        plan.chunk_indices([[5]], [[300]], 1, 128, 128, 1, 1)

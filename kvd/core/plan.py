@@ -381,6 +381,17 @@ def chunk_indices(local_blocks, remote_blocks, num_regions: int, local_num_block
     region_groups = tuple(region_groups) if region_groups is not None else (0,) * num_regions
     lgroups, rgroups = check_request(local_blocks, remote_blocks, local_num_blocks, remote_num_blocks, k,
                                      region_groups)
+    if k == 1 and len(rgroups[0]) * num_regions * C <= SMALL_PLAN_ROWS and not any(region_groups):
+        # One group, whole blocks, a few rows: Python arithmetic on the ids
+        # beats a dozen numpy calls on tiny arrays (measured here: 2.3 us
+        # against 7.8 for one block of one region, 7.2 against 13.6 for 16).
+        rb = rgroups[0]
+        lb = lgroups[0][:len(rb)]
+        lstep, rstep, chunks = local_num_blocks * C, remote_num_blocks * C, range(C)
+        return (np.array([i * lstep + b * C + c for i in range(num_regions) for b in lb for c in chunks],
+                         dtype=np.int32),
+                np.array([i * rstep + b * C + c for i in range(num_regions) for b in rb for c in chunks],
+                         dtype=np.int32))
     # A small load's whole plan is a few array operations: the per-region
     # bases and chunk offsets are cached, the slot arithmetic is skipped for
     # k = 1 (measured: 16 blocks, one region, in ~15 us against ~90 us with
@@ -430,6 +441,11 @@ def check_request(local_blocks, remote_blocks, local_num_blocks: int, remote_num
         check_block_ids(lb, local_num_blocks, "local ")
         check_block_ids(rb, remote_num_blocks, "remote ")
     return lgroups, rgroups
+
+
+#: Rows of a request (regions x blocks x chunks) up to which
+#: :func:`chunk_indices` computes its indices in Python rather than numpy.
+SMALL_PLAN_ROWS = 64
 
 
 @functools.lru_cache(maxsize=256)
