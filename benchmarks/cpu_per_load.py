@@ -13,6 +13,11 @@ benchmark itself (``EngineClient`` for both workers, polling every 50 us
 as ``kvd bench`` does). D's counters tell how the loads were granted
 (``claims_sent``, ``claims_followed``, ``claims_waited`` per load).
 
+``--threads`` adds each thread's CPU and context switches per load
+(``/proc/PID/task``, as ``benchmarks/thread_cpu.py``): which thread is
+busy, and whether it ever waits (a thread with almost no voluntary switches
+is never idle: the one that caps loads/s when cores are free).
+
 A before/after of a code change: run it against each checkout in turn,
 several alternating pairs, by path from outside the repository so that
 ``PYTHONPATH`` picks the code (the daemons run what the benchmark
@@ -28,17 +33,24 @@ import os
 import sys
 import time
 
+try:
+    from benchmarks import thread_cpu
+except ImportError:  # run by path, PYTHONPATH naming another checkout's kvd only (see above)
+    import thread_cpu
 from kvd.bench import common as cm
 from kvd.bench.kvd_pair import HOLD_AHEAD_S, KvdPair
 from kvd.bench.throughput import BLOCK_LEN, CONCURRENCY, kvd_batch, segments
 
 
 def run(seconds: float, concurrency: int = CONCURRENCY, block_len: int = BLOCK_LEN, poll_s: float = 50e-6,
-        hold_ahead_s: float = HOLD_AHEAD_S, warm_batches: int = 3) -> dict:
+        hold_ahead_s: float = HOLD_AHEAD_S, warm_batches: int = 3, threads: bool = False) -> dict:
     """Batches of ``concurrency`` one-block loads of ``block_len`` bytes, back
     to back for ``seconds`` after ``warm_batches`` untimed ones. Returns a
     dict: loads, seconds, median batch loads/s, CPU per load (us) of P, D
-    and this process, and D's claim counters per load."""
+    and this process, and D's claim counters per load; with ``threads``,
+    ``threads``: per process, rows ``[thread, CPU us, voluntary and
+    involuntary context switches]`` per load, busiest first (``main`` is
+    the process's first thread, which runs a daemon's event loop)."""
     src, dst, ids = segments(concurrency, block_len, 1)
     wd = cm.workdir()
     kvd = None
@@ -49,6 +61,8 @@ def run(seconds: float, concurrency: int = CONCURRENCY, block_len: int = BLOCK_L
             kvd.drain_sources()
         p, d = kvd.p.proc.pid, kvd.d.proc.pid
         s0 = kvd.d.stats()
+        pids = {"P": p, "D": d, "engine": os.getpid()}
+        t0s = {k: thread_cpu.snap(v) for k, v in pids.items()} if threads else {}
         c0 = (cm.cpu_seconds(p), cm.cpu_seconds(d), time.process_time())
         t0 = time.monotonic()
         walls = []
@@ -58,6 +72,7 @@ def run(seconds: float, concurrency: int = CONCURRENCY, block_len: int = BLOCK_L
             walls.append(w)
         elapsed = time.monotonic() - t0
         c1 = (cm.cpu_seconds(p), cm.cpu_seconds(d), time.process_time())
+        t1s = {k: thread_cpu.snap(v) for k, v in pids.items()} if threads else {}
         s1 = kvd.d.stats()
     finally:
         if kvd is not None:
@@ -73,20 +88,40 @@ def run(seconds: float, concurrency: int = CONCURRENCY, block_len: int = BLOCK_L
                 claims_sent=(s1.claims_sent - s0.claims_sent) / n,
                 claims_followed=(s1.claims_followed - s0.claims_followed) / n,
                 claims_waited=(s1.claims_waited - s0.claims_waited) / n if hasattr(s1, "claims_waited") else None,
-                loadavg=os.getloadavg())
+                loadavg=os.getloadavg(),
+                **({"threads": {k: _per_thread(t0s[k], t1s[k], pids[k], n) for k in t0s}} if threads else {}))
+
+
+def _per_thread(before: dict, after: dict, pid: int, loads: int) -> list[list]:
+    """Rows ``[thread, CPU us, voluntary, involuntary switches]`` per load
+    for threads that lived through the window and did something."""
+    rows = []
+    for tid, (comm, u1, s1, v1, n1) in after.items():
+        if tid not in before:
+            continue
+        _, u0, s0, v0, n0 = before[tid]
+        cpu = ((u1 - u0) + (s1 - s0)) / thread_cpu.HZ / loads * 1e6
+        if cpu >= 1.0 or (v1 - v0) / loads >= 0.05:
+            rows.append(["main" if tid == pid else f"{comm} {tid}", round(cpu, 1), round((v1 - v0) / loads, 2),
+                         round((n1 - n0) / loads, 2)])
+    return sorted(rows, key=lambda r: -r[1])
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=10.0, help="timed window (default 10)")
     ap.add_argument("--json", metavar="FILE", help="append the result as one JSON line here")
+    ap.add_argument("--threads", action="store_true", help="also each thread's CPU and context switches per load")
     args = ap.parse_args(argv)
-    res = run(args.seconds)
+    res = run(args.seconds, threads=args.threads)
     print(f"{res['loads']:,} loads in {res['seconds']:.1f} s, {res['loads_s_median']:,.0f} loads/s (median batch); "
           f"CPU per load: P {res['p_cpu_us']:.0f} us, D {res['d_cpu_us']:.0f} us, engine "
           f"{res['engine_cpu_us']:.0f} us (total {res['total_cpu_us']:.0f}); per load: claims sent "
           f"{res['claims_sent']:.2f}, followed {res['claims_followed']:.2f}, waited "
           f"{'-' if res['claims_waited'] is None else format(res['claims_waited'], '.2f')}")
+    for proc, rows in res.get("threads", {}).items():
+        print(f"  {proc}: " + "; ".join(f"{name} {cpu:.0f} us ({vol:.2f} vol, {inv:.2f} invol switches)"
+                                      for name, cpu, vol, inv in rows))
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps(res) + "\n")

@@ -76,9 +76,12 @@ def test_pairs_benchmark_reports_aggregate_loads_and_scaling(tmp_path):
 def test_cpu_per_load_reports_each_process_and_how_loads_were_granted(tmp_path):
     """benchmarks.cpu_per_load: a short window of back-to-back batches; CPU
     per load of P, D and the engine, and D's claim counters per load (every
-    load granted by the followed holds or a claim: one source rank each)."""
+    load granted by the followed holds or a claim: one source rank each);
+    with --threads, each process's threads, its event loop's ("main") among
+    them, their CPU per load adding up to at most the process's."""
     out = tmp_path / "cpu.json"
-    r = subprocess.run([sys.executable, "-m", "benchmarks.cpu_per_load", "--seconds", "1", "--json", str(out)],
+    r = subprocess.run([sys.executable, "-m", "benchmarks.cpu_per_load", "--seconds", "1", "--threads", "--json",
+                        str(out)],
                        capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(out.read_text().splitlines()[-1])
@@ -87,6 +90,12 @@ def test_cpu_per_load_reports_each_process_and_how_loads_were_granted(tmp_path):
     assert abs(res["claims_sent"] + res["claims_followed"] - 1.0) < 1e-9, res
     assert 0 <= res["claims_waited"] <= 1
     assert "CPU per load: P" in r.stdout
+    for proc, key in (("P", "p_cpu_us"), ("D", "d_cpu_us")):
+        rows = res["threads"][proc]
+        assert any(r[0] == "main" for r in rows), rows  # a daemon's event loop works
+        # /proc counts in clock ticks (10 ms): a thread's share is rounded, not more than the process's
+        assert sum(r[1] for r in rows) <= res[key] * 1.05 + 1e6 * len(rows) * 0.01 / res["loads"], (rows, res[key])
+    assert "  D: main" in r.stdout
 
 
 def test_daemon_entry_sets_module_constants_and_refuses_typos():
