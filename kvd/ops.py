@@ -14,6 +14,7 @@ import os
 import stat
 from dataclasses import dataclass
 
+from kvd import command_wire, fd_wire
 from kvd.usage import EXIT_NOT_SERVING, EXIT_OK, EXIT_UNREACHABLE
 
 # The services a daemon reports health for ('' is the whole server).
@@ -54,6 +55,10 @@ def _unreachable(command: str, target: str, e) -> Answer:
         if not _is_socket(path):
             return Answer(EXIT_UNREACHABLE, f"kvd {command}: {path} is not a socket: name the daemon's engine "
                                             f"socket with --socket")
+        for side, suffix in (("command socket", command_wire.SUFFIX), ("fd side channel", fd_wire.SUFFIX)):
+            if path.endswith(suffix) and _is_socket(path[:-len(suffix)]):
+                return Answer(EXIT_UNREACHABLE, f"kvd {command}: {path} is a daemon's {side}, which serves no "
+                                                f"gRPC: name its engine socket, --socket {path[:-len(suffix)]}")
         if "Connection refused" in (e.details() or ""):
             # Nothing listens: a daemon killed without its cleanup (SIGKILL,
             # a crash); the next `kvd serve` there takes the path over.

@@ -33,6 +33,8 @@ def test_kvd_bench_quick_reports_ratios(tmp_path):
     assert min(more["a_s"] + more["b_s"]) > 0
     assert "goal small load (16 x 64 KiB), kvd time / plain NIXL time <= 1.5x" in r.stdout
     assert "median of 6 rounds' ratios" in r.stdout
+    assert g["small_load_min"] <= g["small_load_a_time_over_b"] <= g["small_load_max"]
+    assert f"rounds {g['small_load_min']:.2f}-{g['small_load_max']:.2f}x" in r.stdout
     # (3): 64 one-block loads in flight through one P and one D daemon, and plain NIXL.
     tp = res["throughput"]
     assert tp["concurrency"] == 64 and tp["blocks"] == 1 and tp["block_len"] == 4 << 10
@@ -52,6 +54,27 @@ def test_kvd_bench_quick_reports_ratios(tmp_path):
         # machine's load; the figures must be there and measured.
         assert cases[16]["loads_done"] >= 0 and all(c["p50_us"] > 0 for c in cases.values())
         assert res["engine_step"]["unary_getstats"]["p50_us"] > 0
+
+
+def test_goals_name_the_cells_the_noise_decides_and_the_small_loads_range():
+    """A cell whose rounds fall on both sides of 0.97 is counted apart (a
+    quick run's one slow round of (b) passed a cell ~0.3 in longer runs);
+    the small load's per-round ratios give their range."""
+    from kvd.bench import dataplane
+
+    def cell(bl, n, a, b):
+        c = dataplane.Cell(bl, n)
+        c.a, c.b, c.c = a, b, [x / 10 for x in a]
+        return c.summary()
+
+    res = {"cells": [cell(64 << 10, 16, [2.0, 2.0, 2.2], [0.5, 0.4, 0.6]),       # small load: 4, 5, 3.67x
+                     cell(256 << 10, 16, [1.0, 1.0, 1.0], [0.3, 2.0, 0.3]),      # one round passes: split
+                     cell(1 << 20, 16, [1.0, 1.0], [0.99, 1.2])],                # both pass
+           "small_load": {"a_s": [1.0], "b_s": [0.5]}}                           # 2x
+    g = dataplane.goals(res)
+    assert g["a_over_b_cells_met"] == "1/3" and g["a_over_b_cells_split"] == 1
+    assert g["small_load_rounds"] == 4 and (g["small_load_min"], g["small_load_max"]) == (2.0, 5.0)
+    assert g["small_load_a_time_over_b"] == pytest.approx((11 / 3 + 4) / 2)
 
 
 def test_pairs_benchmark_reports_aggregate_loads_and_scaling(tmp_path):

@@ -222,6 +222,33 @@ def test_bad_frames_close_the_connection_and_the_daemon_serves_on(daemon, bad):
     assert daemon.proc.poll() is None
 
 
+def test_a_grpc_client_on_the_command_socket_is_told_the_engine_sockets_path(daemon):
+    """``kvd status --socket X.cmd`` (or any gRPC client) on the command
+    socket: its call is answered FAILED_PRECONDITION naming the engine
+    socket (the preface is not read as a 541 MB frame), the CLI says the
+    same with exit code 2, nothing is left open, and the daemon serves on."""
+    import subprocess
+    import sys
+
+    cmd_path = command_socket_path(daemon.socket)
+    fds = len(os.listdir(f"/proc/{daemon.proc.pid}/fd"))
+    with grpc.insecure_channel(f"unix:{cmd_path}") as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            ch.unary_unary("/kvd.v1.EngineService/GetStats")(b"", timeout=10)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "command socket" in e.value.details() and daemon.socket in e.value.details(), e.value.details()
+    r = subprocess.run([sys.executable, "-m", "kvd.cli", "status", "--socket", cmd_path], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and f"--socket {daemon.socket}" in r.stdout + r.stderr, (r.stdout, r.stderr)
+    wait_until(lambda: len(os.listdir(f"/proc/{daemon.proc.pid}/fd")) <= fds, 10, "connections closed")
+    assert "is a gRPC client" in daemon.log()
+    eng = Engine(daemon, "cs-grpc", SHAPE)
+    eng.hold("cs-after", [1])
+    eng.release("cs-after")
+    assert eng.wait("cs-after").send_done.released
+    eng.close()
+
+
 def _read_some(s: socket.socket, n: int) -> list[pb.SessionEvent]:
     """The next ``n`` events (raises TimeoutError after the socket's timeout)."""
     buf, out = b"", []

@@ -67,7 +67,7 @@ def _serves_an_engine(d, tag: str) -> None:
 # timed out or ended).
 _NEVER_READS = r"""
 import json, os, socket, sys
-from kvd.daemon.h2_refusal import _PREFACE, _frame
+from kvd.daemon.h2_refusal import PREFACE, _frame
 path, uid, n, mode, limit = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
 os.setgroups([]); os.setgid(uid); os.setuid(uid)
 settings = _frame(0x4, 0, 0)  # an empty SETTINGS frame: 9 bytes, each one answered with an ACK
@@ -80,7 +80,7 @@ for _ in range(n):
     socks.append(s)
     sent, closed = 0, False
     try:
-        s.sendall(_PREFACE)
+        s.sendall(PREFACE)
         if mode == "flood":  # SETTINGS frames, as fast as the daemon takes them
             chunk = settings * 7000
             while sent < limit:

@@ -376,27 +376,27 @@ def _frames(data: bytes) -> list[tuple[int, int, int]]:
 
 
 def test_the_refusal_answers_http2_byte_by_byte_and_closes_anything_else():
-    from kvd.daemon.h2_refusal import _PREFACE, Refusal, _frame
+    from kvd.daemon.h2_refusal import PREFACE, Refusal, _frame
 
     t = _Transport()
     r = Refusal(t, grpc.StatusCode.PERMISSION_DENIED, "kvd: pid 1 uid 2 gid 3 is not admitted \u00e9%")
-    client = _PREFACE + _frame(0x4, 0, 0, bytes(6)) + _frame(0x1, 0x4, 3, b"\x82")
+    client = PREFACE + _frame(0x4, 0, 0, bytes(6)) + _frame(0x1, 0x4, 3, b"\x82")
     for i in range(len(client)):  # however the bytes arrive
         assert not t.closed
         r.feed(client[i:i + 1])
     # SETTINGS, SETTINGS ACK, the trailers-only HEADERS on the caller's stream, GOAWAY; then closed.
     assert _frames(t.out) == [(0x4, 0, 0), (0x4, 1, 0), (0x1, 0x5, 3), (0x7, 0, 0)] and t.closed
     assert b"grpc-status\x017" in t.out and b"not admitted %C3%A9%25" in t.out
-    for junk in (b"GET / HTTP/1.1\r\n\r\n", _PREFACE + (1 << 20).to_bytes(3, "big") + bytes(6)):
+    for junk in (b"GET / HTTP/1.1\r\n\r\n", PREFACE + (1 << 20).to_bytes(3, "big") + bytes(6)):
         t = _Transport()
         Refusal(t, grpc.StatusCode.PERMISSION_DENIED, "no").feed(junk)
         assert t.closed and _frames(t.out) == [(0x4, 0, 0)]
 
 
 def test_the_refusal_half_closes_after_its_answer_and_closes_when_the_caller_does_or_at_the_bound():
-    from kvd.daemon.h2_refusal import LINGER_S, _PREFACE, Refusal, _frame
+    from kvd.daemon.h2_refusal import LINGER_S, PREFACE, Refusal, _frame
 
-    client = _PREFACE + _frame(0x1, 0x4, 1, b"\x82")
+    client = PREFACE + _frame(0x1, 0x4, 1, b"\x82")
     for caller_closes in (True, False):
         t, timers = _Transport(eof_ok=True), []
         r = Refusal(t, grpc.StatusCode.PERMISSION_DENIED, "no", lambda d, fn: timers.append(_Timer(d, fn)) or timers[-1])

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from kvd.bench.common import proc_status
-from kvd.daemon.h2_refusal import _PREFACE, _frame, _hpack_string
+from kvd.daemon.h2_refusal import PREFACE, _frame, _hpack_string
 from kvd.testing.daemons import start_daemon
 from kvd.testing.util import wait_until
 
@@ -54,7 +54,7 @@ def test_pipelined_calls_never_read_are_bounded_and_leave_nothing_after_the_call
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # reads nothing, and holds little for the daemon
     s.connect(daemon.socket)
     # The preface, empty SETTINGS, a large connection window; then calls, as fast as the socket takes them.
-    s.sendall(_PREFACE + _frame(0x4, 0, 0) + _frame(0x8, 0, 0, (1 << 30).to_bytes(4, "big")))
+    s.sendall(PREFACE + _frame(0x4, 0, 0) + _frame(0x8, 0, 0, (1 << 30).to_bytes(4, "big")))
     s.settimeout(5)
     sent = 0
     try:

@@ -95,8 +95,9 @@ def test_a_failed_metrics_bind_leaves_nothing_behind_and_no_tracebacks(tmp_path,
     s.bind(("127.0.0.1", 0))
     s.listen(1)
     port = s.getsockname()[1]
+    made = tmp_path / "new"  # the daemon makes the socket's directories: a failed startup removes them
     try:
-        r = _serve("--engine-socket", str(tmp_path / "k.sock"), "--metrics-port", str(port),
+        r = _serve("--engine-socket", str(made / "run" / "k.sock"), "--metrics-port", str(port),
                    "--metrics-host", host_flag)
     finally:
         s.close()
@@ -106,7 +107,19 @@ def test_a_failed_metrics_bind_leaves_nothing_behind_and_no_tracebacks(tmp_path,
     key = "metrics_port" if host_flag == "127.0.0.1" else "metrics_host"
     assert f"startup failed: {key}: cannot serve metrics" in out, out
     assert "Traceback" not in out and "Exception ignored" not in out, out
-    assert _leftovers(tmp_path) == [], _leftovers(tmp_path)
+    assert "engine_socket: created directory" in out, out
+    assert not made.exists(), list(made.rglob("*"))
+
+
+def test_a_failed_startup_keeps_a_directory_it_made_once_something_else_is_in_it(tmp_path):
+    from kvd.daemon.server import make_socket_dir, remove_made_dirs
+
+    sock = tmp_path / "a" / "b" / "k.sock"
+    top = make_socket_dir(str(sock))
+    assert top == str(tmp_path / "a") and make_socket_dir(str(sock)) is None
+    (tmp_path / "a" / "other").write_text("x")  # put there meanwhile: a and its file stay, b goes
+    remove_made_dirs(top, str(sock.parent))
+    assert not sock.parent.exists() and (tmp_path / "a" / "other").exists()
 
 
 def test_a_live_daemons_socket_survives_a_second_daemons_failed_startup(tmp_path):

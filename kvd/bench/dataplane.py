@@ -301,8 +301,11 @@ def goals(res: dict) -> dict:
     (a)/(c) >= 0.7 (both as medians of per-round ratios), and the small
     load's (16 x 64 KiB) kvd time / plain NIXL time <= 1.5 (median of the
     per-round ratios, the cell's rounds and the ``small_load`` ones;
-    ``small_load_rounds`` of them; NaN and ``small_load_met`` None without
-    that cell)."""
+    ``small_load_rounds`` of them, ``small_load_min``/``_max`` their range;
+    NaN and ``small_load_met`` None without that cell).
+    ``a_over_b_cells_split``: cells >= 64 KiB whose rounds fall on both
+    sides of 0.97, whose verdict is the noise's (a short ``--quick`` run:
+    one slow round of (b) passed a 4 MiB cell that is ~0.3 in longer runs)."""
     big = [c for c in res["cells"] if c["block_len"] >= 64 * cm.KiB]
     small = [c for c in res["cells"] if (c["block_len"], c["blocks"]) == SMALL_LOAD]
     pairs = []
@@ -310,10 +313,19 @@ def goals(res: dict) -> dict:
         more = res.get("small_load", {})
         pairs = [(ta, tb) for ta, tb in zip(small[0]["a_s"] + more.get("a_s", []), small[0]["b_s"] + more.get("b_s", []))
                  if tb > 0]
-    sr = cm.median([ta / tb for ta, tb in pairs]) if pairs else float("nan")
+    ratios = [ta / tb for ta, tb in pairs]
+    sr = cm.median(ratios) if pairs else float("nan")
     ab = [c["a_over_b"] for c in big]
     ac = [c["a_over_c"] for c in res["cells"]]
+
+    def split(c: dict) -> bool:
+        rounds = [tb / ta for ta, tb in zip(c["a_s"], c["b_s"]) if ta > 0]
+        return bool(rounds) and min(rounds) < 0.97 <= max(rounds)
+
     return dict(
+        a_over_b_cells_split=sum(split(c) for c in big),
+        small_load_min=min(ratios) if pairs else float("nan"),
+        small_load_max=max(ratios) if pairs else float("nan"),
         a_over_b_min_ge64k=min(ab) if ab else float("nan"),
         a_over_b_median_ge64k=cm.median(ab),
         a_over_b_cells_met=f"{sum(x >= 0.97 for x in ab)}/{len(ab)}",

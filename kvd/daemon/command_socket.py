@@ -49,11 +49,13 @@ import socket
 import traceback
 from collections.abc import Callable
 
+import grpc
 from google.protobuf.message import DecodeError
 
 from kvd import tracepoints as tp
 from kvd.command_wire import Deframer, FrameError, frame
 from kvd.daemon.engine_service import EngineService, SessionRefused
+from kvd.daemon.h2_refusal import PREFACE, Refusal
 from kvd.daemon.local_gate import Caller, Gate, bind_side_socket, unlink_own
 from kvd.daemon.logs import Throttled
 from kvd.v1 import kvd_pb2 as pb
@@ -264,6 +266,8 @@ class _Connection(asyncio.Protocol):
         self._out: list[bytes] = []
         self._out_bytes = 0
         self._flush_at: asyncio.Handle | None = None
+        self._spoke = False  # any byte read yet
+        self.refusal: Refusal | None = None  # a gRPC client's (_refuse_grpc)
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -295,11 +299,22 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         tp.hit(tp.GATE_IN)  # as the gate's relay marks a command's bytes arriving (benchmarks.trace)
+        if self.refusal is not None:
+            self.refusal.feed(data)
+            if self.refusal.done and self.idle is not None:  # answered: the linger bound applies now
+                self.idle.cancel()
+                self.idle = None
+            return
         if self.idle is not None:  # the engine spoke
             self.idle.cancel()
             self.idle = None
         if self.commands is None:
             return  # refused: closing
+        if not self._spoke:
+            self._spoke = True
+            if data.startswith(PREFACE[:4]):  # not a frame of 541,676,112 bytes: a gRPC client
+                self._refuse_grpc(data)
+                return
         try:
             payloads, bad = self.deframer.feed(data), None
         except FrameError as e:
@@ -316,6 +331,25 @@ class _Connection(asyncio.Protocol):
         if bad is not None:
             self._bad_input(bad)
 
+    def _refuse_grpc(self, data: bytes) -> None:
+        """A gRPC client dialed the command socket (``kvd status --socket
+        X.cmd``, grpcurl): its first call is answered FAILED_PRECONDITION
+        naming the engine socket (``h2_refusal.Refusal``), then the
+        connection closes; before, it read the preface as a frame of
+        541,676,112 bytes and the client saw only "Failed parsing HTTP/2"."""
+        self.owner.warn.warning("%s: %s is a gRPC client; answered with the engine socket's path", WHAT,
+                                self.caller)
+        self.task.cancel()  # no session: it would answer in frames and close before the refusal is sent
+        self.commands.abort()
+        self.commands = None
+        loop = asyncio.get_running_loop()
+        self.refusal = Refusal(self.transport, grpc.StatusCode.FAILED_PRECONDITION,
+                               f"kvd: this is a daemon's command socket, which serves no gRPC: its engine "
+                               f"socket is {self.owner.gate.path}", loop.call_later)
+        self.refusal.feed(data)
+        if not self.refusal.done:  # one that never sends its call is closed as a silent engine is
+            self.idle = loop.call_later(self.owner.gate.idle_timeout_s, self._idle)
+
     def _bad_input(self, why: str) -> None:
         if self.commands is None:
             return
@@ -328,6 +362,9 @@ class _Connection(asyncio.Protocol):
         self.transport.close()
 
     def eof_received(self):
+        if self.refusal is not None:
+            self.refusal.eof()
+            return False
         if self.commands is not None:
             self.commands.end()
         return True  # half-close: the events still go out until the session ends
@@ -344,6 +381,8 @@ class _Connection(asyncio.Protocol):
         if self.idle is not None:
             self.idle.cancel()
             self.idle = None
+        if self.refusal is not None:
+            self.refusal.close()  # its linger timer
         if self.caller is not None:
             self.owner.gate.leave(self.caller.uid)
         if self.commands is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import grpc
 
-_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"  # RFC 9113 3.4: every client connection starts with it
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"  # RFC 9113 3.4: every client connection starts with it
 _MAX_FRAME = 16384       # SETTINGS_MAX_FRAME_SIZE's initial value (RFC 9113 6.5.2): a peer sends no larger
 _SETTINGS, _HEADERS, _GOAWAY = 0x4, 0x1, 0x7
 _ACK, _END_STREAM_HEADERS = 0x1, 0x1 | 0x4
@@ -112,11 +112,11 @@ class Refusal:
         buf = self.buf
         buf += data
         if not self.started:
-            if not _PREFACE.startswith(buf[:len(_PREFACE)]):
+            if not PREFACE.startswith(buf[:len(PREFACE)]):
                 return self.close()
-            if len(buf) < len(_PREFACE):
+            if len(buf) < len(PREFACE):
                 return
-            del buf[:len(_PREFACE)]
+            del buf[:len(PREFACE)]
             self.started = True
         # Frames are read at an offset and the buffer cut once per call: a
         # slice per frame copied the rest each time (quadratic in the frames

@@ -119,13 +119,21 @@ def configure(level: str = "info", fmt: str = "human", stream=None) -> None:
     # propagate=False (logging.config.dictConfig) when it is first imported,
     # which is later. Made now as an _Adopted logger, it ignores that and
     # propagates to our handler: NIXL's records come out once, in our format.
-    _adopt("nixl")
+    # Its INFO records (each agent made, each backend loaded, naming its CUDA
+    # build, nixl_cu13, on a CPU-only node too) say what kvd's own lines say:
+    # shown at debug only; its warnings and errors always.
+    _adopt("nixl", logging.DEBUG if root.level <= logging.DEBUG else logging.WARNING)
 
 
 class _Adopted(logging.Logger):
-    """A logger that keeps no handler of its own and always propagates."""
+    """A logger that keeps no handler of its own, always propagates, and
+    keeps the level kvd gave it (the library's ``dictConfig`` and
+    ``NIXL_LOG_LEVEL`` would set INFO again)."""
 
     def addHandler(self, hdlr: logging.Handler) -> None:  # noqa: N802 (logging's name)
+        pass
+
+    def setLevel(self, level) -> None:  # noqa: N802 (logging's name)
         pass
 
     @property
@@ -137,16 +145,18 @@ class _Adopted(logging.Logger):
         pass
 
 
-def _adopt(name: str) -> None:
+def _adopt(name: str, level: int) -> None:
     existing = logging.Logger.manager.loggerDict.get(name)
-    if isinstance(existing, logging.Logger):  # the library is configured already
+    if isinstance(existing, logging.Logger) and not isinstance(existing, _Adopted):  # configured already
         for h in list(existing.handlers):
             existing.removeHandler(h)
         existing.propagate = True
+        existing.setLevel(level)
         return
     previous = logging.getLoggerClass()
     logging.setLoggerClass(_Adopted)
     try:
-        logging.getLogger(name)
+        logger = logging.getLogger(name)
     finally:
         logging.setLoggerClass(previous)
+    logging.Logger.setLevel(logger, level)

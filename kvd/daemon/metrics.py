@@ -142,6 +142,8 @@ class Metrics:
         self.bytes = Counter("kvd_transferred_bytes", "Bytes moved by completed transfers", registry=r)
         self.transfers = Counter("kvd_transfers", "Completed transfers", registry=r)
         self.failures = Counter("kvd_transfer_failures", "Failed transfers, by reason", ["reason"], registry=r)
+        for kind in FailureKind:  # every reason's series from the start, at 0: an alert on a rate sees it
+            self.failures.labels(reason=kind.value)
         self.duration = Histogram("kvd_transfer_duration_seconds", "Transfer duration, load command to NIXL DONE",
                                   registry=r, buckets=DURATION_BUCKETS)
         self.handshake = Histogram("kvd_handshake_duration_seconds", "Handshake duration with a remote daemon",

@@ -146,8 +146,10 @@ def secret_file_warnings(cfg: Config) -> list[str]:
     return warnings
 
 
-def make_socket_dir(path: str) -> None:
+def make_socket_dir(path: str) -> str | None:
     """Makes the directory of the engine socket ``path`` (and its parents).
+    Returns the first directory it made (the others are under it), or None
+    when the directory was there.
 
     Raises:
         OSError: naming ``engine_socket``: a parent is a file ("is not a
@@ -174,6 +176,23 @@ def make_socket_dir(path: str) -> None:
         st = os.stat(top)
         log.info("engine_socket: created directory %s (mode %04o, uid %d, gid %d)", parent if top == parent
                  else f"{parent} (from {top} down)", stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid)
+        return top
+    return None
+
+
+def remove_made_dirs(top: str, parent: str) -> None:
+    """Removes ``parent`` and its ancestors up to ``top`` (directories
+    :func:`make_socket_dir` made) while they are empty: a failed startup
+    leaves none of them behind. A directory something was put in stays."""
+    d = parent
+    while True:
+        try:
+            os.rmdir(d)
+        except OSError:
+            return  # not empty (someone else's now), or gone
+        if d == top or os.path.dirname(d) == d:
+            return
+        d = os.path.dirname(d)
 
 
 def routable_address(port: int) -> str:
@@ -224,6 +243,7 @@ class Server:
         self.notifier = Notifier(config.notify_socket)
         self.stall_watch: StallWatch | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._made_dir: str | None = None  # the first socket directory startup made (make_socket_dir)
 
     async def serve(self) -> None:
         """Runs the daemon: startup, serve until SIGTERM/SIGINT, shutdown. A
@@ -232,6 +252,8 @@ class Server:
             await self.startup()
         except BaseException:
             await self._release()
+            if self._made_dir is not None:
+                remove_made_dirs(self._made_dir, os.path.dirname(os.path.abspath(self.config.engine_socket)))
             raise
         try:
             await self.main_loop()
@@ -318,7 +340,7 @@ class Server:
 
         # Engine side (Unix socket, through the gate).
         sock = cfg.engine_socket
-        make_socket_dir(sock)
+        self._made_dir = make_socket_dir(sock)
         if os.path.lexists(sock):
             if not stat.S_ISSOCK(os.lstat(sock).st_mode):
                 # Never delete what is not a socket (a typo could name a file).
