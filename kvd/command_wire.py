@@ -95,6 +95,12 @@ class Deframer:
         """Bytes received and not yet part of a whole frame."""
         return len(self._buf)
 
+    def clear(self) -> None:
+        """Drops the bytes of an unfinished frame (the connection is gone):
+        the buffer's memory goes now, not when a reference cycle through the
+        connection is collected."""
+        self._buf = bytearray()
+
     def feed(self, data: bytes) -> list[bytes]:
         """The payloads completed by ``data``, in order (a partial frame waits
         for the next call).

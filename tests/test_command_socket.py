@@ -249,6 +249,56 @@ def test_a_grpc_client_on_the_command_socket_is_told_the_engine_sockets_path(dae
     eng.close()
 
 
+def _partial_frame(d, total: int, sent: int) -> socket.socket:
+    """A raw connection that announces a frame of ``total`` bytes and sends ``sent`` of them."""
+    s = _open_raw(d)
+    try:
+        s.sendall(struct.pack("<I", total) + b"\0" * sent)
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # closed by the daemon before all was sent: what it said is still there to read
+    return s
+
+
+def test_unfinished_frames_of_a_uid_are_bounded_and_freed_when_their_connections_close(tmp_path):
+    """A frame waits whole before it is parsed. A caller uid's connections
+    may hold at most 2 x max_message_bytes of unfinished frames: past that
+    the connection that brought the bytes is closed, RESOURCE_EXHAUSTED
+    naming the bound; the others stay. Closed connections give their bytes
+    back at once (a reference cycle kept them until the collector ran:
+    6.3 GiB after an attack's connections had all closed)."""
+    from kvd.testing.util import rss_kib
+
+    mib = 1 << 20
+    d = start_daemon(str(tmp_path), "kvd", *ON, "--max-message-bytes", str(48 * mib))
+    try:
+        base = rss_kib(d.proc.pid)
+        held = [_partial_frame(d, 48 * mib, 40 * mib) for _ in range(2)]  # 80 MiB of a 96 MiB budget
+        wait_until(lambda: rss_kib(d.proc.pid) > base + 70 * 1024, 30, "the partial frames read")
+        over = _partial_frame(d, 48 * mib, 20 * mib)
+        events = _read_events(over)
+        over.close()
+        assert [event_kind(e) for e in events] == ["rejected"], events
+        reason = events[0].rejected.reason
+        assert reason.startswith("RESOURCE_EXHAUSTED") and "unfinished frames" in reason and \
+            "2 x max_message_bytes" in reason, reason
+        for s in held:  # still open: the daemon answers nothing yet, and the bytes are theirs
+            s.settimeout(0.2)
+            with pytest.raises(TimeoutError):
+                s.recv(1)
+        peak = rss_kib(d.proc.pid)
+        for s in held:
+            s.close()
+        # Given back at once (no collector run needed): well under the 80 MiB held.
+        wait_until(lambda: rss_kib(d.proc.pid) < peak - 60 * 1024, 15, "the closed connections' bytes freed")
+        eng = Engine(d, "cs-partial", SHAPE)  # the daemon serves on, the same uid too
+        eng.hold("cs-after", [1])
+        eng.release("cs-after")
+        assert eng.wait("cs-after").send_done.released
+        eng.close()
+    finally:
+        d.stop()
+
+
 def _read_some(s: socket.socket, n: int) -> list[pb.SessionEvent]:
     """The next ``n`` events (raises TimeoutError after the socket's timeout)."""
     buf, out = b"", []
@@ -537,6 +587,9 @@ def test_events_of_one_pass_go_out_in_one_write_in_order():
             self.closing = True
 
         abort = close
+
+        def can_write_eof(self):  # a rejection then closes at once (no lingering half-close)
+            return False
 
     def event(i: int, pad: int = 0) -> pb.SessionEvent:
         return pb.SessionEvent(recv_done=pb.RecvDone(request_id=f"r{i}" + "x" * pad))

@@ -118,12 +118,74 @@ def test_fd_mapping_checks_the_seals_on_the_fd_itself(tmp_path):
         with open(f, "r+b") as fh:
             with pytest.raises(SegmentError, match="cannot be sealed|F_SEAL_SHRINK"):
                 FdMapping(fh.fileno(), 4096)
-        with open(f, "rb") as fh:
-            with pytest.raises(SegmentError, match="read-write"):
+        with open(f, "rb") as fh:  # not shared memory: that is said first
+            with pytest.raises(SegmentError, match="cannot be sealed"):
                 FdMapping(fh.fileno(), 4096)
+        sealed = MemfdSegment(4096, "")
+        ro = os.open(f"/proc/self/fd/{sealed.fd}", os.O_RDONLY)  # the same memfd, read-only
+        try:
+            with pytest.raises(SegmentError, match="read-write"):
+                FdMapping(ro, 4096)
+        finally:
+            os.close(ro)
+            sealed.close()
     finally:
         for s in (unsealed, grow_only, plain):
             s.close()
+
+
+def test_the_seal_check_asks_no_filesystem_before_it_knows_the_fd_is_shared_memory(tmp_path, monkeypatch):
+    """An fd of a FUSE mount whose server stops answering held the event
+    loop in ``fstat`` for as long as it liked (22 s, attacker review): the
+    check reads the seals first (``F_GET_SEALS`` asks no filesystem) and
+    never fstats an fd that is not shared memory."""
+    from kvd.core import memory
+
+    real = os.fstat
+    asked = []
+    monkeypatch.setattr(memory.os, "fstat", lambda fd: asked.append(fd) or real(fd))
+    f = tmp_path / "file"
+    f.write_bytes(b"x" * 4096)
+    r, w = os.pipe()
+    try:
+        with open(f, "r+b") as fh:
+            for fd in (fh.fileno(), r):
+                with pytest.raises(SegmentError, match="cannot be sealed"):
+                    memory.check_sealed(fd, 4096)
+        assert asked == []
+        with pytest.raises(SegmentError, match="not an open file descriptor"):
+            memory.check_sealed(w + 1000, 4096)
+    finally:
+        os.close(r)
+        os.close(w)
+    seg = MemfdSegment(4096, "")
+    try:
+        memory.check_sealed(seg.fd, 4096)  # shared memory: its size is then read
+        assert asked == [seg.fd]
+    finally:
+        seg.close()
+
+
+def test_the_side_channel_refuses_an_fd_that_is_not_shared_memory_at_once(daemon, tmp_path):
+    """A file, a pipe or a socket handed over is refused when it arrives,
+    naming it, and closed: it never waits in the table for a registration."""
+    f = tmp_path / "file"
+    f.write_bytes(b"x" * 4096)
+    r, w = os.pipe()
+    good = MemfdSegment(4096, daemon.socket)
+    pid = daemon.proc.pid
+    before = len(os.listdir(f"/proc/{pid}/fd"))
+    try:
+        with open(f, "r+b") as fh:
+            for fds in ([fh.fileno()], [good.fd, r]):
+                with pytest.raises(HandoverError, match=r"fd \d of the request: the fd cannot be sealed"):
+                    hand_over(daemon.socket, fds)
+        assert len(os.listdir(f"/proc/{pid}/fd")) <= before  # nothing kept, the memfd of the bad request too
+        assert len(hand_over(daemon.socket, [good.fd])) == 1
+    finally:
+        os.close(r)
+        os.close(w)
+        good.close()
 
 
 def test_fd_table_gives_an_id_once_to_its_own_uid_and_closes_unclaimed_fds():

@@ -324,3 +324,37 @@ def test_one_user_cannot_take_every_fd_channel_connection_from_the_others():
     finally:
         p.communicate("\n", timeout=30)
         assert d.stop() == 0
+
+
+# A caller of the socket's group that is not admitted hands a memfd over
+# with kvd's own client; prints what it was told.
+_NOT_ADMITTED_HANDS_OVER = r"""
+import os, sys
+from kvd.client.fd_handover import HandoverError, hand_over
+sock, uid, gid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+os.setgroups([]); os.setgid(gid); os.setuid(uid)
+fd = os.memfd_create("kvd-not-admitted", os.MFD_CLOEXEC)
+try:
+    print("ids", hand_over(sock, [fd], timeout_s=5))
+except HandoverError as e:
+    print("refused", e)
+"""
+
+
+@needs_root
+def test_a_caller_refused_at_once_on_the_fd_channel_reads_why():
+    """A caller the fd side channel refuses as it connects (not admitted, a
+    cap) got "Connection reset by peer": the daemon answered and closed
+    with the caller's request unread, which resets the caller's socket
+    (attacker review). Its request is read (its fds closed) before the
+    answer now, and the client reads the answer left after the close."""
+    d = start_daemon(reachable_dir(), "kvd", "--engine-socket-group", str(NOBODY), "--allowed-uids", str(ADMITTED),
+                     log_level="info")
+    try:
+        for _ in range(3):  # the request may arrive before or after the refusal: either way the reason
+            r = subprocess.run([sys.executable, "-c", _NOT_ADMITTED_HANDS_OVER, d.socket, str(NOBODY), str(NOBODY)],
+                               capture_output=True, text=True, timeout=60, env=child_env())
+            assert r.returncode == 0, r.stderr[-2000:]
+            assert r.stdout.startswith("refused") and "is not admitted" in r.stdout, r.stdout
+    finally:
+        assert d.stop() == 0

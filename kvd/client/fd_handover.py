@@ -43,9 +43,17 @@ def _request(path: str, fds: list[int], timeout_s: float) -> list[str]:
         s.settimeout(timeout_s)
         try:
             s.connect(path)
-            s.sendmsg([wire.encode_request(len(fds))],
-                      [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())])
-            data = s.recv(wire.ANSWER.size + wire.MAX_MESSAGE_BYTES)
+            try:
+                s.sendmsg([wire.encode_request(len(fds))],
+                          [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())])
+            except (BrokenPipeError, ConnectionResetError) as e:
+                # Refused at once (not admitted, a cap): the daemon answered
+                # and closed before the request went; its answer says why.
+                data = _answer_left(s)
+                if data is None:
+                    raise e from None
+            else:
+                data = s.recv(wire.ANSWER.size + wire.MAX_MESSAGE_BYTES)
         except OSError as e:
             raise HandoverError(f"kvd fd channel {path}: {e.strerror or e}") from None
     try:
@@ -57,3 +65,12 @@ def _request(path: str, fds: list[int], timeout_s: float) -> list[str]:
     if len(ids) != len(fds):
         raise HandoverError(f"kvd fd channel {path}: {len(ids)} ids for {len(fds)} fds")
     return ids
+
+
+def _answer_left(s: socket.socket) -> bytes | None:
+    """The daemon's answer still queued on ``s`` after it closed, or None."""
+    try:
+        s.settimeout(0.5)
+        return s.recv(wire.ANSWER.size + wire.MAX_MESSAGE_BYTES) or None
+    except OSError:
+        return None

@@ -223,6 +223,24 @@ MEMFD_KIND = "memfd"
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK
 
 
+def memfd_seals(fd: int, label: str = "memfd") -> int:
+    """The seals of ``fd`` (``F_GET_SEALS``), which only shared memory
+    (shmem: memfds, tmpfs files) has: the kernel answers without calling
+    into any filesystem (``memfd_fcntl``, mm/memfd.c), so it is safe on the
+    event loop whatever file an engine sent.
+
+    Raises:
+        SegmentError: not an open fd, or not shared memory made with
+            ``MFD_ALLOW_SEALING``.
+    """
+    try:
+        return fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as e:
+        if e.errno == errno.EBADF:
+            raise SegmentError(f"{label}: not an open file descriptor ({e.strerror})") from None
+        raise SegmentError(f"{label}: the fd cannot be sealed (not a memfd made with MFD_ALLOW_SEALING)") from None
+
+
 def check_sealed(fd: int, size: int, label: str = "memfd") -> os.stat_result:
     """Checks that ``fd`` is shared memory the daemon may map ``size`` bytes
     of, read-write, and that cannot shrink; returns its ``fstat``.
@@ -232,19 +250,19 @@ def check_sealed(fd: int, size: int, label: str = "memfd") -> os.stat_result:
             all (``F_GET_SEALS`` fails: not a memfd / shmem file) or no
             ``F_SEAL_SHRINK``; ``size`` <= 0 or larger than the file.
     """
+    seals = memfd_seals(fd, label)
+    # fstat only now: on a file of a FUSE mount it asks the mount's server,
+    # which may never answer (an engine's own FUSE file held the event loop
+    # 22 s, attacker review); F_GET_SEALS and F_GETFL ask no filesystem.
     try:
-        st = os.fstat(fd)
         mode = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
+        st = os.fstat(fd)
     except OSError as e:
         raise SegmentError(f"{label}: not an open file descriptor ({e.strerror or e})") from None
     if not stat.S_ISREG(st.st_mode):
         raise SegmentError(f"{label}: not a memory file (a memfd is expected)")
     if mode != os.O_RDWR:
         raise SegmentError(f"{label}: the fd is not open read-write")
-    try:
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-    except OSError:
-        raise SegmentError(f"{label}: the fd cannot be sealed (not a memfd made with MFD_ALLOW_SEALING)") from None
     if seals & REQUIRED_SEALS != REQUIRED_SEALS:
         raise SegmentError(f"{label}: the memfd is not sealed against shrinking (F_SEAL_SHRINK missing; "
                            f"seals 0x{seals:x}): the engine could truncate it under the daemon")

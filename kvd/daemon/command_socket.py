@@ -55,7 +55,7 @@ from google.protobuf.message import DecodeError
 from kvd import tracepoints as tp
 from kvd.command_wire import Deframer, FrameError, frame
 from kvd.daemon.engine_service import EngineService, SessionRefused
-from kvd.daemon.h2_refusal import PREFACE, Refusal
+from kvd.daemon.h2_refusal import LINGER_S, PREFACE, Refusal
 from kvd.daemon.local_gate import Caller, Gate, bind_side_socket, unlink_own
 from kvd.daemon.logs import Throttled
 from kvd.v1 import kvd_pb2 as pb
@@ -79,6 +79,13 @@ _PASS_COMMANDS = 128
 # flight, most of it the wake-up of the engine's thread, not the bytes
 # (cProfile; docs/PERFORMANCE.md, "Per-load cost, ninth round").
 _COALESCE_BYTES = 64 << 10
+# Bytes of unfinished frames one caller uid may have waiting, all its
+# connections together, in max_message_bytes: a frame waits whole before it
+# is parsed, and an engine that starts large frames and never finishes them
+# held +1.6 GiB with 32 connections (attacker review; up to
+# max_engine_connections_per_uid x max_message_bytes before). Past it the
+# connection that brought the bytes is closed (RESOURCE_EXHAUSTED).
+PARTIAL_FRAMES_PER_UID = 2
 
 
 def _rejected(reason: str) -> bytes:
@@ -267,6 +274,8 @@ class _Connection(asyncio.Protocol):
         self._out_bytes = 0
         self._flush_at: asyncio.Handle | None = None
         self._spoke = False  # any byte read yet
+        self._partial_bytes = 0  # of an unfinished frame, counted in owner.partial
+        self._lingering: asyncio.TimerHandle | None = None  # _linger's bound
         self.refusal: Refusal | None = None  # a gRPC client's (_refuse_grpc)
 
     def connection_made(self, transport) -> None:
@@ -317,6 +326,8 @@ class _Connection(asyncio.Protocol):
                 return
         try:
             payloads, bad = self.deframer.feed(data), None
+            if self._partial(self.deframer.buffered):
+                return
         except FrameError as e:
             # The frames before it are put as if read before it (they run as
             # far as this pass's share goes; the abort then drops the rest, as
@@ -350,6 +361,24 @@ class _Connection(asyncio.Protocol):
         if not self.refusal.done:  # one that never sends its call is closed as a silent engine is
             self.idle = loop.call_later(self.owner.gate.idle_timeout_s, self._idle)
 
+    def _partial(self, nbytes: int) -> bool:
+        """Counts this connection's bytes of an unfinished frame (``nbytes``
+        now) against its uid's budget (``PARTIAL_FRAMES_PER_UID``); True when
+        that is passed and the connection is closing."""
+        owner, uid = self.owner, self.caller.uid
+        total = owner.partial.get(uid, 0) + nbytes - self._partial_bytes
+        self._partial_bytes = nbytes
+        if total:
+            owner.partial[uid] = total
+        else:
+            owner.partial.pop(uid, None)
+        limit = PARTIAL_FRAMES_PER_UID * owner.max_message_bytes
+        if total <= limit:
+            return False
+        self._bad_input(f"unfinished frames: uid {uid}'s connections hold {total} bytes of frames not yet whole, "
+                        f"more than {limit} ({PARTIAL_FRAMES_PER_UID} x max_message_bytes)")
+        return True
+
     def _bad_input(self, why: str) -> None:
         if self.commands is None:
             return
@@ -359,12 +388,27 @@ class _Connection(asyncio.Protocol):
         code = "RESOURCE_EXHAUSTED" if "max_message_bytes" in why else "INVALID_ARGUMENT"
         self._flush()  # the events before it, then the rejection
         self.transport.write(_rejected(f"{code}: {why}"))
-        self.transport.close()
+        self._linger()
+
+    def _linger(self) -> None:
+        """Half-closes after what was written, then reads and drops whatever
+        still comes until the engine closes or ``LINGER_S`` passes: a close
+        with bytes unread resets the connection, and an engine still sending
+        (the rest of a frame too large) lost the rejection to ECONNRESET."""
+        t = self.transport
+        if t.is_closing() or not t.can_write_eof():
+            t.close()
+            return
+        t.write_eof()
+        self._lingering = asyncio.get_running_loop().call_later(LINGER_S, t.abort)  # abort: it may never read
+        t.resume_reading()  # paused while commands waited ahead of the session: drain
 
     def eof_received(self):
         if self.refusal is not None:
             self.refusal.eof()
             return False
+        if self._lingering is not None:
+            return False  # the engine is done: closed
         if self.commands is not None:
             self.commands.end()
         return True  # half-close: the events still go out until the session ends
@@ -383,10 +427,19 @@ class _Connection(asyncio.Protocol):
             self.idle = None
         if self.refusal is not None:
             self.refusal.close()  # its linger timer
+        if self._lingering is not None:
+            self._lingering.cancel()
         if self.caller is not None:
             self.owner.gate.leave(self.caller.uid)
+            self._partial(0)
+        # An unfinished frame's bytes go now: the commands hold this
+        # connection (their on_bad) and it them, a cycle that kept up to
+        # max_message_bytes per closed connection until the collector ran
+        # (6.3 GiB after an attack's connections had all closed: attacker review).
+        self.deframer.clear()
         if self.commands is not None:
             self.commands.abort()  # the session ends: what is queued does not run (as gRPC cancels a stream)
+            self.commands = None
         self._discard_out()
         self.resume_writing()
         if self.task is not None:
@@ -466,6 +519,7 @@ class _Connection(asyncio.Protocol):
                     if self._drained is not None:
                         await self._drained
         except SessionRefused as r:
+            log.info("%s: session of %s refused: %s", WHAT, self.caller, r)
             self._flush()
             if not t.is_closing():
                 t.write(_rejected(str(r)))
@@ -474,7 +528,8 @@ class _Connection(asyncio.Protocol):
         try:
             self._flush()
         finally:
-            t.close()
+            if self._lingering is None:  # a rejection's close is _linger's
+                t.close()
 
 
 class CommandSocket:
@@ -499,6 +554,7 @@ class CommandSocket:
         self.service = service
         self.max_message_bytes = max_message_bytes
         self.connections: set[_Connection] = set()
+        self.partial: dict[int, int] = {}  # bytes of unfinished frames per caller uid (PARTIAL_FRAMES_PER_UID)
         self.warn = Throttled(log)
         self._server: asyncio.AbstractServer | None = None
         self._bound: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket file bound

@@ -25,6 +25,9 @@ Admission and bounds, as the engine socket's (``kvd.daemon.local_gate``):
 - fds received and not yet claimed are capped per uid (``max_pending_per_uid``)
   and overall (``max_pending``), and closed ``claim_timeout_s`` after they
   arrived;
+- an fd that is not shared memory (``F_GET_SEALS`` fails: a file, a pipe,
+  a socket) is refused at once, the request's fds closed: one of a FUSE
+  mount could otherwise hold the event loop in a later ``fstat``;
 - an id is claimed once, by the uid that sent its fd.
 
 Every refusal is an answer with a message (``kvd.fd_wire.encode_answer``)
@@ -45,6 +48,7 @@ import time
 from dataclasses import dataclass
 
 from kvd import fd_wire as wire
+from kvd.core.memory import SegmentError, memfd_seals
 from kvd.daemon.local_gate import Policy, bind_side_socket, peer_credentials, unlink_own
 from kvd.daemon.logs import Throttled
 
@@ -315,11 +319,29 @@ class FdChannel:
             return str(e)
         if nfds != len(fds):
             return f"request header announces {nfds} fds, {len(fds)} came with it"
+        for i, f in enumerate(fds):
+            # Only shared memory is kept (its seals are read without asking a
+            # filesystem); anything else never enters the table.
+            try:
+                memfd_seals(f, f"fd {i} of the request")
+            except SegmentError as e:
+                return str(e)
         return self.table.room_for(uid, nfds)
 
     def _refuse(self, conn: socket.socket, why: str) -> None:
         self.refused += 1
         self._warn.warning("fd channel: refused: %s", why)
+        # What the caller sent already is read first (its fds closed): a
+        # socket closed with a message unread resets the caller's, whose
+        # read then fails (ECONNRESET) before it sees this answer.
+        for _ in range(4):
+            try:
+                _, anc, _, _ = conn.recvmsg(wire.MAX_MESSAGE_BYTES, socket.CMSG_SPACE(wire.MAX_FDS * _FD_BYTES),
+                                            socket.MSG_CMSG_CLOEXEC | socket.MSG_DONTWAIT)
+            except OSError:
+                break  # nothing (more) there
+            for f in received_fds(anc):
+                _close(f)
         self._answer(conn, wire.encode_answer(refused=f"kvd: {why}"))
 
     @staticmethod
