@@ -210,6 +210,8 @@ class Config:
     max_descriptors: int = _setting(1 << 28, "block descriptors (regions x blocks) registered at once, all "
                                              "workers")
     max_descriptors_per_uid: int = _setting(1 << 27, "block descriptors registered at once per caller uid")
+    max_host_bytes_per_uid: int = _setting(0, "bytes of host memory (shm, memfd) registered at once per caller "
+                                              "uid; 0: this host's physical memory")
     max_aborts: int = _setting(1024, "AbortLoads in flight at once, all sessions; one more is rejected")
     max_aborts_per_uid: int = _setting(256, "AbortLoads in flight at once per caller uid")
     log_level: str = _setting("info", "debug | info | warning | error")
@@ -303,6 +305,7 @@ class Config:
                                ("max_queued_event_bytes", 1 << 16, 1 << 40),
                                ("max_workers", 1, 1 << 16), ("max_workers_per_uid", 1, 1 << 16),
                                ("max_descriptors", 1, 1 << 40), ("max_descriptors_per_uid", 1, 1 << 40),
+                               ("max_host_bytes_per_uid", 0, 1 << 62),
                                ("max_aborts", 1, 1 << 20), ("max_aborts_per_uid", 1, 1 << 20)):
             v = getattr(self, key)
             if not low <= v <= high:

@@ -181,3 +181,27 @@ def test_agent_metadata_past_the_cap_is_refused(daemons, engines):
     finally:
         fake.stop()
     _still_serving(d)
+
+
+def test_host_memory_registered_per_uid_is_capped(tmp_path):
+    """Sparse sealed memfds cost the daemon address space only: one uid
+    mapped ~128 TiB of them in 31 workers (attacker review). A uid's
+    registered host memory is capped (``max_host_bytes_per_uid``, by
+    default this host's physical memory): past it RESOURCE_EXHAUSTED naming
+    the key; what an unregistered worker had counts no more."""
+    from kvd.core.registry import physical_memory
+    from kvd.testing.daemons import start_daemon
+
+    assert physical_memory() > 1 << 20
+    d = start_daemon(str(tmp_path), "host", "--max-host-bytes-per-uid", str(SHAPE.size * 3 // 2))
+    try:
+        first = Engine(d, "host-1", SHAPE)
+        with pytest.raises(grpc.RpcError) as e:
+            Engine(d, "host-2", SHAPE)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
+        assert "max_host_bytes_per_uid" in e.value.details() and f"would be {2 * SHAPE.size}" in e.value.details()
+        first.close()
+        Engine(d, "host-3", SHAPE).close()
+        assert d.stats().engines == 0
+    finally:
+        assert d.stop() == 0

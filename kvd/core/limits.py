@@ -57,6 +57,11 @@ class Limits:
     max_workers_per_uid: int = 32
     max_descriptors: int = 1 << 28          # registered block descriptors (regions x blocks), all workers
     max_descriptors_per_uid: int = 1 << 27
+    # Host memory (shm, memfd) registered per uid (bytes; 0: this host's
+    # physical memory). Sparse sealed memfds cost the daemon address space
+    # only, and one uid mapped ~128 TiB of them in 10 s (attacker review);
+    # a transport that pins registered memory would make that real memory.
+    max_host_bytes_per_uid: int = 0
     max_aborts: int = 1024                  # AbortLoads in flight (each may wait a handshake timeout)
     max_aborts_per_uid: int = 256
     # Remote workers' liveness (kvd.core.liveness.Liveness.check): each remote is

@@ -99,7 +99,8 @@ class Registry:
             lay.validate(layout, regions, [s.size for s in segments])
         except LayoutError as e:
             raise InvalidArgument(str(e)) from None
-        self._check_caps(len(regions) * layout.num_blocks, owner)
+        host = 0 if cuda_ipc.KIND in {s.kind for s in segments} else sum(s.size for s in segments)
+        self._check_caps(len(regions) * layout.num_blocks, owner, host)
         access = Access(owner.uid, owner.gids) if owner is not None else None
         mappings: list[ShmMapping] = []
         staging: list[str] = []
@@ -200,19 +201,23 @@ class Registry:
                 raise PermissionDenied(f"engine id {engine_id!r} belongs to uid {other.owner.uid} while its rank "
                                        f"{rank} is registered; uid {owner.uid} may not register rank {tp_rank}")
 
-    def _check_caps(self, descriptors: int, owner: Owner | None) -> None:
+    def _check_caps(self, descriptors: int, owner: Owner | None, host_bytes: int = 0) -> None:
         """Refuses a registration past ``Limits.max_workers`` /
-        ``max_descriptors`` (all workers) or their ``_per_uid`` caps (the
-        owner's uid; None: not checked per uid). Raises ResourceExhausted."""
+        ``max_descriptors`` (all workers) or their ``_per_uid`` caps, or
+        ``max_host_bytes_per_uid`` with its ``host_bytes`` of host memory
+        (the owner's uid; None: not checked per uid). Raises ResourceExhausted."""
         lim, ws = self.rt.limits, list(self.rt.workers.values())
         mine = [w for w in ws if owner is not None and w.owner is not None and w.owner.uid == owner.uid]
         descs = lambda group: sum(len(w.regions) * w.layout.num_blocks for w in group)  # noqa: E731
+        host = sum(w.mem.registered_bytes for w in mine if w.mem.memory == "DRAM") + host_bytes
         for what, used, cap, key in (
                 ("workers", len(ws) + 1, lim.max_workers, "max_workers"),
                 ("block descriptors", descs(ws) + descriptors, lim.max_descriptors, "max_descriptors"),
                 *((("workers of uid", len(mine) + 1, lim.max_workers_per_uid, "max_workers_per_uid"),
                    ("block descriptors of uid", descs(mine) + descriptors, lim.max_descriptors_per_uid,
-                    "max_descriptors_per_uid")) if owner is not None else ())):
+                    "max_descriptors_per_uid"),
+                   ("bytes of host memory registered by uid", host, lim.max_host_bytes_per_uid or physical_memory(),
+                    "max_host_bytes_per_uid")) if owner is not None else ())):
             if used > cap:
                 who = f" {owner.uid}" if "uid" in what else ""
                 raise ResourceExhausted(f"register: {what}{who} would be {used}, more than {key} {cap}")
@@ -412,3 +417,10 @@ class Registry:
         s.detached_since = time.monotonic()
         s.epoch += 1
         return True
+
+
+def physical_memory() -> int:
+    """This host's physical memory (bytes): ``max_host_bytes_per_uid``'s
+    default (an engine's KV cache in host memory is real memory, at most
+    this)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
