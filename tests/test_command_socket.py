@@ -275,16 +275,20 @@ def test_unfinished_frames_of_a_uid_are_bounded_and_freed_when_their_connections
         held = [_partial_frame(d, 48 * mib, 40 * mib) for _ in range(2)]  # 80 MiB of a 96 MiB budget
         wait_until(lambda: rss_kib(d.proc.pid) > base + 70 * 1024, 30, "the partial frames read")
         over = _partial_frame(d, 48 * mib, 20 * mib)
-        events = _read_events(over)
-        over.close()
+        events = _read_events(over)  # up to the daemon's half-close; over stays open (lingering) a while
         assert [event_kind(e) for e in events] == ["rejected"], events
         reason = events[0].rejected.reason
         assert reason.startswith("RESOURCE_EXHAUSTED") and "unfinished frames" in reason and \
             "2 x max_message_bytes" in reason, reason
-        for s in held:  # still open: the daemon answers nothing yet, and the bytes are theirs
-            s.settimeout(0.2)
+        # The refused connection's bytes count no more, though it lingers
+        # (open until the engine closes it): another of the uid's fits in.
+        fits = _partial_frame(d, 48 * mib, 10 * mib)
+        for s in held + [fits]:  # still open: the daemon answers nothing yet, and the bytes are theirs
+            s.settimeout(0.5)
             with pytest.raises(TimeoutError):
                 s.recv(1)
+        fits.close()
+        over.close()
         peak = rss_kib(d.proc.pid)
         for s in held:
             s.close()
@@ -297,6 +301,31 @@ def test_unfinished_frames_of_a_uid_are_bounded_and_freed_when_their_connections
         eng.close()
     finally:
         d.stop()
+
+
+def test_fds_attached_to_commands_are_refused_by_the_kernel(daemon):
+    """An fd a caller attaches to bytes it sends on the command or engine
+    socket is dropped inside the daemon's read, and the drop of a socket
+    made to close slowly (SO_LINGER, unsent data) waited there 9-15 s, the
+    event loop with it (attacker review). Both sockets set SO_PASSRIGHTS
+    to 0 (Linux 6.16): the sender's sendmsg fails EPERM."""
+    from kvd.daemon.local_gate import refuse_passed_fds
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        if not refuse_passed_fds(probe):
+            pytest.skip("this kernel has no SO_PASSRIGHTS (Linux 6.16)")
+    r, w = os.pipe()
+    try:
+        for path in (command_socket_path(daemon.socket), daemon.socket):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(path)
+                with pytest.raises(PermissionError):
+                    s.sendmsg([b"\0"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", r))])
+    finally:
+        os.close(r)
+        os.close(w)
+    assert "SO_PASSRIGHTS" not in daemon.log()  # the kernel has it: nothing to say at startup
+    assert daemon.stats() is not None
 
 
 def _read_some(s: socket.socket, n: int) -> list[pb.SessionEvent]:

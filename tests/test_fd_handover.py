@@ -28,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import struct
 import textwrap
 import time
 
@@ -186,6 +187,86 @@ def test_the_side_channel_refuses_an_fd_that_is_not_shared_memory_at_once(daemon
         os.close(r)
         os.close(w)
         good.close()
+
+
+def test_an_fd_slow_to_close_is_closed_off_the_event_loop(daemon):
+    """The fd side channel must take fds, and refuses what is not shared
+    memory. Closing one can wait: the last reference to a TCP socket with
+    SO_LINGER and unsent data waits out the linger (a FUSE file, its
+    server's FLUSH answer); on the event loop that held every engine up
+    9-15 s (attacker review). Such closes run on a closer thread: the
+    daemon answers meanwhile, and the channel serves the next caller."""
+    import threading
+
+    lst = socket.create_server(("127.0.0.1", 0))  # never accepts: the peer never reads
+    slow = socket.create_connection(lst.getsockname())
+    slow.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 4))
+    slow.setblocking(False)
+    try:
+        while True:
+            slow.send(b"x" * 65536)
+    except BlockingIOError:
+        pass  # both buffers full: a close now waits up to 4 s
+    worst = []
+    stop = threading.Event()
+
+    def probe():
+        while not stop.is_set():
+            t0 = time.monotonic()
+            stats_of(daemon.socket)
+            worst.append(time.monotonic() - t0)
+            time.sleep(0.05)
+
+    t = threading.Thread(target=probe)
+    t.start()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as c:
+            c.settimeout(10)
+            c.connect(wire.fd_socket_path(daemon.socket))
+            c.sendmsg([wire.encode_request(1)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", slow.fileno()))])
+            slow.close()  # in flight, the daemon's copy is the last: its close is the slow one
+            ids, refused = wire.parse_answer(c.recv(4096))
+        assert not ids and "cannot be sealed" in refused, refused
+        time.sleep(4.5)
+        good = MemfdSegment(4096, daemon.socket)
+        try:
+            assert len(hand_over(daemon.socket, [good.fd])) == 1
+        finally:
+            good.close()
+    finally:
+        stop.set()
+        t.join()
+        lst.close()
+    assert len(worst) > 20 and max(worst) < 2.0, (len(worst), max(worst))
+
+
+def test_a_segment_its_owner_holds_a_lease_on_is_refused_at_once():
+    """An engine that takes a write lease (F_SETLEASE) on its own shm
+    object and ignores the break made the daemon's open of it wait
+    lease-break-time, 45 s here, on the event loop (attacker review): the
+    open does not wait now, and the segment is refused naming the lease."""
+    from kvd.core.memory import SHM_DIR, ShmMapping
+
+    name = f"kvd-lease-test-{os.getpid()}"
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, 4096)
+        os.close(fd)
+        fd = os.open(path, os.O_WRONLY)
+        old = signal.signal(signal.SIGIO, signal.SIG_IGN)  # the break is ignored, as the attacker's was
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+            t0 = time.monotonic()
+            with pytest.raises(SegmentError, match="leased"):
+                ShmMapping(name, 4096)
+            assert time.monotonic() - t0 < 2.0
+        finally:
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+            signal.signal(signal.SIGIO, old)
+    finally:
+        os.close(fd)
+        os.unlink(path)
 
 
 def test_fd_table_gives_an_id_once_to_its_own_uid_and_closes_unclaimed_fds():

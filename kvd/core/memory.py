@@ -177,9 +177,15 @@ class ShmMapping:
             raise SegmentError(f"segment {name!r}: size must be > 0 (got {size})")
         try:
             # /dev/shm is writable by everyone: never follow a planted link.
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            # O_NONBLOCK: a lease the engine holds on its object (F_SETLEASE)
+            # made this open wait for the lease to break, lease-break-time
+            # (45 s here), on the event loop (attacker review): EWOULDBLOCK now.
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
             raise SegmentError(f"segment {name!r} does not exist in {SHM_DIR}") from None
+        except BlockingIOError:
+            raise SegmentError(f"segment {name!r} is leased by its owner (F_SETLEASE): it cannot be opened now; "
+                               f"release the lease") from None
         except PermissionError:
             raise SegmentError(f"segment {name!r}: permission denied") from None
         except OSError as e:

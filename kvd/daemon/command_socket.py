@@ -56,7 +56,7 @@ from kvd import tracepoints as tp
 from kvd.command_wire import Deframer, FrameError, frame
 from kvd.daemon.engine_service import EngineService, SessionRefused
 from kvd.daemon.h2_refusal import LINGER_S, PREFACE, Refusal
-from kvd.daemon.local_gate import Caller, Gate, bind_side_socket, unlink_own
+from kvd.daemon.local_gate import Caller, Gate, bind_side_socket, refuse_passed_fds, unlink_own
 from kvd.daemon.logs import Throttled
 from kvd.v1 import kvd_pb2 as pb
 
@@ -382,6 +382,12 @@ class _Connection(asyncio.Protocol):
     def _bad_input(self, why: str) -> None:
         if self.commands is None:
             return
+        # Its unfinished frame counts no more: while it lingers it held its
+        # uid's budget, and every other connection of the uid was refused
+        # next (attacker review).
+        self.deframer.clear()
+        if self.caller is not None:
+            self._partial(0)
         self.owner.warn.warning("%s: %s sent %s; connection closed", WHAT, self.caller, why)
         self.commands.abort()  # what came after it does not run
         self.commands = None
@@ -565,6 +571,7 @@ class CommandSocket:
         run: no daemon serves here). Raises OSError when it cannot be bound
         or given to the group."""
         s, self._bound = bind_side_socket(self.path, socket.SOCK_STREAM, self.gate.group, 1024, WHAT)
+        refuse_passed_fds(s)  # commands carry no fds (local_gate.refuse_passed_fds says why)
         self._server = await asyncio.get_running_loop().create_unix_server(lambda: _Connection(self), sock=s)
 
     async def close(self) -> None:

@@ -42,8 +42,10 @@ import collections
 import contextlib
 import logging
 import os
+import queue
 import secrets
 import socket
+import threading
 import time
 from dataclasses import dataclass
 
@@ -177,6 +179,61 @@ def received_fds(ancdata) -> list[int]:
     return fds
 
 
+#: Closes of callers' fds and connections waiting on the closer thread past
+#: which the channel stops accepting until they are done (each holds a
+#: daemon fd; a connection may also hold the fds still queued on it).
+MAX_PENDING_CLOSES = 256
+
+
+class _Closer:
+    """Closes what callers sent (fds, and connections with fds still queued
+    on them) on a thread of its own. A close can wait: the last reference to
+    a TCP socket with ``SO_LINGER`` and unsent data waits out the linger,
+    a FUSE file's close waits for its server's FLUSH answer; on the event
+    loop either held every engine up as long as the caller liked (9-15 s
+    measured, attacker review). ``pending``: closes not done yet;
+    ``on_idle`` (called on the closer thread) when they fall under half of
+    ``MAX_PENDING_CLOSES``."""
+
+    def __init__(self, on_idle=None):
+        self.pending = 0
+        self.on_idle = on_idle
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def close(self, obj) -> None:
+        """Closes ``obj`` (an fd number or a socket) on the closer thread, or
+        runs it there (a callable that closes what it holds)."""
+        with self._lock:
+            self.pending += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvd-fd-closer", daemon=True)
+                self._thread.start()
+        self._calls.put(obj)
+
+    def _run(self) -> None:
+        while True:
+            obj = self._calls.get()
+            try:
+                if isinstance(obj, int):
+                    os.close(obj)
+                elif callable(obj):
+                    obj()
+                else:
+                    obj.close()
+            except OSError:
+                pass
+            except Exception:  # a bug: said, and the thread goes on closing
+                log.exception("fd channel: closing failed")
+            del obj
+            with self._lock:
+                self.pending -= 1
+                idle = self.pending == MAX_PENDING_CLOSES // 2
+            if idle and self.on_idle is not None:
+                self.on_idle()
+
+
 class FdChannel:
     """The fd side channel's socket (see the module).
 
@@ -212,6 +269,8 @@ class FdChannel:
         self.refused = 0
         self.accepted = 0
         self._warn = Throttled(log)
+        self._closer = _Closer(self._closer_idle)
+        self._accepting = False
 
     async def open(self) -> None:
         """Binds ``path`` (mode 0660, ``group``) and starts accepting.
@@ -220,7 +279,20 @@ class FdChannel:
         self._sock = s
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(s.fileno(), self._accept)
+        self._accepting = True
         self._tick()
+
+    def _closer_idle(self) -> None:
+        """Closer thread: its backlog is down; accepting again (on the loop)."""
+        try:
+            self._loop.call_soon_threadsafe(self._resume_accept)
+        except RuntimeError:  # the loop is closed
+            pass
+
+    def _resume_accept(self) -> None:
+        if not self._accepting and self._sock is not None:
+            self._accepting = True
+            self._loop.add_reader(self._sock.fileno(), self._accept)
 
     def _tick(self) -> None:
         self.table.expire()
@@ -228,6 +300,17 @@ class FdChannel:
 
     def _accept(self) -> None:
         while True:
+            if self._closer.pending >= MAX_PENDING_CLOSES:
+                # Closes of what callers sent wait (a close that blocks on
+                # the closer thread): no more connections, and their fds,
+                # until they are done; callers wait in the listen backlog.
+                self._accepting = False
+                self._loop.remove_reader(self._sock.fileno())
+                self._warn.warning("fd channel: %d closes of callers' fds pending (one is slow to close); "
+                                   "not accepting until they are done", self._closer.pending)
+                if self._closer.pending < MAX_PENDING_CLOSES // 2:  # done meanwhile: on_idle may have passed
+                    self._resume_accept()
+                return
             try:
                 conn, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
@@ -297,7 +380,7 @@ class FdChannel:
         why = self._check(data, flags, fds, uid)
         if why:
             for f in fds:
-                _close(f)
+                self._closer.close(f)  # not memfds: their close may wait (_Closer)
             self._refuse(conn, f"{who}: {why}")
             return
         ids = self.table.add(fds, uid, pid)
@@ -331,21 +414,29 @@ class FdChannel:
     def _refuse(self, conn: socket.socket, why: str) -> None:
         self.refused += 1
         self._warn.warning("fd channel: refused: %s", why)
-        # What the caller sent already is read first (its fds closed): a
-        # socket closed with a message unread resets the caller's, whose
-        # read then fails (ECONNRESET) before it sees this answer.
-        for _ in range(4):
-            try:
-                _, anc, _, _ = conn.recvmsg(wire.MAX_MESSAGE_BYTES, socket.CMSG_SPACE(wire.MAX_FDS * _FD_BYTES),
-                                            socket.MSG_CMSG_CLOEXEC | socket.MSG_DONTWAIT)
-            except OSError:
-                break  # nothing (more) there
-            for f in received_fds(anc):
-                _close(f)
-        self._answer(conn, wire.encode_answer(refused=f"kvd: {why}"))
+        answer = wire.encode_answer(refused=f"kvd: {why}")
+
+        def refuse() -> None:  # on the closer thread: fds dropped there may take their time
+            # What the caller sent already is read first: a socket closed with
+            # a message unread resets the caller's, whose read then fails
+            # (ECONNRESET) before it sees the answer. Read without room for
+            # fds: the kernel drops them (here, not on the event loop).
+            for _ in range(4):
+                try:
+                    conn.recv(wire.MAX_MESSAGE_BYTES, socket.MSG_DONTWAIT)
+                except OSError:
+                    break  # nothing (more) there
+            self._answer_now(conn, answer)
+
+        self._closer.close(refuse)
+
+    def _answer(self, conn: socket.socket, data: bytes) -> None:
+        """Sends ``data`` and closes ``conn``, on the closer thread (fds still
+        queued on it are dropped with it)."""
+        self._closer.close(lambda: self._answer_now(conn, data))
 
     @staticmethod
-    def _answer(conn: socket.socket, data: bytes) -> None:
+    def _answer_now(conn: socket.socket, data: bytes) -> None:
         try:
             conn.send(data)  # small: fits the socket buffer, never blocks
         except OSError:
@@ -360,9 +451,11 @@ class FdChannel:
         for fd in list(self._conns):
             conn = self._drop(fd)
             if conn is not None:
-                conn.close()
+                self._closer.close(conn)
         if self._sock is not None:
-            self._loop.remove_reader(self._sock.fileno())
+            if self._accepting:
+                self._loop.remove_reader(self._sock.fileno())
+            self._accepting = False
             self._sock.close()
             self._sock = None
             unlink_own(self.path, self._bound, "fd channel")

@@ -72,6 +72,28 @@ REFUSED_REASONS = ("not_admitted", "max_engine_connections", "max_engine_connect
                    "credentials", "relay")
 
 
+#: socket(7) SO_PASSRIGHTS (Linux 6.16): 0 makes the kernel refuse fds sent
+#: to a socket (the sender's sendmsg fails EPERM); accepted sockets inherit it.
+SO_PASSRIGHTS = getattr(socket, "SO_PASSRIGHTS", 83)
+
+
+def refuse_passed_fds(sock: socket.socket) -> bool:
+    """Sets ``SO_PASSRIGHTS`` 0 on ``sock`` (a listener: its connections
+    inherit it); False where the kernel lacks it (before Linux 6.16).
+
+    Why: an fd a caller attaches to any byte it sends is dropped by the
+    kernel inside the daemon's read, and when that is the last reference
+    to a TCP socket with ``SO_LINGER`` and unsent data, or a FUSE file, the
+    drop waits in the daemon's thread (an attacker review held the event
+    loop 9-15 s this way, as a caller not even admitted). The engine and
+    command sockets carry no fds; only the fd side channel takes them."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, SO_PASSRIGHTS, 0)
+        return True
+    except OSError:
+        return False
+
+
 def bind_side_socket(path: str, kind: int, group: int | None, backlog: int, what: str
                      ) -> tuple[socket.socket, tuple[int, int]]:
     """Binds a Unix socket of ``kind`` (``SOCK_STREAM``, ``SOCK_SEQPACKET``)
@@ -358,6 +380,7 @@ class Gate:
         self.max_per_uid = max_per_uid
         self.idle_timeout_s = idle_timeout_s
         self.private_dir = ""
+        self.passrights_refused = False  # SO_PASSRIGHTS 0 on the engine socket (refuse_passed_fds)
         self.internal = ""
         self._server: asyncio.AbstractServer | None = None
         self._bound: tuple[int, int] | None = None   # (st_dev, st_ino) of the socket file we bound
@@ -417,6 +440,7 @@ class Gate:
                     raise OSError(f"cannot give the engine socket {self.path} to group {self.group} "
                                   f"(engine_socket_group; the daemon must be root or a member): "
                                   f"{e.strerror or e}") from None
+            self.passrights_refused = refuse_passed_fds(s)
             s.listen(1024)
             s.setblocking(False)
         except BaseException:

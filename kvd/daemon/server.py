@@ -402,6 +402,10 @@ class Server:
                  + (f", warm peers {','.join(cfg.warm_peers)}" if cfg.warm_peers else ""))
         for w in cfg.warnings + secret_file_warnings(cfg):
             log.warning("%s", w)
+        if not self.gate.passrights_refused:
+            log.info("this kernel has no SO_PASSRIGHTS (Linux 6.16): an fd a caller attaches to bytes it sends on "
+                     "the engine or command socket is dropped in the daemon's read, which a socket or file made "
+                     "to close slowly can hold up (docs/SECURITY.md)")
         self.notifier.ready(f"serving: engines on unix:{sock}, peers on {adv}")
 
     def _peer_host(self, host: str, port: int) -> str:
