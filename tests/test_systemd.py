@@ -87,20 +87,36 @@ class Machine:
                  f"--bind-ro={self.etc}:/etc/kvd"],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         self.leader = 0
-        wait_until(self._booted, 180, "the container's systemd up", interval=0.5)
+        try:
+            wait_until(self._booted, 180, "the container's systemd up", interval=0.5)
+        except BaseException:
+            self.close()  # not left running for the rest of the suite
+            raise
 
     def _booted(self) -> bool:
         if self.proc.poll() is not None:
             raise AssertionError(f"systemd-nspawn exited {self.proc.returncode}:\n{self.log_path.read_text()}")
-        if not self.leader:
-            # The container's PID 1 (systemd) is nspawn's child.
+        if not self._is_systemd(self.leader):
+            # The container's PID 1 (systemd) is nspawn's child, once nspawn's
+            # own short-lived child has made it: a leader taken too early
+            # named that one, which then exited, and every later check of a
+            # container up in a second failed for the whole 180 s (seen once
+            # in a fresh clone's run).
             with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
-                kids = f.read().split()
-            if not kids:
+                kids = [int(k) for k in f.read().split()]
+            self.leader = next((k for k in kids if self._is_systemd(k)), 0)
+            if not self.leader:
                 return False
-            self.leader = int(kids[0])
         state = self.run("systemctl", "is-system-running", check=False).stdout.strip()
         return state in ("running", "degraded")
+
+    @staticmethod
+    def _is_systemd(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                return pid > 0 and f.read().strip() == "systemd"
+        except OSError:
+            return False
 
     def run(self, *cmd: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
         r = subprocess.run(["nsenter", "-t", str(self.leader), "-m", "-u", "-i", "-n", "-p", "--", *cmd],
