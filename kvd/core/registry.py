@@ -99,14 +99,14 @@ class Registry:
             lay.validate(layout, regions, [s.size for s in segments])
         except LayoutError as e:
             raise InvalidArgument(str(e)) from None
-        host = 0 if cuda_ipc.KIND in {s.kind for s in segments} else sum(s.size for s in segments)
+        kinds = {s.kind for s in segments}
+        host = 0 if cuda_ipc.KIND in kinds else sum(s.size for s in segments)  # VRAM is the device's to bound
         self._check_caps(len(regions) * layout.num_blocks, owner, host)
         access = Access(owner.uid, owner.gids) if owner is not None else None
         mappings: list[ShmMapping] = []
         staging: list[str] = []
         cuda = None
         try:
-            kinds = {s.kind for s in segments}
             if len(kinds) > 1:
                 raise SegmentError(f"a worker's segments must all be of one kind (got {sorted(kinds)})")
             if cuda_ipc.KIND in kinds and cuda_ipc.wants_vram(staged):

@@ -309,10 +309,7 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         tp.hit(tp.GATE_IN)  # as the gate's relay marks a command's bytes arriving (benchmarks.trace)
         if self.refusal is not None:
-            self.refusal.feed(data)
-            if self.refusal.done and self.idle is not None:  # answered: the linger bound applies now
-                self.idle.cancel()
-                self.idle = None
+            self.idle = self.refusal.feed_keeping(data, self.idle)
             return
         if self.idle is not None:  # the engine spoke
             self.idle.cancel()

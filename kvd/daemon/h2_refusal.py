@@ -142,6 +142,16 @@ class Refusal:
                 return self._linger()
         del buf[:pos]
 
+    def feed_keeping(self, data: bytes, idle):
+        """:meth:`feed`, for a connection whose silence is bounded by ``idle``
+        (a timer handle, or None): returns the timer to keep, None once the
+        call is answered (cancelled: the linger bound applies from then)."""
+        self.feed(data)
+        if self.done and idle is not None:
+            idle.cancel()
+            return None
+        return idle
+
     def _linger(self) -> None:
         self.done, self.buf = True, bytearray()
         if self.call_later is None or not self.transport.can_write_eof():

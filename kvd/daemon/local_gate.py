@@ -323,10 +323,7 @@ class _Front(_Relay):
 
     def data_received(self, data: bytes) -> None:
         if self.refusal is not None:
-            self.refusal.feed(data)
-            if self.refusal.done and self.idle is not None:  # answered: the linger bound applies now
-                self.idle.cancel()
-                self.idle = None
+            self.idle = self.refusal.feed_keeping(data, self.idle)
             return
         if self.idle is not None:  # the caller spoke
             self.idle.cancel()
