@@ -54,6 +54,8 @@ def test_kvd_bench_quick_reports_ratios(tmp_path):
         # machine's load; the figures must be there and measured.
         assert cases[16]["loads_done"] >= 0 and all(c["p50_us"] > 0 for c in cases.values())
         assert res["engine_step"]["unary_getstats"]["p50_us"] > 0
+        assert "goal held step <= control + 10 us p50" in r.stdout
+        assert "goal engine CPU per load started <= 15 us" in r.stdout
 
 
 def test_goals_name_the_cells_the_noise_decides_and_the_small_loads_range():
@@ -75,6 +77,29 @@ def test_goals_name_the_cells_the_noise_decides_and_the_small_loads_range():
     assert g["a_over_b_cells_met"] == "1/3" and g["a_over_b_cells_split"] == 1
     assert g["small_load_rounds"] == 4 and (g["small_load_min"], g["small_load_max"]) == (2.0, 5.0)
     assert g["small_load_a_time_over_b"] == pytest.approx((11 / 3 + 4) / 2)
+
+
+def test_step_goals_compare_the_held_step_with_its_control_and_cpu_per_load_started():
+    """The fast path's engine-step goals: the worst held p50 above the same
+    case's after-sleep control, and the worst CPU per load started."""
+    from kvd.bench import step
+
+    def case(n, held, control, per_load=None):
+        c = dict(inflight=n, p50_us=40.0, p99_us=90.0, held_p50_us=held, held_p99_us=100.0,
+                 idle_penalty=dict(after_sleep_p50_us=control, hot_p50_us=5.0))
+        if per_load is not None:
+            c["fit_per_load_started_us"] = per_load
+        return c
+
+    g = step.goals({"cases": [case(0, 38.0, 30.0), case(16, 45.0, 33.0, 14.0), case(256, 40.0, 31.0, 16.5)]})
+    assert g["held_over_control_us"] == pytest.approx(12.0) and not g["held_over_control_met"]
+    assert g["cpu_per_load_started_us"] == pytest.approx(16.5) and not g["cpu_per_load_met"]
+    g = step.goals({"cases": [case(0, 38.0, 30.0), case(16, 41.0, 33.0, 14.0)]})
+    assert g["held_over_control_met"] and g["cpu_per_load_met"]
+    assert "+8.0 us" in step.goals_text(g) and "(14.0 us)" in step.goals_text(g)
+    # No case where loads started: not measured, so not met.
+    g = step.goals({"cases": [case(0, 38.0, 30.0)]})
+    assert g["cpu_per_load_started_us"] != g["cpu_per_load_started_us"] and not g["cpu_per_load_met"]
 
 
 def test_pairs_benchmark_reports_aggregate_loads_and_scaling(tmp_path):

@@ -143,6 +143,33 @@ def test_large_batches_are_split_and_a_failed_call_is_retried(clock, caplog):
     assert r.poll() == 3
 
 
+def test_a_request_that_loads_soon_is_never_read_and_a_late_poll_keeps_the_arrival_time(clock, caplog):
+    """``track`` only notes the request: one stopped within MIN_INTERVAL_S
+    (it loaded) never has its params read; one read later counts its first
+    renewal from when it arrived, and bad block ids are logged then."""
+    rec = Recorder()
+    r = renewer(clock, rec)
+    bad = params("p-bad")
+    bad["remote_block_ids"] = [["x"]]
+    r.track(req("d-quick"), bad)
+    assert len(r) == 1
+    clock.now += MIN_INTERVAL_S / 2
+    assert r.poll() == 0 and len(r) == 1
+    r.stop("d-quick")
+    caplog.set_level("WARNING", logger="kvd.shim.vllm")
+    clock.now += 10
+    assert r.poll() == 0 and len(r) == 0 and not caplog.messages  # never read
+    r.track(req("d-bad"), bad)
+    r.track(req("d1"), params("p1"))
+    clock.now += FIRST_UNKNOWN_S  # the first poll after it arrived is already past its first renewal
+    assert r.poll() == 1 and [x.request_id for x in rec.calls[0][2]] == ["p1"]
+    assert len(r) == 1 and any("request=d-bad" in m and "remote_block_ids" in m for m in caplog.messages)
+    r.track(req("d1"), params("p1-again"))  # tracked again: its old renewals stop
+    rec.answer(0)
+    clock.now += FIRST_UNKNOWN_S
+    assert r.poll() == 1 and [x.request_id for x in rec.calls[1][2]] == ["p1-again"]
+
+
 # ------------------------------------------------------- inside vLLM's scheduler
 def test_a_waiting_request_renews_until_it_is_aborted(model_dir, tmp_path):
     """The fake daemon never answers the load: the request waits for its

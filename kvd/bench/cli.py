@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{sg['held_p99_max_us']:.0f} us); loads starting and ending every step: "
                   f"{'met' if sg['met'] else 'NOT met'} (worst p50 {sg['p50_max_us']:.0f} us, p99 "
                   f"{sg['p99_max_us']:.0f} us); one blocking unary RPC: p50 {u['p50_us']:.0f} us")
+            print(f"    {step.goals_text(sg)}")
     treps = args.throughput_reps or (5 if args.quick else 20)
     tp = throughput.run(treps, progress=progress, hold_ahead_s=hold_ahead_s)
     out["throughput"] = tp

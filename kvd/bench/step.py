@@ -91,12 +91,46 @@ def table(res: dict, markdown: bool = False) -> str:
     return t
 
 
+#: The fast path's engine-step goals: the shim's held step at most this many
+#: us (p50) above the no-kvd control run right after the same sleep (what
+#: this machine charges the first code after a sleep, ~30 us measured:
+#: docs/PERFORMANCE.md section 2), and at most this many us of the engine
+#: thread's CPU per load started (least squares over the steps).
+HELD_OVER_CONTROL_US = 10.0
+CPU_PER_LOAD_STARTED_US = 15.0
+
+
 def goals(res: dict) -> dict:
-    """Goal p50 <= 30 us, p99 <= 200 us; ``held``: loads in flight, none starting
-    or ending; ``churn``: every step also starts and ends loads (see the table)."""
+    """Goals of benchmark 2, from :func:`run`'s results (us).
+
+    - p50 <= 30 us, p99 <= 200 us (docs/DESIGN.md): ``held_met`` with loads
+      held in flight (none starting or ending), ``met`` with loads starting
+      and ending every step;
+    - the fast path's: ``held_over_control_us``, the worst held p50 less the
+      control's after-sleep p50 of the same case, against
+      :data:`HELD_OVER_CONTROL_US` (``held_over_control_met``); and
+      ``cpu_per_load_started_us``, the worst case's least-squares CPU per
+      load started, against :data:`CPU_PER_LOAD_STARTED_US`
+      (``cpu_per_load_met``). NaN and not met when the run has no such case
+      (no forward sleep, or no case where loads started and ended).
+    """
     h = [c for c in res["cases"] if "held_p50_us" in c]
+    over = [c["held_p50_us"] - c["idle_penalty"]["after_sleep_p50_us"] for c in h if c.get("idle_penalty")]
+    per_load = [c["fit_per_load_started_us"] for c in res["cases"] if "fit_per_load_started_us" in c]
+    worst_over = max(over, default=float("nan"))
+    worst_per_load = max(per_load, default=float("nan"))
     return dict(p50_max_us=max(c["p50_us"] for c in res["cases"]), p99_max_us=max(c["p99_us"] for c in res["cases"]),
                 met=all(c["p50_us"] <= 30 and c["p99_us"] <= 200 for c in res["cases"]),
                 held_p50_max_us=max((c["held_p50_us"] for c in h), default=float("nan")),
                 held_p99_max_us=max((c["held_p99_us"] for c in h), default=float("nan")),
-                held_met=bool(h) and all(c["held_p50_us"] <= 30 and c["held_p99_us"] <= 200 for c in h))
+                held_met=bool(h) and all(c["held_p50_us"] <= 30 and c["held_p99_us"] <= 200 for c in h),
+                held_over_control_us=worst_over, held_over_control_met=worst_over <= HELD_OVER_CONTROL_US,
+                cpu_per_load_started_us=worst_per_load, cpu_per_load_met=worst_per_load <= CPU_PER_LOAD_STARTED_US)
+
+
+def goals_text(g: dict) -> str:
+    """The fast path's two engine-step goals of :func:`goals` as one line."""
+    return (f"goal held step <= control + {HELD_OVER_CONTROL_US:.0f} us p50: "
+            f"{'met' if g['held_over_control_met'] else 'NOT met'} (+{g['held_over_control_us']:.1f} us); "
+            f"goal engine CPU per load started <= {CPU_PER_LOAD_STARTED_US:.0f} us: "
+            f"{'met' if g['cpu_per_load_met'] else 'NOT met'} ({g['cpu_per_load_started_us']:.1f} us)")

@@ -29,7 +29,6 @@ Pull mode (the seed connector's protocol, docs/DESIGN.md "Transfer protocol"):
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from typing import Callable
 
@@ -229,7 +228,7 @@ class Node:
         load whose session ended before it started is dropped."""
         address = await self.own.canonical(req.remote_address)
         if address != req.remote_address:
-            req = dataclasses.replace(req, remote_address=address)
+            req = req._replace(remote_address=address)
         await self.pull.load(w, req, epoch=epoch)
 
     async def abort_load(self, w: Worker, request_id: str, remote_engine_id: str, remote_address: str,

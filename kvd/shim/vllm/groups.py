@@ -27,9 +27,11 @@ def as_groups(block_ids: Any) -> BlockGroups:
     """
     if not block_ids:
         return []
+    # map(int, ...), not a nested comprehension: half the time, on the
+    # decode scheduler's per-load path (docs/PERFORMANCE.md section 2).
     if isinstance(block_ids[0], (list, tuple)):
-        return [[int(b) for b in g] for g in block_ids]
-    return [[int(b) for b in block_ids]]
+        return [list(map(int, g)) for g in block_ids]
+    return [list(map(int, block_ids))]
 
 
 def first_group(block_ids: Any) -> list[int]:
@@ -120,6 +122,20 @@ class TransferGroups:
             return groups
         raise ValueError(f"block ids for {len(groups)} KV-cache groups; this engine has {self.num_groups} "
                          f"({self.count} transferable)")
+
+    def to_transfer(self, fresh: list[list[int]]) -> BlockGroups:
+        """:meth:`select` then :meth:`clip` for block id lists the caller
+        made and gives up (vLLM's ``KVCacheBlocks.get_unhashed_block_ids_all_groups``
+        builds new lists per call): with every group transferred and no
+        sliding window they are returned as they are, without the two copies
+        (the decode scheduler's per-load cost, docs/PERFORMANCE.md section 2).
+
+        Raises:
+            ValueError: as :meth:`select`.
+        """
+        if len(fresh) == self.num_groups == len(self.group_ids) and not any(self.window_blocks):
+            return fresh
+        return self.clip(self.select(fresh))
 
     def clip(self, groups: BlockGroups) -> BlockGroups:
         """Sliding-window groups keep the blocks of the window only (the tail),

@@ -15,7 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from kvd.requests import BlockGroups, LoadRequest
 
 
-@dataclass
+@dataclass(slots=True)
 class LoadSpec:
     """One decode-side load, scheduler -> worker.
 
@@ -42,7 +42,7 @@ class LoadSpec:
         return self.request.request_id
 
 
-@dataclass
+@dataclass(slots=True)
 class HoldSpec:
     """One prefill-side hold, scheduler -> worker: keep these blocks for a reader.
 
@@ -55,7 +55,7 @@ class HoldSpec:
     lease_s: float
 
 
-@dataclass
+@dataclass(slots=True)
 class SaveSpec:
     """Staged path, prefill side: blocks whose KV this step's forward pass
     writes, for a request that will be handed off (``do_remote_decode``);

@@ -97,35 +97,57 @@ class LeaseRenewals:
         self.wall = wall
         self._remotes: dict[tuple[str, str], _Remote] = {}
         self._of: dict[str, tuple[str, str]] = {}  # local request id -> its remote key
+        # Tracked requests not looked at yet, oldest first: local request id ->
+        # (kv_transfer_params, monotonic and wall seconds when tracked).
+        self._arrived: dict[str, tuple[dict[str, Any], float, float]] = {}
 
     def __len__(self) -> int:
         """Requests tracked."""
-        return len(self._of)
+        return len(self._of) + len(self._arrived)
 
     def track(self, request: Request, params: dict[str, Any]) -> None:
         """Starts renewing the lease of ``request`` (its ``kv_transfer_params``
-        ``params``: remote fields checked by the caller). Bad block ids in
-        the params are logged, not raised (the load reports them)."""
+        ``params``: remote fields checked by the caller).
+
+        Only notes the request and the time: no renewal can be due sooner
+        than :data:`MIN_INTERVAL_S` after it arrived, and most requests load
+        well before that, so :meth:`poll` reads their params only once they
+        are that old (this runs on the engine step for every decode request:
+        docs/PERFORMANCE.md, engine step). Bad block ids in the params are
+        logged then, not raised (the load reports them)."""
+        rid = request.request_id
+        if rid in self._of:
+            self.stop(rid)
+        self._arrived.pop(rid, None)  # tracked again: it moves to the newest end
+        self._arrived[rid] = (params, self.clock(), self.wall())
+
+    def _start(self, rid: str, params: dict[str, Any], since: float, wall: float) -> None:
+        """Renewals for request ``rid``, tracked at monotonic ``since`` (wall
+        clock ``wall``): its first is due a third of the lease P announced
+        after that (``remote_blocks_expiry_time``), at least
+        :data:`MIN_INTERVAL_S`, or :data:`FIRST_UNKNOWN_S` when P sent none."""
         try:
             groups = as_groups(params["remote_block_ids"])
         except (TypeError, ValueError) as e:
-            log.warning("kvd request=%s: remote_block_ids %s; its lease is not renewed", request.request_id, e)
+            log.warning("kvd request=%s: remote_block_ids %s; its lease is not renewed", rid, e)
             return
-        self.stop(request.request_id)
         key = (str(params["remote_engine_id"]), join_host_port(params["remote_host"], params["remote_port"]))
-        remote = self._remotes.setdefault(key, _Remote())
-        remote.waiting[request.request_id] = _Waiting(str(params["remote_request_id"]), groups)
-        self._of[request.request_id] = key
-        now = self.clock()
+        remote = self._remotes.get(key)
+        if remote is None:
+            remote = self._remotes[key] = _Remote()
+        remote.waiting[rid] = _Waiting(str(params["remote_request_id"]), groups)
+        self._of[rid] = key
         expiry = params.get("remote_blocks_expiry_time")
         first = FIRST_UNKNOWN_S
         if isinstance(expiry, (int, float)) and expiry > 0:
-            first = max(MIN_INTERVAL_S, (expiry - self.wall()) / 3)
-        remote.due = min(remote.due, now + first)
+            first = max(MIN_INTERVAL_S, (expiry - wall) / 3)
+        remote.due = min(remote.due, since + first)
 
     def stop(self, request_id: str) -> None:
         """No more renewals for ``request_id`` (loaded, failed, finished);
         a no-op for a request not tracked."""
+        if self._arrived.pop(request_id, None) is not None:
+            return
         key = self._of.pop(request_id, None)
         if key is None:
             return
@@ -138,6 +160,12 @@ class LeaseRenewals:
         """Takes the answers of finished calls, then sends the renewals that
         are due (never blocks). Returns the calls sent."""
         now = self.clock()
+        while self._arrived:  # oldest first: stop at the first too young to be due
+            rid, (params, since, wall) = next(iter(self._arrived.items()))
+            if now - since < MIN_INTERVAL_S:
+                break
+            del self._arrived[rid]
+            self._start(rid, params, since, wall)
         sent = 0
         for key, remote in list(self._remotes.items()):
             self._collect(key, remote, now)

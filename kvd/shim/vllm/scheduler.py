@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.config import VllmConfig
+from vllm.v1.request import RequestStatus
 
 from kvd.addresses import join_host_port, split_host_port
 from kvd.client import EngineClient
@@ -46,6 +47,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvd.shim.vllm")
 
 REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+
+#: A prefill that ended in one of these hands its blocks to D (others were
+#: aborted), as NixlConnector's ``request_finished`` (pull_scheduler.py).
+_HANDED_OFF = frozenset((RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED))
 
 #: ``kv_transfer_params.transfer_mode``: the decode side's daemon reads
 #: (NixlConnector's ``_TRANSFER_MODE`` of its pull scheduler).
@@ -188,7 +193,7 @@ class KvdScheduler:
             # The blocks to fill: those not from D's prefix cache, padding
             # (null) blocks skipped, sliding windows clipped as P clipped them
             # (pull_scheduler.py:149-156).
-            local = self.groups.clip(self.groups.select(blocks.get_unhashed_block_ids_all_groups()))
+            local = self.groups.to_transfer(blocks.get_unhashed_block_ids_all_groups())
         except ValueError as e:
             local, error = [], f"invalid: {e}"
         if error is None and len(remote) != len(local):
@@ -216,7 +221,10 @@ class KvdScheduler:
         well), and so is a remap with sliding-window groups (their windows
         are clipped in each side's own blocks).
         """
-        remote_bs = int(params.get("block_size") or self.block_size)
+        remote_bs = params.get("block_size")
+        if remote_bs is None or remote_bs == self.block_size:
+            return 1, None  # equal block sizes, the common case: nothing to check
+        remote_bs = int(remote_bs or self.block_size)
         if remote_bs <= 0 or self.block_size % remote_bs:
             return 1, (f"invalid: the prefill engine's block size {remote_bs} does not divide this engine's "
                        f"{self.block_size} tokens (kvd fills a decode block from whole prefill blocks only: "
@@ -284,8 +292,6 @@ class KvdScheduler:
         blocks until ``finished_sending``). Decode side aborted before
         scheduling: queues a notify-only load so P frees. Otherwise
         ``(False, None)``; never raises (bad block ids are logged)."""
-        from vllm.v1.request import RequestStatus
-
         self._saving.pop(request.request_id, None)
         self.renewals.stop(request.request_id)
         params = request.kv_transfer_params
@@ -300,7 +306,7 @@ class KvdScheduler:
             return False, None
         if not params.get("do_remote_decode"):
             return False, None
-        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+        if request.status not in _HANDED_OFF:
             return False, None  # aborted prefill: nothing to hand off
         if self.peer_host is None or self.peer_port is None:
             log.warning("kvd engine=%s request=%s: do_remote_decode on an engine that is not a KV producer (kv_role); "
