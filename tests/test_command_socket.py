@@ -303,6 +303,28 @@ def test_unfinished_frames_of_a_uid_are_bounded_and_freed_when_their_connections
         d.stop()
 
 
+def test_the_command_socket_refuses_fds_before_it_listens(tmp_path, monkeypatch):
+    """SO_PASSRIGHTS is inherited by the connections a listener accepts: set
+    after listen(), a connection made in between kept taking fds (an
+    attacker review won that race at a restart). It is set before."""
+    from kvd.daemon import local_gate
+
+    listening = []
+    real = local_gate.refuse_passed_fds
+
+    def spy(sock):
+        listening.append(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+        return real(sock)
+
+    monkeypatch.setattr(local_gate, "refuse_passed_fds", spy)
+    s, _ = local_gate.bind_side_socket(str(tmp_path / "c.sock"), socket.SOCK_STREAM, None, 8, "test",
+                                       passes_fds=False)
+    try:
+        assert listening == [0] and s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
+    finally:
+        s.close()
+
+
 def test_fds_attached_to_commands_are_refused_by_the_kernel(daemon):
     """An fd a caller attaches to bytes it sends on the command or engine
     socket is dropped inside the daemon's read, and the drop of a socket

@@ -203,5 +203,77 @@ def test_host_memory_registered_per_uid_is_capped(tmp_path):
         first.close()
         Engine(d, "host-3", SHAPE).close()
         assert d.stats().engines == 0
+        # CUDA segments staged on a daemon without a GPU get host shm mirrors
+        # of their sizes: host memory too (an attacker review registered 4 TiB
+        # of them with the cap at 1 MiB).
+        from kvd import cudart
+
+        if not cudart.available()[0]:
+            huge = pb.RegisterEngineRequest(
+                worker=pb.EngineWorker(engine_id="host-cuda", tp_rank=0, tp_size=1), layout=SHAPE.layout(),
+                segments=[pb.Segment(kind=pb.MEMORY_KIND_CUDA_IPC, handle=bytes(64), device=0, size=SHAPE.size * 2)],
+                regions=SHAPE.regions(), model="m", data_path=pb.DATA_PATH_STAGED)
+            with pytest.raises(grpc.RpcError) as e:
+                d.stub().RegisterEngine(huge, timeout=30)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
+            assert "max_host_bytes_per_uid" in e.value.details()
+            assert d.stats().engines == 0
     finally:
         assert d.stop() == 0
+
+
+def test_registrations_at_once_are_held_to_the_caps(tmp_path):
+    """A registration awaits its mappings and its NIXL agent before its
+    worker counts: registrations sent at once all passed the caps (an
+    attacker review registered 100 workers past ``max_workers_per_uid``
+    32). Those under way count now: of 8 at once with a cap of 2, 2
+    register, the rest get RESOURCE_EXHAUSTED naming the key; the same
+    worker twice at once is registered once."""
+    import threading
+
+    from kvd.testing.daemons import start_daemon
+
+    d = start_daemon(str(tmp_path), "race", "--max-workers-per-uid", "2")
+    segs = [ShmSegment(SHAPE.size) for _ in range(10)]
+    try:
+        reqs = [register_request(f"race-{i}", SHAPE, segs[i]) for i in range(8)]
+        reqs += [register_request("twin", SHAPE, segs[8]), register_request("twin", SHAPE, segs[9])]
+        stub = d.stub()
+        start = threading.Barrier(8)
+        out: list = [None] * len(reqs)
+
+        def call(i):
+            start.wait()
+            try:
+                out[i] = stub.RegisterEngine(reqs[i], timeout=60)
+            except grpc.RpcError as e:
+                out[i] = e
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        ok = [i for i in range(8) if not isinstance(out[i], grpc.RpcError)]
+        refused = [r for r in out[:8] if isinstance(r, grpc.RpcError)]
+        assert len(ok) == 2 and d.stats().engines == 2, out
+        assert all(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_workers_per_uid" in e.details()
+                   for e in refused), refused
+        for i in ok:
+            stub.UnregisterEngine(pb.UnregisterEngineRequest(worker=reqs[i].worker,
+                                                             session_token=out[i].session_token), timeout=30)
+        assert d.stats().engines == 0
+        start = threading.Barrier(2)
+        threads = [threading.Thread(target=call, args=(i,)) for i in (8, 9)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        twins = [r for r in out[8:] if not isinstance(r, grpc.RpcError)]
+        assert len(twins) == 1 and d.stats().engines == 1, out[8:]
+        (e,) = [r for r in out[8:] if isinstance(r, grpc.RpcError)]
+        assert e.code() == grpc.StatusCode.ALREADY_EXISTS, e
+    finally:
+        assert d.stop() == 0
+        for s in segs:
+            s.close()

@@ -148,6 +148,53 @@ def unlink_shm(name: str, identity: tuple[int, int] | None = None) -> bool:
         return False
 
 
+def _mount_id(fd: int) -> int:
+    """The mount id of an open fd, from ``/proc/self/fdinfo`` (procfs alone
+    answers: nothing asks the file's own file system)."""
+    with open(f"/proc/self/fdinfo/{fd}") as f:
+        for line in f:
+            if line.startswith("mnt_id:"):
+                return int(line.split()[1])
+    raise OSError(errno.ENOTSUP, "no mnt_id in /proc/self/fdinfo")
+
+
+def _open_on_shm(name: str, path: str, flags: int) -> int:
+    """Opens ``path`` (a name in :data:`SHM_DIR`) with ``flags``, only if it
+    is a regular file of the file system mounted at :data:`SHM_DIR`.
+
+    Why: an engine may mount FUSE over a file of its own in /dev/shm
+    (setuid ``fusermount3`` allows it on a file the user owns), and an
+    ``open()`` there waits for the engine's FUSE server, on the daemon's
+    event loop (an attacker review held it 59 s). So the path is first
+    opened ``O_PATH | O_NOFOLLOW`` (a lookup: no ``open`` reaches the file
+    system), its mount is compared with /dev/shm's, and only then is the
+    very file reopened through ``/proc/self/fd`` (no second lookup: a mount
+    made meanwhile is not crossed).
+
+    Raises:
+        SegmentError: a symbolic link, not a regular file, or on another
+            mount. OSError from the opens (FileNotFoundError, ...).
+    """
+    where = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        top = os.open(SHM_DIR, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            same = _mount_id(where) == _mount_id(top)
+        finally:
+            os.close(top)
+        if not same:
+            raise SegmentError(f"segment {name!r} is not a file of {SHM_DIR}'s file system (a mount over it); "
+                               f"refused")
+        mode = os.fstat(where).st_mode  # on /dev/shm's own file system: answered there
+        if stat.S_ISLNK(mode):
+            raise OSError(errno.ELOOP, "is a symbolic link")
+        if not stat.S_ISREG(mode):
+            raise SegmentError(f"segment {name!r} is not a shared memory object")
+        return os.open(f"/proc/self/fd/{where}", flags)
+    finally:
+        os.close(where)
+
+
 class ShmMapping:
     """A read-write ``MAP_SHARED`` mapping of one POSIX shm object.
 
@@ -180,7 +227,7 @@ class ShmMapping:
             # O_NONBLOCK: a lease the engine holds on its object (F_SETLEASE)
             # made this open wait for the lease to break, lease-break-time
             # (45 s here), on the event loop (attacker review): EWOULDBLOCK now.
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+            fd = _open_on_shm(name, path, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
             raise SegmentError(f"segment {name!r} does not exist in {SHM_DIR}") from None
         except BlockingIOError:

@@ -48,6 +48,12 @@ class Registry:
         self.rt = rt
         self.peers = peers
         self.backends = backends
+        # Registrations under way (they await mapping and NIXL before the
+        # worker lands in rt.workers): key -> (uid or None, block descriptors,
+        # host bytes). The caps and the engine id checks count them, or
+        # concurrent calls all passed (an attacker review registered 100
+        # workers at once past max_workers_per_uid 32).
+        self._registering: dict[WorkerKey, tuple[int | None, int, int]] = {}
 
     async def register(
         self,
@@ -100,8 +106,23 @@ class Registry:
         except LayoutError as e:
             raise InvalidArgument(str(e)) from None
         kinds = {s.kind for s in segments}
-        host = 0 if cuda_ipc.KIND in kinds else sum(s.size for s in segments)  # VRAM is the device's to bound
-        self._check_caps(len(regions) * layout.num_blocks, owner, host)
+        # VRAM is the device's to bound; CUDA segments staged on a daemon
+        # without a GPU get shm mirrors of their sizes: host memory.
+        vram = cuda_ipc.KIND in kinds and cuda_ipc.wants_vram(staged)
+        host = 0 if vram else sum(s.size for s in segments)
+        descriptors = len(regions) * layout.num_blocks
+        self._check_caps(descriptors, owner, host)
+        key = (engine_id, tp_rank)
+        self._registering[key] = (owner.uid if owner is not None else None, descriptors, host)
+        try:
+            return await self._register(engine_id, tp_rank, tp_size, layout, segments, regions, model, compat_extra,
+                                        staged, owner_pid, owner, kinds)
+        finally:
+            del self._registering[key]
+
+    async def _register(self, engine_id, tp_rank, tp_size, layout, segments, regions, model, compat_extra, staged,
+                        owner_pid, owner, kinds) -> Worker:
+        """:meth:`register` once its checks passed and its share of the caps is reserved."""
         access = Access(owner.uid, owner.gids) if owner is not None else None
         mappings: list[ShmMapping] = []
         staging: list[str] = []
@@ -194,8 +215,14 @@ class Registry:
         if w is not None:
             raise AlreadyExists(f"engine {engine_id!r} rank {tp_rank} is already registered"
                                 + (f" (by uid {w.owner.uid})" if w.owner is not None else ""))
+        if (engine_id, tp_rank) in self._registering:
+            raise AlreadyExists(f"engine {engine_id!r} rank {tp_rank} is being registered by another call")
         if owner is None:
             return
+        for (eid, rank), (uid, _, _) in self._registering.items():
+            if eid == engine_id and uid is not None and uid != owner.uid:
+                raise PermissionDenied(f"engine id {engine_id!r} is being registered by uid {uid} (rank {rank}); "
+                                       f"uid {owner.uid} may not register rank {tp_rank}")
         for (eid, rank), other in self.rt.workers.items():
             if eid == engine_id and other.owner is not None and other.owner.uid != owner.uid:
                 raise PermissionDenied(f"engine id {engine_id!r} belongs to uid {other.owner.uid} while its rank "
@@ -209,13 +236,18 @@ class Registry:
         lim, ws = self.rt.limits, list(self.rt.workers.values())
         mine = [w for w in ws if owner is not None and w.owner is not None and w.owner.uid == owner.uid]
         descs = lambda group: sum(len(w.regions) * w.layout.num_blocks for w in group)  # noqa: E731
-        host = sum(w.mem.registered_bytes for w in mine if w.mem.memory == "DRAM") + host_bytes
+        # Registrations under way count as registered (self._registering).
+        going = list(self._registering.values())
+        my_going = [r for r in going if owner is not None and r[0] == owner.uid]
+        host = (sum(w.mem.registered_bytes for w in mine if w.mem.memory == "DRAM") + sum(r[2] for r in my_going)
+                + host_bytes)
         for what, used, cap, key in (
-                ("workers", len(ws) + 1, lim.max_workers, "max_workers"),
-                ("block descriptors", descs(ws) + descriptors, lim.max_descriptors, "max_descriptors"),
-                *((("workers of uid", len(mine) + 1, lim.max_workers_per_uid, "max_workers_per_uid"),
-                   ("block descriptors of uid", descs(mine) + descriptors, lim.max_descriptors_per_uid,
-                    "max_descriptors_per_uid"),
+                ("workers", len(ws) + len(going) + 1, lim.max_workers, "max_workers"),
+                ("block descriptors", descs(ws) + sum(r[1] for r in going) + descriptors, lim.max_descriptors,
+                 "max_descriptors"),
+                *((("workers of uid", len(mine) + len(my_going) + 1, lim.max_workers_per_uid, "max_workers_per_uid"),
+                   ("block descriptors of uid", descs(mine) + sum(r[1] for r in my_going) + descriptors,
+                    lim.max_descriptors_per_uid, "max_descriptors_per_uid"),
                    ("bytes of host memory registered by uid", host, lim.max_host_bytes_per_uid or physical_memory(),
                     "max_host_bytes_per_uid")) if owner is not None else ())):
             if used > cap:

@@ -56,7 +56,7 @@ from kvd import tracepoints as tp
 from kvd.command_wire import Deframer, FrameError, frame
 from kvd.daemon.engine_service import EngineService, SessionRefused
 from kvd.daemon.h2_refusal import LINGER_S, PREFACE, Refusal
-from kvd.daemon.local_gate import Caller, Gate, bind_side_socket, refuse_passed_fds, unlink_own
+from kvd.daemon.local_gate import Caller, Gate, bind_side_socket, unlink_own
 from kvd.daemon.logs import Throttled
 from kvd.v1 import kvd_pb2 as pb
 
@@ -567,8 +567,9 @@ class CommandSocket:
         A socket file left there is replaced (the engine socket's check has
         run: no daemon serves here). Raises OSError when it cannot be bound
         or given to the group."""
-        s, self._bound = bind_side_socket(self.path, socket.SOCK_STREAM, self.gate.group, 1024, WHAT)
-        refuse_passed_fds(s)  # commands carry no fds (local_gate.refuse_passed_fds says why)
+        # Commands carry no fds (local_gate.refuse_passed_fds says why).
+        s, self._bound = bind_side_socket(self.path, socket.SOCK_STREAM, self.gate.group, 1024, WHAT,
+                                          passes_fds=False)
         self._server = await asyncio.get_running_loop().create_unix_server(lambda: _Connection(self), sock=s)
 
     async def close(self) -> None:

@@ -94,15 +94,18 @@ def refuse_passed_fds(sock: socket.socket) -> bool:
         return False
 
 
-def bind_side_socket(path: str, kind: int, group: int | None, backlog: int, what: str
-                     ) -> tuple[socket.socket, tuple[int, int]]:
+def bind_side_socket(path: str, kind: int, group: int | None, backlog: int, what: str, *,
+                     passes_fds: bool = True) -> tuple[socket.socket, tuple[int, int]]:
     """Binds a Unix socket of ``kind`` (``SOCK_STREAM``, ``SOCK_SEQPACKET``)
     beside the engine socket, with its mode (:data:`SOCKET_MODE`) and
     ``group``, listening and non-blocking; ``(socket, (st_dev, st_ino) of the
     file bound)``, the identity :func:`unlink_own` checks. A socket file left
     at ``path`` is replaced (the engine socket's check has run: no daemon
-    serves here). Raises OSError, naming ``what``, when ``path`` exists and is
-    not a socket, or it cannot be bound or given to the group."""
+    serves here). ``passes_fds`` False: :func:`refuse_passed_fds` before
+    ``listen()``, so that no connection accepted takes fds (one made between
+    the two kept them: an attacker review won that race at a restart). Raises
+    OSError, naming ``what``, when ``path`` exists and is not a socket, or it
+    cannot be bound or given to the group."""
     if os.path.lexists(path):
         if not stat.S_ISSOCK(os.lstat(path).st_mode):
             raise OSError(f"{what}: {path} exists and is not a socket; refusing to replace it")
@@ -116,6 +119,8 @@ def bind_side_socket(path: str, kind: int, group: int | None, backlog: int, what
         os.chmod(path, SOCKET_MODE)  # not connectable before listen(): who may connect is set first
         if group is not None:
             os.chown(path, -1, group)
+        if not passes_fds:
+            refuse_passed_fds(s)
         s.listen(backlog)
         s.setblocking(False)
     except BaseException:
