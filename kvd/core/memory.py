@@ -30,11 +30,14 @@ import ctypes
 import ctypes.util
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import re
 import stat
 from dataclasses import dataclass
+
+log = logging.getLogger("kvd.core")
 
 SHM_DIR = "/dev/shm"
 _NAME_RE = re.compile(r"^/?[A-Za-z0-9_.\-]{1,200}$")
@@ -125,7 +128,8 @@ def create_shm(size: int, prefix: str = "kvd-stage", uid: int = -1) -> str:
 
 
 def unlink_shm(name: str, identity: tuple[int, int] | None = None) -> bool:
-    """Removes a shm object; idempotent. True when it removed one.
+    """Removes a shm object; idempotent. True when it removed one; False
+    when there was none or it could not be (logged).
 
     ``identity``: ``(st_dev, st_ino)`` of the object that was mapped
     (``ShmMapping.identity``); the name is removed only while it still
@@ -134,17 +138,27 @@ def unlink_shm(name: str, identity: tuple[int, int] | None = None) -> bool:
     unlinking by name alone removed that user's object. The check and the
     unlink are two calls; only the name's owner can swap the object in
     between (the sticky /dev/shm keeps others from removing it), so at worst
-    an object of that same owner is removed.
+    an object of that same owner is removed. The check looks the name up
+    without asking another mount's file system (:func:`_lookup_on_shm`): an
+    ``lstat`` of a name with the engine's FUSE mounted over it waited for
+    the engine's server (15 s, attacker review).
     """
     path = shm_path(name)
     try:
         if identity is not None:
-            st = os.lstat(path)
+            where = _lookup_on_shm(name, path)
+            try:
+                st = os.fstat(where)  # on /dev/shm's own file system
+            finally:
+                os.close(where)
             if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != identity:
                 return False
         os.unlink(path)
         return True
     except FileNotFoundError:
+        return False
+    except (OSError, SegmentError) as e:
+        log.warning("shm object %s not removed: %s", name, e)
         return False
 
 
@@ -158,22 +172,20 @@ def _mount_id(fd: int) -> int:
     raise OSError(errno.ENOTSUP, "no mnt_id in /proc/self/fdinfo")
 
 
-def _open_on_shm(name: str, path: str, flags: int) -> int:
-    """Opens ``path`` (a name in :data:`SHM_DIR`) with ``flags``, only if it
-    is a regular file of the file system mounted at :data:`SHM_DIR`.
+def _lookup_on_shm(name: str, path: str) -> int:
+    """An ``O_PATH | O_NOFOLLOW`` fd of ``path`` (a name in :data:`SHM_DIR`),
+    only if it is on the file system mounted at :data:`SHM_DIR`.
 
     Why: an engine may mount FUSE over a file of its own in /dev/shm
     (setuid ``fusermount3`` allows it on a file the user owns), and an
-    ``open()`` there waits for the engine's FUSE server, on the daemon's
-    event loop (an attacker review held it 59 s). So the path is first
-    opened ``O_PATH | O_NOFOLLOW`` (a lookup: no ``open`` reaches the file
-    system), its mount is compared with /dev/shm's, and only then is the
-    very file reopened through ``/proc/self/fd`` (no second lookup: a mount
-    made meanwhile is not crossed).
+    ``open()`` or ``stat()`` there waits for the engine's FUSE server, on
+    the daemon's event loop (an attacker review held it 59 s). An
+    ``O_PATH`` open is a lookup (nothing reaches the file system's own
+    code), and the mount ids are read from ``/proc/self/fdinfo``.
 
     Raises:
-        SegmentError: a symbolic link, not a regular file, or on another
-            mount. OSError from the opens (FileNotFoundError, ...).
+        SegmentError: the name is on another mount (one over it).
+        OSError: from the lookup (FileNotFoundError, ...).
     """
     where = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
@@ -182,9 +194,29 @@ def _open_on_shm(name: str, path: str, flags: int) -> int:
             same = _mount_id(where) == _mount_id(top)
         finally:
             os.close(top)
-        if not same:
-            raise SegmentError(f"segment {name!r} is not a file of {SHM_DIR}'s file system (a mount over it); "
-                               f"refused")
+    except BaseException:
+        os.close(where)
+        raise
+    if not same:
+        os.close(where)
+        raise SegmentError(f"segment {name!r} is not a file of {SHM_DIR}'s file system (a mount over it); "
+                           f"refused")
+    return where
+
+
+def _open_on_shm(name: str, path: str, flags: int) -> int:
+    """Opens ``path`` (a name in :data:`SHM_DIR`) with ``flags``, only if it
+    is a regular file of the file system mounted at :data:`SHM_DIR`: looked
+    up first (:func:`_lookup_on_shm`), then the very file found is reopened
+    through ``/proc/self/fd`` (no second lookup: a mount made meanwhile is
+    not crossed).
+
+    Raises:
+        SegmentError: a symbolic link, not a regular file, or on another
+            mount. OSError from the opens (FileNotFoundError, ...).
+    """
+    where = _lookup_on_shm(name, path)
+    try:
         mode = os.fstat(where).st_mode  # on /dev/shm's own file system: answered there
         if stat.S_ISLNK(mode):
             raise OSError(errno.ELOOP, "is a symbolic link")
