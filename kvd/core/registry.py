@@ -10,6 +10,7 @@ attach to and detach from a worker; a worker detached past
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -112,93 +113,95 @@ class Registry:
         host = 0 if vram else sum(s.size for s in segments)
         descriptors = len(regions) * layout.num_blocks
         self._check_caps(descriptors, owner, host)
-        key = (engine_id, tp_rank)
-        self._registering[key] = (owner.uid if owner is not None else None, descriptors, host)
+        with self._reserved((engine_id, tp_rank), owner, descriptors, host):
+            access = Access(owner.uid, owner.gids) if owner is not None else None
+            mappings: list[ShmMapping] = []
+            staging: list[str] = []
+            cuda = None
+            try:
+                if len(kinds) > 1:
+                    raise SegmentError(f"a worker's segments must all be of one kind (got {sorted(kinds)})")
+                if vram:
+                    cuda = await self.rt.nixl(cuda_ipc.open_segments, segments,
+                                            "auto" if staged is None else "staged" if staged else "direct")
+                    mappings, staged = cuda.mappings, cuda.staged
+                else:
+                    staged = bool(staged)
+                    for s in segments:
+                        if staged:
+                            staging.append(create_shm(s.size, uid=owner.uid if owner is not None else -1))
+                        if s.kind == MEMFD_KIND and not staged:  # handed over by fd: nothing named, nothing to unlink
+                            mappings.append(FdMapping(s.fd, s.size, s.name))
+                            continue
+                        mappings.append(ShmMapping(staging[-1] if staged else s.name, s.size,
+                                                   None if staged else access))
+            except (SegmentError, OSError) as e:
+                for m in mappings:
+                    m.close()
+                for n in staging:
+                    unlink_shm(n)
+                raise (PermissionDenied if isinstance(e, SegmentAccessError) else InvalidArgument)(str(e)) from None
+            name = f"kvd-{engine_id}-r{tp_rank}-{uuid.uuid4().hex[:8]}"
+            try:
+                agent, regs, dlist = await self.rt.nixl(self._make_agent, name, mappings, layout, regions,
+                                                      "VRAM" if cuda else "DRAM", cuda.device if cuda else 0)
+            except NixlError as e:
+                for m in mappings:
+                    m.close()
+                for n in staging:
+                    unlink_shm(n)
+                raise InvalidArgument(str(e)) from None
+            w = Worker(
+                key=(engine_id, tp_rank),
+                tp_size=tp_size,
+                model=model,
+                layout=layout,
+                regions=regions,
+                compat_hash=lay.compat_hash(model, layout, tp_size, len(regions), compat_extra),
+                mem=WorkerMemory(
+                    agent=agent,
+                    mappings=mappings,
+                    registrations=regs,
+                    bases=[mappings[r.segment].addr + r.offset for r in regions],
+                    local_dlist=dlist,
+                    registered_bytes=sum(s.size for s in segments),
+                    memory="VRAM" if cuda else "DRAM",
+                    device=cuda.device if cuda else 0,
+                    staged=staged,
+                    staging=staging,
+                    segment_names=[] if staged or cuda else [s.name for s in segments if s.kind != MEMFD_KIND],
+                    owner_pid=owner_pid,
+                    data_path_reason=cuda.choice.reason if cuda else "",
+                ),
+                owner=owner,
+                leases=LeaseTable(early_s=self.rt.limits.early_notif_s,
+                                  on_change=self.rt.feeds.recorder(engine_id, tp_rank)),
+            )
+            w.session.detached_since = time.monotonic()
+            self.rt.workers[w.key] = w
+            log.info(
+                "registered %s (TP %d): agent %s, %d regions x %d blocks of %d tokens (%s), %d bytes in %d segments, "
+                "hash %s", w.label, tp_size, name, len(regions), layout.num_blocks, layout.block_size,
+                layout.kv_layout, w.mem.registered_bytes, len(segments), w.compat_hash,
+            )
+            if cuda:
+                log.info("%s: VRAM on device %d, %s data path (%s)", w.label, w.mem.device,
+                         "staged" if staged else "direct", cuda.choice.reason)
+                if cuda.choice.warning:
+                    log.warning("%s: %s", w.label, cuda.choice.warning)
+            self.rt.on_event("register", {"engine": engine_id})
+            return w
+
+    @contextlib.contextmanager
+    def _reserved(self, key: WorkerKey, owner: Owner | None, descriptors: int, host_bytes: int):
+        """``with``: a registration under way of ``key``, counted by
+        :meth:`_check_caps` and :meth:`_check_engine_id` until it ends
+        (registered or failed)."""
+        self._registering[key] = (owner.uid if owner is not None else None, descriptors, host_bytes)
         try:
-            return await self._register(engine_id, tp_rank, tp_size, layout, segments, regions, model, compat_extra,
-                                        staged, owner_pid, owner, kinds)
+            yield
         finally:
             del self._registering[key]
-
-    async def _register(self, engine_id, tp_rank, tp_size, layout, segments, regions, model, compat_extra, staged,
-                        owner_pid, owner, kinds) -> Worker:
-        """:meth:`register` once its checks passed and its share of the caps is reserved."""
-        access = Access(owner.uid, owner.gids) if owner is not None else None
-        mappings: list[ShmMapping] = []
-        staging: list[str] = []
-        cuda = None
-        try:
-            if len(kinds) > 1:
-                raise SegmentError(f"a worker's segments must all be of one kind (got {sorted(kinds)})")
-            if cuda_ipc.KIND in kinds and cuda_ipc.wants_vram(staged):
-                cuda = await self.rt.nixl(cuda_ipc.open_segments, segments,
-                                        "auto" if staged is None else "staged" if staged else "direct")
-                mappings, staged = cuda.mappings, cuda.staged
-            else:
-                staged = bool(staged)
-                for s in segments:
-                    if staged:
-                        staging.append(create_shm(s.size, uid=owner.uid if owner is not None else -1))
-                    if s.kind == MEMFD_KIND and not staged:  # handed over by fd: nothing named, nothing to unlink
-                        mappings.append(FdMapping(s.fd, s.size, s.name))
-                        continue
-                    mappings.append(ShmMapping(staging[-1] if staged else s.name, s.size, None if staged else access))
-        except (SegmentError, OSError) as e:
-            for m in mappings:
-                m.close()
-            for n in staging:
-                unlink_shm(n)
-            raise (PermissionDenied if isinstance(e, SegmentAccessError) else InvalidArgument)(str(e)) from None
-        name = f"kvd-{engine_id}-r{tp_rank}-{uuid.uuid4().hex[:8]}"
-        try:
-            agent, regs, dlist = await self.rt.nixl(self._make_agent, name, mappings, layout, regions,
-                                                  "VRAM" if cuda else "DRAM", cuda.device if cuda else 0)
-        except NixlError as e:
-            for m in mappings:
-                m.close()
-            for n in staging:
-                unlink_shm(n)
-            raise InvalidArgument(str(e)) from None
-        w = Worker(
-            key=(engine_id, tp_rank),
-            tp_size=tp_size,
-            model=model,
-            layout=layout,
-            regions=regions,
-            compat_hash=lay.compat_hash(model, layout, tp_size, len(regions), compat_extra),
-            mem=WorkerMemory(
-                agent=agent,
-                mappings=mappings,
-                registrations=regs,
-                bases=[mappings[r.segment].addr + r.offset for r in regions],
-                local_dlist=dlist,
-                registered_bytes=sum(s.size for s in segments),
-                memory="VRAM" if cuda else "DRAM",
-                device=cuda.device if cuda else 0,
-                staged=staged,
-                staging=staging,
-                segment_names=[] if staged or cuda else [s.name for s in segments if s.kind != MEMFD_KIND],
-                owner_pid=owner_pid,
-                data_path_reason=cuda.choice.reason if cuda else "",
-            ),
-            owner=owner,
-            leases=LeaseTable(early_s=self.rt.limits.early_notif_s,
-                              on_change=self.rt.feeds.recorder(engine_id, tp_rank)),
-        )
-        w.session.detached_since = time.monotonic()
-        self.rt.workers[w.key] = w
-        log.info(
-            "registered %s (TP %d): agent %s, %d regions x %d blocks of %d tokens (%s), %d bytes in %d segments, "
-            "hash %s", w.label, tp_size, name, len(regions), layout.num_blocks, layout.block_size,
-            layout.kv_layout, w.mem.registered_bytes, len(segments), w.compat_hash,
-        )
-        if cuda:
-            log.info("%s: VRAM on device %d, %s data path (%s)", w.label, w.mem.device,
-                     "staged" if staged else "direct", cuda.choice.reason)
-            if cuda.choice.warning:
-                log.warning("%s: %s", w.label, cuda.choice.warning)
-        self.rt.on_event("register", {"engine": engine_id})
-        return w
 
     def _check_engine_id(self, engine_id: str, tp_rank: int, owner: Owner | None) -> None:
         """An engine id belongs to the uid that registered it first, while any

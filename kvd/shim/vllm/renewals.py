@@ -116,9 +116,7 @@ class LeaseRenewals:
         docs/PERFORMANCE.md, engine step). Bad block ids in the params are
         logged then, not raised (the load reports them)."""
         rid = request.request_id
-        if rid in self._of:
-            self.stop(rid)
-        self._arrived.pop(rid, None)  # tracked again: it moves to the newest end
+        self.stop(rid)  # tracked again: its old renewals end, it moves to the newest end
         self._arrived[rid] = (params, self.clock(), self.wall())
 
     def _start(self, rid: str, params: dict[str, Any], since: float, wall: float) -> None:
