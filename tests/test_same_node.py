@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvd.core.limits import BOUNDS
 from kvd.core.local_copy import COPY_PIECE_BYTES, split_pieces
 from kvd.testing.daemons import start_daemon
 from kvd.testing.sessions import Engine, KvShape, event_kind
@@ -55,6 +56,27 @@ def test_a_load_from_an_engine_of_the_same_daemon_is_copied_byte_exact_without_n
     # No NIXL pair: no handshake, no remote agent, no prepped list beyond each worker's own.
     assert st.peers == 0 and st.remote_agents == 0 and st.prepped_dlists == before.prepped_dlists
     assert "same-node copy plan" in one.log()
+
+
+def test_a_load_past_the_inline_size_is_copied_on_the_nixl_thread_byte_exact(one):
+    """Pieces up to BOUNDS.inline_post_max_bytes are copied on the loop when
+    the NIXL thread is idle, larger ones on that thread: both byte exact."""
+    shape = KvShape(num_layers=4, num_blocks=64, block_len=64 << 10)
+    ids = LOCAL_IDS
+    assert len(ids) * shape.num_regions * shape.block_len > BOUNDS.inline_post_max_bytes
+    p = Engine(one, "p-big", shape, seed=5, memfd=True)
+    d = Engine(one, "d-big", shape, memfd=True)
+    try:
+        p.hold("big-p", REMOTE_IDS)
+        d.load("big-d", ids, p, REMOTE_IDS, "big-p")
+        ev = d.wait("big-d")
+        assert event_kind(ev) == "recv_done", ev
+        assert ev.recv_done.bytes == len(ids) * shape.num_regions * shape.block_len
+        assert d.same_blocks(ids, p, REMOTE_IDS)
+        assert event_kind(p.wait("big-p", 10)) == "send_done"
+    finally:
+        p.close()
+        d.close()
 
 
 @pytest.mark.parametrize("spelling", ["localhost:{port}", "[::ffff:127.0.0.1]:{port}", "0.0.0.0:{port}"])
@@ -171,6 +193,25 @@ def test_a_refused_block_size_on_one_daemon_fails_at_once_and_frees_the_source(o
 
 
 # -- the copy list, alone ---------------------------------------------------------------
+def _fake_worker(kv: str, bs: int, nb: int, base: int):
+    """A worker's fields a copy plan reads (two regions in two segments at
+    ``base``, ``nb`` blocks of ``bs`` tokens, 2 heads x 8 x fp16), and its
+    plan.Geometry; no memory behind the addresses."""
+    from types import SimpleNamespace
+
+    from kvd.core import plan
+    from kvd.core.layout import Layout, Region
+
+    bl = bs * 2 * 8 * 2  # tokens x heads x head_dim x fp16
+    regions = [Region(0, 0, bl, bl), Region(1, 64, bl, bl + 64)]
+    maps = [SimpleNamespace(addr=base, size=nb * (bl + 64) + 64),
+            SimpleNamespace(addr=base + (1 << 30), size=nb * (bl + 64) + 64)]
+    w = SimpleNamespace(label="w", regions=regions, layout=Layout(nb, bs, kv, "float16", 2, 8, 1, (bl, bl)),
+                        mem=SimpleNamespace(bases=[m.addr + r.offset for m, r in zip(maps, regions)],
+                                            mappings=maps))
+    return w, plan.Geometry(0, 1, w.layout, tuple(regions), 2)
+
+
 def test_contiguous_rows_merge_and_long_rows_are_cut_into_pieces():
     n = 1 << 20
     dst = np.array([0, n, 2 * n, 10 * n], dtype=np.int64)
@@ -194,24 +235,11 @@ def test_a_plan_side_gives_the_addresses_of_the_full_descriptor_lists():
     plan.remote_rows (the lists a NIXL pair prepares) row for row: HND
     reader of block size 32, NHD source of block size 16 (per-vector chunks,
     k = 2), two regions in two segments."""
-    from types import SimpleNamespace
-
     from kvd.core import plan
-    from kvd.core.layout import Layout, Region
     from kvd.core.local_copy import Side
 
-    def worker(kv, bs, nb, base):
-        bl = bs * 2 * 8 * 2  # tokens x heads x head_dim x fp16
-        regions = [Region(0, 0, bl, bl), Region(1, 64, bl, bl + 64)]
-        maps = [SimpleNamespace(addr=base, size=nb * (bl + 64) + 64),
-                SimpleNamespace(addr=base + (1 << 30), size=nb * (bl + 64) + 64)]
-        w = SimpleNamespace(label="w", regions=regions, layout=Layout(nb, bs, kv, "float16", 2, 8, 1, (bl, bl)),
-                            mem=SimpleNamespace(bases=[m.addr + r.offset for m, r in zip(maps, regions)],
-                                                mappings=maps))
-        return w, plan.Geometry(0, 1, w.layout, tuple(regions), 2)
-
-    rw, rg = worker("HND", 32, 10, 1 << 40)
-    sw, sg = worker("NHD", 16, 12, 1 << 41)
+    rw, rg = _fake_worker("HND", 32, 10, 1 << 40)
+    sw, sg = _fake_worker("NHD", 16, 12, 1 << 41)
     sets = [plan.chunks(rg, sg, i) for i in range(2)]
     k, C = 2, len(sets[0]) // 2
     full_r = plan.local_rows(rw.mem.bases, rw.regions, 10, sets, k)
@@ -224,3 +252,42 @@ def test_a_plan_side_gives_the_addresses_of_the_full_descriptor_lists():
     sw.mem.mappings[1].size -= 65
     with pytest.raises(Exception, match="outside the registered regions"):
         Side.of(sw, sets, 2, C)
+
+
+@pytest.mark.parametrize("kinds", [("HND", "HND"), ("HND", "NHD")])
+def test_a_small_loads_python_runs_equal_the_numpy_rows_merged(kinds):
+    """CopyPlan.small_runs (a small one-group load's addresses in Python) gives
+    what split_pieces makes of plan.chunk_indices' rows through Side.rows,
+    row for row: whole blocks (HND to HND, one chunk) and per-vector chunks
+    (HND reader, NHD source: C > 1), random block ids, consecutive runs."""
+    import random
+
+    from kvd.core import plan
+    from kvd.core.local_copy import SMALL_COPY_ROWS, CopyPlan, Side
+
+    rw, rg = _fake_worker(kinds[0], 16, 40, 1 << 40)
+    sw, sg = _fake_worker(kinds[1], 16, 48, 1 << 41)
+    sets = [plan.chunks(rg, sg, i) for i in range(2)]
+    C = len(sets[0])
+    cp = CopyPlan(rw, sw, 1, C, Side.of(rw, sets, 1, C), Side.of(sw, sets, 2, C),
+                  tuple(int(c[:C, 3].sum()) for c in sets), (0, 0))
+    rng = random.Random(len(kinds[1]) + C)
+    checked = 0
+    for _ in range(200):
+        n = rng.randint(1, 12)
+        if rng.random() < 0.5:
+            start = rng.randint(0, 36 - n)
+            local, remote = list(range(start, start + n)), list(range(start + 2, start + 2 + n))
+        else:
+            local, remote = rng.sample(range(40), n), rng.sample(range(48), n)
+        got = cp.small_runs([local], [remote])
+        if 2 * n * C > SMALL_COPY_ROWS:
+            assert got is None
+            continue
+        lidx, ridx = plan.chunk_indices([local], [remote], 2, 40, 48, 1, C, [0, 0])
+        dst, ln = cp.reader_side.rows(lidx)
+        src, _ = cp.source_side.rows(ridx)
+        want = [(int(d), int(s), int(x)) for p in split_pieces(dst, src, ln) for d, s, x in zip(*p)]
+        assert list(zip(*got)) == want
+        checked += 1
+    assert checked > 50

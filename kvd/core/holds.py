@@ -220,10 +220,17 @@ class Holds:
                     1e3 * spent)
 
     def unshown(self, req: LoadRequest, ranks) -> list[int]:
-        """Those of source ``ranks`` of ``req`` whose hold the followed holds
-        (``kvd.core.hold_mirror``) do not show: the ones to claim. A source
-        on this daemon is never shown (its claim is a direct call)."""
-        if self.mirror is None or req.remote_address == self.own_address:
+        """Those of source ``ranks`` of ``req`` whose hold is not known to
+        cover the request's blocks: the ones to claim. A remote source's
+        holds are known from the followed holds (``kvd.core.hold_mirror``); a
+        source on this daemon's from its own leases, read here (the same
+        check its claim makes first: a claim is a task, ~0.2 ms of loop
+        passes a load here, docs/PERFORMANCE.md "twelfth round")."""
+        if req.remote_address == self.own_address:
+            workers = self.rt.workers
+            return [p for p in ranks if (s := workers.get((req.remote_engine_id, p))) is None
+                    or not s.leases.covers(req.remote_request_id, req.remote_groups)]
+        if self.mirror is None:
             return list(ranks)
         left = [p for p in ranks if not self.mirror.covers(req.remote_address, req.remote_engine_id, p,
                                                            req.remote_request_id, req.remote_groups)]

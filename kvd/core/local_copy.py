@@ -24,14 +24,18 @@ notification. Everything else is the load of ``kvd.core.pull``:
   keeps chunk offsets per region, not descriptor lists: a request's
   addresses are computed from its rows' indices.
 
-Copies run on the NIXL thread (``Runtime.nixl``, one thread), in pieces of
-about :data:`COPY_PIECE_BYTES`: unregistering a worker frees its NIXL state
-on that thread before it unmaps the segments, so a piece queued while both
-workers are registered (checked just before it is queued) has finished
-before either mapping goes away; and a piece holds the thread for a
-millisecond or two, so polls and posts of other loads go on between pieces. Between pieces the load checks that both sides are
-still registered, the reader's session is the same, and the deadline has not
-passed.
+Copies run under the NIXL thread's rules (one call at a time, in order), in
+pieces of about :data:`COPY_PIECE_BYTES`: on that thread (``Runtime.nixl``),
+or, for a piece of at most ``BOUNDS.inline_post_max_bytes`` while the thread
+is idle, on the loop itself (``Runtime.nixl_now``: no hand-off there and
+back, as a small READ's post). Unregistering a worker drops it from the
+registry, then frees its NIXL state on that thread, then unmaps its
+segments, so a piece started while both workers are registered (checked
+just before) has finished before either mapping goes away; and a piece
+holds the thread for a millisecond or two, so polls and posts of other
+loads go on between pieces. Between pieces the load checks that both sides
+are still registered, the reader's session is the same, and the deadline
+has not passed.
 
 Not covered (the load takes the NIXL path, ``kvd.core.pull``):
 VRAM regions on either side. A GPU daemon would make the same place a device
@@ -48,7 +52,7 @@ import asyncio
 import ctypes
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -57,6 +61,7 @@ from kvd.core import plan
 from kvd.core.events import CoreError, FailureKind, Incompatible
 from kvd.core.holds import Holds
 from kvd.core.layout import LayoutError
+from kvd.core.limits import BOUNDS
 from kvd.core.memory import MEMFD_KIND
 from kvd.core.peers import pair_plan
 from kvd.core.runtime import Runtime
@@ -71,6 +76,9 @@ K = FailureKind
 # single-thread memcpy (5.6 GB/s, docs/DESIGN.md), so other loads' polls wait
 # that long at most, while the round trip per piece (~50 us) stays a few % of it.
 COPY_PIECE_BYTES = 8 << 20
+# Loads of at most this many descriptor rows get their addresses in Python
+# (CopyPlan.small_runs): 16 blocks x 4 regions is 64.
+SMALL_COPY_ROWS = 256
 
 
 @dataclass
@@ -91,6 +99,7 @@ class Side:
     offset: np.ndarray   # int64 [regions, per_block]
     length: np.ndarray   # int64 [regions, per_block]
     num_blocks: int
+    _table: list | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def of(cls, w: Worker, chunk_sets: list[np.ndarray], col: int, per_block: int) -> "Side":
@@ -110,6 +119,14 @@ class Side:
             # wrong row would read or write another process's memory.
             raise Incompatible(f"{w.label}: transfer plan row outside the registered regions")
         return side
+
+    def table(self) -> list[tuple[int, int, list[int], list[int]]]:
+        """Per region ``(base, stride, chunk offsets, chunk lengths)`` as
+        Python ints (made once, for :meth:`CopyPlan.small_runs`)."""
+        if self._table is None:
+            self._table = [(b, s, o, n) for b, s, o, n in zip(self.base.tolist(), self.stride.tolist(),
+                                                              self.offset.tolist(), self.length.tolist())]
+        return self._table
 
     def rows(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(addresses, lengths)`` of descriptor rows ``idx`` (from ``plan.chunk_indices``)."""
@@ -133,6 +150,46 @@ class CopyPlan:
     source_side: Side
     region_bytes: tuple[int, ...]
     region_groups: tuple[int, ...]
+
+    def small_runs(self, local_groups, remote_groups) -> tuple[list[int], list[int], list[int]] | None:
+        """``(dst, src, len)`` lists of one small load (block ids per group,
+        as ``plan.check_request`` returns them), rows contiguous on
+        both sides merged (what :func:`split_pieces` makes of the rows of
+        ``plan.chunk_indices``, in the same order), when the load is one
+        piece of a one-group plan with ``k`` 1 and at most
+        :data:`SMALL_COPY_ROWS` rows; else None (the numpy path).
+
+        Why: on a daemon's loop woken for one load, the numpy path's dozen
+        calls on tiny arrays took ~250 us for 16 blocks, this ~20 us
+        (benchmarks.trace --same-node, docs/PERFORMANCE.md "twelfth
+        round"). The ids were checked by ``plan.check_request``."""
+        if self.k != 1 or any(self.region_groups):
+            return None
+        rb = remote_groups[0]
+        C = self.C
+        if len(rb) * len(self.region_groups) * C > SMALL_COPY_ROWS:
+            return None
+        lb = local_groups[0]
+        if isinstance(rb, np.ndarray) or isinstance(lb, np.ndarray):  # Python ints for memmove's addresses
+            lb, rb = list(map(int, lb)), list(map(int, rb))
+        dst: list[int] = []
+        src: list[int] = []
+        ln: list[int] = []
+        for (dbase, dstride, doff, lens), (sbase, sstride, soff, _) in zip(self.reader_side.table(),
+                                                                            self.source_side.table()):
+            for lid, rid in zip(lb, rb):
+                d0, s0 = dbase + lid * dstride, sbase + rid * sstride
+                for c in range(C):
+                    d, s_, n = d0 + doff[c], s0 + soff[c], lens[c]
+                    if ln and dst[-1] + ln[-1] == d and src[-1] + ln[-1] == s_:
+                        ln[-1] += n
+                    else:
+                        dst.append(d)
+                        src.append(s_)
+                        ln.append(n)
+        if sum(ln) > COPY_PIECE_BYTES:
+            return None
+        return dst, src, ln
 
     def transfer_bytes(self, source_groups) -> int:
         """Bytes a copy of ``source_groups`` (block ids per group) moves."""
@@ -200,8 +257,8 @@ class LocalCopy:
         for p in read_from:
             cp = plans[p]
             try:
-                plan.check_request(req.local_groups, req.remote_groups, w.layout.num_blocks,
-                                   cp.source.layout.num_blocks, cp.k, cp.region_groups)
+                ids = plan.check_request(req.local_groups, req.remote_groups, w.layout.num_blocks,
+                                         cp.source.layout.num_blocks, cp.k, cp.region_groups)
             except LayoutError as e:
                 return K.INVALID, f"invalid: {e}"
         # No copy of another engine's blocks without its hold on them, the
@@ -209,7 +266,9 @@ class LocalCopy:
         # are made after it: a load waiting for its hold keeps only its block
         # ids (measured: 4 loads of 64 regions x 32k shuffled blocks waiting
         # grew the daemon by 547 MiB with their rows, under 64 MiB without).
+        tp.hit(tp.CLAIM, req.request_id)
         denied = await self.holds.claim_sources(w, req, read_from, deadline)
+        tp.hit(tp.CLAIMED, req.request_id)
         if denied:
             return denied
         why = self._still(w, epoch, sources, deadline)
@@ -219,12 +278,16 @@ class LocalCopy:
         nbytes = 0
         for p in read_from:
             cp = plans[p]
-            lidx, ridx = plan.chunk_indices(req.local_groups, req.remote_groups, len(w.regions),
-                                            w.layout.num_blocks, cp.source.layout.num_blocks, cp.k, cp.C,
-                                            cp.region_groups)
-            dst, ln = cp.reader_side.rows(lidx)
-            src, _ = cp.source_side.rows(ridx)
-            pieces += split_pieces(dst, src, ln)
+            small = cp.small_runs(*ids)
+            if small is not None:
+                pieces.append(small)
+            else:
+                lidx, ridx = plan.chunk_indices(req.local_groups, req.remote_groups, len(w.regions),
+                                                w.layout.num_blocks, cp.source.layout.num_blocks, cp.k, cp.C,
+                                                cp.region_groups)
+                dst, ln = cp.reader_side.rows(lidx)
+                src, _ = cp.source_side.rows(ridx)
+                pieces += split_pieces(dst, src, ln)
             nbytes += cp.transfer_bytes(req.remote_groups)
         ndescs = sum(len(x[0]) for x in pieces)
         tp.hit(tp.POST, req.request_id, "copy")
@@ -236,7 +299,15 @@ class LocalCopy:
                 why = self._still(w, epoch, sources, deadline)
                 if why:
                     return why if isinstance(why, tuple) else None
-                await self.rt.nixl(copy_rows, dst, src, ln)
+                # A piece up to inline_post_max_bytes is copied here, on the
+                # loop, when the NIXL thread is idle (Runtime.nixl_now: the
+                # thread's rules hold, and no hand-off there and back); as a
+                # READ of that size is posted (its CMA copy is inside the post).
+                nb = int(sum(ln))
+                ran, _ = (self.rt.nixl_now(nb, copy_rows, dst, src, ln) if nb <= BOUNDS.inline_post_max_bytes
+                          else (False, None))
+                if not ran:
+                    await self.rt.nixl(copy_rows, dst, src, ln)
         finally:
             w.posting.discard(req.request_id)
         if self._still(w, epoch, sources, float("inf")):
@@ -335,8 +406,11 @@ def split_pieces(dst: np.ndarray, src: np.ndarray, ln: np.ndarray, piece: int = 
 _memmove = ctypes.memmove  # a ctypes foreign function: releases the GIL while it copies
 
 
-def copy_rows(dst: np.ndarray, src: np.ndarray, ln: np.ndarray) -> None:
-    """NIXL thread: ``memmove(dst[i], src[i], ln[i])`` for each row (addresses
-    in this process, checked by the caller's plan)."""
-    for d, s, n in zip(dst.tolist(), src.tolist(), ln.tolist()):
+def copy_rows(dst, src, ln) -> None:
+    """NIXL thread's rules: ``memmove(dst[i], src[i], ln[i])`` for each row
+    (int64 arrays or lists of ints; addresses in this process, checked by
+    the caller's plan)."""
+    if isinstance(dst, np.ndarray):
+        dst, src, ln = dst.tolist(), src.tolist(), ln.tolist()
+    for d, s, n in zip(dst, src, ln):
         _memmove(d, s, n)

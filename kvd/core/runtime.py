@@ -207,9 +207,10 @@ class Runtime:
         hand-off, no wake-up): ``(True, result)``; ``(False, None)`` when the
         thread is busy or this pass of the loop has posted its share
         (``BOUNDS.inline_bytes_per_pass``): then use :meth:`nixl`. For short
-        calls only, never one that releases the GIL for long (a same-node
-        copy's memmove, a large READ's post: ``BOUNDS.inline_post_max_bytes``):
-        the loop would wait where the thread lets it run."""
+        calls only, never one that releases the GIL for long (a READ's post
+        or a same-node copy's memmove of more than
+        ``BOUNDS.inline_post_max_bytes``): the loop would wait where the
+        thread lets it run."""
         cost = max(nbytes, BOUNDS.inline_post_min_bytes)
         if self._inline_bytes and self._inline_bytes + cost > BOUNDS.inline_bytes_per_pass:
             return False, None
