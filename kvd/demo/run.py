@@ -458,6 +458,10 @@ def main(argv: list[str] | None = None) -> int:
     log(f"total {time.monotonic() - t_start:.1f} s")
     if rc == 0 and not args.keep_logs and args.workdir is None:
         shutil.rmtree(workdir, ignore_errors=True)
+        try:
+            workdir.parent.rmdir()  # .kvd-demo itself, when no other run's directory is in it
+        except OSError:
+            pass
     else:
         log(f"logs: {workdir}")
     return rc
