@@ -4,6 +4,8 @@ as a NIXL READ, and never reads blocks their engine does not hold."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -76,6 +78,42 @@ def test_a_load_past_the_inline_size_is_copied_on_the_nixl_thread_byte_exact(one
         assert event_kind(p.wait("big-p", 10)) == "send_done"
     finally:
         p.close()
+        d.close()
+
+
+def test_every_load_is_answered_when_its_source_unregisters_during_the_copies(one):
+    """40 one-block loads, the source unregistered a few ms after they are
+    sent: each ends with recv_done (copied while both were registered, byte
+    exact) or load_failed, none unanswered (an attacker review found 10-28
+    of 40 with no event: a source gone after the last piece was taken for
+    a reader gone)."""
+    from kvd.v1 import kvd_pb2 as pb
+
+    shape = KvShape(num_layers=4, num_blocks=64, block_len=64 << 10)
+    p = Engine(one, "p-unreg", shape, seed=3, memfd=True)
+    d = Engine(one, "d-unreg", shape, memfd=True)
+    try:
+        n = 40
+        for i in range(n):
+            p.hold(f"h{i}", [i])
+        time.sleep(0.2)
+        for i in range(n):
+            d.load(f"l{i}", [i], p, [i], f"h{i}", timeout_s=5)
+        time.sleep(0.005)
+        one.stub().UnregisterEngine(pb.UnregisterEngineRequest(worker=pb.EngineWorker(engine_id="p-unreg",
+                                                                                      tp_rank=0)), timeout=10)
+        kinds = {}
+        for i in range(n):
+            ev = d.wait(f"l{i}", 15)  # AssertionError when a load is never answered
+            kinds[event_kind(ev)] = kinds.get(event_kind(ev), 0) + 1
+            if event_kind(ev) == "recv_done":
+                assert d.same_blocks([i], p, [i])
+            else:
+                assert event_kind(ev) == "load_failed", ev
+        assert sum(kinds.values()) == n
+        assert one.stats().engines >= 1  # the daemon serves on
+    finally:
+        p.close(unregister=False)
         d.close()
 
 

@@ -310,8 +310,11 @@ class LocalCopy:
                     await self.rt.nixl(copy_rows, dst, src, ln)
         finally:
             w.posting.discard(req.request_id)
-        if self._still(w, epoch, sources, float("inf")):
-            return None
+        # A source gone after the last piece still fails the load (its lease
+        # ended unread): only a reader gone (True) is answered by no event.
+        why = self._still(w, epoch, sources, float("inf"))
+        if why:
+            return why if isinstance(why, tuple) else None
         tp.hit(tp.POSTED, req.request_id, "COPIED")
         self._notify(w, req, sources, notify, remote_tp)
         return nbytes, ndescs
