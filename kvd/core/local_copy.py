@@ -278,7 +278,7 @@ class LocalCopy:
         nbytes = 0
         for p in read_from:
             cp = plans[p]
-            small = cp.small_runs(*ids)
+            small = cp.small_runs(*ids)  # the request's ids as lists per group: the same for every rank
             if small is not None:
                 pieces.append(small)
             else:
@@ -303,7 +303,7 @@ class LocalCopy:
                 # loop, when the NIXL thread is idle (Runtime.nixl_now: the
                 # thread's rules hold, and no hand-off there and back); as a
                 # READ of that size is posted (its CMA copy is inside the post).
-                nb = int(sum(ln))
+                nb = int(ln.sum()) if isinstance(ln, np.ndarray) else sum(ln)  # numpy: rows may be 100k+
                 ran, _ = (self.rt.nixl_now(nb, copy_rows, dst, src, ln) if nb <= BOUNDS.inline_post_max_bytes
                           else (False, None))
                 if not ran:
