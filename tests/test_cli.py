@@ -36,6 +36,39 @@ def test_demo_refuses_bad_arguments_before_starting_anything(args, message):
     assert message in r.stderr and "Traceback" not in r.stderr
 
 
+def test_demo_never_replaces_a_directory_that_is_not_its_model(tmp_path):
+    """--model-dir naming a user's folder (files, no kvd_recipe.json) or a
+    file, and --workdir naming a file: usage errors, nothing deleted."""
+    mine = tmp_path / "models"
+    mine.mkdir()
+    (mine / "important.txt").write_text("precious")
+    plain = tmp_path / "plain"
+    plain.write_text("x")
+    for args, message in ((["--model-dir", str(mine)], "not a kvd tiny model"),
+                          (["--model-dir", str(plain)], "is not a directory"),
+                          (["--workdir", str(plain)], "--workdir")):
+        r = _kvd("demo", *args, timeout=30)
+        assert r.returncode == 64, (args, r.returncode, r.stderr[-2000:])
+        assert message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert (mine / "important.txt").read_text() == "precious" and plain.read_text() == "x"
+
+
+def test_a_model_build_refuses_a_foreign_directory_and_accepts_its_own(tmp_path):
+    from kvd.demo import tiny_model
+
+    mine = tmp_path / "m"
+    mine.mkdir()
+    (mine / "keep").write_text("1")
+    with pytest.raises(tiny_model.ModelDirError):
+        tiny_model.build_into(mine, {"recipe": 1}, lambda d: None, "test model", quiet=True)
+    assert (mine / "keep").exists()
+    tiny_model.check_target(tmp_path / "absent")
+    (tmp_path / "empty").mkdir()
+    tiny_model.check_target(tmp_path / "empty")
+    (mine / tiny_model.STAMP).write_text("{}")  # an older build of ours: replaced on rebuild
+    tiny_model.check_target(mine)
+
+
 @pytest.mark.parametrize("value", ["-1", "0", "inf", "x"])
 def test_health_timeout_must_be_positive_seconds(value):
     r = _kvd("health", "--timeout", value)

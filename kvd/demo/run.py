@@ -364,7 +364,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "(VLLM_ENABLE_V1_MULTIPROCESSING=0), which leaves the daemons the CPU on a small machine")
     ap.add_argument("--engine-ready-timeout", type=positive(float), default=engines.ENGINE_READY_S,
                     help="seconds each engine may take to start (default %(default)s)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.workdir is not None and args.workdir.exists() and not args.workdir.is_dir():
+        ap.error(f"--workdir: {args.workdir} exists and is not a directory")
+    if args.model_dir is not None:
+        try:
+            tiny_model.check_target(args.model_dir)
+        except tiny_model.ModelDirError as e:
+            ap.error(f"--model-dir: {e}")
+    return args
 
 
 def _sigterm_to_interrupt(signum, frame):

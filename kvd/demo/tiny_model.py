@@ -188,6 +188,28 @@ def _build_model(out_dir: Path) -> None:
     write_generation_config(out_dir, MODEL_CONFIG)
 
 
+class ModelDirError(ValueError):
+    """A model directory that building would destroy or cannot use."""
+
+
+def check_target(out: Path) -> None:
+    """Raises :class:`ModelDirError` unless building into ``out`` is safe:
+    ``out`` is absent, an empty directory, or a directory this module built
+    (it holds a ``kvd_recipe.json`` stamp, of any recipe). A rebuild replaces
+    the directory, so anything else (a user's ``~/models``, ``.``) is refused
+    rather than deleted."""
+    out = Path(out).expanduser()
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ModelDirError(f"model directory {out} exists and is not a directory")
+    if (out / STAMP).is_file():
+        return
+    if any(out.iterdir()):
+        raise ModelDirError(f"model directory {out} holds files that are not a kvd tiny model (no {STAMP}); "
+                            f"building would replace it: name a new or empty directory")
+
+
 def build_into(out: Path, recipe: dict, build_model: Callable[[Path], None], what: str, *,
                force: bool = False, quiet: bool = False) -> Path:
     """Builds a tiny model (this module's tokenizer + ``build_model(dir)``)
@@ -197,10 +219,14 @@ def build_into(out: Path, recipe: dict, build_model: Callable[[Path], None], wha
     (unless ``force``). The build goes to a temporary sibling directory first
     and is renamed into place, so a crash never leaves a half-built model that
     looks complete. ``what`` names the model in the message printed.
+
+    Raises:
+        ModelDirError: ``out`` is not safe to replace (:func:`check_target`).
     """
     out = Path(out).expanduser().resolve()
     if not force and is_built(out, recipe):
         return out
+    check_target(out)
     t0 = time.monotonic()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
