@@ -117,6 +117,74 @@ def test_every_load_is_answered_when_its_source_unregisters_during_the_copies(on
         d.close()
 
 
+def test_a_copy_past_its_deadline_stops_between_pieces_and_no_byte_lands_after_its_answer(one):
+    """A 128 MiB load (16 pieces on the NIXL thread, the next one queued
+    behind the one copying) with a 4 ms deadline fails with a timeout, and
+    the reader's blocks do not change after the answer: a piece queued when
+    the deadline passed is skipped, one copying ends before the answer."""
+    shape = KvShape(num_layers=4, num_blocks=16, block_len=1 << 20)
+    p = Engine(one, "p-late", shape, seed=9, memfd=True)
+    d = Engine(one, "d-late", shape, memfd=True)
+    try:
+        ids = list(range(shape.num_blocks))
+        p.hold("late-p", ids)
+        time.sleep(0.2)  # the hold is in: the load's time goes to its copy, not to a wait for it
+        d.load("late-d", ids, p, ids, "late-p", timeout_s=0.004)
+        ev = d.wait("late-d")
+        assert event_kind(ev) == "load_failed" and "timeout" in ev.load_failed.reason, ev
+        after = d.kv.copy()
+        time.sleep(0.1)
+        assert np.array_equal(d.kv, after), "bytes landed after the load was answered"
+        # The daemon serves on: the same blocks load in full with time to do it.
+        d.load("late-d2", ids, p, ids, "late-p", timeout_s=30)
+        assert event_kind(d.wait("late-d2")) == "recv_done"
+        assert d.same_blocks(ids, p, ids)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_pieces_queued_behind_a_cancelled_copy_are_skipped_and_awaited():
+    """LocalCopy._copy queues the next piece behind the one copying. When
+    the load's task is cancelled (its session ended) while both wait on
+    the NIXL thread, neither is copied (the first is skipped as a cancelled
+    call, the second by the load's stop flag) and the task ends only after
+    the thread has passed them: no byte lands after the load ended."""
+    import asyncio
+    import ctypes
+    import threading
+    from types import SimpleNamespace
+
+    from kvd.core.limits import Limits
+    from kvd.core.local_copy import LocalCopy
+    from kvd.core.runtime import Runtime
+
+    async def scenario():
+        rt = Runtime(Limits())
+        w = SimpleNamespace(key=("d", 0), session=SimpleNamespace(epoch=0), label="d")
+        s = SimpleNamespace(key=("p", 0), label="p")
+        rt.workers.update({w.key: w, s.key: s})
+        n = 2 * BOUNDS.inline_post_max_bytes  # past the inline size: every piece goes to the thread
+        src, dst = ctypes.create_string_buffer(b"x" * (3 * n)), ctypes.create_string_buffer(3 * n)
+        pieces = [([ctypes.addressof(dst) + i * n], [ctypes.addressof(src) + i * n], [n]) for i in range(3)]
+        gate = threading.Event()
+        blocker = rt.nixl(gate.wait)  # the thread is busy: the pieces queue behind it
+        task = asyncio.ensure_future(LocalCopy(rt, None)._copy(w, 0, {0: s}, time.monotonic() + 60, pieces))
+        await asyncio.sleep(0.05)
+        assert not task.done()
+        task.cancel()
+        await asyncio.sleep(0.05)
+        assert not task.done(), "the copy ended while a piece it queued could still run"
+        gate.set()
+        await blocker
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert dst.raw == bytes(3 * n), "a piece was copied after its load was cancelled"
+        rt.shutdown()
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("spelling", ["localhost:{port}", "[::ffff:127.0.0.1]:{port}", "0.0.0.0:{port}"])
 def test_a_load_naming_this_daemon_by_another_spelling_is_a_same_node_copy(one, engines, spelling):
     """kvd.core.own_addresses: another spelling of this daemon's peer address is
@@ -268,6 +336,28 @@ def test_contiguous_rows_merge_and_long_rows_are_cut_into_pieces():
     assert COPY_PIECE_BYTES >= 1 << 20
 
 
+def test_python_pieces_equal_numpy_pieces_for_random_rows():
+    """split_runs (lists, a small load's) and split_pieces (numpy) cut the
+    same merged rows into the same pieces: rows shorter and longer than a
+    piece, totals just under, at and over multiples of it."""
+    import random
+
+    from kvd.core.local_copy import split_runs
+
+    rng = random.Random(7)
+    for _ in range(500):
+        piece = rng.choice([1, 5, 64, 100])
+        n = rng.randint(1, 30)
+        ln = [rng.choice([1, piece - 1 or 1, piece, piece + 1, 3 * piece, rng.randint(1, 4 * piece)]) for _ in range(n)]
+        dst = [i * 10_000 for i in range(n)]  # never contiguous: split_pieces merges nothing
+        src = [5_000_000 + i * 20_000 for i in range(n)]
+        want = [[(int(d), int(s), int(x)) for d, s, x in zip(*p)]
+                for p in split_pieces(np.array(dst), np.array(src), np.array(ln), piece)]
+        got = [list(zip(*p)) for p in split_runs(dst, src, ln, piece)]
+        assert got == want, (piece, ln)
+    assert split_runs([], [], []) == []
+
+
 def test_a_plan_side_gives_the_addresses_of_the_full_descriptor_lists():
     """Side.rows (chunk offsets per region) equals plan.local_rows /
     plan.remote_rows (the lists a NIXL pair prepares) row for row: HND
@@ -294,7 +384,7 @@ def test_a_plan_side_gives_the_addresses_of_the_full_descriptor_lists():
 
 @pytest.mark.parametrize("kinds", [("HND", "HND"), ("HND", "NHD")])
 def test_a_small_loads_python_runs_equal_the_numpy_rows_merged(kinds):
-    """CopyPlan.small_runs (a small one-group load's addresses in Python) gives
+    """CopyPlan.small_pieces (a small one-group load's pieces in Python) give
     what split_pieces makes of plan.chunk_indices' rows through Side.rows,
     row for row: whole blocks (HND to HND, one chunk) and per-vector chunks
     (HND reader, NHD source: C > 1), random block ids, consecutive runs."""
@@ -318,14 +408,15 @@ def test_a_small_loads_python_runs_equal_the_numpy_rows_merged(kinds):
             local, remote = list(range(start, start + n)), list(range(start + 2, start + 2 + n))
         else:
             local, remote = rng.sample(range(40), n), rng.sample(range(48), n)
-        got = cp.small_runs([local], [remote])
+        piece = rng.choice([COPY_PIECE_BYTES, 256, 100, 37])  # pieces of one row, of several, rows cut
+        got = cp.small_pieces([local], [remote], piece)
         if 2 * n * C > SMALL_COPY_ROWS:
             assert got is None
             continue
         lidx, ridx = plan.chunk_indices([local], [remote], 2, 40, 48, 1, C, [0, 0])
         dst, ln = cp.reader_side.rows(lidx)
         src, _ = cp.source_side.rows(ridx)
-        want = [(int(d), int(s), int(x)) for p in split_pieces(dst, src, ln) for d, s, x in zip(*p)]
-        assert list(zip(*got)) == want
+        want = [[(int(d), int(s), int(x)) for d, s, x in zip(*p)] for p in split_pieces(dst, src, ln, piece)]
+        assert [list(zip(*p)) for p in got] == want
         checked += 1
     assert checked > 50

@@ -30,12 +30,14 @@ or, for a piece of at most ``BOUNDS.inline_post_max_bytes`` while the thread
 is idle, on the loop itself (``Runtime.nixl_now``: no hand-off there and
 back, as a small READ's post). Unregistering a worker drops it from the
 registry, then frees its NIXL state on that thread, then unmaps its
-segments, so a piece started while both workers are registered (checked
+segments, so a piece queued while both workers are registered (checked
 just before) has finished before either mapping goes away; and a piece
 holds the thread for a millisecond or two, so polls and posts of other
-loads go on between pieces. Between pieces the load checks that both sides
+loads go on between pieces (behind at most :data:`PIECES_AHEAD` more of
+this load's). Before queuing each piece the load checks that both sides
 are still registered, the reader's session is the same, and the deadline
-has not passed.
+has not passed; a piece already queued when a check fails is skipped, and
+the load is answered only once the thread has passed its pieces.
 
 Not covered (the load takes the NIXL path, ``kvd.core.pull``):
 VRAM regions on either side. A GPU daemon would make the same place a device
@@ -49,6 +51,7 @@ one daemon use.
 from __future__ import annotations
 
 import asyncio
+import collections
 import ctypes
 import logging
 import time
@@ -77,8 +80,12 @@ K = FailureKind
 # that long at most, while the round trip per piece (~50 us) stays a few % of it.
 COPY_PIECE_BYTES = 8 << 20
 # Loads of at most this many descriptor rows get their addresses in Python
-# (CopyPlan.small_runs): 16 blocks x 4 regions is 64.
+# (CopyPlan.small_pieces): 16 blocks x 4 regions is 64.
 SMALL_COPY_ROWS = 256
+# Pieces of one load queued on the NIXL thread beyond the one copying: the
+# thread starts the next without a wake-up of the loop between them, while
+# another load's call waits behind at most this many more pieces (~1-2 ms each).
+PIECES_AHEAD = 1
 
 
 @dataclass
@@ -122,7 +129,7 @@ class Side:
 
     def table(self) -> list[tuple[int, int, list[int], list[int]]]:
         """Per region ``(base, stride, chunk offsets, chunk lengths)`` as
-        Python ints (made once, for :meth:`CopyPlan.small_runs`)."""
+        Python ints (made once, for :meth:`CopyPlan.small_pieces`)."""
         if self._table is None:
             self._table = [(b, s, o, n) for b, s, o, n in zip(self.base.tolist(), self.stride.tolist(),
                                                               self.offset.tolist(), self.length.tolist())]
@@ -151,18 +158,21 @@ class CopyPlan:
     region_bytes: tuple[int, ...]
     region_groups: tuple[int, ...]
 
-    def small_runs(self, local_groups, remote_groups) -> tuple[list[int], list[int], list[int]] | None:
-        """``(dst, src, len)`` lists of one small load (block ids per group,
-        as ``plan.check_request`` returns them), rows contiguous on
-        both sides merged (what :func:`split_pieces` makes of the rows of
-        ``plan.chunk_indices``, in the same order), when the load is one
-        piece of a one-group plan with ``k`` 1 and at most
+    def small_pieces(self, local_groups, remote_groups, piece: int = COPY_PIECE_BYTES
+                     ) -> list[tuple[list[int], list[int], list[int]]] | None:
+        """The pieces of one small load (block ids per group, as
+        ``plan.check_request`` returns them) as ``(dst, src, len)`` lists,
+        made in Python: what :func:`split_pieces` makes of the rows of
+        ``plan.chunk_indices`` (rows contiguous on both sides merged, cut
+        into pieces of about ``piece`` bytes, in the same order),
+        when the plan has one group, ``k`` 1 and the load at most
         :data:`SMALL_COPY_ROWS` rows; else None (the numpy path).
 
         Why: on a daemon's loop woken for one load, the numpy path's dozen
-        calls on tiny arrays took ~250 us for 16 blocks, this ~20 us
-        (benchmarks.trace --same-node, docs/PERFORMANCE.md "twelfth
-        round"). The ids were checked by ``plan.check_request``."""
+        calls on tiny arrays took ~250 us for 16 blocks and ~0.5 ms for 256
+        (a 16 MiB load), this ~20-60 us (benchmarks.trace --same-node,
+        docs/PERFORMANCE.md "twelfth round" and "thirteenth round"). The ids
+        were checked by ``plan.check_request``."""
         if self.k != 1 or any(self.region_groups):
             return None
         rb = remote_groups[0]
@@ -187,9 +197,7 @@ class CopyPlan:
                         dst.append(d)
                         src.append(s_)
                         ln.append(n)
-        if sum(ln) > COPY_PIECE_BYTES:
-            return None
-        return dst, src, ln
+        return split_runs(dst, src, ln, piece)
 
     def transfer_bytes(self, source_groups) -> int:
         """Bytes a copy of ``source_groups`` (block ids per group) moves."""
@@ -278,9 +286,9 @@ class LocalCopy:
         nbytes = 0
         for p in read_from:
             cp = plans[p]
-            small = cp.small_runs(*ids)  # the request's ids as lists per group: the same for every rank
+            small = cp.small_pieces(*ids)  # the request's ids as lists per group: the same for every rank
             if small is not None:
-                pieces.append(small)
+                pieces += small
             else:
                 lidx, ridx = plan.chunk_indices(req.local_groups, req.remote_groups, len(w.regions),
                                                 w.layout.num_blocks, cp.source.layout.num_blocks, cp.k, cp.C,
@@ -295,21 +303,11 @@ class LocalCopy:
         # (kvd.core.settle): no byte lands in blocks already reported failed.
         w.posting.add(req.request_id)
         try:
-            for dst, src, ln in pieces:
-                why = self._still(w, epoch, sources, deadline)
-                if why:
-                    return why if isinstance(why, tuple) else None
-                # A piece up to inline_post_max_bytes is copied here, on the
-                # loop, when the NIXL thread is idle (Runtime.nixl_now: the
-                # thread's rules hold, and no hand-off there and back); as a
-                # READ of that size is posted (its CMA copy is inside the post).
-                nb = int(ln.sum()) if isinstance(ln, np.ndarray) else sum(ln)  # numpy: rows may be 100k+
-                ran, _ = (self.rt.nixl_now(nb, copy_rows, dst, src, ln) if nb <= BOUNDS.inline_post_max_bytes
-                          else (False, None))
-                if not ran:
-                    await self.rt.nixl(copy_rows, dst, src, ln)
+            why = await self._copy(w, epoch, sources, deadline, pieces)
         finally:
             w.posting.discard(req.request_id)
+        if why:
+            return why if isinstance(why, tuple) else None
         # A source gone after the last piece still fails the load (its lease
         # ended unread): only a reader gone (True) is answered by no event.
         why = self._still(w, epoch, sources, float("inf"))
@@ -320,6 +318,45 @@ class LocalCopy:
         return nbytes, ndescs
 
     # ---------------------------------------------------------------- parts
+    async def _copy(self, w: Worker, epoch: int, sources: dict[int, Worker], deadline: float, pieces: list):
+        """Copies ``pieces`` (``(dst, src, len)`` rows) in order; returns None
+        when all were copied, else what :meth:`_still` said before a piece.
+
+        A piece of up to ``BOUNDS.inline_post_max_bytes`` is copied here, on
+        the loop, when the NIXL thread is idle (``Runtime.nixl_now``: the
+        thread's rules hold, and no hand-off there and back), as a READ of
+        that size is posted (its CMA copy is inside the post). Larger ones
+        go to the NIXL thread with the next one queued behind (at most
+        :data:`PIECES_AHEAD` there), so the thread goes from one to the next
+        without waiting for the loop: each hand-off back and forth is a
+        wake-up, 0.1-0.3 ms here (docs/PERFORMANCE.md, "thirteenth round").
+        Before each piece is queued, the load checks it may go on; a piece
+        already queued when a check fails is skipped (``stop``), and every
+        piece queued has ended or been skipped before this returns, so no
+        byte lands after the load was answered."""
+        stop: list[bool] = []
+        queued: collections.deque = collections.deque()
+        try:
+            for dst, src, ln in pieces:
+                why = self._still(w, epoch, sources, deadline)
+                if why:
+                    return why
+                nb = int(ln.sum()) if isinstance(ln, np.ndarray) else sum(ln)  # numpy: rows may be 100k+
+                if (not queued and nb <= BOUNDS.inline_post_max_bytes
+                        and self.rt.nixl_now(nb, copy_rows, dst, src, ln)[0]):
+                    continue
+                queued.append(self.rt.nixl(copy_unless, stop, dst, src, ln))
+                if len(queued) > PIECES_AHEAD:
+                    await queued.popleft()
+            while queued:
+                await queued[0]
+                queued.popleft()
+        finally:
+            if queued:  # left early (a check, an error, this task cancelled): the rest are skipped
+                stop.append(True)
+                await asyncio.wait(queued)
+        return None
+
     def _plan(self, w: Worker, s: Worker, remote_tp: int) -> CopyPlan:
         """The pair's plan, made once per (reader, source) registration.
 
@@ -407,6 +444,49 @@ def split_pieces(dst: np.ndarray, src: np.ndarray, ln: np.ndarray, piece: int = 
 
 
 _memmove = ctypes.memmove  # a ctypes foreign function: releases the GIL while it copies
+
+
+def split_runs(dst: list[int], src: list[int], ln: list[int], piece: int = COPY_PIECE_BYTES
+               ) -> list[tuple[list[int], list[int], list[int]]]:
+    """:func:`split_pieces` for rows already merged, as Python lists (a
+    small load's, :meth:`CopyPlan.small_pieces`): rows longer than
+    ``piece`` cut, then a piece ends after the first row whose cumulative
+    end reaches each multiple of ``piece`` below the total (the rule of
+    ``split_pieces``' ``searchsorted``); ``tests/test_same_node.py`` checks
+    the two agree."""
+    if not ln:
+        return []
+    if max(ln) > piece:
+        cut_d, cut_s, cut_l = [], [], []
+        for d, s, n in zip(dst, src, ln):
+            for off in range(0, n, piece):
+                cut_d.append(d + off)
+                cut_s.append(s + off)
+                cut_l.append(min(n - off, piece))
+        dst, src, ln = cut_d, cut_s, cut_l
+    total = sum(ln)
+    if total <= piece:
+        return [(dst, src, ln)]
+    out = []
+    start = end = 0
+    mark = piece  # the next multiple of piece that closes a piece
+    for i, n in enumerate(ln):
+        end += n
+        if end >= mark and mark < total:
+            out.append((dst[start:i + 1], src[start:i + 1], ln[start:i + 1]))
+            start = i + 1
+            while mark <= end:
+                mark += piece
+    if start < len(ln):
+        out.append((dst[start:], src[start:], ln[start:]))
+    return out
+
+
+def copy_unless(stop: list, dst, src, ln) -> None:
+    """NIXL thread: :func:`copy_rows` unless ``stop`` is non-empty (the
+    load gave up after the piece was queued)."""
+    if not stop:
+        copy_rows(dst, src, ln)
 
 
 def copy_rows(dst, src, ln) -> None:

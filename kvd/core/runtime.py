@@ -197,9 +197,15 @@ class Runtime:
         self.closing = False
         self._nixl = NixlThread()
 
-    async def nixl(self, fn, *args):
-        """Runs ``fn(*args)`` on the NIXL thread; returns its result, raises its error."""
-        return await self._nixl.call(fn, *args)
+    def nixl(self, fn, *args) -> asyncio.Future:
+        """Queues ``fn(*args)`` on the NIXL thread now; the future (await it)
+        holds its result or its error. Cancelling the future before the
+        call starts skips it (``NixlThread.call``).
+
+        Raises:
+            RuntimeError: after :meth:`shutdown`.
+        """
+        return self._nixl.call(fn, *args)
 
     def nixl_now(self, nbytes: int, fn, *args) -> tuple[bool, object]:
         """Runs ``fn(*args)``, a READ's post moving ``nbytes``, here on the
