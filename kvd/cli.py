@@ -192,7 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
                        add_help=False)
     b.add_argument("bench_args", nargs=argparse.REMAINDER)
 
-    v = sub.add_parser("version", help="print versions")
+    v = sub.add_parser("version", help="print versions",
+                       description="Print the versions of kvd and of what it runs on (NIXL, grpcio, protobuf): "
+                                   "what a bug report needs. Starts nothing, needs no daemon.")
     v.set_defaults(func=cmd_version, parser=v)
     return p
 

@@ -36,6 +36,27 @@ def test_demo_refuses_bad_arguments_before_starting_anything(args, message):
     assert message in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--reps", "0"], "--reps must be >= 1"),
+    (["--throughput-reps", "0"], "--throughput-reps must be >= 1"),
+    (["--small-load-reps", "-1"], "--small-load-reps must be >= 0"),
+    (["--hold-ahead-ms", "2000"], "--hold-ahead-ms"),
+])
+def test_bench_refuses_bad_arguments_before_starting_anything(args, message):
+    """A round count of 0 is refused, not taken for the default."""
+    r = _kvd("bench", *args, timeout=30)  # would start two daemons if it ran
+    assert r.returncode == 64, (r.returncode, r.stderr[-2000:])
+    assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_every_command_explains_itself_in_its_help():
+    for cmd in ("serve", "health", "status", "demo", "bench", "version"):
+        r = _kvd(cmd, "--help", timeout=30)
+        assert r.returncode == 0, (cmd, r.stderr)
+        usage, _, rest = r.stdout.partition("\n\n")
+        assert usage.startswith(f"usage: kvd {cmd}") and not rest.lstrip().startswith("options:"), (cmd, r.stdout)
+
+
 def test_demo_never_replaces_a_directory_that_is_not_its_model(tmp_path):
     """--model-dir naming a user's folder (files, no kvd_recipe.json) or a
     file, and --workdir naming a file: usage errors, nothing deleted."""

@@ -31,11 +31,12 @@ def main(argv: list[str] | None = None) -> int:
                     "engine step; (3) throughput, 64 one-block loads in flight, kvd vs plain NIXL. Starts its own two daemons (and two plain NIXL processes) on this machine.")
     ap.add_argument("--quick", action="store_true", help="seconds, not minutes (a smoke test)")
     ap.add_argument("--skip-step", action="store_true", help="data plane only (benchmark 2 needs vLLM)")
-    ap.add_argument("--reps", type=int, default=0, help="rounds of the data-plane cells (default 5, quick 2)")
+    ap.add_argument("--reps", type=int, default=None, metavar="N",
+                    help="rounds of the data-plane cells (default 5, quick 2)")
     ap.add_argument("--small-load-reps", type=int, default=None, metavar="N",
                     help="more rounds of (a) and (b) alone on the small-load cell (16 x 64 KiB), whose goal is "
                          "the median of every round's ratio (default 20, quick 4)")
-    ap.add_argument("--throughput-reps", type=int, default=0, metavar="N",
+    ap.add_argument("--throughput-reps", type=int, default=None, metavar="N",
                     help="rounds of (3), 64 loads each (default 20, quick 5)")
     ap.add_argument("--hold-ahead-ms", type=float, default=HOLD_AHEAD_S * 1e3, metavar="MS",
                     help="the prefill hold of each kvd load is sent this long before the load, untimed, as "
@@ -46,10 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not 0 <= args.hold_ahead_ms <= 1000:
         ap.error("--hold-ahead-ms must be in 0..1000")
-    for flag, value in (("--reps", args.reps), ("--throughput-reps", args.throughput_reps),
-                        ("--small-load-reps", args.small_load_reps)):
-        if value is not None and value < 0:
-            ap.error(f"{flag} must be >= 0")
+    for flag, value, least in (("--reps", args.reps, 1), ("--throughput-reps", args.throughput_reps, 1),
+                               ("--small-load-reps", args.small_load_reps, 0)):
+        if value is not None and value < least:
+            ap.error(f"{flag} must be >= {least}")
     hold_ahead_s = args.hold_ahead_ms / 1e3
     progress = not args.no_progress
 
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         cells = dataplane.cells_for([64 * cm.KiB, 256 * cm.KiB], [16], 4 * cm.MiB)
     else:
         cells = dataplane.cells_for([64 * cm.KiB, cm.MiB], [16, 256], 256 * cm.MiB)
-    reps = args.reps or (2 if args.quick else 5)
+    reps = args.reps if args.reps is not None else (2 if args.quick else 5)
     out: dict = {"machine": info}
     small_reps = args.small_load_reps if args.small_load_reps is not None else (4 if args.quick else 20)
     dp = dataplane.run(cells, reps, progress=progress, title="(1) data plane", methods="abcsm",
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{'met' if sg['met'] else 'NOT met'} (worst p50 {sg['p50_max_us']:.0f} us, p99 "
                   f"{sg['p99_max_us']:.0f} us); one blocking unary RPC: p50 {u['p50_us']:.0f} us")
             print(f"    {step.goals_text(sg)}")
-    treps = args.throughput_reps or (5 if args.quick else 20)
+    treps = args.throughput_reps if args.throughput_reps is not None else (5 if args.quick else 20)
     tp = throughput.run(treps, progress=progress, hold_ahead_s=hold_ahead_s)
     out["throughput"] = tp
     print(f"\n(3) throughput: batches of {tp['concurrency']} concurrent one-block loads "
