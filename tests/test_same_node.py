@@ -185,6 +185,56 @@ def test_pieces_queued_behind_a_cancelled_copy_are_skipped_and_awaited():
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("npieces, cancels", [(1, 1), (3, 1), (3, 2)])
+def test_a_copy_cancelled_while_its_piece_runs_ends_after_the_piece(monkeypatch, npieces, cancels):
+    """The task of a copy cancelled (once, or again while it waits) while
+    its piece is copying on the NIXL thread ends only after that piece has
+    (the piece's cancelled future is done at once, so _copy waits for a
+    no-op queued behind it); its later pieces are skipped."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from kvd.core import local_copy
+    from kvd.core.limits import Limits
+    from kvd.core.local_copy import LocalCopy
+    from kvd.core.runtime import Runtime
+
+    started, gate, order = threading.Event(), threading.Event(), []
+
+    def slow_copy(dst, src, ln):
+        order.append(f"start {dst[0]}")
+        started.set()
+        gate.wait(10)
+        order.append(f"end {dst[0]}")
+
+    monkeypatch.setattr(local_copy, "copy_rows", slow_copy)
+    big = 2 * BOUNDS.inline_post_max_bytes  # past the inline size: every piece goes to the thread
+
+    async def scenario():
+        rt = Runtime(Limits())
+        w = SimpleNamespace(key=("d", 0), session=SimpleNamespace(epoch=0), label="d")
+        s = SimpleNamespace(key=("p", 0), label="p")
+        rt.workers.update({w.key: w, s.key: s})
+        pieces = [([i], [0], [big]) for i in range(npieces)]
+        task = asyncio.ensure_future(LocalCopy(rt, None)._copy(w, 0, {0: s}, time.monotonic() + 60, pieces))
+        while not started.is_set():
+            await asyncio.sleep(0.005)
+        for _ in range(cancels):
+            task.cancel()
+            await asyncio.sleep(0.05)
+            assert not task.done(), "the copy ended while its piece was still copying"
+        order.append("released")
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        order.append("task ended")
+        rt.shutdown()
+
+    asyncio.run(scenario())
+    assert order == ["start 0", "released", "end 0", "task ended"], order
+
+
 @pytest.mark.parametrize("spelling", ["localhost:{port}", "[::ffff:127.0.0.1]:{port}", "0.0.0.0:{port}"])
 def test_a_load_naming_this_daemon_by_another_spelling_is_a_same_node_copy(one, engines, spelling):
     """kvd.core.own_addresses: another spelling of this daemon's peer address is

@@ -332,10 +332,11 @@ class LocalCopy:
         wake-up, 0.1-0.3 ms here (docs/PERFORMANCE.md, "thirteenth round").
         Before each piece is queued, the load checks it may go on; a piece
         already queued when a check fails is skipped (``stop``), and every
-        piece queued has ended or been skipped before this returns, so no
+        piece queued has ended or been skipped before this returns or
+        raises (:meth:`_passed`, also when the task is cancelled), so no
         byte lands after the load was answered."""
         stop: list[bool] = []
-        queued: collections.deque = collections.deque()
+        queued: collections.deque = collections.deque()  # a future leaves once it has resolved
         try:
             for dst, src, ln in pieces:
                 why = self._still(w, epoch, sources, deadline)
@@ -346,16 +347,39 @@ class LocalCopy:
                         and self.rt.nixl_now(nb, copy_rows, dst, src, ln)[0]):
                     continue
                 queued.append(self.rt.nixl(copy_unless, stop, dst, src, ln))
-                if len(queued) > PIECES_AHEAD:
-                    await queued.popleft()
+                while len(queued) > PIECES_AHEAD:
+                    await queued[0]
+                    queued.popleft()
             while queued:
                 await queued[0]
                 queued.popleft()
         finally:
             if queued:  # left early (a check, an error, this task cancelled): the rest are skipped
                 stop.append(True)
-                await asyncio.wait(queued)
+                await self._passed(queued)
         return None
+
+    async def _passed(self, queued: collections.deque) -> None:
+        """Returns once the NIXL thread has passed every call in ``queued``
+        (run or skipped): a no-op queued behind them has run. A cancelled
+        future may still be running on the thread, so the futures alone
+        cannot say. Cancelling this task again does not cut the wait short;
+        the cancellation is raised after it."""
+        try:
+            barrier = self.rt.nixl(_nothing)
+        except RuntimeError:  # the thread is shut down: it ran every queued call first
+            return
+        cancelled = False
+        while not barrier.done():
+            try:
+                await asyncio.shield(barrier)
+            except asyncio.CancelledError:
+                cancelled = True
+        for f in queued:  # retrieved: a second piece's error is not logged as never retrieved
+            if f.done() and not f.cancelled():
+                f.exception()
+        if cancelled:
+            raise asyncio.CancelledError
 
     def _plan(self, w: Worker, s: Worker, remote_tp: int) -> CopyPlan:
         """The pair's plan, made once per (reader, source) registration.
@@ -480,6 +504,10 @@ def split_runs(dst: list[int], src: list[int], ln: list[int], piece: int = COPY_
     if start < len(ln):
         out.append((dst[start:], src[start:], ln[start:]))
     return out
+
+
+def _nothing() -> None:
+    """A no-op call: once it ran, the NIXL thread has passed every call queued before it."""
 
 
 def copy_unless(stop: list, dst, src, ln) -> None:
