@@ -7,7 +7,7 @@ health and status ask and the exit codes: kvd/ops.py, kvd/usage.py).
     kvd health   exit 0 when a daemon is serving (for probes)
     kvd status   what a daemon holds (engines, leases, transfers)
     kvd demo     the main job: two daemons, two vLLM-CPU engines, P/D requests
-    kvd bench    short benchmarks: kvd vs plain NIXL vs memcpy, the shim's step cost
+    kvd bench    short benchmarks: kvd vs plain NIXL vs memcpy, same-node copy, step cost, throughput
     kvd version  print versions
 """
 
@@ -186,8 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
                        add_help=False)
     d.add_argument("demo_args", nargs=argparse.REMAINDER)
 
-    b = sub.add_parser("bench", help="short benchmarks: data plane (kvd vs plain NIXL vs memcpy) and the shim's "
-                                     "cost per engine step, with the ratios",
+    b = sub.add_parser("bench", help="short benchmarks with their ratios and goals: data plane (kvd vs plain "
+                                     "NIXL vs memcpy), same-node copy, the shim's cost per engine step, "
+                                     "throughput",
                        description="Run the short benchmarks; arguments after 'bench' go to them (kvd bench --help).",
                        add_help=False)
     b.add_argument("bench_args", nargs=argparse.REMAINDER)

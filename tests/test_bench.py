@@ -77,6 +77,9 @@ def test_goals_name_the_cells_the_noise_decides_and_the_small_loads_range():
     assert g["a_over_b_cells_met"] == "1/3" and g["a_over_b_cells_split"] == 1
     assert g["small_load_rounds"] == 4 and (g["small_load_min"], g["small_load_max"]) == (2.0, 5.0)
     assert g["small_load_a_time_over_b"] == pytest.approx((11 / 3 + 4) / 2)
+    # The data-plane goal counts requests of 1 MiB and more only (a 4 x 64 KiB request is left out).
+    res["cells"].append(cell(64 << 10, 4, [1.0], [2.0]))
+    assert dataplane.goals(res)["a_over_b_cells_met"] == "1/3"
 
 
 def test_step_goals_compare_the_held_step_with_its_control_and_cpu_per_load_started():

@@ -157,6 +157,10 @@ def test_metrics_count_a_real_transfer(ops):
         family = re.sub(r"_(bucket|count|sum|created)$", "", name)
         if name.startswith("kvd_") and not name.endswith("_created"):
             assert f"`{family}" in doc, f"{family} is not in docs/OPERATIONS.md"
+    # The failure reasons the docs list are exactly the label's values (a doc once named one that never was).
+    row = next(line for line in doc.splitlines() if line.startswith("| `kvd_transfer_failures_total{reason}`"))
+    listed = set(re.findall(r"`([a-z_]+)`", row.split("one of", 1)[1].split("(", 1)[0]))
+    assert listed == {k.value for k in FailureKind}, listed ^ {k.value for k in FailureKind}
 
 
 def test_status_json_has_engines_peers_transfers_and_versions(ops):

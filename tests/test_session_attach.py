@@ -71,7 +71,7 @@ def test_a_load_whose_session_ended_before_it_started_is_dropped():
         rt.emit = lambda w, ev: emitted.append(ev)
         pull = Pull(rt, None, None, None, None, None)  # none of them may be reached
         w = SimpleNamespace(session=WorkerSession(epoch=3), label="engine=e rank=0", inflight={},
-                            pending_loads=set())
+                            pending_loads={})
         req = LoadRequest("r1", [[1]], "p", "127.0.0.1:1", [[2]], "p1")
         await pull.load(w, req, epoch=2)  # read in epoch 2; the session ended (now 3)
         assert emitted == [] and not w.pending_loads and rt.counters.transfers_failed == 1

@@ -153,6 +153,7 @@ def test_loads_still_in_flight_after_the_grace_period_are_failed(tmp_path):
     d = start_daemon(str(tmp_path), "kvd", "--grace-s", "0.5", "--handshake-timeout-s", "30")
     seg = ShmSegment(SHAPE.size)
     hole = _blackhole()
+    peer = f"127.0.0.1:{hole.getsockname()[1]}"
     s = None
     try:
         d.stub().RegisterEngine(register_request("decode-e", SHAPE, seg), timeout=30)
@@ -173,7 +174,9 @@ def test_loads_still_in_flight_after_the_grace_period_are_failed(tmp_path):
         d.stop()
         seg.close()
     log = d.log()
-    assert "request=stuck peer=?: load failed: shutdown" in log
+    # Named with its peer, though it was still handshaking (OPERATIONS.md: every failure names its peer).
+    assert f"request=stuck peer={peer}: load failed: shutdown" in log, log[-3000:]
+    assert "draining: waiting up to" in log and "1 load(s) under way" in log
     assert log.count("request=stuck") == 1  # logged once
     assert not os.path.exists(d.socket)
 

@@ -203,6 +203,33 @@ def test_an_explicit_peer_advertise_is_used_without_a_warning(tmp_path):
         assert d.stop() == 0
 
 
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
+def test_an_ipv6_peer_listen_is_advertised_in_brackets_and_dialable(tmp_path):
+    """"[::1]:port", not "::1:port": the address kv_transfer_params carry and
+    `kvd health --address` takes (an operator found the brackets dropped)."""
+    from kvd.testing.daemons import start_daemon
+
+    d = start_daemon(str(tmp_path), "k", "--peer-listen", "[::1]:0")
+    try:
+        adv = d.stats().peer_address
+        assert adv.startswith("[::1]:") and int(adv.rsplit(":", 1)[1]) > 0, adv
+        assert f"peers on {adv}" in d.log(), d.log()[-2000:]
+        r = subprocess.run([sys.executable, "-m", "kvd.cli", "health", "--address", adv, "--timeout", "10"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
+    finally:
+        assert d.stop() == 0
+
+
 # ------------------------------------------------------------- SIGHUP
 def test_sighup_is_logged_and_the_daemon_keeps_serving_also_after_a_registration(tmp_path):
     from kvd.testing.daemons import start_daemon

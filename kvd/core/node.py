@@ -240,11 +240,12 @@ class Node:
 
     def loads_in_flight(self) -> list[tuple[str, str, str]]:
         """``(worker label, request id, peer address)`` of every load not
-        finished: READs posted and loads still handshaking (peer ``""``)."""
+        finished: READs posted, and loads before their posts (handshaking,
+        claiming, copying on this node)."""
         out = []
         for w in list(self.rt.workers.values()):
             out += [(w.label, rid, load.req.remote_address) for rid, load in list(w.inflight.items())]
-            out += [(w.label, rid, "") for rid in list(w.pending_loads)]
+            out += [(w.label, rid, peer) for rid, peer in list(w.pending_loads.items())]
         return out
 
     # ------------------------------------------------------------ peer side

@@ -93,7 +93,7 @@ class Pull:
             await self._load(w, req, retry_deadline, epoch)
         except Exception as e:
             log.exception("%s request=%s: load failed unexpectedly", w.label, req.request_id)
-            w.pending_loads.discard(req.request_id)
+            w.pending_loads.pop(req.request_id, None)
             w.posting.discard(req.request_id)
             if req.request_id not in w.inflight:
                 self.rt.fail_load(w, req.request_id, req.local_block_ids, K.INTERNAL,
@@ -156,13 +156,13 @@ class Pull:
             read_from, notify = plan.source_ranks(w.key[1], w.tp_size, remote_tp, geo.total_kv_heads, mla)
         except plan.PlanError as e:
             return self._fail(w, req, K.INCOMPATIBLE, f"incompatible: {e}")
-        w.pending_loads.add(rid)
+        w.pending_loads[rid] = req.remote_address
         sources = self.local.sources(w, req, notify)
         if sources is not None:
             try:
                 result = await self.local.load(w, req, sources, remote_tp, read_from, notify, deadline)
             finally:
-                w.pending_loads.discard(rid)
+                w.pending_loads.pop(rid, None)
             if result is not None and isinstance(result[0], FailureKind):
                 self._fail(w, req, *result)
             elif result is not None:
@@ -172,7 +172,7 @@ class Pull:
             try:
                 failure = await self.push.load(w, req, remote_tp, read_from, notify, started, deadline)
             finally:
-                w.pending_loads.discard(rid)
+                w.pending_loads.pop(rid, None)
             if failure is not None:
                 self._fail(w, req, *failure)
             return
@@ -273,7 +273,7 @@ class Pull:
         except NixlError as e:
             err = (K.NIXL, f"nixl: {e}")
         finally:
-            w.pending_loads.discard(rid)
+            w.pending_loads.pop(rid, None)
             if claim is None:
                 pass
             elif not claim.done():  # the load ended before its claim was answered

@@ -334,10 +334,10 @@ class Server:
                         "daemons%s; set peer_advertise to the address they should dial", cfg.peer_listen, adv,
                         " (no other address found: remote daemons cannot reach it)"
                         if adv.startswith("127.") else "")
-        adv = adv or f"{host}:{self.peer_port}"
+        adv = adv or join_host_port(host, self.peer_port)  # "[::1]:port": what a dialer parses
         self.node.peer_address = adv
         self.node.listening(host, self.peer_port)
-        self._bound = bind.replace(f":{port}", f":{self.peer_port}") if port == 0 else bind
+        self._bound = join_host_port(host, self.peer_port)
 
         # Engine side (Unix socket, through the gate).
         sock = cfg.engine_socket
@@ -519,8 +519,8 @@ class Server:
         next_note = 0.0
         while (left := in_flight()) and time.monotonic() < deadline and not self.force_exit.is_set():
             if time.monotonic() >= next_note:
-                log.info("draining: waiting up to %.1f s for %d loads in flight",
-                         deadline - time.monotonic(), len(left))
+                log.info("draining: waiting up to %.1f s for %d load(s) under way (handshaking, claiming or "
+                         "reading)", deadline - time.monotonic(), len(left))
                 next_note = time.monotonic() + 1.0
             await asyncio.sleep(0.05)
         for label, rid, peer in in_flight():
