@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import logging
+import platform
 import sys
 
 from kvd import __version__, ops
@@ -119,7 +120,8 @@ def cmd_status(args) -> int:
 
 
 def cmd_version(args) -> int:
-    """``kvd version``: prints kvd's version and those of nixl, grpcio and protobuf when installed. Returns 0."""
+    """``kvd version``: prints kvd's version, those of nixl, grpcio and protobuf when installed, and
+    Python's. Returns 0."""
     print(f"kvd {__version__}")
     try:
         from importlib.metadata import version
@@ -128,6 +130,7 @@ def cmd_version(args) -> int:
             print(f"{pkg} {version(pkg)}")
     except Exception:
         pass
+    print(f"python {platform.python_version()}")
     return EXIT_OK
 
 
@@ -194,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("bench_args", nargs=argparse.REMAINDER)
 
     v = sub.add_parser("version", help="print versions",
-                       description="Print the versions of kvd and of what it runs on (NIXL, grpcio, protobuf): "
+                       description="Print the versions of kvd and of what it runs on (NIXL, grpcio, protobuf, Python): "
                                    "what a bug report needs. Starts nothing, needs no daemon.")
     v.set_defaults(func=cmd_version, parser=v)
     return p

@@ -111,6 +111,31 @@ def test_a_failed_metrics_bind_leaves_nothing_behind_and_no_tracebacks(tmp_path,
     assert not made.exists(), list(made.rglob("*"))
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stopped_daemon_leaves_no_empty_directory_it_made(tmp_path, sig):
+    """As a failed startup: the socket directories the daemon made go at a
+    clean stop (an operator found them left behind); exit 0."""
+    import time
+
+    made = tmp_path / "new"
+    sock = made / "run" / "k.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "kvd.cli", "serve", "--peer-listen", "127.0.0.1:0",
+                             "--engine-socket", str(sock)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not sock.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sock.exists(), proc.communicate(timeout=10)[0] if proc.poll() is not None else "no socket"
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "engine_socket: created directory" in out and "kvd stopped" in out, out
+    assert not made.exists(), list(made.rglob("*"))
+
+
 def test_a_failed_startup_keeps_a_directory_it_made_once_something_else_is_in_it(tmp_path):
     from kvd.daemon.server import make_socket_dir, remove_made_dirs
 

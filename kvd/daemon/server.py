@@ -247,18 +247,23 @@ class Server:
 
     async def serve(self) -> None:
         """Runs the daemon: startup, serve until SIGTERM/SIGINT, shutdown. A
-        failed startup releases what it made (``_release``) and re-raises."""
+        failed startup releases what it made (``_release``) and re-raises;
+        either way the socket directories startup made go when empty."""
         try:
             await self.startup()
         except BaseException:
             await self._release()
-            if self._made_dir is not None:
-                remove_made_dirs(self._made_dir, os.path.dirname(os.path.abspath(self.config.engine_socket)))
+            self._remove_made_dirs()
             raise
         try:
             await self.main_loop()
         finally:
             await self.shutdown()
+            self._remove_made_dirs()  # as a failed startup: a stopped daemon leaves no empty directory it made
+
+    def _remove_made_dirs(self) -> None:
+        if self._made_dir is not None:
+            remove_made_dirs(self._made_dir, os.path.dirname(os.path.abspath(self.config.engine_socket)))
 
     async def startup(self) -> None:
         """Binds the peer port, the engine socket and the metrics endpoint, starts
