@@ -272,6 +272,8 @@ class Server:
         not a socket or another daemon serves on it; ConfigError for a NIXL
         backend that cannot be used."""
         cfg = self.config
+        for w in cfg.warnings + secret_file_warnings(cfg):  # first: before anything is bound or served
+            log.warning("%s", w)
         host, port = parse_host_port(cfg.peer_listen, "peer_listen")
         limits = Limits(lease_s=cfg.lease_s, max_lease_life_s=cfg.max_lease_life_s,
                         transfer_timeout_s=cfg.transfer_timeout_s, handshake_timeout_s=cfg.handshake_timeout_s,
@@ -405,8 +407,6 @@ class Server:
                  __version__, sock, policy.describe(), self._bound, adv, auth.describe(), ",".join(cfg.backends),
                  (f", metrics on http://{metrics_at}/metrics" if metrics_at else "")
                  + (f", warm peers {','.join(cfg.warm_peers)}" if cfg.warm_peers else ""))
-        for w in cfg.warnings + secret_file_warnings(cfg):
-            log.warning("%s", w)
         if not self.gate.passrights_refused:
             log.info("this kernel has no SO_PASSRIGHTS (Linux 6.16): an fd a caller attaches to bytes it sends on "
                      "the engine or command socket is dropped in the daemon's read, which a socket or file made "
