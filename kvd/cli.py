@@ -43,13 +43,15 @@ def cmd_serve(args) -> int:
         sys.stdout.write(cfg.to_toml())
         # The files the settings name (TLS, token) are read as serve would:
         # a configuration the daemon would refuse is not reported as good.
-        from kvd.daemon.peer_auth import PeerAuth
+        from kvd.daemon.peer_auth import PeerAuth, secret_file_warnings
 
         try:
             auth = PeerAuth.from_config(cfg)
         except ConfigError as e:
             print(f"kvd serve: invalid setting: {e}", file=sys.stderr)
             return EXIT_USAGE
+        for w in secret_file_warnings(cfg):  # as serve logs them first
+            print(f"kvd serve: warning: {w}", file=sys.stderr)
         from kvd.addresses import is_loopback, split_host_port
 
         host = split_host_port(cfg.peer_listen)[0]

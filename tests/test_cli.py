@@ -240,7 +240,7 @@ def test_a_boolean_setting_refuses_anything_else_naming_what_it_takes(text):
 
 @pytest.mark.parametrize("mode, warned", [(0o644, True), (0o604, True), (0o600, False), (0o400, False)])
 def test_a_tls_key_readable_by_others_is_warned_about_as_the_token_file_is(tmp_path, mode, warned):
-    from kvd.daemon.server import secret_file_warnings
+    from kvd.daemon.peer_auth import secret_file_warnings
 
     paths = {k: tmp_path / f"{k}.pem" for k in ("peer_tls_cert", "peer_tls_key", "peer_tls_ca")}
     for p in paths.values():
@@ -251,6 +251,15 @@ def test_a_tls_key_readable_by_others_is_warned_about_as_the_token_file_is(tmp_p
     assert bool(w) is warned, w
     if warned:  # the key only: certificates are public
         assert len(w) == 1 and w[0].startswith(f"peer_tls_key: {paths['peer_tls_key']} is mode {mode:04o}"), w
+
+
+def test_print_config_shows_the_token_file_warning_serve_would_log(tmp_path):
+    token = tmp_path / "peer.token"
+    token.write_text("0123456789abcdef0123456789abcdef\n")
+    token.chmod(0o644)
+    r = _kvd("serve", "--print-config", "--peer-token-file", str(token), timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert f"kvd serve: warning: peer_token_file: {token} is mode 0644" in r.stderr, r.stderr
 
 
 def test_a_socket_path_too_long_for_the_side_sockets_is_a_config_error(tmp_path):

@@ -324,7 +324,7 @@ def test_an_engine_socket_directory_where_nothing_can_be_created_names_the_setti
     (0o600, False, False), (0o400, False, False)])
 def test_a_peer_token_file_readable_by_group_or_other_is_warned_about(tmp_path, mode, foreign_group, warned):
     from kvd.config import load_config
-    from kvd.daemon.server import secret_file_warnings
+    from kvd.daemon.peer_auth import secret_file_warnings
 
     token = tmp_path / "peer.token"
     token.write_text("0123456789abcdef0123456789abcdef\n")

@@ -39,9 +39,11 @@ import hashlib
 import hmac
 import inspect
 import logging
+import os
 import re
 import secrets
 import ssl
+import stat
 import time
 from dataclasses import dataclass
 
@@ -370,3 +372,31 @@ class PeerAuthInterceptor(grpc.aio.ServerInterceptor):
         # The MAC covers the bytes as they came and as they go: the request is
         # parsed here once they passed, the answer serialized here.
         return handler._replace(request_deserializer=None, unary_unary=answer, response_serializer=None)
+
+
+def secret_file_warnings(cfg: Config) -> list[str]:
+    """A warning for ``peer_token_file`` and ``peer_tls_key`` when others may
+    read or write them: the token, or this node's private key, lets any
+    host act as a daemon of the cluster.
+
+    Warned: a mode with other bits (``0o007``), or with group bits (``0o070``)
+    for a group that is not the daemon's own (effective gid). A file of the
+    daemon's own group is not: the shipped DaemonSet mounts the token Secret
+    mode 0440 with ``fsGroup`` the daemon's gid (Kubernetes makes Secret files
+    root-owned, so the group bit is how the daemon reads it). A warning, not a
+    refusal: the operator may have chosen the mode.
+    """
+    warnings = []
+    for key in ("peer_token_file", "peer_tls_key"):
+        path = getattr(cfg, key)
+        if not path:
+            continue
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue  # unreadable: PeerAuth.from_config has already refused it
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o007 or (mode & 0o070 and st.st_gid != os.getegid()):
+            warnings.append(f"{key}: {path} is mode {mode:04o} (gid {st.st_gid}), readable or writable beyond "
+                            f"the daemon's user and group; make it 0600 (chmod 0600 {path})")
+    return warnings

@@ -54,7 +54,7 @@ from kvd.daemon.command_socket import CommandSocket
 from kvd.daemon.fd_channel import FdChannel
 from kvd.daemon.local_gate import AdmissionInterceptor, Gate, Policy
 from kvd.daemon.metrics import Metrics
-from kvd.daemon.peer_auth import PeerAuth, PeerAuthInterceptor
+from kvd.daemon.peer_auth import PeerAuth, PeerAuthInterceptor, secret_file_warnings
 from kvd.daemon.peer_local import LocalPeerGate
 from kvd.daemon.sdnotify import Notifier
 from kvd.daemon.stall_watch import StallWatch
@@ -116,34 +116,6 @@ def bind_failure(host: str, port: int) -> str:
     except OSError as e:
         return e.strerror or str(e)
     return "gRPC could not bind it"
-
-
-def secret_file_warnings(cfg: Config) -> list[str]:
-    """A warning for ``peer_token_file`` and ``peer_tls_key`` when others may
-    read or write them: the token, or this node's private key, lets any
-    host act as a daemon of the cluster.
-
-    Warned: a mode with other bits (``0o007``), or with group bits (``0o070``)
-    for a group that is not the daemon's own (effective gid). A file of the
-    daemon's own group is not: the shipped DaemonSet mounts the token Secret
-    mode 0440 with ``fsGroup`` the daemon's gid (Kubernetes makes Secret files
-    root-owned, so the group bit is how the daemon reads it). A warning, not a
-    refusal: the operator may have chosen the mode.
-    """
-    warnings = []
-    for key in ("peer_token_file", "peer_tls_key"):
-        path = getattr(cfg, key)
-        if not path:
-            continue
-        try:
-            st = os.stat(path)
-        except OSError:
-            continue  # unreadable: PeerAuth.from_config has already refused it
-        mode = stat.S_IMODE(st.st_mode)
-        if mode & 0o007 or (mode & 0o070 and st.st_gid != os.getegid()):
-            warnings.append(f"{key}: {path} is mode {mode:04o} (gid {st.st_gid}), readable or writable beyond "
-                            f"the daemon's user and group; make it 0600 (chmod 0600 {path})")
-    return warnings
 
 
 def make_socket_dir(path: str) -> str | None:
