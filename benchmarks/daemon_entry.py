@@ -2,10 +2,13 @@
 
 Runs ``kvd`` in this process after two optional changes, for benchmarks only:
 
-- ``--trace``: installs a :mod:`kvd.tracepoints` sink that prints one line
-  per hit on stderr, ``HIT <point> <request id|-> <detail|-> <perf_counter>``
+- ``--trace``: installs a :mod:`kvd.tracepoints` sink that keeps every hit
+  in memory and, when the daemon stops, prints one line per hit on stderr,
+  ``HIT <point> <request id|-> <detail|-> <perf_counter>``
   (``time.perf_counter`` is CLOCK_MONOTONIC, so comparable with the engine
   process's clock); :mod:`benchmarks.trace` joins them with the engine's times.
+  Kept, not printed as they come: a flushed line per hit was a ``write`` on
+  the daemon's loop at every point, which the legs then counted.
 - ``--set module.ATTR=value``: sets a module-level constant that has no
   setting of its own (e.g. the NIXL progress thread off:
   ``--set kvd.core.nixl_agent.PROGRESS_US=0``); a value is parsed as a
@@ -61,9 +64,21 @@ def apply(assignment: str) -> None:
     setattr(obj, attr, val)
 
 
-def print_hit(point: str, request_id: str, detail: str, t: float) -> None:
-    """The ``--trace`` sink: one ``HIT`` line per trace point on stderr."""
-    print(f"HIT {point} {request_id or '-'} {detail or '-'} {t:.6f}", file=sys.stderr, flush=True)
+_HITS: list[tuple[str, str, str, float]] = []
+
+
+def keep_hit(point: str, request_id: str, detail: str, t: float) -> None:
+    """The ``--trace`` sink: keeps the hit (a list append, safe from any
+    thread under the GIL) for :func:`print_hits`."""
+    _HITS.append((point, request_id, detail, t))
+
+
+def print_hits() -> None:
+    """Prints the hits kept so far, one ``HIT`` line each, on stderr, and forgets them."""
+    hits = _HITS[:]
+    del _HITS[:len(hits)]
+    sys.stderr.write("".join(f"HIT {p} {r or '-'} {d or '-'} {t:.6f}\n" for p, r, d, t in hits))
+    sys.stderr.flush()
 
 
 def main(argv: list[str]) -> int:
@@ -71,14 +86,17 @@ def main(argv: list[str]) -> int:
     ``kvd`` with the rest of ``argv``; returns its exit code."""
     while argv[:1] in (["--set"], ["--trace"]):
         if argv[0] == "--trace":
-            tracepoints.install(print_hit)
+            tracepoints.install(keep_hit)
             argv = argv[1:]
             continue
         apply(argv[1])
         argv = argv[2:]
     from kvd.cli import main as kvd_main
 
-    return kvd_main(argv)
+    try:
+        return kvd_main(argv)
+    finally:
+        print_hits()
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ def _client_stamps() -> tuple[dict, dict]:
 
 
 def _hits(log: str) -> dict[str, list[tuple[str, str, float]]]:
-    """The daemon log's ``HIT`` lines (:func:`benchmarks.daemon_entry.print_hit`)
+    """The daemon log's ``HIT`` lines (:func:`benchmarks.daemon_entry.print_hits`)
     by point: ``[(request id, detail, perf_counter seconds)]``."""
     out: dict[str, list] = {}
     for m in re.finditer(r"^HIT (\S+) (\S+) (\S+) (\S+)$", log, re.M):

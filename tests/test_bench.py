@@ -166,8 +166,9 @@ def test_daemon_entry_sets_module_constants_and_refuses_typos():
 
 
 def test_trace_joins_the_daemon_hit_lines():
-    """benchmarks.trace reads what the --trace sink prints, one hit per line."""
-    from benchmarks.daemon_entry import print_hit
+    """benchmarks.trace reads what the --trace sink prints when the daemon
+    stops, one hit per line, each printed once."""
+    from benchmarks.daemon_entry import keep_hit, print_hits
     from benchmarks.trace import _hits
 
     import contextlib
@@ -175,9 +176,12 @@ def test_trace_joins_the_daemon_hit_lines():
 
     buf = io.StringIO()
     with contextlib.redirect_stderr(buf):
-        print_hit("load", "r1", "", 1.5)
-        print_hit("posted", "r1", "DONE", 1.75)
-        print_hit("gate_in", "", "", 1.25)
+        keep_hit("load", "r1", "", 1.5)
+        keep_hit("posted", "r1", "DONE", 1.75)
+        assert buf.getvalue() == ""  # kept, not written on the daemon's loop
+        keep_hit("gate_in", "", "", 1.25)
+        print_hits()
+        print_hits()  # nothing twice
     hits = _hits(buf.getvalue())
     assert hits == {"load": [("r1", "", 1.5)], "posted": [("r1", "DONE", 1.75)], "gate_in": [("", "", 1.25)]}
 
