@@ -4,7 +4,8 @@ A setting is one field of :class:`Config`. Its value comes from the first of
 these sources that sets it (highest first):
 
 1. a flag of ``kvd serve``: ``--lease-s 60`` (the key, ``_`` as ``-``);
-2. an environment variable: ``KVD_LEASE_S=60`` (``KVD_`` + the key in capitals);
+2. an environment variable: ``KVD_LEASE_S=60`` (``KVD_`` + the key in capitals;
+   an empty one, ``KVD_LEASE_S=``, is unset);
 3. the TOML file named by ``kvd serve --config FILE`` (or ``KVD_CONFIG``):
    ``lease_s = 60``, top-level keys only;
 4. the default below.
@@ -553,6 +554,22 @@ def read_file(path: str) -> dict:
         raise ConfigError(f"config file {path}: {e}") from None
 
 
+def env_value(environ: Mapping[str, str], var: str) -> str | None:
+    """The value of ``KVD_*`` variable ``var``, or None when it is unset or
+    empty (blanks only count as empty).
+
+    An empty value is unset, as ``${VAR:-default}`` in a shell: an
+    EnvironmentFile (``/etc/default/kvd``), a ``docker --env-file`` or a pod
+    spec often lists variables with no value, meaning "not set here"; the
+    file's value or the default then applies rather than an error (a number)
+    or an empty setting (a path, a list). Every ``KVD_*`` setting, the
+    ``KVD_CONFIG`` file name and the clients' ``KVD_ENGINE_SOCKET`` are read
+    through here.
+    """
+    value = environ.get(var)
+    return value if value is not None and value.strip() else None
+
+
 def load_config(
     flags: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
@@ -564,8 +581,9 @@ def load_config(
         flags: settings given on the command line (key -> value; text or
             already parsed); only keys the user actually gave.
         environ: the environment (default ``os.environ``); ``KVD_<KEY>``
-            variables set settings, ``KVD_CONFIG`` names the file when
-            ``file`` is not given, ``NOTIFY_SOCKET`` is kept for sd_notify.
+            variables set settings (an empty one is unset: :func:`env_value`),
+            ``KVD_CONFIG`` names the file when ``file`` is not given,
+            ``NOTIFY_SOCKET`` is kept for sd_notify.
         file: path of a TOML file.
 
     Raises:
@@ -574,7 +592,7 @@ def load_config(
     """
     environ = os.environ if environ is None else environ
     flags = dict(flags or {})
-    file = file or environ.get(ENV_CONFIG_FILE) or None
+    file = file or env_value(environ, ENV_CONFIG_FILE)
     by_name = {f.name: f for f in settings()}
     values: dict[str, Any] = {}
     sources: dict[str, str] = {name: "default" for name in by_name}
@@ -593,8 +611,9 @@ def load_config(
             sources[key] = f"file {file}"
     for key, f in by_name.items():
         var = env_name(key)
-        if var in environ:
-            values[key] = _coerce(f, environ[var], f"env {var}", from_text=True)
+        value = env_value(environ, var)
+        if value is not None:
+            values[key] = _coerce(f, value, f"env {var}", from_text=True)
             sources[key] = f"env {var}"
     for key, value in flags.items():
         f = by_name.get(key)
@@ -638,7 +657,7 @@ def client_socket(environ: Mapping[str, str] | None = None) -> str:
     """Default engine socket for ``kvd health`` / ``kvd status``:
     ``KVD_ENGINE_SOCKET`` when set (as for the daemon), else the default."""
     environ = os.environ if environ is None else environ
-    return environ.get(env_name("engine_socket")) or DEFAULT_SOCKET
+    return env_value(environ, env_name("engine_socket")) or DEFAULT_SOCKET
 
 
 def _toml_value(v: Any) -> str:

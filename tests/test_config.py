@@ -248,3 +248,42 @@ def test_a_warm_peer_listed_twice_is_warmed_once():
     that no drop of its pairs wakes (kvd.core.peers.Peers._keep_warm)."""
     cfg = load_config(environ={"KVD_WARM_PEERS": "10.0.0.5:7700/p,10.0.0.6:7700/p,10.0.0.5:7700/p"})
     assert cfg.warm_peers == ["10.0.0.5:7700/p", "10.0.0.6:7700/p"]
+
+
+def test_an_empty_environment_variable_is_unset_for_every_setting(tmp_path):
+    """``KVD_LEASE_S=`` (an EnvironmentFile such as /etc/default/kvd, a
+    ``docker --env-file`` or a pod spec listing a variable with no value)
+    means unset: the file's value or the default applies, never an error or
+    an empty setting."""
+    defaults = load_config(environ={})
+    for value in ("", "  "):
+        env = {f"KVD_{name.upper()}": value for name in setting_names()}
+        cfg = load_config(environ=env)
+        assert cfg == defaults
+        assert set(cfg.sources.values()) == {"default"}, cfg.sources
+        assert cfg.warnings == []  # set, known and empty: nothing to report
+    # Over a file: the file's value stays, also for a path, a list, a boolean.
+    path = _file(tmp_path, 'lease_s = 50\npeer_tls_server_name = "kvd.example"\nallowed_uids = ["0"]\n'
+                           'follow_holds = false\n')
+    env = {"KVD_LEASE_S": "", "KVD_PEER_TLS_SERVER_NAME": "", "KVD_ALLOWED_UIDS": "", "KVD_FOLLOW_HOLDS": ""}
+    cfg = load_config(environ=env, file=path)
+    assert (cfg.lease_s, cfg.peer_tls_server_name, cfg.allowed_uids, cfg.follow_holds) == \
+        (50.0, "kvd.example", ["0"], False)
+    assert {cfg.sources[k] for k in ("lease_s", "peer_tls_server_name", "allowed_uids", "follow_holds")} == \
+        {f"file {path}"}
+    # KVD_CONFIG= names no file; the clients' KVD_ENGINE_SOCKET= is the default socket.
+    from kvd.config import DEFAULT_SOCKET, client_socket
+
+    assert load_config(environ={"KVD_CONFIG": ""}) == defaults
+    assert client_socket({"KVD_ENGINE_SOCKET": ""}) == DEFAULT_SOCKET
+
+
+def test_serve_takes_empty_environment_variables_as_unset_and_still_reports_misspelt_ones(tmp_path):
+    r = _kvd("serve", "--print-config", env={"KVD_LEASE_S": "", "KVD_SAME_NODE_COPY": "", "KVD_BACKENDS": "",
+                                             "KVD_ENGINE_SOCKET": "", "KVD_LEESE_S": ""})
+    assert r.returncode == 0, r.stderr
+    assert "lease_s = 120.0  # default" in r.stdout and "same_node_copy = true  # default" in r.stdout
+    assert 'engine_socket = "/run/kvd/engine.sock"  # default' in r.stdout
+    # A misspelt name is still a mistake worth a line, empty or not.
+    assert r.stderr.count("warning:") == 1 and "KVD_LEESE_S" in r.stderr and "did you mean KVD_LEASE_S" in r.stderr, \
+        r.stderr
