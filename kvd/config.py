@@ -98,7 +98,8 @@ class Config:
     variables).
     """
 
-    engine_socket: str = _setting(DEFAULT_SOCKET, "Unix socket path of EngineService (local engines)")
+    engine_socket: str = _setting(DEFAULT_SOCKET, "Unix socket path of EngineService (local engines); "
+                                                  "absolute")
     peer_listen: str = _setting(DEFAULT_PEER_LISTEN, "host:port PeerService binds for remote daemons; port 0 picks one")
     peer_advertise: str = _setting("", "host:port put in kv_transfer_params for remote daemons "
                                        "(empty: the listen address with its bound port; for a wildcard "
@@ -226,6 +227,13 @@ class Config:
         """Checks every field; returns self. Raises ConfigError naming the key."""
         if not self.engine_socket:
             raise self._error("engine_socket", "must not be empty")
+        if not os.path.isabs(self.engine_socket):
+            # A daemon's working directory is / under systemd and whatever the
+            # image sets in a container: engines, `kvd health` and the unit's
+            # RuntimeDirectory would all look elsewhere.
+            raise self._error("engine_socket", f"{self.engine_socket!r} is a relative path; give an absolute "
+                                               f"path (such as {DEFAULT_SOCKET}): the daemon's working "
+                                               f"directory (/ under systemd) is not where engines look")
         if len(os.fsencode(self.engine_socket)) > MAX_ENGINE_SOCKET_BYTES:
             raise self._error("engine_socket", f"path longer than {MAX_ENGINE_SOCKET_BYTES} bytes "
                                                f"({len(os.fsencode(self.engine_socket))}): the daemon binds it and "

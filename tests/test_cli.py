@@ -108,6 +108,45 @@ def test_socket_paths_grpc_cannot_dial_are_refused(path):
         load_config({"engine_socket": path}, environ={})
 
 
+@pytest.mark.parametrize("how", ["flag", "env", "file"])
+def test_a_relative_engine_socket_is_refused_naming_the_option(tmp_path, how):
+    """Under systemd the daemon's working directory is /: a relative engine
+    socket would be bound where no engine looks. Refused as a usage error
+    (64, which the unit's RestartPreventExitStatus does not retry) before
+    anything is bound, naming where it came from."""
+    argv, env = ["serve", "--log-level", "debug"], {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
+    if how == "flag":
+        argv += ["--engine-socket", "kvd.sock"]
+    elif how == "env":
+        env["KVD_ENGINE_SOCKET"] = "run/kvd.sock"
+    else:
+        (tmp_path / "kvd.toml").write_text('engine_socket = "./kvd.sock"\n')
+        argv += ["--config", str(tmp_path / "kvd.toml")]
+    for extra in (["--print-config"], []):
+        r = subprocess.run([sys.executable, "-m", "kvd.cli", *argv, *extra], capture_output=True, text=True,
+                           timeout=60, env=env, cwd=tmp_path)
+        assert r.returncode == 64, (r.returncode, r.stderr)
+        where = {"flag": "flag --engine-socket", "env": "env KVD_ENGINE_SOCKET", "file": "file "}[how]
+        assert f"engine_socket (from {where}" in r.stderr and "give an absolute path" in r.stderr, r.stderr
+        assert sorted(p.name for p in tmp_path.iterdir()) == (["kvd.toml"] if how == "file" else [])
+
+
+def test_clients_take_a_relative_socket_path_from_their_working_directory(tmp_path):
+    """Only the daemon refuses a relative engine socket: for ``kvd health``
+    and ``kvd status`` the caller's working directory is meaningful."""
+    import socket
+
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(tmp_path / "stale.sock"))
+    s.close()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
+    for cmd in ("status", "health"):
+        r = subprocess.run([sys.executable, "-m", "kvd.cli", cmd, "--socket", "stale.sock", "--timeout", "2"],
+                           capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+        # Found in the working directory (a socket nothing listens on), not "no daemon at".
+        assert r.returncode == 2 and "nothing listens" in r.stderr, (cmd, r.returncode, r.stderr)
+
+
 def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path):
     f = tmp_path / "kvd.toml"
     f.write_bytes("# caf\u00e9\nlease_s = 5\n".encode("latin-1"))
