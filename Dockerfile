@@ -62,8 +62,10 @@ WORKDIR /run/kvd
 # 7700: PeerService + gRPC health (TCP); 9400: Prometheus /metrics.
 EXPOSE 7700 9400
 STOPSIGNAL SIGTERM
-# Exit 0 serving, 1 not serving (draining), 2 unreachable.
+# kvd health exits 0 serving, 1 not serving (draining), 2 unreachable, 64 on
+# a usage error; Docker documents 0 (healthy) and 1 (unhealthy) and reserves
+# 2, so every failure is reported as 1.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
-    CMD ["kvd", "health", "--quiet", "--timeout", "3"]
+    CMD ["/bin/sh", "-c", "kvd health --quiet --timeout 3 || exit 1"]
 ENTRYPOINT ["kvd"]
 CMD ["serve", "--config", "/etc/kvd/kvd.toml"]

@@ -12,6 +12,7 @@ Each tool is also run on a broken copy, to prove it would catch a mistake.
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -175,7 +176,28 @@ def test_dockerfile_is_multistage_non_root_with_a_healthcheck():
     assert len(re.findall(r"^FROM ", text, re.M)) >= 2
     user = re.findall(r"^USER (\S+)", text, re.M)[-1]
     assert user.split(":")[0] not in ("root", "0")
-    assert re.search(r'^HEALTHCHECK .*\n?.*CMD \["kvd", "health"', text, re.M)
+    assert healthcheck_argv()[-1].startswith("kvd health ")
     assert "org.opencontainers.image.title" in text and "ARG TORCH_INDEX_URL=" in text
     # No KVD_* ENV in the image: it would override a mounted config file.
     assert not re.search(r"^ENV .*KVD_|^\s+KVD_\w+=", text, re.M)
+
+
+def healthcheck_argv() -> list[str]:
+    """The Dockerfile's HEALTHCHECK command as Docker runs it: the exec form's
+    list, or ``/bin/sh -c TEXT`` for the shell form."""
+    text = DOCKERFILE.read_text().replace("\\\n", " ")
+    (cmd,) = re.findall(r"^HEALTHCHECK .*?\bCMD\s+(.+)$", text, re.M)
+    return json.loads(cmd) if cmd.startswith("[") else ["/bin/sh", "-c", cmd]
+
+
+@pytest.mark.parametrize("health_rc, docker_rc", [(0, 0), (1, 1), (2, 1), (64, 1), (137, 1)])
+def test_dockerfile_healthcheck_exits_only_0_or_1(tmp_path, health_rc, docker_rc):
+    """Docker takes 0 as healthy and 1 as unhealthy and reserves 2, which
+    ``kvd health`` returns for an unreachable daemon: the HEALTHCHECK maps
+    every failure of it to 1. Run with a ``kvd`` on PATH that exits
+    ``health_rc``."""
+    fake = tmp_path / "kvd"
+    fake.write_text(f"#!/bin/sh\n[ \"$1\" = health ] || exit 99\nexit {health_rc}\n")
+    fake.chmod(0o755)
+    r = subprocess.run(healthcheck_argv(), env={"PATH": f"{tmp_path}:/usr/bin:/bin"}, timeout=30)
+    assert r.returncode == docker_rc
