@@ -21,7 +21,7 @@ import pytest
 from kvd.testing.daemons import start_daemon
 from kvd.testing.processes import child_env
 from kvd.testing.security import NOBODY, OUTSIDER, reachable_dir
-from kvd.testing.sessions import Engine, KvShape, one_group
+from kvd.testing.sessions import Engine, KvShape, Session, one_group
 from kvd.v1 import kvd_pb2 as pb
 
 SHAPE = KvShape(num_layers=1, num_blocks=8, block_len=1024)
@@ -227,6 +227,7 @@ def test_a_peer_call_that_proves_nothing_is_refused_before_its_request_is_parsed
 
 
 HOLD_GROUPS = 1 << 20  # empty KV-cache groups in one hold: 2 MiB on the wire
+PARSED_GROUPS = 30_000  # 60 KB: under kvd.daemon.wire_shape.WALK_FROM_BYTES, parsed as it comes
 
 
 def test_a_hold_of_a_million_empty_groups_is_refused_not_kept_for_its_lease(tmp_path):
@@ -236,37 +237,48 @@ def test_a_hold_of_a_million_empty_groups_is_refused_not_kept_for_its_lease(tmp_
     ``max_blocks_per_request``, ``max_held_blocks_per_worker``), none counts
     groups; before, the lease kept an int32 array per group (~120 MiB a
     hold, for the lease's life, ``max_leases_per_worker`` of them per
-    worker). Expected: a hold naming more groups than the worker's regions
-    use is rejected (``CommandRejected`` naming them), and the daemon keeps
-    nothing for it; so is a load naming as many (``LoadFailed``)."""
+    worker). Expected: a command that long is walked before it is parsed
+    and past an engine's bounds ends the session, naming the bound
+    (``kvd.daemon.wire_shape``), and the daemon keeps nothing for it; a
+    shorter hold naming more groups than the worker's regions use is
+    rejected (``CommandRejected`` naming them), and so is a load naming as
+    many (``LoadFailed``)."""
     d = start_daemon(str(tmp_path), "kvd", log_level="info")
+    wide = Engine(d, "liar-wide", SHAPE)
     e = Engine(d, "liar-p", SHAPE)
     try:
         base = _status_kib(d, "VmRSS")
-        for i in range(4):
+        wide.session.send(hold=pb.HoldBlocks.FromString(
+            pb.HoldBlocks(request_id="wide", lease_s=600, groups=one_group([1])).SerializeToString()
+            + b"\x22\x00" * HOLD_GROUPS))
+        with pytest.raises(AssertionError, match="INVALID_ARGUMENT.*more than [0-9]+ fields in one SessionCommand"):
+            wide.wait("wide", 60)
+        grown = (_status_kib(d, "VmRSS") - base) >> 10
+        print(f"RSS +{grown} MiB after a hold of {HOLD_GROUPS} empty groups")
+        assert d.stats().active_leases == 0 and grown < 64, f"RSS +{grown} MiB for a hold of one block id"
+        Session(d, wide.engine_id).close()  # the engine may open a new session
+        for i in range(2):
             e.session.send(hold=pb.HoldBlocks.FromString(
                 pb.HoldBlocks(request_id=f"wide-{i}", lease_s=600, groups=one_group([1])).SerializeToString()
-                + b"\x22\x00" * HOLD_GROUPS))
+                + b"\x22\x00" * PARSED_GROUPS))
         e.release("marker")  # commands run in order: its rejection comes after the holds'
         assert e.wait("marker", 60).WhichOneof("event") == "rejected"
-        held = d.stats().active_leases
-        grown = (_status_kib(d, "VmRSS") - base) >> 10
-        print(f"RSS +{grown} MiB after 4 holds of {HOLD_GROUPS} empty groups; {held} leases")
-        assert held == 0 and grown < 64, f"{held} leases, RSS +{grown} MiB for 4 holds of one block id each"
-        for i in range(4):
+        assert d.stats().active_leases == 0
+        for i in range(2):
             ev = e.wait(f"wide-{i}", 5)
             assert ev.WhichOneof("event") == "rejected" and "groups" in ev.rejected.reason, ev
         # A load naming as many groups (kept while it waits for its claim): refused at once.
         e.session.send(load=pb.LoadBlocks.FromString(
             pb.LoadBlocks(request_id="wide-load", remote_engine_id="liar-p", remote_address=d.peer_address,
                           remote_request_id="wide-0", local_groups=one_group([2]), remote_groups=one_group([1]),
-                          timeout_s=5).SerializeToString() + b"\x4a\x00\x52\x00" * HOLD_GROUPS))
+                          timeout_s=5).SerializeToString() + b"\x4a\x00\x52\x00" * (PARSED_GROUPS // 2)))
         ev = e.wait("wide-load", 30)
         assert ev.WhichOneof("event") == "load_failed" and "groups" in ev.load_failed.reason, ev
         e.hold("fine", [1, 2])  # a hold of the worker's own groups still works
         e.release("fine")
         assert e.wait("fine").send_done.released
     finally:
+        wide.close()
         e.close()
         assert d.stop() == 0
 

@@ -54,6 +54,8 @@ from google.protobuf.message import DecodeError
 
 from kvd import tracepoints as tp
 from kvd.command_wire import Deframer, FrameError, frame
+from kvd.core.limits import Limits
+from kvd.daemon import wire_shape
 from kvd.daemon.engine_service import EngineService, SessionRefused
 from kvd.daemon.h2_refusal import LINGER_S, PREFACE, Refusal
 from kvd.daemon.local_gate import Caller, Gate, bind_side_socket, unlink_own
@@ -101,11 +103,13 @@ class _Commands:
     Frames wait as bytes and are parsed as they run: a parsed command takes
     ~100 times its bytes on the wire (an empty one: 6 bytes, ~650 parsed),
     so what one read brings (up to 256 KiB) stays 256 KiB while it waits.
-    A frame that is not a ``SessionCommand`` calls ``on_bad(why)``."""
+    A frame that is not a ``SessionCommand``, or holds more than an
+    engine's command can (``kvd.daemon.wire_shape``), calls ``on_bad(why)``."""
 
     def __init__(self, transport: asyncio.Transport, max_ahead_bytes: int,
-                 on_bad: Callable[[str], None] = lambda why: None):
+                 on_bad: Callable[[str], None] = lambda why: None, shape: wire_shape.Shape | None = None):
         self._transport = transport
+        self._shape = shape or wire_shape.engine_shape(pb.SessionCommand.DESCRIPTOR, Limits.max_blocks_per_request)
         self._max_ahead = max_ahead_bytes
         self._on_bad = on_bad
         self._queue: collections.deque[tuple[bytes, int]] = collections.deque()  # (frame payload, bytes)
@@ -173,7 +177,12 @@ class _Commands:
         """The command in ``payload``; None (and ``on_bad``) when it is not one."""
         cmd = pb.SessionCommand()
         try:
+            wire_shape.check(payload, pb.SessionCommand.DESCRIPTOR, self._shape)  # before a parse that could cost seconds
             cmd.ParseFromString(payload)
+        except wire_shape.ShapeError as e:
+            self._on_bad(f"a frame past an engine's bounds ({e})")
+            self.abort()
+            return None
         except DecodeError as e:
             self._on_bad(f"a frame that is not a SessionCommand ({e})")
             self.abort()  # what came after it does not run
@@ -294,7 +303,7 @@ class _Connection(asyncio.Protocol):
             return
         transport.set_write_buffer_limits(high=_WRITE_HIGH)
         self.idle = asyncio.get_running_loop().call_later(owner.gate.idle_timeout_s, self._idle)
-        self.commands = _Commands(transport, owner.max_message_bytes, self._bad_input)
+        self.commands = _Commands(transport, owner.max_message_bytes, self._bad_input, owner.shape)
         self.task = asyncio.get_running_loop().create_task(self._serve(self.commands))
         owner.connections.add(self)
         transport.resume_reading()
@@ -556,6 +565,9 @@ class CommandSocket:
         self.gate = gate
         self.service = service
         self.max_message_bytes = max_message_bytes
+        # What one command may hold, counted before it is parsed (kvd.daemon.wire_shape).
+        self.shape = wire_shape.engine_shape(pb.SessionCommand.DESCRIPTOR,
+                                             service.node.limits.max_blocks_per_request)
         self.connections: set[_Connection] = set()
         self.partial: dict[int, int] = {}  # bytes of unfinished frames per caller uid (PARTIAL_FRAMES_PER_UID)
         self.warn = Throttled(log)

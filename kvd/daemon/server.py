@@ -58,6 +58,7 @@ from kvd.daemon.peer_auth import PeerAuth, PeerAuthInterceptor, secret_file_warn
 from kvd.daemon.peer_local import LocalPeerGate
 from kvd.daemon.sdnotify import Notifier
 from kvd.daemon.stall_watch import StallWatch
+from kvd.daemon.wire_shape import ShapeInterceptor
 from kvd.daemon.peer_client import PeerClient
 from kvd.daemon.peer_service import PeerService
 from kvd.command_wire import command_socket_path
@@ -329,7 +330,8 @@ class Server:
                 raise OSError(f"another daemon is serving on {sock}")
             os.unlink(sock)
         self.engine_server = grpc.aio.server(options=server_options(cfg.max_message_bytes, ENGINE_MAX_STREAMS),
-                                             interceptors=[AdmissionInterceptor(self.gate)])
+                                             interceptors=[AdmissionInterceptor(self.gate),
+                                                           ShapeInterceptor(cfg.max_blocks_per_request)])
         kvd_pb2_grpc.add_EngineServiceServicer_to_server(self.engine_service, self.engine_server)
         self.engine_health = self._add_health_and_reflection(self.engine_server, ENGINE_SERVICE)
         try:

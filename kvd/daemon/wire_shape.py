@@ -1,0 +1,293 @@
+"""An engine's message is bounded in shape before it is parsed.
+
+Parsing is what a large message costs most: protobuf (upb) makes an object
+per submessage and an element per repeated scalar, so a message of many
+tiny fields takes many times its bytes. Measured here: a ``SessionCommand``
+holding 30M empty ``BlockIds`` (a 57 MiB frame, under the 64 MiB
+``max_message_bytes``) took 1.0 s to parse and +943 MiB RSS, on the event
+loop that serves every engine and peer, before any bound the daemon checks
+on the parsed message could refuse it; then the conversion.
+
+So a message longer than :data:`WALK_FROM_BYTES` is first walked on the
+wire (the protobuf encoding, https://protobuf.dev/programming-guides/encoding/),
+guided by its descriptor, counting the fields it holds at every depth and
+the elements of its repeated scalars, and refused as soon as either count
+passes what an honest engine can send (:func:`engine_shape`). The walk
+costs ~0.8 us a field in Python here and stops at the bound, so a refusal
+costs a bounded ~15-40 ms whatever the message's length (16,640 fields of
+a command: 13 ms; the 30M-group frame above: refused in 13 ms, not parsed). Packed
+arrays (how protobuf encodes repeated numbers) are counted without a
+Python loop (``bytes.translate``), so an honest load of a million block
+ids is walked in a few field visits.
+
+Both ways an engine's messages come are walked: the command socket's
+frames (``kvd.daemon.command_socket``) and every EngineService request on
+the engine socket (:class:`ShapeInterceptor`).
+
+What the walk cannot read (a truncated field, an unknown wire type) is left
+to the parser, which refuses it; the walk only ever refuses more, never
+accepts what the parser would not.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf.descriptor import Descriptor
+from google.protobuf.descriptor import FieldDescriptor as F
+
+from kvd.core.limits import BOUNDS
+from kvd.daemon.logs import Throttled
+from kvd.daemon.peer_local import parse_request
+
+log = logging.getLogger("kvd.wire_shape")
+
+#: Messages up to this many bytes are parsed without a walk: at most ~32k
+#: fields, ~1 ms to parse (measured above: 1.0 s for 30M), and every
+#: command of the fast path is far shorter (a load of 16 blocks: ~150 bytes).
+WALK_FROM_BYTES = 64 << 10
+
+#: Nesting the walk follows, as protobuf's own default recursion limit.
+MAX_DEPTH = 100
+
+_VARINTS = frozenset({F.TYPE_INT32, F.TYPE_INT64, F.TYPE_UINT32, F.TYPE_UINT64, F.TYPE_SINT32, F.TYPE_SINT64,
+                      F.TYPE_BOOL, F.TYPE_ENUM})
+_FIXED = {F.TYPE_FIXED32: 4, F.TYPE_SFIXED32: 4, F.TYPE_FLOAT: 4,
+          F.TYPE_FIXED64: 8, F.TYPE_SFIXED64: 8, F.TYPE_DOUBLE: 8}
+_LAST_BYTES = bytes(range(0x80))  # a varint's last byte has its top bit clear
+
+
+class ShapeError(ValueError):
+    """A message holds more fields or repeated elements than its :class:`Shape` allows."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The most one message may hold, counted on the wire at every depth.
+
+    Attributes:
+        max_fields: fields (each element of a repeated message counts one,
+            and so does each field inside it).
+        max_scalars: numbers, strings and bytes (each element of a repeated
+            scalar, packed or not, counts one).
+    """
+
+    max_fields: int
+    max_scalars: int
+
+
+def engine_shape(descriptor: Descriptor, max_blocks_per_request: int) -> Shape:
+    """The shape an honest engine's ``descriptor`` message stays within.
+
+    - ``RegisterEngineRequest``: at most ``BOUNDS.max_regions`` regions and as
+      many segments (the registration's own checks), each under 8 fields,
+      and a layout's ``block_lens`` (one per region).
+    - every other request, ``SessionCommand`` included: a load or hold names
+      block ids for at most as many KV-cache groups as the worker's regions
+      use (groups are numbered 0..G-1, each used by a region: at most
+      ``BOUNDS.max_regions``), twice (local and remote), with at most
+      ``max_blocks_per_request`` ids in each side (``Pull.load``). The
+      elements' bound is twice that: a command a little past
+      ``max_blocks_per_request`` is still parsed and refused by its own
+      check (one ``LoadFailed`` or ``CommandRejected`` naming the limit,
+      the session goes on); only one far past it ends the session. At
+      that bound a parsed command's ids take ~150 MiB at most (upb's array
+      and the daemon's list, 36 bytes an id), where a 64 MiB frame of
+      one-byte ids took ~2 GiB.
+
+    Each bound has room for a few dozen more fields than that.
+    """
+    regions = BOUNDS.max_regions
+    if descriptor.name == "RegisterEngineRequest":
+        return Shape(max_fields=16 * regions + 256, max_scalars=16 * regions + 256)
+    return Shape(max_fields=4 * regions + 256, max_scalars=4 * max_blocks_per_request + 4 * regions + 256)
+
+
+def check(data: bytes, descriptor: Descriptor, shape: Shape) -> None:
+    """Walks ``data`` (an encoded ``descriptor`` message) when it is longer
+    than :data:`WALK_FROM_BYTES`; returns when it stays within ``shape``.
+
+    Raises:
+        ShapeError: it holds more than ``shape`` allows (the message names
+            the count and its bound).
+    """
+    if len(data) <= WALK_FROM_BYTES:
+        return
+    budget = _Budget(shape, descriptor.name)
+    _walk(bytes(data), 0, len(data), descriptor, budget, 0)
+
+
+class _Budget:
+    """What a walk may still count, and whose message it walks (for the error)."""
+
+    def __init__(self, shape: Shape, name: str):
+        self.shape = shape
+        self.name = name
+        self.fields = shape.max_fields
+        self.scalars = shape.max_scalars
+
+    def too_many(self, what: str, bound: int) -> ShapeError:
+        return ShapeError(f"more than {bound} {what} in one {self.name} (an engine's message holds at most "
+                          f"that many; counted before parsing)")
+
+
+def _repeated(f: F) -> bool:
+    # protobuf 7 has only ``is_repeated``; 6.31's descriptors have ``label``.
+    rep = getattr(f, "is_repeated", None)
+    return rep if rep is not None else f.label == F.LABEL_REPEATED
+
+
+def _varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
+    """``(value, next position)``; ``(-1, end)`` when ``buf`` ends inside it."""
+    value = shift = 0
+    while pos < end and shift < 70:
+        b = buf[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, pos
+        shift += 7
+    return -1, end
+
+
+def _walk(buf: bytes, pos: int, end: int, desc: Descriptor | None, budget: _Budget, depth: int,
+          group: int = 0) -> int:
+    """Counts the fields of ``buf[pos:end]`` (a ``desc`` message; None: the
+    fields of an unknown group, which ends at the end-group tag of field
+    ``group``) against ``budget``. Returns the position after them, or -1
+    at the first thing it cannot read: the parser refuses that itself
+    (upb: a truncated field, a varint of over 10 bytes, an unmatched group
+    end, nesting past 100)."""
+    if depth > MAX_DEPTH:
+        return -1
+    by_number = desc.fields_by_number if desc is not None else {}
+    while pos < end:
+        tag, pos = _varint(buf, pos, end)
+        if tag < 0:
+            return -1
+        budget.fields -= 1
+        if budget.fields < 0:
+            raise budget.too_many("fields", budget.shape.max_fields)
+        kind = tag & 7
+        n = 1
+        if kind == 0:  # varint
+            while pos < end and buf[pos] >= 0x80:
+                pos += 1
+            pos += 1
+        elif kind == 1:  # 64-bit
+            pos += 8
+        elif kind == 5:  # 32-bit
+            pos += 4
+        elif kind == 2:  # length-delimited: a message, a packed array, a string or bytes
+            length, pos = _varint(buf, pos, end)
+            stop = pos + length
+            if length < 0 or stop > end:
+                return -1
+            f = by_number.get(tag >> 3)
+            if f is not None and f.type == F.TYPE_MESSAGE:
+                if _walk(buf, pos, stop, f.message_type, budget, depth + 1) < 0:
+                    return -1
+                n = 0
+            elif f is not None and _repeated(f) and f.type in _VARINTS:
+                # One element per byte with the top bit clear (its last
+                # byte); a varint has at most 10 bytes, so an array longer
+                # than 10 bytes an element left is too long uncounted.
+                n = (length if length > 10 * budget.scalars else
+                     length - len(buf[pos:stop].translate(None, _LAST_BYTES)))
+            elif f is not None and _repeated(f) and f.type in _FIXED:
+                n = length // _FIXED[f.type]
+            pos = stop
+        elif kind == 3:  # a group (proto2; here always an unknown field, which the parser keeps)
+            pos = _walk(buf, pos, end, None, budget, depth + 1, tag >> 3)
+            if pos < 0:
+                return -1
+            n = 0
+        elif kind == 4:  # a group's end
+            return pos if group and tag >> 3 == group else -1
+        else:  # wire types 6 and 7 do not exist
+            return -1
+        budget.scalars -= n
+        if budget.scalars < 0:
+            raise budget.too_many("repeated elements", budget.shape.max_scalars)
+    return -1 if group else pos
+
+
+class _Refused:
+    """What a Session stream's guarded parser hands on instead of a command."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+class ShapeInterceptor(grpc.aio.ServerInterceptor):
+    """Walks every EngineService request (:func:`check`) before gRPC parses it.
+
+    A unary request that passes its :func:`engine_shape` is parsed as gRPC
+    would parse it (``kvd.daemon.peer_local.parse_request``); one that does not
+    is answered INVALID_ARGUMENT with the count and its bound, unparsed. On
+    the Session stream the first command past its shape ends the commands
+    (as if the engine had closed its side), and the stream then ends
+    INVALID_ARGUMENT. Either is logged (throttled).
+
+    Args:
+        max_blocks_per_request: the daemon's setting (:func:`engine_shape`).
+    """
+
+    def __init__(self, max_blocks_per_request: int):
+        self.max_blocks_per_request = max_blocks_per_request
+        self._warn = Throttled(log)
+
+    async def intercept_service(self, continuation, details):
+        """Wraps each handler whose request is a protobuf message (see the class)."""
+        handler = await continuation(details)
+        parse = getattr(handler, "request_deserializer", None)
+        descriptor = getattr(getattr(parse, "__self__", None), "DESCRIPTOR", None)
+        if handler is None or descriptor is None or handler.response_streaming != handler.request_streaming:
+            return handler
+        shape = engine_shape(descriptor, self.max_blocks_per_request)
+        method = details.method.rsplit("/", 1)[-1]
+        warn = self._warn
+
+        if not handler.request_streaming:  # unary: parsed in the handler, after the walk
+            behavior = handler.unary_unary
+
+            async def unary(data, context):
+                try:
+                    check(data, descriptor, shape)
+                except ShapeError as e:
+                    warn.warning("%s from %s refused: %s", method, context.peer(), e)
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"kvd: {e}")
+                result = behavior(await parse_request(parse, data, context), context)
+                return await result if inspect.isawaitable(result) else result
+
+            return handler._replace(request_deserializer=None, unary_unary=unary)
+
+        def guarded(data):  # gRPC's parse of each command of the stream
+            try:
+                check(data, descriptor, shape)
+            except ShapeError as e:
+                return _Refused(str(e))
+            return parse(data)
+
+        stream = handler.stream_stream
+
+        async def session(request_iterator, context):
+            refused: list[str] = []
+
+            async def commands():
+                async for cmd in request_iterator:
+                    if isinstance(cmd, _Refused):
+                        refused.append(cmd.reason)
+                        return
+                    yield cmd
+
+            async for event in stream(commands(), context):
+                yield event
+            if refused:
+                warn.warning("%s from %s ended: %s", method, context.peer(), refused[0])
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"kvd: {refused[0]}")
+
+        return handler._replace(request_deserializer=guarded, stream_stream=session)
