@@ -169,3 +169,113 @@ def test_an_engine_socket_request_of_many_empty_submessages_is_refused_unparsed(
         ch.close()
         e.close()
         assert d.stop() == 0
+
+
+def test_what_an_honest_daemon_answers_at_the_bounds_passes():
+    """A handshake answer describing ``BOUNDS.max_regions`` regions, and a
+    holds answer of as many changes, groups and ids as a source puts in one
+    (``kvd.core.hold_feed``), pass :func:`peer_shape`."""
+    n = BOUNDS.max_regions
+    hs = pb.HandshakeResponse(
+        agent_metadata=b"m" * (1 << 20), agent_name="a" * 200, compat_hash="c" * 64,
+        layout=pb.Layout(num_blocks=2**24, block_size=16, dtype="bfloat16", num_kv_heads=8, head_dim=128,
+                         num_layers=n, block_lens=[2**20] * n, total_kv_heads=64),
+        regions=[pb.Region(segment_index=n - 1, offset=2**40, block_len=2**20, block_stride=2**21,
+                           name="model.layers.79.self_attn.attn/k", group=n - 1)] * n,
+        region_base_addrs=[2**47] * n, daemon_version="v", protocol_version=1, tp_size=8, memory="VRAM",
+        device=7, warm_up_addr=2**47, holds_epoch="e" * 32)
+    for msg in (hs, pb.PushRequest(engine_id="e", request_id="r", reader=hs,
+                                   source_groups=[pb.BlockIds(ids=range(8))] * n,
+                                   reader_groups=[pb.BlockIds(ids=range(8))] * n)):
+        ws.check(msg.SerializeToString(), msg.DESCRIPTOR, ws.peer_shape(msg.DESCRIPTOR, Limits.max_blocks_per_request))
+    from kvd.core import hold_feed
+    from kvd.core.hold_mirror import MAX_IDS
+
+    changes, groups = hold_feed.MAX_CHANGES_PER_ANSWER, hold_feed.MAX_GROUPS_PER_ANSWER
+    ids = MAX_IDS // groups
+    holds = pb.HoldsResponse(epoch="e", seq=2**40, changes=[
+        pb.HoldChange(tp_rank=7, request_id="r" * 64, ended=False,
+                      groups=[pb.BlockIds(ids=range(2**20, 2**20 + ids))] * (groups // changes))] * changes)
+    ws.check(holds.SerializeToString(), holds.DESCRIPTOR, ws.peer_shape(holds.DESCRIPTOR, Limits.max_blocks_per_request))
+
+
+def test_a_peer_answer_of_many_empty_submessages_fails_the_load_unparsed(tmp_path):
+    """A load names a hostile server (what ``kv_transfer_params`` say; with
+    no peer credential, the default, its answer is taken unauthenticated)
+    that answers the handshake with 28M empty regions, 56 MiB. Before, the
+    reader parsed it first (~1 s of its event loop and ~0.9 GiB, again at
+    every load). Expected: the load fails naming the bound, the decode
+    daemon's peak RSS up by a few copies of the bytes at most, and it
+    serves on."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    answer = b"\x22\x00" * FLOOD
+    server = grpc.server(ThreadPoolExecutor(max_workers=2), options=[("grpc.max_send_message_length", 128 << 20)])
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("kvd.v1.PeerService", {
+        "Handshake": grpc.unary_unary_rpc_method_handler(lambda request, context: answer)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    d = start_daemon(str(tmp_path), "kvd", log_level="info")
+    e = Engine(d, "shape-reader", SHAPE)
+    try:
+        base = _peak_mib(d)
+        e.load("r1", [1], None, [1], "p1", remote_engine_id="hostile", remote_address=f"127.0.0.1:{port}",
+               timeout_s=60)
+        ev = e.wait("r1", 90)
+        assert ev.WhichOneof("event") == "load_failed", ev
+        assert "answer refused: more than" in ev.load_failed.reason and "HandshakeResponse" in ev.load_failed.reason, ev
+        grown = _peak_mib(d) - base
+        print(f"peak RSS +{grown} MiB for a refused {FLOOD >> 19} MiB handshake answer")
+        assert grown < 300, f"peak RSS grew {grown} MiB for a refused {FLOOD >> 19} MiB answer"
+        e.hold("h", [1])
+        e.release("h")
+        assert e.wait("h").send_done.released
+    finally:
+        e.close()
+        server.stop(0.5)
+        assert d.stop() == 0
+
+
+def test_a_peer_request_of_many_empty_submessages_is_refused_unparsed(tmp_path):
+    """A caller the daemon admits on PeerService (here: its own uid on
+    loopback, with no credential configured) sends a Claim of 28M empty
+    KV-cache groups, 56 MiB. Before, gRPC parsed it once the caller was
+    admitted. Expected: INVALID_ARGUMENT naming the bound, the peak RSS up
+    by a few copies of the bytes at most."""
+    d = start_daemon(str(tmp_path), "kvd", log_level="info")
+    ch = grpc.insecure_channel(d.peer_address, options=[("grpc.max_send_message_length", 128 << 20)])
+    try:
+        base = _peak_mib(d)
+        with pytest.raises(grpc.RpcError) as err:
+            ch.unary_unary("/kvd.v1.PeerService/Claim")(b"\x0a\x01e" + b"\x22\x00" * FLOOD, timeout=120)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+        assert "fields in one ClaimRequest (a peer's message" in err.value.details(), err.value.details()
+        grown = _peak_mib(d) - base
+        print(f"peak RSS +{grown} MiB for a refused {FLOOD >> 19} MiB Claim")
+        assert grown < 300, f"peak RSS grew {grown} MiB for a refused {FLOOD >> 19} MiB request"
+        with pytest.raises(grpc.RpcError) as err:  # and serves on
+            ch.unary_unary("/kvd.v1.PeerService/Handshake", request_serializer=pb.HandshakeRequest.SerializeToString)(
+                pb.HandshakeRequest(engine_id="nobody"), timeout=30)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND, err.value
+    finally:
+        ch.close()
+        assert d.stop() == 0
+
+
+def test_a_call_of_renewals_at_its_bounds_passes():
+    """``max_renewals_per_call`` renewals of ``RENEWAL_GROUPS`` groups each,
+    or of 64k block ids each (16M in all), pass as an engine's
+    ``RenewLeasesRequest`` and as a daemon's ``RenewRequest``; 28M empty
+    groups do not."""
+    n = BOUNDS.max_renewals_per_call
+    wide = [pb.LeaseRenewal(request_id="r" * 64, groups=[pb.BlockIds(ids=[7])] * ws.RENEWAL_GROUPS)] * n
+    long = [pb.LeaseRenewal(request_id="r" * 64, groups=[pb.BlockIds(ids=range(1, 1 + (1 << 16)))])] * n
+    for renewals in (wide, long):
+        for msg, shape_of in ((pb.RenewLeasesRequest(remote_engine_id="e", remote_address="a", renewals=renewals),
+                               ws.engine_shape),
+                              (pb.RenewRequest(engine_id="e", renewals=renewals), ws.peer_shape)):
+            ws.check(msg.SerializeToString(), msg.DESCRIPTOR, shape_of(msg.DESCRIPTOR, Limits.max_blocks_per_request))
+    flood = _field(3, b"\x0a\x01r" + b"\x12\x00" * FLOOD)
+    with pytest.raises(ws.ShapeError, match="fields in one RenewLeasesRequest"):
+        ws.check(flood, pb.RenewLeasesRequest.DESCRIPTOR,
+                 ws.engine_shape(pb.RenewLeasesRequest.DESCRIPTOR, Limits.max_blocks_per_request))

@@ -9,6 +9,7 @@ proof, and an answer whose sender did not prove the token is not used.
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -19,7 +20,7 @@ from kvd.core import events as ev
 from kvd.core import hold_feed
 from kvd.core.hold_feed import HoldsAnswer
 from kvd.core.hold_mirror import MAX_GROUPS, MAX_IDS, BadAnswer
-from kvd.core.limits import BOUNDS
+from kvd.core.limits import BOUNDS, Limits
 from kvd.core.state import PROTOCOL_VERSION, HandshakeResult, PushOrder, PushResult
 from kvd.daemon.convert import (
     groups_to_pb,
@@ -29,6 +30,7 @@ from kvd.daemon.convert import (
     renewals_to_pb,
     renewed_from_pb,
 )
+from kvd.daemon import wire_shape
 from kvd.daemon.peer_auth import PeerAuth, PeerAuthError
 from kvd.requests import LeaseRenewal, RenewResult
 from kvd.v1 import kvd_pb2 as pb
@@ -96,9 +98,13 @@ class PeerClient:
     Args:
         auth: TLS material and token (None: plaintext, no token).
         max_message_bytes: gRPC message cap either way.
+        max_blocks_per_request: the daemon's setting; bounds the shape of
+            an answer before it is parsed (``kvd.daemon.wire_shape.peer_shape``).
     """
 
-    def __init__(self, auth: PeerAuth | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES):
+    def __init__(self, auth: PeerAuth | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES,
+                 max_blocks_per_request: int = Limits.max_blocks_per_request):
+        self._answer_shape = functools.partial(wire_shape.peer_shape, max_blocks_per_request=max_blocks_per_request)
         self._channels: dict[str, grpc.aio.Channel] = {}  # least recently used first
         # Long polls of followed holds (Holds) on channels of their own, with
         # their own connections (gRPC shares a subchannel, and its reconnect
@@ -145,7 +151,11 @@ class PeerClient:
             call = self._channel(address, pool).unary_unary(SERVICE + name)(body, timeout=timeout_s, metadata=md)
             raw = await call
             self.auth.check_proof(await call.trailing_metadata(), proof, raw)
-            return getattr(pb, f"{name}Response").FromString(raw)
+            answer = getattr(pb, f"{name}Response")
+            # The answering server may be anything a load names (kv_transfer_params):
+            # walked before it is parsed (kvd.daemon.wire_shape).
+            wire_shape.check(raw, answer.DESCRIPTOR, self._answer_shape(answer.DESCRIPTOR))
+            return answer.FromString(raw)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 self._forget(address, pool)
@@ -154,6 +164,10 @@ class PeerClient:
             raise ev.PeerUnavailable(f"{address}: {e}") from None
         except DecodeError as e:
             raise ev.PeerUnavailable(f"{address}: unreadable {name} answer: {e}") from None
+        except wire_shape.ShapeError as e:
+            if name == "Holds":  # as its counts past the bounds (_check_holds): a broken or hostile source
+                raise BadAnswer(f"answer refused: {e}") from None
+            raise ev.PeerUnavailable(f"{address}: {name} answer refused: {e}") from None
 
     async def handshake(self, address: str, engine_id: str, tp_rank: int, compat_hash: str,
                         timeout_s: float) -> HandshakeResult:

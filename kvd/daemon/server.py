@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import ipaddress
 import logging
 import os
@@ -58,7 +59,7 @@ from kvd.daemon.peer_auth import PeerAuth, PeerAuthInterceptor, secret_file_warn
 from kvd.daemon.peer_local import LocalPeerGate
 from kvd.daemon.sdnotify import Notifier
 from kvd.daemon.stall_watch import StallWatch
-from kvd.daemon.wire_shape import ShapeInterceptor
+from kvd.daemon.wire_shape import ShapeInterceptor, engine_shape, peer_shape
 from kvd.daemon.peer_client import PeerClient
 from kvd.daemon.peer_service import PeerService
 from kvd.command_wire import command_socket_path
@@ -204,7 +205,7 @@ class Server:
     def __init__(self, config: Config):
         self.config = config.validate()
         self.peer_auth = PeerAuth.from_config(config)
-        self.peer_client = PeerClient(self.peer_auth, config.max_message_bytes)
+        self.peer_client = PeerClient(self.peer_auth, config.max_message_bytes, config.max_blocks_per_request)
         self.gate: Gate | None = None
         self.fd_channel: FdChannel | None = None  # beside the engine socket (kvd.daemon.fd_channel)
         self.command_socket: CommandSocket | None = None  # sessions without gRPC (kvd.daemon.command_socket)
@@ -295,6 +296,9 @@ class Server:
             # Loopback is every local user's: only root's and our uid's sockets
             # may call (kvd.daemon.peer_local, docs/SECURITY.md).
             interceptors.append(LocalPeerGate(self.node.own))
+        # Last: a request is walked once its caller has been checked.
+        interceptors.append(ShapeInterceptor(functools.partial(
+            peer_shape, max_blocks_per_request=cfg.max_blocks_per_request)))
         self.peer_server = grpc.aio.server(options=options, interceptors=interceptors)
         kvd_pb2_grpc.add_PeerServiceServicer_to_server(PeerService(self.node), self.peer_server)
         self.peer_health = self._add_health_and_reflection(self.peer_server, PEER_SERVICE)
@@ -331,7 +335,9 @@ class Server:
             os.unlink(sock)
         self.engine_server = grpc.aio.server(options=server_options(cfg.max_message_bytes, ENGINE_MAX_STREAMS),
                                              interceptors=[AdmissionInterceptor(self.gate),
-                                                           ShapeInterceptor(cfg.max_blocks_per_request)])
+                                                           ShapeInterceptor(functools.partial(
+                                                               engine_shape,
+                                                               max_blocks_per_request=cfg.max_blocks_per_request))])
         kvd_pb2_grpc.add_EngineServiceServicer_to_server(self.engine_service, self.engine_server)
         self.engine_health = self._add_health_and_reflection(self.engine_server, ENGINE_SERVICE)
         try:

@@ -22,7 +22,10 @@ ids is walked in a few field visits.
 
 Both ways an engine's messages come are walked: the command socket's
 frames (``kvd.daemon.command_socket``) and every EngineService request on
-the engine socket (:class:`ShapeInterceptor`).
+the engine socket (:class:`ShapeInterceptor`); so are a peer's: every
+PeerService request once its caller is checked, and every answer a peer
+gives (``kvd.daemon.peer_client``), whose server may be anything a load's
+``kv_transfer_params`` name (:func:`peer_shape`).
 
 What the walk cannot read (a truncated field, an unknown wire type) is left
 to the parser, which refuses it; the walk only ever refuses more, never
@@ -33,12 +36,15 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
 from google.protobuf.descriptor import Descriptor
 from google.protobuf.descriptor import FieldDescriptor as F
 
+from kvd.core import hold_feed
+from kvd.core.hold_mirror import MAX_IDS
 from kvd.core.limits import BOUNDS
 from kvd.daemon.logs import Throttled
 from kvd.daemon.peer_local import parse_request
@@ -73,10 +79,12 @@ class Shape:
             and so does each field inside it).
         max_scalars: numbers, strings and bytes (each element of a repeated
             scalar, packed or not, counts one).
+        who: whose message it is, for the error ("an engine", "a peer").
     """
 
     max_fields: int
     max_scalars: int
+    who: str = "an engine"
 
 
 def engine_shape(descriptor: Descriptor, max_blocks_per_request: int) -> Shape:
@@ -90,7 +98,7 @@ def engine_shape(descriptor: Descriptor, max_blocks_per_request: int) -> Shape:
       use (groups are numbered 0..G-1, each used by a region: at most
       ``BOUNDS.max_regions``), twice (local and remote), with at most
       ``max_blocks_per_request`` ids in each side (``Pull.load``). The
-      elements' bound is twice that: a command a little past
+      elements' bound is twice that a side: a command a little past
       ``max_blocks_per_request`` is still parsed and refused by its own
       check (one ``LoadFailed`` or ``CommandRejected`` naming the limit,
       the session goes on); only one far past it ends the session. At
@@ -98,12 +106,64 @@ def engine_shape(descriptor: Descriptor, max_blocks_per_request: int) -> Shape:
       and the daemon's list, 36 bytes an id), where a 64 MiB frame of
       one-byte ids took ~2 GiB.
 
+    - ``RenewLeasesRequest``: :func:`renewals_shape`.
+
     Each bound has room for a few dozen more fields than that.
     """
     regions = BOUNDS.max_regions
+    if descriptor.name == "RenewLeasesRequest":
+        return renewals_shape(max_blocks_per_request, "an engine")
     if descriptor.name == "RegisterEngineRequest":
         return Shape(max_fields=16 * regions + 256, max_scalars=16 * regions + 256)
     return Shape(max_fields=4 * regions + 256, max_scalars=4 * max_blocks_per_request + 4 * regions + 256)
+
+
+def peer_shape(descriptor: Descriptor, max_blocks_per_request: int) -> Shape:
+    """The shape an honest daemon's PeerService request or answer stays within.
+
+    - ``HoldsResponse``: a source cuts its answers at
+      ``hold_feed.MAX_CHANGES_PER_ANSWER`` changes (4 fields each) and
+      ``MAX_GROUPS_PER_ANSWER`` groups, and the reader refuses more than
+      ``hold_mirror.MAX_IDS`` ids after parsing.
+    - every other one: a worker's description (a handshake answer, or the
+      reader's inside a ``PushRequest``: at most ``BOUNDS.max_regions``
+      regions of 7 fields, as many base addresses and block lengths),
+      block ids for at most ``max_regions`` groups a side, up to twice
+      ``max_blocks_per_request`` ids a side (as :func:`engine_shape`);
+    - ``RenewRequest``: :func:`renewals_shape`.
+
+    A daemon whose ``max_blocks_per_request`` is set far above its peers'
+    may have a hold or load of its own refused by them this way; its peers
+    refuse one past their own setting anyway.
+    """
+    if descriptor.name == "RenewRequest":
+        return renewals_shape(max_blocks_per_request, "a peer")
+    if descriptor.name == "HoldsResponse":
+        changes, groups = hold_feed.MAX_CHANGES_PER_ANSWER, hold_feed.MAX_GROUPS_PER_ANSWER
+        return Shape(max_fields=8 * changes + 2 * groups + 256, max_scalars=MAX_IDS + 8 * changes + 256, who="a peer")
+    regions = BOUNDS.max_regions
+    return Shape(max_fields=32 * regions + 4096, max_scalars=4 * max_blocks_per_request + 32 * regions + 4096,
+                 who="a peer")
+
+
+#: KV-cache groups a renewal may name, for the shape of a call of renewals:
+#: vLLM models have a handful (one per attention type); a call of
+#: ``BOUNDS.max_renewals_per_call`` renewals of this many groups walks in
+#: ~0.1 s, where a call of 28M empty groups took ~1 s and ~0.9 GiB to parse.
+RENEWAL_GROUPS = 256
+
+
+def renewals_shape(max_blocks_per_request: int, who: str) -> Shape:
+    """The shape of a call of renewals (an engine's ``RenewLeasesRequest``,
+    its daemon's ``RenewRequest`` to the source): up to
+    ``BOUNDS.max_renewals_per_call`` renewals, each naming a request's blocks
+    in up to :data:`RENEWAL_GROUPS` groups; ids up to 16 requests of
+    ``max_blocks_per_request`` (a renewal names the blocks still to read,
+    whole requests at most; more than fits the 64 MiB message cap as
+    varints of 4 bytes)."""
+    n = BOUNDS.max_renewals_per_call
+    return Shape(max_fields=n * (4 + 2 * RENEWAL_GROUPS) + 256, max_scalars=16 * max_blocks_per_request + n * 4 + 256,
+                 who=who)
 
 
 def check(data: bytes, descriptor: Descriptor, shape: Shape) -> None:
@@ -130,7 +190,7 @@ class _Budget:
         self.scalars = shape.max_scalars
 
     def too_many(self, what: str, bound: int) -> ShapeError:
-        return ShapeError(f"more than {bound} {what} in one {self.name} (an engine's message holds at most "
+        return ShapeError(f"more than {bound} {what} in one {self.name} ({self.shape.who}'s message holds at most "
                           f"that many; counted before parsing)")
 
 
@@ -223,21 +283,23 @@ class _Refused:
 
 
 class ShapeInterceptor(grpc.aio.ServerInterceptor):
-    """Walks every EngineService request (:func:`check`) before gRPC parses it.
+    """Walks every request of a server (:func:`check`) before it is parsed.
 
-    A unary request that passes its :func:`engine_shape` is parsed as gRPC
-    would parse it (``kvd.daemon.peer_local.parse_request``); one that does not
-    is answered INVALID_ARGUMENT with the count and its bound, unparsed. On
-    the Session stream the first command past its shape ends the commands
-    (as if the engine had closed its side), and the stream then ends
-    INVALID_ARGUMENT. Either is logged (throttled).
+    A unary request that passes its shape is parsed as gRPC would parse it
+    (``kvd.daemon.peer_local.parse_request``); one that does not is
+    answered INVALID_ARGUMENT with the count and its bound, unparsed. On a
+    bidirectional stream (EngineService's Session) the first command past
+    its shape ends the commands (as if the engine had closed its side), and
+    the stream then ends INVALID_ARGUMENT. Either is logged (throttled).
+    Listed after the interceptors that check the caller, so those run first.
 
     Args:
-        max_blocks_per_request: the daemon's setting (:func:`engine_shape`).
+        shape_of: the shape of a request message (:func:`engine_shape`
+            or :func:`peer_shape` with the daemon's ``max_blocks_per_request``).
     """
 
-    def __init__(self, max_blocks_per_request: int):
-        self.max_blocks_per_request = max_blocks_per_request
+    def __init__(self, shape_of: Callable[[Descriptor], Shape]):
+        self.shape_of = shape_of
         self._warn = Throttled(log)
 
     async def intercept_service(self, continuation, details):
@@ -247,7 +309,7 @@ class ShapeInterceptor(grpc.aio.ServerInterceptor):
         descriptor = getattr(getattr(parse, "__self__", None), "DESCRIPTOR", None)
         if handler is None or descriptor is None or handler.response_streaming != handler.request_streaming:
             return handler
-        shape = engine_shape(descriptor, self.max_blocks_per_request)
+        shape = self.shape_of(descriptor)
         method = details.method.rsplit("/", 1)[-1]
         warn = self._warn
 
