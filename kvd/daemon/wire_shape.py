@@ -305,9 +305,11 @@ class ShapeInterceptor(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation, details):
         """Wraps each handler whose request is a protobuf message (see the class)."""
         handler = await continuation(details)
+        if handler is None or not details.method.startswith("/kvd.v1."):  # health, reflection: small, not ours
+            return handler
         parse = getattr(handler, "request_deserializer", None)
         descriptor = getattr(getattr(parse, "__self__", None), "DESCRIPTOR", None)
-        if handler is None or descriptor is None or handler.response_streaming != handler.request_streaming:
+        if descriptor is None or handler.response_streaming != handler.request_streaming:
             return handler
         shape = self.shape_of(descriptor)
         method = details.method.rsplit("/", 1)[-1]
