@@ -28,6 +28,7 @@ from __future__ import annotations
 import errno
 import math
 import os
+import pathlib
 import select
 import stat
 import time
@@ -120,7 +121,8 @@ class Config:
                                          "the machine's; 0: no stack dump, the WARNING only")
     detach_grace_s: float = _setting(10.0, "an engine whose session stream has been gone this long "
                                            "is unregistered, seconds")
-    grace_s: float = _setting(10.0, "on SIGTERM, wait this long for transfers in flight, seconds")
+    grace_s: float = _setting(10.0, "on SIGTERM, wait this long for loads in flight (handshaking or reading), "
+                                    "seconds")
     # The core's completion poll (kvd.core.state.Limits): shorter means a load's
     # event sooner after NIXL is done and more CPU while idle or busy
     # (docs/PERFORMANCE.md measures both).
@@ -141,12 +143,12 @@ class Config:
     # Security (docs/SECURITY.md). Local engines: who may use the engine socket.
     engine_socket_group: str = _setting("", "group (name or gid) of the engine socket, created mode 0660 "
                                              "(empty: the daemon's group)")
-    allowed_uids: list[str] = _setting(None, "uids (names or numbers) admitted on the engine socket, besides "
-                                             "root and the daemon's own uid (checked with SO_PEERCRED)",
-                                       factory=list)
-    allowed_gids: list[str] = _setting(None, "gids (names or numbers) admitted on the engine socket: a caller "
-                                             "in one of them (primary or supplementary) is admitted",
-                                       factory=list)
+    allowed_uids: list[str | int] = _setting(None, "uids (names or numbers) admitted on the engine socket, "
+                                                   "besides root and the daemon's own uid (checked with "
+                                                   "SO_PEERCRED)", factory=list)
+    allowed_gids: list[str | int] = _setting(None, "gids (names or numbers) admitted on the engine socket: a "
+                                                   "caller in one of them (primary or supplementary) is admitted",
+                                             factory=list)
     max_engine_connections: int = _setting(1024, "connections open on the engine socket at once, all callers "
                                                  "together; one past it is closed at once")
     max_engine_connections_per_uid: int = _setting(128, "connections open on the engine socket at once per caller "
@@ -270,6 +272,7 @@ class Config:
             raise self._error("metrics_port", f"{self.metrics_port} out of range 0..65535")
         if not self.metrics_host:
             raise self._error("metrics_host", "must not be empty")
+        self._check_metrics_beside_peers()
         for key in ("lease_s", "max_lease_life_s", "transfer_timeout_s", "handshake_timeout_s", "grace_s", "detach_grace_s",
                     "engine_idle_timeout_s", "peer_check_s", "peer_dead_s", "peer_idle_s"):
             v = getattr(self, key)
@@ -339,7 +342,24 @@ class Config:
         try:
             return read_regular(path)
         except OSError as e:
-            raise self._error(key, f"cannot read {path}: {e.strerror or e}") from None
+            raise self._error(key, f"cannot read {path}: {e.strerror or e}{access_hint(path, e)}") from None
+
+    def _check_metrics_beside_peers(self) -> None:
+        """Refuses ``metrics_port`` equal to ``peer_listen``'s port on an
+        overlapping address: the second bind would fail at every start
+        (exit 1, which systemd's ``Restart=on-failure`` repeats for ever),
+        while it is a mistake of the configuration (exit 64)."""
+        peer_host, peer_port = parse_host_port(self.peer_listen, "peer_listen")
+        if not self.metrics_port or self.metrics_port != peer_port:
+            return
+        if not binds_overlap(peer_host, self.metrics_host):
+            return
+        src = self.sources.get("peer_listen", "default")
+        where = f", from {src}" if src != "default" else ""
+        raise self._error("metrics_port", f"{self.metrics_port} is also the port of peer_listen "
+                                          f"({self.peer_listen}{where}), and metrics_host {self.metrics_host!r} "
+                                          f"overlaps its address: the second bind would fail (Address already in "
+                                          f"use); give metrics_port another port (0 turns metrics off)")
 
     def _error(self, key: str, msg: str) -> ConfigError:
         src = self.sources.get(key, "")
@@ -356,8 +376,8 @@ class Config:
         return "\n".join(lines) + "\n"
 
 
-def resolve_uid(value: str) -> int:
-    """A uid from a user name or a number. Raises ConfigError for an unknown name."""
+def resolve_uid(value: str | int) -> int:
+    """A uid from a user name or a number (text or int). Raises ConfigError for an unknown name."""
     import pwd
 
     value = str(value).strip()
@@ -369,8 +389,8 @@ def resolve_uid(value: str) -> int:
         raise ConfigError(f"no such user {value!r}") from None
 
 
-def resolve_gid(value: str) -> int:
-    """A gid from a group name or a number. Raises ConfigError for an unknown name."""
+def resolve_gid(value: str | int) -> int:
+    """A gid from a group name or a number (text or int). Raises ConfigError for an unknown name."""
     import grp
 
     value = str(value).strip()
@@ -380,6 +400,84 @@ def resolve_gid(value: str) -> int:
         return grp.getgrnam(value).gr_gid
     except KeyError:
         raise ConfigError(f"no such group {value!r}") from None
+
+
+#: Addresses a listener binds to take every address of the host (of one
+#: family: ``0.0.0.0`` IPv4; ``::`` IPv6 and, dual-stack, IPv4 too).
+WILDCARD_V4, WILDCARD_V6 = "0.0.0.0", "::"
+
+
+def binds_overlap(a: str, b: str) -> bool:
+    """True when two listeners on the same TCP port, one bound to host
+    ``a`` and one to ``b``, would collide: the same host, or one of them a
+    wildcard that covers the other (``0.0.0.0`` does not cover an IPv6
+    address). Host names are compared as written (no lookup)."""
+    a, b = a.strip("[]").lower(), b.strip("[]").lower()
+    if a == b or WILDCARD_V6 in (a, b):
+        return True
+    if WILDCARD_V4 in (a, b):
+        other = b if a == WILDCARD_V4 else a
+        return ":" not in other  # an IPv6 literal is not in 0.0.0.0's family
+    return False
+
+
+def _user_name(uid: int) -> str:
+    """The name of user ``uid``, or "" when it has none."""
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return ""
+
+
+def _group_name(gid: int) -> str:
+    """The name of group ``gid``, or "" when it has none."""
+    import grp
+
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return ""
+
+
+def _id(kind: str, number: int, name: str) -> str:
+    return f"{kind} {number} ({name})" if name else f"{kind} {number}"
+
+
+def access_hint(path: str, error: OSError) -> str:
+    """For a permission error opening ``path``: who this process is and who
+    may read the file (its owner, group and mode), or which directory on
+    the way does not let it through, so the fix is in the message (a token
+    written by root for a daemon run as another user is the usual case).
+    Empty for any other error."""
+    if error.errno not in (errno.EACCES, errno.EPERM):
+        return ""
+    uid, gid = os.geteuid(), os.getegid()
+    me = f"{_id('uid', uid, _user_name(uid))}, {_id('gid', gid, _group_name(gid))}"
+    user = _user_name(uid) or str(uid)
+
+    def owner(st: os.stat_result) -> str:
+        return (f"owner {_id('uid', st.st_uid, _user_name(st.st_uid))}, "
+                f"group {_id('gid', st.st_gid, _group_name(st.st_gid))}, mode {stat.S_IMODE(st.st_mode):04o}")
+
+    effective = os.access in os.supports_effective_ids
+    absolute = os.path.abspath(path)
+    # Outermost first: the first directory this process may not search is the one to fix.
+    for d in reversed([str(p) for p in pathlib.PurePath(absolute).parents]):
+        if not os.access(d, os.X_OK, effective_ids=effective):
+            try:
+                shown = f" ({owner(os.stat(d))})"
+            except OSError:
+                shown = ""
+            return (f"; directory {d}{shown} does not let this daemon ({me}) through: let its user or group "
+                    f"search it (x permission)")
+    try:
+        st = os.stat(absolute)
+    except OSError:
+        return f"; this daemon runs as {me}"
+    return (f"; the file's {owner(st)}, and this daemon runs as {me}: make it readable by that user "
+            f"(chown {user}: {path}; mode 0600 or 0400)")
 
 
 def settings() -> list:
@@ -438,6 +536,27 @@ def _default(f) -> Any:
     return f.default_factory() if f.default is MISSING else f.default
 
 
+#: List settings of users or groups: a TOML array of names, numbers or both.
+ID_LIST_KEYS = frozenset({"allowed_uids", "allowed_gids"})
+#: The highest uid or gid: (uid_t)-1 means "no id" to the kernel.
+MAX_ID = (1 << 32) - 2
+
+
+def _ids(value: Any, where: str) -> list[str | int]:
+    """A TOML array of user or group names and numbers (``[65534, "kvd"]``),
+    kept as given: numbers as ints, names as strings (resolved in
+    :meth:`Config.validate`)."""
+    if not isinstance(value, list):
+        raise ConfigError(f"{where}: expected an array of names or numbers, got {value!r}")
+    for x in value:
+        # bool is an int to Python; TOML's true is no id.
+        if isinstance(x, bool) or not isinstance(x, (str, int)):
+            raise ConfigError(f"{where}: expected an array of names or numbers, got {x!r} in {value!r}")
+        if isinstance(x, int) and not 0 <= x <= MAX_ID:
+            raise ConfigError(f"{where}: id {x} out of range 0..{MAX_ID}")
+    return list(value)
+
+
 def _coerce(f, value: Any, source: str, from_text: bool) -> Any:
     """``value`` as the type of setting ``f``; ConfigError names key and source."""
     default = _default(f)
@@ -447,6 +566,8 @@ def _coerce(f, value: Any, source: str, from_text: bool) -> Any:
     if isinstance(default, list):
         if from_text:
             return [x.strip() for x in value.split(",") if x.strip()]
+        if f.name in ID_LIST_KEYS:
+            return _ids(value, where)
         if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
             raise ConfigError(f"{where}: expected an array of strings, got {value!r}")
         return list(value)
@@ -554,7 +675,7 @@ def read_file(path: str) -> dict:
     try:
         return tomllib.loads(read_regular(path).decode())
     except OSError as e:
-        raise ConfigError(f"config file {path}: {e.strerror or e}") from None
+        raise ConfigError(f"config file {path}: {e.strerror or e}{access_hint(path, e)}") from None
     except UnicodeDecodeError as e:  # TOML files are UTF-8 (tomllib decodes before parsing)
         raise ConfigError(f"config file {path}: not UTF-8 (byte {e.start}: {e.reason}); TOML files are UTF-8") \
             from None

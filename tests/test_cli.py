@@ -363,3 +363,20 @@ def test_print_config_warns_when_peer_listen_would_fall_back_to_loopback(tmp_pat
     for extra in (["--peer-token-file", str(token)], ["--peer-listen", "127.0.0.1:7700"], ["--peer-insecure", "true"]):
         r = _kvd("serve", "--config", str(ROOT / "deploy" / "kvd.toml"), *extra, "--print-config")
         assert r.returncode == 0 and "bind loopback" not in r.stderr, (extra, r.stderr)
+
+
+def test_serve_help_says_what_grace_s_waits_for_as_the_docs_do():
+    """``--grace-s`` waits for loads in flight, handshaking or reading (the
+    drain counts both, docs/OPERATIONS.md "Shutdown"), not only transfers."""
+    import re
+
+    words = "wait this long for loads in flight (handshaking or reading)"
+    r = _kvd("serve", "--help", timeout=30)
+    assert r.returncode == 0, r.stderr
+    flat = re.sub(r"\s+", " ", r.stdout)
+    start = flat.rindex("--grace-s SECONDS")  # its entry, after the usage line
+    grace = flat[start:flat.index("--poll-busy-s", start)]
+    assert words in grace, grace
+    doc = (ROOT / "docs" / "OPERATIONS.md").read_text()
+    assert f"| `grace_s` | `KVD_GRACE_S` | `10.0` | on SIGTERM, {words}, seconds |" in doc
+    assert "waits up to `grace_s` for the loads in flight (handshaking or reading)" in doc

@@ -287,3 +287,143 @@ def test_serve_takes_empty_environment_variables_as_unset_and_still_reports_miss
     # A misspelt name is still a mistake worth a line, empty or not.
     assert r.stderr.count("warning:") == 1 and "KVD_LEESE_S" in r.stderr and "did you mean KVD_LEASE_S" in r.stderr, \
         r.stderr
+
+
+def test_toml_allowed_uids_and_gids_take_numbers_as_well_as_names(tmp_path):
+    """The docs say "names or numbers": ``allowed_uids = [65534]`` in the
+    file is a uid, not a type error; names and numbers mix; anything else
+    (a boolean, a float, a table, an id the kernel cannot hold) is refused
+    naming the key."""
+    cfg = load_config(environ={}, file=_file(tmp_path, 'allowed_uids = [65534, "root", "7"]\nallowed_gids = [0]\n'))
+    assert (cfg.allowed_uids, cfg.allowed_gids) == ([65534, "root", "7"], [0])
+    from kvd.config import resolve_gid, resolve_uid
+
+    assert [resolve_uid(u) for u in cfg.allowed_uids] == [65534, 0, 7]
+    assert [resolve_gid(g) for g in cfg.allowed_gids] == [0]
+    # --print-config writes them back as given, and that reads back the same.
+    again = load_config(environ={}, file=_file(tmp_path, cfg.to_toml()))
+    assert (again.allowed_uids, again.allowed_gids) == ([65534, "root", "7"], [0])
+    # Environment and flags stay comma-separated text.
+    assert load_config(environ={"KVD_ALLOWED_GIDS": "0,root"}).allowed_gids == ["0", "root"]
+    for text, words in (("allowed_uids = [true]", "expected an array of names or numbers, got True"),
+                        ("allowed_gids = [1.5]", "expected an array of names or numbers, got 1.5"),
+                        ("allowed_uids = 65534", "expected an array of names or numbers, got 65534"),
+                        ("allowed_uids = [{a = 1}]", "expected an array of names or numbers"),
+                        ("allowed_gids = [-1]", "id -1 out of range"),
+                        ("allowed_uids = [4294967295]", "id 4294967295 out of range"),
+                        ('allowed_uids = ["no-such-user-kvd"]', "no such user 'no-such-user-kvd'")):
+        with pytest.raises(ConfigError) as e:
+            load_config(environ={}, file=_file(tmp_path, text + "\n"))
+        key = text.split(" ")[0]
+        assert str(e.value).startswith(f"{key} (from file ") and words in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("peer, host, clash", [
+    ("127.0.0.1:7711", "127.0.0.1", True),
+    ("127.0.0.1:7711", "0.0.0.0", True),     # the wildcard takes 127.0.0.1 too
+    ("0.0.0.0:7711", "10.0.0.5", True),
+    ("[::]:7711", "127.0.0.1", True),        # dual-stack: :: takes IPv4 too
+    ("[::1]:7711", "::1", True),
+    ("LOCALHOST:7711", "localhost", True),
+    ("127.0.0.1:7711", "127.0.0.2", False),  # two addresses: both binds work
+    ("0.0.0.0:7711", "::1", False),          # 0.0.0.0 is IPv4 only
+    ("127.0.0.1:7712", "127.0.0.1", False),  # another port
+])
+def test_metrics_on_the_peer_port_of_an_overlapping_address_is_a_config_error(peer, host, clash):
+    """Same port for PeerService and metrics on overlapping addresses failed
+    at bind (exit 1, which systemd restarts for ever); it is refused when
+    the settings are read, naming both."""
+    env = {"KVD_PEER_LISTEN": peer, "KVD_METRICS_HOST": host, "KVD_METRICS_PORT": "7711"}
+    if not clash:
+        load_config(environ=env)
+        return
+    with pytest.raises(ConfigError) as e:
+        load_config(environ=env)
+    msg = str(e.value)
+    assert msg.startswith("metrics_port (from env KVD_METRICS_PORT): 7711 is also the port of peer_listen"), msg
+    assert f"({peer}, from env KVD_PEER_LISTEN)" in msg and "metrics_host" in msg, msg
+
+
+def test_metrics_and_peer_port_clash_exits_64_and_port_0_never_clashes():
+    r = _kvd("serve", "--peer-listen", "127.0.0.1:7711", "--metrics-port", "7711", "--metrics-host", "127.0.0.1")
+    assert r.returncode == 64, (r.returncode, r.stderr)
+    assert "metrics_port (from flag --metrics-port)" in r.stderr and "from flag --peer-listen" in r.stderr
+    # 0 is "a free port" for peer_listen and "off" for metrics: never the same port.
+    load_config(environ={"KVD_PEER_LISTEN": "127.0.0.1:0", "KVD_METRICS_HOST": "127.0.0.1"})
+
+
+# ``kvd serve --print-config ARGV`` as uid argv[1] (-1: as is), imported as
+# root first: this checkout and interpreter may be closed to that uid.
+_SERVE_AS = r"""
+import os, sys
+import grp, pwd
+import kvd.cli, kvd.config, kvd.daemon.peer_auth, kvd.addresses
+uid = int(sys.argv[1])
+if uid >= 0:
+    os.setgroups([]); os.setgid(uid); os.setuid(uid)
+sys.exit(kvd.cli.main(["serve", "--print-config", *sys.argv[2:]]))
+"""
+
+
+def _serve_print_config_as_another_user(*args) -> tuple[subprocess.CompletedProcess, int]:
+    """``kvd serve --print-config ARGS``, as uid 65534 when the tests run as
+    root (root reads every file), else as this user; returns the result and
+    the uid it ran as."""
+    uid = 65534 if os.geteuid() == 0 else os.geteuid()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
+    r = subprocess.run([sys.executable, "-c", _SERVE_AS, str(uid if uid != os.geteuid() else -1), *args],
+                       capture_output=True, text=True, timeout=60, env=env, cwd="/")
+    if "ImportError" in r.stderr or "ModuleNotFoundError" in r.stderr:
+        pytest.skip(f"uid {uid} cannot import what kvd serve imports late: {r.stderr.strip().splitlines()[-1:]}")
+    return r, uid
+
+
+def test_an_unreadable_token_file_names_the_daemons_uid_and_the_files_owner_and_mode():
+    """``cannot read ...: Permission denied`` alone did not say that the
+    daemon runs as another user than the one who wrote the token (a root
+    0400 file, the unit's User=kvd): the message names both, the mode, and
+    the fix."""
+    import shutil
+    import stat
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="kvd-token-")  # in /tmp: pytest's tmp_path is 0700, closed to uid 65534
+    try:
+        os.chmod(d, 0o755)
+        token = os.path.join(d, "peer-token")
+        with open(token, "w") as f:
+            f.write("x" * 32)
+        os.chmod(token, 0o400 if os.geteuid() == 0 else 0)  # the owner itself reads 0400
+        st = os.stat(token)
+        r, uid = _serve_print_config_as_another_user("--peer-token-file", token)
+        assert r.returncode == 64, (r.returncode, r.stderr)
+        assert f"peer_token_file (from flag --peer-token-file): cannot read {token}: Permission denied" in r.stderr
+        assert f"this daemon runs as uid {uid}" in r.stderr, r.stderr
+        assert f"owner uid {st.st_uid}" in r.stderr and f"mode {stat.S_IMODE(st.st_mode):04o}" in r.stderr, r.stderr
+        assert f": {token}; mode 0600 or 0400)" in r.stderr and "(chown " in r.stderr, r.stderr
+    finally:
+        shutil.rmtree(d)
+
+
+def test_a_directory_closed_to_the_daemon_is_named_when_a_file_in_it_cannot_be_read():
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="kvd-closed-")  # mode 0700
+    try:
+        token = os.path.join(d, "peer-token")
+        with open(token, "w") as f:
+            f.write("x" * 32)
+        if os.geteuid() != 0:
+            os.chmod(d, 0)  # closed to its owner too
+        mode = "0700" if os.geteuid() == 0 else "0000"
+        r, uid = _serve_print_config_as_another_user("--config", token)
+        assert r.returncode == 64, (r.returncode, r.stderr)
+        assert f"config file {token}: Permission denied; directory {d} (owner uid " in r.stderr, r.stderr
+        assert f"mode {mode}) does not let this daemon (uid {uid}" in r.stderr, r.stderr
+    finally:
+        os.chmod(d, 0o700)
+        shutil.rmtree(d)
+    from kvd.config import access_hint
+
+    assert access_hint(token, FileNotFoundError(2, "No such file")) == ""

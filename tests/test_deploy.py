@@ -153,6 +153,30 @@ def test_manifests_agree_with_the_daemon_and_with_each_other():
     assert '"kvd_socket":"/run/kvd/engine.sock"' in " ".join(vllm["args"])
 
 
+def test_service_target_ports_reach_the_daemon_on_every_supported_kubernetes():
+    """A Service's targetPort names a port of the pods it selects, or is a
+    number one of their containers listens on. A name is resolved on native
+    sidecars (init containers with restartPolicy: Always, kvd in
+    sidecar-vllm.yaml) only from Kubernetes 1.32, while the manifests say
+    1.29: a name there must be one of a regular container."""
+    docs = _docs()
+    workloads = list(_pod_specs(docs))
+    for svc in (d for d in docs if d["kind"] == "Service"):
+        [pod] = [pod for w, pod in workloads
+                 if svc["spec"]["selector"].items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+        regular = {p["name"]: p["containerPort"] for c in pod["containers"] for p in c.get("ports", [])}
+        every = {p["containerPort"] for c in pod.get("initContainers", []) + pod["containers"]
+                 for p in c.get("ports", [])}
+        for port in svc["spec"]["ports"]:
+            target = port.get("targetPort", port["port"])
+            where = f"Service {svc['metadata']['name']} port {port['name']}: targetPort {target!r}"
+            if isinstance(target, str):
+                assert target in regular, f"{where} names no port of a regular container (only 1.32+ resolves " \
+                                          f"a native sidecar's)"
+                target = regular[target]
+            assert target in every and target == port["port"], where
+
+
 def test_configmap_settings_are_valid(tmp_path):
     [cm] = [d for d in _docs() if d["kind"] == "ConfigMap"]
     p = tmp_path / "kvd.toml"

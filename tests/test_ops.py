@@ -334,3 +334,84 @@ def test_nixl_records_come_through_kvds_formatter_its_info_at_debug_only(level, 
     lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
     records = [json.loads(ln) for ln in lines]  # every line kvd's JSON: none from NIXL's own handler
     assert [x["msg"] for x in records if x["logger"] == "nixl.probe"] == shown, records
+
+
+def _connector_keys() -> set[str]:
+    """The ``kv_connector_extra_config`` keys ``KvdShimConfig.from_extra``
+    reads: every ``kvd_*`` string it passes to ``extra.get`` or to its
+    ``seconds`` helper, read from the source (importing it imports vLLM)."""
+    import ast
+
+    tree = ast.parse((ROOT / "kvd" / "shim" / "vllm" / "config.py").read_text())
+    [cls] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "KvdShimConfig"]
+    [from_extra] = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "from_extra"]
+    keys = set()
+    for call in ast.walk(from_extra):
+        if not (isinstance(call, ast.Call) and call.args and isinstance(call.args[0], ast.Constant)):
+            continue
+        f = call.func
+        reads = ((isinstance(f, ast.Attribute) and f.attr == "get" and isinstance(f.value, ast.Name)
+                  and f.value.id == "extra") or (isinstance(f, ast.Name) and f.id == "seconds"))
+        if reads:
+            keys.add(call.args[0].value)
+    return keys
+
+
+def test_the_operations_page_lists_exactly_the_connectors_settings():
+    """docs/OPERATIONS.md is the reference for every setting: its table of
+    the connector's kv_connector_extra_config keys names each key the shim
+    reads, and no other (a key added or renamed there must be documented)."""
+    keys = _connector_keys()
+    assert "kvd_socket" in keys and "kvd_data_path" in keys and len(keys) >= 6, keys
+    doc = (ROOT / "docs" / "OPERATIONS.md").read_text()
+    start = doc.index("### The engine's connector (`kv_connector_extra_config`)")
+    section = doc[start:doc.index("\n## ", start)]
+    rows = re.findall(r"^\| `(kvd_\w+)` \|", section, re.M)
+    assert len(rows) == len(set(rows)), rows
+    assert set(rows) == keys, (sorted(set(rows) - keys), sorted(keys - set(rows)))
+    # The module's own table (its docstring) names the same keys.
+    from_module = set(re.findall(r"^(kvd_\w+) ", (ROOT / "kvd" / "shim" / "vllm" / "config.py").read_text(), re.M))
+    assert from_module == keys, from_module
+
+
+def test_a_peer_with_the_wrong_token_is_logged_once_a_minute_not_at_each_try():
+    """A decode daemon with another token tries again every second
+    (warm_peers, per local worker): the prefill daemon logs the refusal the
+    first time, then once a minute with the count, not a line a second; a
+    new caller or another reason is still logged at once, and all refusals
+    together at most once a second."""
+    import io
+    import logging
+
+    from kvd.daemon.peer_auth import PeerAuth, PeerAuthError
+
+    stream = io.StringIO()
+    logger = logging.getLogger("kvd.test-peer-refusals")
+    logger.addHandler(logging.StreamHandler(stream))
+    logger.propagate = False
+    auth = PeerAuth(token=b"x" * 32)
+    now = [1000.0]
+    auth._refused.log, auth._refused.clock = logger, lambda: now[0]
+    bad = PeerAuthError("bad peer token proof (is peer_token_file the same on both daemons? ...)")
+    for second in range(130):  # two decode workers, one try each a second, new connections
+        now[0] = 1000.0 + second
+        auth.refused("Handshake", f"ipv4:10.0.0.7:{40000 + second}", bad)
+        now[0] += 0.01
+        auth.refused("Handshake", f"ipv4:10.0.0.7:{50000 + second}", bad)
+    now[0] += 0.5  # another host: at once, within the minute
+    auth.refused("Handshake", "ipv4:10.0.0.8:40000", bad)
+    now[0] += 0.1  # a third within the same second: counted on the next line
+    auth.refused("Handshake", "ipv6:[fd00::9]:40000", bad)
+    now[0] += 1.0
+    stale = PeerAuthError("peer token proof too old or from the future (clocks more than 60 s apart?)")
+    auth.refused("Claim", "ipv4:10.0.0.7:40001", stale)  # another reason from the first host
+    lines = stream.getvalue().splitlines()
+    assert lines == [
+        f"peer call Handshake from ipv4:10.0.0.7:40000 refused: {bad}",
+        f"peer call Handshake from ipv4:10.0.0.7:40060 refused: {bad} (119 more like it from this caller in the "
+        f"last 60 s)",
+        f"peer call Handshake from ipv4:10.0.0.7:40120 refused: {bad} (119 more like it from this caller in the "
+        f"last 60 s)",
+        f"peer call Handshake from ipv4:10.0.0.8:40000 refused: {bad}",
+        f"peer call Claim from ipv4:10.0.0.7:40001 refused: {stale} (1 other refused call(s) not logged)",
+    ], lines

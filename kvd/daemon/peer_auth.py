@@ -51,7 +51,6 @@ import grpc
 
 from kvd.config import Config
 from kvd.daemon.local_gate import wrap_handler
-from kvd.daemon.logs import Throttled
 from kvd.daemon.peer_local import parse_request
 
 log = logging.getLogger("kvd.peer")
@@ -68,6 +67,14 @@ WINDOW_S = 60.0          # a call's time may differ from ours by this much (NTP-
 # push mode).
 MAX_NONCES = 1 << 17
 PEER_SERVICE_PREFIX = "/kvd.v1.PeerService/"
+
+
+# A refusal repeated by the same caller host for the same reason is logged
+# at most this often (seconds): a daemon with the wrong token tries again
+# every second (warm_peers, per local worker) for as long as it runs.
+REPEAT_LOG_S = 60.0
+# Caller hosts and reasons remembered for that (the oldest is forgotten past it).
+MAX_LOGGED_CALLERS = 1024
 
 
 class PeerAuthError(Exception):
@@ -174,6 +181,56 @@ def _verify_against_ca(cert_path: str, key_path: str, ca_path: str) -> str:
     return ""
 
 
+def _caller_host(peer: str) -> str:
+    """gRPC's ``context.peer()`` without its port (``ipv4:10.0.0.5:51234``
+    -> ``ipv4:10.0.0.5``): each call may come on a new connection."""
+    if peer.startswith(("ipv4:", "ipv6:")):
+        return peer.rpartition(":")[0]
+    return peer
+
+
+class RefusalLog:
+    """Refused peer calls for the log, at WARNING: the first from a caller
+    host for a reason at once; the same again from that host at most once
+    per ``repeat_s`` seconds, with the count left out since; all callers
+    together at most one line per ``interval_s`` (a flood of new callers or
+    reasons cannot fill the log either; those left out are counted on the
+    next line). Reasons are compared with their numbers left out."""
+
+    def __init__(self, logger: logging.Logger, repeat_s: float = REPEAT_LOG_S, interval_s: float = 1.0,
+                 max_keys: int = MAX_LOGGED_CALLERS, clock=time.monotonic):
+        self.log = logger
+        self.repeat_s, self.interval_s, self.max_keys = repeat_s, interval_s, max_keys
+        self.clock = clock
+        self._last = -interval_s
+        self._left_out = 0  # by the interval_s cap, since the last line
+        self._keys: collections.OrderedDict[tuple[str, str], list] = collections.OrderedDict()
+
+    def warning(self, caller: str, reason: str, msg: str, *args) -> None:
+        """Logs ``msg % args`` for a call from ``caller`` refused for
+        ``reason``, unless one like it was logged too recently."""
+        now = self.clock()
+        key = (caller, re.sub(r"\d+", "N", reason))
+        entry = self._keys.get(key)  # [when last logged, repeats left out since]
+        if entry is not None and now - entry[0] < self.repeat_s:
+            entry[1] += 1
+            return
+        if now - self._last < self.interval_s:
+            self._left_out += 1
+            return
+        notes = []
+        if entry is not None and entry[1]:
+            notes.append(f"{entry[1]} more like it from this caller in the last {now - entry[0]:.0f} s")
+        if self._left_out:
+            notes.append(f"{self._left_out} other refused call(s) not logged")
+        self._last, self._left_out = now, 0
+        self._keys[key] = [now, 0]
+        self._keys.move_to_end(key)
+        while len(self._keys) > self.max_keys:
+            self._keys.popitem(last=False)
+        self.log.warning(msg + (f" ({'; '.join(notes)})" if notes else ""), *args)
+
+
 @dataclass
 class ClientProof:
     """One call's authenticated fields: what a caller keeps to check the
@@ -208,7 +265,7 @@ class PeerAuth:
         self.token = token
         self.max_nonces = max_nonces
         self._seen: collections.OrderedDict[str, float] = collections.OrderedDict()  # nonce -> forget after
-        self._refused = Throttled(log)
+        self._refused = RefusalLog(log)
 
     @classmethod
     def from_config(cls, cfg: Config) -> "PeerAuth":
@@ -321,9 +378,12 @@ class PeerAuth:
                                    f"this daemon remembers for replay checks: refused until some expire")
         self._seen[nonce] = max(now + 2 * WINDOW_S, next(reversed(self._seen.values()), 0.0))
 
-    def warn(self, msg: str, *args) -> None:
-        """A refused peer call, logged at most once a second (a flood cannot fill the log)."""
-        self._refused.warning(msg, *args)
+    def refused(self, method: str, peer: str, error: Exception) -> None:
+        """Logs a refused peer call of ``method`` from ``peer`` (gRPC's
+        ``context.peer()``): the same refusal from the same host once a
+        minute at most, all together once a second (:class:`RefusalLog`)."""
+        self._refused.warning(_caller_host(peer), f"{type(error).__name__}: {error}",
+                              "peer call %s from %s refused: %s", method, peer, error)
 
 
 class PeerAuthInterceptor(grpc.aio.ServerInterceptor):
@@ -359,7 +419,7 @@ class PeerAuthInterceptor(grpc.aio.ServerInterceptor):
             try:
                 call = auth.check_call(method, metadata, {a.lower() for a in self.addresses()}, data)
             except PeerAuthError as e:
-                auth.warn("peer call %s from %s refused: %s", method.rsplit("/", 1)[-1], context.peer(), e)
+                auth.refused(method.rsplit("/", 1)[-1], context.peer(), e)
                 code = (grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, ReplayWindowFull)
                         else grpc.StatusCode.UNAUTHENTICATED)
                 await context.abort(code, f"kvd: {e}")
