@@ -45,6 +45,7 @@ from kvd.core.limits import BOUNDS
 from kvd.core.plan import check_block_ids
 from kvd.core.runtime import Runtime
 from kvd.core.state import PeerLink, Worker
+from kvd.core.throttle import Throttled
 from kvd.requests import BlockGroups, LeaseRenewal, LoadRequest, RenewResult, flat
 
 log = logging.getLogger("kvd.core")
@@ -88,6 +89,9 @@ class Holds:
         self.link = link
         self.own_address = own_address
         self.mirror = mirror
+        # Any peer that loaded a source's agent can send malformed
+        # notifications as fast as it likes: a line each would flood the log.
+        self._malformed = Throttled(log)
 
     def hold(self, w: Worker, request_id: str, groups: BlockGroups, lease_s: float = 0.0) -> None:
         """Holds ``groups`` (block ids per KV-cache group) of ``request_id``
@@ -161,7 +165,8 @@ class Holds:
         """A NIXL notification from ``remote_agent`` (a reader's READ, or a bare one)."""
         parsed = parse_notif(msg)
         if parsed is None:
-            log.warning("%s: malformed notification from %s ignored (%d bytes)", w.label, remote_agent, len(msg))
+            self._malformed.warning("%s: malformed notification from %s ignored (%d bytes)", w.label, remote_agent,
+                                    len(msg))
             return
         request_id, expected = parsed
         if w.leases.notify(request_id, expected, time.monotonic()):

@@ -21,12 +21,17 @@ outnumber the live ones (before, each hold+release or renewal left an entry
 until its first deadline, up to ``max_lease_s``: +16 MiB per 15,000 pairs
 with no lease live); early notifications are kept in deadline order (one
 ``early_s`` for all), so expiring them looks only at the expired ones
-(before, 65,536 of them were scanned on every poll: 55 % of a core idle).
+(before, 65,536 of them were scanned on every poll: 55 % of a core idle),
+in an ``OrderedDict``, whose oldest entry is found in O(1) (a plain dict's
+first key is found by scanning the slots freed at its front: once the table
+was full each further notification cost ~38 us, and expiring 65,536 at once
+took 3 s of the event loop).
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -121,8 +126,8 @@ class LeaseTable:
     """The leases of one prefill worker.
 
     Args:
-        early_s: how long a notification that beat its hold is kept.
-        max_early: bound on such notifications (older ones are dropped).
+        early_s: how long a notification that beat its hold is kept (seconds).
+        max_early: bound on such notifications, a count (the oldest is dropped).
 
     ``held_blocks``: block ids of every live lease, all groups together
     (what ``Limits.max_held_blocks_per_worker`` bounds, ``kvd.core.holds``).
@@ -134,7 +139,8 @@ class LeaseTable:
     early_s: float = 120.0
     max_early: int = 65536
     leases: dict[str, Lease] = field(default_factory=dict)
-    early: dict[str, tuple[int, int, float]] = field(default_factory=dict)  # rid -> (count, expected, deadline)
+    # rid -> (count, expected, deadline), oldest deadline first
+    early: OrderedDict[str, tuple[int, int, float]] = field(default_factory=OrderedDict)
     held_blocks: int = 0
     on_change: Callable[[str, list[np.ndarray] | None], None] | None = None
     _heap: list = field(default_factory=list)
@@ -203,7 +209,7 @@ class LeaseTable:
             # Re-inserted at the end: the dict stays in deadline order, oldest first.
             count, _, _ = self.early.pop(request_id, (0, expected, 0.0))
             if len(self.early) >= self.max_early:
-                self.early.pop(next(iter(self.early)))
+                self.early.popitem(last=False)
             self.early[request_id] = (count + 1, expected, now + self.early_s)
             return False
         lease.notified += 1
@@ -270,9 +276,10 @@ class LeaseTable:
                 continue  # ended already, or renewed (a later entry stands)
             self._end(rid)
             out.append(rid)
-        while self.early:
-            rid, (_, _, d) = next(iter(self.early.items()))
-            if d > now:
+        early = self.early
+        while early:
+            rid = next(iter(early))  # the linked list's head: O(1), unlike a plain dict's
+            if early[rid][2] > now:
                 break
-            del self.early[rid]
+            del early[rid]
         return out

@@ -104,6 +104,13 @@ def check_peer(w: Worker, hs: HandshakeResult, what: str) -> None:
     if hs.memory not in ("DRAM", "VRAM") or not 0 <= hs.device < BOUNDS.max_device:
         raise InvalidArgument(f"{what}: memory {hs.memory!r} on device {hs.device}: DRAM or VRAM on a device "
                               f"0..{BOUNDS.max_device - 1}")
+    # A worker registers at most BOUNDS.max_regions segments; a peer's
+    # segment_index (a uint32) once sized the list below: 2**32-1 was a
+    # MemoryError, 2**28 +2 GiB and 6 s of the event loop.
+    for i, r in enumerate(hs.regions):
+        if not 0 <= r.segment < BOUNDS.max_regions:
+            raise InvalidArgument(f"{what}: region {i}: segment_index {r.segment} out of range "
+                                  f"(a worker registers 0..{BOUNDS.max_regions - 1})")
     try:
         lay.validate(hs.layout, hs.regions, [1 << 62] * (1 + max(r.segment for r in hs.regions)))
     except LayoutError as e:
