@@ -76,6 +76,18 @@ def test_systemd_unit_matches_the_daemon():
         assert f"\n{forbidden}=" not in text
 
 
+def test_the_peer_token_is_made_the_same_way_in_the_unit_the_readme_and_security_md():
+    """One recipe for the token file: written under umask 077 (never
+    readable by others, not even before a chmod) and given to the daemon's
+    user (a root-only file stops the unit's User=kvd with exit 64, which
+    RestartPreventExitStatus=64 leaves failed)."""
+    recipe = "(umask 077; openssl rand -hex 32 > /etc/kvd/peer-token) && chown kvd: /etc/kvd/peer-token"
+    for path in (UNIT, ROOT / "README.md", ROOT / "docs" / "SECURITY.md"):
+        lines = [line for line in path.read_text().splitlines() if "> /etc/kvd/peer-token" in line]
+        assert lines and all(recipe in line for line in lines), (path.name, lines)
+    assert re.search(r"^User=kvd$", UNIT.read_text(), re.M)
+
+
 # --------------------------------------------------------------- Kubernetes
 def _manifests() -> list[pathlib.Path]:
     files = sorted(K8S.glob("*.yaml"))
