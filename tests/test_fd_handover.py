@@ -15,7 +15,11 @@ engine processes (this test process, or a child running the shim's
   unregistrations than before (``/proc/<pid>/fd``);
 - engine and daemon killed together (SIGKILL): nothing of theirs in /dev/shm;
 - hostile side-channel requests (hypothesis): every one answered, the daemon
-  serves on and leaks no fd.
+  serves on and leaks no fd;
+- an engine started before its daemon: its first registration waits for the
+  side channel (the same memfds sent once, every socket of a failed try
+  closed), gives up at its timeout naming the engine socket, and fails at once
+  when the socket shuts it out or the daemon refuses it.
 """
 
 from __future__ import annotations
@@ -24,13 +28,18 @@ import array
 import contextlib
 import errno
 import fcntl
+import json
+import logging
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import shutil
 import struct
 import textwrap
+import threading
 import time
 
 import grpc
@@ -40,13 +49,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvd import fd_wire as wire
+from kvd.client.engine_client import EngineClient, EngineClientError
 from kvd.client.fd_handover import HandoverError, hand_over
 from kvd.core.memory import FdMapping, SegmentError
 from kvd.daemon.fd_channel import ClaimError, FdTable
 from kvd.shim.memory import auto, memfd
-from kvd.testing.daemons import stats_of
+from kvd.testing.daemons import start_daemon, stats_of
 from kvd.testing.memfd import MemfdSegment
 from kvd.testing.processes import child_env
+from kvd.testing.security import NOBODY, OUTSIDER, reachable_dir
 from kvd.testing.sessions import Engine, KvShape, register_request
 from kvd.v1 import kvd_pb2 as pb
 
@@ -505,7 +516,7 @@ ENGINE = textwrap.dedent("""
     sharing = auto.choose(caches, "direct")
     shared = sharing.share(caches, num_blocks=16, block_size=16, kv_layout="HND", num_kv_heads=2, head_dim=16)
     client = EngineClient(sys.argv[1])
-    client.before_register = lambda req: sharing.prepare(req, client.address)
+    client.before_register = lambda req, deadline: sharing.prepare(req, client.address, deadline)
     client.register(pb.RegisterEngineRequest(
         worker=pb.EngineWorker(engine_id="doomed", tp_rank=0, tp_size=1), layout=shared.layout,
         segments=shared.segments, regions=shared.regions, model="m", data_path=sharing.wire_data_path,
@@ -565,6 +576,166 @@ def test_hand_over_says_why_when_there_is_no_side_channel(tmp_path):
         hand_over(str(tmp_path / "none.sock"), [0])
 
 
+def memfd_engine(sock: str, engine_id: str):
+    """``(client, sharing, request)``: an engine worker as the shim makes it
+    (``MemfdSharing`` of a small CPU KV cache, its handover in
+    ``before_register``), not registered yet."""
+    caches = {"l0": torch.ones(16, 2, 16, 32), "l1": torch.ones(16, 2, 16, 32)}
+    sharing = auto.choose(caches, "direct")
+    assert sharing.kind == "memfd"
+    shared = sharing.share(caches, num_blocks=16, block_size=16, kv_layout="HND", num_kv_heads=2, head_dim=16)
+    client = EngineClient(sock)
+    client.before_register = lambda req, deadline: sharing.prepare(req, client.address, deadline)
+    request = pb.RegisterEngineRequest(
+        worker=pb.EngineWorker(engine_id=engine_id, tp_rank=0, tp_size=1), layout=shared.layout,
+        segments=shared.segments, regions=shared.regions, model="m", data_path=sharing.wire_data_path,
+        owner_pid=os.getpid())
+    return client, sharing, request
+
+
+def test_an_engine_started_before_its_daemon_waits_for_it_and_hands_its_memfds_over_once(tmp_path, caplog,
+                                                                                           monkeypatch):
+    """The engine registers 1 s before ``kvd serve`` starts (which then takes
+    seconds to serve): the handover tries the side channel again until it
+    listens, says so once at INFO naming the engine socket, closes the
+    socket of every failed try, and sends the memfds once."""
+    sock = str(tmp_path / "kvd.sock")
+    client, sharing, request = memfd_engine(sock, "early")
+    fds = [st.fd for st in sharing.shared.storages]
+    tries: list[socket.socket] = []
+    sent: list[int] = []
+
+    class Counted(socket.socket):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            if self.type == socket.SOCK_SEQPACKET:
+                tries.append(self)
+
+        def sendmsg(self, buffers, ancdata=(), *a, **kw):
+            sent.append(sum(len(data) // 4 for _, _, data in ancdata))  # fds passed (4-byte ints)
+            return super().sendmsg(buffers, ancdata, *a, **kw)
+
+    monkeypatch.setattr(socket, "socket", Counted)
+    caplog.set_level(logging.INFO, logger="kvd.client")
+    out: dict = {}
+
+    def register() -> None:
+        t0 = time.monotonic()
+        try:
+            out["response"] = client.register(request, timeout_s=30)
+        except Exception as e:  # the test's assertion says what
+            out["error"] = e
+        out["s"] = time.monotonic() - t0
+
+    thread = threading.Thread(target=register)
+    thread.start()
+    d = None
+    try:
+        time.sleep(1.0)
+        assert thread.is_alive(), out.get("error")  # before: failed at once, "... kvd.sock.fd: No such file"
+        # From this thread: a daemon gets SIGTERM when the thread that started it ends.
+        d = start_daemon(str(tmp_path), "kvd")
+        thread.join(40)
+        assert "error" not in out, out.get("error")
+        assert out["response"].registered_bytes > 0 and out["s"] >= 1.0
+        (w,) = stats_of(d.socket).workers
+        assert (w.engine_id, w.handover) == ("early", "memfd")
+    finally:
+        thread.join(40)
+        monkeypatch.undo()
+        client.close()
+        sharing.close()
+        if d is not None:
+            d.stop()
+    assert len(tries) >= 2 and all(t.fileno() == -1 for t in tries), tries
+    assert sent == [len(fds)], "the memfds go once, on the connection the daemon accepted"
+    assert [st.fd for st in sharing.shared.storages] == fds and all(os.fstat(fd) for fd in fds)
+    waits = [r.getMessage() for r in caplog.records if "waiting up to" in r.getMessage()]
+    want = rf"kvd: waiting up to (30|29\.\d) s for the kvd daemon at {re.escape(sock)} to start"
+    assert len(waits) == 1 and re.fullmatch(want, waits[0]), waits
+
+
+@pytest.mark.parametrize("left", ["nothing", "stale sockets"])
+def test_no_daemon_within_the_timeout_fails_then_naming_the_engine_socket(tmp_path, left):
+    """Nobody listens at the engine socket: no socket file, or the files a
+    killed daemon left (connect: ECONNREFUSED). The registration gives up at
+    its timeout, naming the engine socket the user configured (not the side
+    channel's) and what to do."""
+    sock = str(tmp_path / "kvd.sock")
+    if left == "stale sockets":
+        for path, kind in ((sock, socket.SOCK_STREAM), (wire.fd_socket_path(sock), socket.SOCK_SEQPACKET)):
+            with socket.socket(socket.AF_UNIX, kind) as s:
+                s.bind(path)  # bound, never listening: the file stays
+    client, sharing, request = memfd_engine(sock, "alone")
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(EngineClientError) as e:
+            client.register(request, timeout_s=1.5)
+    finally:
+        client.close()
+        sharing.close()
+    took = time.monotonic() - t0
+    assert 1.4 <= took < 3.0, took  # before: at once
+    msg = str(e.value)
+    assert f"no kvd daemon at {sock} within 1.5 s (start `kvd serve` first, or check kvd_socket)" in msg, msg
+    assert wire.SUFFIX + ":" not in msg and wire.fd_socket_path(sock) not in msg, msg
+
+
+AS_USER_ENGINE = textwrap.dedent("""
+    import json, os, sys, time
+    from kvd.client.engine_client import EngineClient, EngineClientError
+    from kvd.client.fd_handover import hand_over
+    from kvd.testing.memfd import MemfdSegment
+    from kvd.testing.sessions import KvShape
+    from kvd.v1 import kvd_pb2 as pb
+    sock, uid = sys.argv[1], int(sys.argv[2])
+    shape = KvShape(num_layers=1, num_blocks=8, block_len=1024)
+    seg = MemfdSegment(shape.size, sock)
+    req = pb.RegisterEngineRequest(worker=pb.EngineWorker(engine_id=f"as-{uid}", tp_rank=0, tp_size=1),
+                                   layout=shape.layout(), regions=shape.regions(), model="m",
+                                   segments=[pb.Segment(kind=pb.MEMORY_KIND_MEMFD, size=seg.size)])
+    def handover(r, deadline):
+        (r.segments[0].fd_id,) = hand_over(sock, [seg.fd], deadline=deadline)
+    client = EngineClient(sock)  # made as root: as another user this process may not read the venv
+    client.before_register = handover
+    os.setgroups([]); os.setgid(uid); os.setuid(uid)
+    t0 = time.monotonic()
+    try:
+        client.register(req, timeout_s=30)
+        out = {"error": ""}
+    except EngineClientError as e:
+        out = {"error": str(e)}
+    out["s"] = time.monotonic() - t0
+    print(json.dumps(out), flush=True)
+""")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="acts as other users (root only)")
+def test_an_engine_shut_out_or_refused_fails_at_once_with_its_own_message():
+    """Waiting cures only a daemon not listening yet: an engine whose user may
+    not open the socket (``EACCES``: not in its group) or whom the daemon
+    refuses (not in ``allowed_uids``) fails at once, with that reason, well
+    inside its 30 s."""
+    where = reachable_dir()
+    d = start_daemon(where, "kvd", "--engine-socket-group", str(NOBODY), "--allowed-uids", "65533")
+    try:
+        got = {}
+        for uid in (OUTSIDER, NOBODY):  # OUTSIDER: not in the socket's group; NOBODY: in it, not admitted
+            r = subprocess.run([sys.executable, "-c", AS_USER_ENGINE, d.socket, str(uid)], capture_output=True,
+                               text=True, timeout=120, env=child_env())
+            lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
+            assert lines, f"engine as {uid} printed nothing (rc {r.returncode}):\n{r.stderr[-3000:]}"
+            got[uid] = json.loads(lines[-1])
+    finally:
+        d.stop()
+        shutil.rmtree(where, ignore_errors=True)
+    for uid, out in got.items():
+        assert out["error"] and out["s"] < 5.0, (uid, out)
+        assert "no kvd daemon" not in out["error"] and "waiting" not in out["error"], (uid, out)
+    assert "Permission denied" in got[OUTSIDER]["error"], got
+    assert "refused" in got[NOBODY]["error"] and f"uid {NOBODY}" in got[NOBODY]["error"], got
+
+
 def test_memfd_move_by_chunks_keeps_every_byte(monkeypatch):
     monkeypatch.setattr(memfd, "_CHUNK", 3 * 4096 + 100)  # chunks that end mid-page
     t = torch.randn(1000, 257)
@@ -584,7 +755,7 @@ def test_a_memfd_engine_hands_its_fds_over_again_to_a_restarted_daemon(tmp_path)
     seg = MemfdSegment(SHAPE.size, d.socket)
     client = EngineClient(d.socket, backoff_initial_s=0.05, backoff_max_s=0.5)
     req = register_request("restarted", SHAPE, seg)
-    client.before_register = lambda r: r.segments[0].CopyFrom(seg.segment())
+    client.before_register = lambda r, deadline: r.segments[0].CopyFrom(seg.segment())
     try:
         client.register(req, timeout_s=30)
         client.start_session()

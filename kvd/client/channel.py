@@ -8,7 +8,9 @@ Addresses: ``unix:///abs/path.sock``, ``unix:relative.sock``, a bare path
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
 
 import grpc
 
@@ -43,6 +45,50 @@ def normalize_address(address: str) -> str:
     if address.startswith(("/", ".")) or address.endswith(".sock"):
         return "unix://" + os.path.abspath(address)
     return address
+
+
+#: ``connect()`` errors on a Unix socket that mean no daemon listens there
+#: yet: no socket file (not started, or its directory not made yet), or a file
+#: nobody accepts on (a daemon gone, or one still starting). Anything else
+#: (``EACCES``: the socket's mode or directory shuts this user out) is not
+#: cured by waiting.
+NOT_LISTENING = frozenset({errno.ENOENT, errno.ECONNREFUSED})
+
+
+def unix_path(address: str) -> str | None:
+    """The file of a ``unix:`` address (``unix:///abs``, ``unix:rel``), or of
+    a bare path (:func:`normalize_address`); None for anything else
+    (``host:port``, ``unix-abstract:``)."""
+    address = normalize_address(address)
+    for prefix in ("unix://", "unix:"):
+        if address.startswith(prefix):
+            return address[len(prefix):]
+    return None
+
+
+def no_daemon_message(address: str, waited_s: float) -> str:
+    """What an engine says when no daemon came up at ``address`` within
+    ``waited_s`` seconds: the socket as configured (its path, not a side
+    channel's) and what to do."""
+    where = unix_path(address) or address
+    return (f"no kvd daemon at {where} within {round(waited_s, 1):g} s "
+            "(start `kvd serve` first, or check kvd_socket)")
+
+
+def probe_unix_socket(address: str) -> OSError | None:
+    """The error of one ``connect()`` to the Unix socket of ``address`` (None:
+    it accepted, or ``address`` is not a Unix socket). Closed at once: to tell
+    why a call found no daemon, never on the way of one."""
+    path = unix_path(address)
+    if path is None:
+        return None
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(path)
+        except OSError as e:
+            return e
+    return None
 
 
 def open_channel(target: str, *, max_message_bytes: int, backoff_max_s: float) -> grpc.Channel:

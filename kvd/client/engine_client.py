@@ -61,6 +61,7 @@ the stream and reconnects; ``kvd.client.commands`` the commands themselves.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -68,10 +69,13 @@ import grpc
 
 from kvd.client.channel import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    NOT_LISTENING,
     EngineClientError,
     call_unary,
+    no_daemon_message,
     normalize_address,
     open_channel,
+    probe_unix_socket,
     rpc_status,
 )
 from kvd.client.commands import Lazy, abort_cmd, release_cmd
@@ -159,11 +163,16 @@ class EngineClient:
         #: blocks are sent again. When it raises, the registration is undone
         #: (logged) and the reconnect retried.
         self.on_register: Callable[[pb.RegisterEngineResponse], None] | None = None
-        #: Called with the request before every RegisterEngine (first, replacing,
-        #: re-registering); may edit it in place: the memfd path hands its fds
-        #: over again there (``kvd.client.fd_handover``: ids are one-use). What
-        #: it raises becomes an EngineClientError.
-        self.before_register: Callable[[pb.RegisterEngineRequest], None] | None = None
+        #: Called as ``before_register(request, deadline)`` before every
+        #: RegisterEngine (first, replacing, re-registering); may edit the
+        #: request in place: the memfd path hands its fds over again there
+        #: (``kvd.client.fd_handover``: ids are one-use). ``deadline``
+        #: (``time.monotonic()`` seconds): until when it may wait for a daemon
+        #: that is not up yet, the end of :meth:`register`'s ``timeout_s``,
+        #: which the RegisterEngine after it shares; None on a re-registration
+        #: (one try: the session loop tries again with its backoff). What it
+        #: raises becomes an EngineClientError.
+        self.before_register: Callable[[pb.RegisterEngineRequest, float | None], None] | None = None
 
     @property
     def label(self) -> str:
@@ -190,8 +199,10 @@ class EngineClient:
     ) -> pb.RegisterEngineResponse:
         """Registers this worker's KV regions (blocking; startup only).
 
-        Waits up to ``timeout_s`` for the daemon to come up. The request is
-        kept and sent again after every reconnect.
+        Waits up to ``timeout_s`` for the daemon to come up (an engine may
+        start first): ``before_register`` (the memfd handover) and
+        RegisterEngine share that one deadline, as does a replacement. The
+        request is kept and sent again after every reconnect.
 
         Args:
             replace_existing: on ``ALREADY_EXISTS`` (a previous run of this
@@ -199,13 +210,16 @@ class EngineClient:
                 registration and register again.
 
         Raises:
-            EngineClientError: the daemon refused or could not be reached.
+            EngineClientError: the daemon refused or could not be reached
+                (none up within ``timeout_s``: the message says so and names
+                the engine socket).
         """
         self._register_request = request
         self._worker = request.worker
         self._pending.label = f"engine={request.worker.engine_id} rank={request.worker.tp_rank}"
+        deadline = time.monotonic() + timeout_s
         try:
-            return self._send_register(request, timeout_s)
+            return self._send_register(request, deadline, wait=True)
         except EngineClientError as e:
             if e.code != grpc.StatusCode.ALREADY_EXISTS or not replace_existing:
                 raise
@@ -213,21 +227,44 @@ class EngineClient:
             "kvd already has engine %s rank %d registered (a previous run?); replacing it",
             request.worker.engine_id, request.worker.tp_rank,
         )
-        self.unregister(timeout_s=timeout_s)
-        return self._send_register(request, timeout_s)
+        self.unregister(timeout_s=_left(deadline))
+        return self._send_register(request, deadline, wait=True)
 
-    def _send_register(self, request: pb.RegisterEngineRequest, timeout_s: float) -> pb.RegisterEngineResponse:
-        """RegisterEngine, after ``before_register`` (the memory handover's
-        fd ids are fresh for each registration); keeps the answer's
-        ``session_token`` for the session and for unregistering."""
+    def _send_register(self, request: pb.RegisterEngineRequest, deadline: float, *,
+                       wait: bool) -> pb.RegisterEngineResponse:
+        """RegisterEngine by ``deadline`` (``time.monotonic()``), after
+        ``before_register`` (the memory handover's fd ids are fresh for each
+        registration; ``wait``: it may wait for the daemon until
+        ``deadline``); keeps the answer's ``session_token`` for the session
+        and for unregistering."""
+        started = time.monotonic()
         if self.before_register is not None:
             try:
-                self.before_register(request)
+                self.before_register(request, deadline if wait else None)
             except Exception as e:
                 raise EngineClientError(f"RegisterEngine to kvd at {self.address}: {e}") from e
-        response = call_unary(self.address, "RegisterEngine", self._stub.RegisterEngine, request, timeout_s)
+        try:
+            response = call_unary(self.address, "RegisterEngine", self._stub.RegisterEngine, request,
+                                  _left(deadline))
+        except EngineClientError as e:
+            if wait and e.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                raise self._unreachable(e, deadline - started) from None
+            raise
         self._session_token = response.session_token
         return response
+
+    def _unreachable(self, error: EngineClientError, waited_s: float) -> EngineClientError:
+        """``error`` (RegisterEngine waited in vain), saying why when the
+        engine socket tells: nobody listens there (the same words as the
+        memfd handover's), or connecting is refused (permission)."""
+        why = probe_unix_socket(self.address)
+        if why is None:
+            return error
+        if why.errno in NOT_LISTENING:
+            text = f"RegisterEngine to kvd at {self.address}: {no_daemon_message(self.address, waited_s)}"
+        else:
+            text = f"{error} (connecting to the engine socket: {why.strerror or why})"
+        return EngineClientError(text, error.code)
 
     def unregister(self, *, timeout_s: float = 5.0) -> pb.UnregisterEngineResponse:
         """Releases this worker's leases and registrations (blocking; shutdown).
@@ -393,7 +430,8 @@ class EngineClient:
         if self._register_request is None:
             return
         try:
-            response = self._send_register(self._register_request, self.reregister_timeout_s)
+            response = self._send_register(self._register_request, time.monotonic() + self.reregister_timeout_s,
+                                           wait=False)
         except EngineClientError as e:
             if e.code != grpc.StatusCode.ALREADY_EXISTS:
                 raise
@@ -410,3 +448,9 @@ class EngineClient:
                 except EngineClientError as e2:
                     log.warning("kvd %s: unregister after a failed on_register: %s", self.label, e2)
                 raise EngineClientError(f"on_register: {type(e).__name__}: {e}") from e
+
+
+def _left(deadline: float) -> float:
+    """Seconds until ``deadline`` (``time.monotonic()``), at least 1 ms: a
+    call made past it then fails DEADLINE_EXCEEDED at once."""
+    return max(deadline - time.monotonic(), 0.001)

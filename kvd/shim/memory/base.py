@@ -110,11 +110,13 @@ class KvSharing(ABC):
         self.staging = StagingMirror(shared.cache_blocks(), shared.regions, [s.size for s in shared.segments],
                                      shared.layout.num_blocks, response.staging_segments)
 
-    def prepare(self, request: pb.RegisterEngineRequest, engine_socket: str) -> None:
+    def prepare(self, request: pb.RegisterEngineRequest, engine_socket: str, deadline: float | None = None) -> None:
         """Before every ``RegisterEngine`` of ``request`` to the daemon of
         ``engine_socket`` (``EngineClient.before_register``): makes what the
         request names reachable for that daemon (the memfd path hands its fds
-        over and fills in their ids). Default: nothing to do."""
+        over and fills in their ids), waiting until ``deadline``
+        (``time.monotonic()``; None: not at all) for a daemon not up yet.
+        Default: nothing to do (RegisterEngine itself waits for the daemon)."""
 
     def sync(self) -> None:
         """Makes the forward pass's KV writes visible to the daemon (before a

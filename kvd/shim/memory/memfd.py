@@ -159,14 +159,16 @@ class MemfdSharing(ShmSharing):
     kind = "memfd"
     share_storage = staticmethod(share_storage)
 
-    def prepare(self, request: pb.RegisterEngineRequest, engine_socket: str) -> None:
+    def prepare(self, request: pb.RegisterEngineRequest, engine_socket: str, deadline: float | None = None) -> None:
         """Hands the memfds over to the daemon of ``engine_socket`` and names
         them by their fresh ids in ``request``'s MEMFD segments (see
-        :meth:`KvSharing.prepare`). Raises ``HandoverError``."""
+        :meth:`KvSharing.prepare`); until ``deadline``, waits for a daemon
+        still starting (the same memfds, sent once it listens). Raises
+        ``HandoverError``."""
         if self.data_path != "direct" or self.shared is None:
             return
         fds = [s.fd for s in self.shared.storages]
-        ids = hand_over(engine_socket, fds)
+        ids = hand_over(engine_socket, fds, deadline=deadline)
         for seg, fd_id in zip(request.segments, ids):
             seg.fd_id = fd_id
 

@@ -16,7 +16,11 @@ kvd_lease_s           daemon  seconds the prefill daemon holds finished blocks
                               daemon's ``max_lease_life_s``
 kvd_load_timeout_s    daemon  seconds a load may take before it fails; default:
                               the daemon's ``--transfer-timeout-s``
-kvd_connect_timeout_s 60      startup wait for the daemon (register, GetStats)
+kvd_connect_timeout_s 60      startup wait for the daemon (register, GetStats):
+                              an engine started first waits this long in all
+                              for ``kvd serve`` (memfd handover and
+                              RegisterEngine together), then fails naming
+                              ``kvd_socket``
 kvd_data_path         direct  how blocks reach NIXL (docs/DESIGN.md "Memory
                               sharing"): ``direct`` (the daemon maps the KV
                               cache itself: POSIX shm or CUDA IPC), ``staged``

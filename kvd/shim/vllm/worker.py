@@ -188,7 +188,9 @@ class KvdWorker:
             data_path=sharing.wire_data_path,
             owner_pid=os.getpid(),
         )
-        self.client.before_register = lambda req: sharing.prepare(req, self.client.address)  # memfds: fresh ids
+        # memfds: fresh ids each registration; the first one waits for a daemon
+        # started after this engine, within kvd_connect_timeout_s in all.
+        self.client.before_register = lambda req, deadline: sharing.prepare(req, self.client.address, deadline)
         self.registered = self.client.register(request, timeout_s=self.cfg.connect_timeout_s)
         sharing.attach(self.registered)
         if sharing.staging is not None:
