@@ -69,7 +69,8 @@ class Limits:
     # answered for peer_dead_s, whose engine is gone, or no load has used for
     # peer_idle_s is released (its peer agent and descriptor lists); the next
     # load handshakes again. A dead peer's state goes within about
-    # peer_dead_s + peer_check_s.
+    # peer_dead_s + peer_check_s. A push-mode reader no push has used for
+    # peer_idle_s is released too (kvd.core.push), at the same checks.
     peer_check_s: float = 15.0
     peer_dead_s: float = 45.0
     peer_idle_s: float = 600.0
@@ -110,6 +111,18 @@ class Bounds:
     open_session_timeout_s: float = 30.0
     # gRPC channels to remote daemons kept open (least recently used closed first).
     max_peer_channels: int = 256
+    # Push-mode readers one source worker keeps paired (kvd.core.push; each
+    # a peer agent loaded into its agent, a UCX endpoint: ~1 fd, and the
+    # pair's lists): past it the least recently used one no push is using
+    # is released (it pairs again on its next push, a first contact's cost),
+    # and with every one in use a push to a new reader is refused. A
+    # prefill worker is pushed to by the decode workers of its cluster that
+    # read its rank: tens to a few hundred; 512 leaves twice that. Not a
+    # setting: a larger cluster only pays more pairings. 64 workers x 512 is
+    # 32,768 fds, under the systemd unit's LimitNOFILE (65,536); one worker's
+    # 512 under the 1,024 of a shell's default (an unbounded number once
+    # took every fd there, and every peer call was refused).
+    max_push_readers: int = 512
     # After posting a transfer that is not done at once, the NIXL thread checks
     # it again for this long before leaving it to the progress loop (seconds;
     # docs/PERFORMANCE.md, "fast path"). A READ posted on the loop is not

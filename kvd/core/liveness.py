@@ -20,8 +20,14 @@ handshakes anew in the background. A dead peer's state goes within about
 loaded for as long as the decode daemon ran (``remote_agents`` 1 after
 > 120 s, found by an attacker review); docs/RELIABILITY.md has the numbers.
 
-Push-mode readers (``WorkerPairs.readers``, the source side) are not
-checked here.
+Push-mode readers (``WorkerPairs.readers``, the source side) no push has
+used for ``peer_idle_s`` are released at the same check
+(``kvd.core.push.retire_idle_readers``), never one a push is using. They
+are not asked whether they are there: a push names the reader's agent, not
+its daemon's address, so a dead reader goes as an idle one (a decode
+engine that restarted comes back under a new agent name). Before, every
+push reader stayed for the worker's life (``remote_agents`` 2,000 after a
+hostile peer's 2,000 pushes, after the reader process had exited too).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import time
 from kvd.core.events import Incompatible, InvalidArgument, NotFound, PeerUnavailable
 from kvd.core.limits import BOUNDS
 from kvd.core.peers import Peers
+from kvd.core.push import retire_idle_readers
 from kvd.core.runtime import Runtime
 from kvd.core.state import PeerKey, RemoteWorker, Worker
 
@@ -67,12 +74,14 @@ class Liveness:
                 log.exception("peer liveness check failed")
 
     async def check(self, now: float) -> None:
-        """One round (see the module docstring): releases idle remotes,
-        then asks each remote worker still in use whether it is there, all
-        at once, each within ``min(handshake_timeout_s, peer_check_s)``."""
+        """One round (see the module docstring): releases idle remotes and
+        push readers, then asks each remote worker still in use whether it
+        is there, all at once, each within ``min(handshake_timeout_s,
+        peer_check_s)``. ``now``: monotonic seconds."""
         limits = self.rt.limits
         users: dict[PeerKey, list[tuple[Worker, RemoteWorker]]] = {}
         for w in list(self.rt.workers.values()):
+            retire_idle_readers(w, now, limits.peer_idle_s)
             for key, r in list(w.pairs.remotes.items()):
                 if now - r.last_used > limits.peer_idle_s and w.pairs.warm_peer(r.address, r.engine_id) is None:
                     self.peers.retire(w, r, f"no load used it for {limits.peer_idle_s:.0f} s (peer_idle_s)",

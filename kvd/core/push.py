@@ -9,11 +9,25 @@
   reader's notification of the lease, as a READ's would in pull mode.
 
 The WRITEs in flight are polled by the progress loop (:meth:`Push.poll_writes`).
+
+The readers a source worker WRITEs to (``WorkerPairs.readers``: each a peer
+agent loaded into its agent, a UCX endpoint, ~1 fd, and the pair's
+descriptor lists) are capped (``BOUNDS.max_push_readers``: the least
+recently used one no push is using makes room, and pairs again on its next
+push; with every one in use the push is refused) and released when no push
+has used them for ``Limits.peer_idle_s`` (``kvd.core.liveness``). A reader
+is released as a retired remote is (``WorkerPairs.retired``, freed on the
+NIXL thread by the progress loop), never while a push uses it: one dropped
+then (its WRITE failed) waits until its last WRITE has ended. Before, every
+reader stayed for the worker's life: a hostile peer naming a new reader in
+each push loaded 2,000 agents in 18 s (+1 fd each), and at
+``RLIMIT_NOFILE`` 1024 every peer call was refused (docs/SECURITY.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from kvd.core import plan
@@ -25,6 +39,7 @@ from kvd.core.events import (
     PeerUnavailable,
     PermissionDenied,
     RecvDone,
+    ResourceExhausted,
 )
 from kvd.core.holds import Holds
 from kvd.core.layout import LayoutError
@@ -32,8 +47,33 @@ from kvd.core.limits import BOUNDS
 from kvd.core.nixl_agent import NixlError
 from kvd.core.peers import Peers, check_peer
 from kvd.core.runtime import Runtime
-from kvd.core.state import PushOrder, PushResult, Worker
+from kvd.core.state import HandshakeResult, PushOrder, PushResult, RemoteWorker, Worker
+from kvd.core.throttle import Throttled
 from kvd.requests import LoadRequest, flat
+
+log = logging.getLogger("kvd.core")
+
+
+def retire_reader(w: Worker, r: RemoteWorker, why: str, level: int = logging.INFO) -> bool:
+    """Stops WRITEing to push reader ``r`` of ``w``, no push using it
+    (``RemoteWorker.pushes`` 0): it leaves ``w.pairs.readers`` for
+    ``w.pairs.retired``, whose NIXL state (peer agent, UCX endpoint, lists)
+    the progress loop frees on the NIXL thread. Returns False, doing
+    nothing, when ``r`` is not ``w``'s reader any more or a push uses it."""
+    if r.pushes or w.pairs.readers.get(r.agent_name) is not r:
+        return False
+    del w.pairs.readers[r.agent_name]
+    w.pairs.retired.append(r)
+    log.log(level, "%s: released push reader %s (%s)", w.label, r.agent_name, why)
+    return True
+
+
+def retire_idle_readers(w: Worker, now: float, idle_s: float) -> int:
+    """Releases ``w``'s push readers no push has used for ``idle_s``
+    seconds (``now``: monotonic seconds), as :func:`retire_reader`;
+    returns how many."""
+    idle = [r for r in w.pairs.readers.values() if not r.pushes and now - r.last_used > idle_s]
+    return sum(retire_reader(w, r, f"no push used it for {idle_s:.0f} s (peer_idle_s)") for r in idle)
 
 
 class Push:
@@ -51,6 +91,14 @@ class Push:
         self.holds = holds
         # WRITEs in flight: id(handle) -> (source worker, handle, future of its end state, deadline)
         self.writes: dict[int, tuple[Worker, object, asyncio.Future, float]] = {}
+        # Readers dropped while a push used them (a WRITE failed): id(reader)
+        # -> (worker, reader, the worker's agent then); each goes to its
+        # worker's retired list when its last push ends (``_done_with``).
+        self._draining: dict[int, tuple[Worker, RemoteWorker, object]] = {}
+        self._pairing: dict[int, int] = {}  # id(worker) -> readers being paired (they count against the cap)
+        # A reader released at the cap is said at most once a minute: a peer
+        # naming a new reader per push would otherwise write a line a push.
+        self._evicted_warning = Throttled(log, interval_s=60.0)
 
     async def load(self, w: Worker, req: LoadRequest, remote_tp: int, read_from: list[int], notify: list[int],
                    started: float, deadline: float) -> tuple[FailureKind, str] | None:
@@ -92,7 +140,7 @@ class Push:
                                              max(0.1, deadline - time.monotonic()))
         except asyncio.TimeoutError:
             return FailureKind.TIMEOUT, "timeout: push not done by the deadline"
-        except (Incompatible, NotFound, PeerUnavailable, InvalidArgument) as e:
+        except (Incompatible, NotFound, PeerUnavailable, InvalidArgument, ResourceExhausted) as e:
             return FailureKind.PUSH, f"push: {e}"
         if not self.rt.registered(w):
             return None
@@ -109,14 +157,32 @@ class Push:
         """Source side: WRITE a held request's blocks into a reader.
 
         Counts as one reader's notification of the lease once the WRITE is
-        done, as a READ's notification would in pull mode.
+        done, as a READ's notification would in pull mode. The reader is
+        paired on its first push and kept (at most
+        ``BOUNDS.max_push_readers`` per worker, see the module docstring).
+        A call cancelled (its caller gone) still waits here for its WRITE's
+        end before the reader may be released, and then notifies nothing.
 
         Raises:
             NotFound: no such worker, or no lease for ``order.request_id``.
             InvalidArgument: block ids out of range, malformed reader.
             Incompatible: the layouts cannot be combined.
             PeerUnavailable: the WRITE failed or missed its deadline.
+            ResourceExhausted: a new reader, and each of the worker's
+                ``BOUNDS.max_push_readers`` readers is in use by a push.
         """
+        abandoned: list[bool] = []
+        task = asyncio.ensure_future(self._push(order, abandoned))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved, if nobody awaits it
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            abandoned.append(True)
+            raise
+
+    async def _push(self, order: PushOrder, abandoned: list[bool]) -> PushResult:
+        """:meth:`push`, shielded from its caller's cancellation: the reader
+        is in use (``RemoteWorker.pushes``) until the WRITE has ended."""
         w = self.rt.worker(order.engine_id, order.tp_rank)
         if order.request_id not in w.leases.leases:
             raise NotFound(f"engine {order.engine_id!r} rank {order.tp_rank} holds no blocks for request "
@@ -133,40 +199,125 @@ class Push:
         t0 = time.monotonic()
         reader = order.reader
         check_peer(w, reader, "push")
-        r = w.pairs.readers.get(reader.agent_name)
+        r = await self._take_reader(w, reader, order.reader_tp_rank)
+        try:
+            try:
+                dst_idx, src_idx = plan.chunk_indices(order.reader_groups, order.source_groups, r.num_regions,
+                                                      r.layout.num_blocks, w.layout.num_blocks, r.k, r.C,
+                                                      r.region_groups)
+            except LayoutError as e:
+                raise InvalidArgument(f"push: {e}") from None
+            local, remote = r.lists  # one read: the NIXL thread may swap in prepared lists
+
+            def post():  # NIXL thread
+                if r.freed:  # its worker's agent was replaced meanwhile (Registry.replace_agent)
+                    raise NixlError(f"reader {r.agent_name} released")
+                return w.agent.post("WRITE", local, src_idx, remote, dst_idx, b"")
+
+            try:
+                handle, state = await self.rt.nixl(post)
+            except NixlError as e:
+                raise PeerUnavailable(f"push: {e}") from None
+            fut = asyncio.get_running_loop().create_future()
+            timeout = self.rt.timeout(order.timeout_s)
+            self.writes[id(handle)] = (w, handle, fut, time.monotonic() + timeout)
+            self.rt.kick.set()
+            if state == "ERR":
+                fut.set_result("ERR")
+            st = await fut  # set once poll_writes has released the handle: the WRITE has ended
+            if st != "DONE":
+                self._drop(w, r, f"WRITE {st}")
+                raise PeerUnavailable(f"push: WRITE to {reader.agent_name} {st}")
+        finally:
+            self._done_with(w, r)
+        nbytes = r.transfer_bytes(order.source_groups)
+        if not abandoned:
+            self.holds.notify(order.engine_id, order.tp_rank, order.request_id, order.expected_notifications)
+        return PushResult(nbytes, len(src_idx), time.monotonic() - t0)
+
+    async def _take_reader(self, w: Worker, hs: HandshakeResult, rank: int) -> RemoteWorker:
+        """``w``'s reader of agent ``hs.agent_name``, paired now if it is
+        new (making room first, :meth:`_make_room`), marked in use by one
+        more push (release with :meth:`_done_with`).
+
+        Raises:
+            InvalidArgument: NIXL refused the reader's agent metadata.
+            Incompatible: the layouts cannot be combined.
+            ResourceExhausted: no room (:meth:`_make_room`).
+            NotFound, PeerUnavailable: ``w`` unregistered, or its agent
+                replaced, while pairing.
+        """
+        r = w.pairs.readers.get(hs.agent_name)
         if r is None:
+            self._make_room(w)
+            agent, key = w.agent, id(w)
+            self._pairing[key] = self._pairing.get(key, 0) + 1
             try:
                 # For a reader, "local" lists are ours (source rows), "remote" the reader's.
-                r = await self.peers.pair(w, reader, order.reader_tp_rank, we_read=False, address="",
-                                          engine_id=reader.agent_name)
+                r = await self.peers.pair(w, hs, rank, we_read=False, address="", engine_id=hs.agent_name)
             except NixlError as e:
                 raise InvalidArgument(f"push: reader agent metadata rejected: {e}") from None
-            w.pairs.readers[reader.agent_name] = r
-        try:
-            dst_idx, src_idx = plan.chunk_indices(order.reader_groups, order.source_groups, r.num_regions,
-                                                  r.layout.num_blocks, w.layout.num_blocks, r.k, r.C,
-                                                  r.region_groups)
-        except LayoutError as e:
-            raise InvalidArgument(f"push: {e}") from None
-        local, remote = r.lists  # one read: the NIXL thread may swap in prepared lists
-        try:
-            handle, state = await self.rt.nixl(w.agent.post, "WRITE", local, src_idx, remote, dst_idx, b"")
-        except NixlError as e:
-            raise PeerUnavailable(f"push: {e}") from None
-        fut = asyncio.get_running_loop().create_future()
-        timeout = self.rt.timeout(order.timeout_s)
-        self.writes[id(handle)] = (w, handle, fut, time.monotonic() + timeout)
-        self.rt.kick.set()
-        if state == "ERR":
-            fut.set_result("ERR")
-        st = await fut
-        if st != "DONE":
-            w.pairs.readers.pop(reader.agent_name, None)
+            finally:
+                self._pairing[key] -= 1
+                if not self._pairing[key]:
+                    del self._pairing[key]
+            if not self.rt.registered(w):
+                raise NotFound(f"{w.label} unregistered while pairing push reader {hs.agent_name}")
+            if w.agent is not agent:  # its state went with the old agent
+                raise PeerUnavailable(f"push: {w.label}'s NIXL agent replaced while pairing {hs.agent_name}")
+            other = w.pairs.readers.get(hs.agent_name)
+            if other is not None:  # paired by another push meanwhile: one is kept (the agent is shared)
+                w.pairs.retired.append(r)
+                r = other
+            else:
+                w.pairs.readers[hs.agent_name] = r
+        r.pushes += 1
+        r.last_used = time.monotonic()
+        return r
+
+    def _make_room(self, w: Worker) -> None:
+        """Room for one more reader of ``w`` under ``BOUNDS.max_push_readers``
+        (readers, those being paired and those dropped whose last WRITE has
+        not ended all count): the least recently used reader no push is
+        using is released (:func:`retire_reader`).
+
+        Raises:
+            ResourceExhausted: every reader is in use by a push.
+        """
+        cap = BOUNDS.max_push_readers
+        while (len(w.pairs.readers) + self._pairing.get(id(w), 0)
+               + sum(1 for x, _, _ in self._draining.values() if x is w)) >= cap:
+            idle = [r for r in w.pairs.readers.values() if not r.pushes]
+            if not idle:
+                raise ResourceExhausted(f"push: {w.label} has {cap} push readers (BOUNDS.max_push_readers), each "
+                                        "in use by a push; try again once one has ended")
+            lru = min(idle, key=lambda r: r.last_used)
+            retire_reader(w, lru, f"least recently used of {cap}, BOUNDS.max_push_readers", logging.DEBUG)
+            self._evicted_warning.warning("%s: push reader %s released to stay within BOUNDS.max_push_readers "
+                                          "(%d; it pairs again on its next push): more readers than that, or a "
+                                          "peer naming a new one per push", w.label, lru.agent_name, cap)
+
+    def _drop(self, w: Worker, r: RemoteWorker, why: str) -> None:
+        """A WRITE to reader ``r`` failed: the next push pairs again. ``r``
+        is released now if no other push uses it, else once the last one
+        has ended (:meth:`_done_with`). ``r.pushes`` counts the caller's."""
+        if w.pairs.readers.get(r.agent_name) is not r:
+            return  # released already (its agent replaced, its worker gone, another failure)
+        del w.pairs.readers[r.agent_name]
+        log.info("%s: dropped push reader %s (%s)", w.label, r.agent_name, why)
+        self._draining[id(r)] = (w, r, w.agent)
+
+    def _done_with(self, w: Worker, r: RemoteWorker) -> None:
+        """One push fewer uses reader ``r``; a dropped reader goes to the
+        retired ones with its last push (unless its worker's agent was
+        replaced or the worker is gone meanwhile: its state went with
+        them)."""
+        r.pushes -= 1
+        if r.pushes:
+            return
+        entry = self._draining.pop(id(r), None)
+        if entry is not None and entry[2] is w.agent and self.rt.registered(w) and not r.freed:
             w.pairs.retired.append(r)
-            raise PeerUnavailable(f"push: WRITE to {reader.agent_name} {st}")
-        nbytes = r.transfer_bytes(order.source_groups)
-        self.holds.notify(order.engine_id, order.tp_rank, order.request_id, order.expected_notifications)
-        return PushResult(nbytes, len(src_idx), time.monotonic() - t0)
 
     def poll_writes(self, now: float) -> list[tuple[asyncio.Future, str]]:
         """NIXL thread: the WRITEs that ended (or passed their deadline),

@@ -154,7 +154,10 @@ class RemoteWorker:
     daemon_version: str
     region_bytes: tuple[int, ...] = ()  # bytes one source block contributes, per region
     region_groups: tuple[int, ...] = ()  # KV-cache group of each region
-    last_used: float = 0.0  # monotonic seconds a load last took it (kvd.core.peers: idle eviction)
+    last_used: float = 0.0  # monotonic seconds a load (or push) last took it (idle eviction, kvd.core.liveness)
+    # Push reader only: pushes using it, from taking it until their WRITE
+    # has ended (kvd.core.push): it is not released while one does.
+    pushes: int = 0
     freed: bool = False
     prepare_later: bool = False  # small enough: lists prepared after the handshake
 
@@ -271,7 +274,8 @@ class WorkerPairs:
     """The remote agents one worker's agent knows (``kvd.core.peers``).
 
     ``remotes``: sources it READs from, by peer key; ``readers``: push-mode
-    readers it WRITEs to, by agent name; ``retired``: dropped ones whose NIXL
+    readers it WRITEs to, by agent name (at most ``BOUNDS.max_push_readers``,
+    released when idle: ``kvd.core.push``); ``retired``: dropped ones whose NIXL
     state is freed once no load uses them; ``agents``: peer agents loaded
     into its agent, name -> (metadata, users, the peer key whose description
     loaded it first: ``kvd.core.peers``); ``warm``: its ``warm_peers``

@@ -68,7 +68,9 @@ class PeerService(pb_grpc.PeerServiceServicer):
         gRPC status: NOT_FOUND for a worker not registered here or no blocks
         held for the request; INVALID_ARGUMENT for blocks not held, too many
         blocks, an ``expected_notifications`` outside 1..65536 or reader agent
-        metadata NIXL rejects; UNAVAILABLE when the WRITE to the reader fails."""
+        metadata NIXL rejects; UNAVAILABLE when the WRITE to the reader fails;
+        RESOURCE_EXHAUSTED for a new reader while each of the worker's
+        ``BOUNDS.max_push_readers`` readers has a WRITE in flight."""
         try:
             order = PushOrder(
                 engine_id=request.engine_id, tp_rank=request.tp_rank, request_id=request.request_id,
