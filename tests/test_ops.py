@@ -135,6 +135,7 @@ def test_metrics_count_a_real_transfer(ops):
     assert value(d, "kvd_session_streams") == 1
     assert value(d, "kvd_inflight_transfers") == 0
     assert value(d, "kvd_active_leases") == 0
+    assert value(d, "kvd_notifications_dropped_total") == 0  # a series from the start (none dropped)
     assert value(d, "kvd_uptime_seconds") > 0
     # The stall watch ticks every second from the start.
     assert 0 <= value(d, "kvd_event_loop_tick_age_seconds") < 30
@@ -170,7 +171,7 @@ def test_status_json_has_engines_peers_transfers_and_versions(ops):
     assert s["engines"] == 1 and s["regions"] == SHAPE.num_regions and s["registered_bytes"] == SHAPE.size
     assert s["transfers_done"] == 1 and s["transfers_failed"] == 1 and s["bytes_read"] == ops.recv.bytes
     assert s["inflight_transfers"] == 0 and s["active_leases"] == 0 and s["sessions"] == 1 and s["peers"] == 1
-    assert s["uptime_s"] > 0 and s["draining"] is False
+    assert s["uptime_s"] > 0 and s["draining"] is False and s["notifications_dropped"] == 0
     assert s["data_path"] == "direct" and s["backends"] == ["UCX"]
     assert s["peer_address"] == ops.decode.peer_address
     assert s["metrics_address"] == f"127.0.0.1:{ops.dm}"
@@ -202,6 +203,7 @@ def test_status_table_for_people(ops):
     out = r.stdout
     assert "serving" in out and re.search(r"^data path +direct$", out, re.M)
     assert "1 done, 1 failed, 0 in flight, 256.0 KiB read" in out
+    assert "dropped notifications" not in out  # shown only when some were
     header = next(line for line in out.splitlines() if line.startswith("ENGINE"))
     row = next(line for line in out.splitlines() if line.startswith("decode-e"))
     assert "REGISTERED" in header and "2.0 MiB" in row and "direct" in row

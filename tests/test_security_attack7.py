@@ -264,6 +264,35 @@ def test_notifications_past_the_backlog_are_dropped_counted_and_logged_once(capl
     assert len(lines) == 1 and "at most 65536, 16777216 bytes" in lines[0], lines
 
 
+def test_dropped_notifications_are_shown_by_getstats_status_and_metrics():
+    """The drops past the backlog were counted in ``Progress.notifs_dropped``
+    only, which no operator could read: a daemon's own Node now reports them
+    in GetStats (``notifications_dropped``), ``kvd status`` (a line when
+    nonzero, every field in --json) and Prometheus
+    (``kvd_notifications_dropped_total``)."""
+    from kvd.core.node import Node
+    from kvd.daemon.metrics import Metrics
+    from kvd.daemon.status import build_stats, render, to_dict
+
+    async def main():
+        node = Node()
+        try:
+            quiet = render(to_dict(build_stats(node)))
+            w = SimpleNamespace(label="w0")
+            for i in range(progress_mod.MAX_BACKLOG + 3):  # the backlog full, then 3 more
+                node.progress._keep(w, "hostile", f"r-{i}:1".encode())
+            return node.stats(), build_stats(node), Metrics(node.stats), quiet
+        finally:
+            await node.close()
+
+    stats, resp, metrics, quiet = asyncio.run(main())
+    assert stats["notifications_dropped"] == 3
+    assert resp.notifications_dropped == 3 and to_dict(resp)["notifications_dropped"] == 3
+    assert "dropped notifications" not in quiet  # none dropped: no line
+    assert re.search(r"^dropped notifications +3 past the backlog", render(to_dict(resp)), re.M)
+    assert metrics.registry.get_sample_value("kvd_notifications_dropped_total") == 3
+
+
 # ----------------------------------------------------- a real flood
 FLOOD = r"""
 import os, sys, time

@@ -326,4 +326,5 @@ class Node:
             claims_followed=c.claims_followed,
             claims_waited=c.claims_waited,
             holds_followed=self.mirror.fresh(),
+            notifications_dropped=self.progress.notifs_dropped,
         )

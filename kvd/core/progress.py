@@ -60,7 +60,9 @@ class Progress:
         self._task: asyncio.Task | None = None
         self._notifs: deque = deque()  # (worker, remote agent, message), oldest first
         self._notif_bytes = 0  # bytes of the messages in _notifs
-        self.notifs_dropped = 0  # since start, past MAX_BACKLOG / MAX_BACKLOG_BYTES
+        # Since start, past MAX_BACKLOG / MAX_BACKLOG_BYTES: GetStats' notifications_dropped,
+        # kvd_notifications_dropped_total, a `kvd status` line when nonzero.
+        self.notifs_dropped = 0
         self._dropped_warning = Throttled(log, interval_s=10.0)
 
     def start(self) -> None:

@@ -43,6 +43,10 @@ Read from ``Node.stats()`` at scrape time (they cannot drift from the core):
 - ``kvd_inflight_transfers``: READs posted and not finished
 - ``kvd_session_streams``: open engine session streams
 - ``kvd_leaked_transfer_handles``: NIXL handles that could not be released yet
+- ``kvd_notifications_dropped_total``: NIXL notifications dropped unread past
+  the progress loop's backlog (``kvd.core.progress.MAX_BACKLOG``,
+  ``MAX_BACKLOG_BYTES``): 0 unless a peer sent them faster than the loop
+  handles them
 - ``kvd_uptime_seconds``
 
 Plus ``kvd_build_info{version,nixl,grpcio}`` (always 1) and the standard
@@ -88,6 +92,8 @@ STATS_METRICS = (
     ("kvd_inflight_transfers", "inflight_transfers", "Transfers (READs) in flight"),
     ("kvd_session_streams", "sessions", "Open engine session streams"),
     ("kvd_leaked_transfer_handles", "leaked_handles", "NIXL transfer handles not yet released"),
+    ("kvd_notifications_dropped_total", "notifications_dropped",
+     "NIXL notifications dropped unread, past the progress loop's backlog (a peer flooding them)"),
     ("kvd_uptime_seconds", "uptime_s", "Seconds since the daemon started"),
 )
 

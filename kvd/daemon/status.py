@@ -187,6 +187,9 @@ def render(d: dict, target: str = "") -> str:
                         + ("" if d.get("workers") else " (paired once an engine registers)")))
     if d.get("leaked_handles"):
         summary.append(("leaked handles", str(d["leaked_handles"])))
+    if d.get("notifications_dropped"):
+        summary.append(("dropped notifications", f"{d['notifications_dropped']} past the backlog "
+                                                  "(a peer flooding notifications; see the log)"))
     width = max(len(k) for k, _ in summary)
     lines += [f"{k:<{width}}  {val}" for k, val in summary]
     if d.get("workers"):
