@@ -549,3 +549,24 @@ def test_a_warm_peer_incompatible_at_its_first_pairing_is_given_up(monkeypatch):
     slept, main = _keep_warm_harness(monkeypatch, lambda n: Incompatible("compat hash x != y"))
     state = asyncio.run(main(1))
     assert (state.state, state.tries, slept) == ("given up", 1, [])
+
+
+def test_a_warm_peer_that_refuses_this_daemon_is_logged_as_refused_not_unreached(monkeypatch, caplog):
+    """A warm peer whose daemon answered UNAUTHENTICATED (another peer
+    token) was reached: its retry line says "refused", pointing at the
+    token, and only an unreachable one says "not reached"."""
+    import asyncio
+    import logging
+
+    from kvd.core.events import PeerUnavailable
+
+    answers = {1: PeerUnavailable("10.0.0.1:7000: UNAUTHENTICATED: bad peer token proof"),
+               2: PeerUnavailable("10.0.0.1:7000: UNAVAILABLE: failed to connect", transient=True)}
+    slept, main = _keep_warm_harness(monkeypatch, lambda n: answers.get(n))
+    with caplog.at_level(logging.INFO, logger="kvd.core"):
+        state = asyncio.run(main(1))
+    lines = [r.getMessage() for r in caplog.records if "warm_peers 10.0.0.1:7000/P" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert "/P refused (10.0.0.1:7000: UNAUTHENTICATED: bad peer token proof)" in lines[0], lines
+    assert "/P not reached (10.0.0.1:7000: UNAVAILABLE" in lines[1], lines
+    assert state.tries == 3, state

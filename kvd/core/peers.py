@@ -35,7 +35,7 @@ from kvd import __version__
 from kvd.core import agent_names
 from kvd.core import layout as lay
 from kvd.core import plan
-from kvd.core.events import Incompatible, InvalidArgument, NotFound, PeerUnavailable
+from kvd.core.events import Incompatible, InvalidArgument, NotFound, PeerUnavailable, PermissionDenied
 from kvd.core.hold_mirror import HoldMirror
 from kvd.core.layout import LayoutError
 from kvd.core.limits import BOUNDS
@@ -301,9 +301,14 @@ class Peers:
                 # (an engine's start-up); still unreached after a minute, it
                 # may be a typo: said once at WARNING.
                 late = time.monotonic() - started > 60.0
+                # A peer that answered but refused us (no or another peer
+                # token) was reached: saying so points at the token, not
+                # the network.
+                said = ("refused" if isinstance(e, PermissionDenied) or ": UNAUTHENTICATED:" in str(e)
+                        else "not reached")
                 log.log(logging.WARNING if late and not warned else logging.INFO,
-                        "%s: warm_peers %s/%s not reached (%s); next try in %.0f s", w.label, address, engine_id,
-                        e, delay)
+                        "%s: warm_peers %s/%s %s (%s); next try in %.0f s", w.label, address, engine_id,
+                        said, e, delay)
                 warned = warned or late
             await asyncio.sleep(delay)
             if time.monotonic() - started > 60.0:
