@@ -79,9 +79,16 @@ def parse_host_port(value: str, key: str) -> tuple[str, int]:
         raise ConfigError(str(e)) from None
 
 
-def _setting(default: Any, doc: str, *, factory=None):
-    """A Config field that is a setting (file key, ``KVD_`` variable, flag)."""
+def _setting(default: Any, doc: str, *, factory=None, file_example: str = ""):
+    """A Config field that is a setting (file key, ``KVD_`` variable, flag).
+
+    ``file_example``: the setting names a file the daemon reads (a token, a
+    PEM file); it must then be an absolute path, and this one (as in
+    deploy/kvd.toml) is the example its error gives (:meth:`Config.validate`).
+    """
     meta = {"doc": doc}
+    if file_example:
+        meta["file_example"] = file_example
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -167,13 +174,17 @@ class Config:
                                                   "that registered may omit it)")
     # Remote daemons: who may use PeerService.
     peer_tls_cert: str = _setting("", "PEM certificate (chain) of this daemon for PeerService TLS, as server "
-                                      "and as client; with peer_tls_key and peer_tls_ca: mutual TLS")
-    peer_tls_key: str = _setting("", "PEM private key of peer_tls_cert")
-    peer_tls_ca: str = _setting("", "PEM CA bundle that signs every daemon's certificate (peers must present one)")
+                                      "and as client; with peer_tls_key and peer_tls_ca: mutual TLS; an "
+                                      "absolute path", file_example="/etc/kvd/tls/tls.crt")
+    peer_tls_key: str = _setting("", "PEM private key of peer_tls_cert; an absolute path",
+                                 file_example="/etc/kvd/tls/tls.key")
+    peer_tls_ca: str = _setting("", "PEM CA bundle that signs every daemon's certificate (peers must present "
+                                    "one); an absolute path", file_example="/etc/kvd/tls/ca.crt")
     peer_tls_server_name: str = _setting("", "name to verify in a remote daemon's certificate instead of "
                                              "the host of its address (empty: the host)")
     peer_token_file: str = _setting("", "file holding a shared secret (16+ characters) every daemon of the "
-                                        "cluster knows; peers prove it with an HMAC per call")
+                                        "cluster knows; peers prove it with an HMAC per call; an absolute path",
+                                    file_example="/etc/kvd/peer-token")
     peer_insecure: bool = _setting(False, "serve PeerService on a non-loopback peer_listen with no TLS and no "
                                           "token (any host that reaches the port may read and write the KV "
                                           "caches); without it such a daemon binds loopback only")
@@ -248,6 +259,17 @@ class Config:
             raise self._error("engine_socket", f"path {self.engine_socket!r} has characters gRPC targets cannot "
                                                f"carry ({' '.join(bad) or 'control characters'}); "
                                                f"{SOCKET_PATH_UNSAFE!r} and control characters are refused")
+        for f in file_settings():
+            path = getattr(self, f.name)
+            if path and not os.path.isabs(path):
+                # As engine_socket above: the daemon opens the file from its
+                # own working directory (/ under systemd, WorkingDirectory=
+                # unset; the image's WORKDIR in a container), not from the
+                # shell's or the config file's directory.
+                raise self._error(f.name, f"{path!r} is a relative path; give an absolute path (such as "
+                                          f"{f.metadata['file_example']}): the daemon would look for it in its "
+                                          f"working directory (/ under systemd), not in the directory of the "
+                                          f"shell or of the config file that named it")
         for key in ("peer_listen", "peer_advertise"):
             value = getattr(self, key)
             if value or key == "peer_listen":
@@ -483,6 +505,12 @@ def access_hint(path: str, error: OSError) -> str:
 def settings() -> list:
     """The dataclass fields of :class:`Config` that are settings, in order."""
     return [f for f in fields(Config) if "doc" in f.metadata]
+
+
+def file_settings() -> list:
+    """The settings that name a file the daemon reads (``peer_tls_*``,
+    ``peer_token_file``): absolute paths only (:meth:`Config.validate`)."""
+    return [f for f in settings() if "file_example" in f.metadata]
 
 
 def setting_names() -> list[str]:

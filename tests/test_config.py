@@ -164,6 +164,64 @@ def test_serve_with_a_bad_file_exits_64(tmp_path):
     assert r.returncode == 64 and "leese_s" in r.stderr
 
 
+FILE_KEYS = ("peer_tls_cert", "peer_tls_key", "peer_tls_ca", "peer_token_file")
+
+
+def test_every_setting_that_names_a_file_is_checked_for_an_absolute_path():
+    """The settings the daemon opens as files are the ones validate() checks;
+    a new one (doc saying PEM or file, a name ending in _file) must be marked
+    too, else its relative path would be read from / under systemd."""
+    from kvd.config import file_settings, settings
+
+    assert tuple(f.name for f in file_settings()) == FILE_KEYS
+    for f in settings():
+        text = f.metadata["doc"]
+        if f.name.endswith(("_file", "_cert", "_key", "_ca")) or text.startswith(("PEM", "file ")):
+            assert f in file_settings(), f.name
+            assert "an absolute path" in text and f.metadata["file_example"].startswith("/"), f.name
+
+
+@pytest.mark.parametrize("key", FILE_KEYS)
+@pytest.mark.parametrize("how", ["flag", "env", "file"])
+def test_a_relative_file_setting_is_refused_naming_its_source(tmp_path, key, how):
+    """Under systemd the daemon's working directory is / (systemd.exec,
+    WorkingDirectory=): a relative token or PEM path would be opened there,
+    not beside the config file or in the shell's directory. Refused (64, not
+    retried by the unit's RestartPreventExitStatus) by serve and
+    --print-config alike, naming the key, its source and an absolute example."""
+    (tmp_path / "secret").write_text("s" * 32 + "\n")  # found from the cwd: still refused
+    argv, env = ["serve", "--engine-socket", str(tmp_path / "k.sock")], {}
+    if how == "flag":
+        argv += [f"--{key.replace('_', '-')}", "secret"]
+        where = f"flag --{key.replace('_', '-')}"
+    elif how == "env":
+        env[f"KVD_{key.upper()}"] = "./secret"
+        where = f"env KVD_{key.upper()}"
+    else:
+        argv += ["--config", _file(tmp_path, f'{key} = "secret"\n')]
+        where = f"file {tmp_path / 'kvd.toml'}"
+    for extra in (["--print-config"], []):
+        r = subprocess.run([sys.executable, "-m", "kvd.cli", *argv, *extra], capture_output=True, text=True,
+                           timeout=60, cwd=tmp_path,
+                           env={**{k: v for k, v in os.environ.items() if not k.startswith("KVD_")}, **env})
+        assert r.returncode == 64, (extra, r.returncode, r.stderr)
+        assert f"invalid setting: {key} (from {where}): " in r.stderr, r.stderr
+        assert "is a relative path; give an absolute path (such as /etc/kvd/" in r.stderr, r.stderr
+        assert "(/ under systemd)" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert r.stdout == "", r.stdout  # --print-config prints no settings it would not run with
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["secret"] + (["kvd.toml"] if how == "file"
+                                                                                  else []))
+
+
+def test_absolute_and_empty_file_settings_pass_validation(tmp_path):
+    paths = {k: str(tmp_path / k) for k in FILE_KEYS}
+    cfg = load_config(paths, environ={})
+    assert {k: getattr(cfg, k) for k in FILE_KEYS} == paths
+    assert load_config({"peer_token_file": ""}, environ={}).peer_token_file == ""
+    with pytest.raises(ConfigError, match=r"^peer_tls_key \(from flag --peer-tls-key\): 'tls/k.pem' is a relative"):
+        load_config({**paths, "peer_tls_key": "tls/k.pem"}, environ={})
+
+
 def test_the_shipped_example_config_is_valid():
     cfg = load_config(environ={}, file=str(ROOT / "deploy" / "kvd.toml"))
     assert cfg.engine_socket == "/run/kvd/engine.sock"
