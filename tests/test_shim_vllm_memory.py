@@ -14,8 +14,10 @@ The in-process engine loop (``tests/vllm_inproc.py``: vLLM's own
 from __future__ import annotations
 
 import gc
+import logging
 import mmap
 import os
+import re
 
 import pytest
 import torch
@@ -25,11 +27,13 @@ if os.environ.get("KVD_SKIP_VLLM") == "1":
 pytest.importorskip("vllm")
 
 from kvd.addresses import join_host_port, split_host_port  # noqa: E402
-from kvd.shim.vllm import KvdShimConfig, as_groups, first_group  # noqa: E402
+from kvd.shim.vllm import KvdConnector, KvdShimConfig, as_groups, first_group  # noqa: E402
+from kvd.shim.vllm import config as shim_config  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from kvd.testing.util import wait_until  # noqa: E402
 from kvd.v1 import kvd_pb2 as pb  # noqa: E402
 from vllm_inproc import (  # noqa: E402
-    BS, HEAD, KV_HEADS, LAYERS, NB, Engine, kv_cache_config, make_request, prefill_request,
+    BS, HEAD, KV_HEADS, LAYERS, NB, Engine, kv_cache_config, make_request, prefill_request, vllm_config,
 )
 
 
@@ -51,6 +55,48 @@ def test_config_keys_and_addresses():
     assert KvdShimConfig.from_extra({"kvd_socket": "/s", "kvd_data_path": "STAGED"}).data_path == "staged"
     with pytest.raises(ValueError, match="kvd_data_path"):
         KvdShimConfig.from_extra({"kvd_socket": "/s", "kvd_data_path": "gpu"})
+
+
+def test_an_unknown_kvd_key_is_warned_about_naming_the_closest_setting(caplog):
+    """A misspelt ``kvd_`` key would otherwise be ignored silently (its
+    default used): one WARNING names it and the setting it is closest to, or
+    every setting when none is close; keys without the prefix are other
+    connectors' (a MultiConnector's dict) and pass unremarked."""
+    caplog.set_level(logging.WARNING, logger="kvd.shim.vllm")
+    cfg = KvdShimConfig.from_extra({"kvd_socket": "/s", "kvd_conect_timeout_s": 5, "kvd_lease_s": 3,
+                                    "nixl_backends": ["UCX"], "kv_buffer_size": 1, "KVD_DATA_PATH": "staged",
+                                    "kvd_zzz": 1})
+    assert cfg.connect_timeout_s == 60.0 and cfg.lease_s == 3.0 and cfg.data_path == "direct"  # ignored
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name.startswith("kvd")]
+    assert warned[:2] == [
+        "kvd: kv_connector_extra_config.kvd_conect_timeout_s is not a KvdConnector setting and is ignored; "
+        "did you mean kvd_connect_timeout_s?",
+        "kvd: kv_connector_extra_config.KVD_DATA_PATH is not a KvdConnector setting and is ignored; "
+        "did you mean kvd_data_path?",
+    ], warned
+    assert len(warned) == 3 and "kvd_zzz" in warned[2] and "known: kvd_socket, kvd_peer_address" in warned[2]
+    caplog.clear()
+    KvdShimConfig.from_extra({"kvd_socket": "/s", "kvd_lease_s": 3, "kvd_connect_timeout_s": 5,
+                              "kvd_load_timeout_s": 1, "kvd_data_path": "auto", "kvd_peer_address": "h:1"})
+    assert not caplog.records
+    # Every setting the module's table documents is known (tests/test_ops.py ties the table to what is read).
+    assert set(shim_config.SETTINGS) == set(re.findall(r"^(kvd_\w+) ", shim_config.__doc__, re.M))
+
+
+def test_the_connector_warns_once_at_startup_about_a_misspelt_key(model_dir, fake, caplog):
+    """Through vLLM's config: the worker connector, made with a misspelt
+    ``kvd_conect_timeout_s`` beside another connector's key, says so once."""
+    caplog.set_level(logging.WARNING, logger="kvd.shim.vllm")
+    config = vllm_config(model_dir, fake.socket, kvd_conect_timeout_s=5, nixl_backends=["UCX"])
+    w = KvdConnector(config, KVConnectorRole.WORKER, kv_cache_config())
+    try:
+        warned = [r.getMessage() for r in caplog.records
+                  if r.levelno >= logging.WARNING and r.name.startswith("kvd")]
+        assert warned == ["kvd: kv_connector_extra_config.kvd_conect_timeout_s is not a KvdConnector setting "
+                          "and is ignored; did you mean kvd_connect_timeout_s?"], warned
+        assert w.cfg.connect_timeout_s == 60.0
+    finally:
+        w.shutdown()
 
 
 # ------------------------------------------------------------- registration

@@ -33,6 +33,10 @@ kvd_data_path         direct  how blocks reach NIXL (docs/DESIGN.md "Memory
                               (``kvd.shim.memory.auto``)
 ===================== ======= ==================================================
 
+Any other ``kvd_`` key is ignored with one WARNING naming it and the closest
+of these (:func:`warn_unknown_keys`); keys without the prefix are other
+connectors' and are left alone.
+
 Refused at startup (:func:`check_supported`) with a clear error, and why:
 
 - KV-cache groups that are not attention over token positions (Mamba/SSM
@@ -51,6 +55,8 @@ Refused at startup (:func:`check_supported`) with a clear error, and why:
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,11 +64,44 @@ from vllm.config import VllmConfig
 
 from kvd.addresses import split_host_port
 from kvd.shim.memory.base import DATA_PATHS
+from kvd.usage import did_you_mean
 
 try:  # vLLM >= 0.32: failed receives reported with the completions
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 except ImportError:  # pragma: no cover - older vLLM
     KVConnectorTransferResults = None  # type: ignore[assignment,misc]
+
+log = logging.getLogger("kvd.shim.vllm")
+
+#: Every ``kv_connector_extra_config`` key :meth:`KvdShimConfig.from_extra`
+#: reads (the module table).
+SETTINGS = ("kvd_socket", "kvd_peer_address", "kvd_lease_s", "kvd_load_timeout_s", "kvd_connect_timeout_s",
+            "kvd_data_path")
+PREFIX = "kvd_"
+
+
+def warn_unknown_keys(extra: Mapping[Any, Any]) -> list[str]:
+    """Logs one WARNING per key of ``extra`` that starts with ``kvd_`` (any
+    case) and is not in :data:`SETTINGS`, naming the closest setting (difflib,
+    as the daemon's hint for a misspelt ``KVD_*`` variable) or, with none
+    close, all of them; returns the messages. Other keys are not looked at:
+    vLLM hands a connector the whole ``kv_connector_extra_config``, which a
+    MultiConnector shares among its connectors.
+
+    Warned, not refused, like the daemon's misspelt ``KVD_*`` variables
+    (``kvd.config.unknown_env_warnings``): a key a newer kvd reads, in a
+    config shared with engines still on an older one (a rolling upgrade),
+    must not stop those engines; the WARNING still says that the default is
+    used instead."""
+    out = []
+    for key in extra:
+        if not isinstance(key, str) or not key.lower().startswith(PREFIX) or key in SETTINGS:
+            continue
+        # Lower case for the match: keys are case-sensitive, KVD_LEASE_S is not kvd_lease_s.
+        hint = did_you_mean(key.lower(), SETTINGS) or f"; known: {', '.join(SETTINGS)}"
+        out.append(f"kv_connector_extra_config.{key} is not a KvdConnector setting and is ignored{hint}")
+        log.warning("kvd: %s", out[-1])
+    return out
 
 
 @dataclass(frozen=True)
@@ -78,8 +117,10 @@ class KvdShimConfig:
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> KvdShimConfig:
-        """Raises ValueError naming the bad key."""
+        """Raises ValueError naming the bad key; an unknown ``kvd_`` key is
+        only logged (:func:`warn_unknown_keys`)."""
         extra = dict(extra or {})
+        warn_unknown_keys(extra)
         socket = extra.get("kvd_socket")
         if not socket or not isinstance(socket, str):
             raise ValueError(
