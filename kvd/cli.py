@@ -21,7 +21,7 @@ import sys
 
 from kvd import __version__, ops
 from kvd.addresses import split_host_port
-from kvd.config import ConfigError, client_socket, flag_name, help_text, load_config, metavar, setting_names, settings
+from kvd.config import DEFAULT_SOCKET, ConfigError, client_socket, flag_name, help_text, load_config, metavar, setting_names, settings
 from kvd.usage import EXIT_OK, EXIT_USAGE, UsageParser, positive
 
 
@@ -89,18 +89,38 @@ def _print(answer: ops.Answer, quiet: bool = False) -> int:
     return answer.code
 
 
+def _engine_socket(args) -> str | None:
+    """The engine socket a client subcommand asks: ``--socket``, else
+    :func:`kvd.config.client_socket` (``$KVD_ENGINE_SOCKET``, else the
+    ``engine_socket`` of ``--config``'s file, else the default). Prints the
+    error and returns None when that file is unreadable or its
+    ``engine_socket`` invalid (the caller exits 64)."""
+    if args.socket is not None:
+        return args.socket
+    try:
+        return client_socket(file=args.config)
+    except ConfigError as e:
+        print(f"kvd {args.command}: {e}", file=sys.stderr)
+        return None
+
+
 def cmd_health(args) -> int:
     """``kvd health``: gRPC health check of the daemon (:func:`kvd.ops.health`).
     Returns 0 serving, 1 not serving (draining, or an unknown ``--service``),
     2 unreachable within ``--timeout`` seconds or refused, 64 when ``--socket``
-    and ``--address`` are both given (one target per check)."""
-    if args.socket is not None and args.address is not None:
-        print("kvd health: error: --socket and --address are mutually exclusive (one daemon per check)",
-              file=sys.stderr)
+    or ``--config`` is given with ``--address`` (one target per check), or
+    ``--config``'s file is unreadable or names an invalid engine socket."""
+    if args.address is not None:
+        for flag, given in (("--socket", args.socket), ("--config", args.config)):
+            if given is not None:
+                print(f"kvd health: error: {flag} and --address are mutually exclusive (one daemon per check: "
+                      f"{flag} finds its engine socket, --address asks its peer port)", file=sys.stderr)
+                return EXIT_USAGE
+        return _print(ops.health(ops.target("", args.address), args.service, args.timeout), args.quiet)
+    socket_path = _engine_socket(args)
+    if socket_path is None:
         return EXIT_USAGE
-    socket_path = client_socket() if args.socket is None else args.socket
-    return _print(ops.health(ops.target(socket_path, args.address or ""), args.service, args.timeout),
-                  args.quiet)
+    return _print(ops.health(ops.target(socket_path), args.service, args.timeout), args.quiet)
 
 
 def dial_address(text: str) -> str:
@@ -117,8 +137,13 @@ def dial_address(text: str) -> str:
 
 def cmd_status(args) -> int:
     """``kvd status``: prints the daemon's GetStats (engine socket only) as text
-    or ``--json`` (:func:`kvd.ops.status`). Returns 0, or 2 when unreachable or refused."""
-    return _print(ops.status(ops.target(args.socket), args.timeout, args.json))
+    or ``--json`` (:func:`kvd.ops.status`). Returns 0, 2 when unreachable or
+    refused, 64 when ``--config``'s file is unreadable or names an invalid
+    engine socket."""
+    socket_path = _engine_socket(args)
+    if socket_path is None:
+        return EXIT_USAGE
+    return _print(ops.status(ops.target(socket_path), args.timeout, args.json))
 
 
 def cmd_version(args) -> int:
@@ -134,6 +159,13 @@ def cmd_version(args) -> int:
         pass
     print(f"python {platform.python_version()}")
     return EXIT_OK
+
+
+# kvd health's and kvd status's help: where the engine socket comes from.
+CLIENT_SOCKET_EPILOG = ("The engine socket asked is, first found: --socket; $KVD_ENGINE_SOCKET; engine_socket in "
+                        "the --config file (or the file $KVD_CONFIG names), as `kvd serve` reads them; "
+                        f"{DEFAULT_SOCKET}. A daemon started with `kvd serve --config /etc/kvd/kvd.toml` "
+                        "(the systemd unit, the image) is found with --config /etc/kvd/kvd.toml.")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -165,17 +197,26 @@ def build_parser() -> argparse.ArgumentParser:
     for name, func, helptext in (
         ("health", cmd_health, "exit 0 when the daemon is serving, 1 when not serving (draining, or an unknown "
                                "--service), 2 when unreachable within --timeout or refused (this uid not "
-                               "admitted), 64 on a usage error"),
+                               "admitted), 64 on a usage error (or a --config file it cannot use)"),
         ("status", cmd_status, "show what the daemon holds: engines, regions, peers, leases, transfers"),
     ):
-        c = sub.add_parser(name, help=helptext, description=helptext)
-        # health: None marks "not given", so that --socket with --address is
-        # refused while $KVD_ENGINE_SOCKET (a default) with --address is not.
-        c.add_argument("--socket", default=None if name == "health" else client_socket(), metavar="PATH",
-                       help=f"the daemon's engine socket (default: $KVD_ENGINE_SOCKET or {client_socket()})")
+        c = sub.add_parser(name, help=helptext, description=helptext, epilog=CLIENT_SOCKET_EPILOG)
+        # None marks "not given": the socket is then found as the daemon
+        # finds it (kvd.config.client_socket), and for health --socket or
+        # --config with --address is refused while $KVD_ENGINE_SOCKET or
+        # $KVD_CONFIG (defaults) with --address is not.
+        c.add_argument("--socket", default=None, metavar="PATH",
+                       help=f"the daemon's engine socket (default: $KVD_ENGINE_SOCKET, else engine_socket in the "
+                            f"--config file, else {DEFAULT_SOCKET}); a relative path is taken from here")
+        c.add_argument("--config", default=None, metavar="FILE",
+                       help="the daemon's TOML config file, as given to `kvd serve --config` (default: "
+                            "$KVD_CONFIG): its engine_socket is the socket asked when neither --socket nor "
+                            "$KVD_ENGINE_SOCKET is given; its other settings are not read"
+                       + ("; not with --address" if name == "health" else ""))
         if name == "health":
             c.add_argument("--address", default=None, metavar="HOST:PORT", type=dial_address,
-                           help="ask over TCP (the peer port) instead of the Unix socket; not with --socket")
+                           help="ask over TCP (the peer port) instead of the Unix socket; not with --socket or "
+                                "--config")
         c.add_argument("--timeout", type=positive(float), default=2.0, metavar="SECONDS", help="deadline (default 2)")
         if name == "health":
             c.add_argument("--service", default="", help="service name to check (default: the whole server)")

@@ -10,6 +10,9 @@ these sources that sets it (highest first):
    ``lease_s = 60``, top-level keys only;
 4. the default below.
 
+``kvd health`` and ``kvd status`` find the engine socket the same way
+(:func:`client_socket`), their ``--socket`` in place of the flag.
+
 Flags and environment values are text and are parsed here (numbers; lists
 are comma-separated); TOML values must already have the right type. An
 unknown key in the file, a value of the wrong type, or a value out of range
@@ -238,27 +241,7 @@ class Config:
 
     def validate(self) -> "Config":
         """Checks every field; returns self. Raises ConfigError naming the key."""
-        if not self.engine_socket:
-            raise self._error("engine_socket", "must not be empty")
-        if not os.path.isabs(self.engine_socket):
-            # A daemon's working directory is / under systemd and whatever the
-            # image sets in a container: engines, `kvd health` and the unit's
-            # RuntimeDirectory would all look elsewhere.
-            raise self._error("engine_socket", f"{self.engine_socket!r} is a relative path; give an absolute "
-                                               f"path (such as {DEFAULT_SOCKET}): the daemon's working "
-                                               f"directory (/ under systemd) is not where engines look")
-        if len(os.fsencode(self.engine_socket)) > MAX_ENGINE_SOCKET_BYTES:
-            raise self._error("engine_socket", f"path longer than {MAX_ENGINE_SOCKET_BYTES} bytes "
-                                               f"({len(os.fsencode(self.engine_socket))}): the daemon binds it and "
-                                               f"'<path>.cmd' and '<path>.fd' beside it, and a Unix socket path "
-                                               f"is at most 107 bytes (unix(7)): {self.engine_socket!r}")
-        bad = sorted(set(self.engine_socket) & set(SOCKET_PATH_UNSAFE))
-        if bad or any(ord(c) < 32 for c in self.engine_socket):
-            # gRPC reads "unix:PATH" as a URI: '?' and '#' cut the path, '%'
-            # starts an escape; engines and `kvd health` would dial another path.
-            raise self._error("engine_socket", f"path {self.engine_socket!r} has characters gRPC targets cannot "
-                                               f"carry ({' '.join(bad) or 'control characters'}); "
-                                               f"{SOCKET_PATH_UNSAFE!r} and control characters are refused")
+        self._check_engine_socket()
         for f in file_settings():
             path = getattr(self, f.name)
             if path and not os.path.isabs(path):
@@ -351,6 +334,34 @@ class Config:
         if self.log_format not in LOG_FORMATS:
             raise self._error("log_format", f"{self.log_format!r} is not {' | '.join(LOG_FORMATS)}")
         return self
+
+    def _check_engine_socket(self) -> None:
+        """Checks ``engine_socket`` as the daemon binds it: absolute, short
+        enough for the sockets beside it, a path gRPC can dial. The clients
+        check one read from the daemon's config file the same way
+        (:func:`client_socket`). Raises ConfigError naming the key and its
+        source."""
+        if not self.engine_socket:
+            raise self._error("engine_socket", "must not be empty")
+        if not os.path.isabs(self.engine_socket):
+            # A daemon's working directory is / under systemd and whatever the
+            # image sets in a container: engines, `kvd health` and the unit's
+            # RuntimeDirectory would all look elsewhere.
+            raise self._error("engine_socket", f"{self.engine_socket!r} is a relative path; give an absolute "
+                                               f"path (such as {DEFAULT_SOCKET}): the daemon's working "
+                                               f"directory (/ under systemd) is not where engines look")
+        if len(os.fsencode(self.engine_socket)) > MAX_ENGINE_SOCKET_BYTES:
+            raise self._error("engine_socket", f"path longer than {MAX_ENGINE_SOCKET_BYTES} bytes "
+                                               f"({len(os.fsencode(self.engine_socket))}): the daemon binds it and "
+                                               f"'<path>.cmd' and '<path>.fd' beside it, and a Unix socket path "
+                                               f"is at most 107 bytes (unix(7)): {self.engine_socket!r}")
+        bad = sorted(set(self.engine_socket) & set(SOCKET_PATH_UNSAFE))
+        if bad or any(ord(c) < 32 for c in self.engine_socket):
+            # gRPC reads "unix:PATH" as a URI: '?' and '#' cut the path, '%'
+            # starts an escape; engines and `kvd health` would dial another path.
+            raise self._error("engine_socket", f"path {self.engine_socket!r} has characters gRPC targets cannot "
+                                               f"carry ({' '.join(bad) or 'control characters'}); "
+                                               f"{SOCKET_PATH_UNSAFE!r} and control characters are refused")
 
     def read_file_setting(self, key: str) -> bytes | None:
         """The contents of the file a setting names (None when unset); at
@@ -693,8 +704,10 @@ def read_regular(path: str, limit: int = MAX_FILE_BYTES, fifo_wait_s: float = FI
         os.close(fd)
 
 
-def read_file(path: str) -> dict:
-    """The top-level table of TOML file ``path``.
+def read_file(path: str, hint=None) -> dict:
+    """The top-level table of TOML file ``path``. ``hint(path, error)``:
+    what to add to the message of an OSError (default :func:`access_hint`,
+    the daemon's own).
 
     Raises:
         ConfigError: unreadable file or invalid TOML (the message has tomllib's
@@ -703,7 +716,7 @@ def read_file(path: str) -> dict:
     try:
         return tomllib.loads(read_regular(path).decode())
     except OSError as e:
-        raise ConfigError(f"config file {path}: {e.strerror or e}{access_hint(path, e)}") from None
+        raise ConfigError(f"config file {path}: {e.strerror or e}{(hint or access_hint)(path, e)}") from None
     except UnicodeDecodeError as e:  # TOML files are UTF-8 (tomllib decodes before parsing)
         raise ConfigError(f"config file {path}: not UTF-8 (byte {e.start}: {e.reason}); TOML files are UTF-8") \
             from None
@@ -810,11 +823,47 @@ def unknown_env_warnings(environ: Mapping[str, str]) -> list[str]:
     return out
 
 
-def client_socket(environ: Mapping[str, str] | None = None) -> str:
-    """Default engine socket for ``kvd health`` / ``kvd status``:
-    ``KVD_ENGINE_SOCKET`` when set (as for the daemon), else the default."""
+def client_socket(environ: Mapping[str, str] | None = None, file: str | None = None) -> str:
+    """The engine socket ``kvd health`` / ``kvd status`` ask when ``--socket``
+    is not given, found as the daemon finds it (flag aside):
+    ``KVD_ENGINE_SOCKET`` when set, else ``engine_socket`` of the TOML file
+    ``file`` (``--config``; else the file ``KVD_CONFIG`` names) when it sets
+    one, else the default. The file is read only when the variable is unset,
+    and only for ``engine_socket`` (the other keys are the daemon's to check).
+
+    Raises:
+        ConfigError: the file is unreadable or not TOML, or its
+            ``engine_socket`` is one ``kvd serve`` would refuse (not a string,
+            relative, too long); the message names the file.
+    """
     environ = os.environ if environ is None else environ
-    return env_value(environ, env_name("engine_socket")) or DEFAULT_SOCKET
+    from_env = env_value(environ, env_name("engine_socket"))
+    if from_env is not None:
+        return from_env
+    file = file or env_value(environ, ENV_CONFIG_FILE)
+    if not file:
+        return DEFAULT_SOCKET
+    table = read_file(file, _client_access_hint)
+    if "engine_socket" not in table:
+        return DEFAULT_SOCKET
+    source = f"file {file}"
+    f = next(f for f in settings() if f.name == "engine_socket")
+    cfg = Config(engine_socket=_coerce(f, table["engine_socket"], source, from_text=False))
+    cfg.sources = {"engine_socket": source}
+    cfg._check_engine_socket()
+    return cfg.engine_socket
+
+
+def _client_access_hint(path: str, error: OSError) -> str:
+    """For a client (``kvd health``) that may not read the daemon's config
+    file (the unit's is mode 0640, group kvd): who it runs as and what to do
+    instead; not :func:`access_hint`'s advice to hand the file over. Empty
+    for any other error."""
+    if error.errno not in (errno.EACCES, errno.EPERM):
+        return ""
+    uid = os.geteuid()
+    return (f"; this command runs as {_id('uid', uid, _user_name(uid))}: run it as a user that may read the "
+            f"file (root, or the daemon's user), or name the engine socket with --socket")
 
 
 def _toml_value(v: Any) -> str:

@@ -51,7 +51,8 @@ def _unreachable(command: str, target: str, e) -> Answer:
         path = target.removeprefix("unix:")
         if not os.path.exists(path):
             return Answer(EXIT_UNREACHABLE, f"kvd {command}: no daemon at {path} (no such socket): start one "
-                                            f"with `kvd serve`, or name its engine socket with --socket")
+                                            f"with `kvd serve`, or name its engine socket with --socket (or its config "
+                                            f"file with --config)")
         if not _is_socket(path):
             return Answer(EXIT_UNREACHABLE, f"kvd {command}: {path} is not a socket: name the daemon's engine "
                                             f"socket with --socket")

@@ -147,6 +147,133 @@ def test_clients_take_a_relative_socket_path_from_their_working_directory(tmp_pa
         assert r.returncode == 2 and "nothing listens" in r.stderr, (cmd, r.returncode, r.stderr)
 
 
+def _client(*args, cwd=None, **env):
+    """``kvd ARGS`` with no KVD_* variable of the caller's, plus ``env``."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
+    return subprocess.run([sys.executable, "-m", "kvd.cli", *args], capture_output=True, text=True, timeout=60,
+                          env={**base, **env}, cwd=cwd)
+
+
+def test_health_and_status_find_a_daemon_by_its_config_file(tmp_path):
+    """A daemon started with ``kvd serve --config FILE`` whose file sets
+    engine_socket (the systemd unit, the image) is found by ``kvd health
+    --config FILE`` and ``kvd status --config FILE``, or with $KVD_CONFIG
+    naming the file; without either they ask the default socket."""
+    from kvd.testing.daemons import start_daemon
+
+    conf = tmp_path / "kvd.toml"
+    conf.write_text(f'engine_socket = "{tmp_path / "kvd.sock"}"\nlease_s = 30\n')
+    # (start_daemon passes the same path as --engine-socket too.)
+    d = start_daemon(str(tmp_path), "kvd", "--config", str(conf))
+    try:
+        for cmd in ("health", "status"):
+            r = _client(cmd, "--config", str(conf), "--timeout", "10")
+            assert r.returncode == 0, (cmd, r.returncode, r.stderr)
+            # A relative --config is the caller's, as --socket is.
+            r = _client(cmd, "--config", "kvd.toml", "--timeout", "10", cwd=tmp_path)
+            assert r.returncode == 0, (cmd, r.returncode, r.stderr)
+            r = _client(cmd, "--timeout", "10", KVD_CONFIG=str(conf))
+            assert r.returncode == 0, (cmd, r.returncode, r.stderr)
+        assert str(tmp_path / "kvd.sock") in _client("status", "--config", str(conf)).stdout
+        r = _client("health", "--socket", str(tmp_path / "other.sock"), "--timeout", "1")
+        assert r.returncode == 2 and "other.sock" in r.stderr and "--config" in r.stderr, r.stderr
+    finally:
+        assert d.stop() == 0
+
+
+def test_the_client_socket_is_found_as_the_daemon_finds_it(tmp_path):
+    """--socket > $KVD_ENGINE_SOCKET > engine_socket of --config's file (or
+    $KVD_CONFIG's) > the default, as for ``kvd serve``; the file is read only
+    when it decides."""
+    from kvd.config import DEFAULT_SOCKET, client_socket
+
+    conf = tmp_path / "kvd.toml"
+    conf.write_text('engine_socket = "/srv/file.sock"\nlease_s = 30\n')
+    other = tmp_path / "other.toml"
+    other.write_text('engine_socket = "/srv/other.sock"\n')
+    assert client_socket({}, str(conf)) == "/srv/file.sock"
+    assert client_socket({"KVD_CONFIG": str(conf)}) == "/srv/file.sock"
+    assert client_socket({"KVD_CONFIG": str(other)}, str(conf)) == "/srv/file.sock"  # --config over KVD_CONFIG
+    assert client_socket({"KVD_ENGINE_SOCKET": "/srv/env.sock"}, str(conf)) == "/srv/env.sock"
+    assert client_socket({"KVD_ENGINE_SOCKET": ""}, str(conf)) == "/srv/file.sock"  # empty: unset
+    assert client_socket({"KVD_ENGINE_SOCKET": "/srv/env.sock"}, str(tmp_path / "absent.toml")) == "/srv/env.sock"
+    assert client_socket({}, None) == DEFAULT_SOCKET
+    (tmp_path / "bare.toml").write_text("lease_s = 30\n")
+    assert client_socket({}, str(tmp_path / "bare.toml")) == DEFAULT_SOCKET
+    # And on the command line: each answer names the socket it asked.
+    for args, env, asked in (
+        (["--socket", "/srv/flag.sock", "--config", str(conf)], {"KVD_ENGINE_SOCKET": "/srv/env.sock"},
+         "/srv/flag.sock"),
+        (["--config", str(conf)], {"KVD_ENGINE_SOCKET": "/srv/env.sock"}, "/srv/env.sock"),
+        (["--config", str(conf)], {"KVD_CONFIG": str(other)}, "/srv/file.sock"),
+        ([], {"KVD_CONFIG": str(other)}, "/srv/other.sock"),
+    ):
+        for cmd in ("health", "status"):
+            r = _client(cmd, *args, "--timeout", "0.5", **env)
+            assert r.returncode == 2 and f"no daemon at {asked} " in r.stderr, (cmd, args, env, r.stderr)
+
+
+@pytest.mark.parametrize("text, words", [
+    (None, "config file {conf}: No such file or directory"),
+    ("engine_socket = 5\n", "engine_socket (from file {conf}): expected a string, got 5"),
+    ('engine_socket = "kvd.sock"\n', "engine_socket (from file {conf}): 'kvd.sock' is a relative path; give an "
+                                      "absolute path"),
+    ("engine_socket = \n", "config file {conf}: "),
+])
+def test_a_config_file_the_client_cannot_use_is_a_usage_error(tmp_path, text, words):
+    conf = tmp_path / "kvd.toml"
+    if text is not None:
+        conf.write_text(text)
+    for cmd in ("health", "status"):
+        r = _client(cmd, "--config", str(conf), "--timeout", "0.5")
+        assert r.returncode == 64, (cmd, r.returncode, r.stderr)
+        assert r.stderr.startswith(f"kvd {cmd}: {words.format(conf=conf)}") and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_config_file_the_client_may_not_read_says_who_it_runs_as_not_to_hand_the_file_over(tmp_path,
+                                                                                              monkeypatch):
+    """The unit's /etc/kvd/kvd.toml is mode 0640, group kvd: an operator's
+    ``kvd health --config`` may not read it. The message is the client's (run
+    it as root or the daemon's user, or --socket), not the daemon's advice
+    to chown the file to whoever asked."""
+    import errno
+
+    import kvd.config
+    from kvd.config import client_socket
+
+    def refuse(path, *a, **k):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(kvd.config, "read_regular", refuse)
+    with pytest.raises(ConfigError) as e:
+        client_socket({}, str(tmp_path / "kvd.toml"))
+    msg = str(e.value)
+    assert msg.startswith(f"config file {tmp_path / 'kvd.toml'}: Permission denied; this command runs as uid "), msg
+    assert "(root, or the daemon's user), or name the engine socket with --socket" in msg and "chown" not in msg, msg
+
+
+def test_health_config_with_address_is_a_usage_error_but_kvd_config_is_not(tmp_path):
+    conf = tmp_path / "kvd.toml"
+    conf.write_text(f'engine_socket = "{tmp_path / "kvd.sock"}"\n')
+    r = _client("health", "--config", str(conf), "--address", "127.0.0.1:1", "--timeout", "0.5")
+    assert r.returncode == 64 and "--config and --address are mutually exclusive" in r.stderr, r.stderr
+    # $KVD_CONFIG is a default, as $KVD_ENGINE_SOCKET: --address asks the peer port, the file unread.
+    r = _client("health", "--address", "127.0.0.1:1", "--timeout", "0.5", KVD_CONFIG=str(tmp_path / "absent"))
+    assert r.returncode == 2 and "127.0.0.1:1" in r.stderr, (r.returncode, r.stderr)
+
+
+def test_health_and_status_help_say_where_the_socket_comes_from():
+    import re
+
+    for cmd in ("health", "status"):
+        r = _kvd(cmd, "--help", timeout=30)
+        flat = re.sub(r"\s+", " ", r.stdout)
+        assert "--config FILE the daemon's TOML config file, as given to `kvd serve --config`" in flat, flat
+        assert ("first found: --socket; $KVD_ENGINE_SOCKET; engine_socket in the --config file (or the file "
+                "$KVD_CONFIG names)") in flat, flat
+        assert "is found with --config /etc/kvd/kvd.toml" in flat, flat
+
+
 def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path):
     f = tmp_path / "kvd.toml"
     f.write_bytes("# caf\u00e9\nlease_s = 5\n".encode("latin-1"))
