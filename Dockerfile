@@ -64,8 +64,9 @@ EXPOSE 7700 9400
 STOPSIGNAL SIGTERM
 # kvd health exits 0 serving, 1 not serving (draining), 2 unreachable, 64 on
 # a usage error; Docker documents 0 (healthy) and 1 (unhealthy) and reserves
-# 2, so every failure is reported as 1.
+# 2, so every failure is reported as 1. --config names the file CMD serves
+# with, so a mounted kvd.toml that moves engine_socket is followed.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
-    CMD ["/bin/sh", "-c", "kvd health --quiet --timeout 3 || exit 1"]
+    CMD ["/bin/sh", "-c", "kvd health --quiet --timeout 3 --config /etc/kvd/kvd.toml || exit 1"]
 ENTRYPOINT ["kvd"]
 CMD ["serve", "--config", "/etc/kvd/kvd.toml"]

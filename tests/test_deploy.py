@@ -213,6 +213,9 @@ def test_dockerfile_is_multistage_non_root_with_a_healthcheck():
     user = re.findall(r"^USER (\S+)", text, re.M)[-1]
     assert user.split(":")[0] not in ("root", "0")
     assert healthcheck_argv()[-1].startswith("kvd health ")
+    # The check reads the config file the daemon serves with (its engine_socket).
+    served = re.search(r'^CMD \[.*"--config", "([^"]+)"\]', text, re.M).group(1)
+    assert f"--config {served} " in healthcheck_argv()[-1], healthcheck_argv()
     assert "org.opencontainers.image.title" in text and "ARG TORCH_INDEX_URL=" in text
     # No KVD_* ENV in the image: it would override a mounted config file.
     assert not re.search(r"^ENV .*KVD_|^\s+KVD_\w+=", text, re.M)
