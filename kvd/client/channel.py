@@ -9,8 +9,11 @@ Addresses: ``unix:///abs/path.sock``, ``unix:relative.sock``, a bare path
 from __future__ import annotations
 
 import errno
+import grp
 import os
+import pwd
 import socket
+import stat
 
 import grpc
 
@@ -64,6 +67,67 @@ def unix_path(address: str) -> str | None:
         if address.startswith(prefix):
             return address[len(prefix):]
     return None
+
+
+#: ``connect()`` errors on a Unix socket that mean this user may not connect
+#: there: the socket's mode (connect needs write permission on it, unix(7)),
+#: or a directory on its path this user may not search. Waiting does not
+#: change them.
+DENIED = frozenset({errno.EACCES, errno.EPERM})
+
+
+class EngineSocketDenied(EngineClientError):
+    """This process's user may not connect to the daemon's engine socket
+    (:data:`DENIED`); the message says who owns what (:func:`denied_message`)."""
+
+
+def _ids(uid: int, gid: int) -> str:
+    """``uid 0 (root) gid 0 (root)``: numbers, and names where known."""
+    def name(get, n: int) -> str:
+        try:
+            return f" ({get(n)[0]})"
+        except (KeyError, OverflowError):
+            return ""
+    return f"uid {uid}{name(pwd.getpwuid, uid)} gid {gid}{name(grp.getgrgid, gid)}"
+
+
+def denied_message(path: str, error: OSError, what: str = "the kvd engine socket") -> str:
+    """Why this process may not connect to the Unix socket ``path`` (its
+    ``connect()`` failed with ``error``, one of :data:`DENIED`): the socket's
+    owner and mode, or the directory on the way that this user may not
+    search, this process's uid, gid and groups, and what to change. ``what``
+    names the socket."""
+    me = f"this engine runs as {_ids(os.geteuid(), os.getegid())}"
+    groups = sorted(set(os.getgroups()) - {os.getegid()})
+    if groups:
+        me += f" (groups {', '.join(map(str, groups))})"
+    head = f"permission denied connecting to {what} {path} ({error.strerror or error})"
+    try:
+        st = os.stat(path)
+    except PermissionError:
+        st = None
+    except OSError:
+        return f"{head}; {me}"
+    if st is not None:
+        return (f"{head}: the socket is owned by {_ids(st.st_uid, st.st_gid)}, mode {stat.S_IMODE(st.st_mode):04o}"
+                f" (connecting needs write permission); {me}: run the engine as the socket's owner or in its "
+                "group (kvd serve --engine-socket-group)")
+    # A directory on the way shuts this user out: the last one stat() reaches.
+    blocked = os.path.dirname(os.path.abspath(path))
+    parent = os.path.dirname(blocked)
+    while parent != blocked:
+        try:
+            os.stat(blocked)
+            break
+        except OSError:
+            blocked, parent = parent, os.path.dirname(parent)
+    try:
+        st = os.stat(blocked)
+        owner = f"owned by {_ids(st.st_uid, st.st_gid)}, mode {stat.S_IMODE(st.st_mode):04o}"
+    except OSError:
+        owner = "not readable here"
+    return (f"{head}: a directory on its path this user may not enter, {blocked} ({owner}); {me}: "
+            "let the engine's user search that directory (x) or move the socket")
 
 
 def no_daemon_message(address: str, waited_s: float) -> str:

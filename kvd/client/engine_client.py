@@ -69,14 +69,18 @@ import grpc
 
 from kvd.client.channel import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    DENIED,
     NOT_LISTENING,
     EngineClientError,
+    EngineSocketDenied,
     call_unary,
+    denied_message,
     no_daemon_message,
     normalize_address,
     open_channel,
     probe_unix_socket,
     rpc_status,
+    unix_path,
 )
 from kvd.client.commands import Lazy, abort_cmd, release_cmd
 from kvd.client.pending import Pending
@@ -85,9 +89,22 @@ from kvd.requests import BlockGroups, LeaseRenewal, LoadRequest, RenewResult
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
-__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "EngineClient", "EngineClientError", "normalize_address"]
+__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "EngineClient", "EngineClientError", "EngineSocketDenied",
+           "normalize_address"]
 
 log = logging.getLogger("kvd.client")
+
+#: While a blocking call waits for its channel to connect: the first look at
+#: the engine socket (one ``connect()``, closed at once) after this long
+#: without a connection (seconds), then twice as long each time up to
+#: :data:`PROBE_MAX_S`. gRPC's wait-for-ready only waits: a ``connect()``
+#: denied for permission puts the channel in TRANSIENT_FAILURE, and a
+#: wait-for-ready call stays queued through it, the channel trying again
+#: with its backoff, until the deadline (gRPC's doc/wait-for-ready.md); the
+#: look tells permission denied, which waiting never cures. A channel to a
+#: daemon that is up connects before the first look (2 ms measured here).
+PROBE_FIRST_S = 0.1
+PROBE_MAX_S = 1.0
 
 
 class EngineClient:
@@ -213,6 +230,10 @@ class EngineClient:
             EngineClientError: the daemon refused or could not be reached
                 (none up within ``timeout_s``: the message says so and names
                 the engine socket).
+            EngineSocketDenied: this process's user may not connect to the
+                engine socket (its mode or owner, or a directory on its path):
+                at once, not at ``timeout_s``; the message names the socket,
+                its owner and mode and this process's uid.
         """
         self._register_request = request
         self._worker = request.worker
@@ -243,6 +264,7 @@ class EngineClient:
                 self.before_register(request, deadline if wait else None)
             except Exception as e:
                 raise EngineClientError(f"RegisterEngine to kvd at {self.address}: {e}") from e
+        self._wait_connected("RegisterEngine", deadline)
         try:
             response = call_unary(self.address, "RegisterEngine", self._stub.RegisterEngine, request,
                                   _left(deadline))
@@ -253,15 +275,54 @@ class EngineClient:
         self._session_token = response.session_token
         return response
 
+    def _wait_connected(self, name: str, deadline: float) -> None:
+        """Waits until the channel is connected or ``deadline``
+        (``time.monotonic()``), whichever is first, looking at the engine
+        socket while it is not (:data:`PROBE_FIRST_S`): the wait-for-ready
+        call after it then finds the channel up, or fails at its deadline.
+        Nothing for an address that is no Unix socket (the call waits).
+
+        Raises:
+            EngineSocketDenied: connecting to the engine socket is denied to
+                this user (``name``: the call, for the message).
+        """
+        path = unix_path(self.address)
+        if path is None:
+            return
+        ready = grpc.channel_ready_future(self._channel)
+        pause = PROBE_FIRST_S
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                try:
+                    ready.result(timeout=min(pause, left))
+                    return
+                except grpc.FutureTimeoutError:
+                    pass
+                why = probe_unix_socket(self.address)
+                if why is not None and why.errno in DENIED:
+                    raise EngineSocketDenied(f"{name} to kvd at {self.address}: {denied_message(path, why)}",
+                                             grpc.StatusCode.UNAVAILABLE)
+                pause = min(pause * 2, PROBE_MAX_S)
+        finally:
+            ready.cancel()
+
     def _unreachable(self, error: EngineClientError, waited_s: float) -> EngineClientError:
         """``error`` (RegisterEngine waited in vain), saying why when the
         engine socket tells: nobody listens there (the same words as the
-        memfd handover's), or connecting is refused (permission)."""
+        memfd handover's), or connecting is denied (permission: the daemon's
+        socket changed after :meth:`_wait_connected` looked), or refused."""
         why = probe_unix_socket(self.address)
         if why is None:
             return error
         if why.errno in NOT_LISTENING:
             text = f"RegisterEngine to kvd at {self.address}: {no_daemon_message(self.address, waited_s)}"
+        elif why.errno in DENIED:
+            path = unix_path(self.address) or self.address
+            return EngineSocketDenied(f"RegisterEngine to kvd at {self.address}: {denied_message(path, why)}",
+                                      error.code)
         else:
             text = f"{error} (connecting to the engine socket: {why.strerror or why})"
         return EngineClientError(text, error.code)
@@ -286,7 +347,14 @@ class EngineClient:
 
         Raises:
             EngineClientError: the daemon is unreachable within ``timeout_s``.
+            EngineSocketDenied: with ``wait_for_ready``, this process's user
+                may not connect to the engine socket: at once (see
+                :meth:`register`).
         """
+        if wait_for_ready:
+            deadline = time.monotonic() + timeout_s
+            self._wait_connected("GetStats", deadline)
+            timeout_s = _left(deadline)
         return call_unary(self.address, "GetStats", self._stub.GetStats, pb.StatsRequest(), timeout_s,
                           wait_for_ready)
 

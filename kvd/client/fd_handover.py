@@ -23,7 +23,7 @@ import socket
 import time
 
 from kvd import fd_wire as wire
-from kvd.client.channel import NOT_LISTENING, no_daemon_message, unix_path
+from kvd.client.channel import DENIED, NOT_LISTENING, denied_message, no_daemon_message, unix_path
 
 log = logging.getLogger("kvd.client")
 
@@ -54,7 +54,8 @@ def hand_over(engine_socket: str, fds: list[int], timeout_s: float = 10.0, *,
     Raises:
         HandoverError: no side channel (an older daemon, or none; with a
             ``deadline``: none by then, naming ``engine_socket``), any other
-            error connecting (permission denied: at once), a refusal (its
+            error connecting (permission denied: at once, naming the
+            socket's owner and mode and this uid), a refusal (its
             message), or no answer within ``timeout_s`` seconds per request.
     """
     path = wire.fd_socket_path(engine_socket)
@@ -119,6 +120,8 @@ def _request(path: str, fds: list[int], timeout_s: float, wait: _Wait) -> list[s
     try:
         s = _connect(path, timeout_s, wait)
     except OSError as e:
+        if e.errno in DENIED:  # the socket's owner and mode, and this engine's uid: what to change
+            raise HandoverError(denied_message(path, e, "the kvd fd channel")) from None
         raise HandoverError(f"kvd fd channel {path}: {e.strerror or e}") from None
     with s:
         try:

@@ -20,7 +20,8 @@ kvd_connect_timeout_s 60      startup wait for the daemon (register, GetStats):
                               an engine started first waits this long in all
                               for ``kvd serve`` (memfd handover and
                               RegisterEngine together), then fails naming
-                              ``kvd_socket``
+                              ``kvd_socket``; one whose user may not connect
+                              to it fails at once, naming its owner and mode
 kvd_data_path         direct  how blocks reach NIXL (docs/DESIGN.md "Memory
                               sharing"): ``direct`` (the daemon maps the KV
                               cache itself: POSIX shm or CUDA IPC), ``staged``

@@ -21,7 +21,7 @@ import torch
 from vllm.config import VllmConfig
 
 from kvd.addresses import split_host_port
-from kvd.client.engine_client import EngineClient, EngineClientError
+from kvd.client.engine_client import EngineClient, EngineClientError, EngineSocketDenied
 from kvd.requests import BlockGroups, LoadRequest, flat
 from kvd.shim.memory import auto
 from kvd.shim.memory.base import KvSharing
@@ -58,6 +58,9 @@ def daemon_peer_address(cfg: KvdShimConfig) -> str:
     client = EngineClient(cfg.socket)
     try:
         stats = client.get_stats(timeout_s=cfg.connect_timeout_s)
+    except EngineSocketDenied as e:  # at once: waiting would not help
+        raise RuntimeError(f"KvdConnector: cannot ask the kvd daemon at {cfg.socket} for its peer address: "
+                           f"{e}") from None
     except EngineClientError as e:
         raise RuntimeError(
             f"KvdConnector: cannot ask the kvd daemon at {cfg.socket} for its peer address "
