@@ -147,16 +147,16 @@ def cmd_status(args) -> int:
 
 
 def cmd_version(args) -> int:
-    """``kvd version``: prints kvd's version, those of nixl, grpcio and protobuf when installed, and
-    Python's. Returns 0."""
-    print(f"kvd {__version__}")
-    try:
-        from importlib.metadata import version
+    """``kvd version``: prints kvd's version, those of nixl, grpcio and protobuf (``nixl not
+    installed`` for one that is missing: the others are still listed), and Python's. Returns 0."""
+    from importlib.metadata import PackageNotFoundError, version
 
-        for pkg in ("nixl", "grpcio", "protobuf"):
+    print(f"kvd {__version__}")
+    for pkg in ("nixl", "grpcio", "protobuf"):
+        try:
             print(f"{pkg} {version(pkg)}")
-    except Exception:
-        pass
+        except PackageNotFoundError:
+            print(f"{pkg} not installed")
     print(f"python {platform.python_version()}")
     return EXIT_OK
 

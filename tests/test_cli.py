@@ -168,6 +168,28 @@ def test_version_flag():
     assert r.returncode == 0 and r.stdout.startswith("kvd ")
 
 
+def test_version_lists_every_package_when_one_is_not_installed(monkeypatch, capsys):
+    """A missing package (nixl on a node without it) is named as not
+    installed; those after it and Python are still listed."""
+    import importlib.metadata
+
+    from kvd.cli import main
+
+    real = importlib.metadata.version
+
+    def version(name):
+        if name == "nixl":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    assert main(["version"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == ["kvd", "nixl", "grpcio", "protobuf", "python"], lines
+    assert lines[1] == "nixl not installed", lines
+    assert lines[2] == f"grpcio {real('grpcio')}" and lines[3] == f"protobuf {real('protobuf')}", lines
+
+
 @pytest.mark.parametrize("path", ["/tmp/kvd/q?x.sock", "/tmp/kvd/h#x.sock", "/tmp/kvd/p%41.sock",
                                   "/tmp/kvd/nl\n.sock"])
 def test_socket_paths_grpc_cannot_dial_are_refused(path):
