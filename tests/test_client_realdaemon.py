@@ -89,6 +89,28 @@ def test_a_load_of_blocks_outside_the_remote_cache_fails_not_hangs(daemon_pair):
         dc.close()
 
 
+def test_registering_and_closing_leaves_no_connectivity_watch_on_the_channel(daemon_pair, monkeypatch):
+    """A registration (which looks at the engine socket first) and its
+    session start no gRPC connectivity watch: its polling thread outlives
+    its cancel and, once the client closes the channel, dies with a
+    "Channel closed!" traceback in the engine's log (seen in ``kvd bench``)."""
+    import grpc._channel
+
+    prefill, _ = daemon_pair
+    watched = []
+    real = grpc._channel.Channel.subscribe
+    monkeypatch.setattr(grpc._channel.Channel, "subscribe",
+                        lambda self, *a, **k: (watched.append(a), real(self, *a, **k))[1])
+    errors = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
+    _, caches = vllm032_cpu_caches(1)
+    client = connect(prefill, "engine-w", caches)
+    assert client.get_stats(timeout_s=10).peer_address == prefill.peer_address
+    client.close()
+    time.sleep(0.5)  # a watch's thread polls every 0.2 s (grpc/_channel.py)
+    assert watched == [] and errors == [], (watched, errors)
+
+
 @pytest.fixture
 def silent_peer():
     """A TCP port that accepts connections and never speaks (a hung peer daemon)."""

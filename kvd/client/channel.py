@@ -141,8 +141,9 @@ def no_daemon_message(address: str, waited_s: float) -> str:
 
 def probe_unix_socket(address: str) -> OSError | None:
     """The error of one ``connect()`` to the Unix socket of ``address`` (None:
-    it accepted, or ``address`` is not a Unix socket). Closed at once: to tell
-    why a call found no daemon, never on the way of one."""
+    it accepted, or ``address`` is not a Unix socket). Closed at once: before a
+    blocking call (is a daemon there, may this user connect) and to tell why
+    a call found no daemon; never on an engine step's way."""
     path = unix_path(address)
     if path is None:
         return None

@@ -94,15 +94,9 @@ __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "EngineClient", "EngineClientError", "En
 
 log = logging.getLogger("kvd.client")
 
-#: While a blocking call waits for its channel to connect: the first look at
-#: the engine socket (one ``connect()``, closed at once) after this long
-#: without a connection (seconds), then twice as long each time up to
-#: :data:`PROBE_MAX_S`. gRPC's wait-for-ready only waits: a ``connect()``
-#: denied for permission puts the channel in TRANSIENT_FAILURE, and a
-#: wait-for-ready call stays queued through it, the channel trying again
-#: with its backoff, until the deadline (gRPC's doc/wait-for-ready.md); the
-#: look tells permission denied, which waiting never cures. A channel to a
-#: daemon that is up connects before the first look (2 ms measured here).
+#: While no daemon listens on the engine socket, a blocking call looks at it
+#: again after this long (seconds), then twice as long each time up to
+#: :data:`PROBE_MAX_S` (:meth:`EngineClient._wait_connected`).
 PROBE_FIRST_S = 0.1
 PROBE_MAX_S = 1.0
 
@@ -276,11 +270,22 @@ class EngineClient:
         return response
 
     def _wait_connected(self, name: str, deadline: float) -> None:
-        """Waits until the channel is connected or ``deadline``
-        (``time.monotonic()``), whichever is first, looking at the engine
-        socket while it is not (:data:`PROBE_FIRST_S`): the wait-for-ready
-        call after it then finds the channel up, or fails at its deadline.
-        Nothing for an address that is no Unix socket (the call waits).
+        """Before a wait-for-ready call: looks at the engine socket itself (one
+        ``connect()``, closed at once) until it accepts or ``deadline``
+        (``time.monotonic()``), :data:`PROBE_FIRST_S` apart at first, then
+        twice as long each time up to :data:`PROBE_MAX_S`. A daemon that is
+        up accepts the first look (one ``connect()``, tens of us). Nothing
+        for an address that is no Unix socket (the call waits alone).
+
+        gRPC's wait-for-ready only waits: a ``connect()`` denied for
+        permission puts the channel in TRANSIENT_FAILURE and a wait-for-ready
+        call stays queued through it until its deadline (gRPC's
+        doc/wait-for-ready.md); the look tells permission denied, which
+        waiting never cures. No connectivity watch on the channel
+        (``grpc.channel_ready_future``): its polling thread outlives its
+        cancel and raises "Channel closed!" once the channel is closed
+        (grpc's ``_channel._poll_connectivity``), a traceback in the engine's
+        log.
 
         Raises:
             EngineSocketDenied: connecting to the engine socket is denied to
@@ -289,25 +294,19 @@ class EngineClient:
         path = unix_path(self.address)
         if path is None:
             return
-        ready = grpc.channel_ready_future(self._channel)
         pause = PROBE_FIRST_S
-        try:
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return
-                try:
-                    ready.result(timeout=min(pause, left))
-                    return
-                except grpc.FutureTimeoutError:
-                    pass
-                why = probe_unix_socket(self.address)
-                if why is not None and why.errno in DENIED:
-                    raise EngineSocketDenied(f"{name} to kvd at {self.address}: {denied_message(path, why)}",
-                                             grpc.StatusCode.UNAVAILABLE)
-                pause = min(pause * 2, PROBE_MAX_S)
-        finally:
-            ready.cancel()
+        while True:
+            why = probe_unix_socket(self.address)
+            if why is not None and why.errno in DENIED:
+                raise EngineSocketDenied(f"{name} to kvd at {self.address}: {denied_message(path, why)}",
+                                         grpc.StatusCode.UNAVAILABLE)
+            left = deadline - time.monotonic()
+            # Accepted, or an error the call itself will report (a full
+            # backlog, say): the call goes ahead.
+            if why is None or why.errno not in NOT_LISTENING or left <= 0:
+                return
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, PROBE_MAX_S)
 
     def _unreachable(self, error: EngineClientError, waited_s: float) -> EngineClientError:
         """``error`` (RegisterEngine waited in vain), saying why when the
