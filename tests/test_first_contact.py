@@ -551,22 +551,27 @@ def test_a_warm_peer_incompatible_at_its_first_pairing_is_given_up(monkeypatch):
     assert (state.state, state.tries, slept) == ("given up", 1, [])
 
 
-def test_a_warm_peer_that_refuses_this_daemon_is_logged_as_refused_not_unreached(monkeypatch, caplog):
+def test_a_warm_peer_that_refuses_this_daemon_is_logged_as_refused_at_a_growing_pause(monkeypatch, caplog):
     """A warm peer whose daemon answered UNAUTHENTICATED (another peer
     token) was reached: its retry line says "refused", pointing at the
-    token, and only an unreachable one says "not reached"."""
+    token, at WARNING the first time; it lasts until an operator acts, so
+    it is tried again after 1, 2, 4 .. s, not every second. Only an
+    unreachable one says "not reached"."""
     import asyncio
     import logging
 
     from kvd.core.events import PeerUnavailable
 
-    answers = {1: PeerUnavailable("10.0.0.1:7000: UNAUTHENTICATED: bad peer token proof"),
-               2: PeerUnavailable("10.0.0.1:7000: UNAVAILABLE: failed to connect", transient=True)}
+    bad = PeerUnavailable("10.0.0.1:7000: UNAUTHENTICATED: bad peer token proof")
+    answers = {1: bad, 2: bad, 3: bad, 4: PeerUnavailable("10.0.0.1:7000: UNAVAILABLE: failed to connect",
+                                                          transient=True)}
     slept, main = _keep_warm_harness(monkeypatch, lambda n: answers.get(n))
     with caplog.at_level(logging.INFO, logger="kvd.core"):
         state = asyncio.run(main(1))
-    lines = [r.getMessage() for r in caplog.records if "warm_peers 10.0.0.1:7000/P" in r.getMessage()]
-    assert len(lines) == 2, lines
-    assert "/P refused (10.0.0.1:7000: UNAUTHENTICATED: bad peer token proof)" in lines[0], lines
-    assert "/P not reached (10.0.0.1:7000: UNAVAILABLE" in lines[1], lines
-    assert state.tries == 3, state
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if "warm_peers 10.0.0.1:7000/P" in r.getMessage()]
+    assert len(lines) == 4, lines
+    assert [level for level, _ in lines] == ["WARNING", "INFO", "INFO", "INFO"], lines
+    assert all("/P refused (10.0.0.1:7000: UNAUTHENTICATED: bad peer token proof)" in m for _, m in lines[:3]), lines
+    assert "/P not reached (10.0.0.1:7000: UNAVAILABLE" in lines[3][1], lines
+    assert slept[:4] == [1.0, 2.0, 4.0, 8.0], slept
+    assert state.tries == 5, state
