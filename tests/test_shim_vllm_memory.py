@@ -57,15 +57,19 @@ def test_config_keys_and_addresses():
         KvdShimConfig.from_extra({"kvd_socket": "/s", "kvd_data_path": "gpu"})
 
 
-def test_an_unknown_kvd_key_is_warned_about_naming_the_closest_setting(caplog):
+def test_an_unknown_kvd_key_is_warned_about_naming_the_closest_setting(caplog, monkeypatch):
     """A misspelt ``kvd_`` key would otherwise be ignored silently (its
     default used): one WARNING names it and the setting it is closest to, or
     every setting when none is close; keys without the prefix are other
-    connectors' (a MultiConnector's dict) and pass unremarked."""
+    connectors' (a MultiConnector's dict) and pass unremarked; the same key
+    read again in this process (vLLM's scheduler and worker connectors)
+    is not logged twice."""
+    monkeypatch.setattr(shim_config, "_WARNED", set())
     caplog.set_level(logging.WARNING, logger="kvd.shim.vllm")
-    cfg = KvdShimConfig.from_extra({"kvd_socket": "/s", "kvd_conect_timeout_s": 5, "kvd_lease_s": 3,
-                                    "nixl_backends": ["UCX"], "kv_buffer_size": 1, "KVD_DATA_PATH": "staged",
-                                    "kvd_zzz": 1})
+    extra = {"kvd_socket": "/s", "kvd_conect_timeout_s": 5, "kvd_lease_s": 3, "nixl_backends": ["UCX"],
+             "kv_buffer_size": 1, "KVD_DATA_PATH": "staged", "kvd_zzz": 1}
+    cfg = KvdShimConfig.from_extra(extra)
+    KvdShimConfig.from_extra(extra)
     assert cfg.connect_timeout_s == 60.0 and cfg.lease_s == 3.0 and cfg.data_path == "direct"  # ignored
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name.startswith("kvd")]
     assert warned[:2] == [
@@ -83,9 +87,10 @@ def test_an_unknown_kvd_key_is_warned_about_naming_the_closest_setting(caplog):
     assert set(shim_config.SETTINGS) == set(re.findall(r"^(kvd_\w+) ", shim_config.__doc__, re.M))
 
 
-def test_the_connector_warns_once_at_startup_about_a_misspelt_key(model_dir, fake, caplog):
+def test_the_connector_warns_once_at_startup_about_a_misspelt_key(model_dir, fake, caplog, monkeypatch):
     """Through vLLM's config: the worker connector, made with a misspelt
     ``kvd_conect_timeout_s`` beside another connector's key, says so once."""
+    monkeypatch.setattr(shim_config, "_WARNED", set())
     caplog.set_level(logging.WARNING, logger="kvd.shim.vllm")
     config = vllm_config(model_dir, fake.socket, kvd_conect_timeout_s=5, nixl_backends=["UCX"])
     w = KvdConnector(config, KVConnectorRole.WORKER, kv_cache_config())

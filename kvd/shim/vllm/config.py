@@ -93,7 +93,9 @@ def warn_unknown_keys(extra: Mapping[Any, Any]) -> list[str]:
     (``kvd.config.unknown_env_warnings``): a key a newer kvd reads, in a
     config shared with engines still on an older one (a rolling upgrade),
     must not stop those engines; the WARNING still says that the default is
-    used instead."""
+    used instead. Logged once per key and process: vLLM makes a scheduler
+    connector and a worker connector in the engine-core process, each
+    reading the same dict."""
     out = []
     for key in extra:
         if not isinstance(key, str) or not key.lower().startswith(PREFIX) or key in SETTINGS:
@@ -101,8 +103,14 @@ def warn_unknown_keys(extra: Mapping[Any, Any]) -> list[str]:
         # Lower case for the match: keys are case-sensitive, KVD_LEASE_S is not kvd_lease_s.
         hint = did_you_mean(key.lower(), SETTINGS) or f"; known: {', '.join(SETTINGS)}"
         out.append(f"kv_connector_extra_config.{key} is not a KvdConnector setting and is ignored{hint}")
-        log.warning("kvd: %s", out[-1])
+        if key not in _WARNED and len(_WARNED) < 64:  # bounded: keys come from a config, not a peer
+            _WARNED.add(key)
+            log.warning("kvd: %s", out[-1])
     return out
+
+
+#: Keys :func:`warn_unknown_keys` has logged in this process.
+_WARNED: set[str] = set()
 
 
 @dataclass(frozen=True)
