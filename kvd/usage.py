@@ -7,14 +7,16 @@ Exit codes: 0 ok; 1 not serving (``kvd health``: draining, or an unknown
 ``kvd status``: no answer within ``--timeout``, or refused); 64 a usage
 error or an invalid setting (sysexits.h ``EX_USAGE``); 69 what the command
 runs is not installed (``kvd demo`` without vLLM: kvd installed without its
-``vllm`` extra; sysexits.h ``EX_UNAVAILABLE``, "a support program or file
-does not exist").
+``vllm`` extra; ``kvd bench`` without NIXL; sysexits.h ``EX_UNAVAILABLE``, "a
+support program or file does not exist"), found by :func:`missing_modules`
+before anything starts.
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import importlib.util
 import re
 import sys
 from typing import Iterable
@@ -73,3 +75,20 @@ def positive(kind: type = float):
             raise argparse.ArgumentTypeError(f"{text!r} must be > 0" + ("" if kind is int else " and finite"))
         return v
     return parse
+
+
+def missing_modules(names: Iterable[str]) -> list[str]:
+    """The modules of ``names`` this interpreter cannot find, in order: what
+    a command that needs them reports before it starts anything, exiting
+    EXIT_UNAVAILABLE. Looked up, not imported (importing vllm takes
+    seconds); a lookup that fails (ImportError, ValueError) counts as
+    missing."""
+    missing = []
+    for name in names:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    return missing

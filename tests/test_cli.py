@@ -124,6 +124,58 @@ def test_the_demo_install_line_outside_a_checkout_names_the_vllm_extra_and_cpu_t
     assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["vllm"]
 
 
+def test_bench_without_nixl_says_what_to_install_in_one_line(tmp_path):
+    """kvd installed without NIXL (``pip install --no-deps``): ``kvd bench``
+    prints one line naming it and how to install it, and exits 69
+    (EX_UNAVAILABLE) before it starts a daemon, whose startup would fail in a
+    traceback; usage errors and --help still come first."""
+    from kvd.usage import EXIT_UNAVAILABLE
+
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(_NOT_INSTALLED.format(names={"nixl", "nixl_meta_utils"}))
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVD_")}, "PYTHONPATH": str(shim)}
+    check = subprocess.run([sys.executable, "-c", "import nixl"], capture_output=True, text=True, env=env)
+    assert check.returncode == 1 and "No module named 'nixl'" in check.stderr, check.stderr  # the shim works
+
+    def bench(*args):
+        return subprocess.run([sys.executable, "-m", "kvd.cli", "bench", *args], capture_output=True, text=True,
+                              timeout=60, env=env, cwd=tmp_path)
+
+    r = bench("--quick", "--no-progress", "--skip-step")
+    assert r.returncode == EXIT_UNAVAILABLE == 69, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    assert r.stdout == "" and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    line = r.stderr.strip()
+    assert line.startswith("kvd bench: nixl not installed (the benchmarks start kvd daemons"), line
+    assert f"run {ROOT / 'scripts' / 'setup.sh'}, " in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shim"]
+    assert bench("--reps", "0").returncode == 64
+    assert bench("--help").returncode == 0
+
+
+def test_the_bench_install_line_outside_a_checkout_names_kvds_nixl_pin(monkeypatch, tmp_path):
+    """Installed from a wheel there is no scripts/setup.sh: the line gives
+    pip's command for this interpreter with the NIXL requirement of kvd's
+    metadata, as pyproject.toml pins it."""
+    import importlib.metadata
+
+    import kvd.bench.cli as bench
+
+    monkeypatch.setattr(bench, "KVD_ROOT", tmp_path)
+    pin = next(r for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+               if r.startswith("nixl"))
+    monkeypatch.setattr(importlib.metadata, "requires", lambda name: ["nixl-cu12>=1", pin, "numpy>=2"])
+    line = bench.missing_line(["nixl"])
+    assert "\n" not in line and line.startswith("kvd bench: nixl not installed"), line
+    assert line.endswith(f": install it into this environment: {sys.executable} -m pip install '{pin}'"), line
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "requires", not_installed)
+    assert bench.missing_line(["nixl"]).endswith(" -m pip install 'nixl'")
+
+
 def test_demo_never_replaces_a_directory_that_is_not_its_model(tmp_path):
     """--model-dir naming a user's folder (files, no kvd_recipe.json) or a
     file, and --workdir naming a file: usage errors, nothing deleted."""

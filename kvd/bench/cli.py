@@ -10,13 +10,42 @@ benchmarks.<name>`` from the checkout's root).
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import re
 import sys
 
 from kvd.bench import common as cm
 from kvd.bench.kvd_pair import HOLD_AHEAD_S
+from kvd.testing.processes import KVD_ROOT
 from kvd.testing.shm import cleanup_segments
-from kvd.usage import UsageParser
+from kvd.usage import EXIT_UNAVAILABLE, UsageParser, missing_modules
+
+#: What every benchmark of ``kvd bench`` runs: kvd daemons (their NIXL
+#: agents) and plain NIXL processes. A dependency of kvd, so missing only
+#: where kvd was installed without its dependencies (``pip install
+#: --no-deps``) or NIXL was removed.
+BENCH_MODULES = ("nixl",)
+
+
+def missing_line(missing: list[str]) -> str:
+    """The one line ``kvd bench`` prints when ``missing`` modules are not
+    installed: what is missing and how to install it. From a checkout:
+    scripts/setup.sh (the CPU build of torch first, which NIXL's package
+    requires). Otherwise kvd's own requirement on NIXL (its metadata's pin),
+    for this interpreter."""
+    what = (f"kvd bench: {', '.join(missing)} not installed (the benchmarks start kvd daemons and plain NIXL "
+            f"processes)")
+    setup = KVD_ROOT / "scripts" / "setup.sh"
+    if setup.is_file() and (KVD_ROOT / "pyproject.toml").is_file():
+        return f"{what}: run {setup}, which installs kvd with its dependencies, NIXL among them"
+    try:
+        requires = importlib.metadata.requires("kvd") or []
+    except importlib.metadata.PackageNotFoundError:
+        requires = []
+    pin = next((r.split(";")[0].strip() for r in requires if re.split(r"[\s<>=!~;\[(]", r, maxsplit=1)[0] == "nixl"),
+               "nixl")
+    return f"{what}: install it into this environment: {sys.executable} -m pip install '{pin}'"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     unless ``--skip-step`` the shim's per-step cost, and the throughput of 64
     one-block loads in flight (kvd vs plain NIXL), with figures against
     docs/PERFORMANCE.md's goals. ``argv``: the arguments after ``bench``.
-    Returns the exit code (64 on a usage error)."""
+    Returns the exit code (64 on a usage error, 69 before anything starts
+    when NIXL is not installed)."""
     ap = UsageParser(  # usage errors exit 64, as every kvd command
         prog="kvd bench",
         description="Short benchmarks: (1) data plane, kvd vs plain NIXL vs memcpy; (1s) same-node copy, one "
@@ -54,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
                                ("--small-load-reps", args.small_load_reps, 0)):
         if value is not None and value < least:
             ap.error(f"{flag} must be >= {least}")
+    missing = missing_modules(BENCH_MODULES)
+    if missing:  # else the first daemon's startup fails, and with it the run, in a traceback
+        print(missing_line(missing), file=sys.stderr)
+        return EXIT_UNAVAILABLE
     hold_ahead_s = args.hold_ahead_ms / 1e3
     progress = not args.no_progress
 

@@ -27,7 +27,6 @@ not installed, before anything starts (:data:`kvd.usage.EXIT_UNAVAILABLE`);
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import random
@@ -45,7 +44,7 @@ from kvd.testing import proxy
 from kvd.testing import vllm_engines as engines
 from kvd.testing.processes import KVD_ROOT, ChildFailed
 from kvd.testing.util import free_port, wait_until
-from kvd.usage import EXIT_UNAVAILABLE, UsageParser, positive
+from kvd.usage import EXIT_UNAVAILABLE, UsageParser, missing_modules, positive
 
 DEFAULT_LENGTHS = [20, 100, 600, 31, 64, 250, 1000, 33]  # prompt tokens
 BLOCK_SIZE = 32
@@ -385,21 +384,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 DEMO_MODULES = ("vllm", "transformers", "tokenizers")
 
 
-def missing_modules(names=DEMO_MODULES) -> list[str]:
-    """The modules of ``names`` this interpreter cannot find, in order.
-    Looked up, not imported (importing vllm takes seconds); a lookup that
-    fails (ImportError, ValueError) counts as missing."""
-    missing = []
-    for name in names:
-        try:
-            found = importlib.util.find_spec(name) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            missing.append(name)
-    return missing
-
-
 def missing_line(missing: list[str]) -> str:
     """The one line ``kvd demo`` prints when ``missing`` modules are not
     installed: what is missing and how to install it as scripts/setup.sh
@@ -430,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     otherwise, 2 when a child or request fails, 69 (before anything starts)
     when vLLM or what the tiny model needs is not installed, 130 on interrupt."""
     args = parse_args(argv)
-    missing = missing_modules()
+    missing = missing_modules(DEMO_MODULES)
     if missing:
         print(missing_line(missing), file=sys.stderr)
         return EXIT_UNAVAILABLE
