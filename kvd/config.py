@@ -32,6 +32,7 @@ import errno
 import math
 import os
 import pathlib
+import re
 import select
 import stat
 import time
@@ -657,7 +658,8 @@ MAX_FILE_BYTES = 1 << 20
 FIFO_WAIT_S = 10.0
 
 
-def read_regular(path: str, limit: int = MAX_FILE_BYTES, fifo_wait_s: float = FIFO_WAIT_S) -> bytes:
+def read_regular(path: str, limit: int = MAX_FILE_BYTES, fifo_wait_s: float = FIFO_WAIT_S,
+                 what: str = "a regular file") -> bytes:
     """The bytes of file ``path``, at most ``limit`` bytes: a regular file,
     or a FIFO whose writer ends within ``fifo_wait_s`` seconds.
 
@@ -665,21 +667,29 @@ def read_regular(path: str, limit: int = MAX_FILE_BYTES, fifo_wait_s: float = FI
     socket named by mistake is refused instead of blocking startup for
     ever (a plain ``open()`` of a FIFO waits for a writer); a file over
     ``limit`` is refused rather than cut (a cut token or certificate chain
-    fails later, less clearly).
+    fails later, less clearly). ``what``: what the file should have been,
+    in the message of one that is not (``"a socket, not a regular file"``).
 
     Raises:
         OSError: unreadable; not a regular file or FIFO (``EINVAL``); a FIFO
             with no writer or no end in time (``ETIMEDOUT``); larger than
             ``limit`` (``EFBIG``). ``strerror`` says which.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0))
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0))
+    except OSError as e:
+        # open(2) of a Unix socket fails ENXIO, "No such device or address":
+        # say what the path is instead.
+        if e.errno == errno.ENXIO and _is_socket(path):
+            raise OSError(errno.EINVAL, f"a socket, not {what}") from None
+        raise
     try:
         st = os.fstat(fd)
         fifo = stat.S_ISFIFO(st.st_mode)
         if not (fifo or stat.S_ISREG(st.st_mode)):
             kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode) \
                 else "a device"
-            raise OSError(errno.EINVAL, f"{kind}, not a regular file")
+            raise OSError(errno.EINVAL, f"{kind}, not {what}")
         if st.st_size > limit:
             raise OSError(errno.EFBIG, f"larger than {limit} bytes")
         deadline = time.monotonic() + fifo_wait_s
@@ -704,24 +714,51 @@ def read_regular(path: str, limit: int = MAX_FILE_BYTES, fifo_wait_s: float = FI
         os.close(fd)
 
 
+def _is_socket(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
 def read_file(path: str, hint=None) -> dict:
     """The top-level table of TOML file ``path``. ``hint(path, error)``:
     what to add to the message of an OSError (default :func:`access_hint`,
     the daemon's own).
 
     Raises:
-        ConfigError: unreadable file or invalid TOML (the message has tomllib's
-            line and column).
+        ConfigError: unreadable file (a socket, a directory: "not a config
+            file") or invalid TOML (the message has tomllib's line and
+            column, and the line's text).
     """
     try:
-        return tomllib.loads(read_regular(path).decode())
+        text = read_regular(path, what="a config file").decode()
     except OSError as e:
         raise ConfigError(f"config file {path}: {e.strerror or e}{(hint or access_hint)(path, e)}") from None
     except UnicodeDecodeError as e:  # TOML files are UTF-8 (tomllib decodes before parsing)
         raise ConfigError(f"config file {path}: not UTF-8 (byte {e.start}: {e.reason}); TOML files are UTF-8") \
             from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {path}: {e}") from None
+        raise ConfigError(f"config file {path}: {toml_error(e, text)}") from None
+
+
+def toml_error(error: tomllib.TOMLDecodeError, text: str) -> str:
+    """tomllib's message with the text of the line it names (``Invalid value
+    (at line 2, column 17): engine_socket = /run/kvd.sock``), cut at 120
+    characters; for tomllib's "Invalid value", the usual cause: an unquoted
+    string, which TOML does not have (``name = word`` reads ``word`` as a
+    value and finds none)."""
+    message = str(error)
+    m = re.search(r"\(at line (\d+), column \d+\)$", message)
+    lines = text.splitlines()
+    if m and 1 <= int(m[1]) <= len(lines):
+        line = lines[int(m[1]) - 1].strip()
+        message += f": {line[:117] + '...' if len(line) > 120 else line}"
+    if message.startswith("Invalid value"):
+        message += " (TOML strings need quotes)"
+    return message
 
 
 def env_value(environ: Mapping[str, str], var: str) -> str | None:
@@ -857,8 +894,11 @@ def client_socket(environ: Mapping[str, str] | None = None, file: str | None = N
 def _client_access_hint(path: str, error: OSError) -> str:
     """For a client (``kvd health``) that may not read the daemon's config
     file (the unit's is mode 0640, group kvd): who it runs as and what to do
-    instead; not :func:`access_hint`'s advice to hand the file over. Empty
-    for any other error."""
+    instead; not :func:`access_hint`'s advice to hand the file over. For a
+    socket given as the file (the daemon's engine socket, most likely): the
+    flag that takes it. Empty for any other error."""
+    if error.errno == errno.EINVAL and _is_socket(path):
+        return f"; did you mean --socket {path}?"
     if error.errno not in (errno.EACCES, errno.EPERM):
         return ""
     uid = os.geteuid()

@@ -393,6 +393,22 @@ def test_a_config_file_the_client_may_not_read_says_who_it_runs_as_not_to_hand_t
     assert "(root, or the daemon's user), or name the engine socket with --socket" in msg and "chown" not in msg, msg
 
 
+def test_a_socket_given_to_health_as_its_config_file_points_to_the_socket_flag(tmp_path):
+    """``kvd health --config /run/kvd/engine.sock``: the engine socket where
+    the file was meant. Not "No such device or address" (open(2) of a Unix
+    socket): what it is and the flag that takes it."""
+    import socket
+
+    path = tmp_path / "engine.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(path))
+        for cmd in ("health", "status"):
+            r = _client(cmd, "--config", str(path), "--timeout", "0.5")
+            assert r.returncode == 64, (cmd, r.returncode, r.stderr)
+            assert r.stderr == (f"kvd {cmd}: config file {path}: a socket, not a config file; did you mean "
+                                f"--socket {path}?\n"), r.stderr
+
+
 def test_health_config_with_address_is_a_usage_error_but_kvd_config_is_not(tmp_path):
     conf = tmp_path / "kvd.toml"
     conf.write_text(f'engine_socket = "{tmp_path / "kvd.sock"}"\n')

@@ -126,6 +126,43 @@ def test_a_file_setting_that_is_no_regular_file_is_refused_at_once_not_waited_on
     assert r.returncode == 64 and "peer_token_file" in r.stderr and "a directory, not a regular file" in r.stderr
 
 
+@pytest.mark.parametrize("text, words", [
+    ('lease_s = 5\nengine_socket = /run/kvd/engine.sock\n',
+     "Invalid value (at line 2, column 17): engine_socket = /run/kvd/engine.sock (TOML strings need quotes)"),
+    ('log_level = debug\n', "Invalid value (at line 1, column 13): log_level = debug (TOML strings need quotes)"),
+    ('lease_s = 5\n  grace_s = 3 3\n',
+     "Expected newline or end of document after a statement (at line 2, column 15): grace_s = 3 3"),
+])
+def test_invalid_toml_names_the_line_and_an_unquoted_string(tmp_path, text, words):
+    """tomllib says where (line, column), not what: the message quotes the
+    line, and for its "Invalid value" names the usual cause (an unquoted
+    string)."""
+    path = _file(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        load_config(environ={}, file=path)
+    assert str(e.value) == f"config file {path}: {words}", str(e.value)
+    r = _kvd("serve", "--config", path, "--print-config")
+    assert r.returncode == 64 and r.stderr == f"kvd serve: invalid setting: {e.value}\n", r.stderr
+
+
+def test_a_socket_given_as_the_config_file_is_named_a_socket(tmp_path):
+    """open(2) of a Unix socket fails ENXIO ("No such device or address"):
+    the message says what the path is."""
+    import socket
+
+    path = str(tmp_path / "kvd.sock")
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(path)
+        with pytest.raises(ConfigError) as e:
+            load_config(environ={}, file=path)
+        assert str(e.value) == f"config file {path}: a socket, not a config file", str(e.value)
+        from kvd.config import read_regular
+
+        with pytest.raises(OSError) as oe:
+            read_regular(path)
+        assert oe.value.strerror == "a socket, not a regular file", oe.value
+
+
 def _kvd(*args, env=None):
     return subprocess.run([sys.executable, "-m", "kvd.cli", *args], capture_output=True, text=True, timeout=60,
                           env={**{k: v for k, v in os.environ.items() if not k.startswith("KVD_")}, **(env or {})})
