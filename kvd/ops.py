@@ -46,7 +46,8 @@ def _is_socket(path: str) -> bool:
 def _unreachable(command: str, target: str, e) -> Answer:
     """Exit code 2 and the line for an RPC that did not reach a daemon (or
     was refused): with no file at an engine socket's path, says so plainly
-    rather than gRPC's connect error."""
+    rather than gRPC's connect error; an address where an HTTP/1 server
+    answered is said to be one."""
     if target.startswith("unix:"):
         path = target.removeprefix("unix:")
         if not os.path.exists(path):
@@ -66,7 +67,13 @@ def _unreachable(command: str, target: str, e) -> Answer:
             return Answer(EXIT_UNREACHABLE, f"kvd {command}: no daemon at {path} (the socket is there but nothing "
                                             f"listens: a daemon that stopped without removing it); start one "
                                             f"with `kvd serve`")
-    return Answer(EXIT_UNREACHABLE, f"kvd {command}: {target}: {e.code().name}: {e.details()}")
+    hint = ""
+    if not target.startswith("unix:") and "Failed parsing HTTP/2" in (e.details() or ""):
+        # What gRPC's client says when the server's first bytes are not an
+        # HTTP/2 SETTINGS frame: an HTTP/1 server answered (the metrics
+        # port, a web server), not a daemon's peer port.
+        hint = " (an HTTP server? --address takes the daemon's peer port, peer_listen)"
+    return Answer(EXIT_UNREACHABLE, f"kvd {command}: {target}: {e.code().name}: {e.details()}{hint}")
 
 
 def health(target: str, service: str = "", timeout_s: float = 2.0) -> Answer:

@@ -322,6 +322,23 @@ def test_health_and_status_find_a_daemon_by_its_config_file(tmp_path):
         assert d.stop() == 0
 
 
+def test_serve_on_a_live_daemons_engine_socket_says_how_to_go_on(tmp_path):
+    """A second ``kvd serve`` on the engine socket a live daemon serves (a
+    unit's daemon already running, the same --engine-socket twice) fails
+    at startup, saying what to do: stop that one or pick another socket."""
+    from kvd.testing.daemons import start_daemon
+
+    d = start_daemon(str(tmp_path), "kvd")
+    try:
+        r = _client("serve", "--peer-listen", "127.0.0.1:0", "--engine-socket", d.socket)
+    finally:
+        assert d.stop() == 0
+    out = r.stderr + r.stdout
+    assert r.returncode == 1 and "Traceback" not in out, out
+    assert (f"startup failed: another daemon is serving on {d.socket}: stop it, or give this daemon its own "
+            f"engine_socket") in out, out
+
+
 def test_the_client_socket_is_found_as_the_daemon_finds_it(tmp_path):
     """--socket > $KVD_ENGINE_SOCKET > engine_socket of --config's file (or
     $KVD_CONFIG's) > the default, as for ``kvd serve``; the file is read only
@@ -458,6 +475,30 @@ def test_health_address_without_a_valid_port_is_a_usage_error(address, message):
     assert r.returncode == 64, (r.returncode, r.stderr)
     assert "--address" in r.stderr and message in r.stderr and "Traceback" not in r.stderr
     assert "--address: --address" not in r.stderr, r.stderr  # the option named once
+
+
+def test_health_address_of_an_http_server_says_it_may_be_one():
+    """``kvd health --address`` at the metrics port (or any HTTP/1 server):
+    gRPC's "Failed parsing HTTP/2 (Expected SETTINGS frame ...)" gets a hint
+    naming the port --address takes; a port where nothing listens does not."""
+    import http.server
+    import threading
+
+    from kvd.testing.util import free_port
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        address = f"127.0.0.1:{server.server_address[1]}"
+        r = _client("health", "--address", address, "--timeout", "5")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert r.returncode == 2 and r.stderr.startswith(f"kvd health: {address}: UNAVAILABLE: "), r.stderr
+    assert "Failed parsing HTTP/2" in r.stderr, r.stderr
+    assert r.stderr.endswith(" (an HTTP server? --address takes the daemon's peer port, peer_listen)\n"), r.stderr
+    r = _client("health", "--address", f"127.0.0.1:{free_port()}", "--timeout", "1")
+    assert r.returncode == 2 and "HTTP server?" not in r.stderr, r.stderr
 
 
 def test_health_socket_and_address_together_is_a_usage_error(tmp_path):

@@ -331,7 +331,8 @@ class Server:
                 # Never delete what is not a socket (a typo could name a file).
                 raise OSError(f"engine_socket: {sock} exists and is not a socket; refusing to replace it")
             if self._socket_alive(sock):
-                raise OSError(f"another daemon is serving on {sock}")
+                raise OSError(f"another daemon is serving on {sock}: stop it, or give this daemon its own "
+                              f"engine_socket")
             os.unlink(sock)
         self.engine_server = grpc.aio.server(options=server_options(cfg.max_message_bytes, ENGINE_MAX_STREAMS),
                                              interceptors=[AdmissionInterceptor(self.gate),
