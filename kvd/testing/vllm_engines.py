@@ -236,13 +236,16 @@ class PDStack:
     # whose tests are about outputs starts as a deployment listing its
     # prefill engines would, and logs how long the pairing took.
     wait_paired_s: float = 0.0
-    # Each engine in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the
-    # engine core and its one worker inside the API server; TP 1 only). With
-    # vLLM-CPU's default, each engine's worker process busy-polls its shm
-    # message queue (vLLM ``shm_broadcast.SpinCondition``: sched_yield for
-    # 1 s after every read) and took 65-95 % of a core each while requests
-    # flowed (top, ``kvd demo``): the daemons' hops then waited behind them
-    # and a 32 KiB load took 4-475 ms; in one process, 5-20 ms.
+    # Each engine without a worker process of its own
+    # (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): two processes, the API server
+    # and the engine core, with the worker inside the engine core (vLLM-CPU
+    # keeps the ``uni`` executor; ``vllm/platforms/cpu.py`` makes it ``mp``
+    # unless the variable is 0); TP 1 only. With vLLM-CPU's default, each
+    # engine's worker process busy-polls its shm message queue (vLLM
+    # ``shm_broadcast.SpinCondition``: sched_yield for 1 s after every read)
+    # and took 65-95 % of a core each while requests flowed (top, ``kvd
+    # demo``): the daemons' hops then waited behind them and a 32 KiB load
+    # took 4-475 ms; with the worker in the engine core, 5-20 ms.
     single_process_engines: bool = False
 
     def __post_init__(self):
