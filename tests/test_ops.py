@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvd.v1 import kvd_pb2 as pb
-from kvd.testing.daemons import start_daemon
+from kvd.testing.daemons import launch_daemon, start_daemon, stop_daemons, wait_serving
 from kvd.testing.sessions import KvShape, Session, one_group, register_request
 from kvd.testing.shm import ShmSegment
 from kvd.testing.util import free_port
@@ -174,6 +174,8 @@ def test_status_json_has_engines_peers_transfers_and_versions(ops):
     assert s["uptime_s"] > 0 and s["draining"] is False and s["notifications_dropped"] == 0
     assert s["data_path"] == "direct" and s["backends"] == ["UCX"]
     assert s["peer_address"] == ops.decode.peer_address
+    # Started with no token and no TLS on 127.0.0.1:0: unauthenticated, on loopback.
+    assert (s["peer_auth"], s["peer_listen"]) == ("PEER_AUTH_NONE_LOOPBACK", ops.decode.peer_address)
     assert s["metrics_address"] == f"127.0.0.1:{ops.dm}"
     assert s["daemon_version"] == s["versions"]["kvd"]
     assert s["command_socket"] == ops.decode.socket + ".cmd" and (s["lease_s"], s["max_lease_life_s"]) == (120, 600)
@@ -204,6 +206,8 @@ def test_status_table_for_people(ops):
     assert "serving" in out and re.search(r"^data path +direct$", out, re.M)
     assert "1 done, 1 failed, 0 in flight, 256.0 KiB read" in out
     assert "dropped notifications" not in out  # shown only when some were
+    assert re.search(rf"^peer auth +none: PeerService on loopback {re.escape(ops.decode.peer_address)}, for root's "
+                     r"and the daemon user's sockets only", out, re.M), out
     header = next(line for line in out.splitlines() if line.startswith("ENGINE"))
     row = next(line for line in out.splitlines() if line.startswith("decode-e"))
     assert "REGISTERED" in header and "2.0 MiB" in row and "direct" in row
@@ -280,7 +284,7 @@ def test_status_reports_the_data_path_of_each_worker():
 
     def node(*workers):
         return SimpleNamespace(stats=lambda: {"engines": len(workers), "not_in_the_proto": 7},
-                               peer_address="h:1", workers={w.key: w for w in workers},
+                               peer_address="h:1", peer_auth="", peer_listen="", workers={w.key: w for w in workers},
                                rt=SimpleNamespace(limits=SimpleNamespace(lease_s=120.0, max_lease_life_s=600.0,
                                                                          follow_holds=False, warm_peers=())))
 
@@ -304,7 +308,7 @@ def test_configured_warm_peers_are_shown_only_to_callers_who_see_every_worker():
     shown other workers' warm_peers rows."""
     from kvd.daemon.status import build_stats, render, to_dict
 
-    node = SimpleNamespace(stats=lambda: {}, peer_address="h:1", workers={},
+    node = SimpleNamespace(stats=lambda: {}, peer_address="h:1", peer_auth="token", peer_listen="h:1", workers={},
                            rt=SimpleNamespace(limits=SimpleNamespace(
                                lease_s=120.0, max_lease_life_s=600.0, follow_holds=True,
                                warm_peers=(("10.0.0.1:7001", "tenant-a-prefill"),))))
@@ -315,6 +319,63 @@ def test_configured_warm_peers_are_shown_only_to_callers_who_see_every_worker():
     own_only = build_stats(node, visible=lambda w: False)
     assert list(own_only.warm_peers_configured) == []
     assert "tenant-a" not in render(to_dict(own_only))
+    # The peer authentication is no secret and names no engine: every caller is shown it.
+    assert own_only.peer_auth == everyone.peer_auth == pb.PEER_AUTH_TOKEN and own_only.peer_listen == "h:1"
+
+
+def _daemon_status(d) -> tuple[dict, str]:
+    """``kvd status --json`` and ``kvd status`` of daemon ``d``."""
+    j, t = kvd_cli("status", "--socket", d.socket, "--json"), kvd_cli("status", "--socket", d.socket)
+    assert j.returncode == 0 and t.returncode == 0, (j.stderr, t.stderr)
+    return json.loads(j.stdout), t.stdout
+
+
+def test_status_says_which_peer_authentication_is_active(tmp_path):
+    """A daemon with a token says so; one whose token variable is misspelt
+    (KVD_PEER_TOKENFILE, only warned of at startup) serves unauthenticated,
+    bound to loopback instead of its wildcard peer_listen, and kvd status
+    says that long after the startup log has scrolled away."""
+    token = tmp_path / "token"
+    token.write_bytes(b"kvd-test-token-" + b"0123456789abcdef" * 2 + b"\n")
+    token.chmod(0o600)
+    tok = launch_daemon(str(tmp_path), "tok", "--peer-token-file", str(token))
+    typo = launch_daemon(str(tmp_path), "typo", "--peer-listen", "0.0.0.0:0", env={"KVD_PEER_TOKENFILE": str(token)})
+    daemons = [tok, typo]
+    try:
+        deadline = time.monotonic() + 60
+        for d in daemons:
+            assert wait_serving(d, deadline), d.log_tail(60)
+        s, text = _daemon_status(tok)
+        assert (s["peer_auth"], s["peer_listen"]) == ("PEER_AUTH_TOKEN", tok.peer_address)
+        assert re.search(rf"^peer auth +token \(peer_token_file\), PeerService on {re.escape(tok.peer_address)}$",
+                         text, re.M), text
+        assert "KVD_PEER_TOKENFILE" in typo.log()  # warned of once, at startup
+        s, text = _daemon_status(typo)
+        host, port = s["peer_listen"].rsplit(":", 1)
+        assert (s["peer_auth"], host) == ("PEER_AUTH_NONE_LOOPBACK", "127.0.0.1") and int(port) > 0
+        assert re.search(rf"^peer auth +none: PeerService on loopback {re.escape(s['peer_listen'])}, ", text, re.M)
+    finally:
+        stop_daemons(daemons)
+
+
+def test_status_renders_each_peer_authentication():
+    from kvd.daemon.peer_auth import PeerAuth
+    from kvd.daemon.status import peer_auth_line
+
+    tls = dict(cert=b"c", key=b"k", ca=b"a")
+    modes = [PeerAuth(token=b"t" * 16).mode(True), PeerAuth(**tls).mode(False),
+             PeerAuth(**tls, token=b"t" * 16).mode(False), PeerAuth().mode(True), PeerAuth().mode(False)]
+    assert modes == ["token", "mutual_tls", "mutual_tls_and_token", "none_loopback", "none_insecure"]
+    # Each is a value of the proto's enum, as build_stats names it.
+    assert [pb.PeerAuthMode.Value(f"PEER_AUTH_{m.upper()}") for m in modes] == [1, 2, 3, 4, 5]
+    line = {m: peer_auth_line({"peer_auth": f"PEER_AUTH_{m.upper()}", "peer_listen": "10.0.0.5:7700"})
+            for m in modes}
+    assert line["mutual_tls"] == "mutual TLS (peer_tls_*), PeerService on 10.0.0.5:7700"
+    assert line["mutual_tls_and_token"] == "mutual TLS + token, PeerService on 10.0.0.5:7700"
+    assert line["none_insecure"].startswith("NONE (peer_insecure = true): any host that reaches 10.0.0.5:7700 ")
+    # A daemon older than the field answers neither.
+    assert peer_auth_line({"peer_auth": "PEER_AUTH_UNSPECIFIED", "peer_listen": ""}) == \
+        "- (not reported by this daemon)"
 
 
 @pytest.mark.parametrize("level,env,shown", [("info", "", ["warn"]), ("info", "INFO", ["warn"]),

@@ -98,6 +98,11 @@ class Node:
         self.local_copy = LocalCopy(self.rt, self.holds)
         self.pull = Pull(self.rt, self.peers, self.push_mode, self.local_copy, self.holds, self.registry)
         self.peer_address = peer_address
+        # Set by the server once PeerService is bound, for GetStats: its
+        # authentication (kvd.daemon.peer_auth.PeerAuth.mode; "" = not
+        # reported) and the host:port it is bound to.
+        self.peer_auth = ""
+        self.peer_listen = ""
         self.progress = Progress(self.rt, self.registry, self.peers, self.holds, self.pull, self.push_mode)
 
     # ------------------------------------------------------------ lifecycle

@@ -297,6 +297,16 @@ class PeerAuth:
         parts = (["mutual TLS"] if self.tls else []) + (["token"] if self.token else [])
         return " + ".join(parts) or "none"
 
+    def mode(self, loopback: bool) -> str:
+        """For GetStats (``PeerAuthMode`` less its ``PEER_AUTH_`` prefix, in
+        lower case): ``"token"``, ``"mutual_tls"``, ``"mutual_tls_and_token"``,
+        or with neither ``"none_loopback"`` / ``"none_insecure"`` by whether
+        PeerService is bound to ``loopback`` (the server binds loopback
+        unless ``peer_insecure`` is set)."""
+        if self.secured:
+            return "_and_".join((["mutual_tls"] if self.tls else []) + (["token"] if self.token else []))
+        return "none_loopback" if loopback else "none_insecure"
+
     # ------------------------------------------------------------- client side
     def server_credentials(self) -> grpc.ServerCredentials | None:
         """Server credentials for the peer port requiring a client certificate

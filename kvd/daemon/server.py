@@ -322,6 +322,9 @@ class Server:
         self.node.peer_address = adv
         self.node.listening(host, self.peer_port)
         self._bound = join_host_port(host, self.peer_port)
+        # For GetStats (kvd status): what the "authentication:" of the serving line says, and
+        # where, so that a daemon left unauthenticated (a misspelt token setting) shows it later.
+        self.node.peer_auth, self.node.peer_listen = auth.mode(is_loopback(host)), self._bound
 
         # Engine side (Unix socket, through the gate).
         sock = cfg.engine_socket

@@ -61,6 +61,12 @@ def build_stats(node: Node, draining: bool = False, backends: list[str] | None =
         # as the per-worker warm_peers rows are to their workers' owners only.
         warm_peers_configured=[f"{a}/{e}" for a, e in node.rt.limits.warm_peers] if visible is None else [],
         versions=_VERSIONS, **counts,
+        # Shown to every caller, as peer_address is (unlike warm_peers_configured): it names no engine
+        # and holds no secret (not the token, nor a file's path), and any local user learns it from
+        # the peer port itself anyway (it asks for a TLS handshake, or its UNAUTHENTICATED answer to a
+        # call without the header says the token is required).
+        peer_auth=pb.PeerAuthMode.Value(f"PEER_AUTH_{node.peer_auth.upper()}") if node.peer_auth else 0,
+        peer_listen=node.peer_listen,
     )
     now = time.monotonic()
     paths = set()
@@ -156,6 +162,21 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
 
 
+def peer_auth_line(d: dict) -> str:
+    """The ``peer auth`` line of :func:`render`: who may call PeerService, and where it listens."""
+    at = d.get("peer_listen") or "?"
+    return {
+        "PEER_AUTH_TOKEN": f"token (peer_token_file), PeerService on {at}",
+        "PEER_AUTH_MUTUAL_TLS": f"mutual TLS (peer_tls_*), PeerService on {at}",
+        "PEER_AUTH_MUTUAL_TLS_AND_TOKEN": f"mutual TLS + token, PeerService on {at}",
+        "PEER_AUTH_NONE_LOOPBACK": f"none: PeerService on loopback {at}, for root's and the daemon user's "
+                                   "sockets only, no other host (peer_token_file or peer_tls_* to serve "
+                                   "remote daemons)",
+        "PEER_AUTH_NONE_INSECURE": f"NONE (peer_insecure = true): any host that reaches {at} can read and "
+                                   "overwrite the KV caches registered here",
+    }.get(d.get("peer_auth"), "- (not reported by this daemon)")
+
+
 def render(d: dict, target: str = "") -> str:
     """The status of one daemon (a :func:`to_dict` of ``StatsResponse``) as text."""
     state = "DRAINING" if d.get("draining") else "serving"
@@ -163,6 +184,7 @@ def render(d: dict, target: str = "") -> str:
     v = d.get("versions") or {}
     summary = [
         ("peer address", d["peer_address"]),
+        ("peer auth", peer_auth_line(d)),
         ("data path", d.get("data_path") or "- (no engines)"),
         ("NIXL backends", ",".join(d.get("backends") or []) or "-"),
         ("metrics", f"http://{d['metrics_address']}/metrics" if d.get("metrics_address") else "off"),

@@ -26,6 +26,15 @@ class DataPath(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DATA_PATH_AUTO: _ClassVar[DataPath]
     DATA_PATH_DIRECT: _ClassVar[DataPath]
     DATA_PATH_STAGED: _ClassVar[DataPath]
+
+class PeerAuthMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PEER_AUTH_UNSPECIFIED: _ClassVar[PeerAuthMode]
+    PEER_AUTH_TOKEN: _ClassVar[PeerAuthMode]
+    PEER_AUTH_MUTUAL_TLS: _ClassVar[PeerAuthMode]
+    PEER_AUTH_MUTUAL_TLS_AND_TOKEN: _ClassVar[PeerAuthMode]
+    PEER_AUTH_NONE_LOOPBACK: _ClassVar[PeerAuthMode]
+    PEER_AUTH_NONE_INSECURE: _ClassVar[PeerAuthMode]
 KV_LAYOUT_UNSPECIFIED: KvLayout
 KV_LAYOUT_NHD: KvLayout
 KV_LAYOUT_HND: KvLayout
@@ -37,6 +46,12 @@ MEMORY_KIND_MEMFD: MemoryKind
 DATA_PATH_AUTO: DataPath
 DATA_PATH_DIRECT: DataPath
 DATA_PATH_STAGED: DataPath
+PEER_AUTH_UNSPECIFIED: PeerAuthMode
+PEER_AUTH_TOKEN: PeerAuthMode
+PEER_AUTH_MUTUAL_TLS: PeerAuthMode
+PEER_AUTH_MUTUAL_TLS_AND_TOKEN: PeerAuthMode
+PEER_AUTH_NONE_LOOPBACK: PeerAuthMode
+PEER_AUTH_NONE_INSECURE: PeerAuthMode
 
 class Segment(_message.Message):
     __slots__ = ("kind", "name", "size", "handle", "device", "fd_id")
@@ -309,7 +324,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("engines", "regions", "registered_bytes", "peers", "active_leases", "inflight_transfers", "bytes_read", "transfers_done", "transfers_failed", "leases_expired", "sessions", "uptime_s", "daemon_version", "peer_address", "leaked_handles", "remote_agents", "early_notifications", "pending_events", "prepped_dlists", "dlists_preparing", "quarantined_workers", "leases_renewed", "claims_sent", "claims_followed", "holds_followed", "claims_waited", "notifications_dropped", "workers", "remote_workers", "data_path", "versions", "backends", "draining", "metrics_address", "warm_peers", "command_socket", "lease_s", "max_lease_life_s", "follow_holds", "warm_peers_configured")
+    __slots__ = ("engines", "regions", "registered_bytes", "peers", "active_leases", "inflight_transfers", "bytes_read", "transfers_done", "transfers_failed", "leases_expired", "sessions", "uptime_s", "daemon_version", "peer_address", "leaked_handles", "remote_agents", "early_notifications", "pending_events", "prepped_dlists", "dlists_preparing", "quarantined_workers", "leases_renewed", "claims_sent", "claims_followed", "holds_followed", "claims_waited", "notifications_dropped", "workers", "remote_workers", "data_path", "versions", "backends", "draining", "metrics_address", "warm_peers", "command_socket", "lease_s", "max_lease_life_s", "follow_holds", "warm_peers_configured", "peer_auth", "peer_listen")
     class VersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -357,6 +372,8 @@ class StatsResponse(_message.Message):
     MAX_LEASE_LIFE_S_FIELD_NUMBER: _ClassVar[int]
     FOLLOW_HOLDS_FIELD_NUMBER: _ClassVar[int]
     WARM_PEERS_CONFIGURED_FIELD_NUMBER: _ClassVar[int]
+    PEER_AUTH_FIELD_NUMBER: _ClassVar[int]
+    PEER_LISTEN_FIELD_NUMBER: _ClassVar[int]
     engines: int
     regions: int
     registered_bytes: int
@@ -397,7 +414,9 @@ class StatsResponse(_message.Message):
     max_lease_life_s: float
     follow_holds: bool
     warm_peers_configured: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, engines: _Optional[int] = ..., regions: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., peers: _Optional[int] = ..., active_leases: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., bytes_read: _Optional[int] = ..., transfers_done: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., leases_expired: _Optional[int] = ..., sessions: _Optional[int] = ..., uptime_s: _Optional[float] = ..., daemon_version: _Optional[str] = ..., peer_address: _Optional[str] = ..., leaked_handles: _Optional[int] = ..., remote_agents: _Optional[int] = ..., early_notifications: _Optional[int] = ..., pending_events: _Optional[int] = ..., prepped_dlists: _Optional[int] = ..., dlists_preparing: _Optional[int] = ..., quarantined_workers: _Optional[int] = ..., leases_renewed: _Optional[int] = ..., claims_sent: _Optional[int] = ..., claims_followed: _Optional[int] = ..., holds_followed: _Optional[int] = ..., claims_waited: _Optional[int] = ..., notifications_dropped: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., remote_workers: _Optional[_Iterable[_Union[PeerStats, _Mapping]]] = ..., data_path: _Optional[str] = ..., versions: _Optional[_Mapping[str, str]] = ..., backends: _Optional[_Iterable[str]] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., warm_peers: _Optional[_Iterable[_Union[WarmPeerStats, _Mapping]]] = ..., command_socket: _Optional[str] = ..., lease_s: _Optional[float] = ..., max_lease_life_s: _Optional[float] = ..., follow_holds: _Optional[bool] = ..., warm_peers_configured: _Optional[_Iterable[str]] = ...) -> None: ...
+    peer_auth: PeerAuthMode
+    peer_listen: str
+    def __init__(self, engines: _Optional[int] = ..., regions: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., peers: _Optional[int] = ..., active_leases: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., bytes_read: _Optional[int] = ..., transfers_done: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., leases_expired: _Optional[int] = ..., sessions: _Optional[int] = ..., uptime_s: _Optional[float] = ..., daemon_version: _Optional[str] = ..., peer_address: _Optional[str] = ..., leaked_handles: _Optional[int] = ..., remote_agents: _Optional[int] = ..., early_notifications: _Optional[int] = ..., pending_events: _Optional[int] = ..., prepped_dlists: _Optional[int] = ..., dlists_preparing: _Optional[int] = ..., quarantined_workers: _Optional[int] = ..., leases_renewed: _Optional[int] = ..., claims_sent: _Optional[int] = ..., claims_followed: _Optional[int] = ..., holds_followed: _Optional[int] = ..., claims_waited: _Optional[int] = ..., notifications_dropped: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., remote_workers: _Optional[_Iterable[_Union[PeerStats, _Mapping]]] = ..., data_path: _Optional[str] = ..., versions: _Optional[_Mapping[str, str]] = ..., backends: _Optional[_Iterable[str]] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., warm_peers: _Optional[_Iterable[_Union[WarmPeerStats, _Mapping]]] = ..., command_socket: _Optional[str] = ..., lease_s: _Optional[float] = ..., max_lease_life_s: _Optional[float] = ..., follow_holds: _Optional[bool] = ..., warm_peers_configured: _Optional[_Iterable[str]] = ..., peer_auth: _Optional[_Union[PeerAuthMode, str]] = ..., peer_listen: _Optional[str] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
     __slots__ = ("engine_id", "tp_rank", "tp_size", "model", "agent_name", "compat_hash", "regions", "num_blocks", "block_size", "registered_bytes", "active_leases", "inflight_transfers", "sessions", "peers", "memory", "data_path", "handover")
