@@ -158,10 +158,10 @@ class Engine:
         return {"bytes_equal": got.hex() == head, "reexport": reexport, "legacy_ipc_capable": legacy,
                 "cudart": rt.path, "versions": rt.versions()}
 
-    def setup(self, engine_id: str, block_tokens: int, num_blocks: int, data_path: str, seed: int | None) -> dict:
+    def _view(self, block_tokens: int, num_blocks: int, seed: int | None) -> int:
+        """Views the buffer as the case's cache (``self.kv``), filled with the
+        pattern of ``seed`` (None: zeros); returns its bytes."""
         torch = self.torch
-        from kvd.v1 import kvd_pb2 as pb
-
         nbytes = 2 * num_blocks * block_tokens * TOKEN_BYTES
         if nbytes > self.buf.numel():
             raise ValueError(f"case needs {nbytes} bytes, the buffer has {self.buf.numel()}")
@@ -175,6 +175,12 @@ class Engine:
             self._fill(self.kv, seed)
         if self.mode == "gpu":
             torch.cuda.synchronize(self.dev)
+        return nbytes
+
+    def setup(self, engine_id: str, block_tokens: int, num_blocks: int, data_path: str, seed: int | None) -> dict:
+        from kvd.v1 import kvd_pb2 as pb
+
+        self._view(block_tokens, num_blocks, seed)
         caches = {LAYER: self.kv}
         # The connector's own registration path: the chooser picks shm or
         # CUDA IPC by the tensors' device (kvd.shim.memory.auto), the same
@@ -203,6 +209,82 @@ class Engine:
                 "register_s": register_s, "peer_address": resp.peer_address,
                 "staging_kinds": [pb.MemoryKind.Name(s.kind) for s in resp.staging_segments],
                 "segment_bytes": [s.size for s in segments]}
+
+    # -- the in-process baseline: one NIXL agent per engine, no daemon ------------------
+    def nixl_setup(self, engine_id: str, block_tokens: int, num_blocks: int, seed: int | None) -> dict:
+        """What an in-process connector (vLLM's NixlConnector) does: this
+        process's own NIXL agent registers its own cache (``VRAM`` on the GPU,
+        no IPC handle in between) and prepares a descriptor list of every
+        block (rows: K regions then V regions, one block each). Returns the
+        agent's metadata and the cache's base address for the peer."""
+        from kvd.core.nixl_agent import NixlAgent
+
+        nbytes = self._view(block_tokens, num_blocks, seed)
+        self.nx_mem = "VRAM" if self.mode == "gpu" else "DRAM"
+        self.nx_dev = (self.dev.index or 0) if self.mode == "gpu" else 0
+        self.nx = NixlAgent(f"inproc-{engine_id}-{os.getpid()}")
+        self.nx_reg = self.nx.register_memory(self.kv.data_ptr(), nbytes, self.nx_mem, self.nx_dev)
+        self.nx_local = self.nx.prep_local(self._rows(self.kv.data_ptr(), num_blocks, block_tokens), self.nx_mem)
+        self.nx_remote, self.nx_peer = None, None
+        return {"data_path": "nixl", "metadata": self.nx.metadata(), "base": self.kv.data_ptr(),
+                "registered_bytes": nbytes}
+
+    def _rows(self, base: int, num_blocks: int, block_tokens: int):
+        import numpy as np
+
+        blen = block_tokens * TOKEN_BYTES
+        addrs = base + np.arange(2 * num_blocks, dtype=np.int64) * blen
+        return np.stack([addrs, np.full_like(addrs, blen), np.full_like(addrs, self.nx_dev)], axis=1)
+
+    def nixl_transfer(self, loads: list[dict], metadata: bytes, base: int, remote_num_blocks: int,
+                      timeout_s: float) -> dict:
+        """Decode, in-process baseline: one READ per load (its blocks' K and V
+        rows) from the peer's agent, all posted at once, polled to the end."""
+        import numpy as np
+
+        if self.nx_remote is None:
+            self.nx_peer = self.nx.add_remote(metadata)
+            block_tokens = self.block_words * 4 // TOKEN_BYTES
+            self.nx_remote = self.nx.prep_remote(self.nx_peer, self._rows(base, remote_num_blocks, block_tokens),
+                                                 self.nx_mem)
+
+        def idx(ids, nb):
+            ids = np.asarray(ids, dtype=np.int64)
+            return np.concatenate([ids, ids + nb])
+
+        t0 = time.perf_counter()
+        handles = [self.nx.post("READ", self.nx_local, idx(ld["local"], self.num_blocks), self.nx_remote,
+                                idx(ld["remote"], remote_num_blocks), b"")[0] for ld in loads]
+        pending, failed = list(handles), []
+        deadline = time.monotonic() + timeout_s
+        while pending and time.monotonic() < deadline:
+            still = []
+            for h in pending:
+                st = self.nx.state(h)
+                if st == "PROC":
+                    still.append(h)
+                elif st != "DONE":
+                    failed.append(st)
+            pending = still
+        wall = time.perf_counter() - t0
+        failed += ["no end before the deadline"] * len(pending)
+        for h in handles:
+            self.nx.release(h)
+        nbytes = sum(2 * len(ld["local"]) for ld in loads) * self.block_words * 4
+        return {"wall_s": wall, "copy_out_s": 0.0, "daemon_s": [], "bytes": nbytes, "failed": failed}
+
+    def nixl_teardown(self) -> dict:
+        if getattr(self, "nx", None) is None:
+            return {}
+        for h in (self.nx_local, self.nx_remote):
+            if h is not None:
+                self.nx.release_dlist(h)
+        if self.nx_peer:
+            self.nx.remove_remote(self.nx_peer)
+        self.nx.deregister(self.nx_reg)
+        self.nx.close()
+        self.nx = None
+        return {}
 
     def hold(self, holds: list[dict], lease_s: float = 600.0) -> dict:
         """Prefill: (staged: copy the blocks into the mirror, then) hold every request."""
@@ -294,6 +376,9 @@ class Engine:
                 got = words[r].index_select(0, local)
                 bad += int((got != want).any(dim=1).sum())
                 checked += got.numel() * 4
+        words = local = remote = want = got = None
+        if self.mode == "gpu":
+            torch.cuda.empty_cache()  # the comparison's temporaries (GiBs at 4 GiB loads): not held for the next case
         return {"bytes_checked": checked, "bad_blocks": bad, "ok": bad == 0 and checked > 0}
 
     def zero(self) -> None:
@@ -311,7 +396,9 @@ class Engine:
         dst = torch.empty_like(src)
         nblk = nbytes // block_len
         ids = torch.randperm(nblk, device=self.dev)
-        sv, dv = src.view(nblk, block_len), dst.view(nblk, block_len)
+        from kvd.shim.memory.staged import _wide
+
+        sv, dv = _wide(src.view(nblk, block_len)), _wide(dst.view(nblk, block_len))  # as the staged copies
 
         def timed(fn) -> float:
             fn()  # warm-up
@@ -357,7 +444,16 @@ class Engine:
 
 
 def engine_main(conn, cfg: dict) -> None:
-    """Engine process: executes ``{"cmd", "args"}`` messages until ``exit``."""
+    """Engine process: executes ``{"cmd", "args"}`` messages until ``exit``.
+    ``cfg["log"]``: a file that takes the process's stdout and stderr (UCX
+    prints its protocol tables there)."""
+    cfg = dict(cfg)
+    log = cfg.pop("log", None)
+    if log:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
     try:
         eng = Engine(**cfg)
     except Exception as e:
@@ -384,6 +480,7 @@ class EngineProc:
 
     def __init__(self, ctx, cfg: dict, name: str, timeout_s: float = 180):
         self.name = name
+        self.log_path = cfg.get("log")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=engine_main, args=(child, cfg), name=f"engine-{name}", daemon=True)
         self.proc.start()
@@ -401,6 +498,16 @@ class EngineProc:
         """Runs ``cmd(**args)`` in the engine; waits up to ``wait_s`` for the answer."""
         self.conn.send({"cmd": cmd, "args": args})
         return self._answer(wait_s, cmd)
+
+    def log_size(self) -> int:
+        return os.path.getsize(self.log_path) if self.log_path and os.path.exists(self.log_path) else 0
+
+    def log_text(self, start: int = 0) -> str:
+        if not self.log_path or not os.path.exists(self.log_path):
+            return ""
+        with open(self.log_path, "rb") as f:
+            f.seek(start)
+            return f.read().decode("utf-8", "replace")
 
     def stop(self) -> None:
         if self.proc.is_alive():

@@ -1,7 +1,8 @@
 """benchmarks/gpu_check.py, the GPU device check, proven on the CPU
 (``--cpu``): the same flow as on the H200 (two engine processes, two real
-daemons, direct / staged / auto, bytes compared, reference copy, UCX
-protocol tables classified from the daemon's log), on DRAM."""
+daemons, direct / staged / auto, and the in-process baseline: each engine's
+own NIXL agent; bytes compared, reference copy, UCX protocol tables
+classified from the reader's log), on DRAM."""
 
 from __future__ import annotations
 
@@ -21,11 +22,12 @@ def test_cpu_dry_run_moves_verified_bytes_on_every_path(tmp_path):
     res = json.loads((tmp_path / "gpu_check.json").read_text())
     assert res["errors"] == []
     cases = {(c["block_bytes"], c["path"]): c for c in res["cases"]}
-    assert set(cases) == {(s, p) for s in (64 << 10, 1 << 20) for p in ("direct", "staged", "auto")}
+    assert set(cases) == {(s, p) for s in (64 << 10, 1 << 20) for p in ("nixl", "direct", "staged", "auto")}
     for (size, path), c in cases.items():
         assert c["ok"] and c["verify"]["ok"], (size, path, c)
         assert c["verify"]["bytes_checked"] == c["bytes_per_load"]  # repetition 0: one load, every byte
-        want = {"direct": "direct", "staged": "staged", "auto": "direct"}[path]  # named shm: auto is direct
+        # named shm: auto is direct; nixl: each engine's own agent, the in-process baseline
+        want = {"nixl": "nixl", "direct": "direct", "staged": "staged", "auto": "direct"}[path]
         assert c["registered"]["prefill"]["data_path"] == c["registered"]["decode"]["data_path"] == want
         assert c["transfer_gbps"] > 0 and c["e2e_gbps"] > 0
         assert all(rep["send_done"]["send_done"] == rep["loads"] for rep in c["reps"])  # every lease ended by a read
@@ -33,7 +35,11 @@ def test_cpu_dry_run_moves_verified_bytes_on_every_path(tmp_path):
         assert c["ucx_path"] == "host", c["ucx_proto_info"]
         if path == "staged":
             assert c["reps"][-1]["copy_in_s"] > 0 and c["reps"][-1]["copy_out_s"] > 0
+        assert c["of_nixl"] > 0  # against the in-process baseline of its block size
     assert set(res["d2d"]) == {str(64 << 10), str(1 << 20)}
     md = (tmp_path / "gpu_check.md").read_text()
     assert "| 1 MiB | staged | staged/staged | 2 MiB ok |" in md and "CPU dry run" in md
     assert (tmp_path / "decode_daemon.log").exists() and (tmp_path / "prefill_daemon.log").exists()
+    assert "| 1 MiB | nixl | nixl/nixl | 2 MiB ok |" in md
+    # the in-process baseline's UCX table comes from the decode engine's own output
+    assert "remote memory read" in (tmp_path / "decode_engine.log").read_text()

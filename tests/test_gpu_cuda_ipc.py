@@ -193,3 +193,33 @@ def test_a_failed_mirror_frees_the_mirrors_made_before_it(fake):
     with pytest.raises(CudaIpcError, match="cudaErrorMemoryAllocation"):
         open_segments([seg(H1), seg(H2)], "auto")
     assert fake.allocated == {} and fake.opened == {}
+
+
+def test_a_direct_registration_ucx_cannot_export_names_the_cause_and_closes_the_mappings(fake):
+    """On an H200, NIXL 1.5.1 refused to register the daemon's mapping of an
+    engine's IPC handle (NIXL_ERR_BACKEND: UCX's cuda_ipc packs a key with
+    cuIpcGetMemHandle, which fails on an imported mapping). A real daemon
+    core and a real NIXL agent here (a CPU-only UCX refuses VRAM the same
+    way): the error says why and what to use instead; nothing stays open."""
+    import asyncio
+
+    from kvd.core.events import InvalidArgument
+    from kvd.core.layout import Layout, Region
+    from kvd.core.node import Node
+
+    layout = Layout(16, 16, "NHD", "bfloat16", 8, 128, 1, (1 << 16, 1 << 16))
+    regions = [Region(0, 0, 1 << 16, 1 << 16), Region(0, 16 << 16, 1 << 16, 1 << 16)]
+
+    async def main():
+        node = Node()
+        node.start()
+        try:
+            with pytest.raises(InvalidArgument) as e:
+                await node.register("G", 0, 1, layout, [seg(size=32 << 16)], regions, model="m", staged=False)
+            return str(e.value)
+        finally:
+            await node.close()
+
+    msg = asyncio.run(main())
+    assert "NIXL_ERR_BACKEND" in msg and "cannot export again" in msg and "auto or staged" in msg, msg
+    assert fake.opened == {} and len(fake.closed) == 1

@@ -227,3 +227,37 @@ def test_explicit_choices_are_kept_and_a_risky_direct_is_flagged():
     assert ps.choose_data_path("staged", []).path == "staged"
     with pytest.raises(ValueError, match="direct, staged or auto"):
         ps.choose_data_path("fast", [])
+
+
+# Recorded on an H200 (2026-12-04, UCX in nixl-cu13 1.5.1, benchmarks/gpu_check.py): the
+# prefill daemon's own endpoint to itself, and the decode daemon's READ from its peer.
+H200_SELF_PUT = """\
+[1796384654.596972] [vm:565  :1]   +--------+--------------------+-----------------------------------+
+[1796384654.596972] [vm:565  :1]   | kvd-P-4096k-staged-r0-66b9a027 self cfg#1                       |
+[1796384654.596972] [vm:565  :1]   | remote memory write by ucp_put* from host memory to cuda/dev[1] |
+[1796384654.596972] [vm:565  :1]   +--------+--------------------+-----------------------------------+
+[1796384654.596972] [vm:565  :1]   | Range  |    Description     |              Config               |
+[1796384654.596972] [vm:565  :1]   +--------+--------------------+-----------------------------------+
+[1796384654.596972] [vm:565  :1]   | 0..inf | software emulation | tcp/lo                            |
+[1796384654.596972] [vm:565  :1]   +--------+--------------------+-----------------------------------+
+"""
+H200_PEER_GET = """\
+[1796384654.975088] [vm:566  :1]   +--------+-------------+------------------------------------------------+
+[1796384654.975088] [vm:566  :1]   | kvd-D-4096k-staged-r0-48871b86 intra-node cfg#3                        |
+[1796384654.975088] [vm:566  :1]   | remote memory read by ucp_get*(multi) into cuda/GPU0 from cuda/dev[1] |
+[1796384654.975088] [vm:566  :1]   +--------+-------------+------------------------------------------------+
+[1796384654.975088] [vm:566  :1]   | Range  | Description |                     Config                     |
+[1796384654.975088] [vm:566  :1]   +--------+-------------+------------------------------------------------+
+[1796384654.975088] [vm:566  :1]   | 0..inf | zero-copy   | cuda_ipc/cuda                                  |
+[1796384654.975088] [vm:566  :1]   +--------+-------------+------------------------------------------------+
+"""
+
+
+def test_an_agents_endpoint_to_itself_is_not_evidence_of_a_peers_lane():
+    """On the H200 the push run's prefill daemon printed this emulated self
+    table while its WRITEs to the peer ran at 455 GB/s through cuda_ipc."""
+    (t,) = ps.parse_proto_info(H200_SELF_PUT)
+    assert t.scope == "self" and t.op == "put" and t.gpu
+    assert ps.proto_evidence(H200_SELF_PUT, 4 << 20, op="put") == []
+    (e,) = ps.proto_evidence(H200_SELF_PUT + H200_PEER_GET, 4 << 20, op="get")
+    assert e.path is Path.CUDA_IPC

@@ -269,3 +269,50 @@ def test_staging_mirror_copies_blocks_per_group_both_ways(tmp_path):
     finally:
         seg.close()
         seg2.close()
+
+
+def test_staging_mirror_copies_in_bounded_pieces(tmp_path, monkeypatch):
+    """The gathered rows are a temporary in the engine's memory: with pieces of
+    one block, copying 5 blocks gathers 5 times, one block each, and the bytes
+    land as with one gather."""
+    from kvd.shim.memory import staged
+    from kvd.testing.shm import ShmSegment
+
+    buf, caches = vllm032_cpu_caches(1)
+    shared = cpu_share.describe_kv_caches(caches, num_blocks=NB, block_size=N, kv_layout="HND", num_kv_heads=H,
+                                          head_dim=D, groups=None)
+    seg = ShmSegment(buf.numel())
+    try:
+        mirror = staged.StagingMirror(shared.cache_blocks(), shared.regions, [s.size for s in shared.segments], NB,
+                                      [pb.Segment(kind=pb.MEMORY_KIND_SHM, name=seg.name, size=seg.size)])
+        layer = list(caches.values())[0]
+        for b in range(NB):
+            layer[b].fill_(float(b + 1))
+        r = shared.regions[0]
+        monkeypatch.setattr(staged, "COPY_PIECE_BYTES", r.block_len)
+        gathered = []
+        real = torch.Tensor.index_select
+        monkeypatch.setattr(torch.Tensor, "index_select",
+                            lambda self, dim, idx: gathered.append(idx.numel()) or real(self, dim, idx))
+        ids = [0, 2, 3, 4, 5]
+        assert mirror.copy_in([ids]) == len(ids) * len(shared.regions) * r.block_len
+        assert gathered and max(gathered) == 1 and sum(gathered) == len(ids) * len(shared.regions)
+        for reg in shared.regions:
+            for b in range(NB):
+                got = bytes(seg.mm[reg.offset + b * reg.block_stride:][:reg.block_len])
+                assert (got == bytes(reg.block_len)) == (b not in ids), (reg.offset, b)
+        mirror.close()
+    finally:
+        seg.close()
+
+
+def test_staged_copies_move_rows_as_wide_elements_where_the_view_allows():
+    from kvd.shim.memory.staged import _wide
+
+    base = torch.arange(4 * 96, dtype=torch.uint8).view(4, 96)
+    assert _wide(base).dtype == torch.int64 and _wide(base).shape == (4, 12)
+    assert _wide(base[:, :36]).dtype == torch.int32          # 36-byte rows: int32 at most
+    assert _wide(base.view(-1)[1:1 + 3 * 64].view(3, 64)).dtype == torch.uint8  # offset 1: bytes only
+    assert _wide(base[:, :7]).dtype == torch.uint8
+    w = _wide(base)
+    assert bytes(w.view(torch.uint8).numpy()) == bytes(base.numpy())  # the same bytes

@@ -113,9 +113,29 @@ def _import_nixl_without_torch() -> None:
         meta.detect_cuda_major = real
 
 
+#: UCX settings kvd gives its agents unless the environment sets them.
+#: ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY``: UCX's default ``auto`` turns the
+#: ``cuda_ipc`` transport's READ (get) off where it finds no NVLink (UCX
+#: ``uct_cuda_ipc_iface_get_max_get_zcopy``: "cuda-ipc get zcopy disabled as
+#: no nvlinks detected"), and kvd's pull mode is READs: on one H200 (both
+#: engines on the one GPU) every READ then fell to UCX's software emulation
+#: over TCP, 0.4 GB/s for VRAM that a device copy moves at ~2,100 GB/s,
+#: in-process NIXL agents alike (docs/GPU.md). ``y`` keeps the zero-copy lane.
+UCX_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+
+
+def apply_ucx_defaults(environ=os.environ) -> dict[str, str]:
+    """Sets each of :data:`UCX_DEFAULTS` the environment leaves unset (UCX
+    reads them when a backend is created); returns those it set."""
+    applied = {k: v for k, v in UCX_DEFAULTS.items() if k not in environ}
+    environ.update(applied)
+    return applied
+
+
 def _nixl():
     # Imported lazily so that ``import kvd`` (and the engine-side shim) never
     # loads NIXL or its torch dependency.
+    apply_ucx_defaults()
     try:
         _import_nixl_without_torch()
         from nixl._api import nixl_agent, nixl_agent_config

@@ -339,10 +339,14 @@ def classify_table(table: ProtoTable, size: int) -> Evidence | None:
 def proto_evidence(text: str, size: int, op: str = "get", gpu_only: bool = True) -> list[Evidence]:
     """Evidence from every table in ``text`` for ``op`` (``"get"``: pull
     mode's READ; ``"put"``: push mode's WRITE) at ``size`` bytes (a
-    descriptor's length: the block length). ``gpu_only`` skips host-memory tables."""
+    descriptor's length: the block length). ``gpu_only`` skips host-memory tables;
+    an endpoint to the agent itself (scope ``self``) is always skipped."""
     out = []
     for t in parse_proto_info(text):
-        if t.op != op or (gpu_only and not t.gpu):
+        # "self": an agent's endpoint to itself (seen on an H200: a prefill daemon's push tables
+        # "self cfg#1 ... host<-cuda: software emulation | tcp/lo" beside 455 GB/s of cuda_ipc
+        # WRITEs to its peer): it says nothing about the lane to a peer.
+        if t.op != op or (gpu_only and not t.gpu) or t.scope == "self":
             continue
         e = classify_table(t, size)
         if e is not None:

@@ -150,7 +150,15 @@ class Registry:
                     m.close()
                 for n in staging:
                     unlink_shm(n)
-                raise InvalidArgument(str(e)) from None
+                why = str(e)
+                if cuda and not staged:
+                    # Seen on an H200 (docs/GPU.md): UCX's cuda_ipc packs a key for registered VRAM
+                    # with cuIpcGetMemHandle, which fails on memory this process opened from an IPC
+                    # handle, and NIXL 1.5.1 then refuses the whole registration (NIXL_ERR_BACKEND).
+                    why += ("; the engine's CUDA memory was opened here from its IPC handle, which UCX cannot "
+                            "export again (cudaIpcGetMemHandle fails on an imported mapping): register with "
+                            "data path auto or staged (daemon-owned mirrors)")
+                raise InvalidArgument(why) from None
             w = Worker(
                 key=(engine_id, tp_rank),
                 tp_size=tp_size,

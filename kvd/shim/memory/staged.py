@@ -51,6 +51,27 @@ log = logging.getLogger("kvd.shim.memory.staged")
 SHM_DIR = "/dev/shm"
 
 
+#: Bytes of blocks gathered at once by a staged copy (its temporary). On an
+#: H200 a block-wise copy of 2 GiB ran at 315-323 GB/s for blocks of 64 KiB to
+#: 4 MiB (docs/GPU.md): a 256 MiB piece is ~0.8 ms, against ~10 us to launch it.
+COPY_PIECE_BYTES = 256 << 20
+
+
+def _wide(blocks: torch.Tensor) -> torch.Tensor:
+    """``blocks`` (``[num_blocks, block_len]`` ``uint8``) viewed with the widest
+    integer type its rows and strides allow: torch's ``index_select`` /
+    ``index_copy_`` move one element per thread step, so 8-byte elements move
+    the same rows several times faster than bytes (here, one CPU thread:
+    1.0 -> 1.7 GB/s on 1 MiB rows); the bytes are the same."""
+    for dt, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if blocks.shape[-1] % size == 0:
+            try:
+                return blocks.view(dt)
+            except RuntimeError:  # a stride or the storage offset not a multiple of size
+                continue
+    return blocks
+
+
 class StagingError(RuntimeError):
     """The daemon's mirrors cannot be used (missing, wrong size or kind); the message says which."""
 
@@ -227,9 +248,15 @@ class StagingMirror:
                 if r.group >= len(ids) or not ids[r.group].numel():
                     continue
                 sel = ids[r.group]
-                src, dst = (cache, mirror) if to_mirror else (mirror, cache)
-                rows = src.index_select(0, sel.to(src.device))
-                dst.index_copy_(0, sel.to(dst.device), rows.to(dst.device))
+                src, dst = (_wide(cache), _wide(mirror)) if to_mirror else (_wide(mirror), _wide(cache))
+                # In pieces of at most COPY_PIECE_BYTES: the gathered rows are a temporary in the
+                # engine's memory, and a vLLM engine leaves little free VRAM beside its cache.
+                step = max(1, COPY_PIECE_BYTES // max(1, r.block_len))
+                for i in range(0, sel.numel(), step):
+                    part = sel[i:i + step]
+                    rows = src.index_select(0, part.to(src.device))
+                    dst.index_copy_(0, part.to(dst.device), rows.to(dst.device))
+                    del rows
                 moved += sel.numel() * r.block_len
             if moved:
                 self._sync()
