@@ -27,9 +27,13 @@ PeerService request once its caller is checked, and every answer a peer
 gives (``kvd.daemon.peer_client``), whose server may be anything a load's
 ``kv_transfer_params`` name (:func:`peer_shape`).
 
-What the walk cannot read (a truncated field, an unknown wire type) is left
-to the parser, which refuses it; the walk only ever refuses more, never
-accepts what the parser would not.
+What the walk cannot read (a truncated field, an unknown wire type, a group
+not ended or ended by another field's tag, nesting past :data:`MAX_DEPTH`)
+is refused too (:class:`ShapeError`), never handed to the parser uncounted:
+the parser is laxer than the encoding's rules in places (upb skips an
+unknown group without checking the field numbers inside it), and what the
+walk has not counted is exactly what it cannot bound. An honest sender's
+serializer writes none of these.
 """
 
 from __future__ import annotations
@@ -172,26 +176,31 @@ def check(data: bytes, descriptor: Descriptor, shape: Shape) -> None:
 
     Raises:
         ShapeError: it holds more than ``shape`` allows (the message names
-            the count and its bound).
+            the count and its bound), or the walk cannot read it (fails
+            closed: the message names what and where).
     """
     if len(data) <= WALK_FROM_BYTES:
         return
-    budget = _Budget(shape, descriptor.name)
-    _walk(bytes(data), 0, len(data), descriptor, budget, 0)
+    _walk(bytes(data), 0, len(data), descriptor, _Budget(shape, descriptor.name, len(data)), 0)
 
 
 class _Budget:
     """What a walk may still count, and whose message it walks (for the error)."""
 
-    def __init__(self, shape: Shape, name: str):
+    def __init__(self, shape: Shape, name: str, length: int):
         self.shape = shape
         self.name = name
+        self.length = length
         self.fields = shape.max_fields
         self.scalars = shape.max_scalars
 
     def too_many(self, what: str, bound: int) -> ShapeError:
         return ShapeError(f"more than {bound} {what} in one {self.name} ({self.shape.who}'s message holds at most "
                           f"that many; counted before parsing)")
+
+    def unreadable(self, what: str, pos: int) -> ShapeError:
+        return ShapeError(f"{what} at byte {pos} of a {self.length}-byte {self.name} ({self.shape.who}'s message "
+                          f"over {WALK_FROM_BYTES} bytes is refused unparsed when its walk cannot read it)")
 
 
 def _repeated(f: F) -> bool:
@@ -200,9 +209,15 @@ def _repeated(f: F) -> bool:
     return rep if rep is not None else f.label == F.LABEL_REPEATED
 
 
-def _varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
-    """``(value, next position)``; ``(-1, end)`` when ``buf`` ends inside it."""
+def _varint(buf: bytes, pos: int, end: int, budget: _Budget) -> tuple[int, int]:
+    """``(value, next position)`` of the varint at ``pos``.
+
+    Raises:
+        ShapeError: ``buf`` ends inside it, or it runs past 10 bytes (upb
+            refuses that too).
+    """
     value = shift = 0
+    start = pos
     while pos < end and shift < 70:
         b = buf[pos]
         pos += 1
@@ -210,46 +225,49 @@ def _varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
         if b < 0x80:
             return value, pos
         shift += 7
-    return -1, end
+    raise budget.unreadable("a truncated or over-long varint", start)
 
 
 def _walk(buf: bytes, pos: int, end: int, desc: Descriptor | None, budget: _Budget, depth: int,
-          group: int = 0) -> int:
-    """Counts the fields of ``buf[pos:end]`` (a ``desc`` message; None: the
-    fields of an unknown group, which ends at the end-group tag of field
-    ``group``) against ``budget``. Returns the position after them, or -1
-    at the first thing it cannot read: the parser refuses that itself
-    (upb: a truncated field, a varint of over 10 bytes, an unmatched group
-    end, nesting past 100)."""
+          group: int | None = None) -> int:
+    """Counts the fields of ``buf[pos:end]`` against ``budget``: a ``desc``
+    message, or with ``group`` set (a field number, 0 included) the fields
+    of an unknown group of that field (``desc`` None), up to its end-group
+    tag. Returns the position after the message (``end``) or after the
+    group's end tag.
+
+    Raises:
+        ShapeError: past the budget, or at the first thing it cannot read (a
+            truncated field, a varint of over 10 bytes, wire type 6 or 7, an
+            end-group tag that no group of its field opened, a group not
+            ended, nesting past :data:`MAX_DEPTH`): fail closed, as what is
+            not read is not counted.
+    """
     if depth > MAX_DEPTH:
-        return -1
+        raise budget.unreadable(f"nesting deeper than {MAX_DEPTH}", pos)
     by_number = desc.fields_by_number if desc is not None else {}
     while pos < end:
-        tag, pos = _varint(buf, pos, end)
-        if tag < 0:
-            return -1
+        at = pos
+        tag, pos = _varint(buf, pos, end, budget)
         budget.fields -= 1
         if budget.fields < 0:
             raise budget.too_many("fields", budget.shape.max_fields)
         kind = tag & 7
         n = 1
         if kind == 0:  # varint
-            while pos < end and buf[pos] >= 0x80:
-                pos += 1
-            pos += 1
-        elif kind == 1:  # 64-bit
-            pos += 8
-        elif kind == 5:  # 32-bit
-            pos += 4
+            _, pos = _varint(buf, pos, end, budget)
+        elif kind == 1 or kind == 5:  # 64-bit, 32-bit
+            pos += 8 if kind == 1 else 4
+            if pos > end:
+                raise budget.unreadable("a truncated fixed-width field", at)
         elif kind == 2:  # length-delimited: a message, a packed array, a string or bytes
-            length, pos = _varint(buf, pos, end)
+            length, pos = _varint(buf, pos, end, budget)
             stop = pos + length
-            if length < 0 or stop > end:
-                return -1
+            if stop > end:
+                raise budget.unreadable("a length past the end of its message", at)
             f = by_number.get(tag >> 3)
             if f is not None and f.type == F.TYPE_MESSAGE:
-                if _walk(buf, pos, stop, f.message_type, budget, depth + 1) < 0:
-                    return -1
+                _walk(buf, pos, stop, f.message_type, budget, depth + 1)
                 n = 0
             elif f is not None and _repeated(f) and f.type in _VARINTS:
                 # One element per byte with the top bit clear (its last
@@ -262,17 +280,19 @@ def _walk(buf: bytes, pos: int, end: int, desc: Descriptor | None, budget: _Budg
             pos = stop
         elif kind == 3:  # a group (proto2; here always an unknown field, which the parser keeps)
             pos = _walk(buf, pos, end, None, budget, depth + 1, tag >> 3)
-            if pos < 0:
-                return -1
             n = 0
-        elif kind == 4:  # a group's end
-            return pos if group and tag >> 3 == group else -1
-        else:  # wire types 6 and 7 do not exist
-            return -1
+        elif kind == 4:  # a group's end: only of the group being walked (None: no group open)
+            if group is not None and tag >> 3 == group:
+                return pos
+            raise budget.unreadable("an end-group tag that no group of its field opened", at)
+        else:
+            raise budget.unreadable(f"wire type {kind}, which does not exist", at)
         budget.scalars -= n
         if budget.scalars < 0:
             raise budget.too_many("repeated elements", budget.shape.max_scalars)
-    return -1 if group else pos
+    if group is not None:
+        raise budget.unreadable(f"a group of field {group} not ended", end)
+    return pos
 
 
 class _Refused:
