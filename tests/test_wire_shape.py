@@ -497,13 +497,16 @@ def test_a_peer_request_of_many_empty_submessages_is_refused_unparsed(tmp_path, 
 
 def test_a_call_of_renewals_at_its_bounds_passes():
     """``max_renewals_per_call`` renewals of ``RENEWAL_GROUPS`` groups each,
-    or of 64k block ids each (16M in all), pass as an engine's
-    ``RenewLeasesRequest`` and as a daemon's ``RenewRequest``; 28M empty
-    groups do not."""
+    of ``max_blocks_per_request`` block ids in all, or one renewal of them
+    all (what an honest caller sends at most: the handlers refuse more),
+    pass as an engine's ``RenewLeasesRequest`` and as a daemon's
+    ``RenewRequest``; 28M empty groups do not."""
     n = BOUNDS.max_renewals_per_call
+    ids = Limits.max_blocks_per_request
     wide = [pb.LeaseRenewal(request_id="r" * 64, groups=[pb.BlockIds(ids=[7])] * ws.RENEWAL_GROUPS)] * n
-    long = [pb.LeaseRenewal(request_id="r" * 64, groups=[pb.BlockIds(ids=range(1, 1 + (1 << 16)))])] * n
-    for renewals in (wide, long):
+    long = [pb.LeaseRenewal(request_id="r" * 64, groups=[pb.BlockIds(ids=range(1, 1 + ids // n))])] * n
+    one = [pb.LeaseRenewal(request_id="r", groups=[pb.BlockIds(ids=range(2**31, 2**31 + ids))])]
+    for renewals in (wide, long, one):
         for msg, shape_of in ((pb.RenewLeasesRequest(remote_engine_id="e", remote_address="a", renewals=renewals),
                                ws.engine_shape),
                               (pb.RenewRequest(engine_id="e", renewals=renewals), ws.peer_shape)):
@@ -512,3 +515,19 @@ def test_a_call_of_renewals_at_its_bounds_passes():
     with pytest.raises(ws.ShapeError, match="fields in one RenewLeasesRequest"):
         ws.check(flood, pb.RenewLeasesRequest.DESCRIPTOR,
                  ws.engine_shape(pb.RenewLeasesRequest.DESCRIPTOR, Limits.max_blocks_per_request))
+
+
+@pytest.mark.parametrize("desc, shape_of, head", [
+    (pb.RenewLeasesRequest.DESCRIPTOR, ws.engine_shape, _field(1, b"e") + _field(2, b"a")),
+    (pb.RenewRequest.DESCRIPTOR, ws.peer_shape, _field(1, b"e")),
+], ids=["RenewLeasesRequest", "RenewRequest"])
+def test_a_call_of_renewals_of_more_than_twice_max_blocks_per_request_ids_is_refused_unparsed(desc, shape_of, head):
+    """A call naming more than twice ``max_blocks_per_request`` block ids
+    (here one renewal of them, one byte each): refused before it is parsed.
+    Before, the bound was 16 times that: a 32 MiB call of 16M ids was
+    parsed and converted (2.5 s, +1 GiB) before its handler refused it."""
+    ids = 2 * Limits.max_blocks_per_request + 4 * BOUNDS.max_renewals_per_call + 257
+    renewal = _field(1, b"r") + _field(2, _field(1, b"\x01" * ids))
+    with pytest.raises(ws.ShapeError, match=f"repeated elements in one {desc.name}"):
+        ws.check(head + _field(3 if desc.name == "RenewLeasesRequest" else 2, renewal), desc,
+                 shape_of(desc, Limits.max_blocks_per_request))

@@ -161,12 +161,22 @@ def renewals_shape(max_blocks_per_request: int, who: str) -> Shape:
     """The shape of a call of renewals (an engine's ``RenewLeasesRequest``,
     its daemon's ``RenewRequest`` to the source): up to
     ``BOUNDS.max_renewals_per_call`` renewals, each naming a request's blocks
-    in up to :data:`RENEWAL_GROUPS` groups; ids up to 16 requests of
-    ``max_blocks_per_request`` (a renewal names the blocks still to read,
-    whole requests at most; more than fits the 64 MiB message cap as
-    varints of 4 bytes)."""
+    in up to :data:`RENEWAL_GROUPS` groups, and twice
+    ``max_blocks_per_request`` ids in all.
+
+    The handlers refuse a call of more than ``max_blocks_per_request`` ids
+    in all (``kvd.core.holds.check_renewal_counts``), and an honest caller
+    sends at most that: the vLLM shim's calls hold at most
+    ``kvd.shim.vllm.renewals.MAX_BLOCKS_PER_CALL`` (2**18) ids, or one
+    request's alone, which the source's own hold bounded to its
+    ``max_blocks_per_request``; a daemon forwards to the source the call its
+    engine made, checked against its own. Twice that, as in
+    :func:`engine_shape`: a call a little past it is parsed and refused by
+    its handler naming the limit; one far past it is refused unparsed (a
+    32 MiB call of 16M ids, under the 16x bound this replaced, took 2.5 s
+    and +1 GiB to parse and convert before the count refused it)."""
     n = BOUNDS.max_renewals_per_call
-    return Shape(max_fields=n * (4 + 2 * RENEWAL_GROUPS) + 256, max_scalars=16 * max_blocks_per_request + n * 4 + 256,
+    return Shape(max_fields=n * (4 + 2 * RENEWAL_GROUPS) + 256, max_scalars=2 * max_blocks_per_request + n * 4 + 256,
                  who=who)
 
 
