@@ -13,9 +13,12 @@ wire (the protobuf encoding, https://protobuf.dev/programming-guides/encoding/),
 guided by its descriptor, counting the fields it holds at every depth and
 the elements of its repeated scalars, and refused as soon as either count
 passes what an honest engine can send (:func:`engine_shape`). The walk
-costs ~0.8 us a field in Python here and stops at the bound, so a refusal
-costs a bounded ~15-40 ms whatever the message's length (16,640 fields of
-a command: 13 ms; the 30M-group frame above: refused in 13 ms, not parsed). Packed
+costs ~0.2-0.45 us a field in Python here and stops at the bound, so a
+refusal costs a bounded few to ~30 ms whatever the message's length (the
+30M-group frame above: refused in 3 ms, not parsed). What passes costs as
+much: a message at its shape's field bound walks in 13-60 ms (a 256 KiB
+``RenewLeasesRequest`` of 256 x 510 empty groups: 29 ms, where parsing it
+takes 3 ms), the price of counting before parsing. Packed
 arrays (how protobuf encodes repeated numbers) are counted without a
 Python loop (``bytes.translate``), so an honest load of a million block
 ids is walked in a few field visits.
@@ -153,7 +156,7 @@ def peer_shape(descriptor: Descriptor, max_blocks_per_request: int) -> Shape:
 #: KV-cache groups a renewal may name, for the shape of a call of renewals:
 #: vLLM models have a handful (one per attention type); a call of
 #: ``BOUNDS.max_renewals_per_call`` renewals of this many groups walks in
-#: ~0.1 s, where a call of 28M empty groups took ~1 s and ~0.9 GiB to parse.
+#: ~60 ms, where a call of 28M empty groups took ~1 s and ~0.9 GiB to parse.
 RENEWAL_GROUPS = 256
 
 
@@ -238,6 +241,30 @@ def _varint(buf: bytes, pos: int, end: int, budget: _Budget) -> tuple[int, int]:
     raise budget.unreadable("a truncated or over-long varint", start)
 
 
+#: What the walk looks into, per message type (full name): field number ->
+#: ``(code, message type)``, code :data:`_MESSAGE`, :data:`_PACKED_VARINTS`
+#: or a fixed-width element's size in bytes; other fields count one element.
+_tables: dict[str, dict[int, tuple[int, Descriptor | None]]] = {}
+_MESSAGE, _PACKED_VARINTS = -1, 0
+
+
+def _table(desc: Descriptor | None) -> dict[int, tuple[int, Descriptor | None]]:
+    if desc is None:  # an unknown group's fields are all unknown
+        return {}
+    table = _tables.get(desc.full_name)
+    if table is None:
+        table = {}
+        for f in desc.fields:
+            if f.type == F.TYPE_MESSAGE:
+                table[f.number] = (_MESSAGE, f.message_type)
+            elif _repeated(f) and f.type in _VARINTS:
+                table[f.number] = (_PACKED_VARINTS, None)
+            elif _repeated(f) and f.type in _FIXED:
+                table[f.number] = (_FIXED[f.type], None)
+        _tables[desc.full_name] = table
+    return table
+
+
 def _walk(buf: bytes, pos: int, end: int, desc: Descriptor | None, budget: _Budget, depth: int,
           group: int | None = None) -> int:
     """Counts the fields of ``buf[pos:end]`` against ``budget``: a ``desc``
@@ -245,6 +272,10 @@ def _walk(buf: bytes, pos: int, end: int, desc: Descriptor | None, budget: _Budg
     of an unknown group of that field (``desc`` None), up to its end-group
     tag. Returns the position after the message (``end``) or after the
     group's end tag.
+
+    ~0.3 us a field here: one-byte tags and lengths (every field number
+    under 16, every length under 128) are read inline, and an empty
+    submessage is counted without a call.
 
     Raises:
         ShapeError: past the budget, or at the first thing it cannot read (a
@@ -255,39 +286,53 @@ def _walk(buf: bytes, pos: int, end: int, desc: Descriptor | None, budget: _Budg
     """
     if depth > MAX_DEPTH:
         raise budget.unreadable(f"nesting deeper than {MAX_DEPTH}", pos)
-    by_number = desc.fields_by_number if desc is not None else {}
+    table = _table(desc)
     while pos < end:
         at = pos
-        tag, pos = _varint(buf, pos, end, budget)
+        tag = buf[pos]
+        if tag < 0x80:
+            pos += 1
+        else:
+            tag, pos = _varint(buf, pos, end, budget)
         budget.fields -= 1
         if budget.fields < 0:
             raise budget.too_many("fields", budget.shape.max_fields)
         kind = tag & 7
         n = 1
-        if kind == 0:  # varint
-            _, pos = _varint(buf, pos, end, budget)
+        if kind == 2:  # length-delimited: a message, a packed array, a string or bytes
+            if pos < end and buf[pos] < 0x80:
+                length = buf[pos]
+                pos += 1
+            else:
+                length, pos = _varint(buf, pos, end, budget)
+            stop = pos + length
+            if stop > end:
+                raise budget.unreadable("a length past the end of its message", at)
+            known = table.get(tag >> 3)
+            if known is not None:
+                code, sub = known
+                if code == _MESSAGE:
+                    if length:
+                        _walk(buf, pos, stop, sub, budget, depth + 1)
+                    n = 0
+                elif code == _PACKED_VARINTS:
+                    # One element per byte with the top bit clear (its last
+                    # byte); a varint has at most 10 bytes, so an array longer
+                    # than 10 bytes an element left is too long uncounted.
+                    n = (length if length > 10 * budget.scalars else
+                         length - len(buf[pos:stop].translate(None, _LAST_BYTES)))
+                else:
+                    n = length // code
+            pos = stop
+        elif kind == 0:  # varint
+            if pos < end and buf[pos] < 0x80:
+                pos += 1
+            else:
+                _, pos = _varint(buf, pos, end, budget)
         elif kind == 1 or kind == 5:  # 64-bit, 32-bit
             pos += 8 if kind == 1 else 4
             if pos > end:
                 raise budget.unreadable("a truncated fixed-width field", at)
-        elif kind == 2:  # length-delimited: a message, a packed array, a string or bytes
-            length, pos = _varint(buf, pos, end, budget)
-            stop = pos + length
-            if stop > end:
-                raise budget.unreadable("a length past the end of its message", at)
-            f = by_number.get(tag >> 3)
-            if f is not None and f.type == F.TYPE_MESSAGE:
-                _walk(buf, pos, stop, f.message_type, budget, depth + 1)
-                n = 0
-            elif f is not None and _repeated(f) and f.type in _VARINTS:
-                # One element per byte with the top bit clear (its last
-                # byte); a varint has at most 10 bytes, so an array longer
-                # than 10 bytes an element left is too long uncounted.
-                n = (length if length > 10 * budget.scalars else
-                     length - len(buf[pos:stop].translate(None, _LAST_BYTES)))
-            elif f is not None and _repeated(f) and f.type in _FIXED:
-                n = length // _FIXED[f.type]
-            pos = stop
         elif kind == 3:  # a group (proto2; here always an unknown field, which the parser keeps)
             pos = _walk(buf, pos, end, None, budget, depth + 1, tag >> 3)
             n = 0
