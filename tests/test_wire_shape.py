@@ -310,6 +310,15 @@ def _peak_mib(d) -> int:
     raise AssertionError("VmHWM")
 
 
+def _serves_an_engine(d, engine_id: str) -> None:
+    """A new engine of ``d`` holds and releases a block."""
+    ok = Engine(d, engine_id, SHAPE)
+    ok.hold("h", [1])
+    ok.release("h")
+    assert ok.wait("h").send_done.released
+    ok.close()
+
+
 FLOOD = 28 << 20  # empty submessages (2 bytes each): a 56 MiB message, under the 64 MiB max_message_bytes
 
 
@@ -349,11 +358,7 @@ def test_an_engine_socket_request_of_many_empty_submessages_is_refused_unparsed(
         print(f"peak RSS +{grown} MiB for two refused {2 * FLOOD >> 20} MiB messages")
         assert grown < 400, f"peak RSS grew {grown} MiB for refused {2 * FLOOD >> 20} MiB messages"
         e.session = None
-        ok = Engine(d, "shape-after", SHAPE)  # served after
-        ok.hold("h", [1])
-        ok.release("h")
-        assert ok.wait("h").send_done.released
-        ok.close()
+        _serves_an_engine(d, "shape-after")
     finally:
         ch.close()
         e.close()
@@ -389,11 +394,7 @@ def test_a_command_socket_frame_of_many_empty_submessages_ends_the_session_unpar
         grown = _peak_mib(d) - base
         print(f"peak RSS +{grown} MiB for a refused {FLOOD >> 19} MiB frame")
         assert grown < 400, f"peak RSS grew {grown} MiB for a refused {FLOOD >> 19} MiB frame"
-        ok = Engine(d, "shape-cs-after", SHAPE)  # served after
-        ok.hold("h", [1])
-        ok.release("h")
-        assert ok.wait("h").send_done.released
-        ok.close()
+        _serves_an_engine(d, "shape-cs-after")
     finally:
         s.close()
         e.close()
