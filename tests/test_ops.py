@@ -272,22 +272,27 @@ def test_each_transfer_failure_is_logged_once_with_request_peer_and_reason(ops):
     assert not re.search(r"^\S+ \S+ NIXL ", ops.decode.log(), re.M)
 
 
+def _worker(name, staging, model="m"):
+    """What ``kvd.daemon.status.build_stats`` reads of a worker."""
+    mem = SimpleNamespace(registered_bytes=1 << 20, staging=staging, staged=bool(staging), memory="DRAM")
+    return SimpleNamespace(
+        key=(name, 0), tp_size=1, model=model, agent=SimpleNamespace(name=f"kvd-{name}"), compat_hash="h",
+        regions=[1, 2], layout=SimpleNamespace(num_blocks=8, block_size=16), mem=mem,
+        leases=[], inflight={}, session=SimpleNamespace(streams=1), pairs=SimpleNamespace(remotes={}, warm=[]))
+
+
+def _node(*workers, warm_peers=()):
+    """What ``kvd.daemon.status.build_stats`` reads of a node."""
+    return SimpleNamespace(stats=lambda: {"engines": len(workers), "not_in_the_proto": 7},
+                           peer_address="h:1", peer_auth="", peer_listen="", workers={w.key: w for w in workers},
+                           rt=SimpleNamespace(limits=SimpleNamespace(lease_s=120.0, max_lease_life_s=600.0,
+                                                                     follow_holds=False, warm_peers=warm_peers)))
+
+
 def test_status_reports_the_data_path_of_each_worker():
     from kvd.daemon.status import build_stats, render, to_dict
 
-    def worker(name, staging):
-        mem = SimpleNamespace(registered_bytes=1 << 20, staging=staging, staged=bool(staging), memory="DRAM")
-        return SimpleNamespace(
-            key=(name, 0), tp_size=1, model="m", agent=SimpleNamespace(name=f"kvd-{name}"), compat_hash="h",
-            regions=[1, 2], layout=SimpleNamespace(num_blocks=8, block_size=16), mem=mem,
-            leases=[], inflight={}, session=SimpleNamespace(streams=1), pairs=SimpleNamespace(remotes={}, warm=[]))
-
-    def node(*workers):
-        return SimpleNamespace(stats=lambda: {"engines": len(workers), "not_in_the_proto": 7},
-                               peer_address="h:1", peer_auth="", peer_listen="", workers={w.key: w for w in workers},
-                               rt=SimpleNamespace(limits=SimpleNamespace(lease_s=120.0, max_lease_life_s=600.0,
-                                                                         follow_holds=False, warm_peers=())))
-
+    worker, node = _worker, _node
     assert build_stats(node()).data_path == ""
     assert build_stats(node(worker("a", []))).data_path == "direct"
     s = build_stats(node(worker("a", ["/kvd-stage-1"])))
@@ -300,6 +305,25 @@ def test_status_reports_the_data_path_of_each_worker():
     assert re.search(r"^command socket +off \(sessions on gRPC\)$", text, re.M)
     assert re.search(r"^claims +0 sent, 0 followed, 0 waited for the holds' next answer \(per source rank\); "
                      r"follow_holds off$", text, re.M)
+
+
+def test_status_escapes_control_characters_an_engine_or_peer_names():
+    """An engine id (what an admitted engine registers with), a model and a
+    configured warm peer carrying a terminal's escape sequences, a bell, a
+    carriage return, a newline and a right-to-left override: ``kvd status``
+    prints each escaped as in a Python repr, no control character reaches
+    the terminal but the lines' own newlines, and the table stays aligned."""
+    from kvd.daemon.status import build_stats, render, to_dict
+
+    evil = "e1\x1b[2J\x1b]0;owned\x07\x1b[31mFAKE: all engines healthy\x1b[0m\r\n\u202e"
+    s = build_stats(_node(_worker(evil, [], model="m\x1b[8m"), _worker("plain", []),
+                          warm_peers=(("10.0.0.1:7001", "p\rq"),)))
+    text = render(to_dict(s), "unix:/x")
+    assert not [c for c in text if not c.isprintable() and c != "\n"], repr(text)
+    assert r"e1\x1b[2J\x1b]0;owned\x07\x1b[31mFAKE: all engines healthy\x1b[0m\r\n\u202e" in text
+    assert r"m\x1b[8m" in text and r"10.0.0.1:7001/p\rq" in text
+    header, *rows = [line for line in text.splitlines() if line.startswith(("ENGINE", "e1", "plain"))]
+    assert len({line.index(" 0 ") for line in rows}) == 1, rows  # RANK in one column
 
 
 def test_configured_warm_peers_are_shown_only_to_callers_who_see_every_worker():

@@ -6,12 +6,17 @@ socket's gRPC), and the daemon serves on."""
 
 from __future__ import annotations
 
+import random
+import socket
+import struct
+
 import grpc
 import pytest
 from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvd.command_wire import command_socket_path, frame
 from kvd.core.limits import BOUNDS, Limits
 from kvd.daemon import wire_shape as ws
 from kvd.testing.daemons import start_daemon
@@ -84,14 +89,75 @@ def test_a_message_of_many_tiny_fields_is_refused_before_it_is_parsed(body, what
         ws.check(_hold(body), pb.SessionCommand.DESCRIPTOR, SESSION)
 
 
-def test_a_short_message_is_not_walked_and_what_the_walk_cannot_read_is_left_to_the_parser():
+def test_a_short_message_is_not_walked():
     short = _hold(b"\x22\x00" * (ws.WALK_FROM_BYTES // 2 - 8))
     assert len(short) <= ws.WALK_FROM_BYTES
     ws.check(short, pb.SessionCommand.DESCRIPTOR, ws.Shape(max_fields=1, max_scalars=1))  # under the length: no walk
-    truncated = _hold(b"\x22\x02\x08\x01" * 20_000)[:-1]  # its last group ends early
-    ws.check(truncated, pb.SessionCommand.DESCRIPTOR, SESSION)
-    with pytest.raises(DecodeError):
-        pb.SessionCommand.FromString(truncated)
+
+
+#: An unknown group of field 15 holding an empty unknown group of field 0.
+#: upb skips an unknown group without checking the field numbers inside it,
+#: so it parses whatever follows; a walk that took field number 0 for "no
+#: group open" gave up on it, and the rest was parsed uncounted.
+PREFIX = b"\x7b\x03\x04\x7c"
+
+_TAIL = _field(3, _field(1, b"r" * 80_000))  # a hold of an 80 KB request id: walked, 2 fields
+
+
+@pytest.mark.parametrize("data, what", [
+    (_TAIL[:-1], "a length past the end of its message"),                # ends early
+    (_TAIL + b"\x08", "a truncated or over-long varint"),                # a tag with no value
+    (_TAIL + b"\x08" + b"\xff" * 10 + b"\x01", "a truncated or over-long varint"),  # an 11-byte varint
+    (_TAIL + b"\x09\x00", "a truncated fixed-width field"),
+    (_TAIL + b"\x0e", "wire type 6"),
+    (_TAIL + b"\x7c", "an end-group tag that no group of its field opened"),
+    (_TAIL + b"\x7b\x0c\x7c", "an end-group tag that no group of its field opened"),  # ended by another field's tag
+    (_TAIL + b"\x7b\x03", "a group of field 0 not ended"),
+    (PREFIX + b"\x03" + _TAIL, "a group of field 0 not ended"),
+    (_TAIL + b"\x0b" * 101 + b"\x0c" * 101, "nesting deeper than 100"),
+])
+def test_what_the_walk_cannot_read_is_refused_not_left_to_the_parser(data, what):
+    """Fail closed: a message the walk cannot read is refused, naming what
+    and where, never handed to the parser uncounted."""
+    assert len(data) > ws.WALK_FROM_BYTES
+    with pytest.raises(ws.ShapeError, match=f"{what}.* at byte [0-9]+ of a [0-9]+-byte SessionCommand"):
+        ws.check(data, pb.SessionCommand.DESCRIPTOR, SESSION)
+
+
+def test_groups_of_field_0_nested_in_an_unknown_group_are_walked_and_counted():
+    """The prefix is a message the walk reads (4 fields); upb parses it too,
+    and what follows it is counted as any message's fields."""
+    ws.check(PREFIX + _TAIL, pb.SessionCommand.DESCRIPTOR, SESSION)
+    pb.SessionCommand.FromString(PREFIX + _TAIL)
+    with pytest.raises(ws.ShapeError, match="more than 5 fields"):
+        ws.check(PREFIX + _TAIL, pb.SessionCommand.DESCRIPTOR, ws.Shape(max_fields=5, max_scalars=1 << 20))
+
+
+def _walked(service: str) -> list:
+    """``(message, shape of it)`` of every message of ``service`` the daemon
+    walks: EngineService's requests (engine socket and command socket,
+    :func:`engine_shape`); PeerService's requests and a peer's answers
+    (:func:`peer_shape`)."""
+    methods = pb.DESCRIPTOR.services_by_name[service].methods
+    if service == "EngineService":
+        return [(m.input_type, ws.engine_shape) for m in methods]
+    return [(t, ws.peer_shape) for m in methods for t in (m.input_type, m.output_type)]
+
+
+@pytest.mark.parametrize("desc, shape_of", [pytest.param(d, f, id=d.name)
+                                            for s in ("EngineService", "PeerService") for d, f in _walked(s)])
+def test_the_prefix_before_a_flood_is_refused_for_every_message_walked(desc, shape_of):
+    """Each message the daemon walks, of the prefix and then one field more
+    than its shape allows: refused for its fields, where the walk that took
+    field number 0 for "no group open" passed it to the parser (28M empty
+    regions behind it: +2.1 GiB to parse a RegisterEngine; a command of
+    28M empty groups blocked the event loop 38 s). The parser takes it."""
+    shape = shape_of(desc, Limits.max_blocks_per_request)
+    # Unknown fields of number 1000: one of 64 KiB (so that it is walked), then empty ones.
+    data = PREFIX + _field(1000, bytes(ws.WALK_FROM_BYTES)) + b"\xc2\x3e\x00" * shape.max_fields
+    with pytest.raises(ws.ShapeError, match=f"more than {shape.max_fields} fields in one {desc.name}"):
+        ws.check(data, desc, shape)
+    getattr(pb, desc.name).FromString(data)
 
 
 @settings(max_examples=300, deadline=None)
@@ -120,6 +186,123 @@ def test_the_walk_of_any_bytes_returns_or_refuses_and_never_accepts_more_than_it
         ws.WALK_FROM_BYTES = old
 
 
+def _counts(msg) -> tuple[int, int]:
+    """``(submessages, scalars)`` a parsed message holds, at every depth
+    (each needs a field of its own on the wire; repeated scalars count per
+    element)."""
+    msgs = scalars = 0
+    for f, value in msg.ListFields():
+        many = ws._repeated(f)
+        if f.type == f.TYPE_MESSAGE:
+            for m in value if many else [value]:
+                a, b = _counts(m)
+                msgs, scalars = msgs + 1 + a, scalars + b
+        else:
+            scalars += len(value) if many else 1
+    return msgs, scalars
+
+
+def _honest(rnd, desc, depth: int = 0):
+    """A random message of ``desc`` as a serializer writes it: every field
+    set or not, repeated ones of 0-3 elements, submessages 3 deep at most."""
+    msg = getattr(pb, desc.name)() if depth == 0 else None
+    return _fill(rnd, msg, depth)
+
+
+def _fill(rnd, msg, depth):
+    for f in msg.DESCRIPTOR.fields:
+        if rnd.random() < 0.4:
+            continue
+        n = rnd.randint(0, 3) if ws._repeated(f) else 1
+        for _ in range(n):
+            if f.type == f.TYPE_MESSAGE:
+                if depth >= 3:
+                    break
+                sub = getattr(msg, f.name).add() if ws._repeated(f) else getattr(msg, f.name)
+                sub.SetInParent()
+                _fill(rnd, sub, depth + 1)
+                continue
+            if f.type in (f.TYPE_STRING, f.TYPE_BYTES):
+                v = "s" * rnd.randint(0, 3) if f.type == f.TYPE_STRING else bytes(rnd.randint(0, 3))
+            elif f.type == f.TYPE_BOOL:
+                v = True
+            elif f.type in (f.TYPE_DOUBLE, f.TYPE_FLOAT):
+                v = 1.5
+            else:
+                v = rnd.choice([1, 127, 128, 300, 2 ** 31 - 1])
+            if ws._repeated(f):
+                getattr(msg, f.name).append(v)
+            else:
+                setattr(msg, f.name, v)
+    return msg
+
+
+#: Bytes the mutations insert: group starts and ends (field numbers 0, 1, 3,
+#: 15 and 1000), alone and paired, the prefix, tags of wire types 6 and 7,
+#: empty fields.
+_TOKENS = [bytes([n << 3 | w]) for n in (0, 1, 3, 15) for w in (3, 4)] + [
+    b"\xc3\x3e", b"\xc4\x3e", b"\xc3\x3e\x03\x04\xc4\x3e", PREFIX, b"\x03\x04", b"\x0b\x03\x04\x0c",
+    b"\x0b\x7b\x7c\x0c", b"\x0e", b"\x0f", b"\x12\x00", b"\x22\x00", b"\x80"]
+
+
+def _mutant(rnd, data: bytes) -> bytes:
+    for _ in range(rnd.randint(1, 3)):
+        i = rnd.randint(0, len(data))
+        op = rnd.randrange(4)
+        if op == 0:
+            data = data[:i] + rnd.choice(_TOKENS) + data[i:]
+        elif op == 1:
+            data = data[:i] + data[i + rnd.randint(1, 3):]
+        elif op == 2 and data:
+            i = min(i, len(data) - 1)
+            data = data[:i] + bytes([rnd.randrange(256)]) + data[i + 1:]
+        else:  # at a field's start or after the last one
+            data = rnd.choice([rnd.choice(_TOKENS) + data, data + rnd.choice(_TOKENS)])
+    return data
+
+
+def test_the_walk_passes_only_what_it_has_counted_differential(monkeypatch):
+    """Seeded mutations of valid messages of every type the daemon walks
+    (group tags of field 0 and others inserted, bytes dropped or changed),
+    each walked (the length threshold set to 0) and parsed by protobuf:
+
+    - an unmutated message passes the walk (no honest message is refused);
+    - the walk refuses, or passes: then protobuf parses it or raises
+      DecodeError, and what it parses the walk has counted: with the bound
+      set one under the parsed message's submessages (or scalars), the walk
+      refuses it. A walk that gives up on bytes it cannot read and lets
+      them through fails here (the field-0 group prefix did)."""
+    monkeypatch.setattr(ws, "WALK_FROM_BYTES", 0)
+    rnd = random.Random(12)
+    descs = [d for s in ("EngineService", "PeerService") for d, _ in _walked(s)]
+    wide = ws.Shape(max_fields=10 ** 9, max_scalars=10 ** 9)
+    passed = parsed = 0
+    for i in range(20_000):
+        desc = descs[i % len(descs)]
+        honest = _honest(rnd, desc).SerializeToString()
+        ws.check(honest, desc, wide)
+        data = _mutant(rnd, honest)
+        try:
+            msg = getattr(pb, desc.name).FromString(data)
+        except DecodeError:
+            msg = None
+        try:
+            ws.check(data, desc, wide)
+        except ws.ShapeError:
+            continue
+        passed += 1
+        if msg is None:
+            continue
+        parsed += 1
+        msgs, scalars = _counts(msg)
+        for shape in (ws.Shape(max_fields=msgs - 1, max_scalars=10 ** 9),
+                      ws.Shape(max_fields=10 ** 9, max_scalars=scalars - 1)):
+            if min(shape.max_fields, shape.max_scalars) >= 0:
+                with pytest.raises(ws.ShapeError, match="more than"):
+                    ws.check(data, desc, shape)
+    assert parsed > 3000, (passed, parsed)  # the mutations still reach the parser's successes
+
+
 def _peak_mib(d) -> int:
     for line in open(f"/proc/{d.proc.pid}/status"):
         if line.startswith("VmHWM:"):
@@ -127,14 +310,29 @@ def _peak_mib(d) -> int:
     raise AssertionError("VmHWM")
 
 
+def _serves_an_engine(d, engine_id: str) -> None:
+    """A new engine of ``d`` holds and releases a block."""
+    ok = Engine(d, engine_id, SHAPE)
+    ok.hold("h", [1])
+    ok.release("h")
+    assert ok.wait("h").send_done.released
+    ok.close()
+
+
 FLOOD = 28 << 20  # empty submessages (2 bytes each): a 56 MiB message, under the 64 MiB max_message_bytes
 
 
-def test_an_engine_socket_request_of_many_empty_submessages_is_refused_unparsed(tmp_path):
+WITH_PREFIX = pytest.mark.parametrize("prefix", [b"", PREFIX], ids=["plain", "prefix"])
+
+
+@WITH_PREFIX
+def test_an_engine_socket_request_of_many_empty_submessages_is_refused_unparsed(tmp_path, prefix):
     """On the engine socket's gRPC, from an admitted engine: a 56 MiB
     RegisterEngine of 28M empty regions and a Session command of 28M empty
-    KV-cache groups. Before, each was parsed first (~1 s of the event loop
-    and ~0.9 GiB of RSS each, measured with protobuf 7). Expected:
+    KV-cache groups, each alone or after :data:`PREFIX`. Before, each was
+    parsed first (~1 s of the event loop and ~0.9 GiB of RSS each, measured
+    with protobuf 7); with the prefix, until the walk failed closed, too
+    (a RegisterEngine +2.1 GiB). Expected:
     INVALID_ARGUMENT naming the bound, the daemon's peak RSS up by a few
     copies of the bytes at most, and an engine served after."""
     d = start_daemon(str(tmp_path), "kvd", log_level="info")
@@ -144,12 +342,12 @@ def test_an_engine_socket_request_of_many_empty_submessages_is_refused_unparsed(
         base = _peak_mib(d)
         register = ch.unary_unary("/kvd.v1.EngineService/RegisterEngine")
         with pytest.raises(grpc.RpcError) as err:
-            register(b"\x22\x00" * FLOOD, timeout=120)
+            register(prefix + b"\x22\x00" * FLOOD, timeout=120)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
         assert "fields in one RegisterEngineRequest" in err.value.details(), err.value.details()
         opened = pb.SessionCommand(open=pb.OpenSession(worker=pb.EngineWorker(engine_id="shape-ok"))).SerializeToString()
         session = ch.stream_stream("/kvd.v1.EngineService/Session")
-        call = session(iter([opened, _hold(b"\x22\x00" * FLOOD)]), timeout=120)
+        call = session(iter([opened, prefix + _hold(b"\x22\x00" * FLOOD)]), timeout=120)
         events = []
         with pytest.raises(grpc.RpcError) as err:
             for ev in call:
@@ -160,13 +358,45 @@ def test_an_engine_socket_request_of_many_empty_submessages_is_refused_unparsed(
         print(f"peak RSS +{grown} MiB for two refused {2 * FLOOD >> 20} MiB messages")
         assert grown < 400, f"peak RSS grew {grown} MiB for refused {2 * FLOOD >> 20} MiB messages"
         e.session = None
-        ok = Engine(d, "shape-after", SHAPE)  # served after
-        ok.hold("h", [1])
-        ok.release("h")
-        assert ok.wait("h").send_done.released
-        ok.close()
+        _serves_an_engine(d, "shape-after")
     finally:
         ch.close()
+        e.close()
+        assert d.stop() == 0
+
+
+@WITH_PREFIX
+def test_a_command_socket_frame_of_many_empty_submessages_ends_the_session_unparsed(tmp_path, prefix):
+    """On the command socket, from an admitted engine: a frame of a hold of
+    28M empty KV-cache groups (56 MiB), alone or after :data:`PREFIX` (with
+    it, until the walk failed closed, the frame was parsed: the event loop
+    blocked 38 s, +3 GiB). Expected: the connection ends with a rejection
+    naming the bound, the peak RSS up by a few copies of the bytes at most,
+    and an engine served after."""
+    d = start_daemon(str(tmp_path), "kvd", log_level="info")
+    e = Engine(d, "shape-cs", SHAPE, open_session=False)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.settimeout(60)
+        s.connect(command_socket_path(d.socket))
+        base = _peak_mib(d)
+        opened = pb.SessionCommand(open=pb.OpenSession(worker=pb.EngineWorker(engine_id="shape-cs")))
+        s.sendall(frame(opened.SerializeToString()) + frame(prefix + _hold(b"\x22\x00" * FLOOD)))
+        got = b""
+        while chunk := s.recv(1 << 16):
+            got += chunk
+        events = []
+        while got:
+            (n,) = struct.unpack_from("<I", got)
+            events.append(pb.SessionEvent.FromString(got[4:4 + n]))
+            got = got[4 + n:]
+        assert events and "fields in one SessionCommand" in events[-1].rejected.reason, events
+        grown = _peak_mib(d) - base
+        print(f"peak RSS +{grown} MiB for a refused {FLOOD >> 19} MiB frame")
+        assert grown < 400, f"peak RSS grew {grown} MiB for a refused {FLOOD >> 19} MiB frame"
+        _serves_an_engine(d, "shape-cs-after")
+    finally:
+        s.close()
         e.close()
         assert d.stop() == 0
 
@@ -199,17 +429,19 @@ def test_what_an_honest_daemon_answers_at_the_bounds_passes():
     ws.check(holds.SerializeToString(), holds.DESCRIPTOR, ws.peer_shape(holds.DESCRIPTOR, Limits.max_blocks_per_request))
 
 
-def test_a_peer_answer_of_many_empty_submessages_fails_the_load_unparsed(tmp_path):
+@WITH_PREFIX
+def test_a_peer_answer_of_many_empty_submessages_fails_the_load_unparsed(tmp_path, prefix):
     """A load names a hostile server (what ``kv_transfer_params`` say; with
     no peer credential, the default, its answer is taken unauthenticated)
-    that answers the handshake with 28M empty regions, 56 MiB. Before, the
-    reader parsed it first (~1 s of its event loop and ~0.9 GiB, again at
-    every load). Expected: the load fails naming the bound, the decode
+    that answers the handshake with 28M empty regions, 56 MiB, alone or
+    after :data:`PREFIX`. Before, the reader parsed it first (~1 s of its
+    event loop and ~0.9 GiB, again at every load; with the prefix, until the
+    walk failed closed, +2.1 GiB). Expected: the load fails naming the bound, the decode
     daemon's peak RSS up by a few copies of the bytes at most, and it
     serves on."""
     from concurrent.futures import ThreadPoolExecutor
 
-    answer = b"\x22\x00" * FLOOD
+    answer = prefix + b"\x22\x00" * FLOOD
     server = grpc.server(ThreadPoolExecutor(max_workers=2), options=[("grpc.max_send_message_length", 128 << 20)])
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("kvd.v1.PeerService", {
         "Handshake": grpc.unary_unary_rpc_method_handler(lambda request, context: answer)})])
@@ -236,18 +468,20 @@ def test_a_peer_answer_of_many_empty_submessages_fails_the_load_unparsed(tmp_pat
         assert d.stop() == 0
 
 
-def test_a_peer_request_of_many_empty_submessages_is_refused_unparsed(tmp_path):
+@WITH_PREFIX
+def test_a_peer_request_of_many_empty_submessages_is_refused_unparsed(tmp_path, prefix):
     """A caller the daemon admits on PeerService (here: its own uid on
     loopback, with no credential configured) sends a Claim of 28M empty
-    KV-cache groups, 56 MiB. Before, gRPC parsed it once the caller was
-    admitted. Expected: INVALID_ARGUMENT naming the bound, the peak RSS up
+    KV-cache groups, 56 MiB, alone or after :data:`PREFIX`. Before, gRPC
+    parsed it once the caller was admitted (with the prefix, until the walk
+    failed closed: +3 GiB). Expected: INVALID_ARGUMENT naming the bound, the peak RSS up
     by a few copies of the bytes at most."""
     d = start_daemon(str(tmp_path), "kvd", log_level="info")
     ch = grpc.insecure_channel(d.peer_address, options=[("grpc.max_send_message_length", 128 << 20)])
     try:
         base = _peak_mib(d)
         with pytest.raises(grpc.RpcError) as err:
-            ch.unary_unary("/kvd.v1.PeerService/Claim")(b"\x0a\x01e" + b"\x22\x00" * FLOOD, timeout=120)
+            ch.unary_unary("/kvd.v1.PeerService/Claim")(prefix + b"\x0a\x01e" + b"\x22\x00" * FLOOD, timeout=120)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
         assert "fields in one ClaimRequest (a peer's message" in err.value.details(), err.value.details()
         grown = _peak_mib(d) - base
@@ -264,13 +498,16 @@ def test_a_peer_request_of_many_empty_submessages_is_refused_unparsed(tmp_path):
 
 def test_a_call_of_renewals_at_its_bounds_passes():
     """``max_renewals_per_call`` renewals of ``RENEWAL_GROUPS`` groups each,
-    or of 64k block ids each (16M in all), pass as an engine's
-    ``RenewLeasesRequest`` and as a daemon's ``RenewRequest``; 28M empty
-    groups do not."""
+    of ``max_blocks_per_request`` block ids in all, or one renewal of them
+    all (what an honest caller sends at most: the handlers refuse more),
+    pass as an engine's ``RenewLeasesRequest`` and as a daemon's
+    ``RenewRequest``; 28M empty groups do not."""
     n = BOUNDS.max_renewals_per_call
+    ids = Limits.max_blocks_per_request
     wide = [pb.LeaseRenewal(request_id="r" * 64, groups=[pb.BlockIds(ids=[7])] * ws.RENEWAL_GROUPS)] * n
-    long = [pb.LeaseRenewal(request_id="r" * 64, groups=[pb.BlockIds(ids=range(1, 1 + (1 << 16)))])] * n
-    for renewals in (wide, long):
+    long = [pb.LeaseRenewal(request_id="r" * 64, groups=[pb.BlockIds(ids=range(1, 1 + ids // n))])] * n
+    one = [pb.LeaseRenewal(request_id="r", groups=[pb.BlockIds(ids=range(2**31, 2**31 + ids))])]
+    for renewals in (wide, long, one):
         for msg, shape_of in ((pb.RenewLeasesRequest(remote_engine_id="e", remote_address="a", renewals=renewals),
                                ws.engine_shape),
                               (pb.RenewRequest(engine_id="e", renewals=renewals), ws.peer_shape)):
@@ -279,3 +516,19 @@ def test_a_call_of_renewals_at_its_bounds_passes():
     with pytest.raises(ws.ShapeError, match="fields in one RenewLeasesRequest"):
         ws.check(flood, pb.RenewLeasesRequest.DESCRIPTOR,
                  ws.engine_shape(pb.RenewLeasesRequest.DESCRIPTOR, Limits.max_blocks_per_request))
+
+
+@pytest.mark.parametrize("desc, shape_of, head", [
+    (pb.RenewLeasesRequest.DESCRIPTOR, ws.engine_shape, _field(1, b"e") + _field(2, b"a")),
+    (pb.RenewRequest.DESCRIPTOR, ws.peer_shape, _field(1, b"e")),
+], ids=["RenewLeasesRequest", "RenewRequest"])
+def test_a_call_of_renewals_of_more_than_twice_max_blocks_per_request_ids_is_refused_unparsed(desc, shape_of, head):
+    """A call naming more than twice ``max_blocks_per_request`` block ids
+    (here one renewal of them, one byte each): refused before it is parsed.
+    Before, the bound was 16 times that: a 32 MiB call of 16M ids was
+    parsed and converted (2.5 s, +1 GiB) before its handler refused it."""
+    ids = 2 * Limits.max_blocks_per_request + 4 * BOUNDS.max_renewals_per_call + 257
+    renewal = _field(1, b"r") + _field(2, _field(1, b"\x01" * ids))
+    with pytest.raises(ws.ShapeError, match=f"repeated elements in one {desc.name}"):
+        ws.check(head + _field(3 if desc.name == "RenewLeasesRequest" else 2, renewal), desc,
+                 shape_of(desc, Limits.max_blocks_per_request))

@@ -71,6 +71,18 @@ def _repeated(groups: BlockGroups) -> str:
     return ""
 
 
+def check_renewal_counts(renewals: int, blocks: int, max_blocks_per_request: int) -> None:
+    """Raises InvalidArgument for a call of ``renewals`` renewals naming
+    ``blocks`` block ids in all past the bounds (``BOUNDS.max_renewals_per_call``,
+    ``max_blocks_per_request``). The gRPC handlers call it on the counts of
+    the parsed message, before its ids become Python lists."""
+    if renewals > BOUNDS.max_renewals_per_call:
+        raise InvalidArgument(f"renew: {renewals} leases in one call, more than {BOUNDS.max_renewals_per_call}")
+    if blocks > max_blocks_per_request:
+        raise InvalidArgument(f"renew: {blocks} block ids in one call, more than "
+                              f"{max_blocks_per_request} (max_blocks_per_request)")
+
+
 class Holds:
     """Leases of every prefill worker (``Worker.leases``), and the claims on them.
 
@@ -304,13 +316,8 @@ class Holds:
     def _check_renewals(self, renewals: list[LeaseRenewal]) -> None:
         """Raises InvalidArgument for a batch past the bounds (both sides
         check: a local caller's batch is refused before any peer call)."""
-        if len(renewals) > BOUNDS.max_renewals_per_call:
-            raise InvalidArgument(f"renew: {len(renewals)} leases in one call, more than "
-                                  f"{BOUNDS.max_renewals_per_call}")
-        blocks = sum(len(flat(r.groups)) for r in renewals)
-        if blocks > self.rt.limits.max_blocks_per_request:
-            raise InvalidArgument(f"renew: {blocks} block ids in one call, more than "
-                                  f"{self.rt.limits.max_blocks_per_request} (max_blocks_per_request)")
+        check_renewal_counts(len(renewals), sum(len(flat(r.groups)) for r in renewals),
+                             self.rt.limits.max_blocks_per_request)
         for r in renewals:
             if not r.request_id or len(r.request_id.encode()) > BOUNDS.max_id_bytes:
                 raise InvalidArgument(f"renew: request_id empty or longer than {BOUNDS.max_id_bytes} bytes")

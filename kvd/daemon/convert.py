@@ -7,6 +7,7 @@ import numpy as np
 
 from kvd.core import events as ev
 from kvd.core.hold_feed import HoldChange, HoldsAnswer
+from kvd.core.holds import check_renewal_counts
 from kvd.core.layout import Layout, Region
 from kvd.core.state import HandshakeResult
 from kvd.requests import BlockGroups, LeaseRenewal, LoadRequest, RenewResult
@@ -141,8 +142,16 @@ def load_from_pb(m: pb.LoadBlocks) -> LoadRequest:
     )
 
 
-def renewals_from_pb(renewals) -> list[LeaseRenewal]:
-    """``repeated LeaseRenewal`` -> core values (the bounds are the core's to check)."""
+def renewals_from_pb(renewals, max_blocks_per_request: int) -> list[LeaseRenewal]:
+    """``repeated LeaseRenewal`` -> core values, its counts checked first
+    (``kvd.core.holds.check_renewal_counts``: renewals, block ids in all)
+    on the parsed message, so a call past them is refused before its ids
+    become Python lists (~36 bytes an id); the core checks the rest.
+
+    Raises:
+        ev.InvalidArgument: past those bounds.
+    """
+    check_renewal_counts(len(renewals), sum(len(g.ids) for r in renewals for g in r.groups), max_blocks_per_request)
     return [LeaseRenewal(r.request_id, groups_from_pb(r.groups)) for r in renewals]
 
 

@@ -275,7 +275,8 @@ class EngineService(pb_grpc.EngineServiceServicer):
             left = context.time_remaining()
             timeout_s = min(self.node.limits.handshake_timeout_s, left if left is not None else float("inf"))
             results = await self.node.renew_at(request.remote_address, request.remote_engine_id,
-                                               renewals_from_pb(request.renewals), timeout_s)
+                                               renewals_from_pb(request.renewals,
+                                                                self.node.limits.max_blocks_per_request), timeout_s)
         except ev.CoreError as e:
             log.info("renew of %d leases of engine %s at %s refused: %s", len(request.renewals),
                      request.remote_engine_id, request.remote_address, e)

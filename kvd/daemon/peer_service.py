@@ -155,7 +155,8 @@ class PeerService(pb_grpc.PeerServiceServicer):
         renewals, more than ``max_blocks_per_request`` block ids in all, or a
         request id empty or over ``BOUNDS.max_id_bytes`` bytes."""
         try:
-            results = self.node.renew(request.engine_id, renewals_from_pb(request.renewals))
+            results = self.node.renew(request.engine_id,
+                                      renewals_from_pb(request.renewals, self.node.limits.max_blocks_per_request))
         except ev.CoreError as e:
             await self._refuse(context, "renew", request, e)
         return pb.RenewResponse(results=renewed_to_pb(results))

@@ -156,8 +156,19 @@ def human_duration(s: float) -> str:
     return f"{m}m{s:02d}s" if m else f"{s}s"
 
 
+def printable(text: str) -> str:
+    """``text`` with every character ``str.isprintable`` refuses written as
+    Python writes it in a repr (``\\x1b``, ``\\r``, ``\\u202e``): engine ids,
+    models, addresses and errors come from engines and peers, and ``kvd
+    status`` prints them to an operator's terminal, where an escape sequence
+    or a carriage return would rewrite what it shows."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _table(header: list[str], rows: list[list]) -> list[str]:
-    cells = [header] + [[str(c) for c in r] for r in rows]
+    cells = [header] + [[printable(str(c)) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
 
@@ -180,7 +191,8 @@ def peer_auth_line(d: dict) -> str:
 def render(d: dict, target: str = "") -> str:
     """The status of one daemon (a :func:`to_dict` of ``StatsResponse``) as text."""
     state = "DRAINING" if d.get("draining") else "serving"
-    lines = [f"kvd {d['daemon_version']}  {target}  {state}  up {human_duration(d['uptime_s'])}".replace("    ", "  ")]
+    lines = [printable(f"kvd {d['daemon_version']}  {target}  {state}  up {human_duration(d['uptime_s'])}")
+             .replace("    ", "  ")]
     v = d.get("versions") or {}
     summary = [
         ("peer address", d["peer_address"]),
@@ -213,7 +225,7 @@ def render(d: dict, target: str = "") -> str:
         summary.append(("dropped notifications", f"{d['notifications_dropped']} past the backlog "
                                                   "(a peer flooding notifications; see the log)"))
     width = max(len(k) for k, _ in summary)
-    lines += [f"{k:<{width}}  {val}" for k, val in summary]
+    lines += [f"{k:<{width}}  {printable(val)}" for k, val in summary]
     if d.get("workers"):
         lines.append("")
         lines += _table(

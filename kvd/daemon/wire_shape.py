@@ -13,9 +13,12 @@ wire (the protobuf encoding, https://protobuf.dev/programming-guides/encoding/),
 guided by its descriptor, counting the fields it holds at every depth and
 the elements of its repeated scalars, and refused as soon as either count
 passes what an honest engine can send (:func:`engine_shape`). The walk
-costs ~0.8 us a field in Python here and stops at the bound, so a refusal
-costs a bounded ~15-40 ms whatever the message's length (16,640 fields of
-a command: 13 ms; the 30M-group frame above: refused in 13 ms, not parsed). Packed
+costs ~0.2-0.45 us a field in Python here and stops at the bound, so a
+refusal costs a bounded few to ~30 ms whatever the message's length (the
+30M-group frame above: refused in 3 ms, not parsed). What passes costs as
+much: a message at its shape's field bound walks in 13-60 ms (a 256 KiB
+``RenewLeasesRequest`` of 256 x 510 empty groups: 29 ms, where parsing it
+takes 3 ms), the price of counting before parsing. Packed
 arrays (how protobuf encodes repeated numbers) are counted without a
 Python loop (``bytes.translate``), so an honest load of a million block
 ids is walked in a few field visits.
@@ -27,9 +30,13 @@ PeerService request once its caller is checked, and every answer a peer
 gives (``kvd.daemon.peer_client``), whose server may be anything a load's
 ``kv_transfer_params`` name (:func:`peer_shape`).
 
-What the walk cannot read (a truncated field, an unknown wire type) is left
-to the parser, which refuses it; the walk only ever refuses more, never
-accepts what the parser would not.
+What the walk cannot read (a truncated field, an unknown wire type, a group
+not ended or ended by another field's tag, nesting past :data:`MAX_DEPTH`)
+is refused too (:class:`ShapeError`), never handed to the parser uncounted:
+the parser is laxer than the encoding's rules in places (upb skips an
+unknown group without checking the field numbers inside it), and what the
+walk has not counted is exactly what it cannot bound. An honest sender's
+serializer writes none of these.
 """
 
 from __future__ import annotations
@@ -149,7 +156,7 @@ def peer_shape(descriptor: Descriptor, max_blocks_per_request: int) -> Shape:
 #: KV-cache groups a renewal may name, for the shape of a call of renewals:
 #: vLLM models have a handful (one per attention type); a call of
 #: ``BOUNDS.max_renewals_per_call`` renewals of this many groups walks in
-#: ~0.1 s, where a call of 28M empty groups took ~1 s and ~0.9 GiB to parse.
+#: ~60 ms, where a call of 28M empty groups took ~1 s and ~0.9 GiB to parse.
 RENEWAL_GROUPS = 256
 
 
@@ -157,12 +164,22 @@ def renewals_shape(max_blocks_per_request: int, who: str) -> Shape:
     """The shape of a call of renewals (an engine's ``RenewLeasesRequest``,
     its daemon's ``RenewRequest`` to the source): up to
     ``BOUNDS.max_renewals_per_call`` renewals, each naming a request's blocks
-    in up to :data:`RENEWAL_GROUPS` groups; ids up to 16 requests of
-    ``max_blocks_per_request`` (a renewal names the blocks still to read,
-    whole requests at most; more than fits the 64 MiB message cap as
-    varints of 4 bytes)."""
+    in up to :data:`RENEWAL_GROUPS` groups, and twice
+    ``max_blocks_per_request`` ids in all.
+
+    The handlers refuse a call of more than ``max_blocks_per_request`` ids
+    in all (``kvd.core.holds.check_renewal_counts``), and an honest caller
+    sends at most that: the vLLM shim's calls hold at most
+    ``kvd.shim.vllm.renewals.MAX_BLOCKS_PER_CALL`` (2**18) ids, or one
+    request's alone, which the source's own hold bounded to its
+    ``max_blocks_per_request``; a daemon forwards to the source the call its
+    engine made, checked against its own. Twice that, as in
+    :func:`engine_shape`: a call a little past it is parsed and refused by
+    its handler naming the limit; one far past it is refused unparsed (a
+    32 MiB call of 16M ids, under the 16x bound this replaced, took 2.5 s
+    and +1 GiB to parse and convert before the count refused it)."""
     n = BOUNDS.max_renewals_per_call
-    return Shape(max_fields=n * (4 + 2 * RENEWAL_GROUPS) + 256, max_scalars=16 * max_blocks_per_request + n * 4 + 256,
+    return Shape(max_fields=n * (4 + 2 * RENEWAL_GROUPS) + 256, max_scalars=2 * max_blocks_per_request + n * 4 + 256,
                  who=who)
 
 
@@ -172,26 +189,31 @@ def check(data: bytes, descriptor: Descriptor, shape: Shape) -> None:
 
     Raises:
         ShapeError: it holds more than ``shape`` allows (the message names
-            the count and its bound).
+            the count and its bound), or the walk cannot read it (fails
+            closed: the message names what and where).
     """
     if len(data) <= WALK_FROM_BYTES:
         return
-    budget = _Budget(shape, descriptor.name)
-    _walk(bytes(data), 0, len(data), descriptor, budget, 0)
+    _walk(bytes(data), 0, len(data), descriptor, _Budget(shape, descriptor.name, len(data)), 0)
 
 
 class _Budget:
     """What a walk may still count, and whose message it walks (for the error)."""
 
-    def __init__(self, shape: Shape, name: str):
+    def __init__(self, shape: Shape, name: str, length: int):
         self.shape = shape
         self.name = name
+        self.length = length
         self.fields = shape.max_fields
         self.scalars = shape.max_scalars
 
     def too_many(self, what: str, bound: int) -> ShapeError:
         return ShapeError(f"more than {bound} {what} in one {self.name} ({self.shape.who}'s message holds at most "
                           f"that many; counted before parsing)")
+
+    def unreadable(self, what: str, pos: int) -> ShapeError:
+        return ShapeError(f"{what} at byte {pos} of a {self.length}-byte {self.name} ({self.shape.who}'s message "
+                          f"over {WALK_FROM_BYTES} bytes is refused unparsed when its walk cannot read it)")
 
 
 def _repeated(f: F) -> bool:
@@ -200,9 +222,15 @@ def _repeated(f: F) -> bool:
     return rep if rep is not None else f.label == F.LABEL_REPEATED
 
 
-def _varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
-    """``(value, next position)``; ``(-1, end)`` when ``buf`` ends inside it."""
+def _varint(buf: bytes, pos: int, end: int, budget: _Budget) -> tuple[int, int]:
+    """``(value, next position)`` of the varint at ``pos``.
+
+    Raises:
+        ShapeError: ``buf`` ends inside it, or it runs past 10 bytes (upb
+            refuses that too).
+    """
     value = shift = 0
+    start = pos
     while pos < end and shift < 70:
         b = buf[pos]
         pos += 1
@@ -210,69 +238,116 @@ def _varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
         if b < 0x80:
             return value, pos
         shift += 7
-    return -1, end
+    raise budget.unreadable("a truncated or over-long varint", start)
+
+
+#: What the walk looks into, per message type (full name): field number ->
+#: ``(code, message type)``, code :data:`_MESSAGE`, :data:`_PACKED_VARINTS`
+#: or a fixed-width element's size in bytes; other fields count one element.
+_tables: dict[str, dict[int, tuple[int, Descriptor | None]]] = {}
+_MESSAGE, _PACKED_VARINTS = -1, 0
+
+
+def _table(desc: Descriptor | None) -> dict[int, tuple[int, Descriptor | None]]:
+    if desc is None:  # an unknown group's fields are all unknown
+        return {}
+    table = _tables.get(desc.full_name)
+    if table is None:
+        table = {}
+        for f in desc.fields:
+            if f.type == F.TYPE_MESSAGE:
+                table[f.number] = (_MESSAGE, f.message_type)
+            elif _repeated(f) and f.type in _VARINTS:
+                table[f.number] = (_PACKED_VARINTS, None)
+            elif _repeated(f) and f.type in _FIXED:
+                table[f.number] = (_FIXED[f.type], None)
+        _tables[desc.full_name] = table
+    return table
 
 
 def _walk(buf: bytes, pos: int, end: int, desc: Descriptor | None, budget: _Budget, depth: int,
-          group: int = 0) -> int:
-    """Counts the fields of ``buf[pos:end]`` (a ``desc`` message; None: the
-    fields of an unknown group, which ends at the end-group tag of field
-    ``group``) against ``budget``. Returns the position after them, or -1
-    at the first thing it cannot read: the parser refuses that itself
-    (upb: a truncated field, a varint of over 10 bytes, an unmatched group
-    end, nesting past 100)."""
+          group: int | None = None) -> int:
+    """Counts the fields of ``buf[pos:end]`` against ``budget``: a ``desc``
+    message, or with ``group`` set (a field number, 0 included) the fields
+    of an unknown group of that field (``desc`` None), up to its end-group
+    tag. Returns the position after the message (``end``) or after the
+    group's end tag.
+
+    ~0.3 us a field here: one-byte tags and lengths (every field number
+    under 16, every length under 128) are read inline, and an empty
+    submessage is counted without a call.
+
+    Raises:
+        ShapeError: past the budget, or at the first thing it cannot read (a
+            truncated field, a varint of over 10 bytes, wire type 6 or 7, an
+            end-group tag that no group of its field opened, a group not
+            ended, nesting past :data:`MAX_DEPTH`): fail closed, as what is
+            not read is not counted.
+    """
     if depth > MAX_DEPTH:
-        return -1
-    by_number = desc.fields_by_number if desc is not None else {}
+        raise budget.unreadable(f"nesting deeper than {MAX_DEPTH}", pos)
+    table = _table(desc)
     while pos < end:
-        tag, pos = _varint(buf, pos, end)
-        if tag < 0:
-            return -1
+        at = pos
+        tag = buf[pos]
+        if tag < 0x80:
+            pos += 1
+        else:
+            tag, pos = _varint(buf, pos, end, budget)
         budget.fields -= 1
         if budget.fields < 0:
             raise budget.too_many("fields", budget.shape.max_fields)
         kind = tag & 7
         n = 1
-        if kind == 0:  # varint
-            while pos < end and buf[pos] >= 0x80:
+        if kind == 2:  # length-delimited: a message, a packed array, a string or bytes
+            if pos < end and buf[pos] < 0x80:
+                length = buf[pos]
                 pos += 1
-            pos += 1
-        elif kind == 1:  # 64-bit
-            pos += 8
-        elif kind == 5:  # 32-bit
-            pos += 4
-        elif kind == 2:  # length-delimited: a message, a packed array, a string or bytes
-            length, pos = _varint(buf, pos, end)
+            else:
+                length, pos = _varint(buf, pos, end, budget)
             stop = pos + length
-            if length < 0 or stop > end:
-                return -1
-            f = by_number.get(tag >> 3)
-            if f is not None and f.type == F.TYPE_MESSAGE:
-                if _walk(buf, pos, stop, f.message_type, budget, depth + 1) < 0:
-                    return -1
-                n = 0
-            elif f is not None and _repeated(f) and f.type in _VARINTS:
-                # One element per byte with the top bit clear (its last
-                # byte); a varint has at most 10 bytes, so an array longer
-                # than 10 bytes an element left is too long uncounted.
-                n = (length if length > 10 * budget.scalars else
-                     length - len(buf[pos:stop].translate(None, _LAST_BYTES)))
-            elif f is not None and _repeated(f) and f.type in _FIXED:
-                n = length // _FIXED[f.type]
+            if stop > end:
+                raise budget.unreadable("a length past the end of its message", at)
+            known = table.get(tag >> 3)
+            if known is not None:
+                code, sub = known
+                if code == _MESSAGE:
+                    if length:
+                        _walk(buf, pos, stop, sub, budget, depth + 1)
+                    n = 0
+                elif code == _PACKED_VARINTS:
+                    # One element per byte with the top bit clear (its last
+                    # byte); a varint has at most 10 bytes, so an array longer
+                    # than 10 bytes an element left is too long uncounted.
+                    n = (length if length > 10 * budget.scalars else
+                         length - len(buf[pos:stop].translate(None, _LAST_BYTES)))
+                else:
+                    n = length // code
             pos = stop
+        elif kind == 0:  # varint
+            if pos < end and buf[pos] < 0x80:
+                pos += 1
+            else:
+                _, pos = _varint(buf, pos, end, budget)
+        elif kind == 1 or kind == 5:  # 64-bit, 32-bit
+            pos += 8 if kind == 1 else 4
+            if pos > end:
+                raise budget.unreadable("a truncated fixed-width field", at)
         elif kind == 3:  # a group (proto2; here always an unknown field, which the parser keeps)
             pos = _walk(buf, pos, end, None, budget, depth + 1, tag >> 3)
-            if pos < 0:
-                return -1
             n = 0
-        elif kind == 4:  # a group's end
-            return pos if group and tag >> 3 == group else -1
-        else:  # wire types 6 and 7 do not exist
-            return -1
+        elif kind == 4:  # a group's end: only of the group being walked (None: no group open)
+            if group is not None and tag >> 3 == group:
+                return pos
+            raise budget.unreadable("an end-group tag that no group of its field opened", at)
+        else:
+            raise budget.unreadable(f"wire type {kind}, which does not exist", at)
         budget.scalars -= n
         if budget.scalars < 0:
             raise budget.too_many("repeated elements", budget.shape.max_scalars)
-    return -1 if group else pos
+    if group is not None:
+        raise budget.unreadable(f"a group of field {group} not ended", end)
+    return pos
 
 
 class _Refused:
