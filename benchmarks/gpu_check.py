@@ -71,8 +71,6 @@ if str(ROOT) not in sys.path:
 
 from gpu_check_engine import TOKEN_BYTES, EngineProc  # noqa: E402  (benchmarks/ is sys.path[0])
 
-PLACEHOLDER = "not measured: this task had no GPU"
-
 
 def parse_size(text: str) -> int:
     t = text.strip().upper().removesuffix("B").removesuffix("I")
@@ -272,7 +270,7 @@ def run_case(size: int, path: str, P: EngineProc, D: EngineProc, dp: Daemon, dd:
     # Push mode (KVD_TRANSFER_MODE=push): the prefill daemon WRITEs, and its UCX prints the table.
     push = not inproc and os.environ.get("KVD_TRANSFER_MODE", "").strip().lower() == "push"
     ev = path_select.proto_evidence(plog if push else dlog, size, op="put" if push else "get",
-                                    gpu_only=args.mode == "gpu")
+                                    gpu_only=args.mode == "gpu", both_gpu=args.mode == "gpu")
     case["ucx_proto_info"] = [{"path": e.path.value, "detail": e.detail} for e in ev]
     case["ucx_path"] = path_select.worst(ev).value if ev else "not printed"
     case["daemon_choice"] = [line.split(" data path ", 1)[-1].strip() for line in (plog + dlog).splitlines()

@@ -261,3 +261,12 @@ def test_an_agents_endpoint_to_itself_is_not_evidence_of_a_peers_lane():
     assert ps.proto_evidence(H200_SELF_PUT, 4 << 20, op="put") == []
     (e,) = ps.proto_evidence(H200_SELF_PUT + H200_PEER_GET, 4 << 20, op="get")
     assert e.path is Path.CUDA_IPC
+
+
+def test_both_gpu_keeps_only_vram_to_vram_tables():
+    """A push run on the H200 printed host<-cuda put tables (software
+    emulation: WRITEs between a DRAM scratch page and VRAM) beside the
+    cuda<-cuda one its 485 GB/s WRITEs took (cuda_ipc)."""
+    assert ps.proto_evidence(PUT_HOST_TO_CUDA, 1 << 20, op="put", both_gpu=True) == []
+    (e,) = ps.proto_evidence(PUT_HOST_TO_CUDA + "\n" + CUDA_IPC, 1 << 20, op="get", both_gpu=True)
+    assert e.path is Path.CUDA_IPC

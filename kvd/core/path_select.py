@@ -336,17 +336,24 @@ def classify_table(table: ProtoTable, size: int) -> Evidence | None:
                     f"@{size} B: {row.protocol} | {row.transport}")
 
 
-def proto_evidence(text: str, size: int, op: str = "get", gpu_only: bool = True) -> list[Evidence]:
+def proto_evidence(text: str, size: int, op: str = "get", gpu_only: bool = True,
+                   both_gpu: bool = False) -> list[Evidence]:
     """Evidence from every table in ``text`` for ``op`` (``"get"``: pull
     mode's READ; ``"put"``: push mode's WRITE) at ``size`` bytes (a
     descriptor's length: the block length). ``gpu_only`` skips host-memory tables;
-    an endpoint to the agent itself (scope ``self``) is always skipped."""
+    an endpoint to the agent itself (scope ``self``) is always skipped.
+    ``both_gpu`` keeps only tables with GPU memory on both sides: a daemon's
+    warm-up WRITEs between DRAM scratch pages and a VRAM worker's tables
+    (``host<-cuda``: software emulation on an H200) say nothing of its
+    VRAM-to-VRAM lane."""
     out = []
     for t in parse_proto_info(text):
         # "self": an agent's endpoint to itself (seen on an H200: a prefill daemon's push tables
         # "self cfg#1 ... host<-cuda: software emulation | tcp/lo" beside 455 GB/s of cuda_ipc
         # WRITEs to its peer): it says nothing about the lane to a peer.
         if t.op != op or (gpu_only and not t.gpu) or t.scope == "self":
+            continue
+        if both_gpu and not all(m.startswith(("cuda", "rocm")) for m in (t.local_mem, t.remote_mem)):
             continue
         e = classify_table(t, size)
         if e is not None:
