@@ -366,7 +366,7 @@ def test_a_flood_of_bare_notifications_neither_holds_the_loop_nor_grows_memory_u
     a slower or a faster machine. With the excess dropped on the event loop
     (before), this flood (2.2-2.3M sent in 10 s) grew RSS by 1.3-1.5 GiB here
     and held GetStats up to 6 s (unpinned, the older, slower sender: +2.3 GiB
-    in CI with 2.5M sent); dropped by the poll, 1.2-3.4M sent: +129-172 MiB
+    in CI with 2.5M sent); dropped by the poll, 1.2-3.4M sent: +129-192 MiB
     at peak, GetStats at most 0.14 s. What stays: the early table's 65,536
     ids (~90 MiB), the backlog (16 MiB) and what NIXL queued between polls."""
     d, p, dec = pd
