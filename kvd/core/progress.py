@@ -14,6 +14,18 @@ kept for the next passes (which come at once) up to :data:`MAX_BACKLOG` /
 everything queued in one call, and a hostile peer that loaded a source's
 agent metadata could send bare notifications faster than one pass handled
 them (414k in 10 s held the event loop 9.7 s and grew RSS by 800 MB).
+
+The excess is dropped on the NIXL thread, in :meth:`Progress.poll`, as a
+count: nothing bounds what NIXL queues between two polls (its UCX progress
+thread appends every notification that arrives to an unbounded list, which
+``get_new_notifs`` hands over whole, as Python bytes: NIXL 1.5 has no call
+that takes part of it or refuses a sender), so what the daemon holds is the
+flood's rate times the time between polls, and a poll must cost little per
+notification to keep that time short. Measured here (2 cores): NIXL's
+progress thread ~1.1 us of CPU per 1,000-byte notification received, the
+poll's ``get_new_notifs`` ~0.5-0.7 us; dropping each on the event loop as
+well (~1-2 us more) let a 240k/s flood outrun the polls, which then took
+seconds each and found ever more queued (RSS +0.8-2.4 GB).
 """
 
 from __future__ import annotations
@@ -80,12 +92,16 @@ class Progress:
 
     def poll(self):
         """NIXL thread: ``(writes ended, loads' results)``; each load result is
-        ``(worker, request id | agent name, "ERR" | "END" | "NOTIF", source | message)``."""
+        ``(worker, request id | agent name, "ERR" | "END" | "NOTIF" | "DROPPED",
+        source | message | count)``: ``"DROPPED"`` counts one remote agent's
+        notifications of this poll that did not fit the backlog (:meth:`_take`)."""
         self.rt.release_zombies()
         if self.rt.warm_ups:
             self.rt.release_warm_ups(time.monotonic())
         writes = self.push.poll_writes(time.monotonic())
         done = []
+        # The loop changes the backlog only between polls.
+        room = [MAX_BACKLOG - len(self._notifs), MAX_BACKLOG_BYTES - self._notif_bytes]
         for w in list(self.rt.workers.values()):
             for rid, load in list(w.inflight.items()):
                 running = []
@@ -105,10 +121,34 @@ class Progress:
                 for r in [r for r in w.pairs.retired if id(r) not in used]:
                     w.pairs.retired.remove(r)
                     self.peers.free_remote(w, r)
-            for agent_name, msgs in w.agent.notifs().items():
-                for m in msgs:
-                    done.append((w, agent_name, "NOTIF", m))
+            notifs = w.agent.notifs()
+            if notifs:
+                room = self._take(w, notifs, done, room)
         return writes, done
+
+    def _take(self, w, notifs: dict, done: list, room: list) -> list:
+        """NIXL thread: appends to ``done`` the notifications of ``notifs``
+        (``{remote agent: [message, ...]}``, what NIXL handed over) that fit
+        the backlog's ``room`` (``[count, bytes]`` left, updated), and for
+        each remote agent the count of the rest as one ``"DROPPED"`` result.
+
+        The excess is dropped here, before the event loop sees it, at no
+        Python cost per notification: handling each on the loop only to drop
+        it (~1 us) made a pass as slow as the flood was big, and NIXL queues
+        everything that arrives meanwhile (its list is not bounded)."""
+        count, nbytes = room
+        for agent_name, msgs in notifs.items():
+            kept = 0
+            for m in msgs[:count]:
+                if len(m) > nbytes:
+                    break
+                nbytes -= len(m)
+                done.append((w, agent_name, "NOTIF", m))
+                kept += 1
+            count -= kept
+            if kept < len(msgs):
+                done.append((w, agent_name, "DROPPED", len(msgs) - kept))
+        return [count, nbytes]
 
     async def _loop(self) -> None:
         rt = self.rt
@@ -123,6 +163,8 @@ class Progress:
             for w, a, st, extra in results:
                 if st == "NOTIF":
                     self._keep(w, a, extra)
+                elif st == "DROPPED":
+                    self._drop(w, a, extra)
                 elif not rt.registered(w):
                     continue
                 elif st == "ERR":
@@ -146,14 +188,19 @@ class Progress:
         """Queues a notification for :meth:`handle_notifs`, or drops and
         counts it past :data:`MAX_BACKLOG` / :data:`MAX_BACKLOG_BYTES`."""
         if len(self._notifs) >= MAX_BACKLOG or self._notif_bytes + len(msg) > MAX_BACKLOG_BYTES:
-            self.notifs_dropped += 1
-            self._dropped_warning.warning(
-                "%s: notification from %s dropped: %d waiting already (%d bytes; at most %d, %d bytes); "
-                "%d dropped since start", w.label, remote_agent, len(self._notifs), self._notif_bytes,
-                MAX_BACKLOG, MAX_BACKLOG_BYTES, self.notifs_dropped)
+            self._drop(w, remote_agent, 1)
             return
         self._notifs.append((w, remote_agent, msg))
         self._notif_bytes += len(msg)
+
+    def _drop(self, w, remote_agent: str, n: int) -> None:
+        """Counts ``n`` notifications from ``remote_agent`` dropped past the
+        backlog (a log line at most every 10 s)."""
+        self.notifs_dropped += n
+        self._dropped_warning.warning(
+            "%s: notification from %s dropped (%d at once): %d waiting already (%d bytes; at most %d, %d bytes); "
+            "%d dropped since start", w.label, remote_agent, n, len(self._notifs), self._notif_bytes,
+            MAX_BACKLOG, MAX_BACKLOG_BYTES, self.notifs_dropped)
 
     def handle_notifs(self, limit: int) -> int:
         """Hands at most ``limit`` (a count) of the notifications kept, oldest
