@@ -20,6 +20,7 @@ accepts without a Python loop.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import sys
@@ -124,9 +125,22 @@ def _import_nixl_without_torch() -> None:
 UCX_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
 
 
-def apply_ucx_defaults(environ=os.environ) -> dict[str, str]:
+def _cuda_driver() -> bool:
+    """Whether the CUDA driver library loads here (UCX's CUDA transports need it)."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except OSError:
+        return False
+
+
+def apply_ucx_defaults(environ=os.environ, cuda: bool | None = None) -> dict[str, str]:
     """Sets each of :data:`UCX_DEFAULTS` the environment leaves unset (UCX
-    reads them when a backend is created); returns those it set."""
+    reads them when a backend is created); returns those it set. Only where
+    the CUDA driver loads (``cuda``: None asks :func:`_cuda_driver`):
+    elsewhere UCX has no ``cuda_ipc`` and warns of the variable as unused."""
+    if not (_cuda_driver() if cuda is None else cuda):
+        return {}
     applied = {k: v for k, v in UCX_DEFAULTS.items() if k not in environ}
     environ.update(applied)
     return applied
@@ -135,7 +149,8 @@ def apply_ucx_defaults(environ=os.environ) -> dict[str, str]:
 def _nixl():
     # Imported lazily so that ``import kvd`` (and the engine-side shim) never
     # loads NIXL or its torch dependency.
-    apply_ucx_defaults()
+    for k, v in apply_ucx_defaults().items():  # once: later calls find them set
+        log.info("%s=%s for NIXL's UCX (kvd's default; export it to choose another)", k, v)
     try:
         _import_nixl_without_torch()
         from nixl._api import nixl_agent, nixl_agent_config
