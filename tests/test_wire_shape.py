@@ -115,6 +115,11 @@ _TAIL = _field(3, _field(1, b"r" * 80_000))  # a hold of an 80 KB request id: wa
     (_TAIL + b"\x7b\x03", "a group of field 0 not ended"),
     (PREFIX + b"\x03" + _TAIL, "a group of field 0 not ended"),
     (_TAIL + b"\x0b" * 101 + b"\x0c" * 101, "nesting deeper than 100"),
+    # upb reads a tag or a length of at most 5 bytes (and a tag of 32 bits): a
+    # longer one is refused unwalked-into, not walked at 20 Python steps a field.
+    (_TAIL + b"\xf8\x80\x80\x80\x80\x00\x01", "a truncated or over-long varint"),  # a 6-byte tag
+    (_TAIL + b"\xf8\x80\x80\x80\x10\x01", "a tag past 32 bits"),
+    (_TAIL + b"\x7a\x80\x80\x80\x80\x80\x00", "a truncated or over-long varint"),  # a 6-byte length
 ])
 def test_what_the_walk_cannot_read_is_refused_not_left_to_the_parser(data, what):
     """Fail closed: a message the walk cannot read is refused, naming what
@@ -532,3 +537,16 @@ def test_a_call_of_renewals_of_more_than_twice_max_blocks_per_request_ids_is_ref
     with pytest.raises(ws.ShapeError, match=f"repeated elements in one {desc.name}"):
         ws.check(head + _field(3 if desc.name == "RenewLeasesRequest" else 2, renewal), desc,
                  shape_of(desc, Limits.max_blocks_per_request))
+
+
+def test_a_handshake_answer_holds_no_more_numbers_than_its_regions_need():
+    """A handshake answer names no block ids: its numbers (``region_base_addrs``,
+    ``layout.block_lens``, the regions' fields) are a few per region. One of
+    4.3M 10-byte base addresses (41 MiB, no credential needed: any address a
+    load names answers) passed the ids' bound and took +329 MiB and 0.33 s
+    parsed and listed (``handshake_from_pb``) before the regions' count refused it."""
+    n = ws.peer_shape(pb.HandshakeResponse.DESCRIPTOR, Limits.max_blocks_per_request).max_fields
+    desc = pb.HandshakeResponse.DESCRIPTOR
+    data = _field(5, b"\x01" * (2 * n))  # region_base_addrs, packed: 2x the fields' bound in numbers
+    with pytest.raises(ws.ShapeError, match="repeated elements"):
+        ws.check(data, desc, ws.peer_shape(desc, Limits.max_blocks_per_request))

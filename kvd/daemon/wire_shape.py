@@ -137,6 +137,8 @@ def peer_shape(descriptor: Descriptor, max_blocks_per_request: int) -> Shape:
       regions of 7 fields, as many base addresses and block lengths),
       block ids for at most ``max_regions`` groups a side, up to twice
       ``max_blocks_per_request`` ids a side (as :func:`engine_shape`);
+    - ``HandshakeResponse``: no block ids, so no more numbers than fields
+      (a region's base address and block length, its fields);
     - ``RenewRequest``: :func:`renewals_shape`.
 
     A daemon whose ``max_blocks_per_request`` is set far above its peers'
@@ -149,6 +151,8 @@ def peer_shape(descriptor: Descriptor, max_blocks_per_request: int) -> Shape:
         changes, groups = hold_feed.MAX_CHANGES_PER_ANSWER, hold_feed.MAX_GROUPS_PER_ANSWER
         return Shape(max_fields=8 * changes + 2 * groups + 256, max_scalars=MAX_IDS + 8 * changes + 256, who="a peer")
     regions = BOUNDS.max_regions
+    if descriptor.name == "HandshakeResponse":  # no block ids: a few numbers a region (base address, block_len)
+        return Shape(max_fields=32 * regions + 4096, max_scalars=32 * regions + 4096, who="a peer")
     return Shape(max_fields=32 * regions + 4096, max_scalars=4 * max_blocks_per_request + 32 * regions + 4096,
                  who="a peer")
 
@@ -222,16 +226,19 @@ def _repeated(f: F) -> bool:
     return rep if rep is not None else f.label == F.LABEL_REPEATED
 
 
-def _varint(buf: bytes, pos: int, end: int, budget: _Budget) -> tuple[int, int]:
-    """``(value, next position)`` of the varint at ``pos``.
+def _varint(buf: bytes, pos: int, end: int, budget: _Budget, limit: int = 10) -> tuple[int, int]:
+    """``(value, next position)`` of the varint at ``pos``, of at most
+    ``limit`` bytes: 10 for a number, 5 for a tag or a length (upb reads
+    no longer ones; the walk would pay up to 20 Python steps a field for
+    what upb then refuses).
 
     Raises:
-        ShapeError: ``buf`` ends inside it, or it runs past 10 bytes (upb
-            refuses that too).
+        ShapeError: ``buf`` ends inside it, or it runs past ``limit`` bytes
+            (upb refuses that too).
     """
     value = shift = 0
     start = pos
-    while pos < end and shift < 70:
+    while pos < end and shift < 7 * limit:
         b = buf[pos]
         pos += 1
         value |= (b & 0x7F) << shift
@@ -293,7 +300,9 @@ def _walk(buf: bytes, pos: int, end: int, desc: Descriptor | None, budget: _Budg
         if tag < 0x80:
             pos += 1
         else:
-            tag, pos = _varint(buf, pos, end, budget)
+            tag, pos = _varint(buf, pos, end, budget, 5)
+            if tag >> 32:
+                raise budget.unreadable("a tag past 32 bits", at)
         budget.fields -= 1
         if budget.fields < 0:
             raise budget.too_many("fields", budget.shape.max_fields)
@@ -304,7 +313,7 @@ def _walk(buf: bytes, pos: int, end: int, desc: Descriptor | None, budget: _Budg
                 length = buf[pos]
                 pos += 1
             else:
-                length, pos = _varint(buf, pos, end, budget)
+                length, pos = _varint(buf, pos, end, budget, 5)
             stop = pos + length
             if stop > end:
                 raise budget.unreadable("a length past the end of its message", at)
