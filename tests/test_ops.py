@@ -326,6 +326,24 @@ def test_status_escapes_control_characters_an_engine_or_peer_names():
     assert len({line.index(" 0 ") for line in rows}) == 1, rows  # RANK in one column
 
 
+def test_status_escapes_what_shows_blank_or_draws_over_other_text():
+    """Characters a terminal prints but that mislead (a second attacker
+    review): a Hangul filler that shows as blank (``honest-engine`` + U+3164
+    looked like ``honest-engine``), a combining strike-through, a
+    right-to-left letter, fullwidth lookalikes and a wide character that
+    shifted the later columns: all escaped, the table aligned."""
+    from kvd.daemon.status import build_stats, render, to_dict
+
+    ids = ["honest-engineㅤ", "x̶y", "aאb", "ｐｒｏｄ", "中"]
+    s = build_stats(_node(*[_worker(i, []) for i in ids], _worker("plain", [])))
+    text = render(to_dict(s), "unix:/x")
+    assert text.isascii(), [c for c in text if not c.isascii()]
+    for want in (r"honest-engine\u3164", r"x\u0336y", r"a\u05d0b", r"\uff50\uff52\uff4f\uff44", r"\u4e2d"):
+        assert want in text, want
+    rows = [line for line in text.splitlines() if line.startswith(("honest", "x\\", "a\\", "\\u", "plain"))]
+    assert len(rows) == 6 and len({line.index(" 0 ") for line in rows}) == 1, rows  # RANK in one column
+
+
 def test_configured_warm_peers_are_shown_only_to_callers_who_see_every_worker():
     """The warm_peers setting names remote engines; a caller that sees only
     its own workers (another admitted uid) is not shown it, as it is not

@@ -144,14 +144,16 @@ def load_from_pb(m: pb.LoadBlocks) -> LoadRequest:
 
 def renewals_from_pb(renewals, max_blocks_per_request: int) -> list[LeaseRenewal]:
     """``repeated LeaseRenewal`` -> core values, its counts checked first
-    (``kvd.core.holds.check_renewal_counts``: renewals, block ids in all)
+    (``kvd.core.holds.check_renewal_counts``: renewals, block ids in all,
+    groups of each)
     on the parsed message, so a call past them is refused before its ids
     become Python lists (~36 bytes an id); the core checks the rest.
 
     Raises:
         ev.InvalidArgument: past those bounds.
     """
-    check_renewal_counts(len(renewals), sum(len(g.ids) for r in renewals for g in r.groups), max_blocks_per_request)
+    check_renewal_counts(len(renewals), sum(len(g.ids) for r in renewals for g in r.groups), max_blocks_per_request,
+                         max((len(r.groups) for r in renewals), default=0))
     return [LeaseRenewal(r.request_id, groups_from_pb(r.groups)) for r in renewals]
 
 

@@ -23,6 +23,15 @@ from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvd.peer")
 
+#: Characters of a peer-chosen id a log line shows (an engine id is at most
+#: ``BOUNDS.max_engine_id_chars`` when registered; a peer may send any).
+LOGGED_ID_CHARS = 256
+
+
+def _clip(text: str, limit: int = LOGGED_ID_CHARS) -> str:
+    """``text``, or its first ``limit`` characters and how many there were."""
+    return text if len(text) <= limit else f"{text[:limit]}...({len(text)} characters)"
+
 # Holds polls refused (RESOURCE_EXHAUSTED past the polls waiting on an
 # engine, INVALID_ARGUMENT): a follower may send them as fast as it likes,
 # each was a WARNING line (measured: 877 in 3 s from one client).
@@ -41,7 +50,10 @@ class PeerService(pb_grpc.PeerServiceServicer):
 
     async def _refuse(self, context, what: str, request, e: ev.CoreError):
         rank = f" rank={request.tp_rank}" if hasattr(request, "tp_rank") else ""  # Renew names no rank
-        log.warning("%s from %s for engine=%s%s refused: %s", what, context.peer(), request.engine_id, rank, e)
+        # A peer chooses the engine id (and the error may quote it): the log line is clipped
+        # (an admitted peer's refused calls wrote multi-MiB lines, attacker review).
+        log.warning("%s from %s for engine=%s%s refused: %s", what, context.peer(), _clip(request.engine_id), rank,
+                    _clip(str(e), 4 * LOGGED_ID_CHARS))
         await context.abort(status_of(e), str(e))
 
     async def Handshake(self, request: pb.HandshakeRequest, context) -> pb.HandshakeResponse:

@@ -157,14 +157,18 @@ def human_duration(s: float) -> str:
 
 
 def printable(text: str) -> str:
-    """``text`` with every character ``str.isprintable`` refuses written as
-    Python writes it in a repr (``\\x1b``, ``\\r``, ``\\u202e``): engine ids,
-    models, addresses and errors come from engines and peers, and ``kvd
+    """``text`` with every character but printable ASCII written as Python's
+    ``ascii`` writes it (``\\x1b``, ``\\r``, ``\\u202e``, ``\\u3164``): engine
+    ids, models, addresses and errors come from engines and peers, and ``kvd
     status`` prints them to an operator's terminal, where an escape sequence
-    or a carriage return would rewrite what it shows."""
-    if text.isprintable():
+    or a carriage return would rewrite what it shows, and where characters
+    ``str.isprintable`` lets through still mislead (an attacker review:
+    fillers that show as blank, so ``honest-engine`` + U+3164 looks like
+    ``honest-engine``; combining strike-throughs, right-to-left letters,
+    fullwidth lookalikes, wide characters that shift the columns)."""
+    if text.isascii() and text.isprintable():
         return text
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return "".join(c if " " <= c <= "~" else ascii(c)[1:-1] for c in text)
 
 
 def _table(header: list[str], rows: list[list]) -> list[str]:

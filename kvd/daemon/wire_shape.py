@@ -52,6 +52,7 @@ from google.protobuf.descriptor import FieldDescriptor as F
 
 from kvd.core import hold_feed
 from kvd.core.hold_mirror import MAX_IDS
+from kvd.core.holds import MAX_RENEWAL_GROUPS
 from kvd.core.limits import BOUNDS
 from kvd.daemon.logs import Throttled
 from kvd.daemon.peer_local import parse_request
@@ -157,11 +158,11 @@ def peer_shape(descriptor: Descriptor, max_blocks_per_request: int) -> Shape:
                  who="a peer")
 
 
-#: KV-cache groups a renewal may name, for the shape of a call of renewals:
-#: vLLM models have a handful (one per attention type); a call of
-#: ``BOUNDS.max_renewals_per_call`` renewals of this many groups walks in
+#: KV-cache groups a renewal may name, for the shape of a call of renewals
+#: (the handlers refuse more, ``kvd.core.holds.check_renewal_counts``): a call
+#: of ``BOUNDS.max_renewals_per_call`` renewals of this many groups walks in
 #: ~60 ms, where a call of 28M empty groups took ~1 s and ~0.9 GiB to parse.
-RENEWAL_GROUPS = 256
+RENEWAL_GROUPS = MAX_RENEWAL_GROUPS
 
 
 def renewals_shape(max_blocks_per_request: int, who: str) -> Shape:
