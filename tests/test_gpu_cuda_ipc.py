@@ -190,9 +190,11 @@ def test_a_segment_larger_than_the_allocation_its_handle_maps_is_refused(fake):
 
 def test_a_failed_mirror_frees_the_mirrors_made_before_it(fake):
     fake.fail_malloc_after = 1
-    with pytest.raises(CudaIpcError, match="cudaErrorMemoryAllocation"):
+    with pytest.raises(CudaIpcError, match="cudaErrorMemoryAllocation") as e:
         open_segments([seg(H1), seg(H2)], "auto")
     assert fake.allocated == {} and fake.opened == {}
+    # the H200 check ran out of VRAM this way: the message says what mirrors cost
+    assert "second copy of the engine's KV cache" in str(e.value) and "gpu-memory-utilization" in str(e.value)
 
 
 def test_a_direct_registration_ucx_cannot_export_names_the_cause_and_closes_the_mappings(fake):
@@ -222,4 +224,5 @@ def test_a_direct_registration_ucx_cannot_export_names_the_cause_and_closes_the_
 
     msg = asyncio.run(main())
     assert "NIXL_ERR_BACKEND" in msg and "cannot export again" in msg and "auto or staged" in msg, msg
+    assert '"kvd_data_path": "auto" in kv_connector_extra_config' in msg, msg
     assert fake.opened == {} and len(fake.closed) == 1

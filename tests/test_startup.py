@@ -293,6 +293,7 @@ def test_a_peer_port_in_use_names_peer_listen_and_the_reason(tmp_path):
         s.close()
     assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
     assert f"peer_listen: cannot bind PeerService to 127.0.0.1:{port}: Address already in use" in r.stderr
+    assert "give this one its own port: --peer-listen HOST:PORT, port 0 picks one" in r.stderr
     assert "Traceback" not in r.stderr
 
 

@@ -196,7 +196,9 @@ class VramMirror:
         try:
             addr = rt.malloc(device, size)
         except cudart.CudaError as e:
-            raise CudaIpcError(f"staging mirror of {size} bytes on device {device}: {e}") from None
+            hint = ("; staged mirrors are a second copy of the engine's KV cache on its GPU: leave that much free "
+                    "(e.g. a lower vLLM --gpu-memory-utilization)" if e.name == "cudaErrorMemoryAllocation" else "")
+            raise CudaIpcError(f"staging mirror of {size} bytes on device {device}: {e}{hint}") from None
         try:
             rt.memset(device, addr, 0, size)
             self.handle = rt.ipc_get_handle(device, addr)

@@ -157,7 +157,8 @@ class Registry:
                     # handle, and NIXL 1.5.1 then refuses the whole registration (NIXL_ERR_BACKEND).
                     why += ("; the engine's CUDA memory was opened here from its IPC handle, which UCX cannot "
                             "export again (cudaIpcGetMemHandle fails on an imported mapping): register with "
-                            "data path auto or staged (daemon-owned mirrors)")
+                            "data path auto or staged (daemon-owned mirrors; vLLM: \"kvd_data_path\": \"auto\" in "
+                            "kv_connector_extra_config)")
                 raise InvalidArgument(why) from None
             w = Worker(
                 key=(engine_id, tp_rank),

@@ -310,7 +310,10 @@ class Server:
         except RuntimeError:  # grpc.aio: "Failed to bind to address ...", no reason given
             self.peer_port = 0
         if self.peer_port == 0:
-            raise OSError(f"peer_listen: cannot bind PeerService to {bind}: {bind_failure(host, port)}")
+            why = bind_failure(host, port)
+            hint = (" (another kvd? give this one its own port: --peer-listen HOST:PORT, port 0 picks one)"
+                    if "in use" in why else "")
+            raise OSError(f"peer_listen: cannot bind PeerService to {bind}: {why}{hint}")
         adv = cfg.peer_advertise
         if not adv and host in ("0.0.0.0", "::", ""):
             adv = routable_address(self.peer_port)
