@@ -406,5 +406,7 @@ def test_a_flood_of_bare_notifications_neither_holds_the_loop_nor_grows_memory_u
     # (load 18 on 2 cores once made it 1.5 s), before: 12 s
     assert worst < 3.0, f"GetStats held {worst:.2f} s by {sent} notifications"
     assert d.stats().early_notifications <= 65536
-    # KiB: the early table's 65,536 ids, the backlog, NIXL's queue between two polls
-    assert peak - rss0 < 300 << 10, (rss0, peak)
+    # KiB: the early table's 65,536 ids, the backlog, NIXL's queue between two polls. Measured
+    # +129-192 MiB, once +378 MiB (a fresh clone's full run, 1.8M sent); the excess dropped on the
+    # event loop instead: +1.3-1.5 GiB pinned, +2.3 GiB unpinned in CI. The bound tells the two apart.
+    assert peak - rss0 < 768 << 10, (rss0, peak)
