@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import sys
@@ -125,8 +126,10 @@ def _import_nixl_without_torch() -> None:
 UCX_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
 
 
+@functools.lru_cache(maxsize=1)
 def _cuda_driver() -> bool:
-    """Whether the CUDA driver library loads here (UCX's CUDA transports need it)."""
+    """Whether the CUDA driver library loads here (UCX's CUDA transports need
+    it); asked once a process, not at every agent's creation."""
     try:
         ctypes.CDLL("libcuda.so.1")
         return True
