@@ -29,6 +29,7 @@ pytest.importorskip("vllm")
 from kvd.addresses import join_host_port, split_host_port  # noqa: E402
 from kvd.shim.vllm import KvdConnector, KvdShimConfig, as_groups, first_group  # noqa: E402
 from kvd.shim.vllm import config as shim_config  # noqa: E402
+from kvd.shim.vllm.metadata import KvdWorkerPath  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from kvd.testing.util import wait_until  # noqa: E402
 from kvd.v1 import kvd_pb2 as pb  # noqa: E402
@@ -51,7 +52,7 @@ def test_config_keys_and_addresses():
     assert join_host_port("10.0.0.1", "80") == "10.0.0.1:80"
     assert first_group([[1, 2], [3]]) == [1, 2] and first_group([4, 5]) == [4, 5] and first_group([]) == []
     assert as_groups([[1, 2], [3]]) == [[1, 2], [3]] and as_groups((4, 5)) == [[4, 5]] and as_groups(None) == []
-    assert KvdShimConfig.from_extra({"kvd_socket": "/s"}).data_path == "direct"
+    assert KvdShimConfig.from_extra({"kvd_socket": "/s"}).data_path == "auto"  # direct is refused on GPUs
     assert KvdShimConfig.from_extra({"kvd_socket": "/s", "kvd_data_path": "STAGED"}).data_path == "staged"
     with pytest.raises(ValueError, match="kvd_data_path"):
         KvdShimConfig.from_extra({"kvd_socket": "/s", "kvd_data_path": "gpu"})
@@ -70,7 +71,7 @@ def test_an_unknown_kvd_key_is_warned_about_naming_the_closest_setting(caplog, m
              "kv_buffer_size": 1, "KVD_DATA_PATH": "staged", "kvd_zzz": 1}
     cfg = KvdShimConfig.from_extra(extra)
     KvdShimConfig.from_extra(extra)
-    assert cfg.connect_timeout_s == 60.0 and cfg.lease_s == 3.0 and cfg.data_path == "direct"  # ignored
+    assert cfg.connect_timeout_s == 60.0 and cfg.lease_s == 3.0 and cfg.data_path == "auto"  # ignored
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name.startswith("kvd")]
     assert warned[:2] == [
         "kvd: kv_connector_extra_config.kvd_conect_timeout_s is not a KvdConnector setting and is ignored; "
@@ -230,9 +231,22 @@ def test_staged_engine_registers_unnamed_segments_and_copies_computed_blocks_int
 def test_auto_data_path_is_direct_on_cpu_and_staged_when_the_cache_cannot_be_shared(model_dir, fake, monkeypatch):
     from kvd.shim.memory import shm as cpu_share
 
-    eng = Engine(model_dir, fake.socket, kvd_peer_address="127.0.0.1:7000", kvd_data_path="auto")
+    """``auto`` (the default) on the CPU: direct, and the worker tells the
+    scheduler (vLLM's handshake metadata) so that it stops tracking blocks
+    to save; staged when the KV cache cannot be shared, and then the
+    scheduler keeps tracking them (without the saves the mirrors would be
+    stale)."""
+    eng = Engine(model_dir, fake.socket, kvd_peer_address="127.0.0.1:7000")
     try:
+        assert eng.config.kv_transfer_config.kv_connector_extra_config.get("kvd_data_path") is None
         assert fake.service.registers[-1].data_path == pb.DATA_PATH_DIRECT
+        assert eng.worker.get_handshake_metadata() == KvdWorkerPath(may_stage=False)
+        assert eng.connector.scheduler._stage is False
+        req = prefill_request(list(range(100, 140)))
+        eng.sched.add_request(req)
+        eng.run_until(lambda: eng.finished(req.request_id) is not None)
+        assert eng.finished(req.request_id).kv_transfer_params["remote_block_ids"], "handed off as before"
+        assert not eng.connector.scheduler._saving
     finally:
         eng.close()
 
@@ -245,10 +259,12 @@ def test_auto_data_path_is_direct_on_cpu_and_staged_when_the_cache_cannot_be_sha
         reg = fake.service.registers[-1]
         assert reg.data_path == pb.DATA_PATH_STAGED and [s.name for s in reg.segments] == [""]
         assert eng.worker.worker.staging is not None
+        assert eng.worker.get_handshake_metadata() == KvdWorkerPath(may_stage=True)
+        assert eng.connector.scheduler._stage is True
     finally:
         eng.close()
     with pytest.raises(cpu_share.CpuShareError):  # direct asked for: no silent fallback
-        Engine(model_dir, fake.socket, kvd_peer_address="127.0.0.1:7000")
+        Engine(model_dir, fake.socket, kvd_peer_address="127.0.0.1:7000", kvd_data_path="direct")
 
 
 def test_staged_worker_closes_its_mirrors_before_unregistering(model_dir, fake, monkeypatch):
@@ -263,3 +279,60 @@ def test_staged_worker_closes_its_mirrors_before_unregistering(model_dir, fake, 
                                                    close()))
     eng.close()
     assert unregisters_at_close == [0] and len(fake.service.unregisters) == 1
+
+
+def test_the_scheduler_stops_staging_only_when_every_rank_shares_directly(model_dir, fake):
+    """``set_worker_paths``: with ``auto``, one TP rank missing or one that
+    may be staged keeps the saves tracked; an explicit ``staged`` is never
+    turned off, whatever the workers say."""
+    from kvd.shim.vllm.scheduler import KvdScheduler
+
+    for data_path, paths, stages in (
+        ("auto", {0: KvdWorkerPath(False), 1: KvdWorkerPath(False)}, False),
+        ("auto", {0: KvdWorkerPath(False)}, True),                            # rank 1 did not report
+        ("auto", {0: KvdWorkerPath(False), 1: KvdWorkerPath(True)}, True),    # rank 1 staged (fallback)
+        ("auto", {0: KvdWorkerPath(False), 1: object()}, True),               # not ours: assume staged
+        ("auto", {}, True),
+        ("staged", {0: KvdWorkerPath(False), 1: KvdWorkerPath(False)}, True),
+        ("direct", {0: KvdWorkerPath(True), 1: KvdWorkerPath(True)}, False),
+    ):
+        config = vllm_config(model_dir, fake.socket, kvd_peer_address="127.0.0.1:7000", kvd_data_path=data_path)
+        config.parallel_config.tensor_parallel_size = 2
+        sched = KvdScheduler(config, KvdShimConfig.from_extra(config.kv_transfer_config.kv_connector_extra_config),
+                             "e")
+        sched._saving["r"] = object()
+        sched.set_worker_paths(paths)
+        assert sched._stage is stages, (data_path, paths)
+        turned_off = data_path == "auto" and not stages
+        assert bool(sched._saving) is not turned_off, (data_path, paths)  # tracked saves dropped on turning off
+
+
+def test_the_shims_info_lines_reach_vllms_log_handler(monkeypatch):
+    """vLLM configures only its ``vllm`` logger; the connector hangs the
+    ``kvd`` loggers on the same handlers (at vLLM's level), once, and only
+    when ``kvd`` has none of its own."""
+    import io
+
+    from kvd.shim.vllm.connector import adopt_vllm_logging
+
+    kvd_log, vllm_log = logging.getLogger("kvd"), logging.getLogger("vllm")
+    monkeypatch.setattr(kvd_log, "handlers", [])
+    monkeypatch.setattr(kvd_log, "level", logging.NOTSET)
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    monkeypatch.setattr(vllm_log, "handlers", [handler])
+    monkeypatch.setattr(vllm_log, "level", logging.INFO)
+    adopt_vllm_logging()
+    adopt_vllm_logging()
+    assert kvd_log.handlers == [handler] and kvd_log.level == logging.INFO
+    logging.getLogger("kvd.shim.vllm").info("kvd engine=e: registered")
+    logging.getLogger("kvd.shim.vllm").debug("not at INFO")
+    assert stream.getvalue() == "kvd engine=e: registered\n"
+    own = logging.NullHandler()
+    monkeypatch.setattr(kvd_log, "handlers", [own])
+    adopt_vllm_logging()
+    assert kvd_log.handlers == [own], "a handler the user set is left alone"
+    monkeypatch.setattr(kvd_log, "handlers", [])
+    monkeypatch.setattr(vllm_log, "handlers", [])  # VLLM_CONFIGURE_LOGGING=0
+    adopt_vllm_logging()
+    assert kvd_log.handlers == []

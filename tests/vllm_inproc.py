@@ -125,6 +125,12 @@ class Engine:
         self.caches = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout.LBHNC,
                                         [BS] * len(kcc.kv_cache_groups))
         self.worker.register_kv_caches(self.caches)
+        # What vLLM's EngineCore does next (vllm/v1/engine/core.py): every
+        # worker's handshake metadata, keyed (pp_rank, tp_rank), to the
+        # scheduler's connector.
+        meta = self.worker.get_handshake_metadata()
+        if meta is not None:
+            self.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): meta})
         self.stats: list = []
         self.write_kv = write_kv
         self.outputs: dict[str, list] = {}

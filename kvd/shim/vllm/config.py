@@ -22,16 +22,20 @@ kvd_connect_timeout_s 60      startup wait for the daemon (register, GetStats):
                               RegisterEngine together), then fails naming
                               ``kvd_socket``; one whose user may not connect
                               to it fails at once, naming its owner and mode
-kvd_data_path         direct  how blocks reach NIXL (docs/DESIGN.md "Memory
+kvd_data_path         auto    how blocks reach NIXL (docs/DESIGN.md "Memory
                               sharing"): ``direct`` (the daemon maps the KV
-                              cache itself: POSIX shm or CUDA IPC), ``staged``
-                              (the daemon owns staging mirrors; this worker
-                              copies blocks in before a hold and out after a
-                              load), ``auto`` (CPU: direct, or staged when the
-                              KV cache cannot be shared; CUDA: the daemon
-                              chooses, ``kvd.core.path_select``); the memory
-                              kind follows the KV cache's device
-                              (``kvd.shim.memory.auto``)
+                              cache itself: POSIX shm, a memfd or CUDA IPC),
+                              ``staged`` (the daemon owns staging mirrors;
+                              this worker copies blocks in before a hold and
+                              out after a load), ``auto`` (CPU: direct, or
+                              staged when the KV cache cannot be shared;
+                              CUDA: the daemon chooses,
+                              ``kvd.core.path_select``); the memory kind
+                              follows the KV cache's device
+                              (``kvd.shim.memory.auto``). ``direct`` on a GPU
+                              is refused with NIXL 1.5.1 (UCX cannot export
+                              memory the daemon imported by CUDA IPC;
+                              docs/GPU.md), hence the default
 ===================== ======= ==================================================
 
 Any other ``kvd_`` key is ignored with one WARNING naming it and the closest
@@ -122,7 +126,7 @@ class KvdShimConfig:
     lease_s: float = 0.0            # 0: the daemon's default lease
     load_timeout_s: float = 0.0     # 0: the daemon's default transfer timeout
     connect_timeout_s: float = 60.0
-    data_path: str = "direct"       # "direct" | "staged" | "auto"
+    data_path: str = "auto"         # "direct" | "staged" | "auto"
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> KvdShimConfig:
@@ -153,7 +157,7 @@ class KvdShimConfig:
         peer = extra.get("kvd_peer_address")
         if peer is not None:
             split_host_port(str(peer), "kv_connector_extra_config.kvd_peer_address", min_port=1)  # validate early
-        data_path = str(extra.get("kvd_data_path") or "direct").lower()
+        data_path = str(extra.get("kvd_data_path") or "auto").lower()
         if data_path not in DATA_PATHS:
             raise ValueError(f"kv_connector_extra_config.kvd_data_path must be one of {', '.join(DATA_PATHS)} "
                              f"(got {extra.get('kvd_data_path')!r})")

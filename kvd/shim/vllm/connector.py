@@ -9,6 +9,7 @@ decided here.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,7 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from kvd.shim.vllm.config import KVConnectorTransferResults, KvdShimConfig, check_supported
 from kvd.shim.vllm.groups import TransferGroups
-from kvd.shim.vllm.metadata import KvdConnectorMetadata
+from kvd.shim.vllm.metadata import KvdConnectorMetadata, KvdWorkerPath
 from kvd.shim.vllm.scheduler import KvdScheduler
 from kvd.shim.vllm.stats import KvdKVConnectorStats, KvdPromMetrics
 from kvd.shim.vllm.worker import KvdWorker, tp_rank
@@ -48,6 +49,28 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+def adopt_vllm_logging() -> None:
+    """Sends the ``kvd`` loggers' records where vLLM sends its own, so the
+    shim's INFO lines (registration, data path, reconnects) reach the
+    engine's log.
+
+    vLLM configures only its ``vllm`` logger (``vllm/logger.py``,
+    ``DEFAULT_LOGGING_CONFIG``: its handler, INFO, no propagation); a
+    connector loaded by ``kv_connector_module_path`` logs under its own
+    package, where Python shows WARNING and above and nothing else. Done
+    once, and only when ``kvd`` has no handler of its own and ``vllm`` has
+    one (``VLLM_CONFIGURE_LOGGING=0`` leaves both alone). Records still
+    propagate to the root logger (a handler there sees them too).
+    """
+    kvd_log, vllm_log = logging.getLogger("kvd"), logging.getLogger("vllm")
+    if kvd_log.handlers or not vllm_log.handlers:
+        return
+    for handler in vllm_log.handlers:
+        kvd_log.addHandler(handler)
+    if kvd_log.level == logging.NOTSET:
+        kvd_log.setLevel(vllm_log.getEffectiveLevel())
+
+
 class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector that hands KV transfers to the node's kvd daemon.
 
@@ -61,6 +84,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
+        adopt_vllm_logging()
         kv = vllm_config.kv_transfer_config
         if kv is None or kv.engine_id is None:
             raise ValueError("KvdConnector needs kv_transfer_config with an engine_id")
@@ -80,6 +104,14 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             ), num_groups=self.groups.count)
 
     # ------------------------------------------------------------ scheduler
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        """Every worker's :class:`KvdWorkerPath` by TP rank, once, after they
+        registered (vLLM's engine core, ``core.py``: the workers'
+        ``get_handshake_metadata``): the scheduler stops tracking blocks to
+        save when no worker can be staged (``KvdScheduler.set_worker_paths``)."""
+        assert self.scheduler is not None
+        self.scheduler.set_worker_paths(metadata)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Decode side: all prompt tokens not computed locally come from P, async.
 
@@ -177,6 +209,14 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         """
         assert self.worker is not None
         self.worker.register_kv_caches(kv_caches, self._vllm_config, self._kv_cache_config, self.groups)
+
+    def get_handshake_metadata(self) -> KvdWorkerPath | None:
+        """After ``register_kv_caches``: whether the daemon may serve this
+        worker from staging mirrors (:class:`KvdWorkerPath`), for the
+        scheduler; None before registration."""
+        if self.worker is None or self.worker.sharing is None:
+            return None
+        return KvdWorkerPath(may_stage=self.worker.may_stage)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Queues this step's HoldBlocks, LoadBlocks and AbortLoads on the session

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 
 from kvd.requests import BlockGroups, LoadRequest
 
@@ -79,3 +79,23 @@ class KvdConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     holds: list[HoldSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class KvdWorkerPath(KVConnectorHandshakeMetadata):
+    """What a worker tells the scheduler once, after registering its KV cache:
+    whether the daemon may ever serve it from staging mirrors.
+
+    vLLM's engine core collects every worker's ``get_handshake_metadata()``
+    after the KV caches are registered and hands them to the scheduler-side
+    connector's ``set_xfer_handshake_metadata`` (``vllm/v1/engine/core.py``,
+    0.32 and 0.33), keyed by TP rank.
+
+    ``may_stage``: False only when the registration asked for the direct path
+    (``data_path`` direct, or ``auto`` resolved to direct on the CPU), which
+    no re-registration changes; the scheduler then stops tracking blocks to
+    save. True for ``staged`` and for an ``auto`` the daemon decides (CUDA):
+    a restarted daemon may decide otherwise.
+    """
+
+    may_stage: bool

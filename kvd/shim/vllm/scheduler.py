@@ -94,6 +94,9 @@ class KvdScheduler:
         self._holds: list[HoldSpec] = []
         # Staged path: do_remote_decode requests whose computed blocks the
         # workers copy into their mirrors (request, block table, tokens saved).
+        # ``auto`` stages until the workers say they share directly
+        # (set_worker_paths): a save the worker ignores costs a little, a
+        # missing one would hand the reader stale mirrors.
         self._stage = cfg.data_path != "direct"
         self._saving: dict[str, _SaveState] = {}
         self.peer_host: str | None = None
@@ -105,6 +108,27 @@ class KvdScheduler:
             key = "kv_connector_extra_config.kvd_peer_address" if cfg.peer_address else "the daemon's peer_address"
             self.peer_host, self.peer_port = split_host_port(cfg.peer_address or daemon_peer_address(cfg), key,
                                                              min_port=1)
+
+    def set_worker_paths(self, paths: dict[int, Any]) -> None:
+        """The workers' :class:`~kvd.shim.vllm.metadata.KvdWorkerPath` by TP
+        rank (``KvdConnector.set_xfer_handshake_metadata``, once after they
+        registered). With ``kvd_data_path = auto``, when every TP rank
+        reports that it shares its KV cache directly (``may_stage`` False:
+        the CPU resolved auto to direct), blocks are no longer tracked for
+        saving; anything else (a rank missing, or one that may be staged)
+        keeps them tracked."""
+        if not self._stage or self.cfg.data_path != "auto":
+            return
+        ranks = {rank: getattr(p, "may_stage", True) for rank, p in (paths or {}).items()}
+        if len(ranks) < self.tp_size or any(ranks.values()):
+            log.info("kvd engine=%s: kvd_data_path auto: %s; the scheduler tracks blocks for staging copies",
+                     self.engine_id, "some TP ranks did not report their data path" if len(ranks) < self.tp_size
+                     else f"TP ranks {sorted(r for r, m in ranks.items() if m)} may be staged")
+            return
+        self._stage = False
+        self._saving.clear()
+        log.info("kvd engine=%s: kvd_data_path auto: every TP rank shares its KV cache directly; "
+                 "no staging copies", self.engine_id)
 
     def _renew(self, remote_engine_id: str, remote_address: str, renewals):
         """Sends one ``RenewLeases`` through this scheduler's own client of the

@@ -112,6 +112,17 @@ class KvdWorker:
         return self.client.label
 
     @property
+    def may_stage(self) -> bool:
+        """Whether the daemon may serve this worker from staging mirrors, now
+        or after a re-registration: the registration did not ask for the
+        direct path (``staged``, or an ``auto`` the daemon decides), or the
+        daemon chose staged. False before registration."""
+        if self.sharing is None:
+            return False
+        return (self.sharing.wire_data_path != pb.DATA_PATH_DIRECT
+                or (self.registered is not None and self.registered.data_path == pb.DATA_PATH_STAGED))
+
+    @property
     def staging(self) -> StagingMirror | None:
         """The daemon's staging mirrors, mapped (staged path), else None."""
         return self.sharing.staging if self.sharing is not None else None
