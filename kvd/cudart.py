@@ -35,6 +35,12 @@ import sys
 import threading
 
 IPC_HANDLE_SIZE = 64  # sizeof(cudaIpcMemHandle_t)
+UUID_SIZE = 16  # sizeof(cudaUUID_t)
+# cudaDeviceProp begins with char name[256] and then cudaUUID_t uuid in every
+# CUDA release (cuda_runtime_api.h / driver_types.h); the struct itself grows
+# between releases, so it is read into a buffer larger than any of them.
+_PROP_UUID_OFFSET = 256
+_PROP_BUFFER = 8192
 
 # cudaMemcpyKind
 HOST_TO_HOST, HOST_TO_DEVICE, DEVICE_TO_HOST, DEVICE_TO_DEVICE, DEFAULT = 0, 1, 2, 3, 4
@@ -142,7 +148,15 @@ class Cudart:
             f = getattr(lib, fn)
             f.argtypes = [c_int]
             f.restype = ctypes.c_char_p
+        # CUDA 12 headers map cudaGetDeviceProperties to the _v2 symbol; older
+        # libraries export only the plain one. Both start name, uuid.
+        self._get_props = getattr(lib, "cudaGetDeviceProperties_v2", None) or getattr(lib, "cudaGetDeviceProperties",
+                                                                                    None)
+        if self._get_props is not None:
+            self._get_props.argtypes = [vp, c_int]
+            self._get_props.restype = c_int
         self.devices = self._device_count()
+        self._uuids: dict[int, bytes] = {}
         self._driver = None  # libcuda, loaded on first use (optional)
 
     # ----------------------------------------------------------------- errors
@@ -191,6 +205,34 @@ class Cudart:
         buf = ctypes.create_string_buffer(32)
         self._check("cudaDeviceGetPCIBusId", self._lib.cudaDeviceGetPCIBusId(buf, 32, device))
         return buf.value.decode()
+
+    def device_uuid(self, device: int) -> bytes:
+        """The 16-byte UUID of ``device`` (``cudaDeviceProp.uuid``, what
+        ``nvidia-smi -L`` prints as ``GPU-...``): the same GPU, or MIG
+        instance, has the same UUID in every process, whatever its
+        ``CUDA_VISIBLE_DEVICES``. Cached per device.
+
+        Raises:
+            CudaError: ``device`` out of range, or the call failed.
+        """
+        if device not in self._uuids:
+            if not 0 <= device < self.devices:
+                raise CudaError("cudaGetDeviceProperties", 101, "cudaErrorInvalidDevice",
+                                f"device {device} out of range: this process sees {self.devices}")
+            if self._get_props is None:
+                raise CudaError("cudaGetDeviceProperties", 0, "missing", f"{self.path} exports no cudaGetDeviceProperties")
+            buf = ctypes.create_string_buffer(_PROP_BUFFER)
+            self._check("cudaGetDeviceProperties", self._get_props(buf, device))
+            self._uuids[device] = buf.raw[_PROP_UUID_OFFSET:_PROP_UUID_OFFSET + UUID_SIZE]
+        return self._uuids[device]
+
+    def device_of_uuid(self, uuid: bytes) -> int | None:
+        """This process's ordinal of the GPU whose UUID is ``uuid`` (16
+        bytes), or None when it does not see that GPU."""
+        for device in range(self.devices):
+            if self.device_uuid(device) == uuid:
+                return device
+        return None
 
     # ----------------------------------------------------------------- memory
     def malloc(self, device: int, size: int) -> int:
@@ -311,6 +353,15 @@ class Cudart:
         if drv.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr) != 0:
             return None
         return base.value, size.value
+
+
+def format_uuid(uuid: bytes) -> str:
+    """``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`` as ``nvidia-smi -L`` writes
+    a 16-byte UUID; anything else as its hex (for error messages)."""
+    h = bytes(uuid).hex()
+    if len(uuid) != UUID_SIZE:
+        return f"(bad UUID of {len(uuid)} bytes: {h[:64]})"
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
 def _raw(handle: IpcMemHandle) -> bytes:

@@ -22,8 +22,8 @@ from kvd.core.state import Segment
 H1, H2 = bytes([1]) * 64, bytes([2]) * 64
 
 
-def seg(handle=H1, device=0, size=1 << 20):
-    return Segment(name="", size=size, kind=cuda_ipc.KIND, handle=handle, device=device)
+def seg(handle=H1, device=0, size=1 << 20, uuid=b""):
+    return Segment(name="", size=size, kind=cuda_ipc.KIND, handle=handle, device=device, device_uuid=uuid)
 
 
 # ------------------------------------------------------------- no GPU here
@@ -69,6 +69,12 @@ class FakeCudart:
 
     def _fail(self, call, code, name):
         raise cudart.CudaError(call, code, name, "fake")
+
+    def device_uuid(self, device):
+        return bytes([0xA0 + device]) * cudart.UUID_SIZE
+
+    def device_of_uuid(self, uuid):
+        return next((d for d in range(self.devices) if self.device_uuid(d) == uuid), None)
 
     def ipc_open(self, device, handle):
         if any(v == (device, handle) for v in self.opened.values()):
@@ -226,3 +232,96 @@ def test_a_direct_registration_ucx_cannot_export_names_the_cause_and_closes_the_
     assert "NIXL_ERR_BACKEND" in msg and "cannot export again" in msg and "auto or staged" in msg, msg
     assert '"kvd_data_path": "auto" in kv_connector_extra_config' in msg, msg
     assert fake.opened == {} and len(fake.closed) == 1
+
+
+# ------------------------------------------------------------ GPUs by UUID
+def test_a_segment_named_by_uuid_is_opened_on_the_daemons_ordinal_of_that_gpu(fake):
+    """An engine in a pod sees its GPU as device 0; a node daemon that sees
+    every GPU may call the same one 1: ``device_uuid`` decides, ``device``
+    is ignored when it is set (also for the mirrors of the staged path)."""
+    gpu1 = fake.device_uuid(1)
+    got = open_segments([seg(H1, 0, uuid=gpu1), seg(H2, 0, 2048, uuid=gpu1)], "direct")
+    assert got.device == 1 and {d for d, _ in fake.opened.values()} == {1}
+    for m in got.mappings:
+        m.close()
+    got = open_segments([seg(b"", 0, 4096, uuid=gpu1)], "staged")
+    assert got.device == 1 and [d for d, _ in fake.allocated.values()] == [1]
+    assert cuda_ipc.uuid_of(got.mappings[0].device) == gpu1  # what the shim is told of the mirror
+    got.mappings[0].close()
+    assert open_segments([seg(H1, 1)], "direct").device == 1  # no UUID (an older shim): the ordinal
+
+
+def test_a_gpu_the_daemon_does_not_see_or_a_malformed_uuid_is_refused_naming_what_it_sees(fake):
+    with pytest.raises(CudaIpcError) as e:
+        open_segments([seg(H1, 0, uuid=bytes([0x11]) * 16)], "auto")
+    msg = str(e.value)
+    assert msg.startswith("segment 0: the engine's GPU GPU-11111111-1111-1111-1111-111111111111 is not visible"), msg
+    assert "0: GPU-a0a0a0a0-" in msg and "1: GPU-a1a1a1a1-" in msg and "CUDA_VISIBLE_DEVICES" in msg
+    with pytest.raises(CudaIpcError, match="segment 1: device_uuid must be 16 bytes .* got 3"):
+        open_segments([seg(H1, 0, uuid=fake.device_uuid(0)), seg(H2, 0, uuid=b"abc")], "direct")
+    with pytest.raises(CudaIpcError, match="one device"):
+        open_segments([seg(H1, 0, uuid=fake.device_uuid(0)), seg(H2, 0, uuid=fake.device_uuid(1))], "direct")
+    assert fake.opened == {} and fake.allocated == {}
+
+
+def test_cudart_reads_the_uuid_after_the_256_byte_name_of_cudadeviceprop():
+    """``Cudart.device_uuid`` against a stand-in library that fills
+    cudaDeviceProp as CUDA does (name[256], then the 16-byte uuid)."""
+    import ctypes
+
+    class Lib:
+        def __init__(self):
+            self.props_calls = 0
+
+        def __getattr__(self, name):
+            def call(*args):
+                return 0
+            call.__name__ = name
+            self.__dict__[name] = call
+            return call
+
+    lib = Lib()
+
+    def count(n):
+        ctypes.cast(n, ctypes.POINTER(ctypes.c_int))[0] = 3
+        return 0
+
+    def props(buf, device):
+        lib.props_calls += 1
+        ctypes.memmove(buf, b"NVIDIA H200".ljust(256, b"\0") + bytes([0x40 + device]) * 16, 272)
+        return 0
+
+    lib.__dict__["cudaGetDeviceCount"] = count
+    lib.__dict__["cudaGetDeviceProperties_v2"] = props
+    rt = cudart.Cudart(lib, "fake")
+    assert rt.devices == 3 and rt.device_uuid(2) == bytes([0x42]) * 16
+    assert rt.device_of_uuid(bytes([0x41]) * 16) == 1 and rt.device_of_uuid(b"x" * 16) is None
+    calls = lib.props_calls
+    rt.device_uuid(2)
+    assert lib.props_calls == calls, "cached per device"
+    with pytest.raises(cudart.CudaError, match="out of range"):
+        rt.device_uuid(3)
+    assert cudart.format_uuid(bytes(range(16))) == "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f"
+
+
+def test_the_shim_names_its_gpu_by_uuid_and_opens_a_mirror_on_its_own_ordinal(monkeypatch):
+    """Engine side: the segments carry the GPU's UUID; a daemon's mirror named
+    by UUID opens on this process's ordinal of that GPU, and one on a GPU
+    this engine does not see is a StagingError naming it."""
+    from kvd.shim.memory import cuda_ipc as shim_cuda
+    from kvd.shim.memory.regions import KvShareError
+    from kvd.v1 import kvd_pb2 as pb
+
+    rt = FakeCudart()
+    assert shim_cuda.local_device(pb.Segment(device=1), rt) == 1
+    assert shim_cuda.local_device(pb.Segment(device=1, device_uuid=rt.device_uuid(0)), rt) == 0
+    with pytest.raises(KvShareError, match="GPU-07070707-.*which this engine does not see"):
+        shim_cuda.local_device(pb.Segment(device=0, device_uuid=bytes([7]) * 16), rt)
+    monkeypatch.setattr(cudart, "load", lambda refresh=False: rt)
+    assert shim_cuda.gpu_uuid(1) == rt.device_uuid(1)
+
+    def none(refresh=False):
+        raise cudart.CudaUnavailable("no driver")
+
+    monkeypatch.setattr(cudart, "load", none)
+    assert shim_cuda.gpu_uuid(0) == b""  # the daemon goes by the ordinal then

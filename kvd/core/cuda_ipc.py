@@ -76,6 +76,45 @@ def check_handle(handle: bytes, what: str = "segment") -> bytes:
     return bytes(handle)
 
 
+def resolve_device(device: int, uuid: bytes, what: str = "CUDA IPC segment") -> int:
+    """This daemon's ordinal of a segment's GPU: the one whose UUID is
+    ``uuid`` (``Segment.device_uuid``), else ``device`` as sent.
+
+    An engine names its GPU by UUID because ordinals follow each process's
+    ``CUDA_VISIBLE_DEVICES`` (a pod given GPU 3 calls it 0; a node daemon
+    that sees every GPU calls it 3).
+
+    Raises:
+        CudaIpcError: a UUID that is not 16 bytes, or a GPU this daemon does
+            not see (the message lists the ones it does).
+    """
+    if not uuid:
+        return device
+    if len(uuid) != cudart.UUID_SIZE:
+        raise CudaIpcError(f"{what}: device_uuid must be {cudart.UUID_SIZE} bytes (cudaUUID_t), got {len(uuid)}")
+    rt = runtime()
+    try:
+        found = rt.device_of_uuid(bytes(uuid))
+        if found is not None:
+            return found
+        seen = ", ".join(f"{d}: {cudart.format_uuid(rt.device_uuid(d))}" for d in range(rt.devices))
+    except cudart.CudaError as e:
+        raise CudaIpcError(f"{what}: cannot read this daemon's GPU UUIDs: {e}") from None
+    raise CudaIpcError(f"{what}: the engine's GPU {cudart.format_uuid(uuid)} is not visible to this daemon "
+                       f"(it sees {seen}); give the daemon the engines' GPUs (CUDA_VISIBLE_DEVICES, or the "
+                       "container's device list)")
+
+
+def uuid_of(device: int) -> bytes:
+    """The UUID of this daemon's GPU ``device`` for a staging segment the
+    shim opens (it finds its own ordinal of that GPU by it); empty when the
+    runtime cannot tell (the shim then uses ``device``)."""
+    try:
+        return runtime().device_uuid(device)
+    except (cudart.CudaError, CudaIpcError, AttributeError):
+        return b""
+
+
 # ------------------------------------------------------------------ mappings
 class _Opened:
     """One handle opened in this process, shared by every mapping of it."""
@@ -282,7 +321,8 @@ def open_segments(segments, requested: str) -> OpenedSegments:
     if requested not in ("direct", "staged", "auto"):
         raise ValueError(f"requested data path must be direct, staged or auto (got {requested!r})")
     runtime()  # NO_GPU before anything else
-    devices = sorted({s.device for s in segments})
+    on = [resolve_device(s.device, s.device_uuid, f"segment {i}") for i, s in enumerate(segments)]
+    devices = sorted(set(on))
     if len(devices) != 1:
         raise CudaIpcError(f"a worker's CUDA IPC segments must all be on one device (got devices {devices})")
     device = devices[0]
@@ -292,7 +332,7 @@ def open_segments(segments, requested: str) -> OpenedSegments:
         if requested != "staged":
             for i, s in enumerate(segments):
                 check_handle(s.handle, f"segment {i}")
-                mappings.append(CudaIpcMapping(s.handle, s.device, s.size))
+                mappings.append(CudaIpcMapping(s.handle, device, s.size))
                 evidence.append(mappings[-1].reexport)
         choice = path_select.choose_data_path(requested, evidence)
         if choice.path == "staged":
@@ -300,7 +340,7 @@ def open_segments(segments, requested: str) -> OpenedSegments:
             for m in opened:
                 m.close()
             for s in segments:
-                mappings.append(VramMirror(s.size, s.device))
+                mappings.append(VramMirror(s.size, device))
     except BaseException as e:
         for m in mappings:
             m.close()

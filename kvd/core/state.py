@@ -41,7 +41,8 @@ PROTOCOL_VERSION = 1
 class Segment:
     """An engine memory segment as the shim describes it: a POSIX shm object
     (``kind`` ``"shm"``, by ``name``), a CUDA allocation (``kind``
-    ``"cuda_ipc"``: its IPC ``handle`` on ``device``) or a sealed memfd the
+    ``"cuda_ipc"``: its IPC ``handle`` on the GPU ``device_uuid`` names, or on
+    ``device`` when that is empty) or a sealed memfd the
     engine handed over (``kind`` ``"memfd"``: ``fd``, owned by the caller of
     ``Registry.register``, which closes it afterwards)."""
 
@@ -51,6 +52,7 @@ class Segment:
     handle: bytes = b""
     device: int = 0
     fd: int = -1
+    device_uuid: bytes = b""  # cuda_ipc: the GPU's UUID; when set it, not ``device``, names the GPU
 
 
 @dataclass

@@ -62,7 +62,8 @@ def _staging_segments(worker: Worker) -> list[pb.Segment]:
     if not mem.staged:
         return []
     if mem.memory == "VRAM":
-        return [pb.Segment(kind=pb.MEMORY_KIND_CUDA_IPC, handle=m.handle, device=m.device, size=m.size)
+        return [pb.Segment(kind=pb.MEMORY_KIND_CUDA_IPC, handle=m.handle, device=m.device, size=m.size,
+                           device_uuid=cuda_ipc.uuid_of(m.device))
                 for m in mem.mappings]
     return [pb.Segment(kind=pb.MEMORY_KIND_SHM, name=n, size=m.size) for n, m in zip(mem.staging, mem.mappings)]
 
@@ -182,7 +183,8 @@ class EngineService(pb_grpc.EngineServiceServicer):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"segment {i}: {e}")
                 continue
             if s.kind == pb.MEMORY_KIND_CUDA_IPC:
-                segments.append(Segment(s.name, s.size, cuda_ipc.KIND, bytes(s.handle), s.device))
+                segments.append(Segment(s.name, s.size, cuda_ipc.KIND, bytes(s.handle), s.device,
+                                        device_uuid=bytes(s.device_uuid)))
                 continue
             if not staged and s.kind != pb.MEMORY_KIND_SHM:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,

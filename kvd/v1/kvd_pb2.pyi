@@ -54,20 +54,22 @@ PEER_AUTH_NONE_LOOPBACK: PeerAuthMode
 PEER_AUTH_NONE_INSECURE: PeerAuthMode
 
 class Segment(_message.Message):
-    __slots__ = ("kind", "name", "size", "handle", "device", "fd_id")
+    __slots__ = ("kind", "name", "size", "handle", "device", "fd_id", "device_uuid")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     FD_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     kind: MemoryKind
     name: str
     size: int
     handle: bytes
     device: int
     fd_id: str
-    def __init__(self, kind: _Optional[_Union[MemoryKind, str]] = ..., name: _Optional[str] = ..., size: _Optional[int] = ..., handle: _Optional[bytes] = ..., device: _Optional[int] = ..., fd_id: _Optional[str] = ...) -> None: ...
+    device_uuid: bytes
+    def __init__(self, kind: _Optional[_Union[MemoryKind, str]] = ..., name: _Optional[str] = ..., size: _Optional[int] = ..., handle: _Optional[bytes] = ..., device: _Optional[int] = ..., fd_id: _Optional[str] = ..., device_uuid: _Optional[bytes] = ...) -> None: ...
 
 class Region(_message.Message):
     __slots__ = ("segment_index", "offset", "block_len", "block_stride", "name", "group")

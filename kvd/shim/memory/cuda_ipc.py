@@ -68,6 +68,7 @@ Units: bytes for sizes, strides and offsets; tokens for ``block_size``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -78,6 +79,8 @@ from kvd.shim.memory import regions
 from kvd.shim.memory.base import KvSharing
 from kvd.shim.memory.regions import KvCachePlan, KvDescription, KvShareError
 from kvd.v1 import kvd_pb2 as pb
+
+log = logging.getLogger("kvd.shim.memory")
 
 IPC_HANDLE_SIZE = 64  # sizeof(cudaIpcMemHandle_t)
 
@@ -158,6 +161,39 @@ def export_storage(tensor: torch.Tensor) -> ExportedStorage:
 
 
 # --------------------------------------------------------------------- maths
+def gpu_uuid(device: int) -> bytes:
+    """The 16-byte UUID of this process's GPU ``device``
+    (``kvd.cudart.Cudart.device_uuid``), sent as ``Segment.device_uuid`` so
+    that a daemon numbering GPUs differently finds the same one; empty when
+    the runtime cannot tell (the daemon then goes by the ordinal)."""
+    from kvd import cudart
+
+    try:
+        return cudart.load().device_uuid(device)
+    except (cudart.CudaUnavailable, cudart.CudaError) as e:
+        log.warning("kvd: no UUID for GPU %d (%s); the daemon must number GPUs as this engine does", device, e)
+        return b""
+
+
+def local_device(seg: pb.Segment, rt: Any) -> int:
+    """This process's ordinal of a daemon segment's GPU: by
+    ``seg.device_uuid`` when set (``rt``: a ``kvd.cudart.Cudart``), else
+    ``seg.device``.
+
+    Raises:
+        KvShareError: a GPU this process does not see.
+    """
+    if not seg.device_uuid:
+        return seg.device
+    from kvd import cudart
+
+    found = rt.device_of_uuid(bytes(seg.device_uuid))
+    if found is None:
+        raise KvShareError(f"the daemon's staging mirror is on GPU {cudart.format_uuid(bytes(seg.device_uuid))}, "
+                           f"which this engine does not see (it sees {rt.devices} device(s))")
+    return found
+
+
 def plan_regions(
     kv_caches: Mapping[str, torch.Tensor],
     num_blocks: int,
@@ -267,7 +303,8 @@ def share_kv_caches(
         sizes[i] = max(sizes[i], e.size)
         seg_of.append(i)
     handles = sorted(seg_index, key=seg_index.get)
-    segments = [pb.Segment(kind=pb.MEMORY_KIND_CUDA_IPC, handle=h, device=devices[0], size=sz)
+    uuid = gpu_uuid(devices[0])
+    segments = [pb.Segment(kind=pb.MEMORY_KIND_CUDA_IPC, handle=h, device=devices[0], size=sz, device_uuid=uuid)
                 for h, sz in zip(handles, sizes)]
     wire = regions.wire_regions(plan, d.num_blocks, bases=[e.offset for e in exported],
                                 nbytes=[e.nbytes for e in exported], segment_of=seg_of, error=CudaShareError)

@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvd.shim.memory.regions import block_view
+from kvd.shim.memory.regions import KvShareError, block_view
 from kvd.v1 import kvd_pb2 as pb
 
 log = logging.getLogger("kvd.shim.memory.staged")
@@ -126,10 +126,16 @@ def open_mirrors(staging_segments: Sequence[pb.Segment], sizes: Sequence[int]
             if seg.kind == pb.MEMORY_KIND_CUDA_IPC:
                 from kvd import cudart
 
+                from kvd.shim.memory.cuda_ipc import local_device
+
                 rt = cudart.load()
-                ptr = rt.ipc_open(seg.device, bytes(seg.handle))
-                opened.append((rt, seg.device, ptr))
-                tensors.append(torch.as_tensor(_CudaArray(ptr, seg.size), device=f"cuda:{seg.device}"))
+                try:
+                    device = local_device(seg, rt)  # the daemon may number GPUs otherwise
+                except KvShareError as e:
+                    raise StagingError(str(e)) from None
+                ptr = rt.ipc_open(device, bytes(seg.handle))
+                opened.append((rt, device, ptr))
+                tensors.append(torch.as_tensor(_CudaArray(ptr, seg.size), device=f"cuda:{device}"))
                 continue
             if seg.kind != pb.MEMORY_KIND_SHM:
                 raise StagingError(f"staging segment of kind {seg.kind}: expected SHM or CUDA_IPC")
