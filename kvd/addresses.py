@@ -1,4 +1,4 @@
-"""``host:port`` addresses: the one parser and joiner every layer uses.
+"""``host:port`` addresses (and Unix socket names): the one parser and joiner every layer uses.
 
 A neutral leaf (imports nothing of kvd's): the daemon's settings
 (``kvd.config``: ``peer_listen``, ``peer_advertise``, ``warm_peers``) and the
@@ -54,3 +54,14 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def socket_file(text: str) -> str:
+    """The file of a Unix socket named as a path, ``unix:PATH`` or
+    ``unix://PATH`` (gRPC's forms, which ``kvd health`` prints and the
+    connector's ``kvd_socket`` takes): ``unix:///run/kvd/engine.sock`` ->
+    ``/run/kvd/engine.sock``; a path is returned as it is."""
+    for prefix in ("unix://", "unix:"):
+        if text.startswith(prefix):
+            return text[len(prefix):]
+    return text

@@ -20,7 +20,7 @@ import platform
 import sys
 
 from kvd import __version__, ops
-from kvd.addresses import split_host_port
+from kvd.addresses import socket_file, split_host_port
 from kvd.config import DEFAULT_SOCKET, ConfigError, client_socket, flag_name, help_text, load_config, metavar, setting_names, settings
 from kvd.usage import EXIT_OK, EXIT_USAGE, UsageParser, positive
 
@@ -94,14 +94,18 @@ def _engine_socket(args) -> str | None:
     :func:`kvd.config.client_socket` (``$KVD_ENGINE_SOCKET``, else the
     ``engine_socket`` of ``--config``'s file, else the default). Prints the
     error and returns None when that file is unreadable or its
-    ``engine_socket`` invalid (the caller exits 64)."""
-    if args.socket is not None:
-        return args.socket
+    ``engine_socket`` invalid, or the path is longer than a Unix socket's
+    (the caller exits 64)."""
     try:
-        return client_socket(file=args.config)
+        path = socket_file(args.socket) if args.socket is not None else client_socket(file=args.config)
     except ConfigError as e:
         print(f"kvd {args.command}: {e}", file=sys.stderr)
         return None
+    if len(os.fsencode(os.path.abspath(path))) > 107:  # sun_path (unix(7)); gRPC would print its own parse error
+        print(f"kvd {args.command}: {path!r}: a Unix socket path is at most 107 bytes (unix(7)); this one is "
+              f"{len(os.fsencode(os.path.abspath(path)))}, so no daemon can be listening there", file=sys.stderr)
+        return None
+    return path
 
 
 def cmd_health(args) -> int:
@@ -207,11 +211,13 @@ def build_parser() -> argparse.ArgumentParser:
         # $KVD_CONFIG (defaults) with --address is not.
         c.add_argument("--socket", default=None, metavar="PATH",
                        help=f"the daemon's engine socket (default: $KVD_ENGINE_SOCKET, else engine_socket in the "
-                            f"--config file, else {DEFAULT_SOCKET}); a relative path is taken from here")
+                            f"--config file, else {DEFAULT_SOCKET}); a relative path is taken from here; unix:PATH as "
+                            f"kvd health prints it works too")
         c.add_argument("--config", default=None, metavar="FILE",
                        help="the daemon's TOML config file, as given to `kvd serve --config` (default: "
                             "$KVD_CONFIG): its engine_socket is the socket asked when neither --socket nor "
-                            "$KVD_ENGINE_SOCKET is given; its other settings are not read"
+                            "$KVD_ENGINE_SOCKET is given; its other settings are not read (a key kvd serve does not know "
+                            "is refused, as kvd serve refuses it)"
                        + ("; not with --address" if name == "health" else ""))
         if name == "health":
             c.add_argument("--address", default=None, metavar="HOST:PORT", type=dial_address,

@@ -40,7 +40,7 @@ import tomllib
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Mapping
 
-from kvd.addresses import split_host_port
+from kvd.addresses import socket_file, split_host_port
 from kvd.usage import did_you_mean
 
 DEFAULT_SOCKET = "/run/kvd/engine.sock"
@@ -342,6 +342,7 @@ class Config:
         check one read from the daemon's config file the same way
         (:func:`client_socket`). Raises ConfigError naming the key and its
         source."""
+        self.engine_socket = socket_file(self.engine_socket)  # gRPC's unix:/PATH forms name the same file
         if not self.engine_socket:
             raise self._error("engine_socket", "must not be empty")
         if not os.path.isabs(self.engine_socket):
@@ -876,11 +877,17 @@ def client_socket(environ: Mapping[str, str] | None = None, file: str | None = N
     environ = os.environ if environ is None else environ
     from_env = env_value(environ, env_name("engine_socket"))
     if from_env is not None:
-        return from_env
+        return socket_file(from_env)
     file = file or env_value(environ, ENV_CONFIG_FILE)
     if not file:
         return DEFAULT_SOCKET
     table = read_file(file, _client_access_hint)
+    by_name = {f.name for f in settings()}
+    for key in table:
+        if key not in by_name:  # as `kvd serve` refuses it: a misspelt engine_socket would ask the default
+            near = did_you_mean(key, by_name)
+            raise ConfigError(f"{key} (from file {file}): unknown setting" + (near if near else
+                              f"; known: {', '.join(sorted(by_name))}"))
     if "engine_socket" not in table:
         return DEFAULT_SOCKET
     source = f"file {file}"

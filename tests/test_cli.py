@@ -378,6 +378,8 @@ def test_the_client_socket_is_found_as_the_daemon_finds_it(tmp_path):
     ('engine_socket = "kvd.sock"\n', "engine_socket (from file {conf}): 'kvd.sock' is a relative path; give an "
                                       "absolute path"),
     ("engine_socket = \n", "config file {conf}: "),
+    # A misspelt key is refused as `kvd serve` refuses it (else the default socket would be asked, silently).
+    ('engine_sockt = "/srv/x.sock"\n', "engine_sockt (from file {conf}): unknown setting; did you mean engine_socket?"),
 ])
 def test_a_config_file_the_client_cannot_use_is_a_usage_error(tmp_path, text, words):
     conf = tmp_path / "kvd.toml"
@@ -706,3 +708,25 @@ def test_serve_help_says_what_grace_s_waits_for_as_the_docs_do():
     doc = (ROOT / "docs" / "OPERATIONS.md").read_text()
     assert f"| `grace_s` | `KVD_GRACE_S` | `10.0` | on SIGTERM, {words}, seconds |" in doc
     assert "waits up to `grace_s` for the loads in flight (handshaking or reading)" in doc
+
+
+def test_clients_take_grpcs_unix_forms_and_refuse_a_path_too_long_for_a_socket(tmp_path):
+    """``unix:PATH`` (as ``kvd health`` prints a socket) and ``unix://PATH``
+    name the file itself, for ``--socket``, ``$KVD_ENGINE_SOCKET`` and
+    ``kvd serve``'s ``engine_socket``; a path past sun_path's 107 bytes is a
+    usage error saying so, not gRPC's parse error."""
+    from kvd.addresses import socket_file
+    from kvd.config import client_socket, load_config
+
+    assert socket_file("unix:///run/kvd/e.sock") == socket_file("unix:/run/kvd/e.sock") == "/run/kvd/e.sock"
+    assert socket_file("/run/kvd/e.sock") == "/run/kvd/e.sock"
+    assert client_socket({"KVD_ENGINE_SOCKET": "unix:///srv/env.sock"}) == "/srv/env.sock"
+    assert load_config({"engine_socket": "unix:///srv/flag.sock"}, environ={}).engine_socket == "/srv/flag.sock"
+    for form in (f"unix:{tmp_path}/e.sock", f"unix://{tmp_path}/e.sock"):
+        r = _client("status", "--socket", form, "--timeout", "0.5")
+        assert r.returncode == 2 and f"no daemon at {tmp_path}/e.sock (no such socket)" in r.stderr, r.stderr
+    long = "/tmp/" + "x" * 110 + ".sock"
+    for cmd in ("health", "status"):
+        r = _client(cmd, "--socket", long, "--timeout", "0.5")
+        assert r.returncode == 64, (cmd, r.returncode, r.stderr)
+        assert "a Unix socket path is at most 107 bytes" in r.stderr and "parse_address" not in r.stderr, r.stderr
