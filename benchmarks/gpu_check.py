@@ -147,6 +147,20 @@ class Daemon:
 
 
 # ============================================================== orchestration
+def gpu_missing() -> str:
+    """Why this environment cannot run the GPU check (before any daemon or
+    engine starts), or "": a torch without CUDA (scripts/setup.sh builds the
+    CPU test environment), no visible device."""
+    import torch
+
+    if torch.version.cuda is None:
+        return (f"torch {torch.__version__} is a CPU build; install a CUDA build of torch and nixl's CUDA plugin "
+                "(nixl-cu12 or nixl-cu13, as torch's CUDA) into this environment, with kvd (pip install -e .)")
+    if not torch.cuda.is_available():
+        return f"torch {torch.__version__} sees no CUDA device (driver, CUDA_VISIBLE_DEVICES)"
+    return ""
+
+
 def preflight(args) -> dict:
     """What runs where: versions, the GPU, the CUDA runtime as the daemon sees it."""
     out = {"python": platform.python_version(), "platform": platform.platform(), "mode": args.mode}
@@ -394,6 +408,11 @@ def main(argv=None) -> int:
     bad = [p for p in args.paths if p not in ("nixl", "direct", "staged", "auto")]
     if bad:
         ap.error(f"unknown data path(s) {bad}")
+    if gpu:
+        missing = gpu_missing()
+        if missing:
+            print(f"gpu_check: {missing}; --cpu runs the same flow on DRAM", file=sys.stderr)
+            return 2
 
     t_start = time.monotonic()
     out = Path(args.out)

@@ -172,6 +172,13 @@ CLIENT_SOCKET_EPILOG = ("The engine socket asked is, first found: --socket; $KVD
                         "(the systemd unit, the image) is found with --config /etc/kvd/kvd.toml.")
 
 
+# Engines are configured on their side, not by these flags: say where.
+ENGINE_SIDE_EPILOG = ("Engines: vLLM loads kvd's connector with --kv-transfer-config "
+                      "'{\"kv_connector\": \"KvdConnector\", \"kv_connector_module_path\": \"kvd.shim.vllm\", ...}'; its "
+                      "settings (kvd_socket, this daemon's engine socket; kvd_data_path, kvd_lease_s, ...) are "
+                      "kv_connector_extra_config keys, listed in docs/OPERATIONS.md \"The engine's connector\".")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``kvd`` argument parser: one ``serve`` flag per setting of kvd/config.py
     (default SUPPRESS, so env and file still apply), and the health, status,
@@ -179,13 +186,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = UsageParser(
         prog="kvd",
         description="kvd: per-node KV-cache transfer daemon for disaggregated prefill/decode serving.",
+        epilog=ENGINE_SIDE_EPILOG,
     )
     p.add_argument("--version", action="version", version=f"kvd {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=UsageParser)
 
     s = sub.add_parser("serve", help="run the daemon",
                        description="Run the kvd daemon: EngineService on a Unix socket for local engines, "
-                                   "PeerService on TCP for remote daemons, gRPC health on both.")
+                                   "PeerService on TCP for remote daemons, gRPC health on both.",
+                       epilog=ENGINE_SIDE_EPILOG)
     s.add_argument("--config", metavar="FILE", default=None,
                    help="TOML file of settings (env KVD_CONFIG); flags > KVD_* env > file > defaults")
     s.add_argument("--print-config", action="store_true",

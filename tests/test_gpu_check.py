@@ -43,3 +43,20 @@ def test_cpu_dry_run_moves_verified_bytes_on_every_path(tmp_path):
     assert "| 1 MiB | nixl | nixl/nixl | 2 MiB ok |" in md
     # the in-process baseline's UCX table comes from the decode engine's own output
     assert "remote memory read" in (tmp_path / "decode_engine.log").read_text()
+
+
+def test_the_gpu_mode_on_a_cpu_torch_stops_at_once_saying_what_to_install(tmp_path):
+    """scripts/setup.sh's environment has CPU torch: the GPU check says so
+    before starting any daemon or engine (it failed deep in an engine
+    with torch's AttributeError before)."""
+    import torch
+
+    if torch.version.cuda is not None and torch.cuda.is_available():
+        import pytest
+
+        pytest.skip("this machine has a GPU")
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "gpu_check: torch" in r.stderr and "--cpu runs the same flow" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not list(tmp_path.iterdir())

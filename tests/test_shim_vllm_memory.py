@@ -336,3 +336,13 @@ def test_the_shims_info_lines_reach_vllms_log_handler(monkeypatch):
     monkeypatch.setattr(vllm_log, "handlers", [])  # VLLM_CONFIGURE_LOGGING=0
     adopt_vllm_logging()
     assert kvd_log.handlers == []
+
+
+def test_the_schedulers_peer_address_question_to_a_missing_socket_says_nothing_is_there(tmp_path):
+    from kvd.shim.vllm.worker import daemon_peer_address
+
+    cfg = KvdShimConfig(socket=str(tmp_path / "typo.sock"), connect_timeout_s=0.5)
+    with pytest.raises(RuntimeError) as e:
+        daemon_peer_address(cfg)
+    msg = str(e.value)
+    assert f"nothing is at {tmp_path}/typo.sock: is kv_connector_extra_config.kvd_socket" in msg, msg

@@ -21,6 +21,7 @@ import torch
 from vllm.config import VllmConfig
 
 from kvd.addresses import split_host_port
+from kvd.client.channel import unix_path
 from kvd.client.engine_client import EngineClient, EngineClientError, EngineSocketDenied
 from kvd.requests import BlockGroups, LoadRequest, flat
 from kvd.shim.memory import auto
@@ -62,10 +63,13 @@ def daemon_peer_address(cfg: KvdShimConfig) -> str:
         raise RuntimeError(f"KvdConnector: cannot ask the kvd daemon at {cfg.socket} for its peer address: "
                            f"{e}") from None
     except EngineClientError as e:
+        path = unix_path(cfg.socket)
+        missing = (f"; nothing is at {path}: is kv_connector_extra_config.kvd_socket the daemon's "
+                   f"--engine-socket?" if path and not os.path.exists(path) else "")
         raise RuntimeError(
             f"KvdConnector: cannot ask the kvd daemon at {cfg.socket} for its peer address "
-            f"within {cfg.connect_timeout_s:.0f} s ({e}); start `kvd serve` first or set "
-            "kv_connector_extra_config.kvd_peer_address"
+            f"within {cfg.connect_timeout_s:.0f} s ({e}){missing}; start `kvd serve` first "
+            "(or set kv_connector_extra_config.kvd_peer_address, which spares this question)"
         ) from None
     finally:
         client.close()
