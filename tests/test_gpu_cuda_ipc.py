@@ -309,14 +309,14 @@ def test_the_shim_names_its_gpu_by_uuid_and_opens_a_mirror_on_its_own_ordinal(mo
     by UUID opens on this process's ordinal of that GPU, and one on a GPU
     this engine does not see is a StagingError naming it."""
     from kvd.shim.memory import cuda_ipc as shim_cuda
-    from kvd.shim.memory.regions import KvShareError
+    from kvd.shim.memory.staged import StagingError, local_device
     from kvd.v1 import kvd_pb2 as pb
 
     rt = FakeCudart()
-    assert shim_cuda.local_device(pb.Segment(device=1), rt) == 1
-    assert shim_cuda.local_device(pb.Segment(device=1, device_uuid=rt.device_uuid(0)), rt) == 0
-    with pytest.raises(KvShareError, match="GPU-07070707-.*which this engine does not see"):
-        shim_cuda.local_device(pb.Segment(device=0, device_uuid=bytes([7]) * 16), rt)
+    assert local_device(pb.Segment(device=1), rt) == 1
+    assert local_device(pb.Segment(device=1, device_uuid=rt.device_uuid(0)), rt) == 0
+    with pytest.raises(StagingError, match="GPU-07070707-.*which this engine does not see"):
+        local_device(pb.Segment(device=0, device_uuid=bytes([7]) * 16), rt)
     monkeypatch.setattr(cudart, "load", lambda refresh=False: rt)
     assert shim_cuda.gpu_uuid(1) == rt.device_uuid(1)
 

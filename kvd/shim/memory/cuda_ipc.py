@@ -175,25 +175,6 @@ def gpu_uuid(device: int) -> bytes:
         return b""
 
 
-def local_device(seg: pb.Segment, rt: Any) -> int:
-    """This process's ordinal of a daemon segment's GPU: by
-    ``seg.device_uuid`` when set (``rt``: a ``kvd.cudart.Cudart``), else
-    ``seg.device``.
-
-    Raises:
-        KvShareError: a GPU this process does not see.
-    """
-    if not seg.device_uuid:
-        return seg.device
-    from kvd import cudart
-
-    found = rt.device_of_uuid(bytes(seg.device_uuid))
-    if found is None:
-        raise KvShareError(f"the daemon's staging mirror is on GPU {cudart.format_uuid(bytes(seg.device_uuid))}, "
-                           f"which this engine does not see (it sees {rt.devices} device(s))")
-    return found
-
-
 def plan_regions(
     kv_caches: Mapping[str, torch.Tensor],
     num_blocks: int,

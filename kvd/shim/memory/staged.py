@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvd.shim.memory.regions import KvShareError, block_view
+from kvd.shim.memory.regions import block_view
 from kvd.v1 import kvd_pb2 as pb
 
 log = logging.getLogger("kvd.shim.memory.staged")
@@ -126,13 +126,8 @@ def open_mirrors(staging_segments: Sequence[pb.Segment], sizes: Sequence[int]
             if seg.kind == pb.MEMORY_KIND_CUDA_IPC:
                 from kvd import cudart
 
-                from kvd.shim.memory.cuda_ipc import local_device
-
                 rt = cudart.load()
-                try:
-                    device = local_device(seg, rt)  # the daemon may number GPUs otherwise
-                except KvShareError as e:
-                    raise StagingError(str(e)) from None
+                device = local_device(seg, rt)  # the daemon may number GPUs otherwise
                 ptr = rt.ipc_open(device, bytes(seg.handle))
                 opened.append((rt, device, ptr))
                 tensors.append(torch.as_tensor(_CudaArray(ptr, seg.size), device=f"cuda:{device}"))
@@ -157,6 +152,24 @@ def open_mirrors(staging_segments: Sequence[pb.Segment], sizes: Sequence[int]
         raise
     return tensors, unmap
 
+
+def local_device(seg: pb.Segment, rt) -> int:
+    """This process's ordinal of a daemon mirror's GPU: by
+    ``seg.device_uuid`` when set (``rt``: a ``kvd.cudart.Cudart``; the
+    daemon may number GPUs otherwise), else ``seg.device``.
+
+    Raises:
+        StagingError: a GPU this process does not see.
+    """
+    if not seg.device_uuid:
+        return seg.device
+    from kvd import cudart
+
+    found = rt.device_of_uuid(bytes(seg.device_uuid))
+    if found is None:
+        raise StagingError(f"the daemon's staging mirror is on GPU {cudart.format_uuid(bytes(seg.device_uuid))}, "
+                           f"which this engine does not see (it sees {rt.devices} device(s))")
+    return found
 
 class StagingMirror:
     """The engine's KV cache blocks and the daemon's mirrors of them.
