@@ -21,7 +21,7 @@ import sys
 
 from kvd import __version__, ops
 from kvd.addresses import socket_file, split_host_port
-from kvd.config import DEFAULT_SOCKET, ConfigError, client_socket, flag_name, help_text, load_config, metavar, setting_names, settings
+from kvd.config import DEFAULT_SOCKET, ConfigError, client_socket, client_socket_problem, flag_name, help_text, load_config, metavar, setting_names, settings
 from kvd.usage import EXIT_OK, EXIT_USAGE, UsageParser, positive
 
 
@@ -101,9 +101,9 @@ def _engine_socket(args) -> str | None:
     except ConfigError as e:
         print(f"kvd {args.command}: {e}", file=sys.stderr)
         return None
-    if len(os.fsencode(os.path.abspath(path))) > 107:  # sun_path (unix(7)); gRPC would print its own parse error
-        print(f"kvd {args.command}: {path!r}: a Unix socket path is at most 107 bytes (unix(7)); this one is "
-              f"{len(os.fsencode(os.path.abspath(path)))}, so no daemon can be listening there", file=sys.stderr)
+    problem = client_socket_problem(path)  # else gRPC prints its own parse errors, or dials another path
+    if problem:
+        print(f"kvd {args.command}: {problem}", file=sys.stderr)
         return None
     return path
 

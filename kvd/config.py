@@ -886,7 +886,7 @@ def client_socket(environ: Mapping[str, str] | None = None, file: str | None = N
     for key in table:
         if key not in by_name:  # as `kvd serve` refuses it: a misspelt engine_socket would ask the default
             near = did_you_mean(key, by_name)
-            raise ConfigError(f"{key} (from file {file}): unknown setting" + (near if near else
+            raise ConfigError(f"{key!r} (from file {file}): unknown setting" + (near if near else
                               f"; known: {', '.join(sorted(by_name))}"))
     if "engine_socket" not in table:
         return DEFAULT_SOCKET
@@ -896,6 +896,29 @@ def client_socket(environ: Mapping[str, str] | None = None, file: str | None = N
     cfg.sources = {"engine_socket": source}
     cfg._check_engine_socket()
     return cfg.engine_socket
+
+
+def client_socket_problem(path: str) -> str:
+    """Why a client cannot dial the engine socket ``path`` (``--socket``,
+    ``$KVD_ENGINE_SOCKET``), or "": empty, not encodable, characters gRPC's
+    ``unix:`` target reads as URI syntax (it would dial another path), or
+    longer than a Unix socket path (107 bytes, unix(7)). The daemon's own
+    ``engine_socket`` is checked the same way (``Config._check_engine_socket``)."""
+    if not path:
+        return "the engine socket path is empty"
+    try:
+        full = os.fsencode(os.path.abspath(path))
+        path.encode("utf-8")  # gRPC's target is a str it sends as UTF-8
+    except (OSError, UnicodeError) as e:  # a removed working directory; surrogate-escaped bytes
+        return f"{path!r}: cannot be used as a socket path ({e})"
+    bad = sorted(set(path) & set(SOCKET_PATH_UNSAFE))
+    if bad or any(ord(c) < 32 or ord(c) == 127 for c in path):
+        return (f"{path!r} has characters gRPC targets cannot carry ({' '.join(bad) or 'control characters'}): "
+                f"gRPC would dial another path")
+    if len(full) > 107:
+        return (f"{path!r}: a Unix socket path is at most 107 bytes (unix(7)); this one is {len(full)}, so no "
+                f"daemon can be listening there")
+    return ""
 
 
 def _client_access_hint(path: str, error: OSError) -> str:

@@ -48,6 +48,7 @@ HOST_TO_HOST, HOST_TO_DEVICE, DEVICE_TO_HOST, DEVICE_TO_DEVICE, DEFAULT = 0, 1, 
 IPC_LAZY_ENABLE_PEER_ACCESS = 1
 # CUpointer_attribute (driver API, cuda.h)
 _CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = 10
+_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
 
 
 class CudaUnavailable(RuntimeError):
@@ -338,6 +339,20 @@ class Cudart:
             return None
         return bool(val.value)
 
+
+    def pointer_device(self, device: int, ptr: int) -> int | None:
+        """The ordinal of the device whose memory ``ptr`` is
+        (``CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL``): a handle opened on
+        ``device`` may map another device's memory through peer access.
+        ``None`` when libcuda does not answer."""
+        drv = self._libcuda()
+        if drv is None:
+            return None
+        self.set_device(device)
+        val = ctypes.c_int(-1)
+        if drv.cuPointerGetAttribute(ctypes.byref(val), _CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr) != 0:
+            return None
+        return val.value
 
     def allocation_range(self, device: int, ptr: int) -> tuple[int, int] | None:
         """``(base, size in bytes)`` of the allocation that contains device

@@ -379,7 +379,7 @@ def test_the_client_socket_is_found_as_the_daemon_finds_it(tmp_path):
                                       "absolute path"),
     ("engine_socket = \n", "config file {conf}: "),
     # A misspelt key is refused as `kvd serve` refuses it (else the default socket would be asked, silently).
-    ('engine_sockt = "/srv/x.sock"\n', "engine_sockt (from file {conf}): unknown setting; did you mean engine_socket?"),
+    ('engine_sockt = "/srv/x.sock"\n', "'engine_sockt' (from file {conf}): unknown setting; did you mean engine_socket?"),
 ])
 def test_a_config_file_the_client_cannot_use_is_a_usage_error(tmp_path, text, words):
     conf = tmp_path / "kvd.toml"
@@ -730,3 +730,21 @@ def test_clients_take_grpcs_unix_forms_and_refuse_a_path_too_long_for_a_socket(t
         r = _client(cmd, "--socket", long, "--timeout", "0.5")
         assert r.returncode == 64, (cmd, r.returncode, r.stderr)
         assert "a Unix socket path is at most 107 bytes" in r.stderr and "parse_address" not in r.stderr, r.stderr
+    # What gRPC's unix: target reads as URI syntax would dial another path
+    # (a%41.sock -> aA.sock): refused as `kvd serve` refuses it; so are an
+    # empty path and bytes that are not UTF-8 (no traceback).
+    for bad, words in ((f"{tmp_path}/a%41.sock", "gRPC targets cannot carry (%)"),
+                       (f"{tmp_path}/a.sock?x", "gRPC targets cannot carry (?)"), ("unix:", "is empty"),
+                       (f"{tmp_path}/a\x1b[2J.sock", "control characters")):
+        r = _client("health", "--socket", bad, "--timeout", "0.5")
+        assert r.returncode == 64 and words in r.stderr and "Traceback" not in r.stderr, (bad, r.stderr)
+    r = subprocess.run([sys.executable, "-m", "kvd.cli", "status", "--socket", os.fsencode(str(tmp_path)) + b"/\xff.sock",
+                        "--timeout", "0.5"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 64 and "cannot be used as a socket path" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    r = subprocess.run(["sh", "-c", f"cd {gone} && rmdir {gone} && exec {sys.executable} -m kvd.cli status --socket rel.sock "
+                        "--timeout 0.5"], capture_output=True, text=True, timeout=60,
+                       env={**{k: v for k, v in os.environ.items() if not k.startswith("KVD_")},
+                            "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode == 64 and "cannot be used as a socket path" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -66,9 +66,14 @@ class FakeCudart:
         self.freed = []
         self.fail_malloc_after = fail_malloc_after
         self.sizes = {}       # handle -> the size of the allocation it maps (the driver's answer)
+        self.foreign = {}     # handle -> the device whose memory it really is (peer access opens it anywhere)
 
     def _fail(self, call, code, name):
         raise cudart.CudaError(call, code, name, "fake")
+
+    def pointer_device(self, device, ptr):
+        handle = self.opened[ptr][1]
+        return self.foreign.get(handle, device)
 
     def device_uuid(self, device):
         return bytes([0xA0 + device]) * cudart.UUID_SIZE
@@ -153,10 +158,23 @@ def test_auto_stays_direct_when_the_mapping_can_be_reexported(fake):
     got.mappings[0].close()
 
 
-def test_staged_never_opens_the_engine_handle(fake):
-    got = open_segments([seg(b"")], "staged")  # staged needs only sizes (and the device)
-    assert got.staged and fake.opened == {} and len(fake.allocated) == 1
+def test_staged_checks_each_engine_handle_then_mirrors_it_on_that_device(fake):
+    """Staged opens each handle only to check it (the caller holds at least
+    that much memory, on that GPU) and closes it before the mirrors are
+    made; without a handle, a caller could have the daemon allocate VRAM of
+    any size on any GPU it sees."""
+    got = open_segments([seg(H1)], "staged")
+    assert got.staged and fake.opened == {} and len(fake.closed) == 1 and len(fake.allocated) == 1
     got.mappings[0].close()
+    with pytest.raises(CudaIpcError, match="a CUDA IPC handle is 64 bytes"):
+        open_segments([seg(b"")], "staged")
+    fake.sizes[H1] = 4096
+    with pytest.raises(CudaIpcError, match="70368744177664 bytes claimed, but the handle maps an allocation of 4096"):
+        open_segments([seg(H1, 0, 64 << 40)], "staged")
+    fake.foreign[H2] = 0  # the engine's memory is on GPU 0; it names GPU 1
+    with pytest.raises(CudaIpcError, match="the handle maps memory of device 0, not of the device the segment names"):
+        open_segments([seg(H2, 1)], "staged")
+    assert fake.opened == {} and fake.allocated == {}
 
 
 def test_one_allocation_named_twice_is_opened_once_and_closed_by_its_last_user(fake):
@@ -244,7 +262,7 @@ def test_a_segment_named_by_uuid_is_opened_on_the_daemons_ordinal_of_that_gpu(fa
     assert got.device == 1 and {d for d, _ in fake.opened.values()} == {1}
     for m in got.mappings:
         m.close()
-    got = open_segments([seg(b"", 0, 4096, uuid=gpu1)], "staged")
+    got = open_segments([seg(H1, 0, 4096, uuid=gpu1)], "staged")
     assert got.device == 1 and [d for d, _ in fake.allocated.values()] == [1]
     assert cuda_ipc.uuid_of(got.mappings[0].device) == gpu1  # what the shim is told of the mirror
     got.mappings[0].close()
@@ -256,7 +274,7 @@ def test_a_gpu_the_daemon_does_not_see_or_a_malformed_uuid_is_refused_naming_wha
         open_segments([seg(H1, 0, uuid=bytes([0x11]) * 16)], "auto")
     msg = str(e.value)
     assert msg.startswith("segment 0: the engine's GPU GPU-11111111-1111-1111-1111-111111111111 is not visible"), msg
-    assert "0: GPU-a0a0a0a0-" in msg and "1: GPU-a1a1a1a1-" in msg and "CUDA_VISIBLE_DEVICES" in msg
+    assert "it sees 2 GPU(s)" in msg and "GPU-a0" not in msg and "CUDA_VISIBLE_DEVICES" in msg  # not listed to callers
     with pytest.raises(CudaIpcError, match="segment 1: device_uuid must be 16 bytes .* got 3"):
         open_segments([seg(H1, 0, uuid=fake.device_uuid(0)), seg(H2, 0, uuid=b"abc")], "direct")
     with pytest.raises(CudaIpcError, match="one device"):

@@ -346,3 +346,48 @@ def test_the_schedulers_peer_address_question_to_a_missing_socket_says_nothing_i
         daemon_peer_address(cfg)
     msg = str(e.value)
     assert f"nothing is at {tmp_path}/typo.sock: is kv_connector_extra_config.kvd_socket" in msg, msg
+
+
+def test_a_reregistration_on_another_data_path_fills_new_mirrors_or_stops_the_copies(model_dir, fake):
+    """Under CUDA ``auto`` the daemon decides at each registration: a restarted
+    daemon may answer staged where the first answered direct (the new mirrors
+    get the whole KV cache before the holds are sent again) or direct where
+    the first answered staged (copies stop: no stale mirror is copied over
+    blocks the daemon wrote). A staged answer to a registration that asked
+    for direct contradicts it and is refused."""
+
+    from kvd.shim.memory.staged import StagingError
+
+    eng = Engine(model_dir, fake.socket, kvd_peer_address="127.0.0.1:7000")
+    w = eng.worker.worker
+    try:
+        assert w.client.on_register == w._on_reregister, "installed for every data path"
+        staged_answer = pb.RegisterEngineResponse(data_path=pb.DATA_PATH_STAGED)
+        with pytest.raises(StagingError, match="asked for the direct one"):
+            w._on_reregister(staged_answer)  # this worker asked for direct (CPU auto resolved)
+        copied = []
+
+        class Mirror:
+            names = ["/m1"]
+
+            def copy_all(self):
+                copied.append(1)
+                return 123
+
+            def close(self):
+                copied.append("closed")
+
+        sharing = w.sharing
+        real = (type(sharing).wire_data_path, sharing.attach)
+        type(sharing).wire_data_path = property(lambda self: pb.DATA_PATH_AUTO)  # as CUDA auto asks
+        sharing.attach = lambda response: setattr(sharing, "staging", Mirror())
+        try:
+            w._on_reregister(staged_answer)
+            assert copied == [1] and w.registered is staged_answer and w.may_stage
+            w._on_reregister(pb.RegisterEngineResponse(data_path=pb.DATA_PATH_DIRECT))
+            assert sharing.staging is None and len(w._retired) == 1 and copied == [1]
+        finally:
+            type(sharing).wire_data_path, sharing.attach = real
+    finally:
+        eng.close()
+    assert copied == [1, "closed"], "the retired mirror is closed at shutdown"

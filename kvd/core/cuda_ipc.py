@@ -97,12 +97,12 @@ def resolve_device(device: int, uuid: bytes, what: str = "CUDA IPC segment") -> 
         found = rt.device_of_uuid(bytes(uuid))
         if found is not None:
             return found
-        seen = ", ".join(f"{d}: {cudart.format_uuid(rt.device_uuid(d))}" for d in range(rt.devices))
     except cudart.CudaError as e:
         raise CudaIpcError(f"{what}: cannot read this daemon's GPU UUIDs: {e}") from None
+    # The daemon's GPUs are not listed to the caller: `nvidia-smi -L` on the node does that for an operator.
     raise CudaIpcError(f"{what}: the engine's GPU {cudart.format_uuid(uuid)} is not visible to this daemon "
-                       f"(it sees {seen}); give the daemon the engines' GPUs (CUDA_VISIBLE_DEVICES, or the "
-                       "container's device list)")
+                       f"(it sees {rt.devices} GPU(s)); give the daemon the engines' GPUs (CUDA_VISIBLE_DEVICES, "
+                       "or the container's device list)")
 
 
 def uuid_of(device: int) -> bytes:
@@ -188,6 +188,13 @@ class CudaIpcMapping:
             self.close()
             raise CudaIpcError(f"CUDA IPC segment on device {device}: {size} bytes claimed, but the handle maps an "
                                f"allocation of {mapped} bytes from its start")
+        # The open maps another device's memory too (peer access): an engine
+        # must not have the daemon work on a GPU its memory is not on.
+        owner = rt.pointer_device(device, self.addr)
+        if owner is not None and owner != device:
+            self.close()
+            raise CudaIpcError(f"CUDA IPC segment: the handle maps memory of device {owner}, not of the device "
+                               f"the segment names ({device} here)")
         self.reexport = reexport_check(rt, device, self.addr)
 
     def read(self, offset: int, length: int) -> bytes:
@@ -309,10 +316,13 @@ def open_segments(segments, requested: str) -> OpenedSegments:
         segments: ``kvd.core.state.Segment`` values, all of kind :data:`KIND`.
         requested: ``"direct"``, ``"staged"`` or ``"auto"``.
 
-    Direct: open each handle. Staged: a :class:`VramMirror` of each size on the
-    segment's device (the handle is not opened). Auto: open each handle and
-    check it (:func:`reexport_check`); if any cannot be re-exported, close them
-    and make mirrors (``path_select.choose_data_path``).
+    Every path opens each handle first (:class:`CudaIpcMapping`): the engine
+    shows it holds an allocation of at least the segment's size on the GPU it
+    names, so a mirror is never larger than memory the caller has there, nor
+    on a GPU it has no memory on. Direct: keep the mappings. Staged: close
+    them and make a :class:`VramMirror` of each size on that device. Auto:
+    check each (:func:`reexport_check`); if any cannot be re-exported, close
+    them and make mirrors (``path_select.choose_data_path``).
 
     Raises:
         CudaIpcError: no GPU here, bad handle/device, mixed devices, or a
@@ -329,10 +339,10 @@ def open_segments(segments, requested: str) -> OpenedSegments:
     mappings: list = []
     try:
         evidence: list[path_select.Evidence] = []
-        if requested != "staged":
-            for i, s in enumerate(segments):
-                check_handle(s.handle, f"segment {i}")
-                mappings.append(CudaIpcMapping(s.handle, device, s.size))
+        for i, s in enumerate(segments):
+            check_handle(s.handle, f"segment {i}")
+            mappings.append(CudaIpcMapping(s.handle, device, s.size))
+            if requested != "staged":
                 evidence.append(mappings[-1].reexport)
         choice = path_select.choose_data_path(requested, evidence)
         if choice.path == "staged":

@@ -101,6 +101,7 @@ class KvdWorker:
             cfg.socket, default_load_timeout_s=cfg.load_timeout_s, default_lease_s=cfg.lease_s,
         )
         self.registered: pb.RegisterEngineResponse | None = None
+        self._retired: list[StagingMirror] = []  # mirrors of an earlier registration, closed at shutdown
         self.sharing: KvSharing | None = None
         self.stats = KvdKVConnectorStats()
         self._recving: dict[str, BlockGroups] = {}   # awaiting loads: local block ids per group
@@ -211,8 +212,7 @@ class KvdWorker:
         self.client.before_register = lambda req, deadline: sharing.prepare(req, self.client.address, deadline)
         self.registered = self.client.register(request, timeout_s=self.cfg.connect_timeout_s)
         sharing.attach(self.registered)
-        if sharing.staging is not None:
-            self.client.on_register = self._on_reregister
+        self.client.on_register = self._on_reregister
         self.client.start_session()
         if not self.client.wait_opened(min(10.0, self.cfg.connect_timeout_s)):
             log.warning("kvd %s: session not open yet; commands wait for it", self.label)
@@ -223,16 +223,40 @@ class KvdWorker:
 
     def _on_reregister(self, response: pb.RegisterEngineResponse) -> None:
         """Session thread: the daemon registered this worker anew (it restarted or
-        had dropped it): map the new mirrors and copy the whole KV cache into
-        them, before the client sends the holds again. Whole: besides held
-        requests, requests still being computed (chunked prefill) or finished
-        with their hold not yet sent had blocks saved into the old mirror."""
-        if self.sharing is None or self.staging is None:
+        had dropped it), before the client sends the holds again.
+
+        Staged: map the new mirrors and copy the whole KV cache into them
+        (besides held requests, requests still being computed, chunked
+        prefill, or finished with their hold not yet sent had blocks saved
+        into the old mirror). Under CUDA ``auto`` the daemon decides at each
+        registration, so a restarted daemon may answer otherwise than the
+        first: staged after direct gets mirrors filled the same way; direct
+        after staged stops the copies (the old mirror stays mapped until
+        shutdown: the engine thread may be copying through it right now).
+
+        Raises:
+            StagingError: the mirrors cannot be mapped; a staged answer to a
+                registration that asked for the direct path (a daemon that
+                contradicts its request; the client unregisters).
+        """
+        self.registered = response
+        sharing = self.sharing
+        if sharing is None:
             return
-        self.sharing.attach(response)
-        moved = self.staging.copy_all()
-        log.info("kvd %s: new staging mirrors %s; KV cache copied in (%d bytes)", self.label,
-                 ", ".join(self.staging.names), moved)
+        if response.data_path == pb.DATA_PATH_STAGED:
+            if sharing.wire_data_path == pb.DATA_PATH_DIRECT:
+                raise StagingError("the daemon answered the staged data path to a registration that asked for "
+                                   "the direct one")
+            fresh = sharing.staging is None
+            sharing.attach(response)
+            moved = sharing.staging.copy_all()
+            log.info("kvd %s: %s staging mirrors %s; KV cache copied in (%d bytes)", self.label,
+                     "the daemon now stages: " if fresh else "new", ", ".join(sharing.staging.names), moved)
+        elif sharing.staging is not None:
+            log.warning("kvd %s: the daemon registered this worker on the direct path now; staging copies stop",
+                        self.label)
+            self._retired.append(sharing.staging)
+            sharing.staging = None
 
     # ----------------------------------------------------------- per step
     def start(self, meta: KvdConnectorMetadata) -> None:
@@ -368,6 +392,9 @@ class KvdWorker:
             released = self.sharing.close()
             if released:
                 log.info("kvd %s: unlinked KV cache segment(s) %s", self.label, ", ".join(released))
+        for mirror in self._retired:
+            mirror.close()
+        self._retired.clear()
         try:
             if self.registered is not None:
                 self.client.unregister(timeout_s=2.0)
