@@ -324,10 +324,14 @@ def test_the_shims_info_lines_reach_vllms_log_handler(monkeypatch):
     monkeypatch.setattr(vllm_log, "level", logging.INFO)
     adopt_vllm_logging()
     adopt_vllm_logging()
-    assert kvd_log.handlers == [handler] and kvd_log.level == logging.INFO
+    (adopted,) = kvd_log.handlers
+    assert adopted.targets == [handler] and kvd_log.level == logging.INFO
     logging.getLogger("kvd.shim.vllm").info("kvd engine=e: registered")
     logging.getLogger("kvd.shim.vllm").debug("not at INFO")
-    assert stream.getvalue() == "kvd engine=e: registered\n"
+    # An id from an API client cannot forge a line or draw on a terminal.
+    logging.getLogger("kvd.shim.vllm").warning("request=%s: failed", "r1\nINFO forged\x1b[2J\u2028")
+    assert stream.getvalue() == ("kvd engine=e: registered\n"
+                                 "request=r1\\nINFO forged\\x1b[2J\\u2028: failed\n"), stream.getvalue()
     own = logging.NullHandler()
     monkeypatch.setattr(kvd_log, "handlers", [own])
     adopt_vllm_logging()

@@ -33,21 +33,9 @@ import sys
 import time
 
 from kvd.core.throttle import Throttled  # noqa: F401 (the daemon's modules take it from here)
+from kvd.logtext import escape_controls
 
 HUMAN_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
-# C0 and C1 controls, DEL, and the Unicode line and paragraph separators
-# (some log viewers break lines there).
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
-_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
-
-
-def escape_controls(text: str) -> str:
-    """``text`` with every control character written as a Python escape
-    (``"a\\nb"`` for ``"a\nb"``); other characters unchanged."""
-    return _CONTROL.sub(lambda m: _NAMED.get(m[0]) or (f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100
-                                                      else f"\\u{ord(m[0]):04x}"), text)
-
 
 def _escaped(record: logging.LogRecord) -> logging.LogRecord:
     """A copy of ``record`` whose message is formatted and escaped (no args left)."""

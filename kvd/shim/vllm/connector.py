@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from kvd.logtext import escape_controls
 from kvd.shim.vllm.config import KVConnectorTransferResults, KvdShimConfig, check_supported
 from kvd.shim.vllm.groups import TransferGroups
 from kvd.shim.vllm.metadata import KvdConnectorMetadata, KvdWorkerPath
@@ -49,10 +50,27 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+class _ToVllmHandlers(logging.Handler):
+    """Hands each ``kvd`` record, its message formatted and its control
+    characters escaped (``kvd.logtext``: request ids come from API clients),
+    to vLLM's own handlers, as vLLM's records go."""
+
+    def __init__(self, handlers: list[logging.Handler]):
+        super().__init__()
+        self.targets = list(handlers)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        out = logging.makeLogRecord(record.__dict__)
+        out.msg, out.args = escape_controls(record.getMessage()), None
+        for handler in self.targets:
+            if out.levelno >= handler.level:
+                handler.handle(out)
+
+
 def adopt_vllm_logging() -> None:
     """Sends the ``kvd`` loggers' records where vLLM sends its own, so the
     shim's INFO lines (registration, data path, reconnects) reach the
-    engine's log.
+    engine's log, escaped (:class:`_ToVllmHandlers`).
 
     vLLM configures only its ``vllm`` logger (``vllm/logger.py``,
     ``DEFAULT_LOGGING_CONFIG``: its handler, INFO, no propagation); a
@@ -60,13 +78,13 @@ def adopt_vllm_logging() -> None:
     package, where Python shows WARNING and above and nothing else. Done
     once, and only when ``kvd`` has no handler of its own and ``vllm`` has
     one (``VLLM_CONFIGURE_LOGGING=0`` leaves both alone). Records still
-    propagate to the root logger (a handler there sees them too).
+    propagate to the root logger: a handler there (``logging.basicConfig``)
+    prints them a second time, as it would have printed them alone before.
     """
     kvd_log, vllm_log = logging.getLogger("kvd"), logging.getLogger("vllm")
     if kvd_log.handlers or not vllm_log.handlers:
         return
-    for handler in vllm_log.handlers:
-        kvd_log.addHandler(handler)
+    kvd_log.addHandler(_ToVllmHandlers(vllm_log.handlers))
     if kvd_log.level == logging.NOTSET:
         kvd_log.setLevel(vllm_log.getEffectiveLevel())
 

@@ -1,0 +1,24 @@
+"""Log text from other processes made safe for one-line logs (a neutral leaf).
+
+Request ids, engine ids and addresses come from engines, peers and API
+clients; a newline in one would otherwise forge a log line (CWE-117), an
+escape sequence would draw on the operator's terminal. Both the daemon's
+formatters (``kvd.daemon.logs``) and the vLLM shim's log lines in the engine
+(``kvd.shim.vllm.connector.adopt_vllm_logging``) escape them the same way.
+"""
+
+from __future__ import annotations
+
+import re
+
+# C0 and C1 controls, DEL, and the Unicode line and paragraph separators
+# (some log viewers break lines there).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with every control character written as a Python escape
+    (``"a\\nb"`` for ``"a\nb"``); other characters unchanged."""
+    return _CONTROL.sub(lambda m: _NAMED.get(m[0]) or (f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100
+                                                      else f"\\u{ord(m[0]):04x}"), text)
