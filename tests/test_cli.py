@@ -748,3 +748,21 @@ def test_clients_take_grpcs_unix_forms_and_refuse_a_path_too_long_for_a_socket(t
                        env={**{k: v for k, v in os.environ.items() if not k.startswith("KVD_")},
                             "PYTHONPATH": os.pathsep.join(sys.path)})
     assert r.returncode == 64 and "cannot be used as a socket path" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_demo_says_how_each_engines_kv_cache_reached_its_daemon():
+    from types import SimpleNamespace
+
+    from kvd.demo.run import registrations_line
+
+    def daemon(workers):
+        return SimpleNamespace(stats=lambda: {"workers": workers})
+
+    def broken():
+        raise OSError("gone")
+
+    st = SimpleNamespace(p_daemon=daemon([{"data_path": "direct", "handover": "memfd", "memory": "DRAM"}] * 2),
+                         d_daemon=daemon([{"data_path": "staged", "handover": "", "memory": "DRAM"}]))
+    assert registrations_line(st) == "engines registered: P direct (memfd), D staged (DRAM)"
+    st.d_daemon = SimpleNamespace(stats=broken)
+    assert registrations_line(st) == "engines registered: P direct (memfd), D ? (OSError)"

@@ -305,6 +305,23 @@ def summarize(reports: list[RequestReport], connector: str) -> dict:
             "ok": n > 0 and matches == n and recomputed == 0}
 
 
+def registrations_line(st) -> str:
+    """How each engine's KV cache reached its daemon (``kvd status``'s
+    data path and hand-over of its workers): ``engines registered: P direct
+    (memfd), D direct (memfd)``."""
+    parts = []
+    for name, daemon in (("P", st.p_daemon), ("D", st.d_daemon)):
+        try:
+            workers = daemon.stats().get("workers", [])
+        except Exception as e:  # noqa: BLE001 - a line of the demo's output, never its verdict
+            parts.append(f"{name} ? ({type(e).__name__})")
+            continue
+        kinds = sorted({f"{w.get('data_path') or '?'} ({w.get('handover') or w.get('memory') or '?'})"
+                        for w in workers})
+        parts.append(f"{name} {', '.join(kinds) or 'none'}")
+    return "engines registered: " + ", ".join(parts)
+
+
 def format_summary(s: dict) -> str:
     """The one-line verdict of :func:`summarize`'s dict (``OK`` / ``FAIL``)."""
     rate = "n/a" if s["mb_per_s"] != s["mb_per_s"] else f"{s['mb_per_s']:.1f} MB/s"
@@ -459,6 +476,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{'; removed after a run that passes, --keep-logs keeps it' if removed else ''})")
         st.start()
         log(f"stack up in {st.timings['stack_start_s']:.1f} s")
+        if st.p_daemon is not None:  # kvd's connector (the nixl baseline has no daemons)
+            log(registrations_line(st))
 
         meter = Meter(st)
         for i, prompt in enumerate(prompts):
