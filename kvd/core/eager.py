@@ -2,9 +2,10 @@
 
 A decode daemon made a task for every load its engine sent
 (``EngineService._run_command``), yet with 64 one-block loads in flight
-almost none of them ever waits: the pairs are made, the followed holds show
-the source's hold, and a small READ is posted on the loop
-(``Runtime.nixl_now``), so the load's coroutine runs to its end in one step.
+most of them never wait: the pairs are made, the followed holds show the
+source's hold, and a small READ is posted on the loop
+(``Runtime.nixl_now``), so the load's coroutine runs to its end in one step
+(the others wait for the NIXL thread, a hold on its way, a claim).
 The task only added its creation, a pass of the event loop before it ran,
 its step and its done callback. :func:`start` runs that first step now, in
 the caller's frame, and wraps the coroutine in a task only when it waits on
