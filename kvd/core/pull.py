@@ -303,10 +303,13 @@ class Pull:
                     self.peers.retire(w, remotes[p], err[1])
                 return await self.load(w, req, retry_deadline=deadline, epoch=epoch)
             return self._fail(w, req, *err)
-        w.inflight[rid] = InflightLoad(req, posted, started, deadline, nbytes, ndescs, retry, post_s=posts_s)
-        if not posted:  # every READ was done when posted: no poll round to wait for
-            self.finish(w, rid, time.monotonic())
+        if not posted:
+            # Every READ was done when posted (UCX moves a small one inside
+            # the post): done now, no poll round to wait for and no
+            # InflightLoad made only for finish() to take it back.
+            self._recv_done(w, req, nbytes, ndescs, time.monotonic() - started, posts_s)
             return
+        w.inflight[rid] = InflightLoad(req, posted, started, deadline, nbytes, ndescs, retry, post_s=posts_s)
         self.rt.kick.set()
 
     def _post(self, request_id: str, agent: NixlAgent, source: RemoteWorker, op: str, local, lidx, remote, ridx,
