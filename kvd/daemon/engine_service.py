@@ -31,7 +31,7 @@ import grpc
 
 from kvd import __version__
 from kvd import tracepoints as tp
-from kvd.core import cuda_ipc, eager
+from kvd.core import cuda_ipc
 from kvd.core import events as ev
 from kvd.core.limits import BOUNDS
 from kvd.core.memory import MEMFD_KIND
@@ -371,6 +371,11 @@ class EngineService(pb_grpc.EngineServiceServicer):
         reader = sink = None
         try:
             yield pb.SessionEvent(opened=pb.SessionOpened(agent_name=w.agent.name, daemon_version=__version__))
+            direct = getattr(it, "run_direct", None)
+            if direct is not None:
+                reader = direct(lambda cmd: self._run_command(w, cmd, c.uid))
+            else:
+                reader = asyncio.get_running_loop().create_task(self._read_commands(w, it, c.uid))
             events, wakeup = w.session.events, w.session.wakeup
             if write_event is not None:
 
@@ -378,20 +383,6 @@ class EngineService(pb_grpc.EngineServiceServicer):
                     tp.hit(tp.EVENT, e.request_id)
                     return write_event(event_to_pb(e))
 
-                if w.session.streams == 1 and w.session.sink is None:
-                    # Before any command runs: run_direct runs the commands
-                    # read ahead at once, and a load runs to its end as its
-                    # command runs (kvd.core.eager), so its event must find
-                    # the direct writer, and the drop that ends a session
-                    # whose engine does not read, in place (emit keeps using
-                    # the queue while anything waits in it, in order).
-                    w.session.sink = sink
-                    w.session.on_overflow = drop
-            direct = getattr(it, "run_direct", None)
-            if direct is not None:
-                reader = direct(lambda cmd: self._run_command(w, cmd, c.uid))
-            else:
-                reader = asyncio.get_running_loop().create_task(self._read_commands(w, it, c.uid))
             # The reader's end wakes this loop too: one Event to wait on, no
             # waiter task and asyncio.wait per event (two loop rounds less).
             reader.add_done_callback(lambda _: wakeup.set())
@@ -465,13 +456,9 @@ class EngineService(pb_grpc.EngineServiceServicer):
                 return True
             # The session's epoch now: a load that starts after its session
             # ended is dropped (Pull.load), whatever order the loop runs it in.
-            # Run at once up to its first wait: most loads never wait (pairs
-            # made, holds shown, a small READ posted on the loop) and need no
-            # task (kvd.core.eager).
-            task = eager.start(node.load(w, req, w.session.epoch))
-            if task is not None:
-                w.loads_started += 1
-                task.add_done_callback(lambda _t: setattr(w, "loads_started", w.loads_started - 1))
+            task = asyncio.get_running_loop().create_task(node.load(w, req, w.session.epoch))
+            w.loads_started += 1
+            task.add_done_callback(lambda _t: setattr(w, "loads_started", w.loads_started - 1))
         elif kind == "hold":
             node.hold(w, c.request_id, groups_from_pb(c.groups), c.lease_s)
         elif kind == "release":
