@@ -357,13 +357,11 @@ class Config:
                                                f"({len(os.fsencode(self.engine_socket))}): the daemon binds it and "
                                                f"'<path>.cmd' and '<path>.fd' beside it, and a Unix socket path "
                                                f"is at most 107 bytes (unix(7)): {self.engine_socket!r}")
-        bad = sorted(set(self.engine_socket) & set(SOCKET_PATH_UNSAFE))
-        if bad or any(ord(c) < 32 for c in self.engine_socket):
-            # gRPC reads "unix:PATH" as a URI: '?' and '#' cut the path, '%'
-            # starts an escape; engines and `kvd health` would dial another path.
+        bad = _unsafe_socket_chars(self.engine_socket)
+        if bad:
             raise self._error("engine_socket", f"path {self.engine_socket!r} has characters gRPC targets cannot "
-                                               f"carry ({' '.join(bad) or 'control characters'}); "
-                                               f"{SOCKET_PATH_UNSAFE!r} and control characters are refused")
+                                               f"carry ({bad}); {SOCKET_PATH_UNSAFE!r} and control characters "
+                                               f"are refused")
 
     def read_file_setting(self, key: str) -> bytes | None:
         """The contents of the file a setting names (None when unset); at
@@ -898,6 +896,15 @@ def client_socket(environ: Mapping[str, str] | None = None, file: str | None = N
     return cfg.engine_socket
 
 
+def _unsafe_socket_chars(path: str) -> str:
+    """Which characters of a socket path gRPC's ``unix:PATH`` target cannot
+    carry ("" when none): it reads the target as a URI, so '?' and '#' cut
+    the path and '%' starts an escape (an engine or ``kvd health`` would
+    dial another path); control characters (and DEL) besides."""
+    bad = sorted(set(path) & set(SOCKET_PATH_UNSAFE))
+    return " ".join(bad) or ("control characters" if any(ord(c) < 32 or ord(c) == 127 for c in path) else "")
+
+
 def client_socket_problem(path: str) -> str:
     """Why a client cannot dial the engine socket ``path`` (``--socket``,
     ``$KVD_ENGINE_SOCKET``), or "": empty, not encodable, characters gRPC's
@@ -911,10 +918,9 @@ def client_socket_problem(path: str) -> str:
         path.encode("utf-8")  # gRPC's target is a str it sends as UTF-8
     except (OSError, UnicodeError) as e:  # a removed working directory; surrogate-escaped bytes
         return f"{path!r}: cannot be used as a socket path ({e})"
-    bad = sorted(set(path) & set(SOCKET_PATH_UNSAFE))
-    if bad or any(ord(c) < 32 or ord(c) == 127 for c in path):
-        return (f"{path!r} has characters gRPC targets cannot carry ({' '.join(bad) or 'control characters'}): "
-                f"gRPC would dial another path")
+    bad = _unsafe_socket_chars(path)
+    if bad:
+        return f"{path!r} has characters gRPC targets cannot carry ({bad}): gRPC would dial another path"
     if len(full) > 107:
         return (f"{path!r}: a Unix socket path is at most 107 bytes (unix(7)); this one is {len(full)}, so no "
                 f"daemon can be listening there")

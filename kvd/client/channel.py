@@ -17,6 +17,8 @@ import stat
 
 import grpc
 
+from kvd.addresses import socket_file
+
 #: Default bound on one gRPC message either way (bytes). A RegisterEngine of a
 #: few thousand regions is tens of kB; stats and events are far smaller.
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -63,10 +65,7 @@ def unix_path(address: str) -> str | None:
     a bare path (:func:`normalize_address`); None for anything else
     (``host:port``, ``unix-abstract:``)."""
     address = normalize_address(address)
-    for prefix in ("unix://", "unix:"):
-        if address.startswith(prefix):
-            return address[len(prefix):]
-    return None
+    return socket_file(address) if address.startswith("unix:") else None
 
 
 #: ``connect()`` errors on a Unix socket that mean this user may not connect

@@ -120,12 +120,10 @@ class KvdWorker:
     def may_stage(self) -> bool:
         """Whether the daemon may serve this worker from staging mirrors, now
         or after a re-registration: the registration did not ask for the
-        direct path (``staged``, or an ``auto`` the daemon decides), or the
-        daemon chose staged. False before registration."""
-        if self.sharing is None:
-            return False
-        return (self.sharing.wire_data_path != pb.DATA_PATH_DIRECT
-                or (self.registered is not None and self.registered.data_path == pb.DATA_PATH_STAGED))
+        direct path (``staged``, or an ``auto`` the daemon decides; a staged
+        answer to a direct request is refused, ``_on_reregister``). False
+        before registration."""
+        return self.sharing is not None and self.sharing.wire_data_path != pb.DATA_PATH_DIRECT
 
     @property
     def staging(self) -> StagingMirror | None:
