@@ -56,6 +56,7 @@ import multiprocessing as mp
 import os
 import platform
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -211,12 +212,15 @@ def run_case(size: int, path: str, P: EngineProc, D: EngineProc, dp: Daemon, dd:
     marks = (dp.log_size(), dd.log_size(), D.log_size())
     seed = 1000 + size // 1024
     inproc = path == "nixl"  # the baseline: each engine's own NIXL agent, no daemon, no IPC handle
+    # "local": both engines registered with P's daemon (auto), which copies
+    # the blocks itself (kvd.core.local_copy), no NIXL between them.
+    local = path == "local"
     setup = "nixl_setup" if inproc else "setup"
-    extra = {} if inproc else {"data_path": path}
+    extra = {} if inproc else {"data_path": "auto" if local else path}
     rp = P.call(setup, engine_id=f"P-{tag}", block_tokens=plan["block_tokens"], num_blocks=plan["num_blocks"],
-                seed=seed, **extra)
+                seed=seed, **extra, **({} if inproc else {"socket": dp.socket}))
     rd = D.call(setup, engine_id=f"D-{tag}", block_tokens=plan["block_tokens"], num_blocks=plan["num_blocks"],
-                seed=None, **extra)
+                seed=None, **extra, **({} if inproc else {"socket": dp.socket if local else dd.socket}))
     peer = {"metadata": rp.pop("metadata"), "base": rp["base"]} if inproc else None
     rd.pop("metadata", None)
     case["registered"] = {"prefill": rp, "decode": rd}
@@ -283,13 +287,30 @@ def run_case(size: int, path: str, P: EngineProc, D: EngineProc, dp: Daemon, dd:
     dlog, plog = (D.log_text(marks[2]), "") if inproc else (dd.log_text(marks[1]), dp.log_text(marks[0]))
     # Push mode (KVD_TRANSFER_MODE=push): the prefill daemon WRITEs, and its UCX prints the table.
     push = not inproc and os.environ.get("KVD_TRANSFER_MODE", "").strip().lower() == "push"
-    ev = path_select.proto_evidence(plog if push else dlog, size, op="put" if push else "get",
-                                    gpu_only=args.mode == "gpu", both_gpu=args.mode == "gpu")
+    ev = [] if local else path_select.proto_evidence(plog if push else dlog, size, op="put" if push else "get",
+                                                     gpu_only=args.mode == "gpu", both_gpu=args.mode == "gpu")
     case["ucx_proto_info"] = [{"path": e.path.value, "detail": e.detail} for e in ev]
     case["ucx_path"] = path_select.worst(ev).value if ev else "not printed"
+    if local:
+        # The prefill daemon logs the pair's plan when it copies itself.
+        case["same_node_copy"] = f"engine=P-{tag}" in plog and "same-node copy plan" in plog
+        case["ucx_path"] = "none: same-node copy" if case["same_node_copy"] else "NOT a same-node copy"
+        case["ok"] = case.get("ok", False) and case["same_node_copy"]
     case["daemon_choice"] = [line.split(" data path ", 1)[-1].strip() for line in (plog + dlog).splitlines()
                              if "data path (" in line][:2]
     return case
+
+
+def short_error(e: Exception) -> str:
+    """One line for a failed case: the gRPC status and details when an
+    engine's call to its daemon failed (the engine process sends back the
+    whole repr), else the first line."""
+    text = str(e)
+    code = re.search(r"status = StatusCode\.(\w+)", text)
+    details = re.search(r'details = "(.*?)"\n', text)
+    if code and details:
+        return f"{code.group(1)}: {details.group(1)}"
+    return text.split("\n")[0]
 
 
 def fmt(x, digits=1) -> str:
@@ -346,7 +367,8 @@ def write_reports(out: Path, results: dict) -> None:
             else None
         d2d = results["d2d"].get(str(c["block_bytes"]), {})
         reg = c.get("registered", {})
-        path_pd = "/".join(reg.get(r, {}).get("data_path", "?") for r in ("prefill", "decode"))
+        path_pd = "/".join(reg.get(r, {}).get("data_path", "?") for r in ("prefill", "decode")) if reg else \
+            ("refused" if "INVALID_ARGUMENT" in c.get("error", "") else "failed")
         ver = c.get("verify", {})
         verified = f"{human(ver['bytes_checked'])} {'ok' if ver.get('ok') else 'MISMATCH'}" if ver else "-"
         lines.append(
@@ -364,8 +386,26 @@ def write_reports(out: Path, results: dict) -> None:
     lines += ["", f"Reference per block size (the bytes of one repetition, up to 2 GiB; medians of 10): contiguous "
                   f"{ref}, and block-wise index_select/index_copy_ (what the staged path's copies do):", ""]
     for k, d in results["d2d"].items():
+        rows = ""
+        if "kernel_gbps" in d or "kernel_error" in d or "batch_gbps" in d:
+            rows = (f"; as the daemon's same-node copy (kvd.cuda_copy): kernel {fmt(d.get('kernel_gbps'))} GB/s "
+                    f"(bytes {'equal' if d.get('kernel_ok') else 'NOT equal'}), cudaMemcpyBatchAsync "
+                    f"{fmt(d.get('batch_gbps'))} GB/s (bytes {'equal' if d.get('batch_ok') else 'NOT equal'})")
+            for key in ("kernel_error", "batch_error", "kernel_why_not"):
+                if d.get(key):
+                    rows += f"; {key}: {d[key]}"
         lines.append(f"- {human(int(k))}: contiguous {fmt(d.get('contig_gbps'))} GB/s, block-wise "
-                     f"{fmt(d.get('gather_gbps'))} GB/s over {human(d.get('bytes', 0))}")
+                     f"{fmt(d.get('gather_gbps'))} GB/s over {human(d.get('bytes', 0))}{rows}")
+    sweeps = {k: d["sweep"] for k, d in results["d2d"].items() if d.get("sweep")}
+    if sweeps:
+        names = list(next(iter(sweeps.values())))
+        lines += ["", "Row copies of the same blocks in one process (GB/s; `kernel`: kvd.cuda_copy's default shape, "
+                      "`batch`: cudaMemcpyBatchAsync, the rest: other kernel shapes; `!` bytes not equal, `x` failed):",
+                  "", "| block | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+        for k, sw in sweeps.items():
+            cells = [("x" if "error" in sw.get(nm, {}) else fmt(sw.get(nm, {}).get("gbps"), 0) +
+                      ("" if sw.get(nm, {}).get("ok", True) else "!")) for nm in names]
+            lines.append(f"| {human(int(k))} | " + " | ".join(cells) + " |")
     for c in results["cases"]:
         for e in c.get("ucx_proto_info", [])[:3]:
             lines.append(f"- UCX {human(c['block_bytes'])} {c['path']}: {e['path']}: {e['detail']}")
@@ -383,9 +423,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_out", help="results folder")
     ap.add_argument("--sizes", default=None, help="block sizes, run in this order (default GPU 4M,1M,256K,64K; "
                                                    "CPU 1M,64K)")
-    ap.add_argument("--paths", default="nixl,direct,staged,auto",
-                    help="data paths to run (default all four; nixl: the in-process baseline, each engine's own "
-                         "NIXL agent, no daemon)")
+    ap.add_argument("--paths", default="nixl,direct,staged,auto,local",
+                    help="data paths to run (default all five; nixl: the in-process baseline, each engine's own "
+                         "NIXL agent, no daemon; local: both engines on one daemon (auto), which copies the "
+                         "blocks itself)")
     ap.add_argument("--bytes-per-load", default=None, help="bytes of one load (default GPU 4G, CPU 4M): at HBM speed a "
                     "1 GiB load moves in ~0.5 ms, less than a load's control-plane cost")
     ap.add_argument("--inflight", type=int, default=None, help="loads in flight per repetition (GPU 4, CPU 2)")
@@ -405,7 +446,7 @@ def main(argv=None) -> int:
     args.bytes_per_load = parse_size(args.bytes_per_load or ("4G" if gpu else "4M"))
     args.inflight = args.inflight or (4 if gpu else 2)
     args.reps = args.reps if args.reps is not None else (3 if gpu else 1)
-    bad = [p for p in args.paths if p not in ("nixl", "direct", "staged", "auto")]
+    bad = [p for p in args.paths if p not in ("nixl", "direct", "staged", "auto", "local")]
     if bad:
         ap.error(f"unknown data path(s) {bad}")
     if gpu:
@@ -470,9 +511,9 @@ def main(argv=None) -> int:
                 try:
                     case = run_case(size, path, P, D, dp, dd, args, results["d2d"].get(str(size), {}))
                 except Exception as e:
-                    case = {"block_bytes": size, "path": path, "ok": False, "error": str(e).split("\n")[0],
+                    case = {"block_bytes": size, "path": path, "ok": False, "error": short_error(e),
                             "trace": str(e)}
-                    results["errors"].append(f"{human(size)} {path}: {str(e).splitlines()[0]}")
+                    results["errors"].append(f"{human(size)} {path}: {short_error(e)}")
                     if isinstance(e, TimeoutError):
                         raise
                 case["elapsed_s"] = time.monotonic() - t0

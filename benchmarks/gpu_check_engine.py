@@ -80,13 +80,10 @@ class Engine:
     """One engine process: a KV cache buffer, its daemon, its session."""
 
     def __init__(self, mode: str, socket: str, device: int, buffer_bytes: int, role: str):
-        self.engine_socket = socket
-        import grpc
         import torch
 
-        from kvd.v1 import kvd_pb2_grpc as pb_grpc
-
         self.torch = torch
+        self._variants = {}  # kernel shapes of the row-copy sweep, loaded once
         self.mode, self.role = mode, role
         self.dev = torch.device("cuda", device) if mode == "gpu" else torch.device("cpu")
         if mode == "gpu":
@@ -96,14 +93,24 @@ class Engine:
             from kvd.shim.memory import shm
 
             shm.share_storage(self.buf)  # into POSIX shm once; every view follows
-        self.stub = pb_grpc.EngineServiceStub(grpc.insecure_channel(
-            f"unix:{socket}", options=[("grpc.max_send_message_length", 64 << 20),
-                                       ("grpc.max_receive_message_length", 64 << 20)]))
+        self._connect(socket)
         self.session = None
         self.sharing = None
         self.mirror = None
         self.engine_id = ""
         self.token = ""
+
+    def _connect(self, socket: str) -> None:
+        """Talks to the daemon at ``socket`` from now on (a same-node case
+        registers the decode engine with the prefill engine's daemon)."""
+        import grpc
+
+        from kvd.v1 import kvd_pb2_grpc as pb_grpc
+
+        self.engine_socket = socket
+        self.stub = pb_grpc.EngineServiceStub(grpc.insecure_channel(
+            f"unix:{socket}", options=[("grpc.max_send_message_length", 64 << 20),
+                                       ("grpc.max_receive_message_length", 64 << 20)]))
 
     # -- pattern: int32 word i of the cache holds f(i, seed) --------------------------
     def _words(self, start_words, count: int, seed: int):
@@ -177,8 +184,12 @@ class Engine:
             torch.cuda.synchronize(self.dev)
         return nbytes
 
-    def setup(self, engine_id: str, block_tokens: int, num_blocks: int, data_path: str, seed: int | None) -> dict:
+    def setup(self, engine_id: str, block_tokens: int, num_blocks: int, data_path: str, seed: int | None,
+              socket: str | None = None) -> dict:
         from kvd.v1 import kvd_pb2 as pb
+
+        if socket and socket != self.engine_socket:
+            self._connect(socket)
 
         self._view(block_tokens, num_blocks, seed)
         caches = {LAYER: self.kv}
@@ -419,11 +430,67 @@ class Engine:
 
         contig = timed(lambda: dst.copy_(src))
         gather = timed(lambda: dv.index_copy_(0, ids, sv.index_select(0, ids)))
+        out = {"bytes": nbytes, "contig_s": contig, "gather_s": gather,
+               "contig_gbps": nbytes / contig / 1e9, "gather_gbps": nbytes / gather / 1e9}
+        if self.mode == "gpu":
+            out.update(self._row_copies(src, dst, ids, nblk, block_len, reps))
         src = dst = sv = dv = None  # free before empty_cache (the lambdas above hold these cells)
         if self.mode == "gpu":
             torch.cuda.empty_cache()
-        return {"bytes": nbytes, "contig_s": contig, "gather_s": gather,
-                "contig_gbps": nbytes / contig / 1e9, "gather_gbps": nbytes / gather / 1e9}
+        return out
+
+    def _row_copies(self, src, dst, ids, nblk: int, block_len: int, reps: int) -> dict:
+        """What the daemon's same-node VRAM copy does with the same blocks
+        (``kvd.cuda_copy``): its kernel and ``cudaMemcpyBatchAsync``, each
+        timed on the host around the call (the segment table's upload and
+        the synchronize included, as the daemon pays them), bytes compared."""
+        from kvd import cuda_copy, cudart
+
+        torch = self.torch
+        src.copy_(torch.randint(0, 256, (src.numel(),), dtype=torch.uint8, device=self.dev))
+        order = ids.cpu().numpy().astype("int64")
+        import numpy as np
+
+        d = dst.data_ptr() + np.arange(nblk, dtype=np.int64) * block_len
+        s_ = src.data_ptr() + order * block_len
+        n = np.full(nblk, block_len, dtype=np.int64)
+        eng, rt = cuda_copy.engine(), cudart.load()
+        dev = self.dev.index or 0
+        torch.cuda.synchronize(self.dev)
+        out = {"sweep": {}}
+
+        def run(name: str, fn) -> None:
+            dst.zero_()
+            torch.cuda.synchronize(self.dev)
+            try:
+                fn()
+                ok = bool(torch.equal(dst.view(nblk, block_len), src.view(nblk, block_len)[ids]))
+                times = []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    fn()
+                    times.append(time.perf_counter() - t0)
+                gbps = dst.numel() / statistics.median(times) / 1e9
+                out["sweep"][name] = {"gbps": gbps, "ok": ok}
+            except Exception as e:  # reported, not fatal: the rest of the check goes on
+                out["sweep"][name] = {"error": str(e)[:300]}
+
+        run("kernel", lambda: eng.copy_rows(dev, d, s_, n))
+        run("batch", lambda: rt.copy_rows(dev, d, s_, n))
+        # Kernel shapes other than the default (kvd.cuda_copy's constants), for choosing them.
+        for name, kw in (("t256u4", dict(threads=256, blocks_per_sm=8)), ("t512u4", dict(threads=512, blocks_per_sm=4)),
+                         ("t512u8", dict(threads=512, unroll=8, blocks_per_sm=4)), ("t1024u8", dict(unroll=8)),
+                         ("w1", dict(waves=1)), ("w16", dict(waves=16)), ("seg32k", dict(max_segment=32 << 10))):
+            variant = self._variants.get(name)
+            if variant is None:
+                variant = self._variants[name] = cuda_copy.RowCopier(rt, **kw)
+            run(name, lambda v=variant: v.copy_rows(dev, d, s_, n))
+        k, b = out["sweep"]["kernel"], out["sweep"]["batch"]
+        out.update({"kernel_gbps": k.get("gbps"), "kernel_ok": k.get("ok"), "batch_gbps": b.get("gbps"),
+                    "batch_ok": b.get("ok"), "kernel_error": k.get("error", ""), "batch_error": b.get("error", "")})
+        out["kernel_in_use"] = eng.kernel
+        out["kernel_why_not"] = eng.why
+        return out
 
     def teardown(self) -> dict:
         from kvd.v1 import kvd_pb2 as pb

@@ -46,6 +46,13 @@ _PROP_BUFFER = 8192
 HOST_TO_HOST, HOST_TO_DEVICE, DEVICE_TO_HOST, DEVICE_TO_DEVICE, DEFAULT = 0, 1, 2, 3, 4
 # cudaIpcOpenMemHandle flags
 IPC_LAZY_ENABLE_PEER_ACCESS = 1
+# cudaStreamCreateWithFlags: no implicit sync with the legacy default stream
+STREAM_NON_BLOCKING = 1
+# cudaMemcpySrcAccessOrderStream (driver_types.h): sources read in stream order
+_SRC_ACCESS_ORDER_STREAM = 1
+# Copies per cudaMemcpyBatchAsync call: the API names no limit; one call per
+# this many rows keeps each host array small (3 x 128 KiB).
+BATCH_ROWS = 16384
 # CUpointer_attribute (driver API, cuda.h)
 _CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = 10
 _CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
@@ -67,6 +74,15 @@ class CudaError(RuntimeError):
     def __init__(self, call: str, code: int, name: str, text: str):
         super().__init__(f"{call}: {name} ({code}): {text}")
         self.call, self.code, self.name = call, code, name
+
+
+class MemcpyAttributes(ctypes.Structure):
+    """``cudaMemcpyAttributes`` (CUDA 12.8+, driver_types.h): the source
+    access order, two ``cudaMemLocation`` hints (type, id; ignored for
+    ``cudaMalloc`` memory) and flags: 24 bytes of 4-byte fields."""
+
+    _fields_ = [("src_access_order", ctypes.c_int), ("src_loc_type", ctypes.c_int), ("src_loc_id", ctypes.c_int),
+                ("dst_loc_type", ctypes.c_int), ("dst_loc_id", ctypes.c_int), ("flags", ctypes.c_uint)]
 
 
 class IpcMemHandle(ctypes.Structure):
@@ -140,6 +156,7 @@ class Cudart:
             "cudaIpcOpenMemHandle": [ctypes.POINTER(vp), IpcMemHandle, c_uint],
             "cudaIpcCloseMemHandle": [vp],
             "cudaDeviceGetPCIBusId": [ctypes.c_char_p, c_int, c_int],
+            "cudaDeviceGetAttribute": [ctypes.POINTER(c_int), c_int, c_int],
         }
         for fn, args in sig.items():
             f = getattr(lib, fn)
@@ -156,6 +173,30 @@ class Cudart:
         if self._get_props is not None:
             self._get_props.argtypes = [vp, c_int]
             self._get_props.restype = c_int
+        # Optional: a batch of copies in one call (runtime 12.8+). Its
+        # signature changed in 13.0 (cuda_runtime_api.h): 12.8/12.9 take a
+        # ``size_t *failIdx`` before the stream, 13.x do not.
+        for fn, args in (("cudaStreamCreateWithFlags", [ctypes.POINTER(vp), c_uint]),
+                         ("cudaStreamSynchronize", [vp]), ("cudaStreamDestroy", [vp]),
+                         ("cudaMemcpyAsync", [vp, vp, c_size, c_int, vp])):
+            f = getattr(lib, fn)
+            f.argtypes = args
+            f.restype = c_int
+        self._batch = getattr(lib, "cudaMemcpyBatchAsync", None)
+        self._batch_fail_idx = False
+        if self._batch is not None:
+            runtime = ctypes.c_int(0)
+            lib.cudaRuntimeGetVersion(ctypes.byref(runtime))
+            if runtime.value < 12080:
+                self._batch = None
+            else:
+                self._batch_fail_idx = runtime.value < 13000
+                pp, ps = ctypes.POINTER(vp), ctypes.POINTER(c_size)
+                self._batch.argtypes = [pp, pp, ps, c_size, ctypes.POINTER(MemcpyAttributes), ps, c_size] + \
+                    ([ps] if self._batch_fail_idx else []) + [vp]
+                self._batch.restype = c_int
+        self._streams: dict[int, int] = {}
+        self._streams_lock = threading.Lock()
         self.devices = self._device_count()
         self._uuids: dict[int, bytes] = {}
         self._driver = None  # libcuda, loaded on first use (optional)
@@ -193,6 +234,19 @@ class Cudart:
             raise CudaError("cudaSetDevice", 101, "cudaErrorInvalidDevice",
                             f"device {device} out of range: this process sees {self.devices}")
         self._check("cudaSetDevice", self._lib.cudaSetDevice(device))
+
+    def compute_capability(self, device: int) -> tuple[int, int]:
+        """``(major, minor)`` of ``device`` (9, 0 on an H100 or H200)."""
+        major, minor = ctypes.c_int(0), ctypes.c_int(0)
+        self._check("cudaDeviceGetAttribute", self._lib.cudaDeviceGetAttribute(ctypes.byref(major), 75, device))
+        self._check("cudaDeviceGetAttribute", self._lib.cudaDeviceGetAttribute(ctypes.byref(minor), 76, device))
+        return major.value, minor.value
+
+    def multiprocessors(self, device: int) -> int:
+        """Streaming multiprocessors of ``device`` (132 on an H200)."""
+        n = ctypes.c_int(0)
+        self._check("cudaDeviceGetAttribute", self._lib.cudaDeviceGetAttribute(ctypes.byref(n), 16, device))
+        return n.value
 
     def versions(self) -> tuple[int, int]:
         """``(runtime, driver)`` versions as CUDA encodes them (``12080`` = 12.8)."""
@@ -261,6 +315,80 @@ class Cudart:
     def synchronize(self, device: int) -> None:
         self.set_device(device)
         self._check("cudaDeviceSynchronize", self._lib.cudaDeviceSynchronize())
+
+    def stream(self, device: int) -> int:
+        """This process's own non-blocking stream on ``device`` (made once,
+        kept for the process's life): copies on it never wait for, nor
+        delay, work an engine queued on the legacy default stream."""
+        with self._streams_lock:
+            s = self._streams.get(device)
+            if s is None:
+                self.set_device(device)
+                p = ctypes.c_void_p()
+                self._check("cudaStreamCreateWithFlags",
+                            self._lib.cudaStreamCreateWithFlags(ctypes.byref(p), STREAM_NON_BLOCKING))
+                s = self._streams[device] = int(p.value or 0)
+            return s
+
+    def memcpy_async(self, device: int, dst: int, src: int, size: int, kind: int = DEFAULT) -> None:
+        """``cudaMemcpyAsync`` on :meth:`stream` of ``device`` (from pageable
+        host memory it returns once the bytes are staged)."""
+        stream = self.stream(device)
+        self.set_device(device)
+        self._check("cudaMemcpyAsync", self._lib.cudaMemcpyAsync(dst, src, size, kind, stream))
+
+    def stream_synchronize(self, device: int) -> None:
+        """Waits for everything queued on :meth:`stream` of ``device``.
+
+        Raises:
+            CudaError: a queued copy or kernel failed."""
+        self._check("cudaStreamSynchronize", self._lib.cudaStreamSynchronize(self.stream(device)))
+
+    @property
+    def batch_copies(self) -> bool:
+        """``cudaMemcpyBatchAsync`` is there (runtime 12.8+): :meth:`copy_rows`
+        queues its rows in one call per :data:`BATCH_ROWS`, else one
+        ``cudaMemcpyAsync`` each."""
+        return self._batch is not None
+
+    def copy_rows(self, device: int, dsts, srcs, sizes) -> None:
+        """Copies row ``i``: ``sizes[i]`` bytes from ``srcs[i]`` to
+        ``dsts[i]`` (device pointers of this process, any device this one
+        can reach), on :meth:`stream` of ``device``, and waits for them.
+
+        Rows may run in any order (``cudaMemcpyBatchAsync``'s rule): they
+        must not overlap. ``dsts``, ``srcs``, ``sizes``: sequences of ints
+        or int64/uint64 numpy arrays of one length.
+
+        Raises:
+            CudaError: a copy could not be queued, or failed (the stream's
+                error, at the synchronize).
+        """
+        import numpy as np  # only the copying daemon needs it here
+
+        d, s_, n = (np.ascontiguousarray(a, dtype=np.uint64) for a in (dsts, srcs, sizes))
+        if not (len(d) == len(s_) == len(n)):
+            raise ValueError(f"copy_rows: {len(d)} destinations, {len(s_)} sources, {len(n)} sizes")
+        if not len(n):
+            return
+        stream = self.stream(device)
+        self.set_device(device)
+        if self._batch is None:
+            for dst, src, size in zip(d.tolist(), s_.tolist(), n.tolist()):
+                self._check("cudaMemcpyAsync", self._lib.cudaMemcpyAsync(dst, src, size, DEFAULT, stream))
+        else:
+            attrs = MemcpyAttributes(src_access_order=_SRC_ACCESS_ORDER_STREAM)
+            zero = ctypes.c_size_t(0)
+            fail = ctypes.c_size_t(0)
+            pp, ps = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)
+            for i in range(0, len(n), BATCH_ROWS):
+                j = min(len(n), i + BATCH_ROWS)
+                args = [d[i:j].ctypes.data_as(pp), s_[i:j].ctypes.data_as(pp), n[i:j].ctypes.data_as(ps), j - i,
+                        ctypes.byref(attrs), ctypes.byref(zero), 1]
+                if self._batch_fail_idx:
+                    args.append(ctypes.byref(fail))
+                self._check("cudaMemcpyBatchAsync", self._batch(*args, stream))
+        self._check("cudaStreamSynchronize", self._lib.cudaStreamSynchronize(stream))
 
     def read(self, device: int, ptr: int, size: int) -> bytes:
         """Copies ``size`` bytes of device memory at ``ptr`` to the host."""

@@ -1,8 +1,9 @@
 """benchmarks/gpu_check.py, the GPU device check, proven on the CPU
 (``--cpu``): the same flow as on the H200 (two engine processes, two real
-daemons, direct / staged / auto, and the in-process baseline: each engine's
-own NIXL agent; bytes compared, reference copy, UCX protocol tables
-classified from the reader's log), on DRAM."""
+daemons, direct / staged / auto, local (both engines on one daemon, which
+copies itself), and the in-process baseline: each engine's own NIXL agent;
+bytes compared, reference copy, UCX protocol tables classified from the
+reader's log), on DRAM."""
 
 from __future__ import annotations
 
@@ -22,15 +23,18 @@ def test_cpu_dry_run_moves_verified_bytes_on_every_path(tmp_path):
     res = json.loads((tmp_path / "gpu_check.json").read_text())
     assert res["errors"] == []
     cases = {(c["block_bytes"], c["path"]): c for c in res["cases"]}
-    assert set(cases) == {(s, p) for s in (64 << 10, 1 << 20) for p in ("nixl", "direct", "staged", "auto")}
+    assert set(cases) == {(s, p) for s in (64 << 10, 1 << 20) for p in ("nixl", "direct", "staged", "auto", "local")}
     for (size, path), c in cases.items():
         assert c["ok"] and c["verify"]["ok"], (size, path, c)
         assert c["verify"]["bytes_checked"] == c["bytes_per_load"]  # repetition 0: one load, every byte
         # named shm: auto is direct; nixl: each engine's own agent, the in-process baseline
-        want = {"nixl": "nixl", "direct": "direct", "staged": "staged", "auto": "direct"}[path]
+        want = {"nixl": "nixl", "direct": "direct", "staged": "staged", "auto": "direct", "local": "direct"}[path]
         assert c["registered"]["prefill"]["data_path"] == c["registered"]["decode"]["data_path"] == want
         assert c["transfer_gbps"] > 0 and c["e2e_gbps"] > 0
         assert all(rep["send_done"]["send_done"] == rep["loads"] for rep in c["reps"])  # every lease ended by a read
+        if path == "local":  # one daemon for both: its own copy (its log says so), no UCX between them
+            assert c["same_node_copy"] and c["ucx_path"] == "none: same-node copy" and not c["ucx_proto_info"]
+            continue
         # the decode daemon's own UCX protocol table, parsed from its log: a DRAM READ
         assert c["ucx_path"] == "host", c["ucx_proto_info"]
         if path == "staged":

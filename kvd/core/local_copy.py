@@ -39,10 +39,17 @@ are still registered, the reader's session is the same, and the deadline
 has not passed; a piece already queued when a check fails is skipped, and
 the load is answered only once the thread has passed its pieces.
 
-Not covered (the load takes the NIXL path, ``kvd.core.pull``):
-VRAM regions on either side. A GPU daemon would make the same place a device
-copy (``cudaMemcpyAsync`` between the IPC handles it opened, on a stream of
-its own); none is done here: CUDA memory is never touched by the CPU.
+VRAM: when both sides' memory is VRAM (the daemon's staging mirrors, or
+engine allocations it opened from their CUDA IPC handles), the same rows are
+a device copy instead of a memmove: one launch of kvd's copy kernel over the
+rows of a piece on the daemon's own stream, then a synchronize
+(``kvd.cuda_copy``; ``cudaMemcpyBatchAsync`` where the kernel cannot load),
+on the NIXL thread, in pieces of :data:`VRAM_PIECE_BYTES`: no UCX
+descriptor per block (about 7 us each for ``cuda_ipc`` on an H200,
+docs/GPU.md). A load whose two sides are DRAM and VRAM, or VRAM of two
+GPUs (peer access is not set up here), takes the NIXL path
+(``kvd.core.pull``).
+
 ``Limits.same_node_copy = False`` (config key ``same_node_copy``) sends every
 load through NIXL, which the tests proving the NIXL path between engines of
 one daemon use.
@@ -59,8 +66,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvd import cuda_copy, cudart
 from kvd import tracepoints as tp
-from kvd.core import plan
+from kvd.core import cuda_ipc, plan
 from kvd.core.events import CoreError, FailureKind, Incompatible
 from kvd.core.holds import Holds
 from kvd.core.layout import LayoutError
@@ -79,6 +87,10 @@ K = FailureKind
 # single-thread memcpy (5.6 GB/s, docs/DESIGN.md), so other loads' polls wait
 # that long at most, while the round trip per piece (~50 us) stays a few % of it.
 COPY_PIECE_BYTES = 8 << 20
+# Bytes of one device copy call on the NIXL thread when both sides are VRAM:
+# about 0.5 ms at a GPU's ~2 TB/s device-to-device rate (docs/GPU.md, an
+# H200), so other loads' polls wait about as long as behind a DRAM piece.
+VRAM_PIECE_BYTES = 1 << 30
 # Loads of at most this many descriptor rows get their addresses in Python
 # (CopyPlan.small_pieces): 16 blocks x 4 regions is 64.
 SMALL_COPY_ROWS = 256
@@ -226,9 +238,9 @@ class LocalCopy:
         """The source workers by rank when ``req`` is a same-node load, else None.
 
         None as well (the NIXL path serves it) when ``same_node_copy`` is off,
-        when a source rank is not registered here, when either side's
-        memory is not DRAM (VRAM: see the module docstring), or when either
-        side's memory is not a sealed memfd (a named shm segment can be
+        when a source rank is not registered here, when one side's memory
+        is DRAM and the other's VRAM, when VRAM is on more than one GPU, or
+        when DRAM on either side is not a sealed memfd (a named shm segment can be
         truncated under the copy: SIGBUS in the daemon, found by an attacker
         review; NIXL's READ fails cleanly instead).
         """
@@ -237,7 +249,16 @@ class LocalCopy:
         found = {p: self.rt.workers.get((req.remote_engine_id, p)) for p in notify}
         if any(s is None for s in found.values()):
             return None
-        if w.mem.memory != "DRAM" or any(s.mem.memory != "DRAM" for s in found.values()):
+        kinds = {x.mem.memory for x in (w, *found.values())}
+        if kinds == {"VRAM"}:
+            # Daemon-owned mirrors or opened IPC handles: CUDA keeps either
+            # mapped until the daemon closes it, whatever the engine frees.
+            # One GPU only: a kernel reading another GPU's memory needs peer
+            # access enabled between them, or it faults and the daemon's
+            # CUDA context is lost for every engine (UCX handles peers).
+            devices = {m.device for x in (w, *found.values()) for m in x.mem.mappings}
+            return found if len(devices) == 1 else None
+        if kinds != {"DRAM"}:
             return None
         # A memmove touches the mappings directly: memory an engine could
         # still truncate (a named shm segment, not a sealed memfd) would
@@ -284,9 +305,11 @@ class LocalCopy:
             return why if isinstance(why, tuple) else None
         pieces = []
         nbytes = 0
+        device = w.mem.mappings[0].device if w.mem.memory == "VRAM" else None
+        piece = COPY_PIECE_BYTES if device is None else VRAM_PIECE_BYTES
         for p in read_from:
             cp = plans[p]
-            small = cp.small_pieces(*ids)  # the request's ids as lists per group: the same for every rank
+            small = cp.small_pieces(*ids, piece=piece)  # ids as lists per group: the same for every rank
             if small is not None:
                 pieces += small
             else:
@@ -295,7 +318,7 @@ class LocalCopy:
                                                 cp.region_groups)
                 dst, ln = cp.reader_side.rows(lidx)
                 src, _ = cp.source_side.rows(ridx)
-                pieces += split_pieces(dst, src, ln)
+                pieces += split_pieces(dst, src, ln, piece)
             nbytes += cp.transfer_bytes(req.remote_groups)
         ndescs = sum(len(x[0]) for x in pieces)
         tp.hit(tp.POST, req.request_id, "copy")
@@ -303,7 +326,10 @@ class LocalCopy:
         # (kvd.core.settle): no byte lands in blocks already reported failed.
         w.posting.add(req.request_id)
         try:
-            why = await self._copy(w, epoch, sources, deadline, pieces)
+            why = await self._copy(w, epoch, sources, deadline, pieces, device)
+        except (cudart.CudaError, cuda_ipc.CudaIpcError) as e:
+            log.warning("%s: same-node device copy of request=%s failed: %s", w.label, req.request_id, e)
+            return K.TRANSFER, f"transfer: same-node device copy failed: {e}"
         finally:
             w.posting.discard(req.request_id)
         if why:
@@ -318,9 +344,12 @@ class LocalCopy:
         return nbytes, ndescs
 
     # ---------------------------------------------------------------- parts
-    async def _copy(self, w: Worker, epoch: int, sources: dict[int, Worker], deadline: float, pieces: list):
+    async def _copy(self, w: Worker, epoch: int, sources: dict[int, Worker], deadline: float, pieces: list,
+                    device: int | None = None):
         """Copies ``pieces`` (``(dst, src, len)`` rows) in order; returns None
         when all were copied, else what :meth:`_still` said before a piece.
+        ``device``: None for DRAM (memmove), else the CUDA device whose
+        stream copies VRAM rows (always on the NIXL thread).
 
         A piece of up to ``BOUNDS.inline_post_max_bytes`` is copied here, on
         the loop, when the NIXL thread is idle (``Runtime.nixl_now``: the
@@ -343,10 +372,10 @@ class LocalCopy:
                 if why:
                     return why
                 nb = int(ln.sum()) if isinstance(ln, np.ndarray) else sum(ln)  # numpy: rows may be 100k+
-                if (not queued and nb <= BOUNDS.inline_post_max_bytes
+                if (device is None and not queued and nb <= BOUNDS.inline_post_max_bytes
                         and self.rt.nixl_now(nb, copy_rows, dst, src, ln)[0]):
                     continue
-                queued.append(self.rt.nixl(copy_unless, stop, dst, src, ln))
+                queued.append(self.rt.nixl(copy_unless, stop, dst, src, ln, device))
                 while len(queued) > PIECES_AHEAD:
                     await queued[0]
                     queued.popleft()
@@ -510,11 +539,27 @@ def _nothing() -> None:
     """A no-op call: once it ran, the NIXL thread has passed every call queued before it."""
 
 
-def copy_unless(stop: list, dst, src, ln) -> None:
-    """NIXL thread: :func:`copy_rows` unless ``stop`` is non-empty (the
-    load gave up after the piece was queued)."""
-    if not stop:
+def copy_unless(stop: list, dst, src, ln, device: int | None = None) -> None:
+    """NIXL thread: :func:`copy_rows` (``device`` None) or
+    :func:`copy_device_rows` unless ``stop`` is non-empty (the load gave up
+    after the piece was queued)."""
+    if stop:
+        return
+    if device is None:
         copy_rows(dst, src, ln)
+    else:
+        copy_device_rows(device, dst, src, ln)
+
+
+def copy_device_rows(device: int, dst, src, ln) -> None:
+    """NIXL thread's rules: the rows of :func:`copy_rows` between device
+    pointers of this process, on the daemon's stream of ``device``, waited
+    for (``kvd.cuda_copy``: one kernel launch, or ``cudaMemcpyBatchAsync``).
+
+    Raises:
+        CudaIpcError: no CUDA runtime; CudaError: a copy failed."""
+    cuda_ipc.runtime()  # the clear NO_GPU error first
+    cuda_copy.engine().copy_rows(device, dst, src, ln)
 
 
 def copy_rows(dst, src, ln) -> None:

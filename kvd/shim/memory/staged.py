@@ -19,8 +19,10 @@ at ``offset + b * block_stride`` of its segment, ``block_len`` bytes):
   ``RecvDone`` and before vLLM is told the request finished receiving
   (:meth:`StagingMirror.copy_out`).
 
-Each copy is one ``index_select`` / ``index_copy_`` per region (memcpy speed,
-no Python loop over blocks). Block ids come per KV-cache group; a region
+On a GPU each copy is one launch of kvd's copy kernel over every block of
+every region (``kvd.cuda_copy``: one pass over the bytes); elsewhere, or
+where the kernel cannot load, one ``index_select`` / ``index_copy_`` per
+region (no Python loop over blocks). Block ids come per KV-cache group; a region
 takes the list of its ``group``. A copy that touches CUDA memory waits for
 the device before it returns: the daemon reads the mirror as soon as the
 hold goes out, and NIXL does not order itself after the engine's stream.
@@ -263,6 +265,9 @@ class StagingMirror:
         with self._lock:
             if not self._mirror_blocks:
                 raise StagingError("staging mirrors are closed")
+            device = self._kernel_device()
+            if device is not None:
+                return self._copy_rows(device, ids, to_mirror)
             for r, cache, mirror in zip(self.regions, self._cache_blocks, self._mirror_blocks):
                 if r.group >= len(ids) or not ids[r.group].numel():
                     continue
@@ -279,6 +284,50 @@ class StagingMirror:
                 moved += sel.numel() * r.block_len
             if moved:
                 self._sync()
+        return moved
+
+    def _kernel_device(self) -> int | None:
+        """The one CUDA device of every cache and mirror view when kvd's copy
+        kernel (``kvd.cuda_copy``) runs there, else None (the torch copies)."""
+        devices = {t.device for t in (*self._cache_blocks, *self._mirror_blocks)}
+        if len(devices) != 1:
+            return None
+        (dev,) = devices
+        if dev.type != "cuda":
+            return None
+        from kvd import cuda_copy, cudart
+
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        try:
+            return index if cuda_copy.engine().ready(index) else None
+        except cudart.CudaUnavailable:
+            return None
+
+    def _copy_rows(self, device: int, ids: list[torch.Tensor], to_mirror: bool) -> int:
+        """:meth:`_copy` as one launch of kvd's copy kernel over every block
+        of every region (one pass over the bytes; ``index_select`` then
+        ``index_copy_`` is two, and a temporary). The kernel runs on kvd's
+        own stream, so torch's stream on the device is waited for first
+        (the forward pass wrote the cache there, or will read it); the
+        kernel is waited for before this returns."""
+        import numpy as np
+
+        from kvd import cuda_copy
+
+        dsts, srcs, lens = [], [], []
+        moved = 0
+        for r, cache, mirror in zip(self.regions, self._cache_blocks, self._mirror_blocks):
+            if r.group >= len(ids) or not ids[r.group].numel():
+                continue
+            sel = ids[r.group].numpy().astype(np.int64)
+            src, dst = (cache, mirror) if to_mirror else (mirror, cache)
+            dsts.append(dst.data_ptr() + sel * (dst.stride(0) * dst.element_size()))
+            srcs.append(src.data_ptr() + sel * (src.stride(0) * src.element_size()))
+            lens.append(np.full(len(sel), r.block_len, dtype=np.int64))
+            moved += len(sel) * r.block_len
+        if moved:
+            torch.cuda.current_stream(device).synchronize()
+            cuda_copy.engine().copy_rows(device, np.concatenate(dsts), np.concatenate(srcs), np.concatenate(lens))
         return moved
 
     def close(self) -> None:
