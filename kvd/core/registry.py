@@ -16,6 +16,7 @@ import os
 import time
 import uuid
 
+from kvd import cuda_copy
 from kvd.core import cuda_ipc
 from kvd.core import layout as lay
 from kvd.core.events import (AlreadyExists, FailureKind, InvalidArgument, NotFound, PermissionDenied,
@@ -125,6 +126,8 @@ class Registry:
                     cuda = await self.rt.nixl(cuda_ipc.open_segments, segments,
                                             "auto" if staged is None else "staged" if staged else "direct")
                     mappings, staged = cuda.mappings, cuda.staged
+                    if self.rt.limits.same_node_copy:  # compiled now, not in a load's way (NVRTC: ~0.1-0.3 s)
+                        await self.rt.nixl(warm_copy_kernel, cuda.device)
                 else:
                     staged = bool(staged)
                     for s in segments:
@@ -481,3 +484,14 @@ def physical_memory() -> int:
     default (an engine's KV cache in host memory is real memory, at most
     this)."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def warm_copy_kernel(device: int) -> None:
+    """NIXL thread: loads kvd's row-copy kernel on ``device`` for the
+    same-node copy (``kvd.cuda_copy``) at a VRAM registration, so the first
+    same-node load does not hold the thread while NVRTC compiles. Never
+    raises: a kernel that cannot load leaves the batch copies (logged)."""
+    try:
+        cuda_copy.engine().ready(device)
+    except Exception as e:  # noqa: BLE001 (a warm-up: the copy itself reports failures)
+        log.info("row-copy kernel not loaded on device %d: %s", device, e)

@@ -227,6 +227,8 @@ class StagingMirror:
             self.names = [s.name or f"cuda-ipc:{s.device}" for s in staging_segments]
         if old is not None:
             old()
+        if self._cuda:
+            self._kernel_device()  # NVRTC compiles at registration, not in the first request's step
 
     def _sync(self) -> None:
         for d in self._cuda:  # the daemon reads the mirror (or vLLM the cache) right after this
