@@ -50,6 +50,14 @@ IPC_LAZY_ENABLE_PEER_ACCESS = 1
 STREAM_NON_BLOCKING = 1
 # cudaMemcpySrcAccessOrderStream (driver_types.h): sources read in stream order
 _SRC_ACCESS_ORDER_STREAM = 1
+# cudaErrorCallRequiresNewerDriver, cudaErrorNotSupported: the batch call is
+# not there after all; copies go row by row.
+_BATCH_UNSUPPORTED = (36, 801)
+#: CUDA errors after which the process's context is lost (every later call
+#: fails; only a new process recovers): ECC, illegal address, launch
+#: timeout, context destroyed, device assert, the kernel exceptions 714-719,
+#: unknown (driver_types.h / cuda.h).
+STICKY_ERRORS = frozenset({214, 700, 702, 709, 710, 714, 715, 716, 717, 718, 719, 999})
 # Copies per cudaMemcpyBatchAsync call: the API names no limit; one call per
 # this many rows keeps each host array small (3 x 128 KiB).
 BATCH_ROWS = 16384
@@ -113,6 +121,8 @@ def candidates() -> list[str]:
         out.append(env)
     out += _loaded_cudart()
     for base in sys.path:
+        if not os.path.isabs(base):  # '' or a relative entry: the working directory, maybe anyone's
+            continue
         for pattern in ("nvidia/cuda_runtime/lib/libcudart.so*", "nvidia/cu*/lib/libcudart.so*"):
             out += sorted(glob.glob(os.path.join(base, pattern)), reverse=True)
     name = ctypes.util.find_library("cudart")
@@ -185,9 +195,13 @@ class Cudart:
         self._batch = getattr(lib, "cudaMemcpyBatchAsync", None)
         self._batch_fail_idx = False
         if self._batch is not None:
-            runtime = ctypes.c_int(0)
+            runtime, driver = ctypes.c_int(0), ctypes.c_int(0)
             lib.cudaRuntimeGetVersion(ctypes.byref(runtime))
-            if runtime.value < 12080:
+            lib.cudaDriverGetVersion(ctypes.byref(driver))
+            # A 12.8+ runtime on an older driver (CUDA minor-version
+            # compatibility) exports the call, which then fails with
+            # cudaErrorCallRequiresNewerDriver: the driver must be 12.8+ too.
+            if runtime.value < 12080 or driver.value < 12080:
                 self._batch = None
             else:
                 self._batch_fail_idx = runtime.value < 13000
@@ -234,6 +248,12 @@ class Cudart:
             raise CudaError("cudaSetDevice", 101, "cudaErrorInvalidDevice",
                             f"device {device} out of range: this process sees {self.devices}")
         self._check("cudaSetDevice", self._lib.cudaSetDevice(device))
+
+    def current_device(self) -> int:
+        """This thread's current device (``cudaGetDevice``)."""
+        d = ctypes.c_int(0)
+        self._check("cudaGetDevice", self._lib.cudaGetDevice(ctypes.byref(d)))
+        return d.value
 
     def compute_capability(self, device: int) -> tuple[int, int]:
         """``(major, minor)`` of ``device`` (9, 0 on an H100 or H200)."""
@@ -373,22 +393,34 @@ class Cudart:
             return
         stream = self.stream(device)
         self.set_device(device)
-        if self._batch is None:
-            for dst, src, size in zip(d.tolist(), s_.tolist(), n.tolist()):
-                self._check("cudaMemcpyAsync", self._lib.cudaMemcpyAsync(dst, src, size, DEFAULT, stream))
-        else:
-            attrs = MemcpyAttributes(src_access_order=_SRC_ACCESS_ORDER_STREAM)
-            zero = ctypes.c_size_t(0)
-            fail = ctypes.c_size_t(0)
-            pp, ps = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)
-            for i in range(0, len(n), BATCH_ROWS):
-                j = min(len(n), i + BATCH_ROWS)
-                args = [d[i:j].ctypes.data_as(pp), s_[i:j].ctypes.data_as(pp), n[i:j].ctypes.data_as(ps), j - i,
-                        ctypes.byref(attrs), ctypes.byref(zero), 1]
-                if self._batch_fail_idx:
-                    args.append(ctypes.byref(fail))
-                self._check("cudaMemcpyBatchAsync", self._batch(*args, stream))
-        self._check("cudaStreamSynchronize", self._lib.cudaStreamSynchronize(stream))
+        try:
+            i = 0
+            if self._batch is not None:
+                attrs = MemcpyAttributes(src_access_order=_SRC_ACCESS_ORDER_STREAM)
+                zero = ctypes.c_size_t(0)
+                fail = ctypes.c_size_t(0)
+                pp, ps = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)
+                while i < len(n):
+                    j = min(len(n), i + BATCH_ROWS)
+                    args = [d[i:j].ctypes.data_as(pp), s_[i:j].ctypes.data_as(pp), n[i:j].ctypes.data_as(ps),
+                            j - i, ctypes.byref(attrs), ctypes.byref(zero), 1]
+                    if self._batch_fail_idx:
+                        args.append(ctypes.byref(fail))
+                    code = self._batch(*args, stream)
+                    if code in _BATCH_UNSUPPORTED:  # this driver lacks it after all: per row from here on
+                        self._lib.cudaGetLastError()
+                        self._batch = None
+                        break
+                    self._check("cudaMemcpyBatchAsync", code)
+                    i = j
+            if self._batch is None:
+                for dst, src, size in zip(d[i:].tolist(), s_[i:].tolist(), n[i:].tolist()):
+                    self._check("cudaMemcpyAsync", self._lib.cudaMemcpyAsync(dst, src, size, DEFAULT, stream))
+        finally:
+            # Even after a failure: nothing queued may still be copying when
+            # the caller answers the load (its blocks may be reused next).
+            code = self._lib.cudaStreamSynchronize(stream)
+        self._check("cudaStreamSynchronize", code)
 
     def read(self, device: int, ptr: int, size: int) -> bytes:
         """Copies ``size`` bytes of device memory at ``ptr`` to the host."""

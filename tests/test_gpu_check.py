@@ -64,3 +64,17 @@ def test_the_gpu_mode_on_a_cpu_torch_stops_at_once_saying_what_to_install(tmp_pa
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     assert "gpu_check: torch" in r.stderr and "--cpu runs the same flow" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and not list(tmp_path.iterdir())
+
+
+def test_the_kernel_check_on_a_cpu_torch_stops_at_once():
+    """benchmarks/gpu_kernel_check.py (kvd's row copies on a GPU, docs/GPU.md)
+    imports and says what it needs where there is no GPU."""
+    import torch
+
+    if torch.version.cuda is not None and torch.cuda.is_available():
+        import pytest
+
+        pytest.skip("this machine has a GPU")
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_kernel_check.py")],
+                       capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+    assert r.returncode == 2 and "needs a CUDA build of torch and a GPU" in r.stderr, r.stdout + r.stderr

@@ -247,3 +247,44 @@ def test_staging_mirror_copies_exactly_the_blocks_asked_with_the_segment_offsets
         st.close()
     finally:
         shm.close()
+
+
+@pytest.mark.parametrize("code, fatal", [(2, False), (700, True)])
+def test_a_failed_row_copy_kernel_falls_back_to_torch_or_fails_as_a_staging_error(monkeypatch, code, fatal):
+    """StagingMirror copies through kvd's kernel on a GPU; a CudaError there
+    must not escape the connector (it catches StagingError only): an
+    ordinary one (out of memory for the kernel's table) leaves torch's
+    copies, one that loses the CUDA context is a StagingError."""
+    from kvd import cudart
+    from kvd.shim.memory import staged
+
+    caches = flash_attn(1, (0, 1, 2, 3, 4))
+    for t in caches.values():
+        t.copy_(torch.arange(t.numel(), dtype=torch.float32).reshape(t.shape))
+    shared = share_kv_caches(caches, num_blocks=NB, block_size=T, kv_layout="NHD", num_kv_heads=H, head_dim=D,
+                             exporter=fake_exporter(offsets={0: 0}, handles={0: HANDLE}))
+    (seg,) = shared.segments
+    shm = ShmSegment(seg.size)
+    calls = []
+
+    def failing(self, device, ids, to_mirror):
+        calls.append(device)
+        raise cudart.CudaError("cuLaunchKernel", code, "stand-in", "stand-in")
+
+    monkeypatch.setattr(staged.StagingMirror, "_kernel_device", lambda self: None if self._no_kernel else 0)
+    monkeypatch.setattr(staged.StagingMirror, "_copy_rows", failing)
+    try:
+        st = staged.StagingMirror(shared.cache_blocks(), shared.regions, [seg.size], NB,
+                                  [pb.Segment(kind=pb.MEMORY_KIND_SHM, name=shm.name, size=shm.size)])
+        if fatal:
+            with pytest.raises(staged.StagingError, match="CUDA context is lost"):
+                st.copy_in([[2]])
+        else:
+            assert st.copy_in([[2]]) > 0 and st.copy_in([[3]]) > 0
+            assert calls == [0], "after one failure the kernel is not tried again"
+            r = shared.regions[0]
+            want = caches[r.name.rsplit("/", 1)[0]][0, 2].contiguous().view(torch.uint8).numpy().tobytes()
+            assert bytes(shm.mm[r.offset + 2 * r.block_stride: r.offset + 2 * r.block_stride + r.block_len]) == want
+        st.close()
+    finally:
+        shm.close()

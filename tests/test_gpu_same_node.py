@@ -50,7 +50,7 @@ class StandInLib:
     with; 12000: no batch symbol). Copies are memmoves of host memory;
     ``calls`` records what was called."""
 
-    def __init__(self, runtime: int):
+    def __init__(self, runtime: int, driver: int = 13000):
         self.calls: list[tuple] = []
         self.streams = 0
         rt = self
@@ -66,7 +66,8 @@ class StandInLib:
 
         self.cudaGetDeviceCount = fn(c_int, [vp], out_int(1))
         self.cudaRuntimeGetVersion = fn(c_int, [vp], out_int(runtime))
-        self.cudaDriverGetVersion = fn(c_int, [vp], out_int(13000))
+        self.cudaDriverGetVersion = fn(c_int, [vp], out_int(driver))
+        self.batch_fails: dict[int, int] = {}  # call number -> error code
         self.cudaSetDevice = fn(c_int, [c_int], lambda d: rt.calls.append(("set", d)) or 0)
         for name, args in (("cudaGetDevice", [vp]), ("cudaMalloc", [vp, c_size]), ("cudaFree", [vp]),
                            ("cudaMemset", [vp, c_int, c_size]), ("cudaMemcpy", [vp, vp, c_size, c_int]),
@@ -97,6 +98,10 @@ class StandInLib:
 
         def batch(dsts, srcs, sizes, count, attrs, idxs, nattrs, *rest):
             stream = rest[-1]
+            nth = sum(1 for c in rt.calls if c[0] in ("batch", "batch-failed"))
+            if nth in rt.batch_fails:
+                rt.calls.append(("batch-failed", rt.batch_fails[nth]))
+                return rt.batch_fails[nth]
             a = ctypes.cast(attrs, ctypes.POINTER(cudart.MemcpyAttributes))[0]
             d, s, n = (ctypes.cast(x, ctypes.POINTER(ctypes.c_uint64)) for x in (dsts, srcs, sizes))
             for i in range(count):
@@ -163,6 +168,35 @@ def test_a_large_copy_is_split_into_batches_of_batch_rows(monkeypatch):
     assert [c[0] for c in lib.calls].count("sync") == 1
 
 
+def test_an_older_driver_or_a_batch_it_refuses_copies_row_by_row(monkeypatch):
+    # A 12.8+ runtime on an older driver (minor-version compatibility): no batch call at all.
+    rt = cudart.Cudart(StandInLib(13000, driver=12040), "stand-in")
+    assert not rt.batch_copies
+    # The driver refuses the call after all (cudaErrorCallRequiresNewerDriver): the rows not yet
+    # queued go one by one, every byte lands, and later copies skip the batch.
+    monkeypatch.setattr(cudart, "BATCH_ROWS", 64)
+    lib = StandInLib(13000)
+    lib.batch_fails = {1: 36}
+    rt = cudart.Cudart(lib, "stand-in")
+    dst, src, d, s, n, expect = rows(150, 512)
+    rt.copy_rows(0, d, s, n)
+    assert np.array_equal(dst, expect) and not rt.batch_copies
+    names = [c[0] for c in lib.calls]
+    assert names.count("batch") == 1 and names.count("async") == 150 - 64 and names[-1] == "sync"
+
+
+def test_a_failed_batch_still_waits_for_what_it_queued(monkeypatch):
+    monkeypatch.setattr(cudart, "BATCH_ROWS", 64)
+    lib = StandInLib(13000)
+    lib.batch_fails = {1: 1}  # cudaErrorInvalidValue on the second call: the first is in flight
+    rt = cudart.Cudart(lib, "stand-in")
+    dst, src, d, s, n, expect = rows(150, 512)
+    with pytest.raises(cudart.CudaError, match="cudaMemcpyBatchAsync"):
+        rt.copy_rows(0, d, s, n)
+    assert [c[0] for c in lib.calls if c[0] != "set"][-2:] == ["batch-failed", "sync"], \
+        "the stream was not synchronized before the error reached the caller"
+
+
 def test_a_failed_batch_raises_the_cuda_error_and_clears_it():
     lib = StandInLib(13000)
     lib.cudaMemcpyBatchAsync = ctypes.CFUNCTYPE(c_int, vp, vp, vp, c_size, vp, vp, c_size, vp)(lambda *a: 1)
@@ -216,13 +250,23 @@ def test_without_the_driver_api_row_copies_take_the_batch_and_say_why(monkeypatc
 def test_no_nvrtc_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setattr(cuda_copy, "_nvrtc_candidates", lambda: [str(tmp_path / "libnvrtc.so.13")])
     with pytest.raises(RuntimeError, match="no libnvrtc found .*libnvrtc.so.13.*set KVD_NVRTC"):
-        cuda_copy.compile_ptx("compute_90")
+        cuda_copy.compile_kernel(9, 0)
+
+
+def test_a_piece_of_many_rows_is_cut_by_rows_in_order():
+    rows_ = (np.arange(10), np.arange(10) + 100, np.ones(10, dtype=np.int64))
+    got = local_copy.cap_rows([rows_, ([1], [2], [3])], 4)
+    assert [list(p[0]) for p in got] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], [1]]
+    assert [list(p[1]) for p in got][:3] == [[100, 101, 102, 103], [104, 105, 106, 107], [108, 109]]
+    assert local_copy.VRAM_PIECE_ROWS * 24 <= 8 << 20  # the device table of a piece stays small
 
 
 # ------------------------------------------------------------- the choice
-def worker(key, memory, kind="memfd", device=0):
+def worker(key, memory, kind="memfd", device=0, staged=None):
+    staged = memory == "VRAM" if staged is None else staged
     return SimpleNamespace(key=key, label=f"{key[0]}", session=SimpleNamespace(epoch=0),
-                           mem=SimpleNamespace(memory=memory, mappings=[SimpleNamespace(kind=kind, device=device)]))
+                           mem=SimpleNamespace(memory=memory, staged=staged,
+                                               mappings=[SimpleNamespace(kind=kind, device=device)]))
 
 
 def test_two_vram_workers_of_one_gpu_are_a_same_node_copy_and_mixed_memory_or_gpus_are_not():
@@ -241,9 +285,17 @@ def test_two_vram_workers_of_one_gpu_are_a_same_node_copy_and_mixed_memory_or_gp
         p = worker(("p", 0), "VRAM", kind=cuda_ipc.KIND, device=1)
         rt.workers[p.key] = p
         assert lc.sources(d, req, [0]) is None
+        # An engine allocation the daemon opened (direct): sized by the engine's word where the
+        # driver does not answer, so the kernel copies only the daemon's own mirrors.
+        p = worker(("p", 0), "VRAM", kind=cuda_ipc.KIND, staged=False)
+        rt.workers[p.key] = p
+        assert lc.sources(d, req, [0]) is None
         p = worker(("p", 0), "VRAM", kind=cuda_ipc.KIND)
         rt.workers[p.key] = p
         assert lc.sources(d, req, [0]) == {0: p}
+        lc.vram_off = "cudaErrorIllegalAddress"  # a copy lost the context: NIXL (and its errors) from now on
+        assert lc.sources(d, req, [0]) is None
+        lc.vram_off = ""
         rt.limits.same_node_copy = False
         assert lc.sources(d, req, [0]) is None
     finally:

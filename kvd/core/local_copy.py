@@ -39,12 +39,13 @@ are still registered, the reader's session is the same, and the deadline
 has not passed; a piece already queued when a check fails is skipped, and
 the load is answered only once the thread has passed its pieces.
 
-VRAM: when both sides' memory is VRAM (the daemon's staging mirrors, or
-engine allocations it opened from their CUDA IPC handles), the same rows are
+VRAM: when both sides' memory is the daemon's VRAM staging mirrors on one
+GPU (``data_path`` staged or auto on a GPU), the same rows are
 a device copy instead of a memmove: one launch of kvd's copy kernel over the
 rows of a piece on the daemon's own stream, then a synchronize
 (``kvd.cuda_copy``; ``cudaMemcpyBatchAsync`` where the kernel cannot load),
-on the NIXL thread, in pieces of :data:`VRAM_PIECE_BYTES`: no UCX
+on the NIXL thread, in pieces of :data:`VRAM_PIECE_BYTES` (and at most
+:data:`VRAM_PIECE_ROWS` rows): no UCX
 descriptor per block (about 7 us each for ``cuda_ipc`` on an H200,
 docs/GPU.md). A load whose two sides are DRAM and VRAM, or VRAM of two
 GPUs (peer access is not set up here), takes the NIXL path
@@ -91,6 +92,11 @@ COPY_PIECE_BYTES = 8 << 20
 # about 0.5 ms at a GPU's ~2 TB/s device-to-device rate (docs/GPU.md, an
 # H200), so other loads' polls wait about as long as behind a DRAM piece.
 VRAM_PIECE_BYTES = 1 << 30
+# Rows of one VRAM piece at most: its segment table (24 bytes a row, on the
+# device) stays under ~6 MiB and its numpy work a few ms on the NIXL thread,
+# however small the rows a layout makes (a 1 GiB piece of 256-byte rows
+# would be 4M rows).
+VRAM_PIECE_ROWS = 1 << 18
 # Loads of at most this many descriptor rows get their addresses in Python
 # (CopyPlan.small_pieces): 16 blocks x 4 regions is 64.
 SMALL_COPY_ROWS = 256
@@ -233,14 +239,20 @@ class LocalCopy:
         self.holds = holds
         self.addresses: set[str] = set()
         self._plans: dict[tuple[WorkerKey, WorkerKey], CopyPlan] = {}
+        #: Why VRAM loads no longer take the same-node copy ("" while they
+        #: do): a device copy failed with an error that loses the daemon's
+        #: CUDA context (``cudart.STICKY_ERRORS``); restart the daemon.
+        self.vram_off = ""
 
     def sources(self, w: Worker, req: LoadRequest, notify: list[int]) -> dict[int, Worker] | None:
         """The source workers by rank when ``req`` is a same-node load, else None.
 
         None as well (the NIXL path serves it) when ``same_node_copy`` is off,
         when a source rank is not registered here, when one side's memory
-        is DRAM and the other's VRAM, when VRAM is on more than one GPU, or
-        when DRAM on either side is not a sealed memfd (a named shm segment can be
+        is DRAM and the other's VRAM, when VRAM is not the daemon's staging
+        mirrors or is on more than one GPU, after a device copy lost the
+        CUDA context (:attr:`vram_off`), or when DRAM on either side is not
+        a sealed memfd (a named shm segment can be
         truncated under the copy: SIGBUS in the daemon, found by an attacker
         review; NIXL's READ fails cleanly instead).
         """
@@ -251,11 +263,15 @@ class LocalCopy:
             return None
         kinds = {x.mem.memory for x in (w, *found.values())}
         if kinds == {"VRAM"}:
-            # Daemon-owned mirrors or opened IPC handles: CUDA keeps either
-            # mapped until the daemon closes it, whatever the engine frees.
-            # One GPU only: a kernel reading another GPU's memory needs peer
-            # access enabled between them, or it faults and the daemon's
-            # CUDA context is lost for every engine (UCX handles peers).
+            # Only the daemon's own mirrors (the staged path): memory it
+            # allocated at the registered size, on the GPU it chose; an
+            # engine allocation it opened (direct) is sized by the driver's
+            # answer where libcuda gives one. One GPU only: a kernel reading
+            # another GPU needs peer access between them, or it faults and
+            # the daemon's CUDA context is lost for every engine (UCX moves
+            # those). None either once a copy lost the context.
+            if self.vram_off or not all(x.mem.staged for x in (w, *found.values())):
+                return None
             devices = {m.device for x in (w, *found.values()) for m in x.mem.mappings}
             return found if len(devices) == 1 else None
         if kinds != {"DRAM"}:
@@ -320,6 +336,8 @@ class LocalCopy:
                 src, _ = cp.source_side.rows(ridx)
                 pieces += split_pieces(dst, src, ln, piece)
             nbytes += cp.transfer_bytes(req.remote_groups)
+        if device is not None:
+            pieces = cap_rows(pieces, VRAM_PIECE_ROWS)
         ndescs = sum(len(x[0]) for x in pieces)
         tp.hit(tp.POST, req.request_id, "copy")
         # While a piece may still be copying, the reader's session end waits
@@ -327,8 +345,16 @@ class LocalCopy:
         w.posting.add(req.request_id)
         try:
             why = await self._copy(w, epoch, sources, deadline, pieces, device)
-        except (cudart.CudaError, cuda_ipc.CudaIpcError) as e:
-            log.warning("%s: same-node device copy of request=%s failed: %s", w.label, req.request_id, e)
+        except Exception as e:  # noqa: BLE001 (only device copies raise here; the load is answered either way)
+            if device is None:
+                raise
+            if isinstance(e, cudart.CudaError) and e.code in cudart.STICKY_ERRORS and not self.vram_off:
+                self.vram_off = str(e)
+                log.error("%s: a same-node device copy lost this daemon's CUDA context (%s): every GPU transfer "
+                          "here will fail until the daemon restarts; same-node VRAM copies are off", w.label, e)
+            else:
+                log.warning("%s: same-node device copy of request=%s failed: %s", w.label, req.request_id, e,
+                            exc_info=not isinstance(e, (cudart.CudaError, cuda_ipc.CudaIpcError)))
             return K.TRANSFER, f"transfer: same-node device copy failed: {e}"
         finally:
             w.posting.discard(req.request_id)
@@ -532,6 +558,19 @@ def split_runs(dst: list[int], src: list[int], ln: list[int], piece: int = COPY_
                 mark += piece
     if start < len(ln):
         out.append((dst[start:], src[start:], ln[start:]))
+    return out
+
+
+def cap_rows(pieces: list, max_rows: int) -> list:
+    """``pieces`` with any of more than ``max_rows`` rows cut into pieces of
+    at most ``max_rows`` rows, in order (arrays or lists alike)."""
+    out = []
+    for dst, src, ln in pieces:
+        if len(ln) <= max_rows:
+            out.append((dst, src, ln))
+            continue
+        for i in range(0, len(ln), max_rows):
+            out.append((dst[i:i + max_rows], src[i:i + max_rows], ln[i:i + max_rows]))
     return out
 
 

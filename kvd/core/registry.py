@@ -126,8 +126,10 @@ class Registry:
                     cuda = await self.rt.nixl(cuda_ipc.open_segments, segments,
                                             "auto" if staged is None else "staged" if staged else "direct")
                     mappings, staged = cuda.mappings, cuda.staged
-                    if self.rt.limits.same_node_copy:  # compiled now, not in a load's way (NVRTC: ~0.1-0.3 s)
-                        await self.rt.nixl(warm_copy_kernel, cuda.device)
+                    if self.rt.limits.same_node_copy:
+                        # Built now, not in a load's way (NVRTC: ~0.1-0.3 s). Not awaited: a
+                        # registration cancelled here would leave its mirrors allocated.
+                        self.rt.nixl(warm_copy_kernel, cuda.device)
                 else:
                     staged = bool(staged)
                     for s in segments:

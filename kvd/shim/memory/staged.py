@@ -198,6 +198,7 @@ class StagingMirror:
         self.sizes = list(segment_sizes)
         self._cache_blocks = list(cache_blocks)
         self._cuda = [d for d in {c.device for c in self._cache_blocks} if d.type == "cuda"]
+        self._no_kernel = False  # set after a (non-fatal) kernel failure: torch's copies from then on
         self._lock = threading.Lock()
         self._unmap: Callable[[], None] | None = None
         self._mirror_blocks: list[torch.Tensor] = []
@@ -269,7 +270,16 @@ class StagingMirror:
                 raise StagingError("staging mirrors are closed")
             device = self._kernel_device()
             if device is not None:
-                return self._copy_rows(device, ids, to_mirror)
+                from kvd import cudart
+
+                try:
+                    return self._copy_rows(device, ids, to_mirror)
+                except cudart.CudaError as e:
+                    # The connector handles StagingError only (the load or save fails, the engine goes on).
+                    if e.code in cudart.STICKY_ERRORS:
+                        raise StagingError(f"row-copy kernel: {e} (this process's CUDA context is lost)") from None
+                    log.warning("kvd's row-copy kernel failed (%s); staged copies by torch from now on", e)
+                    self._no_kernel = True
             for r, cache, mirror in zip(self.regions, self._cache_blocks, self._mirror_blocks):
                 if r.group >= len(ids) or not ids[r.group].numel():
                     continue
@@ -292,7 +302,7 @@ class StagingMirror:
         """The one CUDA device of every cache and mirror view when kvd's copy
         kernel (``kvd.cuda_copy``) runs there, else None (the torch copies)."""
         devices = {t.device for t in (*self._cache_blocks, *self._mirror_blocks)}
-        if len(devices) != 1:
+        if len(devices) != 1 or self._no_kernel:
             return None
         (dev,) = devices
         if dev.type != "cuda":
