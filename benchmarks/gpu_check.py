@@ -3,8 +3,9 @@
 
 Two engine processes (prefill P, decode D) on the same GPU, each with its own
 kvd daemon (``python -m kvd.cli serve``), as on a P/D node. For each block
-size (default 64 KiB, 256 KiB, 1 MiB, 4 MiB) and each data path (``direct``,
-``staged``, ``auto``):
+size (default 4 MiB, 1 MiB, 256 KiB, 64 KiB) and each data path (``nixl``: the
+in-process baseline, ``direct``, ``staged``, ``auto``, ``local``: both engines
+on P's daemon, which copies the blocks itself):
 
 1. both engines view one big ``cudaMalloc`` buffer as a vLLM FlashAttention
    KV cache ``[2, num_blocks, block_tokens, 8 heads, 128] bf16`` (block =

@@ -15,7 +15,11 @@ with the expected result (computed with torch on the GPU):
 - a row of another device's memory is out of scope (one GPU).
 
 Prints one line per case and ``all equal`` or the cases that were not;
-exits 1 on any difference. ``--out`` writes ``gpu_kernel_check.json``.
+exits 1 on any difference, 3 when all were equal but the kernel did not load
+(the ``kernel`` rows were its fallback). Its GB/s are no benchmark (one
+call each, the first with the kernel's build). ``--out`` writes
+``gpu_kernel_check.json``. Run it with the daemon's Python too: the daemon
+finds NVRTC on its own ``sys.path``.
 
     python3 benchmarks/gpu_kernel_check.py --out "$OUT"      # ~10 s on an H200
 """
@@ -113,6 +117,10 @@ def main(argv=None) -> int:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "gpu_kernel_check.json").write_text(json.dumps(summary, indent=1))
     print("all equal" if not bad else f"NOT equal: {bad}", f"(kernel in use: {eng.kernel} {eng.why})")
+    if not bad and not eng.kernel:
+        print(f"the kernel did not load here ({eng.why}): the rows labelled kernel were the fallback's",
+              file=sys.stderr)
+        return 3
     return 0 if not bad else 1
 
 

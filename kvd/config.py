@@ -837,7 +837,7 @@ def load_config(
 
 # KVD_* variables that are read elsewhere, not settings (tools, tests, the
 # demo): never reported as misspelt settings.
-OTHER_ENV = frozenset({ENV_CONFIG_FILE, "KVD_CUDART", "KVD_TINY_MODEL_DIR", "KVD_TINY_HYBRID_DIR", "KVD_TINY_MLA_DIR",
+OTHER_ENV = frozenset({ENV_CONFIG_FILE, "KVD_CUDART", "KVD_NVRTC", "KVD_TINY_MODEL_DIR", "KVD_TINY_HYBRID_DIR", "KVD_TINY_MLA_DIR",
                        "KVD_SKIP_VLLM", "KVD_E2E_CONNECTOR", "KVD_E2E_MLA_CPU_ROPE", "KVD_FUZZ_EXAMPLES",
                        "KVD_FUZZ_PROFILE", "KVD_SOAK_REQUESTS", "KVD_SOAK_SEED", "KVD_VENV"})
 

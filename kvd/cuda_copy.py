@@ -4,7 +4,7 @@ The same-node copy of two engines' VRAM (``kvd.core.local_copy``) is a list
 of rows ``(dst, src, bytes)``, one per block and region: thousands per load.
 ``cudaMemcpyBatchAsync`` queues them in one call, but the copy engines still
 take them one by one: on an H200 each row cost ~3.4 us whatever its size
-(64 KiB rows: 19.5 GB/s; 4 MiB rows: 716 GB/s against a 2,081 GB/s
+(64 KiB rows: 14-20 GB/s; 4 MiB rows: 716-837 GB/s against a ~2,100 GB/s
 device-to-device copy; docs/GPU.md). A kernel copies them all in one
 launch: the rows are cut into *segments* (:func:`segment_bytes`: a few per
 thread block of a grid sized to the GPU), each block copies its segments in
@@ -13,7 +13,7 @@ turn, in 16-byte words when the row allows (else bytes).
 How: the kernel's source (:data:`KERNEL_SOURCE`) is compiled once per
 process and compute capability with NVRTC (``libnvrtc``, which every CUDA
 build of torch brings) to machine code for the GPU (``sm_XY``: it loads on
-an older driver too, under CUDA's minor-version compatibility) and to PTX
+an older driver of the same CUDA major version too) and to PTX
 (``compute_XY``, the driver compiles it: a GPU NVRTC does not know), loaded
 per device with the driver API (``cuModuleLoadData``) and launched with
 ``cuLaunchKernel`` on the runtime's stream (``kvd.cudart.Cudart.stream``).
@@ -317,8 +317,9 @@ class RowCopier:
         self.kernel, self.why = False, why
         if device is not None:
             self._failed[device] = why
-        log.warning("row copies%s without kvd's copy kernel (cudaMemcpyBatchAsync or one copy per row, slower "
-                    "for small rows): %s", "" if device is None else f" on device {device}", why)
+        log.warning("kvd's copy kernel is not used%s; copies take a slower way (the daemon: cudaMemcpyBatchAsync or "
+                    "one copy per row; the engine: torch's), which matters for same-node loads and staged copies: %s",
+                    "" if device is None else f" on device {device}", why)
 
     def _driver_check(self, call: str, code: int) -> None:
         if code != 0:

@@ -43,7 +43,8 @@ VRAM: when both sides' memory is the daemon's VRAM staging mirrors on one
 GPU (``data_path`` staged or auto on a GPU), the same rows are
 a device copy instead of a memmove: one launch of kvd's copy kernel over the
 rows of a piece on the daemon's own stream, then a synchronize
-(``kvd.cuda_copy``; ``cudaMemcpyBatchAsync`` where the kernel cannot load),
+(``kvd.cuda_copy``; ``cudaMemcpyBatchAsync``, or one ``cudaMemcpyAsync`` per
+row, where the kernel cannot load),
 on the NIXL thread, in pieces of :data:`VRAM_PIECE_BYTES` (and at most
 :data:`VRAM_PIECE_ROWS` rows): no UCX
 descriptor per block (about 7 us each for ``cuda_ipc`` on an H200,
