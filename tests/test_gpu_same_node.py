@@ -336,3 +336,53 @@ def test_vram_pieces_are_device_copies_on_the_nixl_thread_and_a_cuda_error_ends_
 
     asyncio.run(scenario())
     assert local_copy.VRAM_PIECE_BYTES >= local_copy.COPY_PIECE_BYTES
+
+
+def test_a_copy_that_loses_the_cuda_context_fails_its_load_and_is_reported_once():
+    """An ordinary CUDA error fails the load (TRANSFER) and nothing else; one
+    that loses the context (an illegal address) also turns VRAM same-node
+    copies off and calls on_cuda_lost once (the daemon then goes NOT_SERVING,
+    kvd.daemon.server), however many loads fail after it."""
+    from kvd.core.events import FailureKind
+
+    rt = Runtime(Limits())
+    try:
+        lc = LocalCopy(rt, None)
+        lost = []
+        lc.on_cuda_lost = lost.append
+        w, req = worker(("d", 0), "VRAM"), SimpleNamespace(request_id="r1")
+        kind, why = lc._device_failure(w, req, cudart.CudaError("cuLaunchKernel", 2, "cudaErrorMemoryAllocation", "x"))
+        assert kind == FailureKind.TRANSFER and "cudaErrorMemoryAllocation" in why
+        assert not lc.vram_off and not lost
+        for _ in range(3):
+            kind, why = lc._device_failure(w, req, cudart.CudaError("cudaStreamSynchronize", 700,
+                                                                    "cudaErrorIllegalAddress", "x"))
+            assert kind == FailureKind.TRANSFER and why.startswith("transfer: same-node device copy failed")
+        assert "cudaErrorIllegalAddress" in lc.vram_off and len(lost) == 1
+        kind, _ = lc._device_failure(w, req, MemoryError("numpy"))  # not a CUDA error: still an answer
+        assert kind == FailureKind.TRANSFER
+    finally:
+        rt.shutdown()
+
+
+def test_a_lost_cuda_context_turns_the_daemons_health_not_serving():
+    """kvd.daemon.server wires LocalCopy.on_cuda_lost to its health
+    servicers: every service on both ports answers NOT_SERVING, so that a
+    liveness probe or a supervisor restarts the daemon."""
+    from grpc_health.v1 import health_pb2
+    from grpc_health.v1._async import HealthServicer
+
+    from kvd.daemon.server import ENGINE_SERVICE, PEER_SERVICE, Server
+
+    async def scenario():
+        srv = Server.__new__(Server)  # only the two health servicers are used
+        srv.peer_health, srv.engine_health = HealthServicer(), HealthServicer()
+        for h in (srv.peer_health, srv.engine_health):
+            for svc in ("", ENGINE_SERVICE, PEER_SERVICE):
+                await h.set(svc, health_pb2.HealthCheckResponse.SERVING)
+        srv._cuda_lost("cudaErrorIllegalAddress")
+        await asyncio.sleep(0.05)
+        return [(await h.Check(health_pb2.HealthCheckRequest(service=svc), None)).status
+                for h in (srv.peer_health, srv.engine_health) for svc in ("", ENGINE_SERVICE, PEER_SERVICE)]
+
+    assert set(asyncio.run(scenario())) == {health_pb2.HealthCheckResponse.NOT_SERVING}

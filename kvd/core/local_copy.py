@@ -64,6 +64,7 @@ import collections
 import ctypes
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -244,6 +245,9 @@ class LocalCopy:
         #: do): a device copy failed with an error that loses the daemon's
         #: CUDA context (``cudart.STICKY_ERRORS``); restart the daemon.
         self.vram_off = ""
+        #: Called once with the reason when that happens (the daemon turns
+        #: its health NOT_SERVING, so that a supervisor restarts it).
+        self.on_cuda_lost: Callable[[str], None] | None = None
 
     def sources(self, w: Worker, req: LoadRequest, notify: list[int]) -> dict[int, Worker] | None:
         """The source workers by rank when ``req`` is a same-node load, else None.
@@ -349,14 +353,7 @@ class LocalCopy:
         except Exception as e:  # noqa: BLE001 (only device copies raise here; the load is answered either way)
             if device is None:
                 raise
-            if isinstance(e, cudart.CudaError) and e.code in cudart.STICKY_ERRORS and not self.vram_off:
-                self.vram_off = str(e)
-                log.error("%s: a same-node device copy lost this daemon's CUDA context (%s): every GPU transfer "
-                          "here will fail until the daemon restarts; same-node VRAM copies are off", w.label, e)
-            else:
-                log.warning("%s: same-node device copy of request=%s failed: %s", w.label, req.request_id, e,
-                            exc_info=not isinstance(e, (cudart.CudaError, cuda_ipc.CudaIpcError)))
-            return K.TRANSFER, f"transfer: same-node device copy failed: {e}"
+            return self._device_failure(w, req, e)
         finally:
             w.posting.discard(req.request_id)
         if why:
@@ -436,6 +433,23 @@ class LocalCopy:
                 f.exception()
         if cancelled:
             raise asyncio.CancelledError
+
+    def _device_failure(self, w: Worker, req: LoadRequest, e: Exception) -> tuple[FailureKind, str]:
+        """The answer to a device copy that raised ``e``: the load fails
+        (``TRANSFER``). An error that loses the CUDA context
+        (``cudart.STICKY_ERRORS``) also turns VRAM same-node copies off and
+        calls :attr:`on_cuda_lost`, once."""
+        if isinstance(e, cudart.CudaError) and e.code in cudart.STICKY_ERRORS:
+            if not self.vram_off:
+                self.vram_off = str(e)
+                log.error("%s: a same-node device copy lost this daemon's CUDA context (%s): every GPU transfer "
+                          "here will fail until the daemon restarts; same-node VRAM copies are off", w.label, e)
+                if self.on_cuda_lost is not None:
+                    self.on_cuda_lost(str(e))
+        else:
+            log.warning("%s: same-node device copy of request=%s failed: %s", w.label, req.request_id, e,
+                        exc_info=not isinstance(e, (cudart.CudaError, cuda_ipc.CudaIpcError)))
+        return K.TRANSFER, f"transfer: same-node device copy failed: {e}"
 
     def _plan(self, w: Worker, s: Worker, remote_tp: int) -> CopyPlan:
         """The pair's plan, made once per (reader, source) registration.

@@ -271,6 +271,7 @@ class Server:
         self.metrics = Metrics(self._stats_threadsafe)
         self._check_backends()
         self.node = Node(limits, peers=self.peer_client, backends=cfg.backends, on_event=self.metrics.on_event)
+        self.node.local_copy.on_cuda_lost = self._cuda_lost
         policy = Policy.make([resolve_uid(u) for u in cfg.allowed_uids], [resolve_gid(g) for g in cfg.allowed_gids])
         self.gate = Gate(cfg.engine_socket, policy,
                          resolve_gid(cfg.engine_socket_group) if cfg.engine_socket_group else None,
@@ -486,6 +487,20 @@ class Server:
             return node.stats()
 
         return asyncio.run_coroutine_threadsafe(snap(), loop).result(timeout=2.0)
+
+    def _cuda_lost(self, reason: str) -> None:
+        """The core's copy lost this process's CUDA context (every later CUDA
+        call fails, only a new process recovers): health goes NOT_SERVING on
+        both ports, so that a liveness probe or supervisor restarts the
+        daemon; it keeps serving what it can until then (DRAM engines)."""
+        async def unhealthy():
+            for health in (getattr(self, "peer_health", None), getattr(self, "engine_health", None)):
+                if health is not None:
+                    for svc in ("", ENGINE_SERVICE, PEER_SERVICE):
+                        await health.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
+            log.error("health is NOT_SERVING: the CUDA context is lost (%s); restart the daemon", reason)
+
+        asyncio.ensure_future(unhealthy())
 
     async def main_loop(self) -> None:
         """Waits until a signal asks the daemon to stop."""
