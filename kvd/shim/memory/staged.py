@@ -314,7 +314,9 @@ class StagingMirror:
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         try:
             return index if cuda_copy.engine().ready(index) else None
-        except cudart.CudaUnavailable:
+        except (cudart.CudaUnavailable, cudart.CudaError) as e:  # torch's copies then; never the caller's error
+            log.warning("kvd's row-copy kernel is not used for staged copies: %s", e)
+            self._no_kernel = True
             return None
 
     def _copy_rows(self, device: int, ids: list[torch.Tensor], to_mirror: bool) -> int:
