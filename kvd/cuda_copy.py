@@ -440,6 +440,13 @@ _engine: RowCopier | None = None
 _engine_lock = threading.Lock()
 
 
+def kernel_devices() -> int:
+    """Devices this process has loaded the kernel on (0 before any GPU copy,
+    or where it could not load: the log says why). Never makes the copier."""
+    e = _engine
+    return len(e._functions) if e is not None else 0
+
+
 def engine() -> RowCopier:
     """This process's :class:`RowCopier` (made on first use).
 

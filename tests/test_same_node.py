@@ -470,3 +470,35 @@ def test_a_small_loads_python_runs_equal_the_numpy_rows_merged(kinds):
         assert [list(zip(*p)) for p in got] == want
         checked += 1
     assert checked > 50
+
+
+def test_same_node_copies_are_counted_in_the_metrics(tmp_path):
+    """kvd_same_node_copies_total counts the loads the daemon copied itself;
+    on the CPU none of them is a device copy, no copy kernel is loaded and
+    the CUDA context is not lost (docs/OPERATIONS.md: what to watch)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvd.testing.util import free_port
+
+    port = free_port()
+    d = start_daemon(str(tmp_path), "kvd", "--metrics-port", str(port), "--metrics-host", "127.0.0.1")
+    p = r = None
+    try:
+        p = Engine(d, "p-metrics", SHAPE, seed=11, memfd=True)
+        r = Engine(d, "d-metrics", SHAPE, memfd=True)
+        for i in range(2):
+            p.hold(f"req-p{i}", REMOTE_IDS)
+            r.load(f"req-d{i}", LOCAL_IDS, p, REMOTE_IDS, f"req-p{i}")
+            assert event_kind(r.wait(f"req-d{i}")) == "recv_done"
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        got = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+        assert got["kvd_same_node_copies_total"] == 2
+        assert got["kvd_same_node_vram_copies_total"] == 0
+        assert got["kvd_copy_kernel_devices"] == 0 and got["kvd_cuda_context_lost"] == 0
+    finally:
+        for e in (p, r):
+            if e is not None:
+                e.close()
+        assert d.stop() == 0

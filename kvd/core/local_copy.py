@@ -365,6 +365,9 @@ class LocalCopy:
             return why if isinstance(why, tuple) else None
         tp.hit(tp.POSTED, req.request_id, "COPIED")
         self._notify(w, req, sources, notify, remote_tp)
+        self.rt.counters.same_node_copies += 1
+        if device is not None:
+            self.rt.counters.same_node_vram_copies += 1
         return nbytes, ndescs
 
     # ---------------------------------------------------------------- parts

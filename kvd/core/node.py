@@ -32,6 +32,7 @@ import asyncio
 import time
 from typing import Callable
 
+from kvd import cuda_copy
 from kvd.core import settle
 from kvd.core.events import CommandRejected
 from kvd.core.hold_feed import HoldsAnswer
@@ -332,4 +333,8 @@ class Node:
             claims_waited=c.claims_waited,
             holds_followed=self.mirror.fresh(),
             notifications_dropped=self.progress.notifs_dropped,
+            same_node_copies=c.same_node_copies,
+            same_node_vram_copies=c.same_node_vram_copies,
+            copy_kernel_devices=cuda_copy.kernel_devices(),
+            cuda_context_lost=int(bool(self.local_copy.vram_off)),
         )

@@ -94,6 +94,14 @@ STATS_METRICS = (
     ("kvd_leaked_transfer_handles", "leaked_handles", "NIXL transfer handles not yet released"),
     ("kvd_notifications_dropped_total", "notifications_dropped",
      "NIXL notifications dropped unread, past the progress loop's backlog (a peer flooding them)"),
+    ("kvd_same_node_copies_total", "same_node_copies",
+     "Loads this daemon copied itself (source and reader both registered here), no NIXL"),
+    ("kvd_same_node_vram_copies_total", "same_node_vram_copies",
+     "Of those, copies between VRAM mirrors on one GPU (kvd's copy kernel, or its slower fallbacks)"),
+    ("kvd_copy_kernel_devices", "copy_kernel_devices",
+     "GPUs kvd's row-copy kernel is loaded on (0 where it could not load: the log says why)"),
+    ("kvd_cuda_context_lost", "cuda_context_lost",
+     "1 after a device copy lost this daemon's CUDA context: GPU transfers fail until it restarts"),
     ("kvd_uptime_seconds", "uptime_s", "Seconds since the daemon started"),
 )
 
