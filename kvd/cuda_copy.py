@@ -130,13 +130,19 @@ def segments(dsts, srcs, sizes, segment: int = MIN_SEGMENT) -> np.ndarray:
     if len(n) and int(n.min()) < 0:
         raise ValueError("a row of negative size")
     keep = n > 0
-    d, s, n = d[keep], s[keep], n[keep]
-    cuts = -(-n // segment)
-    if len(n) == 0 or int(cuts.max()) == 1:
-        return np.stack([d, s, n]).astype(np.uint64)
+    return np.stack(cut_rows(d[keep], s[keep], n[keep], segment)).astype(np.uint64)
+
+
+def cut_rows(d: np.ndarray, s: np.ndarray, n: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows ``(destinations, sources, lengths)`` (int64 arrays) with each row
+    longer than ``size`` bytes cut into rows of ``size`` (the last shorter),
+    in order; the same arrays when none is longer."""
+    if not len(n) or int(n.max()) <= size:
+        return d, s, n
+    cuts = -(-n // size)
     row = np.repeat(np.arange(len(n)), cuts)
-    off = (np.arange(len(row)) - np.repeat(np.cumsum(cuts) - cuts, cuts)) * segment
-    return np.stack([d[row] + off, s[row] + off, np.minimum(n[row] - off, segment)]).astype(np.uint64)
+    off = (np.arange(len(row)) - np.repeat(np.cumsum(cuts) - cuts, cuts)) * size
+    return d[row] + off, s[row] + off, np.minimum(n[row] - off, size)
 
 
 def _nvrtc_candidates() -> list[str]:

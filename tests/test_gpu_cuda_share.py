@@ -271,7 +271,7 @@ def test_a_failed_row_copy_kernel_falls_back_to_torch_or_fails_as_a_staging_erro
         calls.append(device)
         raise cudart.CudaError("cuLaunchKernel", code, "stand-in", "stand-in")
 
-    monkeypatch.setattr(staged.StagingMirror, "_kernel_device", lambda self: None if self._no_kernel else 0)
+    monkeypatch.setattr(staged.StagingMirror, "_kernel_device", lambda self: 0)
     monkeypatch.setattr(staged.StagingMirror, "_copy_rows", failing)
     try:
         st = staged.StagingMirror(shared.cache_blocks(), shared.regions, [seg.size], NB,

@@ -531,10 +531,7 @@ def split_pieces(dst: np.ndarray, src: np.ndarray, ln: np.ndarray, piece: int = 
     if total <= piece:
         return [(dst, src, ln)]
     if int(ln.max()) > piece:
-        cuts = -(-ln // piece)
-        row = np.repeat(np.arange(len(ln)), cuts)
-        off = (np.arange(len(row)) - np.repeat(np.cumsum(cuts) - cuts, cuts)) * piece
-        dst, src, ln = dst[row] + off, src[row] + off, np.minimum(ln[row] - off, piece)
+        dst, src, ln = cuda_copy.cut_rows(dst, src, ln, piece)
         ends = np.cumsum(ln)
     bounds = [0, *(np.searchsorted(ends, np.arange(piece, total, piece), side="left") + 1).tolist(), len(ln)]
     return [(dst[i:j], src[i:j], ln[i:j]) for i, j in zip(bounds, bounds[1:]) if j > i]

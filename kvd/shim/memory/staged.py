@@ -200,7 +200,8 @@ class StagingMirror:
         self.sizes = list(segment_sizes)
         self._cache_blocks = list(cache_blocks)
         self._cuda = [d for d in {c.device for c in self._cache_blocks} if d.type == "cuda"]
-        self._no_kernel = False  # set after a (non-fatal) kernel failure: torch's copies from then on
+        # The device kvd's copy kernel copies on (set by remap), or None: torch's copies.
+        self._kernel_dev: int | None = None
         self._lock = threading.Lock()
         self._unmap: Callable[[], None] | None = None
         self._mirror_blocks: list[torch.Tensor] = []
@@ -230,8 +231,9 @@ class StagingMirror:
             self.names = [s.name or f"cuda-ipc:{s.device}" for s in staging_segments]
         if old is not None:
             old()
-        if self._cuda:
-            self._kernel_device()  # NVRTC compiles at registration, not in the first request's step
+        dev = self._kernel_device()  # NVRTC compiles now, not in the first request's step
+        with self._lock:
+            self._kernel_dev = dev
 
     def _sync(self) -> None:
         for d in self._cuda:  # the daemon reads the mirror (or vLLM the cache) right after this
@@ -270,18 +272,17 @@ class StagingMirror:
         with self._lock:
             if not self._mirror_blocks:
                 raise StagingError("staging mirrors are closed")
-            device = self._kernel_device()
-            if device is not None:
+            if self._kernel_dev is not None:
                 from kvd import cudart
 
                 try:
-                    return self._copy_rows(device, ids, to_mirror)
+                    return self._copy_rows(self._kernel_dev, ids, to_mirror)
                 except cudart.CudaError as e:
                     # The connector handles StagingError only (the load or save fails, the engine goes on).
                     if e.code in cudart.STICKY_ERRORS:
                         raise StagingError(f"row-copy kernel: {e} (this process's CUDA context is lost)") from None
                     log.warning("kvd's row-copy kernel failed (%s); staged copies by torch from now on", e)
-                    self._no_kernel = True
+                    self._kernel_dev = None
             for r, cache, mirror in zip(self.regions, self._cache_blocks, self._mirror_blocks):
                 if r.group >= len(ids) or not ids[r.group].numel():
                     continue
@@ -304,7 +305,7 @@ class StagingMirror:
         """The one CUDA device of every cache and mirror view when kvd's copy
         kernel (``kvd.cuda_copy``) runs there, else None (the torch copies)."""
         devices = {t.device for t in (*self._cache_blocks, *self._mirror_blocks)}
-        if len(devices) != 1 or self._no_kernel:
+        if len(devices) != 1:
             return None
         (dev,) = devices
         if dev.type != "cuda":
@@ -316,7 +317,6 @@ class StagingMirror:
             return index if cuda_copy.engine().ready(index) else None
         except (cudart.CudaUnavailable, cudart.CudaError) as e:  # torch's copies then; never the caller's error
             log.warning("kvd's row-copy kernel is not used for staged copies: %s", e)
-            self._no_kernel = True
             return None
 
     def _copy_rows(self, device: int, ids: list[torch.Tensor], to_mirror: bool) -> int:
