@@ -231,8 +231,11 @@ class Config:
     max_descriptors_per_uid: int = _setting(1 << 27, "block descriptors registered at once per caller uid")
     max_host_bytes_per_uid: int = _setting(0, "bytes of host memory (shm, memfd) registered at once per caller "
                                               "uid; 0: this host's physical memory")
-    max_aborts: int = _setting(1024, "AbortLoads in flight at once, all sessions; one more is rejected")
-    max_aborts_per_uid: int = _setting(256, "AbortLoads in flight at once per caller uid")
+    max_device_bytes_per_uid: int = _setting(0, "bytes of GPU memory the daemon allocates as staging mirrors of "
+                                                "one caller uid's CUDA registrations (staged or auto), on all "
+                                                "GPUs; 0: no cap of kvd's (each GPU's memory bounds it)")
+    max_aborts: int = _setting(1024, "AbortLoads (and empty loads' notifications to free) in flight at once, all sessions; one more AbortLoad is rejected")
+    max_aborts_per_uid: int = _setting(256, "the same, per caller uid")
     log_level: str = _setting("info", "debug | info | warning | error")
     log_format: str = _setting("human", "human (one line of text) | json (one JSON object per line)")
 
@@ -323,7 +326,7 @@ class Config:
                                ("max_queued_event_bytes", 1 << 16, 1 << 40),
                                ("max_workers", 1, 1 << 16), ("max_workers_per_uid", 1, 1 << 16),
                                ("max_descriptors", 1, 1 << 40), ("max_descriptors_per_uid", 1, 1 << 40),
-                               ("max_host_bytes_per_uid", 0, 1 << 62),
+                               ("max_host_bytes_per_uid", 0, 1 << 62), ("max_device_bytes_per_uid", 0, 1 << 62),
                                ("max_aborts", 1, 1 << 20), ("max_aborts_per_uid", 1, 1 << 20)):
             v = getattr(self, key)
             if not low <= v <= high:

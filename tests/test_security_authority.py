@@ -501,6 +501,51 @@ def test_workers_descriptors_and_aborts_are_capped_per_uid_and_overall(tmp_path)
         assert d.stop() == 0
 
 
+def test_empty_loads_take_the_same_abort_slots_as_abort_loads(tmp_path):
+    """A LoadBlocks with no remote block ids but a remote request and
+    address is done at once (RecvDone) and tells the source to free: that
+    notification may wait a handshake timeout, as an AbortLoad's. It once
+    ran outside the max_aborts caps (8 such loads opened 8 handshake
+    connections where 8 AbortLoads opened 2). Now the loads take the same
+    slots: with max_aborts_per_uid 2, five such loads to a peer that never
+    answers are all answered RecvDone, two notifications are in flight, and
+    an AbortLoad meanwhile is rejected naming the cap; once the handshakes
+    time out the slots are free again."""
+    from kvd.testing.fakes import blackhole
+
+    d = start_daemon(str(tmp_path), "empty-loads", "--max-aborts-per-uid", "2", "--handshake-timeout-s", "5")
+    a = None
+    try:
+        a = Engine(d, "d-empty", SHAPE)
+        with blackhole() as hung:
+            for i in range(5):
+                a.session.send(load=pb.LoadBlocks(request_id=f"e{i}", local_groups=[pb.BlockIds(ids=[1])],
+                                                  remote_engine_id="p", remote_address=hung,
+                                                  remote_request_id=f"pe{i}", remote_tp_size=1))
+            for i in range(5):
+                assert event_kind(a.wait(f"e{i}", 10)) == "recv_done"
+            a.session.send(abort_load=pb.AbortLoad(request_id="ab", remote_engine_id="p", remote_address=hung,
+                                                   remote_request_id="pab", remote_tp_size=1))
+            ev = a.wait("ab", 10)
+            assert event_kind(ev) == "rejected" and "max_aborts_per_uid 2" in ev.rejected.reason, ev
+            assert "2 aborts in flight" in ev.rejected.reason, ev
+            # The two handshakes time out (5 s): the slots come back.
+            deadline = time.monotonic() + 30
+            while True:
+                a.session.send(abort_load=pb.AbortLoad(request_id="again", remote_engine_id="p",
+                                                       remote_address=hung, remote_request_id="pagain",
+                                                       remote_tp_size=1))
+                if a.quiet("again", 0.5):
+                    break
+                assert event_kind(a.wait("again", 1)) == "rejected"
+                assert time.monotonic() < deadline, "the abort slots never came back"
+    finally:
+        if a is not None:
+            a.close()
+        _still_serving(d)
+        assert d.stop() == 0
+
+
 def test_the_daemon_never_unlinks_an_object_it_did_not_map(tmp_path):
     """A registration claims a dead owner_pid, then unlinks its own segment
     name; another user makes an object of that name. When the daemon drops

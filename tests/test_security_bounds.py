@@ -318,3 +318,60 @@ def test_a_dropped_worker_s_memory_is_unmapped_and_unlinked_off_the_event_loop(m
     assert asyncio.run(go()) == 0
     assert set(seen) == {"unmap", "/kvdtest-mirror", "/kvdtest-gone"}
     assert loop_thread[0] not in set(seen.values())
+
+
+def test_vram_mirrors_are_capped_per_uid_before_any_is_allocated(monkeypatch):
+    """A staged (or auto) CUDA registration has the daemon allocate VRAM
+    mirrors of the sizes the engine registers: with only its own handle's
+    worth of memory a caller had the daemon allocate as much again per
+    registration, up to max_workers_per_uid (attacker review). With
+    ``max_device_bytes_per_uid`` set, a uid's mirrors (registered and under
+    way) stay under it: past it RESOURCE_EXHAUSTED naming the key, before the
+    handles are opened or any mirror is made; a direct registration (no
+    mirrors) and another uid's are not counted. Checked with the CUDA side
+    stubbed: this machine has no GPU (docs/GPU.md)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from kvd.core import cuda_ipc, registry
+    from kvd.core.events import ResourceExhausted
+    from kvd.core.limits import Limits
+    from kvd.core.runtime import Runtime
+    from kvd.core.state import Owner, Segment
+
+    mib = 1 << 20
+    rt = Runtime(Limits(max_device_bytes_per_uid=3 * mib))
+    reg = registry.Registry(rt, peers=None, backends=["UCX"])
+    alice, bob = Owner(1000, 1000, frozenset(), 1, "a"), Owner(1001, 1001, frozenset(), 2, "b")
+    mem = SimpleNamespace(memory="VRAM", staged=True, registered_bytes=2 * mib)
+    rt.workers[("alice-1", 0)] = SimpleNamespace(owner=alice, mem=mem, regions=[], layout=SimpleNamespace(num_blocks=0))
+    with pytest.raises(ResourceExhausted, match="bytes of GPU staging mirrors of uid 1000 would be 4194304, more "
+                                                "than max_device_bytes_per_uid 3145728"):
+        reg._check_caps(0, alice, 0, 2 * mib)
+    reg._check_caps(0, alice, 0, 1 * mib)  # fits
+    reg._check_caps(0, bob, 0, 3 * mib)  # bob's own budget
+    reg._check_caps(0, alice, 0, 0)  # no mirrors asked (a direct registration): nothing counted
+    with reg._reserved(("alice-2", 0), alice, 0, 0, 1 * mib):  # under way: counted
+        with pytest.raises(ResourceExhausted, match="max_device_bytes_per_uid"):
+            reg._check_caps(0, alice, 0, 1 * mib)
+    mem.staged = False  # the registered worker's VRAM is the engine's own (direct): no mirrors
+    reg._check_caps(0, alice, 0, 3 * mib)
+
+    # Through register(): refused before any handle is opened or mirror made.
+    opened = []
+    monkeypatch.setattr(cuda_ipc, "wants_vram", lambda staged: True)
+    monkeypatch.setattr(cuda_ipc, "open_segments", lambda *a: opened.append(a))
+    mem.staged = True
+    from kvd.daemon.convert import layout_from_pb, region_from_pb
+
+    shape = KvShape(num_layers=1, num_blocks=8, block_len=128 << 10)  # 2 MiB in one segment
+    assert shape.size == 2 * mib
+    layout, regions = layout_from_pb(shape.layout()), [region_from_pb(r) for r in shape.regions()]
+    big = [Segment("cuda-0", shape.size, cuda_ipc.KIND, handle=bytes(64))]
+    try:
+        asyncio.run(reg.register("alice-3", 0, 1, layout, big, regions, staged=None, owner=alice))
+    except ResourceExhausted as e:
+        assert "max_device_bytes_per_uid 3145728" in str(e)
+    else:
+        raise AssertionError("registered past max_device_bytes_per_uid")
+    assert opened == [] and ("alice-3", 0) not in rt.workers and not reg._registering

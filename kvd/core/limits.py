@@ -62,6 +62,11 @@ class Limits:
     # only, and one uid mapped ~128 TiB of them in 10 s (attacker review);
     # a transport that pins registered memory would make that real memory.
     max_host_bytes_per_uid: int = 0
+    # VRAM the daemon allocates as staging mirrors of one uid's CUDA
+    # registrations, on all its GPUs (bytes; 0: no cap of kvd's, each GPU's
+    # memory bounds it). A caller with X bytes on a GPU has the daemon
+    # allocate X more there per registration (attacker review).
+    max_device_bytes_per_uid: int = 0
     max_aborts: int = 1024                  # AbortLoads in flight (each may wait a handshake timeout)
     max_aborts_per_uid: int = 256
     # Remote workers' liveness (kvd.core.liveness.Liveness.check): each remote is

@@ -226,16 +226,18 @@ class Node:
         """See :meth:`kvd.core.holds.Holds.release`."""
         self.holds.release(w, request_id)
 
-    async def load(self, w: Worker, req: LoadRequest, epoch: int | None = None) -> None:
+    async def load(self, w: Worker, req: LoadRequest, epoch: int | None = None, *, uid: int | None = None) -> None:
         """See :meth:`kvd.core.pull.Pull.load` (never raises). A
         ``remote_address`` that reaches this daemon is replaced by its
         advertised one first (``kvd.core.own_addresses``). ``epoch``: the
         worker's session epoch when the command was read (None: now); a
-        load whose session ended before it started is dropped."""
+        load whose session ended before it started is dropped. ``uid``:
+        the caller uid of the session that sent it (None: the worker's
+        owner's), whose abort slots an empty load's notification takes."""
         address = await self.own.canonical(req.remote_address)
         if address != req.remote_address:
             req = req._replace(remote_address=address)
-        await self.pull.load(w, req, epoch=epoch)
+        await self.pull.load(w, req, epoch=epoch, uid=uid)
 
     async def abort_load(self, w: Worker, request_id: str, remote_engine_id: str, remote_address: str,
                          remote_request_id: str, remote_tp_size: int) -> None:

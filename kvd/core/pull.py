@@ -71,7 +71,7 @@ class Pull:
         self.holds = holds
 
     async def load(self, w: Worker, req: LoadRequest, *, retry_deadline: float | None = None,
-                   epoch: int | None = None) -> None:
+                   epoch: int | None = None, uid: int | None = None) -> None:
         """Pulls ``req.remote_groups`` into ``req.local_groups``; emits
         ``RecvDone`` or ``LoadFailed`` (naming every local block id).
 
@@ -79,6 +79,11 @@ class Pull:
         read (None: the current one). A load whose session ended before it
         started is dropped: its engine has already counted it failed (the
         shim fails every load of a broken session) and may reuse its blocks.
+
+        ``uid``: the caller uid of the session that sent it (None: the
+        worker's owner's). A load with no remote block ids tells the source
+        to free in one of that uid's abort slots (``kvd.core.aborts``), or,
+        with none free, not at all (its lease ends it; logged).
 
         ``retry_deadline``: this is the one second try of a load whose READ
         failed on a cached remote agent (the peer may have restarted with a
@@ -90,7 +95,7 @@ class Pull:
         """
         tp.hit(tp.LOAD, req.request_id)
         try:
-            await self._load(w, req, retry_deadline, epoch)
+            await self._load(w, req, retry_deadline, epoch, uid)
         except Exception as e:
             log.exception("%s request=%s: load failed unexpectedly", w.label, req.request_id)
             w.pending_loads.pop(req.request_id, None)
@@ -103,7 +108,7 @@ class Pull:
         self.rt.fail_load(w, req.request_id, req.local_block_ids, kind, reason, req.remote_address)
 
     async def _load(self, w: Worker, req: LoadRequest, retry_deadline: float | None,
-                    epoch: int | None = None) -> None:
+                    epoch: int | None = None, uid: int | None = None) -> None:
         """See :meth:`load`. Block ids come per KV-cache group:
         ``remote_groups[g][i]`` fills slot ``i % k`` of local block
         ``local_groups[g][i // k]`` (``k`` = local / remote block size).
@@ -129,8 +134,16 @@ class Pull:
             # will read, so it frees its blocks now rather than at lease end.
             self.rt.emit(w, RecvDone(rid, 0, 0, 0, 0.0))
             if req.remote_request_id and req.remote_address:
-                asyncio.get_running_loop().create_task(self.abort_load(
+                # The same slots as AbortLoad commands: each may wait a
+                # handshake timeout, so unbounded they pile up.
+                if uid is None:
+                    uid = w.owner.uid if w.owner is not None else -1
+                refused = self.rt.aborts.start(uid, lambda: self.abort_load(
                     w, rid, req.remote_engine_id, req.remote_address, req.remote_request_id, req.remote_tp_size))
+                if refused:
+                    self.rt.dropped_warning.warning(
+                        "%s request=%s: nothing to load; %s not told to free %s now (its lease ends it): %s",
+                        w.label, rid, req.remote_address, req.remote_request_id, refused)
             return
         limit = self.rt.limits.max_blocks_per_request
         local_ids = req.local_block_ids

@@ -52,10 +52,10 @@ class Registry:
         self.backends = backends
         # Registrations under way (they await mapping and NIXL before the
         # worker lands in rt.workers): key -> (uid or None, block descriptors,
-        # host bytes). The caps and the engine id checks count them, or
+        # host bytes, VRAM mirror bytes). The caps and the engine id checks count them, or
         # concurrent calls all passed (an attacker review registered 100
         # workers at once past max_workers_per_uid 32).
-        self._registering: dict[WorkerKey, tuple[int | None, int, int]] = {}
+        self._registering: dict[WorkerKey, tuple[int | None, int, int, int]] = {}
 
     async def register(
         self,
@@ -92,7 +92,8 @@ class Registry:
             PermissionDenied: ``owner`` may not read and write a segment, or
                 another uid owns ``engine_id``.
             AlreadyExists: the worker is registered already.
-            ResourceExhausted: past a cap on workers or descriptors.
+            ResourceExhausted: past a cap on workers, descriptors, host
+                memory or VRAM mirrors (:meth:`_check_caps`).
         """
         if not engine_id or len(engine_id) > BOUNDS.max_engine_id_chars:
             raise InvalidArgument(f"engine_id must be 1..{BOUNDS.max_engine_id_chars} characters")
@@ -112,9 +113,12 @@ class Registry:
         # without a GPU get shm mirrors of their sizes: host memory.
         vram = cuda_ipc.KIND in kinds and cuda_ipc.wants_vram(staged)
         host = 0 if vram else sum(s.size for s in segments)
+        # Staged, or auto (which may stage): the daemon allocates mirrors of
+        # these sizes on the GPU, counted before any is made.
+        mirrors = sum(s.size for s in segments) if vram and staged is not False else 0
         descriptors = len(regions) * layout.num_blocks
-        self._check_caps(descriptors, owner, host)
-        with self._reserved((engine_id, tp_rank), owner, descriptors, host):
+        self._check_caps(descriptors, owner, host, mirrors)
+        with self._reserved((engine_id, tp_rank), owner, descriptors, host, mirrors):
             access = Access(owner.uid, owner.gids) if owner is not None else None
             mappings: list[ShmMapping] = []
             staging: list[str] = []
@@ -207,11 +211,12 @@ class Registry:
             return w
 
     @contextlib.contextmanager
-    def _reserved(self, key: WorkerKey, owner: Owner | None, descriptors: int, host_bytes: int):
+    def _reserved(self, key: WorkerKey, owner: Owner | None, descriptors: int, host_bytes: int,
+                  mirror_bytes: int = 0):
         """``with``: a registration under way of ``key``, counted by
         :meth:`_check_caps` and :meth:`_check_engine_id` until it ends
         (registered or failed)."""
-        self._registering[key] = (owner.uid if owner is not None else None, descriptors, host_bytes)
+        self._registering[key] = (owner.uid if owner is not None else None, descriptors, host_bytes, mirror_bytes)
         try:
             yield
         finally:
@@ -236,7 +241,7 @@ class Registry:
             raise AlreadyExists(f"engine {engine_id!r} rank {tp_rank} is being registered by another call")
         if owner is None:
             return
-        for (eid, rank), (uid, _, _) in self._registering.items():
+        for (eid, rank), (uid, *_) in self._registering.items():
             if eid == engine_id and uid is not None and uid != owner.uid:
                 raise PermissionDenied(f"engine id {engine_id!r} is being registered by uid {uid} (rank {rank}); "
                                        f"uid {owner.uid} may not register rank {tp_rank}")
@@ -245,11 +250,14 @@ class Registry:
                 raise PermissionDenied(f"engine id {engine_id!r} belongs to uid {other.owner.uid} while its rank "
                                        f"{rank} is registered; uid {owner.uid} may not register rank {tp_rank}")
 
-    def _check_caps(self, descriptors: int, owner: Owner | None, host_bytes: int = 0) -> None:
+    def _check_caps(self, descriptors: int, owner: Owner | None, host_bytes: int = 0, mirror_bytes: int = 0) -> None:
         """Refuses a registration past ``Limits.max_workers`` /
-        ``max_descriptors`` (all workers) or their ``_per_uid`` caps, or
-        ``max_host_bytes_per_uid`` with its ``host_bytes`` of host memory
-        (the owner's uid; None: not checked per uid). Raises ResourceExhausted."""
+        ``max_descriptors`` (all workers) or their ``_per_uid`` caps,
+        ``max_host_bytes_per_uid`` with its ``host_bytes`` of host memory, or
+        ``max_device_bytes_per_uid`` (when set) with its ``mirror_bytes`` of
+        VRAM mirrors the daemon may allocate (the owner's uid; None: not
+        checked per uid). Registrations under way count as registered.
+        Raises ResourceExhausted."""
         lim, ws = self.rt.limits, list(self.rt.workers.values())
         mine = [w for w in ws if owner is not None and w.owner is not None and w.owner.uid == owner.uid]
         descs = lambda group: sum(len(w.regions) * w.layout.num_blocks for w in group)  # noqa: E731
@@ -258,6 +266,8 @@ class Registry:
         my_going = [r for r in going if owner is not None and r[0] == owner.uid]
         host = (sum(w.mem.registered_bytes for w in mine if w.mem.memory == "DRAM") + sum(r[2] for r in my_going)
                 + host_bytes)
+        device = (sum(w.mem.registered_bytes for w in mine if w.mem.memory == "VRAM" and w.mem.staged)
+                  + sum(r[3] for r in my_going) + mirror_bytes)
         for what, used, cap, key in (
                 ("workers", len(ws) + len(going) + 1, lim.max_workers, "max_workers"),
                 ("block descriptors", descs(ws) + sum(r[1] for r in going) + descriptors, lim.max_descriptors,
@@ -266,7 +276,10 @@ class Registry:
                    ("block descriptors of uid", descs(mine) + sum(r[1] for r in my_going) + descriptors,
                     lim.max_descriptors_per_uid, "max_descriptors_per_uid"),
                    ("bytes of host memory registered by uid", host, lim.max_host_bytes_per_uid or physical_memory(),
-                    "max_host_bytes_per_uid")) if owner is not None else ())):
+                    "max_host_bytes_per_uid"),
+                   *((("bytes of GPU staging mirrors of uid", device, lim.max_device_bytes_per_uid,
+                       "max_device_bytes_per_uid"),) if lim.max_device_bytes_per_uid and mirror_bytes else ()),
+                   ) if owner is not None else ())):
             if used > cap:
                 who = f" {owner.uid}" if "uid" in what else ""
                 raise ResourceExhausted(f"register: {what}{who} would be {used}, more than {key} {cap}")

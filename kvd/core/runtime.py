@@ -30,6 +30,7 @@ import threading
 import time
 from typing import Callable
 
+from kvd.core.aborts import AbortSlots
 from kvd.core.events import Event, FailureKind, LoadFailed, NotFound
 from kvd.core.hold_feed import HoldFeeds
 from kvd.core.limits import BOUNDS, Limits
@@ -176,6 +177,7 @@ class Runtime:
         self.workers: dict[WorkerKey, Worker] = {}
         self.counters = Counters()
         self.feeds = HoldFeeds()  # each engine's lease starts and ends, for reader daemons (PeerService.Holds)
+        self.aborts = AbortSlots(limits)  # early-free notifications in flight (AbortLoad, empty loads)
         self.started = time.monotonic()
         # NIXL transfer handles not released yet (still in progress: a READ
         # given up at its deadline or at its session's end whose bytes may

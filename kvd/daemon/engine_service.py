@@ -115,8 +115,6 @@ class EngineService(pb_grpc.EngineServiceServicer):
         self.callers = callers or (lambda context: None)
         self.require_session_token = require_session_token
         self.require_memfd = require_memfd
-        self._aborts: dict[int, int] = {}  # caller uid -> AbortLoads in flight (Limits.max_aborts*)
-        self._aborts_total = 0
         self.fds = fds if fds is not None else FdTable()  # the fd side channel's unclaimed fds
 
     async def _refuse_while_draining(self, context) -> None:
@@ -456,7 +454,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
                 return True
             # The session's epoch now: a load that starts after its session
             # ended is dropped (Pull.load), whatever order the loop runs it in.
-            task = asyncio.get_running_loop().create_task(node.load(w, req, w.session.epoch))
+            task = asyncio.get_running_loop().create_task(node.load(w, req, w.session.epoch, uid=uid))
             w.loads_started += 1
             task.add_done_callback(lambda _t: setattr(w, "loads_started", w.loads_started - 1))
         elif kind == "hold":
@@ -470,27 +468,13 @@ class EngineService(pb_grpc.EngineServiceServicer):
         return True
 
     def _abort(self, w: Worker, c: pb.AbortLoad, uid: int) -> None:
-        """Starts an AbortLoad unless ``Limits.max_aborts`` (all sessions) or
-        ``max_aborts_per_uid`` are in flight: each may wait a handshake
-        timeout on an unreachable peer, so unbounded they pile up as tasks."""
-        lim = self.node.limits
-        mine = self._aborts.get(uid, 0)
-        if self._aborts_total >= lim.max_aborts or mine >= lim.max_aborts_per_uid:
-            self.node.reject(w, c.request_id, f"abort_load: {self._aborts_total} aborts in flight ({mine} of uid "
-                                              f"{uid}): max_aborts {lim.max_aborts}, max_aborts_per_uid "
-                                              f"{lim.max_aborts_per_uid}")
-            return
-        self._aborts[uid] = mine + 1
-        self._aborts_total += 1
-
-        def done(_task) -> None:
-            self._aborts_total -= 1
-            left = self._aborts[uid] - 1
-            if left:
-                self._aborts[uid] = left
-            else:
-                del self._aborts[uid]
-
-        asyncio.get_running_loop().create_task(self.node.abort_load(
-            w, c.request_id, c.remote_engine_id, c.remote_address, c.remote_request_id,
-            c.remote_tp_size)).add_done_callback(done)
+        """Starts an AbortLoad in one of the daemon's abort slots
+        (``kvd.core.aborts``: ``Limits.max_aborts`` in all,
+        ``max_aborts_per_uid`` per caller uid); with none free it is rejected.
+        Each may wait a handshake timeout on an unreachable peer, so
+        unbounded they pile up as tasks."""
+        node = self.node
+        refused = node.rt.aborts.start(uid, lambda: node.abort_load(
+            w, c.request_id, c.remote_engine_id, c.remote_address, c.remote_request_id, c.remote_tp_size))
+        if refused:
+            node.reject(w, c.request_id, f"abort_load: {refused}")

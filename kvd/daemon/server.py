@@ -263,7 +263,8 @@ class Server:
                         max_queued_event_bytes=cfg.max_queued_event_bytes, max_workers=cfg.max_workers,
                         max_workers_per_uid=cfg.max_workers_per_uid, max_descriptors=cfg.max_descriptors,
                         max_descriptors_per_uid=cfg.max_descriptors_per_uid,
-                        max_host_bytes_per_uid=cfg.max_host_bytes_per_uid, max_aborts=cfg.max_aborts,
+                        max_host_bytes_per_uid=cfg.max_host_bytes_per_uid,
+                        max_device_bytes_per_uid=cfg.max_device_bytes_per_uid, max_aborts=cfg.max_aborts,
                         max_aborts_per_uid=cfg.max_aborts_per_uid, peer_check_s=cfg.peer_check_s,
                         peer_dead_s=cfg.peer_dead_s, peer_idle_s=cfg.peer_idle_s)
         options = server_options(cfg.max_message_bytes)

@@ -1,0 +1,62 @@
+"""Bounds on the notifications a daemon sends to free a source's blocks early.
+
+A decode engine can ask its daemon to tell a prefill daemon that nobody
+will read a request's blocks: an ``AbortLoad`` command, or a ``LoadBlocks``
+with no remote block ids but a remote request and address (a full local
+prefix hit). Each starts a task that may first wait a handshake with that
+peer (up to ``handshake_timeout_s`` on one that never answers), so
+unbounded they pile up as tasks and handshake connections: measured, 8
+such loads opened 8 handshake connections where ``max_aborts_per_uid 2``
+let 8 ``AbortLoad`` commands open 2 (docs/SECURITY.md). Both kinds now
+take a slot here: ``Limits.max_aborts`` in flight for the daemon,
+``Limits.max_aborts_per_uid`` for the engines of one caller uid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from kvd.core.limits import Limits
+
+
+class AbortSlots:
+    """In-flight early-free notifications, counted per caller uid and in all.
+
+    Args:
+        limits: ``max_aborts`` and ``max_aborts_per_uid`` are read at each
+            :meth:`start` (a reload changes them for the next one).
+    """
+
+    def __init__(self, limits: Limits):
+        self.limits = limits
+        self._of: dict[int, int] = {}  # caller uid -> notifications in flight
+        self.total = 0
+
+    def in_flight(self, uid: int) -> int:
+        """Notifications of ``uid``'s engines in flight now."""
+        return self._of.get(uid, 0)
+
+    def start(self, uid: int, make: Callable[[], Coroutine[Any, Any, None]]) -> str | None:
+        """Runs ``make()`` as a task in a slot of ``uid``; returns None, or,
+        with no slot free, the reason (nothing is started: ``make`` is not
+        called). The slot is freed when the task ends, however it ends."""
+        lim = self.limits
+        mine = self._of.get(uid, 0)
+        if self.total >= lim.max_aborts or mine >= lim.max_aborts_per_uid:
+            return (f"{self.total} aborts in flight ({mine} of uid {uid}): max_aborts {lim.max_aborts}, "
+                    f"max_aborts_per_uid {lim.max_aborts_per_uid}")
+        self._of[uid] = mine + 1
+        self.total += 1
+
+        def done(_task: asyncio.Task) -> None:
+            self.total -= 1
+            left = self._of[uid] - 1
+            if left:
+                self._of[uid] = left
+            else:
+                del self._of[uid]
+
+        asyncio.get_running_loop().create_task(make()).add_done_callback(done)
+        return None
