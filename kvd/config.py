@@ -23,7 +23,8 @@ TOML, each with its source. docs/OPERATIONS.md has the table of keys.
 
 This module is the only place that reads the environment for settings, and
 it also reads ``NOTIFY_SOCKET``, the datagram socket systemd names for
-``Type=notify`` services (sd_notify(3)).
+``Type=notify`` services, and ``WATCHDOG_USEC`` / ``WATCHDOG_PID``, set for
+a unit with ``WatchdogSec=`` (sd_notify(3), sd_watchdog_enabled(3)).
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ SOCKET_PATH_UNSAFE = "?#%"
 MAX_ENGINE_SOCKET_BYTES = 107 - len(".cmd")  # kvd.command_wire.SUFFIX, the longer of the two
 ENV_CONFIG_FILE = "KVD_CONFIG"      # names the TOML file when --config is not given
 ENV_NOTIFY_SOCKET = "NOTIFY_SOCKET"  # set by systemd for Type=notify units
+ENV_WATCHDOG_USEC = "WATCHDOG_USEC"  # set by systemd for units with WatchdogSec=
+ENV_WATCHDOG_PID = "WATCHDOG_PID"    # the process the watchdog is for (absent: the main process)
 
 # gRPC message caps (docs/DESIGN.md: messages are bounded). Registration and
 # handshake carry region lists; 64 MiB covers 4096 regions with room to spare.
@@ -105,8 +108,9 @@ class Config:
     Each setting's one-line description is in its field metadata (``doc``);
     ``kvd serve --help`` and docs/OPERATIONS.md repeat them. ``sources`` says
     where each value came from (``default``, ``file PATH``, ``env KVD_X``,
-    ``flag --x``); ``notify_socket`` is systemd's ``NOTIFY_SOCKET``, not a
-    setting; ``warnings`` are messages for the log (misspelt ``KVD_*``
+    ``flag --x``); ``notify_socket`` is systemd's ``NOTIFY_SOCKET`` and
+    ``watchdog_s`` its ``WATCHDOG_USEC`` in seconds (0: no watchdog), not
+    settings; ``warnings`` are messages for the log (misspelt ``KVD_*``
     variables).
     """
 
@@ -240,6 +244,7 @@ class Config:
     log_format: str = _setting("human", "human (one line of text) | json (one JSON object per line)")
 
     notify_socket: str = field(default="", repr=False, compare=False)
+    watchdog_s: float = field(default=0.0, repr=False, compare=False)
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
     warnings: list[str] = field(default_factory=list, repr=False, compare=False)
 
@@ -834,8 +839,23 @@ def load_config(
     cfg = Config(**values)
     cfg.sources = sources
     cfg.notify_socket = environ.get(ENV_NOTIFY_SOCKET, "")
+    cfg.watchdog_s = watchdog_seconds(environ)
     cfg.warnings = unknown_env_warnings(environ)
     return cfg.validate()
+
+
+def watchdog_seconds(environ) -> float:
+    """systemd's watchdog interval for this process (``WATCHDOG_USEC``, in
+    seconds), or 0: none set, not a positive number, or ``WATCHDOG_PID``
+    names another process (sd_watchdog_enabled(3))."""
+    pid = environ.get(ENV_WATCHDOG_PID, "")
+    if pid and pid != str(os.getpid()):
+        return 0.0
+    try:
+        usec = int(environ.get(ENV_WATCHDOG_USEC, "0"))
+    except ValueError:
+        return 0.0
+    return usec / 1e6 if usec > 0 else 0.0
 
 
 # KVD_* variables that are read elsewhere, not settings (tools, tests, the

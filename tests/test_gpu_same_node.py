@@ -365,24 +365,47 @@ def test_a_copy_that_loses_the_cuda_context_fails_its_load_and_is_reported_once(
         rt.shutdown()
 
 
-def test_a_lost_cuda_context_turns_the_daemons_health_not_serving():
+def test_a_lost_cuda_context_turns_the_daemons_health_not_serving(tmp_path):
     """kvd.daemon.server wires LocalCopy.on_cuda_lost to its health
     servicers: every service on both ports answers NOT_SERVING, so that a
-    liveness probe or a supervisor restarts the daemon."""
+    liveness probe restarts the daemon; under systemd with a watchdog its
+    keep-alives stop and the watchdog fires at once (``WATCHDOG=trigger``),
+    so that systemd restarts it (deploy/systemd/kvd.service)."""
+    import socket
+
     from grpc_health.v1 import health_pb2
     from grpc_health.v1._async import HealthServicer
 
+    from kvd.daemon.sdnotify import Notifier
     from kvd.daemon.server import ENGINE_SERVICE, PEER_SERVICE, Server
 
-    async def scenario():
-        srv = Server.__new__(Server)  # only the two health servicers are used
+    path = str(tmp_path / "notify.sock")
+
+    async def scenario(systemd):
+        srv = Server.__new__(Server)  # only the health servicers and the watchdog are used
         srv.peer_health, srv.engine_health = HealthServicer(), HealthServicer()
+        srv.notifier, srv._unhealthy = Notifier(path), ""
         for h in (srv.peer_health, srv.engine_health):
             for svc in ("", ENGINE_SERVICE, PEER_SERVICE):
                 await h.set(svc, health_pb2.HealthCheckResponse.SERVING)
-        srv._cuda_lost("cudaErrorIllegalAddress")
+        srv._watchdog = asyncio.get_running_loop().create_task(srv._keep_alive(0.03))
         await asyncio.sleep(0.05)
-        return [(await h.Check(health_pb2.HealthCheckRequest(service=svc), None)).status
-                for h in (srv.peer_health, srv.engine_health) for svc in ("", ENGINE_SERVICE, PEER_SERVICE)]
+        srv._cuda_lost("cudaErrorIllegalAddress")
+        await asyncio.sleep(0.1)
+        assert srv._watchdog.done()  # no keep-alive after the context is lost
+        got = []
+        while True:
+            try:
+                got.append(systemd.recv(4096).decode())
+            except BlockingIOError:
+                break
+        return got, [(await h.Check(health_pb2.HealthCheckRequest(service=svc), None)).status
+                     for h in (srv.peer_health, srv.engine_health) for svc in ("", ENGINE_SERVICE, PEER_SERVICE)]
 
-    assert set(asyncio.run(scenario())) == {health_pb2.HealthCheckResponse.NOT_SERVING}
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as systemd:
+        systemd.bind(path)
+        systemd.setblocking(False)
+        sent, health = asyncio.run(scenario(systemd))
+    assert set(health) == {health_pb2.HealthCheckResponse.NOT_SERVING}
+    assert sent[0] == "WATCHDOG=1" and "WATCHDOG=trigger" in sent[-1], sent
+    assert "cudaErrorIllegalAddress" in sent[-1] and sent.count("WATCHDOG=1") == len(sent) - 1

@@ -68,6 +68,31 @@ def test_sd_notify_ready_after_startup_and_stopping_at_sigterm(tmp_path):
             d.stop()
 
 
+def test_sd_notify_watchdog_keep_alives_while_serving(tmp_path):
+    """A unit with WatchdogSec= (deploy/systemd/kvd.service) gets WATCHDOG=1
+    every third of WATCHDOG_USEC from the daemon's event loop once it is
+    ready; none for a WATCHDOG_PID of another process (sd_watchdog_enabled(3))."""
+    from kvd.config import watchdog_seconds
+
+    assert watchdog_seconds({"WATCHDOG_USEC": "30000000"}) == 30.0
+    assert watchdog_seconds({"WATCHDOG_USEC": "30000000", "WATCHDOG_PID": str(os.getpid())}) == 30.0
+    assert watchdog_seconds({"WATCHDOG_USEC": "30000000", "WATCHDOG_PID": "1"}) == 0.0
+    assert watchdog_seconds({"WATCHDOG_USEC": "x"}) == watchdog_seconds({}) == 0.0
+    path = str(tmp_path / "notify.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as systemd:
+        systemd.bind(path)
+        systemd.settimeout(30)
+        d = start_daemon(str(tmp_path), "kvd", env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "600000"})
+        try:
+            assert b"READY=1" in systemd.recv(4096)
+            got = [systemd.recv(4096) for _ in range(3)]  # 0.2 s apart
+            assert got == [b"WATCHDOG=1"] * 3, got
+            d.proc.send_signal(signal.SIGTERM)
+            assert d.proc.wait(20) == 0
+        finally:
+            d.stop()
+
+
 def test_sd_notify_abstract_socket_and_no_socket():
     name = f"@kvd-test-{os.getpid()}"
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as systemd:

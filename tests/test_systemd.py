@@ -210,6 +210,36 @@ def test_a_killed_daemon_is_restarted(kvd):
     kvd.run("/opt/kvd/bin/kvd", "health", "--socket", "/run/kvd/engine.sock")
 
 
+def test_a_daemon_whose_event_loop_hangs_is_restarted_by_the_watchdog(kvd):
+    """WatchdogSec= in the unit: the daemon's keep-alives come from its event
+    loop, so a loop that stops (here the whole process, SIGSTOP) has systemd
+    stop and restart it. A drop-in shortens the unit's 60 s to 3 s."""
+    assert "WatchdogSec=60" in UNIT.read_text()
+    dropin = "/etc/systemd/system/kvd.service.d"
+    kvd.run("mkdir", "-p", dropin)
+    kvd.run("sh", "-c", f"printf '[Service]\\nWatchdogSec=3\\nTimeoutAbortSec=5\\n' > {dropin}/watchdog.conf")
+    kvd.run("systemctl", "daemon-reload")
+    try:
+        kvd.run("systemctl", "start", "kvd")
+        before = kvd.show("MainPID", "NRestarts", "WatchdogUSec")
+        assert before["WatchdogUSec"] == "3s", before
+        time.sleep(4)  # past one watchdog period: the keep-alives hold it up
+        assert kvd.show("MainPID", "NRestarts") == {"MainPID": before["MainPID"], "NRestarts": before["NRestarts"]}
+        kvd.run("systemctl", "kill", "--kill-whom=main", "--signal=SIGSTOP", "kvd")
+
+        def back() -> bool:
+            s = kvd.show("MainPID", "ActiveState", "SubState")
+            return s["MainPID"] not in ("0", before["MainPID"]) and (s["ActiveState"], s["SubState"]) == (
+                "active", "running")
+
+        wait_until(back, 120, "kvd restarted by its watchdog", interval=0.5)
+        assert int(kvd.show("NRestarts")["NRestarts"]) == int(before["NRestarts"]) + 1
+        kvd.run("/opt/kvd/bin/kvd", "health", "--socket", "/run/kvd/engine.sock")
+    finally:
+        kvd.run("rm", "-rf", dropin)
+        kvd.run("systemctl", "daemon-reload")
+
+
 def test_a_bad_config_fails_with_exit_64_and_is_not_restarted(kvd):
     kvd.write_config('lease_s = "soon"\n')
     r = kvd.run("systemctl", "start", "kvd", check=False)

@@ -6,7 +6,9 @@ systemd passes the path of a ``SOCK_DGRAM`` Unix socket in ``NOTIFY_SOCKET``
 namespace. Each message is one datagram of newline-separated ``KEY=VALUE``
 assignments: ``READY=1`` when startup is complete, ``STOPPING=1`` when
 shutdown begins, ``STATUS=...`` a free-text line ``systemctl status`` shows,
-``MAINPID=`` the daemon's pid. Outside systemd (no socket) every call is a
+``MAINPID=`` the daemon's pid, ``WATCHDOG=1`` the keep-alive of a unit
+with ``WatchdogSec=`` and ``WATCHDOG=trigger`` its failure now (systemd
+243 and later). Outside systemd (no socket) every call is a
 no-op; a failed send is logged and never stops the daemon.
 """
 
@@ -52,3 +54,12 @@ class Notifier:
 
     def stopping(self, status: str) -> bool:
         return self.send(STOPPING=1, STATUS=status)
+
+    def watchdog(self) -> bool:
+        """The watchdog keep-alive (``WATCHDOG=1``)."""
+        return self.send(WATCHDOG=1)
+
+    def watchdog_trigger(self, status: str) -> bool:
+        """Asks systemd to act as if the watchdog timed out, now (the unit's
+        ``Restart=on-failure`` restarts it)."""
+        return self.send(WATCHDOG="trigger", STATUS=status)

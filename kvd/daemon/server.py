@@ -215,6 +215,8 @@ class Server:
         self.force_exit = asyncio.Event()
         self.peer_port = 0
         self.notifier = Notifier(config.notify_socket)
+        self._watchdog: asyncio.Task | None = None  # systemd's keep-alive (_keep_alive)
+        self._unhealthy = ""  # why health went NOT_SERVING for good (a lost CUDA context); "" while healthy
         self.stall_watch: StallWatch | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._made_dir: str | None = None  # the first socket directory startup made (make_socket_dir)
@@ -401,6 +403,8 @@ class Server:
                      "the engine or command socket is dropped in the daemon's read, which a socket or file made "
                      "to close slowly can hold up (docs/SECURITY.md)")
         self.notifier.ready(f"serving: engines on unix:{sock}, peers on {adv}")
+        if self.notifier.enabled and cfg.watchdog_s > 0:
+            self._watchdog = asyncio.get_running_loop().create_task(self._keep_alive(cfg.watchdog_s))
 
     def _peer_host(self, host: str, port: int) -> str:
         """The host PeerService binds: loopback when it has no authentication
@@ -489,17 +493,35 @@ class Server:
 
         return asyncio.run_coroutine_threadsafe(snap(), loop).result(timeout=2.0)
 
+    async def _keep_alive(self, watchdog_s: float) -> None:
+        """systemd's watchdog (a unit with ``WatchdogSec=``): ``WATCHDOG=1``
+        every third of ``watchdog_s`` seconds, from the event loop, while the
+        daemon is healthy. A loop that hangs sends none, and systemd restarts
+        the daemon once ``watchdog_s`` passes without one; a lost CUDA
+        context ends them at once (:meth:`_cuda_lost`)."""
+        while not self._unhealthy:
+            self.notifier.watchdog()
+            await asyncio.sleep(watchdog_s / 3)
+
     def _cuda_lost(self, reason: str) -> None:
         """The core's copy lost this process's CUDA context (every later CUDA
         call fails, only a new process recovers): health goes NOT_SERVING on
-        both ports, so that a liveness probe or supervisor restarts the
-        daemon; it keeps serving what it can until then (DRAM engines)."""
+        both ports, so that a liveness probe restarts the daemon, and under
+        systemd with a watchdog (``WatchdogSec=``, deploy/systemd/kvd.service)
+        the watchdog fires now (``WATCHDOG=trigger``: ``Restart=on-failure``
+        restarts it). Until then it serves what it can (DRAM engines)."""
+        self._unhealthy = reason
+        watched = self._watchdog is not None
+
         async def unhealthy():
             for health in (getattr(self, "peer_health", None), getattr(self, "engine_health", None)):
                 if health is not None:
                     for svc in ("", ENGINE_SERVICE, PEER_SERVICE):
                         await health.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
-            log.error("health is NOT_SERVING: the CUDA context is lost (%s); restart the daemon", reason)
+            log.error("health is NOT_SERVING: the CUDA context is lost (%s); %s", reason,
+                      "systemd's watchdog restarts the daemon" if watched else "restart the daemon")
+            if watched:
+                self.notifier.watchdog_trigger(f"CUDA context lost: {reason}")
 
         asyncio.ensure_future(unhealthy())
 
@@ -551,6 +573,8 @@ class Server:
         """Stops the servers, unregisters every worker, stops the metrics
         endpoint and removes the engine socket and the private directory:
         whatever startup made so far (also after a failed startup)."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         if self.stall_watch is not None:
             await self.stall_watch.stop()
         for name in ("engine_server", "peer_server"):
