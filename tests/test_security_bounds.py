@@ -375,3 +375,76 @@ def test_vram_mirrors_are_capped_per_uid_before_any_is_allocated(monkeypatch):
     else:
         raise AssertionError("registered past max_device_bytes_per_uid")
     assert opened == [] and ("alice-3", 0) not in rt.workers and not reg._registering
+
+
+@pytest.mark.parametrize("where", ["agent", "mirrors"])
+def test_a_registration_cancelled_meanwhile_frees_what_the_nixl_thread_made(monkeypatch, where):
+    """A registration whose caller gives up (its deadline) is cancelled while
+    the NIXL thread makes its agent (or, for CUDA, its VRAM mirrors): that
+    call still ends there. Before, what it made stayed: cancelled staged
+    registrations left 2 GiB of mirrors mapped, counted by no cap, and in
+    /dev/shm after the daemon exited (attacker review). Now it is freed
+    when the call ends, and counted against the caps until then."""
+    import asyncio
+    import os
+    import threading
+    from types import SimpleNamespace
+
+    from kvd.core import cuda_ipc, registry
+    from kvd.core.events import ResourceExhausted
+    from kvd.core.limits import Limits
+    from kvd.core.runtime import Runtime
+    from kvd.core.state import Owner, Segment
+    from kvd.daemon.convert import layout_from_pb, region_from_pb
+
+    size = SHAPE.size
+    rt = Runtime(Limits(max_host_bytes_per_uid=2 * size, max_device_bytes_per_uid=2 * size))
+    reg = registry.Registry(rt, peers=None, backends=["UCX"])
+    alice = Owner(os.getuid(), os.getgid(), frozenset(), os.getpid(), "a")
+    layout, regions = layout_from_pb(SHAPE.layout()), [region_from_pb(r) for r in SHAPE.regions()]
+    gate = threading.Event()  # holds the NIXL thread's call until the registration is cancelled
+    closed = []
+    if where == "agent":
+        real = reg._make_agent
+        monkeypatch.setattr(reg, "_make_agent", lambda *a: (gate.wait(10), real(*a))[1])
+        segs, staged = [Segment("engine-seg", size)], True  # staged: the daemon's own shm mirror
+    else:  # CUDA, stubbed (no GPU here): open_segments makes the mirrors
+        mirror = SimpleNamespace(close=lambda: closed.append(1))
+        monkeypatch.setattr(cuda_ipc, "wants_vram", lambda staged: True)
+        monkeypatch.setattr(cuda_ipc, "open_segments",
+                            lambda *a: (gate.wait(10), SimpleNamespace(mappings=[mirror], staged=True))[1])
+        segs, staged = [Segment("cuda-0", size, cuda_ipc.KIND, handle=bytes(64))], None
+
+    def mirrors() -> set[str]:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("kvd-stage")}
+
+    async def scenario():
+        before = mirrors()
+        task = asyncio.get_running_loop().create_task(
+            reg.register("alice-1", 0, 1, layout, segs, regions, staged=staged, owner=alice))
+        await asyncio.sleep(0.2)  # in the NIXL thread's call
+        made = mirrors() - before
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # Until the thread's call ends, what it makes still counts.
+        with pytest.raises(ResourceExhausted):
+            reg._check_caps(0, alice, 2 * size if where == "agent" else 0, 0 if where == "agent" else 2 * size)
+        gate.set()
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if not reg._releasing:
+                break
+        return before, made
+
+    try:
+        before, made = asyncio.run(scenario())
+    finally:
+        gate.set()
+        rt.shutdown()
+    assert reg._releasing == {} and reg._registering == {} and rt.workers == {}
+    if where == "agent":
+        assert len(made) == 1 and mirrors() == before, "the cancelled registration's mirror is gone"
+    else:
+        assert closed == [1], "the cancelled registration's VRAM mirror is closed"
+    reg._check_caps(0, alice, 2 * size, 0)  # the whole budget is back

@@ -199,13 +199,18 @@ def test_a_killed_daemon_is_restarted(kvd):
     kvd.run("systemctl", "start", "kvd")
     before = kvd.show("MainPID", "NRestarts")
     kvd.run("systemctl", "kill", "--kill-whom=main", "--signal=SIGKILL", "kvd")
+    _restarted(kvd, before, "kvd restarted (Restart=on-failure, RestartSec=2)")
 
+
+def _restarted(kvd, before: dict[str, str], what: str) -> None:
+    """Waits until the unit runs again with another main process than
+    ``before``'s, restarted once, and serving."""
     def back() -> bool:
         s = kvd.show("MainPID", "ActiveState", "SubState")
         return s["MainPID"] not in ("0", before["MainPID"]) and (s["ActiveState"], s["SubState"]) == (
             "active", "running")
 
-    wait_until(back, 120, "kvd restarted (Restart=on-failure, RestartSec=2)", interval=0.5)
+    wait_until(back, 120, what, interval=0.5)
     assert int(kvd.show("NRestarts")["NRestarts"]) == int(before["NRestarts"]) + 1
     kvd.run("/opt/kvd/bin/kvd", "health", "--socket", "/run/kvd/engine.sock")
 
@@ -226,15 +231,7 @@ def test_a_daemon_whose_event_loop_hangs_is_restarted_by_the_watchdog(kvd):
         time.sleep(4)  # past one watchdog period: the keep-alives hold it up
         assert kvd.show("MainPID", "NRestarts") == {"MainPID": before["MainPID"], "NRestarts": before["NRestarts"]}
         kvd.run("systemctl", "kill", "--kill-whom=main", "--signal=SIGSTOP", "kvd")
-
-        def back() -> bool:
-            s = kvd.show("MainPID", "ActiveState", "SubState")
-            return s["MainPID"] not in ("0", before["MainPID"]) and (s["ActiveState"], s["SubState"]) == (
-                "active", "running")
-
-        wait_until(back, 120, "kvd restarted by its watchdog", interval=0.5)
-        assert int(kvd.show("NRestarts")["NRestarts"]) == int(before["NRestarts"]) + 1
-        kvd.run("/opt/kvd/bin/kvd", "health", "--socket", "/run/kvd/engine.sock")
+        _restarted(kvd, before, "kvd restarted by its watchdog")
     finally:
         kvd.run("rm", "-rf", dropin)
         kvd.run("systemctl", "daemon-reload")
