@@ -238,7 +238,11 @@ class Config:
     max_device_bytes_per_uid: int = _setting(0, "bytes of GPU memory the daemon allocates as staging mirrors of "
                                                 "one caller uid's CUDA registrations (staged or auto), on all "
                                                 "GPUs; 0: no cap of kvd's (each GPU's memory bounds it)")
-    max_aborts: int = _setting(1024, "AbortLoads (and empty loads' notifications to free) in flight at once, all sessions; one more AbortLoad is rejected")
+    max_handshakes: int = _setting(2048, "handshakes with remote workers in flight at once (one per local worker "
+                                         "and remote rank); one more fails its load (HANDSHAKE)")
+    max_handshakes_per_uid: int = _setting(512, "the same, for the workers of one owner uid")
+    max_aborts: int = _setting(1024, "AbortLoads (and empty loads' notifications to free) in flight at once, "
+                                     "all sessions; one more AbortLoad is rejected")
     max_aborts_per_uid: int = _setting(256, "the same, per caller uid")
     log_level: str = _setting("info", "debug | info | warning | error")
     log_format: str = _setting("human", "human (one line of text) | json (one JSON object per line)")
@@ -332,7 +336,8 @@ class Config:
                                ("max_workers", 1, 1 << 16), ("max_workers_per_uid", 1, 1 << 16),
                                ("max_descriptors", 1, 1 << 40), ("max_descriptors_per_uid", 1, 1 << 40),
                                ("max_host_bytes_per_uid", 0, 1 << 62), ("max_device_bytes_per_uid", 0, 1 << 62),
-                               ("max_aborts", 1, 1 << 20), ("max_aborts_per_uid", 1, 1 << 20)):
+                               ("max_aborts", 1, 1 << 20), ("max_aborts_per_uid", 1, 1 << 20),
+                               ("max_handshakes", 1, 1 << 20), ("max_handshakes_per_uid", 1, 1 << 20)):
             v = getattr(self, key)
             if not low <= v <= high:
                 raise self._error(key, f"{v} out of range {low}..{high}")

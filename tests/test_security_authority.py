@@ -579,3 +579,95 @@ def test_the_daemon_never_unlinks_an_object_it_did_not_map(tmp_path):
             os.unlink(planted)
         seg.close()
         assert d.stop() == 0
+
+
+def test_handshakes_in_flight_are_capped_per_uid(tmp_path):
+    """A load handshakes with every remote rank it names (one per local
+    worker and rank), and a handshake runs on to handshake_timeout_s after
+    its load failed at its own deadline: an engine naming a remote TP size of
+    256 and a new engine id per load had 5,120 in flight from 20 loads
+    (attacker review). With max_handshakes_per_uid 2, two loads' handshakes
+    to a peer that never answers are in flight; the next loads fail at once,
+    HANDSHAKE naming the key; once those two end, handshakes start again."""
+    from kvd.testing.fakes import blackhole
+
+    d = start_daemon(str(tmp_path), "hs-cap", "--max-handshakes-per-uid", "2", "--handshake-timeout-s", "5")
+    a = None
+    try:
+        a = Engine(d, "d-hs", SHAPE)
+        with blackhole() as hung:
+            def load(rid: str) -> None:
+                a.session.send(load=pb.LoadBlocks(request_id=rid, local_groups=[pb.BlockIds(ids=[1])],
+                                                  remote_engine_id=f"p-{rid}", remote_address=hung,
+                                                  remote_groups=[pb.BlockIds(ids=[1])], remote_request_id=rid,
+                                                  remote_tp_size=1, timeout_s=30))
+
+            for i in range(5):
+                load(f"h{i}")
+            for i in (2, 3, 4):
+                ev = a.wait(f"h{i}", 10)
+                assert event_kind(ev) == "load_failed", ev
+                assert "max_handshakes_per_uid 2" in ev.load_failed.reason, ev
+                assert "2 handshakes in flight" in ev.load_failed.reason, ev
+            assert a.quiet("h0", 0.5) and a.quiet("h1", 0.0)  # their handshakes wait on
+            for i in (0, 1):  # the handshake timeout (5 s) ends them
+                assert "max_handshakes" not in a.wait(f"h{i}", 30).load_failed.reason
+            load("again")
+            assert a.quiet("again", 1.0), "a handshake starts again once the others ended"
+    finally:
+        if a is not None:
+            a.close()
+        _still_serving(d)
+        assert d.stop() == 0
+
+
+def test_an_incompatible_sources_notifications_take_an_abort_slot_per_load(tmp_path):
+    """A source that refuses the pair (here: another TP size than the load
+    names) is told by gRPC to free each of its ranks' blocks. That was one
+    task per rank per load, outside every cap: an engine naming a remote TP
+    size of 256 had 4,272 Notify calls in flight from 20 loads (attacker
+    review). Now one task per load walks the ranks, in an abort slot: with
+    max_aborts_per_uid 1 and a source whose Notify hangs, one call is in
+    flight whatever the loads; an AbortLoad meanwhile is rejected naming the
+    cap; the loads fail HANDSHAKE at once either way."""
+    import threading
+
+    from kvd.testing.fakes import FakePeer
+
+    release = threading.Event()
+
+    def tp1(request, context):
+        return pb.HandshakeResponse(agent_metadata=b"x" * 64, agent_name="kvd-tp1", tp_size=1, layout=SHAPE.layout(),
+                                    regions=SHAPE.regions(), region_base_addrs=[4096] * SHAPE.num_regions,
+                                    compat_hash=request.compat_hash, daemon_version="0.1.0",
+                                    protocol_version=request.protocol_version)
+
+    def hang(request, context):
+        release.wait(30)
+        return pb.NotifyResponse()
+
+    fake = FakePeer(tp1, notify=hang)
+    d = start_daemon(str(tmp_path), "inc-notify", "--max-aborts-per-uid", "1")
+    a = None
+    try:
+        a = Engine(d, "d-inc", SHAPE)
+        for i in range(3):
+            a.session.send(load=pb.LoadBlocks(request_id=f"i{i}", local_groups=[pb.BlockIds(ids=[1])],
+                                              remote_engine_id=f"p{i}", remote_address=fake.address,
+                                              remote_groups=[pb.BlockIds(ids=[1])], remote_request_id=f"i{i}",
+                                              remote_tp_size=2, timeout_s=20))
+        for i in range(3):
+            ev = a.wait(f"i{i}", 10)
+            assert event_kind(ev) == "load_failed" and "TP size 1, the request says 2" in ev.load_failed.reason, ev
+        a.session.send(abort_load=pb.AbortLoad(request_id="ab", remote_engine_id="p", remote_address=fake.address,
+                                               remote_request_id="pab", remote_tp_size=1))
+        ev = a.wait("ab", 10)
+        assert event_kind(ev) == "rejected" and "max_aborts_per_uid 1" in ev.rejected.reason, ev
+        assert fake.notifies == 1, fake.notifies  # one load's first rank; the others were not sent
+    finally:
+        release.set()
+        if a is not None:
+            a.close()
+        _still_serving(d)
+        assert d.stop() == 0
+        fake.stop()

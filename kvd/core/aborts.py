@@ -3,11 +3,12 @@
 A decode engine can ask its daemon to tell a prefill daemon that nobody
 will read a request's blocks: an ``AbortLoad`` command, or a ``LoadBlocks``
 with no remote block ids but a remote request and address (a full local
-prefix hit). Each starts a task that may first wait a handshake with that
+prefix hit); and a load whose source refuses the pair (incompatible) tells
+each of the source's ranks by gRPC. Each starts a task that may first wait a handshake with that
 peer (up to ``handshake_timeout_s`` on one that never answers), so
 unbounded they pile up as tasks and handshake connections: measured, 8
 such loads opened 8 handshake connections where ``max_aborts_per_uid 2``
-let 8 ``AbortLoad`` commands open 2 (docs/SECURITY.md). Both kinds now
+let 8 ``AbortLoad`` commands open 2 (docs/SECURITY.md). All of them
 take a slot here: ``Limits.max_aborts`` in flight for the daemon,
 ``Limits.max_aborts_per_uid`` for the engines of one caller uid.
 """
@@ -25,8 +26,7 @@ class AbortSlots:
     """In-flight early-free notifications, counted per caller uid and in all.
 
     Args:
-        limits: ``max_aborts`` and ``max_aborts_per_uid`` are read at each
-            :meth:`start` (a reload changes them for the next one).
+        limits: ``max_aborts`` and ``max_aborts_per_uid``.
     """
 
     def __init__(self, limits: Limits):

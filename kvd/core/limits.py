@@ -67,6 +67,12 @@ class Limits:
     # memory bounds it). A caller with X bytes on a GPU has the daemon
     # allocate X more there per registration (attacker review).
     max_device_bytes_per_uid: int = 0
+    # Handshakes in flight (each may wait handshake_timeout_s, and goes on
+    # after the load that started it failed): one per local worker and
+    # remote rank, so an engine that names a remote TP size of 256 starts
+    # 256 a load (attacker review: 20 loads, 5,120 in flight, +230 MiB).
+    max_handshakes: int = 2048
+    max_handshakes_per_uid: int = 512      # of the local workers of one owner uid
     max_aborts: int = 1024                  # AbortLoads in flight (each may wait a handshake timeout)
     max_aborts_per_uid: int = 256
     # Remote workers' liveness (kvd.core.liveness.Liveness.check): each remote is

@@ -178,6 +178,7 @@ class Peers:
         self.link = link
         self.mirror = mirror
         self._handshakes: dict[tuple, asyncio.Future] = {}  # (local key, peer key) -> handshake task
+        self._handshakes_of: dict[int, int] = {}  # owner uid (-1: none) -> handshake tasks in flight
         self._warming: set[asyncio.Task] = set()  # Limits.warm_peers handshakes, retried until one answers
         self._preparing: set[asyncio.Task] = set()  # descriptor lists prepared after a handshake
         self._wiring = asyncio.Lock()  # one agent load + warm-up READ at a time (WIRE_UP_WAIT_S)
@@ -532,15 +533,33 @@ class Peers:
         fkey = (w.key, key)
         fut = self._handshakes.get(fkey)
         if fut is None:
+            # At most max_handshakes (per owner uid: _per_uid) in flight: each
+            # may run to handshake_timeout_s after its load ended, and an
+            # engine names how many remote ranks a load needs.
+            uid = w.owner.uid if w.owner is not None else -1
+            lim, mine = self.rt.limits, self._handshakes_of.get(uid, 0)
+            if len(self._handshakes) >= lim.max_handshakes or mine >= lim.max_handshakes_per_uid:
+                fut = asyncio.get_running_loop().create_future()
+                fut.set_exception(PeerUnavailable(
+                    f"{len(self._handshakes)} handshakes in flight ({mine} of uid {uid}'s workers): max_handshakes "
+                    f"{lim.max_handshakes}, max_handshakes_per_uid {lim.max_handshakes_per_uid}"))
+                fut.add_done_callback(lambda f: f.exception())  # retrieved: its waiters report it
+                return fut
             # One handshake per remote worker, shared by every request that
             # needs it. It runs to the daemon's handshake timeout; each request
             # waits for it only until its own deadline (a request
             # that joined another's handshake once ended seconds late).
             fut = asyncio.get_running_loop().create_task(self._do_handshake(w, key, tp_size, ahead))
             self._handshakes[fkey] = fut
+            self._handshakes_of[uid] = mine + 1
 
             def done(f: asyncio.Future) -> None:
                 self._handshakes.pop(fkey, None)
+                left = self._handshakes_of[uid] - 1
+                if left:
+                    self._handshakes_of[uid] = left
+                else:
+                    del self._handshakes_of[uid]
                 if not f.cancelled():
                     f.exception()  # retrieved: its waiters report it, asyncio need not log it
 

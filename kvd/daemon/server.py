@@ -267,6 +267,7 @@ class Server:
                         max_descriptors_per_uid=cfg.max_descriptors_per_uid,
                         max_host_bytes_per_uid=cfg.max_host_bytes_per_uid,
                         max_device_bytes_per_uid=cfg.max_device_bytes_per_uid, max_aborts=cfg.max_aborts,
+                        max_handshakes=cfg.max_handshakes, max_handshakes_per_uid=cfg.max_handshakes_per_uid,
                         max_aborts_per_uid=cfg.max_aborts_per_uid, peer_check_s=cfg.peer_check_s,
                         peer_dead_s=cfg.peer_dead_s, peer_idle_s=cfg.peer_idle_s)
         options = server_options(cfg.max_message_bytes)

@@ -259,11 +259,13 @@ class FakePeer:
     ``HandshakeResponse``, or ``context.abort(...)``). Counts the calls.
     ``claims_to``: a real daemon's peer address that answers the reader's
     ``Claim`` on the hold (a relay in front of that daemon); without it a
-    claim is UNIMPLEMENTED, as from a daemon that predates claims."""
+    claim is UNIMPLEMENTED, as from a daemon that predates claims.
+    ``notify(request, context)``: answers ``Notify`` (None: UNIMPLEMENTED)."""
 
-    def __init__(self, respond, claims_to: str = ""):
+    def __init__(self, respond, claims_to: str = "", notify=None):
         self.respond = respond
         self.calls = 0
+        self.notifies = 0  # Notify calls answered or under way
         peer = self
         real = pb_grpc.PeerServiceStub(grpc.insecure_channel(claims_to)) if claims_to else None
 
@@ -271,6 +273,12 @@ class FakePeer:
             def Handshake(self, request, context):
                 peer.calls += 1
                 return peer.respond(request, context)
+
+            def Notify(self, request, context):
+                if notify is None:
+                    context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
+                peer.notifies += 1
+                return notify(request, context)
 
             def Claim(self, request, context):
                 if real is None:
