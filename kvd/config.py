@@ -238,9 +238,10 @@ class Config:
     max_device_bytes_per_uid: int = _setting(0, "bytes of GPU memory the daemon allocates as staging mirrors of "
                                                 "one caller uid's CUDA registrations (staged or auto), on all "
                                                 "GPUs; 0: no cap of kvd's (each GPU's memory bounds it)")
-    max_handshakes: int = _setting(2048, "handshakes with remote workers in flight at once (one per local worker "
-                                         "and remote rank); one more fails its load (HANDSHAKE)")
-    max_handshakes_per_uid: int = _setting(512, "the same, for the workers of one owner uid")
+    max_handshakes: int = _setting(4096, "handshakes with remote workers in flight at once (one per local worker "
+                                         "and remote rank); one more fails its load (HANDSHAKE); handshakes "
+                                         "ahead of need take at most half")
+    max_handshakes_per_uid: int = _setting(1024, "the same, for the workers of one owner uid")
     max_aborts: int = _setting(1024, "AbortLoads (and empty loads' notifications to free) in flight at once, "
                                      "all sessions; one more AbortLoad is rejected")
     max_aborts_per_uid: int = _setting(256, "the same, per caller uid")

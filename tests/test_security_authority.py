@@ -671,3 +671,27 @@ def test_an_incompatible_sources_notifications_take_an_abort_slot_per_load(tmp_p
         _still_serving(d)
         assert d.stop() == 0
         fake.stop()
+
+
+def test_handshakes_ahead_of_need_take_at_most_half_of_the_caps():
+    """Handshakes ahead of need (an engine's other ranks and workers, made
+    when one load meets it) are optional: they stop at half of
+    max_handshakes / max_handshakes_per_uid, so a decode engine meeting many
+    prefill engines at once keeps room for its loads' own."""
+    from types import SimpleNamespace
+
+    from kvd.core.limits import Limits
+    from kvd.core.peers import Peers
+    from kvd.core.runtime import Runtime
+
+    peers = Peers(Runtime(Limits(max_handshakes=100, max_handshakes_per_uid=4)), link=None)
+    w = SimpleNamespace(owner=SimpleNamespace(uid=1000))
+    assert peers._no_room(w, ahead=True) is None
+    peers._handshakes_of[1000] = 2  # two in flight for uid 1000's workers
+    assert "max_handshakes_per_uid 4 (half of each for handshakes ahead of need)" in peers._no_room(w, ahead=True)
+    assert peers._no_room(w, ahead=False) is None  # a load's own still starts
+    peers._handshakes_of[1000] = 4
+    assert "max_handshakes_per_uid 4" in peers._no_room(w, ahead=False)
+    assert peers._no_room(SimpleNamespace(owner=SimpleNamespace(uid=1001)), ahead=True) is None  # another uid
+    peers._handshakes.update({i: None for i in range(50)})  # 50 of max_handshakes 100 in flight, all uids
+    assert "max_handshakes 100" in peers._no_room(SimpleNamespace(owner=None), ahead=True)

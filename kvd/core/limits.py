@@ -71,8 +71,9 @@ class Limits:
     # after the load that started it failed): one per local worker and
     # remote rank, so an engine that names a remote TP size of 256 starts
     # 256 a load (attacker review: 20 loads, 5,120 in flight, +230 MiB).
-    max_handshakes: int = 2048
-    max_handshakes_per_uid: int = 512      # of the local workers of one owner uid
+    # Handshakes ahead of need (Peers.warm) take at most half of each.
+    max_handshakes: int = 4096
+    max_handshakes_per_uid: int = 1024     # of the local workers of one owner uid
     max_aborts: int = 1024                  # AbortLoads in flight (each may wait a handshake timeout)
     max_aborts_per_uid: int = 256
     # Remote workers' liveness (kvd.core.liveness.Liveness.check): each remote is

@@ -42,6 +42,7 @@ from kvd.core.limits import BOUNDS
 from kvd.core.nixl_agent import SCRATCH_BYTES, NixlError, Unprepped, metadata_agent_name
 from kvd.core.runtime import Runtime
 from kvd.core.state import PROTOCOL_VERSION, HandshakeResult, PeerKey, PeerLink, RemoteWorker, WarmPeer, Worker
+from kvd.core.throttle import Throttled
 
 log = logging.getLogger("kvd.core")
 
@@ -179,6 +180,7 @@ class Peers:
         self.mirror = mirror
         self._handshakes: dict[tuple, asyncio.Future] = {}  # (local key, peer key) -> handshake task
         self._handshakes_of: dict[int, int] = {}  # owner uid (-1: none) -> handshake tasks in flight
+        self._ahead_skipped = Throttled(log)
         self._warming: set[asyncio.Task] = set()  # Limits.warm_peers handshakes, retried until one answers
         self._preparing: set[asyncio.Task] = set()  # descriptor lists prepared after a handshake
         self._wiring = asyncio.Lock()  # one agent load + warm-up READ at a time (WIRE_UP_WAIT_S)
@@ -518,6 +520,11 @@ class Peers:
                     continue
                 fut = self._handshakes.get((lw.key, key))
                 if fut is None:
+                    full = self._no_room(lw, ahead=True)
+                    if full:  # optional: the load that needs the pair makes it
+                        self._ahead_skipped.warning("%s: no handshake ahead of need with %s engine=%s rank=%d: %s",
+                                                    lw.label, *key, full)
+                        continue
                     fut = self._handshake_task(lw, key, tp_size, ahead=True)
                     fut.add_done_callback(
                         lambda f, lw=lw, key=key: f.cancelled() or f.exception() is None or log.info(
@@ -526,6 +533,22 @@ class Peers:
                 if lw is w:
                     running.append(fut)
         return running
+
+    def _no_room(self, w: Worker, ahead: bool) -> str | None:
+        """Why no handshake of ``w`` may start now, or None: ``max_handshakes``
+        in flight, or ``max_handshakes_per_uid`` of its owner's workers;
+        handshakes ahead of need (:meth:`warm`) only up to half of each, so
+        that the loads' own find room (a decode engine of TP 8 meeting 16
+        prefill engines of TP 8 at once warms 1,024 pairs)."""
+        uid = w.owner.uid if w.owner is not None else -1
+        lim, mine, total = self.rt.limits, self._handshakes_of.get(uid, 0), len(self._handshakes)
+        cap, cap_uid = (lim.max_handshakes // 2, lim.max_handshakes_per_uid // 2) if ahead else (
+            lim.max_handshakes, lim.max_handshakes_per_uid)
+        if total < cap and mine < cap_uid:
+            return None
+        return (f"{total} handshakes in flight ({mine} of uid {uid}'s workers): max_handshakes "
+                f"{lim.max_handshakes}, max_handshakes_per_uid {lim.max_handshakes_per_uid}"
+                + (" (half of each for handshakes ahead of need)" if ahead else ""))
 
     def _handshake_task(self, w: Worker, key: PeerKey, tp_size: int, ahead: bool = False) -> asyncio.Future:
         """The handshake of ``w`` with remote worker ``key``: the one running,
@@ -536,15 +559,14 @@ class Peers:
             # At most max_handshakes (per owner uid: _per_uid) in flight: each
             # may run to handshake_timeout_s after its load ended, and an
             # engine names how many remote ranks a load needs.
-            uid = w.owner.uid if w.owner is not None else -1
-            lim, mine = self.rt.limits, self._handshakes_of.get(uid, 0)
-            if len(self._handshakes) >= lim.max_handshakes or mine >= lim.max_handshakes_per_uid:
+            full = self._no_room(w, ahead)
+            if full:
                 fut = asyncio.get_running_loop().create_future()
-                fut.set_exception(PeerUnavailable(
-                    f"{len(self._handshakes)} handshakes in flight ({mine} of uid {uid}'s workers): max_handshakes "
-                    f"{lim.max_handshakes}, max_handshakes_per_uid {lim.max_handshakes_per_uid}"))
+                fut.set_exception(PeerUnavailable(full))
                 fut.add_done_callback(lambda f: f.exception())  # retrieved: its waiters report it
                 return fut
+            uid = w.owner.uid if w.owner is not None else -1
+            mine = self._handshakes_of.get(uid, 0)
             # One handshake per remote worker, shared by every request that
             # needs it. It runs to the daemon's handshake timeout; each request
             # waits for it only until its own deadline (a request
