@@ -230,3 +230,44 @@ def test_small_plans_index_the_same_rows_as_the_numpy_path(seed, monkeypatch):
             assert a.tolist() == b.tolist()
     with pytest.raises(plan.LayoutError):  # the checks come first on either path
         plan.chunk_indices([[5]], [[300]], 1, 128, 128, 1, 1)
+
+
+@pytest.mark.parametrize("p_tp,d_tp,heads,p_lay,d_lay,p_bs,d_bs", CASES)
+def test_chunk_rows_are_counted_before_they_are_made(p_tp, d_tp, heads, p_lay, d_lay, p_bs, d_bs, monkeypatch):
+    """``BOUNDS.max_chunk_rows`` is checked on a count made before any row:
+    the count is exactly the rows made (a bound of that many passes, one
+    fewer is refused), for every layout pair the transfer tests cover."""
+    import dataclasses
+
+    from kvd.core import plan as plan_mod
+    from kvd.core.limits import BOUNDS
+
+    mla = p_lay == "MLA"
+    for r in range(d_tp):
+        _, geo = make_rank(r, d_tp, heads, d_bs, d_lay, 4, 1, None)
+        for p in source_ranks(r, d_tp, p_tp, heads, mla)[0]:
+            _, pgeo = make_rank(p, p_tp, heads, p_bs, p_lay, 4, 1, None)
+            monkeypatch.setattr(plan_mod, "BOUNDS", BOUNDS)
+            n = len(chunks(geo, pgeo, 0))
+            monkeypatch.setattr(plan_mod, "BOUNDS", dataclasses.replace(BOUNDS, max_chunk_rows=n))
+            assert len(chunks(geo, pgeo, 0)) == n
+            if n == 1:
+                continue  # equal geometry: one row, made before any count
+            monkeypatch.setattr(plan_mod, "BOUNDS", dataclasses.replace(BOUNDS, max_chunk_rows=n - 1))
+            with pytest.raises(PlanError, match=f"{n} chunk rows per block for region 0"):
+                chunks(geo, pgeo, 0)
+
+
+def test_a_plan_of_millions_of_chunk_rows_is_refused_before_any_is_made():
+    """A layout sets how many rows a block's plan has: a block of 2**24
+    tokens against a layout of another order (one row per token and head)
+    held the daemon's event loop 76 s (attacker review). Refused at once."""
+    import time
+
+    big = 1 << 24
+    d = Geometry(0, 1, Layout(4, big, "HND", "int8", 1, 1, 1, (big,)), (Region(0, 0, big, big),), 1)
+    p = Geometry(0, 1, Layout(4, big, "NHD", "int8", 1, 1, 1, (big,)), (Region(0, 0, big, big),), 1)
+    t0 = time.monotonic()
+    with pytest.raises(PlanError, match="16777216 chunk rows per block for region 0 .* more than 65536"):
+        chunks(d, p, 0)
+    assert time.monotonic() - t0 < 1.0  # nothing was built: the rows would take ~18 s here

@@ -384,7 +384,8 @@ def test_a_registration_cancelled_meanwhile_frees_what_the_nixl_thread_made(monk
     call still ends there. Before, what it made stayed: cancelled staged
     registrations left 2 GiB of mirrors mapped, counted by no cap, and in
     /dev/shm after the daemon exited (attacker review). Now it is freed
-    when the call ends, and counted against the caps until then."""
+    when the call ends, counted against the caps until then, and the
+    daemon's shutdown waits for that (``Registry.released``)."""
     import asyncio
     import os
     import threading
@@ -430,11 +431,13 @@ def test_a_registration_cancelled_meanwhile_frees_what_the_nixl_thread_made(monk
         # Until the thread's call ends, what it makes still counts.
         with pytest.raises(ResourceExhausted):
             reg._check_caps(0, alice, 2 * size if where == "agent" else 0, 0 if where == "agent" else 2 * size)
+        # The daemon's shutdown waits for the frees (Node.close: released(),
+        # then the NIXL thread stops): the call ends meanwhile.
+        waiting = asyncio.get_running_loop().create_task(reg.released())
+        await asyncio.sleep(0.1)
+        assert not waiting.done()
         gate.set()
-        for _ in range(100):
-            await asyncio.sleep(0.05)
-            if not reg._releasing:
-                break
+        await asyncio.wait_for(waiting, 10)
         return before, made
 
     try:

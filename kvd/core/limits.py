@@ -168,6 +168,12 @@ class Bounds:
     # of n descriptors costs about the same either way (docs/PERFORMANCE.md,
     # "First contact").
     max_prepped_rows: int = 1 << 18
+    # Chunk rows one block of a pair's plan may need (kvd.core.plan): the
+    # rows are made per pair on the event loop (~1.1 us each), so a layout
+    # that makes millions (a block of 2**24 tokens against a layout of another
+    # order: 76 s, attacker review) is refused. vLLM layouts make at most a
+    # few thousand (a block's tokens x heads when the orders differ).
+    max_chunk_rows: int = 1 << 16
     # A handshake that failed as unreachable is tried once more only when the
     # request's deadline leaves at least this long (seconds).
     retry_handshake_min_s: float = 2.0

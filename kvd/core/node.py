@@ -170,6 +170,7 @@ class Node:
         await self.progress.stop()
         for key in list(self.rt.workers):
             await self.registry.unregister(key, reason="daemon shutting down", engine_gone=True)
+        await self.registry.released()  # cancelled registrations' agents and mirrors, on the NIXL thread
         self.rt.shutdown()
 
     # --------------------------------------------------------- registration

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvd.core.layout import Layout, LayoutError, Region
+from kvd.core.limits import BOUNDS
 
 DTYPE_BYTES = {
     "float32": 4, "float": 4, "fp32": 4,
@@ -237,6 +238,21 @@ def _region_chunks(local: Geometry, remote: Geometry, region: int) -> np.ndarray
     nh_l, nh_r = local.heads_per_rank, remote.heads_per_rank
     rows = []
     l_hnd, r_hnd = l.kv_layout == "HND", r.kv_layout == "HND"
+    # Counted before any is made: the rows are Python tuples, ~1.1 us and
+    # ~180 bytes each, made on the event loop, and the layouts (an engine's,
+    # a peer's) set their number: a block of 2**24 tokens against a layout
+    # of another order held the loop 76 s (attacker review).
+    if l_hnd and r_hnd:
+        parts = 2 if l.kv_in_block else 1
+        per_head = (hd // parts if l.k_dim_major else 1) + (parts - 1)
+        count = 1 if k == 1 else k * (b - a) * per_head
+    elif not l_hnd and not r_hnd and (a, b) == (la, lb) == (ra, rb):
+        count = k
+    else:
+        count = k * bs_r * (b - a)
+    if count > BOUNDS.max_chunk_rows:
+        raise PlanError(f"{count} chunk rows per block for region {region} (block sizes {bs_l} / {bs_r} tokens, "
+                        f"{b - a} heads, layouts {l.kv_layout} / {r.kv_layout}): more than {BOUNDS.max_chunk_rows}")
     if l_hnd and r_hnd:
         # [heads, tokens, head_dim]: per head, the source's tokens are one run.
         # kv_in_block: [heads, 2, tokens, hd / 2]: (head, K|V) is one run of

@@ -60,6 +60,7 @@ class Registry:
         # thread made their mirrors or agent: counted as _registering until
         # what the thread made is freed (_made_on_nixl_thread).
         self._releasing: dict[object, tuple[int | None, int, int, int]] = {}
+        self._release_tasks: set[asyncio.Task] = set()  # their frees, awaited at shutdown (released())
 
     async def register(
         self,
@@ -162,12 +163,14 @@ class Registry:
             name = f"kvd-{engine_id}-r{tp_rank}-{uuid.uuid4().hex[:8]}"
 
             async def free_made(made):
-                if made is not None:  # the agent first: its registrations name the mappings
-                    await self.rt.nixl(self._free_made_agent, *made)
-                for m in mappings:
-                    m.close()
-                for n in staging:
-                    unlink_shm(n)
+                try:
+                    if made is not None:  # the agent first: its registrations name the mappings
+                        await self.rt.nixl(self._free_made_agent, *made)
+                finally:  # whatever became of the agent, no mirror outlives the daemon
+                    for m in mappings:
+                        m.close()
+                    for n in staging:
+                        unlink_shm(n)
 
             try:
                 agent, regs, dlist = await self._made_on_nixl_thread(
@@ -272,8 +275,17 @@ class Registry:
                 finally:
                     del self._releasing[token]
 
-            asyncio.get_running_loop().create_task(free())
+            task = asyncio.get_running_loop().create_task(free())
+            self._release_tasks.add(task)
+            task.add_done_callback(self._release_tasks.discard)
             raise
+
+    async def released(self) -> None:
+        """Returns once what cancelled registrations made is freed (the
+        daemon's shutdown waits for it before it stops the NIXL thread,
+        which the frees use)."""
+        while self._release_tasks:
+            await asyncio.gather(*list(self._release_tasks), return_exceptions=True)
 
     def _free_made_agent(self, agent: NixlAgent, regs: list, dlist) -> None:
         """NIXL thread: frees an agent :meth:`_make_agent` made for a
