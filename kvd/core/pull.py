@@ -48,6 +48,13 @@ log = logging.getLogger("kvd.core")
 K = FailureKind
 
 
+def _caller_uid(w: Worker, uid: int | None) -> int:
+    """``uid`` (a session's caller), else the uid of ``w``'s owner (-1: none)."""
+    if uid is not None:
+        return uid
+    return w.owner.uid if w.owner is not None else -1
+
+
 class Pull:
     """Loads of every decode worker (``Worker.inflight``, ``Worker.pending_loads``).
 
@@ -116,8 +123,6 @@ class Pull:
         means the local TP size) and notifies all overlapping ones."""
         rid = req.request_id
         started = time.monotonic()
-        if uid is None:
-            uid = w.owner.uid if w.owner is not None else -1
         if epoch is None:
             epoch = w.session.epoch
         elif epoch != w.session.epoch:
@@ -138,7 +143,7 @@ class Pull:
             if req.remote_request_id and req.remote_address:
                 # The same slots as AbortLoad commands: each may wait a
                 # handshake timeout, so unbounded they pile up.
-                refused = self.rt.aborts.start(uid, lambda: self.abort_load(
+                refused = self.rt.aborts.start(_caller_uid(w, uid), lambda: self.abort_load(
                     w, rid, req.remote_engine_id, req.remote_address, req.remote_request_id, req.remote_tp_size))
                 if refused:
                     self.rt.dropped_warning.warning(
@@ -222,7 +227,7 @@ class Pull:
                         await self.peers.notify_by_rpc(req.remote_address, req.remote_engine_id, p,
                                                        req.remote_request_id, expected(p), deadline, w.label)
 
-                refused = self.rt.aborts.start(uid, notify_all)
+                refused = self.rt.aborts.start(_caller_uid(w, uid), notify_all)
                 if refused:
                     self.rt.dropped_warning.warning(
                         "%s request=%s: %s not told to free %s now (its lease ends it): %s", w.label, rid,
