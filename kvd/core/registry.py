@@ -133,7 +133,7 @@ class Registry:
                     raise SegmentError(f"a worker's segments must all be of one kind (got {sorted(kinds)})")
                 if vram:
                     async def close_opened(made):
-                        for m in made.mappings:
+                        for m in made.mappings if made is not None else ():
                             m.close()
 
                     cuda = await self._made_on_nixl_thread(
