@@ -239,12 +239,15 @@ class Config:
                                                 "one caller uid's CUDA registrations (staged or auto), on all "
                                                 "GPUs; 0: no cap of kvd's (each GPU's memory bounds it)")
     max_handshakes: int = _setting(4096, "handshakes with remote workers in flight at once (one per local worker "
-                                         "and remote rank); one more fails its load (HANDSHAKE); handshakes "
-                                         "ahead of need take at most half")
-    max_handshakes_per_uid: int = _setting(1024, "the same, for the workers of one owner uid")
-    max_aborts: int = _setting(1024, "AbortLoads (and empty loads' notifications to free) in flight at once, "
-                                     "all sessions; one more AbortLoad is rejected")
-    max_aborts_per_uid: int = _setting(256, "the same, per caller uid")
+                                         "and remote rank); one more fails its load (HANDSHAKE); those made in "
+                                         "advance, for the other ranks of an engine a load meets, take at most "
+                                         "half")
+    max_handshakes_per_uid: int = _setting(1024, "the same, for the workers registered by one uid; keep it at "
+                                                 "most half of max_handshakes")
+    max_aborts: int = _setting(1024, "requests to a prefill daemon to free blocks early in flight at once, all "
+                                     "sessions (an AbortLoad, or a load with nothing to read); one more AbortLoad "
+                                     "is rejected")
+    max_aborts_per_uid: int = _setting(256, "the same, for the sessions of one caller uid")
     log_level: str = _setting("info", "debug | info | warning | error")
     log_format: str = _setting("human", "human (one line of text) | json (one JSON object per line)")
 
