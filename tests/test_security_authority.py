@@ -687,11 +687,14 @@ def test_handshakes_ahead_of_need_take_at_most_half_of_the_caps():
     peers = Peers(Runtime(Limits(max_handshakes=100, max_handshakes_per_uid=4)), link=None)
     w = SimpleNamespace(owner=SimpleNamespace(uid=1000))
     assert peers._no_room(w, ahead=True) is None
-    peers._handshakes_of[1000] = 2  # two in flight for uid 1000's workers
+    done = [peers._counts.add(1000) for _ in range(2)]  # two in flight for uid 1000's workers
     assert "max_handshakes_per_uid 4 (half of each for handshakes ahead of need)" in peers._no_room(w, ahead=True)
     assert peers._no_room(w, ahead=False) is None  # a load's own still starts
-    peers._handshakes_of[1000] = 4
+    done += [peers._counts.add(1000) for _ in range(2)]
     assert "max_handshakes_per_uid 4" in peers._no_room(w, ahead=False)
     assert peers._no_room(SimpleNamespace(owner=SimpleNamespace(uid=1001)), ahead=True) is None  # another uid
-    peers._handshakes.update({i: None for i in range(50)})  # 50 of max_handshakes 100 in flight, all uids
+    done += [peers._counts.add(-1) for _ in range(46)]  # 50 of max_handshakes 100 in flight, all uids
     assert "max_handshakes 100" in peers._no_room(SimpleNamespace(owner=None), ahead=True)
+    for uncount in done:
+        uncount()
+    assert peers._counts.total == 0 and peers._no_room(w, ahead=True) is None

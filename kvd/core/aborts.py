@@ -19,7 +19,7 @@ import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from kvd.core.limits import Limits
+from kvd.core.limits import Limits, UidCounts
 
 
 class AbortSlots:
@@ -31,32 +31,16 @@ class AbortSlots:
 
     def __init__(self, limits: Limits):
         self.limits = limits
-        self._of: dict[int, int] = {}  # caller uid -> notifications in flight
-        self.total = 0
-
-    def in_flight(self, uid: int) -> int:
-        """Notifications of ``uid``'s engines in flight now."""
-        return self._of.get(uid, 0)
+        self.counts = UidCounts()  # by caller uid
 
     def start(self, uid: int, make: Callable[[], Coroutine[Any, Any, None]]) -> str | None:
         """Runs ``make()`` as a task in a slot of ``uid``; returns None, or,
         with no slot free, the reason (nothing is started: ``make`` is not
         called). The slot is freed when the task ends, however it ends."""
-        lim = self.limits
-        mine = self._of.get(uid, 0)
-        if self.total >= lim.max_aborts or mine >= lim.max_aborts_per_uid:
-            return (f"{self.total} aborts in flight ({mine} of uid {uid}): max_aborts {lim.max_aborts}, "
+        lim, n = self.limits, self.counts
+        if n.full(uid, lim.max_aborts, lim.max_aborts_per_uid):
+            return (f"{n.total} aborts in flight ({n.of(uid)} of uid {uid}): max_aborts {lim.max_aborts}, "
                     f"max_aborts_per_uid {lim.max_aborts_per_uid}")
-        self._of[uid] = mine + 1
-        self.total += 1
-
-        def done(_task: asyncio.Task) -> None:
-            self.total -= 1
-            left = self._of[uid] - 1
-            if left:
-                self._of[uid] = left
-            else:
-                del self._of[uid]
-
-        asyncio.get_running_loop().create_task(make()).add_done_callback(done)
+        task = asyncio.get_running_loop().create_task(make())
+        task.add_done_callback(n.add(uid))
         return None

@@ -191,3 +191,36 @@ class Bounds:
 
 
 BOUNDS = Bounds()
+
+
+class UidCounts:
+    """Things in flight (abort notifications, handshakes), counted per uid
+    and in all, for the ``max_*`` / ``max_*_per_uid`` pairs of
+    :class:`Limits`: :meth:`add` counts one and returns what uncounts it."""
+
+    def __init__(self) -> None:
+        self._of: dict[int, int] = {}
+        self.total = 0
+
+    def of(self, uid: int) -> int:
+        """In flight for ``uid`` now."""
+        return self._of.get(uid, 0)
+
+    def full(self, uid: int, cap: int, cap_uid: int) -> bool:
+        """True when ``cap`` are in flight in all, or ``cap_uid`` for ``uid``."""
+        return self.total >= cap or self._of.get(uid, 0) >= cap_uid
+
+    def add(self, uid: int):
+        """Counts one for ``uid``; returns ``done(*_)``, which uncounts it
+        (once: a task's done callback)."""
+        self._of[uid] = self._of.get(uid, 0) + 1
+        self.total += 1
+
+        def done(*_) -> None:
+            self.total -= 1
+            left = self._of[uid] - 1
+            if left:
+                self._of[uid] = left
+            else:
+                del self._of[uid]
+        return done

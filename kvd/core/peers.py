@@ -38,7 +38,7 @@ from kvd.core import plan
 from kvd.core.events import Incompatible, InvalidArgument, NotFound, PeerUnavailable, PermissionDenied
 from kvd.core.hold_mirror import HoldMirror
 from kvd.core.layout import LayoutError
-from kvd.core.limits import BOUNDS
+from kvd.core.limits import BOUNDS, UidCounts
 from kvd.core.nixl_agent import SCRATCH_BYTES, NixlError, Unprepped, metadata_agent_name
 from kvd.core.runtime import Runtime
 from kvd.core.state import PROTOCOL_VERSION, HandshakeResult, PeerKey, PeerLink, RemoteWorker, WarmPeer, Worker
@@ -157,6 +157,11 @@ def on_device(rows: np.ndarray, device: int) -> np.ndarray:
     return rows
 
 
+def _owner_uid(w: Worker) -> int:
+    """The uid that registered ``w`` (-1: registered without the gate)."""
+    return w.owner.uid if w.owner is not None else -1
+
+
 def _said(e: BaseException) -> str:
     """An error as ``kvd status`` shows it: its text, at most 200 characters."""
     text = str(e) or type(e).__name__
@@ -179,7 +184,7 @@ class Peers:
         self.link = link
         self.mirror = mirror
         self._handshakes: dict[tuple, asyncio.Future] = {}  # (local key, peer key) -> handshake task
-        self._handshakes_of: dict[int, int] = {}  # owner uid (-1: none) -> handshake tasks in flight
+        self._counts = UidCounts()  # handshake tasks by owner uid (-1: none)
         self._ahead_skipped = Throttled(log)
         self._warming: set[asyncio.Task] = set()  # Limits.warm_peers handshakes, retried until one answers
         self._preparing: set[asyncio.Task] = set()  # descriptor lists prepared after a handshake
@@ -540,13 +545,12 @@ class Peers:
         handshakes ahead of need (:meth:`warm`) only up to half of each, so
         that the loads' own find room (a decode engine of TP 8 meeting 16
         prefill engines of TP 8 at once warms 1,024 pairs)."""
-        uid = w.owner.uid if w.owner is not None else -1
-        lim, mine, total = self.rt.limits, self._handshakes_of.get(uid, 0), len(self._handshakes)
+        uid, lim, n = _owner_uid(w), self.rt.limits, self._counts
         cap, cap_uid = (lim.max_handshakes // 2, lim.max_handshakes_per_uid // 2) if ahead else (
             lim.max_handshakes, lim.max_handshakes_per_uid)
-        if total < cap and mine < cap_uid:
+        if not n.full(uid, cap, cap_uid):
             return None
-        return (f"{total} handshakes in flight ({mine} of uid {uid}'s workers): max_handshakes "
+        return (f"{n.total} handshakes in flight ({n.of(uid)} of uid {uid}'s workers): max_handshakes "
                 f"{lim.max_handshakes}, max_handshakes_per_uid {lim.max_handshakes_per_uid}"
                 + (" (half of each for handshakes ahead of need)" if ahead else ""))
 
@@ -565,23 +569,17 @@ class Peers:
                 fut.set_exception(PeerUnavailable(full))
                 fut.add_done_callback(lambda f: f.exception())  # retrieved: its waiters report it
                 return fut
-            uid = w.owner.uid if w.owner is not None else -1
-            mine = self._handshakes_of.get(uid, 0)
             # One handshake per remote worker, shared by every request that
             # needs it. It runs to the daemon's handshake timeout; each request
             # waits for it only until its own deadline (a request
             # that joined another's handshake once ended seconds late).
             fut = asyncio.get_running_loop().create_task(self._do_handshake(w, key, tp_size, ahead))
             self._handshakes[fkey] = fut
-            self._handshakes_of[uid] = mine + 1
+            uncount = self._counts.add(_owner_uid(w))
 
             def done(f: asyncio.Future) -> None:
                 self._handshakes.pop(fkey, None)
-                left = self._handshakes_of[uid] - 1
-                if left:
-                    self._handshakes_of[uid] = left
-                else:
-                    del self._handshakes_of[uid]
+                uncount()
                 if not f.cancelled():
                     f.exception()  # retrieved: its waiters report it, asyncio need not log it
 

@@ -111,6 +111,18 @@ class Pull:
                 self.rt.fail_load(w, req.request_id, req.local_block_ids, K.INTERNAL,
                                   f"internal: {type(e).__name__}: {e}", req.remote_address)
 
+    def _free_early(self, w: Worker, req: LoadRequest, uid: int | None, make) -> None:
+        """Runs ``make()``, which tells ``req``'s source to free its blocks
+        now, in an abort slot of ``uid`` (``kvd.core.aborts``: the slots of
+        AbortLoad commands; each may wait a handshake timeout, so unbounded
+        they pile up); with none free the source is not told (its lease
+        ends the hold), said at most once a second."""
+        refused = self.rt.aborts.start(_caller_uid(w, uid), make)
+        if refused:
+            self.rt.dropped_warning.warning("%s request=%s: %s not told to free %s now (its lease ends it): %s",
+                                            w.label, req.request_id, req.remote_address, req.remote_request_id,
+                                            refused)
+
     def _fail(self, w: Worker, req: LoadRequest, kind: FailureKind, reason: str) -> None:
         self.rt.fail_load(w, req.request_id, req.local_block_ids, kind, reason, req.remote_address)
 
@@ -141,14 +153,8 @@ class Pull:
             # will read, so it frees its blocks now rather than at lease end.
             self.rt.emit(w, RecvDone(rid, 0, 0, 0, 0.0))
             if req.remote_request_id and req.remote_address:
-                # The same slots as AbortLoad commands: each may wait a
-                # handshake timeout, so unbounded they pile up.
-                refused = self.rt.aborts.start(_caller_uid(w, uid), lambda: self.abort_load(
+                self._free_early(w, req, uid, lambda: self.abort_load(
                     w, rid, req.remote_engine_id, req.remote_address, req.remote_request_id, req.remote_tp_size))
-                if refused:
-                    self.rt.dropped_warning.warning(
-                        "%s request=%s: nothing to load; %s not told to free %s now (its lease ends it): %s",
-                        w.label, rid, req.remote_address, req.remote_request_id, refused)
             return
         limit = self.rt.limits.max_blocks_per_request
         local_ids = req.local_block_ids
@@ -219,19 +225,15 @@ class Pull:
             except Incompatible as e:
                 # Nobody will ever read these blocks: free them on the source
                 # now (by gRPC: there is no NIXL pair), not at its lease's end;
-                # one task walking the ranks, in an abort slot (an engine names
-                # how many ranks: one task per rank made 4,272 calls in flight
-                # from 20 loads, attacker review).
+                # one task walking the ranks (an engine names how many ranks:
+                # one task per rank made 4,272 calls in flight from 20 loads,
+                # attacker review).
                 async def notify_all() -> None:
                     for p in notify:
                         await self.peers.notify_by_rpc(req.remote_address, req.remote_engine_id, p,
                                                        req.remote_request_id, expected(p), deadline, w.label)
 
-                refused = self.rt.aborts.start(_caller_uid(w, uid), notify_all)
-                if refused:
-                    self.rt.dropped_warning.warning(
-                        "%s request=%s: %s not told to free %s now (its lease ends it): %s", w.label, rid,
-                        req.remote_address, req.remote_request_id, refused)
+                self._free_early(w, req, uid, notify_all)
                 return self._fail(w, req, K.HANDSHAKE, f"handshake: {e}")
             except (NotFound, PeerUnavailable, InvalidArgument) as e:
                 return self._fail(w, req, K.HANDSHAKE, f"handshake: {e}")

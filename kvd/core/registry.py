@@ -57,10 +57,10 @@ class Registry:
         # workers at once past max_workers_per_uid 32).
         self._registering: dict[WorkerKey, tuple[int | None, int, int, int]] = {}
         # Registrations cancelled (the caller's deadline) while the NIXL
-        # thread made their mirrors or agent: counted as _registering until
-        # what the thread made is freed (_made_on_nixl_thread).
-        self._releasing: dict[object, tuple[int | None, int, int, int]] = {}
-        self._release_tasks: set[asyncio.Task] = set()  # their frees, awaited at shutdown (released())
+        # thread made their mirrors or agent: the task that frees what it made
+        # -> the registration's reservation, counted as _registering until
+        # then (_made_on_nixl_thread); awaited at shutdown (released()).
+        self._releasing: dict[asyncio.Task, tuple[int | None, int, int, int]] = {}
 
     async def register(
         self,
@@ -260,9 +260,6 @@ class Registry:
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
-            token = object()
-            self._releasing[token] = self._registering[key]
-
             async def free() -> None:
                 try:
                     try:
@@ -272,20 +269,18 @@ class Registry:
                     await release(made)
                 except Exception:
                     log.exception("registration of %s/%d cancelled: freeing what it made failed", *key)
-                finally:
-                    del self._releasing[token]
 
             task = asyncio.get_running_loop().create_task(free())
-            self._release_tasks.add(task)
-            task.add_done_callback(self._release_tasks.discard)
+            self._releasing[task] = self._registering[key]
+            task.add_done_callback(self._releasing.pop)
             raise
 
     async def released(self) -> None:
         """Returns once what cancelled registrations made is freed (the
         daemon's shutdown waits for it before it stops the NIXL thread,
         which the frees use)."""
-        while self._release_tasks:
-            await asyncio.gather(*list(self._release_tasks), return_exceptions=True)
+        while self._releasing:
+            await asyncio.gather(*list(self._releasing), return_exceptions=True)
 
     def _free_made_agent(self, agent: NixlAgent, regs: list, dlist) -> None:
         """NIXL thread: frees an agent :meth:`_make_agent` made for a
