@@ -232,6 +232,78 @@ def test_bad_frames_close_the_connection_and_the_daemon_serves_on(daemon, bad):
     assert daemon.proc.poll() is None
 
 
+def test_a_grpc_clients_refusal_is_not_cut_when_the_session_ends_in_the_same_pass():
+    """The preface read one pass after the connection's session task started
+    (its first command's wait begun, not yet run): the refusal cancels that
+    task and ends its commands in one pass, and a wait that lets the end win
+    (Python 3.11's ``wait_for`` did) comes out as "no OpenSession". The session must
+    not answer in frames and close: the refusal owns the connection and
+    answers the call that comes next. Before, it closed it, and the client
+    saw UNAVAILABLE ("Connection reset by peer"): 4 in 400 raw connections,
+    and a CI run's ``grpc`` call above."""
+    import asyncio
+    import types
+
+    from kvd.daemon import command_socket as cs
+    from kvd.daemon.engine_service import EngineService
+    from kvd.daemon.h2_refusal import PREFACE, _frame
+    from kvd.daemon.local_gate import Caller
+
+    class Transport:
+        def __init__(self):
+            self.writes: list[bytes] = []
+            self.closed = False
+
+        def write(self, data):
+            self.writes.append(bytes(data))
+
+        def is_closing(self):
+            return self.closed
+
+        def close(self):
+            self.closed = True
+
+        abort = close
+
+        def can_write_eof(self):  # the refusal closes at once after its answer (no linger here)
+            return False
+
+        def get_write_buffer_size(self):
+            return 0
+
+        def set_write_buffer_limits(self, high):
+            pass
+
+        def pause_reading(self):
+            pass
+
+        def resume_reading(self):
+            pass
+
+    async def main():
+        caller = Caller(pid=1, uid=os.getuid(), gid=os.getgid(), gids=frozenset(), admitted=True)
+        service = types.SimpleNamespace(session_events=lambda *a: EngineService.session_events(None, *a))
+        gate = types.SimpleNamespace(admit=lambda t, what: caller, idle_timeout_s=10.0, path="/run/kvd/kvd.sock",
+                                     leave=lambda uid: None)
+        owner = types.SimpleNamespace(max_message_bytes=1 << 20, connections=set(), partial={}, gate=gate,
+                                      service=service, shape=None, warn=types.SimpleNamespace(warning=lambda *a: None))
+        conn = cs._Connection(owner)
+        t = Transport()
+        conn.connection_made(t)
+        await asyncio.sleep(0)  # the session task's first step: its wait for the first command begins
+        conn.data_received(PREFACE)
+        for _ in range(5):
+            await asyncio.sleep(0)  # the session task ends
+        assert conn.task.done()
+        assert not t.closed, "the session closed the refused connection"
+        conn.data_received(_frame(0x4, 0, 0) + _frame(0x1, 0x4 | 0x1, 1, b"\x83\x86"))
+        answer = b"".join(t.writes)
+        assert answer.startswith(_frame(0x4, 0, 0)), answer  # the refusal's SETTINGS, no session frame before
+        assert b"grpc-status" in answer and b"command socket" in answer and t.closed, answer
+        conn.connection_lost(None)
+
+    asyncio.run(main())
+
 def test_a_grpc_client_on_the_command_socket_is_told_the_engine_sockets_path(daemon):
     """``kvd status --socket X.cmd`` (or any gRPC client) on the command
     socket: its call is answered FAILED_PRECONDITION naming the engine

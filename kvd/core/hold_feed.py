@@ -238,8 +238,9 @@ class HoldFeed:
                 raise ResourceExhausted(f"holds: {MAX_WAITING} polls wait on engine {self.engine_id!r} already")
             self.waiting += 1
             try:
-                await asyncio.wait_for(self._changed.wait(), wait_s)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(wait_s):
+                    await self._changed.wait()
+            except TimeoutError:
                 pass
             finally:
                 self.waiting -= 1

@@ -235,8 +235,9 @@ class Holds:
                                        f"blocks for request {request_id!r}")
             waited = True
             try:
-                await asyncio.wait_for(w.hold_added.wait(), left)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(left):
+                    await w.hold_added.wait()
+            except TimeoutError:
                 pass
         if waited:
             # A reader asked before the engine's hold came (vLLM sends it a

@@ -115,9 +115,9 @@ class OwnAddresses:
             ips = [ipaddress.ip_address(host.split("%")[0])]
         except ValueError:
             try:
-                infos = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(
-                    host, self.port, type=socket.SOCK_STREAM), RESOLVE_TIMEOUT_S)
-            except (OSError, asyncio.TimeoutError, UnicodeError):
+                async with asyncio.timeout(RESOLVE_TIMEOUT_S):
+                    infos = await asyncio.get_running_loop().getaddrinfo(host, self.port, type=socket.SOCK_STREAM)
+            except (OSError, TimeoutError, UnicodeError):
                 return address
             ips = [ipaddress.ip_address(i[4][0].split("%")[0]) for i in infos]
         return self.advertised if any(self.accepts(ip) for ip in ips) else address

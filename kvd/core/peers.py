@@ -228,8 +228,9 @@ class Peers:
                 if self._unpaired(w, address, engine_id, tp_size):
                     break
                 try:
-                    await asyncio.wait_for(state.dropped.wait(), self.rt.limits.peer_check_s)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(self.rt.limits.peer_check_s):
+                        await state.dropped.wait()
+                except TimeoutError:
                     pass
             else:
                 return
@@ -594,8 +595,9 @@ class Peers:
         if r is None:
             fut = self._handshake_task(w, key, tp_size)
             try:
-                r = await asyncio.wait_for(asyncio.shield(fut), max(0.0, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    r = await asyncio.shield(fut)
+            except TimeoutError:
                 raise PeerUnavailable(f"{address}: no handshake answer by the request's deadline") from None
             fresh = True
         if r.tp_size != tp_size:  # a cached remote, or a handshake another request started

@@ -180,8 +180,9 @@ class Progress:
             busy = bool(self.push.writes) or any(w.inflight for w in rt.workers.values())
             rt.kick.clear()
             try:
-                await asyncio.wait_for(rt.kick.wait(), rt.limits.poll_busy_s if busy else rt.limits.poll_idle_s)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(rt.limits.poll_busy_s if busy else rt.limits.poll_idle_s):
+                    await rt.kick.wait()
+            except TimeoutError:
                 pass
 
     def _keep(self, w, remote_agent: str, msg: bytes) -> None:

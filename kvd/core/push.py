@@ -136,9 +136,9 @@ class Push:
                 return await link.push(req.remote_address, order, order.timeout_s)
 
         try:
-            results = await asyncio.wait_for(asyncio.gather(*(one(p) for p in notify)),
-                                             max(0.1, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
+                results = await asyncio.gather(*(one(p) for p in notify))
+        except TimeoutError:
             return FailureKind.TIMEOUT, "timeout: push not done by the deadline"
         except (Incompatible, NotFound, PeerUnavailable, InvalidArgument, ResourceExhausted) as e:
             return FailureKind.PUSH, f"push: {e}"

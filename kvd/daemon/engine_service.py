@@ -346,8 +346,9 @@ class EngineService(pb_grpc.EngineServiceServicer):
         """
         it = commands.__aiter__()
         try:
-            first = await asyncio.wait_for(it.__anext__(), timeout=BOUNDS.open_session_timeout_s)
-        except (StopAsyncIteration, asyncio.TimeoutError):
+            async with asyncio.timeout(BOUNDS.open_session_timeout_s):
+                first = await it.__anext__()
+        except (StopAsyncIteration, TimeoutError):
             raise SessionRefused(grpc.StatusCode.INVALID_ARGUMENT,
                                  f"session: no OpenSession within {BOUNDS.open_session_timeout_s:g} s") from None
         if first.WhichOneof("command") != "open":
