@@ -345,6 +345,7 @@ class Config:
             v = getattr(self, key)
             if not low <= v <= high:
                 raise self._error(key, f"{v} out of range {low}..{high}")
+        self.warnings.extend(self._share_warnings())
         self.log_level = self.log_level.lower()
         self.log_format = self.log_format.lower()
         if self.log_level not in LOG_LEVELS:
@@ -352,6 +353,27 @@ class Config:
         if self.log_format not in LOG_FORMATS:
             raise self._error("log_format", f"{self.log_format!r} is not {' | '.join(LOG_FORMATS)}")
         return self
+
+    def _share_warnings(self) -> list[str]:
+        """Warnings for per-uid caps that let one uid take all of a shared
+        cap (the other users' engines are refused while it does): legal,
+        and what a single-tenant node may want, so not an error. Handshakes
+        made in advance take at most half of either cap
+        (``kvd.core.peers``), so a per-uid handshake cap over half of
+        ``max_handshakes`` lets one uid's warm-ups fill that half."""
+        out = []
+        for total, per_uid, share in (("max_engine_connections", "max_engine_connections_per_uid", 1),
+                                      ("max_workers", "max_workers_per_uid", 1),
+                                      ("max_descriptors", "max_descriptors_per_uid", 1),
+                                      ("max_aborts", "max_aborts_per_uid", 1),
+                                      ("max_handshakes", "max_handshakes_per_uid", 2)):
+            limit = getattr(self, total) // share
+            if getattr(self, per_uid) > limit:
+                half = "half of " if share == 2 else ""
+                out.append(f"{per_uid} {getattr(self, per_uid)} is more than {half}{total} "
+                           f"{getattr(self, total)}: one uid can take all of it, and other users' engines are "
+                           f"refused while it does (keep it at most {limit})")
+        return out
 
     def _check_engine_socket(self) -> None:
         """Checks ``engine_socket`` as the daemon binds it: absolute, short

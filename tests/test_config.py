@@ -300,6 +300,19 @@ def test_a_misspelt_environment_variable_is_reported_not_silently_ignored():
     assert r.returncode == 0 and "did you mean KVD_LEASE_S" in r.stderr
 
 
+def test_a_per_uid_cap_that_lets_one_uid_take_a_whole_shared_cap_is_warned_about():
+    assert load_config(environ={}).warnings == []  # the defaults share
+    cfg = load_config(environ={"KVD_MAX_WORKERS_PER_UID": "100", "KVD_MAX_HANDSHAKES_PER_UID": "3000"})
+    assert cfg.max_workers_per_uid == 100  # applied: a single-tenant node may want it
+    assert any(w.startswith("max_workers_per_uid 100 is more than max_workers 64") for w in cfg.warnings), \
+        cfg.warnings
+    assert any("max_handshakes_per_uid 3000 is more than half of max_handshakes 4096" in w and "at most 2048" in w
+               for w in cfg.warnings), cfg.warnings
+    assert len(cfg.warnings) == 2
+    r = _kvd("serve", "--print-config", env={"KVD_MAX_ABORTS_PER_UID": "2000"})
+    assert r.returncode == 0 and "warning: max_aborts_per_uid 2000 is more than max_aborts 1024" in r.stderr, \
+        r.stderr
+
 def test_a_daemon_runs_with_the_poll_intervals_given(tmp_path):
     """--poll-busy-s / --poll-idle-s become the core's Limits (a daemon that
     could not build them would not serve) and --print-config shows them."""
