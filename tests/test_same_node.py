@@ -128,7 +128,7 @@ def test_a_copy_past_its_deadline_stops_between_pieces_and_no_byte_lands_after_i
     try:
         ids = list(range(shape.num_blocks))
         p.hold("late-p", ids)
-        time.sleep(0.2)  # the hold is in: the load's time goes to its copy, not to a wait for it
+        p.held("late-p", ids)  # the hold is in: the load's time goes to its copy, not to a wait for it
         d.load("late-d", ids, p, ids, "late-p", timeout_s=0.004)
         ev = d.wait("late-d")
         assert event_kind(ev) == "load_failed" and "timeout" in ev.load_failed.reason, ev

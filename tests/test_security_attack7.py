@@ -128,7 +128,7 @@ def test_a_push_whose_reader_has_a_huge_segment_index_is_refused_naming_it(pd):
     the loop 0.6 s and peaked +520 MiB. Now INVALID_ARGUMENT naming the field."""
     d, p, _ = pd
     p.hold("push-seg", [1])
-    time.sleep(0.3)
+    p.held("push-seg", [1])  # a Push waits for no hold
     reader = describe(d, p)
     ch = grpc.insecure_channel(d.peer_address)
     try:

@@ -92,6 +92,7 @@ def source(tmp_path, *flags: str):
     stub = pb_grpc.PeerServiceStub(ch)
     try:
         e.hold("req", [1, 2], lease_s=600)
+        e.held("req", [1, 2])  # a Push waits for no hold: the first push met NOT_FOUND once on a busy machine
         real = stub.Handshake(pb.HandshakeRequest(engine_id=e.engine_id, tp_rank=0,
                                                   compat_hash=e.registered.compat_hash, protocol_version=1),
                               timeout=10)

@@ -241,6 +241,17 @@ class Engine:
         second lease, as a prefill worker does."""
         self.session.send(hold=pb.HoldBlocks(request_id=request_id, groups=one_group(block_ids), lease_s=lease_s))
 
+    def held(self, request_id: str, block_ids, timeout_s: float = 10.0) -> None:
+        """Returns once the daemon holds ``block_ids`` for ``request_id``
+        (a hold is a session command, not answered): asked as a reader's
+        daemon asks, ``PeerService.Claim`` with a wait. For a test that calls
+        the source's PeerService itself (a Push waits for no hold). Raises
+        grpc.RpcError (PERMISSION_DENIED: not held within ``timeout_s``)."""
+        with grpc.insecure_channel(self.daemon.peer_address) as ch:
+            pb_grpc.PeerServiceStub(ch).Claim(pb.ClaimRequest(
+                engine_id=self.engine_id, tp_rank=self.rank, request_id=request_id, groups=one_group(block_ids),
+                wait_s=timeout_s), timeout=timeout_s + 5)
+
     def release(self, request_id: str) -> None:
         """Ends the lease of ``request_id`` (the daemon answers send_done(released))."""
         self.session.send(release=pb.ReleaseBlocks(request_id=request_id))
