@@ -136,6 +136,39 @@ def test_a_stopped_daemon_leaves_no_empty_directory_it_made(tmp_path, sig):
     assert not made.exists(), list(made.rglob("*"))
 
 
+STOP_WHILE_STARTING = """
+import os, signal, sys
+from kvd.daemon import local_gate
+
+made = local_gate.Gate.open
+
+async def open_then_stop(self):
+    await made(self)
+    os.kill(os.getpid(), int(sys.argv[2]))  # a stop asked the moment the engine socket exists
+
+local_gate.Gate.open = open_then_stop
+from kvd.cli import main
+sys.exit(main(["serve", "--peer-listen", "127.0.0.1:0", "--engine-socket", sys.argv[1]]))
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_asked_while_the_daemon_starts_stops_it_once_started(tmp_path, sig):
+    """SIGTERM or SIGINT between the engine socket's creation and the end of
+    startup: the daemon finishes starting, then stops as at any other time
+    (exit 0, its sockets and directories gone). Before, its handlers came
+    last: SIGTERM killed it with everything left, and a SIGINT, ignored in a
+    process a shell without job control starts in the background, was lost
+    (a fresh clone's ``test_a_stopped_daemon_leaves_no_empty_directory_it_made``
+    waited 60 s on a daemon serving on)."""
+    sock = tmp_path / "new" / "run" / "k.sock"
+    r = subprocess.run([sys.executable, "-c", STOP_WHILE_STARTING, str(sock), str(int(sig))], capture_output=True,
+                       text=True, timeout=60, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, (r.returncode, out)
+    assert f"received {sig.name}, shutting down" in out and "kvd stopped" in out, out
+    assert not (tmp_path / "new").exists(), list((tmp_path / "new").rglob("*"))
+
 def test_a_failed_startup_keeps_a_directory_it_made_once_something_else_is_in_it(tmp_path):
     from kvd.daemon.server import make_socket_dir, remove_made_dirs
 

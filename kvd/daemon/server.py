@@ -243,13 +243,24 @@ class Server:
 
     async def startup(self) -> None:
         """Binds the peer port, the engine socket and the metrics endpoint, starts
-        the services, installs signal handlers and tells systemd READY. Raises
+        the services and tells systemd READY; SIGTERM and SIGINT are handled
+        from its start (a stop asked meanwhile stops the daemon once started). Raises
         OSError when a port or socket cannot be bound, the engine socket path is
         not a socket or another daemon serves on it; ConfigError for a NIXL
         backend that cannot be used."""
         cfg = self.config
         for w in cfg.warnings + secret_file_warnings(cfg):  # first: before anything is bound or served
             log.warning("%s", w)
+        # Before anything is bound: a stop asked while the daemon starts (a
+        # supervisor's SIGTERM, a SIGINT once the engine socket exists) stops
+        # it once started, through the same shutdown. Handlers added at the
+        # end left a window where SIGTERM's default action killed it with its
+        # sockets and directories left, and a SIGINT was lost (a shell without
+        # job control starts background processes with SIGINT ignored): a
+        # test's daemon ran on, once in a fresh clone.
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.handle_exit, sig)
         host, port = parse_host_port(cfg.peer_listen, "peer_listen")
         limits = Limits(lease_s=cfg.lease_s, max_lease_life_s=cfg.max_lease_life_s,
                         transfer_timeout_s=cfg.transfer_timeout_s, handshake_timeout_s=cfg.handshake_timeout_s,
@@ -388,9 +399,6 @@ class Server:
         for health in (self.peer_health, self.engine_health):
             for svc in ("", ENGINE_SERVICE, PEER_SERVICE):
                 await health.set(svc, health_pb2.HealthCheckResponse.SERVING)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.handle_exit, sig)
         # Ours, not UCX's (it may take SIGHUP when an agent is made) nor the
         # default action (exit): there is nothing to reload.
         loop.add_signal_handler(signal.SIGHUP, self.handle_hup)
