@@ -75,6 +75,42 @@ def _registered_client(d, eng: Engine, **kw) -> EngineClient:
 ON = ("--command-socket", "true")  # whatever KVD_COMMAND_SOCKET the suite runs with
 
 
+class WritesTransport:
+    """A stand-in asyncio transport for a connection driven in-process: keeps
+    what is written; ``can_write_eof`` False, so a rejection or a refusal
+    closes at once (no lingering half-close to time)."""
+
+    def __init__(self):
+        self.writes: list[bytes] = []
+        self.closing = False
+
+    def write(self, data):
+        self.writes.append(bytes(data))
+
+    def is_closing(self):
+        return self.closing
+
+    def close(self):
+        self.closing = True
+
+    abort = close
+
+    def can_write_eof(self):
+        return False
+
+    def get_write_buffer_size(self):
+        return 0
+
+    def set_write_buffer_limits(self, high):
+        pass
+
+    def pause_reading(self):
+        pass
+
+    def resume_reading(self):
+        pass
+
+
 @pytest.fixture
 def daemon(tmp_path):
     """One running daemon that offers the command socket."""
@@ -249,37 +285,6 @@ def test_a_grpc_clients_refusal_is_not_cut_when_the_session_ends_in_the_same_pas
     from kvd.daemon.h2_refusal import PREFACE, _frame
     from kvd.daemon.local_gate import Caller
 
-    class Transport:
-        def __init__(self):
-            self.writes: list[bytes] = []
-            self.closed = False
-
-        def write(self, data):
-            self.writes.append(bytes(data))
-
-        def is_closing(self):
-            return self.closed
-
-        def close(self):
-            self.closed = True
-
-        abort = close
-
-        def can_write_eof(self):  # the refusal closes at once after its answer (no linger here)
-            return False
-
-        def get_write_buffer_size(self):
-            return 0
-
-        def set_write_buffer_limits(self, high):
-            pass
-
-        def pause_reading(self):
-            pass
-
-        def resume_reading(self):
-            pass
-
     async def main():
         caller = Caller(pid=1, uid=os.getuid(), gid=os.getgid(), gids=frozenset(), admitted=True)
         service = types.SimpleNamespace(session_events=lambda *a: EngineService.session_events(None, *a))
@@ -288,18 +293,18 @@ def test_a_grpc_clients_refusal_is_not_cut_when_the_session_ends_in_the_same_pas
         owner = types.SimpleNamespace(max_message_bytes=1 << 20, connections=set(), partial={}, gate=gate,
                                       service=service, shape=None, warn=types.SimpleNamespace(warning=lambda *a: None))
         conn = cs._Connection(owner)
-        t = Transport()
+        t = WritesTransport()
         conn.connection_made(t)
         await asyncio.sleep(0)  # the session task's first step: its wait for the first command begins
         conn.data_received(PREFACE)
         for _ in range(5):
             await asyncio.sleep(0)  # the session task ends
         assert conn.task.done()
-        assert not t.closed, "the session closed the refused connection"
+        assert not t.closing, "the session closed the refused connection"
         conn.data_received(_frame(0x4, 0, 0) + _frame(0x1, 0x4 | 0x1, 1, b"\x83\x86"))
         answer = b"".join(t.writes)
         assert answer.startswith(_frame(0x4, 0, 0)), answer  # the refusal's SETTINGS, no session frame before
-        assert b"grpc-status" in answer and b"command socket" in answer and t.closed, answer
+        assert b"grpc-status" in answer and b"command socket" in answer and t.closing, answer
         conn.connection_lost(None)
 
     asyncio.run(main())
@@ -705,25 +710,6 @@ def test_events_of_one_pass_go_out_in_one_write_in_order():
 
     from kvd.daemon import command_socket as cs
 
-    class Transport:
-        def __init__(self):
-            self.writes: list[bytes] = []
-            self.closing = False
-
-        def write(self, data):
-            self.writes.append(bytes(data))
-
-        def is_closing(self):
-            return self.closing
-
-        def close(self):
-            self.closing = True
-
-        abort = close
-
-        def can_write_eof(self):  # a rejection then closes at once (no lingering half-close)
-            return False
-
     def event(i: int, pad: int = 0) -> pb.SessionEvent:
         return pb.SessionEvent(recv_done=pb.RecvDone(request_id=f"r{i}" + "x" * pad))
 
@@ -736,7 +722,7 @@ def test_events_of_one_pass_go_out_in_one_write_in_order():
         owner = types.SimpleNamespace(max_message_bytes=1 << 20, connections=set(),
                                       warn=types.SimpleNamespace(warning=lambda fmt, *a: warned.append(fmt % a)))
         conn = cs._Connection(owner)
-        t = conn.transport = Transport()
+        t = conn.transport = WritesTransport()
         assert all(conn._write_event(event(i)) for i in range(3))
         assert t.writes == []  # taken, not written yet: the pass goes on
         await asyncio.sleep(0)
@@ -777,7 +763,7 @@ def test_events_of_one_pass_go_out_in_one_write_in_order():
         # A write that fails ends the connection (the engine sees it break and
         # fails its loads) rather than losing the events unseen.
         conn = cs._Connection(owner)
-        t = conn.transport = Transport()
+        t = conn.transport = WritesTransport()
 
         def broken(data):
             raise RuntimeError("write failed")

@@ -356,7 +356,11 @@ class _Connection(asyncio.Protocol):
         541,676,112 bytes and the client saw only "Failed parsing HTTP/2"."""
         self.owner.warn.warning("%s: %s is a gRPC client; answered with the engine socket's path", WHAT,
                                 self.caller)
-        self.task.cancel()  # no session: it would answer in frames and close before the refusal is sent
+        # No session: it would answer in frames and close before the refusal
+        # is sent. Its cancellation must not be lost to the commands' end in
+        # the same pass (Python 3.11's wait_for lost it: the session's first
+        # wait is asyncio.timeout, in its own task).
+        self.task.cancel()
         self.commands.abort()
         self.commands = None
         loop = asyncio.get_running_loop()
@@ -531,21 +535,12 @@ class _Connection(asyncio.Protocol):
                     if self._drained is not None:
                         await self._drained
         except SessionRefused as r:
-            # A gRPC client's refusal owns the connection. _refuse_grpc
-            # cancels this task and ends its commands in one pass; a wait
-            # that lets the end win (Python 3.11's wait_for did, here once)
-            # came out as "no OpenSession", and its frame and close cut the
-            # refusal's answer: 4 in 400 raw calls, and a CI run's.
-            if self.refusal is not None:
-                return
             log.info("%s: session of %s refused: %s", WHAT, self.caller, r)
             self._flush()
             if not t.is_closing():
                 t.write(_rejected(str(r)))
         except Exception:  # the daemon keeps serving; this connection ends
             log.exception("%s: session of %s failed", WHAT, self.caller)
-        if self.refusal is not None:
-            return
         try:
             self._flush()
         finally:
