@@ -345,7 +345,6 @@ class Config:
             v = getattr(self, key)
             if not low <= v <= high:
                 raise self._error(key, f"{v} out of range {low}..{high}")
-        self.warnings.extend(self._share_warnings())
         self.log_level = self.log_level.lower()
         self.log_format = self.log_format.lower()
         if self.log_level not in LOG_LEVELS:
@@ -354,7 +353,7 @@ class Config:
             raise self._error("log_format", f"{self.log_format!r} is not {' | '.join(LOG_FORMATS)}")
         return self
 
-    def _share_warnings(self) -> list[str]:
+    def share_warnings(self) -> list[str]:
         """Warnings for per-uid caps that let one uid take all of a shared
         cap (the other users' engines are refused while it does): legal,
         and what a single-tenant node may want, so not an error. Handshakes
@@ -369,10 +368,11 @@ class Config:
                                       ("max_handshakes", "max_handshakes_per_uid", 2)):
             limit = getattr(self, total) // share
             if getattr(self, per_uid) > limit:
-                half = "half of " if share == 2 else ""
-                out.append(f"{per_uid} {getattr(self, per_uid)} is more than {half}{total} "
-                           f"{getattr(self, total)}: one uid can take all of it, and other users' engines are "
-                           f"refused while it does (keep it at most {limit})")
+                what = ("one uid's handshakes made in advance can take all of the half kept for them"
+                        if share == 2 else f"one uid can take all of {total}")
+                out.append(f"{per_uid} {getattr(self, per_uid)} is more than {'half of ' if share == 2 else ''}"
+                           f"{total} {getattr(self, total)}: {what}, and other users' engines are refused while "
+                           f"it does (keep it at most {limit})")
         return out
 
     def _check_engine_socket(self) -> None:
@@ -872,7 +872,9 @@ def load_config(
     cfg.notify_socket = environ.get(ENV_NOTIFY_SOCKET, "")
     cfg.watchdog_s = watchdog_seconds(environ)
     cfg.warnings = unknown_env_warnings(environ)
-    return cfg.validate()
+    cfg.validate()
+    cfg.warnings += cfg.share_warnings()  # once: the daemon validates its config again
+    return cfg
 
 
 def watchdog_seconds(environ) -> float:

@@ -306,8 +306,11 @@ def test_a_per_uid_cap_that_lets_one_uid_take_a_whole_shared_cap_is_warned_about
     assert cfg.max_workers_per_uid == 100  # applied: a single-tenant node may want it
     assert any(w.startswith("max_workers_per_uid 100 is more than max_workers 64") for w in cfg.warnings), \
         cfg.warnings
-    assert any("max_handshakes_per_uid 3000 is more than half of max_handshakes 4096" in w and "at most 2048" in w
+    assert any("max_handshakes_per_uid 3000 is more than half of max_handshakes 4096: one uid's handshakes made "
+               "in advance" in w and "at most 2048" in w
                for w in cfg.warnings), cfg.warnings
+    assert len(cfg.warnings) == 2
+    cfg.validate()  # the daemon validates its config again: still warned once
     assert len(cfg.warnings) == 2
     r = _kvd("serve", "--print-config", env={"KVD_MAX_ABORTS_PER_UID": "2000"})
     assert r.returncode == 0 and "warning: max_aborts_per_uid 2000 is more than max_aborts 1024" in r.stderr, \
