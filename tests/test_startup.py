@@ -169,6 +169,47 @@ def test_a_stop_asked_while_the_daemon_starts_stops_it_once_started(tmp_path, si
     assert f"received {sig.name}, shutting down" in out and "kvd stopped" in out, out
     assert not (tmp_path / "new").exists(), list((tmp_path / "new").rglob("*"))
 
+STOP_WHILE_LOADING = """
+import os, signal, sys, weakref
+from kvd import config
+
+read = config.load_config
+
+def read_then_stop(*a, **k):
+    # The stop lands inside a weakref callback, as the import system's own
+    # (importlib's module-lock callback) where Python drops an exception:
+    # what lost a KeyboardInterrupt while kvd serve imported its modules.
+    class Box:
+        pass
+
+    box = Box()
+    ref = weakref.ref(box, lambda _: os.kill(os.getpid(), int(sys.argv[2])))
+    del box
+    return read(*a, **k)
+
+config.load_config = read_then_stop
+from kvd.cli import main
+sys.exit(main(["serve", "--peer-listen", "127.0.0.1:0", "--engine-socket", sys.argv[1]]))
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_asked_while_the_daemon_loads_its_modules_stops_it_once_started(tmp_path, sig):
+    """SIGTERM or SIGINT before the event loop runs (``kvd serve`` reads its
+    settings and imports gRPC, NIXL, numpy): noted, then acted on once
+    started (exit 0, nothing left). Before, SIGTERM killed the process
+    (-15), and a SIGINT whose KeyboardInterrupt was raised inside a weakref
+    callback was dropped ("Exception ignored"): that daemon served on."""
+    sock = tmp_path / "new" / "run" / "k.sock"
+    r = subprocess.run([sys.executable, "-c", STOP_WHILE_LOADING, str(sock), str(int(sig))], capture_output=True,
+                       text=True, timeout=60)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, (r.returncode, out)
+    assert f"received {sig.name}, shutting down" in out and "kvd stopped" in out, out
+    assert "Exception ignored" not in out, out
+    assert not (tmp_path / "new").exists(), list((tmp_path / "new").rglob("*"))
+
+
 def test_a_failed_startup_keeps_a_directory_it_made_once_something_else_is_in_it(tmp_path):
     from kvd.daemon.server import make_socket_dir, remove_made_dirs
 

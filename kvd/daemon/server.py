@@ -50,6 +50,7 @@ from kvd.config import MAX_MESSAGE_BYTES, Config, parse_host_port, resolve_gid, 
 from kvd.core.events import FailureKind
 from kvd.core.limits import Limits
 from kvd.core.node import Node
+from kvd.daemon.early_stop import take_stops
 from kvd.daemon.engine_service import EngineService
 from kvd.daemon.command_socket import CommandSocket
 from kvd.daemon.fd_channel import FdChannel
@@ -261,6 +262,8 @@ class Server:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.handle_exit, sig)
+        for sig in take_stops():  # asked before the loop ran (kvd serve's imports: kvd.daemon.early_stop)
+            self.handle_exit(sig)
         host, port = parse_host_port(cfg.peer_listen, "peer_listen")
         limits = Limits(lease_s=cfg.lease_s, max_lease_life_s=cfg.max_lease_life_s,
                         transfer_timeout_s=cfg.transfer_timeout_s, handshake_timeout_s=cfg.handshake_timeout_s,
