@@ -154,6 +154,27 @@ def test_refusals_on_the_command_socket_carry_the_streams_status(daemon):
     s.close()
 
 
+def test_a_frame_whose_length_starts_like_the_grpc_preface_is_read_as_a_frame(daemon):
+    """An 80-byte command: its length's first byte is "P", as a gRPC
+    preface's. Sent a byte at a time, the daemon waits for more before it
+    tells them apart, then reads it as the frame it is (here a first command
+    that is not OpenSession, so its own rejection comes back)."""
+    import time
+
+    cmd = pb.SessionCommand(release=pb.ReleaseBlocks(request_id="r" * 76)).SerializeToString()
+    data = frame(cmd)
+    assert len(cmd) == 80 and data[:1] == b"P"
+    s = _open_raw(daemon)
+    for i in range(4):  # the length's bytes in reads of their own
+        s.sendall(data[i:i + 1])
+        time.sleep(0.05)
+    s.sendall(data[4:])
+    (ev,) = _read_events(s)
+    assert ev.rejected.reason.startswith("INVALID_ARGUMENT: session: the first command must be OpenSession"), ev
+    s.close()
+    assert "gRPC client" not in daemon.log()
+
+
 def _closed_at_once(s: socket.socket) -> bool:
     s.settimeout(1.0)  # "at once": well before the OpenSession timeout
     try:
@@ -268,6 +289,55 @@ def test_bad_frames_close_the_connection_and_the_daemon_serves_on(daemon, bad):
     assert daemon.proc.poll() is None
 
 
+def _in_process_connection():
+    """A command socket's connection (the real ``_Connection`` and
+    ``EngineService.session_events``, no daemon) on a :class:`WritesTransport`,
+    its caller admitted; call inside a running event loop."""
+    import types
+
+    from kvd.daemon import command_socket as cs
+    from kvd.daemon.engine_service import EngineService
+    from kvd.daemon.local_gate import Caller
+
+    caller = Caller(pid=1, uid=os.getuid(), gid=os.getgid(), gids=frozenset(), admitted=True)
+    service = types.SimpleNamespace(session_events=lambda *a: EngineService.session_events(None, *a))
+    gate = types.SimpleNamespace(admit=lambda t, what: caller, idle_timeout_s=10.0, path="/run/kvd/kvd.sock",
+                                 leave=lambda uid: None)
+    owner = types.SimpleNamespace(max_message_bytes=1 << 20, connections=set(), partial={}, gate=gate,
+                                  service=service, shape=None, warn=types.SimpleNamespace(warning=lambda *a: None))
+    conn = cs._Connection(owner)
+    t = WritesTransport()
+    conn.connection_made(t)
+    return conn, t
+
+
+@pytest.mark.parametrize("cuts", [(1, 2, 3, 4), (3,), (1, 24)], ids=["byte-by-byte", "3-then-rest", "1-then-rest"])
+def test_a_grpc_preface_read_in_pieces_is_still_a_grpc_client(cuts):
+    """A gRPC client whose preface arrives over several reads, the first
+    shorter than 4 bytes: it is still answered with the refusal naming the
+    engine socket. Before, the check looked at the first read only, and
+    "PRI" alone went to the deframer, which then rejected a 541 MB frame."""
+    import asyncio
+
+    from kvd.daemon.h2_refusal import PREFACE, _frame
+
+    async def main():
+        conn, t = _in_process_connection()
+        await asyncio.sleep(0)
+        edges = (0, *cuts, len(PREFACE))
+        for a, b in zip(edges, edges[1:]):
+            conn.data_received(PREFACE[a:b])
+        conn.data_received(_frame(0x4, 0, 0) + _frame(0x1, 0x4 | 0x1, 1, b"\x83\x86"))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        answer = b"".join(t.writes)
+        assert b"grpc-status" in answer and b"command socket" in answer, answer
+        assert b"RESOURCE_EXHAUSTED" not in answer, answer
+        conn.connection_lost(None)
+
+    asyncio.run(main())
+
+
 def test_a_grpc_clients_refusal_is_not_cut_when_the_session_ends_in_the_same_pass():
     """The preface read one pass after the connection's session task started
     (its first command's wait begun, not yet run): the refusal cancels that
@@ -278,23 +348,11 @@ def test_a_grpc_clients_refusal_is_not_cut_when_the_session_ends_in_the_same_pas
     saw UNAVAILABLE ("Connection reset by peer"): 4 in 400 raw connections,
     and a CI run's ``grpc`` call above."""
     import asyncio
-    import types
 
-    from kvd.daemon import command_socket as cs
-    from kvd.daemon.engine_service import EngineService
     from kvd.daemon.h2_refusal import PREFACE, _frame
-    from kvd.daemon.local_gate import Caller
 
     async def main():
-        caller = Caller(pid=1, uid=os.getuid(), gid=os.getgid(), gids=frozenset(), admitted=True)
-        service = types.SimpleNamespace(session_events=lambda *a: EngineService.session_events(None, *a))
-        gate = types.SimpleNamespace(admit=lambda t, what: caller, idle_timeout_s=10.0, path="/run/kvd/kvd.sock",
-                                     leave=lambda uid: None)
-        owner = types.SimpleNamespace(max_message_bytes=1 << 20, connections=set(), partial={}, gate=gate,
-                                      service=service, shape=None, warn=types.SimpleNamespace(warning=lambda *a: None))
-        conn = cs._Connection(owner)
-        t = WritesTransport()
-        conn.connection_made(t)
+        conn, t = _in_process_connection()
         await asyncio.sleep(0)  # the session task's first step: its wait for the first command begins
         conn.data_received(PREFACE)
         for _ in range(5):

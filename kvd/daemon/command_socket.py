@@ -282,7 +282,8 @@ class _Connection(asyncio.Protocol):
         self._out: list[bytes] = []
         self._out_bytes = 0
         self._flush_at: asyncio.Handle | None = None
-        self._spoke = False  # any byte read yet
+        self._spoke = False  # its first 4 bytes read (a frame's length, or a gRPC client's preface)
+        self._head = b""  # the first bytes, while fewer than 4 that could be the preface's
         self._partial_bytes = 0  # of an unfinished frame, counted in owner.partial
         self._lingering: asyncio.TimerHandle | None = None  # _linger's bound
         self.refusal: Refusal | None = None  # a gRPC client's (_refuse_grpc)
@@ -326,6 +327,12 @@ class _Connection(asyncio.Protocol):
         if self.commands is None:
             return  # refused: closing
         if not self._spoke:
+            data, self._head = self._head + data, b""
+            if len(data) < 4 and PREFACE.startswith(data):
+                # Too few to tell a gRPC preface sent in pieces from a frame's
+                # length; the deframer would wait for the 4 bytes as well.
+                self._head = data
+                return
             self._spoke = True
             if data.startswith(PREFACE[:4]):  # not a frame of 541,676,112 bytes: a gRPC client
                 self._refuse_grpc(data)
