@@ -103,6 +103,15 @@ def test_step_goals_compare_the_held_step_with_its_control_and_cpu_per_load_star
     # No case where loads started: not measured, so not met.
     g = step.goals({"cases": [case(0, 38.0, 30.0)]})
     assert g["cpu_per_load_started_us"] != g["cpu_per_load_started_us"] and not g["cpu_per_load_met"]
+    # Results with the harness's own timing measured: the goal judges the
+    # net figure, and the line gives both.
+    net = case(16, 41.0, 33.0, 22.0)
+    net.update(fit_net_per_load_started_us=14.0, harness_cpu_per_call_us=1.4, calls_per_load_started=6.0)
+    g = step.goals({"cases": [case(0, 38.0, 30.0), net]})
+    assert g["cpu_per_load_started_us"] == pytest.approx(14.0) and g["cpu_per_load_met"]
+    assert g["cpu_per_load_started_raw_us"] == pytest.approx(22.0)
+    assert "14.0 us less the harness's own timing, 1.40 us x 6.0" in step.goals_text(g)
+    assert "22.0 us as measured" in step.goals_text(g)
 
 
 def test_pairs_benchmark_reports_aggregate_loads_and_scaling(tmp_path):

@@ -170,6 +170,25 @@ def test_a_request_that_loads_soon_is_never_read_and_a_late_poll_keeps_the_arriv
     assert r.poll() == 1 and [x.request_id for x in rec.calls[1][2]] == ["p1-again"]
 
 
+@pytest.mark.parametrize("field,value", [("remote_port", "abc"), ("remote_port", 0), ("tp_size", "x"),
+                                         ("remote_block_ids", 5)])
+def test_params_that_name_no_reachable_p_are_logged_not_raised(clock, caplog, field, value):
+    """A request waiting past MIN_INTERVAL_S whose params name no P a renewal
+    could reach (the API request's, ``kvd.shim.vllm.params``): logged, not
+    renewed, and the poll, on vLLM's engine step, does not raise; the
+    others' renewals go out."""
+    rec = Recorder()
+    r = renewer(clock, rec)
+    bad = params("p-bad")
+    bad[field] = value
+    caplog.set_level("WARNING", logger="kvd.shim.vllm")
+    r.track(req("d-bad"), bad)
+    r.track(req("d1"), params("p1"))
+    clock.now += FIRST_UNKNOWN_S
+    assert r.poll() == 1 and [x.request_id for x in rec.calls[0][2]] == ["p1"]
+    assert any("request=d-bad" in m and field in m for m in caplog.messages), caplog.messages
+
+
 # ------------------------------------------------------- inside vLLM's scheduler
 def test_a_waiting_request_renews_until_it_is_aborted(model_dir, tmp_path):
     """The fake daemon never answers the load: the request waits for its

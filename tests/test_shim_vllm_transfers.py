@@ -252,6 +252,40 @@ def test_mismatched_remote_blocks_fail_the_load_without_asking_the_daemon(model_
         eng.close()
 
 
+@pytest.mark.parametrize("field,value,told_p", [
+    ("remote_port", "abc", False), ("remote_port", [7500], False), ("remote_port", 99999999, False),
+    ("remote_port", 1e400, False), ("tp_size", "x", False), ("tp_size", -3, False), ("tp_size", 1 << 40, False),
+    ("remote_block_ids", [["a"]], True), ("remote_block_ids", [[None]], True), ("remote_block_ids", 5, True),
+    ("remote_block_ids", {"0": [40]}, True), ("block_size", "z", True),
+], ids=lambda v: repr(v)[:20])
+def test_hostile_kv_transfer_params_fail_that_load_and_the_engine_serves_on(model_dir, fake, field, value, told_p):
+    """``kv_transfer_params`` come in the decode engine's API request: a
+    field no load can use fails that request's load (vLLM's policy: fail)
+    and never raises out of the scheduler. An exception there stops vLLM's
+    engine core, every user's requests with it; before, each of these did.
+    P is told to free its blocks when the params still say where P is."""
+    eng = Engine(model_dir, fake.socket, role="kv_consumer", policy="fail")
+    try:
+        params = decode_params(4)
+        params[field] = value
+        bad = make_request(list(range(500, 600)), params)
+        eng.sched.add_request(bad)
+        eng.run_until(lambda: eng.finished(bad.request_id) is not None)
+        assert eng.finished(bad.request_id).finish_reason == FinishReason.ERROR
+        good = make_request(list(range(600, 700)), decode_params(4, first=50))
+        eng.sched.add_request(good)
+        eng.run_until(lambda: eng.finished(good.request_id) is not None)
+        assert eng.finished(good.request_id).finish_reason != FinishReason.ERROR
+        assert [c.request_id for c in fake.service.received("load")] == [good.request_id]
+        if told_p:
+            wait_until(lambda: fake.service.count("abort_load") == 1, 5, "abort_load for the failed load")
+        else:
+            time.sleep(0.2)
+            assert fake.service.count("abort_load") == 0, "an AbortLoad to no address"
+    finally:
+        eng.close()
+
+
 # -------------------------------------------------------- never blocks the step
 def test_worker_step_calls_stay_fast_while_the_daemon_is_slow(model_dir, tmp_path):
     """A daemon taking 1 s per command: no step's connector calls wait for it.

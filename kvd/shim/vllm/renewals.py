@@ -38,9 +38,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvd.addresses import join_host_port
 from kvd.requests import MAX_RENEWALS_PER_CALL, BlockGroups, LeaseRenewal, RenewResult
 from kvd.shim.vllm.groups import as_groups
+from kvd.shim.vllm.params import remote_of
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -116,7 +116,8 @@ class LeaseRenewals:
         docs/PERFORMANCE.md, engine step). Bad block ids in the params are
         logged then, not raised (the load reports them)."""
         rid = request.request_id
-        self.stop(rid)  # tracked again: its old renewals end, it moves to the newest end
+        if rid in self._arrived or rid in self._of:  # most are new: no call to stop
+            self.stop(rid)  # tracked again: its old renewals end, it moves to the newest end
         self._arrived[rid] = (params, self.clock(), self.wall())
 
     def _start(self, rid: str, params: dict[str, Any], since: float, wall: float) -> None:
@@ -126,14 +127,19 @@ class LeaseRenewals:
         :data:`MIN_INTERVAL_S`, or :data:`FIRST_UNKNOWN_S` when P sent none."""
         try:
             groups = as_groups(params["remote_block_ids"])
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, OverflowError) as e:
             log.warning("kvd request=%s: remote_block_ids %s; its lease is not renewed", rid, e)
             return
-        key = (str(params["remote_engine_id"]), join_host_port(params["remote_host"], params["remote_port"]))
+        try:
+            engine, address, remote_rid, _ = remote_of(params)
+        except ValueError as e:
+            log.warning("kvd request=%s: %s; its lease is not renewed", rid, e)
+            return
+        key = (engine, address)
         remote = self._remotes.get(key)
         if remote is None:
             remote = self._remotes[key] = _Remote()
-        remote.waiting[rid] = _Waiting(str(params["remote_request_id"]), groups)
+        remote.waiting[rid] = _Waiting(remote_rid, groups)
         self._of[rid] = key
         expiry = params.get("remote_blocks_expiry_time")
         first = FIRST_UNKNOWN_S

@@ -29,7 +29,7 @@ from kvd.shim.memory.base import KvSharing
 from kvd.shim.memory.staged import StagingError, StagingMirror
 from kvd.shim.vllm import cpu_kv_probe
 from kvd.shim.vllm.config import KvdShimConfig
-from kvd.shim.vllm.groups import TransferGroups, copy_groups
+from kvd.shim.vllm.groups import TransferGroups, own_groups
 from kvd.shim.vllm.metadata import KvdConnectorMetadata
 from kvd.shim.vllm.stats import KvdKVConnectorStats
 from kvd.v1 import kvd_pb2 as pb
@@ -266,17 +266,19 @@ class KvdWorker:
             self._holding[h.request_id] = groups
             self.client.hold(h.request_id, groups, lease_s=h.lease_s)
         for ld in meta.loads:
+            req = ld.request
             if ld.error is not None:
-                log.warning("kvd %s request=%s: load not sent: %s", self.label, ld.request_id, ld.error)
+                log.warning("kvd %s request=%s: load not sent: %s", self.label, req.request_id, ld.error)
                 if ld.awaiting:
-                    self._fail_now(ld.request_id, ld.request.local_block_ids)
-                self._abort(ld.request)
+                    self._fail_now(req.request_id, req.local_block_ids)
+                if req.remote_address:  # none: the params named no P to tell
+                    self._abort(req)
                 continue
             if not ld.awaiting:
-                self._abort(ld.request)
+                self._abort(req)
                 continue
-            self._recving[ld.request_id] = copy_groups(ld.request.local_groups)
-            self.client.load(ld.request)
+            self._recving[req.request_id] = own_groups(req.local_groups)
+            self.client.load(req)
 
     def save(self, meta: KvdConnectorMetadata) -> None:
         """Staged path: copies the blocks this step's forward pass wrote, for
@@ -312,10 +314,15 @@ class KvdWorker:
         sending: set[str] = set()
         staging = self.staging
         self._done_recving, self._failed_recving = set(), set()
+        # Asked once per call, not per load: the debug line's arguments
+        # (four protobuf fields, the label) cost ~1 us a load even when the
+        # line is not logged (hot loop, docs/PERFORMANCE.md fifteenth round).
+        debug = log.isEnabledFor(logging.DEBUG)
         for ev in events:
             kind = ev.WhichOneof("event")
             if kind == "recv_done":
-                rid = ev.recv_done.request_id
+                done = ev.recv_done
+                rid = done.request_id
                 local = self._recving.pop(rid, None)
                 if local is None:
                     continue
@@ -327,9 +334,10 @@ class KvdWorker:
                         self._fail_load(rid, local, recving, failed)
                         continue
                 recving.add(rid)
-                self.stats.record_transfer(ev.recv_done)
-                log.debug("kvd %s request=%s: loaded %d blocks, %d bytes in %.1f ms", self.label, rid,
-                          ev.recv_done.num_blocks, ev.recv_done.bytes, ev.recv_done.duration_s * 1e3)
+                self.stats.record_transfer(done)
+                if debug:
+                    log.debug("kvd %s request=%s: loaded %d blocks, %d bytes in %.1f ms", self.label, rid,
+                              done.num_blocks, done.bytes, done.duration_s * 1e3)
             elif kind == "load_failed":
                 rid = ev.load_failed.request_id
                 local = self._recving.pop(rid, None)
