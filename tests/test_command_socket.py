@@ -139,6 +139,7 @@ def test_a_session_runs_on_the_command_socket_unless_either_side_turns_it_off(tm
         assert dec.same_blocks([5, 6], p, [3, 4])
     finally:
         client.close()
+        dec.close()
         p.close()
         d.stop()
 
@@ -230,6 +231,7 @@ def test_a_client_reconnects_on_the_command_socket_after_a_daemon_restart(tmp_pa
         assert ev.send_done.request_id == "cs-held" and ev.send_done.released
     finally:
         client.close()
+        eng.close()
         d.stop()
 
 
