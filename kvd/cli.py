@@ -269,6 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     ``sys.argv[1:]``); ``bench`` and ``demo`` hand the rest to their own
     parsers. Returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:
+        from kvd.daemon.early_stop import note_stops
+
+        note_stops()  # before argparse: a stop asked from here on stops the daemon once started
     # Everything after "bench" or "demo" belongs to its own parser (argparse's
     # REMAINDER would not take leading options such as --help).
     if argv[:1] == ["bench"]:

@@ -27,6 +27,18 @@ MAX_RENEWALS_PER_CALL = 256
 the shim batches its renewals by it, the daemon refuses a longer list
 (``INVALID_ARGUMENT``)."""
 
+MAX_ID_BYTES = 1024
+"""Longest request id, engine id or address (UTF-8 bytes) a daemon accepts
+in a command or a call; a renewal naming a longer one gets its whole call
+refused (``INVALID_ARGUMENT``), so the shim checks it per request first."""
+
+MAX_RENEWAL_GROUPS = 256
+"""KV-cache groups one renewal may name: vLLM models have a handful (one
+per attention type). Each group becomes a list when a call is converted,
+so the daemon checks the count first: one renewal of 132k empty groups
+(257 KiB) took 147 ms to convert (attacker review). Past it the whole call
+is refused, so the shim checks it per request first."""
+
 
 def flat(groups: BlockGroups) -> list[int]:
     """Every block id of every group, in order: what vLLM's load errors name

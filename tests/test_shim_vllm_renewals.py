@@ -189,6 +189,50 @@ def test_params_that_name_no_reachable_p_are_logged_not_raised(clock, caplog, fi
     assert any("request=d-bad" in m and field in m for m in caplog.messages), caplog.messages
 
 
+@pytest.mark.parametrize("field,value", [
+    ("remote_block_ids", [[-1]]), ("remote_block_ids", [[1 << 40]]), ("remote_block_ids", [[1]] * 257),
+    ("remote_request_id", "x" * 1025), ("remote_request_id", ""), ("remote_request_id", "\ud800"),
+], ids=["negative-id", "id-past-uint32", "257-groups", "long-id", "empty-id", "lone-surrogate"])
+def test_a_request_whose_renewal_would_be_refused_does_not_hold_back_the_others(clock, caplog, field, value):
+    """Renewals of one prefill engine go in one call, which the daemon
+    refuses whole (or protobuf will not encode) when one renewal is past a
+    bound. A request whose params would do that is logged and not renewed;
+    the others of the same engine are. Before, one such request (an API
+    client's) kept every request of its prefill engine unrenewed, the call
+    failing again each second: their leases ran out."""
+    rec = Recorder()
+    r = renewer(clock, rec)
+    bad = params("p-bad")
+    bad[field] = value
+    caplog.set_level("WARNING", logger="kvd.shim.vllm")
+    r.track(req("d-bad"), bad)
+    r.track(req("d1"), params("p1"))
+    clock.now += FIRST_UNKNOWN_S
+    assert r.poll() == 1 and [x.request_id for x in rec.calls[0][2]] == ["p1"]
+    assert any("request=d-bad" in m and "not renewed" in m for m in caplog.messages), caplog.messages
+
+
+def test_a_batch_the_client_cannot_encode_leaves_the_other_batches_to_go(clock, caplog):
+    """A send that raises ValueError (protobuf refusing an argument) drops
+    that batch's requests, and the other prefill engines' batches still go;
+    before, the poll stopped there and retried every second."""
+    sent = []
+
+    def send(engine_id, address, renewals):
+        if engine_id == "engine-bad":
+            raise ValueError("Value out of range")
+        sent.append(engine_id)
+        return Future()
+
+    r = renewer(clock, send)
+    caplog.set_level("WARNING", logger="kvd.shim.vllm")
+    r.track(req("d-bad"), params("p-bad", engine="engine-bad"))
+    r.track(req("d1"), params("p1", engine="engine-q"))
+    clock.now += FIRST_UNKNOWN_S
+    assert r.poll() == 1 and sent == ["engine-q"]
+    assert len(r) == 1 and any("not renewed" in m and "d-bad" in m for m in caplog.messages)
+
+
 # ------------------------------------------------------- inside vLLM's scheduler
 def test_a_waiting_request_renews_until_it_is_aborted(model_dir, tmp_path):
     """The fake daemon never answers the load: the request waits for its

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvd.requests import MAX_RENEWALS_PER_CALL
+from kvd.requests import MAX_ID_BYTES, MAX_RENEWALS_PER_CALL
 
 
 @dataclass
@@ -95,7 +95,7 @@ class Bounds:
     # Longest request id, engine id or address accepted in a command or peer
     # call (leases and early notifications keep them: a cap on their count
     # alone would not bound memory).
-    max_id_bytes: int = 1024
+    max_id_bytes: int = MAX_ID_BYTES
     # Longest engine id a worker registers with (characters).
     max_engine_id_chars: int = 256
     # Largest TP size accepted from an engine or a peer. Transfer plans loop

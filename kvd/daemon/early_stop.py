@@ -31,10 +31,11 @@ def note_stops() -> None:
     the event loop's handlers replace these (main thread only, as every
     Python signal handler). Also takes over a SIGINT the parent left
     ignored (a shell without job control starts background jobs so): the
-    daemon's own handlers would take it once running as well."""
-    _noted.clear()
+    daemon's own handlers would take it once running as well. Calling it
+    again changes nothing."""
     for sig in _STOPS:
-        signal.signal(sig, _note)
+        if signal.getsignal(sig) is not _note:  # a second call keeps what was noted
+            signal.signal(sig, _note)
 
 
 def take_stops() -> list[signal.Signals]:

@@ -38,7 +38,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvd.requests import MAX_RENEWALS_PER_CALL, BlockGroups, LeaseRenewal, RenewResult
+from kvd.requests import MAX_ID_BYTES, MAX_RENEWAL_GROUPS, MAX_RENEWALS_PER_CALL, BlockGroups, LeaseRenewal, RenewResult
 from kvd.shim.vllm.groups import as_groups
 from kvd.shim.vllm.params import remote_of
 
@@ -57,8 +57,30 @@ RETRY_S = 1.0
 #: Block ids per call, all requests together: well under the daemon's
 #: ``max_blocks_per_request`` default (1M), which bounds a call's total.
 MAX_BLOCKS_PER_CALL = 1 << 18
+_UINT32 = 1 << 32  # the wire's block ids (proto/kvd/v1/kvd.proto BlockIds)
 
 Send = Callable[[str, str, list[LeaseRenewal]], "Future[list[RenewResult]]"]
+
+
+def _check_renewable(remote_request_id: str, groups: BlockGroups) -> None:
+    """Raises ValueError when a renewal of ``remote_request_id``'s ``groups``
+    would get its whole call refused or fail to encode: an id empty or over
+    ``MAX_ID_BYTES`` UTF-8 bytes (or not encodable), more than
+    ``MAX_RENEWAL_GROUPS`` groups, a block id outside the wire's uint32.
+    They come from the API request (:mod:`kvd.shim.vllm.params`), and a
+    call carries the renewals of every waiting request of one prefill
+    engine: one bad one would keep the others from being renewed."""
+    try:
+        n = len(remote_request_id.encode())
+    except UnicodeEncodeError:
+        raise ValueError("remote_request_id is not valid UTF-8 text") from None
+    if not 0 < n <= MAX_ID_BYTES:
+        raise ValueError(f"remote_request_id of {n} bytes (1-{MAX_ID_BYTES})")
+    if len(groups) > MAX_RENEWAL_GROUPS:
+        raise ValueError(f"remote_block_ids in {len(groups)} groups, more than {MAX_RENEWAL_GROUPS}")
+    for g in groups:
+        if g and not (0 <= min(g) and max(g) < _UINT32):
+            raise ValueError(f"remote_block_ids has ids outside 0..{_UINT32 - 1}")
 
 
 @dataclass
@@ -132,6 +154,7 @@ class LeaseRenewals:
             return
         try:
             engine, address, remote_rid, _ = remote_of(params)
+            _check_renewable(remote_rid, groups)
         except ValueError as e:
             log.warning("kvd request=%s: %s; its lease is not renewed", rid, e)
             return
@@ -183,6 +206,16 @@ class LeaseRenewals:
                 renewals = [LeaseRenewal(remote.waiting[i].remote_request_id, remote.waiting[i].groups) for i in ids]
                 try:
                     call = self.send(key[0], key[1], renewals)
+                except (TypeError, ValueError) as e:
+                    # Arguments protobuf refuses (what _check_renewable does
+                    # not foresee): those requests are not renewed; the
+                    # other batches go (one bad request kept every request
+                    # of its prefill engine unrenewed, retried each second).
+                    log.warning("kvd: lease renewal for engine %s at %s not sent: %s; requests %s are not "
+                                "renewed", key[0], key[1], e, ids)
+                    for rid in ids:
+                        self.stop(rid)
+                    continue
                 except Exception as e:  # the client could not even start the call
                     log.warning("kvd: lease renewal for engine %s at %s not sent: %s", key[0], key[1], e)
                     remote.due = now + RETRY_S
