@@ -8,7 +8,7 @@ exception raised inside a weakref callback, and the import system runs
 such callbacks (``_get_module_lock.<locals>.cb``, "Exception ignored in"),
 so 2 of 760 daemons sent a SIGINT 0-2 s after their start served on.
 
-:func:`note_stops` replaces both handlers, from ``kvd serve``'s first line, with
+:func:`note_stops` replaces both handlers, as soon as ``kvd.cli.main`` sees ``serve``, with
 one that only notes the signal (it raises nothing, so nothing can drop it);
 :func:`take_stops` hands what was noted to the event loop's handlers, which
 then stop the daemon once started as they would at any later time.
