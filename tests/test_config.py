@@ -468,7 +468,7 @@ def test_metrics_and_peer_port_clash_exits_64_and_port_0_never_clashes():
 _SERVE_AS = r"""
 import os, sys
 import grp, pwd
-import kvd.cli, kvd.config, kvd.daemon.peer_auth, kvd.addresses
+import kvd.cli, kvd.config, kvd.daemon.early_stop, kvd.daemon.peer_auth, kvd.addresses
 uid = int(sys.argv[1])
 if uid >= 0:
     os.setgroups([]); os.setgid(uid); os.setuid(uid)
