@@ -29,9 +29,6 @@ def cmd_serve(args) -> int:
     """``kvd serve``: loads the settings (flags > env > file > defaults) and runs
     the daemon until it stops. Returns 0, 64 for an invalid setting, 1 when
     startup fails (a port in use, a NIXL backend that does not load)."""
-    from kvd.daemon.early_stop import note_stops
-
-    note_stops()  # first: a stop asked while the modules load stops the daemon once started
     # Only the flags the user gave (the others are argparse.SUPPRESS): they
     # override env and file; config.py parses and validates them.
     flags = {k: v for k, v in vars(args).items() if k in setting_names()}

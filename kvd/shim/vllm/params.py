@@ -20,7 +20,7 @@ from kvd.addresses import join_host_port
 #: NixlConnector's pull scheduler reads them (``nixl/pull_scheduler.py``).
 REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 
-_UINT32 = 1 << 32  # the wire's remote_tp_size (proto/kvd/v1/kvd.proto)
+UINT32 = 1 << 32  # the wire's remote_tp_size and block ids are uint32 (proto/kvd/v1/kvd.proto)
 
 
 def has_remote(params: dict[str, Any]) -> bool:
@@ -58,7 +58,7 @@ def remote_of(params: dict[str, Any]) -> tuple[str, str, str, int]:
             tp = int(tp)
         except (TypeError, ValueError, OverflowError):
             raise ValueError(f"tp_size {tp!r:.40} is not an integer") from None
-    if not 0 < tp < _UINT32:
-        raise ValueError(f"tp_size {tp} is not in 1..{_UINT32 - 1}")
+    if not 0 < tp < UINT32:
+        raise ValueError(f"tp_size {tp} is not in 1..{UINT32 - 1}")
     return (str(params["remote_engine_id"]), join_host_port(params["remote_host"], port),
             str(params["remote_request_id"]), tp)

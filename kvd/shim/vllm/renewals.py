@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvd.requests import MAX_ID_BYTES, MAX_RENEWAL_GROUPS, MAX_RENEWALS_PER_CALL, BlockGroups, LeaseRenewal, RenewResult
 from kvd.shim.vllm.groups import as_groups
-from kvd.shim.vllm.params import remote_of
+from kvd.shim.vllm.params import UINT32, remote_of
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -57,7 +57,6 @@ RETRY_S = 1.0
 #: Block ids per call, all requests together: well under the daemon's
 #: ``max_blocks_per_request`` default (1M), which bounds a call's total.
 MAX_BLOCKS_PER_CALL = 1 << 18
-_UINT32 = 1 << 32  # the wire's block ids (proto/kvd/v1/kvd.proto BlockIds)
 
 Send = Callable[[str, str, list[LeaseRenewal]], "Future[list[RenewResult]]"]
 
@@ -79,8 +78,8 @@ def _check_renewable(remote_request_id: str, groups: BlockGroups) -> None:
     if len(groups) > MAX_RENEWAL_GROUPS:
         raise ValueError(f"remote_block_ids in {len(groups)} groups, more than {MAX_RENEWAL_GROUPS}")
     for g in groups:
-        if g and not (0 <= min(g) and max(g) < _UINT32):
-            raise ValueError(f"remote_block_ids has ids outside 0..{_UINT32 - 1}")
+        if g and not (0 <= min(g) and max(g) < UINT32):
+            raise ValueError(f"remote_block_ids has ids outside 0..{UINT32 - 1}")
 
 
 @dataclass

@@ -220,9 +220,7 @@ class KvdScheduler:
                 error = f"invalid: remote_block_ids: {e}"
         if error is None and len(remote) != len(local):
             error = f"invalid: the prefill engine sent block ids for {len(remote)} KV-cache groups, this engine has {len(local)}"
-        k = 1
-        if error is None and params.get("block_size", self.block_size) != self.block_size:
-            k, error = self._blocks_per_local_block(params)  # absent or equal: equal sizes, nothing to check
+        k, error = (1, error) if error else self._blocks_per_local_block(params)
         if error is None:
             for g, (lg, rg) in enumerate(zip(local, remote)):
                 n = -(-len(rg) // k)
