@@ -58,6 +58,32 @@ def test_config_keys_and_addresses():
         KvdShimConfig.from_extra({"kvd_socket": "/s", "kvd_data_path": "gpu"})
 
 
+class _Watched(list):
+    """A group of block ids that records being read id by id."""
+    reads = 0
+
+    def __iter__(self):
+        _Watched.reads += 1
+        return super().__iter__()
+
+
+@pytest.mark.parametrize("block_ids,match", [
+    ([_Watched(range(10))], "10 block ids in a group, more than 9"),
+    ([[1], _Watched(range(10))], "10 block ids in a group"),
+    ([[1]] * 3, "3 KV-cache groups, more than 2"),
+    (_Watched(range(10)), "10 block ids, more than 9"),
+])
+def test_block_ids_past_the_bounds_are_refused_before_any_is_converted(block_ids, match):
+    """``remote_block_ids`` come from an API client: past the bounds (ids per
+    group, groups) ``as_groups`` refuses them by length alone, never reading
+    an id (the decode scheduler's step pays for what it converts)."""
+    _Watched.reads = 0
+    with pytest.raises(ValueError, match=match):
+        as_groups(block_ids, max_ids=9, max_groups=2)
+    assert _Watched.reads == 0
+    assert as_groups([list(range(9))] * 2, max_ids=9, max_groups=2) == [list(range(9))] * 2  # at the bounds
+
+
 def test_an_unknown_kvd_key_is_warned_about_naming_the_closest_setting(caplog, monkeypatch):
     """A misspelt ``kvd_`` key would otherwise be ignored silently (its
     default used): one WARNING names it and the setting it is closest to, or

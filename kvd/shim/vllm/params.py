@@ -22,6 +22,13 @@ REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_p
 
 UINT32 = 1 << 32  # the wire's remote_tp_size and block ids are uint32 (proto/kvd/v1/kvd.proto)
 
+#: Block ids per KV-cache group that ``remote_block_ids`` may hold beyond
+#: the prompt's token count: a block holds at least one token, so P's
+#: blocks for an N-token prompt number at most N, plus slots P may
+#: allocate ahead (vLLM's lookahead for speculative decoding). More is no
+#: honest P's: refused before any id is converted (``as_groups``).
+SPARE_BLOCK_IDS = 16
+
 
 def has_remote(params: dict[str, Any]) -> bool:
     """True when ``kv_transfer_params`` name remote blocks and every remote field."""

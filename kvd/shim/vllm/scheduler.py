@@ -35,7 +35,7 @@ from kvd.requests import BlockGroups, LoadRequest
 from kvd.shim.vllm.config import KvdShimConfig
 from kvd.shim.vllm.groups import TransferGroups, as_groups, cdiv
 from kvd.shim.vllm.metadata import HoldSpec, KvdConnectorMetadata, LoadSpec, SaveSpec
-from kvd.shim.vllm.params import REMOTE_KEYS, has_remote, remote_of
+from kvd.shim.vllm.params import REMOTE_KEYS, SPARE_BLOCK_IDS, has_remote, remote_of
 from kvd.shim.vllm.renewals import LeaseRenewals
 from kvd.shim.vllm.worker import daemon_peer_address
 
@@ -215,7 +215,8 @@ class KvdScheduler:
             local, error = [], f"invalid: {e}"
         if error is None:
             try:  # the API request's: anything may be there (kvd.shim.vllm.params)
-                remote = as_groups(params["remote_block_ids"])
+                remote = as_groups(params["remote_block_ids"], request.num_prompt_tokens + SPARE_BLOCK_IDS,
+                                   len(local))
             except (TypeError, ValueError, OverflowError) as e:
                 error = f"invalid: remote_block_ids: {e}"
         if error is None and len(remote) != len(local):
