@@ -155,6 +155,19 @@ def test_refusals_on_the_command_socket_carry_the_streams_status(daemon):
     s.close()
 
 
+@pytest.mark.parametrize("sent", [b"", b"PR", b"\x00\x00"], ids=["nothing", "a-preface-prefix", "half-a-length"])
+def test_an_engine_that_ends_its_commands_before_an_open_is_told_so(daemon, sent):
+    """A connection that closes its write side before a whole first command
+    is refused at once, for that reason: not "no OpenSession within 30 s",
+    a wait it never had (it read so before)."""
+    s = _open_raw(daemon)
+    s.sendall(sent)
+    s.shutdown(socket.SHUT_WR)
+    (ev,) = _read_events(s)
+    assert ev.rejected.reason == "INVALID_ARGUMENT: session: the engine ended its commands before an OpenSession", ev
+    s.close()
+
+
 def test_a_frame_whose_length_starts_like_the_grpc_preface_is_read_as_a_frame(daemon):
     """An 80-byte command: its length's first byte is "P", as a gRPC
     preface's. Sent a byte at a time, the daemon waits for more before it
@@ -344,7 +357,7 @@ def test_a_grpc_clients_refusal_is_not_cut_when_the_session_ends_in_the_same_pas
     """The preface read one pass after the connection's session task started
     (its first command's wait begun, not yet run): the refusal cancels that
     task and ends its commands in one pass, and a wait that lets the end win
-    (Python 3.11's ``wait_for`` did) comes out as "no OpenSession". The session must
+    (Python 3.11's ``wait_for`` did) comes out as a session refused. The session must
     not answer in frames and close: the refusal owns the connection and
     answers the call that comes next. Before, it closed it, and the client
     saw UNAVAILABLE ("Connection reset by peer"): 4 in 400 raw connections,

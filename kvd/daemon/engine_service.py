@@ -337,9 +337,10 @@ class EngineService(pb_grpc.EngineServiceServicer):
 
         Raises:
             SessionRefused: INVALID_ARGUMENT (no OpenSession within
-                ``BOUNDS.open_session_timeout_s`` seconds, or the first command
-                is another), UNAVAILABLE (draining), PERMISSION_DENIED (caller
-                unknown, or not the worker's: ``_authorize``), NOT_FOUND
+                ``BOUNDS.open_session_timeout_s`` seconds, the commands ended
+                before one, or the first command is another), UNAVAILABLE
+                (draining), PERMISSION_DENIED (caller unknown, or not the
+                worker's: ``_authorize``), NOT_FOUND
                 (worker not registered), RESOURCE_EXHAUSTED (more than
                 ``max_queued_event_bytes`` or ``BOUNDS.max_pending_events``
                 of events left unread).
@@ -348,9 +349,12 @@ class EngineService(pb_grpc.EngineServiceServicer):
         try:
             async with asyncio.timeout(BOUNDS.open_session_timeout_s):
                 first = await it.__anext__()
-        except (StopAsyncIteration, TimeoutError):
+        except TimeoutError:
             raise SessionRefused(grpc.StatusCode.INVALID_ARGUMENT,
                                  f"session: no OpenSession within {BOUNDS.open_session_timeout_s:g} s") from None
+        except StopAsyncIteration:  # the engine closed its side (its write side, or all) first
+            raise SessionRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                                 "session: the engine ended its commands before an OpenSession") from None
         if first.WhichOneof("command") != "open":
             raise SessionRefused(grpc.StatusCode.INVALID_ARGUMENT, "session: the first command must be OpenSession")
         if self.node.draining:  # set by the server at SIGTERM
