@@ -369,6 +369,7 @@ def test_a_peer_port_in_use_names_peer_listen_and_the_reason(tmp_path):
     assert f"peer_listen: cannot bind PeerService to 127.0.0.1:{port}: Address already in use" in r.stderr
     assert "give this one its own port: --peer-listen HOST:PORT, port 0 picks one" in r.stderr
     assert "Traceback" not in r.stderr
+    assert "Failed to add port" not in r.stderr, r.stderr  # gRPC's own line, before kvd's
 
 
 def test_an_engine_socket_under_a_file_names_the_setting_and_the_parent(tmp_path):

@@ -103,11 +103,13 @@ def server_options(max_message_bytes: int = MAX_MESSAGE_BYTES, max_streams: int 
 
 
 
-def bind_failure(host: str, port: int) -> str:
-    """Why the TCP address ``host:port`` cannot be bound, for a startup error:
-    gRPC's own error says only "Failed to bind to address", so a plain socket
-    tries the same bind (``strerror``: "Address already in use", "Cannot assign
-    requested address" for an address not on this host)."""
+def bind_failure(host: str, port: int) -> str | None:
+    """Why the TCP address ``host:port`` cannot be bound (None: a plain
+    socket binds it), for a startup error: gRPC's own error says only
+    "Failed to bind to address" and prints a line of its own first, so a
+    plain socket tries the same bind (``strerror``: "Address already in
+    use", "Cannot assign requested address" for an address not on this
+    host)."""
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
@@ -115,10 +117,13 @@ def bind_failure(host: str, port: int) -> str:
     family, kind, proto, _, sockaddr = infos[0]
     try:
         with socket.socket(family, kind, proto) as s:
+            # As gRPC binds: SO_REUSEADDR, so that a restart's port with
+            # connections still in TIME_WAIT binds (gRPC's does).
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(sockaddr)
     except OSError as e:
         return e.strerror or str(e)
-    return "gRPC could not bind it"
+    return None
 
 
 def make_socket_dir(path: str) -> str | None:
@@ -323,13 +328,19 @@ class Server:
         self.peer_health = self._add_health_and_reflection(self.peer_server, PEER_SERVICE)
         bind = join_host_port(host, port)
         creds = auth.server_credentials()
-        try:
-            self.peer_port = (self.peer_server.add_secure_port(bind, creds) if creds is not None
-                              else self.peer_server.add_insecure_port(bind))
-        except RuntimeError:  # grpc.aio: "Failed to bind to address ...", no reason given
-            self.peer_port = 0
+        # A fixed port is tried with a plain socket first: a port in use is
+        # then told in kvd's words only (gRPC logs its own E-line before
+        # failing). The same bind as gRPC's (no SO_REUSEPORT: server_options).
+        why = bind_failure(host, port) if port else None
+        self.peer_port = 0
+        if why is None:
+            try:
+                self.peer_port = (self.peer_server.add_secure_port(bind, creds) if creds is not None
+                                  else self.peer_server.add_insecure_port(bind))
+            except RuntimeError:  # grpc.aio: "Failed to bind to address ...", no reason given
+                pass
         if self.peer_port == 0:
-            why = bind_failure(host, port)
+            why = why or bind_failure(host, port) or "gRPC could not bind it"
             hint = (" (another kvd? give this one its own port: --peer-listen HOST:PORT, port 0 picks one)"
                     if "in use" in why else "")
             raise OSError(f"peer_listen: cannot bind PeerService to {bind}: {why}{hint}")
