@@ -458,8 +458,10 @@ def main(argv: list[str] | None = None) -> int:
     summary = None
     try:
         t0 = time.monotonic()
+        target = Path(args.model_dir).expanduser() if args.model_dir is not None else tiny_model.default_dir()
+        reused = tiny_model.is_built(target)
         model_dir = tiny_model.build(args.model_dir, quiet=True)
-        log(f"tiny model: {model_dir} ({time.monotonic() - t0:.1f} s)")
+        log(f"tiny model: {model_dir} ({'reused' if reused else 'built'}, {time.monotonic() - t0:.1f} s)")
         prompts = make_prompts(model_dir, lengths, args.seed)
 
         metrics_ports: dict[str, int] = {}
