@@ -123,6 +123,55 @@ def test_no_dump_when_off_and_no_warning_when_on_time(caplog, capfd):
     assert "most recent call first" not in capfd.readouterr().err
 
 
+def test_a_nixl_call_that_does_not_return_is_logged_once_with_the_stacks_and_its_end_said(caplog, capfd):
+    """The daemon's NIXL thread (``kvd.core.runtime.NixlThread``) inside one
+    call past ``stall_dump_s`` while the loop runs on: one WARNING naming
+    the call, every thread's stack (the call's frame in it), and a WARNING
+    when it returns; calls shorter than that say nothing."""
+    from kvd.core.runtime import NixlThread
+
+    release = threading.Event()
+
+    def get_xfer_status_that_hangs():  # as a UCX call that never returns would
+        release.wait(30)
+        return "DONE"
+
+    def quick():
+        return 1
+
+    async def main():
+        nixl = NixlThread("kvd-nixl-test")
+        w = StallWatch(stall_dump_s=0.4, tick_s=0.05, warn_s=5, nixl_call=nixl.current)
+        w.start()
+        try:
+            for _ in range(20):
+                assert await nixl.call(quick) == 1
+            await asyncio.sleep(0.5)
+            assert w.nixl_stalls == 0 and nixl.current() is None
+            hung = nixl.call(get_xfer_status_that_hangs)
+            await asyncio.sleep(1.2)  # the loop runs on meanwhile: three times the bound
+            stalls = w.nixl_stalls
+            release.set()
+            assert await hung == "DONE"
+            await asyncio.sleep(0.3)
+        finally:
+            await w.stop()
+            nixl.shutdown()
+        return stalls, w
+
+    with caplog.at_level(logging.WARNING, logger="kvd.stall"):
+        stalls, w = asyncio.run(main())
+    assert stalls == 1 and w.nixl_stalls == 1 and w.stalls == 0
+    msgs = [r.getMessage() for r in caplog.records if r.name == "kvd.stall"]
+    (stuck,) = [m for m in msgs if "has been inside" in m]
+    assert "get_xfer_status_that_hangs" in stuck and "stall_dump_s 0.4" in stuck, stuck
+    (ended,) = [m for m in msgs if "returned after about" in m]
+    assert "get_xfer_status_that_hangs" in ended, ended
+    err = capfd.readouterr().err
+    assert err.count("Stall: the NIXL thread has been inside") == 1, err[-2000:]
+    assert "in get_xfer_status_that_hangs" in err, err[-2000:]  # the stuck call's frame in the dump
+
+
 def test_a_stopped_daemon_says_so_when_it_runs_again(tmp_path):
     """SIGSTOP for 3 s (every thread stopped), then SIGCONT: the daemon's log
     has the late-wake WARNING, at most one stack dump (the watch re-arms it

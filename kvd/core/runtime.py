@@ -74,6 +74,20 @@ class NixlThread:
         # two calls ever overlap and submission order holds.
         self._busy = 0
         self._busy_lock = threading.Lock()
+        # The call running on the thread and when it started (time.monotonic),
+        # None between calls: read by the stall watch's thread (:meth:`current`).
+        self._current: tuple[Callable, float] | None = None
+
+    def current(self) -> tuple[str, float] | None:
+        """The call the thread is inside now: ``(its name, when it started:
+        time.monotonic() seconds)``, or None when it waits for one. Safe from
+        any thread (one reference read). A call run inline (:meth:`try_now`)
+        is the event loop's, watched as the loop is."""
+        c = self._current
+        if c is None:
+            return None
+        fn, t0 = c
+        return getattr(fn, "__qualname__", None) or repr(fn), t0
 
     def call(self, fn, *args) -> asyncio.Future:
         """Queues ``fn(*args)``; the future holds its result or its error.
@@ -137,10 +151,12 @@ class NixlThread:
                 with self._busy_lock:
                     self._busy -= 1
                 continue
+            self._current = (fn, time.monotonic())
             try:
                 value, ok = fn(*args), True
             except BaseException as e:  # handed to the awaiting task, as an executor does
                 value, ok = e, False
+            self._current = None
             with self._busy_lock:
                 self._busy -= 1
             try:
@@ -235,6 +251,11 @@ class Runtime:
     def shutdown(self) -> None:
         """Stops the NIXL thread (after its last call)."""
         self._nixl.shutdown()
+
+    def nixl_call(self) -> tuple[str, float] | None:
+        """The NIXL thread's call now, ``(name, time.monotonic() at its
+        start)``, or None (``NixlThread.current``); safe from any thread."""
+        return self._nixl.current()
 
     def timeout(self, timeout_s: float) -> float:
         """A request's timeout (seconds): the daemon default for 0, negative or NaN; capped."""

@@ -394,7 +394,7 @@ class Server:
         self._gate_open = True
         await self.fd_channel.open()
         self.node.start()
-        self.stall_watch = StallWatch(cfg.stall_dump_s)
+        self.stall_watch = StallWatch(cfg.stall_dump_s, nixl_call=self.node.rt.nixl_call)
         self.stall_watch.on_tick = self.metrics.watch_loop(self.stall_watch.tick_age)
         self.stall_watch.start()
         metrics_at = ""

@@ -27,6 +27,14 @@ given no CPU at all while the machine's CPUs were all busy with the engines
   thread walked the main thread's frames while that thread ran again
   (CPython's GIL-free walk is best-effort).
 
+- The same thread watches the NIXL thread (``nixl_call``): a call it has
+  been inside for ``stall_dump_s`` seconds is logged at WARNING, naming the
+  call, with every thread's stack, once per call (and when it returns). The
+  loop runs on meanwhile, but every load, handshake and registration that
+  needs NIXL waits (``kvd.core.runtime``: one thread makes every NIXL call),
+  and nothing else said which call held it: a hung UCX connection looks like
+  loads timing out one by one.
+
 Every tick's lateness also goes to ``on_tick`` (the daemon's
 ``kvd_event_loop_lag_seconds`` histogram and ``kvd_event_loop_stalls_total``),
 and :meth:`StallWatch.tick_age` tells, from any thread, how long ago the
@@ -136,11 +144,17 @@ class StallWatch:
         on_tick: called on the loop after every tick with
             ``(late_s, stalled)``: seconds past its time, and whether it
             was late enough to be logged (``warn_s``). Must not raise.
+        nixl_call: the NIXL thread's call now, ``(name, time.monotonic()
+            at its start)`` or None (``Runtime.nixl_call``); called from the
+            watch's own thread. None, or ``stall_dump_s`` 0: not watched.
     """
 
     def __init__(self, stall_dump_s: float, tick_s: float = TICK_S, warn_s: float = WARN_S,
-                 on_tick: Callable[[float, bool], None] | None = None):
+                 on_tick: Callable[[float, bool], None] | None = None,
+                 nixl_call: Callable[[], tuple[str, float] | None] | None = None):
         self.stall_dump_s = stall_dump_s
+        self.nixl_call = nixl_call
+        self.nixl_stalls = 0  # NIXL calls logged as stuck
         # Ticks (and the watchdog's checks) well inside the dump's bound.
         self.tick_s = min(tick_s, stall_dump_s / 4) if stall_dump_s > 0 else tick_s
         self.warn_s = warn_s
@@ -188,12 +202,33 @@ class StallWatch:
         """The ``kvd-stall-dump`` thread: every ``tick_s``, a loop that has not
         ticked for ``stall_dump_s`` gets its threads' stacks dumped, once per stall."""
         dumped = None  # the tick (its time) whose stall was dumped
+        stuck = None  # the NIXL call (name, start) logged as stuck
         while not self._stopping.wait(self.tick_s):
             t = self._ticked
             if t is not None and t != dumped and time.monotonic() - t >= self.stall_dump_s:
                 dumped = t
                 dump_stacks(f"the event loop has not run for {time.monotonic() - t:.1f} s "
                             f"(stall_dump_s {self.stall_dump_s:g})")
+            if self.nixl_call is not None:
+                stuck = self._watch_nixl(stuck)
+
+    def _watch_nixl(self, stuck: tuple[str, float] | None) -> tuple[str, float] | None:
+        """One look at the NIXL thread: a call inside for ``stall_dump_s`` is
+        logged with every thread's stack (once); the end of the call last
+        logged is said. Returns the call logged as stuck now (or None)."""
+        call = self.nixl_call()
+        now = time.monotonic()
+        if stuck is not None and call != stuck:
+            log.warning("the NIXL thread's %s returned after about %.1f s", stuck[0], now - stuck[1])
+            stuck = None
+        if call is not None and stuck is None and now - call[1] >= self.stall_dump_s:
+            stuck = call
+            self.nixl_stalls += 1
+            why = (f"the NIXL thread has been inside {call[0]} for {now - call[1]:.1f} s (stall_dump_s "
+                   f"{self.stall_dump_s:g}): every load, handshake and registration that needs NIXL waits")
+            log.warning("%s; each thread's Python stack follows in the log", why)
+            dump_stacks(why)
+        return stuck
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
