@@ -3,7 +3,8 @@
 ``nixl/base_scheduler.py`` ``on_new_request`` / ``_stop_heartbeat``).
 
 First :class:`LeaseRenewals` alone, with a fake clock and a recorded
-``send``; then inside vLLM 0.32's real scheduler against the fake daemon
+``send`` (and once with two real daemons, P's refusing a call past its
+``max_blocks_per_request``); then inside vLLM 0.32's real scheduler against the fake daemon
 (``tests/vllm_inproc.py``): renewals go out while the request waits for its
 blocks and stop when it loads or is aborted. ``tests/test_lease_renewal.py``
 runs the daemon side for real.
@@ -22,8 +23,10 @@ if os.environ.get("KVD_SKIP_VLLM") == "1":
     pytest.skip("KVD_SKIP_VLLM=1", allow_module_level=True)
 pytest.importorskip("vllm")
 
+import grpc  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
+from kvd.client import EngineClientError  # noqa: E402
 from kvd.requests import MAX_RENEWALS_PER_CALL, RenewResult  # noqa: E402
 from kvd.shim.vllm.renewals import FIRST_UNKNOWN_S, MIN_INTERVAL_S, RETRY_S, LeaseRenewals  # noqa: E402
 from vllm_inproc import Engine, make_request, remote_params  # noqa: E402
@@ -63,8 +66,9 @@ def renewer(clock, rec, wall=1000.0) -> LeaseRenewals:
     return LeaseRenewals(rec, clock=lambda: clock.now, wall=lambda: wall)
 
 
-def req(rid: str) -> SimpleNamespace:
-    return SimpleNamespace(request_id=rid)
+def req(rid: str, tokens: int = 4096) -> SimpleNamespace:
+    """A stand-in of vLLM's ``Request``: what ``LeaseRenewals.track`` reads."""
+    return SimpleNamespace(request_id=rid, num_prompt_tokens=tokens)
 
 
 def test_one_call_per_prefill_engine_when_due_then_a_third_of_the_lease_left(clock):
@@ -174,8 +178,9 @@ def test_a_request_that_loads_soon_is_never_read_and_a_late_poll_keeps_the_arriv
     ("remote_port", "abc"), ("remote_port", 0), ("tp_size", "x"), ("remote_block_ids", 5),
     ("remote_block_ids", [[-1]]), ("remote_block_ids", [[1 << 40]]), ("remote_block_ids", [[1]] * 257),
     ("remote_request_id", "x" * 1025), ("remote_request_id", ""), ("remote_request_id", "\ud800"),
+    ("remote_block_ids", [list(range(5000))]),
 ], ids=["port-text", "port-0", "tp-text", "ids-int", "negative-id", "id-past-uint32", "257-groups", "long-id",
-        "empty-id", "lone-surrogate"])
+        "empty-id", "lone-surrogate", "ids-past-the-prompt"])
 def test_a_request_whose_renewal_cannot_go_is_logged_and_holds_back_no_other(clock, caplog, field, value):
     """A request waiting past MIN_INTERVAL_S whose params name no P a
     renewal could reach, or a renewal the daemon would refuse whole (or
@@ -217,6 +222,157 @@ def test_a_batch_the_client_cannot_encode_leaves_the_other_batches_to_go(clock, 
     clock.now += FIRST_UNKNOWN_S
     assert r.poll() == 1 and sent == ["engine-q"]
     assert len(r) == 1 and any("not renewed" in m and "d-bad" in m for m in caplog.messages)
+
+
+class BoundedP:
+    """A ``send`` answering as a prefill daemon of ``max_blocks`` block ids a
+    call (its ``max_blocks_per_request``) would, through the local daemon:
+    a call past it is refused whole with INVALID_ARGUMENT (as
+    ``EngineClient.renew_leases`` gives it), any other renews every request
+    in it. Futures are answered at once; ``calls`` records the remote
+    request ids of each call and whether it was refused."""
+
+    def __init__(self, max_blocks: int):
+        self.max_blocks = max_blocks
+        self.calls: list[tuple[list[str], bool]] = []
+
+    def __call__(self, engine_id, address, renewals):
+        f: Future = Future()
+        n = sum(len(g) for r in renewals for g in r.groups)
+        refused = n > self.max_blocks
+        self.calls.append(([r.request_id for r in renewals], refused))
+        if refused:
+            f.set_exception(EngineClientError(
+                f"RenewLeases to kvd at unix:x failed: INVALID_ARGUMENT: {address}: INVALID_ARGUMENT: renew: {n} "
+                f"block ids in one call, more than {self.max_blocks}", grpc.StatusCode.INVALID_ARGUMENT))
+        else:
+            f.set_result([RenewResult(r.request_id, 30.0) for r in renewals])
+        return f
+
+    def renewed(self) -> set[str]:
+        return {rid for ids, refused in self.calls if not refused for rid in ids}
+
+
+def test_a_call_refused_as_invalid_is_split_until_the_request_past_p_s_bound_is_alone(clock, caplog):
+    """P's daemon refuses a call past its ``max_blocks_per_request`` whole
+    (INVALID_ARGUMENT); one API request's ``remote_block_ids`` can be what
+    is past it. The refused call is split in halves until that request is
+    alone: its renewals stop (a warning with the reason), every other
+    request of that prefill engine is renewed, the poll never raises, and
+    the next round of renewals goes in a few calls, none refused. Before,
+    the same call was retried each second and no request was renewed."""
+    p = BoundedP(max_blocks=50)
+    r = renewer(clock, p)
+    caplog.set_level("WARNING", logger="kvd.shim.vllm")
+    small = [f"d{i}" for i in range(9)]
+    for i, rid in enumerate(small):
+        r.track(req(rid), params(f"p{i}"))
+        if i == 4:
+            r.track(req("d-big"), params("p-big", blocks=range(100, 200)))
+    clock.now += FIRST_UNKNOWN_S
+    for _ in range(10):  # each poll takes the refusals and sends the halves at once
+        r.poll()
+    assert p.calls[0] == ([f"p{i}" for i in range(5)] + ["p-big"] + [f"p{i}" for i in range(5, 9)], True)
+    assert p.renewed() == {f"p{i}" for i in range(9)}
+    assert len(r) == 9 and "d-big" not in r._of
+    warned = [m for m in caplog.messages if "d-big" in m]
+    assert len(warned) == 1 and "refused" in warned[0] and "more than 50" in warned[0], caplog.messages
+    assert (["p-big"], True) in p.calls  # stopped only once refused alone
+    n = len(p.calls)
+    clock.now += 10.0  # a third of the 30 s left
+    r.poll()
+    later = p.calls[n:]
+    assert later and not any(refused for _, refused in later)
+    assert sorted(rid for ids, _ in later for rid in ids) == sorted(f"p{i}" for i in range(9))
+    assert len(later) <= 4, later  # the halves stay together: not one call a request
+
+
+def test_requests_past_p_s_bound_only_together_are_split_and_stay_so(clock):
+    """Two requests each within P's bound, past it together: split once,
+    both renewed, and their next renewals go in calls that P takes (the
+    split is kept), not refused again each time."""
+    p = BoundedP(max_blocks=3)
+    r = renewer(clock, p)
+    r.track(req("d1"), params("p1", blocks=(1, 2)))
+    r.track(req("d2"), params("p2", blocks=(3, 4)))
+    clock.now += FIRST_UNKNOWN_S
+    r.poll()
+    r.poll()
+    assert p.calls == [(["p1", "p2"], True), (["p1"], False), (["p2"], False)]
+    assert len(r) == 2
+    for _ in range(3):
+        r.poll()  # takes the answers: the next renewal is due in a third of the 30 s left
+        clock.now += 10.0
+        r.poll()
+    assert p.calls[3:] == [(["p1"], False), (["p2"], False)] * 3
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  grpc.StatusCode.NOT_FOUND])
+def test_a_call_that_failed_otherwise_is_retried_whole(clock, code):
+    """Only INVALID_ARGUMENT splits a call: P unreachable, a deadline, or an
+    engine not (yet) at P are retried as they were, every RETRY_S, with no
+    request stopped."""
+    rec = Recorder()
+    r = renewer(clock, rec)
+    r.track(req("d1"), params("p1"))
+    r.track(req("d2"), params("p2"))
+    clock.now += FIRST_UNKNOWN_S
+    assert r.poll() == 1
+    rec.calls[0][3].set_exception(EngineClientError(f"RenewLeases failed: {code.name}", code))
+    assert r.poll() == 0
+    clock.now += RETRY_S
+    assert r.poll() == 1 and [x.request_id for x in rec.calls[1][2]] == ["p1", "p2"] and len(r) == 2
+
+
+def test_a_request_past_a_real_prefill_daemon_s_bound_does_not_hold_back_the_other(tmp_path, caplog):
+    """Two real daemons, P's with ``--max-blocks-per-request 16``: the shim's
+    renewals (the real ``EngineClient.renew_leases`` to the decode daemon,
+    ``PeerService.Renew`` to P's) of a held request of 2 blocks and an API
+    client's request naming 20 go in one call, which P refuses whole; the
+    decode daemon passes INVALID_ARGUMENT on, the call is split, and the
+    held request's lease is renewed (P counts the renewal), while the other
+    is stopped."""
+    from kvd.addresses import split_host_port
+    from kvd.client import EngineClient
+    from kvd.testing.daemons import start_daemons, stop_daemons
+    from kvd.testing.sessions import Engine as PEngine
+    from kvd.testing.sessions import KvShape
+    from kvd.testing.util import wait_until
+
+    p, d = start_daemons((str(tmp_path), "prefill", "--max-blocks-per-request", "16"), (str(tmp_path), "decode"))
+    src = client = None
+    try:
+        src = PEngine(p, "renew-bound-p", KvShape(num_layers=2, num_blocks=64, block_len=1024))
+        client = EngineClient(d.socket)
+        src.hold("p-small", [1, 2], lease_s=60.0)
+        wait_until(lambda: p.stats().active_leases == 1, 10, "the hold at P")
+        host, port = split_host_port(src.peer_address)
+        r = LeaseRenewals(client.renew_leases)
+        caplog.set_level("WARNING", logger="kvd.shim.vllm")
+
+        def at_p(remote_rid, blocks):
+            return {**params(remote_rid, engine=src.engine_id, port=port, blocks=blocks), "remote_host": host}
+
+        r.track(req("d-small"), at_p("p-small", (1, 2)))
+        r.track(req("d-big"), at_p("p-big", range(20)))
+        before = p.stats().leases_renewed
+
+        def renewed() -> bool:
+            r.poll()
+            return p.stats().leases_renewed > before
+
+        wait_until(renewed, 60, "the small request's lease renewed")
+        wait_until(lambda: r.poll() is not None and "d-big" not in r._of, 60, "the big request stopped")
+        assert "d-small" in r._of and len(r) == 1
+        (line,) = [m for m in caplog.messages if "d-big" in m]
+        assert "INVALID_ARGUMENT" in line and "16" in line, line
+    finally:
+        if client is not None:
+            client.close()
+        if src is not None:
+            src.close()
+        stop_daemons([p, d])
 
 
 # ------------------------------------------------------- inside vLLM's scheduler

@@ -24,6 +24,17 @@ daemon (``EngineService.RenewLeases`` -> ``PeerService.Renew``):
 - A request P answers ``not_held`` for after it was renewed once has lost
   its lease (read, released, expired, or the cap reached): it is no longer
   renewed. One never renewed yet stays (P's hold may still be on its way).
+- A call refused whole as invalid (``INVALID_ARGUMENT``, from the local
+  daemon or passed on from P's: a per-call bound the shim cannot know, such
+  as P's ``max_blocks_per_request``) is split, since one request's
+  ``remote_block_ids`` (the API client's) may be what is past it: a call of
+  several requests goes again at once as two halves, each half a call of its
+  own from then on; a one-request call refused stops that request's
+  renewals (a warning with the reason). One such request among 256 is alone
+  after 8 splits (a round trip each), the others renewed meanwhile in the
+  halves without it; before, the whole call was retried each second and no request of that
+  prefill engine was renewed. Other failures (``UNAVAILABLE``, a deadline)
+  are retried every :data:`RETRY_S`.
 
 P caps a renewed lease's life (its daemon's ``max_lease_life_s``): a request
 that never loads does not pin P's blocks past that.
@@ -38,9 +49,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import grpc
+
+from kvd.client import EngineClientError
 from kvd.requests import MAX_ID_BYTES, MAX_RENEWAL_GROUPS, MAX_RENEWALS_PER_CALL, BlockGroups, LeaseRenewal, RenewResult
 from kvd.shim.vllm.groups import as_groups
-from kvd.shim.vllm.params import UINT32, remote_of
+from kvd.shim.vllm.params import SPARE_BLOCK_IDS, UINT32, remote_of
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -55,10 +69,21 @@ MIN_INTERVAL_S = 0.25
 #: Wait before retrying after a failed call (seconds).
 RETRY_S = 1.0
 #: Block ids per call, all requests together: well under the daemon's
-#: ``max_blocks_per_request`` default (1M), which bounds a call's total.
+#: ``max_blocks_per_request`` default (1M), which bounds a call's total. A
+#: daemon set lower refuses a call past it: the call is split (``_refused``).
 MAX_BLOCKS_PER_CALL = 1 << 18
+#: Characters of a refusal's reason logged (it may quote P's daemon: any
+#: server an API request names).
+LOGGED_REASON_CHARS = 512
 
 Send = Callable[[str, str, list[LeaseRenewal]], "Future[list[RenewResult]]"]
+
+
+def _is_invalid(error: BaseException) -> bool:
+    """True when a call failed because the daemon refused what it carried
+    (``INVALID_ARGUMENT``: ``EngineService.RenewLeases`` gives P's daemon's
+    own refusal that status too): the same call would be refused again."""
+    return isinstance(error, EngineClientError) and error.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def _check_renewable(remote_request_id: str, groups: BlockGroups) -> None:
@@ -89,6 +114,7 @@ class _Waiting:
     remote_request_id: str
     groups: BlockGroups
     renewed: bool = False  # P renewed it once: a later not_held means the lease is gone
+    part: int = 0  # 0: batched with the others; else only with its part's (a refused call's half)
 
 
 @dataclass
@@ -99,6 +125,7 @@ class _Remote:
     due: float = float("inf")                                    # monotonic seconds
     calls: list[tuple[Future, list[str]]] = field(default_factory=list)  # in flight, local ids sent
     failing: bool = False                                        # the last call failed (logged once)
+    parts: int = 0                                               # the last part given (0: none, plain batches)
 
 
 class LeaseRenewals:
@@ -120,7 +147,8 @@ class LeaseRenewals:
         self._of: dict[str, tuple[str, str]] = {}  # local request id -> its remote key
         # Tracked requests not looked at yet, oldest first: local request id ->
         # (kv_transfer_params, monotonic and wall seconds when tracked).
-        self._arrived: dict[str, tuple[dict[str, Any], float, float]] = {}
+        # request id -> (params, prompt tokens, monotonic and wall time of arrival)
+        self._arrived: dict[str, tuple[dict[str, Any], int, float, float]] = {}
 
     def __len__(self) -> int:
         """Requests tracked."""
@@ -139,15 +167,17 @@ class LeaseRenewals:
         rid = request.request_id
         if rid in self._arrived or rid in self._of:  # most are new: no call to stop
             self.stop(rid)  # tracked again: its old renewals end, it moves to the newest end
-        self._arrived[rid] = (params, self.clock(), self.wall())
+        self._arrived[rid] = (params, request.num_prompt_tokens, self.clock(), self.wall())
 
-    def _start(self, rid: str, params: dict[str, Any], since: float, wall: float) -> None:
-        """Renewals for request ``rid``, tracked at monotonic ``since`` (wall
-        clock ``wall``): its first is due a third of the lease P announced
-        after that (``remote_blocks_expiry_time``), at least
-        :data:`MIN_INTERVAL_S`, or :data:`FIRST_UNKNOWN_S` when P sent none."""
+    def _start(self, rid: str, params: dict[str, Any], tokens: int, since: float, wall: float) -> None:
+        """Renewals for request ``rid`` (a prompt of ``tokens`` tokens), tracked
+        at monotonic ``since`` (wall clock ``wall``): its first is due a third
+        of the lease P announced after that (``remote_blocks_expiry_time``),
+        at least :data:`MIN_INTERVAL_S`, or :data:`FIRST_UNKNOWN_S` when P
+        sent none. Block ids past what the prompt fills are refused by length
+        (``SPARE_BLOCK_IDS``), as the load does, not converted on the step."""
         try:
-            groups = as_groups(params["remote_block_ids"])
+            groups = as_groups(params["remote_block_ids"], tokens + SPARE_BLOCK_IDS, MAX_RENEWAL_GROUPS)
         except (TypeError, ValueError, OverflowError) as e:
             log.warning("kvd request=%s: remote_block_ids %s; its lease is not renewed", rid, e)
             return
@@ -187,11 +217,11 @@ class LeaseRenewals:
         are due (never blocks). Returns the calls sent."""
         now = self.clock()
         while self._arrived:  # oldest first: stop at the first too young to be due
-            rid, (params, since, wall) = next(iter(self._arrived.items()))
+            rid, (params, tokens, since, wall) = next(iter(self._arrived.items()))
             if now - since < MIN_INTERVAL_S:
                 break
             del self._arrived[rid]
-            self._start(rid, params, since, wall)
+            self._start(rid, params, tokens, since, wall)
         sent = 0
         for key, remote in list(self._remotes.items()):
             self._collect(key, remote, now)
@@ -227,9 +257,22 @@ class LeaseRenewals:
     def _batches(remote: _Remote) -> list[list[str]]:
         """Local request ids in calls of at most ``MAX_RENEWALS_PER_CALL``
         requests and ``MAX_BLOCKS_PER_CALL`` block ids (a request past that
-        alone still goes, in a call of its own: P's hold bounded it)."""
-        out, ids, blocks = [], [], 0
+        alone still goes, in a call of its own: P's hold bounded it); the
+        requests of a part (a refused call's half, :meth:`_refused`) in
+        calls of their own."""
+        if not remote.parts:
+            return LeaseRenewals._pack(remote.waiting.items())
+        parts: dict[int, list[tuple[str, _Waiting]]] = {}
         for rid, w in remote.waiting.items():
+            parts.setdefault(w.part, []).append((rid, w))
+        return [ids for items in parts.values() for ids in LeaseRenewals._pack(items)]
+
+    @staticmethod
+    def _pack(items) -> list[list[str]]:
+        """``(local request id, _Waiting)`` pairs in calls within the bounds
+        of :meth:`_batches`."""
+        out, ids, blocks = [], [], 0
+        for rid, w in items:
             n = sum(len(g) for g in w.groups)
             if ids and (len(ids) >= MAX_RENEWALS_PER_CALL or blocks + n > MAX_BLOCKS_PER_CALL):
                 out.append(ids)
@@ -251,6 +294,9 @@ class LeaseRenewals:
             try:
                 results = call.result()
             except Exception as e:
+                if _is_invalid(e):
+                    self._refused(key, remote, ids, e, now)
+                    continue
                 if not remote.failing:
                     log.warning("kvd: lease renewal for engine %s at %s failed: %s (retried every %g s)",
                                 key[0], key[1], e, RETRY_S)
@@ -275,3 +321,31 @@ class LeaseRenewals:
             elif remote.waiting:
                 remote.due = min(remote.due, now + FIRST_UNKNOWN_S)
         remote.calls = still
+
+    def _refused(self, key: tuple[str, str], remote: _Remote, ids: list[str], error: Exception,
+                 now: float) -> None:
+        """A call of ``ids`` refused whole as invalid (``error``): one request
+        alone is not renewed any more (logged); several go again at once as
+        two halves, each half in calls of its own from then on (a part), so
+        that one request past a bound of P's is soon alone and the others
+        renewed. Halves rather than one call each: a call for each waiting
+        request of that engine every renewal would cost the step more (one
+        gRPC call each) once the refused request is gone."""
+        live = [rid for rid in ids if rid in remote.waiting]  # some stopped while the call was out
+        if len(ids) == 1:
+            for rid in live:
+                log.warning("kvd request=%s: prefill lease renewal refused: %.*s; its lease is not renewed", rid,
+                            LOGGED_REASON_CHARS, error)
+                self.stop(rid)
+            return
+        if not live:
+            return
+        log.debug("kvd: lease renewal of %d requests for engine %s at %s refused (%.*s): split", len(ids), key[0],
+                  key[1], LOGGED_REASON_CHARS, error)
+        half = (len(live) + 1) // 2
+        for part in (live[:half], live[half:]):
+            if part:
+                remote.parts += 1
+                for rid in part:
+                    remote.waiting[rid].part = remote.parts
+        remote.due = min(remote.due, now)
