@@ -186,6 +186,37 @@ def test_a_feed_bounds_its_waiting_polls_and_answers_only_for_registered_engines
     asyncio.run(main())
 
 
+def test_a_feed_counts_the_answers_it_makes_not_the_polls_it_refuses(monkeypatch):
+    """``HoldFeeds.answers_sent`` (``holds_answers_sent`` in stats): one per
+    poll answered, a reset, changes or nothing new alike; none for a poll
+    refused (no such engine, too many waiting) or given up before its answer."""
+    monkeypatch.setattr(hf, "MAX_WAITING", 1)
+
+    async def main():
+        feeds = HoldFeeds()
+        with pytest.raises(NotFound):
+            await feeds.poll("nobody", False, "", 0, 1.0)
+        assert feeds.answers_sent == 0
+        a = await feeds.poll("e", True, "", 0, 0.0)  # a reset
+        assert (await feeds.poll("e", True, a.epoch, a.seq, 0.0)).changes == ()  # nothing new
+        assert feeds.answers_sent == 2
+        waiting = asyncio.ensure_future(feeds.poll("e", True, a.epoch, a.seq, 30.0))
+        await asyncio.sleep(0.05)
+        with pytest.raises(ResourceExhausted):
+            await feeds.poll("e", True, a.epoch, a.seq, 30.0)
+        assert feeds.answers_sent == 2
+        feeds.recorder("e", 0)("r", [arr(1)])  # a lease starts: the waiting poll is answered
+        assert [c.request_id for c in (await asyncio.wait_for(waiting, 10)).changes] == ["r"]
+        assert feeds.answers_sent == 3
+        gone = asyncio.ensure_future(feeds.poll("e", True, a.epoch, a.seq + 1, 30.0))
+        await asyncio.sleep(0.05)
+        gone.cancel()  # the follower went away
+        await asyncio.gather(gone, return_exceptions=True)
+        assert feeds.answers_sent == 3
+
+    asyncio.run(main())
+
+
 # ------------------------------------------------------------------ reader side
 def answer(epoch, seq, *changes, reset=False) -> HoldsAnswer:
     first = seq - len(changes) + 1
@@ -292,6 +323,48 @@ def mirror_with(f: Follow, monkeypatch) -> hm.HoldMirror:
     m.follows[(f.address, f.engine_id)] = f
     monkeypatch.setattr(hm.HoldMirror, "_same_agent", lambda self, f, tp_rank: True)
     return m
+
+
+def test_a_mirror_counts_the_answers_it_applies_not_the_ones_it_refuses(monkeypatch):
+    """``HoldMirror.answers_applied`` (``holds_answers_applied`` in stats):
+    one per poll answer applied to a copy; none for an answer refused
+    (``BadAnswer``: the copy is dropped) or a poll that failed."""
+    from types import SimpleNamespace
+
+    from kvd.core.events import PeerUnavailable
+    from kvd.core.limits import Limits
+
+    monkeypatch.setattr(hm, "BACKOFF_S", 0.01)
+    rt = SimpleNamespace(limits=Limits(), closing=False, workers={})
+
+    class Link:
+        answers = [answer("ep", 0, reset=True), answer("ep", 1, (0, "r", (arr(1),))),
+                   answer("other", 2),  # another epoch without a reset: refused
+                   PeerUnavailable("p:1: down"),
+                   answer("ep", 1, reset=True)]
+        polls = 0
+
+        async def holds(self, address, engine_id, epoch, after, wait_s, timeout_s):
+            self.polls += 1
+            if not self.answers:
+                await asyncio.sleep(3600)  # a long poll with nothing new
+            got = self.answers.pop(0)
+            if isinstance(got, Exception):
+                raise got
+            return got
+
+    async def main():
+        link = Link()
+        m = hm.HoldMirror(rt, link)
+        m.follow("p:1", "e")
+        for _ in range(500):
+            if link.polls == 6:
+                break
+            await asyncio.sleep(0.01)
+        assert link.polls == 6 and m.answers_applied == 3  # two, then the reset after the refusal and failure
+        await m.close()
+
+    asyncio.run(main())
 
 
 def test_a_load_the_copy_does_not_show_yet_waits_for_the_next_answers(monkeypatch):
@@ -509,6 +582,26 @@ def test_a_frozen_source_is_not_trusted_and_its_loads_claim(env):
     assert (s2, f2) == (sent + 1, followed), (sent, followed, s2, f2)
     # Answers come again: the copy is trusted again.
     followed_load(src, dst, "after-freeze")
+
+
+def test_both_daemons_count_the_holds_answers_in_their_stats(env):
+    """GetStats (``kvd status --json``, the ``kvd_holds_answers_*_total``
+    metrics): the source counts the answers it makes for the reader's
+    polls, the reader those it applies; neither counts the other side's
+    (D follows P's holds, not the other way). The reader applies only
+    answers P made; both go on about once a second with nothing changing
+    (P answers a waiting poll at the end of its wait), and a hold is
+    answered at once."""
+    src, dst = env
+    p, d = src.daemon, dst.daemon
+    assert p.stats().holds_answers_applied == 0 and d.stats().holds_answers_sent == 0
+    applied = d.stats().holds_answers_applied
+    sent = p.stats().holds_answers_sent
+    assert 1 <= applied <= sent  # the follow's reset at least; read in this order, never more applied than made
+    wait_until(lambda: p.stats().holds_answers_sent > sent and d.stats().holds_answers_applied > applied, 30,
+               "P answering D's polls with nothing new, and D applying the answers")
+    followed_load(src, dst, "counted")  # a hold whose answer D applied before its load (no claim)
+    assert d.stats().holds_answers_applied <= p.stats().holds_answers_sent
 
 
 def test_a_hold_made_before_the_reader_follows_is_read_without_a_claim(tmp_path):

@@ -148,10 +148,12 @@ def test_a_source_answering_at_once_with_nothing_is_not_polled_in_a_loop(reader)
     try:
         assert event_kind(load_from(e, src, "busy-1")) == "recv_done"  # pairs, and follows its holds
         wait_until(lambda: src.polls >= 2, 30, "the reader polls the source")
-        p0, t0 = src.polls, time.monotonic()
-        time.sleep(3.0)
+        p0, a0, t0 = src.polls, d.stats().holds_answers_applied, time.monotonic()
+        time.sleep(3.0)  # a window to measure a rate in, not a wait for an event
         rate = (src.polls - p0) / (time.monotonic() - t0)
         assert rate <= 3.0, f"{rate:.0f} polls a second"
+        # ...of a follow that goes on (a follow that stopped polling passes the bound too): its answers applied.
+        assert d.stats().holds_answers_applied > a0
         assert d.stats().holds_followed == 0  # never trusted: its loads claim
         assert event_kind(load_from(e, src, "busy-2")) == "recv_done"
     finally:
@@ -266,9 +268,19 @@ def test_a_copy_fed_by_another_daemon_behind_the_same_address_grants_no_read(rea
         assert event_kind(r.wait("first-d", 30)) == "recv_done"
         wait_until(lambda: len(conns) >= 2, 30, "the reader's polls on a connection of their own")
         assert conns[:2] == [a.peer_address, b.peer_address]
-        time.sleep(1.0)  # the follow has learnt whom it polls
+        # B answers only the reader's polls. Its second answer is to the poll
+        # the follow sends once it applied B's reset and asked B's agent: the
+        # follow has learnt whom it polls.
+        wait_until(lambda: b.stats().holds_answers_sent >= 2, 30, "B answering the follow's second poll")
         other.hold("mine", [5, 6])  # the attacker's own request, on B
-        time.sleep(1.0)  # in B's answers by now
+        wait_until(lambda: b.stats().active_leases == 1, 10, "mine held on B")
+        # Every answer B makes from now on brings "mine" (in its changes, or a reset's snapshot). The
+        # reader applies one answer at a time, and only B's now (this module's hostile sources are
+        # closed), so the next one it applies after B made one is that one or a later one.
+        sent = b.stats().holds_answers_sent
+        wait_until(lambda: b.stats().holds_answers_sent > sent, 30, "an answer of B's with mine")
+        applied = d.stats().holds_answers_applied
+        wait_until(lambda: d.stats().holds_answers_applied > applied, 30, "the reader applying B's answer")
         before = r.kv[:, 5:7].copy()
         s0 = d.stats()
         r.load("mine-d", [5, 6], None, [5, 6], "mine", remote_engine_id="same-e", remote_address=proxy,

@@ -257,6 +257,10 @@ class HoldFeeds:
 
     def __init__(self) -> None:
         self.feeds: dict[str, HoldFeed] = {}
+        # Answers made for followers' polls since start, every engine
+        # together (``holds_answers_sent`` in stats): one increment per
+        # answer, nothing per lease.
+        self.answers_sent = 0
 
     def recorder(self, engine_id: str, tp_rank: int):
         """The ``LeaseTable.on_change`` of worker ``(engine_id, tp_rank)``."""
@@ -287,8 +291,11 @@ class HoldFeeds:
 
     async def poll(self, engine_id: str, registered: bool, epoch: str, after: int, wait_s: float) -> HoldsAnswer:
         """A follower's poll of ``engine_id`` (``registered``: the engine has
-        a worker here). Raises NotFound for an engine with none,
-        ResourceExhausted as :meth:`HoldFeed.wait_answer`."""
+        a worker here), counted in :attr:`answers_sent` once answered (a
+        refused or cancelled poll is not). Raises NotFound for an engine
+        with none, ResourceExhausted as :meth:`HoldFeed.wait_answer`."""
         if not registered:
             raise NotFound(f"holds: engine {engine_id!r} is not registered here")
-        return await self._feed(engine_id).wait_answer(epoch, after, wait_s)
+        ans = await self._feed(engine_id).wait_answer(epoch, after, wait_s)
+        self.answers_sent += 1
+        return ans

@@ -380,6 +380,10 @@ class HoldMirror:
         self.link = link
         self.follows: dict[tuple[str, str], Follow] = {}
         self.budget = Budget()  # the memory of every follow's copy
+        # Poll answers applied to the copies since start, every followed
+        # engine together (``holds_answers_applied`` in stats): one
+        # increment per answer, nothing per load.
+        self.answers_applied = 0
         self._warned = Throttled(log)
 
     def follow(self, address: str, engine_id: str) -> None:
@@ -555,6 +559,7 @@ class HoldMirror:
                     ans = await self.link.holds(f.address, f.engine_id, f.epoch, f.seq, WAIT_S, WAIT_S + 5.0)
                     got = time.monotonic()
                     f.apply(ans, got)
+                    self.answers_applied += 1
                     if ans.reset:  # the copy starts over: who answers now
                         learnt = await self._learn_agents(f)
                     f.take_agents(learnt)

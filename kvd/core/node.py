@@ -335,6 +335,8 @@ class Node:
             claims_followed=c.claims_followed,
             claims_waited=c.claims_waited,
             holds_followed=self.mirror.fresh(),
+            holds_answers_applied=self.mirror.answers_applied,
+            holds_answers_sent=self.rt.feeds.answers_sent,
             notifications_dropped=self.progress.notifs_dropped,
             same_node_copies=c.same_node_copies,
             same_node_vram_copies=c.same_node_vram_copies,

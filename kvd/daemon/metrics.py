@@ -40,6 +40,10 @@ Read from ``Node.stats()`` at scrape time (they cannot drift from the core):
   followed holds showed (no round trip), those whose load first waited for
   the copy's next answers (its hold on its way: either of the first two
   follows), and the remote engines followed (PeerService.Holds)
+- ``kvd_holds_answers_applied_total``, ``kvd_holds_answers_sent_total``:
+  poll answers this daemon applied to its copies of followed holds (the
+  reader's side), and answers it made for followers' polls of its own
+  engines (the source's side)
 - ``kvd_inflight_transfers``: READs posted and not finished
 - ``kvd_session_streams``: open engine session streams
 - ``kvd_leaked_transfer_handles``: NIXL handles that could not be released yet
@@ -89,6 +93,10 @@ STATS_METRICS = (
     ("kvd_claims_waited_total", "claims_waited",
      "Source ranks whose load waited for the followed holds' next answers before its READ or claim"),
     ("kvd_holds_followed", "holds_followed", "Remote engines whose holds are followed, answers current"),
+    ("kvd_holds_answers_applied_total", "holds_answers_applied",
+     "Followed holds' poll answers applied to this daemon's copies (PeerService.Holds, reader side)"),
+    ("kvd_holds_answers_sent_total", "holds_answers_sent",
+     "Answers to followers' polls of this daemon's engines' holds (PeerService.Holds, source side)"),
     ("kvd_inflight_transfers", "inflight_transfers", "Transfers (READs) in flight"),
     ("kvd_session_streams", "sessions", "Open engine session streams"),
     ("kvd_leaked_transfer_handles", "leaked_handles", "NIXL transfer handles not yet released"),
