@@ -127,7 +127,8 @@ def test_a_nixl_call_that_does_not_return_is_logged_once_with_the_stacks_and_its
     """The daemon's NIXL thread (``kvd.core.runtime.NixlThread``) inside one
     call past ``stall_dump_s`` while the loop runs on: one WARNING naming
     the call, every thread's stack (the call's frame in it), and a WARNING
-    when it returns; calls shorter than that say nothing."""
+    when it returns; calls shorter than that say nothing. The metric
+    ``kvd_nixl_call_age_seconds`` grows meanwhile and is 0 between calls."""
     from kvd.core.runtime import NixlThread
 
     release = threading.Event()
@@ -139,8 +140,23 @@ def test_a_nixl_call_that_does_not_return_is_logged_once_with_the_stacks_and_its
     def quick():
         return 1
 
+    def stats() -> dict:
+        raise TimeoutError()  # the core's stats: not read here
+
+    metrics = Metrics(stats)
+    port = metrics.serve(0, "127.0.0.1")
+
+    def age() -> float:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        (v,) = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "kvd_nixl_call_age_seconds"]
+        return v
+
     async def main():
         nixl = NixlThread("kvd-nixl-test")
+        metrics.watch_nixl(nixl.current)
         w = StallWatch(stall_dump_s=0.4, tick_s=0.05, warn_s=5, nixl_call=nixl.current)
         w.start()
         try:
@@ -148,20 +164,27 @@ def test_a_nixl_call_that_does_not_return_is_logged_once_with_the_stacks_and_its
                 assert await nixl.call(quick) == 1
             await asyncio.sleep(0.5)
             assert w.nixl_stalls == 0 and nixl.current() is None
+            ages = [await asyncio.to_thread(age)]
             hung = nixl.call(get_xfer_status_that_hangs)
             await asyncio.sleep(1.2)  # the loop runs on meanwhile: three times the bound
+            ages.append(await asyncio.to_thread(age))
             stalls = w.nixl_stalls
             release.set()
             assert await hung == "DONE"
             await asyncio.sleep(0.3)
+            ages.append(await asyncio.to_thread(age))
         finally:
             await w.stop()
             nixl.shutdown()
-        return stalls, w
+        return stalls, w, ages
 
-    with caplog.at_level(logging.WARNING, logger="kvd.stall"):
-        stalls, w = asyncio.run(main())
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvd.stall"):
+            stalls, w, ages = asyncio.run(main())
+    finally:
+        metrics.stop()
     assert stalls == 1 and w.nixl_stalls == 1 and w.stalls == 0
+    assert ages[0] == 0 and ages[1] >= 1.0 and ages[2] == 0, ages  # kvd_nixl_call_age_seconds
     msgs = [r.getMessage() for r in caplog.records if r.name == "kvd.stall"]
     (stuck,) = [m for m in msgs if "has been inside" in m]
     assert "get_xfer_status_that_hangs" in stuck and "stall_dump_s 0.4" in stuck, stuck

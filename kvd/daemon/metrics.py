@@ -25,6 +25,9 @@ Read in the metrics thread at scrape time, without the event loop:
 
 - ``kvd_event_loop_tick_age_seconds``: seconds since the loop last ticked; grows
   while a stall lasts (the stats below are then not served: they are read on the loop)
+- ``kvd_nixl_call_age_seconds``: seconds the NIXL thread has been inside its
+  current call, 0 between calls; grows while a NIXL call hangs (every load
+  that needs NIXL waits meanwhile, the loop serves on)
 
 Read from ``Node.stats()`` at scrape time (they cannot drift from the core):
 
@@ -61,6 +64,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
@@ -181,6 +185,9 @@ class Metrics:
                                    registry=r)
         self.loop_tick_age = Gauge("kvd_event_loop_tick_age_seconds",
                                    "Seconds since the event loop last ticked (grows during a stall)", registry=r)
+        self.nixl_call_age = Gauge("kvd_nixl_call_age_seconds",
+                                   "Seconds the NIXL thread has been inside its current call (0: between calls)",
+                                   registry=r)
         r.register(_StatsCollector(stats))
         ProcessCollector(registry=r)
         self._http = None
@@ -202,6 +209,16 @@ class Metrics:
             self.handshake.observe(fields["seconds"])
         elif name == "claim":
             self.claim.observe(fields["seconds"])
+
+    def watch_nixl(self, nixl_call: Callable[[], tuple[str, float] | None]) -> None:
+        """Serves the age of the NIXL thread's current call (``nixl_call()``:
+        ``(name, time.monotonic() at its start)`` or None, read in the
+        scrape's thread: ``Runtime.nixl_call``) as ``kvd_nixl_call_age_seconds``."""
+        def age() -> float:
+            call = nixl_call()
+            return 0.0 if call is None else max(0.0, time.monotonic() - call[1])
+
+        self.nixl_call_age.set_function(age)
 
     def watch_loop(self, tick_age: Callable[[], float]) -> Callable[[float, bool], None]:
         """Serves ``tick_age()`` (seconds, read in the scrape's thread) as

@@ -396,6 +396,7 @@ class Server:
         self.node.start()
         self.stall_watch = StallWatch(cfg.stall_dump_s, nixl_call=self.node.rt.nixl_call)
         self.stall_watch.on_tick = self.metrics.watch_loop(self.stall_watch.tick_age)
+        self.metrics.watch_nixl(self.node.rt.nixl_call)
         self.stall_watch.start()
         metrics_at = ""
         if cfg.metrics_port:
