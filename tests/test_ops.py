@@ -305,6 +305,8 @@ def test_status_reports_the_data_path_of_each_worker():
     assert re.search(r"^command socket +off \(sessions on gRPC\)$", text, re.M)
     assert re.search(r"^claims +0 sent, 0 followed, 0 waited for the holds' next answer \(per source rank\); "
                      r"follow_holds off$", text, re.M)
+    assert re.search(r"^holds answers +0 applied \(of sources followed here\), 0 sent \(to daemons following "
+                     r"this one's engines\)$", text, re.M), text
 
 
 def test_status_escapes_control_characters_an_engine_or_peer_names():

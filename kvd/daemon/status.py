@@ -218,6 +218,8 @@ def render(d: dict, target: str = "") -> str:
                    f"{d.get('claims_waited', 0)} waited for the holds' next answer (per source rank); "
                    + (f"following the holds of {d.get('holds_followed', 0)} remote engine(s)" if d.get("follow_holds")
                       else "follow_holds off")),
+        ("holds answers", f"{d.get('holds_answers_applied', 0)} applied (of sources followed here), "
+                          f"{d.get('holds_answers_sent', 0)} sent (to daemons following this one's engines)"),
     ]
     if d.get("warm_peers_configured"):
         # Configured, whether or not an engine has registered yet (their pairs, below, need one).
