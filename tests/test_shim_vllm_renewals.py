@@ -203,6 +203,24 @@ def test_a_request_whose_renewal_cannot_go_is_logged_and_holds_back_no_other(clo
     assert any("request=d-bad" in m and field in m and "not renewed" in m for m in caplog.messages), caplog.messages
 
 
+def test_block_ids_for_more_groups_than_the_engine_has_are_not_converted_for_renewals(clock, caplog):
+    """Renewals take no more KV-cache groups than the engine transfers (the
+    scheduler gives its count): an API request naming 256 groups of the
+    prompt's size fails its load (checked by length), and its renewals
+    converted every id on the step and sent them to P each second
+    (attacker review: 260k ids for a 1,000-token prompt, ~90 ms a poll)."""
+    rec = Recorder()
+    r = LeaseRenewals(rec, max_groups=1, clock=lambda: clock.now, wall=lambda: 1000.0)
+    caplog.set_level("WARNING", logger="kvd.shim.vllm")
+    bad = params("p-bad")
+    bad["remote_block_ids"] = [[40, 41]] * 256
+    r.track(req("d-bad"), bad)
+    r.track(req("d1"), params("p1"))
+    clock.now += FIRST_UNKNOWN_S
+    assert r.poll() == 1 and [x.request_id for x in rec.calls[0][2]] == ["p1"]
+    assert any("d-bad" in m and "256 KV-cache groups, more than 1" in m for m in caplog.messages), caplog.messages
+
+
 def test_a_batch_the_client_cannot_encode_leaves_the_other_batches_to_go(clock, caplog):
     """A send that raises ValueError (protobuf refusing an argument) drops
     that batch's requests, and the other prefill engines' batches still go;
@@ -256,11 +274,12 @@ class BoundedP:
 def test_a_call_refused_as_invalid_is_split_until_the_request_past_p_s_bound_is_alone(clock, caplog):
     """P's daemon refuses a call past its ``max_blocks_per_request`` whole
     (INVALID_ARGUMENT); one API request's ``remote_block_ids`` can be what
-    is past it. The refused call is split in halves until that request is
-    alone: its renewals stop (a warning with the reason), every other
-    request of that prefill engine is renewed, the poll never raises, and
-    the next round of renewals goes in a few calls, none refused. Before,
-    the same call was retried each second and no request was renewed."""
+    is past it. The calls to that engine get smaller (half the refused
+    call's ids) until that request is alone: its renewals stop (a warning
+    with the reason), every other request of that prefill engine is
+    renewed, the poll never raises, and the next round of renewals goes in
+    a few calls, none refused. Before, the same call was retried each
+    second and no request was renewed."""
     p = BoundedP(max_blocks=50)
     r = renewer(clock, p)
     caplog.set_level("WARNING", logger="kvd.shim.vllm")
@@ -270,7 +289,7 @@ def test_a_call_refused_as_invalid_is_split_until_the_request_past_p_s_bound_is_
         if i == 4:
             r.track(req("d-big"), params("p-big", blocks=range(100, 200)))
     clock.now += FIRST_UNKNOWN_S
-    for _ in range(10):  # each poll takes the refusals and sends the halves at once
+    for _ in range(10):  # each poll takes the refusals and sends the smaller calls at once
         r.poll()
     assert p.calls[0] == ([f"p{i}" for i in range(5)] + ["p-big"] + [f"p{i}" for i in range(5, 9)], True)
     assert p.renewed() == {f"p{i}" for i in range(9)}
@@ -284,7 +303,34 @@ def test_a_call_refused_as_invalid_is_split_until_the_request_past_p_s_bound_is_
     later = p.calls[n:]
     assert later and not any(refused for _, refused in later)
     assert sorted(rid for ids, _ in later for rid in ids) == sorted(f"p{i}" for i in range(9))
-    assert len(later) <= 4, later  # the halves stay together: not one call a request
+    assert len(later) <= 4, later  # not one call a request
+
+
+def test_many_requests_past_p_s_bound_cost_a_few_calls_each_once_and_none_later(clock):
+    """An API client's requests past P's bound among innocent ones (each
+    names P's real engine): each costs a few refused calls once, then the
+    innocent ones go in as few calls as P's bound allows, none refused.
+    Before, each refused call's halves stayed calls of their own: 256
+    innocent requests with 128 such ones went in 192 calls every renewal
+    (attacker review), against 1 without them."""
+    p = BoundedP(max_blocks=1000)
+    r = renewer(clock, p)
+    hostile = 0
+    for i in range(256):
+        r.track(req(f"g{i}"), params(f"pg{i}"))
+        if i % 2 == 0:
+            r.track(req(f"b{hostile}"), params(f"pb{hostile}", blocks=range(1001)))
+            hostile += 1
+    clock.now += FIRST_UNKNOWN_S
+    for _ in range(20):
+        r.poll()
+    assert len(r) == 256 and p.renewed() == {f"pg{i}" for i in range(256)}
+    assert len(p.calls) <= 4 * hostile, len(p.calls)
+    n = len(p.calls)
+    clock.now += 10.0
+    r.poll()
+    later = p.calls[n:]
+    assert not any(refused for _, refused in later) and len(later) <= 2, later  # 512 ids: 1 or 2 calls
 
 
 def test_requests_past_p_s_bound_only_together_are_split_and_stay_so(clock):

@@ -116,6 +116,7 @@ def test_prefill_peer_address_comes_from_the_daemon_when_not_configured(model_di
     eng = Engine(model_dir, fake.socket)
     try:
         assert join_host_port(eng.connector.scheduler.peer_host, eng.connector.scheduler.peer_port) == PEER_ADDRESS
+        assert eng.connector.scheduler.renewals.max_groups == 1  # the engine's transfer groups bound renewals'
     finally:
         eng.close()
 

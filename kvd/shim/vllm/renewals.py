@@ -26,15 +26,17 @@ daemon (``EngineService.RenewLeases`` -> ``PeerService.Renew``):
   renewed. One never renewed yet stays (P's hold may still be on its way).
 - A call refused whole as invalid (``INVALID_ARGUMENT``, from the local
   daemon or passed on from P's: a per-call bound the shim cannot know, such
-  as P's ``max_blocks_per_request``) is split, since one request's
-  ``remote_block_ids`` (the API client's) may be what is past it: a call of
-  several requests goes again at once as two halves, each half a call of its
-  own from then on; a one-request call refused stops that request's
-  renewals (a warning with the reason). One such request among 256 is alone
-  after 8 splits (a round trip each), the others renewed meanwhile in the
-  halves without it; before, the whole call was retried each second and no request of that
-  prefill engine was renewed. Other failures (``UNAVAILABLE``, a deadline)
-  are retried every :data:`RETRY_S`.
+  as P's ``max_blocks_per_request``) teaches the shim a smaller call for that
+  prefill engine: at most half the refused call's block ids from then on
+  (its requests count when it named no ids), and the requests go again at
+  the next poll. A request past that alone goes in a call of its own; one
+  refused alone stops its renewals (a warning with the reason): one
+  request's ``remote_block_ids`` (an API client's) may be what is past P's
+  bound. The others are renewed meanwhile, in as few calls as the learnt
+  bound allows (no fewer than half of what P takes: the bound only falls to
+  half a call P refused). Before, the whole call was retried each second and
+  no request of that prefill engine was renewed. Other failures
+  (``UNAVAILABLE``, a deadline) are retried every :data:`RETRY_S`.
 
 P caps a renewed lease's life (its daemon's ``max_lease_life_s``): a request
 that never loads does not pin P's blocks past that.
@@ -114,7 +116,6 @@ class _Waiting:
     remote_request_id: str
     groups: BlockGroups
     renewed: bool = False  # P renewed it once: a later not_held means the lease is gone
-    part: int = 0  # 0: batched with the others; else only with its part's (a refused call's half)
 
 
 @dataclass
@@ -125,7 +126,9 @@ class _Remote:
     due: float = float("inf")                                    # monotonic seconds
     calls: list[tuple[Future, list[str]]] = field(default_factory=list)  # in flight, local ids sent
     failing: bool = False                                        # the last call failed (logged once)
-    parts: int = 0                                               # the last part given (0: none, plain batches)
+    # A call's bounds for this prefill engine, lowered by calls refused as invalid (_refused).
+    max_blocks: int = 0                                          # block ids a call (set at creation)
+    max_requests: int = 0                                        # requests a call (set at creation)
 
 
 class LeaseRenewals:
@@ -134,20 +137,23 @@ class LeaseRenewals:
     Args:
         send: ``(remote_engine_id, remote_address, renewals) -> Future`` of one
             result per renewal (``EngineClient.renew_leases``).
+        max_groups: KV-cache groups a request's ``remote_block_ids`` may name:
+            the engine's transfer groups (more fail the load as well, and
+            are no renewal's to convert).
         clock: monotonic seconds; ``wall``: ``time.time`` (for
             ``remote_blocks_expiry_time``, which P sends in wall-clock seconds).
     """
 
-    def __init__(self, send: Send, *, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time):
+    def __init__(self, send: Send, *, max_groups: int = MAX_RENEWAL_GROUPS,
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time):
         self.send = send
+        self.max_groups = min(max_groups, MAX_RENEWAL_GROUPS)
         self.clock = clock
         self.wall = wall
         self._remotes: dict[tuple[str, str], _Remote] = {}
         self._of: dict[str, tuple[str, str]] = {}  # local request id -> its remote key
         # Tracked requests not looked at yet, oldest first: local request id ->
-        # (kv_transfer_params, monotonic and wall seconds when tracked).
-        # request id -> (params, prompt tokens, monotonic and wall time of arrival)
+        # (kv_transfer_params, prompt tokens, monotonic and wall seconds when tracked).
         self._arrived: dict[str, tuple[dict[str, Any], int, float, float]] = {}
 
     def __len__(self) -> int:
@@ -177,7 +183,7 @@ class LeaseRenewals:
         sent none. Block ids past what the prompt fills are refused by length
         (``SPARE_BLOCK_IDS``), as the load does, not converted on the step."""
         try:
-            groups = as_groups(params["remote_block_ids"], tokens + SPARE_BLOCK_IDS, MAX_RENEWAL_GROUPS)
+            groups = as_groups(params["remote_block_ids"], tokens + SPARE_BLOCK_IDS, self.max_groups)
         except (TypeError, ValueError, OverflowError) as e:
             log.warning("kvd request=%s: remote_block_ids %s; its lease is not renewed", rid, e)
             return
@@ -190,7 +196,7 @@ class LeaseRenewals:
         key = (engine, address)
         remote = self._remotes.get(key)
         if remote is None:
-            remote = self._remotes[key] = _Remote()
+            remote = self._remotes[key] = _Remote(max_blocks=MAX_BLOCKS_PER_CALL, max_requests=MAX_RENEWALS_PER_CALL)
         remote.waiting[rid] = _Waiting(remote_rid, groups)
         self._of[rid] = key
         expiry = params.get("remote_blocks_expiry_time")
@@ -255,26 +261,16 @@ class LeaseRenewals:
 
     @staticmethod
     def _batches(remote: _Remote) -> list[list[str]]:
-        """Local request ids in calls of at most ``MAX_RENEWALS_PER_CALL``
-        requests and ``MAX_BLOCKS_PER_CALL`` block ids (a request past that
-        alone still goes, in a call of its own: P's hold bounded it); the
-        requests of a part (a refused call's half, :meth:`_refused`) in
-        calls of their own."""
-        if not remote.parts:
-            return LeaseRenewals._pack(remote.waiting.items())
-        parts: dict[int, list[tuple[str, _Waiting]]] = {}
-        for rid, w in remote.waiting.items():
-            parts.setdefault(w.part, []).append((rid, w))
-        return [ids for items in parts.values() for ids in LeaseRenewals._pack(items)]
-
-    @staticmethod
-    def _pack(items) -> list[list[str]]:
-        """``(local request id, _Waiting)`` pairs in calls within the bounds
-        of :meth:`_batches`."""
+        """Local request ids in calls of at most ``remote.max_requests``
+        requests and ``remote.max_blocks`` block ids (:data:`MAX_RENEWALS_PER_CALL`
+        and :data:`MAX_BLOCKS_PER_CALL` until P refuses a call: :meth:`_refused`);
+        a request past the block bound alone still goes, in a call of its
+        own (P's hold bounded it, or P refuses it alone)."""
         out, ids, blocks = [], [], 0
-        for rid, w in items:
+        max_requests, max_blocks = remote.max_requests, remote.max_blocks
+        for rid, w in remote.waiting.items():
             n = sum(len(g) for g in w.groups)
-            if ids and (len(ids) >= MAX_RENEWALS_PER_CALL or blocks + n > MAX_BLOCKS_PER_CALL):
+            if ids and (len(ids) >= max_requests or blocks + n > max_blocks):
                 out.append(ids)
                 ids, blocks = [], 0
             ids.append(rid)
@@ -325,12 +321,15 @@ class LeaseRenewals:
     def _refused(self, key: tuple[str, str], remote: _Remote, ids: list[str], error: Exception,
                  now: float) -> None:
         """A call of ``ids`` refused whole as invalid (``error``): one request
-        alone is not renewed any more (logged); several go again at once as
-        two halves, each half in calls of its own from then on (a part), so
-        that one request past a bound of P's is soon alone and the others
-        renewed. Halves rather than one call each: a call for each waiting
-        request of that engine every renewal would cost the step more (one
-        gRPC call each) once the refused request is gone."""
+        alone is not renewed any more (logged); for several, the calls to
+        this prefill engine get smaller (at most half the refused call's
+        block ids, or, when it named fewer than two, half its requests) and
+        go again at the next poll. Each refusal makes the refused call's
+        size unpackable, so a request past P's bound is soon alone; the
+        bound falls no lower than half a call P refused, so the other
+        requests go in few calls (a part per refused half, kept while its
+        requests waited, made 277 calls a poll of 256 requests with 128
+        hostile ones among them: attacker review)."""
         live = [rid for rid in ids if rid in remote.waiting]  # some stopped while the call was out
         if len(ids) == 1:
             for rid in live:
@@ -340,12 +339,12 @@ class LeaseRenewals:
             return
         if not live:
             return
-        log.debug("kvd: lease renewal of %d requests for engine %s at %s refused (%.*s): split", len(ids), key[0],
-                  key[1], LOGGED_REASON_CHARS, error)
-        half = (len(live) + 1) // 2
-        for part in (live[:half], live[half:]):
-            if part:
-                remote.parts += 1
-                for rid in part:
-                    remote.waiting[rid].part = remote.parts
+        blocks = sum(len(g) for rid in live for g in remote.waiting[rid].groups)
+        if blocks >= 2:
+            remote.max_blocks = min(remote.max_blocks, blocks // 2)
+        else:  # no ids to halve (empty groups): fewer requests a call
+            remote.max_requests = min(remote.max_requests, max(1, len(live) // 2))
+        log.debug("kvd: lease renewal of %d requests for engine %s at %s refused (%.*s): calls of at most %d "
+                  "block ids, %d requests from now on", len(ids), key[0], key[1], LOGGED_REASON_CHARS, error,
+                  remote.max_blocks, remote.max_requests)
         remote.due = min(remote.due, now)

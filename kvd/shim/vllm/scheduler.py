@@ -91,7 +91,7 @@ class KvdScheduler:
         self.peer_host: str | None = None
         self.peer_port: int | None = None
         self._client: EngineClient | None = None  # for lease renewals, made at the first one
-        self.renewals = LeaseRenewals(self._renew)
+        self.renewals = LeaseRenewals(self._renew, max_groups=len(self.groups.group_ids))
         kv = vllm_config.kv_transfer_config
         if kv is not None and kv.is_kv_producer:
             key = "kv_connector_extra_config.kvd_peer_address" if cfg.peer_address else "the daemon's peer_address"
