@@ -372,6 +372,36 @@ def test_a_peer_port_in_use_names_peer_listen_and_the_reason(tmp_path):
     assert "Failed to add port" not in r.stderr, r.stderr  # gRPC's own line, before kvd's
 
 
+def test_a_name_of_several_addresses_is_in_use_when_any_of_them_is(monkeypatch):
+    """``localhost`` resolves to ::1 and 127.0.0.1 on many hosts (one here):
+    gRPC binds each it can, so a listener on one of them shared the port
+    with the daemon (attacker review); the check refuses that, and skips an
+    address this host lacks while another binds."""
+    from kvd.daemon.server import bind_failure
+
+    squatter = socket.socket(socket.AF_INET6)
+    squatter.bind(("::1", 0))
+    squatter.listen(1)
+    port = squatter.getsockname()[1]
+    real = socket.getaddrinfo
+
+    def both(host, p, *a, **k):  # as /etc/hosts with "::1 localhost" and "127.0.0.1 localhost"
+        return real("127.0.0.1", p, *a, **k) + real("::1", p, *a, **k)
+
+    def lacking(host, p, *a, **k):  # 192.0.2.1 (TEST-NET-1) is on no interface here
+        return real("192.0.2.1", p, *a, **k) + real("127.0.0.1", p, *a, **k)
+
+    try:
+        monkeypatch.setattr(socket, "getaddrinfo", both)
+        assert bind_failure("localhost", port) == "Address already in use"
+        monkeypatch.setattr(socket, "getaddrinfo", lacking)
+        assert bind_failure("localhost", port) is None
+        monkeypatch.setattr(socket, "getaddrinfo", lambda h, p, *a, **k: real("192.0.2.1", p, *a, **k))
+        assert bind_failure("localhost", port) == "Cannot assign requested address"
+    finally:
+        squatter.close()
+
+
 def test_an_engine_socket_under_a_file_names_the_setting_and_the_parent(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("x\n")

@@ -109,21 +109,29 @@ def bind_failure(host: str, port: int) -> str | None:
     "Failed to bind to address" and prints a line of its own first, so a
     plain socket tries the same bind (``strerror``: "Address already in
     use", "Cannot assign requested address" for an address not on this
-    host)."""
+    host). A name that resolves to several addresses (``localhost``: ::1
+    and 127.0.0.1 on many hosts) is tried at each, as gRPC binds each: one
+    in use anywhere is a failure (gRPC would bind the others, and a peer
+    dialing the name could reach whoever holds that one); one this host
+    lacks is not, unless it lacks them all."""
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
         return f"cannot resolve {host!r}: {e.strerror or e}"
-    family, kind, proto, _, sockaddr = infos[0]
-    try:
-        with socket.socket(family, kind, proto) as s:
-            # As gRPC binds: SO_REUSEADDR, so that a restart's port with
-            # connections still in TIME_WAIT binds (gRPC's does).
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind(sockaddr)
-    except OSError as e:
-        return e.strerror or str(e)
-    return None
+    addrs = list(dict.fromkeys((i[0], i[1], i[2], i[4]) for i in infos))
+    errors = []
+    for family, kind, proto, sockaddr in addrs:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                # As gRPC binds: SO_REUSEADDR, so that a restart's port with
+                # connections still in TIME_WAIT binds (gRPC's does).
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(sockaddr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return e.strerror or str(e)
+            errors.append(e.strerror or str(e))
+    return errors[0] if len(errors) == len(addrs) else None
 
 
 def make_socket_dir(path: str) -> str | None:
