@@ -60,6 +60,22 @@ def test_addresses_accept_bare_paths_and_grpc_targets(tmp_path):
         normalize_address("  ")
 
 
+def test_a_loads_local_deadline_follows_what_the_daemon_said_at_session_open(tmp_path):
+    """The local wait for a load's answer: the daemon's default for a
+    timeout of 0 and its cap on any (``SessionOpened``), as said; before any
+    session, or from a daemon that says 0, the load's own timeout or
+    ``unknown_timeout_wait_s``."""
+    client = EngineClient(str(tmp_path / "none.sock"), unknown_timeout_wait_s=120.0)
+    try:
+        assert (client._daemon_timeout(0), client._daemon_timeout(20)) == (120.0, 20)
+        client._session.session_info = pb.SessionOpened(transfer_timeout_s=3, max_transfer_timeout_s=10)
+        assert (client._daemon_timeout(0), client._daemon_timeout(5), client._daemon_timeout(20)) == (3, 5, 10)
+        client._session.session_info = pb.SessionOpened()  # an older daemon: says nothing
+        assert (client._daemon_timeout(0), client._daemon_timeout(20)) == (120.0, 20)
+    finally:
+        client.close()
+
+
 def test_register_stats_and_unregister_reach_the_daemon(sock):
     fake = FakeDaemon(sock).start()
     try:

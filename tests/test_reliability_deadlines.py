@@ -153,3 +153,42 @@ def test_engine_client_fails_loads_and_ends_holds_locally_when_its_daemon_is_fro
         seg.close()
         daemon.stub().UnregisterEngine(pb.UnregisterEngineRequest(worker=pb.EngineWorker(engine_id="client-frozen")),
                                        timeout=10)
+
+
+def test_a_load_with_the_daemons_default_timeout_fails_locally_at_that_default(tmp_path):
+    """A load of timeout 0 (the daemon's default: the vLLM shim's when
+    ``kvd_load_timeout_s`` is unset) whose daemon does not answer fails
+    locally at the default the daemon said when the session opened plus
+    ``load_grace_s``. Before, the client could not know the default and waited 120 s: a new
+    user's decode request hung 125 s while its node's daemon was stopped."""
+    daemon = start_daemon(str(tmp_path), "default-timeout", "--transfer-timeout-s", "1.5")
+    seg = ShmSegment(SHAPE.size)
+    client = EngineClient(daemon.socket, load_grace_s=0.5)
+    try:
+        client.register(register_request("client-default", SHAPE, seg), timeout_s=30)
+        client.start_session()
+        assert client.wait_opened(10)
+        info = client.session_info
+        assert (info.transfer_timeout_s, info.max_transfer_timeout_s) == (1.5, 3600.0)  # the cap: a Limits constant
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            client.load(LoadRequest("default-load", [[1, 2]], "x", "127.0.0.1:1", [[3, 4]], "x"))
+            got: dict[str, tuple[pb.SessionEvent, float]] = {}
+
+            def done():
+                for ev in client.drain_events():
+                    got[Engine.request_of(ev)] = (ev, time.monotonic() - t0)
+                return len(got) == 1
+
+            wait_until(done, 30, "the load failed locally", 0.01)
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        ev, at = got["default-load"]
+        assert event_kind(ev) == "load_failed" and "timeout" in ev.load_failed.reason, ev
+        assert 2.0 <= at <= 2.0 + SLACK_S, at
+    finally:
+        client.close()
+        seg.close()
+        daemon.stop()
+

@@ -25,9 +25,13 @@ Guarantees to the caller (what ``kvd.shim.vllm`` relies on):
   ``load_grace_s`` fails locally; a hold with no answer by its lease plus
   ``hold_grace_s`` ends locally as ``send_done(expired=True)``. A timeout or
   lease of 0 means "the daemon's default" (``kvd serve --transfer-timeout-s``
-  / ``--lease-s``), which the client cannot know: it then waits
-  ``unknown_timeout_wait_s`` / ``unknown_lease_wait_s`` before giving up
-  locally. Deadlines are checked in ``drain_events`` (no timer thread).
+  / ``--lease-s``). A load's is the one the daemon said when the session
+  opened (``SessionOpened.transfer_timeout_s``, and its cap on any timeout,
+  ``max_transfer_timeout_s``), so a load queued while the daemon is down
+  fails at that plus ``load_grace_s``; before any session, or from a daemon
+  that does not say, the client waits ``unknown_timeout_wait_s``. A hold's
+  lease default may be renewed up to the daemon's caps, so the client waits
+  ``unknown_lease_wait_s`` for it before giving up locally. Deadlines are checked in ``drain_events`` (no timer thread).
   Failing a load locally is the last resort: the daemon should have answered
   first, with its own reason, after aborting its transfer.
 - When the stream breaks (daemon restart, socket gone) every load that was sent
@@ -418,8 +422,22 @@ class EngineClient:
         with its stream fails. ``req.timeout_s`` 0: ``default_load_timeout_s``.
         """
         timeout_s = req.timeout_s if req.timeout_s > 0 else self.default_load_timeout_s
-        wait_s = (timeout_s if timeout_s > 0 else self.unknown_timeout_wait_s) + self.load_grace_s
-        self._pending.add_load(req, timeout_s, wait_s)
+        self._pending.add_load(req, timeout_s, self._daemon_timeout(timeout_s) + self.load_grace_s)
+
+    def _daemon_timeout(self, timeout_s: float) -> float:
+        """Seconds by which the daemon answers a load of ``timeout_s`` (0:
+        its default): as the last session's ``SessionOpened`` said (the
+        default, and the cap on any), else ``timeout_s``, or
+        ``unknown_timeout_wait_s`` for 0. A daemon down when the load is
+        queued (its engine socket gone) then fails it at its own default,
+        not at ``unknown_timeout_wait_s`` (120 s by default: a decode request
+        hung that long while its node's daemon was stopped)."""
+        info = self._session.session_info
+        if timeout_s > 0:
+            cap = info.max_transfer_timeout_s if info is not None else 0.0
+            return min(timeout_s, cap) if cap > 0 else timeout_s
+        said = info.transfer_timeout_s if info is not None else 0.0
+        return said if said > 0 else self.unknown_timeout_wait_s
 
     def hold(self, request_id: str, groups: BlockGroups, *, lease_s: float = 0.0) -> None:
         """Queues a ``HoldBlocks`` of ``groups`` (block ids per KV-cache group;

@@ -373,7 +373,10 @@ class EngineService(pb_grpc.EngineServiceServicer):
         log.info("session opened: %s", w.label)
         reader = sink = None
         try:
-            yield pb.SessionEvent(opened=pb.SessionOpened(agent_name=w.agent.name, daemon_version=__version__))
+            limits = self.node.rt.limits
+            yield pb.SessionEvent(opened=pb.SessionOpened(
+                agent_name=w.agent.name, daemon_version=__version__, transfer_timeout_s=limits.transfer_timeout_s,
+                max_transfer_timeout_s=limits.max_transfer_timeout_s))
             direct = getattr(it, "run_direct", None)
             if direct is not None:
                 reader = direct(lambda cmd: self._run_command(w, cmd, c.uid))

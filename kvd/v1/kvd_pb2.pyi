@@ -270,12 +270,16 @@ class SessionEvent(_message.Message):
     def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., recv_done: _Optional[_Union[RecvDone, _Mapping]] = ..., load_failed: _Optional[_Union[LoadFailed, _Mapping]] = ..., send_done: _Optional[_Union[SendDone, _Mapping]] = ..., rejected: _Optional[_Union[CommandRejected, _Mapping]] = ..., renewed: _Optional[_Union[LeaseRenewed, _Mapping]] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
-    __slots__ = ("agent_name", "daemon_version")
+    __slots__ = ("agent_name", "daemon_version", "transfer_timeout_s", "max_transfer_timeout_s")
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_TRANSFER_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     agent_name: str
     daemon_version: str
-    def __init__(self, agent_name: _Optional[str] = ..., daemon_version: _Optional[str] = ...) -> None: ...
+    transfer_timeout_s: float
+    max_transfer_timeout_s: float
+    def __init__(self, agent_name: _Optional[str] = ..., daemon_version: _Optional[str] = ..., transfer_timeout_s: _Optional[float] = ..., max_transfer_timeout_s: _Optional[float] = ...) -> None: ...
 
 class RecvDone(_message.Message):
     __slots__ = ("request_id", "bytes", "num_blocks", "num_descriptors", "duration_s", "post_duration_s")
