@@ -11,6 +11,7 @@ connect to the engine socket says so at once.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -34,9 +35,9 @@ from kvd.testing.security import OUTSIDER, reachable_dir
 from kvd.testing.fakes import blackhole, kinds, wait_events
 
 
-def connect(daemon, engine_id: str, caches: dict[str, torch.Tensor]) -> EngineClient:
+def connect(daemon, engine_id: str, caches: dict[str, torch.Tensor], **kw) -> EngineClient:
     shared = share_kv_caches(caches, num_blocks=NB, block_size=N, kv_layout="HND", num_kv_heads=H, head_dim=D)
-    client = EngineClient(daemon.socket, load_grace_s=2.0)
+    client = EngineClient(daemon.socket, load_grace_s=2.0, **kw)
     client.register(pb.RegisterEngineRequest(
         worker=pb.EngineWorker(engine_id=engine_id, tp_rank=0, tp_size=1), layout=shared.layout,
         segments=shared.segments, regions=shared.regions, model="tiny",
@@ -146,6 +147,34 @@ def test_daemon_killed_and_restarted_under_a_connected_client(tmp_path, silent_p
         client.release("held")
         (ev,) = wait_events(client, lambda ev: len(ev) == 1, timeout_s=5)
         assert ev.send_done.request_id == "held" and ev.send_done.released
+    finally:
+        client.close()
+        daemon.stop()
+
+
+def test_reconnects_that_keep_failing_are_logged_once_a_while_not_once_a_try(tmp_path, caplog, monkeypatch):
+    """The engine's daemon stopped: the client retries about every
+    ``backoff_max_s``, and says so at once, then once each
+    ``RECONNECT_LOG_S`` with the count, and once more when it is back (an
+    engine's log had a WARNING every 1.5-2 s, ~2,400 an hour, while its
+    daemon was down: new-user review)."""
+    from kvd.client import session
+
+    monkeypatch.setattr(session, "RECONNECT_LOG_S", 0.8)
+    caplog.set_level(logging.INFO, logger="kvd.client")
+    daemon = start_daemon(str(tmp_path), "kvd")
+    _, caches = vllm032_cpu_caches(2)
+    client = connect(daemon, "engine-r", caches, backoff_max_s=0.05, reregister_timeout_s=0.1)
+    try:
+        daemon.stop()
+        time.sleep(3.0)  # each try: up to 0.1 s waiting for the socket, then 0.05 s apart
+        tries = client._session._fails
+        said = [r.getMessage() for r in caplog.records if "reconnect:" in r.getMessage()]
+        assert tries >= 10 and 1 <= len(said) <= 5, (tries, said)
+        assert "said again every 0.8 s" in said[0] and all("still failing after" in m for m in said[1:]), said
+        daemon = start_daemon(str(tmp_path), "kvd")
+        assert client.wait_opened(15), "client did not reconnect to the restarted daemon"
+        assert any("reconnected after" in r.getMessage() for r in caplog.records), caplog.messages
     finally:
         client.close()
         daemon.stop()

@@ -18,6 +18,7 @@ daemon accepted, once per request, whatever the tries before.
 from __future__ import annotations
 
 import array
+import errno
 import logging
 import socket
 import time
@@ -122,6 +123,9 @@ def _request(path: str, fds: list[int], timeout_s: float, wait: _Wait) -> list[s
     except OSError as e:
         if e.errno in DENIED:  # the socket's owner and mode, and this engine's uid: what to change
             raise HandoverError(denied_message(path, e, "the kvd fd channel")) from None
+        if e.errno in (errno.ENOENT, errno.ECONNREFUSED):  # the daemon's side sockets go with it
+            raise HandoverError(f"no kvd daemon serves its fd channel {path} ({e.strerror}): is the daemon "
+                                f"running?") from None
         raise HandoverError(f"kvd fd channel {path}: {e.strerror or e}") from None
     with s:
         try:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -34,6 +35,9 @@ from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvd.client")
+
+#: Seconds between two log lines of reconnects that keep failing (the first is logged at once).
+RECONNECT_LOG_S = 60.0
 
 
 class SessionLoop:
@@ -85,6 +89,9 @@ class SessionLoop:
         self._thread: threading.Thread | None = None
         #: The daemon's ``SessionOpened`` of the current (or last) stream.
         self.session_info: pb.SessionOpened | None = None
+        # Failed reconnects in a row, since when, and when last logged (_reconnect_failed).
+        self._fails = 0
+        self._failing_since = self._logged_at = 0.0
         #: Streams opened so far (1 after the first session; +1 per reconnect).
         self.sessions_opened = 0
         #: "socket" or "grpc": what carries the current (or last) session.
@@ -195,6 +202,21 @@ class SessionLoop:
         self._pending.closing.wait(backoff * (0.5 + random.random() / 2))
         return min(backoff * 2, self.backoff_max_s)
 
+    def _reconnect_failed(self, error: EngineClientError, backoff: float) -> None:
+        """Logs a failed reconnect: the first of a run at WARNING, then at
+        most one line each :data:`RECONNECT_LOG_S` with the count (a daemon
+        stopped for an hour made ~2,400 lines an hour, one per try)."""
+        now = time.monotonic()
+        self._fails += 1
+        if self._fails == 1:
+            self._failing_since = self._logged_at = now
+            log.warning("kvd %s: reconnect: %s; retrying every %.2f s or less, said again every %g s while it "
+                        "fails", self._pending.label, error, self.backoff_max_s, RECONNECT_LOG_S)
+        elif now - self._logged_at >= RECONNECT_LOG_S:
+            self._logged_at = now
+            log.warning("kvd %s: reconnect: still failing after %d tries over %.0f s: %s", self._pending.label,
+                        self._fails, now - self._failing_since, error)
+
     def _run(self) -> None:
         closing = self._pending.closing
         backoff = self.backoff_initial_s
@@ -205,9 +227,13 @@ class SessionLoop:
                 try:
                     self._reregister()
                 except EngineClientError as e:
-                    log.warning("kvd %s: reconnect: %s; retrying in about %.2f s", self._pending.label, e, backoff)
+                    self._reconnect_failed(e, backoff)
                     backoff = self._backoff(backoff)
                     continue
+                if self._fails:
+                    log.info("kvd %s: reconnected after %d failed tries over %.1f s", self._pending.label,
+                                self._fails, time.monotonic() - self._failing_since)
+                    self._fails = 0
             first = False
             epoch += 1
             stream = Stream(epoch)
