@@ -67,7 +67,8 @@ import threading
 import time
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
+                               disable_created_metrics, start_http_server)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvd import __version__
@@ -163,6 +164,9 @@ class Metrics:
     """
 
     def __init__(self, stats: Callable[[], dict]):
+        # No ``*_created`` series (prometheus_client's default gives every
+        # counter and histogram one, a timestamp few use, doubling them).
+        disable_created_metrics()
         self.registry = CollectorRegistry()
         r = self.registry
         self.bytes = Counter("kvd_transferred_bytes", "Bytes moved by completed transfers", registry=r)
