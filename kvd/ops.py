@@ -43,11 +43,14 @@ def _is_socket(path: str) -> bool:
         return False
 
 
-def _unreachable(command: str, target: str, e) -> Answer:
+def _unreachable(command: str, target: str, e, timeout_s: float | None = None) -> Answer:
     """Exit code 2 and the line for an RPC that did not reach a daemon (or
     was refused): with no file at an engine socket's path, says so plainly
     rather than gRPC's connect error; an address where an HTTP/1 server
-    answered is said to be one."""
+    answered is said to be one; no answer within ``timeout_s`` says what
+    that can be."""
+    import grpc
+
     if target.startswith("unix:"):
         path = target.removeprefix("unix:")
         if not os.path.exists(path):
@@ -73,6 +76,9 @@ def _unreachable(command: str, target: str, e) -> Answer:
         # HTTP/2 SETTINGS frame: an HTTP/1 server answered (the metrics
         # port, a web server), not a daemon's peer port.
         hint = " (an HTTP server? --address takes the daemon's peer port, peer_listen)"
+    elif e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout_s is not None:
+        hint = (f" (no answer within --timeout {timeout_s:g} s: a daemon stopped or too busy to answer, "
+                f"or something that is not a kvd daemon listening there)")
     return Answer(EXIT_UNREACHABLE, f"kvd {command}: {target}: {e.code().name}: {e.details()}{hint}")
 
 
@@ -94,7 +100,7 @@ def health(target: str, service: str = "", timeout_s: float = 2.0) -> Answer:
         if e.code() == grpc.StatusCode.NOT_FOUND:  # the daemon answered, but does not serve that service
             return Answer(EXIT_NOT_SERVING, f"kvd health: {target}: NOT_FOUND: no service {service!r} here "
                                             f"(known: '' for the whole server, {', '.join(HEALTH_SERVICES[1:])})")
-        return _unreachable("health", target, e)
+        return _unreachable("health", target, e, timeout_s)
     name = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
     if r.status == health_pb2.HealthCheckResponse.SERVING:
         return Answer(EXIT_OK, f"{target}: {name}")
@@ -124,6 +130,6 @@ def status(target: str, timeout_s: float = 2.0, as_json: bool = False) -> Answer
     try:
         s = get_stats(target, timeout_s)
     except grpc.RpcError as e:
-        return _unreachable("status", target, e)
+        return _unreachable("status", target, e, timeout_s)
     d = to_dict(s)
     return Answer(EXIT_OK, json.dumps(d, indent=2, sort_keys=True) if as_json else render(d, target))

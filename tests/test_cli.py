@@ -289,6 +289,26 @@ def test_clients_take_a_relative_socket_path_from_their_working_directory(tmp_pa
         assert r.returncode == 2 and "nothing listens" in r.stderr, (cmd, r.returncode, r.stderr)
 
 
+def test_clients_say_what_no_answer_in_time_can_be(tmp_path):
+    """A Unix socket that accepts and never answers (a stopped daemon, or
+    not a kvd daemon's): ``kvd status`` and ``kvd health`` exit 2 naming the
+    wait and what it can mean, not gRPC's bare "Deadline Exceeded"."""
+    import socket
+
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(tmp_path / "dumb.sock"))
+    s.listen(8)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
+    try:
+        for cmd in ("status", "health"):
+            r = subprocess.run([sys.executable, "-m", "kvd.cli", cmd, "--socket", str(tmp_path / "dumb.sock"),
+                                "--timeout", "1"], capture_output=True, text=True, timeout=60, env=env)
+            assert r.returncode == 2 and "DEADLINE_EXCEEDED" in r.stderr, (cmd, r.returncode, r.stderr)
+            assert "no answer within --timeout 1 s" in r.stderr and "not a kvd daemon" in r.stderr, r.stderr
+    finally:
+        s.close()
+
+
 def _client(*args, cwd=None, **env):
     """``kvd ARGS`` with no KVD_* variable of the caller's, plus ``env``."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}

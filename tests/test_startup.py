@@ -106,6 +106,7 @@ def test_a_failed_metrics_bind_leaves_nothing_behind_and_no_tracebacks(tmp_path,
     assert r.returncode == 1, out
     key = "metrics_port" if host_flag == "127.0.0.1" else "metrics_host"
     assert f"startup failed: {key}: cannot serve metrics" in out, out
+    assert ("give each daemon its own --metrics-port" in out) == (key == "metrics_port"), out  # the hint: in use only
     assert "Traceback" not in out and "Exception ignored" not in out, out
     assert "engine_socket: created directory" in out, out
     assert not made.exists(), list(made.rglob("*"))

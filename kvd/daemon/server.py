@@ -415,8 +415,10 @@ class Server:
                 # (systemd retries); an address not on this host names metrics_host.
                 key = ("metrics_host" if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL
                        else "metrics_port")
+                hint = (" (another kvd? give each daemon its own --metrics-port; 0 turns metrics off)"
+                        if e.errno == errno.EADDRINUSE else "")
                 raise OSError(f"{key}: cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: "
-                              f"{e.strerror or e}") from None
+                              f"{e.strerror or e}{hint}") from None
             metrics_at = f"{cfg.metrics_host}:{mport}"
             self.engine_service.metrics_address = metrics_at
         for health in (self.peer_health, self.engine_health):

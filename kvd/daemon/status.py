@@ -209,7 +209,7 @@ def render(d: dict, target: str = "") -> str:
                   f"after its hold"),
         ("versions", ", ".join(f"{k} {v[k]}" for k in sorted(v)) or "-"),
         ("engines", f"{d['engines']} ({d['regions']} regions, {human_bytes(d['registered_bytes'])} registered, "
-                    f"{d['sessions']} session streams)"),
+                    f"{d['sessions']} session stream{'' if d['sessions'] == 1 else 's'})"),
         ("peers", str(d["peers"])),
         ("transfers", f"{d['transfers_done']} done, {d['transfers_failed']} failed, "
                       f"{d['inflight_transfers']} in flight, {human_bytes(d['bytes_read'])} read"),
