@@ -31,7 +31,8 @@ Guarantees to the caller (what ``kvd.shim.vllm`` relies on):
   fails at that plus ``load_grace_s``; before any session, or from a daemon
   that does not say, the client waits ``unknown_timeout_wait_s``. A hold's
   lease default may be renewed up to the daemon's caps, so the client waits
-  ``unknown_lease_wait_s`` for it before giving up locally. Deadlines are checked in ``drain_events`` (no timer thread).
+  ``unknown_lease_wait_s`` for it before giving up locally. Deadlines are
+  checked in ``drain_events`` (no timer thread).
   Failing a load locally is the last resort: the daemon should have answered
   first, with its own reason, after aborting its transfer.
 - When the stream breaks (daemon restart, socket gone) every load that was sent

@@ -202,7 +202,7 @@ class SessionLoop:
         self._pending.closing.wait(backoff * (0.5 + random.random() / 2))
         return min(backoff * 2, self.backoff_max_s)
 
-    def _reconnect_failed(self, error: EngineClientError, backoff: float) -> None:
+    def _reconnect_failed(self, error: EngineClientError) -> None:
         """Logs a failed reconnect: the first of a run at WARNING, then at
         most one line each :data:`RECONNECT_LOG_S` with the count (a daemon
         stopped for an hour made ~2,400 lines an hour, one per try)."""
@@ -227,12 +227,12 @@ class SessionLoop:
                 try:
                     self._reregister()
                 except EngineClientError as e:
-                    self._reconnect_failed(e, backoff)
+                    self._reconnect_failed(e)
                     backoff = self._backoff(backoff)
                     continue
                 if self._fails:
                     log.info("kvd %s: reconnected after %d failed tries over %.1f s", self._pending.label,
-                                self._fails, time.monotonic() - self._failing_since)
+                             self._fails, time.monotonic() - self._failing_since)
                     self._fails = 0
             first = False
             epoch += 1

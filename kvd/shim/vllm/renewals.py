@@ -72,7 +72,7 @@ MIN_INTERVAL_S = 0.25
 RETRY_S = 1.0
 #: Block ids per call, all requests together: well under the daemon's
 #: ``max_blocks_per_request`` default (1M), which bounds a call's total. A
-#: daemon set lower refuses a call past it: the call is split (``_refused``).
+#: daemon set lower refuses a call past it: the calls get smaller (``_refused``).
 MAX_BLOCKS_PER_CALL = 1 << 18
 #: Characters of a refusal's reason logged (it may quote P's daemon: any
 #: server an API request names).
@@ -127,8 +127,8 @@ class _Remote:
     calls: list[tuple[Future, list[str]]] = field(default_factory=list)  # in flight, local ids sent
     failing: bool = False                                        # the last call failed (logged once)
     # A call's bounds for this prefill engine, lowered by calls refused as invalid (_refused).
-    max_blocks: int = 0                                          # block ids a call (set at creation)
-    max_requests: int = 0                                        # requests a call (set at creation)
+    max_blocks: int = MAX_BLOCKS_PER_CALL                        # block ids a call
+    max_requests: int = MAX_RENEWALS_PER_CALL                    # requests a call
 
 
 class LeaseRenewals:
@@ -196,7 +196,7 @@ class LeaseRenewals:
         key = (engine, address)
         remote = self._remotes.get(key)
         if remote is None:
-            remote = self._remotes[key] = _Remote(max_blocks=MAX_BLOCKS_PER_CALL, max_requests=MAX_RENEWALS_PER_CALL)
+            remote = self._remotes[key] = _Remote()
         remote.waiting[rid] = _Waiting(remote_rid, groups)
         self._of[rid] = key
         expiry = params.get("remote_blocks_expiry_time")
