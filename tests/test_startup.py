@@ -109,6 +109,7 @@ def test_a_failed_metrics_bind_leaves_nothing_behind_and_no_tracebacks(tmp_path,
     assert ("give each daemon its own --metrics-port" in out) == (key == "metrics_port"), out  # the hint: in use only
     assert "Traceback" not in out and "Exception ignored" not in out, out
     assert "engine_socket: created directory" in out, out
+    assert f"engine_socket: removed directory {made}" in out, out  # said, as its making was
     assert not made.exists(), list(made.rglob("*"))
 
 

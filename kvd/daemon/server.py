@@ -178,6 +178,7 @@ def remove_made_dirs(top: str, parent: str) -> None:
             os.rmdir(d)
         except OSError:
             return  # not empty (someone else's now), or gone
+        log.info("engine_socket: removed directory %s (made at startup)", d)  # as its making was said
         if d == top or os.path.dirname(d) == d:
             return
         d = os.path.dirname(d)
