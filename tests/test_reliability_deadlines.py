@@ -109,6 +109,26 @@ def test_no_load_outlives_its_deadline(pair):
     assert dst.daemon.proc.poll() is None and src.daemon.proc.poll() is None
 
 
+def _ended_locally(client: EngineClient, t0: float, n: int, within_s: float):
+    """Drains ``client`` until ``n`` requests ended (``within_s`` seconds at
+    most): ``({request id: (event, seconds since t0)}, the slowest drain in
+    seconds)``: no engine-facing call may block on a frozen daemon."""
+    got: dict[str, tuple[pb.SessionEvent, float]] = {}
+    worst = 0.0
+
+    def done():
+        nonlocal worst
+        c0 = time.perf_counter()
+        evs = client.drain_events()
+        worst = max(worst, time.perf_counter() - c0)
+        for ev in evs:
+            got[Engine.request_of(ev)] = (ev, time.monotonic() - t0)
+        return len(got) == n
+
+    wait_until(done, within_s, f"{n} requests ended locally", 0.01)
+    return got, worst
+
+
 def test_engine_client_fails_loads_and_ends_holds_locally_when_its_daemon_is_frozen(pair):
     """The engine-side client's own deadlines: its daemon frozen (SIGSTOP), a
     load fails locally at timeout + load_grace and a hold ends as expired at
@@ -126,19 +146,7 @@ def test_engine_client_fails_loads_and_ends_holds_locally_when_its_daemon_is_fro
             t0 = time.monotonic()
             client.load(LoadRequest("frozen-load", [[1, 2]], "x", "127.0.0.1:1", [[3, 4]], "x", timeout_s=1.0))
             client.hold("frozen-hold", [[5]], lease_s=1.0)
-            got: dict[str, tuple[pb.SessionEvent, float]] = {}
-            worst = 0.0
-
-            def done():
-                nonlocal worst
-                c0 = time.perf_counter()
-                evs = client.drain_events()
-                worst = max(worst, time.perf_counter() - c0)
-                for ev in evs:
-                    got[Engine.request_of(ev)] = (ev, time.monotonic() - t0)
-                return len(got) == 2
-
-            wait_until(done, 5, "both ended locally", 0.01)
+            got, worst = _ended_locally(client, t0, 2, 5)
         finally:
             daemon.proc.send_signal(signal.SIGCONT)
         ev, at = got["frozen-load"]
@@ -159,8 +167,9 @@ def test_a_load_with_the_daemons_default_timeout_fails_locally_at_that_default(t
     """A load of timeout 0 (the daemon's default: the vLLM shim's when
     ``kvd_load_timeout_s`` is unset) whose daemon does not answer fails
     locally at the default the daemon said when the session opened plus
-    ``load_grace_s``. Before, the client could not know the default and waited 120 s: a new
-    user's decode request hung 125 s while its node's daemon was stopped."""
+    ``load_grace_s``. Before, the client could not know the default and
+    waited 120 s: a new user's decode request hung 125 s while its node's
+    daemon was stopped."""
     daemon = start_daemon(str(tmp_path), "default-timeout", "--transfer-timeout-s", "1.5")
     seg = ShmSegment(SHAPE.size)
     client = EngineClient(daemon.socket, load_grace_s=0.5)
@@ -174,14 +183,7 @@ def test_a_load_with_the_daemons_default_timeout_fails_locally_at_that_default(t
         try:
             t0 = time.monotonic()
             client.load(LoadRequest("default-load", [[1, 2]], "x", "127.0.0.1:1", [[3, 4]], "x"))
-            got: dict[str, tuple[pb.SessionEvent, float]] = {}
-
-            def done():
-                for ev in client.drain_events():
-                    got[Engine.request_of(ev)] = (ev, time.monotonic() - t0)
-                return len(got) == 1
-
-            wait_until(done, 30, "the load failed locally", 0.01)
+            got, _ = _ended_locally(client, t0, 1, 30)
         finally:
             daemon.proc.send_signal(signal.SIGCONT)
         ev, at = got["default-load"]
