@@ -43,7 +43,7 @@ def _is_socket(path: str) -> bool:
         return False
 
 
-def _unreachable(command: str, target: str, e, timeout_s: float | None = None) -> Answer:
+def _unreachable(command: str, target: str, e, timeout_s: float) -> Answer:
     """Exit code 2 and the line for an RPC that did not reach a daemon (or
     was refused): with no file at an engine socket's path, says so plainly
     rather than gRPC's connect error; an address where an HTTP/1 server
@@ -76,7 +76,7 @@ def _unreachable(command: str, target: str, e, timeout_s: float | None = None) -
         # HTTP/2 SETTINGS frame: an HTTP/1 server answered (the metrics
         # port, a web server), not a daemon's peer port.
         hint = " (an HTTP server? --address takes the daemon's peer port, peer_listen)"
-    elif e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout_s is not None:
+    elif e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
         hint = (f" (no answer within --timeout {timeout_s:g} s: a daemon stopped or too busy to answer, "
                 f"or something that is not a kvd daemon listening there)")
     return Answer(EXIT_UNREACHABLE, f"kvd {command}: {target}: {e.code().name}: {e.details()}{hint}")

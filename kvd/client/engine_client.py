@@ -436,7 +436,7 @@ class EngineClient:
         info = self._session.session_info
         if timeout_s > 0:
             cap = info.max_transfer_timeout_s if info is not None else 0.0
-            return min(timeout_s, cap) if cap > 0 else timeout_s
+            return cap if 0 < cap < timeout_s else timeout_s
         said = info.transfer_timeout_s if info is not None else 0.0
         return said if said > 0 else self.unknown_timeout_wait_s
 

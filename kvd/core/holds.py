@@ -71,8 +71,6 @@ def _repeated(groups: BlockGroups) -> str:
     return ""
 
 
-
-
 def check_renewal_counts(renewals: int, blocks: int, max_blocks_per_request: int, groups: int = 0) -> None:
     """Raises InvalidArgument for a call of ``renewals`` renewals naming
     ``blocks`` block ids in all, the largest in ``groups`` KV-cache groups,
