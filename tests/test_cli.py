@@ -581,6 +581,9 @@ def test_status_at_a_socket_nothing_listens_on_says_so(tmp_path):
     (tmp_path / "plain").write_text("")  # a file that is no socket: not mistaken for a stale one
     r = _kvd("status", "--socket", str(tmp_path / "plain"), "--timeout", "2")
     assert r.returncode == 2 and "is not a socket" in r.stderr, r.stderr
+    # --json for scripts: nothing on stdout a script could parse as a daemon's state (docs/OPERATIONS.md).
+    r = _kvd("status", "--json", "--socket", str(path), "--timeout", "2")
+    assert (r.returncode, r.stdout) == (2, "") and "nothing listens" in r.stderr, (r.returncode, r.stdout, r.stderr)
 
 
 def test_health_without_address_asks_the_socket(tmp_path):

@@ -84,6 +84,23 @@ def test_block_ids_past_the_bounds_are_refused_before_any_is_converted(block_ids
     assert as_groups([list(range(9))] * 2, max_ids=9, max_groups=2) == [list(range(9))] * 2  # at the bounds
 
 
+@pytest.mark.parametrize("block_id", ["40", "4_0", "\u0664\u0660", 40.9, 40.0, None, b"40"], ids=repr)
+def test_a_block_id_that_is_not_an_integer_already_is_refused(block_id):
+    """``remote_block_ids`` come from an API client; JSON gives P's ids as
+    integers. ``int()`` would have turned strings ("4_0", Arabic-Indic digits)
+    and floats into ids; they are refused, in either form, as a TypeError
+    (which fails that load, ``test_shim_vllm_transfers``)."""
+    with pytest.raises(TypeError):
+        as_groups([[1, block_id]])
+    with pytest.raises(TypeError):
+        as_groups([1, block_id])
+
+
+def test_integer_block_ids_of_any_integer_type_are_taken_as_ints():
+    np = pytest.importorskip("numpy")
+    assert as_groups([[np.int64(7), 8]]) == [[7, 8]] and type(as_groups([np.int32(3)])[0][0]) is int
+
+
 def test_an_unknown_kvd_key_is_warned_about_naming_the_closest_setting(caplog, monkeypatch):
     """A misspelt ``kvd_`` key would otherwise be ignored silently (its
     default used): one WARNING names it and the setting it is closest to, or

@@ -259,7 +259,8 @@ def test_mismatched_remote_blocks_fail_the_load_without_asking_the_daemon(model_
     ("remote_block_ids", [["a"]], True), ("remote_block_ids", [[None]], True), ("remote_block_ids", 5, True),
     ("remote_block_ids", {"0": [40]}, True), ("block_size", "z", True),
     ("remote_block_ids", [list(range(200_000))], True), ("remote_block_ids", [[40]] * 5000, True),
-    ("remote_block_ids", ["40" * 100_000], True),
+    ("remote_block_ids", ["40" * 100_000], True), ("remote_block_ids", [["4_0", 41]], True),
+    ("remote_block_ids", [[40.9, 41]], True),
 ], ids=lambda v: repr(v)[:20])
 def test_hostile_kv_transfer_params_fail_that_load_and_the_engine_serves_on(model_dir, fake, field, value, told_p):
     """``kv_transfer_params`` come in the decode engine's API request: a

@@ -113,7 +113,18 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler: KvdScheduler | None = None
         self.worker: KvdWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = KvdScheduler(vllm_config, self.cfg, self.engine_id, self.groups)
+            self.scheduler = s = KvdScheduler(vllm_config, self.cfg, self.engine_id, self.groups)
+            # vLLM's scheduler calls these per request on the engine step
+            # (``self.connector.<name>(...)``, vllm/v1/core/sched/scheduler.py):
+            # bound straight to the scheduler half, they skip this facade's
+            # frame and assert. The methods below stay for the base class and
+            # the docs; an instance attribute is found first.
+            self.get_num_new_matched_tokens = s.get_num_new_matched_tokens  # type: ignore[method-assign]
+            self.update_state_after_alloc = s.update_state_after_alloc  # type: ignore[method-assign]
+            self.on_new_request = s.on_new_request  # type: ignore[method-assign]
+            self.update_connector_output = s.update_connector_output  # type: ignore[method-assign]
+            self.build_connector_meta = s.build_connector_meta  # type: ignore[method-assign]
+            self.request_finished_all_groups = s.request_finished  # type: ignore[method-assign]
         else:
             self.worker = KvdWorker(self.cfg, pb.EngineWorker(
                 engine_id=self.engine_id,
@@ -190,7 +201,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         """The load fills the request's own blocks of every transfer group."""
-        return tuple(self.groups.group_ids)
+        return self.groups.group_ids  # a tuple (TransferGroups), made once
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:

@@ -10,6 +10,7 @@ as :data:`kvd.requests.BlockGroups` (one group is ``[[...]]``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import index
 from typing import TYPE_CHECKING, Any
 
 from kvd.requests import BlockGroups
@@ -25,7 +26,11 @@ def as_groups(block_ids: Any, max_ids: int | None = None, max_groups: int | None
     tuple of lists that JSON turns into a list of lists) and the older flat
     ``[...]`` (one group). Raises ValueError or TypeError for anything
     else (not a list or tuple, an id that is no integer): P's ids come in
-    the decode engine's API request (kvd.shim.vllm.params).
+    the decode engine's API request (kvd.shim.vllm.params). An id must be
+    an integer already (``operator.index``: an ``int``, a bool, a numpy
+    integer), as JSON gives P's ids; ``int()`` would also have taken
+    ``"4_0"``, ``"٤٠"`` and ``40.9`` (and cost more: 0.35 against 0.24 us
+    for 4 ids here, ``python -m timeit``).
 
     ``max_ids`` (ids per group) and ``max_groups``: bounds checked before
     any id is converted, so that an API client's 200,000 ids for a short
@@ -36,7 +41,7 @@ def as_groups(block_ids: Any, max_ids: int | None = None, max_groups: int | None
         return []
     if not isinstance(block_ids, (list, tuple)):
         raise ValueError(f"block ids must be a list, not {type(block_ids).__name__}")
-    # map(int, ...), not a nested comprehension: half the time, on the
+    # map(index, ...), not a nested comprehension: half the time, on the
     # decode scheduler's per-load path (docs/PERFORMANCE.md section 2).
     if isinstance(block_ids[0], (list, tuple)):
         if max_groups is not None and len(block_ids) > max_groups:
@@ -45,10 +50,10 @@ def as_groups(block_ids: Any, max_ids: int | None = None, max_groups: int | None
             for g in block_ids:
                 if len(g) > max_ids:
                     raise ValueError(f"{len(g)} block ids in a group, more than {max_ids}")
-        return [list(map(int, g)) for g in block_ids]
+        return [list(map(index, g)) for g in block_ids]
     if max_ids is not None and len(block_ids) > max_ids:
         raise ValueError(f"{len(block_ids)} block ids, more than {max_ids}")
-    return [list(map(int, block_ids))]
+    return [list(map(index, block_ids))]
 
 
 def first_group(block_ids: Any) -> list[int]:
