@@ -58,6 +58,7 @@ import os
 import platform
 import random
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -537,6 +538,7 @@ def main(argv=None) -> int:
                 results["errors"].append(f"daemon {d.name} exited {rc}")
             tail = d.log_text()[-(1 << 20):]
             (out / f"{d.name}_daemon.log").write_text(tail)
+        shutil.rmtree(workdir, ignore_errors=True)  # its logs are copied to --out above
         results["meta"]["elapsed_s"] = time.monotonic() - t_start
         write_reports(out, results)
     ok = bool(results["cases"]) and all(c.get("ok") for c in results["cases"]) and not results["errors"]

@@ -9,8 +9,10 @@ port.
 
 from __future__ import annotations
 
+import grp
 import json
 import os
+import pwd
 import stat
 from dataclasses import dataclass
 
@@ -43,6 +45,40 @@ def _is_socket(path: str) -> bool:
         return False
 
 
+def _owner(st: os.stat_result) -> str:
+    """``owner user:group`` of a file, by name where the host has one."""
+    try:
+        user = pwd.getpwuid(st.st_uid).pw_name
+    except KeyError:
+        user = str(st.st_uid)
+    try:
+        group = grp.getgrgid(st.st_gid).gr_name
+    except KeyError:
+        group = str(st.st_gid)
+    return f"{user}:{group}"
+
+
+def _denied(command: str, path: str, e) -> Answer | None:
+    """The answer when this user may not open the engine socket at ``path``
+    (connecting to a Unix socket needs write permission on it, and search
+    permission on every directory above it), else None. Said plainly, with
+    the socket's owner and mode: gRPC's own text ("failed to connect to all
+    addresses ... FAILED_PRECONDITION ... Permission denied") names neither."""
+    try:
+        st = os.stat(path)
+    except PermissionError:
+        return Answer(EXIT_UNREACHABLE, f"kvd {command}: cannot reach {path}: permission denied on a directory "
+                                        f"above it: run this as the daemon's user or root")
+    except OSError:
+        return None
+    if "Permission denied" not in (e.details() or ""):
+        return None
+    return Answer(EXIT_UNREACHABLE, f"kvd {command}: cannot connect to {path}: permission denied (the socket is "
+                                    f"owned by {_owner(st)}, mode {stat.S_IMODE(st.st_mode):04o}): run this as "
+                                    f"the daemon's user or root, or as a member of the socket's group (the "
+                                    f"daemon's engine_socket_group, docs/OPERATIONS.md)")
+
+
 def _unreachable(command: str, target: str, e, timeout_s: float) -> Answer:
     """Exit code 2 and the line for an RPC that did not reach a daemon (or
     was refused): with no file at an engine socket's path, says so plainly
@@ -53,6 +89,9 @@ def _unreachable(command: str, target: str, e, timeout_s: float) -> Answer:
 
     if target.startswith("unix:"):
         path = target.removeprefix("unix:")
+        denied = _denied(command, path, e)
+        if denied is not None:
+            return denied
         if not os.path.exists(path):
             return Answer(EXIT_UNREACHABLE, f"kvd {command}: no daemon at {path} (no such socket): start one "
                                             f"with `kvd serve`, or name its engine socket with --socket (or its config "
@@ -71,6 +110,9 @@ def _unreachable(command: str, target: str, e, timeout_s: float) -> Answer:
                                             f"listens: a daemon that stopped without removing it); start one "
                                             f"with `kvd serve`")
     hint = ""
+    if not target.startswith("unix:") and "Connection refused" in (e.details() or ""):
+        return Answer(EXIT_UNREACHABLE, f"kvd {command}: nothing listens on {target} (connection refused): is "
+                                        f"the daemon running, and is this its peer port (peer_listen)?")
     if not target.startswith("unix:") and "Failed parsing HTTP/2" in (e.details() or ""):
         # What gRPC's client says when the server's first bytes are not an
         # HTTP/2 SETTINGS frame: an HTTP/1 server answered (the metrics

@@ -520,8 +520,12 @@ def test_health_address_of_an_http_server_says_it_may_be_one():
     assert r.returncode == 2 and r.stderr.startswith(f"kvd health: {address}: UNAVAILABLE: "), r.stderr
     assert "Failed parsing HTTP/2" in r.stderr, r.stderr
     assert r.stderr.endswith(" (an HTTP server? --address takes the daemon's peer port, peer_listen)\n"), r.stderr
-    r = _client("health", "--address", f"127.0.0.1:{free_port()}", "--timeout", "1")
+    closed = f"127.0.0.1:{free_port()}"
+    r = _client("health", "--address", closed, "--timeout", "1")
     assert r.returncode == 2 and "HTTP server?" not in r.stderr, r.stderr
+    # Nothing listens: said so, not gRPC's "failed to connect to all addresses".
+    assert r.stderr == (f"kvd health: nothing listens on {closed} (connection refused): is the daemon running, "
+                        f"and is this its peer port (peer_listen)?\n"), r.stderr
 
 
 def test_health_socket_and_address_together_is_a_usage_error(tmp_path):
@@ -584,6 +588,50 @@ def test_status_at_a_socket_nothing_listens_on_says_so(tmp_path):
     # --json for scripts: nothing on stdout a script could parse as a daemon's state (docs/OPERATIONS.md).
     r = _kvd("status", "--json", "--socket", str(path), "--timeout", "2")
     assert (r.returncode, r.stdout) == (2, "") and "nothing listens" in r.stderr, (r.returncode, r.stdout, r.stderr)
+
+
+_STATUS_AS_NOBODY = r"""
+import os, sys
+import grpc
+from kvd import ops
+from kvd.daemon import status
+from kvd.v1 import kvd_pb2, kvd_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+grpc.insecure_channel("unix:/nonexistent").close()  # gRPC's lazy imports, while this process may read them
+os.setgroups([]); os.setgid(65534); os.setuid(65534)
+for a in (ops.status("unix:" + sys.argv[1], 5.0), ops.health("unix:" + sys.argv[1], "", 5.0)):
+    print(a.code, a.text)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="becomes uid 65534 (needs root)")
+def test_a_socket_this_user_may_not_open_is_said_with_its_owner_and_mode():
+    """An operator's `kvd status` as a user the socket's mode shuts out:
+    said plainly with the socket's owner and mode and what to do, not
+    gRPC's "failed to connect to all addresses ... Permission denied"."""
+    import shutil
+    import socket
+    import tempfile
+
+    where = tempfile.mkdtemp(prefix="kvdperm-")
+    try:
+        os.chmod(where, 0o755)
+        path = os.path.join(where, "engine.sock")
+        srv = socket.socket(socket.AF_UNIX)
+        srv.bind(path)
+        srv.listen()
+        os.chmod(path, 0o660)  # root:root, as a daemon's engine socket without engine_socket_group
+        r = subprocess.run([sys.executable, "-c", _STATUS_AS_NOBODY, path], capture_output=True, text=True,
+                           timeout=60)
+        srv.close()
+        lines = r.stdout.splitlines()
+        assert len(lines) == 2, (r.stdout, r.stderr)
+        for line, command in zip(lines, ("status", "health")):
+            assert line.startswith(f"2 kvd {command}: cannot connect to {path}: permission denied"), line
+            assert "owned by root:root, mode 0660" in line and "engine_socket_group" in line, line
+            assert "failed to connect" not in line, line
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
 
 
 def test_health_without_address_asks_the_socket(tmp_path):

@@ -238,6 +238,24 @@ def test_a_live_daemons_socket_survives_a_second_daemons_failed_startup(tmp_path
         assert d.stop() == 0
 
 
+def test_a_socket_nothing_listens_on_is_replaced_and_said(tmp_path):
+    """A daemon killed without its cleanup (SIGKILL) leaves its engine socket:
+    the next one takes the path over, and says so."""
+    import socket
+
+    from kvd.testing.daemons import start_daemon
+
+    left = socket.socket(socket.AF_UNIX)
+    left.bind(str(tmp_path / "k.sock"))
+    left.close()  # a socket file nothing listens on
+    d = start_daemon(str(tmp_path), "k")
+    try:
+        assert d.socket == str(tmp_path / "k.sock") and d.stats()
+        assert f"engine_socket: replaced {d.socket}, left by a daemon that stopped without removing it" in d.log()
+    finally:
+        assert d.stop() == 0
+
+
 # ------------------------------- wildcard peer_listen: a routable advertisement
 def test_a_wildcard_peer_listen_advertises_a_routable_address_with_a_warning(tmp_path):
     from kvd.testing.daemons import start_daemon
@@ -402,6 +420,18 @@ def test_a_name_of_several_addresses_is_in_use_when_any_of_them_is(monkeypatch):
         assert bind_failure("localhost", port) == "Cannot assign requested address"
     finally:
         squatter.close()
+
+
+def test_an_engine_socket_directory_this_user_may_not_make_says_what_to_give_instead():
+    """A user's `kvd serve` with the default /run/kvd/engine.sock cannot make
+    /run/kvd: the error says which setting to give instead. As root, /sys
+    refuses the directory the same way (EPERM; EACCES for other users)."""
+    r = _serve("--engine-socket", "/sys/kvdtest/engine.sock")
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+    assert "engine_socket: cannot create directory /sys/kvdtest: " in r.stderr, r.stderr[-2000:]
+    assert (" (give this daemon --engine-socket in a directory this user may write, e.g. "
+            "$XDG_RUNTIME_DIR/kvd/engine.sock, or create /sys/kvdtest for it as root)") in r.stderr, r.stderr[-2000:]
+    assert not os.path.exists("/sys/kvdtest")
 
 
 def test_an_engine_socket_under_a_file_names_the_setting_and_the_parent(tmp_path):

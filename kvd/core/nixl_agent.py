@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import difflib
 import functools
 import logging
 import os
@@ -274,15 +275,30 @@ class NixlAgent:
         # at 1 ms), and ~10-15 % on 256 MiB reads (docs/PERFORMANCE.md,
         # "NIXL progress thread").
         progress_us = PROGRESS_US if progress_us is None else int(progress_us)
-        if progress_us > 0:
-            with progress_delay(progress_us):
-                self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=True, backends=[]))
-        else:
-            self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+        try:
+            if progress_us > 0:
+                with progress_delay(progress_us):
+                    self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=True, backends=[]))
+            else:
+                self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+        except RuntimeError as e:
+            # NIXL 1.5 stats $HOME/.nixl.cfg when an agent is made, and a
+            # HOME this user may not search fails it with only
+            # "filesystem error: status: Permission denied [/root/.nixl.cfg]":
+            # a HOME inherited from another user (sudo -E, setpriv).
+            if ".nixl.cfg" in str(e) and "Permission denied" in str(e):
+                raise NixlError(f"NIXL could not make an agent: {e}: NIXL reads its config file from $HOME "
+                                f"({os.environ.get('HOME', '')}), which this user (uid {os.getuid()}) may not "
+                                f"read; run the daemon with a HOME of its own (systemd's User=, runuser, su -), "
+                                f"not one inherited from another user (sudo -E, setpriv)") from e
+            raise
         plugins = self._agent.get_plugin_list()
         for b in backends:
             if b not in plugins:
-                raise NixlBackendUnavailable(f"NIXL backend {b!r} is not available (plugins here: {sorted(plugins)})")
+                near = difflib.get_close_matches(b.upper(), [p.upper() for p in plugins], n=1)
+                hint = next((f"; did you mean {p!r}?" for p in plugins if near and p.upper() == near[0]), "")
+                raise NixlBackendUnavailable(f"NIXL backend {b!r} is not available (plugins here: "
+                                             f"{sorted(plugins)}){hint}")
             try:
                 self._agent.create_backend(b, {})
             except Exception as e:

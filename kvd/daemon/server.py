@@ -157,7 +157,12 @@ def make_socket_dir(path: str) -> str | None:
             blocker = os.path.dirname(blocker)
         raise OSError(f"engine_socket: {blocker} is not a directory (on the way to {path})") from None
     except OSError as e:
-        raise OSError(f"engine_socket: cannot create directory {parent}: {e.strerror or e}") from None
+        hint = ""
+        if e.errno in (errno.EACCES, errno.EPERM):
+            # A user's `kvd serve` with the default /run/kvd/engine.sock (root's, or the unit's RuntimeDirectory).
+            hint = (f" (give this daemon --engine-socket in a directory this user may write, e.g. "
+                    f"$XDG_RUNTIME_DIR/kvd/engine.sock, or create {top} for it as root)")
+        raise OSError(f"engine_socket: cannot create directory {parent}: {e.strerror or e}{hint}") from None
     if not existed:
         # Said: an operator finds a directory the unit or chart did not make,
         # with the daemon's umask (who may enter it decides who reaches the socket).
@@ -379,6 +384,8 @@ class Server:
                 raise OSError(f"another daemon is serving on {sock}: stop it, or give this daemon its own "
                               f"engine_socket")
             os.unlink(sock)
+            log.info("engine_socket: replaced %s, left by a daemon that stopped without removing it (nothing "
+                     "listened on it)", sock)
         self.engine_server = grpc.aio.server(options=server_options(cfg.max_message_bytes, ENGINE_MAX_STREAMS),
                                              interceptors=[AdmissionInterceptor(self.gate),
                                                            ShapeInterceptor(functools.partial(

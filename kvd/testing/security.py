@@ -4,11 +4,13 @@ when a :class:`Pki` is made)."""
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import ipaddress
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -87,9 +89,12 @@ def call_as(socket_path: str, uid: int, gid: int, action: str = "stats", arg: st
 
 
 def reachable_dir() -> str:
-    """A fresh directory every user can traverse (pytest's tmp_path is 0700)."""
+    """A fresh directory every user can traverse (pytest's tmp_path is 0700),
+    removed with what is in it when this process exits (the tests stop
+    their daemons before that; left, a suite run left ~100 in /tmp)."""
     d = tempfile.mkdtemp(prefix="kvdsec-")
     os.chmod(d, 0o755)
+    atexit.register(shutil.rmtree, d, ignore_errors=True)
     return d
 
 
