@@ -9,12 +9,16 @@ import sys
 import pytest
 
 
-def test_unknown_backend_is_a_startup_error_naming_it(tmp_path):
-    r = subprocess.run(
+def _serve_with_backends(tmp_path, backends: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [sys.executable, "-m", "kvd.cli", "serve", "--engine-socket", str(tmp_path / "s.sock"),
-         "--peer-listen", "127.0.0.1:0", "--backends", "UCX,NOSUCHBACKEND"],
+         "--peer-listen", "127.0.0.1:0", "--backends", backends],
         capture_output=True, text=True, timeout=60,
     )
+
+
+def test_unknown_backend_is_a_startup_error_naming_it(tmp_path):
+    r = _serve_with_backends(tmp_path, "UCX,NOSUCHBACKEND")
     # A name NIXL has no plugin for is a configuration error: exit 64
     # (EX_USAGE; systemd's RestartPreventExitStatus), naming the setting.
     assert r.returncode == 64, r.stdout + r.stderr
@@ -25,11 +29,7 @@ def test_unknown_backend_is_a_startup_error_naming_it(tmp_path):
 
 
 def test_a_misspelt_backend_gets_the_plugin_it_is_closest_to(tmp_path):
-    r = subprocess.run(
-        [sys.executable, "-m", "kvd.cli", "serve", "--engine-socket", str(tmp_path / "s.sock"),
-         "--peer-listen", "127.0.0.1:0", "--backends", "UXC"],
-        capture_output=True, text=True, timeout=60,
-    )
+    r = _serve_with_backends(tmp_path, "UXC")
     assert r.returncode == 64, r.stdout + r.stderr
     assert "NIXL backend 'UXC' is not available" in r.stderr and "; did you mean 'UCX'?" in r.stderr, r.stderr
 
