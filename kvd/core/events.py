@@ -125,15 +125,24 @@ class CommandRejected:
 Event = RecvDone | LoadFailed | SendDone | LeaseRenewed | CommandRejected
 
 
+#: What one block id of a queued LoadFailed holds (bytes): a list slot (8)
+#: and, past 256, an int object of its own (28), with the list's slack.
+#: Counted at 8, the 64 MiB default let one session hold ~300 MiB (a
+#: session that never read, 8 LoadBlocks of 1M bad ids each: RSS +291 MiB a
+#: worker, 4.7x what was counted; attacker review).
+ID_BYTES = 40
+
+
 def event_bytes(ev: Event) -> int:
-    """What ``ev`` costs queued, roughly (bytes): its strings, 8 bytes per
-    block id and a fixed 128 for the object. A LoadFailed repeats every block
-    id of its load, so counting events alone does not bound memory
-    (measured: a session that never read, fed LoadBlocks of a million bad
-    ids, took the daemon from 86 to 885 MiB RSS under a count-only cap)."""
+    """What ``ev`` costs queued, roughly (bytes): its strings,
+    :data:`ID_BYTES` per block id and a fixed 128 for the object. A
+    LoadFailed repeats every block id of its load, so counting events alone
+    does not bound memory (measured: a session that never read, fed
+    LoadBlocks of a million bad ids, took the daemon from 86 to 885 MiB RSS
+    under a count-only cap)."""
     n = 128 + len(ev.request_id)
     if isinstance(ev, LoadFailed):
-        n += 8 * len(ev.failed_block_ids) + len(ev.reason)
+        n += ID_BYTES * len(ev.failed_block_ids) + len(ev.reason)
     elif isinstance(ev, CommandRejected):
         n += len(ev.reason)
     return n
