@@ -222,10 +222,14 @@ class Config:
     max_leases_per_worker: int = _setting(65536, "prefill leases held per engine worker; a hold past it is "
                                                  "rejected")
     max_blocks_per_request: int = _setting(1 << 20, "block ids in one load or hold (all groups together)")
+    max_load_block_ids_per_worker: int = _setting(1 << 22, "block ids (local and remote) of one engine worker's "
+                                                           "loads in flight, all together; a load past it "
+                                                           "fails at once with reason busy")
+    max_load_block_ids_per_uid: int = _setting(1 << 24, "the same, for the workers registered by one uid")
     max_held_blocks_per_worker: int = _setting(1 << 22, "block ids held by one engine worker's leases, all "
                                                          "together; a hold past it is rejected")
     max_queued_event_bytes: int = _setting(64 << 20, "events queued for one engine worker's session that it has "
-                                                     "not read, bytes (8 per block id); past it the stream is "
+                                                     "not read, bytes (40 per block id); past it the stream is "
                                                      "ended and the events dropped")
     max_workers: int = _setting(64, "engine workers (TP ranks) registered at once, all users; one more is "
                                     "refused RESOURCE_EXHAUSTED")
@@ -335,6 +339,8 @@ class Config:
                                ("max_engine_connections", 1, 1 << 20),
                                ("max_engine_connections_per_uid", 1, 1 << 20),
                                ("max_blocks_per_request", 1, 1 << 26),
+                               ("max_load_block_ids_per_worker", 1, 1 << 32),
+                               ("max_load_block_ids_per_uid", 1, 1 << 36),
                                ("max_held_blocks_per_worker", 1, 1 << 30),
                                ("max_queued_event_bytes", 1 << 16, 1 << 40),
                                ("max_workers", 1, 1 << 16), ("max_workers_per_uid", 1, 1 << 16),

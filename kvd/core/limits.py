@@ -32,6 +32,13 @@ class Limits:
     early_notif_s: float = 120.0     # a notification that beat its hold is kept this long
     max_blocks_per_request: int = 1 << 20
     max_inflight_per_worker: int = 4096
+    # Block ids (local and remote) of the loads in flight, per worker and per
+    # owner uid (kvd.core.load_ids): a load keeps its ids, ~40 bytes each,
+    # while it waits, and max_inflight_per_worker counts loads (attacker
+    # review: one session, +4.5 GiB in ~20 s). Per worker: two loads of
+    # max_blocks_per_request on each side.
+    max_load_block_ids_per_worker: int = 1 << 22
+    max_load_block_ids_per_uid: int = 1 << 24
     max_leases_per_worker: int = 65536  # prefill leases held at once (each keeps its request id and blocks)
     # Block ids held by one worker's leases, all together (4 bytes each; a
     # block shared by several requests' prefixes counts once per hold).

@@ -34,6 +34,7 @@ from kvd.core.aborts import AbortSlots
 from kvd.core.events import Event, FailureKind, LoadFailed, NotFound
 from kvd.core.hold_feed import HoldFeeds
 from kvd.core.limits import BOUNDS, Limits
+from kvd.core.load_ids import LoadIds
 from kvd.core.nixl_agent import NixlAgent
 from kvd.core.state import Counters, Worker, WorkerKey, overflow
 from kvd.core.throttle import Throttled
@@ -194,6 +195,7 @@ class Runtime:
         self.counters = Counters()
         self.feeds = HoldFeeds()  # each engine's lease starts and ends, for reader daemons (PeerService.Holds)
         self.aborts = AbortSlots(limits)  # early-free notifications in flight (AbortLoad, empty loads)
+        self.load_ids = LoadIds(limits)  # block ids of loads in flight, per worker and uid, capped
         self.started = time.monotonic()
         # NIXL transfer handles not released yet (still in progress: a READ
         # given up at its deadline or at its session's end whose bytes may

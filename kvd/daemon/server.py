@@ -290,6 +290,8 @@ class Server:
                         transfer_mode=cfg.transfer_mode, same_node_copy=cfg.same_node_copy,
                         follow_holds=cfg.follow_holds,
                         max_inflight_per_worker=cfg.max_inflight_per_worker,
+                        max_load_block_ids_per_worker=cfg.max_load_block_ids_per_worker,
+                        max_load_block_ids_per_uid=cfg.max_load_block_ids_per_uid,
                         max_blocks_per_request=cfg.max_blocks_per_request,
                         max_leases_per_worker=cfg.max_leases_per_worker,
                         max_held_blocks_per_worker=cfg.max_held_blocks_per_worker, poll_busy_s=cfg.poll_busy_s,
