@@ -31,7 +31,9 @@ and bounds:
 - commands read ahead of the session's opening are bounded (reading pauses
   above ``max_message_bytes`` of them or ``_MAX_AHEAD_COMMANDS``); once it
   is open each runs as it is read, at most ``_PASS_COMMANDS`` of one
-  connection per pass of the event loop (reading pauses meanwhile);
+  connection per pass of the event loop and :data:`PASS_BUDGET_S` of
+  commands per pass across all connections, then in turns by caller uid
+  (:class:`_Turns`; reading pauses meanwhile);
   events are written while the socket takes them (those of one pass of
   the event loop together, at its end: one write), else wait in the
   worker's own queue (bounded by ``max_queued_event_bytes``) while the
@@ -46,6 +48,7 @@ import collections
 import contextlib
 import logging
 import socket
+import time
 import traceback
 from collections.abc import Callable
 
@@ -88,6 +91,87 @@ _COALESCE_BYTES = 64 << 10
 # max_engine_connections_per_uid x max_message_bytes before). Past it the
 # connection that brought the bytes is closed (RESOURCE_EXHAUSTED).
 PARTIAL_FRAMES_PER_UID = 2
+# Seconds of commands run in one pass of the event loop, all connections
+# together; past it the connections with commands left take turns in the
+# next passes, one command each, round-robin by caller uid (_Turns). A count
+# per connection alone let one uid's 30 connections, each sending a
+# LoadBlocks of 200,000 bad ids (~45 ms of the loop to refuse), stall every
+# engine: another session's round trip ~1 ms -> 1.4 s, `kvd health` past
+# its 2 s deadline (attacker review).
+PASS_BUDGET_S = 0.005
+# Turns that took longer than this are followed by as long a pause (_Turns._drain).
+_IDLE_AFTER_S = 0.001
+
+
+class _Turns:
+    """Whose commands run when more are waiting than one pass of the loop
+    has room for (daemon-wide).
+
+    A connection runs its commands as they are read while no connection
+    waits and this pass has spent less than :data:`PASS_BUDGET_S` on
+    commands (the first command of a pass always runs: a command is not
+    split). Past that it waits here: each later pass gives turns of one
+    command, round-robin over the caller uids waiting, then over that
+    uid's connections, until the pass's budget is spent. So what any
+    caller uid's commands cost, other uids' sessions wait at most about
+    one of its commands per turn of theirs, and the loop's timers, gRPC
+    calls and health checks run between passes.
+    """
+
+    def __init__(self, budget_s: float = PASS_BUDGET_S):
+        self.budget_s = budget_s
+        self._waiting: collections.OrderedDict[int, collections.deque[_Commands]] = collections.OrderedDict()
+        self._pass_end: float | None = None  # when this pass's budget is spent (None: no command ran yet)
+        self._drain_due = False
+
+    def may_run(self) -> bool:
+        """True when a command read now may run now (nobody waits, budget left)."""
+        if self._waiting:
+            return False
+        end = self._pass_end
+        if end is None:
+            self._pass_end = time.monotonic() + self.budget_s
+            asyncio.get_running_loop().call_soon(self._new_pass)
+            return True
+        return time.monotonic() < end
+
+    def wait(self, uid: int, commands: _Commands) -> None:
+        """``commands`` (of caller ``uid``) has commands left: it runs them in turns."""
+        self._waiting.setdefault(uid, collections.deque()).append(commands)
+        if not self._drain_due:
+            self._drain_due = True
+            asyncio.get_running_loop().call_soon(self._drain)
+
+    def _new_pass(self) -> None:
+        self._pass_end = None
+
+    def _drain(self) -> None:
+        self._drain_due = False
+        start = time.monotonic()
+        end = start + self.budget_s
+        waiting = self._waiting
+        while waiting:
+            uid, queue = next(iter(waiting.items()))
+            commands = queue.popleft()
+            if commands.run_turn():
+                queue.append(commands)
+            if queue:
+                waiting.move_to_end(uid)
+            else:
+                del waiting[uid]
+            if time.monotonic() >= end:
+                break
+        if waiting:
+            # The next turns after as long as these took: commands that wait
+            # get at most about half of the loop, and a session served by
+            # gRPC (many short passes a command) is not held to one pass
+            # per turn of theirs.
+            self._drain_due = True
+            spent = time.monotonic() - start
+            if spent > _IDLE_AFTER_S:
+                asyncio.get_running_loop().call_later(spent, self._drain)
+            else:
+                asyncio.get_running_loop().call_soon(self._drain)
 
 
 def _rejected(reason: str) -> bytes:
@@ -107,8 +191,11 @@ class _Commands:
     engine's command can (``kvd.daemon.wire_shape``), calls ``on_bad(why)``."""
 
     def __init__(self, transport: asyncio.Transport, max_ahead_bytes: int,
-                 on_bad: Callable[[str], None] = lambda why: None, shape: wire_shape.Shape | None = None):
+                 on_bad: Callable[[str], None] = lambda why: None, shape: wire_shape.Shape | None = None,
+                 turns: _Turns | None = None, uid: int = -1):
         self._transport = transport
+        self._turns = turns or _Turns()
+        self._uid = uid
         self._shape = shape or wire_shape.engine_shape(pb.SessionCommand.DESCRIPTOR, Limits.max_blocks_per_request)
         self._max_ahead = max_ahead_bytes
         self._on_bad = on_bad
@@ -140,34 +227,66 @@ class _Commands:
         return self._done
 
     def _run(self) -> None:
-        """Runs queued commands, at most ``_PASS_COMMANDS`` now."""
+        """Runs queued commands, at most ``_PASS_COMMANDS`` now and while the
+        pass has room (:class:`_Turns`); past either the rest wait."""
         self._scheduled = False
-        done, handler, queue = self._done, self._direct, self._queue
+        done, handler, queue, turns = self._done, self._direct, self._queue, self._turns
         while queue and handler is not None and not done.done():
             if self._in_pass >= _PASS_COMMANDS:
-                self._scheduled = True
-                asyncio.get_running_loop().call_soon(self._run)
-                if not self._paused:
-                    self._paused = True
-                    self._transport.pause_reading()
+                self._wait(asyncio.get_running_loop().call_soon, self._run)
+                return
+            if not turns.may_run():
+                self._wait(turns.wait, self._uid, self)
                 return
             if not self._in_pass:
                 asyncio.get_running_loop().call_soon(self._new_pass)  # before the _run above, if one is due
             self._in_pass += 1
-            payload, size = queue.popleft()
-            self._bytes -= size
-            cmd = self._parse(payload)
-            if cmd is None:
-                return  # bad input: the connection is ending (on_bad)
-            self._call(handler, cmd)
+            if not self._run_one(handler):
+                return
             handler = self._direct  # None once the handler said stop
-        if handler is None or done.done():
-            queue.clear()
+        self._settle()
+
+    def run_turn(self) -> bool:
+        """One queued command (a turn :class:`_Turns` gives); True when more
+        wait to run (this connection takes another turn)."""
+        self._scheduled = False
+        handler = self._direct
+        if self._queue and handler is not None and not self._done.done():
+            if not self._run_one(handler):
+                return False
+        if self._queue and self._direct is not None and not self._done.done():
+            self._scheduled = True
+            return True
+        self._settle()
+        return False
+
+    def _wait(self, schedule, *args) -> None:
+        """Commands left for a later pass: reading pauses meanwhile."""
+        self._scheduled = True
+        schedule(*args)
+        if not self._paused:
+            self._paused = True
+            self._transport.pause_reading()
+
+    def _run_one(self, handler: Callable[[pb.SessionCommand], bool]) -> bool:
+        """Parses and runs the oldest queued command; False on bad input (the connection is ending)."""
+        payload, size = self._queue.popleft()
+        self._bytes -= size
+        cmd = self._parse(payload)
+        if cmd is None:
+            return False  # bad input: the connection is ending (on_bad)
+        self._call(handler, cmd)
+        return True
+
+    def _settle(self) -> None:
+        """Nothing left to run now: reading resumes; the commands end after EOF."""
+        if self._direct is None or self._done.done():
+            self._queue.clear()
             self._bytes = 0
         if self._paused and not self._transport.is_closing():
             self._paused = False
             self._transport.resume_reading()
-        if self._ended and not queue:
+        if self._ended and not self._queue:
             self._finish()
 
     def _new_pass(self) -> None:
@@ -304,7 +423,8 @@ class _Connection(asyncio.Protocol):
             return
         transport.set_write_buffer_limits(high=_WRITE_HIGH)
         self.idle = asyncio.get_running_loop().call_later(owner.gate.idle_timeout_s, self._idle)
-        self.commands = _Commands(transport, owner.max_message_bytes, self._bad_input, owner.shape)
+        self.commands = _Commands(transport, owner.max_message_bytes, self._bad_input, owner.shape, owner.turns,
+                                  caller.uid)
         self.task = asyncio.get_running_loop().create_task(self._serve(self.commands))
         owner.connections.add(self)
         transport.resume_reading()
@@ -581,6 +701,7 @@ class CommandSocket:
                                              service.node.limits.max_blocks_per_request)
         self.connections: set[_Connection] = set()
         self.partial: dict[int, int] = {}  # bytes of unfinished frames per caller uid (PARTIAL_FRAMES_PER_UID)
+        self.turns = _Turns()  # commands past a pass's budget, in turns by caller uid
         self.warn = Throttled(log)
         self._server: asyncio.AbstractServer | None = None
         self._bound: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket file bound
