@@ -10,18 +10,20 @@ side: loads of 1M local and 1M remote ids against a peer that accepts TCP
 and never answers took a daemon from 94 MiB to 4.6 GiB RSS in ~20 s (67
 loads of ~67 MiB; attacker review).
 
-Counted from the moment the session reads the load (before its task runs),
-released when its task ends unless the load is then reading
-(``Worker.inflight``); those are released lazily: a worker's total is made
-exact again, from what is still in flight, only when a load would pass a
-cap. So the hot path is a dict insert and two additions a load, and nothing
-can leak: the exact count never depends on every exit path of a load.
+Each load the session reads is counted as an entry of its own (not by
+request id: a second load of the same id, refused later as a duplicate,
+must not replace the count of the one still waiting), released when its
+task ends, unless the load is then reading (``Worker.inflight``): those are
+released lazily, when a load would pass a cap and the counts are made
+exact again from what is still in flight. A worker that unregistered keeps
+counting for its uid until its loads' tasks end (they hold their ids until
+their deadline). So the hot path is a dict insert and two additions a load,
+and the exact count never depends on every exit path of a load.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
 
 from kvd.core.limits import Limits
 from kvd.core.state import Worker
@@ -37,11 +39,23 @@ def _uid(w: Worker) -> int:
     return w.owner.uid if w.owner is not None else -1
 
 
+class _Entry:
+    """One load's count: its request id, its ids, and its task once started."""
+
+    __slots__ = ("request_id", "ids", "task")
+
+    def __init__(self, request_id: str, ids: int):
+        self.request_id = request_id
+        self.ids = ids
+        self.task: asyncio.Task | None = None
+
+
 class LoadIds:
     """Per-daemon accounting of the block ids of loads in flight.
 
-    Each worker keeps ``load_ids`` (request id -> (ids, the load's task))
-    and ``load_ids_total``; this object keeps the totals per owner uid.
+    Each worker keeps ``load_ids`` (its entries, by identity) and
+    ``load_ids_total``; this object keeps, per owner uid, the total and the
+    workers that have entries (registered or not).
 
     Args:
         limits: the two caps, ``max_load_block_ids_per_worker`` and
@@ -51,18 +65,17 @@ class LoadIds:
     def __init__(self, limits: Limits):
         self.limits = limits
         self._by_uid: dict[int, int] = {}
+        self._workers: dict[int, dict[int, Worker]] = {}  # uid -> id(worker) -> worker with entries
 
     def uid_total(self, uid: int) -> int:
-        """Block ids counted for the workers of ``uid``: an upper bound
-        (loads that ended reading, workers gone) until :meth:`take` makes it
-        exact from the registered workers."""
+        """Block ids counted for the workers of ``uid``: an upper bound (loads
+        that ended reading) until :meth:`take` makes it exact."""
         return self._by_uid.get(uid, 0)
 
-    def take(self, w: Worker, req: LoadRequest, workers: Iterable[Worker]) -> str | None:
-        """Counts ``req``'s ids for ``w`` when both caps allow them; returns
-        None, or the reason it was refused (for a ``busy`` LoadFailed).
-        ``workers``: every registered worker (to settle the uid's total
-        when it looks full). Call :meth:`started` with the load's task next."""
+    def take(self, w: Worker, req: LoadRequest) -> tuple[str | None, _Entry | None]:
+        """Counts ``req``'s ids for ``w`` when both caps allow them. Returns
+        ``(None, entry)`` (pass ``entry`` to :meth:`started` with the load's
+        task), or ``(reason, None)`` when refused (for a ``busy`` LoadFailed)."""
         n = ids_of(req)
         uid = _uid(w)
         lim = self.limits
@@ -70,49 +83,45 @@ class LoadIds:
             self._settle(w)
         if w.load_ids_total + n > lim.max_load_block_ids_per_worker:
             return (f"busy: {w.load_ids_total} block ids in this worker's loads in flight, this load names {n} "
-                    f"(max_load_block_ids_per_worker {lim.max_load_block_ids_per_worker})")
+                    f"(max_load_block_ids_per_worker {lim.max_load_block_ids_per_worker})"), None
         if self._by_uid.get(uid, 0) + n > lim.max_load_block_ids_per_uid:
-            # Exact again from the registered workers (a worker unregistered
-            # meanwhile no longer counts, whatever path it left by).
-            total, counted = 0, False
-            for x in list(workers):
-                if _uid(x) == uid:
-                    self._settle(x)
-                    total += x.load_ids_total
-                    counted = counted or x is w
-            self._by_uid[uid] = total if counted else total + w.load_ids_total
+            for x in list(self._workers.get(uid, {}).values()):
+                self._settle(x)
         if self._by_uid.get(uid, 0) + n > lim.max_load_block_ids_per_uid:
             return (f"busy: {self._by_uid.get(uid, 0)} block ids in loads in flight of uid {uid}'s workers, this "
-                    f"load names {n} (max_load_block_ids_per_uid {lim.max_load_block_ids_per_uid})")
-        old = w.load_ids.get(req.request_id)
-        if old is not None:  # the same id again (a duplicate, refused later, or one that ended): its count goes
-            self._add(w, -old[0])
-        w.load_ids[req.request_id] = (n, None)
+                    f"load names {n} (max_load_block_ids_per_uid {lim.max_load_block_ids_per_uid})"), None
+        entry = _Entry(req.request_id, n)
+        w.load_ids[id(entry)] = entry
+        self._workers.setdefault(uid, {})[id(w)] = w
         self._add(w, n)
-        return None
+        return None, entry
 
-    def started(self, w: Worker, request_id: str, task: asyncio.Task) -> None:
-        """The load :meth:`take` counted runs as ``task``: its ids are released
+    def started(self, w: Worker, entry: _Entry, task: asyncio.Task) -> None:
+        """The load ``entry`` counts runs as ``task``: its ids are released
         when the task ends, unless the load is reading then (released once
         it is not, at the next settle)."""
-        entry = w.load_ids.get(request_id)
-        if entry is not None:
-            w.load_ids[request_id] = (entry[0], task)
-        task.add_done_callback(lambda _t: self._ended(w, request_id, task))
+        entry.task = task
+        task.add_done_callback(lambda _t: self._ended(w, entry))
 
-    def _ended(self, w: Worker, request_id: str, task: asyncio.Task) -> None:
-        entry = w.load_ids.get(request_id)
-        if entry is None or entry[1] is not task or request_id in w.inflight:
-            return  # counted again meanwhile, or reading: settled later
-        del w.load_ids[request_id]
-        self._add(w, -entry[0])
+    def _ended(self, w: Worker, entry: _Entry) -> None:
+        if entry.request_id not in w.inflight:  # reading (its own READ, or the load this one duplicated): later
+            self._drop(w, entry)
 
     def _settle(self, w: Worker) -> None:
         """Drops ``w``'s entries of loads that ended (their task done, not reading)."""
-        gone = [rid for rid, (_n, task) in w.load_ids.items()
-                if task is not None and task.done() and rid not in w.inflight]
-        for rid in gone:
-            self._add(w, -w.load_ids.pop(rid)[0])
+        for entry in [e for e in w.load_ids.values()
+                      if e.task is not None and e.task.done() and e.request_id not in w.inflight]:
+            self._drop(w, entry)
+
+    def _drop(self, w: Worker, entry: _Entry) -> None:
+        if w.load_ids.pop(id(entry), None) is None:
+            return
+        self._add(w, -entry.ids)
+        if not w.load_ids:
+            workers = self._workers.get(_uid(w), {})
+            workers.pop(id(w), None)
+            if not workers:
+                self._workers.pop(_uid(w), None)
 
     def _add(self, w: Worker, n: int) -> None:
         w.load_ids_total += n

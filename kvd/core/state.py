@@ -351,10 +351,10 @@ class Worker:
     # Load tasks a session started and that have not ended (the engine service
     # refuses more past Limits.max_inflight_per_worker, before a task exists).
     loads_started: int = 0
-    # Block ids of this worker's loads in flight: request id -> (ids, the
-    # load's task), and their sum (kvd.core.load_ids: an upper bound, made
+    # Block ids of this worker's loads in flight: one entry a load read (by
+    # identity), and their sum (kvd.core.load_ids: an upper bound, made
     # exact when a load would pass Limits.max_load_block_ids_per_worker).
-    load_ids: dict[str, tuple[int, Any]] = field(default_factory=dict)
+    load_ids: dict[int, Any] = field(default_factory=dict)
     load_ids_total: int = 0
     posting: set[str] = field(default_factory=set)  # loads between their claim and their last post
     session: WorkerSession = field(default_factory=WorkerSession)

@@ -460,7 +460,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
                                   f"busy: {w.loads_started} loads starting and {len(w.inflight)} reading "
                                   f"(max_inflight_per_worker {cap})", req.remote_address)
                 return True
-            refused = node.rt.load_ids.take(w, req, node.workers.values())
+            refused, counted = node.rt.load_ids.take(w, req)
             if refused:
                 node.rt.fail_load(w, req.request_id, req.local_block_ids, ev.FailureKind.BUSY, refused,
                                   req.remote_address)
@@ -470,7 +470,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
             task = asyncio.get_running_loop().create_task(node.load(w, req, w.session.epoch, uid=uid))
             w.loads_started += 1
             task.add_done_callback(lambda _t: setattr(w, "loads_started", w.loads_started - 1))
-            node.rt.load_ids.started(w, req.request_id, task)
+            node.rt.load_ids.started(w, counted, task)
         elif kind == "hold":
             node.hold(w, c.request_id, groups_from_pb(c.groups), c.lease_s)
         elif kind == "release":
