@@ -713,6 +713,22 @@ def test_commands_past_a_passs_budget_take_turns_round_robin_by_uid():
             order.append("|")
         assert order == ["x", "|", "y", "|", "x", "|"], order
 
+        class Broken(Waiter):
+            aborted = False
+
+            def run_turn(self):
+                raise RuntimeError("a bug")
+
+            def abort(self):
+                self.aborted = True
+
+        order.clear()
+        turns, broken = cs._Turns(budget_s=60.0), Broken("z", 1)
+        turns.wait(1, broken)
+        turns.wait(2, Waiter("w", 2))
+        await asyncio.sleep(0)
+        assert order == ["w", "w"] and broken.aborted and turns.may_run(), order  # the turns went on
+
     asyncio.run(main())
 
 

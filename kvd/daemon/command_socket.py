@@ -99,8 +99,9 @@ PARTIAL_FRAMES_PER_UID = 2
 # engine: another session's round trip ~1 ms -> 1.4 s, `kvd health` past
 # its 2 s deadline (attacker review).
 PASS_BUDGET_S = 0.005
-# Turns that took longer than this are followed by as long a pause (_Turns._drain).
+# Turns that took longer than this are followed by as long a pause (_Turns._drain), up to _MAX_IDLE_S.
 _IDLE_AFTER_S = 0.001
+_MAX_IDLE_S = 0.05
 
 
 class _Turns:
@@ -153,7 +154,14 @@ class _Turns:
         while waiting:
             uid, queue = next(iter(waiting.items()))
             commands = queue.popleft()
-            if commands.run_turn():
+            try:
+                more = commands.run_turn()
+            except Exception:  # a bug: that connection's commands end, the turns go on (none may hang)
+                _FAILED.warning("%s: a turn of commands failed; that session's commands end\n%s", WHAT,
+                                traceback.format_exc())
+                commands.abort()
+                more = False
+            if more:
                 queue.append(commands)
             if queue:
                 waiting.move_to_end(uid)
@@ -169,7 +177,9 @@ class _Turns:
             self._drain_due = True
             spent = time.monotonic() - start
             if spent > _IDLE_AFTER_S:
-                asyncio.get_running_loop().call_later(spent, self._drain)
+                # At most _MAX_IDLE_S: a second-long command does not hold
+                # every waiting command a second more.
+                asyncio.get_running_loop().call_later(min(spent, _MAX_IDLE_S), self._drain)
             else:
                 asyncio.get_running_loop().call_soon(self._drain)
 
