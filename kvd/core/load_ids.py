@@ -84,11 +84,11 @@ class LoadIds:
         if w.load_ids_total + n > lim.max_load_block_ids_per_worker:
             return (f"busy: {w.load_ids_total} block ids in this worker's loads in flight, this load names {n} "
                     f"(max_load_block_ids_per_worker {lim.max_load_block_ids_per_worker})"), None
-        if self._by_uid.get(uid, 0) + n > lim.max_load_block_ids_per_uid:
+        if self.uid_total(uid) + n > lim.max_load_block_ids_per_uid:
             for x in list(self._workers.get(uid, {}).values()):
                 self._settle(x)
-        if self._by_uid.get(uid, 0) + n > lim.max_load_block_ids_per_uid:
-            return (f"busy: {self._by_uid.get(uid, 0)} block ids in loads in flight of uid {uid}'s workers, this "
+        if self.uid_total(uid) + n > lim.max_load_block_ids_per_uid:
+            return (f"busy: {self.uid_total(uid)} block ids in loads in flight of uid {uid}'s workers, this "
                     f"load names {n} (max_load_block_ids_per_uid {lim.max_load_block_ids_per_uid})"), None
         entry = _Entry(req.request_id, n)
         w.load_ids[id(entry)] = entry

@@ -171,9 +171,8 @@ class _Turns:
                 break
         if waiting:
             # The next turns after as long as these took: commands that wait
-            # get at most about half of the loop, and a session served by
-            # gRPC (many short passes a command) is not held to one pass
-            # per turn of theirs.
+            # get at most about half of the loop; the load tasks they
+            # started, timers and gRPC calls run in between.
             self._drain_due = True
             spent = time.monotonic() - start
             if spent > _IDLE_AFTER_S:
@@ -260,15 +259,17 @@ class _Commands:
         """One queued command (a turn :class:`_Turns` gives); True when more
         wait to run (this connection takes another turn)."""
         self._scheduled = False
-        handler = self._direct
-        if self._queue and handler is not None and not self._done.done():
-            if not self._run_one(handler):
-                return False
-        if self._queue and self._direct is not None and not self._done.done():
+        if self._runnable() and not self._run_one(self._direct):
+            return False
+        if self._runnable():
             self._scheduled = True
             return True
         self._settle()
         return False
+
+    def _runnable(self) -> bool:
+        """Commands queued, and the session still takes them."""
+        return bool(self._queue) and self._direct is not None and not self._done.done()
 
     def _wait(self, schedule, *args) -> None:
         """Commands left for a later pass: reading pauses meanwhile."""
