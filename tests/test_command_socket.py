@@ -558,6 +558,45 @@ def test_commands_sent_with_the_open_run_first_in_order_then_each_as_it_is_read(
     assert daemon.proc.poll() is None
 
 
+def test_a_load_that_can_never_run_is_refused_as_its_command_is_read(daemon):
+    """A load's checks of its own input (block ids in range, counts, the
+    remote TP size) run as the session reads its command, not in a task
+    after the rest of the pass: their cost, linear in the ids, is the
+    command's, which the turns share out by uid. So its ``load_failed``
+    comes before the event of the command after it."""
+    eng = Engine(daemon, "cs-early", SHAPE, open_session=False)
+    s = _open_raw(daemon)
+    worker = pb.EngineWorker(engine_id=eng.engine_id, tp_rank=0)
+
+    def cmd(**kw) -> bytes:
+        return frame(pb.SessionCommand(**kw).SerializeToString())
+
+    def load(rid: str, **kw) -> bytes:
+        fields = dict(request_id=rid, local_groups=[pb.BlockIds(ids=[1, 2, 3])], remote_engine_id="x",
+                      remote_address="127.0.0.1:1", remote_groups=[pb.BlockIds(ids=[1, 2, 3])],
+                      remote_request_id="p")
+        return cmd(load=pb.LoadBlocks(**{**fields, **kw}))
+
+    bad_last = [i % 16 for i in range(2000)] + [16]  # SHAPE: 16 blocks
+    s.sendall(cmd(open=pb.OpenSession(worker=worker))
+              + load("e-ids", local_groups=[pb.BlockIds(ids=bad_last)])
+              + load("e-tp", remote_tp_size=10**6)
+              + load("e-groups", local_groups=[pb.BlockIds(ids=[1])] * 9)
+              + cmd(hold=pb.HoldBlocks(request_id="e-h", groups=[pb.BlockIds(ids=[1])], lease_s=60))
+              + cmd(release=pb.ReleaseBlocks(request_id="e-h")))
+    events = _read_some(s, 5)
+    assert [event_kind(e) for e in events] == ["opened", "load_failed", "load_failed", "load_failed",
+                                               "send_done"], events
+    ids, tp, groups = (e.load_failed for e in events[1:4])
+    assert ids.request_id == "e-ids" and ids.reason == "invalid: local block id 16 out of range 0..15"
+    assert list(ids.failed_block_ids) == bad_last
+    assert tp.request_id == "e-tp" and "remote TP size 1000000 exceeds" in tp.reason
+    assert groups.request_id == "e-groups" and "9 local / 1 remote KV-cache groups" in groups.reason
+    s.close()
+    eng.close()
+    assert daemon.proc.poll() is None
+
+
 def test_a_session_that_never_reads_its_socket_is_dropped_past_its_queued_event_bytes(tmp_path):
     """Events are written at once only while the engine reads: a session
     that never reads fills the socket, then its events queue in the daemon,

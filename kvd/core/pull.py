@@ -41,7 +41,7 @@ from kvd.core.push import Push
 from kvd.core.registry import Registry
 from kvd.core.runtime import Runtime
 from kvd.core.state import InflightLoad, RemoteWorker, Worker
-from kvd.requests import LoadRequest, flat
+from kvd.requests import LoadRequest
 
 log = logging.getLogger("kvd.core")
 
@@ -80,7 +80,8 @@ class Pull:
     async def load(self, w: Worker, req: LoadRequest, *, retry_deadline: float | None = None,
                    epoch: int | None = None, uid: int | None = None) -> None:
         """Pulls ``req.remote_groups`` into ``req.local_groups``; emits
-        ``RecvDone`` or ``LoadFailed`` (naming every local block id).
+        ``RecvDone`` or ``LoadFailed`` (naming every local block id). The
+        caller has refused ``req`` if :meth:`refusal` names a reason.
 
         ``epoch``: the worker's session epoch when the load's command was
         read (None: the current one). A load whose session ended before it
@@ -123,6 +124,41 @@ class Pull:
                                             w.label, req.request_id, req.remote_address, req.remote_request_id,
                                             refused)
 
+    def refusal(self, w: Worker, req: LoadRequest) -> str | None:
+        """Why ``req`` can never load into ``w`` (an ``"invalid: ..."``
+        reason, its kind ``FailureKind.INVALID``), or None: more block ids a
+        side than ``max_blocks_per_request``, block ids for more KV-cache
+        groups than ``w``'s regions use, a local block id out of range, a
+        remote TP size past ``BOUNDS.max_tp_size``. A load with no remote
+        block ids is never refused (it is answered ``RecvDone`` and its
+        source told to free, :meth:`load`).
+
+        None of it depends on what happens while a load waits, so the
+        session runs it as it reads the command, before the load's task
+        exists: its cost, linear in the block ids, is the command's, which
+        the command socket bounds per pass and shares out by caller uid
+        (``kvd.daemon.command_socket``); in the task it was not (loads of
+        1M ids, the bad one last, took ``kvd health`` to 0.7 s past those
+        bounds, docs/SECURITY.md). Local input is checked before any
+        network or NIXL call.
+        """
+        if not any(req.remote_groups):
+            return None
+        limit = self.rt.limits.max_blocks_per_request
+        if max(sum(map(len, req.local_groups)), sum(map(len, req.remote_groups))) > limit:
+            return f"invalid: more than {limit} blocks"
+        if max(len(req.local_groups), len(req.remote_groups)) > w.num_groups:  # kept while the load waits
+            return (f"invalid: block ids for {len(req.local_groups)} local / {len(req.remote_groups)} remote "
+                    f"KV-cache groups, the worker's regions use {w.num_groups}")
+        try:
+            for g in req.local_groups:
+                plan.check_block_ids(g, w.layout.num_blocks)
+        except LayoutError as e:
+            return f"invalid: local {e}"
+        if req.remote_tp_size > BOUNDS.max_tp_size:
+            return f"invalid: remote TP size {req.remote_tp_size} exceeds {BOUNDS.max_tp_size}"
+        return None
+
     def _fail(self, w: Worker, req: LoadRequest, kind: FailureKind, reason: str) -> None:
         self.rt.fail_load(w, req.request_id, req.local_block_ids, kind, reason, req.remote_address)
 
@@ -156,23 +192,8 @@ class Pull:
                 self._free_early(w, req, uid, lambda: self.abort_load(
                     w, rid, req.remote_engine_id, req.remote_address, req.remote_request_id, req.remote_tp_size))
             return
-        limit = self.rt.limits.max_blocks_per_request
-        local_ids = req.local_block_ids
-        if max(len(local_ids), len(flat(req.remote_groups))) > limit:
-            return self._fail(w, req, K.INVALID, f"invalid: more than {limit} blocks")
-        if max(len(req.local_groups), len(req.remote_groups)) > w.num_groups:  # kept while the load waits
-            return self._fail(w, req, K.INVALID, f"invalid: block ids for {len(req.local_groups)} local / "
-                                                 f"{len(req.remote_groups)} remote KV-cache groups, the "
-                                                 f"worker's regions use {w.num_groups}")
         if len(w.inflight) + len(w.pending_loads) >= self.rt.limits.max_inflight_per_worker:
             return self._fail(w, req, K.BUSY, "busy: too many loads in flight for this worker")
-        try:  # local input is checked before any network or NIXL call
-            plan.check_block_ids(local_ids, w.layout.num_blocks)
-        except LayoutError as e:
-            return self._fail(w, req, K.INVALID, f"invalid: local {e}")
-        if req.remote_tp_size > BOUNDS.max_tp_size:
-            return self._fail(w, req, K.INVALID,
-                              f"invalid: remote TP size {req.remote_tp_size} exceeds {BOUNDS.max_tp_size}")
         remote_tp = req.remote_tp_size or w.tp_size
         geo = w.geometry()
         mla = w.layout.kv_layout == "MLA"

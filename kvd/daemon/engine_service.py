@@ -460,6 +460,11 @@ class EngineService(pb_grpc.EngineServiceServicer):
                                   f"busy: {w.loads_started} loads starting and {len(w.inflight)} reading "
                                   f"(max_inflight_per_worker {cap})", req.remote_address)
                 return True
+            invalid = node.pull.refusal(w, req)  # here, not in the task: its cost is the command's
+            if invalid:
+                node.rt.fail_load(w, req.request_id, req.local_block_ids, ev.FailureKind.INVALID, invalid,
+                                  req.remote_address)
+                return True
             refused, counted = node.rt.load_ids.take(w, req)
             if refused:
                 node.rt.fail_load(w, req.request_id, req.local_block_ids, ev.FailureKind.BUSY, refused,
