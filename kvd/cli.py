@@ -20,7 +20,7 @@ import platform
 import sys
 
 from kvd import __version__, ops
-from kvd.addresses import socket_file, split_host_port
+from kvd.addresses import join_host_port, socket_file, split_host_port
 from kvd.config import DEFAULT_SOCKET, ConfigError, client_socket, client_socket_problem, flag_name, help_text, load_config, metavar, setting_names, settings
 from kvd.usage import EXIT_OK, EXIT_USAGE, UsageParser, positive
 
@@ -130,13 +130,15 @@ def cmd_health(args) -> int:
 def dial_address(text: str) -> str:
     """An argparse ``type`` for ``--address``: ``host:port`` with a port
     1..65535 (:func:`kvd.addresses.split_host_port`); anything else is a usage
-    error (exit 64), not a dial to gRPC's default port 443."""
+    error (exit 64), not a dial to gRPC's default port 443. Returns it as
+    gRPC reads it: an IPv6 host in brackets, as ``kvd serve`` reads
+    ``peer_listen`` (gRPC took ``::1:7712`` for host ``::1:7712``, port 443)."""
     try:
-        split_host_port(text, "--address", min_port=1)
+        host, port = split_host_port(text, "--address", min_port=1)
     except ValueError as e:
         # argparse names the option itself ("argument --address: ...").
         raise argparse.ArgumentTypeError(str(e).removeprefix("--address: ")) from None
-    return text
+    return join_host_port(host, port)
 
 
 def cmd_status(args) -> int:

@@ -500,6 +500,30 @@ def test_health_address_without_a_valid_port_is_a_usage_error(address, message):
     assert "--address: --address" not in r.stderr, r.stderr  # the option named once
 
 
+def test_health_address_of_an_unbracketed_ipv6_host_dials_that_host_and_port():
+    """``::1:PORT`` is read as ``kvd serve`` reads ``peer_listen`` (host
+    ``::1``, the port last) and dialled as ``[::1]:PORT``; handed to gRPC
+    as written it dialled host ``::1:PORT`` on port 443 and timed out."""
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    try:
+        port = server.add_insecure_port("[::1]:0")
+    except RuntimeError:
+        pytest.skip("no IPv6 loopback here")
+    server.start()
+    try:
+        for address in (f"::1:{port}", f"[::1]:{port}"):
+            r = _client("health", "--address", address, "--timeout", "5")
+            assert r.returncode == 0 and r.stdout == f"[::1]:{port}: SERVING\n", (address, r.returncode, r.stdout, r.stderr)
+    finally:
+        server.stop(None)
+
+
 def test_health_address_of_an_http_server_says_it_may_be_one():
     """``kvd health --address`` at the metrics port (or any HTTP/1 server):
     gRPC's "Failed parsing HTTP/2 (Expected SETTINGS frame ...)" gets a hint
