@@ -79,3 +79,49 @@ def test_throttled_warnings_say_how_many_were_left_out():
     t._last -= 3600
     t.warning("refused %d", 5)
     assert stream.getvalue().splitlines() == ["refused 0", "refused 5 (4 more like it since the last message)"]
+
+
+def test_refusals_anyone_may_repeat_are_logged_at_most_once_a_second_with_the_count(tmp_path):
+    """Sessions refused on the command socket (any admitted uid, no worker
+    of its own needed) and loads of blocks their source does not hold
+    (``not_held``) are each logged at most once a second, with the count of
+    those left out: each was a line of up to ~4 KiB (an id the caller
+    chose), and an attacker review wrote 24k of them in 10 s."""
+    import socket
+    import time
+
+    from kvd.command_wire import command_socket_path, frame
+    from kvd.v1 import kvd_pb2 as pb
+
+    d = start_daemon(str(tmp_path), "kvd", log_level="info")
+    p = dst = None
+    try:
+        p, dst = Engine(d, "logs-p", SHAPE), Engine(d, "logs-d", SHAPE)
+        p.hold("mine", [0, 1, 2])
+        n = 200
+        t0 = time.monotonic()
+        for i in range(n):
+            dst.load(f"thief-{i}", [1], p, [5], "mine")  # block 5 is not held
+        for i in range(n):
+            assert dst.wait(f"thief-{i}", 30).load_failed.reason.startswith("not_held:")
+        opened = pb.SessionCommand(open=pb.OpenSession(worker=pb.EngineWorker(engine_id="x" * 1000)))
+        for _ in range(n):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(10)
+                s.connect(command_socket_path(d.socket))
+                s.sendall(frame(opened.SerializeToString()))
+                assert s.recv(65536)  # the refusal
+        elapsed = time.monotonic() - t0
+        time.sleep(1.2)
+        dst.load("thief-last", [1], p, [5], "mine")  # after a quiet second: logged, with the count
+        assert dst.wait("thief-last", 30).load_failed.reason.startswith("not_held:")
+        log = d.log()
+        held = [line for line in log.splitlines() if "load failed: not_held" in line]
+        refused = [line for line in log.splitlines() if "session of" in line and " refused: " in line]
+        assert 1 <= len(held) <= elapsed + 3 and 1 <= len(refused) <= elapsed + 3, (len(held), len(refused), elapsed)
+        assert "more like it since the last message" in held[-1], held[-1]
+    finally:
+        for e in (p, dst):
+            if e is not None:
+                e.close()
+        d.stop()

@@ -309,8 +309,7 @@ class Holds:
         if not any(isinstance(e, BaseException) and not isinstance(e, PermissionDenied) for e in results):
             self.rt.on_event("claim", {"seconds": time.monotonic() - sent})
         for e in results:
-            if isinstance(e, PermissionDenied):
-                log.warning("%s request=%s: %s; no READ", w.label, req.request_id, e)
+            if isinstance(e, PermissionDenied):  # logged as the load fails (Runtime.fail_load)
                 return FailureKind.NOT_HELD, f"not_held: {e}"
             if isinstance(e, CoreError):
                 return FailureKind.HANDSHAKE, f"handshake: claim: {e}"

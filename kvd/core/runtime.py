@@ -190,7 +190,7 @@ class Runtime:
         self.limits = limits
         self.on_event = on_event or (lambda name, fields: None)
         self.dropped_warning = Throttled(log)
-        self._engine_failures = {FailureKind.INVALID: Throttled(log), FailureKind.BUSY: Throttled(log)}
+        self._engine_failures = {k: Throttled(log) for k in (FailureKind.INVALID, FailureKind.BUSY, FailureKind.NOT_HELD)}
         self.workers: dict[WorkerKey, Worker] = {}
         self.counters = Counters()
         self.feeds = HoldFeeds()  # each engine's lease starts and ends, for reader daemons (PeerService.Holds)

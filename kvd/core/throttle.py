@@ -24,10 +24,18 @@ class Throttled:
 
     def warning(self, msg: str, *args) -> None:
         """Logs ``msg % args`` at WARNING unless one was logged less than ``interval_s`` ago."""
+        self._say(logging.WARNING, msg, args)
+
+    def info(self, msg: str, *args) -> None:
+        """As :meth:`warning`, at INFO: what a caller's own error or an honest
+        retry also sets off, which anyone may repeat thousands of times a second."""
+        self._say(logging.INFO, msg, args)
+
+    def _say(self, level: int, msg: str, args: tuple) -> None:
         now = time.monotonic()
         if now - self._last < self.interval_s:
             self._suppressed += 1
             return
         more = f" ({self._suppressed} more like it since the last message)" if self._suppressed else ""
         self._last, self._suppressed = now, 0
-        self.log.warning(msg + more, *args)
+        self.log.log(level, msg + more, *args)

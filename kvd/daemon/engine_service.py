@@ -48,6 +48,7 @@ from kvd.daemon.convert import (
     status_of,
 )
 from kvd.daemon.fd_channel import ClaimError, FdTable
+from kvd.daemon.logs import Throttled
 from kvd.daemon.status import build_stats, handover_of
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
@@ -110,6 +111,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
                  require_session_token: bool = False, fds: FdTable | None = None, require_memfd: bool = False):
         self.node = node
         self.backends = list(backends or [])
+        self._renew_refusals = Throttled(log)  # an engine may repeat a refused renewal at will
         self.metrics_address = ""      # host:port of /metrics, for GetStats
         self.command_socket = ""       # the command socket's path ("" off), for GetStats
         self.callers = callers or (lambda context: None)
@@ -289,8 +291,8 @@ class EngineService(pb_grpc.EngineServiceServicer):
                                                renewals_from_pb(request.renewals,
                                                                 self.node.limits.max_blocks_per_request), timeout_s)
         except ev.CoreError as e:
-            log.info("renew of %d leases of engine %s at %s refused: %s", len(request.renewals),
-                     request.remote_engine_id, request.remote_address, e)
+            self._renew_refusals.info("renew of %d leases of engine %s at %s refused: %s", len(request.renewals),
+                                      request.remote_engine_id, request.remote_address, e)
             await context.abort(status_of(e), str(e))
         return pb.RenewLeasesResponse(results=renewed_to_pb(results))
 

@@ -47,13 +47,15 @@ class PeerService(pb_grpc.PeerServiceServicer):
 
     def __init__(self, node: Node):
         self.node = node
+        self._refusals = Throttled(log)
 
     async def _refuse(self, context, what: str, request, e: ev.CoreError):
         rank = f" rank={request.tp_rank}" if hasattr(request, "tp_rank") else ""  # Renew names no rank
         # A peer chooses the engine id (and the error may quote it): the log line is clipped
         # (an admitted peer's refused calls wrote multi-MiB lines, attacker review).
-        log.warning("%s from %s for engine=%s%s refused: %s", what, context.peer(), _clip(request.engine_id), rank,
-                    _clip(str(e), 4 * LOGGED_ID_CHARS))
+        # And at most one a second, with the count: a peer may repeat them at will.
+        self._refusals.warning("%s from %s for engine=%s%s refused: %s", what, context.peer(),
+                               _clip(request.engine_id), rank, _clip(str(e), 4 * LOGGED_ID_CHARS))
         await context.abort(status_of(e), str(e))
 
     async def Handshake(self, request: pb.HandshakeRequest, context) -> pb.HandshakeResponse:
