@@ -62,19 +62,38 @@ Plus ``kvd_build_info{version,nixl,grpcio}`` (always 1) and the standard
 
 from __future__ import annotations
 
+import io
 import logging
+import socket
+import socketserver
+import sys
 import threading
 import time
 from typing import Callable
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
-                               disable_created_metrics, start_http_server)
+                               disable_created_metrics, make_wsgi_app)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvd import __version__
 from kvd.core.events import FailureKind
+from kvd.core.throttle import Throttled
 
 log = logging.getLogger("kvd.metrics")
+
+#: Scrapes served at once; a connection past them is closed at once. The
+#: port answers anyone who reaches it, without credentials: prometheus_client's
+#: own server starts a thread per connection, and 2,000 connections finishing
+#: their requests together held the event loop 10-20 s (attacker review).
+#: Prometheus scrapes one target with one connection at a time.
+MAX_SCRAPES = 4
+#: Seconds a connection has to send its whole request head (not per read: a
+#: byte every few seconds would hold a slot for days).
+REQUEST_TIMEOUT_S = 5.0
+#: Seconds one ``Node.stats()`` answer serves further scrapes: a herd of
+#: scrapes asks the event loop once.
+STATS_REUSE_S = 0.2
 
 # Seconds: 0.5 ms (a small READ over shared memory) to the 30 s default deadline.
 DURATION_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
@@ -128,19 +147,45 @@ def _version(pkg: str) -> str:
         return ""
 
 
+class _SharedStats:
+    """``stats()`` for concurrent scrapes: one call at a time, its answer (or
+    its error) reused for ``reuse_s`` seconds. Raises what ``stats`` raised."""
+
+    def __init__(self, stats: Callable[[], dict], reuse_s: float = STATS_REUSE_S):
+        self._stats = stats
+        self._reuse_s = reuse_s
+        self._lock = threading.Lock()
+        self._at = float("-inf")
+        self._answer: dict | Exception = {}
+
+    def __call__(self) -> dict:
+        with self._lock:
+            if time.monotonic() - self._at >= self._reuse_s:
+                try:
+                    self._answer = self._stats()
+                except Exception as e:  # a stalled loop: every scrape meanwhile would wait its timeout
+                    self._answer = e
+                self._at = time.monotonic()
+            if isinstance(self._answer, Exception):
+                raise self._answer
+            return self._answer
+
+
 class _StatsCollector:
     """Gauges and counters read from ``stats()`` at each scrape."""
 
     def __init__(self, stats: Callable[[], dict]):
-        self._stats = stats
+        self._stats = _SharedStats(stats)
+        self._unavailable = Throttled(log)
 
     def collect(self):
         try:
             s = self._stats()
         except Exception as e:  # a scrape must never take the daemon down
             # A stalled loop: the future's TimeoutError has no text of its own.
-            log.warning("metrics: stats unavailable: %s", e or f"{type(e).__name__} (the event loop did not "
-                        "answer; kvd_event_loop_tick_age_seconds says for how long)")
+            self._unavailable.warning("metrics: stats unavailable: %s", e or (
+                f"{type(e).__name__} (the event loop did not answer; kvd_event_loop_tick_age_seconds says "
+                "for how long)"))
             return
         for name, key, doc in STATS_METRICS:
             if key not in s:
@@ -237,8 +282,18 @@ class Metrics:
         return on_tick
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
-        """Starts the HTTP exporter on ``addr:port`` (a daemon thread); returns the bound port."""
-        self._http, self._thread = start_http_server(port, addr=addr, registry=self.registry)
+        """Starts the HTTP exporter on ``addr:port`` (a daemon thread, and one
+        per scrape, at most :data:`MAX_SCRAPES`); returns the bound port.
+
+        Raises:
+            OSError: the address cannot be bound (``socket.gaierror``: a
+                host that does not resolve).
+        """
+        family, host = _family(addr, port)
+        server_class = type("_Server", (_BoundedServer,), {"address_family": family})
+        self._http = make_server(host, port, make_wsgi_app(self.registry), server_class, handler_class=_Handler)
+        self._thread = threading.Thread(target=self._http.serve_forever, name="kvd-metrics", daemon=True)
+        self._thread.start()
         self.port = self._http.server_port
         return self.port
 
@@ -251,3 +306,85 @@ class Metrics:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+
+
+def _family(addr: str, port: int) -> tuple[int, str]:
+    """The socket family and host to bind ``addr`` with (IPv6 where it is one)."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    return family, sockaddr[0]
+
+
+class _BoundedServer(socketserver.ThreadingMixIn, WSGIServer):
+    """A thread per scrape, at most :data:`MAX_SCRAPES` at once: a connection
+    past them is closed unanswered (a WARNING at most once a second)."""
+
+    daemon_threads = True
+    block_on_close = False
+
+    def __init__(self, *args, **kwargs):
+        self._slots = threading.BoundedSemaphore(MAX_SCRAPES)
+        self._busy = Throttled(log)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            self._busy.warning("metrics: %d scrapes in progress; connection from %s closed unanswered",
+                               MAX_SCRAPES, client_address[0] if client_address else "?")
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request, client_address) -> None:
+        # socketserver prints a traceback to stderr; a client that sent no
+        # whole request in time (or hung up) is not the daemon's error.
+        log.debug("metrics: request from %s ended early: %r", client_address, sys.exc_info()[1])
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A socket's reads, each allowed only what is left until ``deadline``
+    (``time.monotonic()``); past it, ``TimeoutError``."""
+
+    def __init__(self, sock: socket.socket, deadline: float):
+        self._sock = sock
+        self._deadline = deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("request head not read in time")
+        self._sock.settimeout(left)
+        return self._sock.recv_into(b)
+
+
+class _Handler(WSGIRequestHandler):
+    """One scrape: its request head within :data:`REQUEST_TIMEOUT_S` in all,
+    nothing logged per request."""
+
+    timeout = REQUEST_TIMEOUT_S  # each write of the answer
+
+    def setup(self) -> None:
+        super().setup()
+        plain, self.rfile = self.rfile, io.BufferedReader(_DeadlineReader(self.connection,
+                                                                        time.monotonic() + REQUEST_TIMEOUT_S))
+        plain.close()
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        self.connection.settimeout(self.timeout)  # the head is read: the answer's writes get their own
+        return ok
+
+    def log_message(self, format, *args) -> None:
+        pass

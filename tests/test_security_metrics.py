@@ -1,0 +1,63 @@
+"""The metrics port answers anyone who reaches it, without credentials
+(docs/SECURITY.md "Metrics"): what one scrape, or a herd of connections,
+may cost the daemon is bounded.
+
+prometheus_client's own server started a thread per connection with no
+read deadline: 2,000 connections that finished their requests together
+held the event loop 10-20 s (every engine's session and ``kvd health``
+with it), and 3,000 left unfinished held ~1,700 threads.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import urllib.request
+
+from kvd.daemon.metrics import MAX_SCRAPES, REQUEST_TIMEOUT_S
+from kvd.testing.daemons import start_daemon
+from kvd.testing.util import free_port, wait_until
+
+
+def _threads(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def test_unfinished_scrapes_hold_at_most_a_few_threads_each_for_a_bounded_time(tmp_path):
+    port = free_port()
+    d = start_daemon(str(tmp_path), "kvd", "--metrics-port", str(port), "--metrics-host", "127.0.0.1")
+    held: list[socket.socket] = []
+    try:
+        base = _threads(d.pid)
+        for _ in range(64):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            s.sendall(b"GET /metrics HTTP/1.1\r\n")  # the head never ends
+            held.append(s)
+        # Past MAX_SCRAPES each connection is closed unanswered.
+        t0 = time.monotonic()
+        closed = []
+        for s in held:
+            s.settimeout(max(0.1, 5 - (time.monotonic() - t0)))
+            try:
+                closed.append(s.recv(1) == b"")
+            except TimeoutError:
+                closed.append(False)
+        assert sum(closed) >= len(held) - MAX_SCRAPES, closed
+        assert _threads(d.pid) <= base + MAX_SCRAPES, (base, _threads(d.pid))
+        assert d.stats().uptime_s > 0  # the event loop serves meanwhile
+        # Those served get REQUEST_TIMEOUT_S for the whole head, then are closed.
+        for s, gone in zip(held, closed):
+            if not gone:
+                s.settimeout(REQUEST_TIMEOUT_S + 5)
+                assert s.recv(1) == b""
+        assert time.monotonic() - t0 < REQUEST_TIMEOUT_S + 5
+        wait_until(lambda: _threads(d.pid) <= base, 10, "the scrapes' threads ended")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            assert b"kvd_uptime_seconds" in r.read()
+        assert "Traceback" not in d.log()
+        assert d.proc.poll() is None
+    finally:
+        for s in held:
+            s.close()
+        d.stop()
