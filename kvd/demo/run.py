@@ -416,9 +416,11 @@ def missing_line(missing: list[str]) -> str:
         return (f"{what}: run {setup}, then {venv / 'bin' / 'kvd'} demo (setup.sh makes that venv with kvd's "
                 f"vllm extra and the CPU build of torch)")
     py = sys.executable
-    return (f"{what}: install kvd's vllm extra into this environment, the CPU build of torch first: "
-            f"{py} -m pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu && "
-            f"{py} -m pip install 'kvd[vllm]' && {py} -m pip uninstall -y torchvision torchaudio torchcodec triton")
+    # Not 'kvd[vllm]': "kvd" on PyPI is another project. The extra of a checkout, by its path.
+    return (f"{what}: install kvd's vllm extra into this environment from a kvd checkout, the CPU build of "
+            f"torch first: {py} -m pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu && "
+            f"{py} -m pip install '/path/to/kvd[vllm]' && "
+            f"{py} -m pip uninstall -y torchvision torchaudio torchcodec triton")
 
 
 def _sigterm_to_interrupt(signum, frame):
