@@ -29,6 +29,7 @@ a unit with ``WatchdogSec=`` (sd_notify(3), sd_watchdog_enabled(3)).
 
 from __future__ import annotations
 
+import datetime
 import errno
 import math
 import os
@@ -631,29 +632,33 @@ def _ids(value: Any, where: str) -> list[str | int]:
     kept as given: numbers as ints, names as strings (resolved in
     :meth:`Config.validate`)."""
     if not isinstance(value, list):
-        raise ConfigError(f"{where}: expected an array of names or numbers, got {value!r}")
+        raise ConfigError(f"{where}: expected an array of names or numbers, got {_toml_value(value)}")
     for x in value:
         # bool is an int to Python; TOML's true is no id.
         if isinstance(x, bool) or not isinstance(x, (str, int)):
-            raise ConfigError(f"{where}: expected an array of names or numbers, got {x!r} in {value!r}")
+            raise ConfigError(f"{where}: expected an array of names or numbers, got {_toml_value(x)} in "
+                              f"{_toml_value(value)}")
         if isinstance(x, int) and not 0 <= x <= MAX_ID:
             raise ConfigError(f"{where}: id {x} out of range 0..{MAX_ID}")
     return list(value)
 
 
 def _coerce(f, value: Any, source: str, from_text: bool) -> Any:
-    """``value`` as the type of setting ``f``; ConfigError names key and source."""
+    """``value`` as the type of setting ``f``; ConfigError names key and
+    source, and shows a file's value as TOML writes it (``true``, not
+    Python's ``True``)."""
     default = _default(f)
     where = f"{f.name} (from {source})"
     if from_text and not isinstance(value, str):
         value = str(value)  # a flag parsed by argparse already
+    shown = repr(value) if from_text else _toml_value(value)
     if isinstance(default, list):
         if from_text:
             return [x.strip() for x in value.split(",") if x.strip()]
         if f.name in ID_LIST_KEYS:
             return _ids(value, where)
         if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
-            raise ConfigError(f"{where}: expected an array of strings, got {value!r}")
+            raise ConfigError(f"{where}: expected an array of strings, got {shown}")
         return list(value)
     if isinstance(default, bool):
         if from_text:
@@ -667,7 +672,7 @@ def _coerce(f, value: Any, source: str, from_text: bool) -> Any:
         if not isinstance(value, bool):
             hint = (" (a string: write it without quotes)"
                     if isinstance(value, str) and value.strip().lower() in ("true", "false") else "")
-            raise ConfigError(f"{where}: expected true or false, got {value!r}{hint}")
+            raise ConfigError(f"{where}: expected true or false, got {shown}{hint}")
         return value
     if isinstance(default, int):
         if from_text:
@@ -676,7 +681,7 @@ def _coerce(f, value: Any, source: str, from_text: bool) -> Any:
             except ValueError:
                 raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+            raise ConfigError(f"{where}: expected an integer, got {shown}{_quoted_number(value)}")
         return value
     if isinstance(default, float):
         if from_text:
@@ -685,11 +690,22 @@ def _coerce(f, value: Any, source: str, from_text: bool) -> Any:
             except ValueError:
                 raise ConfigError(f"{where}: expected a number, got {value!r}") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
+            raise ConfigError(f"{where}: expected a number, got {shown}{_quoted_number(value)}")
         return float(value)
     if not isinstance(value, str):
-        raise ConfigError(f"{where}: expected a string, got {value!r}")
+        raise ConfigError(f"{where}: expected a string, got {shown}")
     return value
+
+
+def _quoted_number(value: Any) -> str:
+    """A hint for a number written as a TOML string (``lease_s = "60"``), or ""."""
+    if isinstance(value, str):
+        try:
+            float(value)
+            return " (a string: write it without quotes)"
+        except ValueError:
+            pass
+    return ""
 
 
 #: The largest file a setting names or ``--config`` reads (bytes): a token,
@@ -791,18 +807,63 @@ def read_file(path: str, hint=None) -> dict:
 def toml_error(error: tomllib.TOMLDecodeError, text: str) -> str:
     """tomllib's message with the text of the line it names (``Invalid value
     (at line 2, column 17): engine_socket = /run/kvd.sock``), cut at 120
-    characters; for tomllib's "Invalid value", the usual cause: an unquoted
-    string, which TOML does not have (``name = word`` reads ``word`` as a
-    value and finds none)."""
+    characters. For tomllib's "Invalid value", the cause: a key with no
+    value (``lease_s =``), else the usual one, an unquoted string, which
+    TOML does not have (``name = word`` reads ``word`` as a value and finds
+    none). For its "Cannot overwrite a value" of a key given twice in one
+    table: both lines (``lease_s is set twice (lines 54 and 91)``)."""
     message = str(error)
     m = re.search(r"\(at line (\d+), column \d+\)$", message)
     lines = text.splitlines()
+    line = ""
     if m and 1 <= int(m[1]) <= len(lines):
         line = lines[int(m[1]) - 1].strip()
+        if message.startswith("Cannot overwrite a value"):
+            twice = _set_twice(lines, int(m[1]))
+            if twice:
+                return twice
         message += f": {line[:117] + '...' if len(line) > 120 else line}"
     if message.startswith("Invalid value"):
-        message += " (TOML strings need quotes)"
+        key = _KEY_LINE.match(line)
+        if key and not key["rest"].strip():
+            message += f" (the value is missing: give {key['key']} one, or remove the line)"
+        else:
+            message += " (TOML strings need quotes)"
     return message
+
+
+# A line that sets a key (bare, quoted or dotted): its key and what follows
+# the '=' up to a comment (a '#' inside a string on the line is rare enough
+# for a hint).
+_KEY_LINE = re.compile(r"""\s*(?P<key>(?:[A-Za-z0-9_-]+|"[^"]*"|'[^']*')(?:\s*\.\s*(?:[A-Za-z0-9_-]+|"[^"]*"|'[^']*'))*)"""
+                       r"\s*=(?P<rest>[^#]*)")
+# A table header, [name] or [[name]]: keys after it are in that table.
+_TABLE_LINE = re.compile(r"\s*\[")
+
+
+def _key_name(key: str) -> str:
+    """A key as TOML compares it: the parts of a dotted key, unquoted."""
+    parts = re.findall(r"""[A-Za-z0-9_-]+|"[^"]*"|'[^']*'""", key)
+    return ".".join(p[1:-1] if p[0] in "\"'" else p for p in parts)
+
+
+def _set_twice(lines: list[str], number: int) -> str:
+    """``"KEY is set twice (lines A and B)"`` when line ``number`` (1-based)
+    sets a key that an earlier line of the same table set, else "" (the
+    caller keeps tomllib's message). Found by reading lines, not TOML: a
+    line inside a multi-line string could fool it, so only a line that
+    itself reads as ``KEY = ...`` with the same key counts."""
+    m = _KEY_LINE.match(lines[number - 1])
+    if not m:
+        return ""
+    key = _key_name(m["key"])
+    for i in range(number - 2, -1, -1):
+        if _TABLE_LINE.match(lines[i]):
+            return ""  # another table starts between them: not this key's first line
+        earlier = _KEY_LINE.match(lines[i])
+        if earlier and _key_name(earlier["key"]) == key:
+            return f"{key} is set twice (lines {i + 1} and {number}): keep one"
+    return ""
 
 
 def env_value(environ: Mapping[str, str], var: str) -> str | None:
@@ -1005,12 +1066,18 @@ def _client_access_hint(path: str, error: OSError) -> str:
 
 
 def _toml_value(v: Any) -> str:
+    """``v`` as TOML writes it: ``true``, ``60``, ``inf``, ``"text"``,
+    ``[1, 2]``, ``{a = 1}``, a date or time in RFC 3339 (tomllib's types)."""
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
-        return repr(v)
+        return repr(v)  # inf, -inf and nan as TOML spells them
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, (datetime.date, datetime.time)):  # datetime is a date
+        return v.isoformat()
     # A TOML basic string: backslash, quote and control characters escaped
     # (TOML forbids them raw, U+007F included); everything else as is.
     out = []
@@ -1022,3 +1089,8 @@ def _toml_value(v: Any) -> str:
         else:
             out.append(c)
     return '"' + "".join(out) + '"'
+
+
+def _toml_key(k: str) -> str:
+    """A TOML key: bare when it may be, else quoted."""
+    return k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else _toml_value(k)

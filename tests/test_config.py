@@ -416,7 +416,7 @@ def test_toml_allowed_uids_and_gids_take_numbers_as_well_as_names(tmp_path):
     assert (again.allowed_uids, again.allowed_gids) == ([65534, "root", "7"], [0])
     # Environment and flags stay comma-separated text.
     assert load_config(environ={"KVD_ALLOWED_GIDS": "0,root"}).allowed_gids == ["0", "root"]
-    for text, words in (("allowed_uids = [true]", "expected an array of names or numbers, got True"),
+    for text, words in (("allowed_uids = [true]", "expected an array of names or numbers, got true in [true]"),
                         ("allowed_gids = [1.5]", "expected an array of names or numbers, got 1.5"),
                         ("allowed_uids = 65534", "expected an array of names or numbers, got 65534"),
                         ("allowed_uids = [{a = 1}]", "expected an array of names or numbers"),
@@ -538,3 +538,52 @@ def test_a_directory_closed_to_the_daemon_is_named_when_a_file_in_it_cannot_be_r
     from kvd.config import access_hint
 
     assert access_hint(token, FileNotFoundError(2, "No such file")) == ""
+
+
+# --------------------------------------------- new-user review: what each message says
+def test_a_key_set_twice_names_both_lines(tmp_path):
+    """tomllib says "Cannot overwrite a value" at the second line only; the
+    message names the key and both lines (the shipped example, with a line
+    appended, as an operator would)."""
+    shipped = (ROOT / "deploy" / "kvd.toml").read_text()
+    first = next(i for i, line in enumerate(shipped.splitlines(), 1) if line.startswith("lease_s ="))
+    text = shipped + ("" if shipped.endswith("\n") else "\n") + "lease_s = 5\n"
+    last = len(text.splitlines())
+    path = _file(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        load_config(environ={}, file=path)
+    assert str(e.value) == f"config file {path}: lease_s is set twice (lines {first} and {last}): keep one", e.value
+    # Not the same table: tomllib's own message, with the line (kvd takes no tables anyway).
+    path = _file(tmp_path, "a = 1\na.b = 2\n")
+    with pytest.raises(ConfigError, match=r"Cannot overwrite a value \(at line 2, column 8\): a.b = 2$"):
+        load_config(environ={}, file=path)
+
+
+@pytest.mark.parametrize("text, words", [
+    ("lease_s = \n", "Invalid value (at line 1, column 11): lease_s = (the value is missing: give lease_s one, or "
+                     "remove the line)"),
+    ("grace_s = 3\nlease_s =   # seconds\n", "Invalid value (at line 2, column 13): lease_s =   # seconds (the "
+                                             "value is missing: give lease_s one, or remove the line)"),
+])
+def test_a_key_with_no_value_is_said_to_miss_it_not_to_need_quotes(tmp_path, text, words):
+    path = _file(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        load_config(environ={}, file=path)
+    assert str(e.value) == f"config file {path}: {words}", e.value
+
+
+@pytest.mark.parametrize("text, words", [
+    ("max_workers = true", "max_workers (from file {path}): expected an integer, got true"),
+    ("lease_s = false", "lease_s (from file {path}): expected a number, got false"),
+    ('max_workers = "12"', 'max_workers (from file {path}): expected an integer, got "12" (a string: write it '
+                           'without quotes)'),
+    ("engine_socket = 1979-05-27", "engine_socket (from file {path}): expected a string, got 1979-05-27"),
+    ('backends = ["UCX", 2]', 'backends (from file {path}): expected an array of strings, got ["UCX", 2]'),
+    ("engine_socket = {a = 1}", "engine_socket (from file {path}): expected a string, got {a = 1}"),
+])
+def test_a_wrong_value_in_the_file_is_shown_as_toml_writes_it(tmp_path, text, words):
+    """The file's value as the file spells it (``true``), not Python's repr (``True``)."""
+    path = _file(tmp_path, text + "\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(environ={}, file=path)
+    assert str(e.value) == words.replace("{path}", path), e.value
