@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import datetime
 import errno
+import ipaddress
 import math
 import os
 import pathlib
@@ -76,15 +77,54 @@ class ConfigError(ValueError):
 
 def parse_host_port(value: str, key: str) -> tuple[str, int]:
     """``"host:port"`` (IPv6 as ``[::1]:7700``) -> ``(host, port)``; port 0
-    (a free port) allowed (:func:`kvd.addresses.split_host_port`).
+    (a free port) allowed (:func:`kvd.addresses.split_host_port`); the host
+    must be an IP address or a host name (:func:`host_problem`).
 
     Raises:
-        ConfigError: not host:port, or port outside 0..65535; names ``key``.
+        ConfigError: not host:port, a host that is neither an IP address nor
+            a host name, or a port outside 0..65535; names ``key``.
     """
     try:
-        return split_host_port(value, key)
+        host, port = split_host_port(value, key)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    problem = host_problem(value.rpartition(":")[0])
+    if problem:
+        raise ConfigError(f"{key}: {problem}")
+    return host, port
+
+
+# A host name's labels (RFC 1123 section 2.1): letters, digits and '-', not
+# first or last, 63 characters at most; '_' as well, which getaddrinfo and
+# DNS servers take (Docker Compose v1 names containers project_service_1).
+_LABEL = r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)"
+_HOST_NAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*\.?")
+
+
+def host_problem(host: str, brackets: bool = True) -> str:
+    """Why ``host``, as written, is neither an IP address nor a host name,
+    or "" when it is one: an IPv4 or IPv6 address (an IPv6 one may be in
+    brackets, when ``brackets``), or a name of dot-separated labels of
+    letters, digits, '-' and '_' (253 characters at most). Whether a name
+    resolves is not asked: DNS may answer only later at boot, and a daemon
+    that cannot bind then exits 1, which systemd retries; a host such as
+    ``"not a host"`` never becomes valid, so it is a configuration error."""
+    if host.startswith("[") or host.endswith("]"):
+        inner = host[1:-1] if host.startswith("[") and host.endswith("]") else ""
+        try:
+            ipaddress.IPv6Address(inner)
+        except ValueError:
+            return f"host {host!r}: only an IPv6 address goes in brackets ([::1])"
+        return "" if brackets else f"host {host!r}: no brackets here (write {inner})"
+    try:
+        ipaddress.ip_address(host)
+        return ""
+    except ValueError:
+        pass
+    if len(host) <= 253 and _HOST_NAME.fullmatch(host):
+        return ""
+    return (f"host {host!r} is neither an IP address nor a host name (letters, digits, '-' and '.'; an IPv6 "
+            f"address in brackets)")
 
 
 def _setting(default: Any, doc: str, *, factory=None, file_example: str = ""):
@@ -299,6 +339,9 @@ class Config:
             raise self._error("metrics_port", f"{self.metrics_port} out of range 0..65535")
         if not self.metrics_host:
             raise self._error("metrics_host", "must not be empty")
+        problem = host_problem(self.metrics_host, brackets=False)  # a host alone: getaddrinfo takes no brackets
+        if problem:
+            raise self._error("metrics_host", problem)
         self._check_metrics_beside_peers()
         for key in ("lease_s", "max_lease_life_s", "transfer_timeout_s", "handshake_timeout_s", "grace_s", "detach_grace_s",
                     "engine_idle_timeout_s", "peer_check_s", "peer_dead_s", "peer_idle_s"):

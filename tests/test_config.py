@@ -587,3 +587,50 @@ def test_a_wrong_value_in_the_file_is_shown_as_toml_writes_it(tmp_path, text, wo
     with pytest.raises(ConfigError) as e:
         load_config(environ={}, file=path)
     assert str(e.value) == words.replace("{path}", path), e.value
+
+
+@pytest.mark.parametrize("key, value", [
+    ("peer_listen", "not a host:0"),
+    ("peer_listen", "kvd.example.com/x:7700"),
+    ("peer_listen", "[kvd-0]:7700"),  # brackets are for IPv6 only
+    ("peer_listen", "-kvd:7700"),
+    ("peer_listen", "[]:7700"),
+    ("peer_advertise", "node a:7700"),
+    ("warm_peers", "10.0.0.5 :7700/prefill-a"),
+    ("metrics_host", "not a host"),
+    ("metrics_host", "[::1]"),  # a host alone: getaddrinfo takes it without brackets
+    ("metrics_host", "0.0.0.0:9400"),
+])
+def test_a_host_that_is_neither_an_address_nor_a_name_is_a_config_error(key, value):
+    """A host that can never be one (spaces, characters no host name has)
+    is refused with the settings, so that --print-config finds it too;
+    before, the daemon bound loopback instead (no authentication), or gRPC
+    failed at startup with its own E-line (exit 1, which systemd retries
+    for ever)."""
+    env = {f"KVD_{key.upper()}": value}
+    with pytest.raises(ConfigError) as e:
+        load_config(environ=env)
+    assert str(e.value).startswith(f"{key} (from env KVD_{key.upper()}): "), e.value
+    assert "neither an IP address nor a host name" in str(e.value) or "brackets" in str(e.value), e.value
+
+
+@pytest.mark.parametrize("key, value", [
+    ("peer_listen", "no-such-host.invalid:0"),  # well-formed: whether it resolves is the boot's question (exit 1)
+    ("peer_listen", "[::1]:0"),
+    ("peer_listen", "[fe80::1%eth0]:7700"),
+    ("peer_listen", "0.0.0.0:7700"),
+    ("peer_listen", "kvd-0.kvd.default.svc.cluster.local.:7700"),
+    ("peer_advertise", "proj_kvd_1:7700"),  # '_': Docker Compose v1 names, which resolvers take
+    ("warm_peers", "prefill-0:7700/prefill-a,[2001:db8::5]:7700/prefill-b"),
+    ("metrics_host", "::"),
+    ("metrics_host", "localhost"),
+])
+def test_hosts_that_are_addresses_or_names_pass_resolving_or_not(key, value):
+    load_config(environ={f"KVD_{key.upper()}": value})
+
+
+def test_serve_print_config_refuses_a_peer_listen_host_that_is_no_host():
+    r = _kvd("serve", "--peer-listen", "not a host:0", "--print-config")
+    assert r.returncode == 64, (r.returncode, r.stdout, r.stderr)
+    assert r.stderr.startswith("kvd serve: invalid setting: peer_listen (from flag --peer-listen): host 'not a "
+                               "host' is neither"), r.stderr
