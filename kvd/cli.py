@@ -21,8 +21,9 @@ import sys
 
 from kvd import __version__, ops
 from kvd.addresses import join_host_port, socket_file, split_host_port
-from kvd.config import DEFAULT_SOCKET, ConfigError, client_socket, client_socket_problem, flag_name, help_text, load_config, metavar, setting_names, settings
-from kvd.usage import EXIT_OK, EXIT_USAGE, UsageParser, positive
+from kvd.config import (DEFAULT_SOCKET, ENV_CONFIG_FILE, ConfigError, client_socket_problem, client_socket_source,
+                        env_name, env_value, flag_name, help_text, load_config, metavar, setting_names, settings)
+from kvd.usage import EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, UsageParser, positive
 
 
 def cmd_serve(args) -> int:
@@ -89,23 +90,47 @@ def _print(answer: ops.Answer, quiet: bool = False) -> int:
     return answer.code
 
 
-def _engine_socket(args) -> str | None:
-    """The engine socket a client subcommand asks: ``--socket``, else
-    :func:`kvd.config.client_socket` (``$KVD_ENGINE_SOCKET``, else the
+def _engine_socket(args) -> tuple[str, str] | None:
+    """The engine socket a client subcommand asks and where it came from:
+    ``--socket`` (source ``flag --socket``), else
+    :func:`kvd.config.client_socket_source` (``$KVD_ENGINE_SOCKET``, else the
     ``engine_socket`` of ``--config``'s file, else the default). Prints the
     error and returns None when that file is unreadable or its
     ``engine_socket`` invalid, or the path is longer than a Unix socket's
     (the caller exits 64)."""
     try:
-        path = socket_file(args.socket) if args.socket is not None else client_socket(file=args.config)
+        found = ((socket_file(args.socket), "flag --socket") if args.socket is not None
+                 else client_socket_source(file=args.config))
     except ConfigError as e:
         print(f"kvd {args.command}: {e}", file=sys.stderr)
         return None
-    problem = client_socket_problem(path)  # else gRPC prints its own parse errors, or dials another path
+    problem = client_socket_problem(found[0])  # else gRPC prints its own parse errors, or dials another path
     if problem:
         print(f"kvd {args.command}: {problem}", file=sys.stderr)
         return None
-    return path
+    return found
+
+
+def _say_origin(answer: ops.Answer, path: str, source: str, args) -> ops.Answer:
+    """``answer`` with where the engine socket ``path`` came from added to
+    its message when no daemon was reached there and the source is one the
+    user may not have in mind: ``$KVD_ENGINE_SOCKET``, which takes
+    precedence over ``--config`` (the message's own advice, to name the
+    config file, would then change nothing), or a file ``$KVD_CONFIG``
+    named. Other answers, and a path from ``--socket``, ``--config`` or
+    the default, are returned as they are."""
+    if answer.code != EXIT_UNREACHABLE:
+        return answer
+    var, named = env_name("engine_socket"), env_value(os.environ, ENV_CONFIG_FILE)
+    if source == f"env {var}":
+        file = f"--config {args.config}" if args.config else f"${ENV_CONFIG_FILE} ({named})" if named else ""
+        note = (f"{path} is from ${var}, which takes precedence over --config and ${ENV_CONFIG_FILE}"
+                + (f": unset it to ask the engine_socket of {file}" if file else ""))
+    elif named and source == f"file {named}, named by env {ENV_CONFIG_FILE}":
+        note = f"{path} is the engine_socket of {named}, the file ${ENV_CONFIG_FILE} names"
+    else:
+        return answer
+    return ops.Answer(answer.code, f"{answer.text}; {note}")
 
 
 def cmd_health(args) -> int:
@@ -121,10 +146,11 @@ def cmd_health(args) -> int:
                       f"{flag} finds its engine socket, --address asks its peer port)", file=sys.stderr)
                 return EXIT_USAGE
         return _print(ops.health(ops.target("", args.address), args.service, args.timeout), args.quiet)
-    socket_path = _engine_socket(args)
-    if socket_path is None:
+    found = _engine_socket(args)
+    if found is None:
         return EXIT_USAGE
-    return _print(ops.health(ops.target(socket_path), args.service, args.timeout), args.quiet)
+    answer = ops.health(ops.target(found[0]), args.service, args.timeout)
+    return _print(_say_origin(answer, *found, args), args.quiet)
 
 
 def dial_address(text: str) -> str:
@@ -146,10 +172,10 @@ def cmd_status(args) -> int:
     or ``--json`` (:func:`kvd.ops.status`). Returns 0, 2 when unreachable or
     refused, 64 when ``--config``'s file is unreadable or names an invalid
     engine socket."""
-    socket_path = _engine_socket(args)
-    if socket_path is None:
+    found = _engine_socket(args)
+    if found is None:
         return EXIT_USAGE
-    return _print(ops.status(ops.target(socket_path), args.timeout, args.json))
+    return _print(_say_origin(ops.status(ops.target(found[0]), args.timeout, args.json), *found, args))
 
 
 def cmd_version(args) -> int:

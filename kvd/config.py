@@ -824,27 +824,29 @@ def _is_socket(path: str) -> bool:
         return False
 
 
-def read_file(path: str, hint=None) -> dict:
+def read_file(path: str, hint=None, source: str = "") -> dict:
     """The top-level table of TOML file ``path``. ``hint(path, error)``:
     what to add to the message of an OSError (default :func:`access_hint`,
-    the daemon's own).
+    the daemon's own). ``source``: where the path came from, when not
+    from the command line (``env KVD_CONFIG``), put in every message as
+    the other settings' sources are.
 
     Raises:
         ConfigError: unreadable file (a socket, a directory: "not a config
             file") or invalid TOML (the message has tomllib's line and
             column, and the line's text).
     """
+    name = f"config file {path}" + (f" (from {source})" if source else "")
     try:
         text = read_regular(path, what="a config file").decode()
     except OSError as e:
-        raise ConfigError(f"config file {path}: {e.strerror or e}{(hint or access_hint)(path, e)}") from None
+        raise ConfigError(f"{name}: {e.strerror or e}{(hint or access_hint)(path, e)}") from None
     except UnicodeDecodeError as e:  # TOML files are UTF-8 (tomllib decodes before parsing)
-        raise ConfigError(f"config file {path}: not UTF-8 (byte {e.start}: {e.reason}); TOML files are UTF-8") \
-            from None
+        raise ConfigError(f"{name}: not UTF-8 (byte {e.start}: {e.reason}); TOML files are UTF-8") from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {path}: {toml_error(e, text)}") from None
+        raise ConfigError(f"{name}: {toml_error(e, text)}") from None
 
 
 def toml_error(error: tomllib.TOMLDecodeError, text: str) -> str:
@@ -947,13 +949,13 @@ def load_config(
     """
     environ = os.environ if environ is None else environ
     flags = dict(flags or {})
-    file = file or env_value(environ, ENV_CONFIG_FILE)
+    file, file_source = config_file(environ, file)
     by_name = {f.name: f for f in settings()}
     values: dict[str, Any] = {}
     sources: dict[str, str] = {name: "default" for name in by_name}
 
     if file:
-        table = read_file(file)
+        table = read_file(file, source=file_source)
         for key, value in table.items():
             f = by_name.get(key)
             if f is None:
@@ -985,6 +987,18 @@ def load_config(
     cfg.validate()
     cfg.warnings += cfg.share_warnings()  # once: the daemon validates its config again
     return cfg
+
+
+def config_file(environ: Mapping[str, str], file: str | None) -> tuple[str | None, str]:
+    """The TOML file to read and where its name came from: ``file`` (the
+    ``--config`` flag; source "") when given, else the file ``KVD_CONFIG``
+    names (source ``env KVD_CONFIG``, for messages: a variable set in a
+    profile or unit and forgotten is otherwise hard to find), else
+    ``(None, "")``."""
+    if file:
+        return file, ""
+    from_env = env_value(environ, ENV_CONFIG_FILE)
+    return (from_env, f"env {ENV_CONFIG_FILE}") if from_env else (None, "")
 
 
 def watchdog_seconds(environ) -> float:
@@ -1032,20 +1046,31 @@ def client_socket(environ: Mapping[str, str] | None = None, file: str | None = N
     ``file`` (``--config``; else the file ``KVD_CONFIG`` names) when it sets
     one, else the default. The file is read only when the variable is unset,
     and only for ``engine_socket`` (the other keys are the daemon's to check).
+    :func:`client_socket_source` says which of these it was.
 
     Raises:
         ConfigError: the file is unreadable or not TOML, or its
             ``engine_socket`` is one ``kvd serve`` would refuse (not a string,
-            relative, too long); the message names the file.
+            relative, too long); the message names the file (and
+            ``env KVD_CONFIG`` when that variable named it).
     """
+    return client_socket_source(environ, file)[0]
+
+
+def client_socket_source(environ: Mapping[str, str] | None = None, file: str | None = None) -> tuple[str, str]:
+    """:func:`client_socket`'s path and where it came from, for the clients'
+    messages: ``"env KVD_ENGINE_SOCKET"``, ``"file PATH"`` (``"file PATH,
+    named by env KVD_CONFIG"`` when the variable named it) or
+    ``"default"``. Raises ConfigError as :func:`client_socket`."""
     environ = os.environ if environ is None else environ
-    from_env = env_value(environ, env_name("engine_socket"))
+    var = env_name("engine_socket")
+    from_env = env_value(environ, var)
     if from_env is not None:
-        return socket_file(from_env)
-    file = file or env_value(environ, ENV_CONFIG_FILE)
+        return socket_file(from_env), f"env {var}"
+    file, file_source = config_file(environ, file)
     if not file:
-        return DEFAULT_SOCKET
-    table = read_file(file, _client_access_hint)
+        return DEFAULT_SOCKET, "default"
+    table = read_file(file, _client_access_hint, file_source)
     by_name = {f.name for f in settings()}
     for key in table:
         if key not in by_name:  # as `kvd serve` refuses it: a misspelt engine_socket would ask the default
@@ -1053,13 +1078,13 @@ def client_socket(environ: Mapping[str, str] | None = None, file: str | None = N
             raise ConfigError(f"{key!r} (from file {file}): unknown setting" + (near if near else
                               f"; known: {', '.join(sorted(by_name))}"))
     if "engine_socket" not in table:
-        return DEFAULT_SOCKET
-    source = f"file {file}"
+        return DEFAULT_SOCKET, "default"
+    source = f"file {file}" + (f", named by {file_source}" if file_source else "")
     f = next(f for f in settings() if f.name == "engine_socket")
     cfg = Config(engine_socket=_coerce(f, table["engine_socket"], source, from_text=False))
     cfg.sources = {"engine_socket": source}
     cfg._check_engine_socket()
-    return cfg.engine_socket
+    return cfg.engine_socket, source
 
 
 def _unsafe_socket_chars(path: str) -> str:

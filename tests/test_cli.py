@@ -862,3 +862,38 @@ def test_demo_says_how_each_engines_kv_cache_reached_its_daemon():
     assert registrations_line(st) == "engines registered: P direct (memfd), D staged (DRAM)"
     st.d_daemon = SimpleNamespace(stats=broken)
     assert registrations_line(st) == "engines registered: P direct (memfd), D ? (OSError)"
+
+
+def test_a_socket_from_kvd_engine_socket_says_so_and_that_it_takes_precedence_over_config(tmp_path):
+    """$KVD_ENGINE_SOCKET takes precedence over --config (as for kvd serve);
+    where no daemon answers there, the message says the path came from the
+    variable, since its own advice (name the config file with --config)
+    would change nothing. A file $KVD_CONFIG names is said to be that."""
+    conf = tmp_path / "my.toml"
+    conf.write_text(f'engine_socket = "{tmp_path / "mine.sock"}"\n')
+    elsewhere = tmp_path / "elsewhere.sock"
+    for cmd in ("health", "status"):
+        r = _client(cmd, "--config", str(conf), "--timeout", "0.5", KVD_ENGINE_SOCKET=str(elsewhere))
+        assert r.returncode == 2, (cmd, r.returncode, r.stderr)
+        assert r.stderr.startswith(f"kvd {cmd}: no daemon at {elsewhere} (no such socket)"), r.stderr
+        assert r.stderr.endswith(f"; {elsewhere} is from $KVD_ENGINE_SOCKET, which takes precedence over --config "
+                                 f"and $KVD_CONFIG: unset it to ask the engine_socket of --config {conf}\n"), r.stderr
+        r = _client(cmd, "--timeout", "0.5", KVD_ENGINE_SOCKET=str(elsewhere))
+        assert r.returncode == 2 and r.stderr.endswith(
+            f"; {elsewhere} is from $KVD_ENGINE_SOCKET, which takes precedence over --config and $KVD_CONFIG\n"), \
+            r.stderr
+        r = _client(cmd, "--timeout", "0.5", KVD_CONFIG=str(conf))
+        assert r.returncode == 2 and r.stderr.endswith(
+            f"; {tmp_path / 'mine.sock'} is the engine_socket of {conf}, the file $KVD_CONFIG names\n"), r.stderr
+        # From --socket, --config or the default: the message as it was.
+        r = _client(cmd, "--config", str(conf), "--timeout", "0.5")
+        assert r.returncode == 2 and "$KVD" not in r.stderr, r.stderr
+
+
+def test_a_missing_file_kvd_config_names_is_said_to_come_from_it(tmp_path):
+    missing = tmp_path / "nope.toml"
+    for cmd in ("health", "status"):
+        r = _client(cmd, "--timeout", "0.5", KVD_CONFIG=str(missing))
+        assert r.returncode == 64, (cmd, r.returncode, r.stderr)
+        assert r.stderr == f"kvd {cmd}: config file {missing} (from env KVD_CONFIG): No such file or directory\n", \
+            r.stderr

@@ -634,3 +634,24 @@ def test_serve_print_config_refuses_a_peer_listen_host_that_is_no_host():
     assert r.returncode == 64, (r.returncode, r.stdout, r.stderr)
     assert r.stderr.startswith("kvd serve: invalid setting: peer_listen (from flag --peer-listen): host 'not a "
                                "host' is neither"), r.stderr
+
+
+def test_a_config_file_named_by_kvd_config_is_named_so_in_its_errors(tmp_path):
+    """Every other setting's error names its source ("(from env
+    KVD_LEASE_S)"); a file $KVD_CONFIG names that cannot be read or parsed
+    is said to come from there too, which a variable set in a profile or
+    unit and forgotten needs. A --config file's errors are unchanged."""
+    missing = str(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError) as e:
+        load_config(environ={"KVD_CONFIG": missing})
+    assert str(e.value) == f"config file {missing} (from env KVD_CONFIG): No such file or directory", e.value
+    bad = _file(tmp_path, "lease_s = 1\nlease_s = 2\n")
+    with pytest.raises(ConfigError, match=r"\(from env KVD_CONFIG\): lease_s is set twice"):
+        load_config(environ={"KVD_CONFIG": bad})
+    with pytest.raises(ConfigError) as e:
+        load_config(environ={}, file=missing)
+    assert str(e.value) == f"config file {missing}: No such file or directory", e.value
+    r = _kvd("serve", "--print-config", env={"KVD_CONFIG": missing})
+    assert r.returncode == 64, (r.returncode, r.stderr)
+    assert r.stderr == (f"kvd serve: invalid setting: config file {missing} (from env KVD_CONFIG): No such file or "
+                        f"directory\n"), r.stderr
