@@ -506,3 +506,19 @@ def test_an_engine_socket_directory_the_daemon_makes_is_logged_with_its_mode(tmp
     mode = os.stat(tmp_path / "run").st_mode & 0o777
     assert made == [f"engine_socket: created directory {sock.parent} (from {tmp_path / 'run'} down) (mode "
                     f"{mode:04o}, uid {os.getuid()}, gid {os.getgid()})"], made
+
+
+@pytest.mark.parametrize("listen, flags, said", [
+    ("0.0.0.0:0", ("--peer-insecure", "true"), "authentication: none, peer_insecure = true)"),
+    ("0.0.0.0:0", (), "authentication: none, loopback only)"),  # no authentication: bound to loopback instead
+])
+def test_the_serving_line_tells_insecure_peers_from_loopback_only(tmp_path, listen, flags, said):
+    """Both had "authentication: none": the line now says whether any host
+    that reaches the peer port may call (peer_insecure) or loopback only."""
+    from kvd.testing.daemons import start_daemon
+
+    d = start_daemon(str(tmp_path), "k", "--peer-listen", listen, *flags)
+    try:
+        assert said in d.log(), d.log()[-3000:]
+    finally:
+        assert d.stop() == 0

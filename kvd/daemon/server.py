@@ -439,7 +439,8 @@ class Server:
         loop.add_signal_handler(signal.SIGHUP, self.handle_hup)
         log.info("kvd %s serving: engines on unix:%s (admitted: %s), peers on %s (advertised %s, "
                  "authentication: %s), NIXL backends %s%s",
-                 __version__, sock, policy.describe(), self._bound, adv, auth.describe(), ",".join(cfg.backends),
+                 __version__, sock, policy.describe(), self._bound, adv, self._auth_said(auth, host),
+                 ",".join(cfg.backends),
                  (f", metrics on http://{metrics_at}/metrics" if metrics_at else "")
                  + (f", warm peers {','.join(cfg.warm_peers)}" if cfg.warm_peers else ""))
         if not self.gate.passrights_refused:
@@ -449,6 +450,14 @@ class Server:
         self.notifier.ready(f"serving: engines on unix:{sock}, peers on {adv}")
         if self.notifier.enabled and cfg.watchdog_s > 0:
             self._watchdog = asyncio.get_running_loop().create_task(self._keep_alive(cfg.watchdog_s))
+
+    def _auth_said(self, auth: PeerAuth, host: str) -> str:
+        """The serving line's ``authentication:``: the mode, and for none
+        whether PeerService is loopback only or open to any host
+        (``peer_insecure``), which "none" alone did not tell apart."""
+        if auth.secured:
+            return auth.describe()
+        return "none, loopback only" if is_loopback(host) else "none, peer_insecure = true"
 
     def _peer_host(self, host: str, port: int) -> str:
         """The host PeerService binds: loopback when it has no authentication
