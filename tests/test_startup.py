@@ -168,8 +168,20 @@ def test_a_stop_asked_while_the_daemon_starts_stops_it_once_started(tmp_path, si
                        text=True, timeout=60, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     out = r.stdout + r.stderr
     assert r.returncode == 0, (r.returncode, out)
-    assert f"received {sig.name}, shutting down" in out and "kvd stopped" in out, out
+    _said_stopped_during_startup(out, sig)
     assert not (tmp_path / "new").exists(), list((tmp_path / "new").rglob("*"))
+
+
+def _said_stopped_during_startup(out: str, sig) -> None:
+    """The log of a daemon stopped by ``sig`` during its startup says, in
+    order: the stop was noted during startup, the daemon started and stops
+    now (not that it is serving), it stopped. Before, "shutting down" came
+    first and "kvd ... serving" after it, as if it served on."""
+    noted = f"received {sig.name} during startup: stopping once started (grace "
+    started = f"started, and stops now ({sig.name} received during startup): engines on unix:"
+    assert noted in out and started in out and "kvd stopped" in out, out
+    assert out.index(noted) < out.index(started) < out.index("kvd stopped"), out
+    assert " serving: " not in out and "shutting down" not in out, out
 
 STOP_WHILE_LOADING = """
 import os, signal, sys, weakref
@@ -207,7 +219,7 @@ def test_a_stop_asked_while_the_daemon_loads_its_modules_stops_it_once_started(t
                        text=True, timeout=60)
     out = r.stdout + r.stderr
     assert r.returncode == 0, (r.returncode, out)
-    assert f"received {sig.name}, shutting down" in out and "kvd stopped" in out, out
+    _said_stopped_during_startup(out, sig)
     assert "Exception ignored" not in out, out
     assert not (tmp_path / "new").exists(), list((tmp_path / "new").rglob("*"))
 
@@ -506,6 +518,24 @@ def test_an_engine_socket_directory_the_daemon_makes_is_logged_with_its_mode(tmp
     mode = os.stat(tmp_path / "run").st_mode & 0o777
     assert made == [f"engine_socket: created directory {sock.parent} (from {tmp_path / 'run'} down) (mode "
                     f"{mode:04o}, uid {os.getuid()}, gid {os.getgid()})"], made
+
+
+def test_a_stop_during_startup_still_tells_systemd_ready_then_stopping_with_a_status_that_says_so(tmp_path):
+    """systemd fails a Type=notify unit whose main process exits before
+    READY=1 (result 'protocol'; Restart=on-failure would then start it
+    again): READY=1 is sent, its STATUS saying the daemon stops, then
+    STOPPING=1; exit 0."""
+    path = str(tmp_path / "notify.sock")
+    sock = tmp_path / "new" / "run" / "k.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as systemd:
+        systemd.bind(path)
+        systemd.settimeout(30)
+        r = subprocess.run([sys.executable, "-c", STOP_WHILE_STARTING, str(sock), str(int(signal.SIGTERM))],
+                           capture_output=True, text=True, timeout=60, env={**os.environ, "NOTIFY_SOCKET": path})
+        got = [dict(line.split("=", 1) for line in systemd.recv(4096).decode().splitlines()) for _ in range(2)]
+    assert r.returncode == 0, (r.returncode, r.stdout + r.stderr)
+    assert got[0]["READY"] == "1" and got[0]["STATUS"] == "started; stopping (SIGTERM received during startup)", got
+    assert got[1]["STOPPING"] == "1", got
 
 
 @pytest.mark.parametrize("listen, flags, said", [

@@ -240,6 +240,8 @@ class Server:
         self.stall_watch: StallWatch | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._made_dir: str | None = None  # the first socket directory startup made (make_socket_dir)
+        self._serving = False  # startup is done: a stop is then "shutting down", not "during startup"
+        self._stop_signal = ""  # the name of the first SIGTERM/SIGINT taken, once one is
 
     async def serve(self) -> None:
         """Runs the daemon: startup, serve until SIGTERM/SIGINT, shutdown. A
@@ -264,7 +266,8 @@ class Server:
     async def startup(self) -> None:
         """Binds the peer port, the engine socket and the metrics endpoint, starts
         the services and tells systemd READY; SIGTERM and SIGINT are handled
-        from its start (a stop asked meanwhile stops the daemon once started). Raises
+        from its start (a stop asked meanwhile stops the daemon once started,
+        and the log and READY's STATUS say so). Raises
         OSError when a port or socket cannot be bound, the engine socket path is
         not a socket or another daemon serves on it; ConfigError for a NIXL
         backend that cannot be used."""
@@ -437,17 +440,34 @@ class Server:
         # Ours, not UCX's (it may take SIGHUP when an agent is made) nor the
         # default action (exit): there is nothing to reload.
         loop.add_signal_handler(signal.SIGHUP, self.handle_hup)
-        log.info("kvd %s serving: engines on unix:%s (admitted: %s), peers on %s (advertised %s, "
-                 "authentication: %s), NIXL backends %s%s",
-                 __version__, sock, policy.describe(), self._bound, adv, self._auth_said(auth, host),
+        # A stop asked during startup (handle_exit said so) is acted on now:
+        # the line says the daemon started, not that it serves on. One that
+        # landed since the last await has not reached handle_exit yet: uvloop
+        # reads a signal's wakeup byte in one loop iteration and calls its
+        # handler in the next.
+        for _ in range(2):
+            await asyncio.sleep(0)
+        stopping = self.should_exit.is_set()
+        log.info("kvd %s %s: engines on unix:%s (admitted: %s), peers on %s (advertised %s, "
+                 "authentication: %s), NIXL backends %s%s", __version__,
+                 f"started, and stops now ({self._stop_signal} received during startup)" if stopping else "serving",
+                 sock, policy.describe(), self._bound, adv, self._auth_said(auth, host),
                  ",".join(cfg.backends),
                  (f", metrics on http://{metrics_at}/metrics" if metrics_at else "")
                  + (f", warm peers {','.join(cfg.warm_peers)}" if cfg.warm_peers else ""))
+        self._serving = True
         if not self.gate.passrights_refused:
             log.info("this kernel has no SO_PASSRIGHTS (Linux 6.16): an fd a caller attaches to bytes it sends on "
                      "the engine or command socket is dropped in the daemon's read, which a socket or file made "
                      "to close slowly can hold up (docs/SECURITY.md)")
-        self.notifier.ready(f"serving: engines on unix:{sock}, peers on {adv}")
+        # READY=1 even when stopping: systemd fails a Type=notify unit whose
+        # main process exits before READY=1 ("Failed with result
+        # 'protocol'"), and Restart=on-failure would start again a daemon
+        # asked to stop; STOPPING=1 follows at once (shutdown). A stop that
+        # systemd itself asked leaves the unit deactivating, where READY=1
+        # changes nothing.
+        self.notifier.ready(f"started; stopping ({self._stop_signal} received during startup)" if stopping
+                            else f"serving: engines on unix:{sock}, peers on {adv}")
         if self.notifier.enabled and cfg.watchdog_s > 0:
             self._watchdog = asyncio.get_running_loop().create_task(self._keep_alive(cfg.watchdog_s))
 
@@ -521,12 +541,18 @@ class Server:
 
     def handle_exit(self, sig) -> None:
         """SIGTERM/SIGINT handler: the first asks for a graceful shutdown (drain up
-        to ``grace_s`` seconds), a second stops waiting for transfers in flight."""
+        to ``grace_s`` seconds; one during startup, once started), a second stops
+        waiting for transfers in flight."""
+        name = signal.Signals(sig).name
         if self.should_exit.is_set():
-            log.warning("received %s again: not waiting for transfers in flight", signal.Signals(sig).name)
+            log.warning("received %s again: not waiting for transfers in flight", name)
             self.force_exit.set()
             return
-        log.info("received %s, shutting down (grace %.1f s)", signal.Signals(sig).name, self.config.grace_s)
+        self._stop_signal = name
+        if self._serving:
+            log.info("received %s, shutting down (grace %.1f s)", name, self.config.grace_s)
+        else:  # startup goes on to its end, then stops: a daemon half made would leave its sockets
+            log.info("received %s during startup: stopping once started (grace %.1f s)", name, self.config.grace_s)
         self.should_exit.set()
 
     def _stats_threadsafe(self) -> dict:
