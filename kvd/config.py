@@ -880,15 +880,15 @@ def toml_error(error: tomllib.TOMLDecodeError, text: str) -> str:
 # A line that sets a key (bare, quoted or dotted): its key and what follows
 # the '=' up to a comment (a '#' inside a string on the line is rare enough
 # for a hint).
-_KEY_LINE = re.compile(r"""\s*(?P<key>(?:[A-Za-z0-9_-]+|"[^"]*"|'[^']*')(?:\s*\.\s*(?:[A-Za-z0-9_-]+|"[^"]*"|'[^']*'))*)"""
-                       r"\s*=(?P<rest>[^#]*)")
+_KEY_PART = r"""(?:[A-Za-z0-9_-]+|"[^"]*"|'[^']*')"""
+_KEY_LINE = re.compile(rf"\s*(?P<key>{_KEY_PART}(?:\s*\.\s*{_KEY_PART})*)\s*=(?P<rest>[^#]*)")
 # A table header, [name] or [[name]]: keys after it are in that table.
 _TABLE_LINE = re.compile(r"\s*\[")
 
 
 def _key_name(key: str) -> str:
     """A key as TOML compares it: the parts of a dotted key, unquoted."""
-    parts = re.findall(r"""[A-Za-z0-9_-]+|"[^"]*"|'[^']*'""", key)
+    parts = re.findall(_KEY_PART, key)
     return ".".join(p[1:-1] if p[0] in "\"'" else p for p in parts)
 
 
