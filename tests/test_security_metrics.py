@@ -61,3 +61,37 @@ def test_unfinished_scrapes_hold_at_most_a_few_threads_each_for_a_bounded_time(t
         for s in held:
             s.close()
         d.stop()
+
+
+def test_scrapes_back_to_back_reuse_one_rendering_and_a_long_request_is_cut(tmp_path):
+    """A client scraping as fast as it can gets one rendering per
+    RENDER_REUSE_S (rendering is what costs the daemon: ~3 ms each); a
+    request past MAX_REQUEST_BYTES (Python's parser takes 100 headers of
+    64 KiB) is closed unanswered, not parsed."""
+    from kvd.daemon.metrics import MAX_REQUEST_BYTES, RENDER_REUSE_S
+
+    port = free_port()
+    d = start_daemon(str(tmp_path), "kvd", "--metrics-port", str(port), "--metrics-host", "127.0.0.1")
+    try:
+        def uptime() -> bytes:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+                return next(line for line in r.read().splitlines() if line.startswith(b"kvd_uptime_seconds "))
+
+        t0 = time.monotonic()
+        seen = [uptime() for _ in range(20)]
+        elapsed = time.monotonic() - t0
+        assert len(set(seen)) <= elapsed / RENDER_REUSE_S + 1, (len(set(seen)), elapsed)
+        time.sleep(RENDER_REUSE_S)
+        assert uptime() != seen[-1]  # a later scrape renders again
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            head = b"GET /metrics HTTP/1.1\r\n" + b"".join(b"X-%d: %s\r\n" % (i, b"a" * 1000) for i in range(40))
+            assert len(head) > MAX_REQUEST_BYTES
+            try:
+                s.sendall(head + b"\r\n")
+                answer = s.recv(65536)
+            except ConnectionResetError:
+                answer = b""
+            assert answer == b"", answer[:200]
+        assert "Traceback" not in d.log()
+    finally:
+        d.stop()

@@ -123,7 +123,8 @@ def test_no_dump_when_off_and_no_warning_when_on_time(caplog, capfd):
     assert "most recent call first" not in capfd.readouterr().err
 
 
-def test_a_nixl_call_that_does_not_return_is_logged_once_with_the_stacks_and_its_end_said(caplog, capfd):
+def test_a_nixl_call_that_does_not_return_is_logged_once_with_the_stacks_and_its_end_said(caplog, capfd,
+                                                                                        monkeypatch):
     """The daemon's NIXL thread (``kvd.core.runtime.NixlThread``) inside one
     call past ``stall_dump_s`` while the loop runs on: one WARNING naming
     the call, every thread's stack (the call's frame in it), and a WARNING
@@ -143,6 +144,7 @@ def test_a_nixl_call_that_does_not_return_is_logged_once_with_the_stacks_and_its
     def stats() -> dict:
         raise TimeoutError()  # the core's stats: not read here
 
+    monkeypatch.setattr("kvd.daemon.metrics.RENDER_REUSE_S", 0.0)  # each scrape renders: the ages are read now
     metrics = Metrics(stats)
     port = metrics.serve(0, "127.0.0.1")
 

@@ -74,6 +74,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
                                disable_created_metrics, make_wsgi_app)
+from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvd import __version__
@@ -91,9 +92,16 @@ MAX_SCRAPES = 4
 #: Seconds a connection has to send its whole request head (not per read: a
 #: byte every few seconds would hold a slot for days).
 REQUEST_TIMEOUT_S = 5.0
-#: Seconds one ``Node.stats()`` answer serves further scrapes: a herd of
-#: scrapes asks the event loop once.
-STATS_REUSE_S = 0.2
+#: Bytes a connection may send in all (its request head; a scrape has no
+#: body): Python's parser takes 100 headers of 64 KiB, ~50-65 ms of CPU to
+#: parse (attacker review). Prometheus sends a few hundred bytes.
+MAX_REQUEST_BYTES = 16 * 1024
+#: Seconds one rendered answer serves further scrapes (per format: text or
+#: OpenMetrics, gzipped or not): rendering costs ~3 ms of CPU, and one client
+#: scraping back to back, 4 at a time, kept the daemon's core busy (346
+#: scrapes/s, attacker review); now at most 4 formats x 5 renderings a
+#: second. Prometheus scrapes every 15-60 s.
+RENDER_REUSE_S = 0.2
 
 # Seconds: 0.5 ms (a small READ over shared memory) to the 30 s default deadline.
 DURATION_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
@@ -147,35 +155,11 @@ def _version(pkg: str) -> str:
         return ""
 
 
-class _SharedStats:
-    """``stats()`` for concurrent scrapes: one call at a time, its answer (or
-    its error) reused for ``reuse_s`` seconds. Raises what ``stats`` raised."""
-
-    def __init__(self, stats: Callable[[], dict], reuse_s: float = STATS_REUSE_S):
-        self._stats = stats
-        self._reuse_s = reuse_s
-        self._lock = threading.Lock()
-        self._at = float("-inf")
-        self._answer: dict | Exception = {}
-
-    def __call__(self) -> dict:
-        with self._lock:
-            if time.monotonic() - self._at >= self._reuse_s:
-                try:
-                    self._answer = self._stats()
-                except Exception as e:  # a stalled loop: every scrape meanwhile would wait its timeout
-                    self._answer = e
-                self._at = time.monotonic()
-            if isinstance(self._answer, Exception):
-                raise self._answer
-            return self._answer
-
-
 class _StatsCollector:
     """Gauges and counters read from ``stats()`` at each scrape."""
 
     def __init__(self, stats: Callable[[], dict]):
-        self._stats = _SharedStats(stats)
+        self._stats = stats
         self._unavailable = Throttled(log)
 
     def collect(self):
@@ -291,7 +275,8 @@ class Metrics:
         """
         family, host = _family(addr, port)
         server_class = type("_Server", (_BoundedServer,), {"address_family": family})
-        self._http = make_server(host, port, make_wsgi_app(self.registry), server_class, handler_class=_Handler)
+        self._http = make_server(host, port, _Rendered(make_wsgi_app(self.registry)), server_class,
+                                 handler_class=_Handler)
         self._thread = threading.Thread(target=self._http.serve_forever, name="kvd-metrics", daemon=True)
         self._thread.start()
         self.port = self._http.server_port
@@ -320,6 +305,7 @@ class _BoundedServer(socketserver.ThreadingMixIn, WSGIServer):
 
     daemon_threads = True
     block_on_close = False
+    request_queue_size = 64  # the listen backlog (socketserver's 5 dropped back-to-back connects' SYNs)
 
     def __init__(self, *args, **kwargs):
         self._slots = threading.BoundedSemaphore(MAX_SCRAPES)
@@ -352,11 +338,13 @@ class _BoundedServer(socketserver.ThreadingMixIn, WSGIServer):
 
 class _DeadlineReader(io.RawIOBase):
     """A socket's reads, each allowed only what is left until ``deadline``
-    (``time.monotonic()``); past it, ``TimeoutError``."""
+    (``time.monotonic()``), :data:`MAX_REQUEST_BYTES` in all; past either,
+    ``TimeoutError`` or ``ValueError``."""
 
     def __init__(self, sock: socket.socket, deadline: float):
         self._sock = sock
         self._deadline = deadline
+        self._left = MAX_REQUEST_BYTES
 
     def readable(self) -> bool:
         return True
@@ -365,8 +353,38 @@ class _DeadlineReader(io.RawIOBase):
         left = self._deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("request head not read in time")
+        if self._left <= 0:
+            raise ValueError(f"request longer than {MAX_REQUEST_BYTES} bytes")
         self._sock.settimeout(left)
-        return self._sock.recv_into(b)
+        n = self._sock.recv_into(memoryview(b)[:self._left])
+        self._left -= n
+        return n
+
+
+class _Rendered:
+    """prometheus_client's WSGI app with each rendered answer reused for
+    :data:`RENDER_REUSE_S` seconds, per format (what ``Accept`` and
+    ``Accept-Encoding`` choose: at most four). The query string is not read:
+    ``name[]`` filters would make an answer per caller's choice."""
+
+    def __init__(self, app):
+        self._app = app
+        self._lock = threading.Lock()
+        self._answers: dict[tuple[str, bool], tuple[float, str, list, bytes]] = {}
+
+    def __call__(self, environ, start_response):
+        if environ["REQUEST_METHOD"] != "GET":
+            return self._app(environ, start_response)
+        key = (choose_encoder(environ.get("HTTP_ACCEPT"))[1], gzip_accepted(environ.get("HTTP_ACCEPT_ENCODING")))
+        with self._lock:  # one render at a time: the others wait and reuse it
+            answer = self._answers.get(key)
+            if answer is None or time.monotonic() - answer[0] >= RENDER_REUSE_S:
+                got: list = []
+                body = b"".join(self._app(dict(environ, QUERY_STRING="", PATH_INFO="/metrics"),
+                                          lambda status, headers, exc_info=None: got.extend((status, headers))))
+                answer = self._answers[key] = (time.monotonic(), got[0], got[1], body)
+        start_response(answer[1], list(answer[2]))
+        return [answer[3]]
 
 
 class _Handler(WSGIRequestHandler):
