@@ -294,6 +294,12 @@ def main(argv: list[str] | None = None) -> int:
     ``sys.argv[1:]``); ``bench`` and ``demo`` hand the rest to their own
     parsers. Returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    # gRPC's core logs each failed TLS handshake on the peer port to stderr
+    # (at INFO), below kvd's own throttles: anyone who reaches the port wrote
+    # ~6,000 lines a second (attacker review). Its errors still show; a
+    # GRPC_VERBOSITY the operator set wins. Read at gRPC's first channel or
+    # server, which comes later.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     if argv[:1] == ["serve"]:
         from kvd.daemon.early_stop import note_stops
 

@@ -125,3 +125,30 @@ def test_refusals_anyone_may_repeat_are_logged_at_most_once_a_second_with_the_co
             if e is not None:
                 e.close()
         d.stop()
+
+
+def test_failed_tls_handshakes_on_the_peer_port_write_no_line_each(tmp_path):
+    """gRPC's core logged every failed TLS handshake on the peer port to
+    stderr, below kvd's throttles: anyone who reaches the port wrote ~3,400
+    lines a second with garbage bytes (attacker review). ``kvd serve`` runs
+    gRPC at GRPC_VERBOSITY=ERROR unless the operator set it."""
+    import socket
+
+    from kvd.testing.security import Pki
+
+    pki = Pki(str(tmp_path / "pki"))
+    d = start_daemon(str(tmp_path), "kvd", "--peer-listen", "127.0.0.1:0", *pki.flags("tls-node"))
+    try:
+        host, port = d.peer_address.rsplit(":", 1)
+        for _ in range(50):
+            with socket.create_connection((host, int(port)), timeout=5) as s:
+                s.sendall(b"\x00garbage, not a TLS ClientHello\r\n" * 4)
+                try:
+                    s.recv(1024)
+                except OSError:
+                    pass
+        assert d.stats().uptime_s > 0
+        log = d.log()
+        assert "andshake failed" not in log and "ssl_transport_security" not in log, log[-2000:]
+    finally:
+        d.stop()
