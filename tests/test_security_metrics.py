@@ -95,3 +95,24 @@ def test_scrapes_back_to_back_reuse_one_rendering_and_a_long_request_is_cut(tmp_
         assert "Traceback" not in d.log()
     finally:
         d.stop()
+
+
+def test_an_ipv6_metrics_host_is_shown_in_brackets(tmp_path):
+    """``metrics on http://[::1]:PORT/metrics`` (and GetStats's
+    ``metrics_address``): unbracketed, the URL in the log does not open."""
+    import pytest
+
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+            port = s.getsockname()[1]
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    d = start_daemon(str(tmp_path), "kvd", "--metrics-port", str(port), "--metrics-host", "::1")
+    try:
+        assert d.stats().metrics_address == f"[::1]:{port}"
+        assert f"metrics on http://[::1]:{port}/metrics" in d.log()
+        with urllib.request.urlopen(f"http://[::1]:{port}/metrics", timeout=10) as r:
+            assert b"kvd_uptime_seconds" in r.read()
+    finally:
+        d.stop()

@@ -430,9 +430,9 @@ class Server:
                        else "metrics_port")
                 hint = (" (another kvd? give each daemon its own --metrics-port; 0 turns metrics off)"
                         if e.errno == errno.EADDRINUSE else "")
-                raise OSError(f"{key}: cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: "
+                raise OSError(f"{key}: cannot serve metrics on {join_host_port(cfg.metrics_host, cfg.metrics_port)}: "
                               f"{e.strerror or e}{hint}") from None
-            metrics_at = f"{cfg.metrics_host}:{mport}"
+            metrics_at = join_host_port(cfg.metrics_host, mport)  # [::1]:port: a URL's form
             self.engine_service.metrics_address = metrics_at
         for health in (self.peer_health, self.engine_health):
             for svc in ("", ENGINE_SERVICE, PEER_SERVICE):
