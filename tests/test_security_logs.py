@@ -12,6 +12,7 @@ import io
 import json
 import logging
 import re
+import time
 
 from kvd.daemon import logs
 from kvd.testing.daemons import start_daemon
@@ -73,12 +74,27 @@ def test_throttled_warnings_say_how_many_were_left_out():
     logger = logging.getLogger("kvd.test-throttled")
     logger.addHandler(logging.StreamHandler(stream))
     logger.propagate = False
-    t = logs.Throttled(logger, interval_s=3600)
+    t = logs.Throttled(logger, interval_s=0.5)
     for i in range(5):
         t.warning("refused %d", i)
-    t._last -= 3600
+    time.sleep(0.5)
     t.warning("refused %d", 5)
     assert stream.getvalue().splitlines() == ["refused 0", "refused 5 (4 more like it since the last message)"]
+
+
+def test_throttles_keep_a_line_a_second_per_key_and_forget_the_oldest_key():
+    stream = io.StringIO()
+    logger = logging.getLogger("kvd.test-throttles")
+    logger.addHandler(logging.StreamHandler(stream))
+    logger.propagate = False
+    t = logs.Throttles(logger, interval_s=3600, max_keys=2)
+    for i in range(100):
+        t.warning(65534, "uid 65534 refused %d", i)  # one caller's flood ...
+    t.warning(0, "uid 0 refused")                   # ... hides no other caller's line
+    t.warning("third", "a third key")                # the oldest key (65534) is forgotten
+    t.warning(65534, "uid 65534 again")
+    assert stream.getvalue().splitlines() == ["uid 65534 refused 0", "uid 0 refused", "a third key",
+                                              "uid 65534 again"]
 
 
 def test_refusals_anyone_may_repeat_are_logged_at_most_once_a_second_with_the_count(tmp_path):
@@ -111,6 +127,12 @@ def test_refusals_anyone_may_repeat_are_logged_at_most_once_a_second_with_the_co
                 s.connect(command_socket_path(d.socket))
                 s.sendall(frame(opened.SerializeToString()))
                 assert s.recv(65536)  # the refusal
+        for i in range(n):  # refused as read: no abort slot, no task, no line each
+            dst.session.send(abort_load=pb.AbortLoad(request_id=f"ab-{i}", remote_engine_id="x",
+                                                     remote_address="127.0.0.1:1", remote_request_id="y",
+                                                     remote_tp_size=10**6))
+        for i in range(n):
+            assert dst.wait(f"ab-{i}", 30).rejected.reason == "abort_load: remote TP size 1000000 exceeds 256"
         elapsed = time.monotonic() - t0
         time.sleep(1.2)
         dst.load("thief-last", [1], p, [5], "mine")  # after a quiet second: logged, with the count
@@ -120,6 +142,7 @@ def test_refusals_anyone_may_repeat_are_logged_at_most_once_a_second_with_the_co
         refused = [line for line in log.splitlines() if "session of" in line and " refused: " in line]
         assert 1 <= len(held) <= elapsed + 3 and 1 <= len(refused) <= elapsed + 3, (len(held), len(refused), elapsed)
         assert "more like it since the last message" in held[-1], held[-1]
+        assert "abort ignored" not in log
     finally:
         for e in (p, dst):
             if e is not None:

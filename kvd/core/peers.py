@@ -442,11 +442,11 @@ class Peers:
                 raise PeerUnavailable("this daemon has no peer client")
             await self.link.notify(address, engine_id, tp_rank, request_id, expected,
                                     max(0.1, deadline - time.monotonic()))
-            log.info("%s: told %s engine=%s rank=%d to free %s (no transfer possible)", label, address, engine_id,
-                     tp_rank, request_id)
+            self.rt.lines.info(("told to free", label), "%s: told %s engine=%s rank=%d to free %s (no transfer "
+                               "possible)", label, address, engine_id, tp_rank, request_id)
         except Exception as e:
-            log.warning("%s: could not tell %s engine=%s rank=%d to free %s: %s", label, address, engine_id,
-                        tp_rank, request_id, e)
+            self.rt.lines.warning(("not told to free", label), "%s: could not tell %s engine=%s rank=%d to free "
+                                  "%s: %s", label, address, engine_id, tp_rank, request_id, e)
 
     async def remote(self, w: Worker, address: str, engine_id: str, tp_rank: int, tp_size: int,
                      deadline: float) -> tuple[RemoteWorker, bool]:
@@ -470,9 +470,9 @@ class Peers:
         except PeerUnavailable as e:
             if not e.transient or self.rt.draining or deadline - time.monotonic() < BOUNDS.retry_handshake_min_s:
                 raise
-            log.warning("%s: handshake with %s engine=%s rank=%d failed (%s); trying once more within the "
-                        "request's deadline (%.1f s left)", w.label, address, engine_id, tp_rank, e,
-                        deadline - time.monotonic())
+            self.rt.lines.warning(("handshake retried", w.key), "%s: handshake with %s engine=%s rank=%d failed "
+                                  "(%s); trying once more within the request's deadline (%.1f s left)", w.label,
+                                  address, engine_id, tp_rank, e, deadline - time.monotonic())
         return await self._remote_once(w, address, engine_id, tp_rank, tp_size, deadline)
 
     async def remotes(self, w: Worker, address: str, engine_id: str, ranks: list[int], tp_size: int,

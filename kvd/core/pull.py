@@ -337,7 +337,8 @@ class Pull:
                 await self.rt.nixl(self.rt.release_handle, w.agent, h)
             w.posting.discard(rid)
             self.rt.counters.transfers_failed += 1
-            log.warning("%s request=%s: session ended while posting; READs cancelled", w.label, rid)
+            self.rt.lines.warning(("cancelled while posting", w.key), "%s request=%s: session ended while posting; "
+                                  "READs cancelled", w.label, rid)
             return
         w.posting.discard(rid)
         retry = not fresh_any and retry_deadline is None
@@ -464,7 +465,8 @@ class Pull:
             del w.inflight[load.req.request_id]
             self.rt.counters.transfers_failed += 1
             handles += [h for h, _ in load.parts]
-            log.warning("%s request=%s: session ended; load cancelled", w.label, load.req.request_id)
+            self.rt.lines.warning(("cancelled", w.key), "%s request=%s: session ended; load cancelled", w.label,
+                                  load.req.request_id)
         await settle.cancel_reads(self.rt, self.registry, w, handles)
 
     async def abort_load(self, w: Worker, request_id: str, remote_engine_id: str, remote_address: str,
@@ -477,8 +479,8 @@ class Pull:
         """
         deadline = time.monotonic() + self.rt.limits.handshake_timeout_s
         if remote_tp_size > BOUNDS.max_tp_size:
-            log.warning("%s request=%s: abort ignored: remote TP size %d exceeds %d", w.label, request_id,
-                        remote_tp_size, BOUNDS.max_tp_size)
+            self.rt.lines.warning(("abort ignored", w.key), "%s request=%s: abort ignored: remote TP size %d "
+                                  "exceeds %d", w.label, request_id, remote_tp_size, BOUNDS.max_tp_size)
             return
         remote_tp = remote_tp_size or w.tp_size
         mla = w.layout.kv_layout == "MLA"
@@ -497,8 +499,8 @@ class Pull:
                     continue
                 await self.rt.nixl(w.agent.send_notif, remote.agent_name, notif_message(remote_request_id, expected))
                 self.holds.notified(remote_address, remote_engine_id, p, remote_request_id, expected)
-            log.info("%s request=%s: aborted; told %s to free %s", w.label, request_id, remote_address,
-                     remote_request_id)
+            self.rt.lines.info(("aborted", w.key), "%s request=%s: aborted; told %s to free %s", w.label,
+                               request_id, remote_address, remote_request_id)
         except Exception as e:
-            log.warning("%s request=%s peer=%s: abort notification failed: %s", w.label, request_id,
-                        remote_address, e)
+            self.rt.lines.warning(("abort failed", w.key), "%s request=%s peer=%s: abort notification failed: %s",
+                                  w.label, request_id, remote_address, e)

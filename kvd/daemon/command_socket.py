@@ -62,7 +62,7 @@ from kvd.daemon import wire_shape
 from kvd.daemon.engine_service import EngineService, SessionRefused
 from kvd.daemon.h2_refusal import LINGER_S, PREFACE, Refusal
 from kvd.daemon.local_gate import Caller, Gate, bind_side_socket, unlink_own
-from kvd.daemon.logs import Throttled
+from kvd.daemon.logs import Throttled, Throttles
 from kvd.v1 import kvd_pb2 as pb
 
 log = logging.getLogger("kvd.command_socket")
@@ -675,7 +675,8 @@ class _Connection(asyncio.Protocol):
         except SessionRefused as r:
             # Any admitted uid may open sessions it cannot have as fast as it
             # connects: 24k lines of 4 KiB in 10 s (attacker review).
-            self.owner.refusals.info("%s: session of %s refused: %s", WHAT, self.caller, r)
+            self.owner.refusals.info(self.caller.uid if self.caller else None, "%s: session of %s refused: %s", WHAT,
+                                     self.caller, r)
             self._flush()
             if not t.is_closing():
                 t.write(_rejected(str(r)))
@@ -716,7 +717,7 @@ class CommandSocket:
         self.partial: dict[int, int] = {}  # bytes of unfinished frames per caller uid (PARTIAL_FRAMES_PER_UID)
         self.turns = _Turns()  # commands past a pass's budget, in turns by caller uid
         self.warn = Throttled(log)
-        self.refusals = Throttled(log)  # sessions refused (SessionRefused)
+        self.refusals = Throttles(log)  # sessions refused (SessionRefused), a line a second per caller uid
         self._server: asyncio.AbstractServer | None = None
         self._bound: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket file bound
 

@@ -372,7 +372,9 @@ class EngineService(pb_grpc.EngineServiceServicer):
             w = await self.node.attach(*key)
         except ev.CoreError as e:
             raise SessionRefused(status_of(e), str(e)) from None
-        log.info("session opened: %s", w.label)
+        # A line a second per worker: its engine may open and close sessions
+        # in a loop (1,461 lines a second, attacker review).
+        self.node.rt.lines.info(("session opened", w.key), "session opened: %s", w.label)
         reader = sink = None
         try:
             limits = self.node.rt.limits
@@ -421,7 +423,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
             if reader is not None:
                 reader.cancel()
             await self.node.detach(w)
-            log.info("session closed: %s", w.label)
+            self.node.rt.lines.info(("session closed", w.key), "session closed: %s", w.label)
 
     async def _read_commands(self, w: Worker, it, uid: int) -> None:
         """Runs the session's commands on ``w`` (opened by a caller of ``uid``)
@@ -495,6 +497,10 @@ class EngineService(pb_grpc.EngineServiceServicer):
         Each may wait a handshake timeout on an unreachable peer, so
         unbounded they pile up as tasks."""
         node = self.node
+        if c.remote_tp_size > BOUNDS.max_tp_size:  # here, not in the task: no slot, no line per command
+            node.reject(w, c.request_id, f"abort_load: remote TP size {c.remote_tp_size} exceeds "
+                                         f"{BOUNDS.max_tp_size}")
+            return
         refused = node.rt.aborts.start(uid, lambda: node.abort_load(
             w, c.request_id, c.remote_engine_id, c.remote_address, c.remote_request_id, c.remote_tp_size))
         if refused:

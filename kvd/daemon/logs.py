@@ -32,7 +32,7 @@ import re
 import sys
 import time
 
-from kvd.core.throttle import Throttled  # noqa: F401 (the daemon's modules take it from here)
+from kvd.core.throttle import Throttled, Throttles  # noqa: F401 (the daemon's modules take them from here)
 from kvd.logtext import escape_controls
 
 HUMAN_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
