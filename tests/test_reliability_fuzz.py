@@ -15,7 +15,8 @@ side. Properties, for every message:
 - a session command gets its answer: a load exactly one RecvDone, LoadFailed
   or CommandRejected; a hold a CommandRejected or a lease that a release
   ends; a release of nothing a CommandRejected; an AbortLoad nothing (it is
-  fire-and-forget by contract);
+  fire-and-forget by contract), unless refused as it is read (a remote TP
+  size past the bound: a CommandRejected);
 - the daemon keeps serving; afterwards its stats show no leaked lease,
   transfer, handle, prepped list or pending event, and its RSS is reported.
 
@@ -244,7 +245,10 @@ def test_fuzz_session_commands(target):
         elif kind in ("release", None, "open"):
             ev = eng.wait(rid, EVENT_WAIT_S)
             assert event_kind(ev) == "rejected" and ev.rejected.reason, ev
-        # abort_load: no event by contract
+        elif kind == "abort_load" and cmd.abort_load.remote_tp_size > 256:
+            ev = eng.wait(rid, EVENT_WAIT_S)  # refused as read (BOUNDS.max_tp_size, or a request id too long)
+            assert event_kind(ev) == "rejected" and ev.rejected.reason.startswith("abort_load: "), ev
+        # any other abort_load: no event by contract
 
     prop()
     # Nothing was left unanswered, and the stream still works.

@@ -238,9 +238,12 @@ def test_an_open_session_past_the_event_count_bound_is_ended_not_left_short(monk
     rt.shutdown()
 
 
-def test_loads_failed_for_the_engines_own_input_are_logged_once_a_second(caplog):
-    """A flood of invalid loads (or loads past the worker's cap) is one log
-    line a second, with the count of the others; other failures, one each."""
+def test_failed_loads_are_logged_once_a_second_per_kind_and_worker(caplog):
+    """A flood of failed loads (invalid ones, loads past the worker's cap,
+    loads of a dead peer: an engine may send them at will) is one log line a
+    second per kind and worker, with the count of the others; another
+    worker's, or another kind's, are not folded into it. Every one is
+    counted."""
     from types import SimpleNamespace
 
     from kvd.core.events import FailureKind
@@ -249,14 +252,17 @@ def test_loads_failed_for_the_engines_own_input_are_logged_once_a_second(caplog)
     from kvd.core.state import WorkerSession
 
     rt = Runtime(Limits())
-    w = SimpleNamespace(session=WorkerSession(), label="engine=e rank=0")
+    w = SimpleNamespace(session=WorkerSession(), label="engine=e rank=0", key=("e", 0))
+    other = SimpleNamespace(session=WorkerSession(), label="engine=f rank=0", key=("f", 0))
     with caplog.at_level("WARNING", logger="kvd.core"):
         for i in range(50):
             rt.fail_load(w, f"bad{i}", [1], FailureKind.INVALID, "invalid: local block id 99 out of range")
         for i in range(3):
             rt.fail_load(w, f"late{i}", [1], FailureKind.TIMEOUT, "timeout: deadline passed")
+        rt.fail_load(other, "theirs", [1], FailureKind.INVALID, "invalid: local block id 99 out of range")
     lines = [r.getMessage() for r in caplog.records if "load failed" in r.getMessage()]
-    assert sum("invalid" in m for m in lines) == 1
-    assert sum("timeout" in m for m in lines) == 3
-    assert rt.counters.transfers_failed == 53  # counted all the same
+    assert sum("invalid" in m and "engine=e " in m for m in lines) == 1
+    assert sum("timeout" in m for m in lines) == 1
+    assert sum("engine=f " in m for m in lines) == 1
+    assert rt.counters.transfers_failed == 54  # counted all the same
     rt.shutdown()
