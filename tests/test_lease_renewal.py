@@ -354,7 +354,9 @@ def test_a_call_of_too_many_block_ids_is_refused_before_they_become_lists(servic
         renewals = [pb.LeaseRenewal(request_id="r1", groups=[pb.BlockIds()] * 257)]
         expect = "a lease renewed in 257 groups, more than 256"
     if service == "EngineService":
-        call = EngineService(node, callers=lambda context: object()).RenewLeases(
+        from types import SimpleNamespace
+
+        call = EngineService(node, callers=lambda context: SimpleNamespace(uid=0)).RenewLeases(  # an admitted caller
             pb.RenewLeasesRequest(remote_engine_id="p", remote_address="127.0.0.1:1", renewals=renewals), _Context())
     else:
         call = PeerService(node).Renew(pb.RenewRequest(engine_id="p", renewals=renewals), _Context())

@@ -48,7 +48,7 @@ from kvd.daemon.convert import (
     status_of,
 )
 from kvd.daemon.fd_channel import ClaimError, FdTable
-from kvd.daemon.logs import Throttled
+from kvd.daemon.logs import Throttles
 from kvd.daemon.status import build_stats, handover_of
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
@@ -111,7 +111,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
                  require_session_token: bool = False, fds: FdTable | None = None, require_memfd: bool = False):
         self.node = node
         self.backends = list(backends or [])
-        self._renew_refusals = Throttled(log)  # an engine may repeat a refused renewal at will
+        self._renew_refusals = Throttles(log)  # a line a second per caller uid: one may repeat them at will
         self.metrics_address = ""      # host:port of /metrics, for GetStats
         self.command_socket = ""       # the command socket's path ("" off), for GetStats
         self.callers = callers or (lambda context: None)
@@ -278,7 +278,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
         block ids, id length) or for an empty engine id or address; NOT_FOUND
         when the prefill daemon has no such engine; UNAVAILABLE when it
         cannot be asked."""
-        await self._caller(context)
+        caller = await self._caller(context)
         try:
             if not request.remote_engine_id or not request.remote_address:
                 raise ev.InvalidArgument("renew: remote_engine_id and remote_address are required")
@@ -291,8 +291,10 @@ class EngineService(pb_grpc.EngineServiceServicer):
                                                renewals_from_pb(request.renewals,
                                                                 self.node.limits.max_blocks_per_request), timeout_s)
         except ev.CoreError as e:
-            self._renew_refusals.info("renew of %d leases of engine %s at %s refused: %s", len(request.renewals),
-                                      request.remote_engine_id, request.remote_address, e)
+            # A line a second per caller uid (kernel-checked, so one uid's
+            # refusals cannot hide another's), as the command socket's.
+            self._renew_refusals.info(caller.uid, "renew of %d leases of engine %s at %s refused: %s",
+                                      len(request.renewals), request.remote_engine_id, request.remote_address, e)
             await context.abort(status_of(e), str(e))
         return pb.RenewLeasesResponse(results=renewed_to_pb(results))
 
