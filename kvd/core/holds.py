@@ -177,18 +177,23 @@ class Holds:
         self.rt.counters.leases_released += 1
         self.rt.emit(w, SendDone(request_id, released=True))
 
-    def on_notif(self, w: Worker, remote_agent: str, msg: bytes) -> None:
-        """A NIXL notification from ``remote_agent`` (a reader's READ, or a bare one)."""
+    def on_notif(self, w: Worker, remote_agent: str, msg: bytes) -> int:
+        """A NIXL notification from ``remote_agent`` (a reader's READ, or a
+        bare one): one piece per load it notifies (``kvd.core.leases``).
+        Returns how many pieces it held (1 for a malformed one, ignored
+        whole): the progress loop's budget per pass counts pieces."""
         parsed = parse_notif(msg)
         if parsed is None:
             self._malformed.warning("%s: malformed notification from %s ignored (%d bytes)", w.label, remote_agent,
                                     len(msg))
-            return
-        request_id, expected = parsed
-        if w.leases.notify(request_id, expected, time.monotonic()):
-            self.rt.counters.leases_notified += 1
-            log.debug("%s request=%s: every reader notified; lease ended", w.label, request_id)
-            self.rt.emit(w, SendDone(request_id))
+            return 1
+        now = time.monotonic()
+        for request_id, expected in parsed:
+            if w.leases.notify(request_id, expected, now):
+                self.rt.counters.leases_notified += 1
+                log.debug("%s request=%s: every reader notified; lease ended", w.label, request_id)
+                self.rt.emit(w, SendDone(request_id))
+        return len(parsed)
 
     def notify(self, engine_id: str, tp_rank: int, request_id: str, expected: int) -> None:
         """One reader is done with ``request_id`` on this worker (push mode's

@@ -5,8 +5,10 @@ has notified (a READ's notification, or an abort's bare notification), when
 the engine releases it, or when it expires; each end is reported once.
 
 Notifications name the request and how many reader ranks will notify this
-source rank for it (``"<request id>:<expected>"``, heterogeneous TP);
-a notification that arrives before its hold is kept for ``early_s`` seconds.
+source rank for it (``"<request id>:<expected>"``, heterogeneous TP), one
+such piece per load a READ carries, each after its length (a reader posts
+the small READs of several loads as one transfer, ``kvd.core.pull``); a
+notification that arrives before its hold is kept for ``early_s`` seconds.
 
 A reader still waiting to read (vLLM's decode request queued on D) renews
 the lease (``renew``: PeerService.Renew from its daemon, as vLLM's
@@ -41,23 +43,43 @@ from kvd.core.limits import BOUNDS
 
 
 def notif_message(request_id: str, expected: int) -> bytes:
-    """The notification a reader sends a source rank for ``request_id``."""
-    return f"{request_id}:{expected}".encode()
+    """The notification piece a reader sends a source rank for
+    ``request_id``: its length (2 bytes, big-endian), then
+    ``"<request id>:<expected>"`` (UTF-8). Pieces concatenate: the
+    notification of a READ that carries several loads is theirs joined.
+    The length, not a separator, ends a piece: a request id is an engine's
+    string and may hold any character (a separator inside one would let an
+    engine name another request's lease)."""
+    piece = f"{request_id}:{expected}".encode()
+    return len(piece).to_bytes(2, "big") + piece
 
 
-def parse_notif(msg: bytes) -> tuple[str, int] | None:
-    """``(request id, expected notifications)``, or None if malformed (or
-    longer than any request id a daemon accepts and its count)."""
-    if len(msg) > BOUNDS.max_notif_bytes:
+def parse_notif(msg: bytes) -> list[tuple[str, int]] | None:
+    """The ``(request id, expected notifications)`` of each piece of ``msg``
+    (:func:`notif_message`), or None if any is malformed, longer than any
+    request id a daemon accepts and its count, or there are more than
+    ``BOUNDS.max_loads_per_read`` pieces: the notification is then ignored
+    whole (a peer that sends it is hostile or broken)."""
+    if len(msg) > BOUNDS.max_loads_per_read * (2 + BOUNDS.max_notif_bytes):
         return None
-    try:
-        text = msg.decode()
-    except UnicodeDecodeError:
-        return None
-    rid, sep, n = text.rpartition(":")
-    if not sep or not rid or not n.isdigit() or not 0 < int(n) <= BOUNDS.max_notifications:
-        return None
-    return rid, int(n)
+    out = []
+    at, end = 0, len(msg)
+    while at < end:
+        n = int.from_bytes(msg[at:at + 2], "big")
+        piece = msg[at + 2:at + 2 + n]
+        at += 2 + n
+        if len(piece) != n or not 0 < n <= BOUNDS.max_notif_bytes or len(out) == BOUNDS.max_loads_per_read:
+            return None
+        try:
+            rid, sep, count = piece.decode().rpartition(":")
+        except UnicodeDecodeError:
+            return None
+        # isascii: "²".isdigit() is true and int("²") raises.
+        if not sep or not rid or not (count.isascii() and count.isdigit()) \
+                or not 0 < int(count) <= BOUNDS.max_notifications:
+            return None
+        out.append((rid, int(count)))
+    return out or None
 
 
 @dataclass

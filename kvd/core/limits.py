@@ -120,6 +120,14 @@ class Bounds:
     max_renewals_per_call: int = MAX_RENEWALS_PER_CALL
     # Readers one source rank may wait for, per request (a notification's count).
     max_notifications: int = 1 << 16
+    # Loads one coalesced READ carries at most, and pieces one NIXL
+    # notification may hold (kvd.core.pull: small READs of one worker from
+    # one source rank, posted in the same pass of the loop, go out as one
+    # transfer with one notification). NIXL's cost is per transfer, not per
+    # descriptor: 64 one-block READs of 4 KiB cost ~40 + 22 us of CPU a load
+    # (reader + source) as 64 transfers, ~3 + 1 as one (two plain NIXL
+    # processes, `python -m benchmarks.native_floor`'s coalesced case).
+    max_loads_per_read: int = 64
     # Agent metadata accepted from a peer (NIXL metadata is a few KiB per backend).
     max_agent_metadata: int = 1 << 20
     # Events queued for a worker: past it, one whose session is not attached
@@ -193,7 +201,9 @@ class Bounds:
 
     @property
     def max_notif_bytes(self) -> int:
-        """Longest notification accepted: a request id, ``:`` and the count."""
+        """Longest piece of a notification accepted: a request id, ``:`` and
+        the count (kvd.core.leases.notif_message; less than 65,536, the
+        piece's 2-byte length)."""
         return self.max_id_bytes + 1 + len(str(self.max_notifications))
 
 

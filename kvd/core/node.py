@@ -338,6 +338,7 @@ class Node:
             holds_answers_applied=self.mirror.answers_applied,
             holds_answers_sent=self.rt.feeds.answers_sent,
             notifications_dropped=self.progress.notifs_dropped,
+            coalesced_reads=c.coalesced_reads,
             same_node_copies=c.same_node_copies,
             same_node_vram_copies=c.same_node_vram_copies,
             copy_kernel_devices=cuda_copy.kernel_devices(),

@@ -20,7 +20,7 @@ import logging
 import time
 
 from kvd import tracepoints as tp
-from kvd.core import plan, settle
+from kvd.core import coalesce, plan, settle
 from kvd.core.events import (
     CommandRejected,
     FailureKind,
@@ -76,6 +76,7 @@ class Pull:
         self.push = push
         self.local = local
         self.holds = holds
+        self.reads = coalesce.CoalescedReads(rt, self._post)
 
     async def load(self, w: Worker, req: LoadRequest, *, retry_deadline: float | None = None,
                    epoch: int | None = None, uid: int | None = None) -> None:
@@ -231,6 +232,7 @@ class Pull:
         fresh_any = False
         err: tuple[FailureKind, str] | None = None
         remotes: dict[int, RemoteWorker] = {}
+        in_flight = False  # a coalesced READ put this load in w.inflight (kvd.core.coalesce)
         # A claim only asks (no lease changes on the source), so it is sent
         # now and its round trip overlaps the remote workers and the plan:
         # it is the largest daemon-side piece of a small load
@@ -284,7 +286,28 @@ class Pull:
                                             w.layout.num_blocks, remotes[p].layout.num_blocks, remotes[p].k,
                                             remotes[p].C, remotes[p].region_groups) for p in read_from}
             w.posting.add(rid)  # Pull.cancel waits for it: a post may be queued on the NIXL thread
-            for p in read_from:
+            retry = not fresh_any and retry_deadline is None
+            alone = read_from  # the READs posted one by one
+            if len(read_from) == 1 and w.session.epoch == epoch:
+                p = read_from[0]
+                r, (lidx, ridx) = remotes[p], chunks[p]
+                size = r.transfer_bytes(req.remote_groups)
+                if coalesce.CoalescedReads.fits(read_from, notify, size):
+                    alone = ()
+            if alone is not read_from:
+                # One transfer with the other small loads of this pass (kvd.core.coalesce).
+                local, remote = r.lists
+                outcome, value = await self.reads.read(
+                    w, epoch, r, local, remote, req, lidx, ridx,
+                    notif_message(req.remote_request_id, expected(p)), size, started, deadline, retry)
+                if outcome == coalesce.FAILED:
+                    err = value
+                elif outcome != coalesce.DROPPED:
+                    self.holds.notified(req.remote_address, req.remote_engine_id, p, req.remote_request_id,
+                                        expected(p))
+                    ndescs, nbytes, posts_s = len(lidx), size, value
+                    in_flight = outcome == coalesce.INFLIGHT
+            for p in alone:
                 if w.session.epoch != epoch:
                     break
                 r = remotes[p]
@@ -330,6 +353,9 @@ class Pull:
                 claim.cancel()
             elif not claim.cancelled():
                 claim.exception()  # retrieved: an early return never awaited it
+        if in_flight:  # Pull.cancel finds it there if its session ended since
+            w.posting.discard(rid)
+            return
         if w.session.epoch != epoch:
             # The session ended while posting: its shim reports these blocks
             # failed once the stream is closed, which waits for this release.
@@ -433,7 +459,17 @@ class Pull:
         progress fails once that READ has ended for good
         (``settle.end_reads``): vLLM reuses the blocks of a failed load."""
         for w in list(self.rt.workers.values()):
-            for load in [l for l in w.inflight.values() if l.deadline <= now]:
+            past = [l for l in w.inflight.values() if l.deadline <= now]
+            if not past:
+                continue
+            # A coalesced READ is a part of each load it carries
+            # (kvd.core.coalesce): once given up for one, it ends them all.
+            ending = {h for l in past for h, _ in l.parts}
+            if ending:
+                past += [l for l in w.inflight.values()
+                         if l.deadline > now and any(h in ending for h, _ in l.parts)]
+            given_up: set = set()
+            for load in past:
                 w.inflight.pop(load.req.request_id)
                 if load.parts:
                     # Said now: ending a READ that never ends (replacing the
@@ -443,7 +479,9 @@ class Pull:
                              ", ".join(r.agent_name for _, r in load.parts), now - load.started)
                 for h, r in load.parts:
                     self.peers.retire(w, r, "transfer past its deadline")
-                    self.rt.zombies.append((w.agent, h))
+                    if h not in given_up:
+                        given_up.add(h)
+                        self.rt.zombies.append((w.agent, h))
                 if load.parts:
                     asyncio.get_running_loop().create_task(self._fail_when_ended(w, load.req))
                 else:
@@ -460,14 +498,14 @@ class Pull:
         on the broken stream as failed and vLLM may reuse those blocks, so no
         READ of them may go on. Returns once none can land any more
         (``kvd.core.settle``); the session's stream ends after that."""
-        handles = []
+        handles = {}  # once each: a coalesced READ is a part of each load it carries
         for load in list(w.inflight.values()):
             del w.inflight[load.req.request_id]
             self.rt.counters.transfers_failed += 1
-            handles += [h for h, _ in load.parts]
+            handles.update(dict.fromkeys(h for h, _ in load.parts))
             self.rt.lines.warning(("cancelled", w.key), "%s request=%s: session ended; load cancelled", w.label,
                                   load.req.request_id)
-        await settle.cancel_reads(self.rt, self.registry, w, handles)
+        await settle.cancel_reads(self.rt, self.registry, w, list(handles))
 
     async def abort_load(self, w: Worker, request_id: str, remote_engine_id: str, remote_address: str,
                          remote_request_id: str, remote_tp_size: int) -> None:

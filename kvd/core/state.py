@@ -411,6 +411,7 @@ class Counters:
     claims_sent: int = 0       # claims asked of a source's daemon (PeerService.Claim), one per source rank
     claims_followed: int = 0   # source ranks whose hold the followed holds showed (no claim asked)
     claims_waited: int = 0     # source ranks whose load waited for the followed holds' next answers first
+    coalesced_reads: int = 0      # coalesced READs posted (kvd.core.coalesce): one for one or more loads
     same_node_copies: int = 0  # loads the daemon copied itself (kvd.core.local_copy), DRAM and VRAM
     same_node_vram_copies: int = 0  # of those, device copies (kvd.cuda_copy)
     handshakes: int = 0

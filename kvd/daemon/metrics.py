@@ -134,6 +134,8 @@ STATS_METRICS = (
     ("kvd_leaked_transfer_handles", "leaked_handles", "NIXL transfer handles not yet released"),
     ("kvd_notifications_dropped_total", "notifications_dropped",
      "NIXL notifications dropped unread, past the progress loop's backlog (a peer flooding them)"),
+    ("kvd_coalesced_reads_total", "coalesced_reads",
+     "Coalesced READs posted: small READs of one or more loads from one source rank, one NIXL transfer"),
     ("kvd_same_node_copies_total", "same_node_copies",
      "Loads this daemon copied itself (source and reader both registered here), no NIXL"),
     ("kvd_same_node_vram_copies_total", "same_node_vram_copies",
