@@ -11,7 +11,9 @@ compiler (``$CC``, else ``cc``) against the nixl wheel's own
 run twice: with the agents vLLM's NixlConnector makes (NIXL's progress
 thread spinning, ``pthrDelay`` 0; UCX ``num_threads`` 4) and with the ones
 kvd's daemons make (the progress thread sleeping in ``poll()`` up to
-``kvd.core.nixl_agent.PROGRESS_US``; the backend's default threads). CPU is
+``kvd.core.nixl_agent.PROGRESS_US``; the backend's default threads); with
+kvd's agents once more with each batch as one transfer (``coalesced``: what
+a decode daemon posts for small loads of one pass). CPU is
 each process's user + system time over the window (every thread), divided
 by the loads done in it; loads/s is the median batch's and the window's
 (batches and the gaps between them: NIXL's spinning progress thread makes
@@ -103,24 +105,37 @@ def native(binary: str, seconds: float, progress_us: int, num_threads: int, batc
 
 
 def plain(seconds: float, progress_us: int, num_threads: int, batch: int = CONCURRENCY,
-          block_len: int = BLOCK_LEN, poll_s: float = 50e-6) -> dict:
+          block_len: int = BLOCK_LEN, poll_s: float = 50e-6, coalesced: bool = False) -> dict:
     """Batches of ``batch`` one-block READs between two plain-NIXL Python
     processes (:class:`kvd.bench.nixl_pair.NixlPair`, as ``kvd bench``'s
     throughput case), for ``seconds`` after 3 untimed batches: loads/s
-    (median batch) and each process's CPU per load (us)."""
+    (median batch) and each process's CPU per load (us). ``coalesced``:
+    each batch is one transfer of ``batch`` blocks whose notification holds
+    a piece per load (``kvd.core.leases.notif_message``), as a decode daemon
+    posts small loads of one pass (``kvd.core.coalesce``)."""
+    from kvd.core.leases import notif_message
+
     src, dst, ids = segments(batch, block_len, 1)
     pair = None
+    merged = [(list(range(batch)), list(range(batch, 2 * batch)),
+               b"".join(notif_message(f"req-{i}", 1) for i in range(batch)))]
+
+    def one() -> float:
+        if not coalesced:
+            return nixl_batch(pair, block_len, src.size, ids, batch, poll_s)[0]
+        return max(pair.read_many(pair.prep(block_len, src.size // block_len), merged, poll_s))
+
     try:
         pair = NixlPair(src.name, src.size, dst.name, dst.size,
                         PeerConfig(pthr_delay_us=progress_us, num_threads=num_threads))
         for _ in range(3):
-            nixl_batch(pair, block_len, src.size, ids, batch, poll_s)
+            one()
         pids = (pair.reader.pid, pair.source.pid)
         c0 = [cm.cpu_seconds(p) for p in pids]
         t0 = time.monotonic()
         walls = []
         while time.monotonic() - t0 < seconds:
-            walls.append(nixl_batch(pair, block_len, src.size, ids, batch, poll_s)[0])
+            walls.append(one())
         elapsed = time.monotonic() - t0
         c1 = [cm.cpu_seconds(p) for p in pids]
     finally:
@@ -143,6 +158,8 @@ def run(seconds: float, rounds: int) -> dict:
         for name, progress_us, threads in AGENTS:
             runs.setdefault(f"NIXL from C, {name}", []).append(native(binary, seconds, progress_us, threads))
             runs.setdefault(f"NIXL from Python, {name}", []).append(plain(seconds, progress_us, threads))
+        runs.setdefault("NIXL from Python, kvd's agents, coalesced", []).append(
+            plain(seconds, PROGRESS_US, 0, coalesced=True))
         k = cpu_per_load.run(seconds)
         runs.setdefault("kvd (one P, one D daemon)", []).append(dict(
             loads=k["loads"], loads_s=k["loads"] / k["seconds"], median_batch_loads_s=k["loads_s_median"],

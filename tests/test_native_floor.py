@@ -59,3 +59,13 @@ def test_native_floor_refuses_bad_arguments_before_running(args, says, capsys):
     with pytest.raises(SystemExit) as e:
         nf.main(args)
     assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_the_coalesced_case_moves_each_batch_as_one_transfer():
+    """The case that sizes kvd.core.coalesce: each batch one READ of its
+    blocks, with a notification of a piece per load (real NIXL processes)."""
+    from kvd.core.nixl_agent import PROGRESS_US
+
+    res = nf.plain(0.3, PROGRESS_US, 0, batch=8, coalesced=True)
+    assert res["loads"] > 0 and res["loads"] % 8 == 0
+    assert res["reader_cpu_us_per_load"] > 0 and res["source_cpu_us_per_load"] > 0
