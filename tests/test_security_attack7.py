@@ -322,6 +322,7 @@ def test_a_poll_drops_the_excess_as_a_count_before_the_event_loop_sees_it():
 # As fast as one Python process sends: NIXL's native genNotif, each id unique.
 FLOOD = r"""
 import os, sys, time
+from kvd.core.leases import notif_message
 from kvd.core.nixl_agent import NixlAgent
 md = open(sys.argv[1], "rb").read(); secs = float(sys.argv[2])
 a = NixlAgent("a7-hostile")
@@ -331,7 +332,7 @@ native = a._agent.agent; gen = native.genNotif
 n = 0; t0 = time.monotonic(); pre = os.urandom(500).hex()[:988]
 while time.monotonic() - t0 < secs:
     for i in range(n, n + 4096):
-        gen(name, f"{pre}{i:012d}:1".encode())
+        gen(name, notif_message(f"{pre}{i:012d}", 1))
     n += 4096
     native.getNotifs({}, [])  # its own progress
 print("SENT", n, flush=True)
@@ -410,3 +411,45 @@ def test_a_flood_of_bare_notifications_neither_holds_the_loop_nor_grows_memory_u
     # +129-192 MiB, once +378 MiB (a fresh clone's full run, 1.8M sent); the excess dropped on the
     # event loop instead: +1.3-1.5 GiB pinned, +2.3 GiB unpinned in CI. The bound tells the two apart.
     assert peak - rss0 < 768 << 10, (rss0, peak)
+
+
+ODD = r"""
+import sys, time
+from kvd.core.leases import notif_message
+from kvd.core.nixl_agent import NixlAgent
+md = open(sys.argv[1], "rb").read()
+a = NixlAgent("a7-odd")
+name = a.add_remote(md); a.connect(name)
+time.sleep(0.5)
+native = a._agent.agent
+piece = "odd-none:\u00b2".encode()  # "\u00b2".isdigit() is true; int() of it raises
+native.genNotif(name, len(piece).to_bytes(2, "big") + piece)
+native.genNotif(name, notif_message("odd-held", 1) + notif_message("odd-never-held", 1))
+for _ in range(40):
+    native.getNotifs({}, [])  # its own progress
+    time.sleep(0.05)
+print("SENT", flush=True)
+"""
+
+
+def test_a_notification_whose_count_is_not_ascii_digits_is_ignored_and_the_daemon_keeps_going(pd, tmp_path):
+    """A notification's count was checked with ``str.isdigit``, true for
+    "\u00b2" ("2" superscript), and then read with ``int()``, which raises
+    on it: one such notification from a peer that loaded a worker's agent
+    metadata (any handshake gives it) raised out of the progress loop,
+    which then stopped for good (no READ polled, no lease or load past its
+    deadline ended). Now it is malformed, ignored with a throttled line,
+    and a notification of two pieces after it ends the held lease it names."""
+    d, p, dec = pd
+    md = tmp_path / "md"
+    md.write_bytes(describe(d, p).agent_metadata)
+    p.hold("odd-held", [6])
+    out = subprocess.run([sys.executable, "-c", ODD, str(md)], capture_output=True, text=True, timeout=120,
+                         env=child_env())
+    assert "SENT" in out.stdout, out.stderr[-2000:]
+    ev = p.wait("odd-held", 30)
+    assert ev.WhichOneof("event") == "send_done" and not ev.send_done.expired, ev
+    p.hold("odd-after", [7])
+    dec.load("odd-after", [7], p, [7], "odd-after", timeout_s=30)
+    assert event_kind(dec.wait("odd-after", 60)) == "recv_done"
+    assert "malformed notification from" in d.log()
