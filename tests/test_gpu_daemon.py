@@ -14,6 +14,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from kvd.core.state import PROTOCOL_VERSION
 from kvd import cudart
 from kvd.core.cuda_ipc import NO_GPU
 from kvd.v1 import kvd_pb2 as pb
@@ -67,7 +68,7 @@ def test_an_shm_engine_registers_and_handshakes_as_dram_after_a_refused_gpu_one(
         assert (w.memory, w.data_path) == ("DRAM", "direct")
         peer = pb_grpc.PeerServiceStub(grpc.insecure_channel(daemon.peer_address))
         hs = peer.Handshake(pb.HandshakeRequest(engine_id="cpu-engine", tp_rank=0, compat_hash=resp.compat_hash,
-                                                protocol_version=1), timeout=10)
+                                                protocol_version=PROTOCOL_VERSION), timeout=10)
         assert (hs.memory, hs.device) == ("DRAM", 0)
         daemon.stub().UnregisterEngine(pb.UnregisterEngineRequest(worker=pb.EngineWorker(engine_id="cpu-engine"),
                                                                   session_token=resp.session_token), timeout=30)

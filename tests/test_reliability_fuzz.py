@@ -39,6 +39,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvd.core.state import PROTOCOL_VERSION
 from kvd.command_wire import Deframer, command_socket_path, frame
 from kvd.testing.daemons import start_daemon
 from kvd.testing.fakes import FakePeer, closed_address
@@ -274,7 +275,7 @@ def test_fuzz_raw_bytes_every_method(target):
     valid = [register_request("fz-raw", SHAPE, target["spare"]).SerializeToString(),
              pb.SessionCommand(load=pb.LoadBlocks(request_id="r", local_groups=[pb.BlockIds(ids=[1, 2])])
                                ).SerializeToString(),
-             pb.HandshakeRequest(engine_id="fz-prefill", protocol_version=1).SerializeToString(),
+             pb.HandshakeRequest(engine_id="fz-prefill", protocol_version=PROTOCOL_VERSION).SerializeToString(),
              pb.PushRequest(engine_id="fz-prefill", request_id="r", source_groups=[pb.BlockIds(ids=[1])],
                             reader=pb.HandshakeResponse(agent_metadata=b"m", region_base_addrs=[1]),
                             reader_groups=[pb.BlockIds(ids=[1])], expected_notifications=1).SerializeToString(),
@@ -377,7 +378,7 @@ def test_fuzz_peer_handshake_requests(target):
     reqs = st.builds(pb.HandshakeRequest,
                      engine_id=st.one_of(st.just(p.engine_id), text), tp_rank=st.one_of(st.just(0), any_u32),
                      daemon_version=text, compat_hash=st.one_of(st.just(p.registered.compat_hash), st.just(""), text),
-                     protocol_version=st.one_of(st.just(1), any_u32))
+                     protocol_version=st.one_of(st.just(PROTOCOL_VERSION), any_u32))
 
     @examples("peer_handshake")
     @given(req=reqs)
@@ -395,7 +396,7 @@ def _describe(daemon, eng) -> pb.HandshakeResponse:
     """``eng`` as its daemon's PeerService describes it (real agent metadata)."""
     return pb_grpc.PeerServiceStub(grpc.insecure_channel(daemon.peer_address)).Handshake(
         pb.HandshakeRequest(engine_id=eng.engine_id, tp_rank=0, compat_hash=eng.registered.compat_hash,
-                            protocol_version=1), timeout=10)
+                            protocol_version=PROTOCOL_VERSION), timeout=10)
 
 
 
@@ -451,7 +452,7 @@ def test_fuzz_push_requests(target):
             reader_groups=dg, expected_notifications=n, timeout_s=t)),
         st.booleans(), text, st.one_of(st.just(p.engine_id), text), st.one_of(st.just(0), any_u32),
         command_groups, forged(reader, p.registered.compat_hash), st.one_of(st.just(0), any_u32), command_groups,
-        st.one_of(st.just(1), any_u32), doubles)
+        st.one_of(st.just(PROTOCOL_VERSION), any_u32), doubles)
 
     @examples("push")
     @given(push=pushes)
@@ -483,7 +484,7 @@ def test_fuzz_notify_requests(target):
     stub = pb_grpc.PeerServiceStub(grpc.insecure_channel(d.peer_address))
     reqs = st.builds(pb.NotifyRequest, engine_id=st.one_of(st.just(p.engine_id), text),
                      tp_rank=st.one_of(st.just(0), any_u32), request_id=text,
-                     expected_notifications=st.one_of(st.just(1), any_u32))
+                     expected_notifications=st.one_of(st.just(PROTOCOL_VERSION), any_u32))
 
     @examples("notify")
     @given(req=reqs)

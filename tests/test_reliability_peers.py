@@ -16,6 +16,7 @@ import time
 import grpc
 import pytest
 
+from kvd.core.state import PROTOCOL_VERSION
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 from kvd.testing.daemons import start_daemon
@@ -309,7 +310,7 @@ def test_a_replayed_peer_description_neither_breaks_nor_replaces_the_real_peer(d
     request failed its READ and handshook again, or failed outright.)"""
     real = pb_grpc.PeerServiceStub(grpc.insecure_channel(prefill.peer_address)).Handshake(
         pb.HandshakeRequest(engine_id=healthy.engine_id, tp_rank=0, compat_hash=small.registered.compat_hash,
-                            protocol_version=1), timeout=10)
+                            protocol_version=PROTOCOL_VERSION), timeout=10)
     mangled = pb.HandshakeResponse()
     mangled.CopyFrom(real)
     mangled.layout.num_blocks = 2 * SMALL.num_blocks
@@ -404,7 +405,7 @@ def test_a_handshake_slower_than_the_handshake_timeout_is_tried_once_more_within
     e = Engine(d, "retry-d", SMALL)
     real = pb_grpc.PeerServiceStub(grpc.insecure_channel(prefill.peer_address)).Handshake(
         pb.HandshakeRequest(engine_id=healthy.engine_id, tp_rank=0, compat_hash=e.registered.compat_hash,
-                            protocol_version=1), timeout=10)
+                            protocol_version=PROTOCOL_VERSION), timeout=10)
 
     def late_once(request, context):
         if relay.calls == 1:

@@ -32,6 +32,7 @@ import sys
 import numpy as np
 import pytest
 
+from kvd.core.state import PROTOCOL_VERSION
 from kvd.testing.daemons import start_daemon
 from kvd.testing.processes import child_env
 from kvd.testing.security import NOBODY, reachable_dir
@@ -84,7 +85,7 @@ stub = pb_grpc.PeerServiceStub(grpc.insecure_channel(addr))
 os.setgroups([]); os.setgid(uid); os.setuid(uid)
 out = {}
 for name, call in (
-        ("handshake", lambda: stub.Handshake(pb.HandshakeRequest(engine_id=engine_id, protocol_version=1), timeout=10)),
+        ("handshake", lambda: stub.Handshake(pb.HandshakeRequest(engine_id=engine_id, protocol_version=PROTOCOL_VERSION), timeout=10)),
         ("notify", lambda: stub.Notify(pb.NotifyRequest(engine_id=engine_id, request_id=request_id,
                                                         expected_notifications=1), timeout=10))):
     try:

@@ -19,6 +19,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvd.core.state import PROTOCOL_VERSION
 from kvd.testing.daemons import start_daemon
 from kvd.testing.nixl_peer import PEER_AGENT
 from kvd.testing.processes import child_env
@@ -65,7 +66,7 @@ def serve():
 threading.Thread(target=serve, daemon=True).start()
 stub = pb_grpc.PeerServiceStub(grpc.insecure_channel(f"127.0.0.1:{relay.getsockname()[1]}"))
 try:
-    r = stub.Handshake(pb.HandshakeRequest(engine_id=engine_id, protocol_version=1), timeout=10)
+    r = stub.Handshake(pb.HandshakeRequest(engine_id=engine_id, protocol_version=PROTOCOL_VERSION), timeout=10)
     out.update(ok=True, metadata_bytes=len(r.agent_metadata), regions=len(r.region_base_addrs))
 except grpc.RpcError as e:
     out.update(ok=False, code=e.code().name, details=e.details())
@@ -171,7 +172,7 @@ class HostilePeer:
         self.answer = pb.HandshakeResponse(
             agent_metadata=bytes.fromhex(md), agent_name=name, layout=shape.layout(), regions=regions,
             region_base_addrs=[int(base) + r.offset for r in regions], compat_hash=compat_hash,
-            daemon_version="0", protocol_version=1, tp_size=1, memory="DRAM")
+            daemon_version="0", protocol_version=PROTOCOL_VERSION, tp_size=1, memory="DRAM")
         peer = self
 
         class Servicer(pb_grpc.PeerServiceServicer):

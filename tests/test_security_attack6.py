@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 from google.protobuf.internal.encoder import _VarintBytes
 
+from kvd.core.state import PROTOCOL_VERSION
 from kvd.core import hold_feed as hf
 from kvd.core import hold_mirror as hm
 from kvd.core.hold_feed import HoldChange, HoldFeed, HoldsAnswer
@@ -93,7 +94,7 @@ class HostileSource:
         handshake = pb.HandshakeResponse(
             agent_metadata=bytes.fromhex(md), agent_name=name, layout=shape.layout(), regions=regions,
             region_base_addrs=[int(base) + r.offset for r in regions], compat_hash=compat_hash,
-            daemon_version="0", protocol_version=1, tp_size=1, memory="DRAM").SerializeToString()
+            daemon_version="0", protocol_version=PROTOCOL_VERSION, tp_size=1, memory="DRAM").SerializeToString()
         self.holds = lambda req: pb.HoldsResponse(epoch="ep", reset=True).SerializeToString()
         self.polls = 0
 

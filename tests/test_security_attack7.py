@@ -24,6 +24,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
+from kvd.core.state import PROTOCOL_VERSION
 from kvd.core import progress as progress_mod
 from kvd.core.leases import LeaseTable
 from kvd.core.progress import Progress
@@ -51,7 +52,7 @@ def describe(d, eng: Engine) -> pb.HandshakeResponse:
     ch = grpc.insecure_channel(d.peer_address)
     try:
         return pb_grpc.PeerServiceStub(ch).Handshake(pb.HandshakeRequest(
-            engine_id=eng.engine_id, tp_rank=0, compat_hash=eng.registered.compat_hash, protocol_version=1),
+            engine_id=eng.engine_id, tp_rank=0, compat_hash=eng.registered.compat_hash, protocol_version=PROTOCOL_VERSION),
             timeout=10)
     finally:
         ch.close()

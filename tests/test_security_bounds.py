@@ -13,6 +13,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from kvd.core.state import PROTOCOL_VERSION
 from kvd.core.limits import BOUNDS
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
@@ -169,7 +170,7 @@ def test_agent_metadata_past_the_cap_is_refused(daemons, engines):
         return pb.HandshakeResponse(agent_metadata=b"m" * (BOUNDS.max_agent_metadata + 1), agent_name="huge",
                                     layout=SHAPE.layout(), regions=SHAPE.regions(),
                                     region_base_addrs=[4096] * SHAPE.num_regions, compat_hash=request.compat_hash,
-                                    daemon_version="x", protocol_version=1, tp_size=1)
+                                    daemon_version="x", protocol_version=PROTOCOL_VERSION, tp_size=1)
 
     fake = FakePeer(respond)
     agents = d.stats().remote_agents

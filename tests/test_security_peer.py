@@ -13,6 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvd.core.state import PROTOCOL_VERSION
 from kvd.daemon.peer_auth import HEADER, PeerAuth
 from kvd.v1 import kvd_pb2 as pb
 from kvd.testing.fakes import FakePeer
@@ -23,7 +24,7 @@ from kvd.testing.security import Pki
 SHAPE = KvShape(num_layers=2, num_blocks=16, block_len=2048)
 TOKEN = b"kvd-test-token-" + b"0123456789abcdef" * 2
 HANDSHAKE = "/kvd.v1.PeerService/Handshake"
-NOBODY_HERE = pb.HandshakeRequest(engine_id="nobody-here", protocol_version=1).SerializeToString()
+NOBODY_HERE = pb.HandshakeRequest(engine_id="nobody-here", protocol_version=PROTOCOL_VERSION).SerializeToString()
 
 
 @pytest.fixture(scope="module")

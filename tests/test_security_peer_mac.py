@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+from kvd.core.state import PROTOCOL_VERSION
 from kvd.daemon import peer_auth
 from kvd.daemon.peer_auth import HEADER, PeerAuth, PeerAuthError, ReplayWindowFull
 from kvd.v1 import kvd_pb2 as pb
@@ -148,7 +149,7 @@ def test_a_captured_header_cannot_carry_another_body(env):
 
 def test_an_old_v1_header_is_refused_naming_the_version(env):
     p, listen = env["p"], env["listen"]
-    body = pb.HandshakeRequest(engine_id="nobody-here", protocol_version=1).SerializeToString()
+    body = pb.HandshakeRequest(engine_id="nobody-here", protocol_version=PROTOCOL_VERSION).SerializeToString()
     ts, nonce = str(int(time.time())), "ab" * 16
     fields = ("kvd-peer-call", "/kvd.v1.PeerService/Handshake", p.peer_address, ts, nonce)
     mac = hmac.new(TOKEN, "\n".join(fields).encode(), hashlib.sha256).hexdigest()  # v1: no body in the MAC

@@ -34,6 +34,7 @@ import time
 import grpc
 import pytest
 
+from kvd.core.state import PROTOCOL_VERSION
 from kvd.core import push as push_mod
 from kvd.core.events import PeerUnavailable, ResourceExhausted
 from kvd.core.layout import Layout, Region
@@ -94,7 +95,7 @@ def source(tmp_path, *flags: str):
         e.hold("req", [1, 2], lease_s=600)
         e.held("req", [1, 2])  # a Push waits for no hold: the first push met NOT_FOUND once on a busy machine
         real = stub.Handshake(pb.HandshakeRequest(engine_id=e.engine_id, tp_rank=0,
-                                                  compat_hash=e.registered.compat_hash, protocol_version=1),
+                                                  compat_hash=e.registered.compat_hash, protocol_version=PROTOCOL_VERSION),
                               timeout=10)
         yield d, e, stub, real, reader
     finally:

@@ -16,6 +16,7 @@ from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvd.core.state import PROTOCOL_VERSION
 from kvd.command_wire import command_socket_path, frame
 from kvd.core.limits import BOUNDS, Limits
 from kvd.daemon import wire_shape as ws
@@ -417,7 +418,7 @@ def test_what_an_honest_daemon_answers_at_the_bounds_passes():
                          num_layers=n, block_lens=[2**20] * n, total_kv_heads=64),
         regions=[pb.Region(segment_index=n - 1, offset=2**40, block_len=2**20, block_stride=2**21,
                            name="model.layers.79.self_attn.attn/k", group=n - 1)] * n,
-        region_base_addrs=[2**47] * n, daemon_version="v", protocol_version=1, tp_size=8, memory="VRAM",
+        region_base_addrs=[2**47] * n, daemon_version="v", protocol_version=PROTOCOL_VERSION, tp_size=8, memory="VRAM",
         device=7, warm_up_addr=2**47, holds_epoch="e" * 32)
     for msg in (hs, pb.PushRequest(engine_id="e", request_id="r", reader=hs,
                                    source_groups=[pb.BlockIds(ids=range(8))] * n,

@@ -30,8 +30,11 @@ What stays per load, as for a READ of its own (``kvd.core.pull``):
   (``kvd.core.progress``); a load past its deadline ends the others it
   shares a READ with (``Pull.expire``): NIXL cannot stop a READ for one of
   the loads it carries, and no byte may land after a load was said failed;
+  those inside their own deadlines are tried again, alone, once it has
+  ended for good;
 - a post that fails (an error, or ``ERR``) fails every load it carries, each
-  then tried again once after a new handshake, as a READ of its own is.
+  then tried again once after a new handshake, as a READ of its own is;
+  a second try is always posted alone (its deadline is its first try's).
 
 Every member comes from the same worker (the batch key is its agent), so
 one engine's loads never share a transfer, a notification or a failure with
@@ -41,6 +44,7 @@ another engine's.
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,6 +54,8 @@ from kvd.core.limits import BOUNDS
 from kvd.core.runtime import Runtime
 from kvd.core.state import InflightLoad, RemoteWorker, Worker
 from kvd.requests import LoadRequest
+
+log = logging.getLogger("kvd.core")
 
 #: Outcomes of :meth:`CoalescedReads.read`, each with its value.
 INFLIGHT = "inflight"  # posted and in progress: the load is in Worker.inflight now; value: post seconds, its share
@@ -147,7 +153,7 @@ class CoalescedReads:
         except Exception as e:  # NixlError, or a bug: each member's load ends with it
             return _fail(members, e)
         if ran:
-            self._posted(b, members, res)
+            self._answer(b, members, res)
         else:
             asyncio.get_running_loop().create_task(self._post_on_thread(b, members, args))
 
@@ -159,7 +165,16 @@ class CoalescedReads:
         except asyncio.CancelledError:  # the daemon stopping: no member may wait for ever
             _fail(members, RuntimeError("the post was cancelled"))
             raise
-        self._posted(b, members, res)
+        self._answer(b, members, res)
+
+    def _answer(self, b: _Batch, members: list[_Member], res: tuple) -> None:
+        """:meth:`_posted`, whose error (a bug) still answers each member:
+        this runs outside any load's task, whose catch-all would have."""
+        try:
+            self._posted(b, members, res)
+        except Exception as e:
+            log.exception("coalesced READ of %d load(s): answering the post failed", len(members))
+            _fail(members, e)
 
     def _posted(self, b: _Batch, members: list[_Member], res: tuple) -> None:
         """Batch ``b`` was posted (``res``: ``Pull._post``'s answer): its

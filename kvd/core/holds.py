@@ -40,7 +40,7 @@ from kvd.core.events import (
 )
 from kvd.core.hold_mirror import HoldMirror
 from kvd.core.layout import LayoutError
-from kvd.core.leases import parse_notif
+from kvd.core.leases import notif_pieces, parse_notif
 from kvd.core.limits import BOUNDS
 from kvd.core.plan import check_block_ids
 from kvd.core.runtime import Runtime
@@ -180,13 +180,14 @@ class Holds:
     def on_notif(self, w: Worker, remote_agent: str, msg: bytes) -> int:
         """A NIXL notification from ``remote_agent`` (a reader's READ, or a
         bare one): one piece per load it notifies (``kvd.core.leases``).
-        Returns how many pieces it held (1 for a malformed one, ignored
-        whole): the progress loop's budget per pass counts pieces."""
+        Returns how many pieces it held (for a malformed one, ignored whole,
+        those its parse walked): the progress loop's budget per pass counts
+        pieces."""
         parsed = parse_notif(msg)
         if parsed is None:
             self._malformed.warning("%s: malformed notification from %s ignored (%d bytes)", w.label, remote_agent,
                                     len(msg))
-            return 1
+            return notif_pieces(msg)
         now = time.monotonic()
         for request_id, expected in parsed:
             if w.leases.notify(request_id, expected, now):

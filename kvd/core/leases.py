@@ -82,6 +82,18 @@ def parse_notif(msg: bytes) -> list[tuple[str, int]] | None:
     return out or None
 
 
+def notif_pieces(msg: bytes) -> int:
+    """How many pieces :func:`parse_notif` walks in ``msg`` (at least 1, at
+    most ``BOUNDS.max_loads_per_read`` + 1), reading only their lengths:
+    what a malformed notification cost to find so, for the progress loop's
+    budget (a hostile peer's 63 good pieces and a bad last one cost 64)."""
+    n = at = 0
+    while at < len(msg) and n <= BOUNDS.max_loads_per_read:
+        at += 2 + int.from_bytes(msg[at:at + 2], "big")
+        n += 1
+    return max(n, 1)
+
+
 @dataclass
 class Lease:
     """Blocks of one request held until ``deadline`` (monotonic seconds).

@@ -292,8 +292,8 @@ class Pull:
                 p = read_from[0]
                 r, (lidx, ridx) = remotes[p], chunks[p]
                 size = r.transfer_bytes(req.remote_groups)
-                if coalesce.CoalescedReads.fits(read_from, notify, size):
-                    alone = ()
+                if retry_deadline is None and coalesce.CoalescedReads.fits(read_from, notify, size):
+                    alone = ()  # a second try goes alone: its deadline is older than the others'
             if alone is not read_from:
                 # One transfer with the other small loads of this pass (kvd.core.coalesce).
                 local, remote = r.lists
@@ -463,15 +463,16 @@ class Pull:
             if not past:
                 continue
             # A coalesced READ is a part of each load it carries
-            # (kvd.core.coalesce): once given up for one, it ends them all.
+            # (kvd.core.coalesce): given up for one, it is given up for all;
+            # the others, inside their own deadlines, are tried again once
+            # it has ended for good.
             ending = {h for l in past for h, _ in l.parts}
-            if ending:
-                past += [l for l in w.inflight.values()
-                         if l.deadline > now and any(h in ending for h, _ in l.parts)]
+            sharers = [l for l in w.inflight.values()
+                       if l.deadline > now and any(h in ending for h, _ in l.parts)] if ending else []
             given_up: set = set()
-            for load in past:
+            for load in past + sharers:
                 w.inflight.pop(load.req.request_id)
-                if load.parts:
+                if load.parts and load.deadline <= now:
                     # Said now: ending a READ that never ends (replacing the
                     # agent) takes a while, and the engine may give up first.
                     log.info("%s request=%s: READ from %s still in progress at the deadline, %.1f s after "
@@ -482,7 +483,9 @@ class Pull:
                     if h not in given_up:
                         given_up.add(h)
                         self.rt.zombies.append((w.agent, h))
-                if load.parts:
+                if load.deadline > now:
+                    asyncio.get_running_loop().create_task(self._retry_when_ended(w, load, w.session.epoch))
+                elif load.parts:
                     asyncio.get_running_loop().create_task(self._fail_when_ended(w, load.req))
                 else:
                     self._fail(w, load.req, K.TIMEOUT, "timeout: transfer past its deadline")
@@ -491,6 +494,24 @@ class Pull:
         try:
             await settle.end_reads(self.rt, self.registry, w, f"request {req.request_id} past its deadline")
         finally:
+            self._fail(w, req, K.TIMEOUT, "timeout: transfer past its deadline")
+
+    async def _retry_when_ended(self, w: Worker, load: InflightLoad, epoch: int) -> None:
+        """``load`` shared a coalesced READ with a load past its deadline and
+        is inside its own: once that READ has ended for good (no byte of it
+        can land after this load's next answer), it is tried again alone
+        within its deadline (dropped if its session ended meanwhile), else
+        fails ``TIMEOUT``."""
+        req = load.req
+        try:
+            await settle.end_reads(self.rt, self.registry, w, f"a READ request {req.request_id} shared went past "
+                                   "another load's deadline")
+        except BaseException:
+            self._fail(w, req, K.TIMEOUT, "timeout: transfer past its deadline")
+            raise
+        if time.monotonic() < load.deadline:
+            await self.load(w, req, retry_deadline=load.deadline, epoch=epoch)
+        else:
             self._fail(w, req, K.TIMEOUT, "timeout: transfer past its deadline")
 
     async def cancel(self, w: Worker) -> None:

@@ -34,7 +34,11 @@ PeerKey = tuple[str, str, int]  # (address, engine_id, tp_rank)
 # handshake. Bump on any incompatible PeerService or notification change.
 # PeerService.Claim came later without a bump (a reader asks, an older source
 # answers UNIMPLEMENTED and the load fails with that message; docs/SECURITY.md).
-PROTOCOL_VERSION = 1
+# 2: a READ's notification is length-prefixed pieces, one per load it
+# carries (kvd.core.leases, kvd.core.coalesce); version 1's bare
+# "<request id>:<expected>" is malformed to it, and its pieces were to 1:
+# the two handshaked and READ, and no lease ended until its deadline.
+PROTOCOL_VERSION = 2
 
 
 @dataclass(frozen=True)

@@ -330,7 +330,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("engines", "regions", "registered_bytes", "peers", "active_leases", "inflight_transfers", "bytes_read", "transfers_done", "transfers_failed", "leases_expired", "sessions", "uptime_s", "daemon_version", "peer_address", "leaked_handles", "remote_agents", "early_notifications", "pending_events", "prepped_dlists", "dlists_preparing", "quarantined_workers", "leases_renewed", "claims_sent", "claims_followed", "holds_followed", "claims_waited", "notifications_dropped", "holds_answers_applied", "holds_answers_sent", "workers", "remote_workers", "data_path", "versions", "backends", "draining", "metrics_address", "warm_peers", "command_socket", "lease_s", "max_lease_life_s", "follow_holds", "warm_peers_configured", "peer_auth", "peer_listen")
+    __slots__ = ("engines", "regions", "registered_bytes", "peers", "active_leases", "inflight_transfers", "bytes_read", "transfers_done", "transfers_failed", "leases_expired", "sessions", "uptime_s", "daemon_version", "peer_address", "leaked_handles", "remote_agents", "early_notifications", "pending_events", "prepped_dlists", "dlists_preparing", "quarantined_workers", "leases_renewed", "claims_sent", "claims_followed", "holds_followed", "claims_waited", "notifications_dropped", "holds_answers_applied", "holds_answers_sent", "coalesced_reads", "workers", "remote_workers", "data_path", "versions", "backends", "draining", "metrics_address", "warm_peers", "command_socket", "lease_s", "max_lease_life_s", "follow_holds", "warm_peers_configured", "peer_auth", "peer_listen")
     class VersionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -367,6 +367,7 @@ class StatsResponse(_message.Message):
     NOTIFICATIONS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     HOLDS_ANSWERS_APPLIED_FIELD_NUMBER: _ClassVar[int]
     HOLDS_ANSWERS_SENT_FIELD_NUMBER: _ClassVar[int]
+    COALESCED_READS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     DATA_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -411,6 +412,7 @@ class StatsResponse(_message.Message):
     notifications_dropped: int
     holds_answers_applied: int
     holds_answers_sent: int
+    coalesced_reads: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStats]
     remote_workers: _containers.RepeatedCompositeFieldContainer[PeerStats]
     data_path: str
@@ -426,7 +428,7 @@ class StatsResponse(_message.Message):
     warm_peers_configured: _containers.RepeatedScalarFieldContainer[str]
     peer_auth: PeerAuthMode
     peer_listen: str
-    def __init__(self, engines: _Optional[int] = ..., regions: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., peers: _Optional[int] = ..., active_leases: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., bytes_read: _Optional[int] = ..., transfers_done: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., leases_expired: _Optional[int] = ..., sessions: _Optional[int] = ..., uptime_s: _Optional[float] = ..., daemon_version: _Optional[str] = ..., peer_address: _Optional[str] = ..., leaked_handles: _Optional[int] = ..., remote_agents: _Optional[int] = ..., early_notifications: _Optional[int] = ..., pending_events: _Optional[int] = ..., prepped_dlists: _Optional[int] = ..., dlists_preparing: _Optional[int] = ..., quarantined_workers: _Optional[int] = ..., leases_renewed: _Optional[int] = ..., claims_sent: _Optional[int] = ..., claims_followed: _Optional[int] = ..., holds_followed: _Optional[int] = ..., claims_waited: _Optional[int] = ..., notifications_dropped: _Optional[int] = ..., holds_answers_applied: _Optional[int] = ..., holds_answers_sent: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., remote_workers: _Optional[_Iterable[_Union[PeerStats, _Mapping]]] = ..., data_path: _Optional[str] = ..., versions: _Optional[_Mapping[str, str]] = ..., backends: _Optional[_Iterable[str]] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., warm_peers: _Optional[_Iterable[_Union[WarmPeerStats, _Mapping]]] = ..., command_socket: _Optional[str] = ..., lease_s: _Optional[float] = ..., max_lease_life_s: _Optional[float] = ..., follow_holds: _Optional[bool] = ..., warm_peers_configured: _Optional[_Iterable[str]] = ..., peer_auth: _Optional[_Union[PeerAuthMode, str]] = ..., peer_listen: _Optional[str] = ...) -> None: ...
+    def __init__(self, engines: _Optional[int] = ..., regions: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., peers: _Optional[int] = ..., active_leases: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., bytes_read: _Optional[int] = ..., transfers_done: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., leases_expired: _Optional[int] = ..., sessions: _Optional[int] = ..., uptime_s: _Optional[float] = ..., daemon_version: _Optional[str] = ..., peer_address: _Optional[str] = ..., leaked_handles: _Optional[int] = ..., remote_agents: _Optional[int] = ..., early_notifications: _Optional[int] = ..., pending_events: _Optional[int] = ..., prepped_dlists: _Optional[int] = ..., dlists_preparing: _Optional[int] = ..., quarantined_workers: _Optional[int] = ..., leases_renewed: _Optional[int] = ..., claims_sent: _Optional[int] = ..., claims_followed: _Optional[int] = ..., holds_followed: _Optional[int] = ..., claims_waited: _Optional[int] = ..., notifications_dropped: _Optional[int] = ..., holds_answers_applied: _Optional[int] = ..., holds_answers_sent: _Optional[int] = ..., coalesced_reads: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., remote_workers: _Optional[_Iterable[_Union[PeerStats, _Mapping]]] = ..., data_path: _Optional[str] = ..., versions: _Optional[_Mapping[str, str]] = ..., backends: _Optional[_Iterable[str]] = ..., draining: _Optional[bool] = ..., metrics_address: _Optional[str] = ..., warm_peers: _Optional[_Iterable[_Union[WarmPeerStats, _Mapping]]] = ..., command_socket: _Optional[str] = ..., lease_s: _Optional[float] = ..., max_lease_life_s: _Optional[float] = ..., follow_holds: _Optional[bool] = ..., warm_peers_configured: _Optional[_Iterable[str]] = ..., peer_auth: _Optional[_Union[PeerAuthMode, str]] = ..., peer_listen: _Optional[str] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
     __slots__ = ("engine_id", "tp_rank", "tp_size", "model", "agent_name", "compat_hash", "regions", "num_blocks", "block_size", "registered_bytes", "active_leases", "inflight_transfers", "sessions", "peers", "memory", "data_path", "handover")
