@@ -403,16 +403,21 @@ class EngineService(pb_grpc.EngineServiceServicer):
                     e = events.popleft()
                     tp.hit(tp.EVENT, e.request_id)
                     yield event_to_pb(e)
+                if w.session.overflowed:
+                    if drop is not None and w.session.on_overflow is not drop:
+                        # Its events overflowed before the writer was set up
+                        # here (a burst of commands read at once): the
+                        # connection ends now too, as it does after.
+                        drop()
+                    raise SessionRefused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                         f"session dropped: more than {w.session.overflowed} of events "
+                                         f"queued unread")
                 if sink is not None and w.session.streams == 1 and w.session.sink is None:
                     # Nothing queued and this the worker's only session: later
                     # events are written at once (again, after a second
                     # session came and went, or after the socket was full).
                     w.session.sink = sink
                     w.session.on_overflow = drop
-                if w.session.overflowed:
-                    raise SessionRefused(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                         f"session dropped: more than {w.session.overflowed} of events "
-                                         f"queued unread")
                 if reader.done():
                     break
                 wakeup.clear()
