@@ -12,11 +12,11 @@ So a load whose plan reads from one source rank and notifies only that one,
 with a READ of at most ``BOUNDS.inline_post_max_bytes``, joins the open batch
 of its worker's agent, source and descriptor lists (:meth:`CoalescedReads.read`).
 The batch goes out once the loads already queued on the event loop have run
-(``call_soon``): one transfer of every member's descriptors, whose
+(its first load yields the loop once, then posts it): one transfer of every member's descriptors, whose
 notification is the members' pieces joined (``kvd.core.leases``), at most
 ``BOUNDS.max_loads_per_read`` loads and ``inline_post_max_bytes`` bytes; a
 load that does not fit opens the next batch. A load alone goes out the same
-way, one loop callback later than it would have alone.
+way, one pass of the loop later than it would have alone.
 
 What stays per load, as for a READ of its own (``kvd.core.pull``):
 
@@ -110,28 +110,38 @@ class CoalescedReads:
         (``nbytes``: its bytes)."""
         return len(read_from) == 1 and list(notify) == list(read_from) and nbytes <= BOUNDS.inline_post_max_bytes
 
-    def read(self, w: Worker, epoch: int, r: RemoteWorker, local, remote, req: LoadRequest, lidx: np.ndarray,
-             ridx: np.ndarray, msg: bytes, nbytes: int, started: float, deadline: float,
-             retry: bool) -> asyncio.Future:
+    async def read(self, w: Worker, epoch: int, r: RemoteWorker, local, remote, req: LoadRequest,
+                   lidx: np.ndarray, ridx: np.ndarray, msg: bytes, nbytes: int, started: float, deadline: float,
+                   retry: bool) -> tuple[str, object]:
         """Adds ``req``'s READ (descriptor indices ``lidx`` into ``local``,
         ``ridx`` into ``remote``, ``r``'s prepared or unprepared lists;
         ``nbytes`` bytes; notification piece ``msg``) to the open batch of
-        ``w``, ``r`` and those lists. Returns a future of ``(outcome,
-        value)`` (this module's ``INFLIGHT``, ``DONE``, ``FAILED``,
-        ``DROPPED``); it raises what the post raised (``NixlError``, or a
+        ``w``, ``r`` and those lists; returns ``(outcome, value)`` (this
+        module's ``INFLIGHT``, ``DONE``, ``FAILED``, ``DROPPED``) once the
+        batch is posted. Raises what the post raised (``NixlError``, or a
         bug's error). ``started``, ``deadline`` (monotonic seconds) and
-        ``retry`` are the load's, for its ``InflightLoad``."""
-        loop = asyncio.get_running_loop()
+        ``retry`` are the load's, for its ``InflightLoad``.
+
+        The load that opens a batch leads it: it yields the loop once (the
+        loads of this pass join meanwhile), then posts the batch itself and,
+        when the post ran on the loop, goes on without waiting again. A load
+        alone so waits one pass of the loop more than it did alone (a task
+        that awaits a future another callback resolves waited two)."""
         key = (id(w.agent), id(r), id(local), id(remote))
         b = self._open.get(key)
-        if b is None or len(b.members) >= BOUNDS.max_loads_per_read \
-                or b.nbytes + nbytes > BOUNDS.inline_post_max_bytes or b.epoch != epoch:
+        leader = b is None or len(b.members) >= BOUNDS.max_loads_per_read \
+            or b.nbytes + nbytes > BOUNDS.inline_post_max_bytes or b.epoch != epoch
+        if leader:
             b = self._open[key] = _Batch(key, w, r, local, remote, epoch)
-            loop.call_soon(self._flush, b)
-        fut = loop.create_future()
+        fut = asyncio.get_running_loop().create_future()
         b.members.append(_Member(req, lidx, ridx, msg, nbytes, started, deadline, retry, fut))
         b.nbytes += nbytes
-        return fut
+        if leader:
+            try:
+                await asyncio.sleep(0)
+            finally:  # cancelled too: the others must not wait for ever
+                self._flush(b)
+        return await fut
 
     def _flush(self, b: _Batch) -> None:
         """Posts batch ``b``: here on the loop when the NIXL thread is idle

@@ -292,8 +292,14 @@ class Pull:
                 p = read_from[0]
                 r, (lidx, ridx) = remotes[p], chunks[p]
                 size = r.transfer_bytes(req.remote_groups)
-                if retry_deadline is None and coalesce.CoalescedReads.fits(read_from, notify, size):
-                    alone = ()  # a second try goes alone: its deadline is older than the others'
+                # Alone: a second try (its deadline is older than the others'),
+                # and a load no other load of its worker could join now (none
+                # read and not yet posted: Worker.load_ids counts loads from
+                # their command to their task's end, reading ones lazily),
+                # which waits for no pass of the loop.
+                if retry_deadline is None and len(w.load_ids) > len(w.inflight) + 1 \
+                        and coalesce.CoalescedReads.fits(read_from, notify, size):
+                    alone = ()
             if alone is not read_from:
                 # One transfer with the other small loads of this pass (kvd.core.coalesce).
                 local, remote = r.lists
