@@ -30,11 +30,16 @@ What stays per load, as for a READ of its own (``kvd.core.pull``):
   (``kvd.core.progress``); a load past its deadline ends the others it
   shares a READ with (``Pull.expire``): NIXL cannot stop a READ for one of
   the loads it carries, and no byte may land after a load was said failed;
-  those inside their own deadlines are tried again, alone, once it has
-  ended for good;
+  they fail with it (not tried again: the READ may have notified the source
+  already, and a second READ's notification would count twice there);
+- the event loop owns the parts: the poll (NIXL thread) reads states, the
+  loop takes an ended READ out of every load it carries and hands it to
+  ``Runtime.zombies`` once (``Progress.reads_ended``), so a session's end,
+  which takes its loads' parts on the loop, never holds a released handle;
 - a post that fails (an error, or ``ERR``) fails every load it carries, each
-  then tried again once after a new handshake, as a READ of its own is;
-  a second try is always posted alone (its deadline is its first try's).
+  then tried again once after a new handshake, as a READ of its own is
+  (no notification went out: NIXL sends it only for a READ done); a
+  second try is always posted alone (its deadline is its first try's).
 
 Every member comes from the same worker (the batch key is its agent), so
 one engine's loads never share a transfer, a notification or a failure with

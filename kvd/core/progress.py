@@ -78,6 +78,7 @@ class Progress:
         # kvd_notifications_dropped_total, a `kvd status` line when nonzero.
         self.notifs_dropped = 0
         self._dropped_warning = Throttled(log, interval_s=10.0)
+        self._release_now = False  # READs ended this pass, in Runtime.zombies (reads_ended)
 
     def start(self) -> None:
         """Starts the loop on the running event loop."""
@@ -93,10 +94,18 @@ class Progress:
                 pass
 
     def poll(self):
-        """NIXL thread: ``(writes ended, loads' results)``; each load result is
-        ``(worker, request id | agent name, "ERR" | "END" | "NOTIF" | "DROPPED",
-        source | message | count)``: ``"DROPPED"`` counts one remote agent's
-        notifications of this poll that did not fit the backlog (:meth:`_take`)."""
+        """NIXL thread: ``(writes ended, results)``; each result is ``(worker,
+        None | agent name, "STATES" | "NOTIF" | "DROPPED", states | message |
+        count)``: ``"STATES"`` maps each transfer handle of the worker's loads
+        in flight to its NIXL state, ``"DROPPED"`` counts one remote agent's
+        notifications of this poll that did not fit the backlog (:meth:`_take`).
+
+        It releases no handle of a load: the event loop owns ``load.parts``
+        and gives an ended READ's handle to ``Runtime.zombies``, released at
+        the next poll (:meth:`reads_ended`). Released here, a handle a
+        session's end read from the parts on the loop meanwhile went to the
+        zombies as well and was released twice: a coalesced READ is a part
+        of several loads, and this thread saw only those not yet taken."""
         self.rt.release_zombies()
         if self.rt.warm_ups:
             self.rt.release_warm_ups(time.monotonic())
@@ -106,24 +115,15 @@ class Progress:
         room = [MAX_BACKLOG - len(self._notifs), MAX_BACKLOG_BYTES - self._notif_bytes]
         for w in list(self.rt.workers.values()):
             # A coalesced READ is a part of each load it carries
-            # (kvd.core.pull): polled and released once, its state shared.
+            # (kvd.core.coalesce): polled once. Alive: only this thread
+            # releases handles, and those the loop gave up only from here.
             states: dict = {}
-            for rid, load in list(w.inflight.items()):
-                running = []
-                for h, r in load.parts:
-                    st = states.get(h)
-                    if st is None:
-                        st = states[h] = w.agent.state(h)
-                        if st != "PROC":
-                            self.rt.release_handle(w.agent, h, settled=True)
-                    if st == "PROC":
-                        running.append((h, r))
-                        continue
-                    if st != "DONE":
-                        done.append((w, rid, "ERR", r))
-                load.parts = running
-                if not running:
-                    done.append((w, rid, "END", None))
+            for load in list(w.inflight.values()):
+                for h, _ in list(load.parts):
+                    if h not in states:
+                        states[h] = w.agent.state(h)
+            if states:
+                done.append((w, None, "STATES", states))
             if w.pairs.retired and not any(a is w.agent for a, _ in self.rt.zombies):
                 used = {id(r) for l in list(w.inflight.values()) for _, r in l.parts}
                 for r in [r for r in w.pairs.retired if id(r) not in used]:
@@ -173,18 +173,17 @@ class Progress:
                     self._keep(w, a, extra)
                 elif st == "DROPPED":
                     self._drop(w, a, extra)
-                elif not rt.registered(w):
-                    continue
-                elif st == "ERR":
-                    self.pull.read_failed(w, a, extra)
-                elif st == "END":
-                    self.pull.finish(w, a, now)
+                elif st == "STATES" and rt.registered(w):
+                    self.reads_ended(w, extra, now)
             self.handle_notifs(NOTIFS_PER_PASS)
             self.expire(now)
             if rt.quarantine:
                 await self.registry.free_quarantined()
-            if self._notifs:
-                continue  # more to handle: poll again at once (awaiting the NIXL thread yields the loop)
+            if self._notifs or self._release_now:
+                # More to handle, or READs that ended to release: poll again
+                # at once (awaiting the NIXL thread yields the loop).
+                self._release_now = False
+                continue
             busy = bool(self.push.writes) or any(w.inflight for w in rt.workers.values())
             rt.kick.clear()
             try:
@@ -192,6 +191,32 @@ class Progress:
                     await rt.kick.wait()
             except TimeoutError:
                 pass
+
+    def reads_ended(self, w, states: dict, now: float) -> None:
+        """Event loop: ``states`` (handle -> NIXL state, a poll's) applied to
+        ``w``'s loads in flight: an ended READ leaves the parts of every load
+        it carries and goes to ``Runtime.zombies`` once (released by the next
+        poll, which comes at once); a load whose READ failed is told
+        (``Pull.read_failed``), one with no part left ends (``Pull.finish``).
+        A handle not in ``states`` (posted since the poll) stays."""
+        ended: dict = {}
+        for rid, load in list(w.inflight.items()):
+            running = []
+            for h, r in load.parts:
+                st = states.get(h, "PROC")
+                if st == "PROC":
+                    running.append((h, r))
+                    continue
+                ended[h] = None
+                if st != "DONE":
+                    self.pull.read_failed(w, rid, r)
+            if len(running) != len(load.parts):
+                load.parts = running
+                if not running:
+                    self.pull.finish(w, rid, now)
+        if ended:
+            self.rt.zombies.extend((w.agent, h) for h in ended)
+            self._release_now = True  # the next poll, at once, releases them
 
     def _keep(self, w, remote_agent: str, msg: bytes) -> None:
         """Queues a notification for :meth:`handle_notifs`, or drops and

@@ -293,11 +293,10 @@ class Pull:
                 r, (lidx, ridx) = remotes[p], chunks[p]
                 size = r.transfer_bytes(req.remote_groups)
                 # Alone: a second try (its deadline is older than the others'),
-                # and a load no other load of its worker could join now (none
-                # read and not yet posted: Worker.load_ids counts loads from
-                # their command to their task's end, reading ones lazily),
-                # which waits for no pass of the loop.
-                if retry_deadline is None and len(w.load_ids) > len(w.inflight) + 1 \
+                # and a load no other load of its worker could join now (no
+                # other load task of the worker running: Worker.loads_started),
+                # which then waits for no pass of the loop.
+                if retry_deadline is None and w.loads_started > 1 \
                         and coalesce.CoalescedReads.fits(read_from, notify, size):
                     alone = ()
             if alone is not read_from:
@@ -469,9 +468,12 @@ class Pull:
             if not past:
                 continue
             # A coalesced READ is a part of each load it carries
-            # (kvd.core.coalesce): given up for one, it is given up for all;
-            # the others, inside their own deadlines, are tried again once
-            # it has ended for good.
+            # (kvd.core.coalesce): given up for one, it is given up for all,
+            # and they fail with it once it has ended for good. Not tried
+            # again: the READ may have been done and notified the source, and
+            # a second READ's notification would count twice there (with
+            # several reader ranks, the lease would end before another rank
+            # read).
             ending = {h for l in past for h, _ in l.parts}
             sharers = [l for l in w.inflight.values()
                        if l.deadline > now and any(h in ending for h, _ in l.parts)] if ending else []
@@ -489,9 +491,7 @@ class Pull:
                     if h not in given_up:
                         given_up.add(h)
                         self.rt.zombies.append((w.agent, h))
-                if load.deadline > now:
-                    asyncio.get_running_loop().create_task(self._retry_when_ended(w, load, w.session.epoch))
-                elif load.parts:
+                if load.parts:
                     asyncio.get_running_loop().create_task(self._fail_when_ended(w, load.req))
                 else:
                     self._fail(w, load.req, K.TIMEOUT, "timeout: transfer past its deadline")
@@ -502,29 +502,13 @@ class Pull:
         finally:
             self._fail(w, req, K.TIMEOUT, "timeout: transfer past its deadline")
 
-    async def _retry_when_ended(self, w: Worker, load: InflightLoad, epoch: int) -> None:
-        """``load`` shared a coalesced READ with a load past its deadline and
-        is inside its own: once that READ has ended for good (no byte of it
-        can land after this load's next answer), it is tried again alone
-        within its deadline (dropped if its session ended meanwhile), else
-        fails ``TIMEOUT``."""
-        req = load.req
-        try:
-            await settle.end_reads(self.rt, self.registry, w, f"a READ request {req.request_id} shared went past "
-                                   "another load's deadline")
-        except BaseException:
-            self._fail(w, req, K.TIMEOUT, "timeout: transfer past its deadline")
-            raise
-        if time.monotonic() < load.deadline:
-            await self.load(w, req, retry_deadline=load.deadline, epoch=epoch)
-        else:
-            self._fail(w, req, K.TIMEOUT, "timeout: transfer past its deadline")
-
     async def cancel(self, w: Worker) -> None:
         """The worker's last session ended: the shim reports every load sent
         on the broken stream as failed and vLLM may reuse those blocks, so no
         READ of them may go on. Returns once none can land any more
-        (``kvd.core.settle``); the session's stream ends after that."""
+        (``kvd.core.settle``); the session's stream ends after that.
+        The loop owns the loads' parts (``Progress.reads_ended``): a handle
+        is in a part or in ``Runtime.zombies``, never both."""
         handles = {}  # once each: a coalesced READ is a part of each load it carries
         for load in list(w.inflight.values()):
             del w.inflight[load.req.request_id]
@@ -569,3 +553,4 @@ class Pull:
         except Exception as e:
             self.rt.lines.warning(("abort failed", w.key), "%s request=%s peer=%s: abort notification failed: %s",
                                   w.label, request_id, remote_address, e)
+
