@@ -426,3 +426,24 @@ def test_a_session_end_never_takes_a_handle_the_poll_released(monkeypatch):
     finally:
         sys.setswitchinterval(interval)
     assert hits == 0, f"{hits} of 100: a handle released by the poll, or not handed to the zombies once"
+
+
+def test_a_bug_answering_a_post_still_answers_every_load_and_gives_the_read_up_once():
+    def post(rid, agent, r, op, local, lidx, remote, ridx, msg, spin):
+        return 11, "PROC", 0.0
+
+    async def main():
+        rt, w, r = _Rt(), _worker(), SimpleNamespace()
+        reads = coalesce.CoalescedReads(rt, post)
+        def broken(b, members, res):
+            raise ValueError("a bug")  # before any load is put in flight
+
+        reads._posted = broken
+        got = await asyncio.gather(*(reads.read(w, 1, r, "L", "R", _req(f"d{i}"), np.array([i]), np.array([i]),
+                                                notif_message("x", 1), 64, 0.0, 9.0, True) for i in range(3)),
+                                   return_exceptions=True)
+        return rt, w, got
+
+    rt, w, got = asyncio.run(main())
+    assert all(isinstance(g, ValueError) for g in got)  # each load's catch-all answers LoadFailed
+    assert w.inflight == {} and rt.zombies == [(w.agent, 11)]

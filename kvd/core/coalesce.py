@@ -158,12 +158,12 @@ class CoalescedReads:
             return
         if b.w.session.epoch != b.epoch:
             return _resolve(members, DROPPED, None)
-        one = len(members) == 1
-        lidx = members[0].lidx if one else np.concatenate([m.lidx for m in members])
-        ridx = members[0].ridx if one else np.concatenate([m.ridx for m in members])
-        msg = members[0].msg if one else b"".join(m.msg for m in members)
-        args = (members[0].req.request_id, b.w.agent, b.r, "READ", b.local, lidx, b.remote, ridx, msg)
         try:
+            one = len(members) == 1
+            lidx = members[0].lidx if one else np.concatenate([m.lidx for m in members])
+            ridx = members[0].ridx if one else np.concatenate([m.ridx for m in members])
+            msg = members[0].msg if one else b"".join(m.msg for m in members)
+            args = (members[0].req.request_id, b.w.agent, b.r, "READ", b.local, lidx, b.remote, ridx, msg)
             ran, res = self.rt.nixl_now(b.nbytes, self._post, *args, 0.0)
         except Exception as e:  # NixlError, or a bug: each member's load ends with it
             return _fail(members, e)
@@ -189,7 +189,12 @@ class CoalescedReads:
             self._posted(b, members, res)
         except Exception as e:
             log.exception("coalesced READ of %d load(s): answering the post failed", len(members))
-            _fail(members, e)
+            handle = res[0]
+            held = any(any(h == handle for h, _ in getattr(b.w.inflight.get(m.req.request_id), "parts", ()))
+                       for m in members)
+            if handle is not None and not held:  # a READ in no load's parts: given up here, once
+                self.rt.zombies.append((b.w.agent, handle))
+            _fail(members, e)  # those not answered yet (one in flight is answered when its READ ends)
 
     def _posted(self, b: _Batch, members: list[_Member], res: tuple) -> None:
         """Batch ``b`` was posted (``res``: ``Pull._post``'s answer): its
