@@ -452,7 +452,7 @@ def test_fuzz_push_requests(target):
             reader_groups=dg, expected_notifications=n, timeout_s=t)),
         st.booleans(), text, st.one_of(st.just(p.engine_id), text), st.one_of(st.just(0), any_u32),
         command_groups, forged(reader, p.registered.compat_hash), st.one_of(st.just(0), any_u32), command_groups,
-        st.one_of(st.just(PROTOCOL_VERSION), any_u32), doubles)
+        st.one_of(st.just(1), any_u32), doubles)
 
     @examples("push")
     @given(push=pushes)
@@ -484,7 +484,7 @@ def test_fuzz_notify_requests(target):
     stub = pb_grpc.PeerServiceStub(grpc.insecure_channel(d.peer_address))
     reqs = st.builds(pb.NotifyRequest, engine_id=st.one_of(st.just(p.engine_id), text),
                      tp_rank=st.one_of(st.just(0), any_u32), request_id=text,
-                     expected_notifications=st.one_of(st.just(PROTOCOL_VERSION), any_u32))
+                     expected_notifications=st.one_of(st.just(1), any_u32))
 
     @examples("notify")
     @given(req=reqs)

@@ -79,6 +79,7 @@ def test_a_load_naming_this_daemon_by_another_spelling_reads_no_block_nobody_hel
 # As NOBODY (admitted nowhere), after the imports: PeerService Handshake and Notify.
 _PEER_AS_NOBODY = r"""
 import json, os, sys, grpc
+from kvd.core.state import PROTOCOL_VERSION
 from kvd.v1 import kvd_pb2 as pb, kvd_pb2_grpc as pb_grpc
 addr, engine_id, request_id, uid = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 stub = pb_grpc.PeerServiceStub(grpc.insecure_channel(addr))

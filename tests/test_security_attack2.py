@@ -38,6 +38,7 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a c
 _HANDSHAKE_FROM_PORT = r"""
 import json, os, socket, sys, threading
 import grpc
+from kvd.core.state import PROTOCOL_VERSION
 from kvd.v1 import kvd_pb2 as pb, kvd_pb2_grpc as pb_grpc
 port, engine_id, uid, src_port, dst = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 "x".encode("idna")  # loaded while root: as another user this interpreter's files may be unreadable
