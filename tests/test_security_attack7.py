@@ -199,7 +199,7 @@ def _offline_progress(batches):
         return fut
 
     rt.nixl = nixl
-    holds = SimpleNamespace(on_notif=lambda w, a, m: handled.append(m), expire=lambda now: None)
+    holds = SimpleNamespace(on_notif=lambda w, a, m: handled.append(m) or 1, expire=lambda now: None)  # 1 piece
     pull = SimpleNamespace(expire=lambda now: None)
     push = SimpleNamespace(complete=lambda writes: None, writes=[])
     prog = Progress(rt, None, None, holds, pull, push)

@@ -247,7 +247,7 @@ class Progress:
             w, a, msg = q.popleft()
             n += 1
             self._notif_bytes -= len(msg)
-            pieces += (self.holds.on_notif(w, a, msg) or 1) if rt.registered(w) else 1
+            pieces += self.holds.on_notif(w, a, msg) if rt.registered(w) else 1
         return n
 
     def expire(self, now: float) -> None:

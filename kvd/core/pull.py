@@ -287,7 +287,7 @@ class Pull:
                                             remotes[p].C, remotes[p].region_groups) for p in read_from}
             w.posting.add(rid)  # Pull.cancel waits for it: a post may be queued on the NIXL thread
             retry = not fresh_any and retry_deadline is None
-            alone = read_from  # the READs posted one by one
+            joined = False  # one transfer with the other small loads of this pass (kvd.core.coalesce)
             if len(read_from) == 1 and w.session.epoch == epoch:
                 p = read_from[0]
                 r, (lidx, ridx) = remotes[p], chunks[p]
@@ -296,11 +296,9 @@ class Pull:
                 # and a load no other load of its worker could join now (no
                 # other load task of the worker running: Worker.loads_started),
                 # which then waits for no pass of the loop.
-                if retry_deadline is None and w.loads_started > 1 \
-                        and coalesce.CoalescedReads.fits(read_from, notify, size):
-                    alone = ()
-            if alone is not read_from:
-                # One transfer with the other small loads of this pass (kvd.core.coalesce).
+                joined = retry_deadline is None and w.loads_started > 1 \
+                    and coalesce.CoalescedReads.fits(read_from, notify, size)
+            if joined:
                 local, remote = r.lists
                 outcome, value = await self.reads.read(
                     w, epoch, r, local, remote, req, lidx, ridx,
@@ -312,7 +310,7 @@ class Pull:
                                         expected(p))
                     ndescs, nbytes, posts_s = len(lidx), size, value
                     in_flight = outcome == coalesce.INFLIGHT
-            for p in alone:
+            for p in () if joined else read_from:
                 if w.session.epoch != epoch:
                     break
                 r = remotes[p]
@@ -372,7 +370,7 @@ class Pull:
                                   "READs cancelled", w.label, rid)
             return
         w.posting.discard(rid)
-        retry = not fresh_any and retry_deadline is None
+        retry = not fresh_any and retry_deadline is None  # also where an error came before the posts
         if err:
             for h, r in posted:
                 await self.rt.nixl(self.rt.release_handle, w.agent, h)
@@ -553,4 +551,3 @@ class Pull:
         except Exception as e:
             self.rt.lines.warning(("abort failed", w.key), "%s request=%s peer=%s: abort notification failed: %s",
                                   w.label, request_id, remote_address, e)
-

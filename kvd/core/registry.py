@@ -512,7 +512,6 @@ class Registry:
             handles.append(item[1])
         self.rt.release_warm_ups(time.monotonic(), agent)  # by force: they can land only in its scratch page
         for h in dict.fromkeys(handles):  # once each: a coalesced READ is a part of each load it carries
-
             if agent.state(h) == "PROC":
                 running += 1
             agent.release(h, settled=True)
