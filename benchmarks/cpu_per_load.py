@@ -13,7 +13,9 @@ benchmark itself (``EngineClient`` for both workers, polling every 50 us
 as ``kvd bench`` does). D's counters tell how the loads were granted
 (``claims_sent``, ``claims_followed``, ``claims_waited`` per load) and how
 they went out (``coalesced_reads`` per load: 1/64 when each batch of 64
-is one NIXL transfer, ``kvd.core.coalesce``).
+is one NIXL transfer, ``kvd.core.coalesce``), and the answers of the
+followed holds' polls D applied per load (``holds_answers_applied``: each
+a PeerService.Holds call, whose fixed cost the loads of an answer share).
 
 ``--threads`` adds each thread's CPU and context switches per load
 (``/proc/PID/task``, as ``benchmarks/thread_cpu.py``): which thread is
@@ -92,6 +94,7 @@ def run(seconds: float, concurrency: int = CONCURRENCY, block_len: int = BLOCK_L
                 claims_waited=(s1.claims_waited - s0.claims_waited) / n if hasattr(s1, "claims_waited") else None,
                 coalesced_reads=((s1.coalesced_reads - s0.coalesced_reads) / n
                                  if hasattr(s1, "coalesced_reads") else None),
+                holds_answers=(s1.holds_answers_applied - s0.holds_answers_applied) / n,
                 loadavg=os.getloadavg(),
                 **({"threads": {k: _per_thread(t0s[k], t1s[k], pids[k], n) for k in t0s}} if threads else {}))
 
@@ -123,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{res['engine_cpu_us']:.0f} us (total {res['total_cpu_us']:.0f}); per load: claims sent "
           f"{res['claims_sent']:.2f}, followed {res['claims_followed']:.2f}, waited "
           f"{'-' if res['claims_waited'] is None else format(res['claims_waited'], '.2f')}; coalesced READs "
-          f"{'-' if res.get('coalesced_reads') is None else format(res['coalesced_reads'], '.3f')}")
+          f"{'-' if res.get('coalesced_reads') is None else format(res['coalesced_reads'], '.3f')}, "
+          f"followed holds' answers {res['holds_answers']:.3f}")
     for proc, rows in res.get("threads", {}).items():
         print(f"  {proc}: " + "; ".join(f"{name} {cpu:.0f} us ({vol:.2f} vol, {inv:.2f} invol switches)"
                                       for name, cpu, vol, inv in rows))

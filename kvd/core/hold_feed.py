@@ -36,7 +36,7 @@ import asyncio
 import itertools
 import secrets
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -75,36 +75,60 @@ MAX_WAIT_S = 2.0
 MAX_WAITING = 256
 
 
-@dataclass(frozen=True)
 class HoldChange:
     """One lease of ``request_id`` on TP rank ``tp_rank`` started (``groups``:
-    its block ids per KV-cache group, int32 arrays) or ended (``groups`` None).
+    its block ids per KV-cache group, int arrays) or ended (``groups`` None);
+    ``seq``: its number in its feed. Not to be changed once made.
 
-    ``num_ids``, ``num_groups`` and ``wire_bytes`` are set once, when the
-    change is made: every answer's bounds check reads them
-    (:func:`_within_answer`), and summing the groups there again took ~6 %
-    of the source daemon's samples with 64 one-block loads in flight
-    (py-spy; docs/PERFORMANCE.md, "Per-load cost, ninth round")."""
+    A plain class with slots, not a frozen dataclass: a reader makes one
+    per lease start or end it follows, and the dataclass's ``__init__`` and
+    ``__post_init__`` took 2.2 us of the 6.2 a change cost to convert
+    (measured here; 0.2-0.3 now).
 
-    seq: int
-    tp_rank: int
-    request_id: str
-    groups: tuple[np.ndarray, ...] | None
-    #: Block ids, all groups together (0 for an end).
-    num_ids: int = field(init=False, repr=False, compare=False)
-    #: KV-cache groups (0 for an end).
-    num_groups: int = field(init=False, repr=False, compare=False)
-    #: An upper bound of the change's size in an answer (bytes: a block id
-    #: is a varint of at most 5 bytes, a group's header at most 6).
-    wire_bytes: int = field(init=False, repr=False, compare=False)
+    ``num_ids``, ``num_groups`` and ``wire_bytes`` are counted once, when
+    first read (a source reads them at once, a reader never): every
+    answer's bounds check reads them (:func:`_within_answer`), and summing
+    the groups there again took ~6 % of the source daemon's samples with 64
+    one-block loads in flight (py-spy; docs/PERFORMANCE.md, "Per-load
+    cost, ninth round")."""
 
-    def __post_init__(self) -> None:
-        groups = self.groups
-        ids = 0 if groups is None else sum(len(g) for g in groups)
-        ngroups = 0 if groups is None else len(groups)
-        object.__setattr__(self, "num_ids", ids)
-        object.__setattr__(self, "num_groups", ngroups)
-        object.__setattr__(self, "wire_bytes", 32 + len(self.request_id.encode()) + 6 * ngroups + 5 * ids)
+    __slots__ = ("seq", "tp_rank", "request_id", "groups", "_sizes")
+
+    def __init__(self, seq: int, tp_rank: int, request_id: str, groups: tuple[np.ndarray, ...] | None):
+        self.seq = seq
+        self.tp_rank = tp_rank
+        self.request_id = request_id
+        self.groups = groups
+        self._sizes: tuple[int, int, int] | None = None
+
+    def __repr__(self) -> str:
+        return f"HoldChange(seq={self.seq}, tp_rank={self.tp_rank}, request_id={self.request_id!r}, " \
+               f"groups={self.groups!r})"
+
+    def sizes(self) -> tuple[int, int, int]:
+        """``(num_ids, num_groups, wire_bytes)``, counted once."""
+        if self._sizes is None:
+            groups = self.groups
+            ids = 0 if groups is None else sum(map(len, groups))
+            ngroups = 0 if groups is None else len(groups)
+            self._sizes = (ids, ngroups, 32 + len(self.request_id.encode()) + 6 * ngroups + 5 * ids)
+        return self._sizes
+
+    @property
+    def num_ids(self) -> int:
+        """Block ids, all groups together (0 for an end)."""
+        return self.sizes()[0]
+
+    @property
+    def num_groups(self) -> int:
+        """KV-cache groups (0 for an end)."""
+        return self.sizes()[1]
+
+    @property
+    def wire_bytes(self) -> int:
+        """An upper bound of the change's size in an answer (bytes: a block
+        id is a varint of at most 5 bytes, a group's header at most 6)."""
+        return self.sizes()[2]
 
 
 @dataclass(frozen=True)
@@ -129,16 +153,16 @@ def _within_answer(changes, whole: bool) -> list[HoldChange] | None:
     out: list[HoldChange] = []
     ids = groups = size = 0
     for ch in changes:
-        if out and (len(out) >= MAX_CHANGES_PER_ANSWER or ids + ch.num_ids > MAX_IDS_PER_ANSWER
-                    or groups + ch.num_groups > MAX_GROUPS_PER_ANSWER
-                    or size + ch.wire_bytes > MAX_ANSWER_BYTES):
+        n, g, b = ch.sizes()
+        if out and (len(out) >= MAX_CHANGES_PER_ANSWER or ids + n > MAX_IDS_PER_ANSWER
+                    or groups + g > MAX_GROUPS_PER_ANSWER or size + b > MAX_ANSWER_BYTES):
             if whole:
                 return None
             break
         out.append(ch)
-        ids += ch.num_ids
-        groups += ch.num_groups
-        size += ch.wire_bytes
+        ids += n
+        groups += g
+        size += b
     return out
 
 
@@ -164,13 +188,13 @@ class HoldFeed:
         self.seq += 1
         ch = HoldChange(self.seq, tp_rank, request_id, None if groups is None else tuple(groups))
         self.changes.append(ch)
-        self.kept_ids += ch.num_ids
+        self.kept_ids += ch.sizes()[0]
         if groups is None:
             self.live.pop((tp_rank, request_id), None)
         else:
             self.live[(tp_rank, request_id)] = ch
         while len(self.changes) > CHANGES_KEPT or self.kept_ids > MAX_KEPT_IDS:
-            self.kept_ids -= self.changes.popleft().num_ids
+            self.kept_ids -= self.changes.popleft().sizes()[0]
         self._wake()
 
     def close(self) -> None:
@@ -179,8 +203,9 @@ class HoldFeed:
         self._wake()
 
     def _wake(self) -> None:
-        woken, self._changed = self._changed, asyncio.Event()
-        woken.set()
+        # Set, not replaced: a poll that waits makes a fresh event when it
+        # finds this one set (wait_answer); one per change cost ~1 us a hold.
+        self._changed.set()
 
     @property
     def first_seq(self) -> int:
@@ -237,6 +262,8 @@ class HoldFeed:
             if self.waiting >= MAX_WAITING:
                 raise ResourceExhausted(f"holds: {MAX_WAITING} polls wait on engine {self.engine_id!r} already")
             self.waiting += 1
+            if self._changed.is_set():  # set before answer() above, which saw it: stale
+                self._changed = asyncio.Event()
             try:
                 async with asyncio.timeout(wait_s):
                     await self._changed.wait()

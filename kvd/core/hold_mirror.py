@@ -51,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import operator
 import time
 from dataclasses import dataclass, field
 
@@ -149,10 +150,14 @@ class Budget:
     limit: int = MAX_TOTAL_BYTES
 
 
+_NBYTES = operator.attrgetter("nbytes")
+
+
 def lease_bytes(request_id: str, groups=()) -> int:
-    """The estimated memory of one lease in a copy (see ``LEASE_BYTES``);
-    with no ``groups``, of one record in ``Follow.sent``."""
-    return LEASE_BYTES + len(request_id) + sum(GROUP_BYTES + np.asarray(g).nbytes for g in groups)
+    """The estimated memory of one lease in a copy (see ``LEASE_BYTES``;
+    ``groups``: its block id arrays); with no ``groups``, of one record in
+    ``Follow.sent``."""
+    return LEASE_BYTES + len(request_id) + GROUP_BYTES * len(groups) + sum(map(_NBYTES, groups))
 
 
 @dataclass
@@ -228,7 +233,7 @@ class Follow:
     def _drop(self, key: tuple[int, str]) -> None:
         old = self.held.pop(key, None)
         if old is not None:
-            self.ids -= sum(len(g) for g in old)
+            self.ids -= sum(map(len, old))
             self._charge(-lease_bytes(key[1], old))
 
     def _unsend(self, key: tuple[int, str]) -> None:
@@ -291,7 +296,7 @@ class Follow:
         if done is not None and done[0] >= done[1]:
             return  # this daemon has sent every notification that ends it: not held for its loads
         self.held[key] = ch.groups
-        self.ids += sum(len(g) for g in ch.groups)
+        self.ids += sum(map(len, ch.groups))
         self._charge(lease_bytes(ch.request_id, ch.groups))
         if self.ids > MAX_IDS or len(self.held) > MAX_LEASES or self.bytes > MAX_BYTES:
             raise BadAnswer(f"more than {MAX_LEASES} leases, {MAX_IDS} block ids or {MAX_BYTES >> 20} MiB "

@@ -116,7 +116,7 @@ class Lease:
     @property
     def num_blocks(self) -> int:
         """Block ids held, all groups together."""
-        return sum(len(g) for g in self.groups)
+        return sum(map(len, self.groups))
 
 
 #: Groups of at most this many block ids are compared in Python. numpy's

@@ -24,6 +24,7 @@ and the exact count never depends on every exit path of a load.
 from __future__ import annotations
 
 import asyncio
+from typing import Callable
 
 from kvd.core.limits import Limits
 from kvd.core.state import Worker
@@ -96,16 +97,21 @@ class LoadIds:
         self._add(w, n)
         return None, entry
 
-    def started(self, w: Worker, entry: _Entry, task: asyncio.Task) -> None:
+    def started(self, w: Worker, entry: _Entry, task: asyncio.Task, on_end: Callable[[], None] | None = None) -> None:
         """The load ``entry`` counts runs as ``task``: its ids are released
         when the task ends, unless the load is reading then (released once
-        it is not, at the next settle)."""
+        it is not, at the next settle). ``on_end``: called then too, from
+        the same done callback (one callback a load, not two: each is a
+        round through the event loop)."""
         entry.task = task
-        task.add_done_callback(lambda _t: self._ended(w, entry))
 
-    def _ended(self, w: Worker, entry: _Entry) -> None:
-        if entry.request_id not in w.inflight:  # reading (its own READ, or the load this one duplicated): later
-            self._drop(w, entry)
+        def ended(_t) -> None:
+            if on_end is not None:
+                on_end()
+            if entry.request_id not in w.inflight:  # reading (its own READ, or the load this one duplicated): later
+                self._drop(w, entry)
+
+        task.add_done_callback(ended)
 
     def _settle(self, w: Worker) -> None:
         """Drops ``w``'s entries of loads that ended (their task done, not reading)."""

@@ -196,10 +196,10 @@ class Pull:
         if len(w.inflight) + len(w.pending_loads) >= self.rt.limits.max_inflight_per_worker:
             return self._fail(w, req, K.BUSY, "busy: too many loads in flight for this worker")
         remote_tp = req.remote_tp_size or w.tp_size
-        geo = w.geometry()
+        heads = w.layout.model_kv_heads(w.tp_size)  # the model's: Geometry.total_kv_heads
         mla = w.layout.kv_layout == "MLA"
         try:
-            read_from, notify = plan.source_ranks(w.key[1], w.tp_size, remote_tp, geo.total_kv_heads, mla)
+            read_from, notify = plan.source_ranks(w.key[1], w.tp_size, remote_tp, heads, mla)
         except plan.PlanError as e:
             return self._fail(w, req, K.INCOMPATIBLE, f"incompatible: {e}")
         w.pending_loads[rid] = req.remote_address
@@ -224,7 +224,7 @@ class Pull:
             return
 
         def expected(p: int) -> int:
-            return plan.expected_notifications(p, remote_tp, w.tp_size, geo.total_kv_heads, mla)
+            return plan.expected_notifications(p, remote_tp, w.tp_size, heads, mla)
 
         posted: list[tuple[object, RemoteWorker]] = []
         nbytes = ndescs = 0
@@ -265,11 +265,12 @@ class Pull:
             if w.session.epoch != epoch:
                 log.info("%s request=%s: session ended during the handshake; load dropped", w.label, rid)
                 return
+            checked = {}
             for p in read_from:  # the request's block ids are checked against both layouts before any READ
                 r = remotes[p]
                 try:
-                    plan.check_request(req.local_groups, req.remote_groups, w.layout.num_blocks,
-                                       r.layout.num_blocks, r.k, r.region_groups)
+                    checked[p] = plan.check_request(req.local_groups, req.remote_groups, w.layout.num_blocks,
+                                                    r.layout.num_blocks, r.k, r.region_groups)
                 except LayoutError as e:
                     return self._fail(w, req, K.INVALID, f"invalid: {e}")
             # No READ of another engine's blocks without its hold on them (docs/SECURITY.md).
@@ -282,9 +283,9 @@ class Pull:
             # Rows after the claim: a load waiting for its hold (up to
             # max_claim_wait_s) keeps only its block ids, not regions x
             # blocks x chunks of rows (docs/SECURITY.md, "Limits").
-            chunks = {p: plan.chunk_indices(req.local_groups, req.remote_groups, remotes[p].num_regions,
-                                            w.layout.num_blocks, remotes[p].layout.num_blocks, remotes[p].k,
-                                            remotes[p].C, remotes[p].region_groups) for p in read_from}
+            chunks = {p: plan.checked_indices(*checked[p], remotes[p].num_regions, w.layout.num_blocks,
+                                              remotes[p].layout.num_blocks, remotes[p].k, remotes[p].C,
+                                              remotes[p].region_groups) for p in read_from}
             w.posting.add(rid)  # Pull.cancel waits for it: a post may be queued on the NIXL thread
             retry = not fresh_any and retry_deadline is None
             joined = False  # one transfer with the other small loads of this pass (kvd.core.coalesce)

@@ -362,7 +362,8 @@ class Worker:
     load_ids_total: int = 0
     posting: set[str] = field(default_factory=set)  # loads between their claim and their last post
     session: WorkerSession = field(default_factory=WorkerSession)
-    # Set (and replaced) at each hold: wakes claims waiting for one (kvd.core.holds).
+    # Set at each hold: wakes claims waiting for one; a claim that waits makes
+    # a fresh one when it finds it set (kvd.core.holds).
     hold_added: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property

@@ -84,20 +84,21 @@ def region_to_pb(r: Region) -> pb.Region:
 
 
 def event_to_pb(e: ev.Event) -> pb.SessionEvent:
-    """A core event as a SessionEvent."""
+    """A core event as a SessionEvent. The inner message from a dict, not a
+    message of its own: 1.3 against 2.0 us a RecvDone (upb, measured here;
+    one per load and per lease end)."""
     if isinstance(e, ev.RecvDone):
-        return pb.SessionEvent(recv_done=pb.RecvDone(
-            request_id=e.request_id, bytes=e.bytes, num_blocks=e.num_blocks,
-            num_descriptors=e.num_descriptors, duration_s=e.duration_s, post_duration_s=e.post_duration_s))
-    if isinstance(e, ev.LoadFailed):
-        return pb.SessionEvent(load_failed=pb.LoadFailed(
-            request_id=e.request_id, failed_block_ids=e.failed_block_ids, reason=e.reason))
+        return pb.SessionEvent(recv_done={
+            "request_id": e.request_id, "bytes": e.bytes, "num_blocks": e.num_blocks,
+            "num_descriptors": e.num_descriptors, "duration_s": e.duration_s, "post_duration_s": e.post_duration_s})
     if isinstance(e, ev.SendDone):
-        return pb.SessionEvent(send_done=pb.SendDone(
-            request_id=e.request_id, expired=e.expired, released=e.released))
+        return pb.SessionEvent(send_done={"request_id": e.request_id, "expired": e.expired, "released": e.released})
+    if isinstance(e, ev.LoadFailed):
+        return pb.SessionEvent(load_failed={
+            "request_id": e.request_id, "failed_block_ids": e.failed_block_ids, "reason": e.reason})
     if isinstance(e, ev.LeaseRenewed):
-        return pb.SessionEvent(renewed=pb.LeaseRenewed(request_id=e.request_id, left_s=e.left_s))
-    return pb.SessionEvent(rejected=pb.CommandRejected(request_id=e.request_id, reason=e.reason))
+        return pb.SessionEvent(renewed={"request_id": e.request_id, "left_s": e.left_s})
+    return pb.SessionEvent(rejected={"request_id": e.request_id, "reason": e.reason})
 
 
 def handshake_to_pb(hs: HandshakeResult) -> pb.HandshakeResponse:
@@ -122,8 +123,12 @@ def handshake_from_pb(r: pb.HandshakeResponse) -> HandshakeResult:
 
 def groups_from_pb(groups) -> BlockGroups:
     """Block ids per KV-cache group from repeated ``pb.BlockIds`` (one group
-    without HMA)."""
-    return [list(g.ids) for g in groups]
+    without HMA). Sliced, not ``list()``-ed, and one group indexed, not
+    iterated: 0.6 against 1.4 us for a one-id group (upb; each load and hold
+    converts one or two)."""
+    if len(groups) == 1:
+        return [groups[0].ids[:]]
+    return [g.ids[:] for g in groups]
 
 
 def groups_to_pb(groups: BlockGroups) -> list:
@@ -174,10 +179,18 @@ def renewed_from_pb(results) -> list[RenewResult]:
 
 def holds_to_pb(a: HoldsAnswer) -> pb.HoldsResponse:
     """A hold feed's answer (``kvd.core.hold_feed``) as ``pb.HoldsResponse``."""
-    return pb.HoldsResponse(epoch=a.epoch, seq=a.seq, reset=a.reset, snapshot=a.snapshot, changes=[
-        pb.HoldChange(tp_rank=c.tp_rank, request_id=c.request_id, ended=c.groups is None,
-                      groups=[] if c.groups is None else [pb.BlockIds(ids=g.tolist()) for g in c.groups])
-        for c in a.changes])
+    # Filled in place (``add``), not from a message made per change and
+    # group: 2.4 against 4.4 us a one-block change (measured here).
+    m = pb.HoldsResponse(epoch=a.epoch, seq=a.seq, reset=a.reset, snapshot=a.snapshot)
+    add = m.changes.add
+    for c in a.changes:
+        if c.groups is None:
+            add(tp_rank=c.tp_rank, request_id=c.request_id, ended=True)
+            continue
+        groups = add(tp_rank=c.tp_rank, request_id=c.request_id).groups
+        for g in c.groups:
+            groups.add(ids=g.tolist())
+    return m
 
 
 def holds_from_pb(m: pb.HoldsResponse) -> HoldsAnswer:
@@ -186,11 +199,18 @@ def holds_from_pb(m: pb.HoldsResponse) -> HoldsAnswer:
     a snapshot's all ``seq``; ``kvd.core.hold_mirror`` checks the rest)."""
     snapshot = m.reset and m.snapshot
     first = m.seq - len(m.changes) + 1
-    # fromiter with the count: 1.2 against 2.9 us for a one-id group
-    # (np.array walks the repeated field through the sequence protocol);
-    # a reader converts every hold start it follows.
+    # fromiter of the sliced ids, with the count: 1.2 against 2.9 us for a
+    # one-id group with np.array on the field (which walks it through the
+    # sequence protocol); a reader converts every hold start it follows.
     fromiter, i64 = np.fromiter, np.int64
-    return HoldsAnswer(m.epoch, m.seq, m.reset, tuple(
-        HoldChange(m.seq if snapshot else first + i, c.tp_rank, c.request_id,
-                   None if c.ended else tuple(fromiter(g.ids, i64, len(g.ids)) for g in c.groups))
-        for i, c in enumerate(m.changes)), snapshot=snapshot)
+    changes = []
+    for i, c in enumerate(m.changes):
+        if c.ended:
+            groups = None
+        elif len(gs := c.groups) == 1:
+            ids = gs[0].ids[:]
+            groups = (fromiter(ids, i64, len(ids)),)
+        else:
+            groups = tuple(fromiter(ids, i64, len(ids)) for ids in (g.ids[:] for g in gs))
+        changes.append(HoldChange(m.seq if snapshot else first + i, c.tp_rank, c.request_id, groups))
+    return HoldsAnswer(m.epoch, m.seq, m.reset, tuple(changes), snapshot=snapshot)

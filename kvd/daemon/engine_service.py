@@ -485,8 +485,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
             # ended is dropped (Pull.load), whatever order the loop runs it in.
             task = asyncio.get_running_loop().create_task(node.load(w, req, w.session.epoch, uid=uid))
             w.loads_started += 1
-            task.add_done_callback(lambda _t: setattr(w, "loads_started", w.loads_started - 1))
-            node.rt.load_ids.started(w, counted, task)
+            node.rt.load_ids.started(w, counted, task, lambda: setattr(w, "loads_started", w.loads_started - 1))
         elif kind == "hold":
             node.hold(w, c.request_id, groups_from_pb(c.groups), c.lease_s)
         elif kind == "release":
