@@ -80,7 +80,11 @@ def _check_holds(m: pb.HoldsResponse) -> pb.HoldsResponse:
         raise BadAnswer(f"{len(m.changes)} changes in one answer")
     # One walk of the changes (each step makes wrapper objects: ~1 us a
     # change, a reader's every followed hold), refused as soon as the groups
-    # pass either bound, before their ids are counted.
+    # pass either bound; the ids of the changes walked by then are counted
+    # too (at most MAX_GROUPS_PER_ANSWER + MAX_GROUPS groups: a refusal of
+    # 4,096 changes of 5 empty groups took 9.3 ms against 1.7 with a first
+    # walk for the groups alone, less than converting an answer it accepts;
+    # attacker review).
     groups = ids = 0
     for c in m.changes:
         gs = c.groups
