@@ -592,6 +592,9 @@ def test_demo_line_names_the_handshake_and_claim_legs_where_measured():
     rep = RequestReport(index=0, request_id="r", prompt_tokens=20, transfers=1, handshake_s=0.0, claim_s=0.0,
                         followed=1)
     assert "(1 xfer, handshake 0.0, hold followed)" in format_report(rep, 1)
+    # A READ that ended inside its post takes tens of microseconds: not printed as "0.0".
+    rep = RequestReport(index=0, request_id="r", prompt_tokens=20, bytes=32768, transfer_s=0.000041, transfers=1)
+    assert "in   0.04 ms (1 xfer" in format_report(rep, 1), format_report(rep, 1)
 
 
 def test_status_at_a_socket_nothing_listens_on_says_so(tmp_path):

@@ -255,7 +255,12 @@ def _fmt_bytes(n: float) -> str:
 
 
 def _fmt_ms(s: float) -> str:
-    return "   n/a" if s != s else f"{s * 1e3:6.1f}"
+    """Seconds ``s`` as milliseconds, 6 wide; two decimals under 1 ms: a
+    small load whose READ ends inside its post takes tens of microseconds,
+    which one decimal printed as "0.0" (read as nothing measured)."""
+    if s != s:
+        return "   n/a"
+    return f"{s * 1e3:6.2f}" if s < 1e-3 else f"{s * 1e3:6.1f}"
 
 
 def _fmt_legs(rep: RequestReport) -> str:
