@@ -125,9 +125,9 @@ def main(argv: list[str] | None = None) -> int:
           f"CPU per load: P {res['p_cpu_us']:.0f} us, D {res['d_cpu_us']:.0f} us, engine "
           f"{res['engine_cpu_us']:.0f} us (total {res['total_cpu_us']:.0f}); per load: claims sent "
           f"{res['claims_sent']:.2f}, followed {res['claims_followed']:.2f}, waited "
-          f"{'-' if res['claims_waited'] is None else format(res['claims_waited'], '.2f')}; coalesced READs "
+          f"{'-' if res['claims_waited'] is None else format(res['claims_waited'], '.2f')}, coalesced READs "
           f"{'-' if res.get('coalesced_reads') is None else format(res['coalesced_reads'], '.3f')}, "
-          f"followed holds' answers {res['holds_answers']:.3f}")
+          f"followed holds' answers {res['holds_answers']:.3f} (all per load)")
     for proc, rows in res.get("threads", {}).items():
         print(f"  {proc}: " + "; ".join(f"{name} {cpu:.0f} us ({vol:.2f} vol, {inv:.2f} invol switches)"
                                       for name, cpu, vol, inv in rows))

@@ -900,3 +900,27 @@ def test_a_missing_file_kvd_config_names_is_said_to_come_from_it(tmp_path):
         assert r.returncode == 64, (cmd, r.returncode, r.stderr)
         assert r.stderr == f"kvd {cmd}: config file {missing} (from env KVD_CONFIG): No such file or directory\n", \
             r.stderr
+
+
+def test_demo_reads_a_requests_transfer_count_bytes_and_seconds_from_one_scrape(monkeypatch):
+    """D's daemon reuses a rendered /metrics answer for up to 0.2 s: a count
+    from GetStats could show a transfer whose seconds the scrape did not,
+    and the request read 0.00 ms (a new user's run). Count and bytes come
+    from the scrape, so settle() waits until it shows the transfer."""
+    from types import SimpleNamespace
+
+    from kvd.demo.run import Meter
+
+    stats = {"bytes_read": 4096, "transfers_done": 2, "claims_followed": 2}
+    scrape = {"kvd_transfer_duration_seconds_sum": 0.003, "kvd_handshake_duration_seconds_sum": 0.0,
+              "kvd_claim_duration_seconds_sum": 0.0, "kvd_transfers_total": 1.0,
+              "kvd_transferred_bytes_total": 2048.0}
+    st = SimpleNamespace(connector="kvd", d=SimpleNamespace(metrics=lambda: {}),
+                         d_daemon=SimpleNamespace(stats=lambda: stats))
+    m = Meter(st)
+    monkeypatch.setattr(m, "_daemon_times", lambda daemon: dict(scrape))
+    snap = m.snapshot()["xfer"]
+    assert (snap["count"], snap["bytes"], snap["time_s"]) == (1.0, 2048.0, 0.003)  # the scrape's, not GetStats'
+    monkeypatch.setattr(m, "_daemon_times", lambda daemon: {k: float("nan") for k in scrape})
+    snap = m.snapshot()["xfer"]  # no metrics port: GetStats' totals, seconds unknown
+    assert (snap["count"], snap["bytes"]) == (2.0, 4096.0) and snap["time_s"] != snap["time_s"]

@@ -165,8 +165,15 @@ class Meter:
         else:
             s = self.st.d_daemon.stats()
             times = self._daemon_times(self.st.d_daemon)
-            snap["xfer"] = {"bytes": float(s.get("bytes_read", 0)),
-                            "count": float(s.get("transfers_done", 0)),
+            # Bytes and count from the same scrape as the seconds where there is
+            # one: the daemon reuses a rendered /metrics answer for up to
+            # RENDER_REUSE_S (0.2 s), so GetStats could show a transfer that
+            # the scrape's seconds did not yet (a request then read 0.00 ms and
+            # the next one its time too); settle() then waits for the scrape.
+            scraped = times["kvd_transfers_total"] == times["kvd_transfers_total"]
+            snap["xfer"] = {"bytes": times["kvd_transferred_bytes_total"] if scraped
+                            else float(s.get("bytes_read", 0)),
+                            "count": times["kvd_transfers_total"] if scraped else float(s.get("transfers_done", 0)),
                             "time_s": times["kvd_transfer_duration_seconds_sum"],
                             "handshake_s": times["kvd_handshake_duration_seconds_sum"],
                             "claim_s": times["kvd_claim_duration_seconds_sum"],
@@ -174,11 +181,11 @@ class Meter:
         return snap
 
     _TIMES = ("kvd_transfer_duration_seconds_sum", "kvd_handshake_duration_seconds_sum",
-              "kvd_claim_duration_seconds_sum")
+              "kvd_claim_duration_seconds_sum", "kvd_transfers_total", "kvd_transferred_bytes_total")
 
     def _daemon_times(self, daemon: engines.StackDaemon) -> dict[str, float]:
-        """D's daemon's summed seconds (``_TIMES``), NaN where it has no
-        metrics port or the scrape failed."""
+        """D's daemon's summed seconds and transfer totals (``_TIMES``), from
+        one scrape; NaN where it has no metrics port or the scrape failed."""
         port = getattr(daemon, "metrics_port", None)
         try:
             m = proxy.parse_prometheus(proxy.get_text(f"http://127.0.0.1:{port}/metrics")) if port else None
