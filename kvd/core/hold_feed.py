@@ -55,7 +55,7 @@ MAX_IDS_PER_ANSWER = 1 << 20
 MAX_CHANGES_PER_ANSWER = 4096
 #: KV-cache groups in one answer, all changes together (each is a message
 #: of its own on the wire and an array at the reader), and the bytes one
-#: answer may take on the wire, estimated (:attr:`HoldChange.wire_bytes`).
+#: answer may take on the wire, estimated (:meth:`HoldChange.sizes`).
 #: A change past either still goes alone (one lease: at most
 #: ``max_blocks_per_request`` ids, 4 bytes each below 2^28). The reader
 #: refuses more groups than this, and answers over ``MAX_ANSWER_WIRE_BYTES``
@@ -85,8 +85,8 @@ class HoldChange:
     ``__post_init__`` took 2.2 us of the 6.2 a change cost to convert
     (measured here; 0.2-0.3 now).
 
-    ``num_ids``, ``num_groups`` and ``wire_bytes`` are counted once, when
-    first read (a source reads them at once, a reader never): every
+    Its sizes (:meth:`sizes`) are counted once, when first read (a source
+    reads them at once, a reader never): every
     answer's bounds check reads them (:func:`_within_answer`), and summing
     the groups there again took ~6 % of the source daemon's samples with 64
     one-block loads in flight (py-spy; docs/PERFORMANCE.md, "Per-load
@@ -106,29 +106,16 @@ class HoldChange:
                f"groups={self.groups!r})"
 
     def sizes(self) -> tuple[int, int, int]:
-        """``(num_ids, num_groups, wire_bytes)``, counted once."""
+        """``(ids, groups, wire bytes)``, counted once: block ids and KV-cache
+        groups, all groups together (0 and 0 for an end), and an upper bound
+        of the change's size in an answer (bytes: a block id is a varint of
+        at most 5 bytes, a group's header at most 6)."""
         if self._sizes is None:
             groups = self.groups
             ids = 0 if groups is None else sum(map(len, groups))
             ngroups = 0 if groups is None else len(groups)
             self._sizes = (ids, ngroups, 32 + len(self.request_id.encode()) + 6 * ngroups + 5 * ids)
         return self._sizes
-
-    @property
-    def num_ids(self) -> int:
-        """Block ids, all groups together (0 for an end)."""
-        return self.sizes()[0]
-
-    @property
-    def num_groups(self) -> int:
-        """KV-cache groups (0 for an end)."""
-        return self.sizes()[1]
-
-    @property
-    def wire_bytes(self) -> int:
-        """An upper bound of the change's size in an answer (bytes: a block
-        id is a varint of at most 5 bytes, a group's header at most 6)."""
-        return self.sizes()[2]
 
 
 @dataclass(frozen=True)

@@ -487,11 +487,6 @@ class Peers:
         Raises:
             as :meth:`remote`: the first rank's error, in ``ranks`` order.
         """
-        if len(ranks) == 1:  # the common case (a source of the same TP size), without the lists below
-            r = w.pairs.remotes.get((address, engine_id, ranks[0]))
-            if r is not None and r.tp_size == tp_size:
-                r.last_used = time.monotonic()
-                return {ranks[0]: r}, False
         cached = [w.pairs.remotes.get((address, engine_id, p)) for p in ranks]
         if all(r is not None and r.tp_size == tp_size for r in cached):
             # Every pair made already (the steady state): no task per rank.

@@ -193,14 +193,14 @@ def holds_to_pb(a: HoldsAnswer) -> pb.HoldsResponse:
     return m
 
 
-def _ids_array(ids, fromiter, i64) -> np.ndarray:
-    """A repeated id field as an int64 array (see :func:`holds_from_pb`)."""
-    n = len(ids)
-    return fromiter(ids[:] if n <= _SLICED_IDS else ids, i64, n)
-
-
 #: Ids of a group up to which :func:`holds_from_pb` slices them to a list first.
 _SLICED_IDS = 64
+
+
+def _ids_array(ids) -> np.ndarray:
+    """A repeated id field as an int64 array (see :func:`holds_from_pb`)."""
+    n = len(ids)
+    return np.fromiter(ids[:] if n <= _SLICED_IDS else ids, np.int64, n)
 
 
 def holds_from_pb(m: pb.HoldsResponse) -> HoldsAnswer:
@@ -215,14 +215,13 @@ def holds_from_pb(m: pb.HoldsResponse) -> HoldsAnswer:
     # to a list first (~0.5 us less); a large one is not: a list of its
     # Python ints would cost a hostile source's 4M-id answer +192 MiB of
     # the reader's memory, uncounted, against +32 (attacker review).
-    fromiter, i64 = np.fromiter, np.int64
     changes = []
     for i, c in enumerate(m.changes):
         if c.ended:
             groups = None
         elif len(gs := c.groups) == 1:
-            groups = (_ids_array(gs[0].ids, fromiter, i64),)
+            groups = (_ids_array(gs[0].ids),)
         else:
-            groups = tuple(_ids_array(g.ids, fromiter, i64) for g in gs)
+            groups = tuple(_ids_array(g.ids) for g in gs)
         changes.append(HoldChange(m.seq if snapshot else first + i, c.tp_rank, c.request_id, groups))
     return HoldsAnswer(m.epoch, m.seq, m.reset, tuple(changes), snapshot=snapshot)
