@@ -15,7 +15,9 @@ as ``kvd bench`` does). D's counters tell how the loads were granted
 they went out (``coalesced_reads`` per load: 1/64 when each batch of 64
 is one NIXL transfer, ``kvd.core.coalesce``), and the answers of the
 followed holds' polls D applied per load (``holds_answers_applied``: each
-a PeerService.Holds call, whose fixed cost the loads of an answer share).
+a PeerService.Holds call, whose fixed cost the loads of an answer share),
+and D's garbage collections per load by generation (``python_gc_collections_total``
+at its /metrics: a daemon that serves collects seldom, ``kvd.daemon.heap``).
 
 ``--threads`` adds each thread's CPU and context switches per load
 (``/proc/PID/task``, as ``benchmarks/thread_cpu.py``): which thread is
@@ -36,6 +38,9 @@ import json
 import os
 import sys
 import time
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
 
 try:
     from benchmarks import thread_cpu
@@ -44,6 +49,8 @@ except ImportError:  # run by path, PYTHONPATH naming another checkout's kvd onl
 from kvd.bench import common as cm
 from kvd.bench.kvd_pair import HOLD_AHEAD_S, KvdPair
 from kvd.bench.throughput import BLOCK_LEN, CONCURRENCY, kvd_batch, segments
+from kvd.testing.daemons import start_daemon
+from kvd.testing.util import free_port
 
 
 def run(seconds: float, concurrency: int = CONCURRENCY, block_len: int = BLOCK_LEN, poll_s: float = 50e-6,
@@ -58,13 +65,18 @@ def run(seconds: float, concurrency: int = CONCURRENCY, block_len: int = BLOCK_L
     src, dst, ids = segments(concurrency, block_len, 1)
     wd = cm.workdir()
     kvd = None
+    daemons = []
     try:
-        kvd = KvdPair(wd, (src.name, src.size), (dst.name, dst.size))
+        daemons.append(start_daemon(wd, "P", timeout=60.0, log_level="warning"))
+        metrics_port = free_port()  # D's: its garbage collector's counts
+        daemons.append(start_daemon(wd, "D", "--metrics-port", str(metrics_port), "--metrics-host", "127.0.0.1",
+                                    timeout=60.0, log_level="warning"))
+        kvd = KvdPair(wd, (src.name, src.size), (dst.name, dst.size), daemons=tuple(daemons))
         for _ in range(warm_batches):  # handshake, first contact, the copy's first answers
             kvd_batch(kvd, block_len, ids, concurrency, poll_s, hold_ahead_s=hold_ahead_s)
             kvd.drain_sources()
         p, d = kvd.p.proc.pid, kvd.d.proc.pid
-        s0 = kvd.d.stats()
+        s0, g0 = kvd.d.stats(), _gc_collections(metrics_port)
         pids = {"P": p, "D": d, "engine": os.getpid()}
         t0s = {k: thread_cpu.snap(v) for k, v in pids.items()} if threads else {}
         c0 = (cm.cpu_seconds(p), cm.cpu_seconds(d), time.process_time())
@@ -77,10 +89,12 @@ def run(seconds: float, concurrency: int = CONCURRENCY, block_len: int = BLOCK_L
         elapsed = time.monotonic() - t0
         c1 = (cm.cpu_seconds(p), cm.cpu_seconds(d), time.process_time())
         t1s = {k: thread_cpu.snap(v) for k, v in pids.items()} if threads else {}
-        s1 = kvd.d.stats()
+        s1, g1 = kvd.d.stats(), _gc_collections(metrics_port)
     finally:
         if kvd is not None:
             kvd.close()
+        for d in daemons:
+            d.stop()
         src.close()
         dst.close()
         cm.remove_workdir(wd)
@@ -95,8 +109,19 @@ def run(seconds: float, concurrency: int = CONCURRENCY, block_len: int = BLOCK_L
                 coalesced_reads=((s1.coalesced_reads - s0.coalesced_reads) / n
                                  if hasattr(s1, "coalesced_reads") else None),
                 holds_answers=(s1.holds_answers_applied - s0.holds_answers_applied) / n,
+                d_gc_per_load=[(b - a) / n for a, b in zip(g0, g1)],
                 loadavg=os.getloadavg(),
                 **({"threads": {k: _per_thread(t0s[k], t1s[k], pids[k], n) for k in t0s}} if threads else {}))
+
+
+def _gc_collections(port: int) -> list[float]:
+    """The daemon's garbage collections so far, generations 0, 1 and 2
+    (``python_gc_collections_total`` at its /metrics; NaN for a daemon
+    that does not export them, an older checkout's)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    by_gen = {s.labels["generation"]: s.value for fam in text_string_to_metric_families(text)
+              for s in fam.samples if s.name == "python_gc_collections_total"}
+    return [by_gen.get(g, float("nan")) for g in ("0", "1", "2")]
 
 
 def _per_thread(before: dict, after: dict, pid: int, loads: int) -> list[list]:
@@ -127,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{res['claims_sent']:.2f}, followed {res['claims_followed']:.2f}, waited "
           f"{'-' if res['claims_waited'] is None else format(res['claims_waited'], '.2f')}, coalesced READs "
           f"{'-' if res.get('coalesced_reads') is None else format(res['coalesced_reads'], '.3f')}, "
-          f"followed holds' answers {res['holds_answers']:.3f} (all per load)")
+          f"followed holds' answers {res['holds_answers']:.3f}, D's garbage collections "
+          f"{' / '.join(format(x, '.4f') for x in res['d_gc_per_load'])} (generations 0 / 1 / 2) (all per load)")
     for proc, rows in res.get("threads", {}).items():
         print(f"  {proc}: " + "; ".join(f"{name} {cpu:.0f} us ({vol:.2f} vol, {inv:.2f} invol switches)"
                                       for name, cpu, vol, inv in rows))

@@ -153,8 +153,8 @@ def test_metrics_count_a_real_transfer(ops):
     assert len(info) == 1 and dict(info[0][1])["version"] and dict(info[0][1])["nixl"]
 
     doc = (ROOT / "docs" / "OPERATIONS.md").read_text()
-    for name, _ in d:  # Prometheus naming: kvd_ prefix (process_* are the standard ones)
-        assert name.startswith(("kvd_", "process_")), name
+    for name, _ in d:  # Prometheus naming: kvd_ prefix (process_* and python_gc_* are the standard ones)
+        assert name.startswith(("kvd_", "process_", "python_gc_")), name
         assert not name.endswith("_created"), name  # disable_created_metrics: no timestamp series
         family = re.sub(r"_(bucket|count|sum)$", "", name)
         if name.startswith("kvd_"):

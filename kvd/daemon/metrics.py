@@ -73,7 +73,7 @@ import time
 from typing import Callable
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
+from prometheus_client import (CollectorRegistry, Counter, GCCollector, Gauge, Histogram, ProcessCollector,
                                disable_created_metrics, make_wsgi_app)
 from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -281,6 +281,7 @@ class Metrics:
                                    registry=r)
         r.register(_StatsCollector(stats))
         ProcessCollector(registry=r)
+        GCCollector(registry=r)  # young collections should stay rare while serving (kvd.daemon.heap)
         self._http = None
         self._thread: threading.Thread | None = None
         self.port = 0

@@ -50,6 +50,7 @@ from kvd.config import MAX_MESSAGE_BYTES, Config, parse_host_port, resolve_gid, 
 from kvd.core.events import FailureKind
 from kvd.core.limits import Limits
 from kvd.core.node import Node
+from kvd.daemon import heap
 from kvd.daemon.early_stop import take_stops
 from kvd.daemon.engine_service import EngineService
 from kvd.daemon.command_socket import CommandSocket
@@ -253,6 +254,7 @@ class Server:
             await self._release()
             self._remove_made_dirs()
             raise
+        heap.settle()  # startup's objects frozen, young collections rare (kvd.daemon.heap)
         try:
             await self.main_loop()
         finally:
