@@ -101,7 +101,7 @@ def run(seconds: float, concurrency: int = CONCURRENCY, block_len: int = BLOCK_L
     n = concurrency * len(walls)
     per = [(b - a) / n * 1e6 for a, b in zip(c0, c1)]
     return dict(concurrency=concurrency, block_len=block_len, poll_us=poll_s * 1e6, hold_ahead_ms=hold_ahead_s * 1e3,
-                loads=n, seconds=elapsed, loads_s_median=concurrency / cm.median(walls),
+                loads=n, seconds=elapsed, loads_s_median=concurrency / cm.median(walls), loads_s_window=n / elapsed,
                 p_cpu_us=per[0], d_cpu_us=per[1], engine_cpu_us=per[2], total_cpu_us=sum(per),
                 claims_sent=(s1.claims_sent - s0.claims_sent) / n,
                 claims_followed=(s1.claims_followed - s0.claims_followed) / n,
@@ -146,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", action="store_true", help="also each thread's CPU and context switches per load")
     args = ap.parse_args(argv)
     res = run(args.seconds, threads=args.threads)
-    print(f"{res['loads']:,} loads in {res['seconds']:.1f} s, {res['loads_s_median']:,.0f} loads/s (median batch); "
+    print(f"{res['loads']:,} loads in {res['seconds']:.1f} s, {res['loads_s_median']:,.0f} loads/s (median batch; "
+          f"{res['loads_s_window']:,.0f} over the window, the holds sent {HOLD_AHEAD_S * 1e3:g} ms ahead of each batch "
+          f"included); "
           f"CPU per load: P {res['p_cpu_us']:.0f} us, D {res['d_cpu_us']:.0f} us, engine "
           f"{res['engine_cpu_us']:.0f} us (total {res['total_cpu_us']:.0f}); per load: claims sent "
           f"{res['claims_sent']:.2f}, followed {res['claims_followed']:.2f}, waited "

@@ -1,63 +1,68 @@
-"""The daemon's Python heap once it serves: startup's objects frozen, young
-collections rare.
+"""The daemon's Python heap once it serves: what startup made is frozen.
 
 CPython's cyclic garbage collector runs a young collection whenever the
-tracked objects allocated less those freed pass ``threshold0`` (700 by
-default), and every tenth one is older, every hundredth a full collection
-that walks every tracked object: ~41,000 once the daemon's modules
-(grpc, numpy, NIXL's bindings, protobuf) are imported, more once it serves. A decode daemon serving one-block
-loads crosses 700 within one pass of its event loop (a pass of 64 loads
-makes their tasks, futures, plans and messages at once), so it collected
-all the time. Measured on a decode daemon during ``python -m
-benchmarks.cpu_per_load --seconds 10`` (35,000-48,000 one-block loads a
-run, 2-core VM), ``gc.callbacks`` timing each collection:
+tracked objects allocated less those freed pass 700, an older one at every
+11th of those and a full one, which walks every tracked object, at every
+11th older one (``gc.get_threshold()``: 700, 10, 10; a generation is
+collected when its count exceeds its threshold). A daemon's imports (grpc,
+numpy, NIXL's bindings, protobuf) leave ~41,000 tracked objects that live
+as long as it does, and every full collection walked them all. A decode
+daemon serving one-block loads crosses 700 within one pass of its event
+loop (64 loads make their tasks, futures, plans and messages at once).
+Measured on a decode daemon during ``python -m benchmarks.cpu_per_load
+--seconds 10`` (35,000-48,000 one-block loads a run, 2-core VM),
+``gc.callbacks`` timing each collection:
 
-==========================  ===============================  ==================  =============
-heap (runs)                 collections, generation 0/1/2    seconds (a load)    longest pause
-==========================  ===============================  ==================  =============
-CPython's defaults (4)      1,544-2,048 / 140-186 / 13-17    0.46-0.53 (10-15us) 24-32 ms
-startup's objects frozen    1,791 / 162 / 14                 0.23                3.2 ms
-frozen, (10,000, 10, 10)    2-3 / 0 / 0                      0.0025-0.0034       1.3-2.1 ms
-frozen, (5,000, 2, 2) (2)   5-7 / 1-2 / 0                    0.007-0.011         1.6-5.1 ms
-==========================  ===============================  ==================  =============
+=================================  =============================  ===========  =============
+heap (runs)                        collections, generation 0/1/2  seconds      longest pause
+=================================  =============================  ===========  =============
+as imported (4)                    1,544-2,048 / 140-186 / 13-17  0.46-0.53    24-32 ms
+startup frozen (1)                 1,791 / 162 / 14               0.21-0.23    2.0-3.2 ms
+startup frozen, then collected (2) 1,669-1,857 / 151-168 / 13-15  0.23-0.24    3.5-4.2 ms
+=================================  =============================  ===========  =============
 
-That is 10-15 us of the loop's CPU a load (of ~125-190) and a 24-32 ms
-stall at every full collection, gone; the prefill daemon's full
-collections stalled it 16-28 ms too. vLLM's engine core freezes its
+So freezing halves the collector's CPU (10-15 us a load of the loop's
+~125-190 -> 5-6) and ends the 24-32 ms stall at every full collection
+(the prefill daemon's were 16-28 ms). vLLM's engine core freezes its
 startup heap the same way (``vllm/utils/gc_utils.py``, ``freeze_gc_heap``).
 
-Why the older generations are collected sooner than CPython's defaults
-(every 2 collections of the one below, not 10): a flood of loads naming
-dead peers (``tests/test_reliability_peers.py``, 100 failed handshakes in
-flight, three rounds of 1,000) leaves cyclic garbage (exceptions and their
-frames) that survives a young collection; at (10,000, 10, 10) it waited for
-an older one and the decode daemon's RSS grew +4 to +13 MiB a round
-(+8.6 / +5.4 / +4.1, +9.8 / +0.5 / +8.4, +12.8 / +1.7 / +5.7), against
--2.8 to +4.2 with CPython's defaults and -1.0 to +2.3 at (5,000, 2, 2).
+The thresholds stay CPython's. Raising them cut the rest (at (5,000, 2, 2):
+5-7 / 1-2 / 0 collections, 0.01 s a run), but it also lets more cyclic
+garbage wait for a collection, and garbage can hold a whole request: a
+refused gRPC call leaves a cycle of ~36 objects (grpc's handler frames,
+the abort's exception) that holds its request message, so a peer's flood
+of refused 32 MiB Handshake calls took the daemon's peak RSS from 2.6 GB
+to 8.2 GB, and 16 MiB junk frames on the command socket from 0.5 to 1.7 GB
+(an attacker review's scripts; 7x more such calls wait at 5,000 than at
+700). Freezing alone raised that flood's peak as well, less: 2.66-2.72 GB
+before (four runs), 3.05-3.23 GB frozen (five); kept, since the stalls it
+removes came about once a second under load, while that flood needs a
+caller the peer port admits and was at 2.7 GB already (the cycle per
+refused call is grpc's; answering refusals without ``context.abort()``
+would remove it, not done here).
 
-What it costs: cyclic garbage made while serving waits for up to
-``THRESHOLDS[0]`` net allocations before it is freed (a few MB at most;
-objects without cycles are freed at once by reference counting, as
-always); objects frozen at startup are never collected, so startup must
-not leave cycles it later drops (what it makes lives until the daemon
-stops; a frozen object no longer referenced is still freed by reference
-counting)."""
+The collection after the freeze matters for that garbage too: CPython
+skips a full collection while the objects that survived older ones are
+fewer than a quarter of those that survived the last full one, and that
+count, taken before the freeze, would stay at the ~41,000 frozen objects
+until a full collection ran; after it, full collections count only what
+the daemon made while serving, as they should.
+
+Objects frozen are never collected, so startup must not leave cycles it
+later drops (what it makes lives until the daemon stops; a frozen object
+no longer referenced is still freed by reference counting)."""
 
 from __future__ import annotations
 
 import gc
 
-#: ``gc.set_threshold`` while serving: young collections every 5,000 net
-#: tracked allocations (CPython: 700), each older generation every 2
-#: collections of the one below (CPython: 10); measured above.
-THRESHOLDS = (5_000, 2, 2)
-
 
 def settle() -> None:
     """Collects what startup left, freezes every object still tracked
-    (``gc.freeze``: collections skip them from now on) and sets
-    :data:`THRESHOLDS` (see the module for the measurements). Call once,
-    after startup, before serving. Never raises."""
+    (``gc.freeze``: collections skip them from now on), then collects once
+    more so that the full collections' rule counts only objects made while
+    serving (see the module for the measurements). Call once, after
+    startup, before serving. Never raises."""
     gc.collect()
     gc.freeze()
-    gc.set_threshold(*THRESHOLDS)
+    gc.collect()

@@ -55,14 +55,18 @@ Read from ``Node.stats()`` at scrape time (they cannot drift from the core):
   ``MAX_BACKLOG_BYTES``): 0 unless a peer sent them faster than the loop
   handles them
 - ``kvd_uptime_seconds``
+- ``kvd_gc_frozen_objects``: objects startup made, frozen out of the garbage
+  collector's walks once the daemon serves (``kvd.daemon.heap``)
 
 Plus ``kvd_build_info{version,nixl,grpcio}`` (always 1) and the standard
-``process_*`` metrics (CPU, memory, open fds, start time).
+``process_*`` (CPU, memory, open fds, start time) and ``python_gc_*``
+(collections and objects collected, by generation) metrics.
 """
 
 from __future__ import annotations
 
 import bisect
+import gc
 import io
 import logging
 import socket
@@ -281,7 +285,9 @@ class Metrics:
                                    registry=r)
         r.register(_StatsCollector(stats))
         ProcessCollector(registry=r)
-        GCCollector(registry=r)  # young collections should stay rare while serving (kvd.daemon.heap)
+        GCCollector(registry=r)  # python_gc_*: collections by generation
+        Gauge("kvd_gc_frozen_objects", "Objects startup made that the garbage collector skips (kvd.daemon.heap)",
+              registry=r).set_function(gc.get_freeze_count)
         self._http = None
         self._thread: threading.Thread | None = None
         self.port = 0

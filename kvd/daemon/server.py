@@ -254,7 +254,7 @@ class Server:
             await self._release()
             self._remove_made_dirs()
             raise
-        heap.settle()  # startup's objects frozen, young collections rare (kvd.daemon.heap)
+        heap.settle()  # startup's objects frozen: full collections walk only what serving made (kvd.daemon.heap)
         try:
             await self.main_loop()
         finally:
