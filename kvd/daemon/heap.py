@@ -17,7 +17,7 @@ Measured on a decode daemon during ``python -m benchmarks.cpu_per_load
 heap (runs)                        collections, generation 0/1/2  seconds      longest pause
 =================================  =============================  ===========  =============
 as imported (4)                    1,544-2,048 / 140-186 / 13-17  0.46-0.53    24-32 ms
-startup frozen (1)                 1,791 / 162 / 14               0.21-0.23    2.0-3.2 ms
+startup frozen (2)                 1,791-1,805 / 162-164 / 14     0.21-0.23    2.0-3.2 ms
 startup frozen, then collected (2) 1,669-1,857 / 151-168 / 13-15  0.23-0.24    3.5-4.2 ms
 =================================  =============================  ===========  =============
 
