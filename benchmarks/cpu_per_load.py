@@ -38,9 +38,6 @@ import json
 import os
 import sys
 import time
-import urllib.request
-
-from prometheus_client.parser import text_string_to_metric_families
 
 try:
     from benchmarks import thread_cpu
@@ -49,6 +46,7 @@ except ImportError:  # run by path, PYTHONPATH naming another checkout's kvd onl
 from kvd.bench import common as cm
 from kvd.bench.kvd_pair import HOLD_AHEAD_S, KvdPair
 from kvd.bench.throughput import BLOCK_LEN, CONCURRENCY, kvd_batch, segments
+from kvd.testing import proxy
 from kvd.testing.daemons import start_daemon
 from kvd.testing.util import free_port
 
@@ -118,10 +116,8 @@ def _gc_collections(port: int) -> list[float]:
     """The daemon's garbage collections so far, generations 0, 1 and 2
     (``python_gc_collections_total`` at its /metrics; NaN for a daemon
     that does not export them, an older checkout's)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    by_gen = {s.labels["generation"]: s.value for fam in text_string_to_metric_families(text)
-              for s in fam.samples if s.name == "python_gc_collections_total"}
-    return [by_gen.get(g, float("nan")) for g in ("0", "1", "2")]
+    m = proxy.parse_prometheus(proxy.get_text(f"http://127.0.0.1:{port}/metrics"))
+    return [m.get(("python_gc_collections_total", (("generation", g),)), float("nan")) for g in "012"]
 
 
 def _per_thread(before: dict, after: dict, pid: int, loads: int) -> list[list]:
