@@ -22,3 +22,9 @@ def escape_controls(text: str) -> str:
     (``"a\\nb"`` for ``"a\nb"``); other characters unchanged."""
     return _CONTROL.sub(lambda m: _NAMED.get(m[0]) or (f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100
                                                       else f"\\u{ord(m[0]):04x}"), text)
+
+
+def clip(text: str, limit: int) -> str:
+    """``text``, or its first ``limit`` characters and how many there were
+    (a peer's or engine's id may be megabytes long)."""
+    return text if len(text) <= limit else f"{text[:limit]}...({len(text)} characters)"

@@ -23,6 +23,7 @@ import pytest
 
 from kvd.client import EngineClient, EngineClientError
 from kvd.core.leases import LeaseTable
+from kvd.daemon.call_refusal import Refused
 from kvd.requests import MAX_RENEWALS_PER_CALL, LeaseRenewal
 from kvd.testing.daemons import start_daemons, stop_daemons
 from kvd.testing.sessions import Engine, KvShape, event_kind
@@ -299,21 +300,15 @@ def test_a_renewal_reaches_every_tp_rank_of_the_engine(env):
             e.close()
 
 
-class _Aborted(Exception):
-    pass
-
-
 class _Context:
-    """What the renewal handlers use of a gRPC servicer context."""
+    """What the renewal handlers use of a gRPC servicer context (a refusal
+    is raised, ``kvd.daemon.call_refusal.Refused``, not sent through it)."""
 
     def time_remaining(self):
         return 5.0
 
     def peer(self):
         return "unix:test"
-
-    async def abort(self, code, details):
-        raise _Aborted(code, details)
 
 
 @pytest.mark.parametrize("too_many_groups", [False, True], ids=["ids", "groups"])
@@ -360,9 +355,9 @@ def test_a_call_of_too_many_block_ids_is_refused_before_they_become_lists(servic
             pb.RenewLeasesRequest(remote_engine_id="p", remote_address="127.0.0.1:1", renewals=renewals), _Context())
     else:
         call = PeerService(node).Renew(pb.RenewRequest(engine_id="p", renewals=renewals), _Context())
-    with pytest.raises(_Aborted) as err:
+    with pytest.raises(Refused) as err:
         asyncio.run(call)
-    code, details = err.value.args
+    code, details = err.value.code, err.value.message
     assert code == grpc.StatusCode.INVALID_ARGUMENT and expect in details, details
     assert not converted and not asked
 
@@ -387,7 +382,7 @@ def test_a_peers_refused_call_logs_a_clipped_engine_id(caplog):
 
     call = PeerService(Node()).Renew(pb.RenewRequest(engine_id=long_id, renewals=[pb.LeaseRenewal(
         request_id="r", groups=[pb.BlockIds(ids=[1])])]), _Context())
-    with caplog.at_level(logging.WARNING, logger="kvd.peer"), pytest.raises(_Aborted):
+    with caplog.at_level(logging.WARNING, logger="kvd.peer"), pytest.raises(Refused):
         asyncio.run(call)
     (line,) = [r.getMessage() for r in caplog.records if r.name == "kvd.peer"]
     assert len(line) < 2000 and f"({len(long_id)} characters)" in line, len(line)

@@ -25,7 +25,7 @@ and bounds:
 - a frame longer than ``max_message_bytes`` or one that is not a
   ``SessionCommand`` closes the connection after a ``rejected`` event saying
   so (the session's worker is detached, as when a stream breaks);
-- a session refusal (``SessionRefused``: the status the stream would end
+- a session refusal (``Refused``: the status the stream would end
   with) is a ``rejected`` event whose reason starts with the status name,
   then the close;
 - commands read ahead of the session's opening are bounded (reading pauses
@@ -59,7 +59,8 @@ from kvd import tracepoints as tp
 from kvd.command_wire import Deframer, FrameError, frame
 from kvd.core.limits import Limits
 from kvd.daemon import wire_shape
-from kvd.daemon.engine_service import EngineService, SessionRefused
+from kvd.daemon.call_refusal import Refused
+from kvd.daemon.engine_service import EngineService
 from kvd.daemon.h2_refusal import LINGER_S, PREFACE, Refusal
 from kvd.daemon.local_gate import Caller, Gate, bind_side_socket, unlink_own
 from kvd.daemon.logs import Throttled, Throttles
@@ -672,7 +673,7 @@ class _Connection(asyncio.Protocol):
                     tp.hit(tp.GATE_OUT)
                     if self._drained is not None:
                         await self._drained
-        except SessionRefused as r:
+        except Refused as r:
             # Any admitted uid may open sessions it cannot have as fast as it
             # connects: 24k lines of 4 KiB in 10 s (attacker review).
             self.owner.refusals.info(self.caller.uid if self.caller else None, "%s: session of %s refused: %s", WHAT,
@@ -717,7 +718,7 @@ class CommandSocket:
         self.partial: dict[int, int] = {}  # bytes of unfinished frames per caller uid (PARTIAL_FRAMES_PER_UID)
         self.turns = _Turns()  # commands past a pass's budget, in turns by caller uid
         self.warn = Throttled(log)
-        self.refusals = Throttles(log)  # sessions refused (SessionRefused), a line a second per caller uid
+        self.refusals = Throttles(log)  # sessions refused (Refused), a line a second per caller uid
         self._server: asyncio.AbstractServer | None = None
         self._bound: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket file bound
 

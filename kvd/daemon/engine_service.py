@@ -37,6 +37,7 @@ from kvd.core.limits import BOUNDS
 from kvd.core.memory import MEMFD_KIND
 from kvd.core.node import Node
 from kvd.core.state import Owner, Segment, Worker, WorkerKey
+from kvd.daemon.call_refusal import Refused
 from kvd.daemon.convert import (
     event_to_pb,
     groups_from_pb,
@@ -45,7 +46,6 @@ from kvd.daemon.convert import (
     region_from_pb,
     renewals_from_pb,
     renewed_to_pb,
-    status_of,
 )
 from kvd.daemon.fd_channel import ClaimError, FdTable
 from kvd.daemon.logs import Throttles
@@ -80,16 +80,6 @@ def _staging_segments(worker: Worker) -> list[pb.Segment]:
     return [pb.Segment(kind=pb.MEMORY_KIND_SHM, name=n, size=m.size) for n, m in zip(mem.staging, mem.mappings)]
 
 
-class SessionRefused(Exception):
-    """A session refused or ended by the daemon: ``code`` (a ``grpc.StatusCode``,
-    the status the gRPC stream ends with) and ``message``."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(f"{code.name}: {message}")
-        self.code = code
-        self.message = message
-
-
 class EngineService(pb_grpc.EngineServiceServicer):
     """Adapts EngineService RPCs onto :class:`kvd.core.node.Node`.
 
@@ -119,15 +109,14 @@ class EngineService(pb_grpc.EngineServiceServicer):
         self.require_memfd = require_memfd
         self.fds = fds if fds is not None else FdTable()  # the fd side channel's unclaimed fds
 
-    async def _refuse_while_draining(self, context) -> None:
+    def _refuse_while_draining(self) -> None:
         if self.node.draining:  # set by the server at SIGTERM
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "daemon is draining (shutting down)")
+            raise Refused(grpc.StatusCode.UNAVAILABLE, "daemon is draining (shutting down)")
 
-    async def _caller(self, context):
+    def _caller(self, context):
         c = self.callers(context)
         if c is None:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                "kvd: caller unknown (not through the engine socket)")
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED, "kvd: caller unknown (not through the engine socket)")
         return c
 
     def _authorize(self, key: WorkerKey, caller, token: str, what: str, takeover: bool = False) -> None:
@@ -178,8 +167,8 @@ class EngineService(pb_grpc.EngineServiceServicer):
             return await self._register(request, context, claim)
 
     async def _register(self, request: pb.RegisterEngineRequest, context, claim) -> pb.RegisterEngineResponse:
-        await self._refuse_while_draining(context)
-        caller = await self._caller(context)
+        self._refuse_while_draining()
+        caller = self._caller(context)
         w = request.worker
         staged = request.data_path == pb.DATA_PATH_STAGED or (
             request.data_path == pb.DATA_PATH_AUTO and any(not (s.name or s.fd_id) for s in request.segments))
@@ -191,24 +180,23 @@ class EngineService(pb_grpc.EngineServiceServicer):
                 try:
                     segments.append(Segment(s.fd_id, s.size, MEMFD_KIND, fd=claim(s.fd_id, caller.uid)))
                 except ClaimError as e:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"segment {i}: {e}")
+                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"segment {i}: {e}") from None
                 continue
             if s.kind == pb.MEMORY_KIND_CUDA_IPC:
                 segments.append(Segment(s.name, s.size, cuda_ipc.KIND, bytes(s.handle), s.device,
                                         device_uuid=bytes(s.device_uuid)))
                 continue
             if not staged and s.kind != pb.MEMORY_KIND_SHM:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"segment {i}: only MEMORY_KIND_SHM, MEMORY_KIND_MEMFD and MEMORY_KIND_CUDA_IPC "
-                                    f"are supported by "
-                                    f"this daemon (or data_path STAGED)")
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"segment {i}: only MEMORY_KIND_SHM, MEMORY_KIND_MEMFD and MEMORY_KIND_CUDA_IPC are "
+                              f"supported by this daemon (or data_path STAGED)")
             if self.require_memfd and s.name and not staged:
                 # A named object can be shrunk by its engine under the daemon's
                 # mapping (SIGBUS in the daemon); a sealed memfd cannot.
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"segment {i}: named shm segment {s.name!r} refused: this daemon requires "
-                                    f"memory handed over as a sealed memfd (require_memfd); the kvd shim does "
-                                    f"so where memfd_create and F_SEAL_SHRINK work")
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"segment {i}: named shm segment {s.name!r} refused: this daemon requires memory "
+                              f"handed over as a sealed memfd (require_memfd); the kvd shim does so where "
+                              f"memfd_create and F_SEAL_SHRINK work")
             segments.append(Segment(s.name, s.size))
         token = secrets.token_hex(16)
         owner = Owner(caller.uid, caller.gid, frozenset(caller.gids), caller.pid, token)
@@ -221,7 +209,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
                 owner_pid=request.owner_pid, owner=owner,
             )
         except ev.CoreError as e:
-            await context.abort(status_of(e), str(e))
+            raise Refused.of(e) from None
         log.info("%s registered by %s (memory handed over as %s)", worker.label, caller, handover_of(worker))
         return pb.RegisterEngineResponse(
             session_token=token,
@@ -241,14 +229,14 @@ class EngineService(pb_grpc.EngineServiceServicer):
         is not the registering process (or ``require_session_token`` is set),
         unless a same-user caller takes over an owner that is gone or has no
         session."""
-        caller = await self._caller(context)
+        caller = self._caller(context)
         key = (request.worker.engine_id, request.worker.tp_rank)
         try:
             self.node.worker(*key)
             self._authorize(key, caller, request.session_token, "UnregisterEngine", takeover=True)
             n = await self.node.unregister(key)
         except ev.CoreError as e:
-            await context.abort(status_of(e), str(e))
+            raise Refused.of(e) from None
         return pb.UnregisterEngineResponse(released_leases=n)
 
     async def GetStats(self, request, context) -> pb.StatsResponse:
@@ -278,7 +266,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
         block ids, id length) or for an empty engine id or address; NOT_FOUND
         when the prefill daemon has no such engine; UNAVAILABLE when it
         cannot be asked."""
-        caller = await self._caller(context)
+        caller = self._caller(context)
         try:
             if not request.remote_engine_id or not request.remote_address:
                 raise ev.InvalidArgument("renew: remote_engine_id and remote_address are required")
@@ -295,7 +283,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
             # refusals cannot hide another's), as the command socket's.
             self._renew_refusals.info(caller.uid, "renew of %d leases of engine %s at %s refused: %s",
                                       len(request.renewals), request.remote_engine_id, request.remote_address, e)
-            await context.abort(status_of(e), str(e))
+            raise Refused.of(e) from None
         return pb.RenewLeasesResponse(results=renewed_to_pb(results))
 
     @staticmethod
@@ -310,13 +298,9 @@ class EngineService(pb_grpc.EngineServiceServicer):
         """One worker's command/event stream; the first command must be ``open``
         (the session's rules: :meth:`session_events`; a refusal ends the
         stream with its status)."""
-        try:
-            async with contextlib.aclosing(self.session_events(request_iterator, lambda: self.callers(context))) \
-                    as events:
-                async for event in events:
-                    yield event
-        except SessionRefused as r:
-            await context.abort(r.code, r.message)
+        async with contextlib.aclosing(self.session_events(request_iterator, lambda: self.callers(context))) as events:
+            async for event in events:
+                yield event
 
     async def session_events(self, commands, caller, write_event=None, drop=None):
         """The session of one worker, whatever carries it (the gRPC stream
@@ -340,7 +324,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
         waiting for the engine to read, and this generator with it).
 
         Raises:
-            SessionRefused: INVALID_ARGUMENT (no OpenSession within
+            Refused: INVALID_ARGUMENT (no OpenSession within
                 ``BOUNDS.open_session_timeout_s`` seconds, the commands ended
                 before one, or the first command is another), UNAVAILABLE
                 (draining), PERMISSION_DENIED (caller unknown, or not the
@@ -354,18 +338,18 @@ class EngineService(pb_grpc.EngineServiceServicer):
             async with asyncio.timeout(BOUNDS.open_session_timeout_s):
                 first = await it.__anext__()
         except TimeoutError:
-            raise SessionRefused(grpc.StatusCode.INVALID_ARGUMENT,
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                                  f"session: no OpenSession within {BOUNDS.open_session_timeout_s:g} s") from None
         except StopAsyncIteration:  # the engine closed its side (its write side, or all) first
-            raise SessionRefused(grpc.StatusCode.INVALID_ARGUMENT,
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                                  "session: the engine ended its commands before an OpenSession") from None
         if first.WhichOneof("command") != "open":
-            raise SessionRefused(grpc.StatusCode.INVALID_ARGUMENT, "session: the first command must be OpenSession")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "session: the first command must be OpenSession")
         if self.node.draining:  # set by the server at SIGTERM
-            raise SessionRefused(grpc.StatusCode.UNAVAILABLE, "daemon is draining (shutting down)")
+            raise Refused(grpc.StatusCode.UNAVAILABLE, "daemon is draining (shutting down)")
         c = caller()
         if c is None:
-            raise SessionRefused(grpc.StatusCode.PERMISSION_DENIED,
+            raise Refused(grpc.StatusCode.PERMISSION_DENIED,
                                  "kvd: caller unknown (not through the engine socket)")
         key = (first.open.worker.engine_id, first.open.worker.tp_rank)
         try:
@@ -373,7 +357,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
             self._authorize(key, c, first.open.session_token, "OpenSession")
             w = await self.node.attach(*key)
         except ev.CoreError as e:
-            raise SessionRefused(status_of(e), str(e)) from None
+            raise Refused.of(e) from None
         # A line a second per worker: its engine may open and close sessions
         # in a loop (1,461 lines a second, attacker review).
         self.node.rt.lines.info(("session opened", w.key), "session opened: %s", w.label)
@@ -409,7 +393,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
                         # here (a burst of commands read at once): the
                         # connection ends now too, as it does after.
                         drop()
-                    raise SessionRefused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                          f"session dropped: more than {w.session.overflowed} of events "
                                          f"queued unread")
                 if sink is not None and w.session.streams == 1 and w.session.sink is None:

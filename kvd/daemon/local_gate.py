@@ -59,6 +59,7 @@ from dataclasses import dataclass
 import grpc
 
 from kvd import tracepoints as tp
+from kvd.daemon.call_refusal import Refused, behavior_of
 from kvd.daemon.h2_refusal import Refusal
 from kvd.daemon.logs import Throttled
 
@@ -647,22 +648,18 @@ class AdmissionInterceptor(grpc.aio.ServerInterceptor):
         async def check(context) -> None:
             c = gate.caller(context)
             if c is None:
-                await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                    "kvd: connection not made through the engine socket")
+                raise Refused(grpc.StatusCode.PERMISSION_DENIED, "kvd: connection not made through the engine socket")
             if not c.admitted:
-                await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                    f"kvd: {c} is not admitted on the engine socket (admitted: "
-                                    f"{gate.policy.describe()}; daemon settings allowed_uids, allowed_gids)")
+                raise Refused(grpc.StatusCode.PERMISSION_DENIED,
+                              f"kvd: {c} is not admitted on the engine socket (admitted: "
+                              f"{gate.policy.describe()}; daemon settings allowed_uids, allowed_gids)")
 
         return wrap_handler(handler, check)
 
 
 def wrap_handler(handler, check):
     """``handler`` with ``await check(context)`` before its behavior runs."""
-    kind = ("unary_unary" if not handler.request_streaming and not handler.response_streaming else
-            "unary_stream" if handler.response_streaming and not handler.request_streaming else
-            "stream_unary" if not handler.response_streaming else "stream_stream")
-    behavior = getattr(handler, kind)
+    kind, behavior = behavior_of(handler)
     if inspect.isasyncgenfunction(behavior):
         async def wrapped(request, context):
             await check(context)

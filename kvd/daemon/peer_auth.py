@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import grpc
 
 from kvd.config import Config
+from kvd.daemon.call_refusal import Refused
 from kvd.daemon.local_gate import wrap_handler
 from kvd.daemon.peer_local import parse_request
 
@@ -421,7 +422,7 @@ class PeerAuthInterceptor(grpc.aio.ServerInterceptor):
         metadata = details.invocation_metadata
         if handler.request_streaming or handler.response_streaming:
             async def refuse(context) -> None:  # the MAC covers one request and one answer
-                await context.abort(grpc.StatusCode.UNIMPLEMENTED, "kvd: no token proof for streaming peer calls")
+                raise Refused(grpc.StatusCode.UNIMPLEMENTED, "kvd: no token proof for streaming peer calls")
             return wrap_handler(handler, refuse)
         parse, behavior, serialize = handler.request_deserializer, handler.unary_unary, handler.response_serializer
 
@@ -432,7 +433,7 @@ class PeerAuthInterceptor(grpc.aio.ServerInterceptor):
                 auth.refused(method.rsplit("/", 1)[-1], context.peer(), e)
                 code = (grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, ReplayWindowFull)
                         else grpc.StatusCode.UNAUTHENTICATED)
-                await context.abort(code, f"kvd: {e}")
+                raise Refused(code, f"kvd: {e}") from None
             result = behavior(await parse_request(parse, data, context), context)
             response = await result if inspect.isawaitable(result) else result
             body = serialize(response) if serialize else response

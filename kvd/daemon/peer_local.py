@@ -60,6 +60,7 @@ import struct
 import grpc
 
 from kvd.core.own_addresses import OwnAddresses, is_host_address
+from kvd.daemon.call_refusal import Refused
 from kvd.daemon.local_gate import wrap_handler
 from kvd.daemon.logs import Throttled
 
@@ -236,7 +237,7 @@ async def parse_request(parse, data: bytes, context):
     try:
         return parse(data)
     except Exception as e:  # google.protobuf DecodeError; what gRPC would answer INTERNAL
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"kvd: the request is not a valid message ({e})")
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"kvd: the request is not a valid message ({e})") from None
 
 
 def check_then_parse(handler, check):
@@ -307,7 +308,7 @@ class LocalPeerGate(grpc.aio.ServerInterceptor):
             why = await asyncio.to_thread(self.refusal, context.peer()) if dump else self.refusal(context.peer())
             if why:
                 self._refused.warning("peer call %s from %s refused: %s", method, context.peer(), why)
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"kvd: {why}")
+                raise Refused(grpc.StatusCode.UNAUTHENTICATED, f"kvd: {why}")
 
         if handler.request_streaming or handler.response_streaming:
             return wrap_handler(handler, check)

@@ -8,6 +8,7 @@ from kvd.core import events as ev
 from kvd.core.limits import BOUNDS
 from kvd.core.node import Node
 from kvd.core.state import PushOrder
+from kvd.daemon.call_refusal import Refused
 from kvd.daemon.convert import (
     groups_from_pb,
     handshake_from_pb,
@@ -15,9 +16,9 @@ from kvd.daemon.convert import (
     holds_to_pb,
     renewals_from_pb,
     renewed_to_pb,
-    status_of,
 )
 from kvd.daemon.logs import Throttled
+from kvd.logtext import clip
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
@@ -28,9 +29,6 @@ log = logging.getLogger("kvd.peer")
 LOGGED_ID_CHARS = 256
 
 
-def _clip(text: str, limit: int = LOGGED_ID_CHARS) -> str:
-    """``text``, or its first ``limit`` characters and how many there were."""
-    return text if len(text) <= limit else f"{text[:limit]}...({len(text)} characters)"
 
 # Holds polls refused (RESOURCE_EXHAUSTED past the polls waiting on an
 # engine, INVALID_ARGUMENT): a follower may send them as fast as it likes,
@@ -49,14 +47,15 @@ class PeerService(pb_grpc.PeerServiceServicer):
         self.node = node
         self._refusals = Throttled(log)
 
-    async def _refuse(self, context, what: str, request, e: ev.CoreError):
+    def _refused(self, context, what: str, request, e: ev.CoreError) -> Refused:
+        """``e`` as the call's refusal, logged."""
         rank = f" rank={request.tp_rank}" if hasattr(request, "tp_rank") else ""  # Renew names no rank
         # A peer chooses the engine id (and the error may quote it): the log line is clipped
         # (an admitted peer's refused calls wrote multi-MiB lines, attacker review).
         # And at most one a second, with the count: a peer may repeat them at will.
         self._refusals.warning("%s from %s for engine=%s%s refused: %s", what, context.peer(),
-                               _clip(request.engine_id), rank, _clip(str(e), 4 * LOGGED_ID_CHARS))
-        await context.abort(status_of(e), str(e))
+                               clip(request.engine_id, LOGGED_ID_CHARS), rank, clip(str(e), 4 * LOGGED_ID_CHARS))
+        return Refused.of(e)
 
     async def Handshake(self, request: pb.HandshakeRequest, context) -> pb.HandshakeResponse:
         """Describes local worker ``(engine_id, tp_rank)`` to a remote daemon: NIXL
@@ -69,7 +68,7 @@ class PeerService(pb_grpc.PeerServiceServicer):
             hs = await self.node.handshake_info(request.engine_id, request.tp_rank, request.compat_hash,
                                                 request.protocol_version)
         except ev.CoreError as e:
-            await self._refuse(context, "handshake", request, e)
+            raise self._refused(context, "handshake", request, e) from None
         resp = handshake_to_pb(hs)
         resp.holds_epoch = self.node.holds_epoch(request.engine_id)
         return resp
@@ -95,7 +94,7 @@ class PeerService(pb_grpc.PeerServiceServicer):
             )
             r = await self.node.push(order)
         except ev.CoreError as e:
-            await self._refuse(context, "push", request, e)
+            raise self._refused(context, "push", request, e) from None
         return pb.PushResponse(bytes=r.bytes, num_descriptors=r.num_descriptors, duration_s=r.duration_s)
 
     async def Notify(self, request: pb.NotifyRequest, context) -> pb.NotifyResponse:
@@ -114,7 +113,7 @@ class PeerService(pb_grpc.PeerServiceServicer):
             self.node.notify(request.engine_id, request.tp_rank, request.request_id,
                              request.expected_notifications)
         except ev.CoreError as e:
-            await self._refuse(context, "notify", request, e)
+            raise self._refused(context, "notify", request, e) from None
         return pb.NotifyResponse()
 
     async def Claim(self, request: pb.ClaimRequest, context) -> pb.ClaimResponse:
@@ -131,7 +130,7 @@ class PeerService(pb_grpc.PeerServiceServicer):
             await self.node.claim(request.engine_id, request.tp_rank, request.request_id,
                                   groups_from_pb(request.groups), request.wait_s)
         except ev.CoreError as e:
-            await self._refuse(context, "claim", request, e)
+            raise self._refused(context, "claim", request, e) from None
         return pb.ClaimResponse()
 
     async def Holds(self, request: pb.HoldsRequest, context) -> pb.HoldsResponse:
@@ -150,11 +149,11 @@ class PeerService(pb_grpc.PeerServiceServicer):
             # A follower of an engine gone from here asks again after a backoff
             # until its own pairs with it go: not worth a warning each time.
             log.debug("holds from %s for engine=%s: %s", context.peer(), request.engine_id, e)
-            await context.abort(status_of(e), str(e))
+            raise Refused.of(e) from None
         except ev.CoreError as e:
             _holds_refused.warning("holds from %s for engine=%.128r refused: %s", context.peer(), request.engine_id,
                                    e)
-            await context.abort(status_of(e), str(e))
+            raise Refused.of(e) from None
         return holds_to_pb(answer)
 
     async def Renew(self, request: pb.RenewRequest, context) -> pb.RenewResponse:
@@ -172,5 +171,5 @@ class PeerService(pb_grpc.PeerServiceServicer):
             results = self.node.renew(request.engine_id,
                                       renewals_from_pb(request.renewals, self.node.limits.max_blocks_per_request))
         except ev.CoreError as e:
-            await self._refuse(context, "renew", request, e)
+            raise self._refused(context, "renew", request, e) from None
         return pb.RenewResponse(results=renewed_to_pb(results))

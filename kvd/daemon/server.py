@@ -51,6 +51,7 @@ from kvd.core.events import FailureKind
 from kvd.core.limits import Limits
 from kvd.core.node import Node
 from kvd.daemon import heap
+from kvd.daemon.call_refusal import RefusalInterceptor
 from kvd.daemon.early_stop import take_stops
 from kvd.daemon.engine_service import EngineService
 from kvd.daemon.command_socket import CommandSocket
@@ -336,7 +337,11 @@ class Server:
         # Peer side (TCP).
         host = self._peer_host(host, port)
         auth = self.peer_auth
-        interceptors = [PeerAuthInterceptor(auth, self._own_addresses)] if auth.token else []
+        # First (outermost): answers what the others and the handlers refuse
+        # (kvd.daemon.call_refusal: a refused request is freed when its call ends).
+        interceptors = [RefusalInterceptor()]
+        if auth.token:
+            interceptors.append(PeerAuthInterceptor(auth, self._own_addresses))
         if not auth.secured:
             # Loopback is every local user's: only root's and our uid's sockets
             # may call (kvd.daemon.peer_local, docs/SECURITY.md).
@@ -394,7 +399,7 @@ class Server:
             log.info("engine_socket: replaced %s, left by a daemon that stopped without removing it (nothing "
                      "listened on it)", sock)
         self.engine_server = grpc.aio.server(options=server_options(cfg.max_message_bytes, ENGINE_MAX_STREAMS),
-                                             interceptors=[AdmissionInterceptor(self.gate),
+                                             interceptors=[RefusalInterceptor(), AdmissionInterceptor(self.gate),
                                                            ShapeInterceptor(functools.partial(
                                                                engine_shape,
                                                                max_blocks_per_request=cfg.max_blocks_per_request))])

@@ -54,6 +54,7 @@ from kvd.core import hold_feed
 from kvd.core.hold_mirror import MAX_IDS
 from kvd.core.holds import MAX_RENEWAL_GROUPS
 from kvd.core.limits import BOUNDS
+from kvd.daemon.call_refusal import Refused
 from kvd.daemon.logs import Throttled
 from kvd.daemon.peer_local import parse_request
 
@@ -408,7 +409,7 @@ class ShapeInterceptor(grpc.aio.ServerInterceptor):
                     check(data, descriptor, shape)
                 except ShapeError as e:
                     warn.warning("%s from %s refused: %s", method, context.peer(), e)
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"kvd: {e}")
+                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"kvd: {e}") from None
                 result = behavior(await parse_request(parse, data, context), context)
                 return await result if inspect.isawaitable(result) else result
 
@@ -437,6 +438,6 @@ class ShapeInterceptor(grpc.aio.ServerInterceptor):
                 yield event
             if refused:
                 warn.warning("%s from %s ended: %s", method, context.peer(), refused[0])
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"kvd: {refused[0]}")
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"kvd: {refused[0]}")
 
         return handler._replace(request_deserializer=guarded, stream_stream=session)
