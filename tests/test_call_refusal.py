@@ -16,9 +16,11 @@ import gc
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvd.core import events as ev
-from kvd.daemon.call_refusal import MAX_DETAILS_CHARS, Refused, RefusalInterceptor
+from kvd.daemon.call_refusal import MAX_DETAILS_BYTES, Refused, RefusalInterceptor, fit_details
+from kvd.daemon.health import MAX_SERVICE_NAME_CHARS, Health
 from kvd.daemon.peer_service import PeerService
 from kvd.daemon.wire_shape import ShapeInterceptor, peer_shape
 from kvd.v1 import kvd_pb2 as pb
@@ -60,10 +62,14 @@ def _cyclic_garbage() -> list:
 
 async def _refused_calls(interceptors, servicer, call):
     """``CALLS`` calls ``await call(channel)`` to a server with ``servicer``
-    (a PeerService) behind ``interceptors``; returns each call's
-    ``(code, details)`` and the cyclic garbage the calls left."""
+    (a PeerService, or a ``grpc.health.v1`` servicer) behind
+    ``interceptors``; returns each call's ``(code, details)`` and the cyclic
+    garbage the calls left."""
     server = grpc.aio.server(interceptors=interceptors, options=[("grpc.max_receive_message_length", 4 << 20)])
-    pb_grpc.add_PeerServiceServicer_to_server(servicer, server)
+    if isinstance(servicer, health_pb2_grpc.HealthServicer):
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    else:
+        pb_grpc.add_PeerServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     answers = []
@@ -104,8 +110,38 @@ def test_a_handler_refusal_reaches_the_caller_and_leaves_no_request_in_a_cycle(c
     assert {code for code, _ in answers} == {grpc.StatusCode.NOT_FOUND}
     cut = f"...({len('handshake: no worker engine= rank=0 here') + BIG} characters)"
     assert all(d.startswith("handshake: no worker engine=eeeeeeee") and d.endswith(cut) for _, d in answers)
-    assert all(len(d) == MAX_DETAILS_CHARS + len(cut) for _, d in answers)
+    assert all(len(d) == MAX_DETAILS_BYTES for _, d in answers)
     assert _requests_in(garbage) == 0
+
+
+def _encoded(details: str) -> int:
+    """Bytes of ``details`` percent-encoded as gRPC sends them (grpc-message)."""
+    return sum(1 if 0x20 <= b <= 0x7E and b != 0x25 else 3 for b in details.encode())
+
+
+@pytest.mark.parametrize(("text", "kept"), [
+    ("a" * 10, "whole"), ("ok: 50% done", "whole"), ("bad \udc80 surrogate", "escaped"),
+    ("\U0001F600" * 1000, "cut"), ("€" * 5000, "cut"), ("%" * 3000, "cut"), ("\n\x00" * 2000, "cut"),
+    ("x" * (1 << 20), "cut")])
+def test_details_fit_the_trailer_whatever_they_quote(text, kept):
+    details = fit_details(text)
+    assert _encoded(details) <= MAX_DETAILS_BYTES
+    if kept == "whole":
+        assert details == text
+    elif kept == "escaped":
+        assert details == "bad \\udc80 surrogate"
+    else:
+        assert details.startswith(text[:10]) and details.endswith(f"...({len(text)} characters)")
+
+
+@pytest.mark.parametrize("char", ["\U0001F600", "€", "%"], ids=["4-byte", "3-byte", "percent"])
+def test_a_refusal_quoting_an_id_of_wide_characters_still_reaches_the_caller(char):
+    def handshake(channel):
+        return pb_grpc.PeerServiceStub(channel).Handshake(pb.HandshakeRequest(engine_id=char * 4000, tp_rank=0))
+
+    answers, _ = asyncio.run(_refused_calls(_daemon_interceptors(), PeerService(_NoWorkers()), handshake))
+    assert {code for code, _ in answers} == {grpc.StatusCode.NOT_FOUND}, answers[0]
+    assert all(d.startswith(f"handshake: no worker engine={char * 3}") for _, d in answers)
 
 
 def test_an_interceptor_refusal_before_parsing_leaves_no_request_bytes_in_a_cycle(collector_off):
@@ -120,6 +156,44 @@ def test_an_interceptor_refusal_before_parsing_leaves_no_request_bytes_in_a_cycl
     # bytes are not tracked by the collector: they hang off what it found (a frame's locals, a tuple)
     held = [r for o in garbage for r in gc.get_referents(o) if isinstance(r, bytes) and len(r) >= BIG]
     assert held == []
+
+
+def test_health_check_of_an_unknown_service_leaves_no_request_in_a_cycle(collector_off):
+    """grpc's own health servicer aborts: the daemon's raises (probes reach
+    health with no credential, so anyone who reaches a port may send these)."""
+    health = Health()
+    asyncio.run(health.set("kvd.v1.PeerService", health_pb2.HealthCheckResponse.SERVING))
+
+    def check(channel):
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="s" * BIG))
+
+    answers, garbage = asyncio.run(_refused_calls([RefusalInterceptor()], health, check))
+    assert {code for code, _ in answers} == {grpc.StatusCode.NOT_FOUND}
+    assert all(d.startswith("health: no service 'ssss") for _, d in answers)
+    assert sum(isinstance(o, health_pb2.HealthCheckRequest) for o in garbage) == 0
+
+    async def known_and_watched():
+        server = grpc.aio.server(interceptors=[RefusalInterceptor()])
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                known = [(await stub.Check(health_pb2.HealthCheckRequest(service=s))).status
+                         for s in ("", "kvd.v1.PeerService")]
+                watch = stub.Watch(health_pb2.HealthCheckRequest(service="not.Here"))
+                first = await watch.read()
+                watch.cancel()
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.Watch(health_pb2.HealthCheckRequest(service="w" * (MAX_SERVICE_NAME_CHARS + 1))).read()
+        finally:
+            await server.stop(None)
+        return known, first.status, e.value.code()
+
+    serving = health_pb2.HealthCheckResponse.SERVING
+    assert asyncio.run(known_and_watched()) == (
+        [serving, serving], health_pb2.HealthCheckResponse.SERVICE_UNKNOWN, grpc.StatusCode.INVALID_ARGUMENT)
 
 
 def test_context_abort_the_control_leaves_each_refused_request_in_a_cycle(collector_off):

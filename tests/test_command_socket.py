@@ -304,10 +304,11 @@ def test_bad_frames_close_the_connection_and_the_daemon_serves_on(daemon, bad):
     assert daemon.proc.poll() is None
 
 
-def _in_process_connection():
+def _in_process_connection(t=None):
     """A command socket's connection (the real ``_Connection`` and
-    ``EngineService.session_events``, no daemon) on a :class:`WritesTransport`,
-    its caller admitted; call inside a running event loop."""
+    ``EngineService.session_events``, no daemon) on ``t`` (default a
+    :class:`WritesTransport`), its caller admitted; call inside a running
+    event loop."""
     import types
 
     from kvd.daemon import command_socket as cs
@@ -320,11 +321,53 @@ def _in_process_connection():
                                  leave=lambda uid: None)
     owner = types.SimpleNamespace(max_message_bytes=1 << 20, connections=set(), partial={}, gate=gate,
                                   service=service, shape=None, warn=types.SimpleNamespace(warning=lambda *a: None),
+                                  refusals=types.SimpleNamespace(info=lambda *a: None),
                                   turns=cs._Turns())
     conn = cs._Connection(owner)
-    t = WritesTransport()
+    t = t or WritesTransport()
     conn.connection_made(t)
     return conn, t
+
+
+class HalfClosingTransport(WritesTransport):
+    """:class:`WritesTransport` that half-closes as asyncio's do: a write
+    after ``write_eof`` raises RuntimeError."""
+
+    eof = False
+
+    def can_write_eof(self):
+        return True
+
+    def write_eof(self):
+        self.eof = True
+
+    def write(self, data):
+        if self.eof:
+            raise RuntimeError("Cannot call write() after write_eof()")
+        super().write(data)
+
+
+def test_a_bad_frame_before_the_open_ends_the_session_cleanly_after_its_rejection():
+    """The bad frame's rejection half-closes the connection (lingering for
+    the engine to stop sending); the session then ends refused (no open
+    came) and must not write again. Before, that write raised RuntimeError,
+    which ended the session's task, its exception holding the frame's bytes
+    in a cycle until a collection (150 junk 16 MiB frames: peak RSS 1.6 GB,
+    attacker review; 0.28 GB after)."""
+    import asyncio
+
+    async def main():
+        conn, t = _in_process_connection(HalfClosingTransport())
+        conn.data_received(struct.pack("<I", 6) + b"\xff" * 6)
+        for _ in range(5):
+            await asyncio.sleep(0)  # the session task ends
+        assert conn.task.done() and conn.task.exception() is None
+        events = [pb.SessionEvent.FromString(w[4:]) for w in t.writes]
+        assert [event_kind(e) for e in events] == ["rejected"] and t.eof
+        assert events[0].rejected.reason.startswith("INVALID_ARGUMENT"), events
+        conn.connection_lost(None)
+
+    asyncio.run(main())
 
 
 @pytest.mark.parametrize("cuts", [(1, 2, 3, 4), (3,), (1, 24)], ids=["byte-by-byte", "3-then-rest", "1-then-rest"])

@@ -29,17 +29,43 @@ import grpc
 
 from kvd.core import events as ev
 from kvd.daemon.convert import status_of
-from kvd.logtext import clip
 
 
-# Details sent are cut here: they travel in a trailer (grpc-message,
-# percent-encoded: up to 12 characters for one of the message's), and a
-# client drops a call whose trailers pass 16 KiB (grpc's default hard limit,
-# ``grpc.max_metadata_size``) with RESOURCE_EXHAUSTED "received metadata size
-# exceeds hard limit" instead of the daemon's status. Measured: a refused
-# Handshake for a 32 MiB engine id quoted it whole, and the caller saw that,
-# not NOT_FOUND. An honest refusal's details are a few hundred characters.
-MAX_DETAILS_CHARS = 1024
+# Details travel in the grpc-message trailer, percent-encoded (gRPC over
+# HTTP/2, doc/PROTOCOL-HTTP2.md: each byte outside 0x20-0x7E, and '%', takes
+# three), and a client drops trailers past 8 KiB at random and past 16 KiB
+# always (``grpc.max_metadata_size`` and its soft limit), answering
+# RESOURCE_EXHAUSTED "received metadata size exceeds soft/hard limit" in
+# place of the daemon's status. Measured: a refused Handshake quoting a 32
+# MiB engine id whole, and 1,024 four-byte characters (12,288 bytes
+# encoded), both reached the caller so. An honest refusal's details are a
+# few hundred characters.
+MAX_DETAILS_BYTES = 4096  # encoded
+
+
+def _encoded_len(ch: str) -> int:
+    o = ord(ch)
+    return 1 if 0x20 <= o <= 0x7E and o != 0x25 else 3 * len(ch.encode())
+
+
+def fit_details(message: str) -> str:
+    """``message`` as status details: whole when its percent-encoded form
+    takes at most :data:`MAX_DETAILS_BYTES`, else cut there, ending with
+    how many characters it had. Characters UTF-8 cannot encode (lone
+    surrogates) are written as escapes."""
+    if len(message) <= MAX_DETAILS_BYTES and message.isascii() and message.isprintable() and "%" not in message:
+        return message
+    whole = len(message)
+    message = message[:MAX_DETAILS_BYTES].encode("utf-8", "backslashreplace").decode()
+    if whole <= MAX_DETAILS_BYTES and sum(map(_encoded_len, message)) <= MAX_DETAILS_BYTES:
+        return message
+    suffix = f"...({whole} characters)"
+    room = MAX_DETAILS_BYTES - len(suffix)
+    for i, ch in enumerate(message):
+        room -= _encoded_len(ch)
+        if room < 0:
+            return message[:i] + suffix
+    return message + suffix  # not reached: the cut always falls inside MAX_DETAILS_BYTES characters
 
 
 class Refused(Exception):
@@ -47,11 +73,10 @@ class Refused(Exception):
 
     Args:
         code: the gRPC status the call ends with (``grpc.StatusCode``).
-        message: its details, as the caller sees them (cut at
-            :data:`MAX_DETAILS_CHARS`, with the length it had)."""
+        message: its details, as the caller sees them (:func:`fit_details`)."""
 
     def __init__(self, code: grpc.StatusCode, message: str):
-        message = clip(message, MAX_DETAILS_CHARS)
+        message = fit_details(message)
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message

@@ -545,6 +545,13 @@ class _Connection(asyncio.Protocol):
         self.transport.write(_rejected(f"{code}: {why}"))
         self._linger()
 
+    def _closing(self) -> bool:
+        """True once nothing more may be written: the transport is closing,
+        or half-closed after a bad frame's rejection (:meth:`_linger`; a
+        write then raises RuntimeError, which ended the session's task with
+        the refused frame held in its exception's frames, attacker review)."""
+        return self._lingering is not None or self.transport.is_closing()
+
     def _linger(self) -> None:
         """Half-closes after what was written, then reads and drops whatever
         still comes until the engine closes or ``LINGER_S`` passes: a close
@@ -607,7 +614,7 @@ class _Connection(asyncio.Protocol):
         (:meth:`_flush`), or at once past ``_COALESCE_BYTES``; False, taking
         nothing, while the socket's buffer is over ``_WRITE_HIGH`` or the
         connection is closing (the event is then queued)."""
-        if self._drained is not None or self.transport.is_closing():
+        if self._drained is not None or self._closing():
             return False
         data = frame(e.SerializeToString())
         self._out.append(data)
@@ -629,7 +636,7 @@ class _Connection(asyncio.Protocol):
         out, n = self._out, len(self._out)
         self._out, self._out_bytes = [], 0
         t = self.transport
-        if t.is_closing():
+        if self._closing():
             return
         try:
             t.write(out[0] if n == 1 else b"".join(out))
@@ -666,8 +673,8 @@ class _Connection(asyncio.Protocol):
             async with contextlib.aclosing(self.owner.service.session_events(
                     commands, lambda: self.caller, self._write_event, self._drop)) as events:
                 async for e in events:
-                    if t.is_closing():
-                        break  # the engine is gone: the session ends (its worker detached)
+                    if self._closing():
+                        break  # the engine is gone, or a bad frame's rejection went: the session ends
                     self._flush()
                     t.write(frame(e.SerializeToString()))
                     tp.hit(tp.GATE_OUT)
@@ -679,7 +686,7 @@ class _Connection(asyncio.Protocol):
             self.owner.refusals.info(self.caller.uid if self.caller else None, "%s: session of %s refused: %s", WHAT,
                                      self.caller, r)
             self._flush()
-            if not t.is_closing():
+            if not self._closing():
                 t.write(_rejected(str(r)))
         except Exception:  # the daemon keeps serving; this connection ends
             log.exception("%s: session of %s failed", WHAT, self.caller)

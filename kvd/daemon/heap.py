@@ -27,19 +27,20 @@ So freezing halves the collector's CPU (10-15 us a load of the loop's
 startup heap the same way (``vllm/utils/gc_utils.py``, ``freeze_gc_heap``).
 
 The thresholds stay CPython's. Raising them cut the rest (at (5,000, 2, 2):
-5-7 / 1-2 / 0 collections, 0.01 s a run), but it also lets more cyclic
-garbage wait for a collection, and garbage can hold a whole request: a
-refused gRPC call leaves a cycle of ~36 objects (grpc's handler frames,
-the abort's exception) that holds its request message, so a peer's flood
-of refused 32 MiB Handshake calls took the daemon's peak RSS from 2.6 GB
-to 8.2 GB, and 16 MiB junk frames on the command socket from 0.5 to 1.7 GB
-(an attacker review's scripts; 7x more such calls wait at 5,000 than at
-700). Freezing alone raised that flood's peak as well, less: 2.66-2.72 GB
-before (four runs), 3.05-3.23 GB frozen (five); kept, since the stalls it
-removes came about once a second under load, while that flood needs a
-caller the peer port admits and was at 2.7 GB already (the cycle per
-refused call is grpc's; answering refusals without ``context.abort()``
-would remove it, not done here).
+5-7 / 1-2 / 0 collections, 0.01 s a run, loads/s within the machine's
+noise), but it also lets more cyclic garbage wait for a collection, and
+garbage can hold a whole request. A refused gRPC call answered by
+``context.abort()`` held its request in a cycle with grpc's handler frames:
+at 5,000 a peer's flood of refused 32 MiB Handshake calls took the
+daemon's peak RSS from 2.6 GB to 8.2 GB, and 16 MiB junk frames on the
+command socket from 0.5 to 1.7 GB (an attacker review's scripts; 7x more
+such calls wait at 5,000 than at 700). Neither leaves a cycle now
+(``kvd.daemon.call_refusal``, and the command socket writes nothing after
+a rejection's half-close), but other garbage still does: at (10,000, 10,
+10) the suite's flood of loads naming 1,000 dead peers grew the daemon past
+its bound (failed handshakes' cycles, not looked into). Freezing alone
+raised the 32 MiB flood's peak, less (2.66-2.72 -> 3.05-3.23 GB, measured
+before refusals stopped leaving cycles).
 
 The collection after the freeze matters for that garbage too: CPython
 skips a full collection while the objects that survived older ones are

@@ -41,7 +41,6 @@ import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from kvd import __version__
@@ -56,6 +55,7 @@ from kvd.daemon.early_stop import take_stops
 from kvd.daemon.engine_service import EngineService
 from kvd.daemon.command_socket import CommandSocket
 from kvd.daemon.fd_channel import FdChannel
+from kvd.daemon.health import Health
 from kvd.daemon.local_gate import AdmissionInterceptor, Gate, Policy
 from kvd.daemon.metrics import Metrics
 from kvd.daemon.peer_auth import PeerAuth, PeerAuthInterceptor, secret_file_warnings
@@ -533,8 +533,8 @@ class Server:
         finally:
             s.close()
 
-    def _add_health_and_reflection(self, server, service: str) -> HealthServicer:
-        health = HealthServicer()
+    def _add_health_and_reflection(self, server, service: str) -> Health:
+        health = Health()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         reflection.enable_server_reflection(
             (service, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
