@@ -568,3 +568,54 @@ def test_loads_failing_on_one_handshake_each_get_their_own_error_and_leave_no_cy
     assert frames == []
     assert all(e is not shared and str(e) == str(shared) and e.transient for e in errors)
     assert len({id(e) for e in errors}) == len(errors)
+
+
+def test_a_failed_handshake_leaves_its_waiters_frames_and_its_grpc_call_to_reference_counting():
+    """A load waiting on a handshake held the handshake's task in its frame,
+    and the task's exception holds that frame on its traceback: a cycle
+    that kept the failed call's grpc channel (on the exception's context)
+    until a full collection (1,000 dead peer addresses: +7.7 MiB a round
+    with the collector's first threshold at 5,000). Now the frame lets go
+    of the task."""
+    import asyncio
+    import gc
+    from types import SimpleNamespace
+
+    from kvd.core.events import PeerUnavailable
+    from kvd.core.peers import Peers
+
+    class Channel:  # what the failed call's context holds
+        pass
+
+    async def failing_handshake():
+        try:
+            raise OSError("connection refused")  # its context, as grpc's error holds its call
+        except OSError as e:
+            e.channel = Channel()
+            raise PeerUnavailable("127.0.0.1:1: UNAVAILABLE", transient=True) from None
+
+    async def main():
+        peers = Peers.__new__(Peers)  # only _remote_once runs: its collaborators are these
+        task = asyncio.get_running_loop().create_task(failing_handshake())
+        peers._handshake_task = lambda w, key, tp_size: task
+        w = SimpleNamespace(pairs=SimpleNamespace(remotes={}))
+        for _ in range(3):
+            try:
+                await peers._remote_once(w, "127.0.0.1:1", "engine", 0, 1, asyncio.get_running_loop().time() + 5)
+            except PeerUnavailable:
+                pass
+        del task
+
+    gc.collect()
+    gc.disable()
+    try:
+        asyncio.run(main())
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        kept = [o for o in gc.garbage if isinstance(o, Channel) or (type(o).__name__ == "frame"
+                                                                   and o.f_code.co_name == "_remote_once")]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert kept == []

@@ -608,6 +608,12 @@ class Peers:
                     r = await asyncio.shield(fut)
             except TimeoutError:
                 raise PeerUnavailable(f"{address}: no handshake answer by the request's deadline") from None
+            finally:
+                # The handshake's exception, which the task holds, has this
+                # frame on its traceback: holding the task here made a cycle
+                # (with the failed call's grpc channel on the exception's
+                # context) that only a full collection freed.
+                del fut
             fresh = True
         if r.tp_size != tp_size:  # a cached remote, or a handshake another request started
             raise Incompatible(f"remote engine {engine_id!r} has TP size {r.tp_size}, the request says {tp_size}")
