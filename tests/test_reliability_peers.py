@@ -596,15 +596,15 @@ def test_a_failed_handshake_leaves_its_waiters_frames_and_its_grpc_call_to_refer
 
     async def main():
         peers = Peers.__new__(Peers)  # only _remote_once runs: its collaborators are these
-        task = asyncio.get_running_loop().create_task(failing_handshake())
-        peers._handshake_task = lambda w, key, tp_size: task
+        running = [asyncio.get_running_loop().create_task(failing_handshake())]
+        peers._handshake_task = lambda w, key, tp_size: running[0]
         w = SimpleNamespace(pairs=SimpleNamespace(remotes={}))
         for _ in range(3):
             try:
                 await peers._remote_once(w, "127.0.0.1:1", "engine", 0, 1, asyncio.get_running_loop().time() + 5)
             except PeerUnavailable:
                 pass
-        del task
+        running.clear()  # as Peers._handshakes lets go of a handshake once it is done
 
     gc.collect()
     gc.disable()
