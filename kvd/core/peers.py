@@ -169,6 +169,15 @@ def _said(e: BaseException) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
+def _own_copy(e: BaseException) -> BaseException:
+    """A copy of ``e`` (its type, arguments and attributes; no traceback,
+    cause or context), or ``e`` itself where its type cannot be copied."""
+    try:
+        return copy.copy(e)
+    except Exception:  # an exception type whose __init__ takes other arguments than its args
+        return e
+
+
 class Peers:
     """Remote workers of every local worker, and handshakes with their daemons.
 
@@ -512,7 +521,7 @@ class Peers:
                 # collection (a flood of loads from a refused address: ~40
                 # objects a load, 53 full collections in 13 s, `kvd health`
                 # 1.5-2.3 s; measured with a collector probe in the daemon).
-                raise copy.copy(g) from None
+                raise _own_copy(g) from None
         return {p: r for p, (r, _) in zip(ranks, got)}, any(fresh for _, fresh in got)
 
     def warm(self, w: Worker, address: str, engine_id: str, tp_size: int) -> list[asyncio.Future]:
