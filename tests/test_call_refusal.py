@@ -263,3 +263,41 @@ def test_a_unary_refusal_from_a_sync_behavior_and_a_pass_through_answer():
     ok, e = asyncio.run(run())
     assert ok == b"yes please"
     assert (e.code(), e.details()) == (grpc.StatusCode.PERMISSION_DENIED, "kvd: not you")
+
+
+def test_open_health_watches_are_capped_per_server(monkeypatch):
+    """Health needs no credential and a Watch lasts as long as its caller
+    likes (~26 KB each: 20,000 from one process took a daemon +522 MB,
+    attacker review): past ``MAX_WATCHES`` open, one more is refused; one
+    that ends makes room."""
+    from kvd.daemon import health as health_module
+
+    monkeypatch.setattr(health_module, "MAX_WATCHES", 2)
+
+    async def run():
+        server = grpc.aio.server(interceptors=[RefusalInterceptor()])
+        health_pb2_grpc.add_HealthServicer_to_server(Health(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                watches = [stub.Watch(health_pb2.HealthCheckRequest(service="")) for _ in range(2)]
+                first = [(await w.read()).status for w in watches]
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.Watch(health_pb2.HealthCheckRequest(service="")).read()
+                watches[0].cancel()
+                for _ in range(100):  # the server sees the cancel
+                    try:
+                        again = await stub.Watch(health_pb2.HealthCheckRequest(service="")).read()
+                        break
+                    except grpc.aio.AioRpcError:
+                        await asyncio.sleep(0.02)
+                for w in watches:
+                    w.cancel()
+        finally:
+            await server.stop(None)
+        return first, e.value.code(), again.status
+
+    serving = health_pb2.HealthCheckResponse.SERVING
+    assert asyncio.run(run()) == ([serving, serving], grpc.StatusCode.RESOURCE_EXHAUSTED, serving)

@@ -619,3 +619,44 @@ def test_a_failed_handshake_leaves_its_waiters_frames_and_its_grpc_call_to_refer
         gc.garbage.clear()
         gc.enable()
     assert kept == []
+
+
+def test_a_load_past_its_deadline_before_the_handshake_answers_leaves_no_cycle():
+    """The error raised for a handshake the load's deadline ran out on was
+    raised inside the ``except TimeoutError``: it held that TimeoutError as
+    its context, whose traceback holds asyncio's Timeout, which holds the
+    task that keeps the error (a cycle; ~17 objects a load, an attacker
+    review's peer that accepts TCP and never answers)."""
+    import asyncio
+    import gc
+    from types import SimpleNamespace
+
+    from kvd.core.events import PeerUnavailable
+    from kvd.core.peers import Peers
+
+    async def main():
+        peers = Peers.__new__(Peers)  # only remote() and _remote_once run: their collaborators are these
+        never = [asyncio.get_running_loop().create_future()]  # a handshake that does not answer
+        peers._handshake_task = lambda w, key, tp_size, ahead=False: never[0]
+        peers.rt = SimpleNamespace(draining=False, lines=SimpleNamespace(warning=lambda *a: None))
+        w = SimpleNamespace(pairs=SimpleNamespace(remotes={}))
+        loop = asyncio.get_running_loop()
+        errors = await asyncio.gather(*(peers.remote(w, "127.0.0.1:9", "engine", 0, 1, loop.time() + 0.05)
+                                        for _ in range(20)), return_exceptions=True)
+        never[0].cancel()
+        never.clear()
+        return [(type(e).__name__, str(e)) for e in errors]  # not the errors: the test must not hold them
+
+    gc.collect()
+    gc.disable()
+    try:
+        errors = asyncio.run(main())
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        kept = [type(o).__name__ for o in gc.garbage if isinstance(o, (asyncio.Task, PeerUnavailable, TimeoutError))]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert all(kind == "PeerUnavailable" and "no handshake answer" in text for kind, text in errors), errors
+    assert kept == []

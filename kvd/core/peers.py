@@ -519,8 +519,8 @@ class Peers:
                 # traceback, so it held the frames, requests and closures of
                 # every load that failed on it, freed only by a full
                 # collection (a flood of loads from a refused address: ~40
-                # objects a load, 53 full collections in 13 s, `kvd health`
-                # 1.5-2.3 s; measured with a collector probe in the daemon).
+                # objects a load in cyclic garbage, 1.49M collected in 12 s;
+                # measured with a collector probe in the daemon).
                 raise _own_copy(g) from None
         return {p: r for p, (r, _) in zip(ranks, got)}, any(fresh for _, fresh in got)
 
@@ -612,17 +612,24 @@ class Peers:
         r, fresh = w.pairs.remotes.get(key), False
         if r is None:
             fut = self._handshake_task(w, key, tp_size)
+            late = False
             try:
                 async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                     r = await asyncio.shield(fut)
             except TimeoutError:
-                raise PeerUnavailable(f"{address}: no handshake answer by the request's deadline") from None
+                late = True
             finally:
                 # The handshake's exception, which the task holds, has this
                 # frame on its traceback: holding the task here made a cycle
                 # (with the failed call's grpc channel on the exception's
                 # context) that only a full collection freed.
                 del fut
+            if late:
+                # Raised here, not in the except: there it would hold the
+                # TimeoutError as its context, whose traceback holds asyncio's
+                # Timeout, which holds the task that keeps this error (a
+                # cycle; ~17 objects a load past its deadline).
+                raise PeerUnavailable(f"{address}: no handshake answer by the request's deadline")
             fresh = True
         if r.tp_size != tp_size:  # a cached remote, or a handshake another request started
             raise Incompatible(f"remote engine {engine_id!r} has TP size {r.tp_size}, the request says {tp_size}")
