@@ -484,17 +484,26 @@ def followed_load(src: Engine, dst: Engine, tag: str, tries: int = 10) -> str:
         rid = f"{tag}-{i}"
         wait_held(src, rid)
         time.sleep(0.3)
-        sent, followed = counts(dst)
-        dst.load(f"{rid}-d", [5, 6, 7], src, [2, 3, 4], rid)
-        ev = dst.wait(f"{rid}-d")
-        assert event_kind(ev) == "recv_done", ev
-        assert np.array_equal(dst.kv[:, 5:8], src.kv[:, 2:5])
-        assert event_kind(src.wait(rid)) == "send_done"
-        s2, f2 = counts(dst)
-        if f2 == followed + 1:
-            assert s2 == sent, "a load the followed holds served asked a claim too"
+        if load_held(src, dst, rid):
             return rid
     raise AssertionError(f"no load of {tries} was served by the followed holds")
+
+
+def load_held(src: Engine, dst: Engine, rid: str) -> bool:
+    """Loads ``rid``, held by ``src`` on blocks 2-4, into ``dst``'s blocks
+    5-7 and checks the bytes and the lease's end; True when the followed
+    holds served it (no claim asked)."""
+    sent, followed = counts(dst)
+    dst.load(f"{rid}-d", [5, 6, 7], src, [2, 3, 4], rid)
+    ev = dst.wait(f"{rid}-d")
+    assert event_kind(ev) == "recv_done", ev
+    assert np.array_equal(dst.kv[:, 5:8], src.kv[:, 2:5])
+    assert event_kind(src.wait(rid)) == "send_done"
+    s2, f2 = counts(dst)
+    if f2 == followed + 1:
+        assert s2 == sent, "a load the followed holds served asked a claim too"
+        return True
+    return False
 
 
 def test_a_followed_hold_is_read_without_a_claim(env):
@@ -629,15 +638,7 @@ def test_a_hold_made_before_the_reader_follows_is_read_without_a_claim(tmp_path)
         wait_until(lambda: d.stats().holds_followed == 1, 30, "D follows the source's holds")
         served = []
         for rid in early:
-            sent, followed = counts(dst)
-            dst.load(f"{rid}-d", [5, 6, 7], src, [2, 3, 4], rid)
-            ev = dst.wait(f"{rid}-d")
-            assert event_kind(ev) == "recv_done", ev
-            assert np.array_equal(dst.kv[:, 5:8], src.kv[:, 2:5])
-            assert event_kind(src.wait(rid)) == "send_done"
-            s2, f2 = counts(dst)
-            if f2 == followed + 1:
-                assert s2 == sent, "a load the followed holds served asked a claim too"
+            if load_held(src, dst, rid):
                 served.append(rid)
                 break
             time.sleep(0.3)  # the copy's next answer
