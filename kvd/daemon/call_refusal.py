@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 from collections.abc import Callable
 
 import grpc
@@ -62,11 +63,8 @@ def fit_details(message: str) -> str:
         return message
     suffix = f"...({whole} characters)"
     room = MAX_DETAILS_BYTES - len(suffix)
-    for i, ch in enumerate(message):
-        room -= _encoded_len(ch)
-        if room < 0:
-            return message[:i] + suffix
-    return message + suffix  # not reached: the cut always falls inside MAX_DETAILS_BYTES characters
+    spent = itertools.accumulate(map(_encoded_len, message))
+    return message[:next((i for i, n in enumerate(spent) if n > room), len(message))] + suffix
 
 
 class Refused(Exception):
