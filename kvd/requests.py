@@ -17,7 +17,7 @@ side (the shim, the client) and the daemon core both import it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 BlockGroups = list[list[int]]
 """Block ids per KV-cache group, each in prompt order (one group without HMA)."""
@@ -87,6 +87,47 @@ class LoadRequest(NamedTuple):
     def local_block_ids(self) -> list[int]:
         """Every local block id (what a ``LoadFailed`` names)."""
         return flat(self.local_groups)
+
+
+class DeferredLoad(Protocol):
+    """A load whose remote fields are checked and converted off the engine's
+    step: ``EngineClient.load`` takes one in place of a :class:`LoadRequest`
+    and its sender thread calls :meth:`resolve` as it builds the command.
+    What the engine's step needs of it (the local request id, the local
+    blocks a failure names, the timeout) is known without resolving.
+
+    Why: the decode scheduler checked P's fields (from the API request) for
+    every load on the engine's step, ~7-10 us of its ~20 us per load there
+    (docs/PERFORMANCE.md, engine step).
+    """
+
+    request_id: str
+    local_groups: BlockGroups
+
+    @property
+    def timeout_s(self) -> float:
+        """This load's deadline in seconds (0: the client's default)."""
+
+    @property
+    def local_block_ids(self) -> list[int]:
+        """Every local block id (what a ``LoadFailed`` names)."""
+
+    def resolve(self) -> LoadRequest:
+        """The load as the daemon takes it. Raises :class:`InvalidLoad`."""
+
+
+class InvalidLoad(ValueError):
+    """A load whose fields name no load the daemon could take: raised by a
+    deferred load's ``resolve()`` (see ``EngineClient.load``) on the
+    client's sender thread, which then fails the load locally with this
+    message as its reason, and, when ``abort`` is set (the fields still
+    name the prefill engine, request and address), sends an ``AbortLoad``
+    of it so that the prefill side frees its blocks now rather than at the
+    end of its lease."""
+
+    def __init__(self, reason: str, abort: LoadRequest | None = None):
+        super().__init__(reason)
+        self.abort = abort
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,15 +8,17 @@ in flight and the client carries on.
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import grpc
 import pytest
 
 from kvd.client.engine_client import EngineClient, EngineClientError, normalize_address
-from kvd.requests import LoadRequest
+from kvd.requests import InvalidLoad, LoadRequest
 from kvd.v1 import kvd_pb2 as pb
 from kvd.testing.fakes import PEER_ADDRESS, FakeDaemon, kinds, wait_events
+from kvd.testing.util import wait_until
 
 WORKER = pb.EngineWorker(engine_id="engine-a", tp_rank=0, tp_size=1)
 FAST_S = 0.010  # "never blocks": every engine-facing call returns faster than this
@@ -148,6 +150,64 @@ def test_a_rejected_load_is_reported_as_failed_with_its_local_blocks(sock):
         assert ev.load_failed.request_id == "r1"
         assert list(ev.load_failed.failed_block_ids) == [3, 4]
         assert "fake rejection" in ev.load_failed.reason
+    finally:
+        client.close()
+        fake.stop()
+
+
+class Deferred:
+    """A deferred load (``kvd.requests.DeferredLoad``): resolved by the
+    client's sender thread, which it records, into ``result`` (or raises it)."""
+
+    def __init__(self, rid: str, local, result):
+        self.request_id, self.local_groups, self.timeout_s = rid, [list(local)], 0.0
+        self.result = result
+        self.resolved_on: list[str] = []
+
+    @property
+    def local_block_ids(self):
+        return self.local_groups[0]
+
+    def resolve(self) -> LoadRequest:
+        import threading
+
+        self.resolved_on.append(threading.current_thread().name)
+        if isinstance(self.result, Exception):
+            raise self.result
+        return self.result
+
+
+def test_a_deferred_load_is_resolved_off_the_engine_thread_and_its_refusal_fails_it_and_frees_the_source(sock):
+    """``EngineClient.load`` of a deferred load returns without resolving it;
+    the sender thread resolves it as it builds the command. Resolved: the
+    daemon gets the load. ``InvalidLoad`` naming the source: the load fails
+    here with that reason, naming its local blocks, and the daemon gets an
+    ``AbortLoad`` of the source, never the load; a plain ValueError fails
+    it the same way and tells nobody."""
+    fake = FakeDaemon(sock, load_mode="answer").start()
+    client = connect(sock)
+    try:
+        good = Deferred("ok", (1, 2), LoadRequest("ok", [[1, 2]], "engine-p", PEER_ADDRESS, [[5, 6]], "p-ok"))
+        src = LoadRequest("bad", [], "engine-p", PEER_ADDRESS, [], "p-bad", 2)
+        bad = Deferred("bad", (3, 4), InvalidLoad("invalid: remote_block_ids: 'x' is no id", src))
+        worse = Deferred("worse", (7,), ValueError("nothing to say where"))
+        for d in (good, bad, worse):
+            client.load(d)
+        events = wait_events(client, lambda ev: len(ev) == 3)
+        by_id = {getattr(ev, ev.WhichOneof("event")).request_id: ev for ev in events}
+        assert by_id["ok"].WhichOneof("event") == "recv_done"
+        failed = by_id["bad"].load_failed
+        assert (list(failed.failed_block_ids), failed.reason) == ([3, 4], "invalid: remote_block_ids: 'x' is no id")
+        assert list(by_id["worse"].load_failed.failed_block_ids) == [7]
+        assert "nothing to say where" in by_id["worse"].load_failed.reason
+        assert [c.request_id for c in fake.service.received("load")] == ["ok"]
+        wait_until(lambda: fake.service.count("abort_load") == 1, 5, "the AbortLoad of the refused load")
+        (cmd,) = fake.service.received("abort_load")
+        assert (cmd.request_id, cmd.remote_engine_id, cmd.remote_address, cmd.remote_request_id,
+                cmd.remote_tp_size) == ("bad", "engine-p", PEER_ADDRESS, "p-bad", 2)
+        for d in (good, bad, worse):  # once each, by the thread that sends commands
+            assert len(d.resolved_on) == 1 and d.resolved_on[0] != threading.current_thread().name, d.resolved_on
+        assert client.pending() == (0, 0)
     finally:
         client.close()
         fake.stop()

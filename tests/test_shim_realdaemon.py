@@ -43,6 +43,7 @@ from kvd.shim.memory import auto, cuda_ipc  # noqa: E402
 from kvd.shim.memory.cuda_ipc import ExportedStorage  # noqa: E402
 from kvd.shim.vllm import KvdConnector  # noqa: E402
 from kvd.v1 import kvd_pb2 as pb  # noqa: E402
+from kvd.requests import InvalidLoad  # noqa: E402
 from kvd.testing.daemons import start_daemon  # noqa: E402
 from vllm_inproc import (  # noqa: E402
     BS,
@@ -434,7 +435,8 @@ def test_prefill_block_larger_than_decode_block_is_refused(model_dir, daemons):
         d.sched.add_request(make_request(prompt, params, max_tokens=2))
         d.step()
         (ld,) = d.loads.values()
-        assert ld.error and "block size 64 does not divide this engine's 32" in ld.error, ld.error
+        with pytest.raises(InvalidLoad, match="block size 64 does not divide this engine's 32"):
+            ld.resolve()  # as the client's sender thread did
         assert d.stats == [] or not any(s.num_successful_transfers for s in d.stats)
         p.run_until(lambda: preq.request_id in p.finished_sending, timeout_s=10)
         assert wait_leases_zero(pd) < 5

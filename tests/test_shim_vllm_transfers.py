@@ -22,6 +22,7 @@ result back to ``Scheduler.update_from_output``.
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -39,7 +40,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 from kvd.addresses import join_host_port  # noqa: E402
-from kvd.requests import LoadRequest  # noqa: E402
+from kvd.shim.vllm.metadata import LoadRules  # noqa: E402
 from kvd.shim.vllm import (  # noqa: E402
     HoldSpec,
     KvdConnector,
@@ -64,7 +65,8 @@ def prefill_stats(eng: Engine, rid: str):
 def load_spec(rid: str, local: list, remote: list, remote_rid: str, *, engine: str = "engine-p",
               awaiting: bool = True, error: str | None = None) -> LoadSpec:
     """A scheduler -> worker load (block ids per group) from a prefill engine at 127.0.0.1:9."""
-    return LoadSpec(LoadRequest(rid, local, engine, "127.0.0.1:9", remote, remote_rid), awaiting, error)
+    return LoadSpec(rid, local, (engine, "127.0.0.1", 9, remote_rid, remote), awaiting, LoadRules(), error,
+                    max_ids=1 << 20)
 
 
 
@@ -130,12 +132,26 @@ def decode_params(num_blocks: int, first: int = 40) -> dict:
     })
 
 
-def test_decode_loads_all_prompt_blocks_then_runs(model_dir, fake):
+def test_decode_loads_all_prompt_blocks_then_runs(model_dir, fake, monkeypatch):
+    """... and P's fields are checked and converted off the engine's step:
+    by the engine client's sender thread, once (``LoadSpec.resolve``)."""
+    import kvd.shim.vllm.metadata as metadata
+
+    resolved_on = []
+    real = metadata.resolve_load
+
+    def resolve_load(spec):
+        resolved_on.append(threading.current_thread().name)
+        return real(spec)
+
+    monkeypatch.setattr(metadata, "resolve_load", resolve_load)
     eng = Engine(model_dir, fake.socket, role="kv_consumer", kvd_load_timeout_s=12)
     try:
         req = make_request(list(range(500, 600)), decode_params(4))
         eng.sched.add_request(req)
         eng.step()
+        wait_until(lambda: resolved_on, 5, "the load resolved")
+        assert len(resolved_on) == 1 and resolved_on[0] != threading.current_thread().name, resolved_on
         assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         (ld,) = eng.last_meta.loads
         (local,) = ld.request.local_groups
@@ -206,7 +222,7 @@ def test_decode_request_aborted_before_scheduling_tells_the_prefill_side(model_d
         eng.sched.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
         eng.step()
         (ld,) = eng.last_meta.loads
-        assert (ld.request_id, ld.request.local_groups, ld.awaiting, ld.request.remote_request_id) == (
+        assert (ld.request_id, ld.local_groups, ld.awaiting, ld.source().remote_request_id) == (
             req.request_id, [], False, "p-req-1")
         wait_until(lambda: fake.service.count("abort_load") == 1, 5, "abort_load command #1 at the daemon")
         assert fake.service.received("abort_load")[0].remote_request_id == "p-req-1"

@@ -24,8 +24,9 @@ def _groups_pb(groups: BlockGroups) -> list[dict]:
 
 
 class Load:
-    """A load accepted by ``EngineClient.load``: its request, as given, and
-    its state here."""
+    """A load accepted by ``EngineClient.load``: its request, as given (a
+    ``LoadRequest``, or a deferred load resolved when the command is
+    built), and its state here."""
 
     __slots__ = ("req", "timeout_s", "deadline", "stream", "_cmd")
 
@@ -37,9 +38,14 @@ class Load:
         self._cmd: pb.SessionCommand | None = None
 
     def build(self) -> pb.SessionCommand:
-        """The ``SessionCommand`` of this load (built once)."""
+        """The ``SessionCommand`` of this load (built once). A deferred load
+        (not a ``LoadRequest``, see ``EngineClient.load``) is resolved here,
+        on the sender thread; its ``InvalidLoad`` (or any ValueError or
+        TypeError) propagates, and the caller fails the load."""
         if self._cmd is None:
             r = self.req
+            if type(r) is not LoadRequest:
+                r = r.resolve()
             tp.hit(tp.SENT, r.request_id)
             self._cmd = pb.SessionCommand(load={
                 "request_id": r.request_id, "local_groups": _groups_pb(r.local_groups),
@@ -94,6 +100,8 @@ def release_cmd(request_id: str) -> pb.SessionCommand:
 
 
 def abort_cmd(request_id: str, engine: str, address: str, remote_rid: str, tp_size: int) -> pb.SessionCommand:
+    """An ``AbortLoad``: the prefill engine ``engine`` at daemon ``address``
+    frees ``remote_rid``'s blocks now (nobody will read them)."""
     return pb.SessionCommand(abort_load=pb.AbortLoad(
         request_id=request_id, remote_engine_id=engine, remote_address=address,
         remote_request_id=remote_rid, remote_tp_size=tp_size))

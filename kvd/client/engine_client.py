@@ -90,7 +90,7 @@ from kvd.client.channel import (
 from kvd.client.commands import Lazy, abort_cmd, release_cmd
 from kvd.client.pending import Pending
 from kvd.client.session import SessionLoop
-from kvd.requests import BlockGroups, LeaseRenewal, LoadRequest, RenewResult
+from kvd.requests import BlockGroups, DeferredLoad, LeaseRenewal, LoadRequest, RenewResult
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
@@ -412,7 +412,7 @@ class EngineClient:
         """True while a session stream is open."""
         return self._session.opened.is_set()
 
-    def load(self, req: LoadRequest) -> None:
+    def load(self, req: LoadRequest | DeferredLoad) -> None:
         """Queues a ``LoadBlocks`` of ``req`` (decode side; non-blocking, no I/O).
 
         Its answer comes out of :meth:`drain_events` as ``recv_done`` or
@@ -421,6 +421,12 @@ class EngineClient:
         ignored (logged). ``req`` is kept as given (frozen; its lists must not
         change after the call) and sent again on no other stream: a load lost
         with its stream fails. ``req.timeout_s`` 0: ``default_load_timeout_s``.
+
+        A :class:`~kvd.requests.DeferredLoad` is resolved on the sender
+        thread as its command is built, not here; one that raises
+        ``InvalidLoad`` (or ValueError, TypeError) fails with that reason
+        through :meth:`drain_events`, as a daemon rejection would, and an
+        ``InvalidLoad`` naming its source sends an ``AbortLoad`` instead.
         """
         timeout_s = req.timeout_s if req.timeout_s > 0 else self.default_load_timeout_s
         self._pending.add_load(req, timeout_s, self._daemon_timeout(timeout_s) + self.load_grace_s)

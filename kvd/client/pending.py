@@ -19,8 +19,8 @@ import time
 from collections import deque
 
 from kvd import tracepoints as tp
-from kvd.client.commands import Command, Hold, Load, Stream, hold_ended, load_failed
-from kvd.requests import BlockGroups, LoadRequest
+from kvd.client.commands import Command, Hold, Load, Stream, abort_cmd, hold_ended, load_failed
+from kvd.requests import BlockGroups, InvalidLoad, LoadRequest
 from kvd.v1 import kvd_pb2 as pb
 
 log = logging.getLogger("kvd.client")
@@ -200,18 +200,34 @@ class Pending:
             cmd.stream = stream.epoch
         return True
 
-    def refuse(self, cmd: Command, error: Exception) -> None:
+    def refuse(self, cmd: Command, error: Exception) -> pb.SessionCommand | None:
         """A command whose arguments cannot be put on the wire: its load fails
-        (its hold ends) locally, as a daemon rejection would end it."""
-        log.error("kvd %s: command not sent: %s: %s", self.label, type(error).__name__, error)
+        (its hold ends) locally, as a daemon rejection would end it.
+
+        A deferred load that resolved to :class:`~kvd.requests.InvalidLoad`
+        fails with its reason, logged as a warning (its fields came from an
+        API request, not from a bug here); returns the ``AbortLoad`` to
+        send in its place when the error names the prefill side
+        (``InvalidLoad.abort``), else None."""
+        abort = None
+        if isinstance(error, InvalidLoad):
+            reason = str(error)
+            log.warning("kvd %s request=%s: load not sent: %s", self.label, cmd.req.request_id, reason)
+            if error.abort is not None:
+                a = error.abort
+                abort = abort_cmd(a.request_id, a.remote_engine_id, a.remote_address, a.remote_request_id,
+                                  a.remote_tp_size)
+        else:
+            reason = f"invalid command: {error}"
+            log.error("kvd %s: command not sent: %s: %s", self.label, type(error).__name__, error)
         with self.cond:
             if type(cmd) is Load and self._loads.get(cmd.req.request_id) is cmd:
                 del self._loads[cmd.req.request_id]
-                self._events.append(load_failed(cmd.req.request_id, cmd.req.local_block_ids,
-                                                f"invalid command: {error}"))
+                self._events.append(load_failed(cmd.req.request_id, cmd.req.local_block_ids, reason))
             elif type(cmd) is Hold and self._holds.get(cmd.request_id) is cmd:
                 del self._holds[cmd.request_id]
                 self._events.append(hold_ended(cmd.request_id, released=True))
+        return abort
 
     def on_answer(self, event: pb.SessionEvent, kind: str) -> None:
         """Files the daemon's ``recv_done``, ``load_failed``, ``send_done``,

@@ -132,7 +132,9 @@ class SessionLoop:
                 try:
                     built.append(cmd.build())
                 except (TypeError, ValueError) as e:  # arguments protobuf refuses: the load fails here
-                    self._pending.refuse(cmd, e)
+                    abort = self._pending.refuse(cmd, e)
+                    if abort is not None:  # its source is known: it frees its blocks now
+                        built.append(abort)
             if built:
                 yield built
 

@@ -37,12 +37,26 @@ def as_groups(block_ids: Any, max_ids: int | None = None, max_groups: int | None
     prompt cost a ``len``, not ~0.1 s of the engine step (measured on this
     machine). Past either, ValueError.
     """
-    if not block_ids:
+    if not check_counts(block_ids, max_ids, max_groups):
         return []
-    if not isinstance(block_ids, (list, tuple)):
-        raise ValueError(f"block ids must be a list, not {type(block_ids).__name__}")
     # map(index, ...), not a nested comprehension: half the time, on the
     # decode scheduler's per-load path (docs/PERFORMANCE.md section 2).
+    if isinstance(block_ids[0], (list, tuple)):
+        return [list(map(index, g)) for g in block_ids]
+    return [list(map(index, block_ids))]
+
+
+def check_counts(block_ids: Any, max_ids: int | None = None, max_groups: int | None = None) -> bool:
+    """The part of :func:`as_groups` that reads no id: False for no ids at
+    all, True for a list (or tuple) of groups, or of ids, within
+    ``max_ids`` a group and ``max_groups`` groups; else ValueError. A
+    ``len`` per group: the decode scheduler checks this on the engine's step
+    so that what it hands the workers is bounded, and leaves converting the
+    ids to the client's sender thread (``LoadSpec.resolve``)."""
+    if not block_ids:
+        return False
+    if not isinstance(block_ids, (list, tuple)):
+        raise ValueError(f"block ids must be a list, not {type(block_ids).__name__}")
     if isinstance(block_ids[0], (list, tuple)):
         if max_groups is not None and len(block_ids) > max_groups:
             raise ValueError(f"block ids for {len(block_ids)} KV-cache groups, more than {max_groups}")
@@ -50,10 +64,9 @@ def as_groups(block_ids: Any, max_ids: int | None = None, max_groups: int | None
             for g in block_ids:
                 if len(g) > max_ids:
                     raise ValueError(f"{len(g)} block ids in a group, more than {max_ids}")
-        return [list(map(index, g)) for g in block_ids]
-    if max_ids is not None and len(block_ids) > max_ids:
+    elif max_ids is not None and len(block_ids) > max_ids:
         raise ValueError(f"{len(block_ids)} block ids, more than {max_ids}")
-    return [list(map(index, block_ids))]
+    return True
 
 
 def first_group(block_ids: Any) -> list[int]:

@@ -12,34 +12,93 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 
-from kvd.requests import BlockGroups, LoadRequest
+from kvd.requests import BlockGroups, LoadRequest, flat
+from kvd.shim.vllm.params import resolve_load, source_of
+
+
+@dataclass(frozen=True, slots=True)
+class LoadRules:
+    """What a decode engine's loads are checked against, made once by its
+    scheduler and shared by every :class:`LoadSpec`.
+
+    ``timeout_s``: each load's deadline in seconds (``kvd_load_timeout_s``,
+    0: the daemon's default); ``block_size``: this engine's tokens per block;
+    ``windowed``: some transfer group has a sliding window (a P block size
+    other than D's is refused then).
+    """
+
+    timeout_s: float = 0.0
+    block_size: int = 0
+    windowed: bool = False
 
 
 @dataclass(slots=True)
 class LoadSpec:
-    """One decode-side load, scheduler -> worker.
+    """One decode-side load, scheduler -> worker, and a
+    :class:`~kvd.requests.DeferredLoad`: the worker hands it to the engine
+    client, whose sender thread resolves it (:meth:`resolve`) as it builds
+    the command, off the engine's step.
 
     Attributes:
-        request: the load as the daemon takes it (``EngineClient.load``); for
-            a notify-only spec its groups are empty and only the remote
-            fields count (``EngineClient.abort_load``).
+        request_id: the local (decode) request id.
+        local_groups: the local blocks to fill, per transfer group (for a
+            notify-only spec, none).
+        remote: P's ``(remote_engine_id, remote_host, remote_port,
+            remote_request_id, remote_block_ids)`` as the decode engine's API
+            request gave them, unchecked but for the block ids' counts
+            (:func:`~kvd.shim.vllm.groups.check_counts`, on the scheduler);
+            ``tp_size`` and ``remote_block_size`` the same (``tp_size`` and
+            ``block_size`` there, None when absent), and ``max_ids`` the
+            block ids a group may name (prompt tokens + ``SPARE_BLOCK_IDS``).
         awaiting: vLLM parked the request in WAITING_FOR_REMOTE_KVS and waits
             for it in ``finished_recving``. False for notify-only loads (full
             local prefix hit, or a request aborted before it was scheduled):
             the worker only sends ``AbortLoad`` (P frees its blocks now), and
             nothing is reported to vLLM (it asserts on it).
+        rules: the scheduler's :class:`LoadRules`.
         error: set when the scheduler already knows the load cannot work; the
             worker reports it failed without a transfer (and tells P to free).
     """
 
-    request: LoadRequest
+    request_id: str
+    local_groups: BlockGroups
+    remote: tuple
     awaiting: bool
+    rules: LoadRules
     error: str | None = None
+    tp_size: object = None
+    remote_block_size: object = None
+    max_ids: int = 0
 
     @property
-    def request_id(self) -> str:
-        """The local (decode) request id."""
-        return self.request.request_id
+    def timeout_s(self) -> float:
+        """This load's deadline in seconds (0: the daemon's default)."""
+        return self.rules.timeout_s
+
+    @property
+    def local_block_ids(self) -> list[int]:
+        """Every local block id (what a failure names)."""
+        return flat(self.local_groups)
+
+    def resolve(self) -> LoadRequest:
+        """The load as the daemon takes it (:func:`~kvd.shim.vllm.params.resolve_load`).
+
+        Raises:
+            InvalidLoad: P's fields name no load into these blocks.
+        """
+        return resolve_load(self)
+
+    @property
+    def request(self) -> LoadRequest:
+        """:meth:`resolve`'s load (for readers of a spec; the worker does not
+        resolve on the engine's step). Raises InvalidLoad."""
+        return self.resolve()
+
+    def source(self) -> LoadRequest | None:
+        """The load with P's engine, address, request and TP size, and no
+        blocks (what an ``AbortLoad`` names), or None when those fields
+        name no prefill engine (nobody to tell)."""
+        return source_of(self)
 
 
 @dataclass(slots=True)

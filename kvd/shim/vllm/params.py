@@ -12,9 +12,15 @@ stops on an exception there ("EngineCore encountered a fatal error",
 
 from __future__ import annotations
 
-from typing import Any
+import operator
+from typing import TYPE_CHECKING, Any
 
 from kvd.addresses import join_host_port
+from kvd.requests import InvalidLoad, LoadRequest
+from kvd.shim.vllm.groups import as_groups
+
+if TYPE_CHECKING:
+    from kvd.shim.vllm.metadata import LoadSpec
 
 #: The fields that name P's blocks (besides ``remote_block_ids``), as
 #: NixlConnector's pull scheduler reads them (``nixl/pull_scheduler.py``).
@@ -30,14 +36,21 @@ UINT32 = 1 << 32  # the wire's remote_tp_size and block ids are uint32 (proto/kv
 SPARE_BLOCK_IDS = 16
 
 
+#: The fields :func:`has_remote` needs, read by one C call.
+_REMOTE_VALUES = operator.itemgetter("remote_block_ids", *REMOTE_KEYS)
+
+
 def has_remote(params: dict[str, Any]) -> bool:
-    """True when ``kv_transfer_params`` name remote blocks and every remote field."""
-    if not params.get("remote_block_ids"):
+    """True when ``kv_transfer_params`` name remote blocks and every remote
+    field (none absent or None). Three times per load on the decode
+    scheduler's step (``on_new_request``, ``get_num_new_matched_tokens``,
+    ``update_state_after_alloc``): one ``itemgetter`` call, not five
+    ``get``s (docs/PERFORMANCE.md, engine step)."""
+    try:
+        block_ids, engine, rid, host, port = _REMOTE_VALUES(params)
+    except KeyError:
         return False
-    for k in REMOTE_KEYS:  # a loop, not all(<generator>): twice per request on the scheduler (engine-step cost)
-        if params.get(k) is None:
-            return False
-    return True
+    return bool(block_ids) and engine is not None and rid is not None and host is not None and port is not None
 
 
 def remote_of(params: dict[str, Any]) -> tuple[str, str, str, int]:
@@ -50,9 +63,14 @@ def remote_of(params: dict[str, Any]) -> tuple[str, str, str, int]:
     integer in 1-65535, a ``tp_size`` that is not an integer in
     1..2**32-1.
     """
-    # The type checks first: an int (what JSON gives) skips the conversion,
-    # on the decode scheduler's per-load path (docs/PERFORMANCE.md, engine step).
-    port, tp = params["remote_port"], params.get("tp_size") or 1
+    return checked_remote(params["remote_engine_id"], params["remote_host"], params["remote_port"],
+                          params["remote_request_id"], params.get("tp_size"))
+
+
+def checked_remote(engine: Any, host: Any, port: Any, remote_rid: Any, tp: Any) -> tuple[str, str, str, int]:
+    """:func:`remote_of` of the fields themselves (``tp`` None or 0: 1)."""
+    # The type checks first: an int (what JSON gives) skips the conversion.
+    tp = tp or 1
     if type(port) is not int:
         try:
             port = int(port)
@@ -67,5 +85,99 @@ def remote_of(params: dict[str, Any]) -> tuple[str, str, str, int]:
             raise ValueError(f"tp_size {tp!r:.40} is not an integer") from None
     if not 0 < tp < UINT32:
         raise ValueError(f"tp_size {tp} is not in 1..{UINT32 - 1}")
-    return (str(params["remote_engine_id"]), join_host_port(params["remote_host"], port),
-            str(params["remote_request_id"]), tp)
+    return str(engine), join_host_port(host, port), str(remote_rid), tp
+
+
+def source_of(spec: LoadSpec) -> LoadRequest | None:
+    """``spec``'s prefill side as a load with no blocks (what an
+    ``AbortLoad`` names), or None when its fields name no reachable
+    prefill engine (:func:`checked_remote` refuses them)."""
+    engine, host, port, remote_rid, _ = spec.remote
+    try:
+        remote = checked_remote(engine, host, port, remote_rid, spec.tp_size)
+    except ValueError:
+        return None
+    return _blockless(spec, remote)
+
+
+def _blockless(spec: LoadSpec, remote: tuple[str, str, str, int]) -> LoadRequest:
+    """``spec``'s load with no blocks, from P's checked fields ``remote``."""
+    engine, address, remote_rid, tp = remote
+    return LoadRequest(spec.request_id, [], engine, address, [], remote_rid, tp, spec.rules.timeout_s)
+
+
+def blocks_per_local_block(remote_bs: Any, block_size: int, windowed: bool) -> int:
+    """Prefill blocks per local block, ``k``: ``remote_bs`` is P's tokens
+    per block (``kv_transfer_params`` ``block_size``, sent by this shim's
+    prefill side; None: equal sizes), ``block_size`` this engine's.
+
+    ``k`` > 1 when P's block is a divisor of this engine's (the daemon
+    fills one decode block from ``k`` prefill blocks). Raises ValueError (an
+    ``"invalid: ..."`` reason) for a P block that does not divide D's (the
+    daemon refuses it at handshake as well), a remap with sliding-window
+    groups (``windowed``: their windows are clipped in each side's own
+    blocks), or a value that is no integer (the API request's).
+    """
+    if remote_bs is None or remote_bs == block_size:
+        return 1  # equal block sizes, the common case: nothing to check
+    try:
+        remote_bs = int(remote_bs or block_size)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"invalid: the prefill engine's block size {remote_bs!r:.40} is not an integer") from None
+    if remote_bs <= 0 or block_size % remote_bs:
+        raise ValueError(f"invalid: the prefill engine's block size {remote_bs} does not divide this engine's "
+                         f"{block_size} tokens (kvd fills a decode block from whole prefill blocks only: "
+                         f"prefill block <= decode block)")
+    k = block_size // remote_bs
+    if k > 1 and windowed:
+        raise ValueError(f"invalid: prefill block size {remote_bs} != decode block size {block_size} "
+                         f"with sliding-window KV-cache groups (not supported)")
+    return k
+
+
+def resolve_load(spec: LoadSpec) -> LoadRequest:
+    """The :class:`~kvd.requests.LoadRequest` that ``spec`` names: P's
+    fields checked (:func:`checked_remote`), its block ids converted
+    (:func:`~kvd.shim.vllm.groups.as_groups`: integers only, at most
+    ``spec.max_ids`` a group), one group of them per local group, and, when
+    D's prefix cache already holds the leading blocks, the tail of P's
+    blocks taken to match (``k`` P blocks per D block,
+    :func:`blocks_per_local_block`). Runs on the engine client's sender
+    thread (``EngineClient.load`` of a deferred load), off the step.
+
+    Raises:
+        InvalidLoad: the reason (``"invalid: ..."``); its ``abort`` names P
+            when the fields still say where P is (it frees its blocks now).
+    """
+    engine, host, port, remote_rid, block_ids = spec.remote
+    try:
+        checked = checked_remote(engine, host, port, remote_rid, spec.tp_size)
+    except ValueError as e:
+        raise InvalidLoad(f"invalid: kv_transfer_params: {e}") from None
+    local, rules = spec.local_groups, spec.rules
+    try:
+        remote = as_groups(block_ids, spec.max_ids, len(local))
+    except (TypeError, ValueError, OverflowError) as e:
+        raise InvalidLoad(f"invalid: remote_block_ids: {e}", _blockless(spec, checked)) from None
+    if len(remote) != len(local):
+        raise InvalidLoad(f"invalid: the prefill engine sent block ids for {len(remote)} KV-cache groups, "
+                          f"this engine has {len(local)}", _blockless(spec, checked))
+    try:
+        k = blocks_per_local_block(spec.remote_block_size, rules.block_size, rules.windowed)
+    except ValueError as e:
+        raise InvalidLoad(str(e), _blockless(spec, checked)) from None
+    for g, (lg, rg) in enumerate(zip(local, remote)):
+        n = -(-len(rg) // k)
+        if len(lg) > n:
+            raise InvalidLoad(f"invalid: group {g}: {len(lg)} local blocks to fill, the prefill engine sent "
+                              f"{len(rg)}", _blockless(spec, checked))
+        # D's prefix cache already holds the leading blocks: the blocks to
+        # fill are the tail, so take the tail of P's blocks
+        # (nixl/base_worker.py:3446-3455). P block < D block (k P blocks per
+        # D block): D's hit is whole D blocks, k P blocks each. Every P block
+        # wanted (the common case, no prefix hit): rg as it is, not a copy.
+        if len(lg) < n:
+            remote[g] = rg[k * (n - len(lg)):] if lg else []
+    engine, address, remote_rid, tp = checked
+    # Positional: by keyword it took twice as long (docs/PERFORMANCE.md, fifteenth round).
+    return LoadRequest(spec.request_id, local, engine, address, remote, remote_rid, tp, rules.timeout_s)

@@ -22,6 +22,7 @@ once; lease renewals are unary calls whose answers are taken on a later step.
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -31,11 +32,11 @@ from vllm.v1.request import RequestStatus
 
 from kvd.addresses import split_host_port
 from kvd.client import EngineClient
-from kvd.requests import BlockGroups, LoadRequest
+from kvd.requests import BlockGroups
 from kvd.shim.vllm.config import KvdShimConfig
-from kvd.shim.vllm.groups import TransferGroups, as_groups, cdiv
-from kvd.shim.vllm.metadata import HoldSpec, KvdConnectorMetadata, LoadSpec, SaveSpec
-from kvd.shim.vllm.params import REMOTE_KEYS, SPARE_BLOCK_IDS, has_remote, remote_of
+from kvd.shim.vllm.groups import TransferGroups, cdiv, check_counts
+from kvd.shim.vllm.metadata import HoldSpec, KvdConnectorMetadata, LoadRules, LoadSpec, SaveSpec
+from kvd.shim.vllm.params import REMOTE_KEYS, SPARE_BLOCK_IDS, has_remote
 from kvd.shim.vllm.renewals import LeaseRenewals
 from kvd.shim.vllm.worker import daemon_peer_address
 
@@ -50,6 +51,10 @@ log = logging.getLogger("kvd.shim.vllm")
 #: A prefill that ended in one of these hands its blocks to D (others were
 #: aborted), as NixlConnector's ``request_finished`` (pull_scheduler.py).
 _HANDED_OFF = frozenset((RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED))
+
+#: P's fields a load names, as given (``LoadSpec.remote``): one C call.
+_remote_fields = operator.itemgetter("remote_engine_id", "remote_host", "remote_port", "remote_request_id",
+                                     "remote_block_ids")
 
 #: ``kv_transfer_params.transfer_mode``: the decode side's daemon reads
 #: (NixlConnector's ``_TRANSFER_MODE`` of its pull scheduler).
@@ -79,6 +84,7 @@ class KvdScheduler:
         self.dcp_size = int(getattr(pc, "decode_context_parallel_size", 1))
         self.groups = groups or TransferGroups()
         self.block_size = int(vllm_config.cache_config.block_size)
+        self.rules = LoadRules(cfg.load_timeout_s, self.block_size, any(self.groups.window_blocks))
         self._loads: dict[str, LoadSpec] = {}
         self._holds: list[HoldSpec] = []
         # Staged path: do_remote_decode requests whose computed blocks the
@@ -160,34 +166,27 @@ class KvdScheduler:
                 return count, True
         return 0, False
 
-    def _remote_spec(self, request_id: str, params: dict[str, Any], local: BlockGroups, remote: BlockGroups,
-                     awaiting: bool, error: str | None = None) -> LoadSpec:
-        """The :class:`LoadSpec` for D's request from P's ``kv_transfer_params``
-        (``local`` / ``remote``: block ids per transfer group, [] when none).
-        Remote fields that name no reachable P (:func:`~kvd.shim.vllm.params.remote_of`)
-        make a spec with ``error`` set and no remote address: the load fails
-        here and P is not told (its lease ends on its own). Never raises."""
-        try:
-            engine, address, remote_rid, tp_size = remote_of(params)
-        except ValueError as e:
-            return LoadSpec(LoadRequest(request_id, local, "", "", [], "", 1, self.cfg.load_timeout_s), awaiting,
-                            error or f"invalid: kv_transfer_params: {e}")
-        # Positional: LoadRequest's fields (request_id, local_groups,
-        # remote_engine_id, remote_address, remote_groups, remote_request_id,
-        # remote_tp_size, timeout_s), LoadSpec's (request, awaiting, error);
-        # by keyword each took twice as long (docs/PERFORMANCE.md, fifteenth round).
-        return LoadSpec(LoadRequest(request_id, local, engine, address, remote, remote_rid, tp_size,
-                                    self.cfg.load_timeout_s), awaiting, error)
+    def _spec(self, request: Request, params: dict[str, Any], local: BlockGroups, awaiting: bool,
+              error: str | None = None) -> LoadSpec:
+        """The :class:`LoadSpec` of D's ``request`` from P's
+        ``kv_transfer_params`` (:func:`has_remote` true; ``local``: the blocks
+        to fill per transfer group, [] for none). P's fields go in as given:
+        the engine client's sender thread checks and converts them
+        (``LoadSpec.resolve``), off the engine's step. Never raises."""
+        # Positional, and the fields taken by one C call: this runs on the
+        # engine's step for every load (docs/PERFORMANCE.md, engine step).
+        return LoadSpec(request.request_id, local, _remote_fields(params), awaiting, self.rules, error,
+                        params.get("tp_size"), params.get("block_size"), request.num_prompt_tokens + SPARE_BLOCK_IDS)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Decode side (``KvdConnector.update_state_after_alloc``): queues the request's
         load (blocks to fill per transfer group: not from the prefix cache, windows
-        clipped, P's blocks tail-matched, ``k`` P blocks per D block), or a
-        notify-only spec when ``num_external_tokens`` is 0; clears
+        clipped; P's blocks are matched to them off the step, ``LoadSpec.resolve``),
+        or a notify-only spec when ``num_external_tokens`` is 0; clears
         ``do_remote_prefill`` (one transfer per request, as NixlConnector). A
-        mismatch sets ``LoadSpec.error`` (the worker reports the load failed), it
-        does not raise. Prefill side, staged path: starts tracking a
-        ``do_remote_decode`` request's blocks for saving."""
+        mismatch fails the load (reported by the worker), it does not raise.
+        Prefill side, staged path: starts tracking a ``do_remote_decode``
+        request's blocks for saving."""
         params = request.kv_transfer_params
         if params and params.get("do_remote_decode") and self._stage and self.peer_host is not None:
             self._saving.setdefault(request.request_id, _SaveState(request))
@@ -199,13 +198,11 @@ class KvdScheduler:
             log.warning("kvd engine=%s request=%s: kv_transfer_params lack remote fields %s; no transfer",
                         self.engine_id, request.request_id, [k for k in (*REMOTE_KEYS, "remote_block_ids") if not params.get(k)])
             return
-        awaiting = num_external_tokens > 0
-        if not awaiting:  # full local prefix hit (or nothing to load): only tell P
+        if num_external_tokens <= 0:  # full local prefix hit (or nothing to load): only tell P
             self.renewals.stop(request.request_id)
-            self._loads[request.request_id] = self._remote_spec(request.request_id, params, [], [], False)
+            self._loads[request.request_id] = self._spec(request, params, [], False)
             return
         error = None
-        remote: BlockGroups = []
         try:
             # The blocks to fill: those not from D's prefix cache, padding
             # (null) blocks skipped, sliding windows clipped as P clipped them
@@ -214,57 +211,11 @@ class KvdScheduler:
         except ValueError as e:
             local, error = [], f"invalid: {e}"
         if error is None:
-            try:  # the API request's: anything may be there (kvd.shim.vllm.params)
-                remote = as_groups(params["remote_block_ids"], request.num_prompt_tokens + SPARE_BLOCK_IDS,
-                                   len(local))
-            except (TypeError, ValueError, OverflowError) as e:
+            try:  # converted off the step, but counted here (a len a group): what goes to the workers is bounded
+                check_counts(params["remote_block_ids"], request.num_prompt_tokens + SPARE_BLOCK_IDS, len(local))
+            except (TypeError, ValueError) as e:
                 error = f"invalid: remote_block_ids: {e}"
-        if error is None and len(remote) != len(local):
-            error = f"invalid: the prefill engine sent block ids for {len(remote)} KV-cache groups, this engine has {len(local)}"
-        k, error = (1, error) if error else self._blocks_per_local_block(params)
-        if error is None:
-            for g, (lg, rg) in enumerate(zip(local, remote)):
-                n = -(-len(rg) // k)
-                if len(lg) > n:
-                    error = f"invalid: group {g}: {len(lg)} local blocks to fill, the prefill engine sent {len(rg)}"
-                    break
-                # D's prefix cache already holds the leading blocks: the blocks
-                # to fill are the tail, so take the tail of P's blocks
-                # (nixl/base_worker.py:3446-3455). P block < D block (k P
-                # blocks per D block): D's hit is whole D blocks, k P blocks each.
-                # Every P block wanted (the common case, no prefix hit): rg
-                # as it is, not a copy.
-                if len(lg) < n:
-                    remote[g] = rg[k * (n - len(lg)):] if lg else []
-        self._loads[request.request_id] = self._remote_spec(request.request_id, params, local, remote, True, error)
-
-    def _blocks_per_local_block(self, params: dict[str, Any]) -> tuple[int, str | None]:
-        """``(k, error)``: prefill blocks per local block (``kv_transfer_params``
-        ``block_size``, sent by this shim's prefill side; absent: equal sizes).
-
-        ``k`` > 1 when P's block is a divisor of this engine's (the daemon
-        fills one decode block from ``k`` prefill blocks); a P block that does
-        not divide D's is an error (the daemon refuses it at handshake as
-        well), and so is a remap with sliding-window groups (their windows
-        are clipped in each side's own blocks). Never raises: a value that
-        is no integer is an error too (the API request's, kvd.shim.vllm.params).
-        """
-        remote_bs = params.get("block_size")
-        if remote_bs is None or remote_bs == self.block_size:
-            return 1, None  # equal block sizes, the common case: nothing to check
-        try:
-            remote_bs = int(remote_bs or self.block_size)
-        except (TypeError, ValueError, OverflowError):
-            return 1, f"invalid: the prefill engine's block size {remote_bs!r:.40} is not an integer"
-        if remote_bs <= 0 or self.block_size % remote_bs:
-            return 1, (f"invalid: the prefill engine's block size {remote_bs} does not divide this engine's "
-                       f"{self.block_size} tokens (kvd fills a decode block from whole prefill blocks only: "
-                       f"prefill block <= decode block)")
-        k = self.block_size // remote_bs
-        if k > 1 and any(self.groups.window_blocks):
-            return 1, (f"invalid: prefill block size {remote_bs} != decode block size {self.block_size} "
-                       f"with sliding-window KV-cache groups (not supported)")
-        return k, None
+        self._loads[request.request_id] = self._spec(request, params, local, True, error)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput | None = None) -> KvdConnectorMetadata:
         """The loads, holds (and, staged, saves) queued since the last step, for the
@@ -332,7 +283,7 @@ class KvdScheduler:
             # Decode request finished before it was scheduled (aborted): tell P
             # nobody will read, as NixlConnector does (pull_scheduler.py:219-230).
             if has_remote(params):
-                self._loads[request.request_id] = self._remote_spec(request.request_id, params, [], [], False)
+                self._loads[request.request_id] = self._spec(request, params, [], False)
             params["do_remote_prefill"] = False
             return False, None
         if not params.get("do_remote_decode"):

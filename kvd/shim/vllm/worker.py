@@ -30,7 +30,7 @@ from kvd.shim.memory.staged import StagingError, StagingMirror
 from kvd.shim.vllm import cpu_kv_probe
 from kvd.shim.vllm.config import KvdShimConfig
 from kvd.shim.vllm.groups import TransferGroups, own_groups
-from kvd.shim.vllm.metadata import KvdConnectorMetadata
+from kvd.shim.vllm.metadata import KvdConnectorMetadata, LoadSpec
 from kvd.shim.vllm.stats import KvdKVConnectorStats
 from kvd.v1 import kvd_pb2 as pb
 
@@ -266,19 +266,29 @@ class KvdWorker:
             self._holding[h.request_id] = groups
             self.client.hold(h.request_id, groups, lease_s=h.lease_s)
         for ld in meta.loads:
-            req = ld.request
-            if ld.error is not None:
-                log.warning("kvd %s request=%s: load not sent: %s", self.label, req.request_id, ld.error)
-                if ld.awaiting:
-                    self._fail_now(req.request_id, req.local_block_ids)
-                if req.remote_address:  # none: the params named no P to tell
-                    self._abort(req)
+            if ld.error is not None or not ld.awaiting:  # rare: resolved here, on the step
+                self._fail_or_notify(ld)
                 continue
-            if not ld.awaiting:
-                self._abort(req)
-                continue
-            self._recving[req.request_id] = own_groups(req.local_groups)
-            self.client.load(req)
+            # P's fields are checked and converted by the client's sender
+            # thread (LoadSpec.resolve), off the step; a bad one fails the
+            # load through the client's events, as a daemon refusal would.
+            self._recving[ld.request_id] = own_groups(ld.local_groups)
+            self.client.load(ld)
+
+    def _fail_or_notify(self, ld: LoadSpec) -> None:
+        """A load the scheduler already found invalid fails now; either way,
+        and for a notify-only one, P frees its blocks when its fields say
+        where it is (else its lease ends the hold)."""
+        if ld.error is not None:
+            log.warning("kvd %s request=%s: load not sent: %s", self.label, ld.request_id, ld.error)
+            if ld.awaiting:
+                self._fail_now(ld.request_id, ld.local_block_ids)
+        src = ld.source()
+        if src is not None:
+            self._abort(src)
+        elif ld.error is None:
+            log.warning("kvd %s request=%s: kv_transfer_params name no prefill engine to tell", self.label,
+                        ld.request_id)
 
     def save(self, meta: KvdConnectorMetadata) -> None:
         """Staged path: copies the blocks this step's forward pass wrote, for
