@@ -135,6 +135,8 @@ def test_a_stopped_daemon_leaves_no_empty_directory_it_made(tmp_path, sig):
             proc.kill()
     assert proc.returncode == 0, out
     assert "engine_socket: created directory" in out and "kvd stopped" in out, out
+    # "stopped" is the last line: after the directories it made are gone.
+    assert out.index("engine_socket: removed directory") < out.index("kvd stopped"), out
     assert not made.exists(), list(made.rglob("*"))
 
 

@@ -261,6 +261,7 @@ class Server:
         finally:
             await self.shutdown()
             self._remove_made_dirs()  # as a failed startup: a stopped daemon leaves no empty directory it made
+            log.info("kvd stopped")  # last: after everything it made is gone
 
     def _remove_made_dirs(self) -> None:
         if self._made_dir is not None:
@@ -653,7 +654,6 @@ class Server:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
             signal.signal(sig, signal.SIG_IGN)
-        log.info("kvd stopped")
 
     async def _release(self, grace: float | None = None) -> None:
         """Stops the servers, unregisters every worker, stops the metrics

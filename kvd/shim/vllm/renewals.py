@@ -155,6 +155,13 @@ class LeaseRenewals:
         # Tracked requests not looked at yet, oldest first: local request id ->
         # (kv_transfer_params, prompt tokens, monotonic and wall seconds when tracked).
         self._arrived: dict[str, tuple[dict[str, Any], int, float, float]] = {}
+        # Before this (monotonic seconds) nothing can be due, and no call was
+        # answered since the last pass (_answered, set by a call's done
+        # callback on the client's thread): poll returns at once. It runs on
+        # every engine step while requests wait (~1 us a pass hot, for
+        # nothing on most steps: docs/PERFORMANCE.md, engine step).
+        self._quiet_until = float("inf")
+        self._answered = False
 
     def __len__(self) -> int:
         """Requests tracked."""
@@ -173,7 +180,10 @@ class LeaseRenewals:
         rid = request.request_id
         if rid in self._arrived or rid in self._of:  # most are new: no call to stop
             self.stop(rid)  # tracked again: its old renewals end, it moves to the newest end
-        self._arrived[rid] = (params, request.num_prompt_tokens, self.clock(), self.wall())
+        since = self.clock()
+        self._arrived[rid] = (params, request.num_prompt_tokens, since, self.wall())
+        if since + MIN_INTERVAL_S < self._quiet_until:
+            self._quiet_until = since + MIN_INTERVAL_S
 
     def _start(self, rid: str, params: dict[str, Any], tokens: int, since: float, wall: float) -> None:
         """Renewals for request ``rid`` (a prompt of ``tokens`` tokens), tracked
@@ -222,6 +232,9 @@ class LeaseRenewals:
         """Takes the answers of finished calls, then sends the renewals that
         are due (never blocks). Returns the calls sent."""
         now = self.clock()
+        if now < self._quiet_until and not self._answered:
+            return 0
+        self._answered = False  # before the answers are read: one that comes meanwhile is read next time
         while self._arrived:  # oldest first: stop at the first too young to be due
             rid, (params, tokens, since, wall) = next(iter(self._arrived.items()))
             if now - since < MIN_INTERVAL_S:
@@ -256,8 +269,17 @@ class LeaseRenewals:
                     remote.due = now + RETRY_S
                     break
                 remote.calls.append((call, ids))
+                call.add_done_callback(self._on_answer)
                 sent += 1
+        quiet = min((r.due for r in self._remotes.values()), default=float("inf"))
+        if self._arrived:
+            quiet = min(quiet, next(iter(self._arrived.values()))[2] + MIN_INTERVAL_S)
+        self._quiet_until = quiet
         return sent
+
+    def _on_answer(self, _call: Future) -> None:
+        """A call ended (the client's thread): the next :meth:`poll` reads it."""
+        self._answered = True
 
     @staticmethod
     def _batches(remote: _Remote) -> list[list[str]]:
