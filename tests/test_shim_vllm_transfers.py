@@ -277,6 +277,10 @@ def test_mismatched_remote_blocks_fail_the_load_without_asking_the_daemon(model_
     ("remote_block_ids", [list(range(200_000))], True), ("remote_block_ids", [[40]] * 5000, True),
     ("remote_block_ids", ["40" * 100_000], True), ("remote_block_ids", [["4_0", 41]], True),
     ("remote_block_ids", [[40.9, 41]], True),
+    ("remote_block_ids", [[40, 41, 42, -1]], True), ("remote_block_ids", [[40, 41, 42, 1 << 32]], True),
+    ("remote_engine_id", "E" * 5000, False), ("remote_host", "h" * 5000, False),
+    ("remote_request_id", "\ud800", False), ("remote_engine_id", ["e"], False),
+    ("tp_size", list(range(100_000)), False), ("block_size", list(range(100_000)), True),
 ], ids=lambda v: repr(v)[:20])
 def test_hostile_kv_transfer_params_fail_that_load_and_the_engine_serves_on(model_dir, fake, field, value, told_p):
     """``kv_transfer_params`` come in the decode engine's API request: a
@@ -302,6 +306,57 @@ def test_hostile_kv_transfer_params_fail_that_load_and_the_engine_serves_on(mode
         else:
             time.sleep(0.2)
             assert fake.service.count("abort_load") == 0, "an AbortLoad to no address"
+    finally:
+        eng.close()
+
+
+def test_a_load_whose_source_cannot_even_be_told_fails_alone_and_the_session_serves_on(model_dir, fake):
+    """P's fields no command can carry (a lone surrogate in its engine id,
+    which protobuf refuses to encode) with block ids that fail the load: the
+    load fails, nobody is told, and a good load queued in the same step goes
+    out on the same session and is served. (The first version of the
+    off-step checks built the AbortLoad of such a load and its encoding
+    error ended the client's session: every load in flight failed.)"""
+    eng = Engine(model_dir, fake.socket, role="kv_consumer", policy="fail")
+    try:
+        params = decode_params(4)
+        params.update(remote_engine_id="\ud800", remote_block_ids=[["x"]])
+        bad = make_request(list(range(500, 600)), params)
+        good = make_request(list(range(600, 700)), decode_params(4, first=50))
+        eng.sched.add_request(bad)
+        eng.sched.add_request(good)
+        eng.run_until(lambda: eng.finished(bad.request_id) is not None and eng.finished(good.request_id) is not None)
+        assert eng.finished(bad.request_id).finish_reason == FinishReason.ERROR
+        assert eng.finished(good.request_id).finish_reason != FinishReason.ERROR
+        assert [c.request_id for c in fake.service.received("load")] == [good.request_id]
+        assert fake.service.count("abort_load") == 0
+        assert fake.service.sessions == 1, "one session throughout"
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("field,value", [("tp_size", list(range(100_000))), ("remote_port", [7500] * 100_000),
+                                         ("block_size", {"a": list(range(100_000))}),
+                                         ("remote_engine_id", "E" * 100_000)], ids=lambda v: repr(v)[:20])
+def test_fields_of_odd_types_are_checked_on_the_step_and_never_reach_the_workers_as_given(model_dir, fake, field,
+                                                                                          value):
+    """P's fields go to the workers unchecked only as ints and short text
+    (what JSON gives an honest P); anything else is checked on the step, so
+    no value of an API client's choosing and size is pickled to each TP
+    rank's process with the step's metadata. The error names the field,
+    in a bounded message."""
+    import pickle
+
+    eng = Engine(model_dir, fake.socket, role="kv_consumer", policy="fail")
+    try:
+        params = decode_params(4)
+        params[field] = value
+        req = make_request(list(range(500, 600)), params)
+        eng.sched.add_request(req)
+        eng.step()
+        (ld,) = eng.last_meta.loads
+        assert ld.error and field.split("_")[-1] in ld.error and len(ld.error) < 200, ld.error
+        assert len(pickle.dumps(eng.last_meta)) < 4096
     finally:
         eng.close()
 

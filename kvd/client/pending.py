@@ -215,11 +215,18 @@ class Pending:
             log.warning("kvd %s request=%s: load not sent: %s", self.label, cmd.req.request_id, reason)
             if error.abort is not None:
                 a = error.abort
-                abort = abort_cmd(a.request_id, a.remote_engine_id, a.remote_address, a.remote_request_id,
-                                  a.remote_tp_size)
-        else:
+                try:
+                    abort = abort_cmd(a.request_id, a.remote_engine_id, a.remote_address, a.remote_request_id,
+                                      a.remote_tp_size)
+                except (TypeError, ValueError) as e:  # fields protobuf refuses: nobody to tell
+                    log.warning("kvd %s request=%s: the prefill side is not told to free: %s", self.label,
+                                a.request_id, e)
+        elif isinstance(error, (TypeError, ValueError)):
             reason = f"invalid command: {error}"
             log.error("kvd %s: command not sent: %s: %s", self.label, type(error).__name__, error)
+        else:  # a bug, not the arguments: with its traceback
+            reason = f"internal: {type(error).__name__}: {error}"
+            log.error("kvd %s: command not sent", self.label, exc_info=error)
         with self.cond:
             if type(cmd) is Load and self._loads.get(cmd.req.request_id) is cmd:
                 del self._loads[cmd.req.request_id]

@@ -131,7 +131,8 @@ class SessionLoop:
             for cmd in batch:
                 try:
                     built.append(cmd.build())
-                except (TypeError, ValueError) as e:  # arguments protobuf refuses: the load fails here
+                except Exception as e:  # noqa: BLE001 - arguments protobuf refuses, a deferred load's refusal:
+                    # that command fails here; none may end the session of every other command.
                     abort = self._pending.refuse(cmd, e)
                     if abort is not None:  # its source is known: it frees its blocks now
                         built.append(abort)

@@ -45,11 +45,14 @@ class LoadSpec:
             notify-only spec, none).
         remote: P's ``(remote_engine_id, remote_host, remote_port,
             remote_request_id, remote_block_ids)`` as the decode engine's API
-            request gave them, unchecked but for the block ids' counts
-            (:func:`~kvd.shim.vllm.groups.check_counts`, on the scheduler);
-            ``tp_size`` and ``remote_block_size`` the same (``tp_size`` and
-            ``block_size`` there, None when absent), and ``max_ids`` the
-            block ids a group may name (prompt tokens + ``SPARE_BLOCK_IDS``).
+            request gave them when they are ints and short text (what JSON
+            gives an honest P), checked on the scheduler otherwise (and, when
+            they name no prefill engine, ``("", "", 0, "", [])`` with
+            ``error`` set); the block ids only counted there
+            (:func:`~kvd.shim.vllm.groups.check_counts`). ``tp_size`` and
+            ``remote_block_size`` the same (``tp_size`` and ``block_size``
+            there, None when absent), and ``max_ids`` the block ids a group
+            may name (prompt tokens + ``SPARE_BLOCK_IDS``).
         awaiting: vLLM parked the request in WAITING_FOR_REMOTE_KVS and waits
             for it in ``finished_recving``. False for notify-only loads (full
             local prefix hit, or a request aborted before it was scheduled):

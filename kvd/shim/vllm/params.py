@@ -13,10 +13,11 @@ stops on an exception there ("EngineCore encountered a fatal error",
 from __future__ import annotations
 
 import operator
+import reprlib
 from typing import TYPE_CHECKING, Any
 
 from kvd.addresses import join_host_port
-from kvd.requests import InvalidLoad, LoadRequest
+from kvd.requests import MAX_ID_BYTES, InvalidLoad, LoadRequest
 from kvd.shim.vllm.groups import as_groups
 
 if TYPE_CHECKING:
@@ -69,23 +70,69 @@ def remote_of(params: dict[str, Any]) -> tuple[str, str, str, int]:
 
 def checked_remote(engine: Any, host: Any, port: Any, remote_rid: Any, tp: Any) -> tuple[str, str, str, int]:
     """:func:`remote_of` of the fields themselves (``tp`` None or 0: 1)."""
+    engine, host, port, remote_rid, tp = checked_fields(engine, host, port, remote_rid, tp)
+    return engine, join_host_port(host, port), remote_rid, tp
+
+
+def checked_fields(engine: Any, host: Any, port: Any, remote_rid: Any, tp: Any) -> tuple[str, str, int, str, int]:
+    """P's fields checked and converted: ``(engine id, host, port, request
+    id, TP size)``; ``tp`` None or 0 means 1.
+
+    Raises ValueError naming the field: an id or host that is not text (a
+    number is taken as its digits), not valid UTF-8 or longer than the
+    daemon takes (:data:`~kvd.requests.MAX_ID_BYTES`, also for
+    ``host:port``: a longer one would fail the whole session's command, or
+    its AbortLoad), a port not an integer in 1-65535, a TP size not an
+    integer in 1..2**32-1.
+    """
     # The type checks first: an int (what JSON gives) skips the conversion.
     tp = tp or 1
     if type(port) is not int:
         try:
             port = int(port)
         except (TypeError, ValueError, OverflowError):
-            raise ValueError(f"remote_port {port!r:.40} is not a port number") from None
+            raise ValueError(f"remote_port {shown(port)} is not a port number") from None
     if not 0 < port < 65536:
         raise ValueError(f"remote_port {port} is not in 1-65535")
     if type(tp) is not int:
         try:
             tp = int(tp)
         except (TypeError, ValueError, OverflowError):
-            raise ValueError(f"tp_size {tp!r:.40} is not an integer") from None
+            raise ValueError(f"tp_size {shown(tp)} is not an integer") from None
     if not 0 < tp < UINT32:
         raise ValueError(f"tp_size {tp} is not in 1..{UINT32 - 1}")
-    return str(engine), join_host_port(host, port), str(remote_rid), tp
+    host = _text(host, "remote_host")
+    _text(join_host_port(host, port), "remote_host:remote_port")
+    return _text(engine, "remote_engine_id"), host, port, _text(remote_rid, "remote_request_id"), tp
+
+
+def _text(value: Any, field: str) -> str:
+    """``value`` as the text of an id (see :func:`checked_fields`)."""
+    if type(value) is not str:
+        if not isinstance(value, (int, float)):
+            raise ValueError(f"{field} must be text, not {type(value).__name__}")
+        value = str(value)
+    if len(value) > MAX_ID_BYTES:  # a character is at least a byte: no encoding needed to refuse it
+        raise ValueError(f"{field} of {len(value)} characters, more than {MAX_ID_BYTES} bytes")
+    try:
+        n = len(value.encode())
+    except UnicodeEncodeError:  # a lone surrogate: protobuf refuses it, as the daemon would
+        raise ValueError(f"{field} is not valid UTF-8 text") from None
+    if n > MAX_ID_BYTES:
+        raise ValueError(f"{field} of {n} bytes, more than {MAX_ID_BYTES}")
+    return value
+
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = _SHOWN.maxlong = 40
+_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 4
+
+
+def shown(value: Any) -> str:
+    """A bounded repr of an API client's value for an error message:
+    ``f"{v!r:.40}"`` built the whole repr first (~74 ms for a list of 1M
+    ints: attacker review)."""
+    return _SHOWN.repr(value)
 
 
 def source_of(spec: LoadSpec) -> LoadRequest | None:
@@ -123,7 +170,7 @@ def blocks_per_local_block(remote_bs: Any, block_size: int, windowed: bool) -> i
     try:
         remote_bs = int(remote_bs or block_size)
     except (TypeError, ValueError, OverflowError):
-        raise ValueError(f"invalid: the prefill engine's block size {remote_bs!r:.40} is not an integer") from None
+        raise ValueError(f"invalid: the prefill engine's block size {shown(remote_bs)} is not an integer") from None
     if remote_bs <= 0 or block_size % remote_bs:
         raise ValueError(f"invalid: the prefill engine's block size {remote_bs} does not divide this engine's "
                          f"{block_size} tokens (kvd fills a decode block from whole prefill blocks only: "
@@ -159,6 +206,9 @@ def resolve_load(spec: LoadSpec) -> LoadRequest:
         remote = as_groups(block_ids, spec.max_ids, len(local))
     except (TypeError, ValueError, OverflowError) as e:
         raise InvalidLoad(f"invalid: remote_block_ids: {e}", _blockless(spec, checked)) from None
+    for g in remote:  # the wire's ids are uint32: protobuf would refuse the command, and P would not be told
+        if g and not (0 <= min(g) and max(g) < UINT32):
+            raise InvalidLoad(f"invalid: remote_block_ids: ids outside 0..{UINT32 - 1}", _blockless(spec, checked))
     if len(remote) != len(local):
         raise InvalidLoad(f"invalid: the prefill engine sent block ids for {len(remote)} KV-cache groups, "
                           f"this engine has {len(local)}", _blockless(spec, checked))

@@ -32,11 +32,11 @@ from vllm.v1.request import RequestStatus
 
 from kvd.addresses import split_host_port
 from kvd.client import EngineClient
-from kvd.requests import BlockGroups
+from kvd.requests import MAX_ID_BYTES, BlockGroups
 from kvd.shim.vllm.config import KvdShimConfig
 from kvd.shim.vllm.groups import TransferGroups, cdiv, check_counts
 from kvd.shim.vllm.metadata import HoldSpec, KvdConnectorMetadata, LoadRules, LoadSpec, SaveSpec
-from kvd.shim.vllm.params import REMOTE_KEYS, SPARE_BLOCK_IDS, has_remote
+from kvd.shim.vllm.params import REMOTE_KEYS, SPARE_BLOCK_IDS, blocks_per_local_block, checked_fields, has_remote
 from kvd.shim.vllm.renewals import LeaseRenewals
 from kvd.shim.vllm.worker import daemon_peer_address
 
@@ -55,6 +55,10 @@ _HANDED_OFF = frozenset((RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FIN
 #: P's fields a load names, as given (``LoadSpec.remote``): one C call.
 _remote_fields = operator.itemgetter("remote_engine_id", "remote_host", "remote_port", "remote_request_id",
                                      "remote_block_ids")
+
+#: The engine id, host and request id together, in characters, past which a
+#: spec's fields are checked on the step (each may be MAX_ID_BYTES).
+_MAX_TEXT = 3 * MAX_ID_BYTES
 
 #: ``kv_transfer_params.transfer_mode``: the decode side's daemon reads
 #: (NixlConnector's ``_TRANSFER_MODE`` of its pull scheduler).
@@ -175,8 +179,38 @@ class KvdScheduler:
         (``LoadSpec.resolve``), off the engine's step. Never raises."""
         # Positional, and the fields taken by one C call: this runs on the
         # engine's step for every load (docs/PERFORMANCE.md, engine step).
-        return LoadSpec(request.request_id, local, _remote_fields(params), awaiting, self.rules, error,
-                        params.get("tp_size"), params.get("block_size"), request.num_prompt_tokens + SPARE_BLOCK_IDS)
+        remote, tp, bs = _remote_fields(params), params.get("tp_size"), params.get("block_size")
+        engine, host, port, remote_rid, _ = remote
+        if (type(port) is not int or type(engine) is not str or type(host) is not str or type(remote_rid) is not str
+                or (tp is not None and type(tp) is not int) or (bs is not None and type(bs) is not int)
+                or len(engine) + len(host) + len(remote_rid) > _MAX_TEXT):
+            # Rare (JSON gives ints and short strings): anything else is
+            # checked here, so that no value of unbounded size goes to the
+            # workers (vLLM pickles the metadata to each TP rank's process).
+            return self._odd_spec(request, remote, tp, bs, local, awaiting, error)
+        return LoadSpec(request.request_id, local, remote, awaiting, self.rules, error, tp, bs,
+                        request.num_prompt_tokens + SPARE_BLOCK_IDS)
+
+    def _odd_spec(self, request: Request, remote: tuple, tp: Any, bs: Any, local: BlockGroups, awaiting: bool,
+                  error: str | None) -> LoadSpec:
+        """:meth:`_spec` for fields of other types or long text: checked now
+        (:func:`~kvd.shim.vllm.params.checked_fields`,
+        :func:`~kvd.shim.vllm.params.blocks_per_local_block`); the spec
+        carries them converted, or, when they name no prefill engine, none
+        (nobody to tell) and the error."""
+        engine, host, port, remote_rid, block_ids = remote
+        rid, max_ids = request.request_id, request.num_prompt_tokens + SPARE_BLOCK_IDS
+        try:
+            engine, host, port, remote_rid, tp = checked_fields(engine, host, port, remote_rid, tp)
+        except ValueError as e:
+            return LoadSpec(rid, local, ("", "", 0, "", []), awaiting, self.rules,
+                            error or f"invalid: kv_transfer_params: {e}", None, None, max_ids)
+        try:
+            blocks_per_local_block(bs, self.block_size, self.rules.windowed)
+        except ValueError as e:
+            bs, error = None, error or str(e)
+        return LoadSpec(rid, local, (engine, host, port, remote_rid, block_ids), awaiting, self.rules, error, tp, bs,
+                        max_ids)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Decode side (``KvdConnector.update_state_after_alloc``): queues the request's
