@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import grpc
 import pytest
 
@@ -133,4 +135,41 @@ def test_out_of_range_block_ids_fail_the_request_not_the_daemon(daemon):
         _still_serving(daemon)
         assert daemon.stats().inflight_transfers == 0
     finally:
+        seg.close()
+
+
+@pytest.mark.parametrize("scheme", ["unix-abstract", "unix"])
+def test_a_peer_address_is_dialed_as_host_and_port_never_as_a_grpc_scheme(daemon, scheme, tmp_path):
+    """A load's (or an abort's) ``remote_address`` is the peer's ``host:port``,
+    named by an engine or an API client's ``kv_transfer_params``: gRPC read
+    ``unix-abstract:7777`` as a target scheme, and the daemon connected to
+    the local abstract socket ``7777`` (attacker review); ``unix:/path``
+    the same for a socket file. Dialed by DNS name, it reaches nothing and
+    the load fails."""
+    import socket
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    if scheme == "unix-abstract":
+        name = f"kvdtest{os.getpid()}"
+        listener.bind("\0" + name)
+    else:
+        name = str(tmp_path / "peer.sock")
+        listener.bind(name)
+    listener.listen(8)
+    listener.settimeout(0.5)
+    seg = ShmSegment(SHAPE.size)
+    try:
+        daemon.stub().RegisterEngine(register_request(f"e-{scheme}", SHAPE, seg), timeout=10)
+        s = Session(daemon, f"e-{scheme}")
+        s.send(load=pb.LoadBlocks(request_id="l1", local_groups=one_group([3]), remote_engine_id="x",
+                                  remote_address=f"{scheme}:{name}", remote_groups=one_group([0]), remote_tp_size=1,
+                                  timeout_s=2))
+        ev = s.next(15)
+        assert ev.WhichOneof("event") == "load_failed", ev
+        with pytest.raises(socket.timeout):
+            listener.accept()  # nothing dialed the socket
+        s.close()
+        _still_serving(daemon)
+    finally:
+        listener.close()
         seg.close()

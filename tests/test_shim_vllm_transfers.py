@@ -335,16 +335,21 @@ def test_a_load_whose_source_cannot_even_be_told_fails_alone_and_the_session_ser
         eng.close()
 
 
-@pytest.mark.parametrize("field,value", [("tp_size", list(range(100_000))), ("remote_port", [7500] * 100_000),
-                                         ("block_size", {"a": list(range(100_000))}),
-                                         ("remote_engine_id", "E" * 100_000)], ids=lambda v: repr(v)[:20])
+@pytest.mark.parametrize("field,value,error", [
+    ("tp_size", list(range(100_000)), "tp_size"), ("remote_port", [7500] * 100_000, "port"),
+    ("block_size", {"a": list(range(100_000))}, "block size"), ("remote_engine_id", "E" * 100_000, "engine_id"),
+    ("remote_port", dict.fromkeys(map(str, range(100_000)), 1), "port"),
+    ("remote_block_ids", [list(range(2_000_000))], "remote_block_ids"),
+    ("remote_block_ids", "4" * 2_000_000, "remote_block_ids"),
+    ("block_size", " " * 1_000_000 + str(BS), None),  # int() takes it: a block size equal to this engine's
+], ids=lambda v: repr(v)[:20])
 def test_fields_of_odd_types_are_checked_on_the_step_and_never_reach_the_workers_as_given(model_dir, fake, field,
-                                                                                          value):
+                                                                                          value, error):
     """P's fields go to the workers unchecked only as ints and short text
-    (what JSON gives an honest P); anything else is checked on the step, so
-    no value of an API client's choosing and size is pickled to each TP
-    rank's process with the step's metadata. The error names the field,
-    in a bounded message."""
+    (what JSON gives an honest P); anything else is checked on the step, and
+    a load that fails there carries no block ids, so no value of an API
+    client's choosing and size is pickled to each TP rank's process with the
+    step's metadata. The error names the field, in a bounded message."""
     import pickle
 
     eng = Engine(model_dir, fake.socket, role="kv_consumer", policy="fail")
@@ -355,8 +360,32 @@ def test_fields_of_odd_types_are_checked_on_the_step_and_never_reach_the_workers
         eng.sched.add_request(req)
         eng.step()
         (ld,) = eng.last_meta.loads
-        assert ld.error and field.split("_")[-1] in ld.error and len(ld.error) < 200, ld.error
+        if error is None:
+            assert ld.error is None and ld.remote_block_size is None
+        else:
+            assert ld.error and error in ld.error and len(ld.error) < 200, ld.error
         assert len(pickle.dumps(eng.last_meta)) < 4096
+    finally:
+        eng.close()
+
+
+def test_a_request_aborted_before_its_load_hands_the_workers_no_block_ids_of_p(model_dir, fake):
+    """A notify-only load (the request finished before it was scheduled)
+    reads nothing: P's block ids, whatever their count, stay on the
+    scheduler; P is still told to free."""
+    import pickle
+
+    eng = Engine(model_dir, fake.socket, role="kv_consumer")
+    try:
+        params = decode_params(2)
+        params["remote_block_ids"] = [list(range(2_000_000))]
+        req = make_request(list(range(1000, 1064)), params)
+        eng.sched.add_request(req)
+        eng.sched.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+        eng.step()
+        (ld,) = eng.last_meta.loads
+        assert not ld.awaiting and ld.remote[4] == [] and len(pickle.dumps(eng.last_meta)) < 4096
+        wait_until(lambda: fake.service.count("abort_load") == 1, 5, "abort_load command #1 at the daemon")
     finally:
         eng.close()
 

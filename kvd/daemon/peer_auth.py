@@ -318,7 +318,12 @@ class PeerAuth:
                                            require_client_auth=True)
 
     def channel(self, address: str, options: list) -> grpc.aio.Channel:
-        """A channel to a remote daemon's peer port (TLS when configured)."""
+        """A channel to a remote daemon's peer port ``host:port`` (TLS when
+        configured), always dialed by DNS name or IP address: gRPC reads a
+        bare target's leading word as a scheme, and an address an engine or
+        an API client named (``kv_transfer_params``) as ``unix-abstract:7777``
+        had this daemon connect to a local abstract socket (attacker review)."""
+        address = f"dns:///{address}"
         if not self.tls:
             return grpc.aio.insecure_channel(address, options=options)
         creds = grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,

@@ -123,9 +123,26 @@ def _text(value: Any, field: str) -> str:
     return value
 
 
-_SHOWN = reprlib.Repr()
-_SHOWN.maxstring = _SHOWN.maxother = _SHOWN.maxlong = 40
-_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 4
+class _Shown(reprlib.Repr):
+    """``reprlib``'s bounded repr, but a dict or set only by its size:
+    ``reprlib`` sorts every key of one before it shows four (a dict of 1M
+    shuffled keys took ~0.95 s: attacker review)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxstring = self.maxother = self.maxlong = 40
+        self.maxlist = self.maxtuple = 4
+
+    def repr_dict(self, x, level):
+        return f"<dict of {len(x)} items>"
+
+    def repr_set(self, x, level):
+        return f"<set of {len(x)} items>"
+
+    repr_frozenset = repr_set
+
+
+_SHOWN = _Shown()
 
 
 def shown(value: Any) -> str:

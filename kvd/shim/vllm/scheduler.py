@@ -188,6 +188,8 @@ class KvdScheduler:
             # checked here, so that no value of unbounded size goes to the
             # workers (vLLM pickles the metadata to each TP rank's process).
             return self._odd_spec(request, remote, tp, bs, local, awaiting, error)
+        if error is not None or not awaiting:  # rare: no READ, so P's block ids (their count unchecked) stay here
+            remote = (engine, host, port, remote_rid, [])
         return LoadSpec(request.request_id, local, remote, awaiting, self.rules, error, tp, bs,
                         request.num_prompt_tokens + SPARE_BLOCK_IDS)
 
@@ -205,10 +207,13 @@ class KvdScheduler:
         except ValueError as e:
             return LoadSpec(rid, local, ("", "", 0, "", []), awaiting, self.rules,
                             error or f"invalid: kv_transfer_params: {e}", None, None, max_ids)
-        try:
-            blocks_per_local_block(bs, self.block_size, self.rules.windowed)
+        try:  # P's block size as the int it names (a string may be padded to any length: int() takes that)
+            k = blocks_per_local_block(bs, self.block_size, self.rules.windowed)
+            bs = self.block_size // k if k > 1 else None
         except ValueError as e:
             bs, error = None, error or str(e)
+        if error is not None or not awaiting:
+            block_ids = []  # no READ: P's block ids stay here
         return LoadSpec(rid, local, (engine, host, port, remote_rid, block_ids), awaiting, self.rules, error, tp, bs,
                         max_ids)
 
