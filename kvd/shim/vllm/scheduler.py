@@ -174,9 +174,13 @@ class KvdScheduler:
               error: str | None = None) -> LoadSpec:
         """The :class:`LoadSpec` of D's ``request`` from P's
         ``kv_transfer_params`` (:func:`has_remote` true; ``local``: the blocks
-        to fill per transfer group, [] for none). P's fields go in as given:
-        the engine client's sender thread checks and converts them
-        (``LoadSpec.resolve``), off the engine's step. Never raises."""
+        to fill per transfer group, [] for none). P's fields go in as given
+        when they are ints and text of at most ``_MAX_TEXT`` characters
+        together (what JSON gives an honest P): the engine client's sender
+        thread checks and converts them (``LoadSpec.resolve``), off the
+        engine's step; others are checked here (:meth:`_odd_spec`). A spec
+        with no READ to make (``error`` set, or notify-only) carries none of
+        P's block ids. Never raises."""
         # Positional, and the fields taken by one C call: this runs on the
         # engine's step for every load (docs/PERFORMANCE.md, engine step).
         remote, tp, bs = _remote_fields(params), params.get("tp_size"), params.get("block_size")
