@@ -40,8 +40,9 @@ class Load:
     def build(self) -> pb.SessionCommand:
         """The ``SessionCommand`` of this load (built once). A deferred load
         (not a ``LoadRequest``, see ``EngineClient.load``) is resolved here,
-        on the sender thread; its ``InvalidLoad`` (or any ValueError or
-        TypeError) propagates, and the caller fails the load."""
+        on the sender thread; its ``InvalidLoad`` (or any other exception)
+        propagates, and the caller fails that load alone
+        (``Pending.refuse``)."""
         if self._cmd is None:
             r = self.req
             if type(r) is not LoadRequest:

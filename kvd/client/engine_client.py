@@ -424,7 +424,7 @@ class EngineClient:
 
         A :class:`~kvd.requests.DeferredLoad` is resolved on the sender
         thread as its command is built, not here; one that raises
-        ``InvalidLoad`` (or ValueError, TypeError) fails with that reason
+        ``InvalidLoad`` (or any other exception) fails with that reason
         through :meth:`drain_events`, as a daemon rejection would, and an
         ``InvalidLoad`` naming its source sends an ``AbortLoad`` instead.
         """
