@@ -196,6 +196,35 @@ def test_health_check_of_an_unknown_service_leaves_no_request_in_a_cycle(collect
         [serving, serving], health_pb2.HealthCheckResponse.SERVICE_UNKNOWN, grpc.StatusCode.INVALID_ARGUMENT)
 
 
+def test_a_service_set_after_graceful_shutdown_stays_unknown_and_is_refused_by_raising():
+    """grpc ignores a ``set`` after ``enter_graceful_shutdown``; so does the
+    daemon's servicer: the name is not remembered, and a ``Check`` of it is
+    refused by the daemon's raise (its message), never by grpc's abort."""
+    health = Health()
+
+    async def run():
+        await health.set("kvd.v1.PeerService", health_pb2.HealthCheckResponse.SERVING)
+        await health.enter_graceful_shutdown()
+        await health.set("late.Service", health_pb2.HealthCheckResponse.SERVING)
+        server = grpc.aio.server(interceptors=[RefusalInterceptor()])
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                known = (await stub.Check(health_pb2.HealthCheckRequest(service="kvd.v1.PeerService"))).status
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.Check(health_pb2.HealthCheckRequest(service="late.Service"))
+        finally:
+            await server.stop(None)
+        return known, e.value.code(), e.value.details()
+
+    known, code, details = asyncio.run(run())
+    assert known == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert code == grpc.StatusCode.NOT_FOUND and details.startswith("health: no service 'late.Service'"), details
+
+
 def test_context_abort_the_control_leaves_each_refused_request_in_a_cycle(collector_off):
     """Why the interceptor exists, on the pinned grpcio: the same refusal by
     ``context.abort()`` leaves the requests for a collection (if a grpcio

@@ -42,11 +42,21 @@ class Health(HealthServicer):
         super().__init__()
         self._named = {""}  # grpc's servicer starts with "" SERVING
         self._watching = 0
+        self._closing = False
 
     async def set(self, service: str, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
-        """Sets ``service``'s status (grpc's ``set``), remembering the name."""
+        """Sets ``service``'s status (grpc's ``set``), remembering the name;
+        ignored after :meth:`enter_graceful_shutdown`, as grpc ignores it
+        (a name remembered then would reach grpc's aborting ``Check``)."""
+        if self._closing:
+            return
         self._named.add(service)
         await super().set(service, status)
+
+    async def enter_graceful_shutdown(self) -> None:
+        """Every service NOT_SERVING for good (grpc's); later sets are ignored."""
+        self._closing = True
+        await super().enter_graceful_shutdown()
 
     async def Check(self, request: health_pb2.HealthCheckRequest, context) -> health_pb2.HealthCheckResponse:
         """The status of ``request.service``; NOT_FOUND for one never set."""
