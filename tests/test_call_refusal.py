@@ -11,6 +11,7 @@ has no workers (every Handshake is refused NOT_FOUND)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import gc
 
@@ -158,6 +159,21 @@ def test_an_interceptor_refusal_before_parsing_leaves_no_request_bytes_in_a_cycl
     assert held == []
 
 
+@contextlib.asynccontextmanager
+async def _health_stub(health: Health):
+    """A health stub of ``health`` served by a real grpc.aio server behind
+    the daemon's ``RefusalInterceptor``."""
+    server = grpc.aio.server(interceptors=[RefusalInterceptor()])
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield health_pb2_grpc.HealthStub(channel)
+    finally:
+        await server.stop(None)
+
+
 def test_health_check_of_an_unknown_service_leaves_no_request_in_a_cycle(collector_off):
     """grpc's own health servicer aborts: the daemon's raises (probes reach
     health with no credential, so anyone who reaches a port may send these)."""
@@ -173,22 +189,14 @@ def test_health_check_of_an_unknown_service_leaves_no_request_in_a_cycle(collect
     assert sum(isinstance(o, health_pb2.HealthCheckRequest) for o in garbage) == 0
 
     async def known_and_watched():
-        server = grpc.aio.server(interceptors=[RefusalInterceptor()])
-        health_pb2_grpc.add_HealthServicer_to_server(health, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = health_pb2_grpc.HealthStub(channel)
-                known = [(await stub.Check(health_pb2.HealthCheckRequest(service=s))).status
-                         for s in ("", "kvd.v1.PeerService")]
-                watch = stub.Watch(health_pb2.HealthCheckRequest(service="not.Here"))
-                first = await watch.read()
-                watch.cancel()
-                with pytest.raises(grpc.aio.AioRpcError) as e:
-                    await stub.Watch(health_pb2.HealthCheckRequest(service="w" * (MAX_SERVICE_NAME_CHARS + 1))).read()
-        finally:
-            await server.stop(None)
+        async with _health_stub(health) as stub:
+            known = [(await stub.Check(health_pb2.HealthCheckRequest(service=s))).status
+                     for s in ("", "kvd.v1.PeerService")]
+            watch = stub.Watch(health_pb2.HealthCheckRequest(service="not.Here"))
+            first = await watch.read()
+            watch.cancel()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Watch(health_pb2.HealthCheckRequest(service="w" * (MAX_SERVICE_NAME_CHARS + 1))).read()
         return known, first.status, e.value.code()
 
     serving = health_pb2.HealthCheckResponse.SERVING
@@ -206,18 +214,10 @@ def test_a_service_set_after_graceful_shutdown_stays_unknown_and_is_refused_by_r
         await health.set("kvd.v1.PeerService", health_pb2.HealthCheckResponse.SERVING)
         await health.enter_graceful_shutdown()
         await health.set("late.Service", health_pb2.HealthCheckResponse.SERVING)
-        server = grpc.aio.server(interceptors=[RefusalInterceptor()])
-        health_pb2_grpc.add_HealthServicer_to_server(health, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = health_pb2_grpc.HealthStub(channel)
-                known = (await stub.Check(health_pb2.HealthCheckRequest(service="kvd.v1.PeerService"))).status
-                with pytest.raises(grpc.aio.AioRpcError) as e:
-                    await stub.Check(health_pb2.HealthCheckRequest(service="late.Service"))
-        finally:
-            await server.stop(None)
+        async with _health_stub(health) as stub:
+            known = (await stub.Check(health_pb2.HealthCheckRequest(service="kvd.v1.PeerService"))).status
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Check(health_pb2.HealthCheckRequest(service="late.Service"))
         return known, e.value.code(), e.value.details()
 
     known, code, details = asyncio.run(run())

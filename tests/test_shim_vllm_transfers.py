@@ -269,6 +269,16 @@ def test_mismatched_remote_blocks_fail_the_load_without_asking_the_daemon(model_
         eng.close()
 
 
+def add_decode_request(eng: Engine, field: str, value):
+    """Adds a 100-token decode request whose P params have ``field`` set to
+    ``value`` (4 blocks from 40); returns it."""
+    params = decode_params(4)
+    params[field] = value
+    req = make_request(list(range(500, 600)), params)
+    eng.sched.add_request(req)
+    return req
+
+
 @pytest.mark.parametrize("field,value,told_p", [
     ("remote_port", "abc", False), ("remote_port", [7500], False), ("remote_port", 99999999, False),
     ("remote_port", 1e400, False), ("tp_size", "x", False), ("tp_size", -3, False), ("tp_size", 1 << 40, False),
@@ -290,10 +300,7 @@ def test_hostile_kv_transfer_params_fail_that_load_and_the_engine_serves_on(mode
     P is told to free its blocks when the params still say where P is."""
     eng = Engine(model_dir, fake.socket, role="kv_consumer", policy="fail")
     try:
-        params = decode_params(4)
-        params[field] = value
-        bad = make_request(list(range(500, 600)), params)
-        eng.sched.add_request(bad)
+        bad = add_decode_request(eng, field, value)
         eng.run_until(lambda: eng.finished(bad.request_id) is not None)
         assert eng.finished(bad.request_id).finish_reason == FinishReason.ERROR
         good = make_request(list(range(600, 700)), decode_params(4, first=50))
@@ -354,10 +361,7 @@ def test_fields_of_odd_types_are_checked_on_the_step_and_never_reach_the_workers
 
     eng = Engine(model_dir, fake.socket, role="kv_consumer", policy="fail")
     try:
-        params = decode_params(4)
-        params[field] = value
-        req = make_request(list(range(500, 600)), params)
-        eng.sched.add_request(req)
+        add_decode_request(eng, field, value)
         eng.step()
         (ld,) = eng.last_meta.loads
         if error is None:

@@ -37,8 +37,11 @@ UINT32 = 1 << 32  # the wire's remote_tp_size and block ids are uint32 (proto/kv
 SPARE_BLOCK_IDS = 16
 
 
-#: The fields :func:`has_remote` needs, read by one C call.
-_REMOTE_VALUES = operator.itemgetter("remote_block_ids", *REMOTE_KEYS)
+#: P's fields a load names, read by one C call: ``(remote_engine_id,
+#: remote_host, remote_port, remote_request_id, remote_block_ids)`` (the
+#: order of ``LoadSpec.remote``); KeyError when one is absent.
+remote_fields = operator.itemgetter("remote_engine_id", "remote_host", "remote_port", "remote_request_id",
+                                    "remote_block_ids")
 
 
 def has_remote(params: dict[str, Any]) -> bool:
@@ -48,7 +51,7 @@ def has_remote(params: dict[str, Any]) -> bool:
     ``update_state_after_alloc``): one ``itemgetter`` call, not five
     ``get``s (docs/PERFORMANCE.md, engine step)."""
     try:
-        block_ids, engine, rid, host, port = _REMOTE_VALUES(params)
+        engine, host, port, rid, block_ids = remote_fields(params)
     except KeyError:
         return False
     return bool(block_ids) and engine is not None and rid is not None and host is not None and port is not None

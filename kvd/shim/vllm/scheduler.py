@@ -22,7 +22,6 @@ once; lease renewals are unary calls whose answers are taken on a later step.
 from __future__ import annotations
 
 import logging
-import operator
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -36,7 +35,8 @@ from kvd.requests import MAX_ID_BYTES, BlockGroups
 from kvd.shim.vllm.config import KvdShimConfig
 from kvd.shim.vllm.groups import TransferGroups, cdiv, check_counts
 from kvd.shim.vllm.metadata import HoldSpec, KvdConnectorMetadata, LoadRules, LoadSpec, SaveSpec
-from kvd.shim.vllm.params import REMOTE_KEYS, SPARE_BLOCK_IDS, blocks_per_local_block, checked_fields, has_remote
+from kvd.shim.vllm.params import (REMOTE_KEYS, SPARE_BLOCK_IDS, blocks_per_local_block, checked_fields, has_remote,
+                                   remote_fields)
 from kvd.shim.vllm.renewals import LeaseRenewals
 from kvd.shim.vllm.worker import daemon_peer_address
 
@@ -51,10 +51,6 @@ log = logging.getLogger("kvd.shim.vllm")
 #: A prefill that ended in one of these hands its blocks to D (others were
 #: aborted), as NixlConnector's ``request_finished`` (pull_scheduler.py).
 _HANDED_OFF = frozenset((RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED))
-
-#: P's fields a load names, as given (``LoadSpec.remote``): one C call.
-_remote_fields = operator.itemgetter("remote_engine_id", "remote_host", "remote_port", "remote_request_id",
-                                     "remote_block_ids")
 
 #: The engine id, host and request id together, in characters, past which a
 #: spec's fields are checked on the step (each may be MAX_ID_BYTES).
@@ -183,7 +179,7 @@ class KvdScheduler:
         P's block ids. Never raises."""
         # Positional, and the fields taken by one C call: this runs on the
         # engine's step for every load (docs/PERFORMANCE.md, engine step).
-        remote, tp, bs = _remote_fields(params), params.get("tp_size"), params.get("block_size")
+        remote, tp, bs = remote_fields(params), params.get("tp_size"), params.get("block_size")
         engine, host, port, remote_rid, _ = remote
         if (type(port) is not int or type(engine) is not str or type(host) is not str or type(remote_rid) is not str
                 or (tp is not None and type(tp) is not int) or (bs is not None and type(bs) is not int)
