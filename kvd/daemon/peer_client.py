@@ -32,6 +32,7 @@ from kvd.daemon.convert import (
 )
 from kvd.daemon import wire_shape
 from kvd.daemon.peer_auth import PeerAuth, PeerAuthError
+from kvd.daemon.peer_local import push_callee_refusal
 from kvd.requests import LeaseRenewal, RenewResult
 from kvd.v1 import kvd_pb2 as pb
 
@@ -109,10 +110,12 @@ class PeerClient:
         max_message_bytes: gRPC message cap either way.
         max_blocks_per_request: the daemon's setting; bounds the shape of
             an answer before it is parsed (``kvd.daemon.wire_shape.peer_shape``).
+        insecure: ``peer_insecure``: with no credential, pushes may go to
+            other hosts (:meth:`push`).
     """
 
     def __init__(self, auth: PeerAuth | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES,
-                 max_blocks_per_request: int = Limits.max_blocks_per_request):
+                 max_blocks_per_request: int = Limits.max_blocks_per_request, insecure: bool = False):
         self._answer_shape = functools.partial(wire_shape.peer_shape, max_blocks_per_request=max_blocks_per_request)
         self._channels: dict[str, grpc.aio.Channel] = {}  # least recently used first
         # Long polls of followed holds (Holds) on channels of their own, with
@@ -123,6 +126,7 @@ class PeerClient:
         self._poll_channels: dict[str, grpc.aio.Channel] = {}
         self._closing: set[asyncio.Task] = set()
         self.auth = auth or PeerAuth()
+        self.insecure = insecure
         self.options = channel_options(max_message_bytes)
         # A poll's answer is bounded by the source (kvd.core.hold_feed): one
         # larger is refused by gRPC before it is parsed (a hostile source's
@@ -186,7 +190,22 @@ class PeerClient:
         return handshake_from_pb(await self._call(address, "Handshake", req, timeout_s))
 
     async def push(self, address: str, order: PushOrder, timeout_s: float) -> PushResult:
-        """Asks ``address`` to WRITE ``order``'s blocks; returns when done."""
+        """Asks ``address`` to WRITE ``order``'s blocks; returns when done.
+
+        The request carries this daemon's worker's NIXL agent metadata and
+        region addresses (``order.reader``): what an agent needs to READ and
+        WRITE that worker's memory. ``address`` comes from a load's
+        ``kv_transfer_params`` (an API client's input), so the callee proves
+        itself first (:meth:`_check_push_callee`); before, whatever listened
+        there got the metadata and read and overwrote the decode engine's
+        blocks (attacker review; the token's proof was checked on the answer,
+        after the request had gone).
+
+        Raises:
+            PeerUnavailable: the callee did not prove itself, or the call failed.
+            NotFound, InvalidArgument, ...: the callee's refusal (``_error``).
+        """
+        await self._check_push_callee(address, order, timeout_s)
         req = pb.PushRequest(
             engine_id=order.engine_id, tp_rank=order.tp_rank, request_id=order.request_id,
             source_groups=groups_to_pb(order.source_groups), reader=handshake_to_pb(order.reader),
@@ -195,6 +214,35 @@ class PeerClient:
         )
         r = await self._call(address, "Push", req, timeout_s)
         return PushResult(r.bytes, r.num_descriptors, r.duration_s)
+
+    async def _check_push_callee(self, address: str, order: PushOrder, timeout_s: float) -> None:
+        """Returns once ``address`` may be told this worker's agent metadata.
+
+        - Mutual TLS: at once (the TLS handshake checks the callee's
+          certificate before any byte of a request goes).
+        - Token: after a ``Handshake`` with the source worker whose answer
+          carries the callee's proof (:meth:`PeerAuth.check_proof`): only a
+          daemon that knows the token, at the address it was dialed by,
+          answers one. One more round trip per push.
+        - Neither: after :func:`kvd.daemon.peer_local.push_callee_refusal`
+          (this host's listeners of root or this uid, as callers are
+          admitted), run off the event loop.
+
+        Raises:
+            PeerUnavailable: refused, or the handshake failed or was not proved.
+            NotFound: the callee does not know the source worker.
+        """
+        if self.auth.tls:
+            return
+        if self.auth.token:
+            req = pb.HandshakeRequest(engine_id=order.engine_id, tp_rank=order.tp_rank, daemon_version=__version__,
+                                      protocol_version=PROTOCOL_VERSION)
+            await self._call(address, "Handshake", req, timeout_s)
+            return
+        why = await asyncio.to_thread(push_callee_refusal, address, self.insecure)
+        if why:
+            raise ev.PeerUnavailable(f"{address}: push not sent (it would hand over this worker's NIXL agent "
+                                     f"metadata): {why}")
 
     async def notify(self, address: str, engine_id: str, tp_rank: int, request_id: str, expected: int,
                      timeout_s: float) -> None:

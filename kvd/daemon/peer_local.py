@@ -104,10 +104,11 @@ def _plain(ip: IP) -> IP:
     return ip if isinstance(ip, ipaddress.IPv4Address) else (ip.ipv4_mapped or ip)
 
 
-def _sock_diag(family: int, sport: int, dport: int, src: IP | None = None, dst: IP | None = None) -> list[Sock]:
-    """TCP sockets of ``family`` in this network namespace, in
-    :data:`HELD_STATES`, whose local port is ``sport`` and remote port
-    ``dport``: the one socket whose 4-tuple is ``src:sport -> dst:dport``
+def _sock_diag(family: int, sport: int, dport: int, src: IP | None = None, dst: IP | None = None,
+               states: frozenset[int] = HELD_STATES) -> list[Sock]:
+    """TCP sockets of ``family`` in this network namespace, in ``states``
+    (default :data:`HELD_STATES`), whose local port is ``sport`` and remote
+    port ``dport`` (0: any, for a dump): the one socket whose 4-tuple is ``src:sport -> dst:dport``
     when both addresses are given (an exact lookup: one hash probe in the
     kernel), else every one (a dump, which the kernel filters by both ports
     while walking its whole table). Raises OSError when netlink sock_diag
@@ -118,7 +119,7 @@ def _sock_diag(family: int, sport: int, dport: int, src: IP | None = None, dst: 
     exact = src is not None and dst is not None
     sockid = struct.pack("!HH16s16s", sport, dport, addr(src), addr(dst))
     sockid += struct.pack("=III", 0, INET_DIAG_NOCOOKIE, INET_DIAG_NOCOOKIE)  # any interface, no cookie
-    req = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, sum(1 << s for s in HELD_STATES)) + sockid
+    req = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, sum(1 << s for s in states)) + sockid
     flags = NLM_F_REQUEST if exact else NLM_F_REQUEST | NLM_F_DUMP
     msg = struct.pack("=IHHII", 16 + len(req), SOCK_DIAG_BY_FAMILY, flags, 1, 0) + req
     found: list[Sock] = []
@@ -149,7 +150,7 @@ def _sock_diag(family: int, sport: int, dport: int, src: IP | None = None, dst: 
                     sock_family, state = struct.unpack_from("=BB", data, body)
                     width = 4 if sock_family == socket.AF_INET else 16
                     uid, inode = struct.unpack_from("=II", data, body + 4 + 48 + 12)
-                    if state in HELD_STATES:  # an exact lookup answers in any state
+                    if state in states:  # an exact lookup answers in any state
                         found.append((_plain(ipaddress.ip_address(data[body + 8:body + 8 + width])),
                                       _plain(ipaddress.ip_address(data[body + 24:body + 24 + width])), uid, inode))
                     if exact:
@@ -157,9 +158,10 @@ def _sock_diag(family: int, sport: int, dport: int, src: IP | None = None, dst: 
                 off += (length + 3) & ~3
 
 
-def _proc_sockets(port: int, server_port: int, tables=TCP_TABLES) -> list[Sock] | None:
-    """As a :func:`_sock_diag` dump, both families, from /proc/net/tcp{,6};
-    None when neither table can be read."""
+def _proc_sockets(port: int, server_port: int, tables=TCP_TABLES,
+                  states: frozenset[int] = HELD_STATES) -> list[Sock] | None:
+    """As a :func:`_sock_diag` dump, both families, from /proc/net/tcp{,6}
+    (``server_port`` 0: any remote port); None when neither table can be read."""
     found: list[Sock] = []
     read_any = False
     for path in tables:
@@ -174,7 +176,8 @@ def _proc_sockets(port: int, server_port: int, tables=TCP_TABLES) -> list[Sock] 
             if len(parts) < 10:
                 continue
             (local, lport), (remote, rport) = (x.rsplit(":", 1) for x in parts[1:3])
-            if int(lport, 16) != port or int(rport, 16) != server_port or int(parts[3], 16) not in HELD_STATES:
+            if int(lport, 16) != port or (server_port and int(rport, 16) != server_port) \
+                    or int(parts[3], 16) not in states:
                 continue
             found.append((_proc_ip(local), _proc_ip(remote), int(parts[7]), int(parts[9])))
     return found if read_any else None
@@ -215,6 +218,71 @@ def socket_owners(ip: IP, port: int, own: OwnAddresses) -> list[int] | None:
         log.debug("sock_diag lookup failed (%s); reading /proc/net/tcp", e)
         socks = _proc_sockets(port, own.port)
     return None if socks is None else held_by(socks, ip, own)
+
+
+LISTENING = frozenset({TCP_LISTEN})
+
+
+def listener_owners(ip: IP, port: int) -> list[int] | None:
+    """Uids of this network namespace's TCP listeners that may accept a
+    connection to ``ip:port``: those bound to ``ip`` itself or to a wildcard
+    address (``0.0.0.0``; ``::``, which a dual-stack socket also serves IPv4
+    on). ``[]`` when there is none; None when neither sock_diag nor /proc
+    can be read. Counting every candidate fails closed: one of another user
+    among them refuses the address (:func:`push_callee_refusal`)."""
+    target = _plain(ip)
+    try:
+        socks = (_sock_diag(socket.AF_INET, port, 0, states=LISTENING)
+                 + _sock_diag(socket.AF_INET6, port, 0, states=LISTENING))
+    except OSError as e:
+        log.debug("sock_diag dump of listeners failed (%s); reading /proc/net/tcp", e)
+        socks = _proc_sockets(port, 0, states=LISTENING)
+    if socks is None:
+        return None
+    return [uid for local, _, uid, _ in socks if local == target or local.is_unspecified]
+
+
+def push_callee_refusal(address: str, insecure: bool, uid: int | None = None) -> str | None:
+    """Why a push (``PeerService.Push``, whose request carries this daemon's
+    worker's NIXL agent metadata and region addresses: what an agent needs
+    to READ and WRITE that worker's memory) must not be sent to ``address``
+    (``host:port``, named by a load's ``kv_transfer_params``) when no peer
+    credential authenticates the callee; None to send it.
+
+    As :class:`LocalPeerGate` for callers: every address ``host`` resolves to
+    must be this host's, and every listener there root's or the daemon's
+    uid (``uid``, default the effective one); an address of another host
+    passes only with ``insecure`` (``peer_insecure``: the operator trusts
+    every host that reaches the peer port, which may handshake for the same
+    metadata). Blocking (name resolution, sock_diag): run it off the loop.
+    """
+    host, _, port_text = address.rpartition(":")
+    try:
+        port = int(port_text)
+    except ValueError:
+        return f"{address!r} is not host:port"
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        return f"{host!r} does not resolve ({e})"
+    admitted = {0, os.geteuid() if uid is None else uid}
+    for *_, sockaddr in infos:
+        ip = _plain(ipaddress.ip_address(sockaddr[0].split("%")[0]))
+        if not ip.is_loopback and not is_host_address(ip):
+            if insecure:
+                continue
+            return (f"{ip} is not an address of this host; with no peer credential (peer_tls_*, peer_token_file) "
+                    f"a push goes only to a daemon of this host (or set peer_insecure to trust every host)")
+        owners = listener_owners(ip, port)
+        if owners is None:
+            return "cannot tell who listens there (no sock_diag, no /proc/net/tcp)"
+        if not owners:
+            return f"nothing listens on {ip}:{port}"
+        foreign = sorted(set(owners) - admitted)
+        if foreign:
+            return (f"{ip}:{port} is served by uid {foreign[0]}; with no peer credential (peer_tls_*, "
+                    f"peer_token_file) a push goes only to a daemon run by root or uid {max(admitted)}")
+    return None
 
 
 def held_by(socks: list[Sock], ip: IP, own: OwnAddresses) -> list[int]:

@@ -44,7 +44,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvd import __version__
-from kvd.addresses import is_loopback, join_host_port
+from kvd.addresses import is_loopback, join_host_port, metrics_url
 from kvd.config import MAX_MESSAGE_BYTES, Config, parse_host_port, resolve_gid, resolve_uid
 from kvd.core.events import FailureKind
 from kvd.core.limits import Limits
@@ -227,7 +227,8 @@ class Server:
     def __init__(self, config: Config):
         self.config = config.validate()
         self.peer_auth = PeerAuth.from_config(config)
-        self.peer_client = PeerClient(self.peer_auth, config.max_message_bytes, config.max_blocks_per_request)
+        self.peer_client = PeerClient(self.peer_auth, config.max_message_bytes, config.max_blocks_per_request,
+                                      insecure=config.peer_insecure)
         self.gate: Gate | None = None
         self.fd_channel: FdChannel | None = None  # beside the engine socket (kvd.daemon.fd_channel)
         self.command_socket: CommandSocket | None = None  # sessions without gRPC (kvd.daemon.command_socket)
@@ -461,7 +462,7 @@ class Server:
                  f"started, and stops now ({self._stop_signal} received during startup)" if stopping else "serving",
                  sock, policy.describe(), self._bound, adv, self._auth_said(auth, host),
                  ",".join(cfg.backends),
-                 (f", metrics on http://{metrics_at}/metrics" if metrics_at else "")
+                 (f", metrics on {metrics_url(metrics_at)}" if metrics_at else "")
                  + (f", warm peers {','.join(cfg.warm_peers)}" if cfg.warm_peers else ""))
         self._serving = True
         if not self.gate.passrights_refused:
