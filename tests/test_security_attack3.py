@@ -203,6 +203,75 @@ def test_an_engine_client_does_not_take_another_users_socket_for_the_daemons_com
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+# As another local user: binds the fd side channel's path (argv[1]) in a
+# directory it may write, accepts one connection and prints how many fds and
+# bytes it received (a JSON line). Stdlib only.
+_FD_SQUATTER = r"""
+import array, json, os, socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+s.bind(sys.argv[1])
+os.chmod(sys.argv[1], 0o777)
+s.listen(4)
+print(json.dumps({"ready": os.getuid()}), flush=True)
+c, _ = s.accept()
+c.settimeout(30)
+fds = array.array("i")
+try:
+    data, anc, _, _ = c.recvmsg(4096, socket.CMSG_SPACE(64 * fds.itemsize))
+except OSError:
+    data, anc = b"", []
+for level, kind, raw in anc:
+    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+        fds.frombytes(raw[:len(raw) - len(raw) % fds.itemsize])
+print(json.dumps({"fds": len(fds), "bytes": len(data)}), flush=True)
+"""
+
+
+@needs_root
+def test_an_engine_hands_its_kv_cache_fds_to_no_side_channel_another_user_serves():
+    """The engine starts before its daemon (a supported order: it waits for
+    the daemon) or re-registers after a restart, and its engine socket's
+    directory is a shared sticky one (``/tmp`` style). Another local user
+    (nobody) binds ``<engine_socket>.fd`` first. Before: the engine's client
+    connected and sent its sealed KV-cache memfds there with ``SCM_RIGHTS``
+    (attacker review: the impostor read and overwrote the cache). Expected:
+    the client checks the side channel's server (``SO_PEERCRED``: root, the
+    engine socket's owner or its own uid) before anything is sent, and the
+    registration fails naming the uid."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    import time
+
+    from kvd.client.fd_handover import HandoverError, hand_over
+    from kvd.fd_wire import fd_socket_path
+    from kvd.testing.security import NOBODY, reachable_dir
+
+    workdir = reachable_dir()
+    os.chmod(workdir, 0o1777)
+    engine_socket = os.path.join(workdir, "kvd.sock")  # no daemon yet
+    path = fd_socket_path(engine_socket)
+    squatter = subprocess.Popen(
+        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-I", "-c",
+         _FD_SQUATTER, path], stdout=subprocess.PIPE, text=True)
+    fd = os.memfd_create("kv-cache", os.MFD_ALLOW_SEALING)
+    try:
+        assert json.loads(squatter.stdout.readline()) == {"ready": NOBODY}
+        os.write(fd, b"SECRET-PROMPT-KV")
+        with pytest.raises(HandoverError, match=f"served by uid {NOBODY}"):
+            hand_over(engine_socket, [fd], timeout_s=5, deadline=time.monotonic() + 5)
+        got = json.loads(squatter.stdout.readline())
+        assert got["fds"] == 0, f"the squatter (uid {NOBODY}) received {got['fds']} fds of the KV cache"
+        assert got["bytes"] == 0
+    finally:
+        os.close(fd)
+        if squatter.poll() is None:
+            squatter.kill()
+        squatter.wait()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
 # As another local user: one connection to the command socket argv[1] per
 # frame given (hex, argv[2:]), each sent first; prints the events each got
 # back until the daemon closed it (hex, one JSON list per connection). Stdlib only.

@@ -14,6 +14,7 @@ import os
 import pwd
 import socket
 import stat
+import struct
 
 import grpc
 
@@ -50,6 +51,32 @@ def normalize_address(address: str) -> str:
     if address.startswith(("/", ".")) or address.endswith(".sock"):
         return "unix://" + os.path.abspath(address)
     return address
+
+
+def check_daemon_serves(s: socket.socket, path: str, engine_socket_path: str) -> None:
+    """Raises PermissionError unless the process serving the connected Unix
+    socket ``s`` (at ``path``, one of the daemon's side sockets beside its
+    engine socket) runs as root, as the owner of ``engine_socket_path`` (the
+    daemon made it), or as this process's own uid.
+
+    The uid is the server's kernel credentials at ``listen`` (unix(7),
+    ``SO_PEERCRED``): what a process cannot forge. In a directory other
+    users may write (a sticky ``/tmp``), another user can bind a side
+    socket's path before the daemon does (it has not started yet, was
+    restarted, or offers no such socket) and would get what the engine
+    sends there: its session (the command socket) or its KV cache memory
+    itself (the fd side channel). With no engine socket there, only root
+    and this uid pass.
+    """
+    _, uid, _ = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    try:
+        owner = os.stat(engine_socket_path).st_uid
+    except OSError:
+        owner = None
+    if uid not in (0, owner, os.geteuid()):
+        whose = f"uid {owner}, the engine socket's owner" if owner is not None else "no engine socket there"
+        raise PermissionError(f"{path} is served by uid {uid}, not by the daemon ({whose}), root or this "
+                              f"process's uid {os.geteuid()}: not used")
 
 
 #: ``connect()`` errors on a Unix socket that mean no daemon listens there

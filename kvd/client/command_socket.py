@@ -9,30 +9,15 @@ stream: ``SessionCommand`` s out, ``SessionEvent`` s in.
 
 from __future__ import annotations
 
-import os
 import socket
-import struct
 from collections.abc import Iterable, Iterator
 
+from kvd.client.channel import check_daemon_serves
 from kvd.command_wire import SUFFIX as COMMAND_SUFFIX
 from kvd.command_wire import Deframer, command_socket_path, frame
 from kvd.v1 import kvd_pb2 as pb
 
 _RECV_BYTES = 1 << 16
-
-
-def _check_server(s: socket.socket, path: str) -> None:
-    """Raises PermissionError unless the process serving ``s`` runs as root,
-    as the owner of the engine socket, or as this process's uid (unix(7):
-    ``SO_PEERCRED`` is the server's credentials at ``listen``)."""
-    _, uid, _ = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    try:
-        owner = os.stat(path[:-len(COMMAND_SUFFIX)]).st_uid  # the engine socket, its "unix:" prefix gone
-    except OSError:
-        owner = None
-    if uid not in (0, owner, os.geteuid()):
-        raise PermissionError(f"{path} is served by uid {uid}, not by the daemon (uid {owner}, the engine "
-                              "socket's owner) or root: not used")
 
 
 class CommandConnection:
@@ -69,7 +54,7 @@ class CommandConnection:
         try:
             s.settimeout(timeout_s)
             s.connect(path)
-            _check_server(s, path)
+            check_daemon_serves(s, path, path[:-len(COMMAND_SUFFIX)])
             s.settimeout(None)
         except BaseException:
             s.close()

@@ -24,7 +24,7 @@ import socket
 import time
 
 from kvd import fd_wire as wire
-from kvd.client.channel import DENIED, NOT_LISTENING, denied_message, no_daemon_message, unix_path
+from kvd.client.channel import DENIED, NOT_LISTENING, check_daemon_serves, denied_message, no_daemon_message, unix_path
 
 log = logging.getLogger("kvd.client")
 
@@ -103,17 +103,22 @@ class _Wait:
 
 
 def _connect(path: str, timeout_s: float, wait: _Wait) -> socket.socket:
-    """A connection to the side channel at ``path``, tried again as ``wait``
-    says; every socket of a failed try is closed. Raises OSError."""
+    """A connection to the side channel at ``path`` served by the daemon
+    (:func:`kvd.client.channel.check_daemon_serves`: the fds are the KV cache
+    itself, and another user could have bound the path in a shared
+    directory before the daemon started), tried again as ``wait`` says;
+    every socket of a failed try is closed. Raises OSError
+    (``PermissionError``: another user serves it)."""
     while True:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             s.settimeout(wait.timeout(timeout_s))
             s.connect(path)
+            check_daemon_serves(s, path, path[:-len(wire.SUFFIX)])
             return s
         except OSError as e:
             s.close()
-            if not wait.again(e):
+            if not wait.again(e):  # another user serving it (no errno) is not waited out
                 raise
 
 
@@ -121,6 +126,9 @@ def _request(path: str, fds: list[int], timeout_s: float, wait: _Wait) -> list[s
     try:
         s = _connect(path, timeout_s, wait)
     except OSError as e:
+        if isinstance(e, PermissionError) and e.errno is None:  # another user serves the path
+            raise HandoverError(f"kvd fd channel {e}; the KV cache memory was not handed over (is another "
+                                f"user's process bound there before the daemon?)") from None
         if e.errno in DENIED:  # the socket's owner and mode, and this engine's uid: what to change
             raise HandoverError(denied_message(path, e, "the kvd fd channel")) from None
         if e.errno in (errno.ENOENT, errno.ECONNREFUSED):  # the daemon's side sockets go with it
