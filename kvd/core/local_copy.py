@@ -486,7 +486,7 @@ class LocalCopy:
         if self.rt.workers.get(w.key) is not w:
             return K.UNREGISTERED, "worker unregistered"
         if w.session.epoch != epoch:
-            log.info("%s: session ended during a same-node copy; load dropped", w.label)
+            self.rt.lines.info(("dropped", w.key), "%s: session ended during a same-node copy; load dropped", w.label)
             return True
         for s in sources.values():
             if self.rt.workers.get(s.key) is not s:
@@ -506,8 +506,8 @@ class LocalCopy:
             try:
                 self.holds.notify(s.key[0], s.key[1], req.remote_request_id, expected)
             except CoreError as e:
-                log.info("engine=%s rank=%d request=%s: not notified: %s", s.key[0], s.key[1],
-                         req.remote_request_id, e)
+                self.rt.lines.info(("not notified", s.key), "engine=%s rank=%d request=%s: not notified: %s",
+                                   s.key[0], s.key[1], req.remote_request_id, e)
 
 
 def split_pieces(dst: np.ndarray, src: np.ndarray, ln: np.ndarray, piece: int = COPY_PIECE_BYTES):

@@ -176,7 +176,8 @@ class Pull:
             epoch = w.session.epoch
         elif epoch != w.session.epoch:
             self.rt.counters.transfers_failed += 1  # as a load whose session ended while posting
-            log.info("%s request=%s: session ended before the load started; load dropped", w.label, rid)
+            self.rt.lines.info(("dropped", w.key), "%s request=%s: session ended before the load started; load "
+                               "dropped", w.label, rid)
             return
         deadline = retry_deadline or started + self.rt.timeout(req.timeout_s)
         if not rid or rid in w.inflight or (rid in w.pending_loads and retry_deadline is None):
@@ -263,7 +264,8 @@ class Pull:
             if not self.rt.registered(w):
                 return self._fail(w, req, K.UNREGISTERED, "worker unregistered")
             if w.session.epoch != epoch:
-                log.info("%s request=%s: session ended during the handshake; load dropped", w.label, rid)
+                self.rt.lines.info(("dropped", w.key), "%s request=%s: session ended during the handshake; load "
+                                   "dropped", w.label, rid)
                 return
             checked = {}
             for p in read_from:  # the request's block ids are checked against both layouts before any READ
@@ -443,7 +445,8 @@ class Pull:
         if not load.failed:
             self._recv_done(w, req, load.nbytes, load.ndescs, now - load.started, load.post_s)
         elif load.retry and now < load.deadline:
-            log.info("%s request=%s: %s; retrying after a new handshake", w.label, request_id, load.failed)
+            self.rt.lines.info(("retry", w.key), "%s request=%s: %s; retrying after a new handshake", w.label,
+                               request_id, load.failed)
             asyncio.get_running_loop().create_task(self.load(w, req, retry_deadline=load.deadline))
         else:
             self._fail(w, req, load.kind or K.TRANSFER, load.failed)
