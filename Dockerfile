@@ -11,9 +11,12 @@
 #
 # Offline build (no registry, no PyTorch index; the wheels in deploy/wheels/,
 # a locally made base image; podman keeps HEALTHCHECK only in docker format):
-#   podman build --format docker --network none --build-arg PIP_NO_INDEX=1 \
-#     --build-arg PYTHON_IMAGE=localhost/debian-python:bookworm -t kvd:0.1.0 .
-# deploy/wheels/README.md says how to fill the folder and make the base image.
+#   podman --runtime runc build --format docker --network none --build-arg PIP_NO_INDEX=1 \
+#     --build-arg PYTHON_IMAGE=localhost/debian-python:bookworm \
+#     --ulimit nofile=20000:20000 --ulimit nproc=4096:4096 -t kvd:0.1.0 .
+# (runc and the ulimits: what machines like this project's CI need; docs/OPERATIONS.md,
+# "Building without a registry"). deploy/wheels/README.md says how to fill the
+# folder and make the base image.
 #
 # Runs `kvd serve` as uid 10001 (user kvd). Engines that share their KV
 # cache with it through /dev/shm must run with the same uid.

@@ -56,6 +56,17 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def metrics_url(address: str) -> str:
+    """The metrics URL for the bound ``host:port`` ``address``; for a
+    wildcard host (``0.0.0.0``, ``::``), which is no address to fetch from,
+    the URL with ``<this host>`` and what it is bound to (a new user tried
+    ``curl http://0.0.0.0:9400/metrics`` from another machine)."""
+    host, _, port = address.rpartition(":")
+    if host.strip("[]") in ("0.0.0.0", "::", ""):
+        return f"http://<this host>:{port}/metrics (every address, bound to {address})"
+    return f"http://{address}/metrics"
+
+
 def socket_file(text: str) -> str:
     """The file of a Unix socket named as a path, ``unix:PATH`` or
     ``unix://PATH`` (gRPC's forms, which ``kvd health`` prints and the

@@ -118,6 +118,12 @@ def _unreachable(command: str, target: str, e, timeout_s: float) -> Answer:
         # HTTP/2 SETTINGS frame: an HTTP/1 server answered (the metrics
         # port, a web server), not a daemon's peer port.
         hint = " (an HTTP server? --address takes the daemon's peer port, peer_listen)"
+    elif not target.startswith("unix:") and any(w in (e.details() or "") for w in ("Socket closed",
+                                                                                "Connection reset")):
+        # What gRPC's plaintext client says when a TLS server hangs up on its
+        # first bytes (seen against a peer port with peer_tls_* on).
+        hint = (" (a peer port that serves TLS? `kvd health --address` speaks plaintext only: check the daemon "
+                "on its engine socket with --socket, or probe the peer port with a TLS-aware gRPC client)")
     elif e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
         hint = (f" (no answer within --timeout {timeout_s:g} s: a daemon stopped or too busy to answer, "
                 f"or something that is not a kvd daemon listening there)")

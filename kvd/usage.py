@@ -18,7 +18,6 @@ import argparse
 import difflib
 import importlib.util
 import re
-import sys
 from typing import Iterable
 
 EXIT_OK, EXIT_NOT_SERVING, EXIT_UNREACHABLE, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 64, 69

@@ -553,6 +553,25 @@ def test_health_address_of_an_http_server_says_it_may_be_one():
                         f"and is this its peer port (peer_listen)?\n"), r.stderr
 
 
+def test_health_address_of_a_tls_peer_port_says_it_speaks_plaintext(tmp_path):
+    """``kvd health --address`` at a peer port with mutual TLS: gRPC's
+    plaintext client reads "Socket closed", which read like a dead daemon
+    (a new user's review); the line now says the port may serve TLS and
+    what to check instead. Exit 2 as before."""
+    from kvd.testing.daemons import start_daemon
+    from kvd.testing.security import Pki
+
+    pki = Pki(tmp_path / "pki")
+    d = start_daemon(str(tmp_path), "tls", *pki.flags("tls"))
+    try:
+        r = _client("health", "--address", d.peer_address, "--timeout", "5")
+    finally:
+        assert d.stop() == 0
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert r.stderr.startswith(f"kvd health: {d.peer_address}: UNAVAILABLE: "), r.stderr
+    assert "a peer port that serves TLS?" in r.stderr, r.stderr
+
+
 def test_health_socket_and_address_together_is_a_usage_error(tmp_path):
     r = _kvd("health", "--socket", str(tmp_path / "engine.sock"), "--address", "127.0.0.1:1", "--timeout", "0.5")
     assert r.returncode == 64 and "mutually exclusive" in r.stderr, (r.returncode, r.stderr)

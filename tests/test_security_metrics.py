@@ -116,3 +116,15 @@ def test_an_ipv6_metrics_host_is_shown_in_brackets(tmp_path):
             assert b"kvd_uptime_seconds" in r.read()
     finally:
         d.stop()
+
+
+def test_a_wildcard_metrics_host_is_not_shown_as_a_url_to_fetch():
+    """``0.0.0.0`` and ``::`` are bind addresses, not something to fetch
+    from (a new user's review): the log and ``kvd status`` say
+    ``<this host>`` and what the port is bound to."""
+    from kvd.addresses import metrics_url
+
+    assert metrics_url("0.0.0.0:9400") == "http://<this host>:9400/metrics (every address, bound to 0.0.0.0:9400)"
+    assert metrics_url("[::]:9400") == "http://<this host>:9400/metrics (every address, bound to [::]:9400)"
+    assert metrics_url("127.0.0.1:9400") == "http://127.0.0.1:9400/metrics"
+    assert metrics_url("[::1]:9400") == "http://[::1]:9400/metrics"

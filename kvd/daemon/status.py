@@ -18,6 +18,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Callable
 
 from kvd import __version__
+from kvd.addresses import metrics_url
 from kvd.core.node import Node
 from kvd.core.state import Worker
 from kvd.v1 import kvd_pb2 as pb
@@ -203,7 +204,7 @@ def render(d: dict, target: str = "") -> str:
         ("peer auth", peer_auth_line(d)),
         ("data path", d.get("data_path") or "- (no engines)"),
         ("NIXL backends", ",".join(d.get("backends") or []) or "-"),
-        ("metrics", f"http://{d['metrics_address']}/metrics" if d.get("metrics_address") else "off"),
+        ("metrics", metrics_url(d["metrics_address"]) if d.get("metrics_address") else "off"),
         ("command socket", d.get("command_socket") or "off (sessions on gRPC)"),
         ("lease", f"{d.get('lease_s', 0):g} s default, renewed up to {d.get('max_lease_life_s', 0):g} s "
                   f"after its hold"),
