@@ -208,6 +208,10 @@ def test_an_engine_client_does_not_take_another_users_socket_for_the_daemons_com
 # bytes it received (a JSON line). Stdlib only.
 _FD_SQUATTER = r"""
 import array, json, os, socket, sys
+if len(sys.argv) > 2:  # the engine socket beside it too: its owner is then the squatter
+    e = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    e.bind(sys.argv[2])
+    e.listen(4)
 s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 s.bind(sys.argv[1])
 os.chmod(sys.argv[1], 0o777)
@@ -228,7 +232,8 @@ print(json.dumps({"fds": len(fds), "bytes": len(data)}), flush=True)
 
 
 @needs_root
-def test_an_engine_hands_its_kv_cache_fds_to_no_side_channel_another_user_serves():
+@pytest.mark.parametrize("engine_socket_too", [False, True], ids=["fd-channel", "fd-channel-and-engine-socket"])
+def test_an_engine_hands_its_kv_cache_fds_to_no_side_channel_another_user_serves(engine_socket_too):
     """The engine starts before its daemon (a supported order: it waits for
     the daemon) or re-registers after a restart, and its engine socket's
     directory is a shared sticky one (``/tmp`` style). Another local user
@@ -237,7 +242,10 @@ def test_an_engine_hands_its_kv_cache_fds_to_no_side_channel_another_user_serves
     (attacker review: the impostor read and overwrote the cache). Expected:
     the client checks the side channel's server (``SO_PEERCRED``: root, the
     engine socket's owner or its own uid) before anything is sent, and the
-    registration fails naming the uid."""
+    registration fails naming the uid. With the engine socket bound by the
+    squatter too, its owner is the squatter: a check against that owner let
+    the fds go (the fix's own review); in a directory others may write only
+    root and the engine's own uid are trusted."""
     import json
     import shutil
     import subprocess
@@ -254,7 +262,7 @@ def test_an_engine_hands_its_kv_cache_fds_to_no_side_channel_another_user_serves
     path = fd_socket_path(engine_socket)
     squatter = subprocess.Popen(
         ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-I", "-c",
-         _FD_SQUATTER, path], stdout=subprocess.PIPE, text=True)
+         _FD_SQUATTER, path, *([engine_socket] if engine_socket_too else [])], stdout=subprocess.PIPE, text=True)
     fd = os.memfd_create("kv-cache", os.MFD_ALLOW_SEALING)
     try:
         assert json.loads(squatter.stdout.readline()) == {"ready": NOBODY}
@@ -270,6 +278,126 @@ def test_an_engine_hands_its_kv_cache_fds_to_no_side_channel_another_user_serves
             squatter.kill()
         squatter.wait()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+@needs_root
+def test_an_engine_registers_with_no_engine_socket_another_user_bound_first():
+    """Another local user binds the engine socket's path in a shared sticky
+    directory before the daemon starts: the engine's RegisterEngine (and
+    then its session) would go to it. Expected: the client checks who
+    serves the engine socket (one ``connect()``, ``SO_PEERCRED``) and
+    refuses, PERMISSION_DENIED, before the call; the squatter gets no byte
+    of it."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    import types
+
+    import grpc
+
+    from kvd.client.channel import EngineClientError
+    from kvd.client.engine_client import EngineClient
+    from kvd.testing.security import NOBODY, reachable_dir
+    from kvd.testing.sessions import register_request
+
+    workdir = reachable_dir()
+    os.chmod(workdir, 0o1777)
+    engine_socket = os.path.join(workdir, "kvd.sock")
+    squatter = subprocess.Popen(
+        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-I", "-c",
+         _SOCKET_SQUATTER, engine_socket], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    client = None
+    try:
+        assert json.loads(squatter.stdout.readline()) == {"ready": NOBODY}
+        client = EngineClient(engine_socket)
+        seg = types.SimpleNamespace(name="/kvd-victim-e", size=SHAPE.num_layers * SHAPE.num_blocks * SHAPE.block_len)
+        with pytest.raises(EngineClientError, match=f"served by uid {NOBODY}") as err:
+            client.register(register_request("victim-e", SHAPE, seg), timeout_s=5)
+        assert err.value.code == grpc.StatusCode.PERMISSION_DENIED
+        squatter.stdin.write("\n")
+        squatter.stdin.flush()
+        assert json.loads(squatter.stdout.readline())["bytes"] == 0
+    finally:
+        if client is not None:
+            client.close()
+        if squatter.poll() is None:
+            squatter.kill()
+        squatter.wait()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@needs_root
+def test_an_engine_uses_a_daemon_of_another_uid_whose_directory_only_that_uid_may_write(caplog):
+    """The honest side of the checks above: a daemon run as a user of its
+    own (nobody here; the systemd unit's ``kvd``) in a directory only that
+    user may write (``/run/kvd``): a root engine hands over its memfd,
+    registers and opens its session on the command socket."""
+    import logging
+    import shutil
+    import subprocess
+    import sys
+
+    from kvd.client.engine_client import EngineClient
+    from kvd.testing.memfd import MemfdSegment
+    from kvd.testing.security import NOBODY, reachable_dir
+    from kvd.testing.sessions import register_request
+
+    probe = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                            sys.executable, "-c", "import kvd.cli"], capture_output=True, text=True, timeout=60)
+    if probe.returncode != 0:
+        pytest.skip(f"uid {NOBODY} cannot import this checkout's kvd: {probe.stderr.strip().splitlines()[-1:]}")
+    workdir = reachable_dir()
+    os.chown(workdir, NOBODY, NOBODY)  # mode 0755: only nobody (and root) may write it
+    d = start_daemon(workdir, "kvd", env={"HOME": workdir},
+                     wrap=("setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"))
+    seg = client = None
+    try:
+        assert os.stat(f"/proc/{d.proc.pid}").st_uid == NOBODY
+        seg = MemfdSegment(SHAPE.size, d.socket)
+        client = EngineClient(d.socket)
+        with caplog.at_level(logging.INFO, logger="kvd.client"):
+            client.register(register_request("other-uid", SHAPE, seg), timeout_s=20)
+            client.start_session()
+            assert client.wait_opened(10)
+        assert "gRPC stream" not in caplog.text, caplog.text
+        assert d.stats().engines == 1
+    finally:
+        if client is not None:
+            client.close()
+        if seg is not None:
+            seg.close()
+        d.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+# As another local user: binds a stream socket at argv[1], counts what every
+# connection sends until stdin closes, prints it (a JSON line). Stdlib only.
+_SOCKET_SQUATTER = r"""
+import json, os, socket, sys, threading
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.bind(sys.argv[1])
+os.chmod(sys.argv[1], 0o777)
+s.listen(8)
+got = {"connections": 0, "bytes": 0}
+def serve():
+    while True:
+        c, _ = s.accept()
+        got["connections"] += 1
+        c.settimeout(2)
+        try:
+            while True:
+                data = c.recv(65536)
+                if not data:
+                    break
+                got["bytes"] += len(data)
+        except OSError:
+            pass
+threading.Thread(target=serve, daemon=True).start()
+print(json.dumps({"ready": os.getuid()}), flush=True)
+sys.stdin.readline()
+print(json.dumps(got), flush=True)
+"""
 
 
 # As another local user: one connection to the command socket argv[1] per

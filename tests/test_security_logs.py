@@ -181,6 +181,35 @@ def test_leases_an_engine_lets_expire_at_will_are_logged_at_most_once_a_second_w
         d.stop()
 
 
+def test_failed_handshakes_ahead_of_need_are_logged_at_most_once_a_second_per_worker(tmp_path):
+    """A decode engine of TP 2 (any API client through ``kv_transfer_params``)
+    loads from a fresh remote engine id at a dead address, with a remote TP
+    size of 2: each load starts a handshake ahead of need for the other
+    rank's pair, which fails at once. That was an INFO line each, the engine
+    id unclipped (38,800 lines, 18.7 MB in 15 s, attacker review)."""
+    d = start_daemon(str(tmp_path), "kvd", log_level="info")
+    r0 = r1 = None
+    try:
+        r0 = Engine(d, "ahead", SHAPE, rank=0, tp_size=2)
+        r1 = Engine(d, "ahead", SHAPE, rank=1, tp_size=2)
+        n = 200
+        t0 = time.monotonic()
+        for i in range(n):
+            r0.load(f"a{i}", [1], None, [1], f"p{i}", remote_engine_id="E" * 1000 + str(i),
+                    remote_address="127.0.0.1:1", remote_tp_size=2, timeout_s=5)
+        for i in range(n):
+            assert event_kind(r0.wait(f"a{i}", 30)) == "load_failed"
+        elapsed = time.monotonic() - t0
+        lines = [line for line in d.log().splitlines() if "handshake ahead of need" in line and "failed" in line]
+        assert 1 <= len(lines) <= elapsed + 3, (len(lines), elapsed)
+        assert all(len(line) < 2000 for line in lines), max(map(len, lines))  # ids clipped
+    finally:
+        for e in (r0, r1):
+            if e is not None:
+                e.close()
+        d.stop()
+
+
 def test_failed_tls_handshakes_on_the_peer_port_write_no_line_each(tmp_path):
     """gRPC's core logged every failed TLS handshake on the peer port to
     stderr, below kvd's throttles: anyone who reaches the port wrote ~3,400

@@ -10,7 +10,8 @@ and overwrite the decode engine's blocks with its own NIXL agent. Now
 (``kvd.daemon.peer_client.PeerClient.push``): with a token, a Handshake
 whose answer carries the callee's proof comes first; with no credential,
 the address must be a listener of this host run by root or the daemon's
-uid (``kvd.daemon.peer_local.push_callee_refusal``).
+uid (``kvd.daemon.peer_local.push_dial_address``), and the push is sent to
+the IP that was checked, not to the name again.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from kvd.daemon.peer_local import listener_owners, push_callee_refusal
+from kvd.daemon.peer_local import PushRefused, listener_owners, push_dial_address
 from kvd.testing.daemons import start_daemon
 from kvd.testing.sessions import Engine, KvShape, event_kind
 
@@ -158,26 +159,95 @@ def test_with_no_credential_no_push_goes_to_another_users_listener(tmp_path):
         assert d.stop() == 0
 
 
+def _refusal(address: str, insecure: bool = False, uid: int | None = None) -> str | None:
+    try:
+        push_dial_address(address, insecure, uid)
+    except PushRefused as e:
+        return str(e)
+    return None
+
+
 def test_the_callee_check_without_a_credential():
-    """Unit: what :func:`push_callee_refusal` admits (its sock_diag and /proc
-    lookups are real)."""
+    """Unit: what :func:`push_dial_address` admits and dials (its sock_diag
+    and /proc lookups are real)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
         assert listener_owners(ipaddress.ip_address("127.0.0.1"), port) == [os.geteuid()]
-        assert push_callee_refusal(f"127.0.0.1:{port}", insecure=False) is None
+        assert push_dial_address(f"127.0.0.1:{port}", insecure=False) == f"127.0.0.1:{port}"
+        # A name is dialed as the IP checked, never resolved again by gRPC's
+        # own resolver (which answered ::1 first for localhost: attacker review).
+        assert push_dial_address(f"localhost:{port}", insecure=False) == f"127.0.0.1:{port}"
         # Another uid's: as if the daemon ran as someone else.
         other = os.geteuid() + 1
-        why = push_callee_refusal(f"127.0.0.1:{port}", insecure=False, uid=other)
+        why = _refusal(f"127.0.0.1:{port}", uid=other)
         assert (why is None) == (os.geteuid() == 0), why  # root's listener is admitted for any daemon
         if why is not None:
             assert f"served by uid {os.geteuid()}" in why
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         free = s.getsockname()[1]  # bound, not listening
-        assert push_callee_refusal(f"127.0.0.1:{free}", insecure=False) == f"nothing listens on 127.0.0.1:{free}"
+        assert _refusal(f"127.0.0.1:{free}") == f"nothing listens on 127.0.0.1:{free}"
     # 192.0.2.0/24 is TEST-NET-1 (RFC 5737): never this host's.
-    assert "not an address of this host" in push_callee_refusal("192.0.2.7:5000", insecure=False)
-    assert push_callee_refusal("192.0.2.7:5000", insecure=True) is None
-    assert "is not host:port" in push_callee_refusal("nohost", insecure=False)
+    assert "not an address of this host" in _refusal("192.0.2.7:5000")
+    assert push_dial_address("192.0.2.7:5000", insecure=True) == "192.0.2.7:5000"
+    # A wildcard dials this host, whatever listens there: never, even with peer_insecure.
+    for wildcard in ("0.0.0.0:5000", "[::]:5000", "[::ffff:0.0.0.0]:5000"):
+        assert "is a bind address" in _refusal(wildcard, insecure=True), wildcard
+    assert "is not host:port" in _refusal("nohost")
+
+
+def test_a_push_naming_a_wildcard_address_is_refused_in_every_mode(tmp_path):
+    """``0.0.0.0:P`` reaches this host: with a token, a local user holding
+    port P could relay the Handshake and the Push to a source that took its
+    own wildcard bind address for the address it was dialed by (attacker
+    review). The decode side never dials it; the source no longer accepts a
+    token proof made out to it."""
+    d = start_daemon(str(tmp_path), "decode", "--transfer-mode", "push",
+                     "--peer-token-file", _token(tmp_path, "token", "w" * 40))
+    dec = None
+    try:
+        dec = Engine(d, "dec", SHAPE)
+        dec.load("api-req", [1], None, [1], "p-req", remote_engine_id="p", remote_address="0.0.0.0:7700",
+                 timeout_s=10)
+        ev = dec.wait("api-req", 30)
+        assert event_kind(ev) == "load_failed" and "is a bind address" in ev.load_failed.reason, ev
+    finally:
+        if dec is not None:
+            dec.close()
+        assert d.stop() == 0
+
+
+def test_a_source_bound_to_a_wildcard_takes_no_token_proof_made_out_to_it(tmp_path):
+    """The callee's own addresses for token proofs: its advertised address
+    and a listen address that is not a wildcard."""
+    from kvd.daemon.peer_auth import PeerAuth
+    from kvd.daemon.peer_client import PeerClient
+    from kvd.testing.util import free_port
+
+    tok = "v" * 40
+    port = free_port()
+    p = start_daemon(str(tmp_path), "prefill", "--peer-token-file", _token(tmp_path, "token", tok),
+                     "--peer-listen", f"0.0.0.0:{port}", "--peer-advertise", f"127.0.0.1:{port}")
+    src = None
+    try:
+        src = Engine(p, "src", SHAPE)
+        import asyncio
+
+        from kvd.core import events as ev
+
+        async def handshake(address: str):
+            client = PeerClient(PeerAuth(token=tok.encode()))
+            try:
+                return await client.handshake(address, "src", 0, "", 10)
+            finally:
+                await client.close()
+
+        assert asyncio.run(handshake(f"127.0.0.1:{port}")).agent_name
+        with pytest.raises(ev.PeerUnavailable, match="UNAUTHENTICATED"):
+            asyncio.run(handshake(f"0.0.0.0:{port}"))
+    finally:
+        if src is not None:
+            src.close()
+        assert p.stop() == 0

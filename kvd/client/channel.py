@@ -53,30 +53,72 @@ def normalize_address(address: str) -> str:
     return address
 
 
-def check_daemon_serves(s: socket.socket, path: str, engine_socket_path: str) -> None:
-    """Raises PermissionError unless the process serving the connected Unix
-    socket ``s`` (at ``path``, one of the daemon's side sockets beside its
-    engine socket) runs as root, as the owner of ``engine_socket_path`` (the
-    daemon made it), or as this process's own uid.
+def server_refusal(uid: int, path: str) -> str | None:
+    """Why the Unix socket at ``path``, served by a process of ``uid`` (its
+    ``SO_PEERCRED`` uid), must not be taken for the kvd daemon's; None to
+    use it.
 
-    The uid is the server's kernel credentials at ``listen`` (unix(7),
-    ``SO_PEERCRED``): what a process cannot forge. In a directory other
-    users may write (a sticky ``/tmp``), another user can bind a side
-    socket's path before the daemon does (it has not started yet, was
-    restarted, or offers no such socket) and would get what the engine
-    sends there: its session (the command socket) or its KV cache memory
-    itself (the fd side channel). With no engine socket there, only root
-    and this uid pass.
+    Root and this process's own uid are trusted anywhere. Another uid (a
+    daemon run as a user of its own, as the systemd unit does) only where
+    no one else could have bound the path: the directory holding the
+    socket is owned by that uid or root and writable by no group and no
+    other user (``/run/kvd`` as systemd's ``RuntimeDirectory=`` or the
+    daemon makes it). In a directory others may write (a sticky ``/tmp``),
+    any user can bind a socket path before the daemon starts, and make the
+    engine socket beside it too, so neither file's owner tells who the
+    daemon is (attacker review: a squatter that also bound the engine
+    socket passed a check against that socket's owner).
     """
-    _, uid, _ = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    me = os.geteuid()
+    if uid in (0, me):
+        return None
+    folder = os.path.dirname(os.path.realpath(path))
     try:
-        owner = os.stat(engine_socket_path).st_uid
-    except OSError:
-        owner = None
-    if uid not in (0, owner, os.geteuid()):
-        whose = f"uid {owner}, the engine socket's owner" if owner is not None else "no engine socket there"
-        raise PermissionError(f"{path} is served by uid {uid}, not by the daemon ({whose}), root or this "
-                              f"process's uid {os.geteuid()}: not used")
+        st = os.stat(folder)
+    except OSError as e:
+        return f"{path} is served by uid {uid}, and its directory cannot be checked ({e.strerror or e})"
+    if st.st_uid in (0, uid) and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return None
+    return (f"{path} is served by uid {uid} (neither root nor this process's uid {me}), in {folder} (owner uid "
+            f"{st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}), which other users may write: anyone could have "
+            f"bound it before the daemon. Not used; put the daemon's sockets in a directory only its user may write "
+            f"(/run/kvd), or run the engine as the daemon's user")
+
+
+def peer_uid(s: socket.socket) -> int:
+    """The uid of the process serving the connected Unix socket ``s``: its
+    credentials at ``listen`` (unix(7), ``SO_PEERCRED``), which it cannot
+    forge."""
+    _, uid, _ = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return uid
+
+
+def check_daemon_serves(s: socket.socket, path: str) -> None:
+    """Raises PermissionError (no errno; the message says why) unless the
+    process serving the connected Unix socket ``s`` at ``path`` (the
+    engine socket or a side socket beside it) may be taken for the daemon
+    (:func:`server_refusal`): the engine would hand it its session (the
+    command socket) or its KV cache memory itself (the fd side channel)."""
+    why = server_refusal(peer_uid(s), path)
+    if why is not None:
+        raise PermissionError(why)
+
+
+def engine_socket_refusal(address: str) -> str | None:
+    """:func:`server_refusal` for the engine socket of ``address`` (one
+    ``connect()``, closed at once; gRPC's channel gives no peer
+    credentials): None when it is not a Unix socket, or nothing accepts
+    there now (the call that follows says so)."""
+    path = unix_path(address)
+    if path is None:
+        return None
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(path)
+        except OSError:
+            return None
+        return server_refusal(peer_uid(s), path)
 
 
 #: ``connect()`` errors on a Unix socket that mean no daemon listens there

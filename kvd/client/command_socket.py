@@ -13,7 +13,6 @@ import socket
 from collections.abc import Iterable, Iterator
 
 from kvd.client.channel import check_daemon_serves
-from kvd.command_wire import SUFFIX as COMMAND_SUFFIX
 from kvd.command_wire import Deframer, command_socket_path, frame
 from kvd.v1 import kvd_pb2 as pb
 
@@ -37,8 +36,9 @@ class CommandConnection:
         ``unix:`` address) within ``timeout_s`` seconds.
 
         The socket's server must be the daemon: its kernel credentials
-        (``SO_PEERCRED``) name root, the owner of the engine socket, or this
-        process's own uid. Where the daemon offers no command socket (an
+        (``SO_PEERCRED``) name root or this process's own uid, or another
+        uid in a directory only it may write
+        (:func:`kvd.client.channel.server_refusal`). Where the daemon offers no command socket (an
         older daemon, ``command_socket = false``, a restart) and the engine
         socket's directory is writable by others, another user could bind
         the path and read the session's token and commands, and forge its
@@ -54,7 +54,7 @@ class CommandConnection:
         try:
             s.settimeout(timeout_s)
             s.connect(path)
-            check_daemon_serves(s, path, path[:-len(COMMAND_SUFFIX)])
+            check_daemon_serves(s, path)
             s.settimeout(None)
         except BaseException:
             s.close()

@@ -80,6 +80,7 @@ from kvd.client.channel import (
     EngineSocketDenied,
     call_unary,
     denied_message,
+    engine_socket_refusal,
     no_daemon_message,
     normalize_address,
     open_channel,
@@ -264,6 +265,13 @@ class EngineClient:
             except Exception as e:
                 raise EngineClientError(f"RegisterEngine to kvd at {self.address}: {e}") from e
         self._wait_connected("RegisterEngine", deadline)
+        # Who serves the engine socket: in a directory others may write,
+        # another user could have bound it before the daemon started and
+        # would get the registration and the session (attacker review).
+        refused = engine_socket_refusal(self.address)
+        if refused is not None:
+            raise EngineClientError(f"RegisterEngine to kvd at {self.address}: {refused}",
+                                    grpc.StatusCode.PERMISSION_DENIED)
         try:
             response = call_unary(self.address, "RegisterEngine", self._stub.RegisterEngine, request,
                                   _left(deadline))

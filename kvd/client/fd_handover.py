@@ -114,7 +114,7 @@ def _connect(path: str, timeout_s: float, wait: _Wait) -> socket.socket:
         try:
             s.settimeout(wait.timeout(timeout_s))
             s.connect(path)
-            check_daemon_serves(s, path, path[:-len(wire.SUFFIX)])
+            check_daemon_serves(s, path)
             return s
         except OSError as e:
             s.close()

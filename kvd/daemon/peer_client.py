@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import ipaddress
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -32,7 +33,7 @@ from kvd.daemon.convert import (
 )
 from kvd.daemon import wire_shape
 from kvd.daemon.peer_auth import PeerAuth, PeerAuthError
-from kvd.daemon.peer_local import push_callee_refusal
+from kvd.daemon.peer_local import PushRefused, push_dial_address
 from kvd.requests import LeaseRenewal, RenewResult
 from kvd.v1 import kvd_pb2 as pb
 
@@ -196,7 +197,7 @@ class PeerClient:
         region addresses (``order.reader``): what an agent needs to READ and
         WRITE that worker's memory. ``address`` comes from a load's
         ``kv_transfer_params`` (an API client's input), so the callee proves
-        itself first (:meth:`_check_push_callee`); before, whatever listened
+        itself first (:meth:`_push_callee`); before, whatever listened
         there got the metadata and read and overwrote the decode engine's
         blocks (attacker review; the token's proof was checked on the answer,
         after the request had gone).
@@ -205,44 +206,57 @@ class PeerClient:
             PeerUnavailable: the callee did not prove itself, or the call failed.
             NotFound, InvalidArgument, ...: the callee's refusal (``_error``).
         """
-        await self._check_push_callee(address, order, timeout_s)
+        dial = await self._push_callee(address, order, timeout_s)
         req = pb.PushRequest(
             engine_id=order.engine_id, tp_rank=order.tp_rank, request_id=order.request_id,
             source_groups=groups_to_pb(order.source_groups), reader=handshake_to_pb(order.reader),
             reader_tp_rank=order.reader_tp_rank, reader_groups=groups_to_pb(order.reader_groups),
             expected_notifications=order.expected_notifications, timeout_s=order.timeout_s,
         )
-        r = await self._call(address, "Push", req, timeout_s)
+        r = await self._call(dial, "Push", req, timeout_s)
         return PushResult(r.bytes, r.num_descriptors, r.duration_s)
 
-    async def _check_push_callee(self, address: str, order: PushOrder, timeout_s: float) -> None:
-        """Returns once ``address`` may be told this worker's agent metadata.
+    async def _push_callee(self, address: str, order: PushOrder, timeout_s: float) -> str:
+        """The address to send a push for ``address`` to, once its callee may
+        be told this worker's agent metadata.
 
-        - Mutual TLS: at once (the TLS handshake checks the callee's
-          certificate before any byte of a request goes).
-        - Token: after a ``Handshake`` with the source worker whose answer
-          carries the callee's proof (:meth:`PeerAuth.check_proof`): only a
-          daemon that knows the token, at the address it was dialed by,
-          answers one. One more round trip per push.
-        - Neither: after :func:`kvd.daemon.peer_local.push_callee_refusal`
-          (this host's listeners of root or this uid, as callers are
-          admitted), run off the event loop.
+        - Mutual TLS: ``address`` at once (the TLS handshake checks the
+          callee's certificate, for the host dialed, before any byte of a
+          request goes).
+        - Token: ``address``, after a ``Handshake`` with the source worker
+          whose answer carries the callee's proof (:meth:`PeerAuth.check_proof`):
+          only a daemon that knows the token, and takes the address it was
+          dialed by for its own, answers one. One more round trip per push.
+        - Neither: the IP that :func:`kvd.daemon.peer_local.push_dial_address`
+          checked (this host's listeners of root or this uid, as callers are
+          admitted), found off the event loop.
+
+        A wildcard host (``0.0.0.0``, ``::``) is refused in every mode: it
+        dials this host, whatever listens on that port here.
 
         Raises:
             PeerUnavailable: refused, or the handshake failed or was not proved.
             NotFound: the callee does not know the source worker.
         """
+        host = address.rpartition(":")[0].strip("[]")
+        try:
+            wildcard = ipaddress.ip_address(host.split("%")[0]).is_unspecified
+        except ValueError:
+            wildcard = False
+        if wildcard:
+            raise ev.PeerUnavailable(f"{address}: push not sent: {host} is a bind address, not one to dial")
         if self.auth.tls:
-            return
+            return address
         if self.auth.token:
             req = pb.HandshakeRequest(engine_id=order.engine_id, tp_rank=order.tp_rank, daemon_version=__version__,
                                       protocol_version=PROTOCOL_VERSION)
             await self._call(address, "Handshake", req, timeout_s)
-            return
-        why = await asyncio.to_thread(push_callee_refusal, address, self.insecure)
-        if why:
+            return address
+        try:
+            return await asyncio.to_thread(push_dial_address, address, self.insecure)
+        except PushRefused as e:
             raise ev.PeerUnavailable(f"{address}: push not sent (it would hand over this worker's NIXL agent "
-                                     f"metadata): {why}")
+                                     f"metadata): {e}") from None
 
     async def notify(self, address: str, engine_id: str, tp_rank: int, request_id: str, expected: int,
                      timeout_s: float) -> None:

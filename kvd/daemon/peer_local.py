@@ -229,7 +229,7 @@ def listener_owners(ip: IP, port: int) -> list[int] | None:
     address (``0.0.0.0``; ``::``, which a dual-stack socket also serves IPv4
     on). ``[]`` when there is none; None when neither sock_diag nor /proc
     can be read. Counting every candidate fails closed: one of another user
-    among them refuses the address (:func:`push_callee_refusal`)."""
+    among them refuses the address (:func:`push_dial_address`)."""
     target = _plain(ip)
     try:
         socks = (_sock_diag(socket.AF_INET, port, 0, states=LISTENING)
@@ -242,47 +242,72 @@ def listener_owners(ip: IP, port: int) -> list[int] | None:
     return [uid for local, _, uid, _ in socks if local == target or local.is_unspecified]
 
 
-def push_callee_refusal(address: str, insecure: bool, uid: int | None = None) -> str | None:
-    """Why a push (``PeerService.Push``, whose request carries this daemon's
-    worker's NIXL agent metadata and region addresses: what an agent needs
-    to READ and WRITE that worker's memory) must not be sent to ``address``
-    (``host:port``, named by a load's ``kv_transfer_params``) when no peer
-    credential authenticates the callee; None to send it.
+class PushRefused(Exception):
+    """A push must not go to this address; the message says why."""
 
-    As :class:`LocalPeerGate` for callers: every address ``host`` resolves to
-    must be this host's, and every listener there root's or the daemon's
-    uid (``uid``, default the effective one); an address of another host
-    passes only with ``insecure`` (``peer_insecure``: the operator trusts
-    every host that reaches the peer port, which may handshake for the same
-    metadata). Blocking (name resolution, sock_diag): run it off the loop.
+
+def push_dial_address(address: str, insecure: bool, uid: int | None = None) -> str:
+    """The ``ip:port`` to dial for a push (``PeerService.Push``, whose request
+    carries this daemon's worker's NIXL agent metadata and region
+    addresses: what an agent needs to READ and WRITE that worker's memory)
+    to ``address`` (``host:port``, named by a load's ``kv_transfer_params``)
+    when no peer credential authenticates the callee.
+
+    As :class:`LocalPeerGate` admits callers: the first of the addresses
+    ``host`` resolves to where something listens must be this host's, and
+    every listener that could take a connection there
+    (:func:`listener_owners`) root's or the daemon's uid (``uid``, default
+    the effective one); an address of another host passes only with
+    ``insecure`` (``peer_insecure``: the operator trusts every host that
+    reaches the peer port, which may handshake for the same metadata). The
+    caller dials the IP returned, not the name again:
+    gRPC resolves names with its own resolver, which may answer otherwise
+    (``localhost`` gave ``::1`` first there, and a DNS name may change
+    between two lookups; attacker review). A wildcard IP (``0.0.0.0``,
+    ``::``) is a bind address, never dialed. Blocking (name resolution,
+    sock_diag): run it off the loop.
+
+    Raises:
+        PushRefused: the reason.
     """
     host, _, port_text = address.rpartition(":")
     try:
         port = int(port_text)
     except ValueError:
-        return f"{address!r} is not host:port"
+        raise PushRefused(f"{address!r} is not host:port") from None
     try:
         infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
     except OSError as e:
-        return f"{host!r} does not resolve ({e})"
+        raise PushRefused(f"{host!r} does not resolve ({e})") from None
     admitted = {0, os.geteuid() if uid is None else uid}
+    idle: list[str] = []
     for *_, sockaddr in infos:
         ip = _plain(ipaddress.ip_address(sockaddr[0].split("%")[0]))
+        if ip.is_unspecified:
+            raise PushRefused(f"{ip} is a bind address, not one to dial")
         if not ip.is_loopback and not is_host_address(ip):
             if insecure:
-                continue
-            return (f"{ip} is not an address of this host; with no peer credential (peer_tls_*, peer_token_file) "
-                    f"a push goes only to a daemon of this host (or set peer_insecure to trust every host)")
+                return _dialed(ip, port)
+            raise PushRefused(f"{ip} is not an address of this host; with no peer credential (peer_tls_*, "
+                              f"peer_token_file) a push goes only to a daemon of this host (or set peer_insecure "
+                              f"to trust every host)")
         owners = listener_owners(ip, port)
         if owners is None:
-            return "cannot tell who listens there (no sock_diag, no /proc/net/tcp)"
+            raise PushRefused("cannot tell who listens there (no sock_diag, no /proc/net/tcp)")
         if not owners:
-            return f"nothing listens on {ip}:{port}"
+            idle.append(_dialed(ip, port))  # not dialed: the next address of the name, if any
+            continue
         foreign = sorted(set(owners) - admitted)
         if foreign:
-            return (f"{ip}:{port} is served by uid {foreign[0]}; with no peer credential (peer_tls_*, "
-                    f"peer_token_file) a push goes only to a daemon run by root or uid {max(admitted)}")
-    return None
+            raise PushRefused(f"{ip}:{port} is served by uid {foreign[0]}; with no peer credential (peer_tls_*, "
+                              f"peer_token_file) a push goes only to a daemon run by root or uid {max(admitted)}")
+        return _dialed(ip, port)
+    raise PushRefused(f"nothing listens on {', '.join(idle) or address}")
+
+
+def _dialed(ip: IP, port: int) -> str:
+    """``ip:port``, brackets around an IPv6 address."""
+    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
 
 
 def held_by(socks: list[Sock], ip: IP, own: OwnAddresses) -> list[int]:

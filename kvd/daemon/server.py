@@ -221,6 +221,15 @@ ENGINE_SERVICE = kvd_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 PEER_SERVICE = kvd_pb2.DESCRIPTOR.services_by_name["PeerService"].full_name
 
 
+def _wildcard(address: str) -> bool:
+    """True for a ``host:port`` whose host is ``0.0.0.0`` or ``::``."""
+    host = address.rpartition(":")[0].strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
 class Server:
     """One kvd daemon process. ``asyncio.run(Server(cfg).serve())``."""
 
@@ -507,8 +516,14 @@ class Server:
         return loopback
 
     def _own_addresses(self) -> set[str]:
-        """The ``host:port`` names remote daemons may address this one by (token proofs)."""
-        return {a for a in (self.node.peer_address if self.node else "", getattr(self, "_bound", "")) if a}
+        """The ``host:port`` names remote daemons may address this one by
+        (token proofs): the advertised address and the listen address, but
+        not a wildcard one (``0.0.0.0:P``, ``[::]:P``): a daemon that dials
+        that reaches its own host, where any user holding port P could
+        relay the call here and read the answer (attacker review: a push's
+        metadata through such a relay)."""
+        return {a for a in (self.node.peer_address if self.node else "", getattr(self, "_bound", ""))
+                if a and not _wildcard(a)}
 
     def _check_backends(self) -> None:
         from kvd.core.nixl_agent import NixlAgent, NixlBackendUnavailable
