@@ -298,7 +298,7 @@ def test_an_engine_registers_with_no_engine_socket_another_user_bound_first():
 
     from kvd.client.channel import EngineClientError
     from kvd.client.engine_client import EngineClient
-    from kvd.testing.security import NOBODY, reachable_dir
+    from kvd.testing.security import COUNTING_LISTENER, NOBODY, reachable_dir
     from kvd.testing.sessions import register_request
 
     workdir = reachable_dir()
@@ -306,10 +306,10 @@ def test_an_engine_registers_with_no_engine_socket_another_user_bound_first():
     engine_socket = os.path.join(workdir, "kvd.sock")
     squatter = subprocess.Popen(
         ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-I", "-c",
-         _SOCKET_SQUATTER, engine_socket], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+         COUNTING_LISTENER, "unix", engine_socket], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     client = None
     try:
-        assert json.loads(squatter.stdout.readline()) == {"ready": NOBODY}
+        assert json.loads(squatter.stdout.readline())["ready"] == NOBODY
         client = EngineClient(engine_socket)
         seg = types.SimpleNamespace(name="/kvd-victim-e", size=SHAPE.num_layers * SHAPE.num_blocks * SHAPE.block_len)
         with pytest.raises(EngineClientError, match=f"served by uid {NOBODY}") as err:
@@ -369,35 +369,6 @@ def test_an_engine_uses_a_daemon_of_another_uid_whose_directory_only_that_uid_ma
             seg.close()
         d.stop()
         shutil.rmtree(workdir, ignore_errors=True)
-
-
-# As another local user: binds a stream socket at argv[1], counts what every
-# connection sends until stdin closes, prints it (a JSON line). Stdlib only.
-_SOCKET_SQUATTER = r"""
-import json, os, socket, sys, threading
-s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-s.bind(sys.argv[1])
-os.chmod(sys.argv[1], 0o777)
-s.listen(8)
-got = {"connections": 0, "bytes": 0}
-def serve():
-    while True:
-        c, _ = s.accept()
-        got["connections"] += 1
-        c.settimeout(2)
-        try:
-            while True:
-                data = c.recv(65536)
-                if not data:
-                    break
-                got["bytes"] += len(data)
-        except OSError:
-            pass
-threading.Thread(target=serve, daemon=True).start()
-print(json.dumps({"ready": os.getuid()}), flush=True)
-sys.stdin.readline()
-print(json.dumps(got), flush=True)
-"""
 
 
 # As another local user: one connection to the command socket argv[1] per

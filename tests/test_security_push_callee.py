@@ -101,42 +101,15 @@ def test_with_a_token_an_honest_push_moves_the_blocks(tmp_path):
         assert d.stop() == 0 and p.stop() == 0
 
 
-# As another local user: listens on 127.0.0.2 (a free port), prints it, then
-# counts the connections and bytes it gets until stdin closes. Stdlib only.
-_LISTENER = r"""
-import json, socket, sys, threading
-s = socket.socket()
-s.bind(("127.0.0.2", 0))
-s.listen(8)
-print(json.dumps({"port": s.getsockname()[1]}), flush=True)
-got = {"connections": 0, "bytes": 0}
-def serve():
-    while True:
-        c, _ = s.accept()
-        got["connections"] += 1
-        c.settimeout(2)
-        try:
-            while True:
-                data = c.recv(65536)
-                if not data:
-                    break
-                got["bytes"] += len(data)
-        except OSError:
-            pass
-threading.Thread(target=serve, daemon=True).start()
-sys.stdin.readline()
-print(json.dumps(got), flush=True)
-"""
-
-
 @needs_root
 def test_with_no_credential_no_push_goes_to_another_users_listener(tmp_path):
     """No credential (the loopback default): the impostor is another local
     user's listener. The daemon does not connect to it at all."""
-    from kvd.testing.security import NOBODY
+    from kvd.testing.security import COUNTING_LISTENER, NOBODY
 
     lis = subprocess.Popen(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable,
-                            "-I", "-c", _LISTENER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                            "-I", "-c", COUNTING_LISTENER, "tcp", "127.0.0.2"],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     d = start_daemon(str(tmp_path), "decode", "--transfer-mode", "push")
     dec = None
     try:

@@ -104,23 +104,6 @@ def check_daemon_serves(s: socket.socket, path: str) -> None:
         raise PermissionError(why)
 
 
-def engine_socket_refusal(address: str) -> str | None:
-    """:func:`server_refusal` for the engine socket of ``address`` (one
-    ``connect()``, closed at once; gRPC's channel gives no peer
-    credentials): None when it is not a Unix socket, or nothing accepts
-    there now (the call that follows says so)."""
-    path = unix_path(address)
-    if path is None:
-        return None
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(1.0)
-        try:
-            s.connect(path)
-        except OSError:
-            return None
-        return server_refusal(peer_uid(s), path)
-
-
 #: ``connect()`` errors on a Unix socket that mean no daemon listens there
 #: yet: no socket file (not started, or its directory not made yet), or a file
 #: nobody accepts on (a daemon gone, or one still starting). Anything else
@@ -209,9 +192,12 @@ def no_daemon_message(address: str, waited_s: float) -> str:
 
 def probe_unix_socket(address: str) -> OSError | None:
     """The error of one ``connect()`` to the Unix socket of ``address`` (None:
-    it accepted, or ``address`` is not a Unix socket). Closed at once: before a
-    blocking call (is a daemon there, may this user connect) and to tell why
-    a call found no daemon; never on an engine step's way."""
+    it accepted, or ``address`` is not a Unix socket), or a ``PermissionError``
+    with no errno when it accepted but its server may not be taken for the
+    daemon (:func:`server_refusal`; gRPC's channel tells no peer
+    credentials). Closed at once: before a blocking call (is a daemon there,
+    may this user connect, is it the daemon) and to tell why a call found no
+    daemon; never on an engine step's way."""
     path = unix_path(address)
     if path is None:
         return None
@@ -221,7 +207,13 @@ def probe_unix_socket(address: str) -> OSError | None:
             s.connect(path)
         except OSError as e:
             return e
-    return None
+        why = server_refusal(peer_uid(s), path)
+    return None if why is None else PermissionError(why)
+
+
+def is_impostor(error: OSError | None) -> bool:
+    """True for :func:`probe_unix_socket`'s "not the daemon" answer."""
+    return isinstance(error, PermissionError) and error.errno is None
 
 
 def open_channel(target: str, *, max_message_bytes: int, backoff_max_s: float) -> grpc.Channel:

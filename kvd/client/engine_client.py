@@ -80,7 +80,7 @@ from kvd.client.channel import (
     EngineSocketDenied,
     call_unary,
     denied_message,
-    engine_socket_refusal,
+    is_impostor,
     no_daemon_message,
     normalize_address,
     open_channel,
@@ -265,13 +265,6 @@ class EngineClient:
             except Exception as e:
                 raise EngineClientError(f"RegisterEngine to kvd at {self.address}: {e}") from e
         self._wait_connected("RegisterEngine", deadline)
-        # Who serves the engine socket: in a directory others may write,
-        # another user could have bound it before the daemon started and
-        # would get the registration and the session (attacker review).
-        refused = engine_socket_refusal(self.address)
-        if refused is not None:
-            raise EngineClientError(f"RegisterEngine to kvd at {self.address}: {refused}",
-                                    grpc.StatusCode.PERMISSION_DENIED)
         try:
             response = call_unary(self.address, "RegisterEngine", self._stub.RegisterEngine, request,
                                   _left(deadline))
@@ -303,6 +296,9 @@ class EngineClient:
         Raises:
             EngineSocketDenied: connecting to the engine socket is denied to
                 this user (``name``: the call, for the message).
+            EngineClientError: PERMISSION_DENIED, the engine socket's server
+                may not be taken for the daemon
+                (:func:`kvd.client.channel.server_refusal`).
         """
         path = unix_path(self.address)
         if path is None:
@@ -310,6 +306,11 @@ class EngineClient:
         pause = PROBE_FIRST_S
         while True:
             why = probe_unix_socket(self.address)
+            if is_impostor(why):
+                # In a directory others may write, another user could have
+                # bound the engine socket before the daemon started and would
+                # get the registration and the session (attacker review).
+                raise EngineClientError(f"{name} to kvd at {self.address}: {why}", grpc.StatusCode.PERMISSION_DENIED)
             if why is not None and why.errno in DENIED:
                 raise EngineSocketDenied(f"{name} to kvd at {self.address}: {denied_message(path, why)}",
                                          grpc.StatusCode.UNAVAILABLE)

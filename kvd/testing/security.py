@@ -88,6 +88,46 @@ def call_as(socket_path: str, uid: int, gid: int, action: str = "stats", arg: st
     return json.loads(lines[-1])
 
 
+# A listener run as another user (``python -I -c COUNTING_LISTENER unix PATH``
+# or ``... tcp HOST``): binds a stream socket at the Unix path PATH (mode 0777)
+# or on a free TCP port of HOST, prints one JSON line {"ready": uid, "port":
+# port or 0}, counts the connections and bytes it gets until a line on
+# stdin, then prints {"connections": n, "bytes": n}. Stdlib only: another
+# user cannot import this checkout.
+COUNTING_LISTENER = r"""
+import json, os, socket, sys, threading
+kind, where = sys.argv[1], sys.argv[2]
+if kind == "unix":
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(where)
+    os.chmod(where, 0o777)
+    port = 0
+else:
+    s = socket.socket()
+    s.bind((where, 0))
+    port = s.getsockname()[1]
+s.listen(8)
+got = {"connections": 0, "bytes": 0}
+def serve():
+    while True:
+        c, _ = s.accept()
+        got["connections"] += 1
+        c.settimeout(2)
+        try:
+            while True:
+                data = c.recv(65536)
+                if not data:
+                    break
+                got["bytes"] += len(data)
+        except OSError:
+            pass
+threading.Thread(target=serve, daemon=True).start()
+print(json.dumps({"ready": os.getuid(), "port": port}), flush=True)
+sys.stdin.readline()
+print(json.dumps(got), flush=True)
+"""
+
+
 def reachable_dir() -> str:
     """A fresh directory every user can traverse (pytest's tmp_path is 0700),
     removed with what is in it when this process exits (the tests stop
