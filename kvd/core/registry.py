@@ -491,7 +491,10 @@ class Registry:
             return False
         mem, old = w.mem, w.agent
         agent, regs, dlist = self._make_agent(name, mem.mappings, w.layout, w.regions, mem.memory, mem.device)
-        for load in w.inflight.values():
+        # A copy (one C call, atomic under the GIL): the loop may add a load
+        # to w.inflight meanwhile, and iterating the dict itself from this
+        # thread would then raise "dictionary changed size during iteration".
+        for load in list(w.inflight.values()):
             if load.parts and not load.failed:
                 load.failed, load.kind = f"transfer: {why}", FailureKind.TRANSFER
         self._end_transfers(w)
@@ -504,8 +507,9 @@ class Registry:
         loads' and those in ``Runtime.zombies``), by force where one is still
         in progress; returns how many were."""
         agent, running = w.agent, 0
-        handles = [h for load in w.inflight.values() for h, _ in load.parts]
-        for load in w.inflight.values():
+        loads = list(w.inflight.values())  # a copy, as in _replace: the loop may add loads meanwhile
+        handles = [h for load in loads for h, _ in load.parts]
+        for load in loads:
             load.parts = []
         for item in [z for z in self.rt.zombies if z[0] is agent]:
             self.rt.zombies.remove(item)
