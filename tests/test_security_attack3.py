@@ -208,19 +208,28 @@ def test_an_engine_client_does_not_take_another_users_socket_for_the_daemons_com
 # bytes it received (a JSON line). Stdlib only.
 _FD_SQUATTER = r"""
 import array, json, os, socket, sys
-if len(sys.argv) > 2:  # the engine socket beside it too: its owner is then the squatter
+path, how = sys.argv[1], sys.argv[2]
+if how == "own-dir":  # a directory of its own in the shared one: owned by it, writable by no other
+    os.mkdir(os.path.dirname(path), 0o755)
+if how == "symlink":  # the path a link to a socket in a directory of its own elsewhere
+    own = os.path.join(os.path.dirname(path), "own")
+    os.mkdir(own, 0o755)
+    os.symlink(os.path.join(own, "fd.sock"), path)
+    path = os.path.join(own, "fd.sock")
+if how in ("engine-socket", "own-dir"):  # the engine socket beside it too: its owner is then the squatter
     e = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    e.bind(sys.argv[2])
+    e.bind(path[:-len(".fd")])
     e.listen(4)
 s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-s.bind(sys.argv[1])
-os.chmod(sys.argv[1], 0o777)
+s.bind(path)
+os.chmod(path, 0o777)
 s.listen(4)
 print(json.dumps({"ready": os.getuid()}), flush=True)
-c, _ = s.accept()
-c.settimeout(30)
+s.settimeout(20)  # no connection at all (a connect denied through its link) ends the wait
 fds = array.array("i")
 try:
+    c, _ = s.accept()
+    c.settimeout(30)
     data, anc, _, _ = c.recvmsg(4096, socket.CMSG_SPACE(64 * fds.itemsize))
 except OSError:
     data, anc = b"", []
@@ -232,8 +241,8 @@ print(json.dumps({"fds": len(fds), "bytes": len(data)}), flush=True)
 
 
 @needs_root
-@pytest.mark.parametrize("engine_socket_too", [False, True], ids=["fd-channel", "fd-channel-and-engine-socket"])
-def test_an_engine_hands_its_kv_cache_fds_to_no_side_channel_another_user_serves(engine_socket_too):
+@pytest.mark.parametrize("how", ["fd-channel", "engine-socket", "own-dir", "symlink"])
+def test_an_engine_hands_its_kv_cache_fds_to_no_side_channel_another_user_serves(how):
     """The engine starts before its daemon (a supported order: it waits for
     the daemon) or re-registers after a restart, and its engine socket's
     directory is a shared sticky one (``/tmp`` style). Another local user
@@ -242,10 +251,13 @@ def test_an_engine_hands_its_kv_cache_fds_to_no_side_channel_another_user_serves
     (attacker review: the impostor read and overwrote the cache). Expected:
     the client checks the side channel's server (``SO_PEERCRED``: root, the
     engine socket's owner or its own uid) before anything is sent, and the
-    registration fails naming the uid. With the engine socket bound by the
-    squatter too, its owner is the squatter: a check against that owner let
-    the fds go (the fix's own review); in a directory others may write only
-    root and the engine's own uid are trusted."""
+    registration fails naming the uid. The fixes' reviews got past two
+    weaker checks: with the engine socket bound by the squatter too, its
+    owner is the squatter (``engine-socket``); in a directory the squatter
+    made for itself in the shared one, the directory's owner is too
+    (``own-dir``), and a link to one elsewhere resolves there (``symlink``).
+    A server of another uid is trusted only where nobody else could have put
+    the socket (:func:`kvd.client.channel.server_refusal`)."""
     import json
     import shutil
     import subprocess
@@ -258,16 +270,20 @@ def test_an_engine_hands_its_kv_cache_fds_to_no_side_channel_another_user_serves
 
     workdir = reachable_dir()
     os.chmod(workdir, 0o1777)
-    engine_socket = os.path.join(workdir, "kvd.sock")  # no daemon yet
+    # No daemon yet; in "own-dir" the socket's directory is the squatter's to make.
+    engine_socket = os.path.join(workdir, "kvd", "kvd.sock") if how == "own-dir" else os.path.join(workdir, "kvd.sock")
     path = fd_socket_path(engine_socket)
     squatter = subprocess.Popen(
         ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-I", "-c",
-         _FD_SQUATTER, path, *([engine_socket] if engine_socket_too else [])], stdout=subprocess.PIPE, text=True)
+         _FD_SQUATTER, path, how], stdout=subprocess.PIPE, text=True)
     fd = os.memfd_create("kv-cache", os.MFD_ALLOW_SEALING)
     try:
         assert json.loads(squatter.stdout.readline()) == {"ready": NOBODY}
         os.write(fd, b"SECRET-PROMPT-KV")
-        with pytest.raises(HandoverError, match=f"served by uid {NOBODY}"):
+        # Where the kernel protects links in sticky directories (fs.protected_symlinks = 1), the
+        # connect itself is denied through another user's link: refused either way.
+        said = f"served by uid {NOBODY}|Permission denied" if how == "symlink" else f"served by uid {NOBODY}"
+        with pytest.raises(HandoverError, match=said):
             hand_over(engine_socket, [fd], timeout_s=5, deadline=time.monotonic() + 5)
         got = json.loads(squatter.stdout.readline())
         assert got["fds"] == 0, f"the squatter (uid {NOBODY}) received {got['fds']} fds of the KV cache"
@@ -281,17 +297,22 @@ def test_an_engine_hands_its_kv_cache_fds_to_no_side_channel_another_user_serves
 
 
 @needs_root
-def test_an_engine_registers_with_no_engine_socket_another_user_bound_first():
+@pytest.mark.parametrize("backlog_full_s", [0, 2], ids=["accepting", "backlog-full"])
+def test_an_engine_registers_with_no_engine_socket_another_user_bound_first(backlog_full_s):
     """Another local user binds the engine socket's path in a shared sticky
     directory before the daemon starts: the engine's RegisterEngine (and
     then its session) would go to it. Expected: the client checks who
     serves the engine socket (one ``connect()``, ``SO_PEERCRED``) and
     refuses, PERMISSION_DENIED, before the call; the squatter gets no byte
-    of it."""
+    of it. A squatter whose backlog is full makes that check's ``connect()``
+    time out; the fixes' review then had gRPC's own connect reach it once it
+    accepted: a check that could not be made now fails the call
+    (UNAVAILABLE)."""
     import json
     import shutil
     import subprocess
     import sys
+    import time
     import types
 
     import grpc
@@ -306,15 +327,21 @@ def test_an_engine_registers_with_no_engine_socket_another_user_bound_first():
     engine_socket = os.path.join(workdir, "kvd.sock")
     squatter = subprocess.Popen(
         ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-I", "-c",
-         COUNTING_LISTENER, "unix", engine_socket], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+         COUNTING_LISTENER, "unix", engine_socket, *([str(backlog_full_s)] if backlog_full_s else [])],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     client = None
     try:
         assert json.loads(squatter.stdout.readline())["ready"] == NOBODY
         client = EngineClient(engine_socket)
         seg = types.SimpleNamespace(name="/kvd-victim-e", size=SHAPE.num_layers * SHAPE.num_blocks * SHAPE.block_len)
-        with pytest.raises(EngineClientError, match=f"served by uid {NOBODY}") as err:
+        with pytest.raises(EngineClientError) as err:
             client.register(register_request("victim-e", SHAPE, seg), timeout_s=5)
-        assert err.value.code == grpc.StatusCode.PERMISSION_DENIED
+        # With its backlog full the checks' connects time out until it accepts (after 2 s), and
+        # the next one finds its uid; a check still timing out at the deadline fails the call too.
+        assert (err.value.code, f"served by uid {NOBODY}" in str(err.value)) == (grpc.StatusCode.PERMISSION_DENIED,
+                                                                                   True) or \
+            (backlog_full_s and err.value.code == grpc.StatusCode.UNAVAILABLE and "was not checked" in str(err.value)), \
+            err.value
         squatter.stdin.write("\n")
         squatter.stdin.flush()
         assert json.loads(squatter.stdout.readline())["bytes"] == 0
@@ -331,24 +358,31 @@ def test_an_engine_registers_with_no_engine_socket_another_user_bound_first():
 def test_an_engine_uses_a_daemon_of_another_uid_whose_directory_only_that_uid_may_write(caplog):
     """The honest side of the checks above: a daemon run as a user of its
     own (nobody here; the systemd unit's ``kvd``) in a directory only that
-    user may write (``/run/kvd``): a root engine hands over its memfd,
-    registers and opens its session on the command socket."""
+    user may write, under directories only root may write (``/run/kvd``): a
+    root engine hands over its memfd, registers and opens its session on the
+    command socket."""
     import logging
     import shutil
     import subprocess
     import sys
 
+    import stat
+    import tempfile
+
     from kvd.client.engine_client import EngineClient
     from kvd.testing.memfd import MemfdSegment
-    from kvd.testing.security import NOBODY, reachable_dir
+    from kvd.testing.security import NOBODY
     from kvd.testing.sessions import register_request
 
     probe = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
                             sys.executable, "-c", "import kvd.cli"], capture_output=True, text=True, timeout=60)
     if probe.returncode != 0:
         pytest.skip(f"uid {NOBODY} cannot import this checkout's kvd: {probe.stderr.strip().splitlines()[-1:]}")
-    workdir = reachable_dir()
-    os.chown(workdir, NOBODY, NOBODY)  # mode 0755: only nobody (and root) may write it
+    if os.stat("/run").st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        pytest.skip("/run is writable by others here")
+    workdir = tempfile.mkdtemp(prefix="kvd-test-", dir="/run")  # /run: root's, mode 0755, as the unit's RuntimeDirectory
+    os.chmod(workdir, 0o755)
+    os.chown(workdir, NOBODY, NOBODY)  # only nobody (and root) may write it
     d = start_daemon(workdir, "kvd", env={"HOME": workdir},
                      wrap=("setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"))
     seg = client = None

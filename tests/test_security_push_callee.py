@@ -182,10 +182,11 @@ def test_a_push_naming_a_wildcard_address_is_refused_in_every_mode(tmp_path):
     dec = None
     try:
         dec = Engine(d, "dec", SHAPE)
-        dec.load("api-req", [1], None, [1], "p-req", remote_engine_id="p", remote_address="0.0.0.0:7700",
-                 timeout_s=10)
-        ev = dec.wait("api-req", 30)
-        assert event_kind(ev) == "load_failed" and "is a bind address" in ev.load_failed.reason, ev
+        for i, host in enumerate(("0.0.0.0", "[::]", "[::ffff:0.0.0.0]", "0")):
+            dec.load(f"api-{i}", [1], None, [1], "p-req", remote_engine_id="p", remote_address=f"{host}:7700",
+                     timeout_s=10)
+            ev = dec.wait(f"api-{i}", 30)
+            assert event_kind(ev) == "load_failed" and "is a bind address" in ev.load_failed.reason, (host, ev)
     finally:
         if dec is not None:
             dec.close()

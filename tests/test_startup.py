@@ -332,6 +332,13 @@ def test_an_explicit_peer_advertise_is_used_without_a_warning(tmp_path):
     try:
         assert d.stats().peer_address == "node-a.example:7700"
         assert "advertising" not in d.log()
+        # A name with a token and no TLS: said once (the token proves the daemon, not the connection).
+        assert "peer_advertise node-a.example:7700 is a host name" in d.log()
+    finally:
+        assert d.stop() == 0
+    d = start_daemon(str(tmp_path), "k2", "--peer-listen", "127.0.0.1:0", "--peer-token-file", str(token))
+    try:
+        assert "is a host name" not in d.log()  # an IP: nothing to say
     finally:
         assert d.stop() == 0
 
@@ -459,6 +466,21 @@ def test_an_engine_socket_under_a_file_names_the_setting_and_the_parent(tmp_path
     r = _serve("--engine-socket", str(afile / "sub" / "engine.sock"))
     assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
     assert f"engine_socket: {afile} is not a directory (on the way to {afile}/sub/engine.sock)" in r.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a directory to another user")
+def test_an_engine_socket_directory_of_another_user_is_refused(tmp_path):
+    """A directory that belongs to another user (not root, not the daemon's
+    uid): that user could remove or replace the daemon's sockets in it, and
+    an attacker review had a root daemon bind in a squatter's ``/tmp/kvd``.
+    Refused at startup, exit 1, nothing bound there."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    r = _serve("--engine-socket", str(theirs / "engine.sock"))
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+    assert f"engine_socket: {theirs} belongs to uid 65534, neither root nor this daemon's uid" in r.stderr, r.stderr
+    assert list(theirs.iterdir()) == []
 
 
 def test_an_engine_socket_directory_where_nothing_can_be_created_names_the_setting():

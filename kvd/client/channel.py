@@ -60,29 +60,43 @@ def server_refusal(uid: int, path: str) -> str | None:
 
     Root and this process's own uid are trusted anywhere. Another uid (a
     daemon run as a user of its own, as the systemd unit does) only where
-    no one else could have bound the path: the directory holding the
-    socket is owned by that uid or root and writable by no group and no
-    other user (``/run/kvd`` as systemd's ``RuntimeDirectory=`` or the
-    daemon makes it). In a directory others may write (a sticky ``/tmp``),
-    any user can bind a socket path before the daemon starts, and make the
-    engine socket beside it too, so neither file's owner tells who the
-    daemon is (attacker review: a squatter that also bound the engine
-    socket passed a check against that socket's owner).
+    no one else could have put the socket: every directory from ``/`` down
+    to the socket's (symbolic links resolved) is root's or that uid's and
+    writable by no group and no other user, and every symbolic link on the
+    path as given is root's. A directory every user may write, sticky or
+    not (``/tmp``), lets anyone make a directory of their own there and
+    bind the paths in it, and the socket's and the directory's owner then
+    only name the squatter (attacker reviews: a squatter that bound the
+    engine socket too passed a check of that socket's owner; one that made
+    ``/tmp/kvd`` passed a check of the directory's owner).
     """
     me = os.geteuid()
     if uid in (0, me):
         return None
-    folder = os.path.dirname(os.path.realpath(path))
+    here = os.path.abspath(path)
+    trusted = (0, uid)
     try:
-        st = os.stat(folder)
+        walked = "/"
+        for name in [n for n in here.split("/") if n]:
+            walked = os.path.join(walked, name)
+            st = os.lstat(walked)
+            if stat.S_ISLNK(st.st_mode) and st.st_uid != 0:
+                return (f"{path} is served by uid {uid} (neither root nor this process's uid {me}), through the "
+                        f"symbolic link {walked} of uid {st.st_uid}: not used")
+        folder = os.path.dirname(os.path.realpath(here))
+        walked = "/"
+        for name in ["", *[n for n in folder.split("/") if n]]:
+            walked = os.path.join(walked, name) if name else "/"
+            st = os.stat(walked)
+            if st.st_uid not in trusted or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                return (f"{path} is served by uid {uid} (neither root nor this process's uid {me}), and {walked} "
+                        f"on its way (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}) lets others "
+                        f"than root and uid {uid} put files there: anyone could have bound it before the daemon. "
+                        f"Not used; put the daemon's sockets in a directory only its user may write (/run/kvd), "
+                        f"or run the engine as the daemon's user")
     except OSError as e:
-        return f"{path} is served by uid {uid}, and its directory cannot be checked ({e.strerror or e})"
-    if st.st_uid in (0, uid) and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return None
-    return (f"{path} is served by uid {uid} (neither root nor this process's uid {me}), in {folder} (owner uid "
-            f"{st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}), which other users may write: anyone could have "
-            f"bound it before the daemon. Not used; put the daemon's sockets in a directory only its user may write "
-            f"(/run/kvd), or run the engine as the daemon's user")
+        return f"{path} is served by uid {uid}, and its path cannot be checked ({e.strerror or e})"
+    return None
 
 
 def peer_uid(s: socket.socket) -> int:

@@ -298,7 +298,9 @@ class EngineClient:
                 this user (``name``: the call, for the message).
             EngineClientError: PERMISSION_DENIED, the engine socket's server
                 may not be taken for the daemon
-                (:func:`kvd.client.channel.server_refusal`).
+                (:func:`kvd.client.channel.server_refusal`); UNAVAILABLE, no
+                connection it took by ``deadline`` (a full backlog), so its
+                server was never checked.
         """
         path = unix_path(self.address)
         if path is None:
@@ -315,10 +317,18 @@ class EngineClient:
                 raise EngineSocketDenied(f"{name} to kvd at {self.address}: {denied_message(path, why)}",
                                          grpc.StatusCode.UNAVAILABLE)
             left = deadline - time.monotonic()
-            # Accepted, or an error the call itself will report (a full
-            # backlog, say): the call goes ahead.
-            if why is None or why.errno not in NOT_LISTENING or left <= 0:
+            if why is None:  # accepted, and its server may be the daemon
                 return
+            if left <= 0:
+                if why.errno in NOT_LISTENING:
+                    return  # the call says there is no daemon
+                # A full backlog (a connect that timed out) or another error:
+                # who serves the socket is not known, and gRPC's own connect
+                # may reach whoever accepts later (attacker review: a squatter
+                # that filled its backlog got the RegisterEngine).
+                raise EngineClientError(f"{name} to kvd at {self.address}: the engine socket did not take a "
+                                        f"connection ({why.strerror or why}), so who serves it was not checked: "
+                                        f"not used", grpc.StatusCode.UNAVAILABLE)
             time.sleep(min(pause, left))
             pause = min(pause * 2, PROBE_MAX_S)
 

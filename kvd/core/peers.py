@@ -686,7 +686,8 @@ class Peers:
         phases["rpc"] = t_rpc
         spent = " ".join(f"{k} {1e3 * v:.1f}" for k, v in phases.items())
         log.info("%s: handshake with %s engine=%s rank=%d/%d agent=%s (kvd %s) in %.1f ms (%s): %d chunk(s) x "
-                 "%d slot(s)%s", w.label, address, engine_id, tp_rank, hs.tp_size, r.agent_name, hs.daemon_version,
+                 "%d slot(s)%s", w.label, clip(address, 256), clip(engine_id, 256), tp_rank, hs.tp_size,
+                 clip(r.agent_name, 256), clip(hs.daemon_version, 64),
                  1e3 * (time.monotonic() - t0), spent, r.C, r.k,
                  ", lists prepared in the background" if r.prepare_later else ", rows per transfer")
         return r

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import ipaddress
+import socket
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -101,6 +102,20 @@ def _check_holds(m: pb.HoldsResponse) -> pb.HoldsResponse:
     if ids > MAX_IDS:
         raise BadAnswer(f"{ids} block ids in one answer")
     return m
+
+
+def _unspecified(host: str) -> bool:
+    """True when ``host`` is a wildcard IP in any form the resolver takes:
+    ``0.0.0.0``, ``::``, ``::ffff:0.0.0.0``, ``0`` (inet_aton's short forms)."""
+    try:
+        ip = ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        try:
+            ip = ipaddress.IPv4Address(socket.inet_aton(host))
+        except OSError:
+            return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_unspecified or (mapped is not None and mapped.is_unspecified)
 
 
 class PeerClient:
@@ -239,11 +254,7 @@ class PeerClient:
             NotFound: the callee does not know the source worker.
         """
         host = address.rpartition(":")[0].strip("[]")
-        try:
-            wildcard = ipaddress.ip_address(host.split("%")[0]).is_unspecified
-        except ValueError:
-            wildcard = False
-        if wildcard:
+        if _unspecified(host):
             raise ev.PeerUnavailable(f"{address}: push not sent: {host} is a bind address, not one to dial")
         if self.auth.tls:
             return address

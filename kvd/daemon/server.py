@@ -141,9 +141,17 @@ def make_socket_dir(path: str) -> str | None:
     Returns the first directory it made (the others are under it), or None
     when the directory was there.
 
+    An existing directory of another user (not root, not this daemon's
+    uid) is refused: that user may remove or replace the daemon's sockets
+    in it at any time (attacker review: a squatter's ``/tmp/kvd``, which a
+    root daemon then bound its sockets in). One every user may write with
+    no sticky bit is used, with a WARNING (the same; a Kubernetes emptyDir
+    is one, where every container runs as one uid).
+
     Raises:
         OSError: naming ``engine_socket``: a parent is a file ("is not a
-            directory"), or the directory cannot be made (its ``strerror``).
+            directory"), the directory cannot be made (its ``strerror``),
+            or it belongs to another user.
     """
     parent = os.path.dirname(os.path.abspath(path))
     top = parent  # the first directory to be made (its parents exist)
@@ -165,6 +173,16 @@ def make_socket_dir(path: str) -> str | None:
             hint = (f" (give this daemon --engine-socket in a directory this user may write, e.g. "
                     f"$XDG_RUNTIME_DIR/kvd/engine.sock, or create {top} for it as root)")
         raise OSError(f"engine_socket: cannot create directory {parent}: {e.strerror or e}{hint}") from None
+    st = os.stat(parent)
+    me = os.geteuid()
+    if st.st_uid not in (0, me):
+        raise OSError(f"engine_socket: {parent} belongs to uid {st.st_uid}, neither root nor this daemon's uid {me}: "
+                      f"that user could remove or replace the daemon's sockets there; use a directory of root or of "
+                      f"uid {me} (/run/kvd)")
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        log.warning("engine_socket: every user may write %s (mode %04o, no sticky bit) and so remove or replace the "
+                    "daemon's sockets there; engines of another uid will not use them (docs/SECURITY.md)", parent,
+                    stat.S_IMODE(st.st_mode))
     if not existed:
         # Said: an operator finds a directory the unit or chart did not make,
         # with the daemon's umask (who may enter it decides who reaches the socket).
@@ -219,6 +237,15 @@ def routable_address(port: int) -> str:
 
 ENGINE_SERVICE = kvd_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 PEER_SERVICE = kvd_pb2.DESCRIPTOR.services_by_name["PeerService"].full_name
+
+
+def _is_ip(host: str) -> bool:
+    """True when ``host`` is an IP address literal (not a name)."""
+    try:
+        ipaddress.ip_address(host.split("%")[0])
+        return True
+    except ValueError:
+        return False
 
 
 def _wildcard(address: str) -> bool:
@@ -389,6 +416,16 @@ class Server:
                         " (no other address found: remote daemons cannot reach it)"
                         if adv.startswith("127.") else "")
         adv = adv or join_host_port(host, self.peer_port)  # "[::1]:port": what a dialer parses
+        if auth.token and not auth.tls and not _is_ip(adv.rpartition(":")[0].strip("[]")):
+            # The token proves the daemon that answers, not the connection: a
+            # reader's resolver may give an address of the name this daemon
+            # does not listen on (gRPC answers ::1 first for "localhost"),
+            # where another user of that host could relay the calls and read
+            # them (attacker review).
+            log.warning("peer_advertise %s is a host name: peers dial whatever their resolver gives for it, and "
+                        "with a token and no TLS another user of a host where it names an address this daemon does "
+                        "not listen on could relay and read the calls; advertise an IP address, or use mutual TLS",
+                        adv)
         self.node.peer_address = adv
         self.node.listening(host, self.peer_port)
         self._bound = join_host_port(host, self.peer_port)

@@ -92,7 +92,9 @@ def call_as(socket_path: str, uid: int, gid: int, action: str = "stats", arg: st
 # or ``... tcp HOST``): binds a stream socket at the Unix path PATH (mode 0777)
 # or on a free TCP port of HOST, prints one JSON line {"ready": uid, "port":
 # port or 0}, counts the connections and bytes it gets until a line on
-# stdin, then prints {"connections": n, "bytes": n}. Stdlib only: another
+# stdin, then prints {"connections": n, "bytes": n}. A third argument
+# (seconds) keeps its backlog full that long first (a connection of its own
+# queued on listen(0): every other connect() waits). Stdlib only: another
 # user cannot import this checkout.
 COUNTING_LISTENER = r"""
 import json, os, socket, sys, threading
@@ -106,6 +108,13 @@ else:
     s = socket.socket()
     s.bind((where, 0))
     port = s.getsockname()[1]
+if len(sys.argv) > 3:
+    import time
+    s.listen(0)
+    me = socket.socket(socket.AF_UNIX if kind == "unix" else socket.AF_INET)
+    me.connect(where if kind == "unix" else (where, port))
+    print(json.dumps({"ready": os.getuid(), "port": port}), flush=True)
+    time.sleep(float(sys.argv[3]))
 s.listen(8)
 got = {"connections": 0, "bytes": 0}
 def serve():
@@ -122,7 +131,8 @@ def serve():
         except OSError:
             pass
 threading.Thread(target=serve, daemon=True).start()
-print(json.dumps({"ready": os.getuid(), "port": port}), flush=True)
+if len(sys.argv) <= 3:
+    print(json.dumps({"ready": os.getuid(), "port": port}), flush=True)
 sys.stdin.readline()
 print(json.dumps(got), flush=True)
 """
