@@ -405,6 +405,56 @@ def test_an_engine_uses_a_daemon_of_another_uid_whose_directory_only_that_uid_ma
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+@needs_root
+def test_the_socket_path_rule_walks_every_name_as_the_kernel_resolves_it():
+    """Unit, on real files: :func:`kvd.client.channel.untrusted_step`. The
+    third review's rule walked the resolved path (``os.path.realpath``)
+    after the connect, and a squatter swapping its ``/tmp/kvd`` with a link
+    to ``/`` (``renameat2(RENAME_EXCHANGE)`` in a loop) passed it in ~20 %
+    of the checks; now the first directory others may write ends the walk,
+    so no name it read could have been swapped."""
+    import shutil
+    import tempfile
+
+    from kvd.client.channel import server_refusal, untrusted_step
+    from kvd.testing.security import NOBODY
+
+    import stat
+
+    if os.stat("/run").st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        pytest.skip("/run is writable by others here")
+    shared = tempfile.mkdtemp(prefix="kvdsec-")
+    os.chmod(shared, 0o1777)
+    trusted = tempfile.mkdtemp(prefix="kvd-test-", dir="/run")
+    try:
+        own = os.path.join(shared, "kvd")
+        os.mkdir(own, 0o755)
+        os.chown(own, NOBODY, NOBODY)
+        open(os.path.join(own, "engine.sock.fd"), "w").close()
+        assert "lets others put files there" in untrusted_step(os.path.join(own, "engine.sock.fd"), (0, NOBODY))
+        why = server_refusal(NOBODY, os.path.join(own, "engine.sock.fd"))
+        assert why and "(owner uid 0, mode 1777) lets others put files there" in why, why  # /tmp, or shared
+        # The squatter's link to a directory only root may write: refused at the link, whoever's it is.
+        os.symlink(trusted, os.path.join(shared, "lnk"))
+        os.lchown(os.path.join(shared, "lnk"), NOBODY, NOBODY)
+        open(os.path.join(trusted, "engine.sock.fd"), "w").close()
+        assert "lets others put files there" in untrusted_step(os.path.join(shared, "lnk", "engine.sock.fd"), (0,))
+        # Root's own links and ".." are followed as the kernel does: /run/x/../x/name is fine.
+        name = os.path.basename(trusted)
+        assert untrusted_step(f"/run/{name}/../{name}/engine.sock.fd", (0,)) is None
+        root_link = os.path.join(trusted, "again")
+        os.symlink(trusted, root_link)  # root's
+        assert untrusted_step(os.path.join(root_link, "engine.sock.fd"), (0,)) is None
+        nobodys = os.path.join(trusted, "theirs")
+        os.symlink(trusted, nobodys)
+        os.lchown(nobodys, NOBODY, NOBODY)
+        assert untrusted_step(os.path.join(nobodys, "engine.sock.fd"), (0,)) == \
+            f"the symbolic link {nobodys} is uid {NOBODY}'s"
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+        shutil.rmtree(trusted, ignore_errors=True)
+
+
 # As another local user: one connection to the command socket argv[1] per
 # frame given (hex, argv[2:]), each sent first; prints the events each got
 # back until the daemon closed it (hex, one JSON list per connection). Stdlib only.

@@ -60,42 +60,81 @@ def server_refusal(uid: int, path: str) -> str | None:
 
     Root and this process's own uid are trusted anywhere. Another uid (a
     daemon run as a user of its own, as the systemd unit does) only where
-    no one else could have put the socket: every directory from ``/`` down
-    to the socket's (symbolic links resolved) is root's or that uid's and
-    writable by no group and no other user, and every symbolic link on the
-    path as given is root's. A directory every user may write, sticky or
-    not (``/tmp``), lets anyone make a directory of their own there and
-    bind the paths in it, and the socket's and the directory's owner then
-    only name the squatter (attacker reviews: a squatter that bound the
-    engine socket too passed a check of that socket's owner; one that made
-    ``/tmp/kvd`` passed a check of the directory's owner).
+    no one else could have put the socket: :func:`untrusted_step` finds no
+    directory on the way that others may write. A directory every user may
+    write, sticky or not (``/tmp``), lets anyone make a directory or a link
+    of their own there and bind the paths in it (attacker reviews: a
+    squatter that bound the engine socket too passed a check of that
+    socket's owner; one that made ``/tmp/kvd`` passed a check of the
+    directory's owner; one that swapped ``/tmp/kvd`` and a link to ``/``
+    passed a check of the resolved path made after the connect).
     """
     me = os.geteuid()
     if uid in (0, me):
         return None
-    here = os.path.abspath(path)
-    trusted = (0, uid)
     try:
-        walked = "/"
-        for name in [n for n in here.split("/") if n]:
-            walked = os.path.join(walked, name)
-            st = os.lstat(walked)
-            if stat.S_ISLNK(st.st_mode) and st.st_uid != 0:
-                return (f"{path} is served by uid {uid} (neither root nor this process's uid {me}), through the "
-                        f"symbolic link {walked} of uid {st.st_uid}: not used")
-        folder = os.path.dirname(os.path.realpath(here))
-        walked = "/"
-        for name in ["", *[n for n in folder.split("/") if n]]:
-            walked = os.path.join(walked, name) if name else "/"
-            st = os.stat(walked)
-            if st.st_uid not in trusted or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-                return (f"{path} is served by uid {uid} (neither root nor this process's uid {me}), and {walked} "
-                        f"on its way (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}) lets others "
-                        f"than root and uid {uid} put files there: anyone could have bound it before the daemon. "
-                        f"Not used; put the daemon's sockets in a directory only its user may write (/run/kvd), "
-                        f"or run the engine as the daemon's user")
+        step = untrusted_step(os.path.abspath(path), (0, uid))
     except OSError as e:
         return f"{path} is served by uid {uid}, and its path cannot be checked ({e.strerror or e})"
+    if step is None:
+        return None
+    return (f"{path} is served by uid {uid} (neither root nor this process's uid {me}), and on its way {step}: "
+            f"anyone could have bound it before the daemon. Not used; put the daemon's sockets in a directory only "
+            f"its user may write (/run/kvd), or run the engine as the daemon's user")
+
+
+#: Symbolic links followed on one path at most (the kernel's own limit, path_resolution(7)).
+MAX_LINKS = 40
+
+
+def untrusted_step(path: str, trusted: tuple[int, ...]) -> str | None:
+    """What on the way to the absolute ``path`` lets a user other than
+    ``trusted`` put or swap a name there, or None.
+
+    The path is resolved here as the kernel does, from ``/``, one name at a
+    time: every directory passed through must be a ``trusted`` uid's and
+    writable by no group and no other user (sticky or not), and every
+    symbolic link root's (its target is walked the same way). Then no name
+    the resolution read can be changed by anyone else, so it gave the same
+    file when the socket was connected as it does now (a walk of the
+    resolved path instead, ``os.path.realpath``, read the names again and
+    was raced). ``..`` is taken in the directory reached, as the kernel does.
+    Raises OSError (a name missing, too many links)."""
+    def bad(where: str, st: os.stat_result) -> str:
+        return f"{where} (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}) lets others put files there"
+
+    st = os.stat("/")
+    if st.st_uid not in trusted or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return bad("/", st)
+    names = [n for n in path.split("/") if n]
+    here, links = "/", 0
+    while names:
+        name = names.pop(0)
+        if name == ".":
+            continue
+        if name == "..":
+            here = os.path.dirname(here)  # a directory reached without links: its parent is textual
+            continue
+        step = os.path.join(here, name)
+        st = os.lstat(step)
+        if stat.S_ISLNK(st.st_mode):
+            if st.st_uid != 0:
+                return f"the symbolic link {step} is uid {st.st_uid}'s"
+            links += 1
+            if links > MAX_LINKS:
+                raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
+            target = os.readlink(step)
+            if target.startswith("/"):
+                here = "/"
+            names = [n for n in target.split("/") if n] + names
+            continue
+        if not names:
+            return None  # the socket itself, in a directory only the trusted may write
+        if not stat.S_ISDIR(st.st_mode):
+            raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), step)
+        if st.st_uid not in trusted or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return bad(step, st)
+        here = step
     return None
 
 
