@@ -338,10 +338,10 @@ def test_an_engine_registers_with_no_engine_socket_another_user_bound_first(back
             client.register(register_request("victim-e", SHAPE, seg), timeout_s=5)
         # With its backlog full the checks' connects time out until it accepts (after 2 s), and
         # the next one finds its uid; a check still timing out at the deadline fails the call too.
-        assert (err.value.code, f"served by uid {NOBODY}" in str(err.value)) == (grpc.StatusCode.PERMISSION_DENIED,
-                                                                                   True) or \
-            (backlog_full_s and err.value.code == grpc.StatusCode.UNAVAILABLE and "was not checked" in str(err.value)), \
-            err.value
+        said, code = str(err.value), err.value.code
+        refused = code == grpc.StatusCode.PERMISSION_DENIED and f"served by uid {NOBODY}" in said
+        unchecked = backlog_full_s and code == grpc.StatusCode.UNAVAILABLE and "was not checked" in said
+        assert refused or unchecked, err.value
         squatter.stdin.write("\n")
         squatter.stdin.flush()
         assert json.loads(squatter.stdout.readline())["bytes"] == 0
@@ -380,7 +380,8 @@ def test_an_engine_uses_a_daemon_of_another_uid_whose_directory_only_that_uid_ma
         pytest.skip(f"uid {NOBODY} cannot import this checkout's kvd: {probe.stderr.strip().splitlines()[-1:]}")
     if os.stat("/run").st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         pytest.skip("/run is writable by others here")
-    workdir = tempfile.mkdtemp(prefix="kvd-test-", dir="/run")  # /run: root's, mode 0755, as the unit's RuntimeDirectory
+    # /run: root's, mode 0755, as under the unit's RuntimeDirectory
+    workdir = tempfile.mkdtemp(prefix="kvd-test-", dir="/run")
     os.chmod(workdir, 0o755)
     os.chown(workdir, NOBODY, NOBODY)  # only nobody (and root) may write it
     d = start_daemon(workdir, "kvd", env={"HOME": workdir},

@@ -70,7 +70,7 @@ def test_a_load_whose_session_ended_before_it_started_is_dropped():
         emitted = []
         rt.emit = lambda w, ev: emitted.append(ev)
         pull = Pull(rt, None, None, None, None, None)  # none of them may be reached
-        w = SimpleNamespace(session=WorkerSession(epoch=3), label="engine=e rank=0", inflight={},
+        w = SimpleNamespace(session=WorkerSession(epoch=3), key=("e", 0), label="engine=e rank=0", inflight={},
                             pending_loads={})
         req = LoadRequest("r1", [[1]], "p", "127.0.0.1:1", [[2]], "p1")
         await pull.load(w, req, epoch=2)  # read in epoch 2; the session ended (now 3)
