@@ -11,6 +11,7 @@ targets spell it.
 from __future__ import annotations
 
 import ipaddress
+import socket
 
 
 def split_host_port(address: str, key: str = "address", *, min_port: int = 0) -> tuple[str, int]:
@@ -65,6 +66,32 @@ def metrics_url(address: str) -> str:
     if host.strip("[]") in ("0.0.0.0", "::", ""):
         return f"http://<this host>:{port}/metrics (every address, bound to {address})"
     return f"http://{address}/metrics"
+
+
+def ip_of(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP a literal ``host`` names (brackets and an IPv6 zone dropped;
+    the short IPv4 forms the C resolver takes, ``127.1``, ``0``, too), or
+    None for a host name."""
+    host = host.strip("[]").split("%")[0]
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    try:
+        return ipaddress.IPv4Address(socket.inet_aton(host))
+    except OSError:
+        return None
+
+
+def is_wildcard(host: str) -> bool:
+    """True for a wildcard IP in any form (``0.0.0.0``, ``::``,
+    ``::ffff:0.0.0.0``, ``0``): a bind address, which dialed reaches this
+    host, whatever listens there."""
+    ip = ip_of(host)
+    if ip is None:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_unspecified or (mapped is not None and mapped.is_unspecified)
 
 
 def socket_file(text: str) -> str:

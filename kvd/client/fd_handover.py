@@ -24,7 +24,8 @@ import socket
 import time
 
 from kvd import fd_wire as wire
-from kvd.client.channel import DENIED, NOT_LISTENING, check_daemon_serves, denied_message, no_daemon_message, unix_path
+from kvd.client.channel import (DENIED, NOT_LISTENING, check_daemon_serves, denied_message, is_impostor,
+                                no_daemon_message, unix_path)
 
 log = logging.getLogger("kvd.client")
 
@@ -126,7 +127,7 @@ def _request(path: str, fds: list[int], timeout_s: float, wait: _Wait) -> list[s
     try:
         s = _connect(path, timeout_s, wait)
     except OSError as e:
-        if isinstance(e, PermissionError) and e.errno is None:  # another user serves the path
+        if is_impostor(e):  # another user serves the path
             raise HandoverError(f"kvd fd channel {e}; the KV cache memory was not handed over (is another "
                                 f"user's process bound there before the daemon?)") from None
         if e.errno in DENIED:  # the socket's owner and mode, and this engine's uid: what to change

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import ipaddress
-import socket
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from kvd import __version__
+from kvd.addresses import is_wildcard
 from kvd.config import MAX_MESSAGE_BYTES
 from kvd.core import events as ev
 from kvd.core import hold_feed
@@ -102,20 +101,6 @@ def _check_holds(m: pb.HoldsResponse) -> pb.HoldsResponse:
     if ids > MAX_IDS:
         raise BadAnswer(f"{ids} block ids in one answer")
     return m
-
-
-def _unspecified(host: str) -> bool:
-    """True when ``host`` is a wildcard IP in any form the resolver takes:
-    ``0.0.0.0``, ``::``, ``::ffff:0.0.0.0``, ``0`` (inet_aton's short forms)."""
-    try:
-        ip = ipaddress.ip_address(host.split("%")[0])
-    except ValueError:
-        try:
-            ip = ipaddress.IPv4Address(socket.inet_aton(host))
-        except OSError:
-            return False
-    mapped = getattr(ip, "ipv4_mapped", None)
-    return ip.is_unspecified or (mapped is not None and mapped.is_unspecified)
 
 
 class PeerClient:
@@ -254,7 +239,7 @@ class PeerClient:
             NotFound: the callee does not know the source worker.
         """
         host = address.rpartition(":")[0].strip("[]")
-        if _unspecified(host):
+        if is_wildcard(host):
             raise ev.PeerUnavailable(f"{address}: push not sent: {host} is a bind address, not one to dial")
         if self.auth.tls:
             return address

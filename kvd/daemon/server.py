@@ -44,7 +44,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvd import __version__
-from kvd.addresses import is_loopback, join_host_port, metrics_url
+from kvd.addresses import ip_of, is_loopback, is_wildcard, join_host_port, metrics_url
 from kvd.config import MAX_MESSAGE_BYTES, Config, parse_host_port, resolve_gid, resolve_uid
 from kvd.core.events import FailureKind
 from kvd.core.limits import Limits
@@ -239,24 +239,6 @@ ENGINE_SERVICE = kvd_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 PEER_SERVICE = kvd_pb2.DESCRIPTOR.services_by_name["PeerService"].full_name
 
 
-def _is_ip(host: str) -> bool:
-    """True when ``host`` is an IP address literal (not a name)."""
-    try:
-        ipaddress.ip_address(host.split("%")[0])
-        return True
-    except ValueError:
-        return False
-
-
-def _wildcard(address: str) -> bool:
-    """True for a ``host:port`` whose host is ``0.0.0.0`` or ``::``."""
-    host = address.rpartition(":")[0].strip("[]")
-    try:
-        return ipaddress.ip_address(host).is_unspecified
-    except ValueError:
-        return False
-
-
 class Server:
     """One kvd daemon process. ``asyncio.run(Server(cfg).serve())``."""
 
@@ -416,7 +398,7 @@ class Server:
                         " (no other address found: remote daemons cannot reach it)"
                         if adv.startswith("127.") else "")
         adv = adv or join_host_port(host, self.peer_port)  # "[::1]:port": what a dialer parses
-        if auth.token and not auth.tls and not _is_ip(adv.rpartition(":")[0].strip("[]")):
+        if auth.token and not auth.tls and ip_of(adv.rpartition(":")[0]) is None:
             # The token proves the daemon that answers, not the connection: a
             # reader's resolver may give an address of the name this daemon
             # does not listen on (gRPC answers ::1 first for "localhost"),
@@ -560,7 +542,7 @@ class Server:
         relay the call here and read the answer (attacker review: a push's
         metadata through such a relay)."""
         return {a for a in (self.node.peer_address if self.node else "", getattr(self, "_bound", ""))
-                if a and not _wildcard(a)}
+                if a and not is_wildcard(a.rpartition(":")[0])}
 
     def _check_backends(self) -> None:
         from kvd.core.nixl_agent import NixlAgent, NixlBackendUnavailable
