@@ -13,6 +13,7 @@
 # a locally made base image; podman keeps HEALTHCHECK only in docker format):
 #   podman --runtime runc build --format docker --network none --build-arg PIP_NO_INDEX=1 \
 #     --build-arg PYTHON_IMAGE=localhost/debian-python:bookworm \
+#     --build-arg BUILD_IMAGE=localhost/debian-python-cc:bookworm \
 #     --ulimit nofile=20000:20000 --ulimit nproc=4096:4096 -t kvd:0.1.0 .
 # (runc and the ulimits: what machines like this project's CI need; docs/OPERATIONS.md,
 # "Building without a registry"). deploy/wheels/README.md says how to fill the
@@ -22,14 +23,27 @@
 # cache with it through /dev/shm must run with the same uid.
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+# The build stage's image (PYTHON_IMAGE unless told otherwise; the same Python
+# at the same path, as the venv is copied). It compiles kvd's native row copy
+# (setup.py, kvd/core/_rowcopy.c) where it has a C compiler and Python's
+# headers: an online build installs gcc below, an offline one needs an image
+# that has it (tests/test_container.py). Without one the install goes on and
+# same-node copies run one memmove a row (`kvd version` says which).
+ARG BUILD_IMAGE=${PYTHON_IMAGE}
 
-FROM ${PYTHON_IMAGE} AS build
+FROM ${BUILD_IMAGE} AS build
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG TORCH_VERSION=2.13.0
 # 1: install only from the wheels in deploy/wheels/ (an offline build); 0 (the
 # default): from the indexes, wheels found in deploy/wheels/ included.
 ARG PIP_NO_INDEX=0
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_FIND_LINKS=/wheels
+# Unpinned (hadolint DL3008): bookworm's current gcc, in the build stage only;
+# what reaches the image is the one compiled file.
+# hadolint ignore=DL3008
+RUN if ! command -v cc >/dev/null 2>&1 && [ "${PIP_NO_INDEX}" != 1 ] && command -v apt-get >/dev/null 2>&1; then \
+      apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*; \
+    fi
 RUN python -m venv /opt/kvd
 ENV PATH=/opt/kvd/bin:$PATH
 COPY deploy/wheels/ /wheels/
@@ -38,7 +52,7 @@ WORKDIR /src
 # The dependencies in a layer of their own (pyproject.toml without kvd/
 # builds an empty kvd, uninstalled at once), so that a change to kvd/
 # rebuilds only the small layer below.
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 RUN pip install . && pip uninstall --yes kvd
 COPY kvd ./kvd
 RUN pip install --no-deps . \

@@ -6,7 +6,8 @@ memcpy of the same blocks, and against two daemons.
 
 Cases of :mod:`kvd.bench.dataplane`, interleaved in one run: (s) one daemon,
 a prefill and a decode worker on it, timed from the engine's ``load()`` to
-``recv_done`` in its poll; (m) one ``memmove`` per block in this process,
+``recv_done`` in its poll; (m) one ``memmove`` per block in this process (kvd's
+native row copy on one thread, one call, where it was built),
 the single-thread memcpy of the same blocks; (c) ``numpy.take`` of them;
 with ``--with-daemons`` also (a), two daemons and NIXL. The goal is
 (s)/(m) >= 0.8. ``kvd bench`` runs (s) and (m) in its short run too. See

@@ -180,7 +180,8 @@ def cmd_status(args) -> int:
 
 def cmd_version(args) -> int:
     """``kvd version``: prints kvd's version, those of nixl, grpcio and protobuf (``nixl not
-    installed`` for one that is missing: the others are still listed), and Python's. Returns 0."""
+    installed`` for one that is missing: the others are still listed), Python's, and whether kvd's
+    native row copy was built (``kvd.core._rowcopy``). Returns 0."""
     from importlib.metadata import PackageNotFoundError, version
 
     print(f"kvd {__version__}")
@@ -190,6 +191,12 @@ def cmd_version(args) -> int:
         except PackageNotFoundError:
             print(f"{pkg} not installed")
     print(f"python {platform.python_version()}")
+    # kvd's one native piece (setup.py builds it where a C compiler is found).
+    import importlib.util
+
+    native = importlib.util.find_spec("kvd.core._rowcopy") is not None
+    print("native row copy: " + ("yes" if native else "no (installed without a C compiler: same-node copies "
+                                                      "run one memmove a row on one thread)"))
     return EXIT_OK
 
 

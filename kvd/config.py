@@ -189,6 +189,9 @@ class Config:
                                           "asked by the decode daemon); set on the decode side")
     same_node_copy: bool = _setting(True, "a load whose prefill engine is registered with this daemon too is a "
                                           "copy by the daemon (no NIXL); false: every load goes through NIXL")
+    copy_threads: int = _setting(0, "threads a same-node copy in host memory runs on, each taking at least 1 MiB "
+                                    "of it; 0: the CPUs the daemon may use, at most 4 (1 where kvd was installed "
+                                    "without a C compiler)")
     follow_holds: bool = _setting(True, "decode (reader) side: follow the holds of each remote engine this "
                                         "daemon pairs with (PeerService.Holds, a long poll) and READ blocks its "
                                         "copy shows held without a per-load PeerService.Claim; a hold the copy "
@@ -391,7 +394,8 @@ class Config:
                                ("max_descriptors", 1, 1 << 40), ("max_descriptors_per_uid", 1, 1 << 40),
                                ("max_host_bytes_per_uid", 0, 1 << 62), ("max_device_bytes_per_uid", 0, 1 << 62),
                                ("max_aborts", 1, 1 << 20), ("max_aborts_per_uid", 1, 1 << 20),
-                               ("max_handshakes", 1, 1 << 20), ("max_handshakes_per_uid", 1, 1 << 20)):
+                               ("max_handshakes", 1, 1 << 20), ("max_handshakes_per_uid", 1, 1 << 20),
+                               ("copy_threads", 0, 64)):
             v = getattr(self, key)
             if not low <= v <= high:
                 raise self._error(key, f"{v} out of range {low}..{high}")

@@ -8,7 +8,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 venv=${KVD_VENV:-$root/.venv}
-stamp="$venv/.kvd-setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+stamp="$venv/.kvd-setup-$(cat pyproject.toml setup.py kvd/core/_rowcopy.c scripts/setup.sh | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ]; then
   exit 0
 fi

@@ -239,7 +239,7 @@ def test_version_lists_every_package_when_one_is_not_installed(monkeypatch, caps
     monkeypatch.setattr(importlib.metadata, "version", version)
     assert main(["version"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in lines] == ["kvd", "nixl", "grpcio", "protobuf", "python"], lines
+    assert [line.split()[0] for line in lines] == ["kvd", "nixl", "grpcio", "protobuf", "python", "native"], lines
     assert lines[1] == "nixl not installed", lines
     assert lines[2] == f"grpcio {real('grpcio')}" and lines[3] == f"protobuf {real('protobuf')}", lines
 

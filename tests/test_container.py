@@ -39,10 +39,14 @@ from kvd.testing.shm import ShmSegment
 from kvd.testing.util import free_port
 
 BASE_IMAGE = "localhost/debian-python:bookworm"
+# The build stage's base: the same tree with a C compiler and Python's
+# headers, so that the image has kvd's native row copy (setup.py).
+BUILD_BASE_IMAGE = "localhost/debian-python-cc:bookworm"
+BUILD_PACKAGES = ("gcc", "libc6-dev", "python3-dev")
 IMAGE = "localhost/kvd:test"
 CONTEXT_LABEL = "org.kvd.test.context"  # the digest of the context IMAGE was built from
 # What the build context needs (the rest is .dockerignore'd anyway).
-CONTEXT_FILES = ("Dockerfile", ".dockerignore", "pyproject.toml", "README.md", "deploy/kvd.toml",
+CONTEXT_FILES = ("Dockerfile", ".dockerignore", "pyproject.toml", "setup.py", "README.md", "deploy/kvd.toml",
                  "deploy/wheels/README.md")
 SHAPE = KvShape(num_layers=2, num_blocks=32, block_len=64 * 1024)  # 8 MiB per engine
 
@@ -77,11 +81,15 @@ def podman(*args: str, timeout: float = 120, check: bool = True) -> subprocess.C
 
 
 def _base_image() -> None:
-    """Imports the cached Debian tree as BASE_IMAGE once; skips if podman cannot run it."""
-    if podman("image", "exists", BASE_IMAGE, check=False).returncode != 0:
-        tree = rootfs("rootfs-python")
+    """Imports the cached Debian trees as BASE_IMAGE and BUILD_BASE_IMAGE
+    once; skips if podman cannot run them."""
+    for image, name, packages in ((BASE_IMAGE, "rootfs-python", ()),
+                                  (BUILD_BASE_IMAGE, "rootfs-python-cc", BUILD_PACKAGES)):
+        if podman("image", "exists", image, check=False).returncode == 0:
+            continue
+        tree = rootfs(name, *packages)
         tar = subprocess.Popen(["tar", "-C", str(tree), "-c", "."], stdout=subprocess.PIPE)
-        r = subprocess.run([*_podman(), "import", "-", BASE_IMAGE], stdin=tar.stdout, capture_output=True,
+        r = subprocess.run([*_podman(), "import", "-", image], stdin=tar.stdout, capture_output=True,
                            text=True, timeout=600)
         tar.wait()
         assert r.returncode == 0, r.stdout + r.stderr
@@ -96,7 +104,7 @@ def _context(tmp: pathlib.Path) -> pathlib.Path:
     for name in CONTEXT_FILES:
         (ctx / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, ctx / name)
-    shutil.copytree(ROOT / "kvd", ctx / "kvd", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "kvd", ctx / "kvd", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     for whl in wheelhouse().glob("*.whl"):
         try:
             os.link(whl, ctx / "deploy" / "wheels" / whl.name)
@@ -134,6 +142,7 @@ def image(tmp_path_factory) -> str:
     t0 = time.monotonic()
     r = podman("build", "--format", "docker",  # the OCI format drops HEALTHCHECK
                "--network", "none", "--build-arg", "PIP_NO_INDEX=1", "--build-arg", f"PYTHON_IMAGE={BASE_IMAGE}",
+               "--build-arg", f"BUILD_IMAGE={BUILD_BASE_IMAGE}",
                "--label", f"{CONTEXT_LABEL}={key}", *LIMITS, "-t", IMAGE, str(ctx), timeout=1800, check=False)
     assert r.returncode == 0, f"podman build failed:\n{(r.stdout + r.stderr)[-4000:]}"
     print(f"podman build: {time.monotonic() - t0:.1f} s")
@@ -220,6 +229,15 @@ def test_the_image_serves_as_its_own_user_and_its_healthcheck_goes_healthy(conta
     assert r.returncode == 0, r.stdout + r.stderr
     health = podman("inspect", "--format", "{{.State.Health.Status}}", d.name).stdout.strip()
     assert health == "healthy"
+
+
+def test_the_image_has_kvd_s_native_row_copy_and_no_compiler(image):
+    """The build stage compiled kvd/core/_rowcopy.c (BUILD_IMAGE has gcc);
+    the runtime stage is PYTHON_IMAGE, with no compiler."""
+    r = podman("run", "--rm", *LIMITS, image, "version")
+    assert "native row copy: yes" in r.stdout, r.stdout + r.stderr
+    r = podman("run", "--rm", *LIMITS, "--entrypoint", "sh", image, "-c", "command -v cc gcc || echo none")
+    assert r.stdout.strip() == "none", r.stdout
 
 
 def test_podman_stop_drains_the_daemon_and_it_exits_0(containers):

@@ -202,7 +202,7 @@ def test_a_copy_cancelled_while_its_piece_runs_ends_after_the_piece(monkeypatch,
 
     started, gate, order = threading.Event(), threading.Event(), []
 
-    def slow_copy(dst, src, ln):
+    def slow_copy(dst, src, ln, threads=1):
         order.append(f"start {dst[0]}")
         started.set()
         gate.wait(10)
@@ -218,8 +218,11 @@ def test_a_copy_cancelled_while_its_piece_runs_ends_after_the_piece(monkeypatch,
         rt.workers.update({w.key: w, s.key: s})
         pieces = [([i], [0], [big]) for i in range(npieces)]
         task = asyncio.ensure_future(LocalCopy(rt, None)._copy(w, 0, {0: s}, time.monotonic() + 60, pieces))
-        while not started.is_set():
+        for _ in range(2000):
+            if started.is_set() or task.done():
+                break
             await asyncio.sleep(0.005)
+        assert started.is_set(), f"the piece never started: {task.exception() if task.done() else 'still waiting'}"
         for _ in range(cancels):
             task.cancel()
             await asyncio.sleep(0.05)

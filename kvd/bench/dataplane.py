@@ -9,9 +9,10 @@
     block), the limit here;
 (s) optionally (method ``s``), both engines on one kvd daemon: the daemon
     copies the blocks itself (``kvd.core.local_copy``), timed as (a);
-(m) optionally, one ``ctypes.memmove`` per block in this process: the
-    single-thread memcpy the same-node copy is held to (here often faster
-    than ``numpy.take``).
+(m) optionally, one ``memmove`` per block in this process, on one thread
+    (kvd's native row copy in one call where it was built, else one
+    ``ctypes.memmove`` a block): the single-thread memcpy the same-node copy
+    is held to (here often faster than ``numpy.take``).
 
 Every case moves ``blocks`` blocks of ``block_len`` bytes, from scattered
 source block ids (random, unordered) into destination blocks ``0..n-1``, of
@@ -31,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from kvd.bench import common as cm
+from kvd.core import local_copy
 from kvd.testing.shm import ShmSegment
 from kvd.bench.kvd_pair import HOLD_AHEAD_S, KvdPair
 from kvd.bench.nixl_pair import NixlPair, PeerConfig
@@ -172,10 +174,20 @@ class Bench:
         return self._memcpy(cell)
 
     def run_m(self, cell: Cell) -> float:
-        """One ``memmove`` per block of ``cell`` in this process; seconds."""
+        """A single-thread memcpy of ``cell``'s blocks in this process, one
+        ``memmove`` a block: kvd's native row copy on one thread (one call,
+        no Python between blocks) where it was built, else one
+        ``ctypes.memmove`` a block; seconds."""
         self.isolate("m")
         local, remote = self.ids_for(cell)
         bl, sa, da = cell.block_len, self.src.array.ctypes.data, self.dst.array.ctypes.data
+        if local_copy._native is not None:
+            d = da + np.arange(len(remote), dtype=np.int64) * bl
+            s = sa + np.asarray(remote, dtype=np.int64) * bl
+            n = np.full(len(remote), bl, dtype=np.int64)
+            t0 = time.perf_counter()
+            local_copy._native.copy_rows(d, s, n, 1, 1)
+            return time.perf_counter() - t0
         pairs = [(da + i * bl, sa + r * bl) for i, r in enumerate(remote)]
         t0 = time.perf_counter()
         for d, s in pairs:

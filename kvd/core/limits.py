@@ -47,6 +47,7 @@ class Limits:
     poll_idle_s: float = 0.005       # otherwise (notifications, leases)
     transfer_mode: str = "pull"      # "pull": decode READs; "push": prefill WRITEs on request
     same_node_copy: bool = True      # a load from an engine of this daemon is a memmove (kvd.core.local_copy)
+    copy_threads: int = 0            # threads of a same-node DRAM copy; 0: kvd.core.local_copy.copy_threads picks
     # Follow the holds of remote engines this daemon pairs with
     # (PeerService.Holds, kvd.core.hold_mirror): a load of blocks shown held
     # READs without a per-load claim.

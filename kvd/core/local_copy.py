@@ -25,7 +25,10 @@ notification. Everything else is the load of ``kvd.core.pull``:
   addresses are computed from its rows' indices.
 
 Copies run under the NIXL thread's rules (one call at a time, in order), in
-pieces of about :data:`COPY_PIECE_BYTES`: on that thread (``Runtime.nixl``),
+pieces of about :data:`COPY_PIECE_BYTES`, each a call of kvd's native row
+copy (``kvd.core._rowcopy``: no GIL, the piece's bytes cut among up to
+``copy_threads`` threads) or, in an install without it, one
+``ctypes.memmove`` a row: on that thread (``Runtime.nixl``),
 or, for a piece of at most ``BOUNDS.inline_post_max_bytes`` while the thread
 is idle, on the loop itself (``Runtime.nixl_now``: no hand-off there and
 back, as a small READ's post). Unregistering a worker drops it from the
@@ -63,6 +66,7 @@ import asyncio
 import collections
 import ctypes
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -86,9 +90,12 @@ log = logging.getLogger("kvd.core")
 
 K = FailureKind
 
-# Bytes copied by one call on the NIXL thread: about 1-2 ms at this machine's
-# single-thread memcpy (5.6 GB/s, docs/DESIGN.md), so other loads' polls wait
-# that long at most, while the round trip per piece (~50 us) stays a few % of it.
+# Bytes copied by one call on the NIXL thread, per copy thread: about 1-2 ms
+# at this machine's single-thread memcpy (5.6 GB/s, docs/DESIGN.md), so other
+# loads' polls wait that long at most, while the hand-off per piece stays a
+# small part of it (16 MiB pieces on 2 threads: a 16 MiB load 2.41-2.47 ms
+# against 2.93-2.99 with 8 MiB ones, docs/PERFORMANCE.md "Same-node copy on
+# threads").
 COPY_PIECE_BYTES = 8 << 20
 # Bytes of one device copy call on the NIXL thread when both sides are VRAM:
 # about 0.5 ms at a GPU's ~2 TB/s device-to-device rate (docs/GPU.md, an
@@ -102,6 +109,16 @@ VRAM_PIECE_ROWS = 1 << 18
 # Loads of at most this many descriptor rows get their addresses in Python
 # (CopyPlan.small_pieces): 16 blocks x 4 regions is 64.
 SMALL_COPY_ROWS = 256
+# A DRAM piece is cut among threads only where each copies at least this
+# many bytes: starting and joining a thread costs ~30 us here, and two
+# threads copied 1 MiB of 64 KiB rows slower than one (0.10-0.11 against
+# 0.07-0.08 ms), 16 MiB in 0.76 against 1.35-1.44 ms (docs/PERFORMANCE.md,
+# "Same-node copy on threads").
+MIN_THREAD_BYTES = 1 << 20
+# Copy threads when the config leaves it to kvd (copy_threads = 0): the
+# CPUs this process may use, at most this many; a copy is bound by memory
+# bandwidth, which a few cores fill, and the engines share the node.
+AUTO_COPY_THREADS = 4
 # Pieces of one load queued on the NIXL thread beyond the one copying: the
 # thread starts the next without a wake-up of the loop between them, while
 # another load's call waits behind at most this many more pieces (~1-2 ms each).
@@ -241,6 +258,8 @@ class LocalCopy:
         self.holds = holds
         self.addresses: set[str] = set()
         self._plans: dict[tuple[WorkerKey, WorkerKey], CopyPlan] = {}
+        #: Threads a DRAM piece is copied on (:func:`copy_threads`).
+        self.threads = copy_threads(rt.limits.copy_threads)
         #: Why VRAM loads no longer take the same-node copy ("" while they
         #: do): a device copy failed with an error that loses the daemon's
         #: CUDA context (``cudart.STICKY_ERRORS``); restart the daemon.
@@ -327,7 +346,7 @@ class LocalCopy:
         pieces = []
         nbytes = 0
         device = w.mem.mappings[0].device if w.mem.memory == "VRAM" else None
-        piece = COPY_PIECE_BYTES if device is None else VRAM_PIECE_BYTES
+        piece = COPY_PIECE_BYTES * self.threads if device is None else VRAM_PIECE_BYTES
         for p in read_from:
             cp = plans[p]
             small = cp.small_pieces(*ids, piece=piece)  # ids as lists per group: the same for every rank
@@ -402,7 +421,7 @@ class LocalCopy:
                 if (device is None and not queued and nb <= BOUNDS.inline_post_max_bytes
                         and self.rt.nixl_now(nb, copy_rows, dst, src, ln)[0]):
                     continue
-                queued.append(self.rt.nixl(copy_unless, stop, dst, src, ln, device))
+                queued.append(self.rt.nixl(copy_unless, stop, dst, src, ln, device, self.threads))
                 while len(queued) > PIECES_AHEAD:
                     await queued[0]
                     queued.popleft()
@@ -476,8 +495,9 @@ class LocalCopy:
                     if self.rt.workers.get(k2[0]) is not v.reader or self.rt.workers.get(k2[1]) is not v.source]:
             del self._plans[old]  # a side re-registered or left: its addresses name unmapped memory
         self._plans[key] = cp
-        log.info("%s: same-node copy plan with engine=%s rank=%d: %d chunk(s) x %d slot(s)", w.label, s.key[0],
-                 s.key[1], C, k)
+        log.info("%s: same-node copy plan with engine=%s rank=%d: %d chunk(s) x %d slot(s), %s", w.label, s.key[0],
+                 s.key[1], C, k, "device copies" if w.mem.memory == "VRAM" else
+                 f"{self.threads} copy thread(s)" if _native is not None else "one memmove a row (no native row copy)")
         return cp
 
     def _still(self, w: Worker, epoch: int, sources: dict[int, Worker], deadline: float):
@@ -539,6 +559,11 @@ def split_pieces(dst: np.ndarray, src: np.ndarray, ln: np.ndarray, piece: int = 
 
 _memmove = ctypes.memmove  # a ctypes foreign function: releases the GIL while it copies
 
+try:  # kvd's one native piece (setup.py; optional: an install without a C compiler lacks it)
+    from kvd.core import _rowcopy as _native
+except ImportError:  # pragma: no cover - an install without a C compiler
+    _native = None
+
 
 def split_runs(dst: list[int], src: list[int], ln: list[int], piece: int = COPY_PIECE_BYTES
                ) -> list[tuple[list[int], list[int], list[int]]]:
@@ -593,14 +618,14 @@ def _nothing() -> None:
     """A no-op call: once it ran, the NIXL thread has passed every call queued before it."""
 
 
-def copy_unless(stop: list, dst, src, ln, device: int | None = None) -> None:
-    """NIXL thread: :func:`copy_rows` (``device`` None) or
-    :func:`copy_device_rows` unless ``stop`` is non-empty (the load gave up
-    after the piece was queued)."""
+def copy_unless(stop: list, dst, src, ln, device: int | None = None, threads: int = 1) -> None:
+    """NIXL thread: :func:`copy_rows` (``device`` None, on up to
+    ``threads`` threads) or :func:`copy_device_rows` unless ``stop`` is
+    non-empty (the load gave up after the piece was queued)."""
     if stop:
         return
     if device is None:
-        copy_rows(dst, src, ln)
+        copy_rows(dst, src, ln, threads)
     else:
         copy_device_rows(device, dst, src, ln)
 
@@ -616,11 +641,34 @@ def copy_device_rows(device: int, dst, src, ln) -> None:
     cuda_copy.engine().copy_rows(device, dst, src, ln)
 
 
-def copy_rows(dst, src, ln) -> None:
+def copy_rows(dst, src, ln, threads: int = 1) -> None:
     """NIXL thread's rules: ``memmove(dst[i], src[i], ln[i])`` for each row
     (int64 arrays or lists of ints; addresses in this process, checked by
-    the caller's plan)."""
+    the caller's plan), on up to ``threads`` threads of at least
+    :data:`MIN_THREAD_BYTES` each.
+
+    With kvd's native piece (``kvd.core._rowcopy``, built by the install
+    where a C compiler is found) the whole call runs without the GIL; without
+    it, one ``ctypes.memmove`` a row on this thread (``threads`` unused)."""
+    if _native is not None:
+        if not isinstance(ln, np.ndarray):
+            dst, src, ln = (np.array(a, dtype=np.int64) for a in (dst, src, ln))
+        _native.copy_rows(dst, src, ln, threads, MIN_THREAD_BYTES)
+        return
     if isinstance(dst, np.ndarray):
         dst, src, ln = dst.tolist(), src.tolist(), ln.tolist()
     for d, s, n in zip(dst, src, ln):
         _memmove(d, s, n)
+
+
+def copy_threads(setting: int) -> int:
+    """Threads a DRAM same-node piece is copied on: ``setting`` (the
+    ``copy_threads`` config key) if positive, else the CPUs this process may
+    run on, at most :data:`AUTO_COPY_THREADS`; 1 without the native piece
+    (``ctypes.memmove`` holds the GIL between rows: a second thread was
+    slower with 64 KiB rows, docs/PERFORMANCE.md)."""
+    if _native is None:
+        return 1
+    if setting > 0:
+        return setting
+    return max(1, min(AUTO_COPY_THREADS, len(os.sched_getaffinity(0))))

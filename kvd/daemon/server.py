@@ -314,6 +314,7 @@ class Server:
                         transfer_timeout_s=cfg.transfer_timeout_s, handshake_timeout_s=cfg.handshake_timeout_s,
                         detach_grace_s=cfg.detach_grace_s,
                         transfer_mode=cfg.transfer_mode, same_node_copy=cfg.same_node_copy,
+                        copy_threads=cfg.copy_threads,
                         follow_holds=cfg.follow_holds,
                         max_inflight_per_worker=cfg.max_inflight_per_worker,
                         max_load_block_ids_per_worker=cfg.max_load_block_ids_per_worker,
