@@ -190,7 +190,8 @@ class Config:
     same_node_copy: bool = _setting(True, "a load whose prefill engine is registered with this daemon too is a "
                                           "copy by the daemon (no NIXL); false: every load goes through NIXL")
     copy_threads: int = _setting(0, "threads a same-node copy in host memory runs on, each taking at least 1 MiB "
-                                    "of it; 0: the CPUs the daemon may use, at most 4 (1 where kvd was installed "
+                                    "of it; 0: the CPUs the daemon may use (its cgroup's CPU quota included), at most 4 "
+                                    "(1 where kvd was installed "
                                     "without a C compiler)")
     follow_holds: bool = _setting(True, "decode (reader) side: follow the holds of each remote engine this "
                                         "daemon pairs with (PeerService.Holds, a long poll) and READ blocks its "

@@ -105,7 +105,36 @@ def test_copy_threads_follows_the_setting_or_the_cpus():
     import os
 
     assert local_copy.copy_threads(3) == 3
-    assert local_copy.copy_threads(0) == max(1, min(local_copy.AUTO_COPY_THREADS, len(os.sched_getaffinity(0))))
+    assert local_copy.copy_threads(0) == max(1, min(local_copy.AUTO_COPY_THREADS, local_copy.usable_cpus()))
+    assert local_copy.usable_cpus() <= len(os.sched_getaffinity(0))
+
+
+def test_a_cgroup_cpu_quota_caps_the_threads(tmp_path):
+    """A sidecar with limits.cpu 1.5 (cgroup v2 cpu.max "150000 100000")
+    copies on at most 2 threads whatever the node's CPUs; v1's CFS files
+    the same; no quota ("max", -1, no files): the affinity mask."""
+    import os
+
+    cpus = len(os.sched_getaffinity(0))
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("150000 100000\n")
+    assert local_copy.usable_cpus(str(v2)) == min(cpus, 2)
+    (v2 / "cpu.max").write_text("50000 100000\n")
+    assert local_copy.usable_cpus(str(v2)) == 1
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert local_copy.usable_cpus(str(v2)) == cpus
+    v1 = tmp_path / "v1" / "cpu"
+    v1.mkdir(parents=True)
+    (v1 / "cpu.cfs_quota_us").write_text("100000\n")
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    assert local_copy.usable_cpus(str(tmp_path / "v1")) == 1
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
+    assert local_copy.usable_cpus(str(tmp_path / "v1")) == cpus
+    assert local_copy.usable_cpus(str(tmp_path / "none")) == cpus
+    if local_copy._native is not None:
+        (v2 / "cpu.max").write_text("100000 100000\n")
+        assert local_copy.copy_threads(0, str(v2)) == 1 and local_copy.copy_threads(3, str(v2)) == 3
 
 
 def test_copy_threads_out_of_range_is_a_config_error():

@@ -661,14 +661,41 @@ def copy_rows(dst, src, ln, threads: int = 1) -> None:
         _memmove(d, s, n)
 
 
-def copy_threads(setting: int) -> int:
+def copy_threads(setting: int, cgroup_root: str = "/sys/fs/cgroup") -> int:
     """Threads a DRAM same-node piece is copied on: ``setting`` (the
-    ``copy_threads`` config key) if positive, else the CPUs this process may
-    run on, at most :data:`AUTO_COPY_THREADS`; 1 without the native piece
+    ``copy_threads`` config key) if positive, else :func:`usable_cpus`, at
+    most :data:`AUTO_COPY_THREADS`; 1 without the native piece
     (``ctypes.memmove`` holds the GIL between rows: a second thread was
     slower with 64 KiB rows, docs/PERFORMANCE.md)."""
     if _native is None:
         return 1
     if setting > 0:
         return setting
-    return max(1, min(AUTO_COPY_THREADS, len(os.sched_getaffinity(0))))
+    return max(1, min(AUTO_COPY_THREADS, usable_cpus(cgroup_root)))
+
+
+def usable_cpus(cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """CPUs this process may keep busy: its affinity mask's count, capped by
+    a CPU quota of its cgroup (a Kubernetes sidecar's ``limits.cpu``: cgroup
+    v2 ``cpu.max`` "QUOTA PERIOD" in microseconds, or v1
+    ``cpu/cpu.cfs_quota_us`` / ``cpu.cfs_period_us``, as the container sees
+    its own cgroup at the root), rounded up; at least 1. Threads past a quota
+    only wait for it (CFS throttling)."""
+    n = len(os.sched_getaffinity(0))
+    quota = period = 0.0
+    try:
+        with open(os.path.join(cgroup_root, "cpu.max")) as f:
+            q, p = f.read().split()[:2]
+        if q != "max":
+            quota, period = float(q), float(p)
+    except (OSError, ValueError):
+        try:
+            with open(os.path.join(cgroup_root, "cpu", "cpu.cfs_quota_us")) as f:
+                quota = float(f.read())
+            with open(os.path.join(cgroup_root, "cpu", "cpu.cfs_period_us")) as f:
+                period = float(f.read())
+        except (OSError, ValueError):
+            quota = period = 0.0
+    if quota > 0 and period > 0:
+        n = min(n, -int(-quota // period))
+    return max(1, n)
