@@ -559,3 +559,67 @@ def test_a_session_flooding_rejections_it_never_reads_does_not_flood_the_daemons
     logged = sum(len(ln) + 1 for ln in lines)
     assert sum("does not read them" in ln for ln in lines) == 1
     assert len(lines) < 100, f"{len(lines)} lines ({logged} bytes) of log for {sent} bytes sent"
+
+
+@needs_root
+def test_calls_that_do_not_wait_check_the_engine_socket_server_after_a_daemon_restart():
+    """The daemon stops and, in the gap, another local user binds the engine
+    socket's path in the shared sticky directory. gRPC reconnects to
+    whatever serves the path, and the calls that do not wait for the daemon
+    (``UnregisterEngine`` with the session token, ``RenewLeases`` with
+    request ids, ``GetStats``) were not preceded by the check the waiting
+    calls make (fourth review's residual). Expected: each is refused,
+    PERMISSION_DENIED naming the squatter's uid, and the squatter reads no
+    byte."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    import grpc
+
+    from kvd.client.channel import EngineClientError
+    from kvd.client.engine_client import EngineClient
+    from kvd.requests import LeaseRenewal
+    from kvd.testing.security import COUNTING_LISTENER, NOBODY, reachable_dir
+    from kvd.testing.sessions import register_request
+    from kvd.testing.shm import ShmSegment
+
+    workdir = reachable_dir()
+    os.chmod(workdir, 0o1777)
+    d = start_daemon(workdir, "kvd")
+    seg = ShmSegment(SHAPE.size)
+    client = EngineClient(d.socket)
+    squatter = None
+    try:
+        client.register(register_request("victim-r", SHAPE, seg), timeout_s=10)
+        assert client.get_stats(wait_for_ready=False).engines == 1
+        assert d.stop() == 0
+        squatter = subprocess.Popen(
+            ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-I", "-c",
+             COUNTING_LISTENER, "unix", d.socket], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert json.loads(squatter.stdout.readline())["ready"] == NOBODY
+        calls = {
+            "UnregisterEngine": lambda: client.unregister(timeout_s=3),
+            "GetStats": lambda: client.get_stats(timeout_s=3, wait_for_ready=False),
+            "RenewLeases": lambda: client.renew_leases("victim-p", "127.0.0.1:1",
+                                                       [LeaseRenewal(RID, [[1]])], timeout_s=3).result(10),
+        }
+        for name, call in calls.items():
+            with pytest.raises(EngineClientError) as err:
+                call()
+            assert err.value.code == grpc.StatusCode.PERMISSION_DENIED and f"served by uid {NOBODY}" in str(err.value), \
+                (name, err.value)
+        squatter.stdin.write("\n")
+        squatter.stdin.flush()
+        assert json.loads(squatter.stdout.readline())["bytes"] == 0
+    finally:
+        client.close()
+        seg.close()
+        if squatter is not None:
+            if squatter.poll() is None:
+                squatter.kill()
+            squatter.wait()
+        if d.proc.poll() is None:
+            d.stop()
+        shutil.rmtree(workdir, ignore_errors=True)

@@ -332,6 +332,31 @@ class EngineClient:
             time.sleep(min(pause, left))
             pause = min(pause * 2, PROBE_MAX_S)
 
+    def _check_server(self, name: str) -> None:
+        """Before a call that does not wait for the daemon (``UnregisterEngine``,
+        ``RenewLeases``, ``GetStats`` without waiting): one look at the
+        engine socket (a ``connect()``, tens of us), as
+        :meth:`_wait_connected` makes before the waiting ones. gRPC
+        reconnects to whatever serves the path after a daemon restart, and
+        these calls carry the session token and request ids.
+
+        Raises:
+            EngineClientError: PERMISSION_DENIED, the engine socket's server
+                may not be taken for the daemon; UNAVAILABLE, the look's
+                ``connect()`` did not complete (a full backlog), so its
+                server was not checked. Nobody listening, or connecting
+                denied to this user, is left to the call to say.
+        """
+        if unix_path(self.address) is None:
+            return
+        why = probe_unix_socket(self.address)
+        if is_impostor(why):
+            raise EngineClientError(f"{name} to kvd at {self.address}: {why}", grpc.StatusCode.PERMISSION_DENIED)
+        if why is not None and why.errno not in NOT_LISTENING and why.errno not in DENIED:
+            raise EngineClientError(f"{name} to kvd at {self.address}: the engine socket did not take a "
+                                    f"connection ({why.strerror or why}), so who serves it was not checked: "
+                                    f"not used", grpc.StatusCode.UNAVAILABLE)
+
     def _unreachable(self, error: EngineClientError, waited_s: float) -> EngineClientError:
         """``error`` (RegisterEngine waited in vain), saying why when the
         engine socket tells: nobody listens there (the same words as the
@@ -354,10 +379,13 @@ class EngineClient:
         """Releases this worker's leases and registrations (blocking; shutdown).
 
         Raises:
-            EngineClientError: not registered here, or the daemon is unreachable.
+            EngineClientError: not registered here, the daemon is
+                unreachable, or the engine socket's server is not the
+                daemon's (:meth:`_check_server`).
         """
         if self._worker is None:
             raise EngineClientError("unregister before register")
+        self._check_server("UnregisterEngine")
         request = pb.UnregisterEngineRequest(worker=self._worker, session_token=self._session_token)
         return call_unary(self.address, "UnregisterEngine", self._stub.UnregisterEngine, request, timeout_s,
                           wait_for_ready=False)
@@ -369,7 +397,9 @@ class EngineClient:
         the prefill scheduler puts in ``kv_transfer_params``.
 
         Raises:
-            EngineClientError: the daemon is unreachable within ``timeout_s``.
+            EngineClientError: the daemon is unreachable within ``timeout_s``,
+                or the engine socket's server is not the daemon's (checked
+                before the call either way).
             EngineSocketDenied: with ``wait_for_ready``, this process's user
                 may not connect to the engine socket: at once (see
                 :meth:`register`).
@@ -378,6 +408,8 @@ class EngineClient:
             deadline = time.monotonic() + timeout_s
             self._wait_connected("GetStats", deadline)
             timeout_s = _left(deadline)
+        else:
+            self._check_server("GetStats")
         return call_unary(self.address, "GetStats", self._stub.GetStats, pb.StatsRequest(), timeout_s,
                           wait_for_ready)
 
@@ -388,10 +420,12 @@ class EngineClient:
         ``kvd.requests.MAX_RENEWALS_PER_CALL`` renewals). Needs no
         registration: the decode scheduler calls it.
 
-        Does not block: the future's result is one :class:`RenewResult` per
-        renewal, same order, within ``timeout_s`` seconds; its exception an
-        :class:`EngineClientError` naming the status (the daemon could not
-        ask the prefill daemon, or refused the batch).
+        Does not block (but for one ``connect()`` to the engine socket,
+        :meth:`_check_server`): the future's result is one
+        :class:`RenewResult` per renewal, same order, within ``timeout_s``
+        seconds; its exception an :class:`EngineClientError` naming the
+        status (the daemon could not ask the prefill daemon, refused the
+        batch, or the engine socket's server is not the daemon's).
         """
         request = pb.RenewLeasesRequest(remote_engine_id=remote_engine_id, remote_address=remote_address,
                                         renewals=[pb.LeaseRenewal(request_id=r.request_id,
@@ -399,6 +433,11 @@ class EngineClient:
                                                   for r in renewals])
         out: Future[list[RenewResult]] = Future()
         out.set_running_or_notify_cancel()
+        try:
+            self._check_server("RenewLeases")
+        except EngineClientError as e:
+            out.set_exception(e)
+            return out
 
         def done(call) -> None:
             try:
