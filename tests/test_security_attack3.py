@@ -312,7 +312,6 @@ def test_an_engine_registers_with_no_engine_socket_another_user_bound_first(back
     import shutil
     import subprocess
     import sys
-    import time
     import types
 
     import grpc
