@@ -49,8 +49,10 @@ def main(argv: list[str] | None = None) -> int:
                                 args.max_mib * cm.MiB)
     res = dataplane.run(cells, args.reps, args.poll_us * 1e-6, progress=not args.no_progress, title="same node",
                         methods="smca" if args.with_daemons else "smc", entry=entry(args.daemon_set))
-    res.update(benchmark="same_node", machine=info,
+    res.update(benchmark="same_node", machine=info, same_node_setup=dataplane.same_node_setup(),
                command=" ".join(["python -m benchmarks.same_node", *(argv if argv is not None else sys.argv[1:])]))
+    setup = res["same_node_setup"]
+    print(f"(s): the daemon copies on {setup['daemon_copy_threads']} thread(s) (its defaults); (m): {setup['m']}")
     print(dataplane.same_node_table(res))
     sm = [c["s_over_m"] for c in res["cells"]]
     print(f"goal (s)/(m) >= 0.8: {sum(x >= 0.8 for x in sm)}/{len(sm)} cells; "

@@ -191,12 +191,18 @@ def cmd_version(args) -> int:
         except PackageNotFoundError:
             print(f"{pkg} not installed")
     print(f"python {platform.python_version()}")
-    # kvd's one native piece (setup.py builds it where a C compiler is found).
-    import importlib.util
+    # kvd's one native piece (setup.py builds it where a C compiler is found):
+    # imported, as the daemon does, not just looked for (a file that does not
+    # load is no native copy).
+    import importlib
 
-    native = importlib.util.find_spec("kvd.core._rowcopy") is not None
-    print("native row copy: " + ("yes" if native else "no (installed without a C compiler: same-node copies "
-                                                      "run one memmove a row on one thread)"))
+    try:
+        importlib.import_module("kvd.core._rowcopy")
+        native = "yes"
+    except ImportError as e:
+        native = (f"no ({e}; kvd was installed without a C compiler, or its build failed: same-node copies "
+                  "run one memmove a row on one thread)")
+    print(f"native row copy: {native}")
     return EXIT_OK
 
 

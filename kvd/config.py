@@ -190,9 +190,9 @@ class Config:
     same_node_copy: bool = _setting(True, "a load whose prefill engine is registered with this daemon too is a "
                                           "copy by the daemon (no NIXL); false: every load goes through NIXL")
     copy_threads: int = _setting(0, "threads a same-node copy in host memory runs on, each taking at least 1 MiB "
-                                    "of it; 0: the CPUs the daemon may use (its cgroup's CPU quota included), at most 4 "
-                                    "(1 where kvd was installed "
-                                    "without a C compiler)")
+                                    "of a piece, never more than the CPUs the daemon may use (its affinity and "
+                                    "cgroup CPU quota); 0: those CPUs, at most 4. Without kvd's native row copy "
+                                    "(`kvd version`) always 1")
     follow_holds: bool = _setting(True, "decode (reader) side: follow the holds of each remote engine this "
                                         "daemon pairs with (PeerService.Holds, a long poll) and READ blocks its "
                                         "copy shows held without a per-load PeerService.Claim; a hold the copy "

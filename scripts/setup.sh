@@ -9,7 +9,9 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 venv=${KVD_VENV:-$root/.venv}
 stamp="$venv/.kvd-setup-$(cat pyproject.toml setup.py kvd/core/_rowcopy.c scripts/setup.sh | sha256sum | cut -c1-16)"
-if [ -f "$stamp" ]; then
+# The stamp holds while kvd's native row copy is there too (where a C compiler
+# is: setup.py builds it into kvd/core/, which a clean of ignored files removes).
+if [ -f "$stamp" ] && { ! command -v cc >/dev/null 2>&1 || compgen -G "$root/kvd/core/_rowcopy*.so" >/dev/null; }; then
   exit 0
 fi
 echo "setting up $venv (first time: a few minutes)" >&2

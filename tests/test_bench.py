@@ -43,6 +43,11 @@ def test_kvd_bench_quick_reports_ratios(tmp_path):
     assert "(3) throughput" in r.stdout and "goal >= 10,000 one-block loads/s with 64 in flight" in r.stdout
     assert f"kvd/plain {tp['kvd_over_plain']:.3f}" in r.stdout
     assert "(1s) same node" in r.stdout and "s/m" in r.stdout
+    setup = res["same_node_setup"]  # what (s) and (m) were on this install
+    assert setup["daemon_copy_threads"] >= 1 and setup["m"] in ("native row copy, 1 thread, one call",
+                                                                  "ctypes.memmove a block")
+    assert f"the daemon copies, {setup['daemon_copy_threads']} thread(s)), against (m) a single-thread memcpy in one " \
+           f"process ({setup['m']})" in r.stdout
     for cell in cells.values():
         for k in ("a_gbs", "b_gbs", "c_gbs", "a_over_b", "a_over_c", "s_gbs", "s_over_c", "m_gbs", "s_over_m"):
             assert cell[k] > 0, (k, cell)

@@ -32,7 +32,7 @@ def test_the_native_row_copy_is_built_where_a_compiler_is_found():
     would silently run one memmove a row on one thread."""
     if not (shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no C compiler here: the install skips the native row copy")
-    assert local_copy._native is not None, "kvd.core._rowcopy missing: run scripts/setup.sh (or pip install -e .)"
+    assert local_copy._native is not None, "kvd.core._rowcopy missing: run scripts/setup.sh, or .venv/bin/pip install --no-deps --no-build-isolation -e ."
     out = subprocess.run([sys.executable, "-m", "kvd.cli", "version"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "native row copy: yes" in out.stdout, out.stdout + out.stderr
 
@@ -91,6 +91,10 @@ def test_bad_arguments_are_errors_and_copy_nothing():
         copy(np.repeat(d, 2), np.repeat(s, 2), np.array([2**62, 2**62], np.int64), 1, 1)
     with pytest.raises(TypeError, match="int64"):
         copy(d.astype(np.int32), s, np.array([8], np.int64), 1, 1)
+    with pytest.raises(TypeError, match="int64"):
+        copy(d.astype(np.uint64), s, np.array([8], np.int64), 1, 1)
+    with pytest.raises(TypeError, match="int64"):
+        copy(d.astype(">i8"), s, np.array([8], np.int64), 1, 1)
     with pytest.raises(TypeError):
         copy(d, s, np.array([8], np.int64), "2", 1)  # threads not an int
     with pytest.raises((BufferError, ValueError), match="contiguous"):
@@ -104,8 +108,10 @@ def test_bad_arguments_are_errors_and_copy_nothing():
 def test_copy_threads_follows_the_setting_or_the_cpus():
     import os
 
-    assert local_copy.copy_threads(3) == 3
-    assert local_copy.copy_threads(0) == max(1, min(local_copy.AUTO_COPY_THREADS, local_copy.usable_cpus()))
+    cpus = local_copy.usable_cpus()
+    assert local_copy.copy_threads(1) == 1
+    assert local_copy.copy_threads(64) == cpus, "more threads than CPUs only wait, and make longer pieces"
+    assert local_copy.copy_threads(0) == max(1, min(local_copy.AUTO_COPY_THREADS, cpus))
     assert local_copy.usable_cpus() <= len(os.sched_getaffinity(0))
 
 
@@ -132,9 +138,12 @@ def test_a_cgroup_cpu_quota_caps_the_threads(tmp_path):
     (v1 / "cpu.cfs_quota_us").write_text("-1\n")
     assert local_copy.usable_cpus(str(tmp_path / "v1")) == cpus
     assert local_copy.usable_cpus(str(tmp_path / "none")) == cpus
+    for odd in ("inf 100000", "1e400 100000", "1e300 1e-300", "100000 inf", "", "100000", "x y", "0 100000"):
+        (v2 / "cpu.max").write_text(odd)  # no kernel writes these; none may stop the daemon
+        assert local_copy.usable_cpus(str(v2)) == cpus, odd
     if local_copy._native is not None:
         (v2 / "cpu.max").write_text("100000 100000\n")
-        assert local_copy.copy_threads(0, str(v2)) == 1 and local_copy.copy_threads(3, str(v2)) == 3
+        assert local_copy.copy_threads(0, str(v2)) == 1 and local_copy.copy_threads(3, str(v2)) == 1
 
 
 def test_copy_threads_out_of_range_is_a_config_error():
@@ -147,7 +156,11 @@ def test_copy_threads_out_of_range_is_a_config_error():
 
 
 @pytest.mark.skipif(local_copy._native is None, reason="kvd was installed without a C compiler")
-def test_a_daemon_told_three_copy_threads_copies_a_load_on_them_byte_exact(tmp_path):
+def test_a_daemon_copies_a_load_on_its_threads_byte_exact_and_says_how_many(tmp_path):
+    """``--copy-threads 3``: three threads where the daemon may use three
+    CPUs, else as many as it may (and a WARNING says the setting was
+    capped); the copy byte exact either way, rows cut among threads."""
+    threads = min(3, local_copy.usable_cpus())
     shape = KvShape(num_layers=4, num_blocks=40, block_len=40 << 10)  # rows of 40 KiB: cuts fall inside rows
     ids_p, ids_d = list(range(39, 7, -1)), list(range(32))  # 32 blocks x 8 regions x 40 KiB = 10 MiB
     daemon = start_daemon(str(tmp_path), "kvd", "--copy-threads", "3")
@@ -162,8 +175,12 @@ def test_a_daemon_told_three_copy_threads_copies_a_load_on_them_byte_exact(tmp_p
         assert d.same_blocks(ids_d, p, ids_p)
         untouched = sorted(set(range(shape.num_blocks)) - set(ids_d))
         assert not d.kv[:, untouched].any()
-        assert "same-node copy plan with engine=p-threads rank=0: 1 chunk(s) x 1 slot(s), 3 copy thread(s)" \
-            in daemon.log()
+        log = daemon.log()
+        assert (f"same-node copy plan with engine=p-threads rank=0: 1 chunk(s) x 1 slot(s), {threads} copy "
+                f"thread(s)") in log
+        capped = f"copy_threads = 3 capped to {threads}, the CPUs this daemon may use"
+        assert (capped in log) == (threads < 3), log[-3000:]
+        assert (f"same-node copies in host memory: {threads} copy thread(s) (native row copy)" in log) == (threads == 3)
     finally:
         p.close()
         d.close()

@@ -125,8 +125,10 @@ def main(argv: list[str] | None = None) -> int:
               f"table's {reps} and {g['small_load_rounds'] - reps} more of (a) and (b) alone; rounds "
               f"{g['small_load_min']:.2f}-{g['small_load_max']:.2f}x)")
     out["dataplane_goals"] = g
-    print("\n(1s) same node: (s) both engines on one kvd daemon (the daemon copies), against (m) memmove per "
-          "block in one process, (c) and (a)")
+    setup = dataplane.same_node_setup()
+    out["same_node_setup"] = setup
+    print(f"\n(1s) same node: (s) both engines on one kvd daemon (the daemon copies, {setup['daemon_copy_threads']} "
+          f"thread(s)), against (m) a single-thread memcpy in one process ({setup['m']}), (c) and (a)")
     print(dataplane.same_node_table(dp))
     sm = [c["s_over_m"] for c in dp["cells"]]
     print(f"    goal (s)/(m) >= 0.8: {sum(x >= 0.8 for x in sm)}/{len(sm)} cells")

@@ -375,3 +375,15 @@ def same_node_table(res: dict, markdown: bool = False) -> str:
             for c in res["cells"] if "s_ms" in c]
     return cm.fmt_table(["block", "blocks", "bytes", "s ms", "m ms", "c ms", "a ms", "s GB/s", "m GB/s", "s/m",
                          "s/c", "s/a"], rows, markdown)
+
+
+def same_node_setup() -> dict:
+    """What (s) and (m) of this install are: ``m``, how (m) copies (kvd's
+    native row copy on one thread, one call for all blocks, where it was
+    built; else one ``ctypes.memmove`` a block), and ``daemon_copy_threads``,
+    the threads a daemon started with the defaults copies (s) on
+    (``kvd.core.local_copy.copy_threads``, this machine's CPUs)."""
+    native = local_copy._native is not None
+    return {"m": "native row copy, 1 thread, one call" if native else "ctypes.memmove a block",
+            "daemon_copy_threads": local_copy.copy_threads(0)}
+

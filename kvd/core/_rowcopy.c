@@ -28,13 +28,15 @@
 typedef struct {
     const int64_t *dst, *src, *ln;
     Py_ssize_t rows;
-    int64_t lo, hi; /* bytes [lo, hi) of the rows laid end to end */
+    int64_t lo, hi;    /* bytes [lo, hi) of the rows laid end to end */
+    Py_ssize_t first;  /* the row holding byte lo */
+    int64_t at;        /* where that row starts */
 } range_t;
 
 static void copy_range(const range_t *r)
 {
-    int64_t at = 0;
-    for (Py_ssize_t i = 0; i < r->rows && at < r->hi; i++) {
+    int64_t at = r->at;
+    for (Py_ssize_t i = r->first; i < r->rows && at < r->hi; i++) {
         int64_t n = r->ln[i], a = at > r->lo ? at : r->lo, b = at + n < r->hi ? at + n : r->hi;
         if (b > a)
             memmove((char *)(intptr_t)r->dst[i] + (a - at), (const char *)(intptr_t)r->src[i] + (a - at),
@@ -53,8 +55,8 @@ static int int64_buffer(PyObject *obj, Py_buffer *view, const char *name)
 {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
         return -1;
-    if (view->itemsize != 8 || view->format == NULL || strchr("qlL", view->format[0]) == NULL
-        || view->format[1] != '\0') {
+    if (view->itemsize != 8 || view->format == NULL
+        || (strcmp(view->format, "q") != 0 && strcmp(view->format, "l") != 0)) {
         PyErr_Format(PyExc_TypeError, "%s: int64 buffer expected, got format %s itemsize %zd", name,
                      view->format ? view->format : "B", view->itemsize);
         PyBuffer_Release(view);
@@ -110,9 +112,18 @@ static PyObject *copy_rows(PyObject *self, PyObject *args)
     pthread_t tids[MAX_THREADS];
     int started[MAX_THREADS];
     Py_BEGIN_ALLOW_THREADS
+    /* One walk over the rows finds where each range starts, so that no
+     * thread scans the rows before its own (2M rows of 128 bytes on 64
+     * threads: 366 against 177 ms on one, scanning from row 0 each). */
+    Py_ssize_t row = 0;
+    int64_t at = 0;
     for (int t = 0; t < k; t++) {
-        ranges[t] = (range_t){(const int64_t *)d.buf, (const int64_t *)s.buf, ln, rows,
-                              (int64_t)((__int128)total * t / k), (int64_t)((__int128)total * (t + 1) / k)};
+        int64_t lo = (int64_t)((__int128)total * t / k), hi = (int64_t)((__int128)total * (t + 1) / k);
+        while (row < rows && at + ln[row] <= lo) {
+            at += ln[row];
+            row++;
+        }
+        ranges[t] = (range_t){(const int64_t *)d.buf, (const int64_t *)s.buf, ln, rows, lo, hi, row, at};
         started[t] = 0;
     }
     /* A thread that cannot start (no memory, a thread limit) leaves its range to this one. */

@@ -260,6 +260,16 @@ class LocalCopy:
         self._plans: dict[tuple[WorkerKey, WorkerKey], CopyPlan] = {}
         #: Threads a DRAM piece is copied on (:func:`copy_threads`).
         self.threads = copy_threads(rt.limits.copy_threads)
+        if rt.limits.same_node_copy:
+            if _native is None:
+                log.warning("same-node copies in host memory: one memmove a row on one thread: kvd's native row "
+                            "copy (kvd.core._rowcopy) is not installed (kvd was installed without a C compiler; "
+                            "reinstall with gcc present: `kvd version` says which)")
+            elif rt.limits.copy_threads > self.threads:
+                log.warning("same-node copies in host memory: copy_threads = %d capped to %d, the CPUs this "
+                            "daemon may use (its affinity and cgroup CPU quota)", rt.limits.copy_threads, self.threads)
+            else:
+                log.info("same-node copies in host memory: %d copy thread(s) (native row copy)", self.threads)
         #: Why VRAM loads no longer take the same-node copy ("" while they
         #: do): a device copy failed with an error that loses the daemon's
         #: CUDA context (``cudart.STICKY_ERRORS``); restart the daemon.
@@ -346,7 +356,10 @@ class LocalCopy:
         pieces = []
         nbytes = 0
         device = w.mem.mappings[0].device if w.mem.memory == "VRAM" else None
-        piece = COPY_PIECE_BYTES * self.threads if device is None else VRAM_PIECE_BYTES
+        # A DRAM piece is 8 MiB a thread, for up to AUTO_COPY_THREADS threads: memory
+        # bandwidth stops growing with threads long before 64, and a piece holds the
+        # NIXL thread (every other load's poll) while it copies.
+        piece = COPY_PIECE_BYTES * min(self.threads, AUTO_COPY_THREADS) if device is None else VRAM_PIECE_BYTES
         for p in read_from:
             cp = plans[p]
             small = cp.small_pieces(*ids, piece=piece)  # ids as lists per group: the same for every rank
@@ -663,15 +676,26 @@ def copy_rows(dst, src, ln, threads: int = 1) -> None:
 
 def copy_threads(setting: int, cgroup_root: str = "/sys/fs/cgroup") -> int:
     """Threads a DRAM same-node piece is copied on: ``setting`` (the
-    ``copy_threads`` config key) if positive, else :func:`usable_cpus`, at
-    most :data:`AUTO_COPY_THREADS`; 1 without the native piece
-    (``ctypes.memmove`` holds the GIL between rows: a second thread was
-    slower with 64 KiB rows, docs/PERFORMANCE.md)."""
+    ``copy_threads`` config key) if positive, else
+    :data:`AUTO_COPY_THREADS`, at most :func:`usable_cpus` either way
+    (threads past the CPUs only wait, and a piece is
+    :data:`COPY_PIECE_BYTES` a thread: 64 threads on 2 CPUs held the NIXL
+    thread 100-300 ms a piece, attacker review); 1 without the native
+    piece (``ctypes.memmove`` holds the GIL between rows: a second thread
+    was slower with 64 KiB rows, docs/PERFORMANCE.md)."""
     if _native is None:
         return 1
-    if setting > 0:
-        return setting
-    return max(1, min(AUTO_COPY_THREADS, usable_cpus(cgroup_root)))
+    return max(1, min(setting if setting > 0 else AUTO_COPY_THREADS, usable_cpus(cgroup_root)))
+
+
+def _read_ints(path: str) -> list[int]:
+    """The whitespace-separated integers of a one-line file; [] where it is
+    missing or holds anything else ("max", "inf", "1e400")."""
+    try:
+        with open(path) as f:
+            return [int(x) for x in f.read().split()]
+    except (OSError, ValueError):
+        return []
 
 
 def usable_cpus(cgroup_root: str = "/sys/fs/cgroup") -> int:
@@ -680,22 +704,14 @@ def usable_cpus(cgroup_root: str = "/sys/fs/cgroup") -> int:
     v2 ``cpu.max`` "QUOTA PERIOD" in microseconds, or v1
     ``cpu/cpu.cfs_quota_us`` / ``cpu.cfs_period_us``, as the container sees
     its own cgroup at the root), rounded up; at least 1. Threads past a quota
-    only wait for it (CFS throttling)."""
+    only wait for it (CFS throttling). A file that is missing or holds no
+    positive integers ("max", v1's -1) sets no quota."""
     n = len(os.sched_getaffinity(0))
-    quota = period = 0.0
-    try:
-        with open(os.path.join(cgroup_root, "cpu.max")) as f:
-            q, p = f.read().split()[:2]
-        if q != "max":
-            quota, period = float(q), float(p)
-    except (OSError, ValueError):
-        try:
-            with open(os.path.join(cgroup_root, "cpu", "cpu.cfs_quota_us")) as f:
-                quota = float(f.read())
-            with open(os.path.join(cgroup_root, "cpu", "cpu.cfs_period_us")) as f:
-                period = float(f.read())
-        except (OSError, ValueError):
-            quota = period = 0.0
-    if quota > 0 and period > 0:
-        n = min(n, -int(-quota // period))
+    quota_period = _read_ints(os.path.join(cgroup_root, "cpu.max"))[:2]
+    if len(quota_period) != 2:
+        quota_period = (_read_ints(os.path.join(cgroup_root, "cpu", "cpu.cfs_quota_us"))[:1]
+                        + _read_ints(os.path.join(cgroup_root, "cpu", "cpu.cfs_period_us"))[:1])
+    if len(quota_period) == 2 and quota_period[0] > 0 and quota_period[1] > 0:
+        quota, period = quota_period
+        n = min(n, -(-quota // period))
     return max(1, n)
