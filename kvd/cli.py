@@ -194,10 +194,10 @@ def cmd_version(args) -> int:
     # kvd's one native piece (setup.py builds it where a C compiler is found):
     # imported, as the daemon does, not just looked for (a file that does not
     # load is no native copy).
-    import importlib
-
     try:
-        importlib.import_module("kvd.core._rowcopy")
+        from kvd.core import _rowcopy
+
+        del _rowcopy  # whether it loads is the answer
         native = "yes"
     except ImportError as e:
         native = (f"no ({e}; kvd was installed without a C compiler, or its build failed: same-node copies "
