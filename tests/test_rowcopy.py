@@ -33,6 +33,14 @@ def test_the_native_row_copy_is_built_where_a_compiler_is_found():
     if not (shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no C compiler here: the install skips the native row copy")
     assert local_copy._native is not None, "kvd.core._rowcopy missing: run scripts/setup.sh, or .venv/bin/pip install --no-deps --no-build-isolation -e ."
+    # An install whose build failed keeps an older .so of a checkout in
+    # place (the extension is optional): it must not be older than its source.
+    import os
+
+    source = os.path.join(os.path.dirname(local_copy.__file__), "_rowcopy.c")
+    if os.path.exists(source):
+        assert os.path.getmtime(local_copy._native.__file__) >= os.path.getmtime(source), \
+            "kvd.core._rowcopy is older than kvd/core/_rowcopy.c: its last build failed or did not run (pip -v shows why)"
     out = subprocess.run([sys.executable, "-m", "kvd.cli", "version"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "native row copy: yes" in out.stdout, out.stdout + out.stderr
 
@@ -185,3 +193,47 @@ def test_a_daemon_copies_a_load_on_its_threads_byte_exact_and_says_how_many(tmp_
         p.close()
         d.close()
         assert daemon.stop() == 0
+
+
+_NO_THREADS = """
+#include <errno.h>
+#include <pthread.h>
+int pthread_create(pthread_t *t, const pthread_attr_t *a, void *(*f)(void *), void *arg) { return EAGAIN; }
+"""
+
+_COPY_WITHOUT_THREADS = """
+import logging, sys
+import numpy as np
+from kvd.core import local_copy
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(levelname)s %(message)s")
+src = np.random.default_rng(1).integers(0, 255, 16 << 20, dtype=np.uint8)
+dst = np.zeros_like(src)
+rows = 256
+d = dst.ctypes.data + np.arange(rows, dtype=np.int64)[::-1] * (64 << 10)
+s = src.ctypes.data + np.arange(rows, dtype=np.int64) * (64 << 10)
+local_copy.copy_rows(d, s, np.full(rows, 64 << 10, np.int64), 4)
+want = src.reshape(rows, -1)[::-1].reshape(-1)
+print("EXACT" if np.array_equal(dst, want) else "WRONG")
+"""
+
+
+@pytest.mark.skipif(local_copy._native is None, reason="kvd was installed without a C compiler")
+def test_copy_threads_that_cannot_start_leave_their_bytes_to_the_caller_and_a_warning(tmp_path):
+    """A thread or memory limit makes ``pthread_create`` fail (here: a
+    preloaded one that always does): every byte is still copied, by the
+    calling thread, and a WARNING says so."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        pytest.skip("no C compiler for the failing pthread_create")
+    (tmp_path / "nothreads.c").write_text(_NO_THREADS)
+    lib = tmp_path / "nothreads.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(tmp_path / "nothreads.c")], check=True, timeout=60)
+    import os
+
+    r = subprocess.run([sys.executable, "-c", _COPY_WITHOUT_THREADS], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "LD_PRELOAD": str(lib), "OPENBLAS_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "EXACT" in r.stdout, r.stdout + r.stderr
+    assert "copy thread(s) could not start (pthread_create failed" in r.stdout, r.stdout
+    r = subprocess.run([sys.executable, "-c", _COPY_WITHOUT_THREADS], capture_output=True, text=True, timeout=120)
+    assert "EXACT" in r.stdout and "could not start" not in r.stdout, r.stdout + r.stderr

@@ -6,7 +6,8 @@
  * the caller's plan checked against its mappings). The GIL is released for the
  * whole call; the bytes are cut into up to `threads` equal ranges (a range may
  * start or end inside a row), one a thread, the calling thread taking the
- * first, so that no thread copies less than `min_thread_bytes`.
+ * first, so that no thread copies less than `min_thread_bytes`. It returns how
+ * many threads could not start (their ranges copied by the calling thread).
  *
  * Why native: kvd.core.local_copy copied one ctypes.memmove a row, retaking
  * the GIL between rows, so a second Python thread could not help with the
@@ -111,6 +112,7 @@ static PyObject *copy_rows(PyObject *self, PyObject *args)
     range_t ranges[MAX_THREADS];
     pthread_t tids[MAX_THREADS];
     int started[MAX_THREADS];
+    int not_started = 0;
     Py_BEGIN_ALLOW_THREADS
     /* One walk over the rows finds where each range starts, so that no
      * thread scans the rows before its own (2M rows of 128 bytes on 64
@@ -133,23 +135,26 @@ static PyObject *copy_rows(PyObject *self, PyObject *args)
     for (int t = 1; t < k; t++) {
         if (started[t])
             pthread_join(tids[t], NULL);
-        else
+        else {
             copy_range(&ranges[t]);
+            not_started++;
+        }
     }
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&d);
     PyBuffer_Release(&s);
     PyBuffer_Release(&n);
-    Py_RETURN_NONE;
+    return PyLong_FromLong(not_started);
 }
 
 static PyMethodDef methods[] = {
     {"copy_rows", copy_rows, METH_VARARGS,
-     "copy_rows(dst, src, ln, threads, min_thread_bytes) -> None\n\n"
+     "copy_rows(dst, src, ln, threads, min_thread_bytes) -> int\n\n"
      "memmove(dst[i], src[i], ln[i]) for each row of three int64 buffers of one length (addresses in\n"
      "this process), without the GIL, the bytes cut into up to `threads` ranges of at least\n"
-     "`min_thread_bytes` (bytes) each, one a thread. Raises TypeError (not int64 buffers) or\n"
-     "ValueError (lengths differ, a negative row, an overflowing total)."},
+     "`min_thread_bytes` (bytes) each, one a thread. Returns how many of those threads could not\n"
+     "start (pthread_create failed: their ranges were copied by the calling thread). Raises TypeError\n"
+     "(not int64 buffers) or ValueError (lengths differ, a negative row, an overflowing total)."},
     {NULL, NULL, 0, NULL},
 };
 

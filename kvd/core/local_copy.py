@@ -83,6 +83,7 @@ from kvd.core.limits import BOUNDS
 from kvd.core.memory import MEMFD_KIND
 from kvd.core.peers import pair_plan
 from kvd.core.runtime import Runtime
+from kvd.core.throttle import Throttled
 from kvd.core.state import Worker, WorkerKey
 from kvd.requests import LoadRequest
 
@@ -572,6 +573,8 @@ def split_pieces(dst: np.ndarray, src: np.ndarray, ln: np.ndarray, piece: int = 
 
 _memmove = ctypes.memmove  # a ctypes foreign function: releases the GIL while it copies
 
+_THREADS_NOT_STARTED = Throttled(log)
+
 try:  # kvd's one native piece (setup.py; optional: an install without a C compiler lacks it)
     from kvd.core import _rowcopy as _native
 except ImportError:  # pragma: no cover - an install without a C compiler
@@ -666,7 +669,9 @@ def copy_rows(dst, src, ln, threads: int = 1) -> None:
     if _native is not None:
         if not isinstance(ln, np.ndarray):
             dst, src, ln = (np.array(a, dtype=np.int64) for a in (dst, src, ln))
-        _native.copy_rows(dst, src, ln, threads, MIN_THREAD_BYTES)
+        if _native.copy_rows(dst, src, ln, threads, MIN_THREAD_BYTES):
+            _THREADS_NOT_STARTED.warning("same-node copy: copy thread(s) could not start (pthread_create "
+                                         "failed: a thread or memory limit); the NIXL thread copied their bytes")
         return
     if isinstance(dst, np.ndarray):
         dst, src, ln = dst.tolist(), src.tolist(), ln.tolist()
