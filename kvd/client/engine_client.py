@@ -312,7 +312,7 @@ class EngineClient:
                 # In a directory others may write, another user could have
                 # bound the engine socket before the daemon started and would
                 # get the registration and the session (attacker review).
-                raise EngineClientError(f"{name} to kvd at {self.address}: {why}", grpc.StatusCode.PERMISSION_DENIED)
+                raise self._impostor(name, why)
             if why is not None and why.errno in DENIED:
                 raise EngineSocketDenied(f"{name} to kvd at {self.address}: {denied_message(path, why)}",
                                          grpc.StatusCode.UNAVAILABLE)
@@ -326,9 +326,7 @@ class EngineClient:
                 # who serves the socket is not known, and gRPC's own connect
                 # may reach whoever accepts later (attacker review: a squatter
                 # that filled its backlog got the RegisterEngine).
-                raise EngineClientError(f"{name} to kvd at {self.address}: the engine socket did not take a "
-                                        f"connection ({why.strerror or why}), so who serves it was not checked: "
-                                        f"not used", grpc.StatusCode.UNAVAILABLE)
+                raise self._unchecked(name, why)
             time.sleep(min(pause, left))
             pause = min(pause * 2, PROBE_MAX_S)
 
@@ -351,11 +349,22 @@ class EngineClient:
             return
         why = probe_unix_socket(self.address)
         if is_impostor(why):
-            raise EngineClientError(f"{name} to kvd at {self.address}: {why}", grpc.StatusCode.PERMISSION_DENIED)
+            raise self._impostor(name, why)
         if why is not None and why.errno not in NOT_LISTENING and why.errno not in DENIED:
-            raise EngineClientError(f"{name} to kvd at {self.address}: the engine socket did not take a "
-                                    f"connection ({why.strerror or why}), so who serves it was not checked: "
-                                    f"not used", grpc.StatusCode.UNAVAILABLE)
+            raise self._unchecked(name, why)
+
+    def _impostor(self, name: str, why: OSError) -> EngineClientError:
+        """PERMISSION_DENIED for call ``name``: the engine socket's server may
+        not be taken for the daemon (``why``, from the look)."""
+        return EngineClientError(f"{name} to kvd at {self.address}: {why}", grpc.StatusCode.PERMISSION_DENIED)
+
+    def _unchecked(self, name: str, why: OSError) -> EngineClientError:
+        """UNAVAILABLE for call ``name``: the look's ``connect()`` failed
+        (``why``: a full backlog, a timeout), so who serves the socket is
+        not known and the call is not made."""
+        return EngineClientError(f"{name} to kvd at {self.address}: the engine socket did not take a connection "
+                                 f"({why.strerror or why}), so who serves it was not checked: not used",
+                                 grpc.StatusCode.UNAVAILABLE)
 
     def _unreachable(self, error: EngineClientError, waited_s: float) -> EngineClientError:
         """``error`` (RegisterEngine waited in vain), saying why when the
