@@ -223,7 +223,7 @@ def test_a_stopped_daemon_says_so_when_it_runs_again(tmp_path):
 def test_an_engine_session_is_weighted_below_the_daemons_where_autogroups_are_on(tmp_path):
     """The vLLM stacks weigh each engine's session with ENGINE_NICE: with
     autogroups on, a thread's own nice does not weigh it against another
-    session's threads (sched(7)), so ``nice -n 5`` alone left the engines at
+    session's threads (sched(7)), so ``nice -n`` alone left the engines at
     the daemons' weight. The autogroup's nice is what the kernel reads."""
     from kvd.testing.processes import ProcessSet, set_autogroup_nice
     from kvd.testing.vllm_engines import ENGINE_NICE

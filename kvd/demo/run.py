@@ -274,9 +274,12 @@ def _fmt_legs(rep: RequestReport) -> str:
     """``, handshake 9.0, claim 2.1`` (ms, kvd's D daemon) where measured: what
     of the transfer time was first contact with P's daemon and the claim's
     wait for P's hold; ``hold followed`` instead of a claim when D's copy of
-    P's holds already showed the blocks held (no claim was asked); empty for
-    the NixlConnector baseline."""
-    legs = [(name, v) for name, v in (("handshake", rep.handshake_s), ("claim", rep.claim_s)) if v == v]
+    P's holds already showed the blocks held (no claim was asked); no
+    handshake where it took no time in this request (made ahead of it,
+    ``--warm-peers``, or by an earlier one); empty for the NixlConnector
+    baseline."""
+    legs = [(name, v) for name, v in (("handshake", rep.handshake_s), ("claim", rep.claim_s))
+            if v == v and (v > 0 or name != "handshake")]
     if rep.followed and not rep.claim_s:
         legs = [(n, v) for n, v in legs if n != "claim"]
     out = "".join(f", {name} {v * 1e3:.1f}" for name, v in legs)

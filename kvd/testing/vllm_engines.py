@@ -95,14 +95,17 @@ def engine_argv(model_dir: str, port: int, kv_transfer_config: dict | None,
 
 
 #: ``nice`` increment of the stack's engines (the daemons run at the
-#: caller's priority): meant to give a daemon about 3 times an engine's
-#: share of a contended core (weights 1024 vs 335, sched(7)). With
+#: caller's priority): the lowest weight there is (15 against a daemon's
+#: 1024, sched(7)), so a daemon that has work runs before the engines. With
 #: autogroups on (this machine), each process started in its own session is
 #: its own scheduling group and a thread's nice weighs it only within its
 #: group, so the engine's session gets the same value as its autogroup's
-#: nice (:func:`kvd.testing.processes.set_autogroup_nice`; docs/PERFORMANCE.md,
+#: nice (:func:`kvd.testing.processes.set_autogroup_nice`). At 5 (weight
+#: 335) the engines' TP workers, waiting for each step in ``sched_yield``
+#: loops, still kept the daemons off the CPU for 2.5-10 s at a time in 4 of
+#: 18 stack starts on 2 cores; at 19 in none of 18 (docs/PERFORMANCE.md,
 #: "Daemons given no CPU").
-ENGINE_NICE = 5
+ENGINE_NICE = 19
 
 
 def engine_env(nixl_side_channel_port: int | None = None, extra: dict | None = None) -> dict:
