@@ -83,8 +83,8 @@ from kvd.core.limits import BOUNDS
 from kvd.core.memory import MEMFD_KIND
 from kvd.core.peers import pair_plan
 from kvd.core.runtime import Runtime
-from kvd.core.throttle import Throttled
 from kvd.core.state import Worker, WorkerKey
+from kvd.core.throttle import Throttled
 from kvd.requests import LoadRequest
 
 log = logging.getLogger("kvd.core")

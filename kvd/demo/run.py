@@ -278,12 +278,11 @@ def _fmt_legs(rep: RequestReport) -> str:
     handshake where it took no time in this request (made ahead of it,
     ``--warm-peers``, or by an earlier one); empty for the NixlConnector
     baseline."""
-    legs = [(name, v) for name, v in (("handshake", rep.handshake_s), ("claim", rep.claim_s))
-            if v == v and (v > 0 or name != "handshake")]
-    if rep.followed and not rep.claim_s:
-        legs = [(n, v) for n, v in legs if n != "claim"]
-    out = "".join(f", {name} {v * 1e3:.1f}" for name, v in legs)
-    return out + (", hold followed" if rep.followed and not rep.claim_s else "")
+    followed = rep.followed and not rep.claim_s
+    legs = (("handshake", rep.handshake_s, rep.handshake_s > 0),  # NaN (not measured) > 0 is False
+            ("claim", rep.claim_s, rep.claim_s == rep.claim_s and not followed))
+    out = "".join(f", {name} {v * 1e3:.1f}" for name, v, shown in legs if shown)
+    return out + (", hold followed" if followed else "")
 
 
 def format_report(rep: RequestReport, total: int) -> str:
