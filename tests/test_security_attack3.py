@@ -10,6 +10,7 @@ marked xfail(strict), their reason saying what happens instead (none now).
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -612,6 +613,59 @@ def test_calls_that_do_not_wait_check_the_engine_socket_server_after_a_daemon_re
         squatter.stdin.write("\n")
         squatter.stdin.flush()
         assert json.loads(squatter.stdout.readline())["bytes"] == 0
+    finally:
+        client.close()
+        seg.close()
+        if squatter is not None:
+            if squatter.poll() is None:
+                squatter.kill()
+            squatter.wait()
+        if d.proc.poll() is None:
+            d.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_a_call_in_a_daemon_restart_gap_is_not_made_so_grpc_does_not_reconnect_to_a_squatter():
+    """The daemon stops and a call comes in the gap. Made, it fails and
+    leaves gRPC reconnecting in the background; another local user that
+    binds the engine socket's path then gets a connection no look checked,
+    which later calls use even after the real daemon is back (attacker
+    review: the session token and renewals reached it). Expected: the gap
+    call is refused before gRPC, UNAVAILABLE saying no daemon listens, and
+    the squatter bound after it gets no connection at all."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    import grpc
+
+    from kvd.client.channel import EngineClientError
+    from kvd.client.engine_client import EngineClient
+    from kvd.testing.security import COUNTING_LISTENER, NOBODY, reachable_dir
+    from kvd.testing.sessions import register_request
+    from kvd.testing.shm import ShmSegment
+
+    workdir = reachable_dir()
+    os.chmod(workdir, 0o1777)
+    d = start_daemon(workdir, "kvd")
+    seg = ShmSegment(SHAPE.size)
+    client = EngineClient(d.socket)
+    squatter = None
+    try:
+        client.register(register_request("victim-r", SHAPE, seg), timeout_s=10)
+        assert d.stop() == 0
+        with pytest.raises(EngineClientError) as err:
+            client.get_stats(timeout_s=1, wait_for_ready=False)
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE and "no kvd daemon" in str(err.value), err.value
+        squatter = subprocess.Popen(
+            ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-I", "-c",
+             COUNTING_LISTENER, "unix", d.socket], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert json.loads(squatter.stdout.readline())["ready"] == NOBODY
+        time.sleep(3)  # gRPC's reconnect backoff starts at 1 s: a reconnecting channel would have come by now
+        squatter.stdin.write("\n")
+        squatter.stdin.flush()
+        assert json.loads(squatter.stdout.readline()) == {"connections": 0, "bytes": 0}
     finally:
         client.close()
         seg.close()

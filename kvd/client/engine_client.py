@@ -298,7 +298,9 @@ class EngineClient:
                 this user (``name``: the call, for the message).
             EngineClientError: PERMISSION_DENIED, the engine socket's server
                 may not be taken for the daemon
-                (:func:`kvd.client.channel.server_refusal`); UNAVAILABLE, no
+                (:func:`kvd.client.channel.server_refusal`);
+                DEADLINE_EXCEEDED, nobody listened there by ``deadline``
+                (the call is not made: :meth:`_not_listening`); UNAVAILABLE, no
                 connection it took by ``deadline`` (a full backlog), so its
                 server was never checked.
         """
@@ -306,6 +308,7 @@ class EngineClient:
         if path is None:
             return
         pause = PROBE_FIRST_S
+        started = time.monotonic()
         while True:
             why = probe_unix_socket(self.address)
             if is_impostor(why):
@@ -321,7 +324,8 @@ class EngineClient:
                 return
             if left <= 0:
                 if why.errno in NOT_LISTENING:
-                    return  # the call says there is no daemon
+                    # Its deadline passed waiting, as the call's own would have.
+                    raise self._not_listening(name, time.monotonic() - started, grpc.StatusCode.DEADLINE_EXCEEDED)
                 # A full backlog (a connect that timed out) or another error:
                 # who serves the socket is not known, and gRPC's own connect
                 # may reach whoever accepts later (attacker review: a squatter
@@ -342,16 +346,30 @@ class EngineClient:
             EngineClientError: PERMISSION_DENIED, the engine socket's server
                 may not be taken for the daemon; UNAVAILABLE, the look's
                 ``connect()`` did not complete (a full backlog), so its
-                server was not checked. Nobody listening, or connecting
-                denied to this user, is left to the call to say.
+                server was not checked; UNAVAILABLE, nobody listens there
+                (:meth:`_not_listening`). Connecting denied to this user is
+                left to the call to say.
         """
         if unix_path(self.address) is None:
             return
         why = probe_unix_socket(self.address)
         if is_impostor(why):
             raise self._impostor(name, why)
-        if why is not None and why.errno not in NOT_LISTENING and why.errno not in DENIED:
+        if why is not None and why.errno in NOT_LISTENING:
+            raise self._not_listening(name, 0.0, grpc.StatusCode.UNAVAILABLE)
+        if why is not None and why.errno not in DENIED:
             raise self._unchecked(name, why)
+
+    def _not_listening(self, name: str, waited_s: float, code: grpc.StatusCode) -> EngineClientError:
+        """``code`` for call ``name`` (DEADLINE_EXCEEDED after a wait of
+        ``waited_s`` seconds, else UNAVAILABLE): nobody listens on the engine
+        socket, so the call is not made. Made anyway, it would fail the same way and
+        leave gRPC reconnecting in the background to whatever binds the path
+        next, a connection no look of this client has checked, which the
+        next calls would use (attacker review: another user's listener, bound
+        in the gap of a daemon restart, got the session token and renewals)."""
+        return EngineClientError(f"{name} to kvd at {self.address}: {no_daemon_message(self.address, waited_s)}",
+                                 code)
 
     def _impostor(self, name: str, why: OSError) -> EngineClientError:
         """PERMISSION_DENIED for call ``name``: the engine socket's server may
