@@ -9,9 +9,16 @@ marked xfail(strict), their reason saying what happens instead (none now).
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import shutil
+import subprocess
+import sys
+import threading
 import time
 
+import grpc
 import pytest
 
 from kvd.client.command_socket import CommandConnection
@@ -561,6 +568,56 @@ def test_a_session_flooding_rejections_it_never_reads_does_not_flood_the_daemons
     assert len(lines) < 100, f"{len(lines)} lines ({logged} bytes) of log for {sent} bytes sent"
 
 
+@contextlib.contextmanager
+def _victim_in_a_sticky_dir():
+    """A daemon whose sockets are in a shared sticky directory (mode 1777,
+    which another user may bind names in) and an engine client registered
+    with it: yields ``(daemon, client)``; stops and removes all after."""
+    from kvd.client.engine_client import EngineClient
+    from kvd.testing.security import reachable_dir
+    from kvd.testing.sessions import register_request
+    from kvd.testing.shm import ShmSegment
+
+    workdir = reachable_dir()
+    os.chmod(workdir, 0o1777)
+    d = start_daemon(workdir, "kvd")
+    seg = ShmSegment(SHAPE.size)
+    client = EngineClient(d.socket)
+    try:
+        client.register(register_request("victim-r", SHAPE, seg), timeout_s=10)
+        yield d, client
+    finally:
+        client.close()
+        seg.close()
+        if d.proc.poll() is None:
+            d.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _squatter(path: str):
+    """Another local user (uid 65534) listening at ``path``: yields a
+    function that returns ``{"connections": n, "bytes": n}`` it got so far
+    (once: the listener ends)."""
+    from kvd.testing.security import COUNTING_LISTENER, NOBODY
+
+    proc = subprocess.Popen(
+        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-I", "-c",
+         COUNTING_LISTENER, "unix", path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(proc.stdout.readline())["ready"] == NOBODY
+
+        def got() -> dict:
+            proc.stdin.write("\n")
+            proc.stdin.flush()
+            return json.loads(proc.stdout.readline())
+        yield got
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
 @needs_root
 def test_calls_that_do_not_wait_check_the_engine_socket_server_after_a_daemon_restart():
     """The daemon stops and, in the gap, another local user binds the engine
@@ -571,60 +628,29 @@ def test_calls_that_do_not_wait_check_the_engine_socket_server_after_a_daemon_re
     calls make (fourth review's residual). Expected: each is refused,
     PERMISSION_DENIED naming the squatter's uid, and the squatter reads no
     byte."""
-    import json
-    import shutil
-    import subprocess
-    import sys
-
-    import grpc
-
     from kvd.client.channel import EngineClientError
-    from kvd.client.engine_client import EngineClient
     from kvd.requests import LeaseRenewal
-    from kvd.testing.security import COUNTING_LISTENER, NOBODY, reachable_dir
-    from kvd.testing.sessions import register_request
-    from kvd.testing.shm import ShmSegment
+    from kvd.testing.security import NOBODY
 
-    workdir = reachable_dir()
-    os.chmod(workdir, 0o1777)
-    d = start_daemon(workdir, "kvd")
-    seg = ShmSegment(SHAPE.size)
-    client = EngineClient(d.socket)
-    squatter = None
-    try:
-        client.register(register_request("victim-r", SHAPE, seg), timeout_s=10)
+    with _victim_in_a_sticky_dir() as (d, client):
         assert client.get_stats(wait_for_ready=False).engines == 1
         assert d.stop() == 0
-        squatter = subprocess.Popen(
-            ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-I", "-c",
-             COUNTING_LISTENER, "unix", d.socket], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert json.loads(squatter.stdout.readline())["ready"] == NOBODY
-        calls = {
-            "UnregisterEngine": lambda: client.unregister(timeout_s=3),
-            "GetStats": lambda: client.get_stats(timeout_s=3, wait_for_ready=False),
-            "RenewLeases": lambda: client.renew_leases("victim-p", "127.0.0.1:1",
-                                                       [LeaseRenewal(RID, [[1]])], timeout_s=3).result(10),
-        }
-        for name, call in calls.items():
-            with pytest.raises(EngineClientError) as err:
-                call()
-            assert err.value.code == grpc.StatusCode.PERMISSION_DENIED and f"served by uid {NOBODY}" in str(err.value), \
-                (name, err.value)
-        squatter.stdin.write("\n")
-        squatter.stdin.flush()
-        assert json.loads(squatter.stdout.readline())["bytes"] == 0
-    finally:
-        client.close()
-        seg.close()
-        if squatter is not None:
-            if squatter.poll() is None:
-                squatter.kill()
-            squatter.wait()
-        if d.proc.poll() is None:
-            d.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
+        with _squatter(d.socket) as squatter_got:
+            calls = {
+                "UnregisterEngine": lambda: client.unregister(timeout_s=3),
+                "GetStats": lambda: client.get_stats(timeout_s=3, wait_for_ready=False),
+                "RenewLeases": lambda: client.renew_leases("victim-p", "127.0.0.1:1",
+                                                           [LeaseRenewal(RID, [[1]])], timeout_s=3).result(10),
+            }
+            for name, call in calls.items():
+                with pytest.raises(EngineClientError) as err:
+                    call()
+                assert err.value.code == grpc.StatusCode.PERMISSION_DENIED and \
+                    f"served by uid {NOBODY}" in str(err.value), (name, err.value)
+            assert squatter_got()["bytes"] == 0
 
 
+@needs_root
 def test_a_call_in_a_daemon_restart_gap_is_not_made_so_grpc_does_not_reconnect_to_a_squatter():
     """The daemon stops and a call comes in the gap. Made, it fails and
     leaves gRPC reconnecting in the background; another local user that
@@ -633,46 +659,73 @@ def test_a_call_in_a_daemon_restart_gap_is_not_made_so_grpc_does_not_reconnect_t
     review: the session token and renewals reached it). Expected: the gap
     call is refused before gRPC, UNAVAILABLE saying no daemon listens, and
     the squatter bound after it gets no connection at all."""
-    import json
-    import shutil
-    import subprocess
-    import sys
-
-    import grpc
-
     from kvd.client.channel import EngineClientError
-    from kvd.client.engine_client import EngineClient
-    from kvd.testing.security import COUNTING_LISTENER, NOBODY, reachable_dir
-    from kvd.testing.sessions import register_request
-    from kvd.testing.shm import ShmSegment
 
-    workdir = reachable_dir()
-    os.chmod(workdir, 0o1777)
-    d = start_daemon(workdir, "kvd")
-    seg = ShmSegment(SHAPE.size)
-    client = EngineClient(d.socket)
-    squatter = None
-    try:
-        client.register(register_request("victim-r", SHAPE, seg), timeout_s=10)
+    with _victim_in_a_sticky_dir() as (d, client):
         assert d.stop() == 0
         with pytest.raises(EngineClientError) as err:
             client.get_stats(timeout_s=1, wait_for_ready=False)
         assert err.value.code == grpc.StatusCode.UNAVAILABLE and "no kvd daemon" in str(err.value), err.value
-        squatter = subprocess.Popen(
-            ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-I", "-c",
-             COUNTING_LISTENER, "unix", d.socket], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert json.loads(squatter.stdout.readline())["ready"] == NOBODY
-        time.sleep(3)  # gRPC's reconnect backoff starts at 1 s: a reconnecting channel would have come by now
-        squatter.stdin.write("\n")
-        squatter.stdin.flush()
-        assert json.loads(squatter.stdout.readline()) == {"connections": 0, "bytes": 0}
-    finally:
-        client.close()
-        seg.close()
-        if squatter is not None:
-            if squatter.poll() is None:
-                squatter.kill()
-            squatter.wait()
-        if d.proc.poll() is None:
-            d.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
+        with _squatter(d.socket) as squatter_got:
+            time.sleep(3)  # gRPC's reconnect backoff starts at 1 s: a reconnecting channel would have come by now
+            assert squatter_got() == {"connections": 0, "bytes": 0}
+
+
+@needs_root
+@pytest.mark.parametrize("wait", [False, True], ids=["no-wait", "wait"])
+def test_a_daemon_gone_between_the_look_and_the_call_leaves_no_grpc_connection_for_a_squatter(monkeypatch, wait):
+    """The race the look before each call leaves: it sees the daemon, which
+    then goes away before gRPC connects (a restart). gRPC's connect fails,
+    and its channel reconnects in the background on its own backoff; a call
+    that waits for the daemon (``wait_for_ready``) stays queued on it. Another
+    local user that binds the path in the shared sticky directory then gets a
+    connection no look checked: the queued call, and any later call whose
+    look sees nobody there or the real daemon back (the review's restart
+    scenario). Simulated by a look that answers "the daemon" once while
+    nobody listens. Expected: the call fails (the waiting one goes on
+    looking until its deadline and finds the squatter: PERMISSION_DENIED),
+    the channel is replaced, and the squatter gets no byte, and with no
+    call in flight no connection either: every connection it got was one of
+    the client's looks (one ``connect()``, no byte)."""
+    import kvd.client.engine_client as engine_client
+    from kvd.client.channel import EngineClientError
+    from kvd.testing.security import NOBODY
+
+    with _victim_in_a_sticky_dir() as (d, client):
+        assert d.stop() == 0
+        looks = []
+        real_probe = engine_client.probe_unix_socket
+
+        def stale_look(address):
+            looks.append(address)
+            return None if len(looks) == 1 else real_probe(address)
+
+        monkeypatch.setattr(engine_client, "probe_unix_socket", stale_look)
+        outcome: dict = {}
+
+        def call():
+            try:
+                outcome["ok"] = client.get_stats(timeout_s=6 if wait else 1, wait_for_ready=wait)
+            except EngineClientError as e:
+                outcome["error"] = e
+
+        caller = threading.Thread(target=call)
+        caller.start()
+        if not wait:
+            caller.join(10)
+        time.sleep(0.5)
+        with _squatter(d.socket) as squatter_got:
+            caller.join(15)
+            assert not caller.is_alive()
+            error = outcome.get("error")
+            assert error is not None, outcome
+            if wait:
+                assert error.code == grpc.StatusCode.PERMISSION_DENIED and \
+                    f"served by uid {NOBODY}" in str(error), error
+            else:
+                assert error.code == grpc.StatusCode.UNAVAILABLE, error
+            looked = len(looks)
+            time.sleep(3)  # gRPC's reconnect backoff starts at 1 s: a reconnecting channel would have come by now
+            got = squatter_got()
+        assert got["bytes"] == 0, got
+        assert got["connections"] <= looked - 1 and len(looks) == looked, (got, looks)

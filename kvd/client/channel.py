@@ -30,11 +30,14 @@ class EngineClientError(RuntimeError):
 
     ``code``: the call's ``grpc.StatusCode`` (None when it had none, e.g. a
     failure before the call, such as ``before_register`` raising).
+    ``daemon_gone``: the call failed UNAVAILABLE and no daemon was at the
+    engine socket after it (it reached none; ``kvd.client.engine_client``).
     """
 
     def __init__(self, message: str, code: grpc.StatusCode | None = None):
         super().__init__(message)
         self.code = code
+        self.daemon_gone = False
 
 
 def normalize_address(address: str) -> str:

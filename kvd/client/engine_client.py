@@ -66,6 +66,7 @@ the stream and reconnects; ``kvd.client.commands`` the commands themselves.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -161,9 +162,18 @@ class EngineClient:
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self.reregister_timeout_s = reregister_timeout_s
+        # A Unix socket's path is looked at before every call (_wait_connected,
+        # _check_server), which then waits itself; gRPC waits only for other
+        # addresses (a TCP port cannot be looked at for its server's uid).
+        self._path = unix_path(self.address)
+        self._channel_lock = threading.Lock()
         self._channel = open_channel(self.address, max_message_bytes=self.max_message_bytes,
                                      backoff_max_s=backoff_max_s)
         self._stub = pb_grpc.EngineServiceStub(self._channel)
+        # Whether a call was made on the channel since it was opened: a look
+        # that finds no daemon replaces only a used one (_retire_channel).
+        self._channel_used = False
+        self._looking_after_renewal = False
         self._pending = Pending()
         self._register_request: pb.RegisterEngineRequest | None = None
         self._worker: pb.EngineWorker | None = None
@@ -171,7 +181,7 @@ class EngineClient:
         # (a daemon with require_session_token refuses them without it).
         self._session_token = ""
         self._session = SessionLoop(
-            self._stub, self._pending, open_session=self._open_session, reregister=self._reregister,
+            self._stub_for_call, self._pending, open_session=self._open_session, reregister=self._reregister,
             backoff_initial_s=backoff_initial_s, backoff_max_s=backoff_max_s, address=self.address,
             command_socket=command_socket, max_message_bytes=self.max_message_bytes,
             connect_timeout_s=reregister_timeout_s)
@@ -259,24 +269,110 @@ class EngineClient:
         ``deadline``); keeps the answer's ``session_token`` for the session
         and for unregistering."""
         started = time.monotonic()
-        if self.before_register is not None:
+        while True:
+            if self.before_register is not None:
+                try:
+                    self.before_register(request, deadline if wait else None)
+                except Exception as e:
+                    raise EngineClientError(f"RegisterEngine to kvd at {self.address}: {e}") from e
+            self._wait_connected("RegisterEngine", deadline)
             try:
-                self.before_register(request, deadline if wait else None)
-            except Exception as e:
-                raise EngineClientError(f"RegisterEngine to kvd at {self.address}: {e}") from e
-        self._wait_connected("RegisterEngine", deadline)
-        try:
-            response = call_unary(self.address, "RegisterEngine", self._stub.RegisterEngine, request,
-                                  _left(deadline))
-        except EngineClientError as e:
-            if wait and e.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
-                raise self._unreachable(e, deadline - started) from None
-            raise
+                response = self._unary("RegisterEngine", request, _left(deadline), wait=True)
+                break
+            except EngineClientError as e:
+                if e.daemon_gone and wait and time.monotonic() < deadline:
+                    continue  # the daemon went away after the look: look again (and hand the fds over again)
+                if wait and e.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                    raise self._unreachable(e, deadline - started) from None
+                raise
         self._session_token = response.session_token
         return response
 
+    def _unary(self, name: str, request, timeout_s: float, *, wait: bool):
+        """The unary call ``name`` (an ``EngineService`` method) with a
+        deadline of ``timeout_s`` seconds, on the current channel, after the
+        caller's look at the engine socket. ``wait``: the caller
+        waits for the daemon; on a Unix socket its looks did, and gRPC's
+        ``wait_for_ready`` is not asked (a call queued on it went to
+        whatever gRPC's own reconnect reached next: the look's race, attacker
+        review); elsewhere gRPC waits.
+
+        Raises:
+            EngineClientError: the call failed (its status);
+                ``daemon_gone`` when it was UNAVAILABLE and no daemon was at
+                the engine socket after it (:meth:`_look_after_failure`).
+        """
+        stub = self._stub_for_call()
+        try:
+            return call_unary(self.address, name, getattr(stub, name), request, timeout_s,
+                              wait_for_ready=wait and self._path is None)
+        except EngineClientError as e:
+            if e.code == grpc.StatusCode.UNAVAILABLE:
+                e.daemon_gone = self._look_after_failure()
+            raise
+
+    def _stub_for_call(self) -> pb_grpc.EngineServiceStub:
+        """The stub of the current channel, for a call made now (after a
+        look at the engine socket). Also the session loop's, for its gRPC
+        stream."""
+        with self._channel_lock:
+            self._channel_used = True
+            return self._stub
+
+    def _retire_channel(self) -> None:
+        """A look found no daemon at the engine socket (nobody listens, or
+        another user's server): the channel, if a call used it, is closed
+        and a new one opened for the next call. A channel whose connect
+        failed reconnects in the background on its own backoff (gRPC's
+        TRANSIENT_FAILURE), to whatever serves the path then, a connection
+        no look checked, which the next call would use once its look saw
+        the path empty or the real daemon back (attacker review: another
+        user's listener bound in a restart's gap got a later call's session
+        token). Closing it stops that and cancels what is in flight on it,
+        which no daemon there would answer."""
+        with self._channel_lock:
+            if not self._channel_used or self._pending.closing.is_set():
+                return  # nothing sent on it yet, or closed (close() ends the channel)
+            old = self._channel
+            self._channel = open_channel(self.address, max_message_bytes=self.max_message_bytes,
+                                         backoff_max_s=self.backoff_max_s)
+            self._stub = pb_grpc.EngineServiceStub(self._channel)
+            self._channel_used = False
+        old.close()
+        log.info("kvd %s: no daemon at %s: the channel used there is closed, the next call opens a new one",
+                 self.label, self.address)
+
+    def _look_after_failure(self) -> bool:
+        """After a call failed UNAVAILABLE: one look at the engine socket.
+        True (and the channel retired) when anything but the daemon answers:
+        nobody, or another user's server. A daemon that answers UNAVAILABLE
+        itself (draining, a prefill peer it cannot ask) leaves the channel
+        alone, and with it a session stream on it; so does a look that
+        cannot tell (a full backlog, permission denied)."""
+        if self._path is None:
+            return False
+        why = probe_unix_socket(self.address)
+        if why is None or not (is_impostor(why) or why.errno in NOT_LISTENING):
+            return False
+        self._retire_channel()
+        return True
+
+    def _look_after_renewal(self) -> None:
+        """:meth:`_look_after_failure` off gRPC's callback thread (a channel is
+        not closed from its own callback), one at a time."""
+        if self._looking_after_renewal:
+            return
+        self._looking_after_renewal = True
+
+        def look() -> None:
+            try:
+                self._look_after_failure()
+            finally:
+                self._looking_after_renewal = False
+        threading.Thread(target=look, name="kvd-look", daemon=True).start()
+
     def _wait_connected(self, name: str, deadline: float) -> None:
-        """Before a wait-for-ready call: looks at the engine socket itself (one
+        """Before a call that waits for the daemon: looks at the engine socket itself (one
         ``connect()``, closed at once) until it accepts or ``deadline``
         (``time.monotonic()``), :data:`PROBE_FIRST_S` apart at first, then
         twice as long each time up to :data:`PROBE_MAX_S`. A daemon that is
@@ -311,6 +407,8 @@ class EngineClient:
         started = time.monotonic()
         while True:
             why = probe_unix_socket(self.address)
+            if why is not None and (is_impostor(why) or why.errno in NOT_LISTENING):
+                self._retire_channel()
             if is_impostor(why):
                 # In a directory others may write, another user could have
                 # bound the engine socket before the daemon started and would
@@ -353,6 +451,8 @@ class EngineClient:
         if unix_path(self.address) is None:
             return
         why = probe_unix_socket(self.address)
+        if why is not None and (is_impostor(why) or why.errno in NOT_LISTENING):
+            self._retire_channel()
         if is_impostor(why):
             raise self._impostor(name, why)
         if why is not None and why.errno in NOT_LISTENING:
@@ -414,8 +514,7 @@ class EngineClient:
             raise EngineClientError("unregister before register")
         self._check_server("UnregisterEngine")
         request = pb.UnregisterEngineRequest(worker=self._worker, session_token=self._session_token)
-        return call_unary(self.address, "UnregisterEngine", self._stub.UnregisterEngine, request, timeout_s,
-                          wait_for_ready=False)
+        return self._unary("UnregisterEngine", request, timeout_s, wait=False)
 
     def get_stats(self, *, timeout_s: float = 5.0, wait_for_ready: bool = True) -> pb.StatsResponse:
         """The daemon's ``GetStats`` (blocking; startup and tools only).
@@ -431,14 +530,18 @@ class EngineClient:
                 may not connect to the engine socket: at once (see
                 :meth:`register`).
         """
-        if wait_for_ready:
-            deadline = time.monotonic() + timeout_s
-            self._wait_connected("GetStats", deadline)
-            timeout_s = _left(deadline)
-        else:
+        if not wait_for_ready:
             self._check_server("GetStats")
-        return call_unary(self.address, "GetStats", self._stub.GetStats, pb.StatsRequest(), timeout_s,
-                          wait_for_ready)
+            return self._unary("GetStats", pb.StatsRequest(), timeout_s, wait=False)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._wait_connected("GetStats", deadline)
+            try:
+                return self._unary("GetStats", pb.StatsRequest(), _left(deadline), wait=True)
+            except EngineClientError as e:
+                if not (e.daemon_gone and time.monotonic() < deadline):
+                    raise
+                # The daemon went away after the look: wait for it again.
 
     def renew_leases(self, remote_engine_id: str, remote_address: str, renewals: list[LeaseRenewal], *,
                      timeout_s: float = 10.0) -> Future[list[RenewResult]]:
@@ -470,12 +573,14 @@ class EngineClient:
             try:
                 r = call.result()
             except grpc.RpcError as e:
-                out.set_exception(EngineClientError(
-                    f"RenewLeases to kvd at {self.address} failed: {rpc_status(e)[1]}", rpc_status(e)[0]))
+                code, text = rpc_status(e)
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    self._look_after_renewal()
+                out.set_exception(EngineClientError(f"RenewLeases to kvd at {self.address} failed: {text}", code))
                 return
             out.set_result([RenewResult(x.request_id, x.left_s, x.reason) for x in r.results])
 
-        self._stub.RenewLeases.future(request, timeout=timeout_s).add_done_callback(done)
+        self._stub_for_call().RenewLeases.future(request, timeout=timeout_s).add_done_callback(done)
         return out
 
     # --------------------------------------------------------------- session
@@ -593,7 +698,8 @@ class EngineClient:
         self._pending.wake()
         self._session.stop(timeout_s)
         self._pending.fail_loads("kvd client closed")
-        self._channel.close()
+        with self._channel_lock:
+            self._channel.close()
 
     # ------------------------------------------------------------- internals
     def _open_session(self) -> pb.OpenSession:

@@ -44,7 +44,8 @@ class SessionLoop:
     """The background thread (``kvd-session``) that owns the session stream.
 
     Args:
-        stub: the client's ``EngineService`` stub.
+        stub: the client's ``EngineService`` stub for a call made now (the
+            client replaces its channel when a look finds no daemon there).
         pending: the client's book of commands and events.
         open_session: the ``OpenSession`` of the next stream (the worker and
             the last registration's session token).
@@ -61,7 +62,7 @@ class SessionLoop:
 
     def __init__(
         self,
-        stub: pb_grpc.EngineServiceStub,
+        stub: Callable[[], pb_grpc.EngineServiceStub],
         pending: Pending,
         *,
         open_session: Callable[[], pb.OpenSession],
@@ -248,7 +249,7 @@ class SessionLoop:
                     self._conn = conn
                     events = self._socket_events(conn, stream)
                 else:
-                    events = self._call = self._stub.Session(self._commands(stream), wait_for_ready=False)
+                    events = self._call = self._stub().Session(self._commands(stream), wait_for_ready=False)
                 for event in events:
                     if event.WhichOneof("event") == "opened":
                         backoff = self.backoff_initial_s
