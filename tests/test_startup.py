@@ -226,6 +226,38 @@ def test_a_stop_asked_while_the_daemon_loads_its_modules_stops_it_once_started(t
     assert not (tmp_path / "new").exists(), list((tmp_path / "new").rglob("*"))
 
 
+def test_a_stopped_daemon_keeps_a_directory_it_made_where_others_may_write(tmp_path):
+    """A socket directory the daemon made in a directory every user may
+    write (``/tmp/kvd``) stays at its stop: removed, another user could make
+    it in the gap and the restarted daemon would refuse it as theirs. The
+    restart serves there."""
+    import time
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    sock = shared / "kvd" / "k.sock"
+    outs = []
+    for _ in range(2):
+        proc = subprocess.Popen([sys.executable, "-m", "kvd.cli", "serve", "--peer-listen", "127.0.0.1:0",
+                                 "--engine-socket", str(sock)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while not sock.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert sock.exists(), proc.communicate(timeout=10)[0] if proc.poll() is not None else "no socket"
+            proc.send_signal(signal.SIGTERM)
+            outs.append(proc.communicate(timeout=60)[0])
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 0, outs[-1]
+    assert f"engine_socket: kept directory {shared / 'kvd'}" in outs[0], outs[0]
+    assert "removed directory" not in outs[0] and "created directory" not in outs[1], outs
+    assert (shared / "kvd").is_dir() and not sock.exists(), list(shared.rglob("*"))
+
+
 def test_a_failed_startup_keeps_a_directory_it_made_once_something_else_is_in_it(tmp_path):
     from kvd.daemon.server import make_socket_dir, remove_made_dirs
 

@@ -196,7 +196,20 @@ def make_socket_dir(path: str) -> str | None:
 def remove_made_dirs(top: str, parent: str) -> None:
     """Removes ``parent`` and its ancestors up to ``top`` (directories
     :func:`make_socket_dir` made) while they are empty: a failed startup
-    leaves none of them behind. A directory something was put in stays."""
+    leaves none of them behind. A directory something was put in stays, and
+    so do all when ``top``'s own parent is writable by others (``/tmp``):
+    removed, ``top`` could be made there by another user before the daemon's
+    restart, which would then refuse it as another user's (attacker review:
+    a ``/tmp/kvd`` the daemon removed at its stop was taken in the gap)."""
+    shared = os.path.dirname(top)
+    try:
+        mode = os.stat(shared).st_mode
+    except OSError:
+        mode = 0
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        log.info("engine_socket: kept directory %s (made at startup): others may write %s and could make it "
+                 "before a restart, which this daemon would then refuse", top, shared)
+        return
     d = parent
     while True:
         try:
