@@ -323,3 +323,58 @@ def test_an_engine_that_may_not_connect_to_the_engine_socket_fails_at_once_namin
     finally:
         d.stop()
         shutil.rmtree(where, ignore_errors=True)
+
+
+def test_a_waiting_call_after_a_failed_connect_waits_for_the_daemon_on_a_new_channel(tmp_path):
+    """The look sees a server the engine trusts (root's or its own uid's),
+    whose connection then fails (it closes at once: a daemon going away in
+    a restart), and the daemon is back by the next call. On a Unix socket
+    the client's looks wait, not gRPC's ``wait_for_ready``, so a channel
+    whose connect failed would fail each call at once until its own backoff
+    passed (gRPC's TRANSIENT_FAILURE, up to ``backoff_max_s``). Expected: the
+    failed call says UNAVAILABLE, and the next waiting call reaches the
+    daemon on a new channel."""
+    import socket
+    import threading
+    import time
+
+    import grpc
+
+    from kvd.client.engine_client import EngineClient, EngineClientError
+    from kvd.testing.daemons import start_daemon
+
+    path = str(tmp_path / "kvd.sock")
+    closer = socket.socket(socket.AF_UNIX)
+    closer.bind(path)
+    closer.listen(8)
+    accepted = []
+
+    def close_each() -> None:
+        while True:
+            try:
+                conn, _ = closer.accept()
+            except OSError:
+                return
+            accepted.append(1)
+            conn.close()
+
+    threading.Thread(target=close_each, daemon=True).start()
+    client = EngineClient(path, backoff_max_s=30.0)
+    d = None
+    try:
+        with pytest.raises(EngineClientError) as err:
+            client.get_stats(timeout_s=5)
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE, err.value
+        assert len(accepted) >= 3  # a look, gRPC's connect, and again on a new channel
+        closer.close()
+        os.unlink(path)
+        d = start_daemon(str(tmp_path), "kvd")
+        assert d.socket == path
+        started = time.monotonic()
+        assert client.get_stats(timeout_s=10).peer_address
+        assert time.monotonic() - started < 5  # not the old channel's backoff (30 s at most here)
+    finally:
+        client.close()
+        closer.close()
+        if d is not None:
+            d.stop()

@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -568,18 +569,26 @@ def test_a_session_flooding_rejections_it_never_reads_does_not_flood_the_daemons
     assert len(lines) < 100, f"{len(lines)} lines ({logged} bytes) of log for {sent} bytes sent"
 
 
+def _sticky_dir() -> str:
+    """A fresh directory every user may write, sticky (mode 1777, as
+    ``/tmp``), removed when this process exits."""
+    from kvd.testing.security import reachable_dir
+
+    workdir = reachable_dir()
+    os.chmod(workdir, 0o1777)
+    return workdir
+
+
 @contextlib.contextmanager
 def _victim_in_a_sticky_dir():
     """A daemon whose sockets are in a shared sticky directory (mode 1777,
     which another user may bind names in) and an engine client registered
     with it: yields ``(daemon, client)``; stops and removes all after."""
     from kvd.client.engine_client import EngineClient
-    from kvd.testing.security import reachable_dir
     from kvd.testing.sessions import register_request
     from kvd.testing.shm import ShmSegment
 
-    workdir = reachable_dir()
-    os.chmod(workdir, 0o1777)
+    workdir = _sticky_dir()
     d = start_daemon(workdir, "kvd")
     seg = ShmSegment(SHAPE.size)
     client = EngineClient(d.socket)
@@ -729,3 +738,146 @@ def test_a_daemon_gone_between_the_look_and_the_call_leaves_no_grpc_connection_f
             got = squatter_got()
         assert got["bytes"] == 0, got
         assert got["connections"] <= looked - 1 and len(looks) == looked, (got, looks)
+
+
+@needs_root
+def test_another_users_link_at_the_engine_socket_path_is_not_the_daemon_whatever_it_points_to(tmp_path):
+    """In a restart's gap another local user puts a symbolic link of its own
+    at the engine socket's path in the shared sticky directory, pointing at
+    a socket root serves (containerd's, systemd's: a root listener stands
+    in). The look's ``SO_PEERCRED`` said root, trusted anywhere, and the
+    link's owner could flip it to its own listener for gRPC's connect right
+    after the look (attacker review: the session token, request ids and the
+    RegisterEngine reached it). Expected: the link is refused, whoever
+    serves what it points to: PERMISSION_DENIED naming it, and the root
+    listener gets no byte."""
+    from kvd.client.channel import EngineClientError
+    from kvd.requests import LeaseRenewal
+    from kvd.testing.security import NOBODY
+
+    root_socket = str(tmp_path / "root.sock")
+    with _victim_in_a_sticky_dir() as (d, client), contextlib.closing(socket.socket(socket.AF_UNIX)) as root_srv:
+        root_srv.bind(root_socket)
+        root_srv.listen(8)
+        root_srv.settimeout(0.1)
+        assert d.stop() == 0
+        subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "ln", "-s",
+                        root_socket, d.socket], check=True)
+        assert os.lstat(d.socket).st_uid == NOBODY
+        calls = {
+            "GetStats": lambda: client.get_stats(timeout_s=2, wait_for_ready=False),
+            "GetStats(wait)": lambda: client.get_stats(timeout_s=2),
+            "UnregisterEngine": lambda: client.unregister(timeout_s=2),
+            "RenewLeases": lambda: client.renew_leases("victim-p", "127.0.0.1:1",
+                                                       [LeaseRenewal(RID, [[1]])], timeout_s=2).result(10),
+        }
+        for name, call in calls.items():
+            with pytest.raises(EngineClientError) as err:
+                call()
+            assert err.value.code == grpc.StatusCode.PERMISSION_DENIED and \
+                f"the symbolic link {d.socket} is uid {NOBODY}'s" in str(err.value), (name, err.value)
+        got = 0
+        while True:  # the looks' connects, each closed at once with no byte
+            try:
+                conn, _ = root_srv.accept()
+            except TimeoutError:
+                break
+            with conn:
+                conn.settimeout(1)
+                got += len(conn.recv(65536))
+        assert got == 0
+
+
+# An engine client as another user (argv[2], after the imports and the
+# channel are made as root): one GetStats that does not wait on engine socket
+# argv[1], printed as one JSON line; then, after a line on stdin, 3 s more
+# alive (its channel with it) before it prints {"done": true} and closes.
+_ENGINE_AS_USER = r"""
+import json, os, sys, time
+from kvd.client.engine_client import EngineClient, EngineClientError
+path, uid = sys.argv[1], int(sys.argv[2])
+client = EngineClient(path)
+os.setgroups([]); os.setgid(uid); os.setuid(uid)
+out = {}
+try:
+    client.get_stats(timeout_s=2, wait_for_ready=False)
+    out["call"] = "made"
+except EngineClientError as e:
+    out = {"call": type(e).__name__, "code": e.code.name if e.code else "", "message": str(e)}
+print(json.dumps(out), flush=True)
+sys.stdin.readline()
+time.sleep(3)
+print(json.dumps({"done": True}), flush=True)
+client.close()
+"""
+
+# Another user's socket at argv[1], mode 000 (no one but root may connect);
+# a line on stdin opens it (0777), the next prints {"connections", "bytes"}. Stdlib only.
+_SHUT_THEN_OPENED = r"""
+import json, os, socket, sys, threading
+s = socket.socket(socket.AF_UNIX)
+s.bind(sys.argv[1]); os.chmod(sys.argv[1], 0); s.listen(8)
+got = {"connections": 0, "bytes": 0}
+def serve():
+    while True:
+        c, _ = s.accept()
+        got["connections"] += 1
+        c.settimeout(2)
+        try:
+            while True:
+                data = c.recv(65536)
+                if not data:
+                    break
+                got["bytes"] += len(data)
+        except OSError:
+            pass
+threading.Thread(target=serve, daemon=True).start()
+print(json.dumps({"ready": os.getuid()}), flush=True)
+sys.stdin.readline()
+os.chmod(sys.argv[1], 0o777)
+print("{}", flush=True)
+sys.stdin.readline()
+print(json.dumps(got), flush=True)
+"""
+
+
+@needs_root
+def test_an_engine_refuses_a_call_where_its_look_is_denied_so_a_socket_opened_after_gets_nothing():
+    """An engine of an ordinary user, its engine socket in a shared sticky
+    directory: in a restart's gap another user binds the path with mode 000,
+    so the engine's look gets EACCES. The call went on to gRPC (the denial
+    was "left to the call to say"), failed, and gRPC's channel reconnected
+    on its backoff; the other user then opened its socket (0777) and got
+    that connection, over which the next calls went (attacker review: the
+    session token and request ids reached it). Expected: the call is
+    refused before gRPC (EngineSocketDenied, naming the socket's owner),
+    and the socket opened after gets no connection."""
+    from kvd.testing.processes import child_env
+    from kvd.testing.security import NOBODY, OUTSIDER
+
+    workdir = _sticky_dir()
+    path = os.path.join(workdir, "kvd.sock")
+    squatter = subprocess.Popen(
+        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-I", "-c",
+         _SHUT_THEN_OPENED, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    engine = subprocess.Popen([sys.executable, "-c", _ENGINE_AS_USER, path, str(OUTSIDER)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=child_env())
+    try:
+        assert json.loads(squatter.stdout.readline())["ready"] == NOBODY
+        out = json.loads(engine.stdout.readline())
+        assert out.get("call") == "EngineSocketDenied" and "permission denied connecting" in out["message"] and \
+            f"owned by uid {NOBODY}" in out["message"], out
+        squatter.stdin.write("\n")
+        squatter.stdin.flush()
+        squatter.stdout.readline()
+        engine.stdin.write("\n")
+        engine.stdin.flush()
+        assert json.loads(engine.stdout.readline()) == {"done": True}
+        squatter.stdin.write("\n")
+        squatter.stdin.flush()
+        assert json.loads(squatter.stdout.readline()) == {"connections": 0, "bytes": 0}
+    finally:
+        for proc in (engine, squatter):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()

@@ -61,10 +61,17 @@ def server_refusal(uid: int, path: str) -> str | None:
     ``SO_PEERCRED`` uid), must not be taken for the kvd daemon's; None to
     use it.
 
-    Root and this process's own uid are trusted anywhere. Another uid (a
-    daemon run as a user of its own, as the systemd unit does) only where
-    no one else could have put the socket: :func:`untrusted_step` finds no
-    directory on the way that others may write. A directory every user may
+    Root and this process's own uid, which no other user can be, are
+    trusted in any directory of theirs, but on the way no name another
+    user could have put there: every directory and link theirs, and the
+    name itself a socket of theirs, not a link (:func:`untrusted_step` with
+    ``shared_dirs``). Another user's link at the path, to a socket root
+    serves, passed the uid check while its owner could flip it to its own
+    listener for gRPC's connect right after (attacker review: the session
+    token reached it). Another uid (a daemon run as a user of its own, as
+    the systemd unit does) only where no one else could have put the
+    socket: :func:`untrusted_step` finds no directory on the way that
+    others may write. A directory every user may
     write, sticky or not (``/tmp``), lets anyone make a directory or a link
     of their own there and bind the paths in it (attacker reviews: a
     squatter that bound the engine socket too passed a check of that
@@ -74,7 +81,14 @@ def server_refusal(uid: int, path: str) -> str | None:
     """
     me = os.geteuid()
     if uid in (0, me):
-        return None
+        try:
+            step = untrusted_step(os.path.abspath(path), (0, me), shared_dirs=True)
+        except OSError as e:
+            return f"{path} is served by uid {uid}, and its path cannot be checked ({e.strerror or e})"
+        if step is None:
+            return None
+        return (f"{path} is served by uid {uid}, but on its way {step}: another user may have put it there, "
+                f"and may swap it between this look and gRPC's own connect. Not used")
     try:
         step = untrusted_step(os.path.abspath(path), (0, uid))
     except OSError as e:
@@ -90,14 +104,20 @@ def server_refusal(uid: int, path: str) -> str | None:
 MAX_LINKS = 40
 
 
-def untrusted_step(path: str, trusted: tuple[int, ...]) -> str | None:
+def untrusted_step(path: str, trusted: tuple[int, ...], *, shared_dirs: bool = False) -> str | None:
     """What on the way to the absolute ``path`` lets a user other than
     ``trusted`` put or swap a name there, or None.
+
+    ``shared_dirs``: a directory others may write passes if a ``trusted``
+    uid owns it (``/tmp``), and the name reached must then be a socket of a
+    ``trusted`` uid, not a link: in a sticky directory no other user can
+    rename or remove it (in one without the sticky bit anyone can, which
+    the daemon warns about at startup).
 
     The path is resolved here as the kernel does, from ``/``, one name at a
     time: every directory passed through must be a ``trusted`` uid's and
     writable by no group and no other user (sticky or not), and every
-    symbolic link root's (its target is walked the same way). Then no name
+    symbolic link a ``trusted`` uid's (its target is walked the same way). Then no name
     the resolution read can be changed by anyone else, so it gave the same
     file when the socket was connected as it does now (a walk of the
     resolved path instead, ``os.path.realpath``, read the names again and
@@ -106,8 +126,11 @@ def untrusted_step(path: str, trusted: tuple[int, ...]) -> str | None:
     def bad(where: str, st: os.stat_result) -> str:
         return f"{where} (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}) lets others put files there"
 
+    def untrusted_dir(st: os.stat_result) -> bool:
+        return st.st_uid not in trusted or (not shared_dirs and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+
     st = os.stat("/")
-    if st.st_uid not in trusted or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+    if untrusted_dir(st):
         return bad("/", st)
     names = [n for n in path.split("/") if n]
     here, links = "/", 0
@@ -121,7 +144,7 @@ def untrusted_step(path: str, trusted: tuple[int, ...]) -> str | None:
         step = os.path.join(here, name)
         st = os.lstat(step)
         if stat.S_ISLNK(st.st_mode):
-            if st.st_uid != 0:
+            if st.st_uid not in trusted:
                 return f"the symbolic link {step} is uid {st.st_uid}'s"
             links += 1
             if links > MAX_LINKS:
@@ -132,10 +155,13 @@ def untrusted_step(path: str, trusted: tuple[int, ...]) -> str | None:
             names = [n for n in target.split("/") if n] + names
             continue
         if not names:
-            return None  # the socket itself, in a directory only the trusted may write
+            if shared_dirs and not (stat.S_ISSOCK(st.st_mode) and st.st_uid in trusted):
+                kind = "a socket" if stat.S_ISSOCK(st.st_mode) else "not a socket"
+                return f"{step} is {kind} of uid {st.st_uid}"
+            return None  # the socket itself, in a directory only the trusted may write (or, shared, theirs)
         if not stat.S_ISDIR(st.st_mode):
             raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), step)
-        if st.st_uid not in trusted or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        if untrusted_dir(st):
             return bad(step, st)
         here = step
     return None
@@ -275,7 +301,8 @@ def is_impostor(error: OSError | None) -> bool:
 def open_channel(target: str, *, max_message_bytes: int, backoff_max_s: float) -> grpc.Channel:
     """An insecure channel to ``target`` (a :func:`normalize_address` result):
     messages capped at ``max_message_bytes`` either way, the channel's own
-    reconnect backoff from 50 ms up to ``backoff_max_s`` (seconds)."""
+    reconnect backoff from 50 ms up to ``backoff_max_s`` (seconds), and a
+    connection shared with no other channel."""
     options = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -283,6 +310,12 @@ def open_channel(target: str, *, max_message_bytes: int, backoff_max_s: float) -
         ("grpc.initial_reconnect_backoff_ms", 50),
         ("grpc.min_reconnect_backoff_ms", 50),
         ("grpc.max_reconnect_backoff_ms", int(backoff_max_s * 1000)),
+        # A connection of this channel's own: by default every channel of a
+        # process to one target shares gRPC's subchannels, so a channel opened
+        # to replace one whose connect failed (or reached another user's
+        # listener) took over its connection and its backoff, and closing the
+        # old one ended neither while another channel held them.
+        ("grpc.use_local_subchannel_pool", 1),
     ]
     return grpc.insecure_channel(target, options=options)
 

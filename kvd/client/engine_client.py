@@ -269,6 +269,7 @@ class EngineClient:
         ``deadline``); keeps the answer's ``session_token`` for the session
         and for unregistering."""
         started = time.monotonic()
+        tries = 0
         while True:
             if self.before_register is not None:
                 try:
@@ -280,8 +281,9 @@ class EngineClient:
                 response = self._unary("RegisterEngine", request, _left(deadline), wait=True)
                 break
             except EngineClientError as e:
-                if e.daemon_gone and wait and time.monotonic() < deadline:
-                    continue  # the daemon went away after the look: look again (and hand the fds over again)
+                if wait and self._again(e, deadline, tries):
+                    tries += not e.daemon_gone
+                    continue  # hand the fds over again: their ids were for the try that failed
                 if wait and e.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
                     raise self._unreachable(e, deadline - started) from None
                 raise
@@ -339,22 +341,41 @@ class EngineClient:
             self._stub = pb_grpc.EngineServiceStub(self._channel)
             self._channel_used = False
         old.close()
-        log.info("kvd %s: no daemon at %s: the channel used there is closed, the next call opens a new one",
-                 self.label, self.address)
+        log.info("kvd %s: the channel used at %s is closed (no daemon there now, or its connect failed); the next "
+                 "call opens a new one", self.label, self.address)
 
     def _look_after_failure(self) -> bool:
         """After a call failed UNAVAILABLE: one look at the engine socket.
-        True (and the channel retired) when anything but the daemon answers:
-        nobody, or another user's server. A daemon that answers UNAVAILABLE
-        itself (draining, a prefill peer it cannot ask) leaves the channel
-        alone, and with it a session stream on it; so does a look that
-        cannot tell (a full backlog, permission denied)."""
+        True (and the channel retired) when no daemon answers there
+        (:func:`_no_daemon`). A daemon that answers UNAVAILABLE itself
+        (draining, a prefill peer it cannot ask) leaves the channel alone,
+        and with it a session stream on it; so does a look that cannot tell
+        (a full backlog)."""
         if self._path is None:
             return False
-        why = probe_unix_socket(self.address)
-        if why is None or not (is_impostor(why) or why.errno in NOT_LISTENING):
+        if not _no_daemon(probe_unix_socket(self.address)):
             return False
         self._retire_channel()
+        return True
+
+    def _again(self, error: EngineClientError, deadline: float, tries: int) -> bool:
+        """Whether a call that waits for the daemon until ``deadline``
+        (``time.monotonic()``) tries again after ``error`` (a failed
+        :meth:`_unary`; ``tries``: the retries made so far where the daemon
+        was there): while no daemon was at the
+        engine socket after it (``daemon_gone``: the daemon went away after
+        the look), to wait for one; and once where the daemon was there
+        again (a restart between the look and gRPC's connect), on a new
+        channel: the old one, its connect failed, fails calls at once
+        until its own backoff has passed (gRPC's TRANSIENT_FAILURE), and a
+        daemon that answered UNAVAILABLE itself (draining) says so again."""
+        if error.code != grpc.StatusCode.UNAVAILABLE or time.monotonic() >= deadline:
+            return False
+        if error.daemon_gone:
+            return True
+        if tries > 0 or self._path is None:
+            return False
+        self._retire_channel()  # the failed call used it
         return True
 
     def _look_after_renewal(self) -> None:
@@ -407,7 +428,7 @@ class EngineClient:
         started = time.monotonic()
         while True:
             why = probe_unix_socket(self.address)
-            if why is not None and (is_impostor(why) or why.errno in NOT_LISTENING):
+            if _no_daemon(why):
                 self._retire_channel()
             if is_impostor(why):
                 # In a directory others may write, another user could have
@@ -445,20 +466,27 @@ class EngineClient:
                 may not be taken for the daemon; UNAVAILABLE, the look's
                 ``connect()`` did not complete (a full backlog), so its
                 server was not checked; UNAVAILABLE, nobody listens there
-                (:meth:`_not_listening`). Connecting denied to this user is
-                left to the call to say.
+                (:meth:`_not_listening`).
+            EngineSocketDenied: connecting there is denied to this user: what
+                is there now is not what the call may reach (attacker review:
+                another user's socket of mode 000 at the path passed the look,
+                and was opened to gRPC's connect a moment after).
         """
-        if unix_path(self.address) is None:
+        if self._path is None:
             return
         why = probe_unix_socket(self.address)
-        if why is not None and (is_impostor(why) or why.errno in NOT_LISTENING):
+        if why is None:
+            return
+        if _no_daemon(why):
             self._retire_channel()
         if is_impostor(why):
             raise self._impostor(name, why)
-        if why is not None and why.errno in NOT_LISTENING:
+        if why.errno in NOT_LISTENING:
             raise self._not_listening(name, 0.0, grpc.StatusCode.UNAVAILABLE)
-        if why is not None and why.errno not in DENIED:
-            raise self._unchecked(name, why)
+        if why.errno in DENIED:
+            raise EngineSocketDenied(f"{name} to kvd at {self.address}: {denied_message(self._path, why)}",
+                                     grpc.StatusCode.UNAVAILABLE)
+        raise self._unchecked(name, why)
 
     def _not_listening(self, name: str, waited_s: float, code: grpc.StatusCode) -> EngineClientError:
         """``code`` for call ``name`` (DEADLINE_EXCEEDED after a wait of
@@ -534,14 +562,15 @@ class EngineClient:
             self._check_server("GetStats")
             return self._unary("GetStats", pb.StatsRequest(), timeout_s, wait=False)
         deadline = time.monotonic() + timeout_s
+        tries = 0
         while True:
             self._wait_connected("GetStats", deadline)
             try:
                 return self._unary("GetStats", pb.StatsRequest(), _left(deadline), wait=True)
             except EngineClientError as e:
-                if not (e.daemon_gone and time.monotonic() < deadline):
+                if not self._again(e, deadline, tries):
                     raise
-                # The daemon went away after the look: wait for it again.
+                tries += not e.daemon_gone
 
     def renew_leases(self, remote_engine_id: str, remote_address: str, renewals: list[LeaseRenewal], *,
                      timeout_s: float = 10.0) -> Future[list[RenewResult]]:
@@ -731,6 +760,13 @@ class EngineClient:
                 except EngineClientError as e2:
                     log.warning("kvd %s: unregister after a failed on_register: %s", self.label, e2)
                 raise EngineClientError(f"on_register: {type(e).__name__}: {e}") from e
+
+
+def _no_daemon(why: OSError | None) -> bool:
+    """True when a look's answer (:func:`probe_unix_socket`) says the daemon
+    is not what a connect there reaches now: nobody listens, another user's
+    server, or a socket this user may not connect to."""
+    return why is not None and (is_impostor(why) or why.errno in NOT_LISTENING or why.errno in DENIED)
 
 
 def _left(deadline: float) -> float:

@@ -78,9 +78,9 @@ log = logging.getLogger("kvd.server")
 #: every answer: ~47,000 GetStats on one connection held +106 MiB of RSS;
 #: with 1,024, 60,000 cost +21 MiB (256: +7). Past the bound, grpc-python's
 #: client queues a call for a slot (or, for calls sent before it learnt the
-#: bound, fails it UNAVAILABLE); all channels of one process to the same
-#: socket share a connection, so the bound is per engine process: far above
-#: what one uses (a session stream per worker, a renewal or stats call now
+#: bound, fails it UNAVAILABLE); each engine client's channel has a
+#: connection of its own (``kvd.client.channel.open_channel``), so the bound
+#: is per engine worker: far above what one uses (a session stream per worker, a renewal or stats call now
 #: and then). It does not bound a request still arriving: gRPC buffers each
 #: open stream's message, up to max_message_bytes, before any handler runs
 #: (docs/SECURITY.md, "Not bounded yet"). The peer port keeps gRPC's
