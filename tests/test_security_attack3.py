@@ -811,36 +811,6 @@ print(json.dumps({"done": True}), flush=True)
 client.close()
 """
 
-# Another user's socket at argv[1], mode 000 (no one but root may connect);
-# a line on stdin opens it (0777), the next prints {"connections", "bytes"}. Stdlib only.
-_SHUT_THEN_OPENED = r"""
-import json, os, socket, sys, threading
-s = socket.socket(socket.AF_UNIX)
-s.bind(sys.argv[1]); os.chmod(sys.argv[1], 0); s.listen(8)
-got = {"connections": 0, "bytes": 0}
-def serve():
-    while True:
-        c, _ = s.accept()
-        got["connections"] += 1
-        c.settimeout(2)
-        try:
-            while True:
-                data = c.recv(65536)
-                if not data:
-                    break
-                got["bytes"] += len(data)
-        except OSError:
-            pass
-threading.Thread(target=serve, daemon=True).start()
-print(json.dumps({"ready": os.getuid()}), flush=True)
-sys.stdin.readline()
-os.chmod(sys.argv[1], 0o777)
-print("{}", flush=True)
-sys.stdin.readline()
-print(json.dumps(got), flush=True)
-"""
-
-
 @needs_root
 def test_an_engine_refuses_a_call_where_its_look_is_denied_so_a_socket_opened_after_gets_nothing():
     """An engine of an ordinary user, its engine socket in a shared sticky
@@ -857,27 +827,20 @@ def test_an_engine_refuses_a_call_where_its_look_is_denied_so_a_socket_opened_af
 
     workdir = _sticky_dir()
     path = os.path.join(workdir, "kvd.sock")
-    squatter = subprocess.Popen(
-        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-I", "-c",
-         _SHUT_THEN_OPENED, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    engine = subprocess.Popen([sys.executable, "-c", _ENGINE_AS_USER, path, str(OUTSIDER)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, env=child_env())
-    try:
-        assert json.loads(squatter.stdout.readline())["ready"] == NOBODY
-        out = json.loads(engine.stdout.readline())
-        assert out.get("call") == "EngineSocketDenied" and "permission denied connecting" in out["message"] and \
-            f"owned by uid {NOBODY}" in out["message"], out
-        squatter.stdin.write("\n")
-        squatter.stdin.flush()
-        squatter.stdout.readline()
-        engine.stdin.write("\n")
-        engine.stdin.flush()
-        assert json.loads(engine.stdout.readline()) == {"done": True}
-        squatter.stdin.write("\n")
-        squatter.stdin.flush()
-        assert json.loads(squatter.stdout.readline()) == {"connections": 0, "bytes": 0}
-    finally:
-        for proc in (engine, squatter):
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
+    with _squatter(path) as squatter_got:
+        os.chmod(path, 0)  # the squatter's socket shut (root's chmod stands in for its own)
+        engine = subprocess.Popen([sys.executable, "-c", _ENGINE_AS_USER, path, str(OUTSIDER)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env())
+        try:
+            out = json.loads(engine.stdout.readline())
+            assert out.get("call") == "EngineSocketDenied" and "permission denied connecting" in out["message"] \
+                and f"owned by uid {NOBODY}" in out["message"], out
+            os.chmod(path, 0o777)  # opened: a channel left reconnecting would come now
+            engine.stdin.write("\n")
+            engine.stdin.flush()
+            assert json.loads(engine.stdout.readline()) == {"done": True}
+            assert squatter_got() == {"connections": 0, "bytes": 0}
+        finally:
+            if engine.poll() is None:
+                engine.kill()
+            engine.wait()
