@@ -60,6 +60,11 @@ def test_addresses_accept_bare_paths_and_grpc_targets(tmp_path):
     assert rel.startswith("unix:///") and rel.endswith("/e.sock")
     with pytest.raises(ValueError):
         normalize_address("  ")
+    # gRPC reads a unix: target as a URI: "%41" is "A", "?" and "#" end the path. The look
+    # at the socket would check one file and gRPC dial another.
+    for bad in ("unix:///tmp/a%41.sock", "unix:///tmp/b?x", "/tmp/c#x.sock"):
+        with pytest.raises(ValueError, match="characters gRPC targets cannot carry"):
+            normalize_address(bad)
 
 
 def test_a_loads_local_deadline_follows_what_the_daemon_said_at_session_open(tmp_path):

@@ -459,6 +459,18 @@ def test_the_socket_path_rule_walks_every_name_as_the_kernel_resolves_it():
         os.lchown(nobodys, NOBODY, NOBODY)
         assert untrusted_step(os.path.join(nobodys, "engine.sock.fd"), (0,)) == \
             f"the symbolic link {nobodys} is uid {NOBODY}'s"
+        # A server of root (trusted in a sticky directory of root's) behind another user's link and a
+        # "..": the kernel follows the link and takes ".." in its target, so the link is walked too
+        # (a textual abspath dropped "L/..", and the link's owner flipped it after the look).
+        rd = os.path.join(shared, "rd")
+        os.mkdir(rd, 0o755)
+        with socket.socket(socket.AF_UNIX) as srv:
+            srv.bind(os.path.join(rd, "kvd.sock"))
+            assert server_refusal(0, os.path.join(rd, "kvd.sock")) is None
+            os.symlink(rd, os.path.join(shared, "L"))
+            os.lchown(os.path.join(shared, "L"), NOBODY, NOBODY)
+            why = server_refusal(0, f"{shared}/L/../rd/kvd.sock")
+            assert why and f"the symbolic link {shared}/L is uid {NOBODY}'s" in why, why
     finally:
         shutil.rmtree(shared, ignore_errors=True)
         shutil.rmtree(trusted, ignore_errors=True)

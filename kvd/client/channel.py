@@ -44,14 +44,27 @@ def normalize_address(address: str) -> str:
     """A gRPC target for a daemon address (see the module docstring).
 
     Raises:
-        ValueError: empty address.
+        ValueError: empty address, or a Unix socket path gRPC would read as
+            another (``?``, ``#``, ``%`` or control characters:
+            :func:`kvd.config.client_socket_problem`; the look at the socket
+            would check one file and gRPC dial another).
     """
+    from kvd.config import client_socket_problem
+
     address = address.strip()
     if not address:
         raise ValueError("empty kvd daemon address")
-    if address.startswith(("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:")):
+    if address.startswith("unix:"):
+        problem = client_socket_problem(socket_file(address))
+        if problem:
+            raise ValueError(f"kvd daemon address {address!r}: {problem}")
+        return address
+    if address.startswith(("unix-abstract:", "dns:", "ipv4:", "ipv6:")):
         return address
     if address.startswith(("/", ".")) or address.endswith(".sock"):
+        problem = client_socket_problem(address)
+        if problem:
+            raise ValueError(f"kvd daemon address {address!r}: {problem}")
         return "unix://" + os.path.abspath(address)
     return address
 
@@ -82,7 +95,7 @@ def server_refusal(uid: int, path: str) -> str | None:
     me = os.geteuid()
     if uid in (0, me):
         try:
-            step = untrusted_step(os.path.abspath(path), (0, me), shared_dirs=True)
+            step = untrusted_step(_absolute(path), (0, me), shared_dirs=True)
         except OSError as e:
             return f"{path} is served by uid {uid}, and its path cannot be checked ({e.strerror or e})"
         if step is None:
@@ -90,7 +103,7 @@ def server_refusal(uid: int, path: str) -> str | None:
         return (f"{path} is served by uid {uid}, but on its way {step}: another user may have put it there, "
                 f"and may swap it between this look and gRPC's own connect. Not used")
     try:
-        step = untrusted_step(os.path.abspath(path), (0, uid))
+        step = untrusted_step(_absolute(path), (0, uid))
     except OSError as e:
         return f"{path} is served by uid {uid}, and its path cannot be checked ({e.strerror or e})"
     if step is None:
@@ -98,6 +111,15 @@ def server_refusal(uid: int, path: str) -> str | None:
     return (f"{path} is served by uid {uid} (neither root nor this process's uid {me}), and on its way {step}: "
             f"anyone could have bound it before the daemon. Not used; put the daemon's sockets in a directory only "
             f"its user may write (/run/kvd), or run the engine as the daemon's user")
+
+
+def _absolute(path: str) -> str:
+    """``path`` from ``/``, its ``..`` kept: ``os.path.abspath`` drops
+    ``link/..`` as text, where the kernel's connect follows the link and takes
+    ``..`` in its target (attacker review: another user's link before a
+    ``..`` in a ``unix:`` address went unwalked, and was flipped after the
+    look). :func:`untrusted_step` takes ``..`` as the kernel does."""
+    return path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
 
 
 #: Symbolic links followed on one path at most (the kernel's own limit, path_resolution(7)).
