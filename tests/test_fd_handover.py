@@ -780,3 +780,35 @@ def test_a_memfd_engine_hands_its_fds_over_again_to_a_restarted_daemon(tmp_path)
         client.close()
         d.stop()
         seg.close()
+
+
+def test_an_engine_socket_configured_as_a_link_finds_the_side_sockets_beside_its_target(daemon, tmp_path):
+    """``kvd_socket`` may name a link to the daemon's engine socket (an
+    operator's alias). The side sockets are beside the daemon's socket, not
+    beside the link: the memfd handover and the command socket looked for
+    ``<link>.fd`` / ``<link>.cmd``, found none, and the engine ran its
+    session on the gRPC stream (second attacker review). Expected: both are
+    found through the link, and the session runs on the command socket."""
+    from kvd.client.engine_client import EngineClient
+    from kvd.testing.sessions import KvShape, register_request
+    from kvd.testing.shm import ShmSegment
+
+    link = tmp_path / "alias" / "engine.sock"
+    link.parent.mkdir()
+    link.symlink_to(daemon.socket)
+    good = MemfdSegment(4096, daemon.socket)
+    try:
+        assert len(hand_over(str(link), [good.fd])) == 1
+    finally:
+        good.close()
+    shape = KvShape(num_layers=1, num_blocks=8, block_len=1024)
+    seg = ShmSegment(shape.size)
+    client = EngineClient(str(link))
+    try:
+        client.register(register_request("via-link", shape, seg), timeout_s=10)
+        client.start_session()
+        assert client.wait_opened(10)
+        assert client._session.transport == "socket"
+    finally:
+        client.close()
+        seg.close()

@@ -19,6 +19,7 @@ import struct
 import grpc
 
 from kvd.addresses import socket_file
+from kvd.config import client_socket_problem
 
 #: Default bound on one gRPC message either way (bytes). A RegisterEngine of a
 #: few thousand regions is tens of kB; stats and events are far smaller.
@@ -49,8 +50,6 @@ def normalize_address(address: str) -> str:
             :func:`kvd.config.client_socket_problem`; the look at the socket
             would check one file and gRPC dial another).
     """
-    from kvd.config import client_socket_problem
-
     address = address.strip()
     if not address:
         raise ValueError("empty kvd daemon address")
@@ -214,6 +213,17 @@ def check_daemon_serves(s: socket.socket, path: str) -> None:
 #: (``EACCES``: the socket's mode or directory shuts this user out) is not
 #: cured by waiting.
 NOT_LISTENING = frozenset({errno.ENOENT, errno.ECONNREFUSED})
+
+
+def beside_engine_socket(address: str) -> str:
+    """The engine socket's file, where the daemon's side sockets
+    (``<file>.cmd``, ``<file>.fd``) are: ``address``'s path, its symbolic
+    links resolved (a configured path that is a link to the daemon's socket
+    has no side sockets beside the link). Each side socket is checked on the
+    connection it is used over (:func:`check_daemon_serves`), on this
+    link-free path."""
+    path = unix_path(address) or address
+    return os.path.realpath(path)
 
 
 def unix_path(address: str) -> str | None:

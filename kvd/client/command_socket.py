@@ -12,7 +12,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Iterable, Iterator
 
-from kvd.client.channel import check_daemon_serves
+from kvd.client.channel import beside_engine_socket, check_daemon_serves
 from kvd.command_wire import Deframer, command_socket_path, frame
 from kvd.v1 import kvd_pb2 as pb
 
@@ -49,7 +49,7 @@ class CommandConnection:
                 ``ConnectionRefusedError``: the daemon offers none), it
                 cannot be reached, or ``PermissionError``: another user serves it.
         """
-        path = command_socket_path(engine_socket)
+        path = command_socket_path(beside_engine_socket(engine_socket))
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             s.settimeout(timeout_s)

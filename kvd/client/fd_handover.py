@@ -24,8 +24,8 @@ import socket
 import time
 
 from kvd import fd_wire as wire
-from kvd.client.channel import (DENIED, NOT_LISTENING, check_daemon_serves, denied_message, is_impostor,
-                                no_daemon_message, unix_path)
+from kvd.client.channel import (DENIED, NOT_LISTENING, beside_engine_socket, check_daemon_serves, denied_message,
+                                is_impostor, no_daemon_message, unix_path)
 
 log = logging.getLogger("kvd.client")
 
@@ -60,7 +60,7 @@ def hand_over(engine_socket: str, fds: list[int], timeout_s: float = 10.0, *,
             socket's owner and mode and this uid), a refusal (its
             message), or no answer within ``timeout_s`` seconds per request.
     """
-    path = wire.fd_socket_path(engine_socket)
+    path = wire.fd_socket_path(beside_engine_socket(engine_socket))
     wait = _Wait(engine_socket, deadline)
     ids: list[str] = []
     for i in range(0, len(fds), wire.MAX_FDS):
