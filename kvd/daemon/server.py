@@ -80,8 +80,8 @@ log = logging.getLogger("kvd.server")
 #: client queues a call for a slot (or, for calls sent before it learnt the
 #: bound, fails it UNAVAILABLE); each engine client's channel has a
 #: connection of its own (``kvd.client.channel.open_channel``), so the bound
-#: is per engine worker: far above what one uses (a session stream per worker, a renewal or stats call now
-#: and then). It does not bound a request still arriving: gRPC buffers each
+#: is per engine worker: far above what one uses (a session stream, a
+#: renewal or stats call now and then). It does not bound a request still arriving: gRPC buffers each
 #: open stream's message, up to max_message_bytes, before any handler runs
 #: (docs/SECURITY.md, "Not bounded yet"). The peer port keeps gRPC's
 #: default: a reader daemon's one channel to a source carries a claim per
