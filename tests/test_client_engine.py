@@ -65,6 +65,8 @@ def test_addresses_accept_bare_paths_and_grpc_targets(tmp_path):
     for bad in ("unix:///tmp/a%41.sock", "unix:///tmp/b?x", "/tmp/c#x.sock"):
         with pytest.raises(ValueError, match="characters gRPC targets cannot carry"):
             normalize_address(bad)
+    with pytest.raises(ValueError, match="port '5O051' is not a number"):
+        normalize_address("localhost:5O051")
 
 
 def test_a_loads_local_deadline_follows_what_the_daemon_said_at_session_open(tmp_path):

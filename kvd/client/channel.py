@@ -18,7 +18,7 @@ import struct
 
 import grpc
 
-from kvd.addresses import socket_file
+from kvd.addresses import socket_file, split_host_port
 from kvd.config import client_socket_problem
 
 #: Default bound on one gRPC message either way (bytes). A RegisterEngine of a
@@ -48,7 +48,8 @@ def normalize_address(address: str) -> str:
         ValueError: empty address, or a Unix socket path gRPC would read as
             another (``?``, ``#``, ``%`` or control characters:
             :func:`kvd.config.client_socket_problem`; the look at the socket
-            would check one file and gRPC dial another).
+            would check one file and gRPC dial another), or a ``host:port``
+            whose port is not one (:func:`kvd.addresses.split_host_port`).
     """
     address = address.strip()
     if not address:
@@ -65,6 +66,7 @@ def normalize_address(address: str) -> str:
         if problem:
             raise ValueError(f"kvd daemon address {address!r}: {problem}")
         return "unix://" + os.path.abspath(address)
+    split_host_port(address, "kvd daemon address", min_port=1)  # a typo'd port timed out as DEADLINE_EXCEEDED
     return address
 
 
