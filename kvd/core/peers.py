@@ -41,7 +41,7 @@ from kvd.core.events import Incompatible, InvalidArgument, NotFound, PeerUnavail
 from kvd.core.hold_mirror import HoldMirror
 from kvd.core.layout import LayoutError
 from kvd.core.limits import BOUNDS, UidCounts
-from kvd.core.nixl_agent import SCRATCH_BYTES, NixlError, Unprepped, metadata_agent_name
+from kvd.core.nixl_agent import SCRATCH_BYTES, NixlError, Unprepped, metadata_agent_name, metadata_problem
 from kvd.core.runtime import Runtime
 from kvd.core.state import PROTOCOL_VERSION, HandshakeResult, PeerKey, PeerLink, RemoteWorker, WarmPeer, Worker
 from kvd.core.throttle import Throttled
@@ -101,6 +101,9 @@ def check_peer(w: Worker, hs: HandshakeResult, what: str) -> None:
     if not 0 < len(hs.agent_metadata) <= BOUNDS.max_agent_metadata:
         raise InvalidArgument(f"{what}: agent metadata of {len(hs.agent_metadata)} bytes "
                               f"(1..{BOUNDS.max_agent_metadata} accepted)")
+    problem = metadata_problem(hs.agent_metadata)
+    if problem:
+        raise InvalidArgument(f"{what}: agent metadata refused: {problem}")
     if len(hs.region_bases) != len(hs.regions) or not hs.regions:
         raise InvalidArgument(f"{what}: region_base_addrs and regions differ in length")
     if not 1 <= hs.tp_size <= BOUNDS.max_tp_size:
