@@ -36,6 +36,7 @@ from kvd.core.events import (
     LeaseRenewed,
     NotFound,
     PermissionDenied,
+    ResourceExhausted,
     SendDone,
 )
 from kvd.core.hold_mirror import HoldMirror
@@ -108,6 +109,8 @@ class Holds:
         # Any peer that loaded a source's agent can send malformed
         # notifications as fast as it likes: a line each would flood the log.
         self._malformed = Throttled(log)
+        self.waiting_claims = 0  # claims waiting for a hold now (BOUNDS.max_waiting_claims)
+        self.waiting_claim_ids = 0  # the block ids they carry (BOUNDS.max_waiting_claim_ids)
 
     def hold(self, w: Worker, request_id: str, groups: BlockGroups, lease_s: float = 0.0) -> None:
         """Holds ``groups`` (block ids per KV-cache group) of ``request_id``
@@ -217,32 +220,50 @@ class Holds:
             NotFound: no such worker here.
             InvalidArgument: more blocks than ``max_blocks_per_request``.
             PermissionDenied: no such lease by the end of the wait.
+            ResourceExhausted: the claim would wait while
+                ``BOUNDS.max_waiting_claims`` claims, or claims with
+                ``BOUNDS.max_waiting_claim_ids`` block ids in all, wait here.
         """
         w = self.rt.worker(engine_id, tp_rank)
-        if len(flat(groups)) > self.rt.limits.max_blocks_per_request:
+        n = len(flat(groups))
+        if n > self.rt.limits.max_blocks_per_request:
             raise InvalidArgument(f"claim: more than {self.rt.limits.max_blocks_per_request} blocks")
         # NaN, negative or infinite from a peer: no wait, or the cap.
         t0 = time.monotonic()
         deadline = t0 + (min(wait_s, BOUNDS.max_claim_wait_s) if wait_s > 0 else 0.0)
         waited = False
-        while not w.leases.covers(request_id, groups):
-            left = deadline - time.monotonic()
-            # A lease of the request that lacks these blocks will not grow
-            # (a second hold of other blocks is refused): no use waiting.
-            if left <= 0 or self.rt.workers.get(w.key) is not w or request_id in w.leases.leases:
-                raise PermissionDenied(f"claim: engine {engine_id!r} rank {tp_rank} holds no lease on those "
-                                       f"blocks for request {request_id!r}")
-            waited = True
-            if w.hold_added.is_set():
-                # Set by a hold before this check, which saw it: stale. A
-                # fresh event per wait, not per hold (a hold made one each,
-                # ~1 % of a prefill daemon's samples with 64 holds a batch).
-                w.hold_added = asyncio.Event()
-            try:
-                async with asyncio.timeout(left):
-                    await w.hold_added.wait()
-            except TimeoutError:
-                pass
+        try:
+            while not w.leases.covers(request_id, groups):
+                left = deadline - time.monotonic()
+                # A lease of the request that lacks these blocks will not grow
+                # (a second hold of other blocks is refused): no use waiting.
+                if left <= 0 or self.rt.workers.get(w.key) is not w or request_id in w.leases.leases:
+                    raise PermissionDenied(f"claim: engine {engine_id!r} rank {tp_rank} holds no lease on those "
+                                           f"blocks for request {request_id!r}")
+                if not waited:
+                    if (self.waiting_claims >= BOUNDS.max_waiting_claims
+                            or self.waiting_claim_ids + n > BOUNDS.max_waiting_claim_ids):
+                        raise ResourceExhausted(
+                            f"claim: {self.waiting_claims} claims with {self.waiting_claim_ids} block ids wait for "
+                            f"holds here already (at most {BOUNDS.max_waiting_claims} claims and "
+                            f"{BOUNDS.max_waiting_claim_ids} ids); request {request_id!r} is not held yet")
+                    waited = True
+                    self.waiting_claims += 1
+                    self.waiting_claim_ids += n
+                if w.hold_added.is_set():
+                    # Set by a hold before this check, which saw it: stale. A
+                    # fresh event per wait, not per hold (a hold made one each,
+                    # ~1 % of a prefill daemon's samples with 64 holds a batch).
+                    w.hold_added = asyncio.Event()
+                try:
+                    async with asyncio.timeout(left):
+                        await w.hold_added.wait()
+                except TimeoutError:
+                    pass
+        finally:
+            if waited:
+                self.waiting_claims -= 1
+                self.waiting_claim_ids -= n
         if waited:
             # A reader asked before the engine's hold came (vLLM sends it a
             # step after answering P's request): part of that load's time; a

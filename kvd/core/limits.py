@@ -199,6 +199,14 @@ class Bounds:
     # its session while the proxy already forwards kv_transfer_params, so a
     # decode daemon's claim can arrive first.
     max_claim_wait_s: float = 5.0
+    # Claims waiting for a hold at once on this daemon, and the block ids
+    # they carry in all. A waiting claim keeps its ids as Python ints
+    # (~50 bytes each with the request); unbounded, 48 claims of 1M ids for
+    # a request never held took the daemon to 2.7 GB (attacker review).
+    # Honest waits are a hold one engine step behind its reader's claim:
+    # a few per reader in flight, each a request's blocks.
+    max_waiting_claims: int = 1024
+    max_waiting_claim_ids: int = 1 << 22
 
     @property
     def max_notif_bytes(self) -> int:

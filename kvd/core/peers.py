@@ -101,9 +101,6 @@ def check_peer(w: Worker, hs: HandshakeResult, what: str) -> None:
     if not 0 < len(hs.agent_metadata) <= BOUNDS.max_agent_metadata:
         raise InvalidArgument(f"{what}: agent metadata of {len(hs.agent_metadata)} bytes "
                               f"(1..{BOUNDS.max_agent_metadata} accepted)")
-    problem = metadata_problem(hs.agent_metadata)
-    if problem:
-        raise InvalidArgument(f"{what}: agent metadata refused: {problem}")
     if len(hs.region_bases) != len(hs.regions) or not hs.regions:
         raise InvalidArgument(f"{what}: region_base_addrs and regions differ in length")
     if not 1 <= hs.tp_size <= BOUNDS.max_tp_size:
@@ -129,6 +126,11 @@ def check_peer(w: Worker, hs: HandshakeResult, what: str) -> None:
             raise InvalidArgument(f"{what}: region {i} at base address {base:#x} ends past the 64-bit range")
     if not 0 <= hs.warm_up_addr < (1 << 63) - SCRATCH_BYTES:
         raise InvalidArgument(f"{what}: warm_up_addr {hs.warm_up_addr:#x} is past the 64-bit range")
+    # Last: the other checks' messages stay what they were for a description
+    # that also carries junk metadata.
+    problem = metadata_problem(hs.agent_metadata)
+    if problem:
+        raise InvalidArgument(f"{what}: agent metadata refused: {problem}")
 
 
 def pair_plan(reader: plan.Geometry, source: plan.Geometry):

@@ -127,7 +127,10 @@ class PeerService(pb_grpc.PeerServiceServicer):
 
         gRPC status: NOT_FOUND for a worker not registered here;
         PERMISSION_DENIED when no lease covers those blocks; INVALID_ARGUMENT
-        for too many blocks or a ``request_id`` over ``BOUNDS.max_id_bytes``."""
+        for too many blocks or a ``request_id`` over ``BOUNDS.max_id_bytes``;
+        RESOURCE_EXHAUSTED when it would wait while too many claims, or
+        claims of too many block ids, wait here (``BOUNDS.max_waiting_claims``,
+        ``max_waiting_claim_ids``)."""
         try:
             if len(request.request_id.encode()) > BOUNDS.max_id_bytes:
                 raise ev.InvalidArgument(f"claim: request_id longer than {BOUNDS.max_id_bytes} bytes")

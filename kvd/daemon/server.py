@@ -41,7 +41,7 @@ import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection as grpc_reflection
 
 from kvd import __version__
 from kvd.addresses import ip_of, is_loopback, is_wildcard, join_host_port, metrics_url
@@ -49,7 +49,7 @@ from kvd.config import MAX_MESSAGE_BYTES, Config, parse_host_port, resolve_gid, 
 from kvd.core.events import FailureKind
 from kvd.core.limits import Limits
 from kvd.core.node import Node
-from kvd.daemon import heap
+from kvd.daemon import heap, reflection
 from kvd.daemon.call_refusal import RefusalInterceptor
 from kvd.daemon.early_stop import take_stops
 from kvd.daemon.engine_service import EngineService
@@ -586,8 +586,8 @@ class Server:
     def _add_health_and_reflection(self, server, service: str) -> Health:
         health = Health()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
-        reflection.enable_server_reflection(
-            (service, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        reflection.enable(
+            (service, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, grpc_reflection.SERVICE_NAME),
             server,
         )
         return health
