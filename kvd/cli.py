@@ -235,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run the daemon",
                        description="Run the kvd daemon: EngineService on a Unix socket for local engines, "
                                    "PeerService on TCP for remote daemons, gRPC health on both.",
-                       epilog=ENGINE_SIDE_EPILOG)
+                       epilog=ENGINE_SIDE_EPILOG,
+                       flag_hints={"--socket": "--engine-socket (kvd status and kvd health call it --socket)"})
     s.add_argument("--config", metavar="FILE", default=None,
                    help="TOML file of settings (env KVD_CONFIG); flags > KVD_* env > file > defaults")
     s.add_argument("--print-config", action="store_true",

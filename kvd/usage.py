@@ -30,9 +30,12 @@ class UsageParser(argparse.ArgumentParser):
     must not mean ``--max-lease-life-s`` today and something else when a
     flag with that prefix is added."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, flag_hints: dict[str, str] | None = None, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        #: Unknown flag -> the flag meant, where spelling does not tell
+        #: (another command's name for the same thing).
+        self.flag_hints = dict(flag_hints or {})
 
     def error(self, message: str):
         """Exits 64 with the error, a hint for a misspelt flag, and the usage
@@ -45,7 +48,8 @@ class UsageParser(argparse.ArgumentParser):
         if message.startswith("unrecognized arguments:"):
             known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
             for flag in re.findall(r"(--[^\s=]+)", message):
-                hint += did_you_mean(flag, known)
+                meant = self.flag_hints.get(flag)
+                hint += f"; did you mean {meant}?" if meant else did_you_mean(flag, known)
         choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
         if choice:  # a misspelt command (``kvd statsu``) or a value of a flag with choices
             hint += did_you_mean(choice[1], re.findall(r"'([^']*)'", choice[2]))

@@ -29,11 +29,20 @@ def _kvd(*args, timeout=60):
     (["--lengths", "abc"], "'abc' is not an integer"),
     (["--max-tokens", "0"], "--max-tokens"),
     (["--engine-ready-timeout", "-1"], "--engine-ready-timeout"),
+    (["--lengths", "20,,100"], "an empty length in '20,,100'"),
+    # Past the engines' 2,048 tokens a request (a traceback before, or an
+    # HTTP 400 once the whole stack had started).
+    (["--lengths", "100000"], "a prompt of 100000 tokens does not fit"),
+    (["--lengths", "2033"], "at most 2032 here"),
+    (["--max-tokens", "1500"], "a prompt of 600 tokens does not fit"),  # the default three prompts reach 600
+    (["--max-tokens", "3000"], "--max-tokens: 3000 leaves no room"),
 ])
-def test_demo_refuses_bad_arguments_before_starting_anything(args, message):
-    r = _kvd("demo", *args, timeout=30)  # would take minutes if it started the stack
-    assert r.returncode == 64, (r.returncode, r.stderr[-2000:])
+def test_demo_refuses_bad_arguments_before_starting_anything(args, message, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "kvd.cli", "demo", *args], capture_output=True, text=True, timeout=30,
+                       cwd=tmp_path, env={k: v for k, v in os.environ.items() if not k.startswith("KVD_")})
+    assert r.returncode == 64, (r.returncode, r.stderr[-2000:])  # would take minutes if it started the stack
     assert message in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / ".kvd-demo").exists()  # no run directory made
 
 
 @pytest.mark.parametrize("args, message", [
@@ -696,6 +705,8 @@ def test_an_unknown_serve_flag_prints_serves_usage():
     assert "did you mean" not in r.stderr
     r = _kvd("serve", "--engine-sock", "/tmp/x.sock")  # a misspelt flag: the one meant
     assert r.returncode == 64 and "did you mean --engine-socket?" in r.stderr, r.stderr
+    r = _kvd("serve", "--socket", "/tmp/x.sock")  # kvd status's name for it: the one meant (a new user's try)
+    assert r.returncode == 64 and "did you mean --engine-socket" in r.stderr, r.stderr
     r = _kvd("health", "--bogus")  # every subcommand alike
     assert r.returncode == 64 and "usage: kvd health" in r.stderr, r.stderr
     r = _kvd("--bogus", "version")  # before the subcommand: the top-level usage

@@ -207,8 +207,8 @@ def test_status_table_for_people(ops):
     assert "serving" in out and re.search(r"^data path +direct$", out, re.M)
     assert "1 done, 1 failed, 0 in flight, 256.0 KiB read" in out
     assert "dropped notifications" not in out  # shown only when some were
-    assert re.search(rf"^peer auth +none: PeerService on loopback {re.escape(ops.decode.peer_address)}, for callers "
-                     r"whose TCP connection is root's or the daemon user's only", out, re.M), out
+    assert re.search(rf"^peer auth +none: PeerService on loopback {re.escape(ops.decode.peer_address)}, no other "
+                     r"host; only root and the daemon's user may call it", out, re.M), out
     header = next(line for line in out.splitlines() if line.startswith("ENGINE"))
     row = next(line for line in out.splitlines() if line.startswith("decode-e"))
     assert "REGISTERED" in header and "2.0 MiB" in row and "direct" in row

@@ -185,9 +185,9 @@ def peer_auth_line(d: dict) -> str:
         "PEER_AUTH_TOKEN": f"token (peer_token_file), PeerService on {at}",
         "PEER_AUTH_MUTUAL_TLS": f"mutual TLS (peer_tls_*), PeerService on {at}",
         "PEER_AUTH_MUTUAL_TLS_AND_TOKEN": f"mutual TLS + token, PeerService on {at}",
-        "PEER_AUTH_NONE_LOOPBACK": f"none: PeerService on loopback {at}, for callers whose TCP connection "
-                                   "is root's or the daemon user's only, no other host (peer_token_file or "
-                                   "peer_tls_* to serve remote daemons)",
+        "PEER_AUTH_NONE_LOOPBACK": f"none: PeerService on loopback {at}, no other host; only root and the "
+                                   "daemon's user may call it (peer_token_file or peer_tls_* to serve remote "
+                                   "daemons)",
         "PEER_AUTH_NONE_INSECURE": f"NONE (peer_insecure = true): any host that reaches {at} can read and "
                                    "overwrite the KV caches registered here",
     }.get(d.get("peer_auth"), "- (not reported by this daemon)")

@@ -360,10 +360,20 @@ def _daemon_supports(flag: str) -> bool:
 def _lengths(text: str) -> list[int]:
     """argparse type of ``--lengths``: comma-separated prompt lengths, tokens >= 1."""
     parse = positive(int)
-    out = [parse(x.strip()) for x in text.split(",") if x.strip()]
-    if not out:
+    items = [x.strip() for x in text.split(",")]
+    if not any(items):
         raise argparse.ArgumentTypeError("no lengths given")
-    return out
+    if not all(items):
+        raise argparse.ArgumentTypeError(f"an empty length in {text!r} (comma-separated integers, e.g. 20,100,600)")
+    return [parse(x) for x in items]
+
+
+def prompt_lengths(args: argparse.Namespace) -> list[int]:
+    """The prompts' lengths in tokens: ``--lengths``, or ``--prompts`` of
+    :data:`DEFAULT_LENGTHS` in turn."""
+    if args.lengths:
+        return list(args.lengths)
+    return [DEFAULT_LENGTHS[i % len(DEFAULT_LENGTHS)] for i in range(args.prompts)]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -399,6 +409,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--engine-ready-timeout", type=positive(float), default=engines.ENGINE_READY_S,
                     help="seconds each engine may take to start (default %(default)s)")
     args = ap.parse_args(argv)
+    room = engines.MAX_MODEL_LEN - args.max_tokens
+    if room < 1:
+        ap.error(f"--max-tokens: {args.max_tokens} leaves no room for a prompt (the demo's engines take "
+                 f"{engines.MAX_MODEL_LEN} tokens a request, prompt and generated tokens together)")
+    too_long = [n for n in prompt_lengths(args) if n > room]
+    if too_long:
+        ap.error(f"a prompt of {too_long[0]} tokens does not fit: the demo's engines take {engines.MAX_MODEL_LEN} "
+                 f"tokens a request, prompt and the {args.max_tokens} generated (--max-tokens) together, so at "
+                 f"most {room} here")
     if args.workdir is not None and args.workdir.exists() and not args.workdir.is_dir():
         ap.error(f"--workdir: {args.workdir} exists and is not a directory")
     if args.model_dir is not None:
@@ -452,10 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print(missing_line(missing), file=sys.stderr)
         return EXIT_UNAVAILABLE
-    if args.lengths:
-        lengths = list(args.lengths)
-    else:
-        lengths = [DEFAULT_LENGTHS[i % len(DEFAULT_LENGTHS)] for i in range(args.prompts)]
+    lengths = prompt_lengths(args)
     workdir = args.workdir or Path(".kvd-demo") / time.strftime("%Y%m%d-%H%M%S")
     workdir = workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)

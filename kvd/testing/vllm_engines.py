@@ -76,9 +76,14 @@ def nixl_connector_config() -> dict:
     return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
 
 
+#: Tokens a demo engine takes per request, prompt and generated tokens
+#: together (vLLM's ``--max-model-len``; the tiny models' positions go this far).
+MAX_MODEL_LEN = 2048
+
+
 def engine_argv(model_dir: str, port: int, kv_transfer_config: dict | None,
                 served_name: str = "tiny", block_size: int = 32,
-                max_model_len: int = 2048, max_num_seqs: int = 8,
+                max_model_len: int = MAX_MODEL_LEN, max_num_seqs: int = 8,
                 extra: list[str] | None = None) -> list[str]:
     """vLLM OpenAI api_server command line for a demo engine on
     ``127.0.0.1:port`` (float32, eager, ``block_size`` tokens per block), with
