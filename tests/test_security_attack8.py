@@ -15,10 +15,19 @@ Promised now (``kvd.core.nixl_agent.metadata_problem``, checked with the
 rest of a peer's description and again before every ``add_remote_agent``):
 such metadata is refused with a message naming the version, the load or
 push fails, the daemon keeps serving.
+
+A second review found other bytes of the address that crash UCX's parser
+(segfaults), which no check of kvd's can list. So a decode daemon with no
+peer credential takes a handshake answer only from a daemon of this host
+run by root or its own uid (``kvd.daemon.peer_local.dial_address``, as a
+push already was): before, any local user's listener (or any host) that a
+request's ``kv_transfer_params`` named got the handshake and its answer was
+loaded.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -197,3 +206,66 @@ def test_a_push_whose_reader_has_an_unknown_ucx_address_version_is_refused_and_t
         ch.close()
         e.close()
         assert d.stop() == 0
+
+
+# As uid 65534 after its imports: a PeerService on loopback answering every
+# handshake with the metadata on stdin (echoing the compatibility hash);
+# prints its port, then "ASKED" on each handshake it gets.
+_OTHER_USERS_PEER = textwrap.dedent("""
+    import os, sys, time
+    from concurrent.futures import ThreadPoolExecutor
+    import grpc
+    from kvd.core.state import PROTOCOL_VERSION
+    from kvd.testing.sessions import KvShape
+    from kvd.v1 import kvd_pb2 as pb, kvd_pb2_grpc as pb_grpc
+    md = bytes.fromhex(sys.stdin.readline().strip())
+    shape = KvShape(num_layers=2, num_blocks=16, block_len=4096)
+    regions = shape.regions()
+    class Servicer(pb_grpc.PeerServiceServicer):
+        def Handshake(self, request, context):
+            print("ASKED", flush=True)
+            return pb.HandshakeResponse(agent_metadata=md, agent_name="attack8-real-agent", layout=shape.layout(),
+                                        regions=regions, region_base_addrs=[0x10000000 + r.offset for r in regions],
+                                        compat_hash=request.compat_hash, daemon_version="0",
+                                        protocol_version=PROTOCOL_VERSION, tp_size=1, memory="DRAM")
+    "x".encode("idna")  # loaded while root: as another user the interpreter's files may be unreadable
+    os.setgroups([]); os.setgid(65534); os.setuid(65534)
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_PeerServiceServicer_to_server(Servicer(), server)
+    print("PORT", server.add_insecure_port("127.0.0.1:0"), flush=True)
+    server.start()
+    time.sleep(120)
+""")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the listener as another user")
+def test_with_no_credential_a_handshake_goes_to_no_other_users_listener(tmp_path, real_md):
+    d = start_daemon(str(tmp_path), "reader", log_level="info")
+    reader = Engine(d, "reader-dial", SHAPE)
+    source = Engine(d, "source-dial", SHAPE, seed=3)
+    peer = subprocess.Popen([sys.executable, "-c", _OTHER_USERS_PEER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=child_env())
+    try:
+        peer.stdin.write(real_md.hex() + "\n")
+        peer.stdin.flush()
+        line = peer.stdout.readline()
+        assert line.startswith("PORT "), line
+        address = f"127.0.0.1:{int(line.split()[1])}"
+        reader.load("other", [1], None, [1], "other", timeout_s=10, remote_engine_id="hostile",
+                    remote_address=address)
+        ev = reader.wait("other", 30)
+        assert event_kind(ev) == "load_failed" and "served by uid 65534" in ev.load_failed.reason, ev
+        assert "handshake not sent" in ev.load_failed.reason, ev
+        # The daemon's own engines still pair with each other.
+        source.hold("real", [5])
+        reader.load("real", [6], source, [5], "real", timeout_s=10)
+        ev = reader.wait("real", 30)
+        assert event_kind(ev) == "recv_done" and reader.same_blocks([6], source, [5]), ev
+    finally:
+        peer.kill()
+        out = peer.stdout.read()
+        peer.wait()
+        reader.close()
+        source.close()
+        assert d.stop() == 0
+    assert "ASKED" not in out, "another user's listener got a handshake"

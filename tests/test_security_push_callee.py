@@ -10,7 +10,7 @@ and overwrite the decode engine's blocks with its own NIXL agent. Now
 (``kvd.daemon.peer_client.PeerClient.push``): with a token, a Handshake
 whose answer carries the callee's proof comes first; with no credential,
 the address must be a listener of this host run by root or the daemon's
-uid (``kvd.daemon.peer_local.push_dial_address``), and the push is sent to
+uid (``kvd.daemon.peer_local.dial_address``), and the push is sent to
 the IP that was checked, not to the name again.
 """
 
@@ -27,7 +27,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from kvd.daemon.peer_local import PushRefused, listener_owners, push_dial_address
+from kvd.daemon.peer_local import DialRefused, listener_owners, dial_address
 from kvd.testing.daemons import start_daemon
 from kvd.testing.sessions import Engine, KvShape, event_kind
 
@@ -134,24 +134,24 @@ def test_with_no_credential_no_push_goes_to_another_users_listener(tmp_path):
 
 def _refusal(address: str, insecure: bool = False, uid: int | None = None) -> str | None:
     try:
-        push_dial_address(address, insecure, uid)
-    except PushRefused as e:
+        dial_address(address, insecure, uid)
+    except DialRefused as e:
         return str(e)
     return None
 
 
 def test_the_callee_check_without_a_credential():
-    """Unit: what :func:`push_dial_address` admits and dials (its sock_diag
+    """Unit: what :func:`dial_address` admits and dials (its sock_diag
     and /proc lookups are real)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
         assert listener_owners(ipaddress.ip_address("127.0.0.1"), port) == [os.geteuid()]
-        assert push_dial_address(f"127.0.0.1:{port}", insecure=False) == f"127.0.0.1:{port}"
+        assert dial_address(f"127.0.0.1:{port}", insecure=False) == f"127.0.0.1:{port}"
         # A name is dialed as the IP checked, never resolved again by gRPC's
         # own resolver (which answered ::1 first for localhost: attacker review).
-        assert push_dial_address(f"localhost:{port}", insecure=False) == f"127.0.0.1:{port}"
+        assert dial_address(f"localhost:{port}", insecure=False) == f"127.0.0.1:{port}"
         # Another uid's: as if the daemon ran as someone else.
         other = os.geteuid() + 1
         why = _refusal(f"127.0.0.1:{port}", uid=other)
@@ -164,7 +164,7 @@ def test_the_callee_check_without_a_credential():
         assert _refusal(f"127.0.0.1:{free}") == f"nothing listens on 127.0.0.1:{free}"
     # 192.0.2.0/24 is TEST-NET-1 (RFC 5737): never this host's.
     assert "not an address of this host" in _refusal("192.0.2.7:5000")
-    assert push_dial_address("192.0.2.7:5000", insecure=True) == "192.0.2.7:5000"
+    assert dial_address("192.0.2.7:5000", insecure=True) == "192.0.2.7:5000"
     # A wildcard dials this host, whatever listens there: never, even with peer_insecure.
     for wildcard in ("0.0.0.0:5000", "[::]:5000", "[::ffff:0.0.0.0]:5000"):
         assert "is a bind address" in _refusal(wildcard, insecure=True), wildcard

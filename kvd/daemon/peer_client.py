@@ -33,7 +33,7 @@ from kvd.daemon.convert import (
 )
 from kvd.daemon import wire_shape
 from kvd.daemon.peer_auth import PeerAuth, PeerAuthError
-from kvd.daemon.peer_local import PushRefused, push_dial_address
+from kvd.daemon.peer_local import DialRefused, dial_address
 from kvd.requests import LeaseRenewal, RenewResult
 from kvd.v1 import kvd_pb2 as pb
 
@@ -185,10 +185,32 @@ class PeerClient:
 
     async def handshake(self, address: str, engine_id: str, tp_rank: int, compat_hash: str,
                         timeout_s: float) -> HandshakeResult:
-        """Handshake with ``address`` for its worker ``(engine_id, tp_rank)``."""
+        """Handshake with ``address`` for its worker ``(engine_id, tp_rank)``.
+
+        With no peer credential, only with a daemon of this host run by
+        root or this daemon's uid (:func:`kvd.daemon.peer_local.dial_address`,
+        as a push and as callers are admitted), dialed at the IP checked: the
+        answer's NIXL agent metadata is loaded into this daemon's agent, and
+        UCX crashed the process on some malformed worker addresses in it (a
+        segfault in ``add_remote_agent``, attacker review), so it is taken
+        only from a daemon a credential or this host vouches for. With a
+        credential, the answer must carry its proof (``_call``).
+
+        Raises:
+            PeerUnavailable: refused (the reason), or the call failed.
+        """
         req = pb.HandshakeRequest(engine_id=engine_id, tp_rank=tp_rank, daemon_version=__version__,
                                   compat_hash=compat_hash, protocol_version=PROTOCOL_VERSION)
-        return handshake_from_pb(await self._call(address, "Handshake", req, timeout_s))
+        dial = address
+        if not self.auth.tls and not self.auth.token:
+            try:
+                dial = await asyncio.to_thread(dial_address, address, self.insecure)
+            except DialRefused as e:
+                if e.unreachable:  # as the call's failed connection would have said
+                    raise ev.PeerUnavailable(f"{address}: UNAVAILABLE: {e}") from None
+                raise ev.PeerUnavailable(f"{address}: handshake not sent (its answer's NIXL agent metadata would be "
+                                         f"loaded here): {e}") from None
+        return handshake_from_pb(await self._call(dial, "Handshake", req, timeout_s))
 
     async def push(self, address: str, order: PushOrder, timeout_s: float) -> PushResult:
         """Asks ``address`` to WRITE ``order``'s blocks; returns when done.
@@ -227,7 +249,7 @@ class PeerClient:
           whose answer carries the callee's proof (:meth:`PeerAuth.check_proof`):
           only a daemon that knows the token, and takes the address it was
           dialed by for its own, answers one. One more round trip per push.
-        - Neither: the IP that :func:`kvd.daemon.peer_local.push_dial_address`
+        - Neither: the IP that :func:`kvd.daemon.peer_local.dial_address`
           checked (this host's listeners of root or this uid, as callers are
           admitted), found off the event loop.
 
@@ -249,8 +271,8 @@ class PeerClient:
             await self._call(address, "Handshake", req, timeout_s)
             return address
         try:
-            return await asyncio.to_thread(push_dial_address, address, self.insecure)
-        except PushRefused as e:
+            return await asyncio.to_thread(dial_address, address, self.insecure)
+        except DialRefused as e:
             raise ev.PeerUnavailable(f"{address}: push not sent (it would hand over this worker's NIXL agent "
                                      f"metadata): {e}") from None
 

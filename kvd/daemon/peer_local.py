@@ -229,7 +229,7 @@ def listener_owners(ip: IP, port: int) -> list[int] | None:
     address (``0.0.0.0``; ``::``, which a dual-stack socket also serves IPv4
     on). ``[]`` when there is none; None when neither sock_diag nor /proc
     can be read. Counting every candidate fails closed: one of another user
-    among them refuses the address (:func:`push_dial_address`)."""
+    among them refuses the address (:func:`dial_address`)."""
     target = _plain(ip)
     try:
         socks = (_sock_diag(socket.AF_INET, port, 0, states=LISTENING)
@@ -242,16 +242,26 @@ def listener_owners(ip: IP, port: int) -> list[int] | None:
     return [uid for local, _, uid, _ in socks if local == target or local.is_unspecified]
 
 
-class PushRefused(Exception):
-    """A push must not go to this address; the message says why."""
+class DialRefused(Exception):
+    """With no peer credential, this address is not one to send a handshake
+    or a push to; the message says why. ``unreachable``: nothing there to
+    talk to (the name does not resolve, nothing listens), as a failed
+    connection would have said."""
+
+    def __init__(self, message: str, unreachable: bool = False):
+        super().__init__(message)
+        self.unreachable = unreachable
 
 
-def push_dial_address(address: str, insecure: bool, uid: int | None = None) -> str:
-    """The ``ip:port`` to dial for a push (``PeerService.Push``, whose request
-    carries this daemon's worker's NIXL agent metadata and region
-    addresses: what an agent needs to READ and WRITE that worker's memory)
-    to ``address`` (``host:port``, named by a load's ``kv_transfer_params``)
-    when no peer credential authenticates the callee.
+def dial_address(address: str, insecure: bool, uid: int | None = None) -> str:
+    """The ``ip:port`` to dial for a handshake or a push to ``address``
+    (``host:port``, named by a load's ``kv_transfer_params``) when no peer
+    credential authenticates the callee. A push's request carries this
+    daemon's worker's NIXL agent metadata and region addresses (what an
+    agent needs to READ and WRITE that worker's memory); a handshake's
+    answer carries the callee's, which this daemon's NIXL agent loads (and
+    UCX's parser of the address in it crashed the daemon on some bytes:
+    attacker review).
 
     As :class:`LocalPeerGate` admits callers: the first of the addresses
     ``host`` resolves to where something listens must be this host's, and
@@ -268,41 +278,42 @@ def push_dial_address(address: str, insecure: bool, uid: int | None = None) -> s
     sock_diag): run it off the loop.
 
     Raises:
-        PushRefused: the reason.
+        DialRefused: the reason.
     """
     host, _, port_text = address.rpartition(":")
     try:
         port = int(port_text)
     except ValueError:
-        raise PushRefused(f"{address!r} is not host:port") from None
+        raise DialRefused(f"{address!r} is not host:port") from None
     try:
         infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
     except OSError as e:
-        raise PushRefused(f"{host!r} does not resolve ({e})") from None
+        raise DialRefused(f"{host!r} does not resolve ({e})", unreachable=True) from None
     admitted = {0, os.geteuid() if uid is None else uid}
     idle: list[str] = []
     for *_, sockaddr in infos:
         ip = _plain(ipaddress.ip_address(sockaddr[0].split("%")[0]))
         if ip.is_unspecified:
-            raise PushRefused(f"{ip} is a bind address, not one to dial")
+            raise DialRefused(f"{ip} is a bind address, not one to dial")
         if not ip.is_loopback and not is_host_address(ip):
             if insecure:
                 return _dialed(ip, port)
-            raise PushRefused(f"{ip} is not an address of this host; with no peer credential (peer_tls_*, "
-                              f"peer_token_file) a push goes only to a daemon of this host (or set peer_insecure "
-                              f"to trust every host)")
+            raise DialRefused(f"{ip} is not an address of this host; with no peer credential (peer_tls_*, "
+                              f"peer_token_file) this daemon talks only to daemons of this host (or set "
+                              f"peer_insecure to trust every host)")
         owners = listener_owners(ip, port)
         if owners is None:
-            raise PushRefused("cannot tell who listens there (no sock_diag, no /proc/net/tcp)")
+            raise DialRefused("cannot tell who listens there (no sock_diag, no /proc/net/tcp)")
         if not owners:
             idle.append(_dialed(ip, port))  # not dialed: the next address of the name, if any
             continue
         foreign = sorted(set(owners) - admitted)
         if foreign:
-            raise PushRefused(f"{ip}:{port} is served by uid {foreign[0]}; with no peer credential (peer_tls_*, "
-                              f"peer_token_file) a push goes only to a daemon run by root or uid {max(admitted)}")
+            raise DialRefused(f"{ip}:{port} is served by uid {foreign[0]}; with no peer credential (peer_tls_*, "
+                              f"peer_token_file) this daemon talks only to daemons run by root or uid "
+                              f"{max(admitted)}")
         return _dialed(ip, port)
-    raise PushRefused(f"nothing listens on {', '.join(idle) or address}")
+    raise DialRefused(f"nothing listens on {', '.join(idle) or address}", unreachable=True)
 
 
 def _dialed(ip: IP, port: int) -> str:
