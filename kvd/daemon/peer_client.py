@@ -203,14 +203,25 @@ class PeerClient:
                                   compat_hash=compat_hash, protocol_version=PROTOCOL_VERSION)
         dial = address
         if not self.auth.tls and not self.auth.token:
-            try:
-                dial = await asyncio.to_thread(dial_address, address, self.insecure)
-            except DialRefused as e:
-                if e.unreachable:  # as the call's failed connection would have said
-                    raise ev.PeerUnavailable(f"{address}: UNAVAILABLE: {e}") from None
-                raise ev.PeerUnavailable(f"{address}: handshake not sent (its answer's NIXL agent metadata would be "
-                                         f"loaded here): {e}") from None
+            dial = await self._local_dial(address, "handshake not sent (its answer's NIXL agent metadata would be "
+                                                   "loaded here)", unreachable_as_call=True)
         return handshake_from_pb(await self._call(dial, "Handshake", req, timeout_s))
+
+    async def _local_dial(self, address: str, what: str, unreachable_as_call: bool = False) -> str:
+        """With no peer credential: the IP to dial for ``address``
+        (:func:`kvd.daemon.peer_local.dial_address`, found off the event loop).
+
+        Raises:
+            PeerUnavailable: ``"<address>: <what>: <why>"``; with
+                ``unreachable_as_call``, nothing there to talk to reads as
+                the call's failed connection would (``UNAVAILABLE``).
+        """
+        try:
+            return await asyncio.to_thread(dial_address, address, self.insecure)
+        except DialRefused as e:
+            if unreachable_as_call and e.unreachable:
+                raise ev.PeerUnavailable(f"{address}: UNAVAILABLE: {e}") from None
+            raise ev.PeerUnavailable(f"{address}: {what}: {e}") from None
 
     async def push(self, address: str, order: PushOrder, timeout_s: float) -> PushResult:
         """Asks ``address`` to WRITE ``order``'s blocks; returns when done.
@@ -270,11 +281,7 @@ class PeerClient:
                                       protocol_version=PROTOCOL_VERSION)
             await self._call(address, "Handshake", req, timeout_s)
             return address
-        try:
-            return await asyncio.to_thread(dial_address, address, self.insecure)
-        except DialRefused as e:
-            raise ev.PeerUnavailable(f"{address}: push not sent (it would hand over this worker's NIXL agent "
-                                     f"metadata): {e}") from None
+        return await self._local_dial(address, "push not sent (it would hand over this worker's NIXL agent metadata)")
 
     async def notify(self, address: str, engine_id: str, tp_rank: int, request_id: str, expected: int,
                      timeout_s: float) -> None:
