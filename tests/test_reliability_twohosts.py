@@ -119,3 +119,63 @@ def test_transfers_cross_the_veth_and_a_cut_link_fails_the_request_at_its_deadli
     finally:
         dst.close()
         src.close()
+    _no_ucx_request_left(hosts, {a.name: 0, b.name: 0})
+
+
+def _log_lines(d) -> int:
+    with open(d.log_path) as f:
+        return sum(1 for _ in f)
+
+
+def _no_ucx_request_left(hosts, since: dict[str, int]) -> None:
+    """Neither daemon's log, past line ``since[name]``, has UCX's "was not
+    returned to mpool" (requests still held when an agent was destroyed):
+    before the reader waited for a cut READ to end before loading the
+    source's agent again, ~1,020 of them came at each reader's unregistration,
+    and the source daemon sometimes died there (below)."""
+    _, a, b = hosts
+    assert a.proc.poll() is None and b.proc.poll() is None, (a.proc.poll(), b.proc.poll())
+    for d in (a, b):
+        with open(d.log_path) as f:
+            left = [ln for ln in list(f)[since[d.name]:] if "was not returned to mpool" in ln]
+        assert not left, f"{d.name}: {len(left)} UCX requests left at an agent's destroy, e.g. {left[0]}"
+
+
+def test_a_read_cut_as_its_first_bytes_land_leaves_both_daemons_alive_and_no_ucx_request_behind(hosts):
+    """The link cut as the READ's first bytes land, twice with fresh
+    engines; at the deadline the reader cannot replace its NIXL agent (UCX
+    makes no context while ``UCX_NET_DEVICES``' device is down), so the READ
+    goes on. Before, the reader's next handshake with that source freed the
+    source's agent under it: UCX then held ~1,020 requests at the reader's
+    agent destroy and the source daemon died with SIGSEGV in UCX as the
+    reader unregistered (7 of 7 runs of two rounds; a core dump put it in
+    ``uct_tcp_ep_pending_purge``). Now the handshake waits until that READ
+    has ended (``Peers.retired_in_use``)."""
+    net, a, b = hosts
+    ids = list(range(SHAPE.num_blocks))
+    since = {d.name: _log_lines(d) for d in (a, b)}
+    for n in range(2):
+        src = Engine(a, f"early-cut-p{n}", SHAPE, seed=9 + n)
+        dst = Engine(b, f"early-cut-d{n}", SHAPE)
+        try:
+            src.hold("cut", ids)
+            dst.load("cut", ids, src, ids, "cut", timeout_s=DEADLINE_S)
+            probe = src.kv[0, 0, :4096].copy()
+            wait_until(lambda: (dst.kv[0, 0, :4096] == probe).all(), DEADLINE_S, "the READ is under way", 0.001)
+            net.link(up=False)
+            ev = dst.wait("cut", DEADLINE_S + 5)
+            assert event_kind(ev) == "load_failed", ev
+            net.link(up=True)
+            src.release("cut")
+            assert src.wait("cut").send_done.released
+            src.hold("after", [1, 2, 3])
+            dst.load("after", [7, 8, 9], src, [1, 2, 3], "after", timeout_s=30)
+            ev = dst.wait("after", 35)
+            assert event_kind(ev) == "recv_done", ev
+            assert dst.same_blocks([7, 8, 9], src, [1, 2, 3])
+        finally:
+            net.link(up=True)
+            dst.close()
+            src.close()
+        assert a.proc.poll() is None and b.proc.poll() is None, (a.proc.poll(), b.proc.poll())
+    _no_ucx_request_left(hosts, since)

@@ -222,6 +222,32 @@ def apply_ucx_defaults(environ=os.environ, cuda: bool | None = None) -> dict[str
     return applied
 
 
+# UCX transports with a native GET between hosts (InfiniBand/RoCE verbs,
+# their accelerated variants, and "all", which lets UCX pick them).
+_RDMA_TLS = ("rc", "dc", "ud", "ib", "all")
+
+
+def tcp_emulated_reads(environ=os.environ) -> bool:
+    """True when ``UCX_TLS`` leaves UCX only TCP between hosts (``tcp``, with
+    same-host ones like ``sm``/``cma`` at most): a peer's READ from this
+    daemon is then UCX's software GET, which this daemon's UCX answers with
+    sends of its own. UCX 1.23 (in nixl 1.5.1) dies on those when the reader
+    vanishes while they wait for the socket: ``ucp_worker_discard_uct_ep`` ->
+    ``uct_tcp_ep_pending_purge`` -> ``ucp_request_send_state_ff`` ->
+    ``ucp_request_memory_dereg``, SIGSEGV (measured here: a reader daemon
+    SIGKILLed 20 ms into a 128 MiB READ killed the source daemon in 3 of 4
+    runs with ``UCX_TLS=tcp`` on loopback, 4 of 4 across a veth; in push mode,
+    whose WRITEs are UCT's TCP PUT, 0 of 8). False when ``UCX_TLS`` is unset
+    (UCX then prefers RDMA where the hosts have it) or names an RDMA
+    transport."""
+    names = [t.strip().lstrip("^").split(":")[0] for t in environ.get("UCX_TLS", "").split(",") if t.strip()]
+    if not names or environ.get("UCX_TLS", "").startswith("^"):
+        return False
+    if any(n == r or n.startswith(r + "_") for n in names for r in _RDMA_TLS):
+        return False
+    return any(n == "tcp" for n in names)
+
+
 def _nixl():
     # Imported lazily so that ``import kvd`` (and the engine-side shim) never
     # loads NIXL or its torch dependency.

@@ -49,6 +49,10 @@ from kvd.logtext import clip
 
 log = logging.getLogger("kvd.core")
 
+# How often a handshake looks whether an old READ through a retired agent of
+# the same name has ended (seconds; Peers.retired_in_use).
+RETIRED_POLL_S = 0.01
+
 #: Longest pause, seconds, before a ``warm_peers`` engine is paired again
 #: after a drop (:meth:`Peers._keep_warm`), and the pace of tries once a
 #: peer paired before answers as incompatible.
@@ -437,6 +441,35 @@ class Peers:
         else:
             w.agent.remove_remote(name)
 
+    def retired_in_use(self, w: Worker, r: RemoteWorker) -> bool:
+        """True while a READ may still go through retired remote ``r`` of
+        ``w``: a load in flight has a part through it, or ``w``'s agent has a
+        READ handle in ``Runtime.zombies`` (one given up at its deadline,
+        which records no remote). Until then ``r`` is not freed.
+
+        Why: removing a peer's agent closes the UCX endpoint under the READ.
+        NIXL 1.5 then reports the READ ``ERR`` while its UCX requests go on
+        (``NixlAgent.remove_remote``), and the source's UCX (1.23, ``tcp``)
+        still holds the answers it could not send: when that connection
+        later failed (this worker's agent destroyed at its unregistration),
+        the source daemon died with SIGSEGV purging them
+        (``ucp_worker_discard_uct_ep`` -> ``uct_tcp_ep_pending_purge`` ->
+        ``ucp_request_send_state_ff`` -> ``ucp_request_memory_dereg``, a core
+        dump of a source daemon after a cut veth link, where the reader
+        could not replace its agent because ``UCX_NET_DEVICES``' device was
+        down)."""
+        if any(a is w.agent for a, _ in self.rt.zombies):
+            return True
+        return any(p is r for load in list(w.inflight.values()) for _, p in load.parts)
+
+    def free_retired(self, w: Worker, r: RemoteWorker) -> None:
+        """NIXL thread: frees retired remote ``r`` of ``w`` unless it was
+        freed already (the progress loop frees retired remotes too, on this
+        thread: no double free)."""
+        if any(o is r for o in w.pairs.retired):
+            w.pairs.retired.remove(r)
+            self.free_remote(w, r)
+
     def free_remote(self, w: Worker, r: RemoteWorker) -> None:
         """NIXL thread: releases a remote's prepped lists and forgets its agent."""
         r.freed = True
@@ -668,10 +701,20 @@ class Peers:
         await agent_names.settle(self, w, key, hs)
         # An agent of the same name still loaded (a retired one, or the peer's
         # old identity) is forgotten first: NIXL keeps one entry per name.
+        # Not while a READ may still go through it (retired_in_use).
+        t_old = time.monotonic()
         for old in [o for o in w.pairs.retired if o.agent_name == hs.agent_name]:
-            w.pairs.retired.remove(old)
-            await self.rt.nixl(self.free_remote, w, old)
+            while self.retired_in_use(w, old):
+                if time.monotonic() - t0 > timeout:
+                    raise PeerUnavailable(
+                        f"{address}: a READ from agent {hs.agent_name} through its previous connection is still in "
+                        f"progress after {timeout:.0f} s (handshake_timeout_s; a stalled network?): that agent is "
+                        "loaded again once it ends", transient=True)
+                await asyncio.sleep(RETIRED_POLL_S)
+            await self.rt.nixl(self.free_retired, w, old)
         phases: dict[str, float] = {}
+        if time.monotonic() - t_old > 0.001:  # named only when it took time: a first contact after a cut READ
+            phases["old_read_wait"] = time.monotonic() - t_old
         try:
             r = await self.pair(w, hs, tp_rank, we_read=True, address=address, engine_id=engine_id,
                                 phases=phases, prep_delay_s=0.0 if ahead else PREP_DELAY_S)
@@ -684,7 +727,8 @@ class Peers:
             self.mirror.follow(address, engine_id)  # its loads then READ without a claim each
         self.rt.counters.handshakes += 1
         self.rt.on_event("handshake", {"seconds": time.monotonic() - t0})
-        # Where the time went (ms): the peer's answer, the plan, the wait for
+        # Where the time went (ms): the peer's answer, the wait for an old
+        # READ through a retired agent of that name, the plan, the wait for
         # the NIXL thread, NIXL's add_remote_agent, make_connection and the
         # check of the peer's rows: a slow first contact names its phase in
         # the log (the rest is waiting for the event loop).

@@ -124,11 +124,8 @@ class Progress:
                         states[h] = w.agent.state(h)
             if states:
                 done.append((w, None, "STATES", states))
-            if w.pairs.retired and not any(a is w.agent for a, _ in self.rt.zombies):
-                used = {id(r) for l in list(w.inflight.values()) for _, r in l.parts}
-                for r in [r for r in w.pairs.retired if id(r) not in used]:
-                    w.pairs.retired.remove(r)
-                    self.peers.free_remote(w, r)
+            for r in [r for r in w.pairs.retired if not self.peers.retired_in_use(w, r)]:
+                self.peers.free_retired(w, r)
             notifs = w.agent.notifs()
             if notifs:
                 room = self._take(w, notifs, done, room)
