@@ -508,10 +508,12 @@ class Server:
                  (f", metrics on {metrics_url(metrics_at)}" if metrics_at else "")
                  + (f", warm peers {','.join(cfg.warm_peers)}" if cfg.warm_peers else ""))
         self._serving = True
-        if tcp_emulated_reads():
-            log.warning("UCX_TLS=%s leaves UCX only TCP between hosts: a decode daemon's READ from this one is UCX's "
-                        "software GET, and UCX 1.23 crashes the serving daemon (SIGSEGV) when a reader dies in the "
-                        "middle of one; run the decode daemons with transfer_mode = push, whose WRITEs do not "
+        if tcp_emulated_reads() and cfg.transfer_mode == "pull":
+            # Said by a daemon that reads in pull mode itself: with one
+            # setting for every daemon (the usual), it is the one to change.
+            log.warning("UCX_TLS=%s leaves UCX only TCP between hosts: a pull-mode READ is then UCX's software GET, "
+                        "and UCX 1.23 crashes the daemon read from (SIGSEGV) when its reader dies in the middle of "
+                        "one; run the decode daemons with transfer_mode = push, whose WRITEs do not "
                         "(docs/OPERATIONS.md, \"Known problems\")", os.environ.get("UCX_TLS"))
         if not self.gate.passrights_refused:
             log.info("this kernel has no SO_PASSRIGHTS (Linux 6.16): an fd a caller attaches to bytes it sends on "
