@@ -414,6 +414,63 @@ def test_a_flood_of_bare_notifications_neither_holds_the_loop_nor_grows_memory_u
     assert peak - rss0 < 768 << 10, (rss0, peak)
 
 
+def test_early_notifications_are_bounded_per_daemon_and_a_flood_evicts_its_own_workers_first():
+    """Early notifications were capped per worker only (65,536 each): an
+    admitted peer's flood grew with the workers registered (attacker review:
+    4 workers, +327 MiB held 120 s). Now :class:`EarlyBudget` counts every
+    table of a daemon against one limit; a table taking one more while it is
+    spent evicts the oldest of the fullest table, so a flood at one worker
+    leaves another's entries alone; expiry and unregistration give back."""
+    from kvd.core.leases import EarlyBudget
+
+    budget = EarlyBudget(limit=100)
+    a, b, c = (LeaseTable(early_s=10.0, budget=budget) for _ in range(3))
+    for i in range(30):
+        b.notify(f"b{i}", 1, now=0.0)
+    for i in range(1000):
+        a.notify(f"a{i}", 1, now=1.0)  # the flood
+    assert budget.used == len(a.early) + len(b.early) == 100
+    assert len(b.early) == 30 and len(a.early) == 70 and next(iter(a.early)) == "a930"
+    c.notify("c0", 1, now=2.0)  # evicts the flood's oldest, not b's
+    assert len(b.early) == 30 and len(a.early) == 69 and "c0" in c.early and budget.used == 100
+    assert c.hold("c0", [[1]], 100.0, now=2.5) == "done"  # taken by its hold: given back
+    assert budget.used == 99 and not c.early
+    b.expire(now=10.5)  # b's deadlines (10.0) passed; a's (11.0) not
+    assert not b.early and budget.used == 69
+    a.clear()  # its worker unregistered
+    assert budget.used == 0 and id(a) not in budget.tables and id(b) in budget.tables
+
+
+def test_a_flood_at_two_workers_keeps_the_daemons_early_notifications_within_one_bound(pd, tmp_path):
+    """The real daemon: two workers' agents flooded at once with bare
+    notifications of requests never held, past the bound each. Before, each
+    kept 65,536 (131,072 in all); now the daemon keeps at most
+    ``BOUNDS.max_early_notifications`` together, and serves a load after."""
+    from kvd.core.limits import BOUNDS
+
+    d, p, dec = pd
+    floods = []
+    for eng in (p, dec):
+        md = tmp_path / f"md-{eng.engine_id}"
+        md.write_bytes(describe(d, eng).agent_metadata)
+        floods.append(subprocess.Popen([sys.executable, "-c", FLOOD, str(md), "4"], stdout=subprocess.PIPE,
+                                       text=True, env=child_env()))
+    try:
+        sent = [int(re.search(r"SENT (\d+)", f.communicate(timeout=60)[0]).group(1)) for f in floods]
+    finally:
+        for f in floods:
+            if f.poll() is None:
+                f.kill()
+                f.wait()
+    kept = d.stats().early_notifications
+    print(f"sent {sent}, kept {kept}")
+    assert min(sent) > BOUNDS.max_early_notifications, sent  # each alone would fill a per-worker table
+    assert 0 < kept <= BOUNDS.max_early_notifications, kept
+    p.hold("after-two-floods", [4])
+    dec.load("after-two-floods", [4], p, [4], "after-two-floods", timeout_s=30)
+    assert event_kind(dec.wait("after-two-floods", 60)) == "recv_done"
+
+
 ODD = r"""
 import sys, time
 from kvd.core.leases import notif_message

@@ -155,6 +155,31 @@ def _compact(groups) -> list[np.ndarray]:
     return [np.asarray(g, dtype=np.int32) for g in groups]
 
 
+@dataclass(eq=False)
+class EarlyBudget:
+    """The early notifications of every lease table of a daemon, counted
+    together (``used``) against ``limit``
+    (``BOUNDS.max_early_notifications``). When a table takes one more and
+    the budget is spent, the oldest entry of the table that keeps the most
+    goes: a flood aimed at one worker evicts its own entries, not another
+    worker's. A count of entries, each an id of at most
+    ``BOUNDS.max_id_bytes``. Costs O(workers) a notification while the budget
+    is spent, none otherwise."""
+
+    limit: int = BOUNDS.max_early_notifications
+    used: int = 0
+    tables: dict[int, LeaseTable] = field(default_factory=dict)  # id(table) -> table, while it is in use
+
+    def make_room(self, taker: LeaseTable) -> None:
+        """Evicts until one more entry fits (``taker`` itself, if no table is known)."""
+        while self.used >= self.limit:
+            fullest = max(self.tables.values(), key=lambda t: len(t.early), default=taker)
+            if not fullest.early:
+                return
+            fullest.early.popitem(last=False)
+            self.used -= 1
+
+
 @dataclass
 class LeaseTable:
     """The leases of one prefill worker.
@@ -162,6 +187,8 @@ class LeaseTable:
     Args:
         early_s: how long a notification that beat its hold is kept (seconds).
         max_early: bound on such notifications, a count (the oldest is dropped).
+        budget: the daemon's bound on them over all its tables
+            (:class:`EarlyBudget`); None: this table's ``max_early`` only.
 
     ``held_blocks``: block ids of every live lease, all groups together
     (what ``Limits.max_held_blocks_per_worker`` bounds, ``kvd.core.holds``).
@@ -177,7 +204,17 @@ class LeaseTable:
     early: OrderedDict[str, tuple[int, int, float]] = field(default_factory=OrderedDict)
     held_blocks: int = 0
     on_change: Callable[[str, list[np.ndarray] | None], None] | None = None
+    budget: EarlyBudget | None = None
     _heap: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.budget is not None:
+            self.budget.tables[id(self)] = self
+
+    def _early_spent(self, n: int) -> None:
+        """``n`` early entries added (or, negative, removed): the budget's count."""
+        if self.budget is not None:
+            self.budget.used += n
 
     def __len__(self) -> int:
         return len(self.leases)
@@ -209,6 +246,7 @@ class LeaseTable:
         lease = Lease(request_id, groups, deadline, start=now, length=deadline - now, told=deadline)
         early = self.early.pop(request_id, None)
         if early is not None:
+            self._early_spent(-1)
             lease.notified = early[0]
             if lease.notified >= early[1]:
                 return "done"
@@ -229,22 +267,34 @@ class LeaseTable:
         return lease
 
     def clear(self) -> None:
-        """Drops every lease (the worker is unregistered)."""
+        """Drops every lease and early notification (the worker is
+        unregistered), and leaves the daemon's budget."""
         if self.on_change is not None:
             for rid in self.leases:
                 self.on_change(rid, None)
         self.leases.clear()
         self.held_blocks = 0
+        self._early_spent(-len(self.early))
+        self.early.clear()
+        if self.budget is not None:
+            self.budget.tables.pop(id(self), None)
 
     def notify(self, request_id: str, expected: int, now: float) -> bool:
         """One reader notified; True when that ends the lease."""
         lease = self.leases.get(request_id)
         if lease is None:
             # Re-inserted at the end: the dict stays in deadline order, oldest first.
-            count, _, _ = self.early.pop(request_id, (0, expected, 0.0))
+            old = self.early.pop(request_id, None)
+            count = 0 if old is None else old[0]
+            if old is not None:
+                self._early_spent(-1)
             if len(self.early) >= self.max_early:
                 self.early.popitem(last=False)
+                self._early_spent(-1)
+            if self.budget is not None:
+                self.budget.make_room(self)
             self.early[request_id] = (count + 1, expected, now + self.early_s)
+            self._early_spent(1)
             return False
         lease.notified += 1
         if lease.notified >= expected:
@@ -310,10 +360,12 @@ class LeaseTable:
                 continue  # ended already, or renewed (a later entry stands)
             self._end(rid)
             out.append(rid)
-        early = self.early
+        early, gone = self.early, 0
         while early:
             rid = next(iter(early))  # the linked list's head: O(1), unlike a plain dict's
             if early[rid][2] > now:
                 break
             del early[rid]
+            gone += 1
+        self._early_spent(-gone)
         return out

@@ -121,6 +121,12 @@ class Bounds:
     max_renewals_per_call: int = MAX_RENEWALS_PER_CALL
     # Readers one source rank may wait for, per request (a notification's count).
     max_notifications: int = 1 << 16
+    # Notifications kept for requests not held yet (early notifications), all
+    # of a daemon's workers together (kvd.core.leases.EarlyBudget); a worker
+    # alone keeps as many. Each keeps its request id: up to ~82 MiB with
+    # 1,000-byte ids. Per worker only, an admitted peer's flood grew with the
+    # workers registered (attacker review: 4 workers, +327 MiB for 120 s).
+    max_early_notifications: int = 1 << 16
     # Loads one coalesced READ carries at most, and pieces one NIXL
     # notification may hold (kvd.core.pull: small READs of one worker from
     # one source rank, posted in the same pass of the loop, go out as one

@@ -214,7 +214,7 @@ class Registry:
                     data_path_reason=cuda.choice.reason if cuda else "",
                 ),
                 owner=owner,
-                leases=LeaseTable(early_s=self.rt.limits.early_notif_s,
+                leases=LeaseTable(early_s=self.rt.limits.early_notif_s, budget=self.rt.early_budget,
                                   on_change=self.rt.feeds.recorder(engine_id, tp_rank)),
             )
             w.session.detached_since = time.monotonic()

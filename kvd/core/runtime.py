@@ -33,6 +33,7 @@ from typing import Callable
 from kvd.core.aborts import AbortSlots
 from kvd.core.events import Event, FailureKind, LoadFailed, NotFound
 from kvd.core.hold_feed import HoldFeeds
+from kvd.core.leases import EarlyBudget
 from kvd.core.limits import BOUNDS, Limits
 from kvd.core.load_ids import LoadIds
 from kvd.core.nixl_agent import NixlAgent
@@ -198,6 +199,7 @@ class Runtime:
         self.feeds = HoldFeeds()  # each engine's lease starts and ends, for reader daemons (PeerService.Holds)
         self.aborts = AbortSlots(limits)  # early-free notifications in flight (AbortLoad, empty loads)
         self.load_ids = LoadIds(limits)  # block ids of loads in flight, per worker and uid, capped
+        self.early_budget = EarlyBudget()  # notifications before their hold, all workers together
         self.started = time.monotonic()
         # NIXL transfer handles not released yet (still in progress: a READ
         # given up at its deadline or at its session's end whose bytes may
