@@ -697,7 +697,7 @@ class Peers:
         t_rpc = time.monotonic() - t0
         if hs.tp_size != tp_size:
             raise Incompatible(f"remote engine {engine_id!r} has TP size {hs.tp_size}, the request says {tp_size}")
-        check_peer(w, hs, "handshake")
+        check_peer(w, hs, f"{clip(address, 256)} answered")  # the caller says "handshake: "
         await agent_names.settle(self, w, key, hs)
         # An agent of the same name still loaded (a retired one, or the peer's
         # old identity) is forgotten first: NIXL keeps one entry per name.
