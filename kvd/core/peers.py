@@ -441,11 +441,18 @@ class Peers:
         else:
             w.agent.remove_remote(name)
 
+    def _read_users(self, w: Worker) -> set[int] | None:
+        """The ids of the remotes of ``w`` a load in flight has a part
+        through; None when ``w``'s agent has a READ handle in
+        ``Runtime.zombies`` (one given up at its deadline: it records no
+        remote, so every retired remote counts as used)."""
+        if any(a is w.agent for a, _ in self.rt.zombies):
+            return None
+        return {id(p) for load in list(w.inflight.values()) for _, p in load.parts}
+
     def retired_in_use(self, w: Worker, r: RemoteWorker) -> bool:
         """True while a READ may still go through retired remote ``r`` of
-        ``w``: a load in flight has a part through it, or ``w``'s agent has a
-        READ handle in ``Runtime.zombies`` (one given up at its deadline,
-        which records no remote). Until then ``r`` is not freed.
+        ``w`` (:meth:`_read_users`). Until then ``r`` is not freed.
 
         Why: removing a peer's agent closes the UCX endpoint under the READ.
         NIXL 1.5 then reports the READ ``ERR`` while its UCX requests go on
@@ -458,15 +465,25 @@ class Peers:
         dump of a source daemon after a cut veth link, where the reader
         could not replace its agent because ``UCX_NET_DEVICES``' device was
         down)."""
-        if any(a is w.agent for a, _ in self.rt.zombies):
-            return True
-        return any(p is r for load in list(w.inflight.values()) for _, p in load.parts)
+        users = self._read_users(w)
+        return users is None or id(r) in users
 
     def free_retired(self, w: Worker, r: RemoteWorker) -> None:
         """NIXL thread: frees retired remote ``r`` of ``w`` unless it was
-        freed already (the progress loop frees retired remotes too, on this
-        thread: no double free)."""
+        freed already (:meth:`free_unused_retired` frees retired remotes too,
+        on this thread: no double free)."""
         if any(o is r for o in w.pairs.retired):
+            w.pairs.retired.remove(r)
+            self.free_remote(w, r)
+
+    def free_unused_retired(self, w: Worker) -> None:
+        """NIXL thread (the progress loop's poll): frees every retired remote
+        of ``w`` that no READ can still go through (:meth:`retired_in_use`'s
+        rule, looked up once for all of them)."""
+        users = self._read_users(w) if w.pairs.retired else None
+        if users is None:
+            return
+        for r in [r for r in w.pairs.retired if id(r) not in users]:
             w.pairs.retired.remove(r)
             self.free_remote(w, r)
 

@@ -124,8 +124,8 @@ class Progress:
                         states[h] = w.agent.state(h)
             if states:
                 done.append((w, None, "STATES", states))
-            for r in [r for r in w.pairs.retired if not self.peers.retired_in_use(w, r)]:
-                self.peers.free_retired(w, r)
+            if w.pairs.retired:
+                self.peers.free_unused_retired(w)
             notifs = w.agent.notifs()
             if notifs:
                 room = self._take(w, notifs, done, room)
