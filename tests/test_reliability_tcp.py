@@ -31,9 +31,10 @@ TCP = {"UCX_TLS": "tcp"}
 
 
 @pytest.mark.parametrize("tls, tcp_only", [
-    ("tcp", True), ("tcp,sm,self", True), ("cma,tcp", True), ("tcp:aux", True),
-    (None, False), ("", False), ("rc,tcp", False), ("dc_mlx5,tcp", False), ("all", False), ("^ib", False),
-    ("sm,self", False),
+    ("tcp", True), ("tcp,sm,self", True), ("cma,tcp", True), ("tcp:aux", True), ("TCP", True),
+    ("^ib", True), ("^rc,dc,ud", True), ("^rc_verbs,rc_mlx5,dc,ud,ib", True),
+    (None, False), ("", False), ("rc,tcp", False), ("dc_mlx5,tcp", False), ("all", False), ("ib,tcp", False),
+    ("sm,self", False), ("^rc", False), ("^ib,tcp", False), ("^cuda_ipc", False),
 ])
 def test_the_startup_warning_is_for_a_ucx_tls_that_leaves_only_tcp_between_hosts(tls, tcp_only):
     assert tcp_emulated_reads({} if tls is None else {"UCX_TLS": tls}) is tcp_only

@@ -414,13 +414,14 @@ def test_a_flood_of_bare_notifications_neither_holds_the_loop_nor_grows_memory_u
     assert peak - rss0 < 768 << 10, (rss0, peak)
 
 
-def test_early_notifications_are_bounded_per_daemon_and_a_flood_evicts_its_own_workers_first():
+def test_early_notifications_are_bounded_per_daemon_and_a_flood_evicts_its_own_past_a_fair_share():
     """Early notifications were capped per worker only (65,536 each): an
     admitted peer's flood grew with the workers registered (attacker review:
     4 workers, +327 MiB held 120 s). Now :class:`EarlyBudget` counts every
     table of a daemon against one limit; a table taking one more while it is
-    spent evicts the oldest of the fullest table, so a flood at one worker
-    leaves another's entries alone; expiry and unregistration give back."""
+    spent evicts its own oldest past its fair share, else the fullest
+    table's, so a flood at one worker leaves another a fair share; holds,
+    expiry and unregistration give back."""
     from kvd.core.leases import EarlyBudget
 
     budget = EarlyBudget(limit=100)
@@ -439,6 +440,14 @@ def test_early_notifications_are_bounded_per_daemon_and_a_flood_evicts_its_own_w
     assert not b.early and budget.used == 69
     a.clear()  # its worker unregistered
     assert budget.used == 0 and id(a) not in budget.tables and id(b) in budget.tables
+    # A worker that held more than its share before a flood at another keeps its share (limit / tables).
+    budget = EarlyBudget(limit=100)
+    a, b = (LeaseTable(early_s=10.0, budget=budget) for _ in range(2))
+    for i in range(80):
+        b.notify(f"b{i}", 1, now=0.0)
+    for i in range(1000):
+        a.notify(f"a{i}", 1, now=1.0)
+    assert len(a.early) == len(b.early) == 50 and budget.used == 100 and next(iter(b.early)) == "b30"
 
 
 def test_a_flood_at_two_workers_keeps_the_daemons_early_notifications_within_one_bound(pd, tmp_path):

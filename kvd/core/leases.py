@@ -160,23 +160,30 @@ class EarlyBudget:
     """The early notifications of every lease table of a daemon, counted
     together (``used``) against ``limit``
     (``BOUNDS.max_early_notifications``). When a table takes one more and
-    the budget is spent, the oldest entry of the table that keeps the most
-    goes: a flood aimed at one worker evicts its own entries, not another
-    worker's. A count of entries, each an id of at most
-    ``BOUNDS.max_id_bytes``. Costs O(workers) a notification while the budget
-    is spent, none otherwise."""
+    the budget is spent, an entry goes: the taker's own oldest while it
+    keeps at least a fair share (``limit`` / tables), else the oldest of the
+    table that keeps the most. A flood aimed at one worker thus evicts its
+    own entries, and other workers keep theirs down to a fair share each.
+    A count of entries, each an id of at most ``BOUNDS.max_id_bytes``.
+    Costs O(1) a notification, O(tables) for a table under its share while
+    the budget is spent (measured by an attacker review: the fullest table
+    looked up at every notification took 4.5 us with 64 tables, against
+    0.6 with one)."""
 
     limit: int = BOUNDS.max_early_notifications
     used: int = 0
     tables: dict[int, LeaseTable] = field(default_factory=dict)  # id(table) -> table, while it is in use
 
     def make_room(self, taker: LeaseTable) -> None:
-        """Evicts until one more entry fits (``taker`` itself, if no table is known)."""
+        """Evicts until one more entry of ``taker`` fits."""
         while self.used >= self.limit:
-            fullest = max(self.tables.values(), key=lambda t: len(t.early), default=taker)
-            if not fullest.early:
+            if len(taker.early) * max(1, len(self.tables)) >= self.limit:
+                victim = taker
+            else:
+                victim = max(self.tables.values(), key=lambda t: len(t.early), default=taker)
+            if not victim.early:
                 return
-            fullest.early.popitem(last=False)
+            victim.early.popitem(last=False)
             self.used -= 1
 
 

@@ -380,7 +380,7 @@ class LocalCopy:
         tp.hit(tp.POST, req.request_id, "copy")
         # While a piece may still be copying, the reader's session end waits
         # (kvd.core.settle): no byte lands in blocks already reported failed.
-        w.posting.add(req.request_id)
+        w.posting[req.request_id] = ()
         try:
             why = await self._copy(w, epoch, sources, deadline, pieces, device)
         except Exception as e:  # noqa: BLE001 (only device copies raise here; the load is answered either way)
@@ -388,7 +388,7 @@ class LocalCopy:
                 raise
             return self._device_failure(w, req, e)
         finally:
-            w.posting.discard(req.request_id)
+            w.posting.pop(req.request_id, None)
         if why:
             return why if isinstance(why, tuple) else None
         # A source gone after the last piece still fails the load (its lease

@@ -53,6 +53,15 @@ log = logging.getLogger("kvd.core")
 # the same name has ended (seconds; Peers.retired_in_use).
 RETIRED_POLL_S = 0.01
 
+
+def _remove_same(items: list, item) -> None:
+    """Removes ``item`` itself from ``items`` (``list.remove`` compares
+    dataclasses by value: another remote equal to it would go instead)."""
+    for i, o in enumerate(items):
+        if o is item:
+            del items[i]
+            return
+
 #: Longest pause, seconds, before a ``warm_peers`` engine is paired again
 #: after a drop (:meth:`Peers._keep_warm`), and the pace of tries once a
 #: peer paired before answers as incompatible.
@@ -442,13 +451,20 @@ class Peers:
             w.agent.remove_remote(name)
 
     def _read_users(self, w: Worker) -> set[int] | None:
-        """The ids of the remotes of ``w`` a load in flight has a part
-        through; None when ``w``'s agent has a READ handle in
-        ``Runtime.zombies`` (one given up at its deadline: it records no
-        remote, so every retired remote counts as used)."""
+        """The ids of the remotes of ``w`` a load has a READ through, or may
+        post one through: in flight (``Worker.inflight``) or between its
+        claim and its last post (``Worker.posting``: a post queued on the
+        NIXL thread is not in ``inflight`` yet, and a poll queued behind it
+        would otherwise free its remote under it). None when ``w``'s agent
+        has a READ handle in ``Runtime.zombies`` (one given up at its
+        deadline: it records no remote, so every retired remote counts as
+        used). Copies of the loop's dicts (one C call each): callable from
+        the NIXL thread."""
         if any(a is w.agent for a, _ in self.rt.zombies):
             return None
-        return {id(p) for load in list(w.inflight.values()) for _, p in load.parts}
+        users = {id(p) for load in list(w.inflight.values()) for _, p in load.parts}
+        users.update(id(r) for through in list(w.posting.values()) for r in through)
+        return users
 
     def retired_in_use(self, w: Worker, r: RemoteWorker) -> bool:
         """True while a READ may still go through retired remote ``r`` of
@@ -468,13 +484,19 @@ class Peers:
         users = self._read_users(w)
         return users is None or id(r) in users
 
-    def free_retired(self, w: Worker, r: RemoteWorker) -> None:
-        """NIXL thread: frees retired remote ``r`` of ``w`` unless it was
-        freed already (:meth:`free_unused_retired` frees retired remotes too,
-        on this thread: no double free)."""
-        if any(o is r for o in w.pairs.retired):
-            w.pairs.retired.remove(r)
-            self.free_remote(w, r)
+    def free_retired(self, w: Worker, r: RemoteWorker) -> bool:
+        """NIXL thread: frees retired remote ``r`` of ``w`` if no READ may
+        still go through it (looked at again here: a load may have posted
+        since the caller looked). True once ``r`` is gone (freed now, or by
+        :meth:`free_unused_retired` before: both run on this thread, no
+        double free)."""
+        if not any(o is r for o in w.pairs.retired):
+            return True
+        if self.retired_in_use(w, r):
+            return False
+        _remove_same(w.pairs.retired, r)
+        self.free_remote(w, r)
+        return True
 
     def free_unused_retired(self, w: Worker) -> None:
         """NIXL thread (the progress loop's poll): frees every retired remote
@@ -484,7 +506,7 @@ class Peers:
         if users is None:
             return
         for r in [r for r in w.pairs.retired if id(r) not in users]:
-            w.pairs.retired.remove(r)
+            _remove_same(w.pairs.retired, r)
             self.free_remote(w, r)
 
     def free_remote(self, w: Worker, r: RemoteWorker) -> None:
@@ -721,14 +743,13 @@ class Peers:
         # Not while a READ may still go through it (retired_in_use).
         t_old = time.monotonic()
         for old in [o for o in w.pairs.retired if o.agent_name == hs.agent_name]:
-            while self.retired_in_use(w, old):
+            while self.retired_in_use(w, old) or not await self.rt.nixl(self.free_retired, w, old):
                 if time.monotonic() - t0 > timeout:
                     raise PeerUnavailable(
                         f"{address}: a READ from agent {hs.agent_name} through its previous connection is still in "
                         f"progress after {timeout:.0f} s (handshake_timeout_s; a stalled network?): that agent is "
                         "loaded again once it ends", transient=True)
                 await asyncio.sleep(RETIRED_POLL_S)
-            await self.rt.nixl(self.free_retired, w, old)
         phases: dict[str, float] = {}
         if time.monotonic() - t_old > 0.001:  # named only when it took time: a first contact after a cut READ
             phases["old_read_wait"] = time.monotonic() - t_old

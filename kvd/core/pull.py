@@ -108,7 +108,7 @@ class Pull:
         except Exception as e:
             log.exception("%s request=%s: load failed unexpectedly", w.label, req.request_id)
             w.pending_loads.pop(req.request_id, None)
-            w.posting.discard(req.request_id)
+            w.posting.pop(req.request_id, None)
             if req.request_id not in w.inflight:
                 self.rt.fail_load(w, req.request_id, req.local_block_ids, K.INTERNAL,
                                   f"internal: {type(e).__name__}: {e}", req.remote_address)
@@ -288,7 +288,9 @@ class Pull:
             chunks = {p: plan.checked_indices(*checked[p], remotes[p].num_regions, w.layout.num_blocks,
                                               remotes[p].layout.num_blocks, remotes[p].k, remotes[p].C,
                                               remotes[p].region_groups) for p in read_from}
-            w.posting.add(rid)  # Pull.cancel waits for it: a post may be queued on the NIXL thread
+            # Pull.cancel waits for it: a post may be queued on the NIXL
+            # thread; its remotes are not freed meanwhile (Peers._read_users).
+            w.posting[rid] = tuple(remotes[p] for p in read_from)
             retry = not fresh_any and retry_deadline is None
             joined = False  # one transfer with the other small loads of this pass (kvd.core.coalesce)
             if len(read_from) == 1 and w.session.epoch == epoch:
@@ -360,19 +362,19 @@ class Pull:
             elif not claim.cancelled():
                 claim.exception()  # retrieved: an early return never awaited it
         if in_flight:  # Pull.cancel finds it there if its session ended since
-            w.posting.discard(rid)
+            w.posting.pop(rid, None)
             return
         if w.session.epoch != epoch:
             # The session ended while posting: its shim reports these blocks
             # failed once the stream is closed, which waits for this release.
             for h, r in posted:
                 await self.rt.nixl(self.rt.release_handle, w.agent, h)
-            w.posting.discard(rid)
+            w.posting.pop(rid, None)
             self.rt.counters.transfers_failed += 1
             self.rt.lines.warning(("cancelled while posting", w.key), "%s request=%s: session ended while posting; "
                                   "READs cancelled", w.label, rid)
             return
-        w.posting.discard(rid)
+        w.posting.pop(rid, None)
         retry = not fresh_any and retry_deadline is None  # also where an error came before the posts
         if err:
             for h, r in posted:

@@ -360,7 +360,10 @@ class Worker:
     # exact when a load would pass Limits.max_load_block_ids_per_worker).
     load_ids: dict[int, Any] = field(default_factory=dict)
     load_ids_total: int = 0
-    posting: set[str] = field(default_factory=set)  # loads between their claim and their last post
+    # Loads between their claim and their last post: id -> the remotes they
+    # READ through (none for a same-node copy). Kvd.core.peers frees no
+    # retired remote a load here may still post through.
+    posting: dict[str, tuple[RemoteWorker, ...]] = field(default_factory=dict)
     session: WorkerSession = field(default_factory=WorkerSession)
     # Set at each hold: wakes claims waiting for one; a claim that waits makes
     # a fresh one when it finds it set (kvd.core.holds).
