@@ -92,3 +92,47 @@ def test_in_push_mode_a_source_survives_readers_killed_in_the_middle_of_its_writ
         assert src_d.proc.poll() is None
     finally:
         src_d.stop()
+
+
+def test_in_push_mode_a_write_from_a_frozen_source_lands_nothing_after_the_load_failed(tmp_path):
+    """The source daemon stops (SIGSTOP: a stalled host looks the same) in
+    the middle of its WRITE; the decode daemon's load fails at its deadline,
+    and vLLM then reuses those blocks. Before, the WRITE went on when the
+    source resumed: 942-1,002 of the 1,024 block-regions changed after the
+    failure. Now the decode daemon replaces its NIXL agent before it reports
+    the failure (``settle.stop_writes_into``): the source's WRITE finds its
+    connection closed, nothing lands, and both daemons serve on."""
+    import os
+    import signal
+
+    src_d = start_daemon(str(tmp_path), "p", env=TCP)
+    dst_d = start_daemon(str(tmp_path), "d", "--transfer-mode", "push", env=TCP)
+    ids = list(range(SHAPE.num_blocks))
+    try:
+        src = Engine(src_d, "p", SHAPE, seed=5)
+        dst = Engine(dst_d, "d", SHAPE)
+        src.hold("frozen", ids)
+        dst.load("frozen", ids, src, ids, "frozen", timeout_s=3)
+        probe = src.kv[0, 0, :4096].copy()
+        wait_until(lambda: (dst.kv[0, 0, :4096] == probe).all(), 10, "the push is under way", 0.001)
+        os.kill(src_d.proc.pid, signal.SIGSTOP)
+        try:
+            ev = dst.wait("frozen", 20)
+            assert event_kind(ev) == "load_failed" and "timeout" in ev.load_failed.reason, ev
+            before = dst.kv.copy()
+        finally:
+            os.kill(src_d.proc.pid, signal.SIGCONT)
+        time.sleep(3)  # the source's UCX runs again: a WRITE still going would land now
+        changed = int((dst.kv != before).any(axis=2).sum())
+        assert changed == 0, f"{changed} block-regions changed after the load had failed"
+        assert src_d.proc.poll() is None and dst_d.proc.poll() is None
+        src.release("frozen")
+        src.hold("next", [1, 2, 3])
+        dst.load("next", [7, 8, 9], src, [1, 2, 3], "next", timeout_s=30)
+        assert event_kind(dst.wait("next", 35)) == "recv_done"
+        assert dst.same_blocks([7, 8, 9], src, [1, 2, 3])
+        dst.close()
+        src.close()
+    finally:
+        dst_d.stop()
+        src_d.stop()

@@ -221,6 +221,10 @@ class Pull:
             finally:
                 w.pending_loads.pop(rid, None)
             if failure is not None:
+                if failure[0] == K.TIMEOUT:
+                    # A source's WRITE may still be going on into these
+                    # blocks, which vLLM reuses once told they failed.
+                    await settle.stop_writes_into(self.rt, self.registry, w, f"request {rid}: push past its deadline")
                 self._fail(w, req, *failure)
             return
 

@@ -66,6 +66,28 @@ async def _settle(rt: Runtime, registry: Registry, w: Worker) -> None:
 _replacing: dict[int, asyncio.Task] = {}  # id(worker) -> its agent replacement under way
 
 
+async def stop_writes_into(rt: Runtime, registry: Registry, w: Worker, why: str) -> bool:
+    """Push mode, reader side: a source's WRITE into ``w``'s blocks may still
+    be going on (its ``Push`` call did not answer by the load's deadline),
+    and the source cannot be told to stop it (it may be stalled, or cut
+    off). Destroying ``w``'s NIXL agent closes the UCX endpoints the WRITE
+    comes through, so ``w``'s agent is replaced before the load is reported
+    failed, as for a READ (``end_reads``); one replacement under way for
+    ``w`` serves. Measured with ``UCX_TLS=tcp`` and the source daemon
+    SIGSTOPped in the middle of a 128 MiB WRITE: after the load had failed,
+    942-1,002 of its 1,024 block-regions changed when the source resumed;
+    with the agent replaced, none (tests/test_reliability_tcp.py). True once
+    the old agent is destroyed; False (logged) when no new agent could be
+    made or the old one not destroyed: the WRITE may still land."""
+    if not rt.registered(w):
+        return True  # its agent is destroyed at its unregistration
+    task = _replacing.get(id(w))
+    if task is None:
+        task = _replacing[id(w)] = asyncio.get_running_loop().create_task(registry.replace_agent(w, why))
+        task.add_done_callback(lambda t, k=id(w): _replacing.pop(k, None) if _replacing.get(k) is t else None)
+    return await asyncio.shield(task)
+
+
 async def end_reads(rt: Runtime, registry: Registry, w: Worker, why: str) -> None:
     """Returns once no handle of ``w``'s agent in ``Runtime.zombies`` is in
     progress: each one ended is released; if one has not, the agent is
