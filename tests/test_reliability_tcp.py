@@ -136,3 +136,42 @@ def test_in_push_mode_a_write_from_a_frozen_source_lands_nothing_after_the_load_
     finally:
         dst_d.stop()
         src_d.stop()
+
+
+def test_in_push_mode_a_write_from_a_frozen_source_lands_nothing_after_the_session_ended(tmp_path):
+    """As above, but the decode engine's session ends (its stream breaks:
+    the shim then reports every load of it failed) while the frozen source's
+    WRITE is under way. The decode daemon replaces the worker's agent before
+    the stream ends; nothing lands when the source resumes."""
+    import os
+    import signal
+
+    src_d = start_daemon(str(tmp_path), "p", env=TCP)
+    dst_d = start_daemon(str(tmp_path), "d", "--transfer-mode", "push", env=TCP)
+    ids = list(range(SHAPE.num_blocks))
+    try:
+        src = Engine(src_d, "p", SHAPE, seed=6)
+        dst = Engine(dst_d, "d", SHAPE)
+        src.hold("cut-off", ids)
+        dst.load("cut-off", ids, src, ids, "cut-off", timeout_s=30)
+        probe = src.kv[0, 0, :4096].copy()
+        wait_until(lambda: (dst.kv[0, 0, :4096] == probe).all(), 10, "the push is under way", 0.001)
+        os.kill(src_d.proc.pid, signal.SIGSTOP)
+        try:
+            dst.session.close()  # the engine's stream breaks; the worker stays registered (detach grace)
+            wait_until(lambda: "session closed: engine=d " in dst_d.log(), 20, "the daemon saw the session end")
+            # Its agent replaced (a few hundred ms); the line never comes where the push goes on.
+            wait_until(lambda: "its session ended during a push" in dst_d.log(), 5, None)
+            before = dst.kv.copy()
+        finally:
+            os.kill(src_d.proc.pid, signal.SIGCONT)
+        time.sleep(3)  # a WRITE still going would land now
+        changed = int((dst.kv != before).any(axis=2).sum())
+        assert changed == 0, f"{changed} block-regions changed after the session had ended"
+        assert src_d.proc.poll() is None and dst_d.proc.poll() is None
+        dst.session = None
+        dst.close()
+        src.close()
+    finally:
+        dst_d.stop()
+        src_d.stop()

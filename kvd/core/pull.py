@@ -513,8 +513,9 @@ class Pull:
     async def cancel(self, w: Worker) -> None:
         """The worker's last session ended: the shim reports every load sent
         on the broken stream as failed and vLLM may reuse those blocks, so no
-        READ of them may go on. Returns once none can land any more
-        (``kvd.core.settle``); the session's stream ends after that.
+        READ of them, nor a source's WRITE into them (push mode), may go on.
+        Returns once none can land any more (``kvd.core.settle``); the
+        session's stream ends after that.
         The loop owns the loads' parts (``Progress.reads_ended``): a handle
         is in a part or in ``Runtime.zombies``, never both."""
         handles = {}  # once each: a coalesced READ is a part of each load it carries
@@ -525,6 +526,11 @@ class Pull:
             self.rt.lines.warning(("cancelled", w.key), "%s request=%s: session ended; load cancelled", w.label,
                                   load.req.request_id)
         await settle.cancel_reads(self.rt, self.registry, w, list(handles))
+        if self.rt.limits.transfer_mode == "push" and w.pending_loads:
+            # A source may still be WRITEing into blocks of the broken
+            # stream's loads (a push not answered yet): stopped as at a
+            # push's deadline, before the stream ends.
+            await settle.stop_writes_into(self.rt, self.registry, w, "its session ended during a push")
 
     async def abort_load(self, w: Worker, request_id: str, remote_engine_id: str, remote_address: str,
                          remote_request_id: str, remote_tp_size: int) -> None:
