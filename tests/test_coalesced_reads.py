@@ -267,7 +267,8 @@ def test_a_session_end_gives_up_a_shared_read_once(monkeypatch):
         return fn(*args)
 
     rt = SimpleNamespace(counters=SimpleNamespace(transfers_failed=0), nixl=nixl,
-                         lines=SimpleNamespace(warning=lambda *a, **k: None))
+                         lines=SimpleNamespace(warning=lambda *a, **k: None),
+                         limits=SimpleNamespace(transfer_mode="pull"))
     given = []
 
     async def cancel_reads(rt, registry, w, handles):
@@ -404,7 +405,8 @@ def test_a_session_end_never_takes_a_handle_the_poll_released(monkeypatch):
             rt = SimpleNamespace(workers={"w": w}, zombies=[], warm_ups=None, release_zombies=lambda: None,
                                  release_handle=lambda a, h, settled=False: released.append(h), nixl=thread.call,
                                  counters=SimpleNamespace(transfers_failed=0),
-                                 lines=SimpleNamespace(warning=lambda *a, **k: None))
+                                 lines=SimpleNamespace(warning=lambda *a, **k: None),
+                                 limits=SimpleNamespace(transfer_mode="pull"))
             prog = progress_mod.Progress(rt, None, None, None, None, SimpleNamespace(poll_writes=lambda now: []))
             pull = Pull.__new__(Pull)
             pull.rt, pull.registry = rt, None
