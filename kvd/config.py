@@ -185,8 +185,11 @@ class Config:
     poll_busy_s: float = _setting(0.0005, "interval of the completion poll while transfers are in flight, seconds")
     poll_idle_s: float = _setting(0.005, "interval of the poll for notifications and lease expiry otherwise, "
                                          "seconds")
-    transfer_mode: str = _setting("pull", "pull (decode daemon READs) | push (prefill daemon WRITEs, "
-                                          "asked by the decode daemon); set on the decode side")
+    transfer_mode: str = _setting("auto", "auto | pull (decode daemon READs) | push (prefill daemon WRITEs, "
+                                          "asked by the decode daemon); set on the decode side. auto: pull "
+                                          "where UCX reads natively (RDMA, or a daemon of this host), push where "
+                                          "a READ would be UCX's software GET over TCP, which crashes the source "
+                                          "when its reader dies mid-READ (UCX 1.23)")
     same_node_copy: bool = _setting(True, "a load whose prefill engine is registered with this daemon too is a "
                                           "copy by the daemon (no NIXL); false: every load goes through NIXL")
     copy_threads: int = _setting(0, "threads a same-node copy in host memory runs on, each taking at least 1 MiB "
@@ -364,8 +367,8 @@ class Config:
                 raise self._error(key, f"at most 3600 seconds (got {getattr(self, key)})")
         if not self.backends or not all(b and b.strip() == b for b in self.backends):
             raise self._error("backends", f"need one or more NIXL backend names (got {self.backends!r})")
-        if self.transfer_mode not in ("pull", "push"):
-            raise self._error("transfer_mode", f"{self.transfer_mode!r} is not pull | push")
+        if self.transfer_mode not in ("auto", "pull", "push"):
+            raise self._error("transfer_mode", f"{self.transfer_mode!r} is not auto | pull | push")
         if self.engine_socket_group:
             try:
                 resolve_gid(self.engine_socket_group)

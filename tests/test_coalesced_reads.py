@@ -203,7 +203,8 @@ class _Agent:
 
 
 def _shared_worker(agent, deadlines):
-    w = SimpleNamespace(agent=agent, inflight={}, pairs=SimpleNamespace(retired=[]), label="w", key=("e", 0))
+    w = SimpleNamespace(agent=agent, inflight={}, pushes=set(), pairs=SimpleNamespace(retired=[]), label="w",
+                        key=("e", 0))
     r = SimpleNamespace(agent_name="src")
     for i, d in enumerate(deadlines):
         w.inflight[f"d{i}"] = InflightLoad(_req(f"d{i}"), [(5, r)], 0.0, d, 64, 1)
@@ -267,8 +268,7 @@ def test_a_session_end_gives_up_a_shared_read_once(monkeypatch):
         return fn(*args)
 
     rt = SimpleNamespace(counters=SimpleNamespace(transfers_failed=0), nixl=nixl,
-                         lines=SimpleNamespace(warning=lambda *a, **k: None),
-                         limits=SimpleNamespace(transfer_mode="pull"))
+                         lines=SimpleNamespace(warning=lambda *a, **k: None))
     given = []
 
     async def cancel_reads(rt, registry, w, handles):
@@ -405,8 +405,7 @@ def test_a_session_end_never_takes_a_handle_the_poll_released(monkeypatch):
             rt = SimpleNamespace(workers={"w": w}, zombies=[], warm_ups=None, release_zombies=lambda: None,
                                  release_handle=lambda a, h, settled=False: released.append(h), nixl=thread.call,
                                  counters=SimpleNamespace(transfers_failed=0),
-                                 lines=SimpleNamespace(warning=lambda *a, **k: None),
-                                 limits=SimpleNamespace(transfer_mode="pull"))
+                                 lines=SimpleNamespace(warning=lambda *a, **k: None))
             prog = progress_mod.Progress(rt, None, None, None, None, SimpleNamespace(poll_writes=lambda now: []))
             pull = Pull.__new__(Pull)
             pull.rt, pull.registry = rt, None

@@ -15,11 +15,11 @@ says so at startup.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import time
 
-import pytest
-
-from kvd.core.nixl_agent import tcp_emulated_reads
 from kvd.testing.daemons import start_daemon
 from kvd.testing.sessions import Engine, KvShape, event_kind
 from kvd.testing.util import wait_until
@@ -30,31 +30,25 @@ SHAPE = KvShape(num_layers=4, num_blocks=128, block_len=128 * 1024)
 TCP = {"UCX_TLS": "tcp"}
 
 
-@pytest.mark.parametrize("tls, tcp_only", [
-    ("tcp", True), ("tcp,sm,self", True), ("cma,tcp", True), ("tcp:aux", True), ("TCP", True),
-    ("^ib", True), ("^rc,dc,ud", True), ("^rc_verbs,rc_mlx5,dc,ud,ib", True),
-    (None, False), ("", False), ("rc,tcp", False), ("dc_mlx5,tcp", False), ("all", False), ("ib,tcp", False),
-    ("sm,self", False), ("^rc", False), ("^ib,tcp", False), ("^cuda_ipc", False),
-])
-def test_the_startup_warning_is_for_a_ucx_tls_that_leaves_only_tcp_between_hosts(tls, tcp_only):
-    assert tcp_emulated_reads({} if tls is None else {"UCX_TLS": tls}) is tcp_only
-
-
 ROUNDS = 3
 KILL_AFTER_S = 0.02  # after the load is sent: the READs of pull mode died here (3 of 4)
 
 
 def test_in_push_mode_a_source_survives_readers_killed_in_the_middle_of_its_writes(tmp_path):
-    src_d = start_daemon(str(tmp_path), "p", env=TCP)  # pull mode: it warns
+    """The readers run the default transfer mode (auto), which pushes over
+    a TCP-only ``UCX_TLS``; a source set to pull says at startup what that
+    risks."""
+    src_d = start_daemon(str(tmp_path), "p", "--transfer-mode", "pull", env=TCP)
     ids = list(range(SHAPE.num_blocks))
     try:
         said = [ln for ln in src_d.log().splitlines() if "leaves UCX only TCP between hosts" in ln]
-        assert said and "transfer_mode = push" in said[0], said
+        assert said and "transfer_mode = auto (the default) or push" in said[0], said
         src = Engine(src_d, "p", SHAPE, seed=3)
         cut = 0
         for n in range(ROUNDS):
-            dst_d = start_daemon(str(tmp_path), f"d{n}", "--transfer-mode", "push", env=TCP)
+            dst_d = start_daemon(str(tmp_path), f"d{n}", env=TCP)
             try:
+                assert "transfer mode auto: push for every load (UCX_TLS=tcp" in dst_d.log()
                 dst = Engine(dst_d, f"d{n}", SHAPE)
                 src.hold(f"r{n}", ids)
                 dst.load(f"r{n}", ids, src, ids, f"r{n}", timeout_s=30)
@@ -76,7 +70,7 @@ def test_in_push_mode_a_source_survives_readers_killed_in_the_middle_of_its_writ
                 if dst_d.proc.poll() is None:
                     dst_d.stop()
         assert cut >= 1, "no round killed a reader in the middle of a WRITE: the test proved nothing"
-        assert "leaves UCX only TCP" not in dst_d.log(), "a daemon in push mode has nothing to change"
+        assert "a pull-mode READ is then" not in dst_d.log(), "a daemon in auto mode has nothing to change"
         # It still serves: a reader started after the kills reads.
         dst_d = start_daemon(str(tmp_path), "d-last", "--transfer-mode", "push", env=TCP)
         try:
@@ -94,36 +88,56 @@ def test_in_push_mode_a_source_survives_readers_killed_in_the_middle_of_its_writ
         src_d.stop()
 
 
-def test_in_push_mode_a_write_from_a_frozen_source_lands_nothing_after_the_load_failed(tmp_path):
-    """The source daemon stops (SIGSTOP: a stalled host looks the same) in
-    the middle of its WRITE; the decode daemon's load fails at its deadline,
-    and vLLM then reuses those blocks. Before, the WRITE went on when the
-    source resumed: 942-1,002 of the 1,024 block-regions changed after the
-    failure. Now the decode daemon replaces its NIXL agent before it reports
-    the failure (``settle.stop_writes_into``): the source's WRITE finds its
-    connection closed, nothing lands, and both daemons serve on."""
-    import os
-    import signal
-
+@contextlib.contextmanager
+def _push_from_a_frozen_source(tmp_path, rid: str, seed: int, timeout_s: float):
+    """Starts a pull-mode source and a push-mode decode daemon over TCP,
+    a push of every block of ``SHAPE``, and stops (SIGSTOP: a stalled host
+    looks the same) the source once the WRITE's first bytes have landed.
+    Yields ``(src_d, dst_d, src, dst)`` with the source still stopped; it is
+    resumed (``_changed_once_resumed``, or at the end) and both daemons
+    stopped on the way out."""
     src_d = start_daemon(str(tmp_path), "p", env=TCP)
     dst_d = start_daemon(str(tmp_path), "d", "--transfer-mode", "push", env=TCP)
     ids = list(range(SHAPE.num_blocks))
     try:
-        src = Engine(src_d, "p", SHAPE, seed=5)
+        src = Engine(src_d, "p", SHAPE, seed=seed)
         dst = Engine(dst_d, "d", SHAPE)
-        src.hold("frozen", ids)
-        dst.load("frozen", ids, src, ids, "frozen", timeout_s=3)
+        src.hold(rid, ids)
+        dst.load(rid, ids, src, ids, rid, timeout_s=timeout_s)
         probe = src.kv[0, 0, :4096].copy()
         wait_until(lambda: (dst.kv[0, 0, :4096] == probe).all(), 10, "the push is under way", 0.001)
         os.kill(src_d.proc.pid, signal.SIGSTOP)
         try:
-            ev = dst.wait("frozen", 20)
-            assert event_kind(ev) == "load_failed" and "timeout" in ev.load_failed.reason, ev
-            before = dst.kv.copy()
+            yield src_d, dst_d, src, dst
         finally:
-            os.kill(src_d.proc.pid, signal.SIGCONT)
-        time.sleep(3)  # the source's UCX runs again: a WRITE still going would land now
-        changed = int((dst.kv != before).any(axis=2).sum())
+            os.kill(src_d.proc.pid, signal.SIGCONT)  # a second SIGCONT does nothing
+    finally:
+        dst_d.stop()
+        src_d.stop()
+
+
+def _changed_once_resumed(src_d, dst) -> int:
+    """Resumes the stopped source and returns how many of ``dst``'s
+    block-regions (layer x block) change in the next 3 s: a WRITE still
+    going would land then."""
+    before = dst.kv.copy()
+    os.kill(src_d.proc.pid, signal.SIGCONT)
+    time.sleep(3)
+    return int((dst.kv != before).any(axis=2).sum())
+
+
+def test_in_push_mode_a_write_from_a_frozen_source_lands_nothing_after_the_load_failed(tmp_path):
+    """The source daemon stops in the middle of its WRITE; the decode
+    daemon's load fails at its deadline, and vLLM then reuses those blocks.
+    Before, the WRITE went on when the source resumed: 942-1,002 of the
+    1,024 block-regions changed after the failure. Now the decode daemon
+    replaces its NIXL agent before it reports the failure
+    (``settle.stop_writes_into``): the source's WRITE finds its connection
+    closed, nothing lands, and both daemons serve on."""
+    with _push_from_a_frozen_source(tmp_path, "frozen", seed=5, timeout_s=3) as (src_d, dst_d, src, dst):
+        ev = dst.wait("frozen", 20)
+        assert event_kind(ev) == "load_failed" and "timeout" in ev.load_failed.reason, ev
+        changed = _changed_once_resumed(src_d, dst)
         assert changed == 0, f"{changed} block-regions changed after the load had failed"
         assert src_d.proc.poll() is None and dst_d.proc.poll() is None
         src.release("frozen")
@@ -133,9 +147,6 @@ def test_in_push_mode_a_write_from_a_frozen_source_lands_nothing_after_the_load_
         assert dst.same_blocks([7, 8, 9], src, [1, 2, 3])
         dst.close()
         src.close()
-    finally:
-        dst_d.stop()
-        src_d.stop()
 
 
 def test_in_push_mode_a_write_from_a_frozen_source_lands_nothing_after_the_session_ended(tmp_path):
@@ -143,35 +154,14 @@ def test_in_push_mode_a_write_from_a_frozen_source_lands_nothing_after_the_sessi
     the shim then reports every load of it failed) while the frozen source's
     WRITE is under way. The decode daemon replaces the worker's agent before
     the stream ends; nothing lands when the source resumes."""
-    import os
-    import signal
-
-    src_d = start_daemon(str(tmp_path), "p", env=TCP)
-    dst_d = start_daemon(str(tmp_path), "d", "--transfer-mode", "push", env=TCP)
-    ids = list(range(SHAPE.num_blocks))
-    try:
-        src = Engine(src_d, "p", SHAPE, seed=6)
-        dst = Engine(dst_d, "d", SHAPE)
-        src.hold("cut-off", ids)
-        dst.load("cut-off", ids, src, ids, "cut-off", timeout_s=30)
-        probe = src.kv[0, 0, :4096].copy()
-        wait_until(lambda: (dst.kv[0, 0, :4096] == probe).all(), 10, "the push is under way", 0.001)
-        os.kill(src_d.proc.pid, signal.SIGSTOP)
-        try:
-            dst.session.close()  # the engine's stream breaks; the worker stays registered (detach grace)
-            wait_until(lambda: "session closed: engine=d " in dst_d.log(), 20, "the daemon saw the session end")
-            # Its agent replaced (a few hundred ms); the line never comes where the push goes on.
-            wait_until(lambda: "its session ended during a push" in dst_d.log(), 5, None)
-            before = dst.kv.copy()
-        finally:
-            os.kill(src_d.proc.pid, signal.SIGCONT)
-        time.sleep(3)  # a WRITE still going would land now
-        changed = int((dst.kv != before).any(axis=2).sum())
+    with _push_from_a_frozen_source(tmp_path, "cut-off", seed=6, timeout_s=30) as (src_d, dst_d, src, dst):
+        dst.session.close()  # the engine's stream breaks; the worker stays registered (detach grace)
+        wait_until(lambda: "session closed: engine=d " in dst_d.log(), 20, "the daemon saw the session end")
+        # Its agent replaced (a few hundred ms); the line never comes where the push goes on.
+        wait_until(lambda: "its session ended during a push" in dst_d.log(), 5, None)
+        changed = _changed_once_resumed(src_d, dst)
         assert changed == 0, f"{changed} block-regions changed after the session had ended"
         assert src_d.proc.poll() is None and dst_d.proc.poll() is None
         dst.session = None
         dst.close()
         src.close()
-    finally:
-        dst_d.stop()
-        src_d.stop()

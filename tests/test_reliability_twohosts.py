@@ -6,7 +6,9 @@ UCX's shared-memory transports ignore network namespaces, so UCX is
 restricted to TCP on the veth (``UCX_TLS=tcp``, ``UCX_NET_DEVICES``), as an
 operator would restrict it across real hosts; PeerService also goes over the
 veth, authenticated by a shared token. The engines are the test process itself: the engine socket is a file
-path and /dev/shm is shared, both reachable across network namespaces.
+path and /dev/shm is shared, both reachable across network namespaces. The
+daemons are set to pull mode: these tests cut READs (the default, auto,
+would push over TCP-only UCX, kvd.core.transfer_mode).
 
 Cutting the link mid-transfer (``ip link set down``) stalls TCP without an
 error: the request fails at its deadline. Restoring the link lets the next
@@ -20,6 +22,7 @@ import time
 
 import pytest
 
+from kvd.core.transfer_mode import rdma_devices
 from kvd.testing.daemons import start_daemon
 from kvd.testing.netns import NetnsPair
 from kvd.testing.sessions import Engine, KvShape, event_kind
@@ -49,7 +52,7 @@ def hosts(tmp_path_factory):
     try:
         for name, ns, ip, dev in (("host-a", net.a, net.ip_a, net.dev_a), ("host-b", net.b, net.ip_b, net.dev_b)):
             daemons.append(start_daemon(tmp, name, "--peer-listen", f"{ip}:{PORT}", "--peer-token-file", token,
-                                        env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": dev}, wrap=net.wrap(ns)))
+                                        "--transfer-mode", "pull", env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": dev}, wrap=net.wrap(ns)))
         net.shaped = net.limit_rate(RATE_MBIT)
         yield net, daemons[0], daemons[1]
     finally:
@@ -179,3 +182,36 @@ def test_a_read_cut_as_its_first_bytes_land_leaves_both_daemons_alive_and_no_ucx
             src.close()
         assert a.proc.poll() is None and b.proc.poll() is None, (a.proc.poll(), b.proc.poll())
     _no_ucx_request_left(hosts, since)
+
+
+def test_by_default_a_load_from_another_host_with_no_rdma_here_is_a_push(hosts, tmp_path):
+    """Daemons left at the default transfer mode (auto) and UCX's default
+    transports: this machine has no RDMA device, so a READ from the other
+    namespace's daemon could be UCX's software GET over TCP, which crashes
+    the source when its reader dies mid-READ. The decode daemon pushes
+    instead, says so, and the blocks arrive."""
+    net, _, _ = hosts
+    if rdma_devices():
+        pytest.skip(f"this machine has RDMA devices ({rdma_devices()}): auto reads")
+    token = os.path.join(str(tmp_path), "peer.token")
+    with open(token, "w") as f:
+        f.write("two-hosts-auto-token-0123456789")
+    os.chmod(token, 0o600)
+    daemons = [start_daemon(str(tmp_path), name, "--peer-listen", f"{ip}:{PORT + 1}", "--peer-token-file", token,
+                            env={"UCX_NET_DEVICES": dev}, wrap=net.wrap(ns))
+               for name, ns, ip, dev in (("auto-a", net.a, net.ip_a, net.dev_a), ("auto-b", net.b, net.ip_b, net.dev_b))]
+    a, b = daemons
+    try:
+        src = Engine(a, "auto-p", SHAPE, seed=11)
+        dst = Engine(b, "auto-d", SHAPE)
+        src.hold("auto", [1, 2, 3])
+        dst.load("auto", [4, 5, 6], src, [1, 2, 3], "auto", timeout_s=30)
+        assert event_kind(dst.wait("auto", 35)) == "recv_done"
+        assert dst.same_blocks([4, 5, 6], src, [1, 2, 3])
+        assert event_kind(src.wait("auto")) == "send_done"
+        assert f"transfer mode auto: loads from {net.ip_a} are pushes" in b.log(), b.log()[-3000:]
+        dst.close()
+        src.close()
+    finally:
+        for d in daemons:
+            d.stop()

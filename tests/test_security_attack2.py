@@ -209,7 +209,7 @@ def test_a_read_from_a_frozen_peer_fails_at_its_deadline_and_lands_nothing_after
     from kvd.testing.sessions import event_kind
 
     env = {"UCX_TLS": "tcp"} if tls == "tcp" else None
-    d = start_daemon(str(tmp_path), "kvd", env=env)
+    d = start_daemon(str(tmp_path), "kvd", "--transfer-mode", "pull", env=env)  # a READ: pull, over TCP too
     reader = Engine(d, "reader-frozen", SHAPE)
     peer = HostilePeer(SHAPE, reader.registered.compat_hash, env=env)
     try:
@@ -251,7 +251,7 @@ def test_a_read_from_a_frozen_peer_lands_nothing_after_its_session_ended(tmp_pat
     from kvd.testing.sessions import Session
 
     env = {"UCX_TLS": "tcp"}
-    d = start_daemon(str(tmp_path), "kvd", env=env)
+    d = start_daemon(str(tmp_path), "kvd", "--transfer-mode", "pull", env=env)  # a READ: pull, over TCP too
     reader = Engine(d, "reader-ended", SHAPE)
     peer = HostilePeer(SHAPE, reader.registered.compat_hash, env=env)
     again = bystander = None

@@ -45,7 +45,9 @@ class Limits:
     max_held_blocks_per_worker: int = 1 << 22
     poll_busy_s: float = 0.0005      # poll interval while transfers are in flight
     poll_idle_s: float = 0.005       # otherwise (notifications, leases)
-    transfer_mode: str = "pull"      # "pull": decode READs; "push": prefill WRITEs on request
+    # "pull": decode READs; "push": prefill WRITEs on request; "auto": per
+    # load, push where a READ would be TCP's (kvd.core.transfer_mode).
+    transfer_mode: str = "auto"
     same_node_copy: bool = True      # a load from an engine of this daemon is a memmove (kvd.core.local_copy)
     copy_threads: int = 0            # threads of a same-node DRAM copy; 0: kvd.core.local_copy.copy_threads picks
     # Follow the holds of remote engines this daemon pairs with

@@ -222,41 +222,6 @@ def apply_ucx_defaults(environ=os.environ, cuda: bool | None = None) -> dict[str
     return applied
 
 
-# UCX transports with a native GET between hosts (InfiniBand/RoCE verbs and
-# their accelerated variants); "ib" names them all, "all" lets UCX pick them.
-_RDMA_TLS = ("rc", "dc", "ud")
-
-
-def tcp_emulated_reads(environ=os.environ) -> bool:
-    """True when ``UCX_TLS`` leaves UCX only TCP between hosts: a list that
-    names ``tcp`` and no RDMA transport (same-host ones like ``sm``/``cma``
-    at most), or an exclusion (``^...``) of every RDMA one (``ib``, or each
-    of ``rc``, ``dc``, ``ud``) that keeps ``tcp``. A peer's READ from this
-    daemon is then UCX's software GET, which this daemon's UCX answers with
-    sends of its own. UCX 1.23 (in nixl 1.5.1) dies on those when the reader
-    vanishes while they wait for the socket: ``ucp_worker_discard_uct_ep`` ->
-    ``uct_tcp_ep_pending_purge`` -> ``ucp_request_send_state_ff`` ->
-    ``ucp_request_memory_dereg``, SIGSEGV (measured here: a reader daemon
-    SIGKILLed 20 ms into a 128 MiB READ killed the source daemon in 3 of 4
-    runs with ``UCX_TLS=tcp`` on loopback, 4 of 4 across a veth; in push mode,
-    whose WRITEs are UCT's TCP PUT, 0 of 8). False when ``UCX_TLS`` is unset
-    or ``all`` (UCX then uses RDMA where the hosts have it; a host with no
-    RDMA device reads over TCP all the same, which no setting says)."""
-    value = environ.get("UCX_TLS", "").strip().lower()
-    exclude = value.startswith("^")
-    names = [t.strip().split(":")[0] for t in value.lstrip("^").split(",") if t.strip()]
-    if not names:
-        return False
-
-    def rdma(n: str) -> bool:
-        return n in ("ib", "all") or any(n == r or n.startswith(r + "_") for r in _RDMA_TLS)
-
-    if exclude:  # UCX takes every transport but these
-        every_rdma_out = "ib" in names or all(r in names for r in _RDMA_TLS)
-        return every_rdma_out and "tcp" not in names and "all" not in names
-    return "tcp" in names and not any(rdma(n) for n in names)
-
-
 def _nixl():
     # Imported lazily so that ``import kvd`` (and the engine-side shim) never
     # loads NIXL or its torch dependency.

@@ -41,6 +41,8 @@ from kvd.core.push import Push
 from kvd.core.registry import Registry
 from kvd.core.runtime import Runtime
 from kvd.core.state import InflightLoad, RemoteWorker, Worker
+from kvd.core.transfer_mode import TransferModes
+from kvd.logtext import clip
 from kvd.requests import LoadRequest
 
 log = logging.getLogger("kvd.core")
@@ -61,7 +63,8 @@ class Pull:
     Args:
         rt: the core's shared state.
         peers: handshakes and remote workers.
-        push: the push-mode reader side (``Limits.transfer_mode == "push"``).
+        push: the push-mode reader side, for the loads
+            ``kvd.core.transfer_mode`` makes pushes.
         local: same-node loads (the source registered with this daemon),
             which it copies itself (``kvd.core.local_copy``) in either mode.
         holds: claims on the sources' holds before any READ.
@@ -77,6 +80,13 @@ class Pull:
         self.local = local
         self.holds = holds
         self.reads = coalesce.CoalescedReads(rt, self._post)
+        self.modes = TransferModes(rt.limits.transfer_mode, said=self._mode_said)
+
+    def _mode_said(self, host: str, local: bool) -> None:
+        # One key: a request names the host, so fresh ones could come at will.
+        self.rt.lines.info(("transfer mode",), "transfer mode auto: loads from %s are %s", clip(host, 100),
+                           "READs (a host of this one's)" if local else
+                           "pushes (another host's, and no RDMA device here)")
 
     async def load(self, w: Worker, req: LoadRequest, *, retry_deadline: float | None = None,
                    epoch: int | None = None, uid: int | None = None) -> None:
@@ -215,11 +225,13 @@ class Pull:
             elif result is not None:
                 self._recv_done(w, req, *result, time.monotonic() - started)
             return
-        if self.rt.limits.transfer_mode == "push":
+        if await self.modes.pushes(req.remote_address):
+            w.pushes.add(rid)
             try:
                 failure = await self.push.load(w, req, remote_tp, read_from, notify, started, deadline)
             finally:
                 w.pending_loads.pop(rid, None)
+                w.pushes.discard(rid)
             if failure is not None:
                 if failure[0] == K.TIMEOUT:
                     # A source's WRITE may still be going on into these
@@ -526,7 +538,7 @@ class Pull:
             self.rt.lines.warning(("cancelled", w.key), "%s request=%s: session ended; load cancelled", w.label,
                                   load.req.request_id)
         await settle.cancel_reads(self.rt, self.registry, w, list(handles))
-        if self.rt.limits.transfer_mode == "push" and w.pending_loads:
+        if w.pushes:
             # A source may still be WRITEing into blocks of the broken
             # stream's loads (a push not answered yet): stopped as at a
             # push's deadline, before the stream ends.

@@ -1,4 +1,4 @@
-"""Push mode (``Limits.transfer_mode = "push"``), both sides.
+"""Push mode (the loads ``kvd.core.transfer_mode`` makes pushes), both sides.
 
 - Reader (decode) side, :meth:`Push.load`: after the checks of the pull path
   (``kvd.core.pull``), asks each source rank it reads from to WRITE into its

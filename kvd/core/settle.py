@@ -66,6 +66,15 @@ async def _settle(rt: Runtime, registry: Registry, w: Worker) -> None:
 _replacing: dict[int, asyncio.Task] = {}  # id(worker) -> its agent replacement under way
 
 
+def _start_replacing(registry: Registry, w: Worker, why: str) -> asyncio.Task:
+    """Starts ``w``'s agent replacement and records it in ``_replacing``
+    until it ends, so that callers meanwhile wait for it rather than start
+    another. The task's result is ``Registry.replace_agent``'s."""
+    task = _replacing[id(w)] = asyncio.get_running_loop().create_task(registry.replace_agent(w, why))
+    task.add_done_callback(lambda t, k=id(w): _replacing.pop(k, None) if _replacing.get(k) is t else None)
+    return task
+
+
 async def stop_writes_into(rt: Runtime, registry: Registry, w: Worker, why: str) -> bool:
     """Push mode, reader side: a source's WRITE into ``w``'s blocks may still
     be going on (its ``Push`` call did not answer by the load's deadline),
@@ -81,11 +90,7 @@ async def stop_writes_into(rt: Runtime, registry: Registry, w: Worker, why: str)
     made or the old one not destroyed: the WRITE may still land."""
     if not rt.registered(w):
         return True  # its agent is destroyed at its unregistration
-    task = _replacing.get(id(w))
-    if task is None:
-        task = _replacing[id(w)] = asyncio.get_running_loop().create_task(registry.replace_agent(w, why))
-        task.add_done_callback(lambda t, k=id(w): _replacing.pop(k, None) if _replacing.get(k) is t else None)
-    return await asyncio.shield(task)
+    return await asyncio.shield(_replacing.get(id(w)) or _start_replacing(registry, w, why))
 
 
 async def end_reads(rt: Runtime, registry: Registry, w: Worker, why: str) -> None:
@@ -101,7 +106,6 @@ async def end_reads(rt: Runtime, registry: Registry, w: Worker, why: str) -> Non
                 return
             if _replacing.get(id(w)) is not None:
                 continue
-            task = _replacing[id(w)] = asyncio.get_running_loop().create_task(registry.replace_agent(w, why))
-            task.add_done_callback(lambda t, k=id(w): _replacing.pop(k, None) if _replacing.get(k) is t else None)
+            task = _start_replacing(registry, w, why)
         if not await asyncio.shield(task):
             return  # logged: nothing more this side can do

@@ -352,6 +352,7 @@ class Worker:
     pairs: WorkerPairs = field(default_factory=WorkerPairs)
     inflight: dict[str, InflightLoad] = field(default_factory=dict)  # READs posted
     pending_loads: dict[str, str] = field(default_factory=dict)  # loads before their posts: id -> peer address
+    pushes: set[str] = field(default_factory=set)  # loads whose source was asked to WRITE, not answered yet
     # Load tasks a session started and that have not ended (the engine service
     # refuses more past Limits.max_inflight_per_worker, before a task exists).
     loads_started: int = 0

@@ -48,7 +48,6 @@ from kvd.addresses import ip_of, is_loopback, is_wildcard, join_host_port, metri
 from kvd.config import MAX_MESSAGE_BYTES, Config, parse_host_port, resolve_gid, resolve_uid
 from kvd.core.events import FailureKind
 from kvd.core.limits import Limits
-from kvd.core.nixl_agent import tcp_emulated_reads
 from kvd.core.node import Node
 from kvd.daemon import heap, reflection
 from kvd.daemon.call_refusal import RefusalInterceptor
@@ -508,13 +507,10 @@ class Server:
                  (f", metrics on {metrics_url(metrics_at)}" if metrics_at else "")
                  + (f", warm peers {','.join(cfg.warm_peers)}" if cfg.warm_peers else ""))
         self._serving = True
-        if tcp_emulated_reads() and cfg.transfer_mode == "pull":
-            # Said by a daemon that reads in pull mode itself: with one
-            # setting for every daemon (the usual), it is the one to change.
-            log.warning("UCX_TLS=%s leaves UCX only TCP between hosts: a pull-mode READ is then UCX's software GET, "
-                        "and UCX 1.23 crashes the daemon read from (SIGSEGV) when its reader dies in the middle of "
-                        "one; run the decode daemons with transfer_mode = push, whose WRITEs do not "
-                        "(docs/OPERATIONS.md, \"Known problems\")", os.environ.get("UCX_TLS"))
+        modes = self.node.pull.modes
+        log.info("%s", modes.describe())
+        if (warning := modes.warning()) is not None:
+            log.warning("%s", warning)
         if not self.gate.passrights_refused:
             log.info("this kernel has no SO_PASSRIGHTS (Linux 6.16): an fd a caller attaches to bytes it sends on "
                      "the engine or command socket is dropped in the daemon's read, which a socket or file made "

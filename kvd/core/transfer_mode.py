@@ -1,0 +1,194 @@
+"""Pull or push, per load (``Limits.transfer_mode``).
+
+A load either READs the source's blocks (pull: the decode daemon's NIXL
+agent reads) or asks the source daemon to WRITE them (push,
+``kvd.core.push``). Both move the same bytes; they differ in what a dying
+reader does to the source. Over UCX's TCP transport a READ is UCX's software
+GET, which the source's UCX answers with sends of its own, and UCX 1.23 (in
+nixl 1.5.1) crashes the source (SIGSEGV in ``uct_tcp_ep_pending_purge`` ->
+``ucp_request_send_state_ff``) when the reader vanishes while those sends
+wait. Measured here, 128 MiB loads: a reader daemon SIGKILLed 20 ms into a
+READ killed the source in 3 of 4 runs with ``UCX_TLS=tcp`` on loopback and 4
+of 4 across a veth; push mode's WRITEs (UCT's TCP PUT) 0 of 8; pull over
+UCX's same-host transports (CMA) 0 of 4 (tests/test_reliability_tcp.py).
+
+``auto`` (the default) therefore reads where UCX reads natively and pushes
+where a READ would be TCP's software GET:
+
+- ``UCX_TLS`` leaves UCX only TCP (:func:`tcp_emulated_reads`): push, every
+  load (same-host daemons talk TCP too then);
+- else, with no RDMA device on this host (``/sys/class/infiniband`` empty or
+  missing, where the kernel lists InfiniBand, RoCE and EFA devices): pull
+  from a daemon of this host (UCX's shared memory or CMA), push from any
+  other (TCP is all that reaches it);
+- else (an RDMA device): pull.
+
+``pull`` and ``push`` fix the mode for every load, as before. A push sends
+the source the decode worker's agent metadata, so it goes only to a callee
+that proved itself (``kvd.daemon.peer_client``); that rule is the same in
+every mode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import os
+import socket
+import time
+from typing import Callable
+
+from kvd.addresses import split_host_port
+from kvd.core.own_addresses import RESOLVE_TIMEOUT_S, is_host_address
+
+MODES = ("auto", "pull", "push")
+
+# UCX transports with a native GET between hosts (InfiniBand/RoCE verbs and
+# their accelerated variants); "ib" names them all, "all" lets UCX pick them.
+_RDMA_TLS = ("rc", "dc", "ud")
+
+RDMA_CLASS = "/sys/class/infiniband"
+
+# Which hosts are this one's, remembered per host string (an API request
+# names it, so the memory is bounded) for this long, seconds: a name's
+# addresses may change.
+HOST_CACHE_S = 60.0
+HOST_CACHE_MAX = 1024
+
+
+def tcp_emulated_reads(environ=os.environ) -> bool:
+    """True when ``UCX_TLS`` leaves UCX only TCP between hosts: a list that
+    names ``tcp`` and no RDMA transport (same-host ones like ``sm``/``cma``
+    at most), or an exclusion (``^...``) of every RDMA one (``ib``, or each
+    of ``rc``, ``dc``, ``ud``) that keeps ``tcp``. A peer's READ from this
+    daemon is then UCX's software GET (see the module docstring for what
+    that does to the source). False when ``UCX_TLS`` is unset or ``all``:
+    UCX then uses RDMA where the hosts have it (:func:`rdma_devices` tells
+    whether this one does)."""
+    value = environ.get("UCX_TLS", "").strip().lower()
+    exclude = value.startswith("^")
+    names = [t.strip().split(":")[0] for t in value.lstrip("^").split(",") if t.strip()]
+    if not names:
+        return False
+
+    def rdma(n: str) -> bool:
+        return n in ("ib", "all") or any(n == r or n.startswith(r + "_") for r in _RDMA_TLS)
+
+    if exclude:  # UCX takes every transport but these
+        every_rdma_out = "ib" in names or all(r in names for r in _RDMA_TLS)
+        return every_rdma_out and "tcp" not in names and "all" not in names
+    return "tcp" in names and not any(rdma(n) for n in names)
+
+
+def rdma_devices(path: str = RDMA_CLASS) -> list[str]:
+    """The RDMA devices the kernel lists on this host (``mlx5_0``,
+    ``efa_0``...), sorted; empty where there are none or no such directory
+    (a container without ``/sys``'s class tree sees none)."""
+    try:
+        return sorted(os.listdir(path))
+    except OSError:
+        return []
+
+
+class TransferModes:
+    """Decides, per load, whether it is a pull or a push.
+
+    Args:
+        setting: ``"auto"``, ``"pull"`` or ``"push"`` (``Limits.transfer_mode``).
+        environ: where ``UCX_TLS`` is read (the daemon's environment, which
+            its NIXL agents' UCX reads too).
+        devices: lists this host's RDMA devices (:func:`rdma_devices`).
+        said: called with a host and whether it is this one's each time
+            :meth:`pushes` looks a host up (the daemon logs it, throttled).
+
+    Raises:
+        ValueError: ``setting`` is none of :data:`MODES`.
+    """
+
+    def __init__(self, setting: str = "auto", environ=os.environ,
+                 devices: Callable[[], list[str]] = rdma_devices,
+                 said: Callable[[str, bool], None] | None = None) -> None:
+        if setting not in MODES:
+            raise ValueError(f"transfer mode {setting!r} is not {' | '.join(MODES)}")
+        self.setting = setting
+        self.tcp_only = tcp_emulated_reads(environ)
+        self.ucx_tls = environ.get("UCX_TLS", "")
+        self.rdma = devices() if setting == "auto" and not self.tcp_only else []
+        # The answer when no address is needed to give it; None: by host.
+        if setting != "auto":
+            self.fixed: bool | None = setting == "push"
+        elif self.tcp_only:
+            self.fixed = True
+        else:
+            self.fixed = False if self.rdma else None
+        self._hosts: dict[str, tuple[bool, float]] = {}  # host -> (this host's, when looked up)
+        self._said = said
+
+    def describe(self) -> str:
+        """One line for the startup log: the mode and why."""
+        if self.setting != "auto":
+            return f"transfer mode {self.setting} (set)"
+        if self.tcp_only:
+            return (f"transfer mode auto: push for every load (UCX_TLS={self.ucx_tls} leaves UCX only TCP, "
+                    "over which a READ is UCX's software GET)")
+        if self.rdma:
+            return f"transfer mode auto: pull (RDMA devices here: {', '.join(self.rdma[:4])})"
+        return ("transfer mode auto: pull from daemons of this host, push from other hosts (no RDMA device "
+                f"in {RDMA_CLASS}: a READ between hosts would be UCX's software GET over TCP)")
+
+    def warning(self) -> str | None:
+        """What to tell an operator who fixed ``pull`` where reads between
+        hosts are TCP's software GET; None otherwise."""
+        if self.setting != "pull":
+            return None
+        if self.tcp_only:
+            why = f"UCX_TLS={self.ucx_tls} leaves UCX only TCP between hosts"
+        elif not rdma_devices():
+            why = f"this host has no RDMA device ({RDMA_CLASS}): UCX reaches other hosts over TCP"
+        else:
+            return None
+        return (f"{why}: a pull-mode READ is then UCX's software GET, and UCX 1.23 crashes the daemon read from "
+                "(SIGSEGV) when its reader dies in the middle of one; set transfer_mode = auto (the default) "
+                "or push, whose WRITEs do not (docs/OPERATIONS.md, \"Known problems\")")
+
+    async def pushes(self, address: str) -> bool:
+        """True when the load from the daemon at ``address`` (``host:port``,
+        as a request names it) is a push. Under ``auto`` with no RDMA
+        device, a host is this one's when every address it resolves to is
+        a loopback one or an address of this host (a host name is resolved
+        off the event loop, within ``RESOLVE_TIMEOUT_S``; one that does not
+        resolve in time counts as another host's: a push is the safe
+        choice, and dialing it fails the load anyway). Never raises."""
+        if self.fixed is not None:
+            return self.fixed
+        try:
+            host = split_host_port(address)[0].strip("[]").split("%")[0]
+        except ValueError:
+            return True
+        now = time.monotonic()
+        known = self._hosts.get(host)
+        if known is not None and now - known[1] < HOST_CACHE_S:
+            return not known[0]
+        local = await _this_host(host)
+        if len(self._hosts) >= HOST_CACHE_MAX:
+            self._hosts.clear()
+        self._hosts[host] = (local, now)
+        if self._said is not None:
+            self._said(host, local)
+        return not local
+
+
+async def _this_host(host: str) -> bool:
+    """Whether every address ``host`` (an IP or a name) resolves to is a
+    loopback one or one of this host's; False when it resolves to none."""
+    try:
+        ips = [ipaddress.ip_address(host)]
+    except ValueError:
+        try:
+            async with asyncio.timeout(RESOLVE_TIMEOUT_S):
+                infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except (OSError, TimeoutError, UnicodeError):
+            return False
+        ips = [ipaddress.ip_address(i[4][0].split("%")[0]) for i in infos]
+    mapped = [ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped else ip for ip in ips]
+    return bool(mapped) and all(ip.is_loopback or ip.is_unspecified or is_host_address(ip) for ip in mapped)

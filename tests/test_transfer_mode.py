@@ -1,0 +1,104 @@
+"""``transfer_mode``: which loads READ and which ask their source to WRITE
+(``kvd.core.transfer_mode``). The end-to-end cases, readers over a TCP-only
+``UCX_TLS`` pushing by default, are in tests/test_reliability_tcp.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvd.core.transfer_mode import HOST_CACHE_MAX, TransferModes, rdma_devices, tcp_emulated_reads
+
+
+@pytest.mark.parametrize("tls, tcp_only", [
+    ("tcp", True), ("tcp,sm,self", True), ("cma,tcp", True), ("tcp:aux", True), ("TCP", True),
+    ("^ib", True), ("^rc,dc,ud", True), ("^rc_verbs,rc_mlx5,dc,ud,ib", True),
+    (None, False), ("", False), ("rc,tcp", False), ("dc_mlx5,tcp", False), ("all", False), ("ib,tcp", False),
+    ("sm,self", False), ("^rc", False), ("^ib,tcp", False), ("^cuda_ipc", False),
+])
+def test_a_ucx_tls_that_leaves_only_tcp_between_hosts_is_told_apart(tls, tcp_only):
+    assert tcp_emulated_reads({} if tls is None else {"UCX_TLS": tls}) is tcp_only
+
+
+def _pushes(modes: TransferModes, *addresses: str) -> list[bool]:
+    async def main():
+        return [await modes.pushes(a) for a in addresses]
+    return asyncio.run(main())
+
+
+NO_RDMA, RDMA = (lambda: []), (lambda: ["mlx5_0"])
+# TEST-NET-1 (RFC 5737): never an address of this host.
+OTHER = "192.0.2.7:7600"
+
+
+def test_a_set_mode_is_kept_for_every_load_whatever_the_host():
+    for env in ({}, {"UCX_TLS": "tcp"}):
+        for devices in (NO_RDMA, RDMA):
+            assert _pushes(TransferModes("pull", env, devices), "127.0.0.1:1", OTHER) == [False, False]
+            assert _pushes(TransferModes("push", env, devices), "127.0.0.1:1", OTHER) == [True, True]
+
+
+def test_auto_pushes_every_load_when_ucx_tls_leaves_only_tcp():
+    modes = TransferModes("auto", {"UCX_TLS": "tcp"}, RDMA)
+    assert _pushes(modes, "127.0.0.1:1", "localhost:2", OTHER) == [True, True, True]
+    assert "push for every load (UCX_TLS=tcp" in modes.describe() and modes.warning() is None
+
+
+def test_auto_reads_everywhere_with_an_rdma_device():
+    modes = TransferModes("auto", {}, RDMA)
+    assert _pushes(modes, "127.0.0.1:1", OTHER) == [False, False]
+    assert "pull (RDMA devices here: mlx5_0)" in modes.describe()
+
+
+def test_auto_with_no_rdma_device_reads_from_this_host_and_pushes_from_others():
+    said = []
+    modes = TransferModes("auto", {}, NO_RDMA, said=lambda host, local: said.append((host, local)))
+    got = _pushes(modes, "127.0.0.1:1", "[::1]:2", "localhost:3", "0.0.0.0:4", "[::ffff:127.0.0.1]:5", OTHER,
+                  "[2001:db8::1]:6", "no-such-host.invalid:7", "not an address", OTHER)
+    assert got == [False, False, False, False, False, True, True, True, True, True]
+    # Each host looked up once (the last OTHER came from the cache); a
+    # malformed address is a push without a lookup.
+    assert [h for h, _ in said] == ["127.0.0.1", "::1", "localhost", "0.0.0.0", "::ffff:127.0.0.1", "192.0.2.7",
+                                    "2001:db8::1", "no-such-host.invalid"]
+    assert "pull from daemons of this host, push from other hosts" in modes.describe()
+
+
+def test_an_address_of_this_hosts_own_interface_is_this_host():
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.7", 9))  # sends nothing: the route's source address
+        except OSError:
+            pytest.skip("no route off loopback here")
+        mine = s.getsockname()[0]
+    assert _pushes(TransferModes("auto", {}, NO_RDMA), f"{mine}:7600") == [False]
+
+
+def test_the_host_cache_is_bounded_whatever_hosts_requests_name():
+    modes = TransferModes("auto", {}, NO_RDMA)
+    _pushes(modes, *(f"10.255.{i // 256}.{i % 256}:1" for i in range(HOST_CACHE_MAX + 10)))
+    assert len(modes._hosts) <= HOST_CACHE_MAX
+
+
+def test_an_operator_who_sets_pull_where_reads_would_be_tcp_is_warned(monkeypatch):
+    import kvd.core.transfer_mode as tm
+    assert "leaves UCX only TCP between hosts" in TransferModes("pull", {"UCX_TLS": "tcp"}).warning()
+    monkeypatch.setattr(tm, "rdma_devices", lambda path=tm.RDMA_CLASS: [])
+    assert "no RDMA device" in TransferModes("pull", {}).warning()
+    monkeypatch.setattr(tm, "rdma_devices", lambda path=tm.RDMA_CLASS: ["mlx5_0"])
+    assert TransferModes("pull", {}).warning() is None
+    for setting in ("auto", "push"):
+        assert TransferModes(setting, {"UCX_TLS": "tcp"}).warning() is None
+
+
+def test_an_unknown_mode_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match="'both' is not auto | pull | push"):
+        TransferModes("both")
+
+
+def test_rdma_devices_lists_the_kernels_class_directory(tmp_path):
+    assert rdma_devices(str(tmp_path / "missing")) == []
+    (tmp_path / "mlx5_1").mkdir()
+    (tmp_path / "mlx5_0").mkdir()
+    assert rdma_devices(str(tmp_path)) == ["mlx5_0", "mlx5_1"]
