@@ -165,3 +165,31 @@ def test_in_push_mode_a_write_from_a_frozen_source_lands_nothing_after_the_sessi
         dst.session = None
         dst.close()
         src.close()
+
+
+def test_in_push_mode_a_write_from_a_frozen_source_lands_nothing_after_the_worker_unregistered(tmp_path):
+    """As above, but the decode engine unregisters its worker (an engine
+    shutting down) while the frozen source's WRITE is under way: the
+    unregistration destroys the worker's NIXL agent, which closes the
+    WRITE's connection, so nothing lands in that memory when the source
+    resumes (the engine may hand it to anything by then)."""
+    from kvd.v1 import kvd_pb2 as pb
+
+    with _push_from_a_frozen_source(tmp_path, "gone", seed=7, timeout_s=30) as (src_d, dst_d, src, dst):
+        dst.session.close()
+        dst.session = None
+        dst_d.stub().UnregisterEngine(pb.UnregisterEngineRequest(worker=pb.EngineWorker(engine_id="d", tp_rank=0)),
+                                      timeout=20)
+        assert dst_d.stats().engines == 0
+        changed = _changed_once_resumed(src_d, dst)
+        assert changed == 0, f"{changed} block-regions changed after the worker had unregistered"
+        assert src_d.proc.poll() is None and dst_d.proc.poll() is None
+        # Both serve on: a new decode engine loads from the same source.
+        again = Engine(dst_d, "d2", SHAPE)
+        src.hold("next", [1, 2, 3])
+        again.load("next", [7, 8, 9], src, [1, 2, 3], "next", timeout_s=30)
+        assert event_kind(again.wait("next", 35)) == "recv_done"
+        assert again.same_blocks([7, 8, 9], src, [1, 2, 3])
+        again.close()
+        dst.close(unregister=False)
+        src.close()
