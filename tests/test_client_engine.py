@@ -452,3 +452,42 @@ def test_a_load_request_crosses_the_wire_unchanged():
         "remote_tp_size", "timeout_s"}
     assert "local_block_ids" not in pb.LoadBlocks.DESCRIPTOR.fields_by_name
     assert load_from_pb(pb.LoadBlocks.FromString(msg.SerializeToString())) == req
+
+
+def test_renewal_failures_on_several_grpc_threads_start_one_look_at_a_time(tmp_path):
+    """A renewal's failure callback runs on gRPC's threads, several at once;
+    each asks for a look at the daemon off that thread, and one look at a
+    time runs (two at once would retire each other's fresh channel)."""
+    import threading
+
+    client = EngineClient(str(tmp_path / "none.sock"))
+    started, release = threading.Semaphore(0), threading.Event()
+    looks = []
+
+    def look() -> bool:
+        looks.append(threading.current_thread().name)
+        started.release()
+        release.wait(10)
+        return False
+
+    client._look_after_failure = look
+    barrier = threading.Barrier(8)
+
+    def callback() -> None:
+        barrier.wait()
+        client._look_after_renewal()
+
+    threads = [threading.Thread(target=callback) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert started.acquire(timeout=10)
+    assert len(looks) == 1, looks
+    release.set()
+    deadline = time.monotonic() + 10
+    while client._looking_after_renewal.locked() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    client._look_after_renewal()  # the first look ended: the next failure looks again
+    assert started.acquire(timeout=10) and len(looks) == 2
+    client.close()

@@ -173,7 +173,7 @@ class EngineClient:
         # Whether a call was made on the channel since it was opened: a look
         # that finds no daemon replaces only a used one (_retire_channel).
         self._channel_used = False
-        self._looking_after_renewal = False
+        self._looking_after_renewal = threading.Lock()  # held while a look runs
         self._pending = Pending()
         self._register_request: pb.RegisterEngineRequest | None = None
         self._worker: pb.EngineWorker | None = None
@@ -269,26 +269,40 @@ class EngineClient:
         ``deadline``); keeps the answer's ``session_token`` for the session
         and for unregistering."""
         started = time.monotonic()
-        tries = 0
-        while True:
+
+        def before() -> None:  # each try: the fds' ids were for the try that failed
             if self.before_register is not None:
                 try:
                     self.before_register(request, deadline if wait else None)
                 except Exception as e:
                     raise EngineClientError(f"RegisterEngine to kvd at {self.address}: {e}") from e
-            self._wait_connected("RegisterEngine", deadline)
-            try:
-                response = self._unary("RegisterEngine", request, _left(deadline), wait=True)
-                break
-            except EngineClientError as e:
-                if wait and self._again(e, deadline, tries):
-                    tries += not e.daemon_gone
-                    continue  # hand the fds over again: their ids were for the try that failed
-                if wait and e.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
-                    raise self._unreachable(e, deadline - started) from None
-                raise
+
+        try:
+            response = self._waiting("RegisterEngine", request, deadline, again=wait, before=before)
+        except EngineClientError as e:
+            if wait and e.code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                raise self._unreachable(e, deadline - started) from None
+            raise
         self._session_token = response.session_token
         return response
+
+    def _waiting(self, name: str, request, deadline: float, *, again: bool = True,
+                 before: Callable[[], None] | None = None):
+        """The unary call ``name`` by ``deadline`` (``time.monotonic()``),
+        each try after ``before`` and a look at the engine socket
+        (:meth:`_wait_connected`); tried again where :meth:`_again` says
+        (``again``: at all). Raises the last try's ``EngineClientError``."""
+        tries = 0
+        while True:
+            if before is not None:
+                before()
+            self._wait_connected(name, deadline)
+            try:
+                return self._unary(name, request, _left(deadline), wait=True)
+            except EngineClientError as e:
+                if not (again and self._again(e, deadline, tries)):
+                    raise
+                tries += not e.daemon_gone
 
     def _unary(self, name: str, request, timeout_s: float, *, wait: bool):
         """The unary call ``name`` (an ``EngineService`` method) with a
@@ -381,15 +395,15 @@ class EngineClient:
     def _look_after_renewal(self) -> None:
         """:meth:`_look_after_failure` off gRPC's callback thread (a channel is
         not closed from its own callback), one at a time."""
-        if self._looking_after_renewal:
+        # gRPC calls renewals' callbacks on its own threads, several at once.
+        if not self._looking_after_renewal.acquire(blocking=False):
             return
-        self._looking_after_renewal = True
 
         def look() -> None:
             try:
                 self._look_after_failure()
             finally:
-                self._looking_after_renewal = False
+                self._looking_after_renewal.release()
         threading.Thread(target=look, name="kvd-look", daemon=True).start()
 
     def _wait_connected(self, name: str, deadline: float) -> None:
@@ -561,16 +575,7 @@ class EngineClient:
         if not wait_for_ready:
             self._check_server("GetStats")
             return self._unary("GetStats", pb.StatsRequest(), timeout_s, wait=False)
-        deadline = time.monotonic() + timeout_s
-        tries = 0
-        while True:
-            self._wait_connected("GetStats", deadline)
-            try:
-                return self._unary("GetStats", pb.StatsRequest(), _left(deadline), wait=True)
-            except EngineClientError as e:
-                if not self._again(e, deadline, tries):
-                    raise
-                tries += not e.daemon_gone
+        return self._waiting("GetStats", pb.StatsRequest(), time.monotonic() + timeout_s)
 
     def renew_leases(self, remote_engine_id: str, remote_address: str, renewals: list[LeaseRenewal], *,
                      timeout_s: float = 10.0) -> Future[list[RenewResult]]:
