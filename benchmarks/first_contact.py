@@ -122,21 +122,31 @@ CASES = {
 }
 
 
-def run_case(case: str, busy: int, timeout_s: float, gap_s: float = 1.0, warm_peers: bool = False) -> dict:
+def run_case(case: str, busy: int, timeout_s: float, gap_s: float = 1.0, warm_peers: bool = False,
+             token: str = "none") -> dict:
     """One fresh daemon pair: the first load of ``case`` (``gap_s`` seconds
     after the workers registered) and :data:`STEADY` more; times in ms.
-    ``warm_peers``: D's daemon handshakes with P's engine at registration."""
+    ``warm_peers``: D's daemon handshakes with P's engine at registration.
+    ``token``: ``"none"`` (no peer credential), ``"vet"`` (a peer token,
+    so each new metadata is loaded in a throwaway process first,
+    ``vet_peer_metadata``) or ``"no-vet"`` (a token, vetting off)."""
     p_tp, nseg, nblocks = CASES[case]
     work = tempfile.mkdtemp(prefix="kvd-first-")
+    flags: tuple[str, ...] = ("--log-level", "info")
+    if token != "none":
+        path = Path(work) / "peer.token"
+        path.write_text("first-contact-benchmark-token")
+        path.chmod(0o600)
+        flags += ("--peer-token-file", str(path), "--vet-peer-metadata", "true" if token == "vet" else "false")
     if warm_peers:  # P's peer address is chosen at its start: D is started after it
-        [p] = start_daemons((work, "P", "--log-level", "info"))
+        [p] = start_daemons((work, "P", *flags))
         try:
-            [d] = start_daemons((work, "D", "--log-level", "info", "--warm-peers", f"{p.peer_address}/P"))
+            [d] = start_daemons((work, "D", *flags, "--warm-peers", f"{p.peer_address}/P"))
         except BaseException:
             stop_daemons([p])
             raise
     else:
-        p, d = start_daemons((work, "P", "--log-level", "info"), (work, "D", "--log-level", "info"))
+        p, d = start_daemons((work, "P", *flags), (work, "D", *flags))
     stop = mp.Event()
     burners = [mp.Process(target=_burn, args=(stop,), daemon=True) for _ in range(busy)]
     workers = []
@@ -158,7 +168,8 @@ def run_case(case: str, busy: int, timeout_s: float, gap_s: float = 1.0, warm_pe
         for i in range(STEADY):
             s, _ = _one(sources, dst.session, p.peer_address, "P", f"steady-{i}", timeout_s)
             steady.append(s)
-        return {"case": case, "busy": busy, "warm_peers": warm_peers, "first_ms": first * 1e3, "first_event": kind,
+        return {"case": case, "busy": busy, "warm_peers": warm_peers, "token": token, "first_ms": first * 1e3,
+                "first_event": kind,
                 "steady_p50_ms": statistics.median(steady) * 1e3, "steady_max_ms": max(steady) * 1e3}
     finally:
         stop.set()
@@ -179,6 +190,9 @@ def main(argv=None) -> int:
                     help="seconds between registration and the first load (an engine's start-up; 0: worst case)")
     ap.add_argument("--warm-peers", action="store_true",
                     help="D's daemon handshakes with P's engine at registration (kvd serve --warm-peers)")
+    ap.add_argument("--peer-token", choices=["none", "vet", "no-vet"], default="none",
+                    help="peer credential of both daemons: none; a token with each new peer metadata loaded in a "
+                         "throwaway process first (vet_peer_metadata); a token without")
     ap.add_argument("--json", help="write the rows here")
     a = ap.parse_args(argv)
     rows = []
@@ -187,13 +201,15 @@ def main(argv=None) -> int:
     for case in cases:
         for busy in a.busy:
             for _ in range(a.repeat):
-                r = run_case(case, busy, a.timeout, a.gap, a.warm_peers)
+                r = run_case(case, busy, a.timeout, a.gap, a.warm_peers, a.peer_token)
                 print(r, file=sys.stderr)
                 rows.append(r)
-    print("| cache | handshake | CPU burners | first load ms | steady p50 ms | steady max ms | first - steady ms | first event |")
-    print("|---|---|--:|--:|--:|--:|--:|---|")
+    print("| cache | handshake | peer token | CPU burners | first load ms | steady p50 ms | steady max ms | "
+          "first - steady ms | first event |")
+    print("|---|---|---|--:|--:|--:|--:|--:|---|")
     for r in rows:
-        print(f"| {r['case']} | {'ahead' if r['warm_peers'] else 'on the load'} | {r['busy']} | {r['first_ms']:.1f} | {r['steady_p50_ms']:.2f} | "
+        print(f"| {r['case']} | {'ahead' if r['warm_peers'] else 'on the load'} | {r['token']} | {r['busy']} | "
+              f"{r['first_ms']:.1f} | {r['steady_p50_ms']:.2f} | "
               f"{r['steady_max_ms']:.2f} | {r['first_ms'] - r['steady_p50_ms']:.1f} | {r['first_event']} |")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))

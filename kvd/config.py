@@ -190,6 +190,12 @@ class Config:
                                           "where UCX reads natively (RDMA, or a daemon of this host), push where "
                                           "a READ would be UCX's software GET over TCP, which crashes the source "
                                           "when its reader dies mid-READ (UCX 1.23)")
+    vet_peer_metadata: bool = _setting(True, "load each new peer's NIXL agent metadata in a throwaway process "
+                                             "first and refuse what crashes it (UCX crashes on some malformed "
+                                             "worker addresses); only where peers may be other hosts' (a peer "
+                                             "token, mutual TLS or peer_insecure): with none, metadata comes "
+                                             "only from this host's daemons of root or this uid. ~60 MiB and "
+                                             "~1 ms a new metadata")
     same_node_copy: bool = _setting(True, "a load whose prefill engine is registered with this daemon too is a "
                                           "copy by the daemon (no NIXL); false: every load goes through NIXL")
     copy_threads: int = _setting(0, "threads a same-node copy in host memory runs on, each taking at least 1 MiB "

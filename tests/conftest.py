@@ -34,6 +34,19 @@ def no_leftover_test_segments():
     cleanup_segments("kvdtest")
 
 
+@pytest.fixture(scope="module")
+def real_md():
+    """The NIXL agent metadata of a real agent (UCX, nothing registered),
+    what a peer's handshake answer carries."""
+    from kvd.core.nixl_agent import NixlAgent
+
+    agent = NixlAgent("test-real-agent")
+    try:
+        yield agent.metadata()
+    finally:
+        agent.close()
+
+
 @pytest.fixture
 def daemon_pair(tmp_path):
     """Two running daemons, ``(prefill, decode)``, stopped after the test."""

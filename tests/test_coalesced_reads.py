@@ -203,7 +203,7 @@ class _Agent:
 
 
 def _shared_worker(agent, deadlines):
-    w = SimpleNamespace(agent=agent, inflight={}, pushes=set(), pairs=SimpleNamespace(retired=[]), label="w",
+    w = SimpleNamespace(agent=agent, inflight={}, pushes={}, pairs=SimpleNamespace(retired=[]), label="w",
                         key=("e", 0))
     r = SimpleNamespace(agent_name="src")
     for i, d in enumerate(deadlines):

@@ -26,7 +26,7 @@ from kvd.core.transfer_mode import rdma_devices
 from kvd.testing.daemons import start_daemon
 from kvd.testing.netns import NetnsPair
 from kvd.testing.sessions import Engine, KvShape, event_kind
-from kvd.testing.util import wait_until
+from kvd.testing.util import peer_token_file, wait_until
 
 # 128 MiB. Over TCP on a veth here about 0.5 s; the test caps the veth at
 # 1 Gbit/s where tc can (1-2 s) so that the cut lands mid-transfer.
@@ -193,10 +193,7 @@ def test_by_default_a_load_from_another_host_with_no_rdma_here_is_a_push(hosts, 
     net, _, _ = hosts
     if rdma_devices():
         pytest.skip(f"this machine has RDMA devices ({rdma_devices()}): auto reads")
-    token = os.path.join(str(tmp_path), "peer.token")
-    with open(token, "w") as f:
-        f.write("two-hosts-auto-token-0123456789")
-    os.chmod(token, 0o600)
+    token = peer_token_file(tmp_path)
     daemons = [start_daemon(str(tmp_path), name, "--peer-listen", f"{ip}:{PORT + 1}", "--peer-token-file", token,
                             env={"UCX_NET_DEVICES": dev}, wrap=net.wrap(ns))
                for name, ns, ip, dev in (("auto-a", net.a, net.ip_a, net.dev_a), ("auto-b", net.b, net.ip_b, net.dev_b))]

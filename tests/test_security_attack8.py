@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from kvd.core.nixl_agent import MAX_METADATA_BACKENDS, NixlAgent, metadata_problem
+from kvd.core.nixl_agent import MAX_METADATA_BACKENDS, metadata_problem
 from kvd.core.state import PROTOCOL_VERSION
 from kvd.testing.daemons import start_daemon
 from kvd.testing.processes import child_env
@@ -60,15 +60,6 @@ def with_ucx_version(md: bytes, version: int) -> bytes:
     i = ucx_info_offset(md)
     b[i] = (b[i] & 0xF0) | version
     return bytes(b)
-
-
-@pytest.fixture(scope="module")
-def real_md():
-    agent = NixlAgent("attack8-real-agent")
-    try:
-        yield agent.metadata()
-    finally:
-        agent.close()
 
 
 def test_metadata_problem_passes_real_metadata_and_names_an_unknown_ucx_address_version(real_md):

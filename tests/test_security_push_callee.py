@@ -30,6 +30,7 @@ import pytest
 from kvd.daemon.peer_local import DialRefused, listener_owners, dial_address
 from kvd.testing.daemons import start_daemon
 from kvd.testing.sessions import Engine, KvShape, event_kind
+from kvd.testing.util import peer_token_file
 
 SHAPE = KvShape(num_layers=1, num_blocks=16, block_len=4096)
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a listener as another user")
@@ -51,10 +52,7 @@ class _Recorder(grpc.GenericRpcHandler):
 
 
 def _token(tmp_path, name: str, text: str) -> str:
-    path = tmp_path / name
-    path.write_text(text)
-    path.chmod(0o600)
-    return str(path)
+    return peer_token_file(tmp_path, text, name)
 
 
 def test_with_a_token_no_push_reaches_a_callee_that_cannot_prove_it(tmp_path):

@@ -55,12 +55,14 @@ def test_auto_with_no_rdma_device_reads_from_this_host_and_pushes_from_others():
     said = []
     modes = TransferModes("auto", {}, NO_RDMA, said=lambda host, local: said.append((host, local)))
     got = _pushes(modes, "127.0.0.1:1", "[::1]:2", "localhost:3", "0.0.0.0:4", "[::ffff:127.0.0.1]:5", OTHER,
-                  "[2001:db8::1]:6", "no-such-host.invalid:7", "not an address", OTHER)
-    assert got == [False, False, False, False, False, True, True, True, True, True]
+                  "[2001:db8::1]:6", "no-such-host.invalid:7", "not an address", OTHER, "no-such-host.invalid:8")
+    assert got == [False, False, False, False, False, True, True, True, True, True, True]
     # Each host looked up once (the last OTHER came from the cache); a
-    # malformed address is a push without a lookup.
+    # malformed address is a push without a lookup; a name that did not
+    # resolve is a push for that load only (looked up again next time).
     assert [h for h, _ in said] == ["127.0.0.1", "::1", "localhost", "0.0.0.0", "::ffff:127.0.0.1", "192.0.2.7",
-                                    "2001:db8::1", "no-such-host.invalid"]
+                                    "2001:db8::1"]
+    assert "no-such-host.invalid" not in modes._hosts
     assert "pull from daemons of this host, push from other hosts" in modes.describe()
 
 
@@ -81,15 +83,53 @@ def test_the_host_cache_is_bounded_whatever_hosts_requests_name():
     assert len(modes._hosts) <= HOST_CACHE_MAX
 
 
-def test_an_operator_who_sets_pull_where_reads_would_be_tcp_is_warned(monkeypatch):
-    import kvd.core.transfer_mode as tm
-    assert "leaves UCX only TCP between hosts" in TransferModes("pull", {"UCX_TLS": "tcp"}).warning()
-    monkeypatch.setattr(tm, "rdma_devices", lambda path=tm.RDMA_CLASS: [])
-    assert "no RDMA device" in TransferModes("pull", {}).warning()
-    monkeypatch.setattr(tm, "rdma_devices", lambda path=tm.RDMA_CLASS: ["mlx5_0"])
-    assert TransferModes("pull", {}).warning() is None
+def test_an_operator_who_sets_pull_where_reads_would_be_tcp_is_warned():
+    assert "leaves UCX only TCP between hosts" in TransferModes("pull", {"UCX_TLS": "tcp"}, RDMA).warning()
+    assert "no RDMA device" in TransferModes("pull", {}, NO_RDMA).warning()
+    assert TransferModes("pull", {}, RDMA).warning() is None
     for setting in ("auto", "push"):
-        assert TransferModes(setting, {"UCX_TLS": "tcp"}).warning() is None
+        assert TransferModes(setting, {"UCX_TLS": "tcp"}, NO_RDMA).warning() is None
+
+
+def test_name_lookups_are_bounded_and_a_load_past_the_bound_is_a_push(monkeypatch):
+    """A request names the host: names whose lookup never answers take at
+    most MAX_LOOKUPS of the loop's executor threads; a load past that is a
+    push, unlooked and unremembered; ``localhost`` is never looked up."""
+    import socket
+    import threading
+
+    from kvd.core import transfer_mode as tm
+
+    gate = threading.Event()
+    asked = []
+
+    def slow_getaddrinfo(host, *a, **k):
+        asked.append(host)
+        gate.wait(20)
+        raise socket.gaierror("no answer")
+
+    monkeypatch.setattr(socket, "getaddrinfo", slow_getaddrinfo)
+    monkeypatch.setattr(tm, "RESOLVE_TIMEOUT_S", 0.2)
+    modes = TransferModes("auto", {}, NO_RDMA)
+
+    async def main():
+        first = await asyncio.gather(*(modes.pushes(f"stuck-{i}.example:1") for i in range(tm.MAX_LOOKUPS)))
+        assert first == [True] * tm.MAX_LOOKUPS and modes._lookups == tm.MAX_LOOKUPS  # threads still held
+        assert await modes.pushes("one-more.example:1") is True
+        assert await modes.pushes("localhost:1") is False
+        gate.set()
+        for _ in range(200):
+            if modes._lookups == 0:
+                break
+            await asyncio.sleep(0.01)
+        return modes._lookups
+
+    try:
+        assert asyncio.run(main()) == 0
+    finally:
+        gate.set()
+    assert sorted(asked) == sorted(f"stuck-{i}.example" for i in range(tm.MAX_LOOKUPS))
+    assert not modes._hosts.keys() - {"localhost"}
 
 
 def test_an_unknown_mode_is_refused_naming_the_choices():

@@ -54,6 +54,10 @@ class Limits:
     # (PeerService.Holds, kvd.core.hold_mirror): a load of blocks shown held
     # READs without a per-load claim.
     follow_holds: bool = True
+    # Load each new peer's agent metadata in a throwaway process first
+    # (kvd.core.metadata_vet); the server sets it where peers may be of
+    # other hosts (a token, mTLS or peer_insecure) and the setting allows.
+    vet_peer_metadata: bool = False
     detach_grace_s: float = 10.0     # an engine whose session is gone this long is unregistered
     # Remote engines handshaken ahead of need: (peer address, engine id)
     # pairs (the ``warm_peers`` setting, kvd/config.py).

@@ -29,6 +29,7 @@ Pull mode (the seed connector's protocol, docs/DESIGN.md "Transfer protocol"):
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import Callable
 
@@ -42,6 +43,7 @@ from kvd.core.layout import Layout, Region
 from kvd.core.limits import Limits
 from kvd.core.liveness import Liveness
 from kvd.core.local_copy import LocalCopy
+from kvd.core.metadata_vet import MetadataVet
 from kvd.core.own_addresses import OwnAddresses
 from kvd.core.peers import Peers
 from kvd.core.progress import Progress
@@ -91,7 +93,8 @@ class Node:
         self.rt = Runtime(limits or Limits(), on_event)
         self.own = OwnAddresses()
         self.mirror = HoldMirror(self.rt, peers)
-        self.peers = Peers(self.rt, peers, self.mirror)
+        vet = MetadataVet(backends or ["UCX"]) if self.rt.limits.vet_peer_metadata else None
+        self.peers = Peers(self.rt, peers, self.mirror, vet)
         self.liveness = Liveness(self.rt, self.peers)
         self.registry = Registry(self.rt, self.peers, backends or ["UCX"])
         self.holds = Holds(self.rt, peers, peer_address, self.mirror)
@@ -155,6 +158,8 @@ class Node:
         and the remote workers' liveness check (``kvd.core.liveness``)."""
         self.progress.start()
         self.liveness.start()
+        if self.peers.vet is not None:  # its child's imports (~1 s) off the first handshake's path
+            threading.Thread(target=self.peers.vet.start, name="kvd-vet-start", daemon=True).start()
 
     async def close(self) -> None:
         """Fails in-flight loads, releases leases, unregisters every worker.
@@ -165,6 +170,8 @@ class Node:
         /dev/shm. A live engine's segments are never touched."""
         self.rt.closing = True
         await self.liveness.close()
+        if self.peers.vet is not None:
+            await asyncio.to_thread(self.peers.vet.close)
         await self.mirror.close()
         await self.peers.close()
         await self.progress.stop()

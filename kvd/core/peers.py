@@ -41,6 +41,7 @@ from kvd.core.events import Incompatible, InvalidArgument, NotFound, PeerUnavail
 from kvd.core.hold_mirror import HoldMirror
 from kvd.core.layout import LayoutError
 from kvd.core.limits import BOUNDS, UidCounts
+from kvd.core.metadata_vet import MetadataVet
 from kvd.core.nixl_agent import SCRATCH_BYTES, NixlError, Unprepped, metadata_agent_name, metadata_problem
 from kvd.core.runtime import Runtime
 from kvd.core.state import PROTOCOL_VERSION, HandshakeResult, PeerKey, PeerLink, RemoteWorker, WarmPeer, Worker
@@ -209,8 +210,10 @@ class Peers:
             one of its ranks (``kvd.core.hold_mirror``; None: not followed).
     """
 
-    def __init__(self, rt: Runtime, link: PeerLink | None, mirror: HoldMirror | None = None):
+    def __init__(self, rt: Runtime, link: PeerLink | None, mirror: HoldMirror | None = None,
+                 vet: MetadataVet | None = None):
         self.rt = rt
+        self.vet = vet  # loads each new peer metadata in a throwaway process first (None: not)
         self.link = link
         self.mirror = mirror
         self._handshakes: dict[tuple, asyncio.Future] = {}  # (local key, peer key) -> handshake task
@@ -801,6 +804,14 @@ class Peers:
         phases = {} if phases is None else phases
         agent_names.refuse_own(self.rt, hs, address or "a push reader")
         t0 = time.monotonic()
+        if self.vet is not None:
+            problem = await asyncio.to_thread(self.vet.problem, hs.agent_metadata)
+            phases["vet"] = time.monotonic() - t0
+            if problem is not None:
+                self.rt.lines.warning(("metadata vet",), "%s: agent metadata of %s (engine=%s rank=%d) refused: %s",
+                                      w.label, address or "a push reader", clip(engine_id, 200), peer_rank, problem)
+                raise NixlError(f"peer agent metadata refused: {problem}")
+            t0 = time.monotonic()
         ours = w.geometry()
         theirs = plan.Geometry(peer_rank, hs.tp_size, hs.layout, tuple(hs.regions),
                                hs.layout.model_kv_heads(hs.tp_size))

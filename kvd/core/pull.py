@@ -225,17 +225,27 @@ class Pull:
             elif result is not None:
                 self._recv_done(w, req, *result, time.monotonic() - started)
             return
-        if await self.modes.pushes(req.remote_address):
-            w.pushes.add(rid)
-            try:
-                failure = await self.push.load(w, req, remote_tp, read_from, notify, started, deadline)
-            finally:
-                w.pending_loads.pop(rid, None)
-                w.pushes.discard(rid)
+        w.pushes[rid] = []  # from here on, Pull.cancel looks at the orders a push sends
+        push = failure = None
+        try:
+            push = await self.modes.pushes(req.remote_address)  # may resolve a name
+            if push and w.session.epoch == epoch and self.rt.registered(w):
+                failure = await self.push.load(w, req, remote_tp, read_from, notify, started, deadline, epoch)
+        finally:
+            sent = any(o.sent for o in w.pushes.pop(rid, ()))
+        if w.session.epoch != epoch or not self.rt.registered(w):
+            # Ended meanwhile: its engine counted the load failed with its
+            # session (the shim fails every load of a broken stream).
+            w.pending_loads.pop(rid, None)
+            return
+        if push:
+            w.pending_loads.pop(rid, None)
             if failure is not None:
-                if failure[0] == K.TIMEOUT:
+                if failure[0] == K.TIMEOUT and sent:
                     # A source's WRITE may still be going on into these
-                    # blocks, which vLLM reuses once told they failed.
+                    # blocks, which vLLM reuses once told they failed. (No
+                    # order sent: nothing can come; a replacement would
+                    # only cost the worker's other transfers.)
                     await settle.stop_writes_into(self.rt, self.registry, w, f"request {rid}: push past its deadline")
                 self._fail(w, req, *failure)
             return
@@ -538,10 +548,11 @@ class Pull:
             self.rt.lines.warning(("cancelled", w.key), "%s request=%s: session ended; load cancelled", w.label,
                                   load.req.request_id)
         await settle.cancel_reads(self.rt, self.registry, w, list(handles))
-        if w.pushes:
+        if any(w.pushes.values()):
             # A source may still be WRITEing into blocks of the broken
             # stream's loads (a push not answered yet): stopped as at a
-            # push's deadline, before the stream ends.
+            # push's deadline, before the stream ends. Any order made counts,
+            # sent or not: one may be on its way (its callee's proof first).
             await settle.stop_writes_into(self.rt, self.registry, w, "its session ended during a push")
 
     async def abort_load(self, w: Worker, request_id: str, remote_engine_id: str, remote_address: str,

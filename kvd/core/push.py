@@ -101,14 +101,28 @@ class Push:
         self._evicted_warning = Throttled(log, interval_s=60.0)
 
     async def load(self, w: Worker, req: LoadRequest, remote_tp: int, read_from: list[int], notify: list[int],
-                   started: float, deadline: float) -> tuple[FailureKind, str] | None:
+                   started: float, deadline: float, epoch: int) -> tuple[FailureKind, str] | None:
         """Reader side: each source rank in ``read_from`` WRITEs into our
         blocks; the others in ``notify`` get a bare notification. Emits
         ``RecvDone``; returns ``(kind, reason)`` of a failure instead (the
-        caller ends the load)."""
+        caller ends the load). Each order asked is in
+        ``w.pushes[req.request_id]`` (the caller made the entry and removes
+        it). ``epoch``: the worker's session epoch the load belongs to; no
+        order is sent once that session has ended (its engine has counted
+        the load failed and may reuse the blocks), and then nothing is
+        emitted."""
         me = await self.peers.describe(w)
         heads, mla = w.layout.model_kv_heads(w.tp_size), w.layout.kv_layout == "MLA"
         link = self.peers.link
+        orders = w.pushes.setdefault(req.request_id, [])
+
+        def ended() -> bool:
+            return w.session.epoch != epoch or not self.rt.registered(w)
+
+        async def push(order: PushOrder):
+            if ended():
+                return None
+            return await link.push(req.remote_address, order, order.timeout_s)
 
         async def one(p: int):
             expected = plan.expected_notifications(p, remote_tp, w.tp_size, heads, mla)
@@ -118,8 +132,9 @@ class Push:
                 return None
             order = PushOrder(req.remote_engine_id, p, req.remote_request_id, req.remote_groups, me, w.key[1],
                               req.local_groups, expected, left)
+            orders.append(order)
             try:
-                return await link.push(req.remote_address, order, left)
+                return await push(order)
             except NotFound:
                 # The hold may still be on its way: vLLM answers P's HTTP
                 # request a step before its connector sends the hold, and a
@@ -133,7 +148,7 @@ class Push:
                 except PermissionDenied:
                     pass  # asked once more all the same: the source's answer names its reason
                 order.timeout_s = max(0.1, deadline - time.monotonic())
-                return await link.push(req.remote_address, order, order.timeout_s)
+                return await push(order)
 
         try:
             async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
@@ -142,7 +157,7 @@ class Push:
             return FailureKind.TIMEOUT, "timeout: push not done by the deadline"
         except (Incompatible, NotFound, PeerUnavailable, InvalidArgument, ResourceExhausted) as e:
             return FailureKind.PUSH, f"push: {e}"
-        if not self.rt.registered(w):
+        if ended():
             return None
         done = [r for r in results if r is not None]
         nbytes, ndescs = sum(r.bytes for r in done), sum(r.num_descriptors for r in done)

@@ -90,6 +90,9 @@ class PushOrder:
     reader_groups: BlockGroups   # reader block ids per KV-cache group (as a LoadRequest's local_groups)
     expected_notifications: int
     timeout_s: float
+    # Set by the link just before the PushRequest goes out (after the
+    # callee proved itself): from then on a WRITE into the reader may come.
+    sent: bool = False
 
 
 @dataclass
@@ -352,7 +355,9 @@ class Worker:
     pairs: WorkerPairs = field(default_factory=WorkerPairs)
     inflight: dict[str, InflightLoad] = field(default_factory=dict)  # READs posted
     pending_loads: dict[str, str] = field(default_factory=dict)  # loads before their posts: id -> peer address
-    pushes: set[str] = field(default_factory=set)  # loads whose source was asked to WRITE, not answered yet
+    # Push loads not answered yet: id -> the orders asked of its source ranks
+    # (PushOrder.sent: a WRITE may come; kvd.core.settle stops such WRITEs).
+    pushes: dict[str, list[PushOrder]] = field(default_factory=dict)
     # Load tasks a session started and that have not ended (the engine service
     # refuses more past Limits.max_inflight_per_worker, before a task exists).
     loads_started: int = 0

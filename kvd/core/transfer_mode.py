@@ -32,6 +32,7 @@ every mode.
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import os
 import socket
@@ -54,6 +55,12 @@ RDMA_CLASS = "/sys/class/infiniband"
 # addresses may change.
 HOST_CACHE_S = 60.0
 HOST_CACHE_MAX = 1024
+
+# Name lookups under way at once (each holds a thread of the loop's default
+# executor until the C library answers, whatever the timeout): past it, a
+# load from a name not looked up yet is a push, unlooked. A request names
+# the host, so names that never answer could otherwise take every thread.
+MAX_LOOKUPS = 4
 
 
 def tcp_emulated_reads(environ=os.environ) -> bool:
@@ -113,6 +120,7 @@ class TransferModes:
         self.setting = setting
         self.tcp_only = tcp_emulated_reads(environ)
         self.ucx_tls = environ.get("UCX_TLS", "")
+        self._devices = devices
         self.rdma = devices() if setting == "auto" and not self.tcp_only else []
         # The answer when no address is needed to give it; None: by host.
         if setting != "auto":
@@ -123,6 +131,7 @@ class TransferModes:
             self.fixed = False if self.rdma else None
         self._hosts: dict[str, tuple[bool, float]] = {}  # host -> (this host's, when looked up)
         self._said = said
+        self._lookups = 0  # name lookups whose thread has not returned
 
     def describe(self) -> str:
         """One line for the startup log: the mode and why."""
@@ -143,7 +152,7 @@ class TransferModes:
             return None
         if self.tcp_only:
             why = f"UCX_TLS={self.ucx_tls} leaves UCX only TCP between hosts"
-        elif not rdma_devices():
+        elif not self._devices():
             why = f"this host has no RDMA device ({RDMA_CLASS}): UCX reaches other hosts over TCP"
         else:
             return None
@@ -155,10 +164,14 @@ class TransferModes:
         """True when the load from the daemon at ``address`` (``host:port``,
         as a request names it) is a push. Under ``auto`` with no RDMA
         device, a host is this one's when every address it resolves to is
-        a loopback one or an address of this host (a host name is resolved
-        off the event loop, within ``RESOLVE_TIMEOUT_S``; one that does not
-        resolve in time counts as another host's: a push is the safe
-        choice, and dialing it fails the load anyway). Never raises."""
+        a loopback one or an address of this host. A host name is resolved
+        off the event loop, within ``RESOLVE_TIMEOUT_S``, at most
+        :data:`MAX_LOOKUPS` at once; one that does not resolve (in time, or
+        at all) counts as another host's for this load only: a push is the
+        safe choice, and dialing it fails the load anyway. Answers are
+        remembered per host for ``HOST_CACHE_S``. The answer is about the
+        address named: one of this host's that forwards to another (a proxy,
+        a Kubernetes NodePort) counts as this host's. Never raises."""
         if self.fixed is not None:
             return self.fixed
         try:
@@ -169,7 +182,9 @@ class TransferModes:
         known = self._hosts.get(host)
         if known is not None and now - known[1] < HOST_CACHE_S:
             return not known[0]
-        local = await _this_host(host)
+        local = await self._this_host(host)
+        if local is None:
+            return True
         if len(self._hosts) >= HOST_CACHE_MAX:
             self._hosts.clear()
         self._hosts[host] = (local, now)
@@ -177,18 +192,32 @@ class TransferModes:
             self._said(host, local)
         return not local
 
-
-async def _this_host(host: str) -> bool:
-    """Whether every address ``host`` (an IP or a name) resolves to is a
-    loopback one or one of this host's; False when it resolves to none."""
-    try:
-        ips = [ipaddress.ip_address(host)]
-    except ValueError:
+    async def _this_host(self, host: str) -> bool | None:
+        """Whether every address ``host`` (an IP or a name) resolves to is a
+        loopback one or one of this host's; None when a name did not
+        resolve in time, or could not be looked up now."""
         try:
-            async with asyncio.timeout(RESOLVE_TIMEOUT_S):
-                infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
-        except (OSError, TimeoutError, UnicodeError):
-            return False
-        ips = [ipaddress.ip_address(i[4][0].split("%")[0]) for i in infos]
-    mapped = [ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped else ip for ip in ips]
-    return bool(mapped) and all(ip.is_loopback or ip.is_unspecified or is_host_address(ip) for ip in mapped)
+            ips = [ipaddress.ip_address(host)]
+        except ValueError:
+            if host.lower().rstrip(".") == "localhost":  # RFC 6761: loopback, whatever a resolver says
+                return True
+            if self._lookups >= MAX_LOOKUPS:
+                return None
+            self._lookups += 1
+            lookup = asyncio.get_running_loop().run_in_executor(
+                None, functools.partial(socket.getaddrinfo, host, None, type=socket.SOCK_STREAM))
+            lookup.add_done_callback(self._lookup_ended)
+            try:
+                async with asyncio.timeout(RESOLVE_TIMEOUT_S):
+                    infos = await asyncio.shield(lookup)
+            except (OSError, TimeoutError, UnicodeError):
+                return None
+            ips = [ipaddress.ip_address(i[4][0].split("%")[0]) for i in infos]
+        mapped = [ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped else ip for ip in ips]
+        return bool(mapped) and all(ip.is_loopback or ip.is_unspecified or is_host_address(ip) for ip in mapped)
+
+    def _lookup_ended(self, lookup: asyncio.Future) -> None:
+        self._lookups -= 1
+        if not lookup.cancelled():
+            lookup.exception()  # retrieved: a name that failed after its timeout is no error to log
+

@@ -246,6 +246,7 @@ class PeerClient:
             reader_tp_rank=order.reader_tp_rank, reader_groups=groups_to_pb(order.reader_groups),
             expected_notifications=order.expected_notifications, timeout_s=order.timeout_s,
         )
+        order.sent = True
         r = await self._call(dial, "Push", req, timeout_s)
         return PushResult(r.bytes, r.num_descriptors, r.duration_s)
 

@@ -327,6 +327,8 @@ class Server:
                         transfer_timeout_s=cfg.transfer_timeout_s, handshake_timeout_s=cfg.handshake_timeout_s,
                         detach_grace_s=cfg.detach_grace_s,
                         transfer_mode=cfg.transfer_mode, same_node_copy=cfg.same_node_copy,
+                        vet_peer_metadata=cfg.vet_peer_metadata and bool(
+                            cfg.peer_token_file or cfg.peer_tls_cert or cfg.peer_insecure),
                         copy_threads=cfg.copy_threads,
                         follow_holds=cfg.follow_holds,
                         max_inflight_per_worker=cfg.max_inflight_per_worker,
@@ -509,6 +511,9 @@ class Server:
         self._serving = True
         modes = self.node.pull.modes
         log.info("%s", modes.describe())
+        if self.node.peers.vet is not None:
+            log.info("peer agent metadata: each new one is loaded in a throwaway process first "
+                     "(vet_peer_metadata; UCX crashes on some malformed worker addresses)")
         if (warning := modes.warning()) is not None:
             log.warning("%s", warning)
         if not self.gate.passrights_refused:

@@ -71,3 +71,14 @@ def tail(path: str | os.PathLike, lines: int = 40, max_bytes: int = 64 * 1024,
         return f"(no log: {e})"
     kept = data.splitlines() if keep is None else [ln for ln in data.splitlines() if keep(ln)]
     return "\n".join(kept[-lines:])
+
+
+def peer_token_file(directory: str | os.PathLike, text: str = "kvd-test-peer-token-0123456789",
+                    name: str = "peer.token") -> str:
+    """Writes a peer token file (``peer_token_file``: 16+ characters, mode
+    0600, as the daemon wants it) in ``directory``; returns its path."""
+    path = os.path.join(directory, name)
+    with open(path, "w") as f:
+        f.write(text)
+    os.chmod(path, 0o600)
+    return path

@@ -1,0 +1,93 @@
+"""A push's deadline and its session's end stop a source's WRITE by
+replacing the decode worker's NIXL agent (``kvd.core.settle``); that
+replacement fails the worker's other transfers and drops its pairs, so it
+happens only where a WRITE can come: once a push order has gone out.
+
+Found by an attacker review: a load naming an address where nothing
+answers (any API user sets it in ``kv_transfer_params``) timed out in the
+callee's proof handshake, no order sent, and still replaced the agent: at
+will, for every transfer of that worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+from kvd.core.limits import Limits
+from kvd.core.node import Node
+from kvd.core.state import Segment
+from kvd.testing.daemons import start_daemon
+from kvd.testing.sessions import Engine, KvShape, event_kind
+from kvd.testing.shm import ShmSegment
+from kvd.testing.util import peer_token_file
+from kvd.requests import LoadRequest
+from test_security_attack4 import LAYOUT, REGIONS, SIZE
+
+SHAPE = KvShape(num_layers=1, num_blocks=16, block_len=4096)
+
+
+def test_a_push_that_times_out_before_its_order_went_out_replaces_no_agent(tmp_path):
+    """The callee takes the connection and never answers (a listener that
+    does not accept): the token's proof handshake runs into the load's
+    deadline, no PushRequest is sent, and the decode worker keeps its agent."""
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(16)  # never accepted: gRPC's preface goes unanswered
+    d = start_daemon(str(tmp_path), "decode", "--transfer-mode", "push", "--peer-token-file", peer_token_file(tmp_path))
+    try:
+        dec = Engine(d, "dec", SHAPE)
+        for n in range(2):
+            dec.load(f"r{n}", [1], None, [1], f"p{n}", remote_engine_id="p",
+                     remote_address=f"127.0.0.1:{hole.getsockname()[1]}", timeout_s=1)
+            ev = dec.wait(f"r{n}", 20)
+            assert event_kind(ev) == "load_failed" and "timeout" in ev.load_failed.reason, ev
+        assert "replaced by" not in d.log(), "an agent was replaced though no push order had gone out"
+        dec.close()
+    finally:
+        hole.close()
+        assert d.stop() == 0
+
+
+def test_a_load_whose_session_ends_while_its_mode_is_decided_sends_no_push_order():
+    """``auto`` may look a name up before it knows a load is a push; the
+    session ending meanwhile (its engine has counted the load failed and
+    may reuse the blocks) must leave the load with no order sent and
+    nothing emitted."""
+    seg = ShmSegment(SIZE)
+
+    async def main():
+        d = Node(Limits(transfer_mode="auto"))
+        d.start()
+        try:
+            w = await d.register("D", 0, 1, LAYOUT, [Segment(seg.name, seg.size)], REGIONS, model="m")
+            deciding, decide = asyncio.Event(), asyncio.Event()
+            pushed, emitted = [], []
+
+            async def slow_pushes(address):
+                deciding.set()
+                await decide.wait()
+                return True
+
+            async def record_push(*a, **k):
+                pushed.append(a)
+
+            d.pull.modes.pushes = slow_pushes
+            d.push_mode.load = record_push
+            d.rt.emit = lambda w_, ev: emitted.append(ev)
+            req = LoadRequest("r1", [[1]], "p", "192.0.2.7:7600", [[2]], "p1", timeout_s=10)
+            task = asyncio.ensure_future(d.load(w, req))
+            await asyncio.wait_for(deciding.wait(), 10)
+            w.session.epoch += 1  # the session ends (as the engine service does at a stream's end)
+            await d.pull.cancel(w)
+            decide.set()
+            await asyncio.wait_for(task, 10)
+            return pushed, emitted, dict(w.pushes), dict(w.pending_loads)
+        finally:
+            await d.close()
+
+    try:
+        pushed, emitted, pushes, pending = asyncio.run(main())
+    finally:
+        seg.close()
+    assert pushed == [] and emitted == [] and pushes == {} and pending == {}
