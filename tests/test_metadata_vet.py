@@ -29,8 +29,7 @@ from kvd.core.state import Segment
 from kvd.testing.daemons import start_daemon
 from kvd.testing.shm import ShmSegment
 from kvd.testing.util import peer_token_file
-from test_security_attack4 import LAYOUT, REGIONS, SIZE
-from test_security_attack8 import with_ucx_version
+from kvd.testing.nixl_peer import LAYOUT, REGIONS, SIZE, with_ucx_version
 
 
 @pytest.fixture

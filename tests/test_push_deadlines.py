@@ -22,7 +22,7 @@ from kvd.testing.sessions import Engine, KvShape, event_kind
 from kvd.testing.shm import ShmSegment
 from kvd.testing.util import peer_token_file
 from kvd.requests import LoadRequest
-from test_security_attack4 import LAYOUT, REGIONS, SIZE
+from kvd.testing.nixl_peer import LAYOUT, REGIONS, SIZE
 
 SHAPE = KvShape(num_layers=1, num_blocks=16, block_len=4096)
 

@@ -44,19 +44,14 @@ import time
 
 import pytest
 
-from kvd.core.layout import Layout, Region
 from kvd.core.limits import Limits
 from kvd.core.nixl_agent import metadata_agent_name
 from kvd.core.node import Node
 from kvd.core.state import Segment
-from kvd.testing.nixl_peer import PEER_AGENT
+from kvd.testing.nixl_peer import LAYOUT, PEER_AGENT, REGIONS, SIZE
 from kvd.testing.processes import child_env
 from kvd.testing.shm import ShmSegment
 
-BLEN = 1024
-LAYOUT = Layout(16, 16, "NHD", "float16", 2, 16, 1, (BLEN, BLEN))
-REGIONS = [Region(0, 0, BLEN, BLEN), Region(0, 16 * BLEN, BLEN, BLEN)]
-SIZE = 2 * 16 * BLEN
 HANDSHAKE_TIMEOUT_S = 1.0
 
 

@@ -39,6 +39,7 @@ import pytest
 from kvd.core.nixl_agent import MAX_METADATA_BACKENDS, metadata_problem
 from kvd.core.state import PROTOCOL_VERSION
 from kvd.testing.daemons import start_daemon
+from kvd.testing.nixl_peer import ucx_info_offset, with_ucx_version
 from kvd.testing.processes import child_env
 from kvd.testing.sessions import Engine, KvShape, event_kind
 from kvd.v1 import kvd_pb2 as pb
@@ -47,19 +48,6 @@ from kvd.v1 import kvd_pb2_grpc as pb_grpc
 SHAPE = KvShape(num_layers=2, num_blocks=16, block_len=4096)
 
 
-def ucx_info_offset(md: bytes) -> int:
-    """Where the UCX connection info (a UCX worker address) starts in NIXL
-    metadata: after ``t`` ``UCX`` ``|`` ``c`` and its 8-byte length."""
-    return md.index(b"UCX|c") + len(b"UCX|c") + 8
-
-
-def with_ucx_version(md: bytes, version: int) -> bytes:
-    """``md`` with the version bits (the low 4) of its UCX address's header
-    byte set to ``version``: one byte changed."""
-    b = bytearray(md)
-    i = ucx_info_offset(md)
-    b[i] = (b[i] & 0xF0) | version
-    return bytes(b)
 
 
 def test_metadata_problem_passes_real_metadata_and_names_an_unknown_ucx_address_version(real_md):

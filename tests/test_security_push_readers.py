@@ -37,12 +37,11 @@ import pytest
 from kvd.core.state import PROTOCOL_VERSION
 from kvd.core import push as push_mod
 from kvd.core.events import PeerUnavailable, ResourceExhausted
-from kvd.core.layout import Layout, Region
 from kvd.core.limits import BOUNDS
 from kvd.core.node import Node
 from kvd.core.state import PushOrder, Segment
 from kvd.testing.daemons import start_daemon
-from kvd.testing.nixl_peer import PEER_AGENT
+from kvd.testing.nixl_peer import BLEN, LAYOUT, PEER_AGENT, REGIONS, SIZE
 from kvd.testing.processes import child_env
 from kvd.testing.sessions import Engine, KvShape
 from kvd.testing.shm import ShmSegment
@@ -172,10 +171,6 @@ def _idle(d, e, stub, real, reader) -> None:
 
 
 # ------------------------------------------------------- WRITEs in flight (in-process)
-BLEN = 1024
-LAYOUT = Layout(16, 16, "NHD", "float16", 2, 16, 1, (BLEN, BLEN))
-REGIONS = [Region(0, 0, BLEN, BLEN), Region(0, 16 * BLEN, BLEN, BLEN)]
-SIZE = 2 * 16 * BLEN
 
 
 def run_held_writes(body, cap: int):
