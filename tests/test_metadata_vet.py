@@ -54,6 +54,10 @@ def test_metadata_that_crashes_ucx_is_refused_and_the_next_one_gets_a_new_proces
     assert problem == "it crashed a throwaway NIXL agent loading it (SIGABRT)", problem
     assert vet.crashes == 1 and not vet._passed
     assert vet.problem(real_md) is None and vet._child.pid != first
+    second = vet._child.pid
+    # The same crashing metadata again: refused from memory, no crash.
+    assert vet.problem(with_ucx_version(real_md, 5)) == problem
+    assert vet.crashes == 1 and vet._child.pid == second
     assert not [p for p in os.listdir(tmp_path) if p.startswith("core")], "the crash left a core file"
 
 
@@ -73,11 +77,51 @@ def test_a_child_that_does_not_answer_is_killed_and_the_metadata_refused(real_md
         os.kill(stuck.pid, signal.SIGSTOP)
         t0 = time.monotonic()
         problem = v.problem(real_md)
-        assert problem is not None and time.monotonic() - t0 < 10, problem
+        assert problem == "the vetting process did not answer within 1 s", problem
+        assert time.monotonic() - t0 < 10 and v.crashes == 0  # no crash of UCX's
         assert stuck.poll() is not None  # killed
-        assert v.problem(real_md) is None  # a new child
+        assert v.problem(real_md) is None  # a new child: not remembered as refused
     finally:
         v.close()
+    assert v.problem(b"another") == "the daemon is shutting down" and v._child is None
+
+
+def test_ucx_log_lines_never_read_as_answers(monkeypatch, real_md):
+    """UCX logs to stdout (``UCX_LOG_FILE``'s default): at info level at
+    once, and an ERROR line in the middle of a load whose peer is gone.
+    Before, such a line was read as the answer, and the next metadata got
+    the one before's: a crashing metadata passed, and was remembered."""
+    from kvd.core.nixl_agent import NixlAgent
+
+    monkeypatch.setenv("UCX_LOG_LEVEL", "info")  # the child inherits it
+    gone = NixlAgent("vet-test-gone")
+    gone_md = gone.metadata()
+    gone.close()
+    v = MetadataVet(["UCX"])
+    try:
+        v.start()
+        v.problem(gone_md)  # whatever NIXL says of an agent that is gone, it is this one's answer
+        assert v.problem(real_md) is None
+        assert v.problem(with_ucx_version(real_md, 5)).startswith("it crashed")
+        assert v.crashes == 1
+    finally:
+        v.close()
+
+
+def test_the_child_takes_no_module_from_the_daemons_working_directory(tmp_path, monkeypatch, real_md):
+    planted = tmp_path / "cwd"
+    planted.mkdir()
+    marker = tmp_path / "planted-ran"
+    (planted / "struct.py").write_text(f"open({str(marker)!r}, 'w').close()\n"
+                                       "from _struct import *\n")
+    monkeypatch.chdir(planted)
+    v = MetadataVet(["UCX"])
+    try:
+        v.start()
+        assert v.problem(real_md) is None
+    finally:
+        v.close()
+    assert not marker.exists(), "the vetting process ran a module planted in the daemon's working directory"
 
 
 def test_the_child_ends_with_the_daemons_end_of_its_pipe(real_md):

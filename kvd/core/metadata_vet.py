@@ -29,6 +29,7 @@ handshakes after its first cost nothing.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import logging
 import os
@@ -42,6 +43,7 @@ import time
 from collections import OrderedDict
 
 from kvd.core.limits import BOUNDS
+from kvd.logtext import clip
 
 log = logging.getLogger("kvd.core")
 
@@ -82,7 +84,18 @@ class MetadataVet:
         # known already is not held up behind another's load or a restart.
         self._passed_lock = threading.Lock()
         self._passed: OrderedDict[bytes, None] = OrderedDict()
-        self.crashes = 0  # children a metadata crashed
+        # Refused ones too (digest -> why): a peer sending the same crashing
+        # metadata again costs nothing, and no other peer waits behind it.
+        self._refused: OrderedDict[bytes, str] = OrderedDict()
+        self._seq = 0  # each answer names the request it answers
+        self._closed = False
+        self._killed: subprocess.Popen | None = None  # a child this object killed (no crash of UCX's)
+        self.crashes = 0
+        # Where callers on an event loop run :meth:`problem`: its own thread,
+        # so a busy child (restarts after crashes, ~1 s each) never holds
+        # the loop's default executor, which unregistrations and name
+        # lookups use.
+        self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvd-vet")  # children a metadata crashed
 
     def start(self) -> None:
         """Starts the child now (blocking, ~0.5-1 s), so that the first
@@ -96,47 +109,77 @@ class MetadataVet:
 
     def close(self) -> None:
         """Ends the child (it also ends by itself when the daemon's end of
-        its pipe closes)."""
+        its pipe closes); later calls of :meth:`problem` refuse."""
+        self._closed = True
+        self.executor.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             self._stop_child()
+
+    def remembered(self, metadata: bytes) -> tuple[bool, str | None]:
+        """``(True, problem)`` when ``metadata`` was vetted before (``problem``
+        None: it passed), else ``(False, None)``. Cheap (a SHA-256 of a few
+        KiB): callable on an event loop."""
+        if len(metadata) > BOUNDS.max_agent_metadata:
+            return True, f"{len(metadata)} bytes of agent metadata, past {BOUNDS.max_agent_metadata}"
+        digest = hashlib.sha256(metadata).digest()
+        with self._passed_lock:
+            if digest in self._passed:
+                self._passed.move_to_end(digest)
+                return True, None
+            if digest in self._refused:
+                return True, self._refused[digest]
+        return False, None
 
     def problem(self, metadata: bytes) -> str | None:
         """None when ``metadata`` passed (now, or before); else why it is
         refused: it crashed the child's NIXL agent (the signal named), the
         child's agent refused it (NIXL's message), or the child did not
         answer within ``timeout_s``. Never raises."""
-        if len(metadata) > BOUNDS.max_agent_metadata:
-            return f"{len(metadata)} bytes of agent metadata, past {BOUNDS.max_agent_metadata}"
+        known, problem = self.remembered(metadata)
+        if known:
+            return problem
         digest = hashlib.sha256(metadata).digest()
-        with self._passed_lock:
-            if digest in self._passed:
-                self._passed.move_to_end(digest)
-                return None
         with self._lock:
-            problem = self._load(metadata)
-        if problem is None:
+            if self._closed:
+                return "the daemon is shutting down"
+            known, problem = self.remembered(metadata)  # vetted while this call waited
+            if known:
+                return problem
+            problem, settled = self._load(metadata)
+        if settled:  # not a child that could not start or answer in time: that may pass next time
             with self._passed_lock:
-                self._passed[digest] = None
-                if len(self._passed) > PASSED_MAX:
-                    self._passed.popitem(last=False)
+                table = self._passed if problem is None else self._refused
+                table[digest] = problem
+                if len(table) > PASSED_MAX:
+                    table.popitem(last=False)
         return problem
 
-    def _load(self, metadata: bytes) -> str | None:
+    def _load(self, metadata: bytes) -> tuple[str | None, bool]:
+        """``(problem, settled)``: ``settled`` when the answer is the
+        metadata's own (passed, refused by NIXL, or a crash), not the
+        child's failure to start or to answer in time."""
         try:
             child = self._ensure_child()
         except OSError as e:
-            return str(e)
+            return str(e), False
+        self._seq += 1
         try:
-            child.stdin.write(struct.pack(">I", len(metadata)) + metadata)
+            child.stdin.write(struct.pack(">II", self._seq, len(metadata)) + metadata)
             child.stdin.flush()
         except OSError as e:
-            return self._child_died(f"the vetting process could not be given it ({e})")
+            return self._child_died(f"the vetting process could not be given it ({e})"), False
         answer = self._answer(child)
         if answer is None:
-            return self._child_died("")
-        if answer == "ok":
-            return None
-        return f"a throwaway NIXL agent refused it: {answer.removeprefix('refused ')}"
+            problem = self._child_died("")
+            return problem, problem.startswith("it crashed")
+        seq, _, verdict = answer.partition(" ")
+        if seq != str(self._seq):  # not this request's answer: nothing it says can be trusted
+            self._killed = child
+            child.kill()
+            return self._child_died(f"the vetting process answered out of turn ({clip(answer, 200)!r})"), False
+        if verdict == "ok":
+            return None, True
+        return f"a throwaway NIXL agent refused it: {verdict.removeprefix('refused ')}", True
 
     def _answer(self, child: subprocess.Popen, timeout_s: float | None = None) -> str | None:
         """The child's answer line, or None when it died or timed out (then
@@ -150,12 +193,14 @@ class MetadataVet:
             if left <= 0 or not select.select([out], [], [], left)[0]:
                 log.warning("metadata vetting process: no answer within %.0f s; killing it", timeout_s)
                 child.kill()
+                self._killed = child
                 return None
             chunk = os.read(out.fileno(), _ANSWER_MAX)
             if not chunk:
                 return None
             line += chunk
             if len(line) > _ANSWER_MAX:
+                self._killed = child
                 child.kill()
                 return None
         return line.decode("utf-8", "replace").strip()
@@ -170,6 +215,8 @@ class MetadataVet:
                 child.kill()
                 code = child.wait()
             _close_pipes(child)
+        if child is not None and child is self._killed:
+            return why or f"the vetting process did not answer within {self.timeout_s:.0f} s"
         if code is not None and code < 0:
             self.crashes += 1
             name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
@@ -181,12 +228,14 @@ class MetadataVet:
             return self._child
         if self._child is not None:
             _close_pipes(self._child)
+        # -P and cwd "/": no module is taken from the daemon's working
+        # directory (the child runs with the daemon's privileges).
         child = subprocess.Popen(
-            [sys.executable, "-m", "kvd.core.metadata_vet", ",".join(self.backends)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True,
+            [sys.executable, "-P", "-m", "kvd.core.metadata_vet", ",".join(self.backends)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True, cwd="/",
             start_new_session=True)  # a terminal's Ctrl-C goes to the daemon, which ends it
         ready = self._answer(child, START_TIMEOUT_S)
-        if ready != "ready":
+        if ready != "0 ready":
             child.kill()
             code = child.wait()
             _close_pipes(child)
@@ -226,29 +275,35 @@ def _read_exact(fd: int, n: int) -> bytes | None:
 
 def main(argv: list[str]) -> int:
     """The child: one NIXL agent; for each metadata read from stdin (a
-    4-byte big-endian length, then the bytes), loads it into the agent with
-    NIXL's own call (no check of kvd's before it: what crashes here is what
-    would have crashed the daemon), removes it, and answers ``ok`` or
-    ``refused <NIXL's message>`` on a line. Ends at EOF."""
+    4-byte big-endian sequence number and length, then the bytes), loads it
+    into the agent with NIXL's own call (no check of kvd's before it: what
+    crashes here is what would have crashed the daemon), removes it, and
+    answers ``<seq> ok`` or ``<seq> refused <NIXL's message>`` on a line
+    (``0 ready`` first). Answers go to what was stdout; stdout itself is
+    /dev/null, because UCX logs there (``UCX_LOG_FILE``'s default) and a
+    log line must never read as an answer. Ends at EOF."""
     import resource
 
-    # A crash is the expected outcome of a malformed metadata: no core file
-    # in the daemon's working directory.
+    # A crash is the expected outcome of a malformed metadata: no core file.
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    answers = os.fdopen(os.dup(1), "w")
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
     logging.disable(logging.CRITICAL)
     from kvd.core.nixl_agent import NixlAgent
 
     agent = NixlAgent(f"kvd-metadata-vet-{os.getpid()}", [b for b in argv[0].split(",") if b])
     agent.warm_up()  # UCX's first endpoints of a worker cost 20-120 ms: paid here, not by the first peer
     raw = agent._agent  # NIXL's agent: load exactly as the daemon's agents would
-    fd_in, out = sys.stdin.fileno(), sys.stdout
-    out.write("ready\n")
+    fd_in, out = sys.stdin.fileno(), answers
+    out.write("0 ready\n")
     out.flush()
     while True:
-        head = _read_exact(fd_in, 4)
+        head = _read_exact(fd_in, 8)
         if head is None:
             return 0
-        (n,) = struct.unpack(">I", head)
+        seq, n = struct.unpack(">II", head)
         if n > BOUNDS.max_agent_metadata:
             return 2
         metadata = _read_exact(fd_in, n)
@@ -260,7 +315,7 @@ def main(argv: list[str]) -> int:
             answer = "ok"
         except Exception as e:  # NIXL's refusal of a metadata it can parse
             answer = "refused " + " ".join(str(e).split())[:1000]
-        out.write(answer + "\n")
+        out.write(f"{seq} {answer}\n")
         out.flush()
 
 

@@ -805,7 +805,15 @@ class Peers:
         agent_names.refuse_own(self.rt, hs, address or "a push reader")
         t0 = time.monotonic()
         if self.vet is not None:
-            problem = await asyncio.to_thread(self.vet.problem, hs.agent_metadata)
+            known, problem = self.vet.remembered(hs.agent_metadata)
+            if not known:
+                vetting = asyncio.get_running_loop().run_in_executor(self.vet.executor, self.vet.problem,
+                                                                      hs.agent_metadata)
+                try:
+                    problem = await asyncio.wait_for(vetting, self.rt.limits.handshake_timeout_s)
+                except TimeoutError:
+                    problem = (f"not vetted within {self.rt.limits.handshake_timeout_s:.0f} s (the vetting "
+                               "process is busy with other peers' metadata)")
             phases["vet"] = time.monotonic() - t0
             if problem is not None:
                 self.rt.lines.warning(("metadata vet",), "%s: agent metadata of %s (engine=%s rank=%d) refused: %s",

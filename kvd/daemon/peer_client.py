@@ -254,9 +254,9 @@ class PeerClient:
         """The address to send a push for ``address`` to, once its callee may
         be told this worker's agent metadata.
 
-        - Mutual TLS: ``address`` at once (the TLS handshake checks the
-          callee's certificate, for the host dialed, before any byte of a
-          request goes).
+        - Mutual TLS: ``address`` once the channel is ready (the TLS
+          handshake checks the callee's certificate, for the host dialed,
+          before any byte of a request goes).
         - Token: ``address``, after a ``Handshake`` with the source worker
           whose answer carries the callee's proof (:meth:`PeerAuth.check_proof`):
           only a daemon that knows the token, and takes the address it was
@@ -276,6 +276,22 @@ class PeerClient:
         if is_wildcard(host):
             raise ev.PeerUnavailable(f"{address}: push not sent: {host} is a bind address, not one to dial")
         if self.auth.tls:
+            # The TLS handshake checks the callee; a push is "sent" (a WRITE
+            # may follow, kvd.core.settle) only once it is done: a listener
+            # that never answers gets nothing, and stops no agent.
+            ch = self._channel(address, self._channels)
+            state = ch.get_state(try_to_connect=True)
+            try:
+                async with asyncio.timeout(timeout_s):
+                    while state != grpc.ChannelConnectivity.READY:
+                        if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE:  # as the call would: at once
+                            self._forget(address, self._channels)
+                            raise ev.PeerUnavailable(f"{address}: UNAVAILABLE: push not sent: no connection")
+                        await ch.wait_for_state_change(state)
+                        state = ch.get_state(try_to_connect=True)
+            except TimeoutError:
+                raise ev.PeerUnavailable(f"{address}: push not sent: no TLS connection within "
+                                         f"{timeout_s:.1f} s") from None
             return address
         if self.auth.token:
             req = pb.HandshakeRequest(engine_id=order.engine_id, tp_rank=order.tp_rank, daemon_version=__version__,
