@@ -186,16 +186,17 @@ class Config:
     poll_idle_s: float = _setting(0.005, "interval of the poll for notifications and lease expiry otherwise, "
                                          "seconds")
     transfer_mode: str = _setting("auto", "auto | pull (decode daemon READs) | push (prefill daemon WRITEs, "
-                                          "asked by the decode daemon); set on the decode side. auto: pull "
-                                          "where UCX reads natively (RDMA, or a daemon of this host), push where "
-                                          "a READ would be UCX's software GET over TCP, which crashes the source "
-                                          "when its reader dies mid-READ (UCX 1.23)")
-    vet_peer_metadata: bool = _setting(True, "load each new peer's NIXL agent metadata in a throwaway process "
-                                             "first and refuse what crashes it (UCX crashes on some malformed "
-                                             "worker addresses); only where peers may be other hosts' (a peer "
-                                             "token, mutual TLS or peer_insecure): with none, metadata comes "
-                                             "only from this host's daemons of root or this uid. ~60 MiB and "
-                                             "~1 ms a new metadata")
+                                          "asked by the decode daemon); set on the decode side (a prefill daemon "
+                                          "serves pushes in any mode). auto: push where a READ would be UCX's "
+                                          "software GET over TCP, which crashes the source when its reader dies "
+                                          "mid-READ (UCX 1.23): every load when UCX_TLS leaves only tcp, loads "
+                                          "from other hosts when this one has no RDMA device; pull otherwise")
+    vet_peer_metadata: bool = _setting(True, "with a peer token, mutual TLS or peer_insecure (other hosts' "
+                                             "daemons may then send NIXL agent metadata): load each new one in "
+                                             "a throwaway process first and refuse what crashes it (UCX crashes "
+                                             "on some malformed worker addresses). No effect without those: "
+                                             "metadata then comes only from this host's daemons of root or this "
+                                             "uid. ~60 MiB, a few ms a new metadata")
     same_node_copy: bool = _setting(True, "a load whose prefill engine is registered with this daemon too is a "
                                           "copy by the daemon (no NIXL); false: every load goes through NIXL")
     copy_threads: int = _setting(0, "threads a same-node copy in host memory runs on, each taking at least 1 MiB "

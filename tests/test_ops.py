@@ -394,11 +394,16 @@ def test_status_says_which_peer_authentication_is_active(tmp_path):
         assert (s["peer_auth"], s["peer_listen"]) == ("PEER_AUTH_TOKEN", tok.peer_address)
         assert re.search(rf"^peer auth +token \(peer_token_file\), PeerService on {re.escape(tok.peer_address)}$",
                          text, re.M), text
+        # With a token, other hosts' daemons may send NIXL metadata: vetted first.
+        assert s["vet_peer_metadata"] is True and s["transfer_mode"].startswith("auto")
+        assert re.search(r"^peer metadata +each new one loaded in a throwaway process first$", text, re.M), text
+        assert re.search(r"^transfer mode +auto", text, re.M), text
         assert "KVD_PEER_TOKENFILE" in typo.log()  # warned of once, at startup
         s, text = _daemon_status(typo)
         host, port = s["peer_listen"].rsplit(":", 1)
         assert (s["peer_auth"], host) == ("PEER_AUTH_NONE_LOOPBACK", "127.0.0.1") and int(port) > 0
         assert re.search(rf"^peer auth +none: PeerService on loopback {re.escape(s['peer_listen'])}, ", text, re.M)
+        assert not s.get("vet_peer_metadata") and re.search(r"^peer metadata +loaded as received", text, re.M)
     finally:
         stop_daemons(daemons)
 

@@ -68,6 +68,8 @@ def build_stats(node: Node, draining: bool = False, backends: list[str] | None =
         # call without the header says the token is required).
         peer_auth=pb.PeerAuthMode.Value(f"PEER_AUTH_{node.peer_auth.upper()}") if node.peer_auth else 0,
         peer_listen=node.peer_listen,
+        transfer_mode=node.pull.modes.describe().removeprefix("transfer mode "),
+        vet_peer_metadata=node.peers.vet is not None,
     )
     now = time.monotonic()
     paths = set()
@@ -202,6 +204,9 @@ def render(d: dict, target: str = "") -> str:
     summary = [
         ("peer address", d["peer_address"]),
         ("peer auth", peer_auth_line(d)),
+        ("transfer mode", d.get("transfer_mode") or "-"),
+        ("peer metadata", "each new one loaded in a throwaway process first" if d.get("vet_peer_metadata")
+                          else "loaded as received (no peer credential, or vet_peer_metadata = false)"),
         ("data path", d.get("data_path") or "- (no engines)"),
         ("NIXL backends", ",".join(d.get("backends") or []) or "-"),
         ("metrics", metrics_url(d["metrics_address"]) if d.get("metrics_address") else "off"),
