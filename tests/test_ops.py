@@ -21,6 +21,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvd.core.transfer_mode import TransferModes
 from kvd.v1 import kvd_pb2 as pb
 from kvd.testing.daemons import launch_daemon, start_daemon, stop_daemons, wait_serving
 from kvd.testing.sessions import KvShape, Session, one_group, register_request
@@ -287,7 +288,9 @@ def _node(*workers, warm_peers=()):
     return SimpleNamespace(stats=lambda: {"engines": len(workers), "not_in_the_proto": 7},
                            peer_address="h:1", peer_auth="", peer_listen="", workers={w.key: w for w in workers},
                            rt=SimpleNamespace(limits=SimpleNamespace(lease_s=120.0, max_lease_life_s=600.0,
-                                                                     follow_holds=False, warm_peers=warm_peers)))
+                                                                     follow_holds=False, warm_peers=warm_peers)),
+                           pull=SimpleNamespace(modes=TransferModes("pull", {}, lambda: [])),
+                           peers=SimpleNamespace(vet=None))
 
 
 def test_status_reports_the_data_path_of_each_worker():
@@ -304,6 +307,7 @@ def test_status_reports_the_data_path_of_each_worker():
     assert re.search(r"^data path +mixed$", text, re.M) and "staged" in text
     assert re.search(r"^lease +120 s default, renewed up to 600 s after its hold$", text, re.M)
     assert re.search(r"^command socket +off \(sessions on gRPC\)$", text, re.M)
+    assert re.search(r"^transfer mode +pull \(set\)$", text, re.M), text
     assert re.search(r"^claims +0 sent, 0 followed, 0 waited for the holds' next answer \(per source rank\); "
                      r"follow_holds off$", text, re.M)
     assert re.search(r"^holds answers +0 applied \(of sources followed here\), 0 sent \(to daemons following "
@@ -353,10 +357,8 @@ def test_configured_warm_peers_are_shown_only_to_callers_who_see_every_worker():
     shown other workers' warm_peers rows."""
     from kvd.daemon.status import build_stats, render, to_dict
 
-    node = SimpleNamespace(stats=lambda: {}, peer_address="h:1", peer_auth="token", peer_listen="h:1", workers={},
-                           rt=SimpleNamespace(limits=SimpleNamespace(
-                               lease_s=120.0, max_lease_life_s=600.0, follow_holds=True,
-                               warm_peers=(("10.0.0.1:7001", "tenant-a-prefill"),))))
+    node = _node(warm_peers=(("10.0.0.1:7001", "tenant-a-prefill"),))
+    node.peer_auth, node.peer_listen = "token", "h:1"
     everyone = build_stats(node)
     assert list(everyone.warm_peers_configured) == ["10.0.0.1:7001/tenant-a-prefill"]
     assert re.search(r"^warm peers +10\.0\.0\.1:7001/tenant-a-prefill \(paired once an engine registers\)$",

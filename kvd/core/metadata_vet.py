@@ -90,12 +90,12 @@ class MetadataVet:
         self._seq = 0  # each answer names the request it answers
         self._closed = False
         self._killed: subprocess.Popen | None = None  # a child this object killed (no crash of UCX's)
-        self.crashes = 0
+        self.crashes = 0  # children a metadata crashed
         # Where callers on an event loop run :meth:`problem`: its own thread,
         # so a busy child (restarts after crashes, ~1 s each) never holds
         # the loop's default executor, which unregistrations and name
         # lookups use.
-        self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvd-vet")  # children a metadata crashed
+        self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvd-vet")
 
     def start(self) -> None:
         """Starts the child now (blocking, ~0.5-1 s), so that the first
@@ -105,7 +105,10 @@ class MetadataVet:
             try:
                 self._ensure_child()
             except OSError as e:
-                log.warning("metadata vetting process did not start: %s", e)
+                # Fails closed: every new peer metadata is refused until a
+                # child starts (each try starts one again).
+                log.error("%s: new peers' NIXL metadata is refused until it starts (vet_peer_metadata = false "
+                          "runs without it)", e)
 
     def close(self) -> None:
         """Ends the child (it also ends by itself when the daemon's end of
