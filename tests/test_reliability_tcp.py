@@ -30,6 +30,15 @@ SHAPE = KvShape(num_layers=4, num_blocks=128, block_len=128 * 1024)
 TCP = {"UCX_TLS": "tcp"}
 
 
+def _serves(src, dst, rid: str, local: list[int]) -> None:
+    """``dst`` loads blocks 1-3 of ``src`` into ``local`` under ``rid``,
+    and they arrive: both daemons still serve."""
+    src.hold(rid, [1, 2, 3])
+    dst.load(rid, local, src, [1, 2, 3], rid, timeout_s=30)
+    assert event_kind(dst.wait(rid, 35)) == "recv_done"
+    assert dst.same_blocks(local, src, [1, 2, 3])
+
+
 ROUNDS = 3
 KILL_AFTER_S = 0.02  # after the load is sent: the READs of pull mode died here (3 of 4)
 
@@ -75,10 +84,7 @@ def test_in_push_mode_a_source_survives_readers_killed_in_the_middle_of_its_writ
         dst_d = start_daemon(str(tmp_path), "d-last", "--transfer-mode", "push", env=TCP)
         try:
             dst = Engine(dst_d, "d-last", SHAPE)
-            src.hold("last", [1, 2, 3])
-            dst.load("last", [4, 5, 6], src, [1, 2, 3], "last", timeout_s=30)
-            assert event_kind(dst.wait("last", 35)) == "recv_done"
-            assert dst.same_blocks([4, 5, 6], src, [1, 2, 3])
+            _serves(src, dst, "last", [4, 5, 6])
             dst.close()
         finally:
             dst_d.stop()
@@ -141,10 +147,7 @@ def test_in_push_mode_a_write_from_a_frozen_source_lands_nothing_after_the_load_
         assert changed == 0, f"{changed} block-regions changed after the load had failed"
         assert src_d.proc.poll() is None and dst_d.proc.poll() is None
         src.release("frozen")
-        src.hold("next", [1, 2, 3])
-        dst.load("next", [7, 8, 9], src, [1, 2, 3], "next", timeout_s=30)
-        assert event_kind(dst.wait("next", 35)) == "recv_done"
-        assert dst.same_blocks([7, 8, 9], src, [1, 2, 3])
+        _serves(src, dst, "next", [7, 8, 9])
         dst.close()
         src.close()
 
@@ -186,10 +189,7 @@ def test_in_push_mode_a_write_from_a_frozen_source_lands_nothing_after_the_worke
         assert src_d.proc.poll() is None and dst_d.proc.poll() is None
         # Both serve on: a new decode engine loads from the same source.
         again = Engine(dst_d, "d2", SHAPE)
-        src.hold("next", [1, 2, 3])
-        again.load("next", [7, 8, 9], src, [1, 2, 3], "next", timeout_s=30)
-        assert event_kind(again.wait("next", 35)) == "recv_done"
-        assert again.same_blocks([7, 8, 9], src, [1, 2, 3])
+        _serves(src, again, "next", [7, 8, 9])
         again.close()
         dst.close(unregister=False)
         src.close()
