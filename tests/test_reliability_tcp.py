@@ -20,6 +20,8 @@ import os
 import signal
 import time
 
+import numpy as np
+
 from kvd.testing.daemons import start_daemon
 from kvd.testing.sessions import Engine, KvShape, event_kind
 from kvd.testing.util import wait_until
@@ -40,20 +42,23 @@ def _serves(src, dst, rid: str, local: list[int]) -> None:
 
 
 ROUNDS = 3
-KILL_AFTER_S = 0.02  # after the load is sent: the READs of pull mode died here (3 of 4)
 
 
 def test_in_push_mode_a_source_survives_readers_killed_in_the_middle_of_its_writes(tmp_path):
     """The readers run the default transfer mode (auto), which pushes over
     a TCP-only ``UCX_TLS``; a source set to pull says at startup what that
-    risks."""
+    risks. Each reader is killed once the WRITE's first bytes have landed
+    in its engine's memory (a fixed delay after the load was sent killed
+    no reader mid-WRITE on a slow CI machine: the first contact took
+    longer); the memory then shows whether the kill came mid-WRITE."""
     src_d = start_daemon(str(tmp_path), "p", "--transfer-mode", "pull", env=TCP)
     ids = list(range(SHAPE.num_blocks))
     try:
         said = [ln for ln in src_d.log().splitlines() if "leaves UCX only TCP between hosts" in ln]
         assert said and "transfer_mode = auto (the default) or push" in said[0], said
         src = Engine(src_d, "p", SHAPE, seed=3)
-        cut = 0
+        probe = src.kv[0, 0, :4096].copy()
+        errs = cut = 0
         for n in range(ROUNDS):
             dst_d = start_daemon(str(tmp_path), f"d{n}", env=TCP)
             try:
@@ -61,18 +66,19 @@ def test_in_push_mode_a_source_survives_readers_killed_in_the_middle_of_its_writ
                 dst = Engine(dst_d, f"d{n}", SHAPE)
                 src.hold(f"r{n}", ids)
                 dst.load(f"r{n}", ids, src, ids, f"r{n}", timeout_s=30)
-                time.sleep(KILL_AFTER_S)
+                wait_until(lambda: (dst.kv[0, 0, :4096] == probe).all(), 30, "the push is under way", 0.001)
                 dst_d.proc.kill()
                 dst_d.proc.wait()
+                cut += not np.array_equal(dst.kv, src.kv)  # the reader died before all had landed
                 dst.close(unregister=False)
                 # A WRITE under way fails as UCX sees the connection go (one
-                # not started yet, or done, leaves no line: the round still
-                # checks that the source lives).
-                wait_until(lambda: src_d.log().count("WRITE ERR") > cut or src_d.proc.poll() is not None, 5,
+                # already done leaves no line: the round still checks that
+                # the source lives).
+                wait_until(lambda: src_d.log().count("WRITE ERR") > errs or src_d.proc.poll() is not None, 5,
                            None)  # no line is a round too: see above
                 time.sleep(1.0)  # the UCX progress thread's purge of what was left comes right after
                 assert src_d.proc.poll() is None, f"source daemon died: {src_d.proc.poll()}"
-                cut = src_d.log().count("WRITE ERR")
+                errs = src_d.log().count("WRITE ERR")
                 src.release(f"r{n}")
                 assert src.wait(f"r{n}").send_done.released
             finally:
