@@ -105,7 +105,7 @@ def test_a_load_whose_session_ends_while_its_mode_is_decided_sends_no_push_order
             async def record_push(*a, **k):
                 pushed.append(a)
 
-            d.pull.modes.pushes = slow_pushes
+            d.pull.modes.pushes, d.pull.modes.fixed = slow_pushes, None  # decided by address, whatever this host has
             d.push_mode.load = record_push
             d.rt.emit = lambda w_, ev: emitted.append(ev)
             req = LoadRequest("r1", [[1]], "p", "192.0.2.7:7600", [[2]], "p1", timeout_s=10)
@@ -124,3 +124,43 @@ def test_a_load_whose_session_ends_while_its_mode_is_decided_sends_no_push_order
     finally:
         seg.close()
     assert pushed == [] and emitted == [] and pushes == {} and pending == {}
+
+
+def test_a_load_by_a_daemon_set_to_pull_asks_for_no_decision():
+    """Where every load is a pull (``pull`` set, or ``auto`` with an RDMA
+    device here) a load neither asks ``TransferModes.pushes`` nor makes a
+    ``w.pushes`` entry: the per-load path stays as before ``auto``."""
+    seg = ShmSegment(SIZE)
+
+    async def main():
+        d = Node(Limits(transfer_mode="pull"))
+        d.start()
+        try:
+            w = await d.register("D", 0, 1, LAYOUT, [Segment(seg.name, seg.size)], REGIONS, model="m")
+            asked, entries = [], []
+
+            async def recording(address):
+                asked.append(address)
+                return False
+
+            d.pull.modes.pushes = recording
+            w.pushes = type("Watched", (dict,), {"__setitem__": lambda s, k, v: entries.append(k)})()
+            failed = []
+            d.rt.emit = lambda w_, ev: failed.append(ev)
+            closed = socket.socket()
+            closed.bind(("127.0.0.1", 0))  # bound, never listening: the pull's handshake is refused
+            try:
+                await d.load(w, LoadRequest("r1", [[1]], "p", f"127.0.0.1:{closed.getsockname()[1]}", [[2]], "p1",
+                                            timeout_s=1))
+            finally:
+                closed.close()
+            return asked, entries, failed
+        finally:
+            await d.close()
+
+    try:
+        asked, entries, failed = asyncio.run(main())
+    finally:
+        seg.close()
+    assert asked == [] and entries == []
+    assert [type(ev).__name__ for ev in failed] == ["LoadFailed"], failed

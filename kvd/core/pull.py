@@ -173,6 +173,39 @@ class Pull:
     def _fail(self, w: Worker, req: LoadRequest, kind: FailureKind, reason: str) -> None:
         self.rt.fail_load(w, req.request_id, req.local_block_ids, kind, reason, req.remote_address)
 
+    async def _pushed(self, w: Worker, req: LoadRequest, remote_tp: int, read_from, notify, started: float,
+                      deadline: float, epoch: int) -> bool:
+        """Decides whether the load is a push (``TransferModes.pushes``,
+        which may resolve a name) and, if so, makes it. True: the load is
+        done with (pushed, failed, or its session ended meanwhile);
+        False: :meth:`_load` goes on with a pull."""
+        rid = req.request_id
+        w.pushes[rid] = []  # from here on, Pull.cancel looks at the orders a push sends
+        push = failure = None
+        try:
+            push = await self.modes.pushes(req.remote_address)
+            if push and w.session.epoch == epoch and self.rt.registered(w):
+                failure = await self.push.load(w, req, remote_tp, read_from, notify, started, deadline, epoch)
+        finally:
+            sent = any(o.sent for o in w.pushes.pop(rid, ()))
+        if w.session.epoch != epoch or not self.rt.registered(w):
+            # Ended meanwhile: its engine counted the load failed with its
+            # session (the shim fails every load of a broken stream).
+            w.pending_loads.pop(rid, None)
+            return True
+        if not push:
+            return False
+        w.pending_loads.pop(rid, None)
+        if failure is not None:
+            if failure[0] == K.TIMEOUT and sent:
+                # A source's WRITE may still be going on into these blocks,
+                # which vLLM reuses once told they failed. (No order sent:
+                # nothing can come; a replacement would only cost the
+                # worker's other transfers.)
+                await settle.stop_writes_into(self.rt, self.registry, w, f"request {rid}: push past its deadline")
+            self._fail(w, req, *failure)
+        return True
+
     async def _load(self, w: Worker, req: LoadRequest, retry_deadline: float | None,
                     epoch: int | None = None, uid: int | None = None) -> None:
         """See :meth:`load`. Block ids come per KV-cache group:
@@ -225,30 +258,9 @@ class Pull:
             elif result is not None:
                 self._recv_done(w, req, *result, time.monotonic() - started)
             return
-        w.pushes[rid] = []  # from here on, Pull.cancel looks at the orders a push sends
-        push = failure = None
-        try:
-            push = await self.modes.pushes(req.remote_address)  # may resolve a name
-            if push and w.session.epoch == epoch and self.rt.registered(w):
-                failure = await self.push.load(w, req, remote_tp, read_from, notify, started, deadline, epoch)
-        finally:
-            sent = any(o.sent for o in w.pushes.pop(rid, ()))
-        if w.session.epoch != epoch or not self.rt.registered(w):
-            # Ended meanwhile: its engine counted the load failed with its
-            # session (the shim fails every load of a broken stream).
-            w.pending_loads.pop(rid, None)
-            return
-        if push:
-            w.pending_loads.pop(rid, None)
-            if failure is not None:
-                if failure[0] == K.TIMEOUT and sent:
-                    # A source's WRITE may still be going on into these
-                    # blocks, which vLLM reuses once told they failed. (No
-                    # order sent: nothing can come; a replacement would
-                    # only cost the worker's other transfers.)
-                    await settle.stop_writes_into(self.rt, self.registry, w, f"request {rid}: push past its deadline")
-                self._fail(w, req, *failure)
-            return
+        if self.modes.fixed is not False and await self._pushed(w, req, remote_tp, read_from, notify, started,
+                                                                deadline, epoch):
+            return  # (a pull for certain, set or with RDMA here, needs no decision)
 
         def expected(p: int) -> int:
             return plan.expected_notifications(p, remote_tp, w.tp_size, heads, mla)
