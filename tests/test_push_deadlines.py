@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from types import SimpleNamespace
 
+from kvd.core import settle
 from kvd.core.limits import Limits
 from kvd.core.node import Node
 from kvd.core.state import Segment
@@ -164,3 +166,36 @@ def test_a_load_by_a_daemon_set_to_pull_asks_for_no_decision():
         seg.close()
     assert asked == [] and entries == []
     assert [type(ev).__name__ for ev in failed] == ["LoadFailed"], failed
+
+
+def test_a_replacement_under_way_serves_a_push_only_if_it_removes_the_agent_the_push_described():
+    """``settle.stop_writes_into`` with a replacement of the worker's agent
+    already under way (a READ's deadline, say): a push order described
+    against the agent that replacement *made* (the order went out while the
+    old agent was being destroyed) is stopped only by replacing that one in
+    turn; an order against the old agent is stopped by the one under way.
+    (A fake registry: the real replacement is what
+    tests/test_reliability_tcp.py measures.)"""
+    async def main(described: str) -> list[str]:
+        w = SimpleNamespace(agent=SimpleNamespace(name="a1"))
+        rt = SimpleNamespace(registered=lambda w_: True)
+        replaced, switched = [], asyncio.Event()
+
+        class Registry:
+            async def replace_agent(self, w_, why):
+                old = w_.agent.name
+                w_.agent = SimpleNamespace(name=f"a{int(old[1:]) + 1}")  # as Registry._replace switches
+                switched.set()
+                await asyncio.sleep(0.05)  # the old agent's destruction
+                replaced.append(old)
+                return True
+
+        registry = Registry()
+        first = settle._start_replacing(registry, w, "a READ past its deadline")
+        await switched.wait()
+        assert await settle.stop_writes_into(rt, registry, w, "push past its deadline", {described}) is True
+        await first
+        return replaced
+
+    assert asyncio.run(main("a2")) == ["a1", "a2"]
+    assert asyncio.run(main("a1")) == ["a1"]

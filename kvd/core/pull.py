@@ -187,7 +187,7 @@ class Pull:
             if push and w.session.epoch == epoch and self.rt.registered(w):
                 failure = await self.push.load(w, req, remote_tp, read_from, notify, started, deadline, epoch)
         finally:
-            sent = any(o.sent for o in w.pushes.pop(rid, ()))
+            sent = {o.reader.agent_name for o in w.pushes.pop(rid, ()) if o.sent}  # agents a WRITE may target
         if w.session.epoch != epoch or not self.rt.registered(w):
             # Ended meanwhile: its engine counted the load failed with its
             # session (the shim fails every load of a broken stream).
@@ -202,7 +202,8 @@ class Pull:
                 # which vLLM reuses once told they failed. (No order sent:
                 # nothing can come; a replacement would only cost the
                 # worker's other transfers.)
-                await settle.stop_writes_into(self.rt, self.registry, w, f"request {rid}: push past its deadline")
+                await settle.stop_writes_into(self.rt, self.registry, w, f"request {rid}: push past its deadline",
+                                              sent)
             self._fail(w, req, *failure)
         return True
 
@@ -560,12 +561,12 @@ class Pull:
             self.rt.lines.warning(("cancelled", w.key), "%s request=%s: session ended; load cancelled", w.label,
                                   load.req.request_id)
         await settle.cancel_reads(self.rt, self.registry, w, list(handles))
-        if any(w.pushes.values()):
+        if agents := {o.reader.agent_name for orders in w.pushes.values() for o in orders}:
             # A source may still be WRITEing into blocks of the broken
             # stream's loads (a push not answered yet): stopped as at a
             # push's deadline, before the stream ends. Any order made counts,
             # sent or not: one may be on its way (its callee's proof first).
-            await settle.stop_writes_into(self.rt, self.registry, w, "its session ended during a push")
+            await settle.stop_writes_into(self.rt, self.registry, w, "its session ended during a push", agents)
 
     async def abort_load(self, w: Worker, request_id: str, remote_engine_id: str, remote_address: str,
                          remote_request_id: str, remote_tp_size: int) -> None:

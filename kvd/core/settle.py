@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from kvd.core.runtime import Runtime
@@ -75,22 +76,33 @@ def _start_replacing(registry: Registry, w: Worker, why: str) -> asyncio.Task:
     return task
 
 
-async def stop_writes_into(rt: Runtime, registry: Registry, w: Worker, why: str) -> bool:
+async def stop_writes_into(rt: Runtime, registry: Registry, w: Worker, why: str, agents: Collection[str]) -> bool:
     """Push mode, reader side: a source's WRITE into ``w``'s blocks may still
     be going on (its ``Push`` call did not answer by the load's deadline),
     and the source cannot be told to stop it (it may be stalled, or cut
-    off). Destroying ``w``'s NIXL agent closes the UCX endpoints the WRITE
-    comes through, so ``w``'s agent is replaced before the load is reported
-    failed, as for a READ (``end_reads``); one replacement under way for
-    ``w`` serves. Measured with ``UCX_TLS=tcp`` and the source daemon
-    SIGSTOPped in the middle of a 128 MiB WRITE: after the load had failed,
-    942-1,002 of its 1,024 block-regions changed when the source resumed;
-    with the agent replaced, none (tests/test_reliability_tcp.py). True once
-    the old agent is destroyed; False (logged) when no new agent could be
+    off). Destroying the NIXL agent the WRITE targets closes the UCX
+    endpoints it comes through, so that agent is replaced before the load
+    is reported failed, as for a READ (``end_reads``). Measured with
+    ``UCX_TLS=tcp`` and the source daemon SIGSTOPped in the middle of a
+    128 MiB WRITE: after the load had failed, 942-1,002 of its 1,024
+    block-regions changed when the source resumed; with the agent replaced,
+    none (tests/test_reliability_tcp.py).
+
+    ``agents``: the names of ``w``'s agents its push orders described
+    (``PushOrder.reader.agent_name``). A replacement under way is waited
+    for; it serves only if it leaves none of them as ``w``'s agent (an order
+    described against the agent it made is then replaced in turn). True
+    once none of them is left; False (logged) when no new agent could be
     made or the old one not destroyed: the WRITE may still land."""
-    if not rt.registered(w):
-        return True  # its agent is destroyed at its unregistration
-    return await asyncio.shield(_replacing.get(id(w)) or _start_replacing(registry, w, why))
+    while rt.registered(w):  # unregistered: its agent is destroyed at its unregistration
+        task = _replacing.get(id(w))
+        if task is None:
+            if w.agent.name not in agents:
+                return True
+            task = _start_replacing(registry, w, why)
+        if not await asyncio.shield(task):
+            return False
+    return True
 
 
 async def end_reads(rt: Runtime, registry: Registry, w: Worker, why: str) -> None:
