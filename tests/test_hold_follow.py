@@ -28,11 +28,11 @@ from kvd.core.hold_mirror import BadAnswer, Follow
 from kvd.core.leases import LeaseTable
 from kvd.testing.daemons import start_daemons, stop_daemons
 from kvd.testing.sessions import Engine, KvShape, event_kind
-from kvd.testing.util import wait_until
+from kvd.testing.util import peer_token_file, wait_until
 from kvd.v1 import kvd_pb2 as pb
 
 SHAPE = KvShape(num_layers=2, num_blocks=64, block_len=1024)
-TOKEN = b"kvd-follow-test-token-0123456789abcdef"
+TOKEN = "kvd-follow-test-token-0123456789abcdef"
 
 
 def arr(*ids) -> np.ndarray:
@@ -435,10 +435,7 @@ def test_a_load_the_copy_does_not_show_yet_waits_for_the_next_answers(monkeypatc
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("follow")
-    token = tmp / "token"
-    token.write_bytes(TOKEN + b"\n")
-    token.chmod(0o600)
-    tok = ("--peer-token-file", str(token))
+    tok = ("--peer-token-file", peer_token_file(tmp, TOKEN))
     p, d = start_daemons((str(tmp), "prefill", *tok), (str(tmp), "decode", *tok))
     src = Engine(p, "follow-p", SHAPE, seed=11)
     dst = Engine(d, "follow-d", SHAPE)
@@ -675,15 +672,12 @@ def test_holds_are_followed_with_the_token_and_refused_for_bad_input(tmp_path):
     from kvd.daemon.peer_auth import PeerAuth
     from kvd.daemon.peer_client import PeerClient
 
-    token = tmp_path / "token"
-    token.write_bytes(TOKEN + b"\n")
-    token.chmod(0o600)
-    (p,) = start_daemons((str(tmp_path), "holds-src", "--peer-token-file", str(token)))
+    (p,) = start_daemons((str(tmp_path), "holds-src", "--peer-token-file", peer_token_file(tmp_path, TOKEN)))
     try:
         src = Engine(p, "holds-e", SHAPE)
 
         async def main():
-            client = PeerClient(PeerAuth(token=TOKEN))
+            client = PeerClient(PeerAuth(token=TOKEN.encode()))
             try:
                 first = await client.holds(p.peer_address, "holds-e", "", 0, 0.1, 10)
                 assert first.reset and first.epoch

@@ -27,22 +27,19 @@ from kvd.daemon.call_refusal import Refused
 from kvd.requests import MAX_RENEWALS_PER_CALL, LeaseRenewal
 from kvd.testing.daemons import start_daemons, stop_daemons
 from kvd.testing.sessions import Engine, KvShape, event_kind
-from kvd.testing.util import wait_until
+from kvd.testing.util import peer_token_file, wait_until
 from kvd.v1 import kvd_pb2 as pb
 
 SHAPE = KvShape(num_layers=2, num_blocks=64, block_len=1024)
 LIFE_S = 8.0    # the prefill daemon's max_lease_life_s
 SLACK_S = 3.0   # expiry poll and scheduling on a busy machine
-TOKEN = b"kvd-renewal-test-token-0123456789abcdef"
+TOKEN = "kvd-renewal-test-token-0123456789abcdef"
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("renew")
-    token = tmp / "token"
-    token.write_bytes(TOKEN + b"\n")
-    token.chmod(0o600)
-    tok = ("--peer-token-file", str(token))
+    tok = ("--peer-token-file", peer_token_file(tmp, TOKEN))
     p, d = start_daemons((str(tmp), "prefill", *tok, "--max-lease-life-s", str(LIFE_S)), (str(tmp), "decode", *tok))
     src = Engine(p, "renew-p", SHAPE, seed=5)
     other = Engine(p, "renew-other", SHAPE, seed=6)

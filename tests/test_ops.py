@@ -26,7 +26,7 @@ from kvd.v1 import kvd_pb2 as pb
 from kvd.testing.daemons import launch_daemon, start_daemon, stop_daemons, wait_serving
 from kvd.testing.sessions import KvShape, Session, one_group, register_request
 from kvd.testing.shm import ShmSegment
-from kvd.testing.util import free_port
+from kvd.testing.util import free_port, peer_token_file
 
 SHAPE = KvShape(num_layers=4, num_blocks=64, block_len=4096)
 REMOTE_IDS = [60, 3, 11, 7, 0, 41, 42, 19]
@@ -382,10 +382,8 @@ def test_status_says_which_peer_authentication_is_active(tmp_path):
     (KVD_PEER_TOKENFILE, only warned of at startup) serves unauthenticated,
     bound to loopback instead of its wildcard peer_listen, and kvd status
     says that long after the startup log has scrolled away."""
-    token = tmp_path / "token"
-    token.write_bytes(b"kvd-test-token-" + b"0123456789abcdef" * 2 + b"\n")
-    token.chmod(0o600)
-    tok = launch_daemon(str(tmp_path), "tok", "--peer-token-file", str(token))
+    token = peer_token_file(tmp_path)
+    tok = launch_daemon(str(tmp_path), "tok", "--peer-token-file", token)
     typo = launch_daemon(str(tmp_path), "typo", "--peer-listen", "0.0.0.0:0", env={"KVD_PEER_TOKENFILE": str(token)})
     daemons = [tok, typo]
     try:

@@ -17,7 +17,6 @@ request succeed (a new handshake: the stalled agent was dropped).
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -45,10 +44,7 @@ def hosts(tmp_path_factory):
         pytest.skip(f"cannot make network namespaces here (needs root / CAP_NET_ADMIN and iproute2): {e}")
     daemons = []
     # Off loopback, PeerService needs authentication (docs/SECURITY.md): a shared token.
-    token = os.path.join(tmp, "peer.token")
-    with open(token, "w") as f:
-        f.write("two-hosts-test-token-0123456789")
-    os.chmod(token, 0o600)
+    token = peer_token_file(tmp, "two-hosts-test-token-0123456789")
     try:
         for name, ns, ip, dev in (("host-a", net.a, net.ip_a, net.dev_a), ("host-b", net.b, net.ip_b, net.dev_b)):
             daemons.append(start_daemon(tmp, name, "--peer-listen", f"{ip}:{PORT}", "--peer-token-file", token,

@@ -22,6 +22,7 @@ from kvd.testing.daemons import start_daemon
 from kvd.testing.processes import child_env
 from kvd.testing.security import NOBODY, OUTSIDER, reachable_dir
 from kvd.testing.sessions import Engine, KvShape, Session, one_group
+from kvd.testing.util import peer_token_file
 from kvd.v1 import kvd_pb2 as pb
 
 SHAPE = KvShape(num_layers=1, num_blocks=8, block_len=1024)
@@ -200,10 +201,7 @@ def test_a_peer_call_that_proves_nothing_is_refused_before_its_request_is_parsed
     request's bytes at most."""
     flags = ["--log-level", "info"]
     if credential == "token":
-        token = tmp_path / "token"
-        token.write_text("t" * 32 + "\n")
-        token.chmod(0o600)
-        flags += ["--peer-token-file", str(token)]
+        flags += ["--peer-token-file", peer_token_file(tmp_path, "t" * 32)]
     elif os.geteuid() != 0:
         pytest.skip("needs root to run a caller as another user")
     d = start_daemon(reachable_dir(), "kvd", *flags[2:], log_level="info")

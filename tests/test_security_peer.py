@@ -20,6 +20,7 @@ from kvd.testing.fakes import FakePeer
 from kvd.testing.sessions import Engine, KvShape, event_kind
 from kvd.testing.daemons import start_daemons, stop_daemons
 from kvd.testing.security import Pki
+from kvd.testing.util import peer_token_file
 
 SHAPE = KvShape(num_layers=2, num_blocks=16, block_len=2048)
 TOKEN = b"kvd-test-token-" + b"0123456789abcdef" * 2
@@ -31,10 +32,7 @@ NOBODY_HERE = pb.HandshakeRequest(engine_id="nobody-here", protocol_version=PROT
 def env(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("peer")
     pki = Pki(str(tmp / "pki"))
-    token = tmp / "token"
-    token.write_bytes(TOKEN + b"\n")
-    token.chmod(0o600)
-    tok = ("--peer-token-file", str(token))
+    tok = ("--peer-token-file", peer_token_file(tmp, TOKEN.decode()))
     names = ["tls_p", "tls_d", "tok_p", "tok_d", "open", "insecure"]
     daemons = start_daemons(
         (str(tmp), "tls_p", *pki.flags("tls-p")),

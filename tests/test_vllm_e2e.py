@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 import time
 
 import pytest
@@ -163,6 +164,16 @@ def test_engines_and_daemons_still_alive(pd, pd_results):
     pd.check_alive()
 
 
+@vllm
+def test_the_engines_ipc_sockets_are_in_the_stacks_own_directory(pd, pd_results):
+    """vLLM makes its ZMQ IPC sockets in ``VLLM_RPC_BASE_PATH`` (the system's
+    temporary directory by default) and leaves them when an engine is
+    killed: the stack points it at a directory of its own, which its close
+    removes (``test_a_stack_removes_its_ipc_directory``)."""
+    socks = [e for e in pd.ipc_dir.iterdir() if stat.S_ISSOCK(e.lstat().st_mode)]
+    assert len(socks) >= 2, list(pd.ipc_dir.iterdir())  # each engine's API server <-> engine core
+
+
 # ---------------------------------------------------------------------------
 # The harness itself (fast, no vLLM): proxy request shaping, /metrics parsing,
 # child process and /dev/shm cleanup.
@@ -252,6 +263,15 @@ def test_process_set_stops_groups_and_cleans_shm(tmp_path):
             if s is not None:
                 s.close()
                 s.unlink()
+
+
+def test_a_stack_removes_its_ipc_directory(tmp_path):
+    for run_dir in (tmp_path / "short", tmp_path / ("a-run-directory-name-past-sixty-characters-" * 2)):
+        st = PDStack(model_dir=tmp_path, run_dir=run_dir)
+        (st.ipc_dir / "left-by-a-killed-engine").touch()
+        assert st._engine_env()["VLLM_RPC_BASE_PATH"] == str(st.ipc_dir) and len(str(st.ipc_dir)) <= 60
+        st.close()
+        assert not st.ipc_dir.exists()
 
 
 def test_wait_ready_reports_exit_and_log_tail(tmp_path):

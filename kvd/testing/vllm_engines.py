@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -272,13 +273,22 @@ class PDStack:
         if len(str(sock_dir / "kvd-p.sock")) > 100:
             sock_dir = Path(tempfile.mkdtemp(prefix="kvd-demo-"))
         self.sock_dir = sock_dir
+        # vLLM's ZMQ IPC sockets (``VLLM_RPC_BASE_PATH``, default the system's
+        # temporary directory: ``vllm.utils.network_utils.get_open_zmq_ipc_path``)
+        # are not removed when an engine is killed: a directory of the
+        # stack's own holds them, removed at close (36-character names).
+        ipc_dir = self.run_dir / "vllm-ipc"
+        if len(str(ipc_dir)) > 60:
+            ipc_dir = Path(tempfile.mkdtemp(prefix="kvd-vllm-ipc-"))
+        ipc_dir.mkdir(mode=0o700, exist_ok=True)
+        self.ipc_dir = ipc_dir
         _OPEN_STACKS.add(self)
 
     def _warm(self) -> bool:
         return self.warm_peers and self.connector == "kvd" and not self.shared_daemon
 
     def _engine_env(self) -> dict:
-        env = dict(self.engine_env)
+        env = {"VLLM_RPC_BASE_PATH": str(self.ipc_dir), **self.engine_env}
         if self.single_process_engines:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         return env
@@ -457,7 +467,8 @@ class PDStack:
 
     def close(self) -> tuple[list[str], list[str]]:
         """Stops every child, removes the daemons' sockets (and the socket
-        directory when it is not the run directory) and cleans /dev/shm; returns
+        directory when it is not the run directory) and the engines' IPC
+        sockets' directory, and cleans /dev/shm; returns
         ``(removed, left_alone)`` shm names."""
         _OPEN_STACKS.discard(self)
         removed, left = self.procs.close()
@@ -471,6 +482,7 @@ class PDStack:
                 os.rmdir(self.sock_dir)
             except OSError:
                 pass
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
         return removed, left
 
     def __enter__(self) -> "PDStack":
