@@ -38,7 +38,9 @@ def pair(tmp_path_factory):
     # TCP only on the prefill side: a frozen process then really stalls a READ
     # (UCX's CMA path would read a stopped process's memory regardless).
     p = start_daemon(tmp, "prefill", env={"UCX_TLS": "tcp"})
-    d = start_daemon(tmp, "decode")
+    # Pull set: auto would push from that source (its handshake says a READ
+    # from it is TCP's software GET), and these are deadlines of READs.
+    d = start_daemon(tmp, "decode", "--transfer-mode", "pull")
     src = Engine(p, "deadline-p", SHAPE, seed=4)
     dst = Engine(d, "deadline-d", SHAPE)
     yield src, dst

@@ -39,7 +39,10 @@ def tmp(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def decode(tmp):
-    d = start_daemon(tmp, "decode")
+    # Pull set: the READs these scenarios cut would otherwise be pushes
+    # from a source whose UCX_TLS is tcp (transfer_mode auto: its handshake
+    # says a READ from it is TCP's software GET).
+    d = start_daemon(tmp, "decode", "--transfer-mode", "pull")
     yield d
     assert d.stop() == 0, "the decode daemon did not exit cleanly"
 

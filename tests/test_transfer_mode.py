@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from kvd.core import transfer_mode as tm
 from kvd.core.transfer_mode import HOST_CACHE_MAX, TransferModes, rdma_devices, tcp_emulated_reads
 
 
@@ -48,7 +49,42 @@ def test_auto_pushes_every_load_when_ucx_tls_leaves_only_tcp():
 def test_auto_reads_everywhere_with_an_rdma_device():
     modes = TransferModes("auto", {}, RDMA)
     assert _pushes(modes, "127.0.0.1:1", OTHER) == [False, False]
-    assert "pull (RDMA devices here: mlx5_0)" in modes.describe()
+    assert "pull (RDMA devices here: mlx5_0), push from a source whose handshake says" in modes.describe()
+
+
+def test_a_daemons_handshakes_say_how_a_read_from_it_travels():
+    assert TransferModes("pull", {"UCX_TLS": "tcp"}, RDMA).read_transport() == "tcp"
+    assert TransferModes("push", {}, NO_RDMA).read_transport() == "tcp-between-hosts"
+    assert TransferModes("auto", {}, RDMA).read_transport() == "native"
+
+
+def test_auto_pushes_from_a_source_whose_handshake_says_its_reads_are_tcp():
+    """What a source's handshake said (``learn``) overrides what this host
+    alone would decide: a TCP-only ``UCX_TLS`` there is a push wherever it
+    is; a source without RDMA is pushed from when it is another host's,
+    even with an RDMA device here. Only news counts as news."""
+    here = "127.0.0.1:1"
+    rdma = TransferModes("auto", {}, RDMA)
+    assert rdma.learn(OTHER, "native") is False and rdma.learn(OTHER, "") is False
+    assert rdma.learn(here, "tcp") is True and rdma.learn(here, "tcp") is False
+    assert rdma.learn(OTHER, "tcp-between-hosts") is True
+    assert rdma.learn("127.0.0.1:2", "tcp-between-hosts") is True
+    assert _pushes(rdma, here, OTHER, "127.0.0.1:2", "10.0.0.1:3") == [True, True, False, False]
+    assert rdma.learn(here, "native") is True  # restarted with RDMA allowed
+    assert _pushes(rdma, here) == [False]
+    plain = TransferModes("auto", {}, NO_RDMA)
+    plain.learn(here, "tcp")
+    assert _pushes(plain, here, "127.0.0.1:9") == [True, False]
+    fixed = TransferModes("pull", {}, NO_RDMA)
+    fixed.learn(here, "tcp")
+    assert _pushes(fixed, here) == [False]  # a set mode is kept
+
+
+def test_the_memory_of_what_sources_said_is_bounded():
+    modes = TransferModes("auto", {}, RDMA)
+    for i in range(tm.SOURCES_MAX + 10):
+        modes.learn(f"10.1.{i // 256}.{i % 256}:1", "tcp")
+    assert len(modes._sources) <= tm.SOURCES_MAX
 
 
 def test_auto_with_no_rdma_device_reads_from_this_host_and_pushes_from_others():
@@ -97,8 +133,6 @@ def test_name_lookups_are_bounded_and_a_load_past_the_bound_is_a_push(monkeypatc
     push, unlooked and unremembered; ``localhost`` is never looked up."""
     import socket
     import threading
-
-    from kvd.core import transfer_mode as tm
 
     gate = threading.Event()
     asked = []

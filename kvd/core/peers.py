@@ -214,6 +214,12 @@ class Peers:
                  vet: MetadataVet | None = None):
         self.rt = rt
         self.vet = vet  # loads each new peer metadata in a throwaway process first (None: not)
+        # How a READ from this daemon travels, as handshakes say it
+        # (TransferModes.read_transport; Pull sets it).
+        self.read_transport = ""
+        # transfer_mode auto: no warm-up READ from a source that said every
+        # READ from it is TCP's (its loads are pushes; Pull sets it).
+        self.avoid_tcp_reads = False
         self.link = link
         self.mirror = mirror
         self._handshakes: dict[tuple, asyncio.Future] = {}  # (local key, peer key) -> handshake task
@@ -848,7 +854,7 @@ class Peers:
                 self._unload_agent(w, name)
                 raise
             phases["check"] = time.monotonic() - t_check
-            if we_read and hs.warm_up_addr:
+            if we_read and hs.warm_up_addr and not (self.avoid_tcp_reads and hs.read_transport == "tcp"):
                 self._warm_read(w, name, hs.warm_up_addr)
             return name
 
@@ -865,7 +871,8 @@ class Peers:
         r = RemoteWorker(address, engine_id, peer_rank, hs.tp_size, name, hs.layout, len(hs.regions), k, C,
                          lists=(Unprepped(our_map.rows, w.mem.memory), Unprepped(their_map.rows, hs.memory, name)),
                          owns_local_dlist=False, daemon_version=hs.daemon_version, region_bytes=src_bytes,
-                         region_groups=tuple(x.group for x in w.regions), last_used=time.monotonic())
+                         region_groups=tuple(x.group for x in w.regions), last_used=time.monotonic(),
+                         read_transport=hs.read_transport)
         # Prepared lists cost time per row of both caches (29k rows: 10 ms
         # idle, 0.1-1.1 s with both cores busy, GIL held), so they are made
         # off the request's path, PREP_DELAY_S after the handshake; past
@@ -981,6 +988,6 @@ class Peers:
         Needs no NIXL call (the metadata is the agent's cached bytes)."""
         return HandshakeResult(w.agent.metadata(), w.agent.name, w.layout, w.regions, w.mem.bases, w.compat_hash, __version__,
                                PROTOCOL_VERSION, w.tp_size, memory=w.mem.memory, device=w.mem.device,
-                               warm_up_addr=w.agent.scratch_addr)
+                               warm_up_addr=w.agent.scratch_addr, read_transport=self.read_transport)
 
     # --------------------------------------------------------------- progress

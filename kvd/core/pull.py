@@ -57,6 +57,12 @@ def _caller_uid(w: Worker, uid: int | None) -> int:
     return w.owner.uid if w.owner is not None else -1
 
 
+class _PushInstead(Exception):
+    """Raised inside a pull's handshake-to-post span: its source said a READ
+    from it is TCP's (``Pull._source_says_push``); the load starts again as
+    a push."""
+
+
 class Pull:
     """Loads of every decode worker (``Worker.inflight``, ``Worker.pending_loads``).
 
@@ -81,12 +87,14 @@ class Pull:
         self.holds = holds
         self.reads = coalesce.CoalescedReads(rt, self._post)
         self.modes = TransferModes(rt.limits.transfer_mode, said=self._mode_said)
+        peers.read_transport = self.modes.read_transport()  # what this daemon's handshakes say
+        peers.avoid_tcp_reads = self.modes.setting == "auto"
 
     def _mode_said(self, host: str, local: bool) -> None:
         # One key: a request names the host, so fresh ones could come at will.
         self.rt.lines.info(("transfer mode",), "transfer mode auto: loads from %s are %s", clip(host, 100),
                            "READs (a host of this one's)" if local else
-                           "pushes (another host's, and no RDMA device here)")
+                           "pushes (another host's, reached over TCP)")
 
     async def load(self, w: Worker, req: LoadRequest, *, retry_deadline: float | None = None,
                    epoch: int | None = None, uid: int | None = None) -> None:
@@ -187,7 +195,8 @@ class Pull:
             if push and w.session.epoch == epoch and self.rt.registered(w):
                 failure = await self.push.load(w, req, remote_tp, read_from, notify, started, deadline, epoch)
         finally:
-            sent = {o.reader.agent_name for o in w.pushes.pop(rid, ()) if o.sent}  # agents a WRITE may target
+            # Agents a WRITE may still target: its order sent, not answered.
+            unsettled = {o.reader.agent_name for o in w.pushes.pop(rid, ()) if o.sent and not o.settled}
         if w.session.epoch != epoch or not self.rt.registered(w):
             # Ended meanwhile: its engine counted the load failed with its
             # session (the shim fails every load of a broken stream).
@@ -197,14 +206,33 @@ class Pull:
             return False
         w.pending_loads.pop(rid, None)
         if failure is not None:
-            if failure[0] == K.TIMEOUT and sent:
+            if unsettled:
                 # A source's WRITE may still be going on into these blocks,
-                # which vLLM reuses once told they failed. (No order sent:
+                # which vLLM reuses once told they failed. (None unanswered:
                 # nothing can come; a replacement would only cost the
                 # worker's other transfers.)
-                await settle.stop_writes_into(self.rt, self.registry, w, f"request {rid}: push past its deadline",
-                                              sent)
+                await settle.stop_writes_into(self.rt, self.registry, w, f"request {rid}: push failed ({failure[1]})",
+                                              unsettled)
             self._fail(w, req, *failure)
+        return True
+
+    async def _source_says_push(self, req: LoadRequest, remotes: dict[int, RemoteWorker],
+                                read_from: list[int]) -> bool:
+        """``auto``, a pull: True when a source rank's handshake said a READ
+        from it is TCP's (``RemoteWorker.read_transport``) and that makes
+        loads from its address pushes (``TransferModes.pushes``). News only
+        (``TransferModes.learn``): a load from a source already known costs
+        a dict lookup a rank."""
+        news = said = False
+        for p in read_from:
+            if self.modes.learn(req.remote_address, remotes[p].read_transport):
+                news, said = True, remotes[p].read_transport
+        if not news or not await self.modes.pushes(req.remote_address):
+            return False
+        # One key of its own: a request names the address, so fresh ones could come at will.
+        self.rt.lines.info(("transfer mode source",), "transfer mode auto: loads from %s are pushes (its handshake "
+                           "says a READ from it is TCP's software GET: read_transport %s)",
+                           clip(req.remote_address, 100), said)
         return True
 
     async def _load(self, w: Worker, req: LoadRequest, retry_deadline: float | None,
@@ -259,9 +287,12 @@ class Pull:
             elif result is not None:
                 self._recv_done(w, req, *result, time.monotonic() - started)
             return
-        if self.modes.fixed is not False and await self._pushed(w, req, remote_tp, read_from, notify, started,
-                                                                deadline, epoch):
-            return  # (a pull for certain, set or with RDMA here, needs no decision)
+        if self.modes.fixed is not False:  # (pull set: no decision to make)
+            if await self._pushed(w, req, remote_tp, read_from, notify, started, deadline, epoch):
+                return
+        elif not self.rt.registered(w):  # as _pushed does: unregistered while Node.load resolved its address
+            w.pending_loads.pop(rid, None)
+            return
 
         def expected(p: int) -> int:
             return plan.expected_notifications(p, remote_tp, w.tp_size, heads, mla)
@@ -273,6 +304,7 @@ class Pull:
         err: tuple[FailureKind, str] | None = None
         remotes: dict[int, RemoteWorker] = {}
         in_flight = False  # a coalesced READ put this load in w.inflight (kvd.core.coalesce)
+        push_instead = False
         # A claim only asks (no lease changes on the source), so it is sent
         # now and its round trip overlaps the remote workers and the plan:
         # it is the largest daemon-side piece of a small load
@@ -306,6 +338,9 @@ class Pull:
                 self.rt.lines.info(("dropped", w.key), "%s request=%s: session ended during the handshake; load "
                                    "dropped", w.label, rid)
                 return
+            if self.modes.fixed is None and retry_deadline is None and await self._source_says_push(req, remotes,
+                                                                                                   read_from):
+                raise _PushInstead  # before any READ: a READ from it would be TCP's software GET
             checked = {}
             for p in read_from:  # the request's block ids are checked against both layouts before any READ
                 r = remotes[p]
@@ -392,6 +427,8 @@ class Pull:
                                             expected(p))
         except NixlError as e:
             err = (K.NIXL, f"nixl: {e}")
+        except _PushInstead:
+            push_instead = True
         finally:
             w.pending_loads.pop(rid, None)
             if claim is None:
@@ -400,6 +437,8 @@ class Pull:
                 claim.cancel()
             elif not claim.cancelled():
                 claim.exception()  # retrieved: an early return never awaited it
+        if push_instead:  # the one restart, as a push now that the source's transport is known
+            return await self.load(w, req, retry_deadline=deadline, epoch=epoch, uid=uid)
         if in_flight:  # Pull.cancel finds it there if its session ended since
             w.posting.pop(rid, None)
             return
@@ -553,6 +592,10 @@ class Pull:
         session's stream ends after that.
         The loop owns the loads' parts (``Progress.reads_ended``): a handle
         is in a part or in ``Runtime.zombies``, never both."""
+        # Taken first: a push that ends while the READs are cancelled takes
+        # its orders out of w.pushes, and returns without stopping anything
+        # once it sees its session ended (an attacker review).
+        agents = {o.reader.agent_name for orders in w.pushes.values() for o in orders}
         handles = {}  # once each: a coalesced READ is a part of each load it carries
         for load in list(w.inflight.values()):
             del w.inflight[load.req.request_id]
@@ -561,7 +604,7 @@ class Pull:
             self.rt.lines.warning(("cancelled", w.key), "%s request=%s: session ended; load cancelled", w.label,
                                   load.req.request_id)
         await settle.cancel_reads(self.rt, self.registry, w, list(handles))
-        if agents := {o.reader.agent_name for orders in w.pushes.values() for o in orders}:
+        if agents:
             # A source may still be WRITEing into blocks of the broken
             # stream's loads (a push not answered yet): stopped as at a
             # push's deadline, before the stream ends. Any order made counts,

@@ -119,10 +119,19 @@ class Push:
         def ended() -> bool:
             return w.session.epoch != epoch or not self.rt.registered(w)
 
+        failed: list[BaseException] = []  # a rank's push failed: no order goes out after it
+
         async def push(order: PushOrder):
-            if ended():
+            if ended() or failed:
                 return None
-            return await link.push(req.remote_address, order, order.timeout_s)
+            order.settled = False
+            try:
+                result = await link.push(req.remote_address, order, order.timeout_s)
+            except (Incompatible, NotFound, InvalidArgument, ResourceExhausted):
+                order.settled = True  # the source refused it before any WRITE
+                raise
+            order.settled = True
+            return result
 
         async def one(p: int):
             expected = plan.expected_notifications(p, remote_tp, w.tp_size, heads, mla)
@@ -150,15 +159,32 @@ class Push:
                 order.timeout_s = max(0.1, deadline - time.monotonic())
                 return await push(order)
 
+        # On one rank's failure the others are waited for, not cancelled: a
+        # source's WRITE goes on whatever its caller does, and one that ends
+        # in time needs no agent replacement (kvd.core.settle). Before, the
+        # first failure ended the load at once, and a sibling's WRITE landed
+        # (or its order went out) after the load had failed (an attacker
+        # review: 300 ms of WRITE after LoadFailed).
+        tasks = [asyncio.ensure_future(one(p)) for p in notify]
         try:
             async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
-                results = await asyncio.gather(*(one(p) for p in notify))
+                finished, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+                failed.extend(t.exception() for t in finished if not t.cancelled() and t.exception() is not None)
+                if failed:
+                    await asyncio.wait(tasks)
         except TimeoutError:
             return FailureKind.TIMEOUT, "timeout: push not done by the deadline"
-        except (Incompatible, NotFound, PeerUnavailable, InvalidArgument, ResourceExhausted) as e:
-            return FailureKind.PUSH, f"push: {e}"
+        finally:
+            for t in tasks:
+                t.cancel()  # past the deadline (or this load cancelled): each order's sent and settled are final after
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if failed:
+            if isinstance(failed[0], (Incompatible, NotFound, PeerUnavailable, InvalidArgument, ResourceExhausted)):
+                return FailureKind.PUSH, f"push: {failed[0]}"
+            raise failed[0]
         if ended():
             return None
+        results = [t.result() for t in tasks]
         done = [r for r in results if r is not None]
         nbytes, ndescs = sum(r.bytes for r in done), sum(r.num_descriptors for r in done)
         dur = time.monotonic() - started

@@ -481,6 +481,7 @@ class Registry:
             log.warning("%s: NIXL agent %s replaced by %s in %.0f ms to stop its transfers (%s)", w.label,
                         old.name, name, (time.monotonic() - t0) * 1e3, why)
         else:
+            w.mem.lingering.add(old.name)
             log.error("%s: NIXL agent %s replaced by %s but not destroyed after %.0f s (a handle still bound): its "
                       "READs may still land (%s)", w.label, old.name, name, CLOSE_WAIT_S, why)
         return closed

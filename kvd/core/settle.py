@@ -76,6 +76,15 @@ def _start_replacing(registry: Registry, w: Worker, why: str) -> asyncio.Task:
     return task
 
 
+def _under_way(w: Worker) -> asyncio.Task | None:
+    """``w``'s agent replacement still running, if any. One that has ended
+    stays in ``_replacing`` until its done-callback runs (the loop's next
+    step); awaiting it then does not yield, and a caller that looked again
+    would find it again, for ever (an attacker review: the loop frozen)."""
+    task = _replacing.get(id(w))
+    return task if task is not None and not task.done() else None
+
+
 async def stop_writes_into(rt: Runtime, registry: Registry, w: Worker, why: str, agents: Collection[str]) -> bool:
     """Push mode, reader side: a source's WRITE into ``w``'s blocks may still
     be going on (its ``Push`` call did not answer by the load's deadline),
@@ -92,16 +101,22 @@ async def stop_writes_into(rt: Runtime, registry: Registry, w: Worker, why: str,
     (``PushOrder.reader.agent_name``). A replacement under way is waited
     for; it serves only if it leaves none of them as ``w``'s agent (an order
     described against the agent it made is then replaced in turn). True
-    once none of them is left; False (logged) when no new agent could be
-    made or the old one not destroyed: the WRITE may still land."""
+    once none of them is left; False (logged by ``Registry.replace_agent``)
+    when one of them could not be replaced (no new agent could be made) or
+    was replaced but not destroyed (``WorkerMemory.lingering``): a WRITE
+    may still land."""
+    tried: set[str] = set()
     while rt.registered(w):  # unregistered: its agent is destroyed at its unregistration
-        task = _replacing.get(id(w))
+        task = _under_way(w)
         if task is None:
-            if w.agent.name not in agents:
-                return True
+            name = w.agent.name
+            if name not in agents:
+                return not w.mem.lingering.intersection(agents)
+            if name in tried:
+                return False  # no new agent could be made for it: trying again at once would fail the same way
+            tried.add(name)
             task = _start_replacing(registry, w, why)
-        if not await asyncio.shield(task):
-            return False
+        await asyncio.shield(task)
     return True
 
 
@@ -112,11 +127,11 @@ async def end_reads(rt: Runtime, registry: Registry, w: Worker, why: str) -> Non
     of the worker's other loads). One replacement at a time per worker; a
     caller that finds one under way waits for it and looks again."""
     while rt.registered(w):
-        task = _replacing.get(id(w))
+        task = _under_way(w)
         if task is None:
             if not await rt.nixl(rt.release_zombies, w.agent):
                 return
-            if _replacing.get(id(w)) is not None:
+            if _under_way(w) is not None:
                 continue
             task = _start_replacing(registry, w, why)
         if not await asyncio.shield(task):

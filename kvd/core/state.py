@@ -75,6 +75,8 @@ class HandshakeResult:
     memory: str = "DRAM"  # NIXL memory type of its regions in the peer's agent
     device: int = 0       # VRAM: the device id they are registered with there
     warm_up_addr: int = 0  # its agent's scratch page (NixlAgent.register_scratch); 0: none
+    # How a READ from that daemon travels (transfer_mode.READ_TRANSPORTS; "": unknown).
+    read_transport: str = ""
 
 
 @dataclass
@@ -93,6 +95,10 @@ class PushOrder:
     # Set by the link just before the PushRequest goes out (after the
     # callee proved itself): from then on a WRITE into the reader may come.
     sent: bool = False
+    # Its last Push call answered (done, or refused before any WRITE): no
+    # WRITE of it can come any more. False while one is out, and after an
+    # answer that leaves it unknown (UNAVAILABLE, a cut, a cancellation).
+    settled: bool = False
 
 
 @dataclass
@@ -169,6 +175,7 @@ class RemoteWorker:
     pushes: int = 0
     freed: bool = False
     prepare_later: bool = False  # small enough: lists prepared after the handshake
+    read_transport: str = ""  # its handshake's (HandshakeResult.read_transport)
 
     @property
     def local_dlist(self) -> object:
@@ -253,6 +260,9 @@ class WorkerMemory:
     segment_names: list[str] = field(default_factory=list)
     owner_pid: int = 0
     data_path_reason: str = ""  # why this path (kvd.core.path_select), for logs
+    # Names of agents of this worker replaced but not destroyed (a handle
+    # still bound: Registry.replace_agent): a transfer through one may land.
+    lingering: set[str] = field(default_factory=set)
 
 
 @dataclass

@@ -23,6 +23,14 @@ where a READ would be TCP's software GET:
   other (TCP is all that reaches it);
 - else (an RDMA device): pull.
 
+A source's handshake also says how a READ from it travels, by its own
+``UCX_TLS`` and devices (:meth:`TransferModes.read_transport`,
+``HandshakeResponse.read_transport``): a source whose ``UCX_TLS`` leaves
+only TCP is pushed from wherever it is, and one with no RDMA device is
+pushed from when it is another host's, whatever this host has. A load that
+learns this in its own handshake is made a push before any READ
+(``Pull``); later loads from that address decide at once.
+
 ``pull`` and ``push`` fix the mode for every load, as before. A push sends
 the source the decode worker's agent metadata, so it goes only to a callee
 that proved itself (``kvd.daemon.peer_client``); that rule is the same in
@@ -61,6 +69,14 @@ HOST_CACHE_MAX = 1024
 # load from a name not looked up yet is a push, unlooked. A request names
 # the host, so names that never answer could otherwise take every thread.
 MAX_LOOKUPS = 4
+
+#: What a handshake may say of how a READ from its daemon travels
+#: (``HandshakeResponse.read_transport``; anything else, or "", is unknown).
+READ_TRANSPORTS = ("native", "tcp", "tcp-between-hosts")
+
+#: Source addresses whose handshake said a READ from them is TCP's,
+#: remembered (a request names the address, so the memory is bounded).
+SOURCES_MAX = 1024
 
 
 def tcp_emulated_reads(environ=os.environ) -> bool:
@@ -120,16 +136,14 @@ class TransferModes:
         self.setting = setting
         self.tcp_only = tcp_emulated_reads(environ)
         self.ucx_tls = environ.get("UCX_TLS", "")
-        self._devices = devices
-        self.rdma = devices() if setting == "auto" and not self.tcp_only else []
-        # The answer when no address is needed to give it; None: by host.
+        self.rdma = devices() if not self.tcp_only else []  # in every mode: handshakes tell peers
+        # The answer when no address is needed to give it; None: by source.
         if setting != "auto":
             self.fixed: bool | None = setting == "push"
-        elif self.tcp_only:
-            self.fixed = True
         else:
-            self.fixed = False if self.rdma else None
+            self.fixed = True if self.tcp_only else None
         self._hosts: dict[str, tuple[bool, float]] = {}  # host -> (this host's, when looked up)
+        self._sources: dict[str, str] = {}  # address -> a handshake's read_transport other than "native"
         self._said = said
         self._lookups = 0  # name lookups whose thread has not returned
 
@@ -141,7 +155,8 @@ class TransferModes:
             return (f"transfer mode auto: push for every load (UCX_TLS={self.ucx_tls} leaves UCX only TCP, "
                     "over which a READ is UCX's software GET)")
         if self.rdma:
-            return f"transfer mode auto: pull (RDMA devices here: {', '.join(self.rdma[:4])})"
+            return (f"transfer mode auto: pull (RDMA devices here: {', '.join(self.rdma[:4])}), push from a "
+                    "source whose handshake says a READ from it is TCP's")
         return ("transfer mode auto: pull from daemons of this host, push from other hosts (no RDMA device "
                 f"in {RDMA_CLASS}: a READ between hosts would be UCX's software GET over TCP)")
 
@@ -152,7 +167,7 @@ class TransferModes:
             return None
         if self.tcp_only:
             why = f"UCX_TLS={self.ucx_tls} leaves UCX only TCP between hosts"
-        elif not self._devices():
+        elif not self.rdma:
             why = f"this host has no RDMA device ({RDMA_CLASS}): UCX reaches other hosts over TCP"
         else:
             return None
@@ -160,11 +175,40 @@ class TransferModes:
                 "(SIGSEGV) when its reader dies in the middle of one; set transfer_mode = auto (the default) "
                 "or push, whose WRITEs do not (docs/OPERATIONS.md, \"Known problems\")")
 
+    def read_transport(self) -> str:
+        """How a READ from this daemon travels (one of
+        :data:`READ_TRANSPORTS`), for its handshake answers: "tcp" when
+        ``UCX_TLS`` leaves only TCP, "tcp-between-hosts" with no RDMA device
+        here, else "native"."""
+        if self.tcp_only:
+            return "tcp"
+        return "native" if self.rdma else "tcp-between-hosts"
+
+    def learn(self, address: str, transport: str) -> bool:
+        """Remembers what a handshake with the daemon at ``address`` said of
+        how a READ from it travels (``HandshakeResult.read_transport``; ""
+        or "native": nothing to remember), for :meth:`pushes`. At most
+        :data:`SOURCES_MAX` addresses (all forgotten past it). True when
+        that is news (:meth:`pushes` may answer otherwise now)."""
+        if transport == "tcp" or transport == "tcp-between-hosts":
+            if self._sources.get(address) == transport:
+                return False
+            if len(self._sources) >= SOURCES_MAX:
+                self._sources.clear()
+            self._sources[address] = transport
+            return True
+        # It says otherwise now (restarted with another UCX_TLS).
+        return self._sources.pop(address, None) is not None if self._sources else False
+
     async def pushes(self, address: str) -> bool:
         """True when the load from the daemon at ``address`` (``host:port``,
-        as a request names it) is a push. Under ``auto`` with no RDMA
-        device, a host is this one's when every address it resolves to is
-        a loopback one or an address of this host. A host name is resolved
+        as a request names it) is a push. Under ``auto``: a source whose
+        handshake said every READ from it is TCP's (:meth:`learn`) is
+        pushed from; with an RDMA device here, any other source is pulled
+        from unless its handshake said it has none, and then it is judged
+        by host as when this host has none: a host is this one's when every
+        address it resolves to is a loopback one or an address of this
+        host. A host name is resolved
         off the event loop, within ``RESOLVE_TIMEOUT_S``, at most
         :data:`MAX_LOOKUPS` at once; one that does not resolve (in time, or
         at all) counts as another host's for this load only: a push is the
@@ -174,6 +218,11 @@ class TransferModes:
         a Kubernetes NodePort) counts as this host's. Never raises."""
         if self.fixed is not None:
             return self.fixed
+        said = self._sources.get(address) if self._sources else None
+        if said == "tcp":
+            return True
+        if self.rdma and said is None:
+            return False  # RDMA here, and the source said nothing else (or has not been met)
         try:
             host = split_host_port(address)[0].strip("[]").split("%")[0]
         except ValueError:

@@ -10,6 +10,7 @@ from kvd.core.hold_feed import HoldChange, HoldsAnswer
 from kvd.core.holds import check_renewal_counts
 from kvd.core.layout import Layout, Region
 from kvd.core.state import HandshakeResult
+from kvd.core.transfer_mode import READ_TRANSPORTS
 from kvd.requests import BlockGroups, LeaseRenewal, LoadRequest, RenewResult
 from kvd.v1 import kvd_pb2 as pb
 
@@ -108,6 +109,7 @@ def handshake_to_pb(hs: HandshakeResult) -> pb.HandshakeResponse:
         regions=[region_to_pb(r) for r in hs.regions], region_base_addrs=hs.region_bases,
         compat_hash=hs.compat_hash, daemon_version=hs.daemon_version, protocol_version=hs.protocol_version,
         tp_size=hs.tp_size, memory=hs.memory, device=hs.device, warm_up_addr=hs.warm_up_addr,
+        read_transport=hs.read_transport,
     )
 
 
@@ -118,6 +120,7 @@ def handshake_from_pb(r: pb.HandshakeResponse) -> HandshakeResult:
         regions=[region_from_pb(x) for x in r.regions], region_bases=list(r.region_base_addrs),
         compat_hash=r.compat_hash, daemon_version=r.daemon_version, protocol_version=r.protocol_version,
         tp_size=r.tp_size or 1, memory=r.memory or "DRAM", device=r.device, warm_up_addr=r.warm_up_addr,
+        read_transport=r.read_transport if r.read_transport in READ_TRANSPORTS else "",  # else: unknown
     )
 
 

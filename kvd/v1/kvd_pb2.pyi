@@ -563,7 +563,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., daemon_version: _Optional[str] = ..., compat_hash: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("agent_metadata", "agent_name", "layout", "regions", "region_base_addrs", "compat_hash", "daemon_version", "protocol_version", "tp_size", "memory", "device", "warm_up_addr", "holds_epoch")
+    __slots__ = ("agent_metadata", "agent_name", "layout", "regions", "region_base_addrs", "compat_hash", "daemon_version", "protocol_version", "tp_size", "memory", "device", "warm_up_addr", "holds_epoch", "read_transport")
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -577,6 +577,7 @@ class HandshakeResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     WARM_UP_ADDR_FIELD_NUMBER: _ClassVar[int]
     HOLDS_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    READ_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     agent_metadata: bytes
     agent_name: str
     layout: Layout
@@ -590,7 +591,8 @@ class HandshakeResponse(_message.Message):
     device: int
     warm_up_addr: int
     holds_epoch: str
-    def __init__(self, agent_metadata: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., region_base_addrs: _Optional[_Iterable[int]] = ..., compat_hash: _Optional[str] = ..., daemon_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., tp_size: _Optional[int] = ..., memory: _Optional[str] = ..., device: _Optional[int] = ..., warm_up_addr: _Optional[int] = ..., holds_epoch: _Optional[str] = ...) -> None: ...
+    read_transport: str
+    def __init__(self, agent_metadata: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., region_base_addrs: _Optional[_Iterable[int]] = ..., compat_hash: _Optional[str] = ..., daemon_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., tp_size: _Optional[int] = ..., memory: _Optional[str] = ..., device: _Optional[int] = ..., warm_up_addr: _Optional[int] = ..., holds_epoch: _Optional[str] = ..., read_transport: _Optional[str] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("engine_id", "tp_rank", "request_id", "reader", "reader_tp_rank", "expected_notifications", "timeout_s", "source_groups", "reader_groups")
