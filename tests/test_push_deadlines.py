@@ -19,7 +19,7 @@ from types import SimpleNamespace
 from kvd.core import settle
 from kvd.core.limits import Limits
 from kvd.core.node import Node
-from kvd.core.events import InvalidArgument, NotFound, PeerUnavailable
+from kvd.core.events import InvalidArgument, NotFound, PeerBusy, PeerUnavailable, WriteEnded
 from kvd.core.state import Segment
 from kvd.testing.daemons import start_daemon
 from kvd.testing.sessions import Engine, KvShape, event_kind
@@ -278,8 +278,10 @@ class _Link:
             raise self.error[order.tp_rank]
         return SimpleNamespace(bytes=4096, num_descriptors=1)
 
+    claim_s = 0.2  # until the hold shows up
+
     async def claim(self, *a, **k):
-        await asyncio.sleep(0.2)  # the hold shows up
+        await asyncio.sleep(self.claim_s)
 
 
 def _push_load(link, remote_tp=2, linger_s=0.0):
@@ -341,3 +343,61 @@ def test_an_order_whose_answer_leaves_its_write_unknown_is_stopped():
     failure, _, orders, _ = _push_load(_Link({}, {0: PeerUnavailable("cut"), 1: InvalidArgument("no")}))
     assert failure is not None
     assert {o.tp_rank: (o.sent, o.settled) for o in orders} == {0: (True, False), 1: (True, True)}
+
+
+def test_a_rank_waiting_for_its_hold_is_dropped_when_another_rank_failed():
+    """Rank 0's hold is not there (its claim would wait 20 s); rank 1
+    refuses. Rank 0 has no order out, so nothing of it can land: the load
+    fails at once rather than at its deadline, and rank 0 sends nothing."""
+    link = _Link({}, {1: InvalidArgument("no")})
+    link.claim_s = 20
+    calls = []
+    first = link.push
+
+    async def push(address, order, timeout_s):
+        calls.append(order.tp_rank)
+        if order.tp_rank == 0:
+            raise NotFound("no hold yet")  # refused before anything was sent
+        return await first(address, order, timeout_s)
+
+    link.push = push
+    failure, took, orders, _ = _push_load(link, linger_s=0.3)
+    assert failure is not None and took < 5, took
+    assert calls.count(0) == 1 and not orders[0].sent
+
+
+def test_a_source_that_says_its_write_ended_or_that_it_had_no_room_needs_no_stop():
+    """ABORTED (``WriteEnded``: the WRITE failed and has ended, or none was
+    posted) and RESOURCE_EXHAUSTED (``PeerBusy``) answers settle their
+    order: a replacement of the reader's agent would only cost its other
+    transfers. (An attacker review found RESOURCE_EXHAUSTED read as
+    UNAVAILABLE, and every busy source replacing readers' agents.)"""
+    failure, _, orders, _ = _push_load(_Link({}, {0: WriteEnded("WRITE ERR"), 1: PeerBusy("no room")}))
+    assert failure is not None and [(o.sent, o.settled) for o in orders] == [(True, True), (True, True)]
+
+
+def test_a_rank_failing_with_an_unforeseen_error_still_leaves_the_unanswered_write_to_stop():
+    """Rank 1 fails with an error no branch foresaw (a bug); rank 0's order
+    went out and its call ended UNAVAILABLE. The load fails as ``internal``
+    (returned, not raised, so that ``Pull._pushed`` stops rank 0's WRITE;
+    an attacker review found the raise skipped that)."""
+    failure, _, orders, _ = _push_load(_Link({0: 0.1}, {0: PeerUnavailable("cut"), 1: RuntimeError("a bug")}))
+    assert failure is not None and failure[1].startswith("internal: RuntimeError"), failure
+    assert {o.tp_rank: (o.sent, o.settled) for o in orders} == {0: (True, False), 1: (True, False)}
+
+
+def test_the_peer_client_tells_an_ended_write_and_a_busy_peer_from_an_unknown_outcome():
+    import grpc
+
+    from kvd.daemon.convert import status_of
+    from kvd.daemon.peer_client import _error
+
+    class Answer(grpc.aio.AioRpcError):
+        def __init__(self, code):
+            super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="x")
+
+    assert type(_error("a:1", Answer(grpc.StatusCode.ABORTED))) is WriteEnded
+    assert type(_error("a:1", Answer(grpc.StatusCode.RESOURCE_EXHAUSTED))) is PeerBusy
+    assert type(_error("a:1", Answer(grpc.StatusCode.UNAVAILABLE))) is PeerUnavailable
+    assert isinstance(_error("a:1", Answer(grpc.StatusCode.ABORTED)), PeerUnavailable)  # callers of before
+    assert status_of(WriteEnded("x")) == grpc.StatusCode.ABORTED

@@ -80,11 +80,18 @@ def test_auto_pushes_from_a_source_whose_handshake_says_its_reads_are_tcp():
     assert _pushes(fixed, here) == [False]  # a set mode is kept
 
 
+def test_no_warm_up_read_from_a_source_whose_loads_auto_pushes():
+    assert TransferModes("auto", {}, NO_RDMA).no_warm_up_from() == {"tcp"}
+    assert TransferModes("auto", {}, RDMA).no_warm_up_from() == {"tcp", "tcp-between-hosts"}
+    assert TransferModes("pull", {}, RDMA).no_warm_up_from() == frozenset()
+
+
 def test_the_memory_of_what_sources_said_is_bounded():
     modes = TransferModes("auto", {}, RDMA)
     for i in range(tm.SOURCES_MAX + 10):
         modes.learn(f"10.1.{i // 256}.{i % 256}:1", "tcp")
-    assert len(modes._sources) <= tm.SOURCES_MAX
+    assert len(modes._sources) == tm.SOURCES_MAX and "10.1.0.0:1" not in modes._sources  # the oldest went first
+    assert modes.learn("10.1.0.0:1", "tcp") is True  # news again: a load from it learns from its pair
 
 
 def test_auto_with_no_rdma_device_reads_from_this_host_and_pushes_from_others():

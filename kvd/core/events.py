@@ -48,6 +48,18 @@ class PeerUnavailable(CoreError):
         self.transient = transient
 
 
+class WriteEnded(PeerUnavailable):
+    """Push, source side: the push failed and no WRITE of it goes on (none
+    was posted, or the one posted has ended: NIXL reported it). gRPC
+    ABORTED, so the reader knows it need not stop one (``kvd.core.settle``);
+    an UNAVAILABLE (a cut, an older source) leaves that unknown."""
+
+
+class PeerBusy(PeerUnavailable):
+    """A remote daemon refused the call for want of room (gRPC
+    RESOURCE_EXHAUSTED: a cap, a full replay window): it did nothing of it."""
+
+
 class PermissionDenied(CoreError):
     """The caller may not touch what it named (another process's memory)."""
 

@@ -217,9 +217,9 @@ class Peers:
         # How a READ from this daemon travels, as handshakes say it
         # (TransferModes.read_transport; Pull sets it).
         self.read_transport = ""
-        # transfer_mode auto: no warm-up READ from a source that said every
-        # READ from it is TCP's (its loads are pushes; Pull sets it).
-        self.avoid_tcp_reads = False
+        # No warm-up READ from a source whose handshake says this (its
+        # loads are pushes: TransferModes.no_warm_up_from; Pull sets it).
+        self.no_warm_up_from: frozenset[str] = frozenset()
         self.link = link
         self.mirror = mirror
         self._handshakes: dict[tuple, asyncio.Future] = {}  # (local key, peer key) -> handshake task
@@ -854,7 +854,7 @@ class Peers:
                 self._unload_agent(w, name)
                 raise
             phases["check"] = time.monotonic() - t_check
-            if we_read and hs.warm_up_addr and not (self.avoid_tcp_reads and hs.read_transport == "tcp"):
+            if we_read and hs.warm_up_addr and hs.read_transport not in self.no_warm_up_from:
                 self._warm_read(w, name, hs.warm_up_addr)
             return name
 

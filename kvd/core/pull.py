@@ -59,8 +59,8 @@ def _caller_uid(w: Worker, uid: int | None) -> int:
 
 class _PushInstead(Exception):
     """Raised inside a pull's handshake-to-post span: its source said a READ
-    from it is TCP's (``Pull._source_says_push``); the load starts again as
-    a push."""
+    from it is TCP's (``Pull._source_says_push``); the load goes on as a
+    push (``Pull._pushed``)."""
 
 
 class Pull:
@@ -88,7 +88,7 @@ class Pull:
         self.reads = coalesce.CoalescedReads(rt, self._post)
         self.modes = TransferModes(rt.limits.transfer_mode, said=self._mode_said)
         peers.read_transport = self.modes.read_transport()  # what this daemon's handshakes say
-        peers.avoid_tcp_reads = self.modes.setting == "auto"
+        peers.no_warm_up_from = self.modes.no_warm_up_from()
 
     def _mode_said(self, host: str, local: bool) -> None:
         # One key: a request names the host, so fresh ones could come at will.
@@ -182,16 +182,16 @@ class Pull:
         self.rt.fail_load(w, req.request_id, req.local_block_ids, kind, reason, req.remote_address)
 
     async def _pushed(self, w: Worker, req: LoadRequest, remote_tp: int, read_from, notify, started: float,
-                      deadline: float, epoch: int) -> bool:
+                      deadline: float, epoch: int, decided: bool = False) -> bool:
         """Decides whether the load is a push (``TransferModes.pushes``,
-        which may resolve a name) and, if so, makes it. True: the load is
-        done with (pushed, failed, or its session ended meanwhile);
-        False: :meth:`_load` goes on with a pull."""
+        which may resolve a name; ``decided``: it is one) and, if so, makes
+        it. True: the load is done with (pushed, failed, or its session
+        ended meanwhile); False: :meth:`_load` goes on with a pull."""
         rid = req.request_id
         w.pushes[rid] = []  # from here on, Pull.cancel looks at the orders a push sends
         push = failure = None
         try:
-            push = await self.modes.pushes(req.remote_address)
+            push = decided or await self.modes.pushes(req.remote_address)
             if push and w.session.epoch == epoch and self.rt.registered(w):
                 failure = await self.push.load(w, req, remote_tp, read_from, notify, started, deadline, epoch)
         finally:
@@ -206,13 +206,14 @@ class Pull:
             return False
         w.pending_loads.pop(rid, None)
         if failure is not None:
-            if unsettled:
-                # A source's WRITE may still be going on into these blocks,
-                # which vLLM reuses once told they failed. (None unanswered:
-                # nothing can come; a replacement would only cost the
-                # worker's other transfers.)
-                await settle.stop_writes_into(self.rt, self.registry, w, f"request {rid}: push failed ({failure[1]})",
-                                              unsettled)
+            # A source's WRITE may still be going on into these blocks,
+            # which vLLM reuses once told they failed. (None unanswered:
+            # nothing can come; a replacement would only cost the worker's
+            # other transfers.)
+            if unsettled and not await settle.stop_writes_into(
+                    self.rt, self.registry, w, f"request {rid}: push failed ({failure[1]})", unsettled):
+                log.error("%s request=%s: a WRITE of the failed push may still land in its blocks (the agent it "
+                          "targets could not be destroyed)", w.label, rid)
             self._fail(w, req, *failure)
         return True
 
@@ -338,8 +339,7 @@ class Pull:
                 self.rt.lines.info(("dropped", w.key), "%s request=%s: session ended during the handshake; load "
                                    "dropped", w.label, rid)
                 return
-            if self.modes.fixed is None and retry_deadline is None and await self._source_says_push(req, remotes,
-                                                                                                   read_from):
+            if self.modes.fixed is None and await self._source_says_push(req, remotes, read_from):
                 raise _PushInstead  # before any READ: a READ from it would be TCP's software GET
             checked = {}
             for p in read_from:  # the request's block ids are checked against both layouts before any READ
@@ -437,8 +437,10 @@ class Pull:
                 claim.cancel()
             elif not claim.cancelled():
                 claim.exception()  # retrieved: an early return never awaited it
-        if push_instead:  # the one restart, as a push now that the source's transport is known
-            return await self.load(w, req, retry_deadline=deadline, epoch=epoch, uid=uid)
+        if push_instead:  # a push now, decided: whatever the memory of sources says by now
+            w.pending_loads[rid] = req.remote_address
+            await self._pushed(w, req, remote_tp, read_from, notify, started, deadline, epoch, decided=True)
+            return
         if in_flight:  # Pull.cancel finds it there if its session ended since
             w.posting.pop(rid, None)
             return

@@ -36,10 +36,12 @@ from kvd.core.events import (
     Incompatible,
     InvalidArgument,
     NotFound,
+    PeerBusy,
     PeerUnavailable,
     PermissionDenied,
     RecvDone,
     ResourceExhausted,
+    WriteEnded,
 )
 from kvd.core.holds import Holds
 from kvd.core.layout import LayoutError
@@ -74,6 +76,11 @@ def retire_idle_readers(w: Worker, now: float, idle_s: float) -> int:
     returns how many."""
     idle = [r for r in w.pairs.readers.values() if not r.pushes and now - r.last_used > idle_s]
     return sum(retire_reader(w, r, f"no push used it for {idle_s:.0f} s (peer_idle_s)") for r in idle)
+
+
+# A Push answered with one of these did nothing more (PushOrder.settled):
+# refused before any WRITE, or its WRITE ended (WriteEnded).
+_REFUSED = (Incompatible, NotFound, InvalidArgument, ResourceExhausted, PermissionDenied, PeerBusy, WriteEnded)
 
 
 class Push:
@@ -119,7 +126,11 @@ class Push:
         def ended() -> bool:
             return w.session.epoch != epoch or not self.rt.registered(w)
 
-        failed: list[BaseException] = []  # a rank's push failed: no order goes out after it
+        # A rank's push failed: no order goes out after it. Filled by the
+        # failing rank itself, in the same step (a sibling's claim answered
+        # in that step must not send its order).
+        failed: list[BaseException] = []
+        sending: dict[asyncio.Task, PushOrder] = {}
 
         async def push(order: PushOrder):
             if ended() or failed:
@@ -127,13 +138,22 @@ class Push:
             order.settled = False
             try:
                 result = await link.push(req.remote_address, order, order.timeout_s)
-            except (Incompatible, NotFound, InvalidArgument, ResourceExhausted):
-                order.settled = True  # the source refused it before any WRITE
+            except _REFUSED:
+                order.settled = True  # the source refused it, or says its WRITE has ended
                 raise
             order.settled = True
             return result
 
         async def one(p: int):
+            try:
+                return await rank(p)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:
+                failed.append(e)
+                raise
+
+        async def rank(p: int):
             expected = plan.expected_notifications(p, remote_tp, w.tp_size, heads, mla)
             left = max(0.1, deadline - time.monotonic())
             if p not in read_from:
@@ -142,6 +162,7 @@ class Push:
             order = PushOrder(req.remote_engine_id, p, req.remote_request_id, req.remote_groups, me, w.key[1],
                               req.local_groups, expected, left)
             orders.append(order)
+            sending[asyncio.current_task()] = order
             try:
                 return await push(order)
             except NotFound:
@@ -165,12 +186,16 @@ class Push:
         # first failure ended the load at once, and a sibling's WRITE landed
         # (or its order went out) after the load had failed (an attacker
         # review: 300 ms of WRITE after LoadFailed).
+        # A rank with no order out (a notification, a claim waiting for its
+        # hold) is cancelled instead: nothing of it can land.
         tasks = [asyncio.ensure_future(one(p)) for p in notify]
         try:
             async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
-                finished, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-                failed.extend(t.exception() for t in finished if not t.cancelled() and t.exception() is not None)
+                await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
                 if failed:
+                    for t in tasks:
+                        if not t.done() and not (t in sending and sending[t].sent):
+                            t.cancel()
                     await asyncio.wait(tasks)
         except TimeoutError:
             return FailureKind.TIMEOUT, "timeout: push not done by the deadline"
@@ -179,9 +204,13 @@ class Push:
                 t.cancel()  # past the deadline (or this load cancelled): each order's sent and settled are final after
             await asyncio.gather(*tasks, return_exceptions=True)
         if failed:
-            if isinstance(failed[0], (Incompatible, NotFound, PeerUnavailable, InvalidArgument, ResourceExhausted)):
+            if isinstance(failed[0], (*_REFUSED, PeerUnavailable)):
                 return FailureKind.PUSH, f"push: {failed[0]}"
-            raise failed[0]
+            # Not raised: the caller stops any WRITE still unanswered
+            # before the load fails (an attacker review: a raised error
+            # skipped that).
+            log.error("%s request=%s: push failed unexpectedly", w.label, req.request_id, exc_info=failed[0])
+            return FailureKind.INTERNAL, f"internal: {type(failed[0]).__name__}: {failed[0]}"
         if ended():
             return None
         results = [t.result() for t in tasks]
@@ -208,7 +237,10 @@ class Push:
             NotFound: no such worker, or no lease for ``order.request_id``.
             InvalidArgument: block ids out of range, malformed reader.
             Incompatible: the layouts cannot be combined.
-            PeerUnavailable: the WRITE failed or missed its deadline.
+            WriteEnded: nothing was posted (the post failed, the worker's
+                agent was replaced while pairing), or the WRITE ended
+                failed or past its deadline (gRPC ABORTED: the reader then
+                knows no byte of it comes any more).
             ResourceExhausted: a new reader, and each of the worker's
                 ``BOUNDS.max_push_readers`` readers is in use by a push.
         """
@@ -258,7 +290,7 @@ class Push:
             try:
                 handle, state = await self.rt.nixl(post)
             except NixlError as e:
-                raise PeerUnavailable(f"push: {e}") from None
+                raise WriteEnded(f"push: {e}") from None  # nothing posted
             fut = asyncio.get_running_loop().create_future()
             timeout = self.rt.timeout(order.timeout_s)
             self.writes[id(handle)] = (w, handle, fut, time.monotonic() + timeout)
@@ -268,7 +300,7 @@ class Push:
             st = await fut  # set once poll_writes has released the handle: the WRITE has ended
             if st != "DONE":
                 self._drop(w, r, f"WRITE {st}")
-                raise PeerUnavailable(f"push: WRITE to {reader.agent_name} {st}")
+                raise WriteEnded(f"push: WRITE to {reader.agent_name} {st}")  # its handle released: ended
         finally:
             self._done_with(w, r)
         nbytes = r.transfer_bytes(order.source_groups)
@@ -305,7 +337,7 @@ class Push:
             if not self.rt.registered(w):
                 raise NotFound(f"{w.label} unregistered while pairing push reader {hs.agent_name}")
             if w.agent is not agent:  # its state went with the old agent
-                raise PeerUnavailable(f"push: {w.label}'s NIXL agent replaced while pairing {hs.agent_name}")
+                raise WriteEnded(f"push: {w.label}'s NIXL agent replaced while pairing {hs.agent_name}")
             other = w.pairs.readers.get(hs.agent_name)
             if other is not None:  # paired by another push meanwhile: one is kept (the agent is shared)
                 w.pairs.retired.append(r)

@@ -45,6 +45,7 @@ import ipaddress
 import os
 import socket
 import time
+from collections import OrderedDict
 from typing import Callable
 
 from kvd.addresses import split_host_port
@@ -143,7 +144,8 @@ class TransferModes:
         else:
             self.fixed = True if self.tcp_only else None
         self._hosts: dict[str, tuple[bool, float]] = {}  # host -> (this host's, when looked up)
-        self._sources: dict[str, str] = {}  # address -> a handshake's read_transport other than "native"
+        # address -> a handshake's read_transport other than "native"
+        self._sources: OrderedDict[str, str] = OrderedDict()
         self._said = said
         self._lookups = 0  # name lookups whose thread has not returned
 
@@ -184,20 +186,33 @@ class TransferModes:
             return "tcp"
         return "native" if self.rdma else "tcp-between-hosts"
 
+    def no_warm_up_from(self) -> frozenset[str]:
+        """The ``read_transport`` values of sources whose loads ``auto``
+        makes pushes wherever they are (so a pair with one READs nothing,
+        not even its warm-up page): "tcp", and with an RDMA device here
+        "tcp-between-hosts" (a source with none is another host). Empty
+        for a set mode."""
+        if self.setting != "auto":
+            return frozenset()
+        return frozenset({"tcp", "tcp-between-hosts"} if self.rdma else {"tcp"})
+
     def learn(self, address: str, transport: str) -> bool:
         """Remembers what a handshake with the daemon at ``address`` said of
         how a READ from it travels (``HandshakeResult.read_transport``; ""
         or "native": nothing to remember), for :meth:`pushes`. At most
-        :data:`SOURCES_MAX` addresses (all forgotten past it). True when
-        that is news (:meth:`pushes` may answer otherwise now)."""
+        :data:`SOURCES_MAX` addresses, the least recently learned
+        forgotten first (a load from one forgotten learns again from its
+        pair, before any READ). True when that is news (:meth:`pushes` may
+        answer otherwise now)."""
         if transport == "tcp" or transport == "tcp-between-hosts":
             if self._sources.get(address) == transport:
                 return False
+            self._sources.pop(address, None)
             if len(self._sources) >= SOURCES_MAX:
-                self._sources.clear()
+                self._sources.popitem(last=False)
             self._sources[address] = transport
             return True
-        # It says otherwise now (restarted with another UCX_TLS).
+        # It says otherwise now (another engine there, or its daemon restarted with RDMA allowed).
         return self._sources.pop(address, None) is not None if self._sources else False
 
     async def pushes(self, address: str) -> bool:

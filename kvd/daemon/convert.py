@@ -17,8 +17,10 @@ from kvd.v1 import kvd_pb2 as pb
 _KV_LAYOUT_NAMES = {pb.KV_LAYOUT_NHD: "NHD", pb.KV_LAYOUT_HND: "HND", pb.KV_LAYOUT_MLA: "MLA"}
 _KV_LAYOUT_ENUMS = {v: k for k, v in _KV_LAYOUT_NAMES.items()}
 
-# Typed core errors -> gRPC status codes.
+# Typed core errors -> gRPC status codes (the first class an error is an
+# instance of: subclasses before their bases).
 STATUS = {
+    ev.WriteEnded: grpc.StatusCode.ABORTED,
     ev.NotFound: grpc.StatusCode.NOT_FOUND,
     ev.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     ev.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,

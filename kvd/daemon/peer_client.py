@@ -65,6 +65,8 @@ def _error(address: str, e: grpc.aio.AioRpcError) -> ev.CoreError:
         grpc.StatusCode.FAILED_PRECONDITION: ev.Incompatible,
         grpc.StatusCode.INVALID_ARGUMENT: ev.InvalidArgument,
         grpc.StatusCode.PERMISSION_DENIED: ev.PermissionDenied,
+        grpc.StatusCode.ABORTED: ev.WriteEnded,
+        grpc.StatusCode.RESOURCE_EXHAUSTED: ev.PeerBusy,
     }.get(e.code())
     if kind is not None:
         return kind(msg)

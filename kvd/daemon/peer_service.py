@@ -85,7 +85,8 @@ class PeerService(pb_grpc.PeerServiceServicer):
         gRPC status: NOT_FOUND for a worker not registered here or no blocks
         held for the request; INVALID_ARGUMENT for blocks not held, too many
         blocks, an ``expected_notifications`` outside 1..65536 or reader agent
-        metadata NIXL rejects; UNAVAILABLE when the WRITE to the reader fails;
+        metadata NIXL rejects; ABORTED when the WRITE to the reader failed
+        (or could not be posted) and has ended;
         RESOURCE_EXHAUSTED for a new reader while each of the worker's
         ``BOUNDS.max_push_readers`` readers has a WRITE in flight."""
         try:

@@ -352,7 +352,10 @@ class PeerServiceServicer:
     def Push(self, request, context):
         """NOT_FOUND: no lease for the request; INVALID_ARGUMENT: bad block ids or
         reader description; FAILED_PRECONDITION: layouts cannot be combined;
-        DEADLINE_EXCEEDED / UNAVAILABLE: the WRITE did not finish.
+        RESOURCE_EXHAUSTED: no room for a new reader; ABORTED: the WRITE failed
+        (or could not be posted) and has ended, so no byte of it comes any
+        more; DEADLINE_EXCEEDED / UNAVAILABLE: the call did not finish, and a
+        WRITE may still be going on (the reader then stops it: kvd.core.settle).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
