@@ -190,7 +190,10 @@ class Config:
                                           "serves pushes in any mode). auto: push where a READ would be UCX's "
                                           "software GET over TCP, which crashes the source when its reader dies "
                                           "mid-READ (UCX 1.23): every load when UCX_TLS leaves only tcp, loads "
-                                          "from other hosts when this one has no RDMA device; pull otherwise")
+                                          "from other hosts when this one has no RDMA device, and loads from a "
+                                          "source whose handshake says a READ from it is TCP's (its UCX_TLS "
+                                          "leaves only tcp, or it has no RDMA device and is another host); "
+                                          "pull otherwise")
     vet_peer_metadata: bool = _setting(True, "with a peer token, mutual TLS or peer_insecure (other hosts' "
                                              "daemons may then send NIXL agent metadata): load each new one in "
                                              "a throwaway process first and refuse what crashes it (UCX crashes "

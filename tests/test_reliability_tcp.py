@@ -225,3 +225,23 @@ def test_auto_pushes_from_a_source_of_this_host_whose_ucx_tls_leaves_only_tcp(tm
     finally:
         dst_d.stop()
         src_d.stop()
+
+
+def test_a_decode_daemon_set_to_pull_warns_when_a_sources_handshake_says_its_reads_are_tcp(tmp_path):
+    """``pull`` set: the load READs as asked, but a source whose
+    ``UCX_TLS`` leaves only TCP (which the decode daemon's startup check
+    cannot see) gets a WARNING naming it and the fix."""
+    src_d = start_daemon(str(tmp_path), "p", env=TCP)
+    dst_d = start_daemon(str(tmp_path), "d", "--transfer-mode", "pull")
+    try:
+        src = Engine(src_d, "p", SHAPE, seed=6)
+        dst = Engine(dst_d, "d", SHAPE)
+        _serves(src, dst, "first", [4, 5, 6])
+        log = dst_d.log()
+        assert f"transfer mode pull: loads from {src_d.peer_address} READ over TCP" in log, log[-3000:]
+        assert "are pushes (its handshake says" not in log
+        dst.close()
+        src.close()
+    finally:
+        dst_d.stop()
+        src_d.stop()

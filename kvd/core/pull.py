@@ -41,6 +41,7 @@ from kvd.core.push import Push
 from kvd.core.registry import Registry
 from kvd.core.runtime import Runtime
 from kvd.core.state import InflightLoad, RemoteWorker, Worker
+from kvd.core.throttle import Throttled
 from kvd.core.transfer_mode import TransferModes
 from kvd.logtext import clip
 from kvd.requests import LoadRequest
@@ -89,6 +90,7 @@ class Pull:
         self.modes = TransferModes(rt.limits.transfer_mode, said=self._mode_said)
         peers.read_transport = self.modes.read_transport()  # what this daemon's handshakes say
         peers.no_warm_up_from = self.modes.no_warm_up_from()
+        self._tcp_reads_warning = Throttled(log, interval_s=60.0)  # a request names the source: one line for all
 
     def _mode_said(self, host: str, local: bool) -> None:
         # One key: a request names the host, so fresh ones could come at will.
@@ -236,6 +238,19 @@ class Pull:
                            clip(req.remote_address, 100), said)
         return True
 
+    def _warn_if_reads_are_tcp(self, req: LoadRequest, remotes: dict[int, RemoteWorker], read_from: list[int]) -> None:
+        """``pull`` set, a new pair: a WARNING (at most one a minute) when
+        its source's handshake says a READ from it is TCP's software GET,
+        which this daemon's startup check cannot see (the source's
+        ``UCX_TLS``; a source without RDMA where this host has some)."""
+        said = {remotes[p].read_transport for p in read_from}
+        if "tcp" in said or ("tcp-between-hosts" in said and self.modes.rdma):
+            self._tcp_reads_warning.warning(
+                "transfer mode pull: loads from %s READ over TCP (its handshake says a READ from it is UCX's software "
+                "GET: read_transport %s), and UCX 1.23 crashes that source when a reader dies in the middle of one; "
+                "set transfer_mode = auto or push (docs/OPERATIONS.md, \"Transfer mode\")",
+                clip(req.remote_address, 100), "tcp" if "tcp" in said else "tcp-between-hosts")
+
     async def _load(self, w: Worker, req: LoadRequest, retry_deadline: float | None,
                     epoch: int | None = None, uid: int | None = None) -> None:
         """See :meth:`load`. Block ids come per KV-cache group:
@@ -341,6 +356,8 @@ class Pull:
                 return
             if self.modes.fixed is None and await self._source_says_push(req, remotes, read_from):
                 raise _PushInstead  # before any READ: a READ from it would be TCP's software GET
+            if fresh_any and self.modes.setting == "pull":
+                self._warn_if_reads_are_tcp(req, remotes, read_from)
             checked = {}
             for p in read_from:  # the request's block ids are checked against both layouts before any READ
                 r = remotes[p]

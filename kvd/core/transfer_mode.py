@@ -160,7 +160,8 @@ class TransferModes:
             return (f"transfer mode auto: pull (RDMA devices here: {', '.join(self.rdma[:4])}), push from a "
                     "source whose handshake says a READ from it is TCP's")
         return ("transfer mode auto: pull from daemons of this host, push from other hosts (no RDMA device "
-                f"in {RDMA_CLASS}: a READ between hosts would be UCX's software GET over TCP)")
+                f"in {RDMA_CLASS}: a READ between hosts would be UCX's software GET over TCP) and from a source "
+                "whose handshake says a READ from it is TCP's")
 
     def warning(self) -> str | None:
         """What to tell an operator who fixed ``pull`` where reads between
