@@ -69,7 +69,9 @@ def test_a_load_whose_session_ended_before_it_started_is_dropped():
         rt = Runtime(Limits())
         emitted = []
         rt.emit = lambda w, ev: emitted.append(ev)
-        pull = Pull(rt, None, None, None, None, None)  # none of them may be reached
+        # None of them may be reached (Pull only tells its peers what this
+        # daemon's handshakes say).
+        pull = Pull(rt, SimpleNamespace(), None, None, None, None)
         w = SimpleNamespace(session=WorkerSession(epoch=3), key=("e", 0), label="engine=e rank=0", inflight={},
                             pending_loads={})
         req = LoadRequest("r1", [[1]], "p", "127.0.0.1:1", [[2]], "p1")
