@@ -147,9 +147,7 @@ class Push:
         async def one(p: int):
             try:
                 return await rank(p)
-            except asyncio.CancelledError:
-                raise
-            except BaseException as e:
+            except Exception as e:  # not a cancellation (a BaseException)
                 failed.append(e)
                 raise
 
@@ -194,7 +192,7 @@ class Push:
                 await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
                 if failed:
                     for t in tasks:
-                        if not t.done() and not (t in sending and sending[t].sent):
+                        if not t.done() and not getattr(sending.get(t), "sent", False):
                             t.cancel()
                     await asyncio.wait(tasks)
         except TimeoutError:

@@ -214,7 +214,7 @@ class TransferModes:
             self._sources[address] = transport
             return True
         # It says otherwise now (another engine there, or its daemon restarted with RDMA allowed).
-        return self._sources.pop(address, None) is not None if self._sources else False
+        return self._sources.pop(address, None) is not None
 
     async def pushes(self, address: str) -> bool:
         """True when the load from the daemon at ``address`` (``host:port``,
