@@ -193,6 +193,9 @@ def test_status_json_has_engines_peers_transfers_and_versions(ops):
     [peer] = s["remote_workers"]
     assert (peer["address"], peer["engine_id"], peer["tp_rank"]) == (ops.prefill.peer_address, "prefill-e", 0)
     assert (peer["local_engine_id"], peer["daemon_version"]) == ("decode-e", s["daemon_version"])
+    # What the source's handshake said of its READs (no RDMA device: TCP's
+    # between hosts), and what a load from it is now (a source of this host).
+    assert peer["read_transport"] in ("native", "tcp-between-hosts") and peer["loads"] == "pull"
 
     # The prefill side: the expired lease is counted, no remote workers.
     r = kvd_cli("status", "--socket", ops.prefill.socket, "--json")
@@ -213,7 +216,9 @@ def test_status_table_for_people(ops):
     header = next(line for line in out.splitlines() if line.startswith("ENGINE"))
     row = next(line for line in out.splitlines() if line.startswith("decode-e"))
     assert "REGISTERED" in header and "2.0 MiB" in row and "direct" in row
-    assert any(line.startswith(ops.prefill.peer_address) and "prefill-e" in line for line in out.splitlines())
+    [peer] = [line for line in out.splitlines() if line.startswith(ops.prefill.peer_address)]
+    assert "prefill-e" in peer and peer.split()[-1] == "pull", peer  # its LOADS column
+    assert re.search(r"^PEER .* ITS READS +LOADS$", out, re.M), out
 
 
 def test_health_cli_exit_codes(ops, tmp_path):
@@ -289,7 +294,7 @@ def _node(*workers, warm_peers=()):
                            peer_address="h:1", peer_auth="", peer_listen="", workers={w.key: w for w in workers},
                            rt=SimpleNamespace(limits=SimpleNamespace(lease_s=120.0, max_lease_life_s=600.0,
                                                                      follow_holds=False, warm_peers=warm_peers)),
-                           pull=SimpleNamespace(modes=TransferModes("pull", {}, lambda: [])),
+                           modes=TransferModes("pull", {}, lambda: []),
                            peers=SimpleNamespace(vet=None))
 
 

@@ -220,6 +220,8 @@ def test_auto_pushes_from_a_source_of_this_host_whose_ucx_tls_leaves_only_tcp(tm
         assert dst_d.stats().transfers_failed == 0
         _serves(src, dst, "second", [7, 8, 9])
         assert dst_d.log().count(said) == 1
+        [peer] = dst_d.stats().remote_workers  # what kvd status shows of it
+        assert (peer.read_transport, peer.loads) == ("tcp", "push")
         dst.close()
         src.close()
     finally:
@@ -240,6 +242,8 @@ def test_a_decode_daemon_set_to_pull_warns_when_a_sources_handshake_says_its_rea
         log = dst_d.log()
         assert f"transfer mode pull: loads from {src_d.peer_address} READ over TCP" in log, log[-3000:]
         assert "are pushes (its handshake says" not in log
+        [peer] = dst_d.stats().remote_workers
+        assert (peer.read_transport, peer.loads) == ("tcp", "pull")
         dst.close()
         src.close()
     finally:

@@ -61,6 +61,7 @@ def test_a_load_whose_session_ended_before_it_started_is_dropped():
     ended (its engine already failed the load and may reuse the blocks)
     posts nothing and emits nothing; it is counted as failed."""
     from kvd.core.pull import Pull
+    from kvd.core.transfer_mode import TransferModes
     from kvd.core.runtime import Runtime
     from kvd.core.limits import Limits
     from kvd.requests import LoadRequest
@@ -69,9 +70,7 @@ def test_a_load_whose_session_ended_before_it_started_is_dropped():
         rt = Runtime(Limits())
         emitted = []
         rt.emit = lambda w, ev: emitted.append(ev)
-        # None of them may be reached (Pull only tells its peers what this
-        # daemon's handshakes say).
-        pull = Pull(rt, SimpleNamespace(), None, None, None, None)
+        pull = Pull(rt, None, None, None, None, None, TransferModes("pull", {}, lambda: []))  # none may be reached
         w = SimpleNamespace(session=WorkerSession(epoch=3), key=("e", 0), label="engine=e rank=0", inflight={},
                             pending_loads={})
         req = LoadRequest("r1", [[1]], "p", "127.0.0.1:1", [[2]], "p1")

@@ -183,3 +183,19 @@ def test_rdma_devices_lists_the_kernels_class_directory(tmp_path):
     (tmp_path / "mlx5_1").mkdir()
     (tmp_path / "mlx5_0").mkdir()
     assert rdma_devices(str(tmp_path)) == ["mlx5_0", "mlx5_1"]
+
+
+def test_known_answers_what_pushes_would_without_a_lookup():
+    """``known`` (what ``kvd status`` shows per remote worker) answers as
+    ``pushes`` where no host name is looked up, and None where it would be."""
+    assert TransferModes("push", {}, NO_RDMA).known("peer.example:1") is True
+    assert TransferModes("pull", {}, NO_RDMA).known("peer.example:1") is False
+    rdma = TransferModes("auto", {}, RDMA)
+    assert rdma.known("peer.example:1") is False  # RDMA here: a pull unless the source says otherwise
+    rdma.learn("peer.example:1", "tcp")
+    assert rdma.known("peer.example:1") is True
+    plain = TransferModes("auto", {}, NO_RDMA)
+    assert plain.known("localhost:1") is None  # not looked up yet
+    assert _pushes(plain, "localhost:1") == [False]
+    assert plain.known("localhost:1") is False  # now remembered
+    assert plain.known("not an address") is True  # as pushes: unparseable counts as another host's

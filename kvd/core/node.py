@@ -63,6 +63,8 @@ from kvd.core.state import (
     Worker,
     WorkerKey,
 )
+from kvd.core.transfer_mode import TransferModes
+from kvd.logtext import clip
 from kvd.requests import BlockGroups, LeaseRenewal, LoadRequest, RenewResult
 
 
@@ -94,13 +96,17 @@ class Node:
         self.own = OwnAddresses()
         self.mirror = HoldMirror(self.rt, peers)
         vet = MetadataVet(backends or ["UCX"]) if self.rt.limits.vet_peer_metadata else None
-        self.peers = Peers(self.rt, peers, self.mirror, vet)
+        # Whether a load is a pull or a push; what this daemon's handshakes
+        # say of its READs. Read by the handshakes (Peers) and loads (Pull).
+        self.modes = TransferModes(self.rt.limits.transfer_mode, said=self._mode_said)
+        self.peers = Peers(self.rt, peers, self.mirror, vet, modes=self.modes)
         self.liveness = Liveness(self.rt, self.peers)
         self.registry = Registry(self.rt, self.peers, backends or ["UCX"])
         self.holds = Holds(self.rt, peers, peer_address, self.mirror)
         self.push_mode = Push(self.rt, self.peers, self.holds)
         self.local_copy = LocalCopy(self.rt, self.holds)
-        self.pull = Pull(self.rt, self.peers, self.push_mode, self.local_copy, self.holds, self.registry)
+        self.pull = Pull(self.rt, self.peers, self.push_mode, self.local_copy, self.holds, self.registry,
+                         self.modes)
         self.peer_address = peer_address
         # Set by the server once PeerService is bound, for GetStats: its
         # authentication (kvd.daemon.peer_auth.PeerAuth.mode; "" = not
@@ -108,6 +114,12 @@ class Node:
         self.peer_auth = ""
         self.peer_listen = ""
         self.progress = Progress(self.rt, self.registry, self.peers, self.holds, self.pull, self.push_mode)
+
+    def _mode_said(self, host: str, local: bool) -> None:
+        # One key: a request names the host, so fresh ones could come at will.
+        self.rt.lines.info(("transfer mode",), "transfer mode auto: loads from %s are %s", clip(host, 100),
+                           "READs (a host of this one's)" if local else
+                           "pushes (another host's, reached over TCP)")
 
     # ------------------------------------------------------------ lifecycle
     @property

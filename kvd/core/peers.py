@@ -46,6 +46,7 @@ from kvd.core.nixl_agent import SCRATCH_BYTES, NixlError, Unprepped, metadata_ag
 from kvd.core.runtime import Runtime
 from kvd.core.state import PROTOCOL_VERSION, HandshakeResult, PeerKey, PeerLink, RemoteWorker, WarmPeer, Worker
 from kvd.core.throttle import Throttled
+from kvd.core.transfer_mode import TransferModes
 from kvd.logtext import clip
 
 log = logging.getLogger("kvd.core")
@@ -208,18 +209,22 @@ class Peers:
             may pass a fake; None: no peer can be reached).
         mirror: follows the holds of each remote engine once paired with
             one of its ranks (``kvd.core.hold_mirror``; None: not followed).
+        vet: loads each new peer metadata in a throwaway process first
+            (``kvd.core.metadata_vet``; None: not).
+        modes: the node's transfer modes, for what this daemon's handshakes
+            say of a READ from it and which sources get no warm-up READ
+            (None: handshakes say nothing, every source is warmed up).
     """
 
     def __init__(self, rt: Runtime, link: PeerLink | None, mirror: HoldMirror | None = None,
-                 vet: MetadataVet | None = None):
+                 vet: MetadataVet | None = None, modes: TransferModes | None = None):
         self.rt = rt
-        self.vet = vet  # loads each new peer metadata in a throwaway process first (None: not)
-        # How a READ from this daemon travels, as handshakes say it
-        # (TransferModes.read_transport; Pull sets it).
-        self.read_transport = ""
-        # No warm-up READ from a source whose handshake says this (its
-        # loads are pushes: TransferModes.no_warm_up_from; Pull sets it).
-        self.no_warm_up_from: frozenset[str] = frozenset()
+        self.vet = vet
+        # How a READ from this daemon travels, as handshakes say it ("": unknown).
+        self.read_transport = modes.read_transport() if modes else ""
+        # No warm-up READ from a source whose handshake says one of these
+        # (its loads are pushes).
+        self.no_warm_up_from: frozenset[str] = modes.no_warm_up_from() if modes else frozenset()
         self.link = link
         self.mirror = mirror
         self._handshakes: dict[tuple, asyncio.Future] = {}  # (local key, peer key) -> handshake task

@@ -77,9 +77,12 @@ class Pull:
         holds: claims on the sources' holds before any READ.
         registry: replaces a worker's NIXL agent to stop a READ that does
             not end when its load must (``kvd.core.settle``).
+        modes: decides whether a load is a pull or a push (the node's, which
+            its ``peers`` read too).
     """
 
-    def __init__(self, rt: Runtime, peers: Peers, push: Push, local: LocalCopy, holds: Holds, registry: Registry):
+    def __init__(self, rt: Runtime, peers: Peers, push: Push, local: LocalCopy, holds: Holds, registry: Registry,
+                 modes: TransferModes):
         self.rt = rt
         self.registry = registry
         self.peers = peers
@@ -87,16 +90,8 @@ class Pull:
         self.local = local
         self.holds = holds
         self.reads = coalesce.CoalescedReads(rt, self._post)
-        self.modes = TransferModes(rt.limits.transfer_mode, said=self._mode_said)
-        peers.read_transport = self.modes.read_transport()  # what this daemon's handshakes say
-        peers.no_warm_up_from = self.modes.no_warm_up_from()
+        self.modes = modes
         self._tcp_reads_warning = Throttled(log, interval_s=60.0)  # a request names the source: one line for all
-
-    def _mode_said(self, host: str, local: bool) -> None:
-        # One key: a request names the host, so fresh ones could come at will.
-        self.rt.lines.info(("transfer mode",), "transfer mode auto: loads from %s are %s", clip(host, 100),
-                           "READs (a host of this one's)" if local else
-                           "pushes (another host's, reached over TCP)")
 
     async def load(self, w: Worker, req: LoadRequest, *, retry_deadline: float | None = None,
                    epoch: int | None = None, uid: int | None = None) -> None:

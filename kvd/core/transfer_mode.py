@@ -114,6 +114,14 @@ def rdma_devices(path: str = RDMA_CLASS) -> list[str]:
         return []
 
 
+def _host_of(address: str) -> str:
+    """The host of ``host:port`` without brackets or an IPv6 zone.
+
+    Raises:
+        ValueError: not ``host:port``."""
+    return split_host_port(address)[0].strip("[]").split("%")[0]
+
+
 class TransferModes:
     """Decides, per load, whether it is a pull or a push.
 
@@ -216,6 +224,27 @@ class TransferModes:
         # It says otherwise now (another engine there, or its daemon restarted with RDMA allowed).
         return self._sources.pop(address, None) is not None
 
+    def known(self, address: str) -> bool | None:
+        """What :meth:`pushes` answers for ``address`` without looking a host
+        name up: True (a push), False (a pull), or None where it would look
+        one up first (a host not met, or met over ``HOST_CACHE_S`` ago).
+        For ``kvd status``, and the first step of :meth:`pushes`."""
+        if self.fixed is not None:
+            return self.fixed
+        said = self._sources.get(address) if self._sources else None
+        if said == "tcp":
+            return True
+        if self.rdma and said is None:
+            return False  # RDMA here, and the source said nothing else (or has not been met)
+        try:
+            host = _host_of(address)
+        except ValueError:
+            return True
+        seen = self._hosts.get(host)
+        if seen is not None and time.monotonic() - seen[1] < HOST_CACHE_S:
+            return not seen[0]
+        return None
+
     async def pushes(self, address: str) -> bool:
         """True when the load from the daemon at ``address`` (``host:port``,
         as a request names it) is a push. Under ``auto``: a source whose
@@ -232,21 +261,11 @@ class TransferModes:
         remembered per host for ``HOST_CACHE_S``. The answer is about the
         address named: one of this host's that forwards to another (a proxy,
         a Kubernetes NodePort) counts as this host's. Never raises."""
-        if self.fixed is not None:
-            return self.fixed
-        said = self._sources.get(address) if self._sources else None
-        if said == "tcp":
-            return True
-        if self.rdma and said is None:
-            return False  # RDMA here, and the source said nothing else (or has not been met)
-        try:
-            host = split_host_port(address)[0].strip("[]").split("%")[0]
-        except ValueError:
-            return True
+        answer = self.known(address)
+        if answer is not None:
+            return answer
+        host = _host_of(address)
         now = time.monotonic()
-        known = self._hosts.get(host)
-        if known is not None and now - known[1] < HOST_CACHE_S:
-            return not known[0]
         local = await self._this_host(host)
         if local is None:
             return True

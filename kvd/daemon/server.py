@@ -509,7 +509,7 @@ class Server:
                  (f", metrics on {metrics_url(metrics_at)}" if metrics_at else "")
                  + (f", warm peers {','.join(cfg.warm_peers)}" if cfg.warm_peers else ""))
         self._serving = True
-        modes = self.node.pull.modes
+        modes = self.node.modes
         log.info("%s", modes.describe())
         if self.node.peers.vet is not None:
             log.info("peer agent metadata: each new one is loaded in a throwaway process first "

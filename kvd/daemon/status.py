@@ -37,6 +37,9 @@ def versions() -> dict[str, str]:
 
 _VERSIONS: dict[str, str] | None = None
 
+# TransferModes.known's answer -> PeerStats.loads
+_LOADS = {True: "push", False: "pull", None: ""}
+
 
 def build_stats(node: Node, draining: bool = False, backends: list[str] | None = None,
                 metrics_address: str = "", visible: Callable[[Worker], bool] | None = None,
@@ -68,7 +71,7 @@ def build_stats(node: Node, draining: bool = False, backends: list[str] | None =
         # call without the header says the token is required).
         peer_auth=pb.PeerAuthMode.Value(f"PEER_AUTH_{node.peer_auth.upper()}") if node.peer_auth else 0,
         peer_listen=node.peer_listen,
-        transfer_mode=node.pull.modes.describe().removeprefix("transfer mode "),
+        transfer_mode=node.modes.describe().removeprefix("transfer mode "),
         vet_peer_metadata=node.peers.vet is not None,
     )
     now = time.monotonic()
@@ -94,7 +97,8 @@ def build_stats(node: Node, draining: bool = False, backends: list[str] | None =
             resp.remote_workers.add(
                 address=r.address, engine_id=r.engine_id, tp_rank=r.tp_rank,
                 tp_size=r.tp_size, agent_name=r.agent_name, daemon_version=r.daemon_version,
-                local_engine_id=w.key[0], local_tp_rank=w.key[1],
+                local_engine_id=w.key[0], local_tp_rank=w.key[1], read_transport=r.read_transport,
+                loads=_LOADS[node.modes.known(r.address)],
             )
         for p in list(w.pairs.warm):
             paired = sum(1 for r in w.pairs.remotes.values() if (r.address, r.engine_id) == (p.address, p.engine_id))
@@ -251,9 +255,10 @@ def render(d: dict, target: str = "") -> str:
     if d.get("remote_workers"):
         lines.append("")
         lines += _table(
-            ["PEER", "ENGINE", "RANK", "TP", "KVD", "READ BY"],
+            ["PEER", "ENGINE", "RANK", "TP", "KVD", "READ BY", "ITS READS", "LOADS"],
             [[r["address"], r["engine_id"], r["tp_rank"], r["tp_size"] or "-", r["daemon_version"] or "-",
-              f"{r['local_engine_id']}/{r['local_tp_rank']}"] for r in d["remote_workers"]],
+              f"{r['local_engine_id']}/{r['local_tp_rank']}", r.get("read_transport") or "-",
+              r.get("loads") or "-"] for r in d["remote_workers"]],
         )
     if d.get("warm_peers"):
         lines.append("")

@@ -473,7 +473,7 @@ class WorkerStats(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., model: _Optional[str] = ..., agent_name: _Optional[str] = ..., compat_hash: _Optional[str] = ..., regions: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., registered_bytes: _Optional[int] = ..., active_leases: _Optional[int] = ..., inflight_transfers: _Optional[int] = ..., sessions: _Optional[int] = ..., peers: _Optional[int] = ..., memory: _Optional[str] = ..., data_path: _Optional[str] = ..., handover: _Optional[str] = ...) -> None: ...
 
 class PeerStats(_message.Message):
-    __slots__ = ("address", "engine_id", "tp_rank", "tp_size", "agent_name", "daemon_version", "local_engine_id", "local_tp_rank")
+    __slots__ = ("address", "engine_id", "tp_rank", "tp_size", "agent_name", "daemon_version", "local_engine_id", "local_tp_rank", "read_transport", "loads")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -482,6 +482,8 @@ class PeerStats(_message.Message):
     DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
     LOCAL_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LOCAL_TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    READ_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    LOADS_FIELD_NUMBER: _ClassVar[int]
     address: str
     engine_id: str
     tp_rank: int
@@ -490,7 +492,9 @@ class PeerStats(_message.Message):
     daemon_version: str
     local_engine_id: str
     local_tp_rank: int
-    def __init__(self, address: _Optional[str] = ..., engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., agent_name: _Optional[str] = ..., daemon_version: _Optional[str] = ..., local_engine_id: _Optional[str] = ..., local_tp_rank: _Optional[int] = ...) -> None: ...
+    read_transport: str
+    loads: str
+    def __init__(self, address: _Optional[str] = ..., engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., agent_name: _Optional[str] = ..., daemon_version: _Optional[str] = ..., local_engine_id: _Optional[str] = ..., local_tp_rank: _Optional[int] = ..., read_transport: _Optional[str] = ..., loads: _Optional[str] = ...) -> None: ...
 
 class WarmPeerStats(_message.Message):
     __slots__ = ("address", "engine_id", "local_engine_id", "local_tp_rank", "state", "state_for_s", "tries", "last_error", "paired_ranks")
