@@ -187,13 +187,19 @@ class Config:
                                          "seconds")
     transfer_mode: str = _setting("auto", "auto | pull (decode daemon READs) | push (prefill daemon WRITEs, "
                                           "asked by the decode daemon); set on the decode side (a prefill daemon "
-                                          "serves pushes in any mode). auto: push where a READ would be UCX's "
+                                          "serves pushes in any mode, unless serve_pushes = false). auto: push where a READ would be UCX's "
                                           "software GET over TCP, which crashes the source when its reader dies "
                                           "mid-READ (UCX 1.23): every load when UCX_TLS leaves only tcp, loads "
                                           "from other hosts when this one has no RDMA device, and loads from a "
                                           "source whose handshake says a READ from it is TCP's (its UCX_TLS "
                                           "leaves only tcp, or it has no RDMA device and is another host); "
                                           "pull otherwise")
+    serve_pushes: bool = _setting(True, "prefill (source) side: serve PeerService.Push, the WRITEs a decode "
+                                        "daemon asks for in push mode; false: refuse every one "
+                                        "(FAILED_PRECONDITION), so no reader's agent metadata is loaded and no "
+                                        "connection to a reader is made. Set false only where every decode "
+                                        "daemon reading from this one is set to transfer_mode = pull: their "
+                                        "pushes would fail")
     vet_peer_metadata: bool = _setting(True, "with a peer token, mutual TLS or peer_insecure (other hosts' "
                                              "daemons may then send NIXL agent metadata): load each new one in "
                                              "a throwaway process first and refuse what crashes it (UCX crashes "

@@ -48,6 +48,8 @@ class Limits:
     # "pull": decode READs; "push": prefill WRITEs on request; "auto": per
     # load, push where a READ would be TCP's (kvd.core.transfer_mode).
     transfer_mode: str = "auto"
+    # Serve PeerService.Push (source side); False refuses every one.
+    serve_pushes: bool = True
     same_node_copy: bool = True      # a load from an engine of this daemon is a memmove (kvd.core.local_copy)
     copy_threads: int = 0            # threads of a same-node DRAM copy; 0: kvd.core.local_copy.copy_threads picks
     # Follow the holds of remote engines this daemon pairs with

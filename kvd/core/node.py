@@ -98,7 +98,8 @@ class Node:
         vet = MetadataVet(backends or ["UCX"]) if self.rt.limits.vet_peer_metadata else None
         # Whether a load is a pull or a push; what this daemon's handshakes
         # say of its READs. Read by the handshakes (Peers) and loads (Pull).
-        self.modes = TransferModes(self.rt.limits.transfer_mode, said=self._mode_said)
+        self.modes = TransferModes(self.rt.limits.transfer_mode, said=self._mode_said,
+                                   serves_pushes=self.rt.limits.serve_pushes)
         self.peers = Peers(self.rt, peers, self.mirror, vet, modes=self.modes)
         self.liveness = Liveness(self.rt, self.peers)
         self.registry = Registry(self.rt, self.peers, backends or ["UCX"])

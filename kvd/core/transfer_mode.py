@@ -132,6 +132,8 @@ class TransferModes:
         devices: lists this host's RDMA devices (:func:`rdma_devices`).
         said: called with a host and whether it is this one's each time
             :meth:`pushes` looks a host up (the daemon logs it, throttled).
+        serves_pushes: whether this daemon serves other daemons' pushes
+            (``Limits.serve_pushes``; only :meth:`describe` says it).
 
     Raises:
         ValueError: ``setting`` is none of :data:`MODES`.
@@ -139,10 +141,11 @@ class TransferModes:
 
     def __init__(self, setting: str = "auto", environ=os.environ,
                  devices: Callable[[], list[str]] = rdma_devices,
-                 said: Callable[[str, bool], None] | None = None) -> None:
+                 said: Callable[[str, bool], None] | None = None, serves_pushes: bool = True) -> None:
         if setting not in MODES:
             raise ValueError(f"transfer mode {setting!r} is not {' | '.join(MODES)}")
         self.setting = setting
+        self.serves_pushes = serves_pushes
         self.tcp_only = tcp_emulated_reads(environ)
         self.ucx_tls = environ.get("UCX_TLS", "")
         self.rdma = devices() if not self.tcp_only else []  # in every mode: handshakes tell peers
@@ -158,7 +161,13 @@ class TransferModes:
         self._lookups = 0  # name lookups whose thread has not returned
 
     def describe(self) -> str:
-        """One line for the startup log: the mode and why."""
+        """One line for the startup log: the mode and why, and whether this
+        daemon serves pushes when it does not."""
+        if self.serves_pushes:
+            return self._describe()
+        return self._describe() + "; serves no pushes (serve_pushes = false)"
+
+    def _describe(self) -> str:
         if self.setting != "auto":
             return f"transfer mode {self.setting} (set)"
         if self.tcp_only:

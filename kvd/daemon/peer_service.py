@@ -88,8 +88,14 @@ class PeerService(pb_grpc.PeerServiceServicer):
         metadata NIXL rejects; ABORTED when the WRITE to the reader failed
         (or could not be posted) and has ended;
         RESOURCE_EXHAUSTED for a new reader while each of the worker's
-        ``BOUNDS.max_push_readers`` readers has a WRITE in flight."""
+        ``BOUNDS.max_push_readers`` readers has a WRITE in flight;
+        FAILED_PRECONDITION for every push when ``serve_pushes`` is false,
+        before the request is looked at (so the answer says nothing of what
+        this daemon holds)."""
         try:
+            if not self.node.rt.limits.serve_pushes:
+                raise ev.Incompatible("this daemon serves no pushes (serve_pushes = false): set transfer_mode = "
+                                      "pull on the decode daemon that asked")
             order = PushOrder(
                 engine_id=request.engine_id, tp_rank=request.tp_rank, request_id=request.request_id,
                 source_groups=groups_from_pb(request.source_groups),

@@ -326,7 +326,8 @@ class Server:
         limits = Limits(lease_s=cfg.lease_s, max_lease_life_s=cfg.max_lease_life_s,
                         transfer_timeout_s=cfg.transfer_timeout_s, handshake_timeout_s=cfg.handshake_timeout_s,
                         detach_grace_s=cfg.detach_grace_s,
-                        transfer_mode=cfg.transfer_mode, same_node_copy=cfg.same_node_copy,
+                        transfer_mode=cfg.transfer_mode, serve_pushes=cfg.serve_pushes,
+                        same_node_copy=cfg.same_node_copy,
                         vet_peer_metadata=cfg.vet_peer_metadata and bool(
                             cfg.peer_token_file or cfg.peer_tls_cert or cfg.peer_insecure),
                         copy_threads=cfg.copy_threads,
