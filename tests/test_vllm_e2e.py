@@ -13,6 +13,7 @@ x 32 head_dim x 4 bytes), 32 KiB per 32-token block.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import stat
@@ -172,6 +173,44 @@ def test_the_engines_ipc_sockets_are_in_the_stacks_own_directory(pd, pd_results)
     removes (``test_a_stack_removes_its_ipc_directory``)."""
     socks = [e for e in pd.ipc_dir.iterdir() if stat.S_ISSOCK(e.lstat().st_mode)]
     assert len(socks) >= 2, list(pd.ipc_dir.iterdir())  # each engine's API server <-> engine core
+
+
+def test_each_engines_log_names_its_file_store_which_the_stacks_close_removes(pd, pd_results):
+    """vLLM's file-store rendezvous file (``/tmp/vllm_dist_<uuid>``) stays
+    when an engine is killed; the stack's close removes the ones its
+    engines' logs name (``kvd.testing.vllm_engines.remove_file_stores``,
+    tested on a log of its own below): here, each engine names one that
+    exists while it runs."""
+    from kvd.testing.vllm_engines import _FILE_STORE
+
+    for e in pd.engines.values():
+        named = _FILE_STORE.findall(e.child.log_path.read_text(errors="replace"))
+        assert named and all(os.path.exists(p) for p in named), (e.name, named)
+
+
+def test_remove_file_stores_removes_only_what_a_log_names_in_the_temporary_directory(tmp_path):
+    import tempfile
+    import uuid
+
+    from kvd.testing.vllm_engines import remove_file_stores
+
+    ours = os.path.join(tempfile.gettempdir(), f"vllm_dist_{uuid.uuid4().hex}")
+    other = os.path.join(tempfile.gettempdir(), f"vllm_dist_{uuid.uuid4().hex}")  # no log names it
+    elsewhere = tmp_path / f"vllm_dist_{uuid.uuid4().hex}"  # named, but not in the temporary directory
+    for path in (ours, other, elsewhere):
+        open(path, "w").close()
+    try:
+        log = tmp_path / "engine.log"
+        log.write_text(f"INFO [parallel_state.py:1] world_size=1 rank=0 local_rank=0 distributed_init_method="
+                       f"file://{ours} backend=gloo\n... distributed_init_method=file://{elsewhere} backend=gloo\n")
+        assert remove_file_stores(str(log)) == [ours]
+        assert not os.path.exists(ours) and os.path.exists(other) and elsewhere.exists()
+        assert remove_file_stores(str(log)) == []  # gone already: nothing to say
+        assert remove_file_stores(str(tmp_path / "absent.log")) == []
+    finally:
+        for path in (ours, other):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 # ---------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -200,6 +201,35 @@ def _matters(line: str) -> bool:
 
 # Stacks started and not yet closed (weakly held): tests/conftest.py adds
 # their log tails to the report of a test that fails while they run.
+# vLLM's file-store rendezvous (``get_file_store_init_method``:
+# ``file://<tempfile.gettempdir()>/vllm_dist_<uuid4 hex>``), which torch's
+# FileStore removes only when every rank leaves cleanly: a killed engine
+# leaves it. Each engine logs the one it uses at INFO
+# (``vllm.distributed.parallel_state``: ``distributed_init_method=...``).
+_FILE_STORE = re.compile(r"distributed_init_method=file://(\S+/vllm_dist_[0-9a-f]{32})\b")
+
+
+def remove_file_stores(log_path: str) -> list[str]:
+    """Removes the vLLM file stores the engine that wrote ``log_path``
+    named (only ``vllm_dist_<32 hex>`` files in the system's temporary
+    directory: a log cannot point elsewhere); returns those removed."""
+    try:
+        with open(log_path, errors="replace") as f:
+            named = set(_FILE_STORE.findall(f.read()))
+    except OSError:
+        return []
+    removed = []
+    for path in sorted(named):
+        if os.path.dirname(path) != tempfile.gettempdir():
+            continue
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            pass  # removed by its engine, or not ours
+    return removed
+
+
 _OPEN_STACKS: "weakref.WeakSet[PDStack]" = weakref.WeakSet()
 
 
@@ -467,8 +497,9 @@ class PDStack:
 
     def close(self) -> tuple[list[str], list[str]]:
         """Stops every child, removes the daemons' sockets (and the socket
-        directory when it is not the run directory) and the engines' IPC
-        sockets' directory, and cleans /dev/shm; returns
+        directory when it is not the run directory), the engines' IPC
+        sockets' directory and their file stores (:func:`remove_file_stores`),
+        and cleans /dev/shm; returns
         ``(removed, left_alone)`` shm names."""
         _OPEN_STACKS.discard(self)
         removed, left = self.procs.close()
@@ -483,6 +514,8 @@ class PDStack:
             except OSError:
                 pass
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        for e in self.engines.values():
+            remove_file_stores(e.child.log_path)
         return removed, left
 
     def __enter__(self) -> "PDStack":
