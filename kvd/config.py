@@ -198,8 +198,8 @@ class Config:
                                         "daemon asks for in push mode; false: refuse every one "
                                         "(FAILED_PRECONDITION), so no reader's agent metadata is loaded and no "
                                         "connection to a reader is made. Set false only where every decode "
-                                        "daemon reading from this one is set to transfer_mode = pull: their "
-                                        "pushes would fail")
+                                        "daemon reading from this one is set to transfer_mode = pull (any "
+                                        "other's pushes are refused, and its loads fail)")
     vet_peer_metadata: bool = _setting(True, "with a peer token, mutual TLS or peer_insecure (other hosts' "
                                              "daemons may then send NIXL agent metadata): load each new one in "
                                              "a throwaway process first and refuse what crashes it (UCX crashes "

@@ -32,7 +32,6 @@ import sys
 import numpy as np
 import pytest
 
-from kvd.core.state import PROTOCOL_VERSION
 from kvd.testing.daemons import start_daemon
 from kvd.testing.processes import child_env
 from kvd.testing.security import NOBODY, reachable_dir

@@ -26,7 +26,9 @@ def test_a_daemon_set_to_serve_no_pushes_refuses_them_and_still_serves_reads(tmp
     reader_d = start_daemon(str(tmp_path), "dpull", "--transfer-mode", "pull")
     try:
         assert "serves no pushes (serve_pushes = false)" in src_d.log()
-        assert "serves no pushes" in src_d.stats().transfer_mode  # what kvd status shows
+        stats = src_d.stats()  # what kvd status shows
+        assert "serves no pushes" in stats.transfer_mode and stats.refuses_pushes
+        assert not reader_d.stats().refuses_pushes
         src = Engine(src_d, "p", SHAPE, seed=7)
         pusher = Engine(pusher_d, "dpush", SHAPE)
         src.hold("r1", [1, 2, 3])

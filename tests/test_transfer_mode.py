@@ -199,3 +199,16 @@ def test_known_answers_what_pushes_would_without_a_lookup():
     assert _pushes(plain, "localhost:1") == [False]
     assert plain.known("localhost:1") is False  # now remembered
     assert plain.known("not an address") is True  # as pushes: unparseable counts as another host's
+
+
+def test_known_takes_a_pairs_own_read_transport_before_any_load_learned_it():
+    """A pair made ahead of need (``warm_peers``) has its source's
+    ``read_transport`` before any load learns it: ``kvd status`` passes it,
+    and shows what the first load will end up as."""
+    rdma = TransferModes("auto", {}, RDMA)
+    assert rdma.known("src:1") is False and rdma.known("src:1", "tcp") is True
+    assert rdma.known("src:1", "native") is False and rdma.known("src:1", "bogus") is False
+    assert rdma.known("src:1") is False  # nothing learned by asking
+    plain = TransferModes("auto", {}, NO_RDMA)
+    assert plain.known("localhost:1", "tcp") is True  # this host's, but its READs are TCP's
+    assert plain.known("localhost:1", "tcp-between-hosts") is None  # judged by host: not looked up yet

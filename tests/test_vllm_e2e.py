@@ -188,27 +188,51 @@ def test_each_engines_log_names_its_file_store_which_the_stacks_close_removes(pd
         assert named and all(os.path.exists(p) for p in named), (e.name, named)
 
 
-def test_remove_file_stores_removes_only_what_a_log_names_in_the_temporary_directory(tmp_path):
+def test_remove_file_stores_removes_only_the_store_vllms_own_line_names(tmp_path):
+    """Only vLLM's own INFO line counts, from the engine's own offset in
+    its log, for a regular file of this uid in the temporary directory:
+    text an engine echoes from a request (a failed load's reason quotes an
+    engine id the request chose; an attacker review) names nothing."""
     import tempfile
     import uuid
 
     from kvd.testing.vllm_engines import remove_file_stores
 
-    ours = os.path.join(tempfile.gettempdir(), f"vllm_dist_{uuid.uuid4().hex}")
-    other = os.path.join(tempfile.gettempdir(), f"vllm_dist_{uuid.uuid4().hex}")  # no log names it
-    elsewhere = tmp_path / f"vllm_dist_{uuid.uuid4().hex}"  # named, but not in the temporary directory
-    for path in (ours, other, elsewhere):
+    def store() -> str:
+        path = os.path.join(tempfile.gettempdir(), f"vllm_dist_{uuid.uuid4().hex}")
         open(path, "w").close()
+        made.append(path)
+        return path
+
+    def vllm_line(path) -> str:
+        return (f"(EngineCore pid=4242) INFO 12-07 08:44:01 [parallel_state.py:1907] world_size=1 rank=0 "
+                f"local_rank=0 distributed_init_method=file://{path} backend=gloo\n")
+
+    made: list[str] = []
     try:
+        earlier, victim, ours = store(), store(), store()
+        elsewhere = tmp_path / f"vllm_dist_{uuid.uuid4().hex}"
+        elsewhere.touch()
         log = tmp_path / "engine.log"
-        log.write_text(f"INFO [parallel_state.py:1] world_size=1 rank=0 local_rank=0 distributed_init_method="
-                       f"file://{ours} backend=gloo\n... distributed_init_method=file://{elsewhere} backend=gloo\n")
-        assert remove_file_stores(str(log)) == [ours]
-        assert not os.path.exists(ours) and os.path.exists(other) and elsewhere.exists()
-        assert remove_file_stores(str(log)) == []  # gone already: nothing to say
+        log.write_text(vllm_line(earlier))  # an earlier run's engine, same log (append mode)
+        offset = log.stat().st_size
+        with open(log, "a") as f:
+            f.write(f"(EngineCore pid=4242) WARNING 12-07 08:44:02 [worker.py:355] kvd: load failed: handshake: "
+                    f"NOT_FOUND: engine 'distributed_init_method=file://{victim}' rank 0 is not registered\n")
+            f.write(vllm_line(ours))
+        assert remove_file_stores(str(log), offset) == [ours]
+        assert not os.path.exists(ours) and os.path.exists(victim) and os.path.exists(earlier)
+        assert remove_file_stores(str(log), offset) == []  # gone already
         assert remove_file_stores(str(tmp_path / "absent.log")) == []
+        # Named by vLLM's line, but outside the temporary directory, or another uid's: left.
+        log.write_text(vllm_line(elsewhere))
+        assert remove_file_stores(str(log)) == [] and elsewhere.exists()
+        if os.getuid() == 0:
+            os.chown(victim, 65534, 65534)
+            log.write_text(vllm_line(victim))
+            assert remove_file_stores(str(log)) == [] and os.path.exists(victim)
     finally:
-        for path in (ours, other):
+        for path in made:
             with contextlib.suppress(OSError):
                 os.unlink(path)
 

@@ -551,3 +551,18 @@ def test_a_handshake_answer_holds_no_more_numbers_than_its_regions_need():
     data = _field(5, b"\x01" * (2 * n))  # region_base_addrs, packed: 2x the fields' bound in numbers
     with pytest.raises(ws.ShapeError, match="repeated elements"):
         ws.check(data, desc, ws.peer_shape(desc, Limits.max_blocks_per_request))
+
+
+def test_a_peers_daemon_version_and_read_transport_are_kept_to_what_kvd_shows():
+    """A hostile peer's handshake answer sent a 1 MB ``daemon_version``,
+    which ``kvd status`` printed in full (an attacker review): it is cut
+    to ``MAX_VERSION_CHARS``; a ``read_transport`` kvd does not know is
+    unknown ("")."""
+    from kvd.daemon.convert import MAX_VERSION_CHARS, handshake_from_pb
+
+    layout = pb.Layout(kv_layout=pb.KV_LAYOUT_NHD)
+    hs = handshake_from_pb(pb.HandshakeResponse(layout=layout, daemon_version="9" * 1_000_000,
+                                                read_transport="\x1b[2Jtcp"))
+    assert hs.daemon_version == "9" * MAX_VERSION_CHARS and hs.read_transport == ""
+    hs = handshake_from_pb(pb.HandshakeResponse(layout=layout, daemon_version="0.1.0", read_transport="tcp"))
+    assert (hs.daemon_version, hs.read_transport) == ("0.1.0", "tcp")

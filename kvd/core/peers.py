@@ -109,10 +109,10 @@ def check_peer(w: Worker, hs: HandshakeResult, what: str) -> None:
         InvalidArgument: metadata size, region list or layout is malformed.
     """
     if hs.protocol_version != PROTOCOL_VERSION:
-        raise Incompatible(f"peer protocol version {hs.protocol_version} (kvd {hs.daemon_version}), "
+        raise Incompatible(f"peer protocol version {hs.protocol_version} (kvd {clip(hs.daemon_version, 64)}), "
                            f"this daemon speaks {PROTOCOL_VERSION} (kvd {__version__})")
     if hs.compat_hash != w.compat_hash:
-        raise Incompatible(f"compatibility hash mismatch: local {w.compat_hash}, remote {hs.compat_hash}")
+        raise Incompatible(f"compatibility hash mismatch: local {w.compat_hash}, remote {clip(hs.compat_hash, 80)}")
     if not 0 < len(hs.agent_metadata) <= BOUNDS.max_agent_metadata:
         raise InvalidArgument(f"{what}: agent metadata of {len(hs.agent_metadata)} bytes "
                               f"(1..{BOUNDS.max_agent_metadata} accepted)")
@@ -984,7 +984,7 @@ class Peers:
         if caller_hash and caller_hash != w.compat_hash:
             raise Incompatible(
                 f"compatibility hash mismatch for engine {engine_id!r} rank {tp_rank}: "
-                f"caller {caller_hash}, this worker {w.compat_hash}"
+                f"caller {clip(caller_hash, 80)}, this worker {w.compat_hash}"
             )
         return await self.describe(w)
 

@@ -233,14 +233,20 @@ class TransferModes:
         # It says otherwise now (another engine there, or its daemon restarted with RDMA allowed).
         return self._sources.pop(address, None) is not None
 
-    def known(self, address: str) -> bool | None:
+    def known(self, address: str, said: str | None = None) -> bool | None:
         """What :meth:`pushes` answers for ``address`` without looking a host
         name up: True (a push), False (a pull), or None where it would look
         one up first (a host not met, or met over ``HOST_CACHE_S`` ago).
-        For ``kvd status``, and the first step of :meth:`pushes`."""
+        ``said``: a pair's own ``read_transport`` with that daemon, taken
+        instead of what :meth:`learn` remembers (a load learns it before
+        any READ), so that ``kvd status`` shows what a load from it ends up
+        as; None: what is remembered (:meth:`pushes`' first step)."""
         if self.fixed is not None:
             return self.fixed
-        said = self._sources.get(address) if self._sources else None
+        if said is None:
+            said = self._sources.get(address) if self._sources else None
+        elif said != "tcp" and said != "tcp-between-hosts":
+            said = None  # "native", or unknown: nothing that makes it a push
         if said == "tcp":
             return True
         if self.rdma and said is None:

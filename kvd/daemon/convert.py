@@ -115,13 +115,20 @@ def handshake_to_pb(hs: HandshakeResult) -> pb.HandshakeResponse:
     )
 
 
+# A kvd version is a few characters; a peer's is kept to this many (it is
+# shown in kvd status and quoted in errors: a hostile peer sent 1 MB).
+MAX_VERSION_CHARS = 64
+
+
 def handshake_from_pb(r: pb.HandshakeResponse) -> HandshakeResult:
-    """Raises ev.InvalidArgument on an unknown KV layout."""
+    """Raises ev.InvalidArgument on an unknown KV layout. The peer's
+    ``daemon_version`` is cut to ``MAX_VERSION_CHARS``; a ``read_transport``
+    outside ``READ_TRANSPORTS`` becomes "" (unknown)."""
     return HandshakeResult(
         agent_metadata=r.agent_metadata, agent_name=r.agent_name, layout=layout_from_pb(r.layout),
         regions=[region_from_pb(x) for x in r.regions], region_bases=list(r.region_base_addrs),
-        compat_hash=r.compat_hash, daemon_version=r.daemon_version, protocol_version=r.protocol_version,
-        tp_size=r.tp_size or 1, memory=r.memory or "DRAM", device=r.device, warm_up_addr=r.warm_up_addr,
+        compat_hash=r.compat_hash, daemon_version=r.daemon_version[:MAX_VERSION_CHARS],
+        protocol_version=r.protocol_version, tp_size=r.tp_size or 1, memory=r.memory or "DRAM", device=r.device, warm_up_addr=r.warm_up_addr,
         read_transport=r.read_transport if r.read_transport in READ_TRANSPORTS else "",  # else: unknown
     )
 

@@ -73,6 +73,7 @@ def build_stats(node: Node, draining: bool = False, backends: list[str] | None =
         peer_listen=node.peer_listen,
         transfer_mode=node.modes.describe().removeprefix("transfer mode "),
         vet_peer_metadata=node.peers.vet is not None,
+        refuses_pushes=not node.modes.serves_pushes,
     )
     now = time.monotonic()
     paths = set()
@@ -98,7 +99,7 @@ def build_stats(node: Node, draining: bool = False, backends: list[str] | None =
                 address=r.address, engine_id=r.engine_id, tp_rank=r.tp_rank,
                 tp_size=r.tp_size, agent_name=r.agent_name, daemon_version=r.daemon_version,
                 local_engine_id=w.key[0], local_tp_rank=w.key[1], read_transport=r.read_transport,
-                loads=_LOADS[node.modes.known(r.address)],
+                loads=_LOADS[node.modes.known(r.address, r.read_transport)],
             )
         for p in list(w.pairs.warm):
             paired = sum(1 for r in w.pairs.remotes.values() if (r.address, r.engine_id) == (p.address, p.engine_id))

@@ -146,6 +146,7 @@ class ProcessSet:
         full_env = child_env(env)
         full_env.setdefault("PYTHONUNBUFFERED", "1")
         logf = open(log_path, "ab", buffering=0)
+        log_offset = logf.tell()  # where this child's lines start (the log may hold an earlier run's)
         logf.write(("$ " + " ".join(argv) + "\n").encode())
         try:
             proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -155,6 +156,7 @@ class ProcessSet:
         self._pgids.add(proc.pid)  # new session: pgid == pid
         child = Child(name, list(argv), log_path, proc)
         child.meta["wave"] = len(self.children) if wave is None else wave
+        child.meta["log_offset"] = log_offset
         self.children.append(child)
         return child
 

@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import sys
 import tempfile
 import time
@@ -204,30 +205,42 @@ def _matters(line: str) -> bool:
 # vLLM's file-store rendezvous (``get_file_store_init_method``:
 # ``file://<tempfile.gettempdir()>/vllm_dist_<uuid4 hex>``), which torch's
 # FileStore removes only when every rank leaves cleanly: a killed engine
-# leaves it. Each engine logs the one it uses at INFO
-# (``vllm.distributed.parallel_state``: ``distributed_init_method=...``).
-_FILE_STORE = re.compile(r"distributed_init_method=file://(\S+/vllm_dist_[0-9a-f]{32})\b")
+# leaves it. Each engine logs the one it uses at INFO, in vLLM's own format
+# (``vllm.distributed.parallel_state.init_distributed_environment``; the
+# format is ``vllm.logger._FORMAT``). Only that whole line counts: text an
+# engine echoes from a request (a failed load's reason quotes the engine
+# id a request named) could name another file (an attacker review).
+_FILE_STORE = re.compile(
+    r"^(?:\S+ )?\([^()\n]* pid=\d+\) INFO \d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)? \[[^\]\n]*parallel_state\.py:\d+\] "
+    r"world_size=\d+ rank=\d+ local_rank=\d+ distributed_init_method=file://(/[^\s/]+(?:/[^\s/]+)*/vllm_dist_[0-9a-f]{32})"
+    r" backend=\w+\s*$", re.M)
 
 
-def remove_file_stores(log_path: str) -> list[str]:
-    """Removes the vLLM file stores the engine that wrote ``log_path``
-    named (only ``vllm_dist_<32 hex>`` files in the system's temporary
-    directory: a log cannot point elsewhere); returns those removed."""
+def remove_file_stores(log_path: str, offset: int = 0) -> list[str]:
+    """Removes the vLLM file store that the engine writing ``log_path``
+    from byte ``offset`` on (its own run's lines) named, if it is a
+    ``vllm_dist_<32 hex>`` file of this uid in the system's temporary
+    directory; returns the paths removed (one at most: a TP group shares
+    one store, named first)."""
     try:
-        with open(log_path, errors="replace") as f:
-            named = set(_FILE_STORE.findall(f.read()))
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            m = _FILE_STORE.search(f.read().decode(errors="replace"))
     except OSError:
         return []
-    removed = []
-    for path in sorted(named):
-        if os.path.dirname(path) != tempfile.gettempdir():
-            continue
-        try:
-            os.unlink(path)
-            removed.append(path)
-        except OSError:
-            pass  # removed by its engine, or not ours
-    return removed
+    if m is None:
+        return []
+    path = m.group(1)
+    if os.path.dirname(path) != tempfile.gettempdir():
+        return []
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            return []
+        os.unlink(path)
+    except OSError:
+        return []  # removed by its engine already
+    return [path]
 
 
 _OPEN_STACKS: "weakref.WeakSet[PDStack]" = weakref.WeakSet()
@@ -515,7 +528,7 @@ class PDStack:
                 pass
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
         for e in self.engines.values():
-            remove_file_stores(e.child.log_path)
+            remove_file_stores(e.child.log_path, e.child.meta.get("log_offset", 0))
         return removed, left
 
     def __enter__(self) -> "PDStack":
