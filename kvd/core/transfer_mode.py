@@ -133,7 +133,8 @@ class TransferModes:
         said: called with a host and whether it is this one's each time
             :meth:`pushes` looks a host up (the daemon logs it, throttled).
         serves_pushes: whether this daemon serves other daemons' pushes
-            (``Limits.serve_pushes``; only :meth:`describe` says it).
+            (``Limits.serve_pushes``: :meth:`describe` says it when not, and
+            PeerService.Push reads it here).
 
     Raises:
         ValueError: ``setting`` is none of :data:`MODES`.

@@ -93,7 +93,7 @@ class PeerService(pb_grpc.PeerServiceServicer):
         before the request is looked at (so the answer says nothing of what
         this daemon holds)."""
         try:
-            if not self.node.rt.limits.serve_pushes:
+            if not self.node.modes.serves_pushes:
                 raise ev.Incompatible("this daemon serves no pushes (serve_pushes = false): set transfer_mode = "
                                       "pull on the decode daemon that asked")
             order = PushOrder(
