@@ -128,7 +128,8 @@ def handshake_from_pb(r: pb.HandshakeResponse) -> HandshakeResult:
         agent_metadata=r.agent_metadata, agent_name=r.agent_name, layout=layout_from_pb(r.layout),
         regions=[region_from_pb(x) for x in r.regions], region_bases=list(r.region_base_addrs),
         compat_hash=r.compat_hash, daemon_version=r.daemon_version[:MAX_VERSION_CHARS],
-        protocol_version=r.protocol_version, tp_size=r.tp_size or 1, memory=r.memory or "DRAM", device=r.device, warm_up_addr=r.warm_up_addr,
+        protocol_version=r.protocol_version, tp_size=r.tp_size or 1, memory=r.memory or "DRAM", device=r.device,
+        warm_up_addr=r.warm_up_addr,
         read_transport=r.read_transport if r.read_transport in READ_TRANSPORTS else "",  # else: unknown
     )
 

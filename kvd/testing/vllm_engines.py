@@ -212,8 +212,8 @@ def _matters(line: str) -> bool:
 # id a request named) could name another file (an attacker review).
 _FILE_STORE = re.compile(
     r"^(?:\S+ )?\([^()\n]* pid=\d+\) INFO \d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)? \[[^\]\n]*parallel_state\.py:\d+\] "
-    r"world_size=\d+ rank=\d+ local_rank=\d+ distributed_init_method=file://(/[^\s/]+(?:/[^\s/]+)*/vllm_dist_[0-9a-f]{32})"
-    r" backend=\w+\s*$", re.M)
+    r"world_size=\d+ rank=\d+ local_rank=\d+ "
+    r"distributed_init_method=file://(/[^\s/]+(?:/[^\s/]+)*/vllm_dist_[0-9a-f]{32}) backend=\w+\s*$", re.M)
 
 
 def remove_file_stores(log_path: str, offset: int = 0) -> list[str]:
