@@ -187,9 +187,9 @@ class Config:
                                          "seconds")
     transfer_mode: str = _setting("auto", "auto | pull (decode daemon READs) | push (prefill daemon WRITEs, "
                                           "asked by the decode daemon); set on the decode side (a prefill daemon "
-                                          "serves pushes in any mode, unless serve_pushes = false). auto: push where a READ would be UCX's "
-                                          "software GET over TCP, which crashes the source when its reader dies "
-                                          "mid-READ (UCX 1.23): every load when UCX_TLS leaves only tcp, loads "
+                                          "serves pushes in any mode, unless serve_pushes = false). auto: push "
+                                          "where a READ would be UCX's software GET over TCP, which crashes the "
+                                          "source when its reader dies mid-READ (UCX 1.23): every load when UCX_TLS leaves only tcp, loads "
                                           "from other hosts when this one has no RDMA device, and loads from a "
                                           "source whose handshake says a READ from it is TCP's (its UCX_TLS "
                                           "leaves only tcp, or it has no RDMA device and is another host); "

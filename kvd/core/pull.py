@@ -238,8 +238,8 @@ class Pull:
         its source's handshake says a READ from it is TCP's software GET,
         which this daemon's startup check cannot see (the source's
         ``UCX_TLS``; a source without RDMA where this host has some)."""
-        said = {remotes[p].read_transport for p in read_from}
-        if "tcp" in said or ("tcp-between-hosts" in said and self.modes.rdma):
+        said = {remotes[p].read_transport for p in read_from} & self.modes.tcp_reads_said
+        if said:
             self._tcp_reads_warning.warning(
                 "transfer mode pull: loads from %s READ over TCP (its handshake says a READ from it is UCX's software "
                 "GET: read_transport %s), and UCX 1.23 crashes that source when a reader dies in the middle of one; "

@@ -150,6 +150,10 @@ class TransferModes:
         self.tcp_only = tcp_emulated_reads(environ)
         self.ucx_tls = environ.get("UCX_TLS", "")
         self.rdma = devices() if not self.tcp_only else []  # in every mode: handshakes tell peers
+        # The read_transport values of sources every READ from which is TCP's
+        # software GET here, wherever they are: "tcp", and with an RDMA
+        # device here "tcp-between-hosts" (a source with none is another host).
+        self.tcp_reads_said = frozenset({"tcp", "tcp-between-hosts"} if self.rdma else {"tcp"})
         # The answer when no address is needed to give it; None: by source.
         if setting != "auto":
             self.fixed: bool | None = setting == "push"
@@ -208,12 +212,9 @@ class TransferModes:
     def no_warm_up_from(self) -> frozenset[str]:
         """The ``read_transport`` values of sources whose loads ``auto``
         makes pushes wherever they are (so a pair with one READs nothing,
-        not even its warm-up page): "tcp", and with an RDMA device here
-        "tcp-between-hosts" (a source with none is another host). Empty
-        for a set mode."""
-        if self.setting != "auto":
-            return frozenset()
-        return frozenset({"tcp", "tcp-between-hosts"} if self.rdma else {"tcp"})
+        not even its warm-up page): ``tcp_reads_said``. Empty for a set
+        mode."""
+        return self.tcp_reads_said if self.setting == "auto" else frozenset()
 
     def learn(self, address: str, transport: str) -> bool:
         """Remembers what a handshake with the daemon at ``address`` said of
