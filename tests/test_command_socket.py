@@ -1032,12 +1032,14 @@ def test_frames_wait_as_bytes_and_a_bad_one_ends_the_commands_where_it_is():
     asyncio.run(main())
 
 
-def test_events_of_one_pass_go_out_in_one_write_in_order():
-    """Events the session takes in one pass of the event loop are written
-    together at its end (one write: one wake-up of the engine's reader), in
-    order and before any later write on the connection; past
-    ``_COALESCE_BYTES`` at once; none taken while the socket is full; the
-    ones not written yet are dropped with the connection."""
+def test_a_passs_first_event_goes_out_at_once_the_rest_in_one_write_in_order():
+    """The first event the session takes in a pass of the event loop is
+    written at once (a lone load's event waits for no other work of the
+    pass); the later ones of that pass together at its end (one write: one
+    wake-up of the engine's reader), in order and before any later write on
+    the connection; past ``_COALESCE_BYTES`` at once; none taken while the
+    socket is full; the ones not written yet are dropped with the
+    connection."""
     import asyncio
     import types
 
@@ -1057,16 +1059,20 @@ def test_events_of_one_pass_go_out_in_one_write_in_order():
         conn = cs._Connection(owner)
         t = conn.transport = WritesTransport()
         assert all(conn._write_event(event(i)) for i in range(3))
-        assert t.writes == []  # taken, not written yet: the pass goes on
+        assert t.writes == [framed(event(0))]  # the first at once; the others wait for the pass's end
         await asyncio.sleep(0)
-        assert t.writes == [framed(event(0), event(1), event(2))]
+        assert t.writes == [framed(event(0)), framed(event(1), event(2))]
+        await asyncio.sleep(0)
+        assert conn._write_event(event(3))  # a new pass: its first event at once again
+        assert t.writes[-1] == framed(event(3))
 
         # A write of the connection's own comes after the events taken before it.
         t.writes.clear()
-        assert conn._write_event(event(3))
+        assert conn._write_event(event(4))
+        assert t.writes == []  # the same pass as event 3: waits for its end
         conn.commands = types.SimpleNamespace(abort=lambda: None)
         conn._bad_input("a frame that is not a SessionCommand")
-        assert len(t.writes) == 2 and t.writes[0] == framed(event(3))
+        assert len(t.writes) == 2 and t.writes[0] == framed(event(4))
         assert pb.SessionEvent.FromString(t.writes[1][4:]).WhichOneof("event") == "rejected"
         await asyncio.sleep(0)
         assert len(t.writes) == 2  # nothing twice
@@ -1075,23 +1081,25 @@ def test_events_of_one_pass_go_out_in_one_write_in_order():
         t.closing = False
         t.writes.clear()
         pad = cs._COALESCE_BYTES // 4
-        big = [event(i, pad) for i in range(4)]
+        big = [event(i, pad) for i in range(5)]
         for e in big:
             assert conn._write_event(e)
-        assert t.writes and b"".join(t.writes) == framed(*big[:len(b"".join(t.writes)) // len(framed(big[0]))])
+        # The first alone, then the next four once they pass _COALESCE_BYTES.
+        assert t.writes == [framed(big[0]), framed(*big[1:])]
         await asyncio.sleep(0)
         assert b"".join(t.writes) == framed(*big)
 
         # The socket's buffer full: nothing taken (the session queues the event).
+        await asyncio.sleep(0)
         t.writes.clear()
         conn._drained = asyncio.get_running_loop().create_future()
         assert not conn._write_event(event(9))
         conn.resume_writing()
-        # Taken, then the connection lost: not written.
-        assert conn._write_event(event(10))
+        # Taken, then the connection lost: the pass's first was written, the one after it not.
+        assert conn._write_event(event(10)) and conn._write_event(event(13))
         conn.connection_lost(None)
         await asyncio.sleep(0)
-        assert t.writes == []
+        assert t.writes == [framed(event(10))]
 
         # A write that fails ends the connection (the engine sees it break and
         # fails its loads) rather than losing the events unseen.

@@ -610,19 +610,28 @@ class _Connection(asyncio.Protocol):
 
     def _write_event(self, e: pb.SessionEvent) -> bool:
         """Takes ``e`` for the socket (the session's direct ``write_event``):
-        written with the others of this pass of the loop at its end
-        (:meth:`_flush`), or at once past ``_COALESCE_BYTES``; False, taking
-        nothing, while the socket's buffer is over ``_WRITE_HIGH`` or the
-        connection is closing (the event is then queued)."""
+        the first event of a pass of the loop is written at once, the later
+        ones of the same pass together at its end (:meth:`_flush`), or at
+        once past ``_COALESCE_BYTES``; False, taking nothing, while the
+        socket's buffer is over ``_WRITE_HIGH`` or the connection is closing
+        (the event is then queued).
+
+        Why the first at once: a lone load's event waited for the rest of
+        its pass (the load task's end, other callbacks), 0.10-0.15 ms of a
+        small load's ~2.2-3.5 ms here (``benchmarks.trace``, leg "event built
+        -> its bytes written"); a burst still costs two writes, not one per
+        event (docs/PERFORMANCE.md, "ninth round")."""
         if self._drained is not None or self._closing():
             return False
         data = frame(e.SerializeToString())
         self._out.append(data)
         self._out_bytes += len(data)
-        if self._out_bytes >= _COALESCE_BYTES:
+        if self._flush_at is None:
             self._flush()
-        elif self._flush_at is None:
+            # Marks the pass: events until its end are written together.
             self._flush_at = asyncio.get_running_loop().call_soon(self._flush)
+        elif self._out_bytes >= _COALESCE_BYTES:
+            self._flush()
         return True
 
     def _flush(self) -> None:
