@@ -44,6 +44,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Mapping
 
 from kvd.addresses import socket_file, split_host_port
+from kvd.logtext import clip
 from kvd.usage import did_you_mean
 
 DEFAULT_SOCKET = "/run/kvd/engine.sock"
@@ -699,12 +700,12 @@ def _ids(value: Any, where: str) -> list[str | int]:
     kept as given: numbers as ints, names as strings (resolved in
     :meth:`Config.validate`)."""
     if not isinstance(value, list):
-        raise ConfigError(f"{where}: expected an array of names or numbers, got {_toml_value(value)}")
+        raise ConfigError(f"{where}: expected an array of names or numbers, got {_shown(value)}")
     for x in value:
         # bool is an int to Python; TOML's true is no id.
         if isinstance(x, bool) or not isinstance(x, (str, int)):
-            raise ConfigError(f"{where}: expected an array of names or numbers, got {_toml_value(x)} in "
-                              f"{_toml_value(value)}")
+            raise ConfigError(f"{where}: expected an array of names or numbers, got {_shown(x)} in "
+                              f"{_shown(value)}")
         if isinstance(x, int) and not 0 <= x <= MAX_ID:
             raise ConfigError(f"{where}: id {x} out of range 0..{MAX_ID}")
     return list(value)
@@ -718,7 +719,7 @@ def _coerce(f, value: Any, source: str, from_text: bool) -> Any:
     where = f"{f.name} (from {source})"
     if from_text and not isinstance(value, str):
         value = str(value)  # a flag parsed by argparse already
-    shown = repr(value) if from_text else _toml_value(value)
+    shown = clip(repr(value), _SHOWN_CHARS) if from_text else _shown(value)
     if isinstance(default, list):
         if from_text:
             return [x.strip() for x in value.split(",") if x.strip()]
@@ -871,6 +872,9 @@ def read_file(path: str, hint=None, source: str = "") -> dict:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{name}: {toml_error(e, text)}") from None
+    except RecursionError:  # tomllib parses nested arrays and tables recursively: ~600 levels ran out of stack
+        raise ConfigError(f"{name}: arrays or tables nested too deeply to read (a setting's value is at most "
+                          f"an array of numbers or strings)") from None
 
 
 def toml_error(error: tomllib.TOMLDecodeError, text: str) -> str:
@@ -1157,17 +1161,35 @@ def _client_access_hint(path: str, error: OSError) -> str:
             f"file (root, or the daemon's user), or name the engine socket with --socket")
 
 
-def _toml_value(v: Any) -> str:
+# A bad value is quoted in its error at most this long, its arrays and tables
+# at most this deep: a file's value nested 400 levels once ended in a
+# RecursionError's traceback instead of the error (attacker review).
+_SHOWN_CHARS = 200
+_SHOWN_DEPTH = 8
+
+
+def _shown(v: Any) -> str:
+    """A bad value as an error quotes it: :func:`_toml_value`, cut."""
+    return clip(_toml_value(v, _SHOWN_DEPTH), _SHOWN_CHARS)
+
+
+def _toml_value(v: Any, depth: int = -1) -> str:
     """``v`` as TOML writes it: ``true``, ``60``, ``inf``, ``"text"``,
-    ``[1, 2]``, ``{a = 1}``, a date or time in RFC 3339 (tomllib's types)."""
+    ``[1, 2]``, ``{a = 1}``, a date or time in RFC 3339 (tomllib's types).
+    ``depth`` >= 0: arrays and tables nested deeper are written ``[...]``
+    and ``{...}`` (the text is then for a message, not TOML)."""
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)  # inf, -inf and nan as TOML spells them
     if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+        if depth == 0:
+            return "[...]"
+        return "[" + ", ".join(_toml_value(x, depth - 1) for x in v) + "]"
     if isinstance(v, dict):
-        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
+        if depth == 0:
+            return "{...}"
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(x, depth - 1)}" for k, x in v.items()) + "}"
     if isinstance(v, (datetime.date, datetime.time)):  # datetime is a date
         return v.isoformat()
     # A TOML basic string: backslash, quote and control characters escaped

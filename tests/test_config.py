@@ -201,6 +201,25 @@ def test_serve_with_a_bad_file_exits_64(tmp_path):
     assert r.returncode == 64 and "leese_s" in r.stderr
 
 
+def test_a_value_nested_too_deep_is_an_error_not_a_traceback(tmp_path):
+    """A file's array nested 400 levels ended in a RecursionError traceback
+    (exit 1) while its error quoted it, and 600 levels inside tomllib
+    (attacker review): the first error quotes it cut, the second says what
+    is wrong; both exit 64."""
+    with pytest.raises(ConfigError) as e:
+        load_config(environ={}, file=_file(tmp_path, "max_workers = " + "[" * 400 + "]" * 400 + "\n"))
+    assert "max_workers (from file" in str(e.value) and "[[[[[[[[[...]]]]]]]]]" in str(e.value), str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_config(environ={}, file=_file(tmp_path, "allowed_uids = [" + '"u", ' * 100_000 + "[1]]\n"))
+    assert len(str(e.value)) < 600 and "...(" in str(e.value), str(e.value)[:300]
+    deep = _file(tmp_path, "a = " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(environ={}, file=deep)
+    assert "nested too deeply" in str(e.value)
+    r = _kvd("serve", "--config", deep, "--print-config")
+    assert r.returncode == 64 and "nested too deeply" in r.stderr and "Traceback" not in r.stderr, r.stderr[-500:]
+
+
 FILE_KEYS = ("peer_tls_cert", "peer_tls_key", "peer_tls_ca", "peer_token_file")
 
 

@@ -184,6 +184,82 @@ def test_agent_metadata_past_the_cap_is_refused(daemons, engines):
     _still_serving(d)
 
 
+def test_a_peers_long_strings_reach_no_reason_log_line_or_event_at_length(daemons, engines):
+    """A hostile peer's handshake answer with a 16 MiB ``memory`` made each
+    load from it fail with a 16 MiB reason, a 16 MiB log line and event; at
+    48 MiB the decode daemon's loop stalled 2.2 s and the honest engine's
+    session was dropped (attacker review). Each peer string a check quotes
+    is bounded where it is checked (``memory``, the agent name, a region's
+    name, ``dtype``), and a failure's reason is cut to ``MAX_REASON_CHARS``."""
+    import os
+
+    from kvd.core.layout import MAX_DTYPE_CHARS, MAX_NAME_CHARS
+    from kvd.core.peers import MAX_AGENT_NAME_CHARS
+    from kvd.core.runtime import MAX_REASON_CHARS
+
+    d, dst = daemons[1], engines[1]
+    long = "M" * (2 << 20)
+    cases = {  # field -> what the reason says
+        "memory": "memory 'MMMMMMMMMMMMMMMM...(2097152 characters)'",
+        "agent_name": f"agent name of {len(long)} characters (at most {MAX_AGENT_NAME_CHARS})",
+        "region name": f"region 0: name of {len(long)} characters (at most {MAX_NAME_CHARS})",
+        "dtype": f"dtype of {len(long)} characters (at most {MAX_DTYPE_CHARS})",
+    }
+
+    def respond(request, context):
+        field = current["field"]
+        layout, regions = SHAPE.layout(), SHAPE.regions()
+        if field == "dtype":
+            layout.dtype = long
+        if field == "region name":
+            regions[0].name = long
+        return pb.HandshakeResponse(
+            agent_metadata=b"m" * 64, agent_name=long if field == "agent_name" else "a", layout=layout,
+            regions=regions, region_base_addrs=[4096] * SHAPE.num_regions, compat_hash=request.compat_hash,
+            daemon_version="x", protocol_version=PROTOCOL_VERSION, tp_size=1,
+            memory=long if field == "memory" else "DRAM")
+
+    current = {}
+    fake = FakePeer(respond)
+    try:
+        for i, (field, said) in enumerate(cases.items()):
+            current["field"] = field
+            before = os.path.getsize(d.log_path)
+            dst.load(f"long{i}", [1], None, [1], "r", remote_engine_id=f"P{i}", remote_address=fake.address,
+                     timeout_s=10)
+            ev = dst.wait(f"long{i}")
+            reason = ev.load_failed.reason
+            assert event_kind(ev) == "load_failed" and said in reason, (field, reason[:300])
+            assert len(reason) < 1024, (field, len(reason))
+            assert os.path.getsize(d.log_path) - before < 64 << 10, field
+    finally:
+        fake.stop()
+    _still_serving(d)
+    assert MAX_REASON_CHARS < 1 << 16
+
+
+def test_a_load_failures_reason_is_cut_wherever_its_text_came_from():
+    """``Runtime.fail_load`` cuts every reason to ``MAX_REASON_CHARS`` (the
+    catch-all behind the checks above: a reason that quotes text kvd did not
+    bound), saying how long it was; what it logs is the same cut text."""
+    import types
+
+    from kvd.core.events import FailureKind
+    from kvd.core.runtime import MAX_REASON_CHARS, Runtime
+
+    emitted, logged = [], []
+    rt = types.SimpleNamespace(counters=types.SimpleNamespace(transfers_failed=0),
+                               lines=types.SimpleNamespace(warning=lambda key, fmt, *a: logged.append(fmt % a)),
+                               on_event=lambda *a: None, emit=lambda w, e: emitted.append(e))
+    w = types.SimpleNamespace(label="w", key=("e", 0))
+    Runtime.fail_load(rt, w, "r", [1], FailureKind.HANDSHAKE, "handshake: " + "x" * 10_000_000)
+    reason = emitted[0].reason
+    assert reason.startswith("handshake: x") and reason.endswith("...(10000011 characters)")
+    assert len(reason) < MAX_REASON_CHARS + 64 and len(logged[0]) < MAX_REASON_CHARS + 200
+    Runtime.fail_load(rt, w, "r", [1], FailureKind.HANDSHAKE, "handshake: short")
+    assert emitted[1].reason == "handshake: short"
+
+
 def test_host_memory_registered_per_uid_is_capped(tmp_path):
     """Sparse sealed memfds cost the daemon address space only: one uid
     mapped ~128 TiB of them in 31 workers (attacker review). A uid's

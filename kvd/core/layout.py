@@ -18,6 +18,12 @@ import numpy as np
 from kvd.core.limits import BOUNDS
 
 KV_LAYOUTS = ("NHD", "HND", "MLA")
+# A region's name is a vLLM layer name and a suffix ("model.layers.0.self_attn.attn.k": tens of
+# characters); a dtype's, torch's ("bfloat16"). Both come from engines and peers and are quoted in
+# errors, logs and load failures: a hostile peer's 48 MiB ``memory`` field stalled a daemon's loop
+# 2.2 s through one such quote (attacker review), so every such field is bounded where it is checked.
+MAX_NAME_CHARS = 1024
+MAX_DTYPE_CHARS = 64
 
 
 class LayoutError(ValueError):
@@ -75,11 +81,15 @@ class Layout:
 
 
 def validate(layout: Layout, regions: list[Region], segment_sizes: list[int]) -> None:
-    """Checks that every block of every region lies inside its segment.
+    """Checks that every block of every region lies inside its segment, and
+    that the layout's fields are in range (``dtype`` at most
+    :data:`MAX_DTYPE_CHARS` characters, region names :data:`MAX_NAME_CHARS`).
 
     Raises:
         LayoutError: the first violation, naming the region and the numbers.
     """
+    if len(layout.dtype) > MAX_DTYPE_CHARS:
+        raise LayoutError(f"dtype of {len(layout.dtype)} characters (at most {MAX_DTYPE_CHARS})")
     if not 0 < layout.num_blocks <= BOUNDS.max_blocks:
         raise LayoutError(f"num_blocks must be in 1..{BOUNDS.max_blocks} (got {layout.num_blocks})")
     if layout.block_size <= 0:
@@ -102,6 +112,8 @@ def validate(layout: Layout, regions: list[Region], segment_sizes: list[int]) ->
     if groups != list(range(len(groups))):
         raise LayoutError(f"region groups must be numbered 0..G-1 (got {groups[:8]})")
     for i, r in enumerate(regions):
+        if len(r.name) > MAX_NAME_CHARS:
+            raise LayoutError(f"region {i}: name of {len(r.name)} characters (at most {MAX_NAME_CHARS})")
         label = f"region {i} ({r.name or 'unnamed'})"
         if not 0 <= r.segment < len(segment_sizes):
             raise LayoutError(f"{label}: segment_index {r.segment} out of range (have {len(segment_sizes)})")

@@ -101,12 +101,18 @@ def _paired_ranks(w: Worker, tp_size: int) -> list[int]:
     return list(ranks)
 
 
+# kvd names its agents ``kvd-<engine id>-r<rank>-<hex>`` (``kvd.core.agent_names``), the engine id at
+# most ``MAX_ID_BYTES`` (1,024); a peer's name is quoted in errors and shown in ``kvd status``.
+MAX_AGENT_NAME_CHARS = 2048
+
+
 def check_peer(w: Worker, hs: HandshakeResult, what: str) -> None:
     """Validates a peer worker's description before any NIXL call uses it.
 
     Raises:
         Incompatible: protocol version or compatibility hash differ.
-        InvalidArgument: metadata size, region list or layout is malformed.
+        InvalidArgument: metadata size, region list or layout is malformed,
+            or the agent name is longer than ``MAX_AGENT_NAME_CHARS``.
     """
     if hs.protocol_version != PROTOCOL_VERSION:
         raise Incompatible(f"peer protocol version {hs.protocol_version} (kvd {clip(hs.daemon_version, 64)}), "
@@ -120,9 +126,12 @@ def check_peer(w: Worker, hs: HandshakeResult, what: str) -> None:
         raise InvalidArgument(f"{what}: region_base_addrs and regions differ in length")
     if not 1 <= hs.tp_size <= BOUNDS.max_tp_size:
         raise InvalidArgument(f"{what}: tp_size must be in 1..{BOUNDS.max_tp_size} (got {hs.tp_size})")
+    if len(hs.agent_name) > MAX_AGENT_NAME_CHARS:
+        raise InvalidArgument(f"{what}: agent name of {len(hs.agent_name)} characters (at most "
+                              f"{MAX_AGENT_NAME_CHARS})")
     if hs.memory not in ("DRAM", "VRAM") or not 0 <= hs.device < BOUNDS.max_device:
-        raise InvalidArgument(f"{what}: memory {hs.memory!r} on device {hs.device}: DRAM or VRAM on a device "
-                              f"0..{BOUNDS.max_device - 1}")
+        raise InvalidArgument(f"{what}: memory {clip(hs.memory, 16)!r} on device {hs.device}: DRAM or VRAM on a "
+                              f"device 0..{BOUNDS.max_device - 1}")
     # A worker registers at most BOUNDS.max_regions segments; a peer's
     # segment_index (a uint32) once sized the list below: 2**32-1 was a
     # MemoryError, 2**28 +2 GiB and 6 s of the event loop.
@@ -436,7 +445,7 @@ class Peers:
         phases = {} if phases is None else phases
         embedded = metadata_agent_name(metadata)
         if embedded != name:
-            raise NixlError(f"agent metadata names {embedded!r}, the peer said {name!r}")
+            raise NixlError(f"agent metadata names {clip(embedded, 256)!r}, the peer said {clip(name, 256)!r}")
         known = w.pairs.agents.get(name)
         if known is not None:
             if known[0] != metadata:

@@ -39,8 +39,15 @@ from kvd.core.load_ids import LoadIds
 from kvd.core.nixl_agent import NixlAgent
 from kvd.core.state import Counters, Worker, WorkerKey, overflow
 from kvd.core.throttle import Throttled, Throttles
+from kvd.logtext import clip
 
 log = logging.getLogger("kvd.core")
+
+# A load's failure reason goes to the log and to its engine (``LoadFailed``);
+# some quote a peer's or an engine's text. Reasons kvd writes are under a few
+# hundred characters; a peer's 16 MiB field once made each a 16 MiB line and
+# event (attacker review).
+MAX_REASON_CHARS = 4096
 
 
 def _resolve(fut: asyncio.Future, ok: bool, value) -> None:
@@ -323,7 +330,10 @@ class Runtime:
         or busy loads at most once a second, with the count of the others),
         reported to metrics, and
         ``LoadFailed`` naming ``block_ids`` (local, flat) queued for the engine.
-        ``reason`` starts with ``kind``'s word (``"timeout: ..."``)."""
+        ``reason`` starts with ``kind``'s word (``"timeout: ..."``); it is
+        cut to ``MAX_REASON_CHARS`` (with the length it had), wherever its
+        text came from."""
+        reason = clip(reason, MAX_REASON_CHARS)
         self.counters.transfers_failed += 1
         # One line a second per kind and worker: an engine may send bad loads,
         # or loads from a dead peer, at will (reviews measured 1M lines for
