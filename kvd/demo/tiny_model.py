@@ -184,7 +184,16 @@ def _build_model(out_dir: Path) -> None:
     model = LlamaForCausalLM(config).to(torch.float32)
     init_weights(model, SEED, MODEL_CONFIG["hidden_size"])
     model.eval()
-    model.save_pretrained(str(out_dir), safe_serialization=True)
+    from transformers.utils import logging as hf_logging
+
+    # transformers 5 draws a "Writing model shards" bar for the one shard: noise in the demo's output.
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(str(out_dir), safe_serialization=True)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
     write_generation_config(out_dir, MODEL_CONFIG)
 
 
