@@ -207,6 +207,18 @@ def cmd_version(args) -> int:
 
 
 # kvd health's and kvd status's help: where the engine socket comes from.
+#: ``kvd serve --help``'s groups of setting flags: the first setting of each
+#: group (in ``kvd.config.Config``'s order, which the groups follow) and its title.
+SERVE_FLAG_GROUPS = {
+    "engine_socket": "where it listens",
+    "lease_s": "leases, deadlines and polling (seconds)",
+    "transfer_mode": "how blocks move",
+    "engine_socket_group": "local engines: who may use the engine socket",
+    "peer_tls_cert": "remote daemons: who may use the peer port, and which to pair with",
+    "max_message_bytes": "bounds (per worker, per caller uid, per daemon)",
+    "log_level": "logging",
+}
+
 CLIENT_SOCKET_EPILOG = ("The engine socket asked is, first found: --socket; $KVD_ENGINE_SOCKET; engine_socket in "
                         "the --config file (or the file $KVD_CONFIG names), as `kvd serve` reads them; "
                         f"{DEFAULT_SOCKET}. A daemon started with `kvd serve --config /etc/kvd/kvd.toml` "
@@ -243,10 +255,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the effective settings as TOML, each with its source, and exit "
                         "(64 when a file a setting names, TLS or token, is missing or bad)")
     # One flag per setting of kvd/config.py, default SUPPRESS: a flag not
-    # given leaves the key to the environment, the file or the default.
+    # given leaves the key to the environment, the file or the default. In
+    # groups (SERVE_FLAG_GROUPS): sixty flags in one list were a wall (a
+    # new-user trial).
+    group = s
     for f in settings():
-        s.add_argument(flag_name(f.name), dest=f.name, default=argparse.SUPPRESS, metavar=metavar(f.name),
-                       help=help_text(f.name))
+        if f.name in SERVE_FLAG_GROUPS:
+            group = s.add_argument_group(SERVE_FLAG_GROUPS[f.name])
+        group.add_argument(flag_name(f.name), dest=f.name, default=argparse.SUPPRESS, metavar=metavar(f.name),
+                           help=help_text(f.name))
     s.set_defaults(func=cmd_serve, parser=s)
 
     for name, func, helptext in (

@@ -839,6 +839,37 @@ def test_serve_help_says_what_grace_s_waits_for_as_the_docs_do():
     assert "waits up to `grace_s` for the loads in flight (handshaking or reading)" in doc
 
 
+def test_serve_help_lists_every_setting_once_under_its_group_in_the_configs_order():
+    """``kvd serve --help``'s sixty setting flags come in titled groups (a
+    new-user trial found one list of them a wall): each setting's flag once,
+    in ``Config``'s order, each group's first setting the one
+    ``SERVE_FLAG_GROUPS`` names."""
+    import re
+
+    from kvd.cli import SERVE_FLAG_GROUPS
+    from kvd.config import flag_name, settings
+
+    names = [f.name for f in settings()]
+    assert names[0] in SERVE_FLAG_GROUPS and set(SERVE_FLAG_GROUPS) <= set(names)
+    r = _kvd("serve", "--help", timeout=30)
+    assert r.returncode == 0, r.stderr
+    body = r.stdout[r.stdout.index("\noptions:"):]
+    entries = re.findall(r"^\s{2}(--[a-z-]+)|^([a-z][^\n]*):$", body, flags=re.M)
+    seen, group = [], None
+    for flag, title in entries:
+        if title:
+            group = title
+            continue
+        if flag in ("--help", "--config", "--print-config"):
+            continue
+        seen.append(flag)
+        name = names[len(seen) - 1]
+        assert flag == flag_name(name), (flag, name)
+        if name in SERVE_FLAG_GROUPS:
+            assert group == SERVE_FLAG_GROUPS[name], (flag, group)
+    assert seen == [flag_name(n) for n in names]
+
+
 def test_clients_take_grpcs_unix_forms_and_refuse_a_path_too_long_for_a_socket(tmp_path):
     """``unix:PATH`` (as ``kvd health`` prints a socket) and ``unix://PATH``
     name the file itself, for ``--socket``, ``$KVD_ENGINE_SOCKET`` and
