@@ -14,6 +14,12 @@ import ipaddress
 import socket
 
 
+def _quoted(text: str, limit: int = 200) -> str:
+    """``repr(text)``, cut at ``limit`` characters with the length it had: a
+    100,000-character value was quoted whole in its error (attacker review)."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}...({len(text)} characters)"
+
+
 def split_host_port(address: str, key: str = "address", *, min_port: int = 0) -> tuple[str, int]:
     """``"host:port"`` or ``"[v6]:port"`` -> ``(host, port)``, brackets removed.
 
@@ -30,9 +36,9 @@ def split_host_port(address: str, key: str = "address", *, min_port: int = 0) ->
     """
     host, sep, port = address.rpartition(":")
     if not sep or not host:
-        raise ValueError(f"{key}: expected host:port, got {address!r}")
+        raise ValueError(f"{key}: expected host:port, got {_quoted(address)}")
     if not (port.isascii() and port.isdigit()):
-        raise ValueError(f"{key}: port {port!r} is not a number")
+        raise ValueError(f"{key}: port {_quoted(port)} is not a number")
     p = int(port)
     if not min_port <= p <= 65535:
         raise ValueError(f"{key}: port {p} out of range {min_port}..65535")

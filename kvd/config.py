@@ -73,7 +73,15 @@ LOG_FORMATS = ("human", "json")
 
 
 class ConfigError(ValueError):
-    """An invalid setting; the message names the key (and its source)."""
+    """An invalid setting; the message names the key (and its source). A
+    message is cut at ``MAX_MESSAGE_CHARS`` (with the length it had): most
+    quote the value, and an environment variable's may be any length (a
+    100,000-character ``KVD_PEER_LISTEN`` was quoted whole: attacker review)."""
+
+    MAX_MESSAGE_CHARS = 1000
+
+    def __init__(self, message: str = ""):
+        super().__init__(clip(str(message), self.MAX_MESSAGE_CHARS))
 
 
 def parse_host_port(value: str, key: str) -> tuple[str, int]:
@@ -719,6 +727,11 @@ def _coerce(f, value: Any, source: str, from_text: bool) -> Any:
     where = f"{f.name} (from {source})"
     if from_text and not isinstance(value, str):
         value = str(value)  # a flag parsed by argparse already
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError as e:  # an environment or argv byte that is not UTF-8 (surrogateescape)
+            raise ConfigError(f"{where}: not UTF-8 (character {e.start}); settings are UTF-8 text") from None
     shown = clip(repr(value), _SHOWN_CHARS) if from_text else _shown(value)
     if isinstance(default, list):
         if from_text:
@@ -849,6 +862,10 @@ def _is_socket(path: str) -> bool:
         return False
 
 
+#: Dotted parts a line's key may have before tomllib is asked (see read_file).
+_MAX_KEY_PARTS = 64
+
+
 def read_file(path: str, hint=None, source: str = "") -> dict:
     """The top-level table of TOML file ``path``. ``hint(path, error)``:
     what to add to the message of an OSError (default :func:`access_hint`,
@@ -868,6 +885,14 @@ def read_file(path: str, hint=None, source: str = "") -> dict:
         raise ConfigError(f"{name}: {e.strerror or e}{(hint or access_hint)(path, e)}") from None
     except UnicodeDecodeError as e:  # TOML files are UTF-8 (tomllib decodes before parsing)
         raise ConfigError(f"{name}: not UTF-8 (byte {e.start}: {e.reason}); TOML files are UTF-8") from None
+    for n, line in enumerate(text.splitlines(), 1):
+        # tomllib's memory grows with the square of a dotted key's parts: a
+        # key of 20,000 parts (a 40 KB file) took 1.6 GB and 6 s, 40,000 a
+        # MemoryError (attacker review). A setting is a top-level key.
+        key = line.split("=", 1)[0] if "=" in line else line if line.lstrip().startswith("[") else ""
+        if key.count(".") >= _MAX_KEY_PARTS:
+            raise ConfigError(f"{name}: line {n}: a key of {key.count('.') + 1} dotted parts; settings are "
+                              f"top-level keys (lease_s = 30)")
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:

@@ -220,6 +220,49 @@ def test_a_value_nested_too_deep_is_an_error_not_a_traceback(tmp_path):
     assert r.returncode == 64 and "nested too deeply" in r.stderr and "Traceback" not in r.stderr, r.stderr[-500:]
 
 
+def test_a_key_of_thousands_of_dotted_parts_is_refused_before_tomllib_reads_it(tmp_path):
+    """tomllib's memory grows with the square of a dotted key's parts: 20,000
+    parts (a 40 KB file) took 1.6 GB and 6 s, 40,000 a MemoryError traceback
+    (attacker review). Such a line is refused first, naming it."""
+    text = "lease_s = 5\nengine_socket." + ".".join(["a"] * 40_000) + " = 1\n"
+    # The message is the check's own: tomllib never saw the text.
+    with pytest.raises(ConfigError, match="line 2: a key of 40001 dotted parts"):
+        load_config(environ={}, file=_file(tmp_path, text))
+    with pytest.raises(ConfigError, match="line 1: a key of 3000 dotted parts"):
+        load_config(environ={}, file=_file(tmp_path, "[" + ".".join(["t"] * 3000) + "]\n"))
+    # A value's dots (a warm peer's host name) are no key's.
+    cfg = load_config(environ={}, file=_file(tmp_path, 'warm_peers = ["' + "h." * 100 + 'x:7700/p"]\n'))
+    assert cfg.warm_peers == ["h." * 100 + "x:7700/p"]
+
+
+def test_a_settings_error_is_one_line_of_bounded_length_whatever_the_value():
+    """An environment value is any length: a 100,000-character
+    ``KVD_PEER_LISTEN`` was quoted whole in its error (attacker review).
+    Every ``ConfigError`` message is cut at ``MAX_MESSAGE_CHARS``."""
+    for env in ({"KVD_PEER_LISTEN": "[" * 100_000}, {"KVD_LOG_LEVEL": "x" * 100_000},
+                {"KVD_WARM_PEERS": "y" * 100_000}, {"KVD_LEASE_S": "9" * 100_000 + "z"}):
+        with pytest.raises(ConfigError) as e:
+            load_config(environ=env)
+        key = next(iter(env))
+        assert key in str(e.value) and len(str(e.value)) <= ConfigError.MAX_MESSAGE_CHARS + 40, str(e.value)[:200]
+        assert "...(" in str(e.value)
+
+
+def test_a_setting_that_is_not_utf8_is_refused_with_exit_64(tmp_path):
+    """An environment or argv value of bytes that are not UTF-8 reached the
+    daemon's startup (exit 1, which systemd restarts) or ``--print-config``'s
+    output raw, TOML that is not UTF-8 (attacker review): refused as the
+    settings are read."""
+    with pytest.raises(ConfigError, match="engine_socket .from env KVD_ENGINE_SOCKET.: not UTF-8"):
+        load_config(environ={"KVD_ENGINE_SOCKET": "/tmp/\udcff.sock"})
+    with pytest.raises(ConfigError, match="backends .from env KVD_BACKENDS.: not UTF-8"):
+        load_config(environ={"KVD_BACKENDS": "UCX,\udcff"})
+    env = dict(os.environ, KVD_ENGINE_SOCKET=os.fsdecode(str(tmp_path).encode() + b"/\xff.sock"))
+    r = subprocess.run([sys.executable, "-m", "kvd.cli", "serve", "--print-config"], capture_output=True,
+                       text=True, env=env, timeout=60, errors="replace")
+    assert r.returncode == 64 and "not UTF-8" in r.stderr and "Traceback" not in r.stderr, r.stderr[-400:]
+
+
 FILE_KEYS = ("peer_tls_cert", "peer_tls_key", "peer_tls_ca", "peer_token_file")
 
 

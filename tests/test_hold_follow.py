@@ -700,3 +700,46 @@ def test_holds_are_followed_with_the_token_and_refused_for_bad_input(tmp_path):
         src.close()
     finally:
         stop_daemons([p])
+
+
+def test_a_sources_long_epoch_is_refused_before_it_is_kept_or_quoted():
+    """A hostile source answered its polls with 7 MiB epochs: the reader kept
+    one, sent it back with every poll and quoted both in a warning, 117 MB of
+    log in 40 s (attacker review). An answer's epoch, and the one a poll
+    channel's handshake gives, are refused past ``MAX_EPOCH_CHARS``; a bad
+    answer's message quotes epochs cut."""
+    from kvd.core.events import InvalidArgument
+    from kvd.daemon.peer_auth import PeerAuth
+    from kvd.daemon.peer_client import PeerClient, _check_holds
+    from kvd.core.state import PROTOCOL_VERSION
+    from kvd.testing.fakes import FakePeer
+
+    long = "A" * (7 << 20)
+    with pytest.raises(BadAnswer, match=f"an epoch of {len(long)} characters"):
+        _check_holds(pb.HoldsResponse(epoch=long, reset=True))
+    ok = pb.HoldsResponse(epoch="e" * hm.MAX_EPOCH_CHARS, reset=True)
+    assert _check_holds(ok) is ok
+
+    f = Follow("p:1", "e")
+    f.apply(answer("a" * hm.MAX_EPOCH_CHARS, 5, reset=True), 1.0)
+    with pytest.raises(BadAnswer) as e:
+        f.apply(answer("b" * hm.MAX_EPOCH_CHARS, 6), 2.0)
+    assert "without a reset" in str(e.value) and len(str(e.value)) < 200, str(e.value)
+
+    def respond(request, context):
+        return pb.HandshakeResponse(agent_name="a", holds_epoch=long, protocol_version=PROTOCOL_VERSION)
+
+    fake = FakePeer(respond)
+
+    async def main():
+        client = PeerClient(PeerAuth())
+        try:
+            with pytest.raises(InvalidArgument, match="an epoch of 7340032 and an agent name of 1 characters"):
+                await client.holds_agent(fake.address, "e", 0, 10)
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        fake.stop()

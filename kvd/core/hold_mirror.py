@@ -64,6 +64,7 @@ from kvd.core.limits import BOUNDS
 from kvd.core.runtime import Runtime
 from kvd.core.state import PeerLink
 from kvd.core.throttle import Throttled
+from kvd.logtext import clip
 from kvd.requests import BlockGroups
 
 log = logging.getLogger("kvd.core")
@@ -106,6 +107,10 @@ MAX_LEASES = 1 << 17
 MAX_IDS = 1 << 22
 #: KV-cache groups per lease accepted from a source.
 MAX_GROUPS = 64
+#: Characters of a source's feed epoch (``kvd.core.hold_feed`` makes 16 hex
+#: digits): a hostile source's 7 MiB epochs were kept, sent back with every
+#: poll and quoted whole in a warning, 117 MB of log in 40 s (attacker review).
+MAX_EPOCH_CHARS = 64
 #: Memory of the copies (bytes, estimated per lease: ``LEASE_BYTES`` plus its
 #: request id, plus ``GROUP_BYTES`` and the ids' own bytes per group;
 #: measured with tracemalloc, 331 bytes for a lease of one empty group and a
@@ -258,7 +263,8 @@ class Follow:
         snapshot (their end not yet at the source), and must not show."""
         if ans.reset or ans.epoch != self.epoch:
             if not ans.reset:
-                raise BadAnswer(f"epoch {ans.epoch!r} without a reset (following {self.epoch!r})")
+                raise BadAnswer(f"epoch {clip(ans.epoch, 32)!r} without a reset (following "
+                                f"{clip(self.epoch, 32)!r})")
             self._clear(keep_sent=True)
             self.epoch, self.seq = ans.epoch, ans.seq
             if ans.snapshot:

@@ -20,7 +20,8 @@ from kvd.config import MAX_MESSAGE_BYTES
 from kvd.core import events as ev
 from kvd.core import hold_feed
 from kvd.core.hold_feed import HoldsAnswer
-from kvd.core.hold_mirror import MAX_GROUPS, MAX_IDS, BadAnswer
+from kvd.core.hold_mirror import MAX_EPOCH_CHARS, MAX_GROUPS, MAX_IDS, BadAnswer
+from kvd.core.peers import MAX_AGENT_NAME_CHARS
 from kvd.core.limits import BOUNDS, Limits
 from kvd.core.state import PROTOCOL_VERSION, HandshakeResult, PushOrder, PushResult
 from kvd.daemon.convert import (
@@ -79,7 +80,9 @@ def _check_holds(m: pb.HoldsResponse) -> pb.HoldsResponse:
     changes, KV-cache groups, block ids), counted before it is converted:
     each group becomes an array (~2-6 us and ~120 bytes each), and a hostile
     source's answer of 8.4M empty groups held the event loop 35 s and kept
-    1.7 GB. Raises BadAnswer."""
+    1.7 GB; an epoch of at most ``MAX_EPOCH_CHARS`` characters. Raises BadAnswer."""
+    if len(m.epoch) > MAX_EPOCH_CHARS:
+        raise BadAnswer(f"an epoch of {len(m.epoch)} characters (at most {MAX_EPOCH_CHARS})")
     if len(m.changes) > hold_feed.MAX_CHANGES_PER_ANSWER:
         raise BadAnswer(f"{len(m.changes)} changes in one answer")
     # One walk of the changes (each step makes wrapper objects: ~1 us a
@@ -336,10 +339,19 @@ class PeerClient:
         Measured before: behind an address that sent each connection to the
         next of two daemons, a reader READ engine ``e``'s blocks on one
         daemon with a hold of the same engine id on the other
-        (tests/test_security_attack6.py)."""
+        (tests/test_security_attack6.py).
+
+        Raises:
+            InvalidArgument: the answer's epoch or agent name is longer than
+                ``MAX_EPOCH_CHARS`` or ``MAX_AGENT_NAME_CHARS``.
+        """
         req = pb.HandshakeRequest(engine_id=engine_id, tp_rank=tp_rank, daemon_version=__version__,
                                   protocol_version=PROTOCOL_VERSION)
         r = await self._call(address, "Handshake", req, timeout_s, poll=True)
+        if len(r.holds_epoch) > MAX_EPOCH_CHARS or len(r.agent_name) > MAX_AGENT_NAME_CHARS:
+            raise ev.InvalidArgument(f"{address}: a handshake answer with an epoch of {len(r.holds_epoch)} and an "
+                                     f"agent name of {len(r.agent_name)} characters (at most {MAX_EPOCH_CHARS} and "
+                                     f"{MAX_AGENT_NAME_CHARS})")
         return r.agent_name, r.holds_epoch
 
     async def renew(self, address: str, engine_id: str, renewals: list[LeaseRenewal],
