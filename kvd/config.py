@@ -198,8 +198,8 @@ class Config:
                                           "asked by the decode daemon); set on the decode side (a prefill daemon "
                                           "serves pushes in any mode, unless serve_pushes = false). auto: push "
                                           "where a READ would be UCX's software GET over TCP, which crashes the "
-                                          "source when its reader dies mid-READ (UCX 1.23): every load when UCX_TLS leaves only tcp, loads "
-                                          "from other hosts when this one has no RDMA device, and loads from a "
+                                          "source when its reader dies mid-READ (UCX 1.23): every load when "
+                                          "UCX_TLS leaves only tcp, loads from other hosts when this one has no RDMA device, and loads from a "
                                           "source whose handshake says a READ from it is TCP's (its UCX_TLS "
                                           "leaves only tcp, or it has no RDMA device and is another host); "
                                           "pull otherwise")
