@@ -26,6 +26,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -171,6 +172,10 @@ def run_case(case: str, busy: int, timeout_s: float, gap_s: float = 1.0, warm_pe
         return {"case": case, "busy": busy, "warm_peers": warm_peers, "token": token, "first_ms": first * 1e3,
                 "first_event": kind,
                 "steady_p50_ms": statistics.median(steady) * 1e3, "steady_max_ms": max(steady) * 1e3}
+    except BaseException:
+        print(f"first contact, case {case}: failed; the daemons' logs are kept in {work}", file=sys.stderr)
+        work = None
+        raise
     finally:
         stop.set()
         for b in burners:
@@ -178,6 +183,8 @@ def run_case(case: str, busy: int, timeout_s: float, gap_s: float = 1.0, warm_pe
         for w in workers:
             w.close()
         stop_daemons([p, d])
+        if work is not None:  # a run that passed leaves nothing in /tmp
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def main(argv=None) -> int:

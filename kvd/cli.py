@@ -116,9 +116,10 @@ def _say_origin(answer: ops.Answer, path: str, source: str, args) -> ops.Answer:
     its message when no daemon was reached there and the source is one the
     user may not have in mind: ``$KVD_ENGINE_SOCKET``, which takes
     precedence over ``--config`` (the message's own advice, to name the
-    config file, would then change nothing), or a file ``$KVD_CONFIG``
-    named. Other answers, and a path from ``--socket``, ``--config`` or
-    the default, are returned as they are."""
+    config file, would then change nothing), a file ``$KVD_CONFIG``
+    named, or ``--config``'s file (whose naming the message advises: it
+    says the path came from there). Other answers, and a path from
+    ``--socket`` or the default, are returned as they are."""
     if answer.code != EXIT_UNREACHABLE:
         return answer
     var, named = env_name("engine_socket"), env_value(os.environ, ENV_CONFIG_FILE)
@@ -128,6 +129,10 @@ def _say_origin(answer: ops.Answer, path: str, source: str, args) -> ops.Answer:
                 + (f": unset it to ask the engine_socket of {file}" if file else ""))
     elif named and source == f"file {named}, named by env {ENV_CONFIG_FILE}":
         note = f"{path} is the engine_socket of {named}, the file ${ENV_CONFIG_FILE} names"
+    elif args.config and source.startswith("file ") and ", named by" not in source:
+        # The message's advice, to name a config file, is what the user did:
+        # say what that file gave.
+        note = f"{path} is the engine_socket of {source.removeprefix('file ')}: is its daemon running?"
     else:
         return answer
     return ops.Answer(answer.code, f"{answer.text}; {note}")

@@ -949,9 +949,14 @@ def test_a_socket_from_kvd_engine_socket_says_so_and_that_it_takes_precedence_ov
         r = _client(cmd, "--timeout", "0.5", KVD_CONFIG=str(conf))
         assert r.returncode == 2 and r.stderr.endswith(
             f"; {tmp_path / 'mine.sock'} is the engine_socket of {conf}, the file $KVD_CONFIG names\n"), r.stderr
-        # From --socket, --config or the default: the message as it was.
+        # From --config: said to be that file's (its advice, to name a
+        # config file, is what the user did); from --socket or the default:
+        # the message as it was.
         r = _client(cmd, "--config", str(conf), "--timeout", "0.5")
-        assert r.returncode == 2 and "$KVD" not in r.stderr, r.stderr
+        assert r.returncode == 2 and "$KVD" not in r.stderr and r.stderr.endswith(
+            f"; {tmp_path / 'mine.sock'} is the engine_socket of {conf}: is its daemon running?\n"), r.stderr
+        r = _client(cmd, "--socket", str(elsewhere), "--timeout", "0.5")
+        assert r.returncode == 2 and r.stderr.endswith("(or its config file with --config)\n"), r.stderr
 
 
 def test_a_missing_file_kvd_config_names_is_said_to_come_from_it(tmp_path):

@@ -491,3 +491,25 @@ def test_renewal_failures_on_several_grpc_threads_start_one_look_at_a_time(tmp_p
     client._look_after_renewal()  # the first look ended: the next failure looks again
     assert started.acquire(timeout=10) and len(looks) == 2
     client.close()
+
+
+def test_a_lost_sessions_warning_names_a_few_loads_and_counts_the_rest(caplog):
+    """Request ids are up to 1 KiB each: a session lost with 4,096 loads in
+    flight made one 30 KB warning line naming every id (attacker review).
+    Every load is still reported failed."""
+    import logging
+
+    from kvd.client.commands import Stream
+    from kvd.client.pending import LOST_IDS_SHOWN, Pending
+
+    p = Pending()
+    for i in range(4096):
+        p.add_load(LoadRequest(f"{'r' * 900}{i}", [[1]], "p", PEER_ADDRESS, [[2]], f"x{i}", 1, 5.0), 5.0, 5.0)
+    for ld in p._loads.values():
+        ld.stream = 1  # sent on the stream that ends (the sender thread sets it)
+    with caplog.at_level(logging.WARNING, logger="kvd.client"):
+        p.fail_stream(Stream(1), "the engine closed its client")
+    [line] = [r.getMessage() for r in caplog.records if "session lost" in r.getMessage()]
+    assert "(the engine closed its client): 4096 load(s) in flight reported failed" in line, line[:300]
+    assert line.endswith(f" and {4096 - LOST_IDS_SHOWN} more") and len(line) < 2000, line[-300:]
+    assert len(p.drain()) == 4096

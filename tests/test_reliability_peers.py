@@ -10,6 +10,7 @@ Scenarios 1, 2, 2b and 7 of docs/RELIABILITY.md's table, with their deadlines.
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -663,3 +664,85 @@ def test_a_load_past_its_deadline_before_the_handshake_answers_leaves_no_cycle()
         gc.enable()
     assert all(kind == "PeerUnavailable" and "no handshake answer" in text for kind, text in errors), errors
     assert kept == []
+
+
+def test_loads_from_a_dead_prefill_node_leave_the_daemons_grpc_serving(tmp):
+    """A decode engine whose prefill node died keeps naming its address
+    (connection refused) until its router notices, each load failing at
+    once. With a peer token (so each handshake is a gRPC call there) and
+    512 such loads kept in flight over the engine's default path (the
+    command socket, ``EngineClient``), the daemon's health must answer
+    while they come. Before, every load also sent a claim there, ahead of
+    its handshake, each on a fresh channel: gRPC's per-call work piled up,
+    RSS grew ~20 MiB a second, and health on both ports answered only once
+    the loads stopped (attacker review). Now a claim goes only to a source
+    already paired (none sent here), and calls to an address whose last
+    call failed UNAVAILABLE go one at a time (``kvd.daemon.unreachable``).
+    The flood runs until health has answered, at most 25 s; health's own
+    deadline is 10 s."""
+    import threading
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvd.client.engine_client import EngineClient
+    from kvd.requests import LoadRequest
+    from kvd.testing.sessions import register_request
+
+    token = f"{tmp}/dead-peer.token"
+    with open(token, "w") as f:
+        f.write("dead-peer-test-token-0123456789")
+    os.chmod(token, 0o600)
+    d = start_daemon(tmp, "dead-peer-d", "--peer-token-file", token)
+    seg = ShmSegment(SMALL.size)
+    client = EngineClient(d.socket)
+    dead = closed_address()
+    stop, failed, other = threading.Event(), [0], []
+
+    def flood() -> None:
+        n = out = 0
+        while not stop.is_set():
+            while out < 512:
+                client.load(LoadRequest(f"r{n}", [[n % SMALL.num_blocks]], "deadP", dead, [[1]], f"x{n}", 1, 5.0))
+                n, out = n + 1, out + 1
+            events = client.drain_events()
+            for e in events:
+                kind = e.WhichOneof("event")
+                if kind == "load_failed":
+                    out -= 1
+                    failed[0] += 1
+                elif kind == "recv_done":  # nothing can load from a dead address
+                    other.append(e)
+            if not events:
+                time.sleep(0.002)
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    try:
+        client.register(register_request("dead-peer-d", SMALL, seg), timeout_s=30)
+        client.start_session()
+        assert client.wait_opened(30)
+        flooder.start()
+        wait_until(lambda: failed[0] >= 2000, 30, "the flood's first 2,000 loads failed")
+        rss0 = rss_kib(d.proc.pid)
+        t0 = time.monotonic()
+        with grpc.insecure_channel(f"unix:{d.socket}") as ch:
+            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+        took = time.monotonic() - t0
+        during = failed[0]
+        wait_until(lambda: failed[0] >= during + 2000, 25, "2,000 more loads failed after health answered")
+        grew = rss_kib(d.proc.pid) - rss0
+        stop.set()
+        flooder.join(10)
+        stats = d.stats()
+        print(f"\nhealth answered in {took * 1e3:.0f} ms beside 512 loads in flight from a dead address "
+              f"({failed[0]} failed in all); RSS {grew / 1024:+.1f} MiB over 2,000 more")
+        assert status == health_pb2.HealthCheckResponse.SERVING
+        assert not other
+        assert stats.claims_sent == 0, stats  # no claim to an address no handshake vetted
+        # Each load used to cost a channel and its calls (~10 KiB a load, never given back).
+        assert grew < 10 * 1024, grew
+        assert d.proc.poll() is None
+    finally:
+        stop.set()
+        client.close()
+        seg.close()
+        assert d.stop() == 0

@@ -20,10 +20,14 @@ from collections import deque
 
 from kvd import tracepoints as tp
 from kvd.client.commands import Command, Hold, Load, Stream, abort_cmd, hold_ended, load_failed
+from kvd.logtext import clip
 from kvd.requests import BlockGroups, InvalidLoad, LoadRequest
 from kvd.v1 import kvd_pb2 as pb
 
 log = logging.getLogger("kvd.client")
+
+#: Request ids a lost session's warning names (then the count of the rest).
+LOST_IDS_SHOWN = 8
 
 
 class Pending:
@@ -290,5 +294,9 @@ class Pending:
                 ld = self._loads.pop(rid)
                 self._events.append(load_failed(rid, ld.req.local_block_ids, f"kvd session lost: {reason}"))
         if lost:
-            log.warning("kvd %s: session lost (%s): loads in flight reported failed: %s", self.label, reason,
-                        ", ".join(lost))
+            # A few ids, and the count: request ids are up to 1 KiB each, and
+            # 4,096 loads in flight made a 30 KB line (attacker review).
+            shown = ", ".join(clip(rid, 64) for rid in lost[:LOST_IDS_SHOWN])
+            log.warning("kvd %s: session lost (%s): %d load(s) in flight reported failed: %s%s", self.label,
+                        reason, len(lost), shown, f" and {len(lost) - LOST_IDS_SHOWN} more"
+                        if len(lost) > LOST_IDS_SHOWN else "")

@@ -266,6 +266,8 @@ class SessionLoop:
             finally:
                 self.opened.clear()
                 self._call = None
+                if closing.is_set():  # EngineClient.close ended it, not the daemon
+                    reason = "the engine closed its client"
                 self._pending.fail_stream(stream, reason)
                 if conn is not None:
                     self._end_socket(conn)

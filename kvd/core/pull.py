@@ -128,6 +128,15 @@ class Pull:
                 self.rt.fail_load(w, req.request_id, req.local_block_ids, K.INTERNAL,
                                   f"internal: {type(e).__name__}: {e}", req.remote_address)
 
+    def _paired(self, w: Worker, req: LoadRequest, ranks: list[int]) -> bool:
+        """Whether ``req``'s source is this daemon or every rank of ``ranks``
+        is paired with ``w`` already (:meth:`kvd.core.peers.Peers.remotes`'s
+        cache): a claim may then go out before the pairs are looked up."""
+        if req.remote_address == self.holds.own_address:
+            return True
+        made = w.pairs.remotes
+        return all((req.remote_address, req.remote_engine_id, p) in made for p in ranks)
+
     def _free_early(self, w: Worker, req: LoadRequest, uid: int | None, make) -> None:
         """Runs ``make()``, which tells ``req``'s source to free its blocks
         now, in an abort slot of ``uid`` (``kvd.core.aborts``: the slots of
@@ -319,11 +328,19 @@ class Pull:
         # A claim only asks (no lease changes on the source), so it is sent
         # now and its round trip overlaps the remote workers and the plan:
         # it is the largest daemon-side piece of a small load
-        # (docs/PERFORMANCE.md, "Per-load cost, third round").
+        # (docs/PERFORMANCE.md, "Per-load cost, third round"). Only to a
+        # source this worker is paired with (or this daemon): a new
+        # address is claimed after its handshake, which vets it (with no
+        # credential, a daemon of this host only) and finds a dead one
+        # without a gRPC call; sent ahead, every load from a dead prefill
+        # node made a Claim call there, and 512 such loads in flight kept
+        # the daemon's gRPC from answering health for as long as they came
+        # (review; tests/test_reliability_peers.py).
         tp.hit(tp.CLAIM, rid)
         # Ranks whose hold the followed holds show need no claim (kvd.core.hold_mirror).
         unshown = self.holds.unshown(req, read_from)
-        claim = asyncio.ensure_future(self.holds.claim_sources(w, req, unshown, deadline)) if unshown else None
+        claim = asyncio.ensure_future(self.holds.claim_sources(w, req, unshown, deadline)) \
+            if unshown and self._paired(w, req, unshown) else None
         try:
             try:
                 remotes, fresh_any = await self.peers.remotes(w, req.remote_address, req.remote_engine_id, notify,
@@ -362,6 +379,8 @@ class Pull:
                 except LayoutError as e:
                     return self._fail(w, req, K.INVALID, f"invalid: {e}")
             # No READ of another engine's blocks without its hold on them (docs/SECURITY.md).
+            if claim is None and unshown:
+                claim = asyncio.ensure_future(self.holds.claim_sources(w, req, unshown, deadline))
             denied = await claim if claim is not None else None
             tp.hit(tp.CLAIMED, rid)
             if denied or not self.rt.registered(w):

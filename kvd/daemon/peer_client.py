@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -35,6 +36,7 @@ from kvd.daemon.convert import (
 from kvd.daemon import wire_shape
 from kvd.daemon.peer_auth import PeerAuth, PeerAuthError
 from kvd.daemon.peer_local import DialRefused, dial_address
+from kvd.daemon.unreachable import Outcome, Unreachable
 from kvd.requests import LeaseRenewal, RenewResult
 from kvd.v1 import kvd_pb2 as pb
 
@@ -131,6 +133,8 @@ class PeerClient:
         # the new daemon at once (seen: "Connection refused" after it was up).
         self._poll_channels: dict[str, grpc.aio.Channel] = {}
         self._closing: set[asyncio.Task] = set()
+        #: addresses that did not answer: one call at a time to each (kvd.daemon.unreachable)
+        self.unreachable = Unreachable(BOUNDS.max_peer_channels)
         self.auth = auth or PeerAuth()
         self.insecure = insecure
         self.options = channel_options(max_message_bytes)
@@ -163,12 +167,26 @@ class PeerClient:
         Sent and received as bytes: the token's MAC covers the request's bytes
         and the callee's proof the answer's, checked before it is parsed.
         ``poll``: on the long polls' own channel to ``address``."""
+        if poll or name == "Push":  # not gated (kvd.daemon.unreachable)
+            return await self._call_now(address, name, request, timeout_s, poll, None)
+        started = time.monotonic()
+        async with self.unreachable.turn(address, timeout_s) as outcome:
+            return await self._call_now(address, name, request, timeout_s - (time.monotonic() - started), poll,
+                                        outcome)
+
+    async def _call_now(self, address: str, name: str, request, timeout_s: float, poll: bool,
+                        outcome: Outcome | None):
+        """:meth:`_call` once its turn came; ``outcome`` (None: not gated)
+        is told whether the peer answered."""
         body = request.SerializeToString()
         md, proof = self.auth.call_metadata(SERVICE + name, address, body)
         pool = self._poll_channels if poll else self._channels
         try:
-            call = self._channel(address, pool).unary_unary(SERVICE + name)(body, timeout=timeout_s, metadata=md)
+            call = self._channel(address, pool).unary_unary(SERVICE + name)(body, timeout=max(0.01, timeout_s),
+                                                                             metadata=md)
             raw = await call
+            if outcome is not None:
+                outcome.answered()
             self.auth.check_proof(await call.trailing_metadata(), proof, raw)
             answer = getattr(pb, f"{name}Response")
             # The answering server may be anything a load names (kv_transfer_params):
@@ -176,9 +194,14 @@ class PeerClient:
             wire_shape.check(raw, answer.DESCRIPTOR, self._answer_shape(answer.DESCRIPTOR))
             return answer.FromString(raw)
         except grpc.aio.AioRpcError as e:
+            err = _error(address, e)
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 self._forget(address, pool)
-            raise _error(address, e) from None
+                if outcome is not None:
+                    outcome.unavailable(str(err))
+            elif outcome is not None and e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                outcome.answered()  # the peer's own error: it is there
+            raise err from None
         except PeerAuthError as e:
             raise ev.PeerUnavailable(f"{address}: {e}") from None
         except DecodeError as e:

@@ -207,8 +207,9 @@ def remove_made_dirs(top: str, parent: str) -> None:
     except OSError:
         mode = 0
     if mode & (stat.S_IWGRP | stat.S_IWOTH):
-        log.info("engine_socket: kept directory %s (made at startup): others may write %s and could make it "
-                 "before a restart, which this daemon would then refuse", top, shared)
+        log.info("engine_socket: kept directory %s (made at startup; rmdir it when done): others may write %s, "
+                 "and removed, another user could make %s first and a restarted daemon would refuse it as not its "
+                 "own", top, shared, top)
         return
     d = parent
     while True:

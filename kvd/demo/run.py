@@ -527,7 +527,9 @@ def main(argv: list[str] | None = None) -> int:
         log(format_summary(summary))
         rc = 0 if summary["ok"] else 1
     except KeyboardInterrupt:
-        log("interrupted: stopping everything")
+        # Engines still starting may not heed SIGTERM: each wave of children
+        # gets its grace before SIGKILL, so say why the wait is long.
+        log("interrupted: stopping engines, then daemons (an engine still starting can take 10 s to stop)")
         rc = 130
     except ChildFailed as e:
         log(f"FAILED: {e}")
@@ -559,6 +561,8 @@ def main(argv: list[str] | None = None) -> int:
             pass
     else:
         log(f"logs: {workdir}")
+    if rc == 0:
+        log("next: a daemon by hand, `kvd status` and `kvd bench` (README.md, \"The first command\")")
     return rc
 
 
