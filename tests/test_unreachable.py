@@ -1,8 +1,10 @@
-"""Calls to a peer address that did not answer go one at a time
-(``kvd.daemon.unreachable``), and ``PeerClient`` gates its calls by it.
+"""Calls to a peer address that did not answer wait for a probe of it, one
+at a time (``kvd.daemon.unreachable``), and ``PeerClient`` gates its calls
+by it.
 
-The gate alone with fake calls, then ``PeerClient`` against a real gRPC
-server that answers UNAVAILABLE (as a stopping daemon does) or is gone.
+The gate alone with fake calls and probes, then ``PeerClient`` against a
+real gRPC server that answers UNAVAILABLE with its health NOT_SERVING (as
+a draining daemon does), then serves, and against an address that refuses.
 The daemon-level flood from a dead prefill node is in
 ``tests/test_reliability_peers.py``.
 """
@@ -16,53 +18,66 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import HealthServicer
 
 from kvd.core.events import PeerUnavailable
 from kvd.daemon.peer_auth import PeerAuth
 from kvd.daemon.peer_client import PeerClient
-from kvd.daemon.unreachable import Unreachable
+from kvd.daemon.unreachable import ANSWERED, NO_OUTCOME, Unreachable
 from kvd.testing.fakes import closed_address
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
 
 class _Fake:
-    """Calls through a gate to a pretend peer: ``up`` says how it answers;
-    counts the calls made and the most in flight at once."""
+    """A pretend peer behind a gate: ``up`` says how it answers calls and
+    probes; counts the calls and probes made and the most in flight."""
 
-    def __init__(self, gate: Unreachable, delay_s: float = 0.01):
-        self.gate, self.delay_s = gate, delay_s
+    def __init__(self, delay_s: float = 0.01):
+        self.delay_s = delay_s
+        self.gate = Unreachable(self.probe)
         self.up, self.calls, self.now, self.most = False, 0, 0, 0
 
+    async def _reach(self) -> None:
+        self.now += 1
+        self.most = max(self.most, self.now)
+        try:
+            await asyncio.sleep(self.delay_s)
+        finally:
+            self.now -= 1
+
+    async def probe(self, address: str, timeout_s: float) -> str:
+        try:
+            await asyncio.wait_for(self._reach(), timeout_s)
+        except TimeoutError:
+            return NO_OUTCOME
+        return ANSWERED if self.up else f"{address}: UNAVAILABLE: refused"
+
     async def call(self, address: str = "p:1", timeout_s: float = 5.0) -> str:
-        async with self.gate.turn(address, timeout_s) as out:
-            self.calls += 1
-            self.now += 1
-            self.most = max(self.most, self.now)
-            try:
-                await asyncio.sleep(self.delay_s)
-            finally:
-                self.now -= 1
-            if not self.up:
-                out.unavailable(f"{address}: UNAVAILABLE: refused")
-                raise PeerUnavailable(f"{address}: UNAVAILABLE: refused", transient=True)
-            out.answered()
-            return "ok"
+        await self.gate.admit(address, timeout_s)
+        self.calls += 1
+        await self._reach()
+        if not self.up:
+            self.gate.failed(address)
+            raise PeerUnavailable(f"{address}: UNAVAILABLE: refused", transient=True)
+        self.gate.answered(address)
+        return "ok"
 
 
-def test_after_an_unavailable_call_the_next_go_one_at_a_time_and_share_its_failure():
+def test_after_an_unavailable_call_one_probe_at_a_time_goes_and_its_failure_is_shared():
     async def main():
-        gate = Unreachable()
-        fake = _Fake(gate)
+        fake = _Fake()
+        gate = fake.gate
         # Not marked: calls go at once, all of them.
         got = await asyncio.gather(*(fake.call() for _ in range(10)), return_exceptions=True)
         assert all(isinstance(g, PeerUnavailable) for g in got) and fake.calls == 10 and fake.most == 10
-        assert "p:1" in gate
-        # Marked: one goes; the others wait for it and fail with its error, sending nothing.
+        assert "p:1" in gate and gate.probes == 0
+        # Marked: one probe goes; the callers wait for it and fail with its error, sending nothing.
         fake.calls = fake.most = 0
         got = await asyncio.gather(*(fake.call() for _ in range(200)), return_exceptions=True)
         assert all(isinstance(g, PeerUnavailable) and g.transient for g in got), got[:3]
-        assert fake.calls == 1 and fake.most == 1, (fake.calls, fake.most)
+        assert fake.calls == 0 and gate.probes == 1 and fake.most == 1, (fake.calls, gate.probes, fake.most)
         shared = [g for g in got if "not sent again" in str(g)]
         assert len(shared) == 199 and gate.shared_failures == 199
         assert str(shared[0]).startswith("p:1: UNAVAILABLE: refused (not sent again")
@@ -73,29 +88,25 @@ def test_after_an_unavailable_call_the_next_go_one_at_a_time_and_share_its_failu
     asyncio.run(main())
 
 
-def test_a_peer_that_answers_again_is_unmarked_and_its_callers_all_go():
+def test_a_peer_that_answers_again_is_unmarked_and_its_callers_all_go_at_once():
     async def main():
-        gate = Unreachable()
-        fake = _Fake(gate)
+        fake = _Fake()
         with pytest.raises(PeerUnavailable):
             await fake.call()
-        fake.up = True  # it came back: the one call in flight finds it, no timer waited for
+        fake.up = True  # it came back: the next probe finds it, no timer waited for
         fake.calls = fake.most = 0
-        t0 = time.monotonic()
         got = await asyncio.gather(*(fake.call() for _ in range(50)))
-        assert got == ["ok"] * 50 and "p:1" not in gate
-        assert fake.calls == 50 and fake.most == 49  # the first alone, then the 49 that waited at once
-        assert time.monotonic() - t0 < 2.0
+        assert got == ["ok"] * 50 and "p:1" not in fake.gate
+        assert fake.gate.probes == 1 and fake.calls == 50 and fake.most == 50  # one probe, then all the calls
 
     asyncio.run(main())
 
 
-def test_a_call_that_ends_without_an_outcome_passes_the_turn_to_the_next():
-    """Cancelled with its load, or a local error: its waiters do not fail
-    with it; the next one makes its own call."""
+def test_a_probe_that_ends_without_an_outcome_passes_the_turn_to_the_next():
+    """A probe cancelled with its caller, or past its timeout: its waiters do
+    not fail with it; the next one probes."""
     async def main():
-        gate = Unreachable()
-        fake = _Fake(gate, delay_s=0.2)
+        fake = _Fake(delay_s=0.2)
         with pytest.raises(PeerUnavailable):
             await fake.call()
         first = asyncio.ensure_future(fake.call())
@@ -105,65 +116,67 @@ def test_a_call_that_ends_without_an_outcome_passes_the_turn_to_the_next():
         first.cancel()
         fake.up = True
         assert await waiting == "ok"
-        assert fake.calls == 3 and "p:1" not in gate
-
-        # A local error with no outcome said: still marked, the next goes.
-        fake.up = False
-        with pytest.raises(PeerUnavailable):
-            await fake.call()
-        with pytest.raises(RuntimeError):
-            async with gate.turn("p:1", 1.0):
-                raise RuntimeError("a local failure")
-        assert "p:1" in gate
-        calls = fake.calls
-        with pytest.raises(PeerUnavailable, match="UNAVAILABLE: refused$"):  # its own call, not a shared failure
-            await fake.call()
-        assert fake.calls == calls + 1
+        assert fake.gate.probes == 2 and "p:1" not in fake.gate
 
     asyncio.run(main())
 
 
-def test_a_waiter_gives_up_at_its_own_timeout_while_the_call_in_flight_hangs():
+def test_a_caller_gives_up_at_its_own_timeout_while_the_probe_hangs():
     async def main():
-        gate = Unreachable()
-        fake = _Fake(gate)
+        fake = _Fake()
         with pytest.raises(PeerUnavailable):
             await fake.call()
         fake.delay_s = 5.0
         hung = asyncio.ensure_future(fake.call())
         await asyncio.sleep(0.05)
         t0 = time.monotonic()
-        with pytest.raises(PeerUnavailable, match="did not end within 0.2 s") as e:
+        with pytest.raises(PeerUnavailable, match="no probe of it ended within 0.2 s") as e:
             await fake.call(timeout_s=0.2)
         assert e.value.transient and 0.15 < time.monotonic() - t0 < 2.0
+        hung.cancel()
+        await asyncio.gather(hung, return_exceptions=True)
+        assert "p:1" in fake.gate  # still marked: nothing said the peer is back
+
+    asyncio.run(main())
+
+
+def test_marked_addresses_are_bounded_oldest_first_even_beside_a_probe_in_flight():
+    """An engine names addresses at will: at most ``max_addresses`` kept,
+    whatever probe is in flight (one held open must not stop the bound)."""
+    async def main():
+        fake = _Fake(delay_s=0)
+        gate = fake.gate = Unreachable(fake.probe, max_addresses=8)
+        with pytest.raises(PeerUnavailable):
+            await fake.call("hung:1")
+        fake.delay_s = 5.0
+        hung = asyncio.ensure_future(fake.call("hung:1"))  # its probe stays in flight
+        await asyncio.sleep(0.05)
+        fake.delay_s = 0
+        for i in range(1000):
+            with pytest.raises(PeerUnavailable):
+                await fake.call(f"10.0.0.{i}:1")
+        assert len(gate) == 8 and "hung:1" in gate and "10.0.0.999:1" in gate and "10.0.0.992:1" not in gate
         hung.cancel()
         await asyncio.gather(hung, return_exceptions=True)
 
     asyncio.run(main())
 
 
-def test_marked_addresses_are_bounded_oldest_first():
-    """An engine names addresses at will: at most ``max_addresses`` kept."""
-    async def main():
-        gate = Unreachable(max_addresses=8)
-        fake = _Fake(gate, delay_s=0)
-        for i in range(100):
-            with pytest.raises(PeerUnavailable):
-                await fake.call(f"10.0.0.{i}:1")
-        assert len(gate) == 8 and "10.0.0.99:1" in gate and "10.0.0.91:1" not in gate
-
-    asyncio.run(main())
-
-
 class _Stopping(pb_grpc.PeerServiceServicer):
     """A peer daemon that answers every Claim UNAVAILABLE after ``delay_s``
-    (as a draining daemon does), or answers it when ``up``; counts calls
-    and the most in flight."""
+    with its health NOT_SERVING (as a draining daemon does), or answers it
+    when ``up``; counts calls and the most in flight."""
 
-    def __init__(self, delay_s: float = 0.02):
-        self.delay_s, self.up = delay_s, False
+    def __init__(self, health, delay_s: float = 0.02):
+        self.health, self.delay_s = health, delay_s
         self.calls = self.now = self.most = 0
         self.lock = threading.Lock()
+        self.set_up(False)
+
+    def set_up(self, up: bool) -> None:
+        self.up = up
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING if up else
+                        health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def Claim(self, request, context):
         with self.lock:
@@ -180,10 +193,12 @@ class _Stopping(pb_grpc.PeerServiceServicer):
         return pb.ClaimResponse()
 
 
-def test_peer_client_sends_one_claim_at_a_time_to_a_peer_that_answered_unavailable():
-    servicer = _Stopping()
+def test_peer_client_probes_a_peer_that_answered_unavailable_before_its_claims_go():
+    health = HealthServicer()
+    servicer = _Stopping(health)
     server = grpc.server(ThreadPoolExecutor(max_workers=16))
     pb_grpc.add_PeerServiceServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
     address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     server.start()
 
@@ -196,20 +211,24 @@ def test_peer_client_sends_one_claim_at_a_time_to_a_peer_that_answered_unavailab
         try:
             with pytest.raises(PeerUnavailable, match="draining"):
                 await claim(0)
+            assert address in client.unreachable
+            # Draining: its probe says NOT_SERVING; no claim is sent.
             servicer.calls = servicer.most = 0
             got = await asyncio.gather(*(claim(i) for i in range(100)), return_exceptions=True)
-            assert all(isinstance(g, PeerUnavailable) and "draining" in str(g) for g in got), got[:3]
-            assert servicer.calls == 1 and servicer.most == 1, (servicer.calls, servicer.most)
-            servicer.up = True  # back: every caller goes again, at once
-            servicer.calls = servicer.most = 0
+            assert all(isinstance(g, PeerUnavailable) and "NOT_SERVING" in str(g) for g in got), got[:3]
+            assert servicer.calls == 0 and client.unreachable.probes == 1, (servicer.calls, client.unreachable.probes)
+            # Back: one probe finds it, and every caller goes, at once.
+            servicer.set_up(True)
             got = await asyncio.gather(*(claim(i) for i in range(20)), return_exceptions=True)
             assert got == [None] * 20 and address not in client.unreachable
-            assert servicer.calls == 20 and servicer.most > 1
-            # A refused connection marks the address too; the long polls and pushes are not gated.
+            assert servicer.calls == 20 and servicer.most > 1 and client.unreachable.probes == 2
+            # A refused connection marks its address too, and its probe is refused.
             dead = closed_address()
-            with pytest.raises(PeerUnavailable, match="UNAVAILABLE"):
-                await client.claim(dead, "p", 0, "x", [[1]], 0.0, 5.0)
-            assert dead in client.unreachable
+            for _ in range(2):
+                with pytest.raises(PeerUnavailable, match="UNAVAILABLE"):
+                    await client.claim(dead, "p", 0, "x", [[1]], 0.0, 5.0)
+                assert dead in client.unreachable
+            assert client.unreachable.probes == 3
         finally:
             await client.close()
 

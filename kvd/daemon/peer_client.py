@@ -14,6 +14,7 @@ import time
 
 import grpc
 from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2
 
 from kvd import __version__
 from kvd.addresses import is_wildcard
@@ -36,11 +37,19 @@ from kvd.daemon.convert import (
 from kvd.daemon import wire_shape
 from kvd.daemon.peer_auth import PeerAuth, PeerAuthError
 from kvd.daemon.peer_local import DialRefused, dial_address
-from kvd.daemon.unreachable import Outcome, Unreachable
+from kvd.daemon import unreachable
+from kvd.daemon.unreachable import Unreachable
 from kvd.requests import LeaseRenewal, RenewResult
 from kvd.v1 import kvd_pb2 as pb
 
 SERVICE = "/kvd.v1.PeerService/"
+#: The peer port's gRPC health check (an empty HealthCheckRequest: the server as a whole).
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+#: A probe of a peer that did not answer waits at most this long, seconds.
+PROBE_TIMEOUT_S = 2.0
+#: Codes that say nothing of whether the peer is there (kvd.daemon.unreachable).
+_NO_OUTCOME = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+                         grpc.StatusCode.INTERNAL})
 
 
 def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list:
@@ -133,11 +142,15 @@ class PeerClient:
         # the new daemon at once (seen: "Connection refused" after it was up).
         self._poll_channels: dict[str, grpc.aio.Channel] = {}
         self._closing: set[asyncio.Task] = set()
-        #: addresses that did not answer: one call at a time to each (kvd.daemon.unreachable)
-        self.unreachable = Unreachable(BOUNDS.max_peer_channels)
+        #: addresses that did not answer: one probe at a time of each (kvd.daemon.unreachable)
+        self.unreachable = Unreachable(self._probe, BOUNDS.max_peer_channels)
         self.auth = auth or PeerAuth()
         self.insecure = insecure
-        self.options = channel_options(max_message_bytes)
+        # A subchannel of its own per channel, as the polls': from gRPC's
+        # global pool a new channel to a restarted peer took over the old
+        # connection's reconnect back-off ("Connection refused" for 1-2.6 s
+        # after the peer was back, review of the unreachable-peer gate).
+        self.options = [*channel_options(max_message_bytes), ("grpc.use_local_subchannel_pool", 1)]
         # A poll's answer is bounded by the source (kvd.core.hold_feed): one
         # larger is refused by gRPC before it is parsed (a hostile source's
         # answer was parsed and converted up to the 64 MiB message cap).
@@ -166,27 +179,28 @@ class PeerClient:
 
         Sent and received as bytes: the token's MAC covers the request's bytes
         and the callee's proof the answer's, checked before it is parsed.
-        ``poll``: on the long polls' own channel to ``address``."""
-        if poll or name == "Push":  # not gated (kvd.daemon.unreachable)
-            return await self._call_now(address, name, request, timeout_s, poll, None)
-        started = time.monotonic()
-        async with self.unreachable.turn(address, timeout_s) as outcome:
-            return await self._call_now(address, name, request, timeout_s - (time.monotonic() - started), poll,
-                                        outcome)
+        ``poll``: on the long polls' own channel to ``address``. ``request``:
+        the message, or a function of the seconds left once the call may go
+        that makes it (a claim's wait at the source).
 
-    async def _call_now(self, address: str, name: str, request, timeout_s: float, poll: bool,
-                        outcome: Outcome | None):
-        """:meth:`_call` once its turn came; ``outcome`` (None: not gated)
-        is told whether the peer answered."""
+        Calls other than polls and pushes to an address whose last call
+        failed ``UNAVAILABLE`` wait for a probe of it first
+        (:mod:`kvd.daemon.unreachable`); every call's outcome marks or
+        unmarks its address.
+        """
+        if not poll and name != "Push" and address in self.unreachable:
+            started = time.monotonic()
+            await self.unreachable.admit(address, timeout_s)
+            timeout_s = max(0.01, timeout_s - (time.monotonic() - started))
+        if callable(request):
+            request = request(timeout_s)
         body = request.SerializeToString()
         md, proof = self.auth.call_metadata(SERVICE + name, address, body)
         pool = self._poll_channels if poll else self._channels
         try:
-            call = self._channel(address, pool).unary_unary(SERVICE + name)(body, timeout=max(0.01, timeout_s),
-                                                                             metadata=md)
+            call = self._channel(address, pool).unary_unary(SERVICE + name)(body, timeout=timeout_s, metadata=md)
             raw = await call
-            if outcome is not None:
-                outcome.answered()
+            self.unreachable.answered(address)
             self.auth.check_proof(await call.trailing_metadata(), proof, raw)
             answer = getattr(pb, f"{name}Response")
             # The answering server may be anything a load names (kv_transfer_params):
@@ -194,14 +208,12 @@ class PeerClient:
             wire_shape.check(raw, answer.DESCRIPTOR, self._answer_shape(answer.DESCRIPTOR))
             return answer.FromString(raw)
         except grpc.aio.AioRpcError as e:
-            err = _error(address, e)
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 self._forget(address, pool)
-                if outcome is not None:
-                    outcome.unavailable(str(err))
-            elif outcome is not None and e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-                outcome.answered()  # the peer's own error: it is there
-            raise err from None
+                self.unreachable.failed(address)
+            elif e.code() not in _NO_OUTCOME:
+                self.unreachable.answered(address)  # the peer's own error: it is there
+            raise _error(address, e) from None
         except PeerAuthError as e:
             raise ev.PeerUnavailable(f"{address}: {e}") from None
         except DecodeError as e:
@@ -210,6 +222,28 @@ class PeerClient:
             if name == "Holds":  # as its counts past the bounds (_check_holds): a broken or hostile source
                 raise BadAnswer(f"answer refused: {e}") from None
             raise ev.PeerUnavailable(f"{address}: {name} answer refused: {e}") from None
+
+    async def _probe(self, address: str, timeout_s: float) -> str:
+        """Whether the peer at ``address`` (marked: its last call failed
+        ``UNAVAILABLE``) is back: its gRPC health check, which a daemon
+        answers at once, within ``timeout_s`` seconds (at most
+        ``PROBE_TIMEOUT_S``). Any answer but NOT_SERVING (a draining
+        daemon's, whose calls fail ``UNAVAILABLE``), a refusal included, says
+        it is back; see :data:`kvd.daemon.unreachable.Probe`."""
+        try:
+            raw = await self._channel(address, self._channels).unary_unary(HEALTH_CHECK)(
+                b"", timeout=max(0.01, min(timeout_s, PROBE_TIMEOUT_S)))
+            status = health_pb2.HealthCheckResponse.FromString(raw).status
+            if status == health_pb2.HealthCheckResponse.NOT_SERVING:  # draining: its calls answer UNAVAILABLE
+                return f"{address}: UNAVAILABLE: its health is NOT_SERVING (draining, or failed)"
+            return unreachable.ANSWERED
+        except DecodeError:
+            return unreachable.ANSWERED  # something answered there
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                self._forget(address, self._channels)
+                return f"{address}: UNAVAILABLE: {e.details()}"
+            return unreachable.NO_OUTCOME if e.code() in _NO_OUTCOME else unreachable.ANSWERED
 
     async def handshake(self, address: str, engine_id: str, tp_rank: int, compat_hash: str,
                         timeout_s: float) -> HandshakeResult:
@@ -338,10 +372,18 @@ class PeerClient:
     async def claim(self, address: str, engine_id: str, tp_rank: int, request_id: str, groups,
                     wait_s: float, timeout_s: float) -> None:
         """Returns once ``address``'s worker holds ``groups`` for ``request_id``
-        (``kvd.core.holds.Holds.claim``); PermissionDenied when it does not."""
-        req = pb.ClaimRequest(engine_id=engine_id, tp_rank=tp_rank, request_id=request_id,
-                              groups=groups_to_pb(groups), wait_s=wait_s)
-        await self._call(address, "Claim", req, timeout_s)
+        (``kvd.core.holds.Holds.claim``); PermissionDenied when it does not.
+        ``wait_s`` is cut to the call's time left, less 0.1 s, when it goes:
+        a claim that first waited for a probe of its address
+        (:meth:`_call`) must not ask the source to wait past its own
+        deadline (the answer would be a timeout, not ``not_held``)."""
+        pb_groups = groups_to_pb(groups)
+
+        def request(left_s: float) -> pb.ClaimRequest:
+            return pb.ClaimRequest(engine_id=engine_id, tp_rank=tp_rank, request_id=request_id, groups=pb_groups,
+                                   wait_s=min(wait_s, max(0.0, left_s - 0.1)))
+
+        await self._call(address, "Claim", request, timeout_s)
 
     async def holds(self, address: str, engine_id: str, epoch: str, after: int, wait_s: float,
                     timeout_s: float) -> HoldsAnswer:

@@ -1,8 +1,8 @@
-"""Peer addresses that did not answer: one call at a time to each.
+"""Peer addresses that did not answer: one probe at a time, not a call a load.
 
 A decode engine whose prefill node died keeps naming that node's address in
 its loads until its router notices, each load failing at once. Before this
-gate every such load made a call of its own there (a claim, a handshake),
+gate every such load made calls of its own there (a claim, a handshake),
 each on a fresh gRPC channel (``PeerClient`` drops a channel whose peer was
 unavailable, so that a restarted peer is dialed anew): with 512 loads in
 flight, gRPC's per-call work piled up faster than it ended, the daemon's
@@ -11,67 +11,57 @@ RSS grew ~20 MiB a second, and its gRPC servers (health on both ports,
 (attacker review, measured with ``kvd health`` beside such a flood).
 
 Once a call to an address fails ``UNAVAILABLE`` (nothing accepted the
-connection, or the peer is stopping), the next calls to it go one at a
-time: the first made while no other is in flight is sent, and the others
-wait for its outcome within their own timeouts. If it fails again, they
-fail with its error and send nothing; if the peer answered (anything but
-``UNAVAILABLE`` or ``DEADLINE_EXCEEDED``), the address is unmarked and
-they go on as usual. So a dead address costs one call at a time whatever
-the load rate, and a peer that comes back is found by the next call, not
-after a fixed pause (a restarted prefill daemon's first load waits for no
-timer). The long polls of followed holds and pushes are not gated (one
-poll per source, its own back-off; a push's callee is checked first).
+connection, or the peer is stopping), the address is marked, and a call
+to it first asks whether the peer is back with a probe (``PeerClient``'s:
+the peer port's gRPC health check, which the peer answers at once), one
+probe at a time: the other callers wait for its outcome within their own
+timeouts. A probe that fails ``UNAVAILABLE`` fails them all with its error,
+and they send nothing; one the peer answered (anything but ``UNAVAILABLE``,
+a timeout or a cancellation) unmarks the address and they all go on. So a
+dead address costs one probe at a time whatever the load rate, a peer that
+comes back is found by the next call (no pause to wait out), and no caller
+waits behind another's long call (a claim may wait seconds for its hold at
+the source: a review measured a 5 s stall of every engine's calls when the
+real call was the one in flight).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
+from typing import Awaitable, Callable
 
 from kvd.core import events as ev
 
-#: A waiter's view of the call in flight: it ended without saying whether
-#: the peer is up (cancelled with its load, a timeout, a local error).
-_NO_OUTCOME = object()
-#: The peer answered: the address is no longer marked.
-_ANSWERED = object()
+#: A probe's outcome for its waiters: the peer answered (the address is unmarked).
+ANSWERED = "answered"
+#: A probe's outcome for its waiters: none (a timeout, cancelled with its
+#: caller); the next waiter probes again.
+NO_OUTCOME = "no outcome"
 
-
-class Outcome:
-    """What the one call of a :meth:`Unreachable.turn` learnt about its peer;
-    the caller says it with :meth:`answered` or :meth:`unavailable`
-    (neither: no outcome, the next waiter makes its own call)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self) -> None:
-        self.value: object = _NO_OUTCOME
-
-    def answered(self) -> None:
-        """The peer answered (a result, or an error of its own)."""
-        self.value = _ANSWERED
-
-    def unavailable(self, message: str) -> None:
-        """The call failed ``UNAVAILABLE``: ``message`` is its error, which
-        the calls waiting for this one fail with."""
-        self.value = message
+#: ``probe(address, timeout_s)``: ANSWERED, NO_OUTCOME, or the error of an
+#: ``UNAVAILABLE`` (a ``str`` starting with the address).
+Probe = Callable[[str, float], Awaitable[str]]
 
 
 class Unreachable:
     """The addresses whose last call failed ``UNAVAILABLE`` (at most
-    ``max_addresses``, the least recently marked dropped first: an engine
-    names addresses at will), each with its call in flight.
+    ``max_addresses``, the least recently marked without a probe in flight
+    dropped first: an engine names addresses at will), each with its probe
+    in flight. Event loop only.
 
-    Event loop only.
+    Attributes:
+        shared_failures: callers failed with another's probe's error.
+        probes: probes sent.
     """
 
-    def __init__(self, max_addresses: int = 256):
+    def __init__(self, probe: Probe, max_addresses: int = 256):
+        self.probe = probe
         self.max_addresses = max_addresses
-        # address -> the future of its call in flight (None: none now)
+        # address -> its probe in flight (None: none now); oldest first
         self._marked: dict[str, asyncio.Future | None] = {}
-        #: calls that waited for another's outcome and failed with it (a metric of the flood)
         self.shared_failures = 0
+        self.probes = 0
 
     def __contains__(self, address: str) -> bool:
         return address in self._marked
@@ -79,59 +69,71 @@ class Unreachable:
     def __len__(self) -> int:
         return len(self._marked)
 
-    @contextlib.asynccontextmanager
-    async def turn(self, address: str, timeout_s: float):
-        """Waits until a call to ``address`` may go, then yields an
-        :class:`Outcome` for the caller to fill. An address not marked
-        yields at once (no bookkeeping: the steady state's cost is a dict
-        lookup).
+    def failed(self, address: str) -> None:
+        """A call to ``address`` failed ``UNAVAILABLE``: it is marked (again:
+        newest last)."""
+        busy = self._marked.pop(address, None)
+        self._marked[address] = busy
+        if len(self._marked) > self.max_addresses:
+            # Oldest first, skipping those with a probe in flight (their
+            # waiters hold them; a probe ends within its timeout).
+            for old in [a for a, f in self._marked.items() if f is None][:len(self._marked) - self.max_addresses]:
+                del self._marked[old]
+
+    def answered(self, address: str) -> None:
+        """The peer at ``address`` answered a call: no longer marked."""
+        if self._marked:
+            self._marked.pop(address, None)
+
+    async def admit(self, address: str, timeout_s: float) -> None:
+        """Returns when a call to ``address`` may go: at once when it is not
+        marked (a dict lookup), else once a probe found its peer answering
+        (this caller's own probe when none is in flight).
 
         Raises:
-            PeerUnavailable (transient): the call in flight to ``address``
-                failed ``UNAVAILABLE`` meanwhile (its error, said to be
-                shared), or did not end within ``timeout_s`` seconds.
+            PeerUnavailable (transient): the probe failed ``UNAVAILABLE``
+                (its error; said to be shared when it was another's), or
+                no probe ended within ``timeout_s`` seconds.
         """
-        out = Outcome()
-        mine = None
-        if address in self._marked:
-            deadline = time.monotonic() + timeout_s
-            while (busy := self._marked.get(address)) is not None:
-                done, _ = await asyncio.wait((busy,), timeout=max(0.0, deadline - time.monotonic()))
-                if not done:
-                    raise ev.PeerUnavailable(f"{address}: DEADLINE_EXCEEDED: the call to it in flight (it did not "
-                                             f"answer the last one) did not end within {timeout_s:.1f} s",
-                                             transient=True)
-                value = busy.result()
-                if isinstance(value, str):
+        if address not in self._marked:
+            return
+        deadline = time.monotonic() + timeout_s
+        while address in self._marked:
+            busy = self._marked[address]
+            left = deadline - time.monotonic()
+            if busy is None:  # marked, no probe in flight: this caller's
+                outcome = await self._probe(address, max(0.0, left))
+                if outcome not in (ANSWERED, NO_OUTCOME):
+                    raise ev.PeerUnavailable(outcome, transient=True)
+            else:
+                done, _ = await asyncio.wait((busy,), timeout=max(0.0, left))
+                if done and busy.result() not in (ANSWERED, NO_OUTCOME):
                     self.shared_failures += 1
-                    raise ev.PeerUnavailable(f"{value} (not sent again: the call in flight to this address failed "
-                                             f"so; one goes at a time to an address that did not answer)",
+                    raise ev.PeerUnavailable(f"{busy.result()} (not sent again: a probe of this address failed so; "
+                                             f"one goes at a time to an address that did not answer)",
                                              transient=True)
-                # answered (unmarked now), or no outcome (this one may go): look again
-            if address in self._marked:  # marked, no call in flight: this one is it
-                mine = asyncio.get_running_loop().create_future()
-                self._marked[address] = mine
-        try:
-            yield out
-        finally:
-            self._settle(address, out, mine)
+            if address in self._marked and time.monotonic() >= deadline:
+                raise ev.PeerUnavailable(f"{address}: DEADLINE_EXCEEDED: it did not answer a call, and no probe "
+                                         f"of it ended within {timeout_s:.1f} s", transient=True)
 
-    def _settle(self, address: str, out: Outcome, mine: asyncio.Future | None) -> None:
-        """Records what a call to ``address`` learnt (``mine``: the future
-        its waiters wait on, None when it went unmarked)."""
-        value = out.value
-        if value is _ANSWERED:
-            self._marked.pop(address, None)
-        elif isinstance(value, str):
-            if self._marked.get(address) is mine or address not in self._marked:
+    async def _probe(self, address: str, timeout_s: float) -> str:
+        """This caller's probe of marked ``address``; its outcome is recorded
+        and handed to the callers waiting for it."""
+        mine = asyncio.get_running_loop().create_future()
+        self._marked[address] = mine
+        self.probes += 1
+        outcome = NO_OUTCOME
+        try:
+            outcome = await self.probe(address, timeout_s)
+        finally:
+            now = self._marked.get(address)
+            if outcome == ANSWERED:
                 self._marked.pop(address, None)
-                self._marked[address] = None  # newest last: the oldest goes first past the bound
-                while len(self._marked) > self.max_addresses:
-                    old = next(iter(self._marked))
-                    if self._marked[old] is not None:  # its call still runs: keep it (bounded by callers)
-                        break
-                    del self._marked[old]
-        elif mine is not None and self._marked.get(address) is mine:
-            self._marked[address] = None  # no outcome: still marked, no call in flight
-        if mine is not None and not mine.done():
-            mine.set_result(value)
+            elif outcome == NO_OUTCOME:
+                if now is mine:  # still marked, no probe in flight (a call may have unmarked it meanwhile)
+                    self._marked[address] = None
+            elif now is mine or address not in self._marked:
+                self._marked.pop(address, None)
+                self.failed(address)
+            mine.set_result(outcome)
+        return outcome
