@@ -24,7 +24,7 @@ from grpc_health.v1.health import HealthServicer
 from kvd.core.events import PeerUnavailable
 from kvd.daemon.peer_auth import PeerAuth
 from kvd.daemon.peer_client import PeerClient
-from kvd.daemon.unreachable import ANSWERED, NO_OUTCOME, Unreachable
+from kvd.daemon.unreachable import ANSWERED, NO_OUTCOME, PROBE_GAP_S, Unreachable
 from kvd.testing.fakes import closed_address
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
@@ -162,6 +162,46 @@ def test_marked_addresses_are_bounded_oldest_first_even_beside_a_probe_in_flight
     asyncio.run(main())
 
 
+def test_probes_of_an_address_are_spaced_whatever_they_answer():
+    """A peer whose health check answers at once with a code that says
+    nothing was probed back to back, ~1,200-2,500 times a second (review):
+    probes of an address are now at least PROBE_GAP_S apart, and a caller
+    within the gap after a failed one fails with its error, sending nothing."""
+    async def main():
+        probes = []
+
+        async def quiet(address: str, timeout_s: float) -> str:
+            probes.append(time.monotonic())
+            return NO_OUTCOME
+
+        gate = Unreachable(quiet)
+        gate.failed("p:1")
+        with pytest.raises(PeerUnavailable, match="no probe of it ended within 0.5 s"):
+            await gate.admit("p:1", 0.5)
+        assert 2 <= len(probes) <= 0.5 / PROBE_GAP_S + 2, len(probes)
+        assert min(b - a for a, b in zip(probes, probes[1:])) >= PROBE_GAP_S * 0.9
+
+        async def refused(address: str, timeout_s: float) -> str:
+            probes.append(time.monotonic())
+            return f"{address}: UNAVAILABLE: refused"
+
+        gate = Unreachable(refused)
+        gate.failed("p:1")
+        probes.clear()
+        with pytest.raises(PeerUnavailable, match="refused$"):
+            await gate.admit("p:1", 5.0)
+        for _ in range(100):  # within the gap: its error, no probe
+            with pytest.raises(PeerUnavailable, match="a probe of this address failed so"):
+                await gate.admit("p:1", 5.0)
+        assert len(probes) == 1 and gate.shared_failures == 100
+        await asyncio.sleep(PROBE_GAP_S)
+        with pytest.raises(PeerUnavailable, match="refused$"):
+            await gate.admit("p:1", 5.0)
+        assert len(probes) == 2
+
+    asyncio.run(main())
+
+
 class _Stopping(pb_grpc.PeerServiceServicer):
     """A peer daemon that answers every Claim UNAVAILABLE after ``delay_s``
     with its health NOT_SERVING (as a draining daemon does), or answers it
@@ -217,8 +257,10 @@ def test_peer_client_probes_a_peer_that_answered_unavailable_before_its_claims_g
             got = await asyncio.gather(*(claim(i) for i in range(100)), return_exceptions=True)
             assert all(isinstance(g, PeerUnavailable) and "NOT_SERVING" in str(g) for g in got), got[:3]
             assert servicer.calls == 0 and client.unreachable.probes == 1, (servicer.calls, client.unreachable.probes)
-            # Back: one probe finds it, and every caller goes, at once.
+            # Back: once PROBE_GAP_S has passed since the last probe, one
+            # probe finds it, and every caller goes, at once.
             servicer.set_up(True)
+            await asyncio.sleep(PROBE_GAP_S)
             got = await asyncio.gather(*(claim(i) for i in range(20)), return_exceptions=True)
             assert got == [None] * 20 and address not in client.unreachable
             assert servicer.calls == 20 and servicer.most > 1 and client.unreachable.probes == 2
@@ -228,6 +270,7 @@ def test_peer_client_probes_a_peer_that_answered_unavailable_before_its_claims_g
                 with pytest.raises(PeerUnavailable, match="UNAVAILABLE"):
                     await client.claim(dead, "p", 0, "x", [[1]], 0.0, 5.0)
                 assert dead in client.unreachable
+                await asyncio.sleep(PROBE_GAP_S)
             assert client.unreachable.probes == 3
         finally:
             await client.close()

@@ -228,11 +228,16 @@ class PeerClient:
         ``UNAVAILABLE``) is back: its gRPC health check, which a daemon
         answers at once, within ``timeout_s`` seconds (at most
         ``PROBE_TIMEOUT_S``). Any answer but NOT_SERVING (a draining
-        daemon's, whose calls fail ``UNAVAILABLE``), a refusal included, says
-        it is back; see :data:`kvd.daemon.unreachable.Probe`."""
+        daemon's, whose calls fail ``UNAVAILABLE``, or one that lost its
+        CUDA context: a restart follows either), a refusal included, says it
+        is back; UNAVAILABLE, and UNKNOWN, INTERNAL, CANCELLED or a
+        DEADLINE_EXCEEDED sent before this side's deadline (a peer or a
+        proxy failing) fail it; this side's own deadline is no outcome. See
+        :data:`kvd.daemon.unreachable.Probe`."""
+        timeout_s = max(0.01, min(timeout_s, PROBE_TIMEOUT_S))
+        started = time.monotonic()
         try:
-            raw = await self._channel(address, self._channels).unary_unary(HEALTH_CHECK)(
-                b"", timeout=max(0.01, min(timeout_s, PROBE_TIMEOUT_S)))
+            raw = await self._channel(address, self._channels).unary_unary(HEALTH_CHECK)(b"", timeout=timeout_s)
             status = health_pb2.HealthCheckResponse.FromString(raw).status
             if status == health_pb2.HealthCheckResponse.NOT_SERVING:  # draining: its calls answer UNAVAILABLE
                 return f"{address}: UNAVAILABLE: its health is NOT_SERVING (draining, or failed)"
@@ -240,10 +245,15 @@ class PeerClient:
         except DecodeError:
             return unreachable.ANSWERED  # something answered there
         except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
+            code = e.code()
+            if code == grpc.StatusCode.UNAVAILABLE:
                 self._forget(address, self._channels)
                 return f"{address}: UNAVAILABLE: {e.details()}"
-            return unreachable.NO_OUTCOME if e.code() in _NO_OUTCOME else unreachable.ANSWERED
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - started >= 0.9 * timeout_s:
+                return unreachable.NO_OUTCOME  # this side's own deadline: it said nothing
+            if code in _NO_OUTCOME:  # at once, from there: a peer, or a proxy in front of it, failing
+                return f"{address}: {code.name}: {e.details()} (its health check)"
+            return unreachable.ANSWERED
 
     async def handshake(self, address: str, engine_id: str, tp_rank: int, compat_hash: str,
                         timeout_s: float) -> HandshakeResult:

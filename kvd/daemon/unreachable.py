@@ -15,11 +15,11 @@ connection, or the peer is stopping), the address is marked, and a call
 to it first asks whether the peer is back with a probe (``PeerClient``'s:
 the peer port's gRPC health check, which the peer answers at once), one
 probe at a time: the other callers wait for its outcome within their own
-timeouts. A probe that fails ``UNAVAILABLE`` fails them all with its error,
-and they send nothing; one the peer answered (anything but ``UNAVAILABLE``,
-a timeout or a cancellation) unmarks the address and they all go on. So a
-dead address costs one probe at a time whatever the load rate, a peer that
-comes back is found by the next call (no pause to wait out), and no caller
+timeouts. A probe that fails fails them all with its error, and they send
+nothing; one the peer answered unmarks the address and they all go on. So a
+dead address costs one probe at a time, at most one each ``PROBE_GAP_S``
+(callers in between fail with the last probe's error), whatever the load
+rate; a peer that comes back is found by the next call, and no caller
 waits behind another's long call (a claim may wait seconds for its hold at
 the source: a review measured a 5 s stall of every engine's calls when the
 real call was the one in flight).
@@ -39,9 +39,16 @@ ANSWERED = "answered"
 #: caller); the next waiter probes again.
 NO_OUTCOME = "no outcome"
 
-#: ``probe(address, timeout_s)``: ANSWERED, NO_OUTCOME, or the error of an
-#: ``UNAVAILABLE`` (a ``str`` starting with the address).
+#: ``probe(address, timeout_s)``: ANSWERED, NO_OUTCOME, or the error of a
+#: failed probe (a ``str`` starting with the address).
 Probe = Callable[[str, float], Awaitable[str]]
+
+#: Seconds between the end of a probe of an address and the next: a caller
+#: in that gap after a failed probe fails with its error at once, and after
+#: one with no outcome waits for the gap's end. Without it a peer that
+#: answered its health check at once with a code saying nothing (UNKNOWN)
+#: was probed back to back, ~1,200-2,500 times a second (review).
+PROBE_GAP_S = 0.05
 
 
 class Unreachable:
@@ -60,6 +67,8 @@ class Unreachable:
         self.max_addresses = max_addresses
         # address -> its probe in flight (None: none now); oldest first
         self._marked: dict[str, asyncio.Future | None] = {}
+        # address (marked) -> (monotonic end, outcome) of its last probe
+        self._last: dict[str, tuple[float, str]] = {}
         self.shared_failures = 0
         self.probes = 0
 
@@ -79,11 +88,13 @@ class Unreachable:
             # waiters hold them; a probe ends within its timeout).
             for old in [a for a, f in self._marked.items() if f is None][:len(self._marked) - self.max_addresses]:
                 del self._marked[old]
+                self._last.pop(old, None)
 
     def answered(self, address: str) -> None:
         """The peer at ``address`` answered a call: no longer marked."""
         if self._marked:
             self._marked.pop(address, None)
+            self._last.pop(address, None)
 
     async def admit(self, address: str, timeout_s: float) -> None:
         """Returns when a call to ``address`` may go: at once when it is not
@@ -91,20 +102,30 @@ class Unreachable:
         (this caller's own probe when none is in flight).
 
         Raises:
-            PeerUnavailable (transient): the probe failed ``UNAVAILABLE``
-                (its error; said to be shared when it was another's), or
-                no probe ended within ``timeout_s`` seconds.
+            PeerUnavailable (transient): the probe failed (its error; said
+                to be shared when it was another's, or one that ended less
+                than ``PROBE_GAP_S`` ago), or no probe ended within
+                ``timeout_s`` seconds.
         """
         if address not in self._marked:
             return
         deadline = time.monotonic() + timeout_s
         while address in self._marked:
             busy = self._marked[address]
-            left = deadline - time.monotonic()
-            if busy is None:  # marked, no probe in flight: this caller's
-                outcome = await self._probe(address, max(0.0, left))
-                if outcome not in (ANSWERED, NO_OUTCOME):
-                    raise ev.PeerUnavailable(outcome, transient=True)
+            now = time.monotonic()
+            left = deadline - now
+            if busy is None:  # marked, no probe in flight
+                ended, last = self._last.get(address, (-PROBE_GAP_S, NO_OUTCOME))
+                if now - ended < PROBE_GAP_S:
+                    if last not in (ANSWERED, NO_OUTCOME):
+                        self.shared_failures += 1
+                        raise ev.PeerUnavailable(f"{last} (not sent again: a probe of this address failed so "
+                                                 f"{(now - ended) * 1e3:.0f} ms ago)", transient=True)
+                    await asyncio.sleep(min(ended + PROBE_GAP_S - now, max(0.0, left)))
+                else:  # this caller's probe
+                    outcome = await self._probe(address, max(0.0, left))
+                    if outcome not in (ANSWERED, NO_OUTCOME):
+                        raise ev.PeerUnavailable(outcome, transient=True)
             else:
                 done, _ = await asyncio.wait((busy,), timeout=max(0.0, left))
                 if done and busy.result() not in (ANSWERED, NO_OUTCOME):
@@ -126,14 +147,17 @@ class Unreachable:
         try:
             outcome = await self.probe(address, timeout_s)
         finally:
-            now = self._marked.get(address)
+            current = self._marked.get(address)
             if outcome == ANSWERED:
                 self._marked.pop(address, None)
+                self._last.pop(address, None)
             elif outcome == NO_OUTCOME:
-                if now is mine:  # still marked, no probe in flight (a call may have unmarked it meanwhile)
+                if current is mine:  # still marked, no probe in flight (a call may have unmarked it meanwhile)
                     self._marked[address] = None
-            elif now is mine or address not in self._marked:
+                    self._last[address] = (time.monotonic(), outcome)
+            elif current is mine or address not in self._marked:
                 self._marked.pop(address, None)
                 self.failed(address)
+                self._last[address] = (time.monotonic(), outcome)
             mine.set_result(outcome)
         return outcome
