@@ -138,6 +138,9 @@ def test_metrics_count_a_real_transfer(ops):
     assert value(d, "kvd_active_leases") == 0
     assert value(d, "kvd_notifications_dropped_total") == 0  # a series from the start (none dropped)
     assert value(d, "kvd_uptime_seconds") > 0
+    # The unreachable-peer gate's series, from the start (kvd.daemon.unreachable).
+    assert value(d, "kvd_peer_probes_total") >= 0 and value(d, "kvd_peer_calls_not_sent_total") >= 0
+    assert value(d, "kvd_peer_addresses_unanswered") >= 0
     # The stall watch ticks every second from the start.
     assert 0 <= value(d, "kvd_event_loop_tick_age_seconds") < 30
     _until(lambda: value(scrape(ops.dm), "kvd_event_loop_lag_seconds_count") >= 1)

@@ -79,7 +79,7 @@ def test_after_an_unavailable_call_one_probe_at_a_time_goes_and_its_failure_is_s
         assert all(isinstance(g, PeerUnavailable) and g.transient for g in got), got[:3]
         assert fake.calls == 0 and gate.probes == 1 and fake.most == 1, (fake.calls, gate.probes, fake.most)
         shared = [g for g in got if "not sent again" in str(g)]
-        assert len(shared) == 199 and gate.shared_failures == 199
+        assert len(shared) == 199 and gate.not_sent == 200
         assert str(shared[0]).startswith("p:1: UNAVAILABLE: refused (not sent again")
         # Another address is not held up by this one.
         fake.up = True
@@ -193,7 +193,7 @@ def test_probes_of_an_address_are_spaced_whatever_they_answer():
         for _ in range(100):  # within the gap: its error, no probe
             with pytest.raises(PeerUnavailable, match="a probe of this address failed so"):
                 await gate.admit("p:1", 5.0)
-        assert len(probes) == 1 and gate.shared_failures == 100
+        assert len(probes) == 1 and gate.not_sent == 101
         await asyncio.sleep(PROBE_GAP_S)
         with pytest.raises(PeerUnavailable, match="refused$"):
             await gate.admit("p:1", 5.0)
@@ -279,3 +279,23 @@ def test_peer_client_probes_a_peer_that_answered_unavailable_before_its_claims_g
         asyncio.run(main())
     finally:
         server.stop(0.5).wait()
+
+
+def test_the_gates_counts_are_served_as_metrics():
+    """``kvd_peer_addresses_unanswered``, ``kvd_peer_probes_total`` and
+    ``kvd_peer_calls_not_sent_total``, read by a registry as the daemon's
+    metrics server reads them."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    async def main():
+        fake = _Fake(delay_s=0)
+        await asyncio.gather(*(fake.call(f"a:{i}") for i in range(3)), return_exceptions=True)
+        await asyncio.gather(*(fake.call("a:0") for _ in range(5)), return_exceptions=True)
+        return fake.gate
+
+    gate = asyncio.run(main())
+    r = CollectorRegistry()
+    r.register(gate)
+    text = generate_latest(r).decode()
+    assert "kvd_peer_addresses_unanswered 3.0" in text, text
+    assert "kvd_peer_probes_total 1.0" in text and "kvd_peer_calls_not_sent_total 5.0" in text, text

@@ -361,6 +361,7 @@ class Server:
                          max_connections=cfg.max_engine_connections,
                          max_per_uid=cfg.max_engine_connections_per_uid, idle_timeout_s=cfg.engine_idle_timeout_s)
         self.metrics.registry.register(self.gate)
+        self.metrics.registry.register(self.peer_client.unreachable)
         self.fd_channel = FdChannel(fd_socket_path(cfg.engine_socket), policy, self.gate.group)
         self.engine_service = EngineService(self.node, backends=cfg.backends,
                                             callers=self.gate.caller,

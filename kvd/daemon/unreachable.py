@@ -58,7 +58,8 @@ class Unreachable:
     in flight. Event loop only.
 
     Attributes:
-        shared_failures: callers failed with another's probe's error.
+        not_sent: calls failed with a probe's error, sending nothing (the
+            caller's own probe's, or another's).
         probes: probes sent.
     """
 
@@ -69,8 +70,22 @@ class Unreachable:
         self._marked: dict[str, asyncio.Future | None] = {}
         # address (marked) -> (monotonic end, outcome) of its last probe
         self._last: dict[str, tuple[float, str]] = {}
-        self.shared_failures = 0
+        self.not_sent = 0
         self.probes = 0
+
+    def collect(self):
+        """Prometheus collector (``registry.register(gate)``, read in the
+        scrape's thread): ``kvd_peer_addresses_unanswered`` (marked now),
+        ``kvd_peer_probes_total`` and ``kvd_peer_calls_not_sent_total``
+        (calls failed with a probe's error, sending nothing)."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        yield GaugeMetricFamily("kvd_peer_addresses_unanswered", "Peer addresses whose last call failed "
+                                "UNAVAILABLE, each probed before its next calls", value=len(self._marked))
+        yield CounterMetricFamily("kvd_peer_probes", "Probes (the peer port's health check) of peer addresses "
+                                  "that did not answer", value=self.probes)
+        yield CounterMetricFamily("kvd_peer_calls_not_sent", "Peer calls failed with a probe's error instead of "
+                                  "being sent (an address that did not answer)", value=self.not_sent)
 
     def __contains__(self, address: str) -> bool:
         return address in self._marked
@@ -118,18 +133,19 @@ class Unreachable:
                 ended, last = self._last.get(address, (-PROBE_GAP_S, NO_OUTCOME))
                 if now - ended < PROBE_GAP_S:
                     if last not in (ANSWERED, NO_OUTCOME):
-                        self.shared_failures += 1
+                        self.not_sent += 1
                         raise ev.PeerUnavailable(f"{last} (not sent again: a probe of this address failed so "
                                                  f"{(now - ended) * 1e3:.0f} ms ago)", transient=True)
                     await asyncio.sleep(min(ended + PROBE_GAP_S - now, max(0.0, left)))
                 else:  # this caller's probe
                     outcome = await self._probe(address, max(0.0, left))
                     if outcome not in (ANSWERED, NO_OUTCOME):
+                        self.not_sent += 1
                         raise ev.PeerUnavailable(outcome, transient=True)
             else:
                 done, _ = await asyncio.wait((busy,), timeout=max(0.0, left))
                 if done and busy.result() not in (ANSWERED, NO_OUTCOME):
-                    self.shared_failures += 1
+                    self.not_sent += 1
                     raise ev.PeerUnavailable(f"{busy.result()} (not sent again: a probe of this address failed so; "
                                              f"one goes at a time to an address that did not answer)",
                                              transient=True)
