@@ -379,9 +379,10 @@ class Pull:
                 except LayoutError as e:
                     return self._fail(w, req, K.INVALID, f"invalid: {e}")
             # No READ of another engine's blocks without its hold on them (docs/SECURITY.md).
-            if claim is None and unshown:
-                claim = asyncio.ensure_future(self.holds.claim_sources(w, req, unshown, deadline))
-            denied = await claim if claim is not None else None
+            if claim is not None:
+                denied = await claim
+            else:  # sent now, to a source this handshake just paired (or none needed)
+                denied = await self.holds.claim_sources(w, req, unshown, deadline) if unshown else None
             tp.hit(tp.CLAIMED, rid)
             if denied or not self.rt.registered(w):
                 return self._fail(w, req, *(denied or (K.UNREGISTERED, "worker unregistered")))
