@@ -207,9 +207,9 @@ def remove_made_dirs(top: str, parent: str) -> None:
     except OSError:
         mode = 0
     if mode & (stat.S_IWGRP | stat.S_IWOTH):
-        log.info("engine_socket: kept directory %s (made at startup; rmdir it when done): others may write %s, "
-                 "and removed, another user could make %s first and a restarted daemon would refuse it as not its "
-                 "own", top, shared, top)
+        log.info("engine_socket: kept directory %s (made at startup): others may write %s, so the daemon does "
+                 "not remove it (another user could take the name before a restart, which would then refuse it); "
+                 "rmdir it yourself once no daemon will use it", top, shared)
         return
     d = parent
     while True:
