@@ -112,6 +112,54 @@ def test_registering_and_closing_leaves_no_connectivity_watch_on_the_channel(dae
     assert watched == [] and errors == [], (watched, errors)
 
 
+def test_an_engine_that_registers_and_closes_at_once_leaves_no_ucx_error_in_the_daemons_log(daemon):
+    """An engine that registers and unregisters within milliseconds (a
+    replace, a crash at startup), ten times over: the agent's warm-up probe
+    still connecting back to the agent found it gone, and UCX logged
+    ``ERROR connect(...) failed: Connection refused`` and a somaxconn hint
+    (seen in each of 3 runs of 10 before: 2 lines a run). The agent's native
+    part now outlives its close until its wire-up had
+    ``kvd.core.nixl_agent.WIRE_UP_GRACE_S``; every registration still
+    ends (the next one of the same engine id is accepted)."""
+    _, caches = vllm032_cpu_caches(1)
+    for _ in range(10):
+        connect(daemon, "engine-quick", caches).close()
+    time.sleep(2.0)  # past the grace: the deferred agents are destroyed meanwhile
+    client = connect(daemon, "engine-quick", caches)
+    try:
+        st = client.get_stats(timeout_s=10)
+        assert (st.engines, st.quarantined_workers, st.leaked_handles) == (1, 0, 0), st
+    finally:
+        client.close()
+    log = daemon.log_tail(100000)
+    ucx = [line for line in log.splitlines() if " UCX " in line and "ERROR" in line]
+    assert ucx == [], ucx
+
+
+def test_a_closed_agent_outlives_its_close_only_for_the_wire_up_grace_and_only_when_asked():
+    """The deferral itself, on real NIXL agents in this process: an agent
+    closed with ``defer`` right after its warm-up waits in the deferred list
+    until the grace has passed; one closed without it (the agent replaced
+    to stop its READs, whose destruction is what stops them) is destroyed at
+    once; every later call on a closed agent fails either way."""
+    from kvd.core import nixl_agent as na
+
+    na.destroy_deferred(float("inf"))
+    kept, gone = na.NixlAgent("kvd-test-deferred", ["UCX"]), na.NixlAgent("kvd-test-at-once", ["UCX"])
+    for a in (kept, gone):
+        a.warm_up()
+    assert kept.close(defer=True) and gone.close()
+    assert len(na._DEFERRED) == 1 and na.destroy_deferred(time.monotonic()) == 1
+    assert na.destroy_deferred(time.monotonic() + na.WIRE_UP_GRACE_S) == 0
+    for a in (kept, gone):
+        with pytest.raises(Exception):
+            a.register_dram(0x1000, 4096)
+    late = na.NixlAgent("kvd-test-late", ["UCX"])
+    late.warm_up()
+    late._warmed_at -= na.WIRE_UP_GRACE_S  # its wire-up had the grace: nothing to wait for
+    assert late.close(defer=True) and na.destroy_deferred(time.monotonic()) == 0
+
+
 @pytest.fixture
 def silent_peer():
     """A TCP port that accepts connections and never speaks (a hung peer daemon)."""

@@ -24,6 +24,7 @@ import ctypes
 import difflib
 import functools
 import logging
+import math
 import os
 import sys
 import time
@@ -41,6 +42,26 @@ VRAM = "VRAM"
 #: one page, enough for UCX to take the path a block READ takes.
 SCRATCH_BYTES = 4096
 _ORPHANED_SCRATCH: list = []  # pages of agents dropped before their native agent was destroyed
+
+#: Seconds an agent's native part outlives :meth:`NixlAgent.close` after its
+#: warm-up (:meth:`NixlAgent.warm_up`): the probe agent's UCX answers the
+#: warm-up's endpoint by connecting back to the agent's worker, and an agent
+#: destroyed before that connect (an engine that registers and unregisters
+#: or re-registers within ~50 ms, seen in 2 of 5 tries here) leaves UCX
+#: ``ERROR connect(...) failed: Connection refused`` lines and a
+#: ``net.core.somaxconn`` hint in the daemon's log. Harmless, but it reads
+#: as a fault; 1 s is twenty times the window it was seen in.
+WIRE_UP_GRACE_S = 1.0
+_DEFERRED: list[tuple[float, object]] = []  # (time.monotonic() to destroy at, native agent)
+
+
+def destroy_deferred(now: float) -> int:
+    """Destroys the native agents whose :data:`WIRE_UP_GRACE_S` has passed
+    at ``now`` (``time.monotonic()``; ``math.inf``: all); returns how many
+    wait still. Called on the NIXL thread only (the progress poll's)."""
+    if _DEFERRED:
+        _DEFERRED[:] = [d for d in _DEFERRED if d[0] > now]  # the last reference: NIXL's destructor runs here
+    return len(_DEFERRED)
 
 
 class NixlError(RuntimeError):
@@ -379,6 +400,7 @@ class NixlAgent:
         self.backends = backends
         self._scratch: np.ndarray | None = None  # warm-up READs' page, kept as long as the native agent
         self._scratch_reg = None
+        self._warmed_at = -math.inf  # time.monotonic() at the end of warm_up()
         self._metadata: bytes = self._agent.get_agent_metadata()
 
     # -- memory ----------------------------------------------------------------
@@ -497,7 +519,8 @@ class NixlAgent:
             self.remove_remote(self.add_remote(_probe_metadata(self.backends)))
         except Exception as e:
             log.info("%s: warm-up with a probe agent failed (%s): the first peer pays it", self.name, e)
-        return time.monotonic() - t0
+        self._warmed_at = time.monotonic()
+        return self._warmed_at - t0
 
     def remove_remote(self, name: str) -> None:
         """Forgets a peer (and disconnects from it).
@@ -602,10 +625,15 @@ class NixlAgent:
         if page is not None and getattr(getattr(self, "_agent", None), "agent", None) is not None:
             _ORPHANED_SCRATCH.append(page)
 
-    def close(self) -> bool:
+    def close(self, defer: bool = False) -> bool:
         """Destroys the native agent now; False (nothing destroyed) while a
         transfer or list handle of it is not released. Every later call on
         this object fails (a :class:`NixlError`, ``"ERR"``, or False).
+
+        ``defer``: the caller has deregistered every registration and no
+        transfer of the agent is in ``PROC``; then an agent warmed up less
+        than :data:`WIRE_UP_GRACE_S` ago is destroyed that long after its
+        warm-up instead (:func:`destroy_deferred`), and True is returned.
 
         The one way to stop a READ that needs the peer's progress when the
         peer does not answer: NIXL 1.5 has no cancel for it (``release`` and
@@ -628,7 +656,10 @@ class NixlAgent:
                 self._agent.deregister_memory(self._scratch_reg)
             self._scratch_reg = None
         self._agent.agent = None
-        del native  # the last reference: NIXL's destructor runs here
+        due = self._warmed_at + WIRE_UP_GRACE_S
+        if defer and time.monotonic() < due:
+            _DEFERRED.append((due, native))
+        del native  # the last reference unless deferred: NIXL's destructor runs here
         self._metadata = b""
         return True
 

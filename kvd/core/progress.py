@@ -35,6 +35,7 @@ import logging
 import time
 from collections import deque
 
+from kvd.core import nixl_agent
 from kvd.core.events import NotFound
 from kvd.core.holds import Holds
 from kvd.core.peers import Peers
@@ -107,6 +108,7 @@ class Progress:
         zombies as well and was released twice: a coalesced READ is a part
         of several loads, and this thread saw only those not yet taken."""
         self.rt.release_zombies()
+        nixl_agent.destroy_deferred(time.monotonic())
         if self.rt.warm_ups:
             self.rt.release_warm_ups(time.monotonic())
         writes = self.push.poll_writes(time.monotonic())

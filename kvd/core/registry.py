@@ -294,7 +294,7 @@ class Registry:
                 agent.deregister(r)
             except Exception as e:
                 log.warning("agent %s: deregister: %s", agent.name, e)
-        agent.close()
+        agent.close(defer=True)
 
     def _check_engine_id(self, engine_id: str, tp_rank: int, owner: Owner | None) -> None:
         """An engine id belongs to the uid that registered it first, while any
@@ -549,7 +549,7 @@ class Registry:
         ``UCX_TLS=tcp`` and a SIGSTOPped source)."""
         running = self._end_transfers(w)
         self._free_nixl(w)
-        return w.agent.close() or not running
+        return w.agent.close(defer=not running) or not running
 
     def attach(self, engine_id: str, tp_rank: int) -> Worker:
         """A session stream opened for the worker; returns it. Raises NotFound."""
