@@ -17,9 +17,13 @@ import stat
 from dataclasses import dataclass
 
 from kvd import command_wire, fd_wire
+from kvd.logtext import clip, escape_controls
 from kvd.usage import EXIT_NOT_SERVING, EXIT_OK, EXIT_UNREACHABLE
 
 # The services a daemon reports health for ('' is the whole server).
+
+#: Characters of a failed call's details shown (a server chooses them).
+DETAILS_SHOWN = 1000
 HEALTH_SERVICES = ("", "kvd.v1.EngineService", "kvd.v1.PeerService")
 
 
@@ -127,7 +131,28 @@ def _unreachable(command: str, target: str, e, timeout_s: float) -> Answer:
     elif e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
         hint = (f" (no answer within --timeout {timeout_s:g} s: a daemon stopped or too busy to answer, "
                 f"or something that is not a kvd daemon listening there)")
-    return Answer(EXIT_UNREACHABLE, f"kvd {command}: {target}: {e.code().name}: {e.details()}{hint}")
+    # The details come from whatever answered: escaped and cut, as the status table's fields.
+    details = clip(escape_controls(e.details() or ""), DETAILS_SHOWN)
+    return Answer(EXIT_UNREACHABLE, f"kvd {command}: {target}: {e.code().name}: {details}{hint}")
+
+
+def _not_the_daemon(command: str, target: str) -> Answer | None:
+    """Exit 2 when the Unix socket of ``target`` is served by a process an
+    engine would not take for the daemon (``kvd.client.channel.server_refusal``:
+    another user's, in a directory others may write): its answers would be
+    shown as the daemon's. None otherwise (a host:port, nothing listening,
+    or a server that passes: the call goes on and says what it finds)."""
+    from kvd.client.channel import is_impostor, probe_unix_socket
+
+    if not target.startswith("unix:"):
+        return None
+    try:
+        error = probe_unix_socket(target)
+    except ValueError:  # a path gRPC would read as another: the call says what it finds
+        return None
+    if is_impostor(error):
+        return Answer(EXIT_UNREACHABLE, f"kvd {command}: {escape_controls(str(error))}")
+    return None
 
 
 def health(target: str, service: str = "", timeout_s: float = 2.0) -> Answer:
@@ -140,6 +165,9 @@ def health(target: str, service: str = "", timeout_s: float = 2.0) -> Answer:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    refused = _not_the_daemon("health", target)
+    if refused:
+        return refused
     try:
         with grpc.insecure_channel(target) as ch:
             r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
@@ -175,6 +203,9 @@ def status(target: str, timeout_s: float = 2.0, as_json: bool = False) -> Answer
 
     from kvd.daemon.status import render, to_dict
 
+    refused = _not_the_daemon("status", target)
+    if refused:
+        return refused
     try:
         s = get_stats(target, timeout_s)
     except grpc.RpcError as e:

@@ -650,6 +650,7 @@ _STATUS_AS_NOBODY = r"""
 import os, sys
 import grpc
 from kvd import ops
+from kvd.client import channel  # ops' look at the socket's server, imported as it runs
 from kvd.daemon import status
 from kvd.v1 import kvd_pb2, kvd_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -990,3 +991,66 @@ def test_demo_reads_a_requests_transfer_count_bytes_and_seconds_from_one_scrape(
     monkeypatch.setattr(m, "_daemon_times", lambda daemon: {k: float("nan") for k in scrape})
     snap = m.snapshot()["xfer"]  # no metrics port: GetStats' totals, seconds unknown
     assert (snap["count"], snap["bytes"]) == (2.0, 4096.0) and snap["time_s"] != snap["time_s"]
+
+
+def test_a_failed_calls_details_reach_the_terminal_escaped_and_cut(tmp_path):
+    """``kvd health`` and ``kvd status`` print a failed call's details, which
+    whatever answered chooses: control sequences in them (a terminal title,
+    a clear screen, a forged line ``...: SERVING``) reached the operator's
+    terminal raw (attacker review). They are escaped and cut now."""
+    from concurrent import futures
+
+    import grpc
+
+    from kvd import ops
+
+    details = "ok\x1b]0;owned\x07\x1b[2J\r/run/kvd/engine.sock: SERVING\n\x1b[8m" + "x" * 5000
+
+    class Failing(grpc.GenericRpcHandler):
+        def service(self, call):
+            return grpc.unary_unary_rpc_method_handler(lambda req, ctx: ctx.abort(grpc.StatusCode.INTERNAL, details))
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    server.add_generic_rpc_handlers((Failing(),))
+    path = tmp_path / "h.sock"
+    server.add_insecure_port(f"unix:{path}")
+    server.start()
+    try:
+        for answer in (ops.health(ops.target(str(path)), timeout_s=5), ops.status(ops.target(str(path)), 5)):
+            assert answer.code == 2 and "INTERNAL" in answer.text, answer
+            assert not any(c in answer.text for c in "\x1b\x07\r\n"), answer.text[:200]
+            assert "\\x1b[2J" in answer.text and len(answer.text) < 1400, answer.text[:200]
+    finally:
+        server.stop(0)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a listener as another user")
+def test_status_and_health_refuse_a_socket_another_user_serves_in_a_shared_directory():
+    """Another local user (uid 65534) binds the socket an operator's
+    ``kvd status`` or ``kvd health`` names, in a directory every user may
+    write: its answers would be shown as the daemon's. Both check the
+    server as an engine does (its ``SO_PEERCRED`` uid and the path) and exit
+    2 naming it, sending it nothing."""
+    import json
+    import shutil
+
+    from kvd import ops
+    from kvd.testing.security import COUNTING_LISTENER, NOBODY, reachable_dir
+
+    workdir = reachable_dir()
+    os.chmod(workdir, 0o1777)
+    path = os.path.join(workdir, "engine.sock")
+    proc = subprocess.Popen(
+        ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", sys.executable, "-I", "-c",
+         COUNTING_LISTENER, "unix", path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(proc.stdout.readline())["ready"] == NOBODY
+        for answer in (ops.health(ops.target(path), timeout_s=3), ops.status(ops.target(path), 3)):
+            assert answer.code == 2 and f"served by uid {NOBODY}" in answer.text, answer
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert json.loads(proc.stdout.readline())["bytes"] == 0  # the look connects; nothing is sent
+    finally:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(workdir, ignore_errors=True)
