@@ -700,7 +700,8 @@ def test_a_load_past_its_deadline_before_the_handshake_answers_leaves_no_cycle()
     assert kept == []
 
 
-def test_loads_from_a_dead_prefill_node_leave_the_daemons_grpc_serving(tmp):
+@pytest.mark.parametrize("rotate", [False, True], ids=["one-address", "a-new-address-each-load"])
+def test_loads_from_a_dead_prefill_node_leave_the_daemons_grpc_serving(tmp, rotate):
     """A decode engine whose prefill node died keeps naming its address
     (connection refused) until its router notices, each load failing at
     once. With a peer token (so each handshake is a gRPC call there) and
@@ -713,6 +714,13 @@ def test_loads_from_a_dead_prefill_node_leave_the_daemons_grpc_serving(tmp):
     already paired (none sent here), and calls to an address whose last
     call failed UNAVAILABLE wait for a probe of it, one at a time
     (``kvd.daemon.unreachable``).
+    ``rotate``: each load names another refused address (``127.a.b.c:1``:
+    an engine, or an API user, naming a new dead address each time; or a
+    router naming many dead prefill ports). The gate knew none of them: each
+    load made a fresh channel and a call, ~2,000 a second at 4,096 in flight,
+    health past its 10 s deadline and RSS +110 MiB (attacker review). Now
+    contacts with addresses that never answered take turns
+    (``FirstContacts``), and past them fail unsent.
     The flood runs until health has answered, at most 25 s; health's own
     deadline is 10 s."""
     import threading
@@ -731,13 +739,17 @@ def test_loads_from_a_dead_prefill_node_leave_the_daemons_grpc_serving(tmp):
     seg = ShmSegment(SMALL.size)
     client = EngineClient(d.socket)
     dead = closed_address()
-    stop, failed, other = threading.Event(), [0], []
+    stop, failed, other, unsent = threading.Event(), [0], [], [0]
+
+    def address(n: int) -> str:
+        return f"127.{(n >> 16) & 255}.{(n >> 8) & 255}.{(n & 255) or 1}:1" if rotate else dead
 
     def flood() -> None:
         n = out = 0
         while not stop.is_set():
             while out < 512:
-                client.load(LoadRequest(f"r{n}", [[n % SMALL.num_blocks]], "deadP", dead, [[1]], f"x{n}", 1, 5.0))
+                client.load(LoadRequest(f"r{n}", [[n % SMALL.num_blocks]], "deadP", address(n), [[1]], f"x{n}", 1,
+                                        5.0))
                 n, out = n + 1, out + 1
             events = client.drain_events()
             for e in events:
@@ -745,6 +757,7 @@ def test_loads_from_a_dead_prefill_node_leave_the_daemons_grpc_serving(tmp):
                 if kind == "load_failed":
                     out -= 1
                     failed[0] += 1
+                    unsent[0] += "not contacted" in e.load_failed.reason
                 elif kind == "recv_done":  # nothing can load from a dead address
                     other.append(e)
             if not events:
@@ -776,6 +789,8 @@ def test_loads_from_a_dead_prefill_node_leave_the_daemons_grpc_serving(tmp):
         # Each load used to cost a channel and its calls (~10 KiB a load, never given back).
         assert grew < 10 * 1024, grew
         assert d.proc.poll() is None
+        if rotate:  # most new addresses were never contacted: their turns came past their loads' deadlines
+            assert unsent[0] > failed[0] // 2, (unsent[0], failed[0])
     finally:
         stop.set()
         client.close()

@@ -5,8 +5,10 @@ by it.
 The gate alone with fake calls and probes, then ``PeerClient`` against a
 real gRPC server that answers UNAVAILABLE with its health NOT_SERVING (as
 a draining daemon does), then serves, and against an address that refuses.
-The daemon-level flood from a dead prefill node is in
-``tests/test_reliability_peers.py``.
+Contacts with addresses that never answered take turns
+(``FirstContacts``), alone and through ``PeerClient``. The daemon-level
+floods from a dead prefill node (one address, and a new one each load) are
+in ``tests/test_reliability_peers.py``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from grpc_health.v1.health import HealthServicer
 from kvd.core.events import PeerUnavailable
 from kvd.daemon.peer_auth import PeerAuth
 from kvd.daemon.peer_client import PeerClient
-from kvd.daemon.unreachable import ANSWERED, NO_OUTCOME, PROBE_GAP_S, Unreachable
+from kvd.daemon.unreachable import ANSWERED, NO_OUTCOME, PROBE_GAP_S, FirstContacts, Unreachable
 from kvd.testing.fakes import closed_address
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
@@ -299,3 +301,69 @@ def test_the_gates_counts_are_served_as_metrics():
     text = generate_latest(r).decode()
     assert "kvd_peer_addresses_unanswered 3.0" in text, text
     assert "kvd_peer_probes_total 1.0" in text and "kvd_peer_calls_not_sent_total 5.0" in text, text
+
+
+def test_first_contacts_go_a_burst_at_once_then_in_turn_and_past_the_deadline_fail_unsent():
+    """The budget alone, on a clock of its own: ``burst`` contacts go at
+    once, the next waits ``1 / per_s``, one whose turn is past its timeout
+    fails at once (counted), and an address that answered never waits,
+    whatever the budget. Proven addresses are bounded, oldest first."""
+    now = [100.0]
+    fc = FirstContacts(per_s=10.0, burst=3, kept=2, clock=lambda: now[0])
+
+    async def main():
+        for i in range(3):
+            assert await fc.admit(f"a:{i}", 5.0) == 5.0
+        t0 = time.monotonic()
+        left = await fc.admit("a:3", 5.0)  # its turn 0.1 s on
+        assert 0.08 <= time.monotonic() - t0 < 1.0 and left == pytest.approx(4.9)
+        with pytest.raises(PeerUnavailable, match="not contacted") as e:
+            await fc.admit("a:4", 0.05)  # its turn 0.2 s on, past 0.05
+        assert not e.value.transient
+        fc.answered("live:1")
+        assert await fc.admit("live:1", 0.01) == 0.01  # proven: no turn taken
+        now[0] += 10.0  # the budget refills
+        assert await fc.admit("a:5", 0.01) == 0.01
+        fc.answered("live:2")
+        fc.answered("live:3")
+        assert not fc.proven("live:1") and fc.proven("live:2") and fc.proven("live:3")
+
+    asyncio.run(main())
+    assert (fc.waited, fc.refused) == (1, 1)
+
+
+def test_peer_client_refuses_a_new_address_past_its_turn_without_a_channel_and_serves_a_proven_one():
+    """Through ``PeerClient``: with the first-contact budget spent, a
+    handshake and a claim to a new address fail at once, no channel made
+    (each made one before, and a call); a call to an address that answered
+    before goes at once."""
+    health = HealthServicer()
+    server = grpc.server(ThreadPoolExecutor(max_workers=4))
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    live = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+
+    async def main():
+        client = PeerClient(PeerAuth(token=b"t" * 32))
+        client.first_contacts = FirstContacts(per_s=0.1, burst=1)
+        try:
+            # The one turn: the live address answers (UNIMPLEMENTED: no PeerService there) and is proven.
+            with pytest.raises(Exception):
+                await client.notify(live, "e", 0, "r", 1, 5.0)
+            assert client.first_contacts.proven(live)
+            for call in (client.handshake(closed_address(), "e", 0, "h", 1.0),
+                         client.claim(closed_address(), "e", 0, "r", [[1]], 0.0, 1.0)):
+                with pytest.raises(PeerUnavailable, match="not contacted"):
+                    await call
+            assert list(client._channels) == [live]
+            with pytest.raises(Exception) as e:  # proven: sent at once, answered by the server
+                await client.notify(live, "e", 0, "r", 1, 5.0)
+            assert "not contacted" not in str(e.value)
+            assert client.first_contacts.refused == 2
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.stop(0.5).wait()

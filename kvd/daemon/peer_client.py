@@ -38,7 +38,7 @@ from kvd.daemon import wire_shape
 from kvd.daemon.peer_auth import PeerAuth, PeerAuthError
 from kvd.daemon.peer_local import DialRefused, dial_address
 from kvd.daemon import unreachable
-from kvd.daemon.unreachable import Unreachable
+from kvd.daemon.unreachable import FirstContacts, Unreachable
 from kvd.requests import LeaseRenewal, RenewResult
 from kvd.v1 import kvd_pb2 as pb
 
@@ -144,6 +144,8 @@ class PeerClient:
         self._closing: set[asyncio.Task] = set()
         #: addresses that did not answer: one probe at a time of each (kvd.daemon.unreachable)
         self.unreachable = Unreachable(self._probe, BOUNDS.max_peer_channels)
+        #: contacts with addresses that never answered take turns (kvd.daemon.unreachable)
+        self.first_contacts = FirstContacts()
         self.auth = auth or PeerAuth()
         self.insecure = insecure
         # A subchannel of its own per channel, as the polls': from gRPC's
@@ -174,7 +176,13 @@ class PeerClient:
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
 
-    async def _call(self, address: str, name: str, request, timeout_s: float, poll: bool = False):
+    def _answered(self, address: str) -> None:
+        """A server at ``address`` answered (any status): unmarked, proven."""
+        self.unreachable.answered(address)
+        self.first_contacts.answered(address)
+
+    async def _call(self, address: str, name: str, request, timeout_s: float, poll: bool = False,
+                    admitted: bool = False):
         """One authenticated unary call; gRPC and proof errors become core errors.
 
         Sent and received as bytes: the token's MAC covers the request's bytes
@@ -186,8 +194,12 @@ class PeerClient:
         Calls other than polls and pushes to an address whose last call
         failed ``UNAVAILABLE`` wait for a probe of it first
         (:mod:`kvd.daemon.unreachable`); every call's outcome marks or
-        unmarks its address.
+        unmarks its address. A call to an address that never answered
+        takes a first contact's turn (:class:`FirstContacts`; ``admitted``:
+        its caller took it, for the name the address was dialed by).
         """
+        if not admitted and not self.first_contacts.proven(address):
+            timeout_s = await self.first_contacts.admit(address, timeout_s)
         if not poll and name != "Push" and address in self.unreachable:
             started = time.monotonic()
             await self.unreachable.admit(address, timeout_s)
@@ -200,7 +212,7 @@ class PeerClient:
         try:
             call = self._channel(address, pool).unary_unary(SERVICE + name)(body, timeout=timeout_s, metadata=md)
             raw = await call
-            self.unreachable.answered(address)
+            self._answered(address)
             self.auth.check_proof(await call.trailing_metadata(), proof, raw)
             answer = getattr(pb, f"{name}Response")
             # The answering server may be anything a load names (kv_transfer_params):
@@ -212,7 +224,7 @@ class PeerClient:
                 self._forget(address, pool)
                 self.unreachable.failed(address)
             elif e.code() not in _NO_OUTCOME:
-                self.unreachable.answered(address)  # the peer's own error: it is there
+                self._answered(address)  # the peer's own error: it is there
             raise _error(address, e) from None
         except PeerAuthError as e:
             raise ev.PeerUnavailable(f"{address}: {e}") from None
@@ -235,14 +247,21 @@ class PeerClient:
         proxy failing) fail it; this side's own deadline is no outcome. See
         :data:`kvd.daemon.unreachable.Probe`."""
         timeout_s = max(0.01, min(timeout_s, PROBE_TIMEOUT_S))
+        if not self.first_contacts.proven(address):  # a probe is a contact too: an address never answered waits its turn
+            try:
+                timeout_s = await self.first_contacts.admit(address, timeout_s)
+            except ev.PeerUnavailable as e:
+                return str(e)
         started = time.monotonic()
         try:
             raw = await self._channel(address, self._channels).unary_unary(HEALTH_CHECK)(b"", timeout=timeout_s)
             status = health_pb2.HealthCheckResponse.FromString(raw).status
+            self.first_contacts.answered(address)  # a server answered (its daemon may be draining)
             if status == health_pb2.HealthCheckResponse.NOT_SERVING:  # draining: its calls answer UNAVAILABLE
                 return f"{address}: UNAVAILABLE: its health is NOT_SERVING (draining, or failed)"
             return unreachable.ANSWERED
         except DecodeError:
+            self.first_contacts.answered(address)
             return unreachable.ANSWERED  # something answered there
         except grpc.aio.AioRpcError as e:
             code = e.code()
@@ -253,6 +272,7 @@ class PeerClient:
                 return unreachable.NO_OUTCOME  # this side's own deadline: it said nothing
             if code in _NO_OUTCOME:  # at once, from there: a peer, or a proxy in front of it, failing
                 return f"{address}: {code.name}: {e.details()} (its health check)"
+            self.first_contacts.answered(address)
             return unreachable.ANSWERED
 
     async def handshake(self, address: str, engine_id: str, tp_rank: int, compat_hash: str,
@@ -273,11 +293,18 @@ class PeerClient:
         """
         req = pb.HandshakeRequest(engine_id=engine_id, tp_rank=tp_rank, daemon_version=__version__,
                                   compat_hash=compat_hash, protocol_version=PROTOCOL_VERSION)
+        if not self.first_contacts.proven(address):  # before the look at this host's daemons, too
+            timeout_s = await self.first_contacts.admit(address, timeout_s)
         dial = address
         if not self.auth.tls and not self.auth.token:
             dial = await self._local_dial(address, "handshake not sent (its answer's NIXL agent metadata would be "
                                                    "loaded here)", unreachable_as_call=True)
-        return handshake_from_pb(await self._call(dial, "Handshake", req, timeout_s))
+        try:
+            raw = await self._call(dial, "Handshake", req, timeout_s, admitted=True)
+        finally:
+            if dial != address and self.first_contacts.proven(dial):  # answered there, as dialed
+                self.first_contacts.answered(address)
+        return handshake_from_pb(raw)
 
     async def _local_dial(self, address: str, what: str, unreachable_as_call: bool = False) -> str:
         """With no peer credential: the IP to dial for ``address``
@@ -311,6 +338,8 @@ class PeerClient:
             PeerUnavailable: the callee did not prove itself, or the call failed.
             NotFound, InvalidArgument, ...: the callee's refusal (``_error``).
         """
+        if not self.first_contacts.proven(address):
+            timeout_s = await self.first_contacts.admit(address, timeout_s)
         dial = await self._push_callee(address, order, timeout_s)
         req = pb.PushRequest(
             engine_id=order.engine_id, tp_rank=order.tp_rank, request_id=order.request_id,
@@ -319,7 +348,7 @@ class PeerClient:
             expected_notifications=order.expected_notifications, timeout_s=order.timeout_s,
         )
         order.sent = True
-        r = await self._call(dial, "Push", req, timeout_s)
+        r = await self._call(dial, "Push", req, timeout_s, admitted=True)
         return PushResult(r.bytes, r.num_descriptors, r.duration_s)
 
     async def _push_callee(self, address: str, order: PushOrder, timeout_s: float) -> str:
@@ -364,11 +393,12 @@ class PeerClient:
             except TimeoutError:
                 raise ev.PeerUnavailable(f"{address}: push not sent: no TLS connection within "
                                          f"{timeout_s:.1f} s") from None
+            self.first_contacts.answered(address)  # its TLS handshake: a server with a certificate we trust
             return address
         if self.auth.token:
             req = pb.HandshakeRequest(engine_id=order.engine_id, tp_rank=order.tp_rank, daemon_version=__version__,
                                       protocol_version=PROTOCOL_VERSION)
-            await self._call(address, "Handshake", req, timeout_s)
+            await self._call(address, "Handshake", req, timeout_s, admitted=True)
             return address
         return await self._local_dial(address, "push not sent (it would hand over this worker's NIXL agent metadata)")
 

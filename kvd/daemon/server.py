@@ -362,6 +362,7 @@ class Server:
                          max_per_uid=cfg.max_engine_connections_per_uid, idle_timeout_s=cfg.engine_idle_timeout_s)
         self.metrics.registry.register(self.gate)
         self.metrics.registry.register(self.peer_client.unreachable)
+        self.metrics.registry.register(self.peer_client.first_contacts)
         self.fd_channel = FdChannel(fd_socket_path(cfg.engine_socket), policy, self.gate.group)
         self.engine_service = EngineService(self.node, backends=cfg.backends,
                                             callers=self.gate.caller,

@@ -109,6 +109,7 @@ class Unreachable:
         """The peer at ``address`` answered a call: no longer marked."""
         if self._marked:
             self._marked.pop(address, None)
+        if self._last:
             self._last.pop(address, None)
 
     async def admit(self, address: str, timeout_s: float) -> None:
@@ -174,6 +175,106 @@ class Unreachable:
             elif current is mine or address not in self._marked:
                 self._marked.pop(address, None)
                 self.failed(address)
-                self._last[address] = (time.monotonic(), outcome)
+                if address in self._marked:  # not dropped by the bound at once (every other one probing)
+                    self._last[address] = (time.monotonic(), outcome)
             mine.set_result(outcome)
         return outcome
+
+
+#: First contacts (see :class:`FirstContacts`): a second's worth, and at once.
+FIRST_CONTACTS_PER_S = 50.0
+FIRST_CONTACTS_BURST = 128
+#: Addresses that answered, kept as proven (the most recent).
+PROVEN_KEPT = 1024
+
+
+class FirstContacts:
+    """A budget for contacts with peer addresses that never answered.
+
+    :class:`Unreachable` holds back calls to an address whose last call
+    failed; an address never named before is not in it. Loads each naming a
+    new dead address (an admitted engine, or an API user of a decode engine:
+    the address is in ``kv_transfer_params``; or a router naming many dead
+    prefill ports) so made a fresh gRPC channel and a call each: with 4,096
+    such loads in flight, ~2,000 channels a second, health on the engine
+    socket past its 10 s deadline and RSS +110 MiB, not given back
+    (attacker review, each load naming another refused ``127.a.b.c:1``).
+
+    A contact (a handshake, any call, a probe) with an address that has not
+    answered since this daemon started (no server's answer of any kind:
+    :meth:`answered`) takes a turn: ``burst`` at once, then ``per_s`` a
+    second, in order (the generic cell rate algorithm: a turn is reserved
+    when asked for). One whose turn would come after its deadline fails at
+    once and sends nothing. Addresses that answered (the
+    ``PROVEN_KEPT`` most recent) never wait, whatever the flood, so the
+    pairs a node uses keep working; a node meeting more than ``burst`` new
+    prefill daemons at once waits ``1 / per_s`` seconds for each past it.
+    Event loop only.
+
+    Attributes:
+        waited: contacts that waited for their turn.
+        refused: contacts failed, their turn past their deadline.
+    """
+
+    def __init__(self, per_s: float = FIRST_CONTACTS_PER_S, burst: int = FIRST_CONTACTS_BURST,
+                 kept: int = PROVEN_KEPT, clock: Callable[[], float] = time.monotonic):
+        self._per_s, self._burst = per_s, burst
+        self._interval = 1.0 / per_s
+        self._tolerance = (burst - 1) * self._interval
+        self._next = -float("inf")  # the theoretical time of the next turn
+        self._proven: dict[str, None] = {}  # oldest first
+        self._kept = kept
+        self._clock = clock
+        self.waited = 0
+        self.refused = 0
+
+    def collect(self):
+        """Prometheus collector: ``kvd_peer_first_contacts_waited_total`` and
+        ``kvd_peer_first_contacts_refused_total``."""
+        from prometheus_client.core import CounterMetricFamily
+
+        yield CounterMetricFamily("kvd_peer_first_contacts_waited", "Contacts with peer addresses that never "
+                                  "answered that waited for their turn (past the burst)", value=self.waited)
+        yield CounterMetricFamily("kvd_peer_first_contacts_refused", "Contacts with peer addresses that never "
+                                  "answered failed unsent: their turn came after their deadline",
+                                  value=self.refused)
+
+    def proven(self, address: str) -> bool:
+        """Whether ``address`` answered since this daemon started (one of the last ``kept``)."""
+        return address in self._proven
+
+    def answered(self, address: str) -> None:
+        """A server at ``address`` answered (with any status): proven."""
+        p = self._proven
+        if address in p:
+            return
+        p[address] = None
+        if len(p) > self._kept:
+            del p[next(iter(p))]
+
+    async def admit(self, address: str, timeout_s: float) -> float:
+        """Returns the seconds left of ``timeout_s`` once a contact with
+        ``address`` may go: at once for a proven one, else at its turn.
+
+        Raises:
+            PeerUnavailable (not transient: a later try within the same
+                deadline would fare no better): its turn comes after ``timeout_s``
+                seconds; nothing was sent.
+        """
+        if address in self._proven:
+            return timeout_s
+        now = self._clock()
+        turn = max(self._next, now)
+        wait = turn - self._tolerance - now
+        if wait > timeout_s:
+            self.refused += 1
+            raise ev.PeerUnavailable(
+                f"{address}: not contacted: {wait:.1f} s until its turn, past the call's {timeout_s:.1f} s "
+                f"(contacts with addresses no daemon answered at go {self._burst} at once, then "
+                f"{self._per_s:g} a second: loads naming many dead or new addresses)")
+        self._next = turn + self._interval
+        if wait <= 0:
+            return timeout_s
+        self.waited += 1
+        await asyncio.sleep(wait)
+        return max(0.01, timeout_s - wait)
