@@ -34,7 +34,7 @@ import time
 from typing import Callable
 
 from kvd import cuda_copy
-from kvd.core import settle
+from kvd.core import nixl_agent, settle
 from kvd.core.events import CommandRejected
 from kvd.core.hold_feed import HoldsAnswer
 from kvd.core.hold_mirror import HoldMirror
@@ -191,6 +191,7 @@ class Node:
         for key in list(self.rt.workers):
             await self.registry.unregister(key, reason="daemon shutting down", engine_gone=True)
         await self.registry.released()  # cancelled registrations' agents and mirrors, on the NIXL thread
+        await self.rt.nixl(nixl_agent.destroy_deferred, float("inf"))  # agents closed just after their warm-up
         self.rt.shutdown()
 
     # --------------------------------------------------------- registration
