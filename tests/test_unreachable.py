@@ -303,62 +303,118 @@ def test_the_gates_counts_are_served_as_metrics():
     assert "kvd_peer_probes_total 1.0" in text and "kvd_peer_calls_not_sent_total 5.0" in text, text
 
 
-def test_first_contacts_go_a_burst_at_once_then_in_turn_and_past_the_deadline_fail_unsent():
-    """The budget alone, on a clock of its own: ``burst`` contacts go at
-    once, the next waits ``1 / per_s``, one whose turn is past its timeout
-    fails at once (counted), and an address that answered never waits,
-    whatever the budget. Proven addresses are bounded, oldest first."""
+def test_first_contacts_go_a_burst_at_once_then_in_turn_per_uid_and_too_far_off_fail_unsent():
+    """The budget alone, on a clock of its own: a uid's ``burst`` contacts go
+    at once, its next waits ``1 / per_s``; one whose turn is more than
+    ``max_wait_s`` (or its timeout) off fails at once, counted, and reserves
+    nothing (an hour-long deadline reserved turns minutes ahead before:
+    review); another uid's turns are its own; a proven address never waits,
+    and proven addresses are kept most recently answered last."""
     now = [100.0]
-    fc = FirstContacts(per_s=10.0, burst=3, kept=2, clock=lambda: now[0])
+    fc = FirstContacts(per_s=10.0, burst=3, kept=2, max_wait_s=0.15, clock=lambda: now[0])
 
     async def main():
+        tickets = []
         for i in range(3):
-            assert await fc.admit(f"a:{i}", 5.0) == 5.0
+            left, t = await fc.admit(f"a:{i}", 5.0, uid=7)
+            assert left == pytest.approx(5.0, abs=0.05) and t is not None
+            tickets.append(t)
         t0 = time.monotonic()
-        left = await fc.admit("a:3", 5.0)  # its turn 0.1 s on
-        assert 0.08 <= time.monotonic() - t0 < 1.0 and left == pytest.approx(4.9)
-        with pytest.raises(PeerUnavailable, match="not contacted") as e:
-            await fc.admit("a:4", 0.05)  # its turn 0.2 s on, past 0.05
-        assert not e.value.transient
+        left, t = await fc.admit("a:3", 5.0, uid=7)  # its turn 0.1 s on
+        assert 0.08 <= time.monotonic() - t0 < 1.0 and left == pytest.approx(4.9, abs=0.05)
+        for _ in range(5):  # 0.2 s off, past max_wait_s however long the deadline: nothing reserved
+            with pytest.raises(PeerUnavailable, match="not contacted: uid 7") as e:
+                await fc.admit("a:4", 3600.0, uid=7)
+            assert not e.value.transient
+        assert (await fc.admit("b:0", 0.01, uid=8))[1] is not None  # another uid: its own burst
         fc.answered("live:1")
-        assert await fc.admit("live:1", 0.01) == 0.01  # proven: no turn taken
-        now[0] += 10.0  # the budget refills
-        assert await fc.admit("a:5", 0.01) == 0.01
+        assert await fc.admit("live:1", 0.01, uid=7) == (0.01, None)  # proven: no turn taken
+        now[0] += 0.3  # three intervals: uid 7 has a turn at once again (the refusals reserved none)
+        assert (await fc.admit("a:5", 0.01, uid=7))[1] is not None
         fc.answered("live:2")
+        fc.answered("live:1")  # answered again: the most recent
         fc.answered("live:3")
-        assert not fc.proven("live:1") and fc.proven("live:2") and fc.proven("live:3")
+        assert fc.proven("live:1") and not fc.proven("live:2") and fc.proven("live:3")
+        for t in tickets:
+            fc.ended(t)
 
     asyncio.run(main())
-    assert (fc.waited, fc.refused) == (1, 1)
+    assert (fc.waited, fc.refused) == (1, 5)
+
+
+def test_contacts_with_one_new_address_go_one_at_a_time_and_take_one_turn():
+    """Many contacts with one address not proven (a TP 8 decode engine's
+    64 handshakes with a new prefill daemon): one goes; the others wait for
+    it and go without a turn once it proved the address, or once the
+    unreachable gate holds it (its probe then goes, one at a time); after
+    an end that did neither, the next takes a turn of its own."""
+    fc = FirstContacts(per_s=0.1, burst=2)
+    held = set()
+
+    async def main():
+        left, first = await fc.admit("p:1", 5.0, uid=1)
+        waiting = [asyncio.create_task(fc.admit("p:1", 5.0, uid=1)) for _ in range(63)]
+        await asyncio.sleep(0.05)
+        assert not any(w.done() for w in waiting)
+        fc.answered("p:1")
+        fc.ended(first)
+        got = await asyncio.gather(*waiting)
+        assert all(t is None for _, t in got)  # proven: no turn each
+        # A dead one: held by the gate after the first contact's failure.
+        _, first = await fc.admit("d:1", 5.0, uid=1)
+        waiting = [asyncio.create_task(fc.admit("d:1", 5.0, uid=1, held=held.__contains__)) for _ in range(10)]
+        await asyncio.sleep(0.01)
+        held.add("d:1")
+        fc.ended(first)
+        got = await asyncio.gather(*waiting)
+        assert all(t is None for _, t in got)
+        # Neither: the next takes its turn, and uid 1's two are spent.
+        with pytest.raises(PeerUnavailable, match="not contacted"):
+            await fc.admit("n:1", 5.0, uid=1)
+
+    asyncio.run(main())
 
 
 def test_peer_client_refuses_a_new_address_past_its_turn_without_a_channel_and_serves_a_proven_one():
-    """Through ``PeerClient``: with the first-contact budget spent, a
-    handshake and a claim to a new address fail at once, no channel made
-    (each made one before, and a call); a call to an address that answered
-    before goes at once."""
+    """Through ``PeerClient``: with the caller's first-contact budget spent,
+    a handshake and a claim to a new address fail at once, no channel made
+    (each made one before, and a call); a call to an address a daemon
+    answered at goes at once; another caller uid's contacts are not held
+    up; a server that is no daemon (a gRPC server of another kind:
+    UNIMPLEMENTED) proves nothing."""
+    from kvd.core.state import PEER_CALLER
+
     health = HealthServicer()
     server = grpc.server(ThreadPoolExecutor(max_workers=4))
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    live = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    other = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     server.start()
+    daemon = grpc.server(ThreadPoolExecutor(max_workers=4))
+    up = _Stopping(HealthServicer(), delay_s=0.0)
+    up.set_up(True)
+    pb_grpc.add_PeerServiceServicer_to_server(up, daemon)
+    live = f"127.0.0.1:{daemon.add_insecure_port('127.0.0.1:0')}"
+    daemon.start()
 
     async def main():
-        client = PeerClient(PeerAuth(token=b"t" * 32))
-        client.first_contacts = FirstContacts(per_s=0.1, burst=1)
+        client = PeerClient(PeerAuth())
+        client.first_contacts = FirstContacts(per_s=0.1, burst=2)
         try:
-            # The one turn: the live address answers (UNIMPLEMENTED: no PeerService there) and is proven.
-            with pytest.raises(Exception):
-                await client.notify(live, "e", 0, "r", 1, 5.0)
+            PEER_CALLER.set(5)
+            with pytest.raises(Exception):  # UNIMPLEMENTED there: a server, but no daemon
+                await client.notify(other, "e", 0, "r", 1, 5.0)
+            assert not client.first_contacts.proven(other)
+            await client.claim(live, "p", 0, "r", [[1]], 0.0, 5.0)  # the second turn; a daemon's OK proves it
             assert client.first_contacts.proven(live)
             for call in (client.handshake(closed_address(), "e", 0, "h", 1.0),
                          client.claim(closed_address(), "e", 0, "r", [[1]], 0.0, 1.0)):
-                with pytest.raises(PeerUnavailable, match="not contacted"):
+                with pytest.raises(PeerUnavailable, match="not contacted: uid 5"):
                     await call
-            assert list(client._channels) == [live]
-            with pytest.raises(Exception) as e:  # proven: sent at once, answered by the server
-                await client.notify(live, "e", 0, "r", 1, 5.0)
-            assert "not contacted" not in str(e.value)
+            assert sorted(client._channels) == sorted([other, live])
+            await client.claim(live, "p", 0, "r", [[1]], 0.0, 5.0)  # proven: sent at once
+            PEER_CALLER.set(6)  # another uid: its own turns
+            with pytest.raises(PeerUnavailable, match="UNAVAILABLE"):
+                await client.claim(closed_address(), "e", 0, "r", [[1]], 0.0, 1.0)
             assert client.first_contacts.refused == 2
         finally:
             await client.close()
@@ -367,3 +423,4 @@ def test_peer_client_refuses_a_new_address_past_its_turn_without_a_channel_and_s
         asyncio.run(main())
     finally:
         server.stop(0.5).wait()
+        daemon.stop(0.5).wait()

@@ -52,7 +52,7 @@ _ORPHANED_SCRATCH: list = []  # pages of agents dropped before their native agen
 #: ``net.core.somaxconn`` hint in the daemon's log. Harmless, but it reads
 #: as a fault; 1 s is twenty times the window it was seen in.
 WIRE_UP_GRACE_S = 1.0
-_DEFERRED: list[tuple[float, object]] = []  # (time.monotonic() to destroy at, native agent)
+_DEFERRED: list[tuple] = []  # (time.monotonic() to destroy at, its scratch page or None, native agent)
 
 
 def destroy_deferred(now: float) -> int:
@@ -631,7 +631,9 @@ class NixlAgent:
         this object fails (a :class:`NixlError`, ``"ERR"``, or False).
 
         ``defer``: the caller has deregistered every registration and no
-        transfer of the agent is in ``PROC``; then an agent warmed up less
+        transfer of the agent into an engine's memory is in ``PROC`` (a
+        warm-up READ into the scratch page may be: the page is kept as long
+        as the agent); then an agent warmed up less
         than :data:`WIRE_UP_GRACE_S` ago is destroyed that long after its
         warm-up instead (:func:`destroy_deferred`), and True is returned.
 
@@ -658,7 +660,9 @@ class NixlAgent:
         self._agent.agent = None
         due = self._warmed_at + WIRE_UP_GRACE_S
         if defer and time.monotonic() < due:
-            _DEFERRED.append((due, native))
+            # With the scratch page: a warm-up READ still in flight (released by
+            # force at the unregister) may land in it until the destruction.
+            _DEFERRED.append((due, self._scratch, native))  # a tuple drops its last item first: the agent
         del native  # the last reference unless deferred: NIXL's destructor runs here
         self._metadata = b""
         return True

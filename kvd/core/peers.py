@@ -44,7 +44,16 @@ from kvd.core.limits import BOUNDS, UidCounts
 from kvd.core.metadata_vet import MetadataVet
 from kvd.core.nixl_agent import SCRATCH_BYTES, NixlError, Unprepped, metadata_agent_name, metadata_problem
 from kvd.core.runtime import Runtime
-from kvd.core.state import PROTOCOL_VERSION, HandshakeResult, PeerKey, PeerLink, RemoteWorker, WarmPeer, Worker
+from kvd.core.state import (
+    PEER_CALLER,
+    PROTOCOL_VERSION,
+    HandshakeResult,
+    PeerKey,
+    PeerLink,
+    RemoteWorker,
+    WarmPeer,
+    Worker,
+)
 from kvd.core.throttle import Throttled
 from kvd.core.transfer_mode import TransferModes
 from kvd.logtext import clip
@@ -190,8 +199,10 @@ def on_device(rows: np.ndarray, device: int) -> np.ndarray:
 
 
 def _owner_uid(w: Worker) -> int:
-    """The uid that registered ``w`` (-1: registered without the gate)."""
-    return w.owner.uid if w.owner is not None else -1
+    """The uid that registered ``w`` (-1: registered without the gate, or a
+    worker-shaped stand-in with no owner)."""
+    owner = getattr(w, "owner", None)
+    return owner.uid if owner is not None else -1
 
 
 def _said(e: BaseException) -> str:
@@ -318,6 +329,7 @@ class Peers:
         that refuses this daemon (UNAUTHENTICATED or PERMISSION_DENIED: its
         peer token differs) is said at WARNING at once and tried again
         after 1, 2, 4 .. 30 s from the start."""
+        PEER_CALLER.set(_owner_uid(w))  # first contacts are budgeted per uid
         address, engine_id = state.address, state.engine_id
         delay, warned, refused, started = 1.0, False, False, time.monotonic()
         while self._keeps_warming(w):
@@ -749,6 +761,7 @@ class Peers:
 
     async def _do_handshake(self, w: Worker, key: PeerKey, tp_size: int, ahead: bool = False) -> RemoteWorker:
         address, engine_id, tp_rank = key
+        PEER_CALLER.set(_owner_uid(w))  # its own task: first contacts are budgeted per uid
         if self.link is None:
             raise PeerUnavailable("this daemon has no peer client")
         if not address or ":" not in address:

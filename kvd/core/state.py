@@ -10,6 +10,7 @@ Units: seconds, bytes, counts.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import logging
 from collections.abc import Callable
@@ -108,6 +109,14 @@ class PushResult:
     bytes: int
     num_descriptors: int
     duration_s: float
+
+
+#: The uid whose engine's work a ``PeerLink`` call is for (-1: the daemon's
+#: own), set by the core in the task that makes the call: the daemon's peer
+#: client budgets first contacts with new addresses per caller uid
+#: (``kvd.daemon.unreachable.FirstContacts``), so that one uid's engines
+#: naming dead addresses at will spend their own turns only.
+PEER_CALLER: contextvars.ContextVar[int] = contextvars.ContextVar("kvd_peer_caller", default=-1)
 
 
 class PeerLink(Protocol):

@@ -25,7 +25,7 @@ from kvd.core.hold_feed import HoldsAnswer
 from kvd.core.hold_mirror import MAX_EPOCH_CHARS, MAX_GROUPS, MAX_IDS, BadAnswer
 from kvd.core.peers import MAX_AGENT_NAME_CHARS
 from kvd.core.limits import BOUNDS, Limits
-from kvd.core.state import PROTOCOL_VERSION, HandshakeResult, PushOrder, PushResult
+from kvd.core.state import PEER_CALLER, PROTOCOL_VERSION, HandshakeResult, PushOrder, PushResult
 from kvd.daemon.convert import (
     groups_to_pb,
     handshake_from_pb,
@@ -68,6 +68,10 @@ CHANNEL_OPTIONS = channel_options()
 # channel whose peer could not be reached is closed (measured: 3,000 distinct
 # dead addresses kept 3,000 channels reconnecting forever, +20 MiB RSS per
 # 1,000 and a busy CPU).
+
+
+def _never(address: str) -> bool:
+    return False
 
 
 def _error(address: str, e: grpc.aio.AioRpcError) -> ev.CoreError:
@@ -176,13 +180,29 @@ class PeerClient:
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
 
-    def _answered(self, address: str) -> None:
-        """A server at ``address`` answered (any status): unmarked, proven."""
-        self.unreachable.answered(address)
-        self.first_contacts.answered(address)
+    async def _admit(self, address: str, timeout_s: float, gated: bool = True) -> tuple[float, object]:
+        """A first contact's admission (:class:`FirstContacts`) for the
+        caller uid of this task (``PEER_CALLER``); ``gated``: an address the
+        unreachable gate holds goes by its probe instead. Returns ``(seconds
+        left, ticket)``; end the ticket with ``first_contacts.ended``."""
+        return await self.first_contacts.admit(address, timeout_s, PEER_CALLER.get(),
+                                               self.unreachable.__contains__ if gated else _never)
 
     async def _call(self, address: str, name: str, request, timeout_s: float, poll: bool = False,
                     admitted: bool = False):
+        """One authenticated unary call (:meth:`_send`), a first contact's
+        turn taken first where ``address`` is not proven
+        (:class:`FirstContacts`; ``admitted``: its caller took it, for the
+        name the address was dialed by)."""
+        ticket = None
+        if not admitted and not self.first_contacts.proven(address):
+            timeout_s, ticket = await self._admit(address, timeout_s)
+        try:
+            return await self._send(address, name, request, timeout_s, poll)
+        finally:
+            self.first_contacts.ended(ticket)
+
+    async def _send(self, address: str, name: str, request, timeout_s: float, poll: bool):
         """One authenticated unary call; gRPC and proof errors become core errors.
 
         Sent and received as bytes: the token's MAC covers the request's bytes
@@ -194,12 +214,9 @@ class PeerClient:
         Calls other than polls and pushes to an address whose last call
         failed ``UNAVAILABLE`` wait for a probe of it first
         (:mod:`kvd.daemon.unreachable`); every call's outcome marks or
-        unmarks its address. A call to an address that never answered
-        takes a first contact's turn (:class:`FirstContacts`; ``admitted``:
-        its caller took it, for the name the address was dialed by).
+        unmarks its address; an answer only a kvd daemon gives proves it
+        (:class:`FirstContacts`).
         """
-        if not admitted and not self.first_contacts.proven(address):
-            timeout_s = await self.first_contacts.admit(address, timeout_s)
         if not poll and name != "Push" and address in self.unreachable:
             started = time.monotonic()
             await self.unreachable.admit(address, timeout_s)
@@ -212,8 +229,9 @@ class PeerClient:
         try:
             call = self._channel(address, pool).unary_unary(SERVICE + name)(body, timeout=timeout_s, metadata=md)
             raw = await call
-            self._answered(address)
+            self.unreachable.answered(address)
             self.auth.check_proof(await call.trailing_metadata(), proof, raw)
+            self.first_contacts.answered(address)
             answer = getattr(pb, f"{name}Response")
             # The answering server may be anything a load names (kv_transfer_params):
             # walked before it is parsed (kvd.daemon.wire_shape).
@@ -224,7 +242,8 @@ class PeerClient:
                 self._forget(address, pool)
                 self.unreachable.failed(address)
             elif e.code() not in _NO_OUTCOME:
-                self._answered(address)  # the peer's own error: it is there
+                self.unreachable.answered(address)  # the peer's own error: it is there
+                self.first_contacts.answered_with(address, e.code())
             raise _error(address, e) from None
         except PeerAuthError as e:
             raise ev.PeerUnavailable(f"{address}: {e}") from None
@@ -247,11 +266,19 @@ class PeerClient:
         proxy failing) fail it; this side's own deadline is no outcome. See
         :data:`kvd.daemon.unreachable.Probe`."""
         timeout_s = max(0.01, min(timeout_s, PROBE_TIMEOUT_S))
-        if not self.first_contacts.proven(address):  # a probe is a contact too: an address never answered waits its turn
+        ticket = None
+        if not self.first_contacts.proven(address):  # a probe is a contact too: its turn is taken
             try:
-                timeout_s = await self.first_contacts.admit(address, timeout_s)
+                timeout_s, ticket = await self._admit(address, timeout_s, gated=False)
             except ev.PeerUnavailable as e:
                 return str(e)
+        try:
+            return await self._health(address, timeout_s)
+        finally:
+            self.first_contacts.ended(ticket)
+
+    async def _health(self, address: str, timeout_s: float) -> str:
+        """:meth:`_probe`'s health check, its turn taken."""
         started = time.monotonic()
         try:
             raw = await self._channel(address, self._channels).unary_unary(HEALTH_CHECK)(b"", timeout=timeout_s)
@@ -261,8 +288,7 @@ class PeerClient:
                 return f"{address}: UNAVAILABLE: its health is NOT_SERVING (draining, or failed)"
             return unreachable.ANSWERED
         except DecodeError:
-            self.first_contacts.answered(address)
-            return unreachable.ANSWERED  # something answered there
+            return unreachable.ANSWERED  # something answered there (not a daemon: it proves nothing)
         except grpc.aio.AioRpcError as e:
             code = e.code()
             if code == grpc.StatusCode.UNAVAILABLE:
@@ -272,7 +298,7 @@ class PeerClient:
                 return unreachable.NO_OUTCOME  # this side's own deadline: it said nothing
             if code in _NO_OUTCOME:  # at once, from there: a peer, or a proxy in front of it, failing
                 return f"{address}: {code.name}: {e.details()} (its health check)"
-            self.first_contacts.answered(address)
+            self.first_contacts.answered_with(address, code)
             return unreachable.ANSWERED
 
     async def handshake(self, address: str, engine_id: str, tp_rank: int, compat_hash: str,
@@ -293,15 +319,20 @@ class PeerClient:
         """
         req = pb.HandshakeRequest(engine_id=engine_id, tp_rank=tp_rank, daemon_version=__version__,
                                   compat_hash=compat_hash, protocol_version=PROTOCOL_VERSION)
-        if not self.first_contacts.proven(address):  # before the look at this host's daemons, too
-            timeout_s = await self.first_contacts.admit(address, timeout_s)
-        dial = address
-        if not self.auth.tls and not self.auth.token:
-            dial = await self._local_dial(address, "handshake not sent (its answer's NIXL agent metadata would be "
-                                                   "loaded here)", unreachable_as_call=True)
+        ticket, dial = None, address
         try:
+            if not self.first_contacts.proven(address):  # before the look at this host's daemons, too
+                timeout_s, ticket = await self._admit(address, timeout_s)
+            if address in self.unreachable:  # likewise
+                started = time.monotonic()
+                await self.unreachable.admit(address, timeout_s)
+                timeout_s = max(0.01, timeout_s - (time.monotonic() - started))
+            if not self.auth.tls and not self.auth.token:
+                dial = await self._local_dial(address, "handshake not sent (its answer's NIXL agent metadata would "
+                                                       "be loaded here)", unreachable_as_call=True)
             raw = await self._call(dial, "Handshake", req, timeout_s, admitted=True)
         finally:
+            self.first_contacts.ended(ticket)
             if dial != address and self.first_contacts.proven(dial):  # answered there, as dialed
                 self.first_contacts.answered(address)
         return handshake_from_pb(raw)
@@ -319,6 +350,7 @@ class PeerClient:
             return await asyncio.to_thread(dial_address, address, self.insecure)
         except DialRefused as e:
             if unreachable_as_call and e.unreachable:
+                self.unreachable.failed(address)  # its next handshakes wait for a probe, as a call's would
                 raise ev.PeerUnavailable(f"{address}: UNAVAILABLE: {e}") from None
             raise ev.PeerUnavailable(f"{address}: {what}: {e}") from None
 
@@ -338,9 +370,13 @@ class PeerClient:
             PeerUnavailable: the callee did not prove itself, or the call failed.
             NotFound, InvalidArgument, ...: the callee's refusal (``_error``).
         """
-        if not self.first_contacts.proven(address):
-            timeout_s = await self.first_contacts.admit(address, timeout_s)
-        dial = await self._push_callee(address, order, timeout_s)
+        ticket = None
+        try:
+            if not self.first_contacts.proven(address):
+                timeout_s, ticket = await self._admit(address, timeout_s)
+            dial = await self._push_callee(address, order, timeout_s)
+        finally:
+            self.first_contacts.ended(ticket)  # not held through the WRITEs: the callee answered, or not
         req = pb.PushRequest(
             engine_id=order.engine_id, tp_rank=order.tp_rank, request_id=order.request_id,
             source_groups=groups_to_pb(order.source_groups), reader=handshake_to_pb(order.reader),

@@ -31,6 +31,8 @@ import asyncio
 import time
 from typing import Awaitable, Callable
 
+import grpc
+
 from kvd.core import events as ev
 
 #: A probe's outcome for its waiters: the peer answered (the address is unmarked).
@@ -181,15 +183,23 @@ class Unreachable:
         return outcome
 
 
-#: First contacts (see :class:`FirstContacts`): a second's worth, and at once.
+#: First contacts (see :class:`FirstContacts`): per caller uid, a second's
+#: worth and at once; a contact waits its turn at most FIRST_CONTACT_WAIT_S.
 FIRST_CONTACTS_PER_S = 50.0
 FIRST_CONTACTS_BURST = 128
-#: Addresses that answered, kept as proven (the most recent).
+FIRST_CONTACT_WAIT_S = 1.0
+#: Addresses a daemon answered at, kept as proven (the most recently answered).
 PROVEN_KEPT = 1024
+#: Codes only a kvd daemon's PeerService sends (besides OK): gRPC maps no
+#: HTTP status to them, so an HTTP/2 server or a gRPC server of another
+#: kind answering (403 -> PERMISSION_DENIED, 404 -> UNIMPLEMENTED) proves nothing.
+PROVING_CODES = frozenset({grpc.StatusCode.OK, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT,
+                           grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           grpc.StatusCode.ABORTED})
 
 
 class FirstContacts:
-    """A budget for contacts with peer addresses that never answered.
+    """A budget for contacts with peer addresses no daemon has answered at.
 
     :class:`Unreachable` holds back calls to an address whose last call
     failed; an address never named before is not in it. Loads each naming a
@@ -200,29 +210,38 @@ class FirstContacts:
     socket past its 10 s deadline and RSS +110 MiB, not given back
     (attacker review, each load naming another refused ``127.a.b.c:1``).
 
-    A contact (a handshake, any call, a probe) with an address that has not
-    answered since this daemon started (no server's answer of any kind:
-    :meth:`answered`) takes a turn: ``burst`` at once, then ``per_s`` a
-    second, in order (the generic cell rate algorithm: a turn is reserved
-    when asked for). One whose turn would come after its deadline fails at
-    once and sends nothing. Addresses that answered (the
-    ``PROVEN_KEPT`` most recent) never wait, whatever the flood, so the
-    pairs a node uses keep working; a node meeting more than ``burst`` new
-    prefill daemons at once waits ``1 / per_s`` seconds for each past it.
+    A contact (a handshake, any call, a probe, a push) with an address that
+    is not proven (no kvd daemon answered there since this daemon started:
+    :meth:`answered`, for an OK answer or a code in :data:`PROVING_CODES`)
+    goes alone: the others for that address wait for its end, and go once it
+    proved the address or the unreachable gate holds it (which then probes
+    it, one at a time); else the next one takes its own turn. Turns are
+    budgeted per caller uid (:data:`kvd.core.state.PEER_CALLER`, set by the
+    core for each engine's work): ``burst`` at once, then ``per_s`` a second
+    (the generic cell rate algorithm). A contact waits for its turn at most
+    ``FIRST_CONTACT_WAIT_S`` (and its own deadline): past that it fails at
+    once, sending nothing, and reserves nothing, so a flood leaves no
+    backlog (a review: turns reserved up to a push's hour-long deadline
+    refused every first contact for minutes after the flood). One uid's
+    flood spends its own turns only; another uid's engines meet new prefill
+    daemons as before, and a proven address dropped from the
+    ``PROVEN_KEPT`` kept costs its next contact one turn of its caller's.
     Event loop only.
 
     Attributes:
         waited: contacts that waited for their turn.
-        refused: contacts failed, their turn past their deadline.
+        refused: contacts failed, their turn too far off.
     """
 
     def __init__(self, per_s: float = FIRST_CONTACTS_PER_S, burst: int = FIRST_CONTACTS_BURST,
-                 kept: int = PROVEN_KEPT, clock: Callable[[], float] = time.monotonic):
-        self._per_s, self._burst = per_s, burst
+                 kept: int = PROVEN_KEPT, max_wait_s: float = FIRST_CONTACT_WAIT_S,
+                 clock: Callable[[], float] = time.monotonic):
+        self._per_s, self._burst, self._max_wait = per_s, burst, max_wait_s
         self._interval = 1.0 / per_s
         self._tolerance = (burst - 1) * self._interval
-        self._next = -float("inf")  # the theoretical time of the next turn
-        self._proven: dict[str, None] = {}  # oldest first
+        self._next: dict[int, float] = {}  # caller uid -> the theoretical time of its next turn
+        self._proven: dict[str, None] = {}  # least recently answered first
+        self._alone: dict[str, asyncio.Future] = {}  # address not proven -> its contact in flight
         self._kept = kept
         self._clock = clock
         self.waited = 0
@@ -233,48 +252,84 @@ class FirstContacts:
         ``kvd_peer_first_contacts_refused_total``."""
         from prometheus_client.core import CounterMetricFamily
 
-        yield CounterMetricFamily("kvd_peer_first_contacts_waited", "Contacts with peer addresses that never "
-                                  "answered that waited for their turn (past the burst)", value=self.waited)
-        yield CounterMetricFamily("kvd_peer_first_contacts_refused", "Contacts with peer addresses that never "
-                                  "answered failed unsent: their turn came after their deadline",
-                                  value=self.refused)
+        yield CounterMetricFamily("kvd_peer_first_contacts_waited", "Contacts with peer addresses no daemon "
+                                  "answered at that waited for their turn (past their uid's burst)",
+                                  value=self.waited)
+        yield CounterMetricFamily("kvd_peer_first_contacts_refused", "Contacts with peer addresses no daemon "
+                                  "answered at failed unsent: their turn too far off", value=self.refused)
 
     def proven(self, address: str) -> bool:
-        """Whether ``address`` answered since this daemon started (one of the last ``kept``)."""
+        """Whether a daemon answered at ``address`` (one of the last ``kept`` answered)."""
         return address in self._proven
 
     def answered(self, address: str) -> None:
-        """A server at ``address`` answered (with any status): proven."""
+        """A kvd daemon at ``address`` answered: proven (most recent last)."""
         p = self._proven
-        if address in p:
-            return
+        p.pop(address, None)
         p[address] = None
         if len(p) > self._kept:
             del p[next(iter(p))]
 
-    async def admit(self, address: str, timeout_s: float) -> float:
-        """Returns the seconds left of ``timeout_s`` once a contact with
-        ``address`` may go: at once for a proven one, else at its turn.
+    def answered_with(self, address: str, code) -> None:
+        """:meth:`answered` when ``code`` (a ``grpc.StatusCode``) is one only a daemon sends."""
+        if code in PROVING_CODES:
+            self.answered(address)
+
+    async def admit(self, address: str, timeout_s: float, uid: int,
+                    held: Callable[[str], bool] = lambda a: False) -> tuple[float, object]:
+        """Waits until a contact with ``address`` may go; returns ``(seconds
+        left of timeout_s, ticket)``. The ticket is None when no turn was
+        taken (proven; held by the unreachable gate, ``held(address)``;
+        or another contact proved it meanwhile); else the caller hands it to
+        :meth:`ended` when its contact ends, however it ends.
 
         Raises:
             PeerUnavailable (not transient: a later try within the same
-                deadline would fare no better): its turn comes after ``timeout_s``
-                seconds; nothing was sent.
+                deadline would fare no better): ``uid``'s next turn is more
+                than ``FIRST_CONTACT_WAIT_S`` (or ``timeout_s``) away, or the
+                contact in flight did not end within ``timeout_s``; nothing
+                was sent.
         """
-        if address in self._proven:
-            return timeout_s
+        if address in self._proven or held(address):
+            return timeout_s, None
+        deadline = time.monotonic() + timeout_s
+        while (alone := self._alone.get(address)) is not None:
+            done, _ = await asyncio.wait((alone,), timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                raise ev.PeerUnavailable(f"{address}: not contacted: the contact with it in flight did not end "
+                                         f"within {timeout_s:.1f} s")
+            if address in self._proven or held(address):
+                return max(0.01, deadline - time.monotonic()), None
         now = self._clock()
-        turn = max(self._next, now)
+        turn = max(self._next.get(uid, now), now)
         wait = turn - self._tolerance - now
-        if wait > timeout_s:
+        if wait > min(timeout_s, self._max_wait):
             self.refused += 1
             raise ev.PeerUnavailable(
-                f"{address}: not contacted: {wait:.1f} s until its turn, past the call's {timeout_s:.1f} s "
-                f"(contacts with addresses no daemon answered at go {self._burst} at once, then "
-                f"{self._per_s:g} a second: loads naming many dead or new addresses)")
-        self._next = turn + self._interval
-        if wait <= 0:
-            return timeout_s
-        self.waited += 1
-        await asyncio.sleep(wait)
-        return max(0.01, timeout_s - wait)
+                f"{address}: not contacted: uid {uid}'s engines' next contact with an address no daemon answered "
+                f"at is {wait:.1f} s off (they go {self._burst} at once, then {self._per_s:g} a second: loads "
+                f"naming many dead or new addresses)")
+        if len(self._next) > 4 * self._kept:  # callers whose budget is whole again say nothing: dropped
+            self._next = {u: t for u, t in self._next.items() if t > now}
+        self._next[uid] = turn + self._interval
+        ticket = asyncio.get_running_loop().create_future()
+        self._alone[address] = ticket
+        if wait > 0:
+            self.waited += 1
+            try:
+                await asyncio.sleep(wait)
+            except BaseException:
+                self.ended((address, ticket))
+                raise
+        return max(0.01, deadline - time.monotonic()), (address, ticket)
+
+    def ended(self, ticket: object) -> None:
+        """The contact of ``ticket`` (from :meth:`admit`) ended; the others
+        for its address look again."""
+        if ticket is None:
+            return
+        address, fut = ticket
+        if self._alone.get(address) is fut:
+            del self._alone[address]
+        if not fut.done():
+            fut.set_result(None)
