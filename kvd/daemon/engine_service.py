@@ -36,7 +36,7 @@ from kvd.core import events as ev
 from kvd.core.limits import BOUNDS
 from kvd.core.memory import MEMFD_KIND
 from kvd.core.node import Node
-from kvd.core.state import Owner, Segment, Worker, WorkerKey
+from kvd.core.state import PEER_CALLER, Owner, Segment, Worker, WorkerKey
 from kvd.daemon.call_refusal import Refused
 from kvd.daemon.convert import (
     event_to_pb,
@@ -267,6 +267,7 @@ class EngineService(pb_grpc.EngineServiceServicer):
         when the prefill daemon has no such engine; UNAVAILABLE when it
         cannot be asked."""
         caller = self._caller(context)
+        PEER_CALLER.set(caller.uid)  # this call's own task: a renewal to a new address spends its caller's turns
         try:
             if not request.remote_engine_id or not request.remote_address:
                 raise ev.InvalidArgument("renew: remote_engine_id and remote_address are required")
