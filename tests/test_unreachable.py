@@ -424,3 +424,30 @@ def test_peer_client_refuses_a_new_address_past_its_turn_without_a_channel_and_s
     finally:
         server.stop(0.5).wait()
         daemon.stop(0.5).wait()
+
+
+def test_a_long_contact_that_proves_nothing_holds_the_others_at_most_the_wait_and_an_answer_frees_them():
+    """One contact with an address not proven that takes long and proves
+    nothing (a claim waiting up to 5 s at its source for a hold, answered
+    PERMISSION_DENIED) held every other contact with the address behind it,
+    chained, past a handshake's deadline (review). The others now wait at
+    most ``max_wait_s`` behind it, then take turns of their own; and a
+    proof arriving meanwhile lets them go at once."""
+    fc = FirstContacts(per_s=10.0, burst=8, max_wait_s=0.2)
+
+    async def main():
+        _, slow = await fc.admit("p:1", 10.0, uid=65534)
+        t0 = time.monotonic()
+        _, mine = await fc.admit("p:1", 10.0, uid=0)  # behind the slow one 0.2 s, then its own turn
+        assert 0.15 <= time.monotonic() - t0 < 2.0 and mine is not None
+        fc.ended(mine)
+        fc.ended(slow)
+        _, slow = await fc.admit("p:2", 10.0, uid=65534)
+        waiting = asyncio.create_task(fc.admit("p:2", 10.0, uid=0))  # behind the slow one
+        await asyncio.sleep(0.05)
+        t1 = time.monotonic()
+        fc.answered("p:2")  # proven meanwhile (a followed-holds poll's OK): it goes at once
+        assert (await waiting)[1] is None and time.monotonic() - t1 < 0.1
+        fc.ended(slow)
+
+    asyncio.run(main())

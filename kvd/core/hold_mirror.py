@@ -62,7 +62,7 @@ from kvd.core.hold_feed import HoldChange, HoldsAnswer
 from kvd.core.leases import groups_cover
 from kvd.core.limits import BOUNDS
 from kvd.core.runtime import Runtime
-from kvd.core.state import PeerLink
+from kvd.core.state import PEER_CALLER, PeerLink
 from kvd.core.throttle import Throttled
 from kvd.logtext import clip
 from kvd.requests import BlockGroups
@@ -543,6 +543,9 @@ class HoldMirror:
         not failed for ``MAX_BACKOFF_S``: a source that breaks every other
         answer is not polled at the shortest backoff each time); between
         polls, :meth:`Pace.after`."""
+        # The daemon's own work, for every engine that reads from the source:
+        # not the uid whose handshake started it (its task copied that context).
+        PEER_CALLER.set(-1)
         key = (f.address, f.engine_id)
         backoff = BACKOFF_S
         failed = -math.inf

@@ -323,7 +323,9 @@ class PeerClient:
         try:
             if not self.first_contacts.proven(address):  # before the look at this host's daemons, too
                 timeout_s, ticket = await self._admit(address, timeout_s)
-            if address in self.unreachable:  # likewise
+            if address in self.unreachable:  # likewise; the gate's probe takes the turn (not behind this one)
+                self.first_contacts.ended(ticket)
+                ticket = None
                 started = time.monotonic()
                 await self.unreachable.admit(address, timeout_s)
                 timeout_s = max(0.01, timeout_s - (time.monotonic() - started))

@@ -213,9 +213,10 @@ class FirstContacts:
     A contact (a handshake, any call, a probe, a push) with an address that
     is not proven (no kvd daemon answered there since this daemon started:
     :meth:`answered`, for an OK answer or a code in :data:`PROVING_CODES`)
-    goes alone: the others for that address wait for its end, and go once it
-    proved the address or the unreachable gate holds it (which then probes
-    it, one at a time); else the next one takes its own turn. Turns are
+    goes alone: the others for that address wait for its end (at most
+    ``FIRST_CONTACT_WAIT_S``), and go once it proved the address or the
+    unreachable gate holds it (which then probes it, one at a time); else,
+    or past that wait, each takes a turn of its own. Turns are
     budgeted per caller uid (:data:`kvd.core.state.PEER_CALLER`, set by the
     core for each engine's work): ``burst`` at once, then ``per_s`` a second
     (the generic cell rate algorithm). A contact waits for its turn at most
@@ -263,12 +264,16 @@ class FirstContacts:
         return address in self._proven
 
     def answered(self, address: str) -> None:
-        """A kvd daemon at ``address`` answered: proven (most recent last)."""
+        """A kvd daemon at ``address`` answered: proven (most recent last);
+        the contacts waiting for the one in flight go now."""
         p = self._proven
         p.pop(address, None)
         p[address] = None
         if len(p) > self._kept:
             del p[next(iter(p))]
+        alone = self._alone.get(address)
+        if alone is not None and not alone.done():
+            alone.set_result(None)
 
     def answered_with(self, address: str, code) -> None:
         """:meth:`answered` when ``code`` (a ``grpc.StatusCode``) is one only a daemon sends."""
@@ -294,16 +299,27 @@ class FirstContacts:
             return timeout_s, None
         deadline = time.monotonic() + timeout_s
         while (alone := self._alone.get(address)) is not None:
-            done, _ = await asyncio.wait((alone,), timeout=max(0.0, deadline - time.monotonic()))
-            if not done:
-                raise ev.PeerUnavailable(f"{address}: not contacted: the contact with it in flight did not end "
-                                         f"within {timeout_s:.1f} s")
+            # At most FIRST_CONTACT_WAIT_S behind one contact: a long call (a
+            # claim waits up to 5 s at its source for a hold) answered with a
+            # code that proves nothing held every other uid's contacts with the
+            # address behind it, chained (review); past that, a turn of its own.
+            left = deadline - time.monotonic()
+            if not alone.done():
+                await asyncio.wait((alone,), timeout=max(0.0, min(left, self._max_wait)))
             if address in self._proven or held(address):
                 return max(0.01, deadline - time.monotonic()), None
+            if alone.done():
+                if self._alone.get(address) is alone:
+                    break  # ended without a proof, still named: a turn of this one's own
+                continue  # another contact took its place meanwhile
+            if left <= self._max_wait:
+                raise ev.PeerUnavailable(f"{address}: not contacted: the contact with it in flight did not "
+                                         f"end within {timeout_s:.1f} s")
+            break
         now = self._clock()
         turn = max(self._next.get(uid, now), now)
         wait = turn - self._tolerance - now
-        if wait > min(timeout_s, self._max_wait):
+        if wait > min(deadline - time.monotonic(), self._max_wait):
             self.refused += 1
             raise ev.PeerUnavailable(
                 f"{address}: not contacted: uid {uid}'s engines' next contact with an address no daemon answered "
