@@ -27,17 +27,13 @@ import asyncio
 from typing import Callable
 
 from kvd.core.limits import Limits
-from kvd.core.state import Worker
+from kvd.core.state import Worker, owner_uid
 from kvd.requests import LoadRequest
 
 
 def ids_of(req: LoadRequest) -> int:
     """Block ids ``req`` names, local and remote, all groups."""
     return sum(map(len, req.local_groups)) + sum(map(len, req.remote_groups))
-
-
-def _uid(w: Worker) -> int:
-    return w.owner.uid if w.owner is not None else -1
 
 
 class _Entry:
@@ -78,7 +74,7 @@ class LoadIds:
         ``(None, entry)`` (pass ``entry`` to :meth:`started` with the load's
         task), or ``(reason, None)`` when refused (for a ``busy`` LoadFailed)."""
         n = ids_of(req)
-        uid = _uid(w)
+        uid = owner_uid(w)
         lim = self.limits
         if w.load_ids_total + n > lim.max_load_block_ids_per_worker:
             self._settle(w)
@@ -124,14 +120,14 @@ class LoadIds:
             return
         self._add(w, -entry.ids)
         if not w.load_ids:
-            workers = self._workers.get(_uid(w), {})
+            workers = self._workers.get(owner_uid(w), {})
             workers.pop(id(w), None)
             if not workers:
-                self._workers.pop(_uid(w), None)
+                self._workers.pop(owner_uid(w), None)
 
     def _add(self, w: Worker, n: int) -> None:
         w.load_ids_total += n
-        uid = _uid(w)
+        uid = owner_uid(w)
         total = self._by_uid.get(uid, 0) + n
         if total:
             self._by_uid[uid] = total

@@ -53,6 +53,7 @@ from kvd.core.state import (
     RemoteWorker,
     WarmPeer,
     Worker,
+    owner_uid,
 )
 from kvd.core.throttle import Throttled
 from kvd.core.transfer_mode import TransferModes
@@ -198,13 +199,6 @@ def on_device(rows: np.ndarray, device: int) -> np.ndarray:
     return rows
 
 
-def _owner_uid(w: Worker) -> int:
-    """The uid that registered ``w`` (-1: registered without the gate, or a
-    worker-shaped stand-in with no owner)."""
-    owner = getattr(w, "owner", None)
-    return owner.uid if owner is not None else -1
-
-
 def _said(e: BaseException) -> str:
     """An error as ``kvd status`` shows it: its text, at most 200 characters."""
     text = str(e) or type(e).__name__
@@ -329,7 +323,7 @@ class Peers:
         that refuses this daemon (UNAUTHENTICATED or PERMISSION_DENIED: its
         peer token differs) is said at WARNING at once and tried again
         after 1, 2, 4 .. 30 s from the start."""
-        PEER_CALLER.set(_owner_uid(w))  # first contacts are budgeted per uid
+        PEER_CALLER.set(owner_uid(w))  # first contacts are budgeted per uid
         address, engine_id = state.address, state.engine_id
         delay, warned, refused, started = 1.0, False, False, time.monotonic()
         while self._keeps_warming(w):
@@ -687,7 +681,7 @@ class Peers:
         handshakes ahead of need (:meth:`warm`) only up to half of each, so
         that the loads' own find room (a decode engine of TP 8 meeting 16
         prefill engines of TP 8 at once warms 1,024 pairs)."""
-        uid, lim, n = _owner_uid(w), self.rt.limits, self._counts
+        uid, lim, n = owner_uid(w), self.rt.limits, self._counts
         cap, cap_uid = (lim.max_handshakes // 2, lim.max_handshakes_per_uid // 2) if ahead else (
             lim.max_handshakes, lim.max_handshakes_per_uid)
         if not n.full(uid, cap, cap_uid):
@@ -717,7 +711,7 @@ class Peers:
             # that joined another's handshake once ended seconds late).
             fut = asyncio.get_running_loop().create_task(self._do_handshake(w, key, tp_size, ahead))
             self._handshakes[fkey] = fut
-            uncount = self._counts.add(_owner_uid(w))
+            uncount = self._counts.add(owner_uid(w))
 
             def done(f: asyncio.Future) -> None:
                 self._handshakes.pop(fkey, None)
@@ -761,7 +755,7 @@ class Peers:
 
     async def _do_handshake(self, w: Worker, key: PeerKey, tp_size: int, ahead: bool = False) -> RemoteWorker:
         address, engine_id, tp_rank = key
-        PEER_CALLER.set(_owner_uid(w))  # its own task: first contacts are budgeted per uid
+        PEER_CALLER.set(owner_uid(w))  # its own task: first contacts are budgeted per uid
         if self.link is None:
             raise PeerUnavailable("this daemon has no peer client")
         if not address or ":" not in address:

@@ -40,7 +40,7 @@ from kvd.core.peers import Peers
 from kvd.core.push import Push
 from kvd.core.registry import Registry
 from kvd.core.runtime import Runtime
-from kvd.core.state import PEER_CALLER, InflightLoad, RemoteWorker, Worker
+from kvd.core.state import PEER_CALLER, InflightLoad, RemoteWorker, Worker, owner_uid
 from kvd.core.throttle import Throttled
 from kvd.core.transfer_mode import TransferModes
 from kvd.logtext import clip
@@ -53,9 +53,7 @@ K = FailureKind
 
 def _caller_uid(w: Worker, uid: int | None) -> int:
     """``uid`` (a session's caller), else the uid of ``w``'s owner (-1: none)."""
-    if uid is not None:
-        return uid
-    return w.owner.uid if w.owner is not None else -1
+    return uid if uid is not None else owner_uid(w)
 
 
 class _PushInstead(Exception):
@@ -120,7 +118,7 @@ class Pull:
         tp.hit(tp.LOAD, req.request_id)
         # Its own task: the peer calls it makes (and the handshakes it starts)
         # spend its caller's first contacts (kvd.core.state.PEER_CALLER).
-        PEER_CALLER.set(uid if uid is not None else (w.owner.uid if w.owner is not None else -1))
+        PEER_CALLER.set(_caller_uid(w, uid))
         try:
             await self._load(w, req, retry_deadline, epoch, uid)
         except Exception as e:
@@ -657,7 +655,7 @@ class Pull:
         logged, never raised: the remote lease bounds the hold.
         """
         deadline = time.monotonic() + self.rt.limits.handshake_timeout_s
-        PEER_CALLER.set(w.owner.uid if w.owner is not None else -1)  # its own task (an abort slot's)
+        PEER_CALLER.set(owner_uid(w))  # its own task (an abort slot's)
         if remote_tp_size > BOUNDS.max_tp_size:
             self.rt.lines.warning(("abort ignored", w.key), "%s request=%s: abort ignored: remote TP size %d "
                                   "exceeds %d", w.label, request_id, remote_tp_size, BOUNDS.max_tp_size)

@@ -119,6 +119,13 @@ class PushResult:
 PEER_CALLER: contextvars.ContextVar[int] = contextvars.ContextVar("kvd_peer_caller", default=-1)
 
 
+def owner_uid(w: Any) -> int:
+    """The uid that registered worker ``w`` (-1: registered without the gate,
+    or a worker-shaped stand-in with no owner)."""
+    owner = getattr(w, "owner", None)
+    return owner.uid if owner is not None else -1
+
+
 class PeerLink(Protocol):
     """How the core reaches remote daemons (the daemon's gRPC PeerClient).
 
