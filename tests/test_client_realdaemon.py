@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from kvd.client.engine_client import EngineClient, EngineClientError
+from kvd.core import nixl_agent
 from kvd.requests import LoadRequest
 from kvd.shim.memory.shm import ShmSharing, share_kv_caches
 from kvd.v1 import kvd_pb2 as pb
@@ -124,7 +125,7 @@ def test_an_engine_that_registers_and_closes_at_once_leaves_no_ucx_error_in_the_
     _, caches = vllm032_cpu_caches(1)
     for _ in range(10):
         connect(daemon, "engine-quick", caches).close()
-    time.sleep(2.0)  # past the grace: the deferred agents are destroyed meanwhile
+    time.sleep(nixl_agent.WIRE_UP_GRACE_S + 1.0)  # past the grace: the deferred agents are destroyed meanwhile
     client = connect(daemon, "engine-quick", caches)
     try:
         st = client.get_stats(timeout_s=10)

