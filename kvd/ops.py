@@ -17,7 +17,7 @@ import stat
 from dataclasses import dataclass
 
 from kvd import command_wire, fd_wire
-from kvd.logtext import clip, escape_controls
+from kvd.logtext import clip, printable
 from kvd.usage import EXIT_NOT_SERVING, EXIT_OK, EXIT_UNREACHABLE
 
 # The services a daemon reports health for ('' is the whole server).
@@ -131,8 +131,8 @@ def _unreachable(command: str, target: str, e, timeout_s: float) -> Answer:
     elif e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
         hint = (f" (no answer within --timeout {timeout_s:g} s: a daemon stopped or too busy to answer, "
                 f"or something that is not a kvd daemon listening there)")
-    # The details come from whatever answered: escaped and cut, as the status table's fields.
-    details = clip(escape_controls(e.details() or ""), DETAILS_SHOWN)
+    # The details come from whatever answered: cut, and written as the status table writes its fields.
+    details = printable(clip(e.details() or "", DETAILS_SHOWN))
     return Answer(EXIT_UNREACHABLE, f"kvd {command}: {target}: {e.code().name}: {details}{hint}")
 
 
@@ -151,7 +151,7 @@ def _not_the_daemon(command: str, target: str) -> Answer | None:
     except ValueError:  # a path gRPC would read as another: the call says what it finds
         return None
     if is_impostor(error):
-        return Answer(EXIT_UNREACHABLE, f"kvd {command}: {escape_controls(str(error))}")
+        return Answer(EXIT_UNREACHABLE, f"kvd {command}: {printable(str(error))}")
     return None
 
 

@@ -14,6 +14,7 @@ in ``tests/test_reliability_peers.py``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -235,16 +236,26 @@ class _Stopping(pb_grpc.PeerServiceServicer):
         return pb.ClaimResponse()
 
 
+@contextlib.contextmanager
+def _serving(*servicers):
+    """A gRPC server on a free loopback port with ``servicers`` (each an
+    ``add_...ToServer``-style ``(add, servicer)`` pair): yields its address."""
+    server = grpc.server(ThreadPoolExecutor(max_workers=16))
+    for add, servicer in servicers:
+        add(servicer, server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    try:
+        yield address
+    finally:
+        server.stop(0.5).wait()
+
+
 def test_peer_client_probes_a_peer_that_answered_unavailable_before_its_claims_go():
     health = HealthServicer()
     servicer = _Stopping(health)
-    server = grpc.server(ThreadPoolExecutor(max_workers=16))
-    pb_grpc.add_PeerServiceServicer_to_server(servicer, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    server.start()
 
-    async def main():
+    async def main(address: str):
         client = PeerClient(PeerAuth())
 
         def claim(i: int):
@@ -277,10 +288,9 @@ def test_peer_client_probes_a_peer_that_answered_unavailable_before_its_claims_g
         finally:
             await client.close()
 
-    try:
-        asyncio.run(main())
-    finally:
-        server.stop(0.5).wait()
+    with _serving((pb_grpc.add_PeerServiceServicer_to_server, servicer),
+                  (health_pb2_grpc.add_HealthServicer_to_server, health)) as address:
+        asyncio.run(main(address))
 
 
 def test_the_gates_counts_are_served_as_metrics():
@@ -384,19 +394,10 @@ def test_peer_client_refuses_a_new_address_past_its_turn_without_a_channel_and_s
     UNIMPLEMENTED) proves nothing."""
     from kvd.core.state import PEER_CALLER
 
-    health = HealthServicer()
-    server = grpc.server(ThreadPoolExecutor(max_workers=4))
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    other = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    server.start()
-    daemon = grpc.server(ThreadPoolExecutor(max_workers=4))
     up = _Stopping(HealthServicer(), delay_s=0.0)
     up.set_up(True)
-    pb_grpc.add_PeerServiceServicer_to_server(up, daemon)
-    live = f"127.0.0.1:{daemon.add_insecure_port('127.0.0.1:0')}"
-    daemon.start()
 
-    async def main():
+    async def main(other: str, live: str):
         client = PeerClient(PeerAuth())
         client.first_contacts = FirstContacts(per_s=0.1, burst=2)
         try:
@@ -419,11 +420,9 @@ def test_peer_client_refuses_a_new_address_past_its_turn_without_a_channel_and_s
         finally:
             await client.close()
 
-    try:
-        asyncio.run(main())
-    finally:
-        server.stop(0.5).wait()
-        daemon.stop(0.5).wait()
+    with _serving((health_pb2_grpc.add_HealthServicer_to_server, HealthServicer())) as other, \
+            _serving((pb_grpc.add_PeerServiceServicer_to_server, up)) as live:
+        asyncio.run(main(other, live))
 
 
 def test_a_long_contact_that_proves_nothing_holds_the_others_at_most_the_wait_and_an_answer_frees_them():

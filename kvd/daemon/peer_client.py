@@ -70,10 +70,6 @@ CHANNEL_OPTIONS = channel_options()
 # 1,000 and a busy CPU).
 
 
-def _never(address: str) -> bool:
-    return False
-
-
 def _error(address: str, e: grpc.aio.AioRpcError) -> ev.CoreError:
     msg = f"{address}: {e.code().name}: {e.details()}"
     kind = {
@@ -185,8 +181,10 @@ class PeerClient:
         caller uid of this task (``PEER_CALLER``); ``gated``: an address the
         unreachable gate holds goes by its probe instead. Returns ``(seconds
         left, ticket)``; end the ticket with ``first_contacts.ended``."""
-        return await self.first_contacts.admit(address, timeout_s, PEER_CALLER.get(),
-                                               self.unreachable.__contains__ if gated else _never)
+        if gated:
+            return await self.first_contacts.admit(address, timeout_s, PEER_CALLER.get(),
+                                                   self.unreachable.__contains__)
+        return await self.first_contacts.admit(address, timeout_s, PEER_CALLER.get())
 
     async def _call(self, address: str, name: str, request, timeout_s: float, poll: bool = False,
                     admitted: bool = False):

@@ -19,6 +19,7 @@ from typing import Callable
 
 from kvd import __version__
 from kvd.addresses import metrics_url
+from kvd.logtext import printable
 from kvd.core.node import Node
 from kvd.core.state import Worker
 from kvd.v1 import kvd_pb2 as pb
@@ -162,21 +163,6 @@ def human_duration(s: float) -> str:
     if h:
         return f"{h}h{m:02d}m{s:02d}s"
     return f"{m}m{s:02d}s" if m else f"{s}s"
-
-
-def printable(text: str) -> str:
-    """``text`` with every character but printable ASCII written as Python's
-    ``ascii`` writes it (``\\x1b``, ``\\r``, ``\\u202e``, ``\\u3164``): engine
-    ids, models, addresses and errors come from engines and peers, and ``kvd
-    status`` prints them to an operator's terminal, where an escape sequence
-    or a carriage return would rewrite what it shows, and where characters
-    ``str.isprintable`` lets through still mislead (an attacker review:
-    fillers that show as blank, so ``honest-engine`` + U+3164 looks like
-    ``honest-engine``; combining strike-throughs, right-to-left letters,
-    fullwidth lookalikes, wide characters that shift the columns)."""
-    if text.isascii() and text.isprintable():
-        return text
-    return "".join(c if " " <= c <= "~" else ascii(c)[1:-1] for c in text)
 
 
 def _table(header: list[str], rows: list[list]) -> list[str]:

@@ -190,6 +190,9 @@ FIRST_CONTACTS_BURST = 128
 FIRST_CONTACT_WAIT_S = 1.0
 #: Addresses a daemon answered at, kept as proven (the most recently answered).
 PROVEN_KEPT = 1024
+#: Caller uids whose next turn is kept; past this many, those whose budget
+#: is whole again are dropped (they say nothing a fresh entry would not).
+CALLERS_KEPT = 1024
 #: Codes only a kvd daemon's PeerService sends (besides OK): gRPC maps no
 #: HTTP status to them, so an HTTP/2 server or a gRPC server of another
 #: kind answering (403 -> PERMISSION_DENIED, 404 -> UNIMPLEMENTED) proves nothing.
@@ -325,7 +328,7 @@ class FirstContacts:
                 f"{address}: not contacted: uid {uid}'s engines' next contact with an address no daemon answered "
                 f"at is {wait:.1f} s off (they go {self._burst} at once, then {self._per_s:g} a second: loads "
                 f"naming many dead or new addresses)")
-        if len(self._next) > 4 * self._kept:  # callers whose budget is whole again say nothing: dropped
+        if len(self._next) > CALLERS_KEPT:
             self._next = {u: t for u, t in self._next.items() if t > now}
         self._next[uid] = turn + self._interval
         ticket = asyncio.get_running_loop().create_future()
