@@ -128,6 +128,10 @@ def _unreachable(command: str, target: str, e, timeout_s: float) -> Answer:
         # first bytes (seen against a peer port with peer_tls_* on).
         hint = (" (a peer port that serves TLS? `kvd health --address` speaks plaintext only: check the daemon "
                 "on its engine socket with --socket, or probe the peer port with a TLS-aware gRPC client)")
+    elif not target.startswith("unix:") and e.code() == grpc.StatusCode.UNIMPLEMENTED:
+        # A daemon's peer port serves health: what answered there is another
+        # server (an HTTP/2 404 reads so; seen from a network's proxy).
+        hint = " (not a kvd daemon: --address takes the daemon's peer port, peer_listen)"
     elif e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
         hint = (f" (no answer within --timeout {timeout_s:g} s: a daemon stopped or too busy to answer, "
                 f"or something that is not a kvd daemon listening there)")

@@ -228,3 +228,35 @@ def test_sched_gaps_spin_runs_and_summarises():
     last = r.stdout.strip().splitlines()[-1]
     ticks = int(last.split()[0])
     assert 10 <= ticks <= 41 and "longest gap" in last and "1 spinners, yield, nice 5" in last, last
+
+
+def test_ctrl_c_stops_kvd_bench_with_a_line_and_leaves_nothing_running():
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it) during
+    ``kvd bench``: before, the bench and its two plain NIXL peers each died
+    with a ``KeyboardInterrupt`` traceback and the exit status was -2
+    (new-user trial). Now it says it was interrupted, exits 130, and no
+    peer, daemon or shared-memory segment of it is left."""
+    import os
+    import signal
+    import time
+
+    before = set(os.listdir("/dev/shm"))
+    p = subprocess.Popen([sys.executable, "-m", "kvd.cli", "bench", "--quick", "--skip-step", "--no-progress"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    time.sleep(6)  # the data plane under way: daemons and plain NIXL peers up
+    os.killpg(p.pid, signal.SIGINT)
+    _, err = p.communicate(timeout=90)
+    assert p.returncode == 130 and "kvd bench: interrupted" in err, (p.returncode, err[-2000:])
+    def group_alive() -> bool:
+        try:
+            os.killpg(p.pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+    deadline = time.monotonic() + 20  # its daemons drain on their own SIGINT
+    while group_alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not group_alive(), subprocess.run(["pgrep", "-a", "-g", str(p.pid)], capture_output=True,
+                                             text=True).stdout
+    assert not {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("kvd")}

@@ -1054,3 +1054,24 @@ def test_status_and_health_refuse_a_socket_another_user_serves_in_a_shared_direc
         proc.kill()
         proc.wait()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_health_at_a_port_served_by_something_else_says_it_is_no_kvd_daemon():
+    """``kvd health --address`` at a gRPC (HTTP/2) server that is not a kvd
+    peer port: gRPC says UNIMPLEMENTED (an HTTP/2 404 reads so; a network's
+    proxy answered one in a new-user trial), and the line said no more."""
+    from concurrent import futures
+
+    import grpc
+
+    from kvd import ops
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        answer = ops.health(f"127.0.0.1:{port}", timeout_s=5)
+    finally:
+        server.stop(0)
+    assert answer.code == 2 and "UNIMPLEMENTED" in answer.text, answer
+    assert "not a kvd daemon: --address takes the daemon's peer port" in answer.text, answer

@@ -55,6 +55,21 @@ def main(argv: list[str] | None = None) -> int:
     docs/PERFORMANCE.md's goals. ``argv``: the arguments after ``bench``.
     Returns the exit code (64 on a usage error, 69 before anything starts
     when NIXL is not installed)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C: the pairs' and daemons' cleanup ran on the way out; no traceback
+        import multiprocessing
+
+        for child in multiprocessing.active_children():  # plain NIXL peers ignore SIGINT: stopped here
+            child.kill()
+            child.join(5)
+        cleanup_segments(cm.SHM_PREFIX)
+        print("\nkvd bench: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
+    """:func:`main` itself."""
     ap = UsageParser(  # usage errors exit 64, as every kvd command
         prog="kvd bench",
         description="Short benchmarks: (1) data plane, kvd vs plain NIXL vs memcpy; (1s) same-node copy, one "

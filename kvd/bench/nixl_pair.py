@@ -42,6 +42,9 @@ class PeerConfig:
 
 
 def _peer_main(conn, name: str, cfg: PeerConfig) -> None:  # pragma: no cover - runs in the child
+    # Ctrl-C reaches the whole process group: the bench's process stops this
+    # peer (PlainPeer.close), which would otherwise die with a traceback first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     for k, v in (cfg.env or {}).items():
         os.environ[k] = str(v)
     import numpy as np
