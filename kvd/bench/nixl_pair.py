@@ -189,7 +189,17 @@ class NixlPeer:
         self.name = name
         self.proc = ctx.Process(target=_peer_main, args=(child, name, cfg or PeerConfig()), daemon=True,
                                 name=f"nixl-{name}")
-        self.proc.start()
+        # Started with SIGINT ignored, which the spawned interpreter keeps: a
+        # Ctrl-C while it imports would otherwise end it in a traceback.
+        try:
+            was = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        except ValueError:  # not the main thread: it cannot set handlers (nor receive SIGINT)
+            was = None
+        try:
+            self.proc.start()
+        finally:
+            if was is not None:
+                signal.signal(signal.SIGINT, was)
         if not self._conn.poll(start_timeout_s):
             self.proc.kill()
             raise RuntimeError(f"NIXL peer {name} did not start in {start_timeout_s} s")
