@@ -141,8 +141,9 @@ def test_a_closed_agent_outlives_its_close_only_for_the_wire_up_grace_and_only_w
     """The deferral itself, on real NIXL agents in this process: an agent
     closed with ``defer`` right after its warm-up waits in the deferred list
     until the grace has passed; one closed without it (the agent replaced
-    to stop its READs, whose destruction is what stops them) is destroyed at
-    once; every later call on a closed agent fails either way."""
+    to stop its READs, whose destruction is what stops them) or described
+    to a peer is destroyed at once; every later call on a closed agent
+    fails either way."""
     from kvd.core import nixl_agent as na
 
     na.destroy_deferred(float("inf"))
@@ -159,6 +160,14 @@ def test_a_closed_agent_outlives_its_close_only_for_the_wire_up_grace_and_only_w
     late.warm_up()
     late._warmed_at -= na.WIRE_UP_GRACE_S  # its wire-up had the grace: nothing to wait for
     assert late.close(defer=True) and na.destroy_deferred(time.monotonic()) == 0
+    # Described to a peer (a handshake answered, a push order): a peer's
+    # WRITE or TCP READ is served by this agent's progress, into memory the
+    # caller unmaps next, so it goes at once (the daemon died with SIGSEGV
+    # in tests/test_reliability_tcp.py's unregistration test without this).
+    shown = na.NixlAgent("kvd-test-described", ["UCX"])
+    shown.warm_up()
+    shown.described = True
+    assert shown.close(defer=True) and na.destroy_deferred(time.monotonic()) == 0
 
 
 @pytest.fixture

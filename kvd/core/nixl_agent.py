@@ -402,6 +402,10 @@ class NixlAgent:
         self._scratch: np.ndarray | None = None  # warm-up READs' page, kept as long as the native agent
         self._scratch_reg = None
         self._warmed_at = -math.inf  # time.monotonic() at the end of warm_up()
+        #: Set once this agent's metadata went to a peer (a handshake answered,
+        #: a push order's reader): a peer may then READ from or WRITE into its
+        #: memory through UCX, and only destroying the agent stops that.
+        self.described = False
         self._metadata: bytes = self._agent.get_agent_metadata()
 
     # -- memory ----------------------------------------------------------------
@@ -635,8 +639,14 @@ class NixlAgent:
         transfer of the agent into an engine's memory is in ``PROC`` (a
         warm-up READ into the scratch page may be: the page is kept as long
         as the agent); then an agent warmed up less
-        than :data:`WIRE_UP_GRACE_S` ago is destroyed that long after its
-        warm-up instead (:func:`destroy_deferred`), and True is returned.
+        than :data:`WIRE_UP_GRACE_S` ago and never :attr:`described` to a
+        peer is destroyed that long after its warm-up instead
+        (:func:`destroy_deferred`), and True is returned. A described agent
+        is destroyed at once: a peer's WRITE (push mode) or READ over
+        ``UCX_TLS=tcp`` is served by this agent's UCX progress, which would
+        touch the engine's memory after the caller unmaps it (measured: the
+        daemon died with SIGSEGV when a SIGSTOPped source resumed its WRITE
+        after the reader's worker unregistered within 2 s of registering).
 
         The one way to stop a READ that needs the peer's progress when the
         peer does not answer: NIXL 1.5 has no cancel for it (``release`` and
@@ -660,7 +670,7 @@ class NixlAgent:
             self._scratch_reg = None
         self._agent.agent = None
         due = self._warmed_at + WIRE_UP_GRACE_S
-        if defer and time.monotonic() < due:
+        if defer and not self.described and time.monotonic() < due:
             # With the scratch page: a warm-up READ still in flight (released by
             # force at the unregister) may land in it until the destruction.
             _DEFERRED.append((due, self._scratch, native))  # a tuple drops its last item first: the agent
