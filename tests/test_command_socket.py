@@ -430,12 +430,14 @@ def test_a_grpc_client_on_the_command_socket_is_told_the_engine_sockets_path(dae
     """``kvd status --socket X.cmd`` (or any gRPC client) on the command
     socket: its call is answered FAILED_PRECONDITION naming the engine
     socket (the preface is not read as a 541 MB frame), the CLI says the
-    same with exit code 2, nothing is left open, and the daemon serves on."""
+    same with exit code 2, the log says it in one line, nothing is left
+    open, and the daemon serves on."""
     import subprocess
     import sys
 
     cmd_path = command_socket_path(daemon.socket)
     fds = len(os.listdir(f"/proc/{daemon.proc.pid}/fd"))
+    ended = daemon.log().count("ended its commands before an OpenSession")
     with grpc.insecure_channel(f"unix:{cmd_path}") as ch:
         with pytest.raises(grpc.RpcError) as e:
             ch.unary_unary("/kvd.v1.EngineService/GetStats")(b"", timeout=10)
@@ -446,6 +448,9 @@ def test_a_grpc_client_on_the_command_socket_is_told_the_engine_sockets_path(dae
     assert r.returncode == 2 and f"--socket {daemon.socket}" in r.stdout + r.stderr, (r.stdout, r.stderr)
     wait_until(lambda: len(os.listdir(f"/proc/{daemon.proc.pid}/fd")) <= fds, 10, "connections closed")
     assert "is a gRPC client" in daemon.log()
+    # One line says what happened: no session refusal beside it (a new user
+    # read "the engine ended its commands" as a fault of the daemon's).
+    assert daemon.log().count("ended its commands before an OpenSession") == ended, daemon.log()[-2000:]
     eng = Engine(daemon, "cs-grpc", SHAPE)
     eng.hold("cs-after", [1])
     eng.release("cs-after")

@@ -417,6 +417,7 @@ class _Connection(asyncio.Protocol):
         self._head = b""  # the first bytes, while fewer than 4 that could be the preface's
         self._partial_bytes = 0  # of an unfinished frame, counted in owner.partial
         self._lingering: asyncio.TimerHandle | None = None  # _linger's bound
+        self._grpc_client = False  # _refuse_grpc's: its session's refusal says nothing more
         self.refusal: Refusal | None = None  # a gRPC client's (_refuse_grpc)
 
     def connection_made(self, transport) -> None:
@@ -495,6 +496,7 @@ class _Connection(asyncio.Protocol):
         541,676,112 bytes and the client saw only "Failed parsing HTTP/2"."""
         self.owner.warn.warning("%s: %s is a gRPC client; answered with the engine socket's path", WHAT,
                                 self.caller)
+        self._grpc_client = True
         # No session: it would answer in frames and close before the refusal
         # is sent. Its cancellation must not be lost to the commands' end in
         # the same pass (Python 3.11's wait_for lost it: the session's first
@@ -691,9 +693,14 @@ class _Connection(asyncio.Protocol):
                         await self._drained
         except Refused as r:
             # Any admitted uid may open sessions it cannot have as fast as it
-            # connects: 24k lines of 4 KiB in 10 s (attacker review).
-            self.owner.refusals.info(self.caller.uid if self.caller else None, "%s: session of %s refused: %s", WHAT,
-                                     self.caller, r)
+            # connects: 24k lines of 4 KiB in 10 s (attacker review). None
+            # for a connection that sent nothing (a look at the server's
+            # credentials: kvd health/status named this socket) or a gRPC
+            # client's (_refuse_grpc's line says it): "the engine ended its
+            # commands" read as a fault to a new user.
+            if self._spoke and not self._grpc_client:
+                self.owner.refusals.info(self.caller.uid if self.caller else None, "%s: session of %s refused: %s",
+                                         WHAT, self.caller, r)
             self._flush()
             if not self._closing():
                 t.write(_rejected(str(r)))
