@@ -168,6 +168,14 @@ def test_a_closed_agent_outlives_its_close_only_for_the_wire_up_grace_and_only_w
     shown.warm_up()
     shown.described = True
     assert shown.close(defer=True) and na.destroy_deferred(time.monotonic()) == 0
+    # Bounded: an engine registering and unregistering in a loop keeps at
+    # most MAX_DEFERRED native agents (threads, sockets) waiting.
+    for n in range(na.MAX_DEFERRED + 3):
+        a = na.NixlAgent(f"kvd-test-loop-{n}", ["UCX"])
+        a.warm_up()
+        assert a.close(defer=True)
+    assert len(na._DEFERRED) == na.MAX_DEFERRED
+    assert na.destroy_deferred(float("inf")) == 0
 
 
 @pytest.fixture

@@ -54,6 +54,11 @@ _ORPHANED_SCRATCH: list = []  # pages of agents dropped before their native agen
 #: under load stretches it).
 WIRE_UP_GRACE_S = 2.0
 _DEFERRED: list[tuple] = []  # (time.monotonic() to destroy at, its scratch page or None, native agent)
+#: Agents waiting in ``_DEFERRED`` at most: past it the oldest is destroyed
+#: at once. Each holds UCX workers, threads and sockets (an attacker review:
+#: one uid registering and unregistering in a loop, ~20 a second here, kept
+#: ~45 native agents, 739 fds and 57 threads alive against caps of 4 workers).
+MAX_DEFERRED = 8
 
 
 def destroy_deferred(now: float) -> int:
@@ -673,6 +678,8 @@ class NixlAgent:
         if defer and not self.described and time.monotonic() < due:
             # With the scratch page: a warm-up READ still in flight (released by
             # force at the unregister) may land in it until the destruction.
+            if len(_DEFERRED) >= MAX_DEFERRED:
+                del _DEFERRED[0]  # the oldest, destroyed now: at worst its UCX logs a refused connect
             _DEFERRED.append((due, self._scratch, native))  # a tuple drops its last item first: the agent
         del native  # the last reference unless deferred: NIXL's destructor runs here
         self._metadata = b""

@@ -1009,9 +1009,10 @@ class Peers:
         Needs no NIXL call (the metadata is the agent's cached bytes). Marks
         the agent :attr:`~kvd.core.nixl_agent.NixlAgent.described`: a peer
         may move bytes through it from here on."""
-        w.agent.described = True
-        return HandshakeResult(w.agent.metadata(), w.agent.name, w.layout, w.regions, w.mem.bases, w.compat_hash, __version__,
+        a = w.agent  # one read: the NIXL thread may replace it meanwhile (Registry.replace_agent)
+        a.described = True
+        return HandshakeResult(a.metadata(), a.name, w.layout, w.regions, w.mem.bases, w.compat_hash, __version__,
                                PROTOCOL_VERSION, w.tp_size, memory=w.mem.memory, device=w.mem.device,
-                               warm_up_addr=w.agent.scratch_addr, read_transport=self.read_transport)
+                               warm_up_addr=a.scratch_addr, read_transport=self.read_transport)
 
     # --------------------------------------------------------------- progress

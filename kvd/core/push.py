@@ -97,7 +97,7 @@ class Push:
         self.peers = peers
         self.holds = holds
         # WRITEs in flight: id(handle) -> (source worker, handle, future of its end state, deadline)
-        self.writes: dict[int, tuple[Worker, object, asyncio.Future, float]] = {}
+        self.writes = rt.writes
         # Readers dropped while a push used them (a WRITE failed): id(reader)
         # -> (worker, reader, the worker's agent then); each goes to its
         # worker's retired list when its last push ends (``_done_with``).
@@ -381,13 +381,14 @@ class Push:
     def _done_with(self, w: Worker, r: RemoteWorker) -> None:
         """One push fewer uses reader ``r``; a dropped reader goes to the
         retired ones with its last push (unless its worker's agent was
-        replaced or the worker is gone meanwhile: its state went with
-        them)."""
+        replaced meanwhile: its state went with it). A worker unregistered
+        meanwhile is quarantined while this push's WRITE ran
+        (``Registry._free_worker``); its retired readers are freed with it."""
         r.pushes -= 1
         if r.pushes:
             return
         entry = self._draining.pop(id(r), None)
-        if entry is not None and entry[2] is w.agent and self.rt.registered(w) and not r.freed:
+        if entry is not None and entry[2] is w.agent and not r.freed:
             w.pairs.retired.append(r)
 
     def poll_writes(self, now: float) -> list[tuple[asyncio.Future, str]]:

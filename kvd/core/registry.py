@@ -397,8 +397,9 @@ class Registry:
         freed = await self.rt.nixl(self._free_worker, w)
         if not freed:
             self.rt.quarantine.append(w)
-            log.error("%s: a READ was in progress and the NIXL agent could not be destroyed; the worker's memory "
-                      "stays mapped (quarantined_workers in stats)", w.label)
+            log.warning("%s: a transfer was in progress (a READ into its memory, or a push WRITE out of it) and its "
+                        "NIXL agent could not be destroyed yet; the worker's memory stays mapped until it is "
+                        "(quarantined_workers in stats)", w.label)
         owner_gone = engine_gone and w.mem.owner_pid > 0 and not os.path.exists(f"/proc/{w.mem.owner_pid}")
         # Off the event loop: the last unmap or unlink of memory an engine
         # filled frees its pages inside the call (4 GiB: 0.67 s, attacker review).
@@ -436,7 +437,7 @@ class Registry:
         once its old agent can be destroyed; the progress loop calls it each
         round it has one (none: no call at all)."""
         for w in list(self.rt.quarantine):
-            if await self.rt.nixl(w.agent.close):
+            if await self.rt.nixl(self._free_worker, w, False):
                 self.rt.quarantine.remove(w)
                 await asyncio.to_thread(self._unmap, w)
                 log.info("%s: its NIXL agent is destroyed at last; memory unmapped", w.label)
@@ -530,26 +531,44 @@ class Registry:
         w.pairs.retired.clear()
         w.pairs.readers.clear()
         w.pairs.agents.clear()  # the peers' agents go with this agent (a next one loads them afresh)
-        try:
-            w.agent.release_dlist(w.mem.local_dlist)
-        except Exception:
-            pass
+        if w.mem.local_dlist is not None:
+            try:
+                w.agent.release_dlist(w.mem.local_dlist)
+            except Exception:
+                pass
         for reg in w.mem.registrations:
             try:
                 w.agent.deregister(reg)
             except Exception as e:
                 log.warning("%s: deregister: %s", w.label, e)
+        # Once: a quarantined worker is freed again later (free_quarantined),
+        # and NIXL must not be handed a released list or registration twice.
+        w.mem.local_dlist, w.mem.registrations = None, []
 
-    def _free_worker(self, w: Worker) -> bool:
+    def _writing(self, w: Worker) -> bool:
+        """NIXL thread: True while a push WRITE out of ``w``'s memory is in
+        ``Runtime.writes`` (not yet ended and released by the progress loop)."""
+        return any(e[0] is w for e in list(self.rt.writes.values()))  # a copy: the loop adds WRITEs meanwhile
+
+    def _free_worker(self, w: Worker, defer: bool = True) -> bool:
         """NIXL thread: releases every handle, list, remote and registration
-        of ``w`` and destroys its agent. False when a READ was still in
-        progress and the agent could not be destroyed: its memory must stay
-        mapped (quarantine), since the late bytes would land in whatever is
-        mapped there next, or kill the daemon with SIGSEGV (measured with
-        ``UCX_TLS=tcp`` and a SIGSTOPped source)."""
+        of ``w`` and destroys its agent. False when its agent could not be
+        destroyed (a handle still bound to it), or a push WRITE out of its
+        memory has not ended: its memory must then stay mapped (quarantine),
+        since UCX would go on moving bytes through it, landing in whatever
+        is mapped there next or killing the daemon with SIGSEGV (measured
+        with ``UCX_TLS=tcp`` and a SIGSTOPped peer: a READ's late bytes;
+        a source's WRITE went on sending another engine's KV, mapped at the
+        same address after the unregistration, to the reader, and freeing
+        the reader under it made NIXL say the WRITE failed while its bytes
+        still went). Nothing is freed while such a WRITE runs; the progress
+        loop calls this again (:meth:`free_quarantined`, ``defer`` False)
+        once the WRITE has ended. ``defer``: :meth:`NixlAgent.close`'s."""
+        if self._writing(w):
+            return False
         running = self._end_transfers(w)
         self._free_nixl(w)
-        return w.agent.close(defer=not running) or not running
+        return w.agent.close(defer=defer and not running)
 
     def attach(self, engine_id: str, tp_rank: int) -> Worker:
         """A session stream opened for the worker; returns it. Raises NotFound."""

@@ -222,6 +222,11 @@ class Runtime:
         # are kept (a late byte lands in memory still theirs, never in a freed
         # or reused mapping) until it is (``Registry.free_quarantined``).
         self.quarantine: list[Worker] = []
+        # Push mode, source side: WRITEs in flight out of a worker's memory,
+        # id(handle) -> (source worker, handle, future of its end state,
+        # deadline) (``kvd.core.push``). Here, not in Push: a worker whose
+        # WRITE runs may not have its memory unmapped (``Registry``).
+        self.writes: dict[int, tuple[Worker, object, asyncio.Future, float]] = {}
         self.kick = asyncio.Event()  # wakes the progress loop (a transfer was posted)
         self._inline_bytes = 0  # bytes posted on the loop in its current pass (nixl_now)
         self.draining = False  # set at SIGTERM: no new loads or sessions, no second tries
