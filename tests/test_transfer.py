@@ -85,11 +85,12 @@ def test_blocks_move_byte_exact_between_two_daemons(daemon_pair):
     assert child.exitcode == 0
 
 
+# One write a line: print() writes the text and its newline apart, so a hit
+# on the NIXL thread could land inside another thread's line and be lost.
 SINK = """\
 import sys
 from kvd import tracepoints
-tracepoints.install(lambda point, rid, detail, t: print(f"TP {point} {rid} {detail} {t:.6f}", file=sys.stderr,
-                                                        flush=True))
+tracepoints.install(lambda point, rid, detail, t: sys.stderr.write(f"TP {point} {rid} {detail} {t:.6f}\\n"))
 """
 
 
