@@ -179,6 +179,13 @@ class ProcessSet:
                 raise child.fail(f"not {what} after {timeout_s:.0f} s")
             time.sleep(interval_s)
 
+    def discard(self, child: Child, grace_s: float = 10.0) -> None:
+        """Stops ``child``'s process group and forgets it (a failed start
+        tried again: :meth:`check_alive` must not report it). Its shared
+        memory objects are still cleaned at :meth:`close`."""
+        self.stop(child, grace_s)
+        self.children.remove(child)
+
     def check_alive(self) -> None:
         """Raises ChildFailed for the first child that has exited."""
         for c in self.children:

@@ -132,6 +132,11 @@ DAEMON_READY_S = 60.0
 ENGINE_READY_S = 300.0
 
 
+#: Starts of the daemons when one finds a port it was given taken (:meth:`PDStack._start_daemons`).
+DAEMON_PORT_TRIES = 3
+PORT_TAKEN = "Address already in use"  # strerror(EADDRINUSE), in the daemon's startup error
+
+
 @dataclass
 class StackDaemon:
     """A stack's daemon: its name (P or D), engine socket path, peer port, child
@@ -433,7 +438,36 @@ class PDStack:
         return took
 
     def _start_daemons(self) -> None:
+        """Starts the daemons (P, and D unless shared) and waits until each
+        is healthy. Their ports come from :func:`free_port`, free a moment
+        before the daemon binds them; another process may take one meanwhile
+        (an outgoing connection's ephemeral port, a UCX listener: seen once
+        beside a busy test run). The daemon then exits "Address already in
+        use", and the daemons start again on other ports, up to
+        ``DAEMON_PORT_TRIES`` times."""
         t0 = time.monotonic()
+        for attempt in range(1, DAEMON_PORT_TRIES + 1):
+            self._launch_daemons()
+            try:
+                for name, d in self.daemons.items():
+                    waited = self.procs.wait_ready(
+                        d.child, lambda d=d: kvd_health(d.socket), self.daemon_ready_s,
+                        what="healthy")
+                    self.log(f"daemon {name} healthy after {waited:.1f} s")
+                break
+            except ChildFailed as e:
+                if attempt == DAEMON_PORT_TRIES or PORT_TAKEN not in e.log_tail:
+                    raise
+                self.log(f"daemon {e.name}: a port it was given was taken before it bound it (another process); "
+                         "starting the daemons again on other ports")
+                for d in {id(d): d for d in self.daemons.values()}.values():
+                    self.procs.discard(d.child)
+                self.daemons = {}
+                self.metrics_ports = {k: free_port() for k in self.metrics_ports}
+        self.timings["daemons_ready_s"] = time.monotonic() - t0
+
+    def _launch_daemons(self) -> None:
+        """Starts the daemon processes (P, and D unless shared) on fresh ports, without waiting."""
         for name in ("P",) if self.shared_daemon else ("P", "D"):
             sock = str(self.sock_dir / f"kvd-{name.lower()}.sock")
             if os.path.exists(sock):
@@ -450,12 +484,6 @@ class PDStack:
                      f"peer 127.0.0.1:{port}")
         if self.shared_daemon:
             self.daemons["D"] = self.daemons["P"]
-        for name, d in self.daemons.items():
-            waited = self.procs.wait_ready(
-                d.child, lambda d=d: kvd_health(d.socket), self.daemon_ready_s,
-                what="healthy")
-            self.log(f"daemon {name} healthy after {waited:.1f} s")
-        self.timings["daemons_ready_s"] = time.monotonic() - t0
 
     def _start_engines(self) -> None:
         t0 = time.monotonic()
