@@ -242,10 +242,15 @@ def test_a_source_engine_unregistering_during_its_push_sends_no_other_engines_by
     the second engine the source daemon died (SIGSEGV or a UCX assertion, 3
     of 5). Now the worker is quarantined until its WRITE has ended: the
     reader gets only the first engine's bytes, none after its load's end,
-    and the source daemon frees the memory and serves on."""
+    and the source daemon frees the memory and serves on. Meanwhile the
+    quarantined worker counts against its uid's caps (a uid unregistering
+    under stalled WRITEs kept 1 GiB mapped against a 256 MiB cap): a third
+    registration past ``max_workers_per_uid`` 2 is refused, saying why."""
+    import grpc
+
     from kvd.v1 import kvd_pb2 as pb
 
-    src_d = start_daemon(str(tmp_path), "p", env=TCP)
+    src_d = start_daemon(str(tmp_path), "p", "--max-workers-per-uid", "2", env=TCP)
     dst_d = start_daemon(str(tmp_path), "d", "--transfer-mode", "push", env=TCP)
     ids = list(range(SHAPE.num_blocks))
     try:
@@ -262,6 +267,10 @@ def test_a_source_engine_unregistering_during_its_push_sends_no_other_engines_by
             src_d.stub().UnregisterEngine(
                 pb.UnregisterEngineRequest(worker=pb.EngineWorker(engine_id="p", tp_rank=0)), timeout=20)
             other = Engine(src_d, "p2", SHAPE, seed=99)  # another engine's KV, perhaps where p's was mapped
+            with pytest.raises(grpc.RpcError) as refused:
+                Engine(src_d, "p3", SHAPE)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "quarantined_workers" in refused.value.details(), refused.value.details()
         finally:
             os.kill(dst_d.proc.pid, signal.SIGCONT)
         ev = dst.wait("r", 60)

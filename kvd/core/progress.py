@@ -174,6 +174,10 @@ class Progress:
                     self._drop(w, a, extra)
                 elif st == "STATES" and rt.registered(w):
                     self.reads_ended(w, extra, now)
+            # The last poll's entries hold handles (a STATES dict): kept past
+            # this pass they would keep a quarantined worker's agent alive
+            # until the next poll with results (an attacker review: 40 s).
+            results = w = a = extra = None
             self.handle_notifs(NOTIFS_PER_PASS)
             self.expire(now)
             if rt.quarantine:

@@ -332,7 +332,10 @@ class Registry:
         VRAM mirrors the daemon may allocate (the owner's uid; None: not
         checked per uid). Registrations under way count as registered.
         Raises ResourceExhausted."""
-        lim, ws = self.rt.limits, list(self.rt.workers.values())
+        # Quarantined workers still hold their memory, agent and threads
+        # (an attacker review: a uid unregistering under stalled WRITEs kept
+        # 1 GiB mapped against a 256 MiB cap): they count.
+        lim, ws = self.rt.limits, [*self.rt.workers.values(), *self.rt.quarantine]
         mine = [w for w in ws if owner is not None and w.owner is not None and w.owner.uid == owner.uid]
         descs = lambda group: sum(len(w.regions) * w.layout.num_blocks for w in group)  # noqa: E731
         # Registrations under way count as registered (self._registering).
@@ -356,7 +359,10 @@ class Registry:
                    ) if owner is not None else ())):
             if used > cap:
                 who = f" {owner.uid}" if "uid" in what else ""
-                raise ResourceExhausted(f"register: {what}{who} would be {used}, more than {key} {cap}")
+                held = [w for w in self.rt.quarantine if "uid" not in what or any(w is m for m in mine)]
+                why = (f" ({len(held)} of them unregistered workers whose memory stays mapped until a transfer "
+                       "through them ends: quarantined_workers in kvd status)" if held else "")
+                raise ResourceExhausted(f"register: {what}{who} would be {used}, more than {key} {cap}{why}")
 
     def _make_agent(self, name, mappings, layout, regions, memory="DRAM", device=0):
         agent = NixlAgent(name, self.backends)
@@ -550,6 +556,23 @@ class Registry:
         ``Runtime.writes`` (not yet ended and released by the progress loop)."""
         return any(e[0] is w for e in list(self.rt.writes.values()))  # a copy: the loop adds WRITEs meanwhile
 
+    def _await_writes(self, w: Worker) -> None:
+        """NIXL thread, ``w`` unregistered while a push WRITE out of its
+        memory runs: its loads' READ handles go to ``Runtime.zombies`` (the
+        unregistration drops its loads; a handle lost there would keep the
+        agent alive for good, and never be released on this thread), and
+        its WRITEs get at most ``transfer_timeout_s`` more (the reader named
+        their deadline, up to ``max_transfer_timeout_s``: an hour of memory
+        kept mapped after the engine left). A READ into the memory may land
+        until the agent is destroyed, once the WRITEs have ended."""
+        for load in list(w.inflight.values()):  # a copy: the loop may add loads meanwhile
+            self.rt.zombies.extend((w.agent, h) for h in dict.fromkeys(h for h, _ in load.parts))
+            load.parts = []
+        bound = time.monotonic() + self.rt.limits.transfer_timeout_s
+        for key, (x, h, fut, deadline) in list(self.rt.writes.items()):
+            if x is w and deadline > bound:
+                self.rt.writes[key] = (x, h, fut, bound)
+
     def _free_worker(self, w: Worker, defer: bool = True) -> bool:
         """NIXL thread: releases every handle, list, remote and registration
         of ``w`` and destroys its agent. False when its agent could not be
@@ -565,6 +588,7 @@ class Registry:
         loop calls this again (:meth:`free_quarantined`, ``defer`` False)
         once the WRITE has ended. ``defer``: :meth:`NixlAgent.close`'s."""
         if self._writing(w):
+            self._await_writes(w)
             return False
         running = self._end_transfers(w)
         self._free_nixl(w)
