@@ -565,9 +565,13 @@ class Registry:
         their deadline, up to ``max_transfer_timeout_s``: an hour of memory
         kept mapped after the engine left). A READ into the memory may land
         until the agent is destroyed, once the WRITEs have ended."""
-        for load in list(w.inflight.values()):  # a copy: the loop may add loads meanwhile
-            self.rt.zombies.extend((w.agent, h) for h in dict.fromkeys(h for h, _ in load.parts))
+        loads = list(w.inflight.values())  # a copy: the loop may add loads meanwhile
+        # Once each: a coalesced READ is a part of each load it carries, and
+        # a handle released twice is NIXL's use-after-free.
+        handles = dict.fromkeys(h for load in loads for h, _ in load.parts)
+        for load in loads:
             load.parts = []
+        self.rt.zombies.extend((w.agent, h) for h in handles)
         bound = time.monotonic() + self.rt.limits.transfer_timeout_s
         for key, (x, h, fut, deadline) in list(self.rt.writes.items()):
             if x is w and deadline > bound:
