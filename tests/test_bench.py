@@ -241,7 +241,13 @@ def test_ctrl_c_stops_kvd_bench_with_a_line_and_leaves_nothing_running():
     import time
 
     before = set(os.listdir("/dev/shm"))
-    p = subprocess.Popen([sys.executable, "-m", "kvd.cli", "bench", "--quick", "--skip-step", "--no-progress"],
+    # With SIGINT at its default, as in a terminal: a suite run as a
+    # background job (``cmd &`` in a script, nohup) starts every process with
+    # SIGINT ignored, Python keeps it so, and the bench then ran to its end.
+    default_sigint = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                      "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+    p = subprocess.Popen([sys.executable, "-c", default_sigint, "-m", "kvd.cli", "bench", "--quick", "--skip-step",
+                          "--no-progress"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     time.sleep(6)  # the data plane under way: daemons and plain NIXL peers up
     os.killpg(p.pid, signal.SIGINT)

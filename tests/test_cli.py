@@ -362,12 +362,19 @@ def test_serve_on_a_live_daemons_engine_socket_says_how_to_go_on(tmp_path):
     d = start_daemon(str(tmp_path), "kvd")
     try:
         r = _client("serve", "--peer-listen", "127.0.0.1:0", "--engine-socket", d.socket)
+        # Its fd side channel (SOCK_SEQPACKET): a stream connect fails there
+        # with EPROTOTYPE, which was read as "nothing listens", and the
+        # socket was replaced under the live daemon (a new-user trial).
+        side = _client("serve", "--peer-listen", "127.0.0.1:0", "--engine-socket", d.socket + ".fd")
+        assert os.path.exists(d.socket + ".fd")
     finally:
         assert d.stop() == 0
     out = r.stderr + r.stdout
     assert r.returncode == 1 and "Traceback" not in out, out
     assert (f"startup failed: another daemon is serving on {d.socket}: stop it, or give this daemon its own "
             f"engine_socket") in out, out
+    out = side.stderr + side.stdout
+    assert side.returncode == 1 and f"(the fd side channel of the daemon on {d.socket})" in out, out
 
 
 def test_the_client_socket_is_found_as_the_daemon_finds_it(tmp_path):

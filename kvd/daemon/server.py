@@ -136,6 +136,21 @@ def bind_failure(host: str, port: int) -> str | None:
     return errors[0] if len(errors) == len(addrs) else None
 
 
+def _side_socket_of(path: str) -> str:
+    """`` (the command socket of the daemon on X)`` when ``path`` is the
+    command socket or fd side channel of the engine socket X beside it, an
+    existing socket; else ""."""
+    from kvd.command_wire import command_socket_path
+    from kvd.fd_wire import fd_socket_path
+
+    for suffix, name, of in ((".cmd", "command socket", command_socket_path), (".fd", "fd side channel",
+                                                                               fd_socket_path)):
+        base = path[:-len(suffix)]
+        if path.endswith(suffix) and of(base) == path and os.path.exists(base):
+            return f" (the {name} of the daemon on {base})"
+    return ""
+
+
 def make_socket_dir(path: str) -> str | None:
     """Makes the directory of the engine socket ``path`` (and its parents).
     Returns the first directory it made (the others are under it), or None
@@ -443,8 +458,8 @@ class Server:
                 # Never delete what is not a socket (a typo could name a file).
                 raise OSError(f"engine_socket: {sock} exists and is not a socket; refusing to replace it")
             if self._socket_alive(sock):
-                raise OSError(f"another daemon is serving on {sock}: stop it, or give this daemon its own "
-                              f"engine_socket")
+                raise OSError(f"another daemon is serving on {sock}{_side_socket_of(sock)}: stop it, or give this "
+                              f"daemon its own engine_socket")
             os.unlink(sock)
             log.info("engine_socket: replaced %s, left by a daemon that stopped without removing it (nothing "
                      "listened on it)", sock)
@@ -584,6 +599,12 @@ class Server:
 
     @staticmethod
     def _socket_alive(path: str) -> bool:
+        """True unless nothing listens at the Unix socket ``path`` (connect
+        refused, or the file gone). A listener of another socket type
+        (``EPROTOTYPE``: a daemon's ``.fd`` side channel is SOCK_SEQPACKET),
+        a full backlog or no answer in 0.5 s count as alive: the stream-only
+        check took another daemon's live ``.fd`` socket for a stale one and
+        replaced it (a new-user trial)."""
         import socket
 
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -591,8 +612,10 @@ class Server:
             s.settimeout(0.5)
             s.connect(path)
             return True
-        except OSError:
+        except (ConnectionRefusedError, FileNotFoundError):
             return False
+        except OSError:
+            return True
         finally:
             s.close()
 
