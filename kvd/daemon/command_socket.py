@@ -417,7 +417,6 @@ class _Connection(asyncio.Protocol):
         self._head = b""  # the first bytes, while fewer than 4 that could be the preface's
         self._partial_bytes = 0  # of an unfinished frame, counted in owner.partial
         self._lingering: asyncio.TimerHandle | None = None  # _linger's bound
-        self._grpc_client = False  # _refuse_grpc's: its session's refusal says nothing more
         self.refusal: Refusal | None = None  # a gRPC client's (_refuse_grpc)
 
     def connection_made(self, transport) -> None:
@@ -496,7 +495,6 @@ class _Connection(asyncio.Protocol):
         541,676,112 bytes and the client saw only "Failed parsing HTTP/2"."""
         self.owner.warn.warning("%s: %s is a gRPC client; answered with the engine socket's path", WHAT,
                                 self.caller)
-        self._grpc_client = True
         # No session: it would answer in frames and close before the refusal
         # is sent. Its cancellation must not be lost to the commands' end in
         # the same pass (Python 3.11's wait_for lost it: the session's first
@@ -698,7 +696,7 @@ class _Connection(asyncio.Protocol):
             # credentials: kvd health/status named this socket) or a gRPC
             # client's (_refuse_grpc's line says it): "the engine ended its
             # commands" read as a fault to a new user.
-            if self._spoke and not self._grpc_client:
+            if self._spoke and self.refusal is None:
                 self.owner.refusals.info(self.caller.uid if self.caller else None, "%s: session of %s refused: %s",
                                          WHAT, self.caller, r)
             self._flush()

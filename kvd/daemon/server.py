@@ -138,15 +138,12 @@ def bind_failure(host: str, port: int) -> str | None:
 
 def _side_socket_of(path: str) -> str:
     """`` (the command socket of the daemon on X)`` when ``path`` is the
-    command socket or fd side channel of the engine socket X beside it, an
-    existing socket; else ""."""
-    from kvd.command_wire import command_socket_path
-    from kvd.fd_wire import fd_socket_path
-
-    for suffix, name, of in ((".cmd", "command socket", command_socket_path), (".fd", "fd side channel",
-                                                                               fd_socket_path)):
-        base = path[:-len(suffix)]
-        if path.endswith(suffix) and of(base) == path and os.path.exists(base):
+    command socket or fd side channel (``kvd.command_wire``,
+    ``kvd.fd_wire``: the engine socket's path plus ``.cmd`` or ``.fd``) of
+    an engine socket X that exists; else ""."""
+    for suffix, name in ((".cmd", "command socket"), (".fd", "fd side channel")):
+        base = path.removesuffix(suffix)
+        if base != path and os.path.exists(base):
             return f" (the {name} of the daemon on {base})"
     return ""
 
