@@ -185,13 +185,13 @@ class _Replacements:
         await asyncio.sleep(0.05)
         self.replaced.append(old)
         if old in self.fails:
-            w.mem.lingering.add(old)
+            w.mem.lingering[old] = SimpleNamespace(name=old)
             return False
         return True
 
 
 def _worker(name="a1"):
-    return SimpleNamespace(agent=SimpleNamespace(name=name), mem=SimpleNamespace(lingering=set()))
+    return SimpleNamespace(agent=SimpleNamespace(name=name), mem=SimpleNamespace(lingering={}))
 
 
 RT = SimpleNamespace(registered=lambda w: True)

@@ -65,3 +65,31 @@ def test_quarantined_workers_count_against_the_caps_and_the_refusal_says_so():
     assert "max_workers_per_uid 1" in str(e.value) and "quarantined_workers" in str(e.value), e.value
     reg.rt.quarantine.clear()
     reg._check_caps(4, owner)
+
+
+def test_an_agent_replaced_but_not_destroyed_keeps_the_memory_mapped_until_it_is():
+    """A replacement (``Registry.replace_agent``, to stop a READ whose peer
+    does not answer) that could not destroy the old agent (a handle of it
+    still bound) leaves its transfers able to land. Only its name was kept,
+    so the unregistration unmapped the memory while that agent lived. Now
+    the agent is kept: the worker is quarantined until it is destroyed,
+    and each later free tries again."""
+
+    class Agent:
+        def __init__(self, closes):
+            self.closes, self.tries = closes, 0
+
+        def close(self, defer=False):
+            self.tries += 1
+            return self.closes
+
+    stuck = Agent(False)
+    w = SimpleNamespace(agent=Agent(True), label="w", inflight={}, mem=SimpleNamespace(lingering={"old": stuck}))
+    reg = _registry()
+    reg._end_transfers = lambda w: 0  # no NIXL state to free: only the agents' bookkeeping is under test
+    reg._free_nixl = lambda w: None
+    assert not reg._free_worker(w)
+    assert not reg._free_worker(w, False) and stuck.tries == 2
+    stuck.closes = True
+    assert reg._free_worker(w, False) and w.mem.lingering == {}
+    assert reg._free_worker(w, False) and stuck.tries == 3  # destroyed once: not tried again

@@ -404,8 +404,9 @@ class Registry:
         if not freed:
             self.rt.quarantine.append(w)
             log.warning("%s: a transfer was in progress (a READ into its memory, or a push WRITE out of it) and its "
-                        "NIXL agent could not be destroyed yet; the worker's memory stays mapped until it is "
-                        "(quarantined_workers in stats)", w.label)
+                        "NIXL agent%s could not be destroyed yet; the worker's memory stays mapped until it is "
+                        "(quarantined_workers in stats)", w.label,
+                        " (or one replaced earlier: %s)" % ", ".join(w.mem.lingering) if w.mem.lingering else "")
         owner_gone = engine_gone and w.mem.owner_pid > 0 and not os.path.exists(f"/proc/{w.mem.owner_pid}")
         # Off the event loop: the last unmap or unlink of memory an engine
         # filled frees its pages inside the call (4 GiB: 0.67 s, attacker review).
@@ -488,7 +489,7 @@ class Registry:
             log.warning("%s: NIXL agent %s replaced by %s in %.0f ms to stop its transfers (%s)", w.label,
                         old.name, name, (time.monotonic() - t0) * 1e3, why)
         else:
-            w.mem.lingering.add(old.name)
+            w.mem.lingering[old.name] = old  # kept: its unregistration waits until it is destroyed
             log.error("%s: NIXL agent %s replaced by %s but not destroyed after %.0f s (a handle still bound): its "
                       "READs may still land (%s)", w.label, old.name, name, CLOSE_WAIT_S, why)
         return closed
@@ -590,13 +591,21 @@ class Registry:
         the reader under it made NIXL say the WRITE failed while its bytes
         still went). Nothing is freed while such a WRITE runs; the progress
         loop calls this again (:meth:`free_quarantined`, ``defer`` False)
-        once the WRITE has ended. ``defer``: :meth:`NixlAgent.close`'s."""
+        once the WRITE has ended. The same holds for an agent an earlier
+        :meth:`replace_agent` could not destroy (``WorkerMemory.lingering``):
+        its transfers may still land, so the memory stays mapped until it is
+        destroyed (each call tries again). ``defer``: :meth:`NixlAgent.close`'s."""
         if self._writing(w):
             self._await_writes(w)
             return False
         running = self._end_transfers(w)
         self._free_nixl(w)
-        return w.agent.close(defer=defer and not running)
+        closed = w.agent.close(defer=defer and not running)
+        for name, old in list(w.mem.lingering.items()):
+            if old.close():
+                del w.mem.lingering[name]
+                log.info("%s: NIXL agent %s, replaced earlier, is destroyed at last", w.label, name)
+        return closed and not w.mem.lingering
 
     def attach(self, engine_id: str, tp_rank: int) -> Worker:
         """A session stream opened for the worker; returns it. Raises NotFound."""

@@ -111,7 +111,7 @@ async def stop_writes_into(rt: Runtime, registry: Registry, w: Worker, why: str,
         if task is None:
             name = w.agent.name
             if name not in agents:
-                return not w.mem.lingering.intersection(agents)
+                return w.mem.lingering.keys().isdisjoint(agents)
             if name in tried:
                 return False  # no new agent could be made for it: trying again at once would fail the same way
             tried.add(name)

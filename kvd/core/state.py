@@ -276,9 +276,10 @@ class WorkerMemory:
     segment_names: list[str] = field(default_factory=list)
     owner_pid: int = 0
     data_path_reason: str = ""  # why this path (kvd.core.path_select), for logs
-    # Names of agents of this worker replaced but not destroyed (a handle
-    # still bound: Registry.replace_agent): a transfer through one may land.
-    lingering: set[str] = field(default_factory=set)
+    # Agents of this worker replaced but not destroyed (a handle still
+    # bound: Registry.replace_agent), by name: a transfer through one may
+    # land, so the memory stays mapped until each is (Registry._free_worker).
+    lingering: dict[str, NixlAgent] = field(default_factory=dict)
 
 
 @dataclass
