@@ -191,7 +191,9 @@ class Config:
     # The core's completion poll (kvd.core.state.Limits): shorter means a load's
     # event sooner after NIXL is done and more CPU while idle or busy
     # (docs/PERFORMANCE.md measures both).
-    poll_busy_s: float = _setting(0.0005, "interval of the completion poll while transfers are in flight, seconds")
+    poll_busy_s: float = _setting(0.0005, "interval of the completion poll while transfers are in flight and "
+                                          "moving, seconds (a transfer that stalls is polled less and less often, "
+                                          "down to poll_idle_s)")
     poll_idle_s: float = _setting(0.005, "interval of the poll for notifications and lease expiry otherwise, "
                                          "seconds")
     transfer_mode: str = _setting("auto", "auto | pull (decode daemon READs) | push (prefill daemon WRITEs, "

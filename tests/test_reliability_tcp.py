@@ -166,6 +166,54 @@ def _changed_once_resumed(src_d, dst) -> int:
     return int((dst.kv != before).any(axis=2).sum())
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (``/proc``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_source_whose_write_stalls_polls_it_less_and_less(tmp_path):
+    """Push mode, the reader's daemon SIGSTOPped (a hung host) in the
+    middle of the source's WRITE: the source's progress loop polled every
+    ``poll_busy_s`` (0.5 ms) until the WRITE's deadline, ~80 % of a core
+    measured here (the loop and the NIXL thread). A busy poll now waits a
+    fraction of the time since anything last moved (``kvd.core.progress``),
+    so over 3 s of the stall the source uses a small part of a core; once
+    the reader resumes, the push ends and both daemons serve on."""
+    src_d = start_daemon(str(tmp_path), "p", env=TCP)
+    dst_d = start_daemon(str(tmp_path), "d", "--transfer-mode", "push", env=TCP)
+    ids = list(range(SHAPE.num_blocks))
+    try:
+        src = Engine(src_d, "p", SHAPE, seed=3)
+        dst = Engine(dst_d, "d", SHAPE)
+        src.hold("r", ids)
+        dst.load("r", ids, src, ids, "r", timeout_s=60)
+        probe = src.kv[0, 0, :4096].copy()
+        wait_until(lambda: (dst.kv[0, 0, :4096] == probe).all(), 10, "the push is under way", 0.0005)
+        os.kill(dst_d.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(0.5)  # the first half second may poll at full rate
+            cpu0, t0 = _cpu_s(src_d.proc.pid), time.monotonic()
+            time.sleep(3)
+            share = (_cpu_s(src_d.proc.pid) - cpu0) / (time.monotonic() - t0)
+        finally:
+            os.kill(dst_d.proc.pid, signal.SIGCONT)
+        assert share < 0.3, f"the source daemon used {share:.0%} of a core on a stalled WRITE"
+        assert event_kind(dst.wait("r", 60)) == "recv_done"
+        assert dst.same_blocks(ids, src, ids)
+        _source_lives(src_d)
+        _serves(src, dst, "next", [7, 8, 9])
+        dst.close()
+        src.close()
+    finally:
+        for d in (dst_d, src_d):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(d.proc.pid, signal.SIGCONT)
+        dst_d.stop()
+        src_d.stop()
+
+
 def test_in_push_mode_a_write_from_a_frozen_source_lands_nothing_after_the_load_failed(tmp_path):
     """The source daemon stops in the middle of its WRITE; the decode
     daemon's load fails at its deadline, and vLLM then reuses those blocks.
