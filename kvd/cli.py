@@ -63,7 +63,7 @@ def cmd_serve(args) -> int:
                   f"nodes' reach (docs/SECURITY.md)", file=sys.stderr)
         return EXIT_OK
     from kvd.daemon.logs import configure
-    from kvd.daemon.server import run
+    from kvd.daemon.server import StartupFailed, run
 
     configure(cfg.log_level, cfg.log_format)
 
@@ -72,10 +72,9 @@ def cmd_serve(args) -> int:
     except ConfigError as e:  # a file a setting names (TLS, token) is missing or bad
         print(f"kvd serve: invalid setting: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except OSError as e:
-        logging.getLogger("kvd").error("startup failed: %s", e)
+    except StartupFailed:  # logged by the daemon, before its release
         return 1
-    except Exception as e:  # a NIXL backend that fails to load, say
+    except Exception as e:  # before startup (the event loop's own set-up)
         logging.getLogger("kvd").error("startup failed: %s", e)
         return 1
     return EXIT_OK

@@ -110,6 +110,10 @@ def test_a_failed_metrics_bind_leaves_nothing_behind_and_no_tracebacks(tmp_path,
     assert "Traceback" not in out and "Exception ignored" not in out, out
     assert "engine_socket: created directory" in out, out
     assert f"engine_socket: removed directory {made}" in out, out  # said, as its making was
+    # The cause first, then what followed from it (the log of a new user's
+    # trial read "removed directory" before the error that caused it).
+    assert out.index("startup failed") < out.index("removed directory"), out
+    assert out.count("startup failed") == 1, out
     assert not made.exists(), list(made.rglob("*"))
 
 

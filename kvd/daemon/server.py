@@ -45,7 +45,7 @@ from grpc_reflection.v1alpha import reflection as grpc_reflection
 
 from kvd import __version__
 from kvd.addresses import ip_of, is_loopback, is_wildcard, join_host_port, metrics_url
-from kvd.config import MAX_MESSAGE_BYTES, Config, parse_host_port, resolve_gid, resolve_uid
+from kvd.config import MAX_MESSAGE_BYTES, Config, ConfigError, parse_host_port, resolve_gid, resolve_uid
 from kvd.core.events import FailureKind
 from kvd.core.limits import Limits
 from kvd.core.node import Node
@@ -296,9 +296,14 @@ class Server:
         either way the socket directories startup made go when empty."""
         try:
             await self.startup()
-        except BaseException:
+        except BaseException as e:
+            said = isinstance(e, Exception) and not isinstance(e, ConfigError)  # kvd serve prints a ConfigError
+            if said:  # before the release's own lines (directories removed), which follow from it
+                log.error("startup failed: %s", e)
             await self._release()
             self._remove_made_dirs()
+            if said:
+                raise StartupFailed(str(e)) from e
             raise
         heap.settle()  # startup's objects frozen: full collections walk only what serving made (kvd.daemon.heap)
         try:
@@ -764,6 +769,12 @@ class Server:
             elif self.gate.private_dir:
                 # Never the socket path: it may be another daemon's, or no socket.
                 shutil.rmtree(self.gate.private_dir, ignore_errors=True)
+
+
+class StartupFailed(Exception):
+    """The daemon could not start (a port or socket taken, a NIXL backend
+    that fails to load); the cause is logged ("startup failed: ...")
+    before what startup made is released. ``kvd serve`` exits 1."""
 
 
 def run(config: Config) -> None:
