@@ -168,6 +168,8 @@ def _main(argv: list[str] | None) -> int:
                   f"{'met' if sg['met'] else 'NOT met'} (worst p50 {sg['p50_max_us']:.0f} us, p99 "
                   f"{sg['p99_max_us']:.0f} us); one blocking unary RPC: p50 {u['p50_us']:.0f} us")
             print(f"    {step.goals_text(sg)}")
+    else:
+        print("\n(2) engine step: skipped (--skip-step)")
     treps = args.throughput_reps if args.throughput_reps is not None else (5 if args.quick else 20)
     tp = throughput.run(treps, progress=progress, hold_ahead_s=hold_ahead_s)
     out["throughput"] = tp
