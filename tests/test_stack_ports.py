@@ -35,3 +35,50 @@ def test_daemons_start_again_on_other_ports_when_one_they_were_given_is_taken(tm
     finally:
         st.procs.close()
         taken.close()
+
+
+# A stand-in for ``vllm serve``: binds its HTTP port and answers 200 to
+# every GET; a taken port ends it as vLLM's bind does ("Address already in use").
+_SERVER = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"{}")
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_an_engine_starts_again_on_other_ports_when_its_port_is_taken(tmp_path, monkeypatch):
+    """The engines' HTTP ports come from ``free_port`` too, and vLLM binds
+    its port only after seconds of imports, a wider window than a
+    daemon's. An engine that exits "Address already in use" is started
+    again on another port; the other engine is left as it is. (A stand-in
+    process serves HTTP in vLLM's place: the harness's retry is under test.)"""
+    import sys
+    from types import SimpleNamespace
+
+    from kvd.testing import vllm_engines as ve
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    first = [port]
+    real = ve.free_port
+    monkeypatch.setattr(ve, "free_port", lambda host="127.0.0.1": first.pop() if first else real(host))
+    monkeypatch.setattr(ve, "engine_argv", lambda model, p, cfg, extra=(): [sys.executable, "-c", _SERVER, str(p)])
+    lines: list[str] = []
+    st = ve.PDStack(model_dir=tmp_path, run_dir=tmp_path / "run", log=lines.append)
+    st.daemons = {n: SimpleNamespace(socket=str(tmp_path / f"{n}.sock")) for n in ("P", "D")}
+    try:
+        st._start_engines()
+        assert st.engines["P"].port != port and ve.http_ok(st.engines["P"].url + "/health")
+        assert any("engine P: a port it was given was taken" in line for line in lines), lines
+        assert sum("serving" in line and "after the engines started" in line for line in lines) == 2, lines
+        assert len(st.procs.children) == 2 and all(c.alive() for c in st.procs.children)
+        st.procs.check_alive()  # the failed start is forgotten
+    finally:
+        st.procs.close()
+        taken.close()

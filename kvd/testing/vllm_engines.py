@@ -132,7 +132,8 @@ DAEMON_READY_S = 60.0
 ENGINE_READY_S = 300.0
 
 
-#: Starts of the daemons when one finds a port it was given taken (:meth:`PDStack._start_daemons`).
+#: Starts of the daemons, or of an engine, when one finds a port it was given
+#: taken (:meth:`PDStack._start_daemons`, :meth:`PDStack._start_engines`).
 DAEMON_PORT_TRIES = 3
 PORT_TAKEN = "Address already in use"  # strerror(EADDRINUSE), in the daemon's startup error
 
@@ -486,40 +487,59 @@ class PDStack:
             self.daemons["D"] = self.daemons["P"]
 
     def _start_engines(self) -> None:
+        """Starts both engines at once and waits until each serves. As with
+        the daemons (:meth:`_start_daemons`), their ports come from
+        :func:`free_port`, and vLLM binds its HTTP port only after seconds of
+        imports: an engine that exits "Address already in use" is started
+        again on other ports, up to ``DAEMON_PORT_TRIES`` times."""
         t0 = time.monotonic()
         for name in ("P", "D"):
-            port = free_port()
-            if self.connector == "kvd":
-                extra = self.p_extra_config if name == "P" else self.d_extra_config
-                cfg = kvd_connector_config(self.daemons[name].socket, extra)
-                if name == "P" and self.p_engine_id:
-                    cfg["engine_id"] = self.p_engine_id
-                if self.wrap_kv_config is not None:
-                    cfg = self.wrap_kv_config(cfg)
-                env = engine_env(extra=self._engine_env())
-            else:
-                cfg = nixl_connector_config()
-                env = engine_env(nixl_side_channel_port=free_port(),
-                                     extra=self._engine_env())
-            argv = engine_argv(str(self.model_dir), port, cfg,
-                                   extra=list(self.engine_args) + list(self.side_args.get(name, ())))
-            # Engines below the daemons' CPU priority: a TP 2 engine's
-            # workers and the other engine's start-up load both cores, and
-            # at equal weight the daemons' event loops wait behind them
-            # (nice execs the engine: the pid is the engine's).
-            child = self.procs.start(f"engine-{name}", ["nice", "-n", str(ENGINE_NICE), *argv], env=env, wave=1)
-            # Its session's weight too (autogroups): its TP workers are in it.
-            set_autogroup_nice(child.pid, ENGINE_NICE)
-            self.engines[name] = StackEngine(name, port, child, cfg)
-            self.log(f"started engine {name}: pid {child.pid}, http://127.0.0.1:{port}")
-        for name, e in self.engines.items():
-            self.procs.wait_ready(
-                e.child, lambda e=e: http_ok(e.url + "/health") and http_ok(
-                    e.url + "/v1/models"), self.engine_ready_s, interval_s=1.0,
-                what="serving")
+            self._launch_engine(name)
+        for name in ("P", "D"):
+            for attempt in range(1, DAEMON_PORT_TRIES + 1):
+                e = self.engines[name]
+                try:
+                    self.procs.wait_ready(
+                        e.child, lambda e=e: http_ok(e.url + "/health") and http_ok(
+                            e.url + "/v1/models"), self.engine_ready_s, interval_s=1.0,
+                        what="serving")
+                    break
+                except ChildFailed as err:
+                    if attempt == DAEMON_PORT_TRIES or PORT_TAKEN not in err.log_tail:
+                        raise
+                    self.log(f"engine {name}: a port it was given was taken before it bound it (another "
+                             "process); starting it again on other ports")
+                    self.procs.discard(e.child)
+                    self._launch_engine(name)
             # Both start at once, so the second is mostly serving when the first is.
             self.log(f"engine {name} serving {time.monotonic() - t0:.1f} s after the engines started")
         self.timings["engines_ready_s"] = time.monotonic() - t0
+
+    def _launch_engine(self, name: str) -> None:
+        """Starts engine ``name`` ("P" or "D") on fresh ports, without waiting."""
+        port = free_port()
+        if self.connector == "kvd":
+            extra = self.p_extra_config if name == "P" else self.d_extra_config
+            cfg = kvd_connector_config(self.daemons[name].socket, extra)
+            if name == "P" and self.p_engine_id:
+                cfg["engine_id"] = self.p_engine_id
+            if self.wrap_kv_config is not None:
+                cfg = self.wrap_kv_config(cfg)
+            env = engine_env(extra=self._engine_env())
+        else:
+            cfg = nixl_connector_config()
+            env = engine_env(nixl_side_channel_port=free_port(), extra=self._engine_env())
+        argv = engine_argv(str(self.model_dir), port, cfg,
+                           extra=list(self.engine_args) + list(self.side_args.get(name, ())))
+        # Engines below the daemons' CPU priority: a TP 2 engine's workers
+        # and the other engine's start-up load both cores, and at equal
+        # weight the daemons' event loops wait behind them (nice execs the
+        # engine: the pid is the engine's).
+        child = self.procs.start(f"engine-{name}", ["nice", "-n", str(ENGINE_NICE), *argv], env=env, wave=1)
+        # Its session's weight too (autogroups): its TP workers are in it.
+        set_autogroup_nice(child.pid, ENGINE_NICE)
+        self.engines[name] = StackEngine(name, port, child, cfg)
+        self.log(f"started engine {name}: pid {child.pid}, http://127.0.0.1:{port}")
 
     def check_alive(self) -> None:
         """Raises ChildFailed for the first daemon or engine that has exited."""
