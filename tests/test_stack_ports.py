@@ -33,7 +33,7 @@ def test_daemons_start_again_on_other_ports_when_one_they_were_given_is_taken(tm
         assert len(st.procs.children) == 2 and all(c.alive() for c in st.procs.children)
         st.procs.check_alive()  # the failed start is forgotten
     finally:
-        st.procs.close()
+        st.close()  # its children, and the directories it made
         taken.close()
 
 
@@ -80,5 +80,5 @@ def test_an_engine_starts_again_on_other_ports_when_its_port_is_taken(tmp_path, 
         assert len(st.procs.children) == 2 and all(c.alive() for c in st.procs.children)
         st.procs.check_alive()  # the failed start is forgotten
     finally:
-        st.procs.close()
+        st.close()  # its children, and the directories it made
         taken.close()
