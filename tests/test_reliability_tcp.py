@@ -166,6 +166,33 @@ def _changed_once_resumed(src_d, dst) -> int:
     return int((dst.kv != before).any(axis=2).sum())
 
 
+@contextlib.contextmanager
+def _push_to_a_frozen_reader(tmp_path, seed: int, *src_args: str):
+    """Starts a source daemon (``src_args``) and a push-mode decode daemon
+    over TCP, a push of every block of ``SHAPE`` under request "r", and
+    stops (SIGSTOP) the reader's daemon once the WRITE's first bytes have
+    landed. Yields ``(src_d, dst_d, src, dst)`` with the reader stopped;
+    both daemons are resumed and stopped on the way out."""
+    src_d = start_daemon(str(tmp_path), "p", *src_args, env=TCP)
+    dst_d = start_daemon(str(tmp_path), "d", "--transfer-mode", "push", env=TCP)
+    ids = list(range(SHAPE.num_blocks))
+    try:
+        src = Engine(src_d, "p", SHAPE, seed=seed)
+        dst = Engine(dst_d, "d", SHAPE)
+        src.hold("r", ids)
+        dst.load("r", ids, src, ids, "r", timeout_s=60)
+        probe = src.kv[0, 0, :4096].copy()
+        wait_until(lambda: (dst.kv[0, 0, :4096] == probe).all(), 10, "the push is under way", 0.0005)
+        os.kill(dst_d.proc.pid, signal.SIGSTOP)
+        yield src_d, dst_d, src, dst
+    finally:
+        for d in (dst_d, src_d):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(d.proc.pid, signal.SIGCONT)
+        dst_d.stop()
+        src_d.stop()
+
+
 def _cpu_s(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` so far (``/proc``)."""
     with open(f"/proc/{pid}/stat") as f:
@@ -181,17 +208,7 @@ def test_a_source_whose_write_stalls_polls_it_less_and_less(tmp_path):
     fraction of the time since anything last moved (``kvd.core.progress``),
     so over 3 s of the stall the source uses a small part of a core; once
     the reader resumes, the push ends and both daemons serve on."""
-    src_d = start_daemon(str(tmp_path), "p", env=TCP)
-    dst_d = start_daemon(str(tmp_path), "d", "--transfer-mode", "push", env=TCP)
-    ids = list(range(SHAPE.num_blocks))
-    try:
-        src = Engine(src_d, "p", SHAPE, seed=3)
-        dst = Engine(dst_d, "d", SHAPE)
-        src.hold("r", ids)
-        dst.load("r", ids, src, ids, "r", timeout_s=60)
-        probe = src.kv[0, 0, :4096].copy()
-        wait_until(lambda: (dst.kv[0, 0, :4096] == probe).all(), 10, "the push is under way", 0.0005)
-        os.kill(dst_d.proc.pid, signal.SIGSTOP)
+    with _push_to_a_frozen_reader(tmp_path, 3) as (src_d, dst_d, src, dst):
         try:
             time.sleep(0.5)  # the first half second may poll at full rate
             cpu0, t0 = _cpu_s(src_d.proc.pid), time.monotonic()
@@ -201,17 +218,12 @@ def test_a_source_whose_write_stalls_polls_it_less_and_less(tmp_path):
             os.kill(dst_d.proc.pid, signal.SIGCONT)
         assert share < 0.3, f"the source daemon used {share:.0%} of a core on a stalled WRITE"
         assert event_kind(dst.wait("r", 60)) == "recv_done"
+        ids = list(range(SHAPE.num_blocks))
         assert dst.same_blocks(ids, src, ids)
         _source_lives(src_d)
         _serves(src, dst, "next", [7, 8, 9])
         dst.close()
         src.close()
-    finally:
-        for d in (dst_d, src_d):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(d.proc.pid, signal.SIGCONT)
-        dst_d.stop()
-        src_d.stop()
 
 
 def test_in_push_mode_a_write_from_a_frozen_source_lands_nothing_after_the_load_failed(tmp_path):
@@ -298,17 +310,7 @@ def test_a_source_engine_unregistering_during_its_push_sends_no_other_engines_by
 
     from kvd.v1 import kvd_pb2 as pb
 
-    src_d = start_daemon(str(tmp_path), "p", "--max-workers-per-uid", "2", env=TCP)
-    dst_d = start_daemon(str(tmp_path), "d", "--transfer-mode", "push", env=TCP)
-    ids = list(range(SHAPE.num_blocks))
-    try:
-        src = Engine(src_d, "p", SHAPE, seed=7)
-        dst = Engine(dst_d, "d", SHAPE)
-        src.hold("r", ids)
-        dst.load("r", ids, src, ids, "r", timeout_s=60)
-        probe = src.kv[0, 0, :4096].copy()
-        wait_until(lambda: (dst.kv[0, 0, :4096] == probe).all(), 10, "the push is under way", 0.0005)
-        os.kill(dst_d.proc.pid, signal.SIGSTOP)
+    with _push_to_a_frozen_reader(tmp_path, 7, "--max-workers-per-uid", "2") as (src_d, dst_d, src, dst):
         try:
             src.session.close()
             src.session = None
@@ -336,12 +338,6 @@ def test_a_source_engine_unregistering_during_its_push_sends_no_other_engines_by
         again.close()
         other.close()
         dst.close()
-    finally:
-        for d in (dst_d, src_d):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(d.proc.pid, signal.SIGCONT)
-        dst_d.stop()
-        src_d.stop()
 
 
 def test_auto_pushes_from_a_source_of_this_host_whose_ucx_tls_leaves_only_tcp(tmp_path):

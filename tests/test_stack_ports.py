@@ -7,13 +7,9 @@ from __future__ import annotations
 import socket
 
 
-def test_daemons_start_again_on_other_ports_when_one_they_were_given_is_taken(tmp_path, monkeypatch):
-    """A port from ``free_port`` is only free a moment: a fresh-clone run of
-    ``kvd demo`` beside a busy test run failed once, daemon D exiting
-    "Address already in use" before it was healthy. Here the first port
-    handed out is one another socket listens on: daemon P fails to bind it,
-    and both daemons start again on other ports and serve, the failed start
-    not counted as a dead child."""
+def _first_port_taken(monkeypatch) -> tuple[socket.socket, int]:
+    """A listening socket and its port, which the harness's ``free_port``
+    hands out first (then free ports as usual)."""
     from kvd.testing import vllm_engines as ve
 
     taken = socket.socket()
@@ -23,6 +19,19 @@ def test_daemons_start_again_on_other_ports_when_one_they_were_given_is_taken(tm
     first = [port]
     real = ve.free_port
     monkeypatch.setattr(ve, "free_port", lambda host="127.0.0.1": first.pop() if first else real(host))
+    return taken, port
+
+
+def test_daemons_start_again_on_other_ports_when_one_they_were_given_is_taken(tmp_path, monkeypatch):
+    """A port from ``free_port`` is only free a moment: a fresh-clone run of
+    ``kvd demo`` beside a busy test run failed once, daemon D exiting
+    "Address already in use" before it was healthy. Here the first port
+    handed out is one another socket listens on: daemon P fails to bind it,
+    and both daemons start again on other ports and serve, the failed start
+    not counted as a dead child."""
+    from kvd.testing import vllm_engines as ve
+
+    taken, port = _first_port_taken(monkeypatch)
     lines: list[str] = []
     st = ve.PDStack(model_dir=tmp_path, run_dir=tmp_path / "run", log=lines.append)
     try:
@@ -61,13 +70,7 @@ def test_an_engine_starts_again_on_other_ports_when_its_port_is_taken(tmp_path, 
 
     from kvd.testing import vllm_engines as ve
 
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
-    port = taken.getsockname()[1]
-    first = [port]
-    real = ve.free_port
-    monkeypatch.setattr(ve, "free_port", lambda host="127.0.0.1": first.pop() if first else real(host))
+    taken, port = _first_port_taken(monkeypatch)
     monkeypatch.setattr(ve, "engine_argv", lambda model, p, cfg, extra=(): [sys.executable, "-c", _SERVER, str(p)])
     lines: list[str] = []
     st = ve.PDStack(model_dir=tmp_path, run_dir=tmp_path / "run", log=lines.append)
@@ -75,7 +78,7 @@ def test_an_engine_starts_again_on_other_ports_when_its_port_is_taken(tmp_path, 
     try:
         st._start_engines()
         assert st.engines["P"].port != port and ve.http_ok(st.engines["P"].url + "/health")
-        assert any("engine P: a port it was given was taken" in line for line in lines), lines
+        assert any("engine-P: a port it was given was taken" in line for line in lines), lines
         assert sum("serving" in line and "after the engines started" in line for line in lines) == 2, lines
         assert len(st.procs.children) == 2 and all(c.alive() for c in st.procs.children)
         st.procs.check_alive()  # the failed start is forgotten

@@ -457,15 +457,21 @@ class PDStack:
                     self.log(f"daemon {name} healthy after {waited:.1f} s")
                 break
             except ChildFailed as e:
-                if attempt == DAEMON_PORT_TRIES or PORT_TAKEN not in e.log_tail:
-                    raise
-                self.log(f"daemon {e.name}: a port it was given was taken before it bound it (another process); "
-                         "starting the daemons again on other ports")
+                self._start_again_or_raise(e, attempt, "the daemons")
                 for d in {id(d): d for d in self.daemons.values()}.values():
                     self.procs.discard(d.child)
                 self.daemons = {}
                 self.metrics_ports = {k: free_port() for k in self.metrics_ports}
         self.timings["daemons_ready_s"] = time.monotonic() - t0
+
+    def _start_again_or_raise(self, failed: ChildFailed, attempt: int, what: str) -> None:
+        """Logs that ``what`` starts again on other ports when ``failed`` (a
+        child's failed start, try ``attempt``) says a port it was given was
+        taken and tries are left; else raises ``failed``."""
+        if attempt == DAEMON_PORT_TRIES or PORT_TAKEN not in failed.log_tail:
+            raise failed
+        self.log(f"{failed.name}: a port it was given was taken before it bound it (another process); starting "
+                 f"{what} again on other ports")
 
     def _launch_daemons(self) -> None:
         """Starts the daemon processes (P, and D unless shared) on fresh ports, without waiting."""
@@ -505,10 +511,7 @@ class PDStack:
                         what="serving")
                     break
                 except ChildFailed as err:
-                    if attempt == DAEMON_PORT_TRIES or PORT_TAKEN not in err.log_tail:
-                        raise
-                    self.log(f"engine {name}: a port it was given was taken before it bound it (another "
-                             "process); starting it again on other ports")
+                    self._start_again_or_raise(err, attempt, "it")
                     self.procs.discard(e.child)
                     self._launch_engine(name)
             # Both start at once, so the second is mostly serving when the first is.
