@@ -1,9 +1,12 @@
 """The harness that starts the demo's and the end-to-end tests' daemons
-(``kvd.testing.vllm_engines.PDStack``) when a port it picked is taken
-before the daemon binds it."""
+and engines (``kvd.testing.vllm_engines.PDStack``): when a port it picked
+is taken before the child binds it, and what a stopped process group
+leaves in ``/dev/shm`` (``kvd.testing.processes.stop_groups``)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 
 
@@ -85,3 +88,43 @@ def test_an_engine_starts_again_on_other_ports_when_its_port_is_taken(tmp_path, 
     finally:
         st.close()  # its children, and the directories it made
         taken.close()
+
+
+# A child deaf to SIGTERM (as an engine still starting) holding a semaphore
+# of multiprocessing's spawn context: named in /dev/shm, registered with the
+# resource tracker that unlinks it, which the child starts in its group.
+_SEMAPHORE = """
+import multiprocessing, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+lock = multiprocessing.get_context("spawn").Lock()
+print(lock._semlock.name, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_stopped_group_leaves_no_multiprocessing_semaphore_in_dev_shm():
+    """A demo interrupted while its engines started left two
+    ``/dev/shm/sem.mp-*`` files a run (a new user's trial): vLLM's named
+    semaphores, which its resource tracker unlinks once its processes are
+    gone, but the tracker ignores SIGTERM and was killed with the group.
+    It goes last now, after the rest of the group."""
+    import subprocess
+    import sys
+
+    from kvd.testing.processes import stop_groups
+
+    p = subprocess.Popen([sys.executable, "-c", _SEMAPHORE], stdout=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    name = p.stdout.readline().strip()
+    path = f"/dev/shm/sem.{name.lstrip('/')}"
+    try:
+        assert name.startswith("/mp-") and os.path.exists(path), name
+        stop_groups([p.pid], [p], grace_s=0.5)
+        assert p.poll() is not None
+        assert not os.path.exists(path), f"{path} left behind"
+    finally:
+        p.stdout.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, 9)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)

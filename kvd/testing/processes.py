@@ -11,6 +11,7 @@ behind (:class:`kvd.testing.shm.ShmTracker`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -220,9 +221,35 @@ class ProcessSet:
             self._log(f"removed {len(removed)} leftover /dev/shm object(s) of this run")
 
 
+#: Seconds a Python resource tracker of a stopped group may take to unlink
+#: what its processes left, once they are killed (:func:`stop_groups`).
+TRACKER_GRACE_S = 3.0
+
+
+def _is_resource_tracker(pid: int) -> bool:
+    """``pid`` runs Python's ``multiprocessing.resource_tracker``."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"multiprocessing.resource_tracker" in f.read()
+    except OSError:
+        return False
+
+
+def _alive(pid: int) -> bool:
+    """``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return False
+    return data[data.rindex(b")") + 2:data.rindex(b")") + 3] != b"Z"
+
+
 def stop_groups(pgids: list[int], procs: list[subprocess.Popen], grace_s: float) -> None:
     """SIGTERMs each group's leader, waits up to ``grace_s`` seconds for the
-    whole groups to exit, then SIGKILLs whatever is left in them.
+    whole groups to exit, then SIGKILLs whatever is left in them: Python's
+    resource trackers last, given up to :data:`TRACKER_GRACE_S` to unlink
+    what the rest registered.
 
     Only the leader gets SIGTERM: it shuts its own children down in order
     (vLLM's api_server stops its engine core and workers; torch_shm_manager
@@ -241,6 +268,19 @@ def stop_groups(pgids: list[int], procs: list[subprocess.Popen], grace_s: float)
         if not pids_in_groups(pgids):
             break
         time.sleep(0.2)
+    # Python's resource trackers last: each unlinks the named semaphores its
+    # processes registered (vLLM's, ``/dev/shm/sem.mp-*``) once the last of
+    # them is gone, and it ignores SIGTERM; killed with its group, it left
+    # them behind (an interrupted demo: two a run).
+    trackers = [pid for pid in pids_in_groups(pgids) if _is_resource_tracker(pid)]
+    for pid in pids_in_groups(pgids):
+        if pid not in trackers:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + TRACKER_GRACE_S
+    while trackers and time.monotonic() < deadline:
+        trackers = [pid for pid in trackers if _alive(pid)]
+        time.sleep(0.05)
     for pgid in pgids:
         try:
             os.killpg(pgid, signal.SIGKILL)
