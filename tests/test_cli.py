@@ -17,10 +17,10 @@ from kvd.config import ConfigError, _toml_value, load_config
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def _kvd(*args, timeout=60):
+def _kvd(*args, timeout=60, cwd=None):
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVD_")}
     return subprocess.run([sys.executable, "-m", "kvd.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+                          timeout=timeout, env=env, cwd=cwd)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -202,6 +202,28 @@ def test_demo_never_replaces_a_directory_that_is_not_its_model(tmp_path):
         assert r.returncode == 64, (args, r.returncode, r.stderr[-2000:])
         assert message in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert (mine / "important.txt").read_text() == "precious" and plain.read_text() == "x"
+
+
+def test_demo_paths_it_cannot_make_or_write_are_usage_errors_before_anything_runs(tmp_path):
+    """A --workdir or --model-dir that cannot be made, a --json that cannot
+    be written: each failed with a traceback, the --json one after the
+    whole demo had run (a new user's trial), and left a run directory.
+    Now one line, exit 64, checked before anything starts (a probe
+    directory made and removed: root may "access" /proc and make nothing)."""
+    plain = tmp_path / "plain"
+    plain.write_text("x")
+    cases = ((["--workdir", "/proc/kvd-nope"], "--workdir: cannot write in /proc"),
+             (["--workdir", str(plain / "run")], f"--workdir: {plain} is not a directory"),
+             (["--model-dir", "/proc/kvd-nope"], "--model-dir: cannot write in /proc"),
+             (["--json", "/proc/kvd-nope/x.json"], "--json: /proc/kvd-nope does not exist"),
+             (["--json", str(tmp_path)], f"--json: {tmp_path} is a directory"),
+             (["--json", str(tmp_path / "none" / "x.json")], "does not exist"))
+    for args, message in cases:
+        r = _kvd("demo", *args, cwd=tmp_path, timeout=30)
+        assert r.returncode == 64, (args, r.returncode, r.stderr[-2000:])
+        assert message in r.stderr and "Traceback" not in r.stderr and r.stderr.count("\n") == 2, r.stderr
+        assert r.stdout == "", r.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain"], list(tmp_path.iterdir())  # no run directory
 
 
 def test_a_model_build_refuses_a_foreign_directory_and_accepts_its_own(tmp_path):

