@@ -403,10 +403,10 @@ class Registry:
         freed = await self.rt.nixl(self._free_worker, w)
         if not freed:
             self.rt.quarantine.append(w)
+            earlier = f" (or one replaced earlier: {', '.join(w.mem.lingering)})" if w.mem.lingering else ""
             log.warning("%s: a transfer was in progress (a READ into its memory, or a push WRITE out of it) and its "
                         "NIXL agent%s could not be destroyed yet; the worker's memory stays mapped until it is "
-                        "(quarantined_workers in stats)", w.label,
-                        " (or one replaced earlier: %s)" % ", ".join(w.mem.lingering) if w.mem.lingering else "")
+                        "(quarantined_workers in stats)", w.label, earlier)
         owner_gone = engine_gone and w.mem.owner_pid > 0 and not os.path.exists(f"/proc/{w.mem.owner_pid}")
         # Off the event loop: the last unmap or unlink of memory an engine
         # filled frees its pages inside the call (4 GiB: 0.67 s, attacker review).

@@ -419,8 +419,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"a prompt of {too_long[0]} tokens does not fit: the demo's engines take {engines.MAX_MODEL_LEN} "
                  f"tokens a request, prompt and the {args.max_tokens} generated (--max-tokens) together, so at "
                  f"most {room} here")
-    if args.workdir is not None and args.workdir.exists() and not args.workdir.is_dir():
-        ap.error(f"--workdir: {args.workdir} exists and is not a directory")
     # Checked before anything runs: a path that cannot be made or written
     # failed minutes in, with a traceback (the --json one after the demo had run).
     why = cannot_make(args.workdir or Path(".kvd-demo"))

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from kvd.testing.shm import ShmTracker, pids_in_groups
+from kvd.testing.shm import ShmTracker, pids_in_groups, proc_stat
 from kvd.testing.util import tail
 
 # The directory holding the kvd package: children (daemons, engines that
@@ -237,12 +237,8 @@ def _is_resource_tracker(pid: int) -> bool:
 
 def _alive(pid: int) -> bool:
     """``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except OSError:
-        return False
-    return data[data.rindex(b")") + 2:data.rindex(b")") + 3] != b"Z"
+    state = proc_stat(pid)[:1]
+    return bool(state) and state[0] != b"Z"
 
 
 def stop_groups(pgids: list[int], procs: list[subprocess.Popen], grace_s: float) -> None:

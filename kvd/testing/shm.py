@@ -146,14 +146,20 @@ def _proc_pids() -> list[int]:
     return [int(d) for d in os.listdir("/proc") if d.isdigit()]
 
 
-def _pgid_of(pid: int) -> int | None:
+def proc_stat(pid: int) -> list[bytes]:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state,
+    ppid, pgrp, ...); [] when ``pid`` is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read().decode("utf-8", errors="replace")
-        # comm may contain spaces and parentheses: split after the last ')'
-        return int(data[data.rindex(")") + 2:].split()[2])  # state ppid pgrp ...
-    except (OSError, ValueError, IndexError):
-        return None
+            data = f.read()
+    except OSError:
+        return []
+    return data[data.rindex(b")") + 2:].split()  # comm may hold spaces and parentheses
+
+
+def _pgid_of(pid: int) -> int | None:
+    fields = proc_stat(pid)
+    return int(fields[2]) if len(fields) > 2 else None
 
 
 def pids_in_groups(pgids: Iterable[int]) -> list[int]:
